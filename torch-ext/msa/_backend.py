@@ -1,0 +1,109 @@
+"""The one place that decides, per call, whether a native kernel or the PyTorch reference runs.
+
+Native implementations register themselves with :func:`register_native` under an op name and a
+GPU architecture family ("sm90", "sm100"). Each registration carries a ``supports(**call)``
+predicate that returns ``None`` when the kernel can serve the call, or a short reason when it
+cannot (a dtype it lacks, an artifact that is not built, ...).
+
+``MSA_BACKEND`` forces a choice: ``reference`` always runs the reference; ``native`` raises
+instead of falling back (useful in GPU tests); ``auto`` (default) picks native when it can.
+
+Every decision is logged once per (op, backend, reason) on the ``msa`` logger; a fallback to the
+reference on a CUDA device logs at WARNING so it is never silent. Nothing here touches CUDA at
+import time: the device capability is read only when a call arrives with a CUDA tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+logger = logging.getLogger("msa")
+
+REFERENCE = "reference"
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeImpl:
+    op: str
+    arch: str                                  # "sm90" or "sm100"
+    run: Callable
+    supports: Callable[..., Optional[str]]     # returns None if supported, else a reason
+
+
+_registry: Dict[Tuple[str, str], NativeImpl] = {}
+_logged: set = set()
+_lock = threading.Lock()
+_last_backend: Dict[str, str] = {}
+
+
+def register_native(op: str, arch: str, run: Callable,
+                    supports: Callable[..., Optional[str]] = lambda **_: None) -> None:
+    _registry[(op, arch)] = NativeImpl(op, arch, run, supports)
+
+
+def arch_family(device: torch.device) -> Optional[str]:
+    """'sm90' / 'sm100' for the device's compute capability, else None (CPU, other GPUs)."""
+    if device.type != "cuda":
+        return None
+    major, _minor = torch.cuda.get_device_capability(device)
+    return {9: "sm90", 10: "sm100"}.get(major)
+
+
+def _mode() -> str:
+    mode = os.environ.get("MSA_BACKEND", "auto").strip().lower()
+    if mode not in ("auto", "reference", "native"):
+        raise ValueError(f"MSA_BACKEND: expected auto, reference or native, got {mode!r}")
+    return mode
+
+
+def _log_once(op: str, backend: str, reason: str, device: torch.device) -> None:
+    key = (op, backend, reason, str(device))
+    with _lock:
+        if key in _logged:
+            return
+        _logged.add(key)
+    if backend == REFERENCE and device.type == "cuda":
+        logger.warning("msa.%s: running the PyTorch reference on %s (%s)", op, device, reason)
+    else:
+        logger.info("msa.%s: backend %s on %s (%s)", op, backend, device, reason)
+
+
+def choose(op: str, device: torch.device, **call) -> Tuple[str, Optional[Callable]]:
+    """Returns (backend name, native run function or None for the reference)."""
+    mode = _mode()
+    arch = arch_family(device)
+    impl = _registry.get((op, arch)) if arch is not None else None
+    if mode == "reference":
+        reason = "MSA_BACKEND=reference"
+    elif device.type != "cuda":
+        reason = f"no native kernel for device type {device.type}"
+    elif impl is None:
+        reason = (f"no native {op} kernel for compute capability "
+                  f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+    else:
+        reason = impl.supports(**call)
+        if reason is None:
+            _log_once(op, arch, "native kernel", device)
+            _last_backend[op] = arch
+            return arch, impl.run
+    if mode == "native":
+        raise NotImplementedError(f"msa.{op}: MSA_BACKEND=native but no native kernel can run "
+                                  f"this call: {reason}")
+    _log_once(op, REFERENCE, reason, device)
+    _last_backend[op] = REFERENCE
+    return REFERENCE, None
+
+
+def last_backend(op: str) -> Optional[str]:
+    """The backend that ran the most recent call of `op` in this process (for tests and logs)."""
+    return _last_backend.get(op)
+
+
+def registered() -> List[Tuple[str, str]]:
+    return sorted(_registry)

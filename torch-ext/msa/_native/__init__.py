@@ -1,0 +1,2 @@
+"""Native kernels of this build. Each submodule registers its ops with ``msa._backend`` at
+import; registration must not initialize CUDA or import the CuTe DSL (artifacts load lazily)."""

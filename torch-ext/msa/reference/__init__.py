@@ -1,0 +1,1 @@
+"""Pure-PyTorch references of every msa op: the test oracle and the fallback backend."""

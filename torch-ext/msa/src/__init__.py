@@ -1,0 +1,1 @@
+"""Kernel-side modules, grouped by the upstream architecture names clients import."""
