@@ -249,6 +249,7 @@ def run_sparse_attention(call: SparseAttentionCall):
         out, lse, lse_t = native(call)
     else:
         out, lse, lse_t = sparse_attention_reference(call)
+        out, lse, lse_t = out.to(BF16), lse.float(), lse_t.float()
     if not call.want_lse:
         return out
     if not call.want_temperature_lse:
@@ -257,7 +258,7 @@ def run_sparse_attention(call: SparseAttentionCall):
 
 
 def sparse_attention_reference(call: SparseAttentionCall, compute_dtype=torch.float32):
-    """The reference backend: (O bf16, LSE fp32, LSE_T fp32)."""
+    """The reference backend: (O, LSE, LSE_T) in compute_dtype (the caller rounds O to bf16)."""
     k = call.k if call.k_dequant is None else call.k_dequant(call.k)
     v = call.v if call.v_dequant is None else call.v_dequant(call.v)
     kv = make_kv_source(k, v, call.cu_seqlens_k, call.page_table, call.seqused_k)
@@ -269,7 +270,7 @@ def sparse_attention_reference(call: SparseAttentionCall, compute_dtype=torch.fl
         compute_dtype=compute_dtype)
     if call.v_global_scale is not None:
         out = out * call.v_global_scale.reshape(-1)[0].to(out.dtype)
-    return out.to(BF16), lse.float(), lse_t.float()
+    return out, lse, lse_t
 
 
 def check_sparse_atten_args(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seqlens_q,

@@ -60,6 +60,13 @@ def make_kv_source(k, v, cu_seqlens_k, page_table=None, seqused_k=None) -> KVSou
             k_lens = seqused_k.to("cpu", torch.int64)
         else:  # upstream quirk (D11): the whole table width counts as the length
             k_lens = torch.full((table.shape[0],), table.shape[1] * k.shape[2], dtype=torch.int64)
+        # Every page a request's keys live on must exist (entries past its length may be junk).
+        used = torch.arange(table.shape[1]) < ((k_lens + k.shape[2] - 1) // k.shape[2]).view(-1, 1)
+        bad = used & ((table < 0) | (table >= k.shape[0]))
+        if bad.any():
+            b, beta = [int(x) for x in torch.nonzero(bad)[0]]
+            raise ValueError(f"page_table: entry [{b}, {beta}] = {int(table[b, beta])} is out "
+                             f"of range for {k.shape[0]} pages")
     return KVSource(k, v, cu_k, table, k_lens)
 
 

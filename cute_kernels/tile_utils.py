@@ -1,0 +1,52 @@
+"""Small register-tile helpers shared by the CuTe-DSL attention kernels.
+
+The accumulators of a warp-level ``m16n8k16`` tiled MMA are laid out as ((2, 2), MMA_M, MMA_N):
+per thread two rows (``lane // 4`` and ``lane // 4 + 8`` of the warp's 16) times two adjacent
+columns per 8-column atom. ``rows_cols_view`` regroups that into (rows, cols) so softmax code can
+walk "my rows" and "my columns of a row"; the four lanes of a quad share a row, so row reductions
+finish with two butterfly shuffles.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+
+def rows_cols_view(acc: cute.Tensor) -> cute.Tensor:
+    """((2, 2), M, N) accumulator -> ((2, M), (2, N)) view: mode 0 = this thread's rows,
+    mode 1 = this thread's columns of each of those rows."""
+    compact = cute.make_layout(acc.layout.shape)
+    regroup = cute.make_layout(
+        ((compact.shape[0][1], compact.shape[1]), (compact.shape[0][0], compact.shape[2])),
+        stride=((compact.stride[0][1], compact.stride[1]),
+                (compact.stride[0][0], compact.stride[2])))
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, regroup))
+
+
+def accumulator_as_operand_a(acc_in_16bit: cute.Tensor) -> cute.Tensor:
+    """Reinterpret an m16n8 C fragment (converted to 16-bit) as the A operand of the next
+    m16n8k16 MMA: ((2, 2), M, N) -> ((2, 2, 2), M, N / 2). This is the register-level
+    "P stays in registers" trick of flash attention: two adjacent 8-column C atoms hold exactly
+    one 16-wide K slice of A."""
+    split = cute.logical_divide(acc_in_16bit.layout, (None, None, 2))
+    layout = cute.make_layout(
+        ((split.shape[0], split.shape[2][0]), split.shape[1], split.shape[2][1]),
+        stride=((split.stride[0], split.stride[2][0]), split.stride[1], split.stride[2][1]))
+    return cute.make_tensor(acc_in_16bit.iterator, layout)
+
+
+@cute.jit
+def quad_max(value: cutlass.Float32) -> cutlass.Float32:
+    """Max over the 4 lanes of a quad (the lanes that share an accumulator row)."""
+    value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, offset=2))
+    value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, offset=1))
+    return value
+
+
+@cute.jit
+def quad_sum(value: cutlass.Float32) -> cutlass.Float32:
+    """Sum over the 4 lanes of a quad."""
+    value = value + cute.arch.shuffle_sync_bfly(value, offset=2)
+    value = value + cute.arch.shuffle_sync_bfly(value, offset=1)
+    return value

@@ -1,0 +1,66 @@
+"""Names of the precompiled CuTe-DSL kernel variants (pure Python: no cutlass import).
+
+Shared by tools/compile_cute.py (which builds one TVM-FFI shared object per variant), the runtime
+loader (msa._native.cute_runtime, which finds them by name in a manifest) and the JIT fallback.
+Every dynamic size (tokens, pages, work items, batch) is a runtime value, so a variant is fixed
+only by what changes the generated code: head group G, KV layout, element dtypes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List
+
+HEAD_DIM = 128
+KV_BLOCK = 128
+QHEAD_PER_KV = (1, 2, 4, 8, 16)
+PARTIAL_DTYPES = ("float32", "bfloat16")     # partial dtypes with a native combine
+INPUT_DTYPES = ("bfloat16",)                 # Q/K/V element types compiled so far
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionVariant:
+    """One compiled attention kernel: S = QK^T, single-block softmax, P.V per work item."""
+    qhead_per_kv: int
+    paged: bool
+    partial_dtype: str = "float32"
+    dtype: str = "bfloat16"
+
+    @property
+    def name(self) -> str:
+        layout = "paged" if self.paged else "dense"
+        return (f"sparse_prefill_sm90_{self.dtype}_g{self.qhead_per_kv}_{layout}"
+                f"_p{_short(self.partial_dtype)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CombineVariant:
+    """One compiled combine kernel: log-sum-exp merge of the per-block partial outputs."""
+    partial_dtype: str = "float32"
+
+    @property
+    def name(self) -> str:
+        return f"sparse_combine_sm90_p{_short(self.partial_dtype)}"
+
+
+def _short(dtype: str) -> str:
+    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(dtype, dtype)
+
+
+def shipped_variants() -> List[object]:
+    """Every variant a build ships (tools/compile_cute.py compiles exactly this list)."""
+    out: List[object] = []
+    for dtype in INPUT_DTYPES:
+        for paged in (False, True):
+            for g in QHEAD_PER_KV:
+                for partial in PARTIAL_DTYPES:
+                    out.append(AttentionVariant(g, paged, partial, dtype))
+    out.extend(CombineVariant(p) for p in PARTIAL_DTYPES)
+    return out
+
+
+def by_name(name: str):
+    for variant in shipped_variants():
+        if variant.name == name:
+            return variant
+    raise KeyError(name)

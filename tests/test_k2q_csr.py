@@ -1,0 +1,139 @@
+"""build_k2q_csr and its schedule (contract §1.1): row layout, ordering, bounds, slots."""
+
+import pytest
+import torch
+
+import msa
+from msa.sparse_index_utils import (build_k2q_csr_torch_reference, k2q_to_q2k, q2k_to_k2q,
+                                    safe_total_rows)
+from msa.src.sm100.prepare_scheduler import SLOT_SHIFT, SparseAttentionSchedule
+from msa_testing import cu_seqlens, random_q2k
+
+
+def _expected_row(k_lens, b, beta):
+    """Contract formula: sum_b' min(rows_b', beta) + rank of b among requests with rows > beta."""
+    rows = [-(-n // 128) for n in k_lens]
+    return sum(min(r, beta) for r in rows) + sum(1 for bb in range(b) if rows[bb] > beta)
+
+
+def _csr_dict(row_ptr, q_idx, h, row):
+    lo, hi = int(row_ptr[h, row]), int(row_ptr[h, row + 1])
+    return q_idx[h, lo:hi].tolist()
+
+
+@pytest.mark.parametrize("topk", [4, 8, 16, 32])
+def test_round_robin_rows_and_ascending_queries(topk, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, k_lens = [70, 300, 129], [520, 129, 700]
+    q2k = random_q2k(q_lens, k_lens, 2, topk, generator=gen)
+    cu_q, cu_k = cu_seqlens(q_lens), cu_seqlens(k_lens)
+    row_ptr, q_idx = msa.build_k2q_csr(q2k, cu_q, cu_k, 128, total_k=sum(k_lens))
+    exact_rows = sum(-(-n // 128) for n in k_lens)
+    assert row_ptr.shape == (2, safe_total_rows(sum(k_lens), 3) + 1)
+    assert q_idx.shape == (2, sum(q_lens) * topk)
+    # Expected content straight from the definition.
+    for h in range(2):
+        expected = {}
+        q0 = 0
+        for b, ql in enumerate(q_lens):
+            for i in range(ql):
+                for blk in q2k[h, q0 + i].tolist():
+                    if blk >= 0:
+                        expected.setdefault(_expected_row(k_lens, b, blk), []).append(i)
+            q0 += ql
+        for row in range(row_ptr.shape[1] - 1):
+            got = _csr_dict(row_ptr, q_idx, h, row)
+            assert got == sorted(expected.get(row, [])), (h, row)
+            assert row < exact_rows or not got
+        nnz = int(row_ptr[h, -1])
+        assert (q_idx[h, nnz:] == -1).all()
+
+
+def test_default_total_rows_never_undercounts():
+    """B=2 with k_len 192 each: total_k % 128 == 0 but 4 rows exist (upstream emits 3)."""
+    q_lens, k_lens = [192, 192], [192, 192]
+    q2k = torch.full((1, 384, 4), -1, dtype=torch.int32)
+    q2k[0, :, 0] = 0
+    q2k[0, :, 1] = torch.tensor([1] * 192 + [1] * 192, dtype=torch.int32)
+    cu_q, cu_k = cu_seqlens(q_lens), cu_seqlens(k_lens)
+    row_ptr, q_idx = msa.build_k2q_csr(q2k, cu_q, cu_k, 128, total_k=384)
+    assert row_ptr.shape[1] - 1 >= 4
+    assert int(row_ptr[0, 4]) == 768          # every entry kept
+    ref_ptr, ref_idx = build_k2q_csr_torch_reference(q2k, cu_q, cu_k, 128)
+    assert torch.equal(row_ptr[:, :5], ref_ptr)
+    assert torch.equal(q_idx[:, :768], ref_idx[:, :768])
+    # An explicit short total_rows drops the rows past it, as the runtime builders do.
+    short_ptr, _ = msa.build_k2q_csr(q2k, cu_q, cu_k, 128, total_k=384, total_rows=3)
+    assert short_ptr.shape == (1, 4) and int(short_ptr[0, -1]) == 192 * 3
+
+
+def test_out_of_range_ids_dropped_at_runtime_and_rejected_by_reference():
+    q2k = torch.tensor([[[0, 5, -1, 1], [2, -1, 0, 9]]], dtype=torch.int32)
+    cu_q, cu_k = cu_seqlens([2]), cu_seqlens([300])           # 3 blocks
+    row_ptr, q_idx = msa.build_k2q_csr(q2k, cu_q, cu_k, 128, total_k=300)
+    assert row_ptr[0, :4].tolist() == [0, 2, 3, 4]
+    assert q_idx[0, :4].tolist() == [0, 1, 0, 1]
+    with pytest.raises(ValueError, match="q2k_indices"):
+        build_k2q_csr_torch_reference(q2k, cu_q, cu_k, 128)
+
+
+def test_empty_workload():
+    q2k = torch.empty(2, 0, 8, dtype=torch.int32)
+    row_ptr, q_idx = msa.build_k2q_csr(q2k, cu_seqlens([0]), cu_seqlens([500]), 128,
+                                       total_k=500)
+    assert (row_ptr == 0).all() and q_idx.numel() == 0
+
+
+def test_scheduler_builds_packed_qsplit_metadata(seed):
+    """Contract §5.1: S_q=256, S_k=512, topK=4, Hkv=1."""
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, k_lens = [256], [512]
+    q2k = random_q2k(q_lens, k_lens, 1, 4, generator=gen, causal_visible_only=True)
+    cu_q, cu_k = cu_seqlens(q_lens), cu_seqlens(k_lens)
+    row_ptr, q_idx, sched = msa.build_k2q_csr(q2k, cu_q, cu_k, 128, total_k=512,
+                                              max_seqlen_k=512, max_seqlen_q=256,
+                                              return_schedule=True)
+    assert isinstance(sched, SparseAttentionSchedule) and sched.enabled and sched.complete
+    n_work = int(sched.work_count[0])
+    meta = sched.scheduler_metadata[:n_work]
+    assert sched.work_capacity >= n_work > 0
+    assert int(meta[:, 3].sum()) == int(row_ptr[0, -1])          # chunks cover every entry
+    assert (meta[:, 3] <= sched.target_q_per_cta).all() and (meta[:, 4] == 0).all()
+    for h, row, q0, qn, _b, blk in meta.tolist():
+        assert blk == row                                       # B=1: row r is block r
+    nnz = int(row_ptr[0, -1])
+    packed = sched.qsplit_indices[0, :nnz]
+    assert torch.equal(packed & ((1 << SLOT_SHIFT) - 1), q_idx[0, :nnz])
+    slots = packed >> SLOT_SHIFT
+    for q in range(256):
+        mine = slots[q_idx[0, :nnz] == q].sort().values.tolist()
+        assert mine == list(range(int(sched.split_counts[q, 0])))
+        assert len(mine) == int((q2k[0, q] >= 0).sum())
+
+
+def test_schedule_requires_length_hints():
+    q2k = torch.zeros(1, 4, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        msa.build_k2q_csr(q2k, cu_seqlens([4]), cu_seqlens([4]), 128, total_k=4,
+                          return_schedule=True)
+
+
+def test_q2k_k2q_round_trip(seed):
+    gen = torch.Generator().manual_seed(seed)
+    b, h, sq, topk, nblk = 2, 3, 50, 8, 12
+    q2k = torch.full((b, h, sq, topk), -1, dtype=torch.int32)
+    for idx in range(b * h * sq):
+        n = int(torch.randint(0, topk + 1, (1,), generator=gen))
+        sel = torch.randperm(nblk, generator=gen)[:n].sort().values
+        q2k.view(-1, topk)[idx, :n] = sel.int()
+    k2q, counts = q2k_to_k2q(q2k, nblk)
+    assert int(counts.sum()) == int((q2k >= 0).sum())
+    assert torch.equal(k2q_to_q2k(k2q, counts, sq, topk), q2k)
+
+
+def test_builder_class_is_the_same_callable(seed):
+    gen = torch.Generator().manual_seed(seed)
+    q2k = random_q2k([77], [400], 2, 8, generator=gen)
+    a = msa.SparseK2qCsrBuilderSm100()(q2k, cu_seqlens([77]), cu_seqlens([400]), total_k=400)
+    b = msa.build_k2q_csr(q2k, cu_seqlens([77]), cu_seqlens([400]), 128, total_k=400)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
