@@ -150,7 +150,7 @@ def _fold_block(s, vb, rows, heads, out, lse, lse_t, inv_t, partial_dtype, pv_qu
     """Softmax of one block for a set of queries, then the running combine."""
     neg_inf = float("-inf")
     blk_lse = torch.logsumexp(s, dim=-1)                       # [n, G], -inf if fully masked
-    blk_lse_t = torch.logsumexp(s * inv_t, dim=-1)
+    blk_lse_t = blk_lse if inv_t == 1.0 else torch.logsumexp(s * inv_t, dim=-1)
     alive = torch.isfinite(blk_lse)
     if pv_quant_dtype is None:
         p = torch.exp(s - torch.where(alive, blk_lse, 0.0).unsqueeze(-1))
