@@ -30,7 +30,6 @@ Tensors (all dynamic sizes are runtime values):
 
 from __future__ import annotations
 
-import math
 
 import cutlass
 import cutlass.cute as cute

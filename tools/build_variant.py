@@ -110,6 +110,32 @@ class KernelConfig:
         return caps
 
 
+def validate_with_kernels(root: Path, config: "KernelConfig") -> None:
+    """When the `kernels` package is installed, check build.toml with the parser that
+    kernel-builder shares with it (unknown keys are errors) and the python-depends names with
+    its allow-list. Without `kernels` (e.g. a bare GPU host) only load_config's checks apply."""
+    try:
+        import kernels
+        from kernels._rust import Build
+    except ImportError:
+        return
+    try:
+        Build.open(root)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    allow_path = Path(kernels.__file__).parent / "python_depends.json"
+    if allow_path.is_file():
+        allow = json.loads(allow_path.read_text())
+        bad = [d for d in config.general_python_depends if d not in allow.get("general", {})]
+        bad += [d for d in config.cuda_python_depends
+                if d not in allow.get("backends", {}).get("cuda", {})]
+        if bad:
+            raise ConfigError(
+                f"build.toml: python-depends {bad} are not in the kernels allow-list "
+                f"(general: {sorted(allow.get('general', {}))}; [general.cuda]: "
+                f"{sorted(allow.get('backends', {}).get('cuda', {}))})")
+
+
 def load_config(root: Path) -> KernelConfig:
     """Parse ``root/build.toml``; raises ConfigError for a missing key or wrong edition."""
     path = root / "build.toml"
@@ -220,9 +246,9 @@ def torch_cuda_variant_name(torch_version: str, cuda_version: str, cxx11_abi: bo
     t_major, t_minor = cuda_extension.parse_version(torch_version)
     c_major, c_minor = cuda_extension.parse_version(cuda_version)
     arch_os = arch_os or cpu_arch_and_os()
-    abi = "cxx11-" if arch_os.endswith("-linux") and cxx11_abi else ""
-    if arch_os.endswith("-linux") and not cxx11_abi:
-        abi = "cxx98-"
+    # Only Linux variants carry the C++ ABI tag (the loader compares it with
+    # torch.compiled_with_cxx11_abi()).
+    abi = ("cxx11-" if cxx11_abi else "cxx98-") if arch_os.endswith("-linux") else ""
     return f"torch{t_major}{t_minor}-{abi}cu{c_major}{c_minor}-{arch_os}"
 
 
@@ -277,16 +303,36 @@ def _matches_pyext(path: Path, pyext: Sequence[str]) -> bool:
     return any(path.name.endswith("." + ext) for ext in pyext)
 
 
+def package_files(package_dir: Path, warn=None) -> List[Path]:
+    """All files under the package, as kernel-builder's CMake ``file(GLOB_RECURSE)`` sees them:
+    symlinked files are included, symlinked directories are not descended into (policy
+    CMP0009), so their contents never reach a Hub build. ``warn`` reports each such link."""
+    found: List[Path] = []
+    for dirpath, dirnames, filenames in os.walk(package_dir, followlinks=False):
+        here = Path(dirpath)
+        for name in list(dirnames):
+            if (here / name).is_symlink():
+                if warn is not None:
+                    warn(f"{(here / name).relative_to(package_dir.parent)}: a symlinked "
+                         "directory; kernel-builder does not follow it, so its files are not "
+                         "shipped (make it a real directory to ship them)")
+                dirnames.remove(name)
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        found.extend(here / name for name in filenames)
+    return sorted(found)
+
+
 def copy_package(package_dir: Path, dest: Path, pyext: Sequence[str], warn) -> int:
     """Copy every ``*.<pyext>`` file of the package, keeping subdirectories; returns the count.
 
-    Skipped: __pycache__, a source ``_ops.py`` (the variant's is generated) and compiled ops
-    libraries (``_<name>_*.abi3.so``) left in the source tree by an in-place build.
+    Skipped: __pycache__, symlinked directories (see package_files), a source ``_ops.py`` (the
+    variant's is generated) and compiled ops libraries (``*.abi3.so`` at the package top)
+    left in the source tree by an in-place build.
     """
     count = 0
-    for src in sorted(package_dir.rglob("*")):
+    for src in package_files(package_dir, warn):
         rel = src.relative_to(package_dir)
-        if not src.is_file() or "__pycache__" in rel.parts or not _matches_pyext(src, pyext):
+        if not _matches_pyext(src, pyext):
             continue
         if rel == Path("_ops.py") or (len(rel.parts) == 1 and src.name.endswith(".abi3.so")):
             warn(f"{package_dir.name}/{rel}: skipped (generated per variant)")
@@ -360,20 +406,20 @@ def write_variant(*, config: KernelConfig, root: Path, out_dir: Path, variant: s
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     package_dir = root / "torch-ext" / config.python_name
-    files = copy_package(package_dir, dest, config.pyext, warn)
+    copy_package(package_dir, dest, config.pyext, warn)
     if artifacts_dir is not None:
         artifacts_dest = dest / ARTIFACTS_DIR_NAME
         if artifacts_dest.exists():   # --cute-artifacts replaces the source tree's copy
             shutil.rmtree(artifacts_dest)
-        files += copy_artifacts(artifacts_dir, artifacts_dest, config.pyext, warn)
+        copy_artifacts(artifacts_dir, artifacts_dest, config.pyext, warn)
     if library is not None:
         shutil.copy2(library, dest / f"{ops}.abi3.so")
-        files += 1
     (dest / "_ops.py").write_text(ops_module_source(ops, compiled=library is not None))
     metadata = variant_metadata(config, ops, backend, archs if library is not None else None)
     (dest / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
+    files = sum(1 for p in dest.rglob("*") if p.is_file())
     return VariantResult(variant, dest, ops, backend, library is not None,
-                         metadata["backend"].get("archs"), files + 2)  # type: ignore[union-attr]
+                         metadata["backend"].get("archs"), files)  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,14 +523,19 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
 
-    def warn(message: str) -> None:
-        print(f"warning: {message}", file=sys.stderr)
+    warned = set()
+
+    def warn(message: str) -> None:   # once per message, not once per variant
+        if message not in warned:
+            warned.add(message)
+            print(f"warning: {message}", file=sys.stderr)
 
     root = Path(args.root).resolve()
     out_dir = Path(args.out)
     out_dir = out_dir if out_dir.is_absolute() else root / out_dir
     try:
         config = load_config(root)
+        validate_with_kernels(root, config)
         if "cuda" not in config.backends:
             raise ConfigError("build.toml: [general] backends must include cuda")
         unique_id = build_id(root, args.unique_id)

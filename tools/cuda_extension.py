@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import importlib.util
 import os
 import re
 import shlex
@@ -35,10 +36,9 @@ HERE = Path(__file__).resolve().parent
 REGISTRATION_HEADER = HERE / "registration.h"
 PY_LIMITED_API = "0x03090000"
 
-# Link set: what the extension may depend on at run time (torch's libraries and the CUDA
-# runtime that torch's wheel ships).
+# Link set: what the extension may depend on at run time (torch's libraries, plus cudart,
+# which torch's wheel ships; see Toolchain.cudart_link_flags).
 TORCH_LINK_LIBRARIES = ("c10", "c10_cuda", "torch", "torch_cpu", "torch_cuda")
-CUDA_LINK_LIBRARIES = ("cudart",)
 
 # kernel-builder drops these from torch's COMMON_NVCC_FLAGS for CUDA >= 11.8: kernels may use
 # the half/bfloat16 operators and conversions of cuda_fp16.h / cuda_bf16.h.
@@ -64,15 +64,43 @@ class Toolchain:
 
     @property
     def include_dirs(self) -> List[Path]:
+        """Toolkit headers, then those of pip's nvidia-* wheels (torch's CUDA headers include
+        cusparse.h / cublas_v2.h, which a minimal toolkit may lack)."""
         dirs = [self.cuda_home / "include",
                 self.cuda_home / "targets" / "x86_64-linux" / "include"]
-        return [d for d in dirs if d.is_dir()]
+        return [d for d in dirs if d.is_dir()] + pip_nvidia_dirs("include")
 
     @property
     def library_dirs(self) -> List[Path]:
         dirs = [self.cuda_home / "lib64", self.cuda_home / "lib",
                 self.cuda_home / "targets" / "x86_64-linux" / "lib"]
         return [d for d in dirs if d.is_dir()]
+
+    def cudart_link_flags(self) -> List[str]:
+        """-lcudart from the toolkit, else the versioned libcudart.so.N of torch's pip
+        nvidia-cuda-runtime wheel (which has no unversioned libcudart.so)."""
+        for lib_dir in self.library_dirs:
+            if (lib_dir / "libcudart.so").exists():
+                return [f"-L{lib_dir}", "-lcudart"]
+        for lib_dir in pip_nvidia_dirs("lib"):
+            versioned = sorted(lib_dir.glob("libcudart.so.*"))
+            if versioned:
+                return [str(versioned[0])]
+        raise BuildError(f"cudart: no libcudart.so under {self.cuda_home} or pip's nvidia "
+                         "packages")
+
+
+def pip_nvidia_dirs(kind: str) -> List[Path]:
+    """``<site-packages>/nvidia/*/<kind>`` directories of installed nvidia-* wheels."""
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    found = []
+    for root in spec.submodule_search_locations:
+        for sub in sorted(Path(root).iterdir()):
+            if (sub / kind).is_dir():
+                found.append(sub / kind)
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +230,8 @@ def compile_extension(*, sources: CudaSources, ops_name: str, capabilities: Sequ
                f"-DPy_LIMITED_API={PY_LIMITED_API}",
                f"-D_GLIBCXX_USE_CXX11_ABI={settings['cxx11_abi']}"]
     std = f"-std={settings['cxx_std']}"
+    # -fno-gnu-unique: keep template statics of this library from merging with another kernel's
+    # (kernel-builder sets it for the same reason).
     host_flags = ["-fPIC", "-fno-gnu-unique"]
 
     commands: List[Tuple[Path, List[str]]] = []
@@ -231,8 +261,7 @@ def compile_extension(*, sources: CudaSources, ops_name: str, capabilities: Sequ
     output = work_dir / f"{ops_name}.abi3.so"
     link = ([toolchain.cxx, "-shared", "-o", str(output), *map(str, objects),
              f"-L{settings['library_dir']}"]
-            + [f"-L{d}" for d in toolchain.library_dirs]
-            + [f"-l{lib}" for lib in TORCH_LINK_LIBRARIES + CUDA_LINK_LIBRARIES])
+            + [f"-l{lib}" for lib in TORCH_LINK_LIBRARIES] + toolchain.cudart_link_flags())
     error = _run_step(link, verbose)
     if error:
         raise BuildError("linking failed:\n" + error)

@@ -20,6 +20,7 @@ Every call is validated on the host, then dispatched by ``_backend.choose("spars
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Optional
@@ -220,12 +221,32 @@ def _attach_workspaces(call: DecodeCall, schedule: DecodeSchedule, o_partial, ls
     call.schedule, call.o_partial, call.lse_partial = schedule, o_partial, lse_partial
 
 
+_DEFAULT_SCHEDULES: "collections.OrderedDict" = collections.OrderedDict()
+_DEFAULT_SCHEDULE_CACHE_SIZE = 32
+
+
 def _default_schedule(call: DecodeCall) -> DecodeSchedule:
-    """A plan that needs no device read: sized from max_seqlen_k like a CUDA-graph plan."""
-    return build_decode_schedule(
-        call.seqused_k, PAGE_SIZE, call.seqlen_q, call.q.shape[1], call.k.shape[1], HEAD_DIM,
-        _capped_max_seqlen_k(call.max_seqlen_k, call.page_table), enable_cuda_graph=True,
-        sparse_topk=call.topk)
+    """A plan that needs no device read: sized from max_seqlen_k like a CUDA-graph plan.
+
+    It depends only on host metadata, so it is cached by that metadata: after a first (eager)
+    call, later calls with the same shapes reuse the plan's device index tensors and issue no
+    host-to-device copy, which keeps them CUDA-graph capturable. (The wrapper is the intended
+    capture path; this only keeps the function from being a trap.)
+    """
+    max_seqlen_k = _capped_max_seqlen_k(call.max_seqlen_k, call.page_table)
+    key = (call.batch_size, call.seqlen_q, call.q.shape[1], call.k.shape[1], max_seqlen_k,
+           call.topk, str(call.seqused_k.device))
+    schedule = _DEFAULT_SCHEDULES.get(key)
+    if schedule is None:
+        schedule = build_decode_schedule(
+            call.seqused_k, PAGE_SIZE, call.seqlen_q, call.q.shape[1], call.k.shape[1], HEAD_DIM,
+            max_seqlen_k, enable_cuda_graph=True, sparse_topk=call.topk)
+        _DEFAULT_SCHEDULES[key] = schedule
+        if len(_DEFAULT_SCHEDULES) > _DEFAULT_SCHEDULE_CACHE_SIZE:
+            _DEFAULT_SCHEDULES.popitem(last=False)
+    else:
+        _DEFAULT_SCHEDULES.move_to_end(key)
+    return schedule
 
 
 def _capped_max_seqlen_k(max_seqlen_k: int, page_table: torch.Tensor) -> int:
@@ -288,7 +309,9 @@ def sparse_decode_atten_func(q, k, v, q2k_indices=None, *, page_table, seqused_k
       blk_kv: must be 128 (= page size). causal: must be True.
       softmax_scale: default 128 ** -0.5.
       schedule: a DecodeSchedule (build_decode_schedule / the wrapper's plan); default: a plan
-        from max_seqlen_k that needs no device read.
+        from max_seqlen_k that needs no device read (cached per shape; the first call with new
+        shapes copies its index arrays to the device, so capture CUDA graphs after a warm-up
+        call, or use the wrapper).
       O_partial, LSE_partial: optional fp32 split-KV workspaces,
         [>= P, seqlen_q, Hq, 128] and [>= P, seqlen_q, Hq] with P = schedule.num_partials.
 

@@ -1,5 +1,282 @@
-"""PLACEHOLDER: being written; replace this whole file."""
-def block_max_scores(*a, **k):
-    raise NotImplementedError('block_max_scores: not written yet')
-def msa_prefill(*a, **k):
-    raise NotImplementedError('msa_prefill: not written yet')
+"""The MSA indexer (per-block max scores) and the end-to-end MSA prefill pipeline.
+
+``block_max_scores`` is the proxy pass of the engine flow (contract §2.2, algorithm doc A1/A3):
+per query token, index head and 128-token KV tile, the max over the tile's causally visible keys
+of ``scale * q_idx . k_idx``. ``msa_prefill`` chains it with ``sparse_topk_select``,
+``build_k2q_csr`` and ``sparse_atten_func`` the way M3 prefill does (the query's own block forced).
+
+Native kernels plug in through ``msa._backend`` under the op name ``"block_max_scores"``: a native
+``run`` receives one validated :class:`BlockMaxScoreCall` and returns the [H, max_k_tiles,
+total_q] fp32 tensor. The fmha max-score mode calls :func:`block_max_scores` too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import torch
+
+from . import _backend
+from ._validation import (BLOCK_SIZE, FP8, SUPPORTED_TOPK, check_cu_seqlens,
+                          check_head_dim, check_positive_int, check_qhead_per_kv,
+                          check_same_device, check_scale, check_shape, check_tensor, check_topk)
+from .interface import build_k2q_csr, sparse_atten_func
+from .reference.max_score import block_max_scores_reference
+from .topk import sparse_topk_select
+
+INDEX_DTYPES = (torch.bfloat16, FP8, torch.float32)
+
+
+@dataclasses.dataclass
+class BlockMaxScoreCall:
+    """One validated ``block_max_scores`` call, as every backend receives it."""
+    q_idx: torch.Tensor                      # [total_q, H, 128]
+    k_idx: torch.Tensor                      # dense [total_k, Hk, 128] / paged [pages, Hk, 128, 128]
+    cu_seqlens_q: torch.Tensor               # [B+1] int32
+    cu_seqlens_k: Optional[torch.Tensor]     # [B+1] int32 (may be None when paged)
+    max_seqlen_q: int
+    max_seqlen_k: int
+    max_k_tiles: int
+    scale: float
+    causal: bool
+    qo_offset: Union[None, int, torch.Tensor]   # None, int, or [B] int32/int64
+    page_table: Optional[torch.Tensor]       # [B, max_pages] int32
+    seqused_k: Optional[torch.Tensor]        # [B] int32
+
+    @property
+    def paged(self) -> bool:
+        return self.page_table is not None
+
+    def features(self) -> dict:
+        return dict(q_dtype=self.q_idx.dtype, k_dtype=self.k_idx.dtype, paged=self.paged,
+                    causal=self.causal, num_heads=self.q_idx.shape[1],
+                    num_k_heads=self.k_idx.shape[1], max_k_tiles=self.max_k_tiles,
+                    qo_offset=self.qo_offset is not None)
+
+
+def block_max_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: Optional[torch.Tensor], *, max_seqlen_q: int,
+                     max_seqlen_k: int, scale: float = 1.0, causal: bool = True,
+                     qo_offset: Union[None, int, torch.Tensor] = None,
+                     page_table: Optional[torch.Tensor] = None,
+                     seqused_k: Optional[torch.Tensor] = None,
+                     max_k_tiles: Optional[int] = None) -> torch.Tensor:
+    """Per-128-token-block max of the index scores: the MSA indexer's pooled output.
+
+    Args:
+      q_idx: [total_q, H, 128] bf16, float8_e4m3fn or float32, contiguous (index queries; one
+        head per KV group in M3).
+      k_idx: dense [total_k, Hk, 128] or paged HND [pages, Hk, 128, 128], same dtype choices
+        (q and k dtypes may differ, e.g. bf16 q with an e4m3 index-K cache), contiguous. H must
+        be a multiple of Hk; query head h reads key head h // (H / Hk). M3 has Hk = 1 (one shared
+        index key).
+      cu_seqlens_q, cu_seqlens_k: [B+1] int32 prefix sums. In paged mode cu_seqlens_k is only
+        shape-checked and may be None.
+      max_seqlen_q, max_seqlen_k: host upper bounds (>= 1); max_seqlen_k may exceed the real max.
+      scale: multiplies every dot product (> 0, so rankings never flip). M3's indexer uses 1.0;
+        the paper uses 128**-0.5; the fmha max-score mode passes sm_scale * q_scale * k_scale.
+      causal: key j of request b is visible to its query i iff j < k_len_b and, when causal,
+        j <= i + offset_b, with offset_b = qo_offset (int, or [B] int32/int64 tensor) or, by
+        default, k_len_b - q_len_b (bottom-right). qo_offset requires causal=True.
+      page_table: [B, max_pages] int32 logical block -> page (paged mode); seqused_k: [B] int32
+        key lengths (paged only). Paged without seqused_k takes k_len = max_pages * 128 (the
+        upstream quirk; always pass seqused_k).
+      max_k_tiles: width of the tile axis, default ceil(max_seqlen_k / 128). Tiles at or past it
+        are not computed (pass enough).
+
+    Returns max_score [H, max_k_tiles, total_q] float32, contiguous:
+      max_score[h, beta, t] = max over visible keys j of tile beta (keys 128*beta .. 128*beta+127
+      of t's request) of scale * <q_idx[t, h], k_idx[j, h // G]>, accumulated in fp32; -inf where
+      no key of the tile is visible, in particular for every tile at or past the request's
+      ceil(k_len / 128) tiles.
+
+    The reference backend works in query x key-tile chunks (no N x N matrix; a 32k-token
+    sequence with H = 4 stays well under 1 GB of scratch) and synchronizes on the host.
+    """
+    call = _check_block_max_args(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k, scale, causal, qo_offset, page_table, seqused_k,
+                                 max_k_tiles)
+    _name, native = _backend.choose("block_max_scores", q_idx.device, **call.features())
+    if native is not None:
+        return native(call)
+    return block_max_scores_reference(
+        call.q_idx, call.k_idx, call.cu_seqlens_q, call.cu_seqlens_k,
+        max_k_tiles=call.max_k_tiles, scale=call.scale, causal=call.causal,
+        qo_offset=call.qo_offset, page_table=call.page_table, seqused_k=call.seqused_k)
+
+
+def _check_block_max_args(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          scale, causal, qo_offset, page_table, seqused_k, max_k_tiles
+                          ) -> BlockMaxScoreCall:
+    check_tensor("q_idx", q_idx, dtypes=INDEX_DTYPES, ndim=3, contiguous=True)
+    check_head_dim("q_idx", q_idx.shape[2])
+    check_tensor("k_idx", k_idx, dtypes=INDEX_DTYPES, ndim=(3, 4), contiguous=True)
+    check_head_dim("k_idx", k_idx.shape[-1])
+    num_heads, num_k_heads = q_idx.shape[1], k_idx.shape[1]
+    if num_heads < 1 or num_k_heads < 1 or num_heads % num_k_heads != 0:
+        raise ValueError(f"q_idx: {num_heads} heads are not a multiple of the {num_k_heads} heads "
+                         "of k_idx")
+    paged = k_idx.dim() == 4
+    if paged:
+        if page_table is None:
+            raise ValueError("page_table: paged k_idx [pages, Hk, 128, 128] needs a page_table")
+        if k_idx.shape[2] != BLOCK_SIZE:
+            raise ValueError(f"k_idx: page size {k_idx.shape[2]} is not supported; only "
+                             f"{BLOCK_SIZE}")
+        if cu_seqlens_k is None:
+            cu_seqlens_k_checked = None
+            check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1,
+                         contiguous=True)
+            if cu_seqlens_q.numel() < 2:
+                raise ValueError(f"cu_seqlens_q: expected shape [B+1] with B >= 1, got "
+                                 f"{list(cu_seqlens_q.shape)}")
+            batch = cu_seqlens_q.numel() - 1
+        else:
+            batch = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
+            cu_seqlens_k_checked = cu_seqlens_k
+        check_tensor("page_table", page_table, dtypes=(torch.int32,), ndim=2,
+                     last_dim_contiguous=True)
+        if page_table.shape[0] != batch:
+            raise ValueError(f"page_table: has {page_table.shape[0]} rows for a batch of {batch}")
+        if seqused_k is not None:
+            check_tensor("seqused_k", seqused_k, dtypes=(torch.int32,), ndim=1, contiguous=True)
+            check_shape("seqused_k", seqused_k, (batch,))
+    else:
+        if cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_k: required with dense k_idx [total_k, Hk, 128]")
+        batch = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
+        cu_seqlens_k_checked = cu_seqlens_k
+        if page_table is not None:
+            raise ValueError("page_table: given with dense k_idx [total_k, Hk, 128]; paged k_idx "
+                             "must be [pages, Hk, 128, 128]")
+        if seqused_k is not None:
+            raise ValueError("seqused_k: allowed only with paged k_idx (page_table)")
+    check_positive_int("max_seqlen_q", max_seqlen_q, minimum=1)
+    check_positive_int("max_seqlen_k", max_seqlen_k, minimum=1)
+    if max_k_tiles is None:
+        max_k_tiles = -(-max_seqlen_k // BLOCK_SIZE)
+    check_positive_int("max_k_tiles", max_k_tiles, minimum=1)
+    scale = check_scale("scale", scale, allow_none=False)
+    if qo_offset is not None:
+        if not causal:
+            raise ValueError("qo_offset: allowed only with causal=True")
+        if isinstance(qo_offset, torch.Tensor):
+            check_tensor("qo_offset", qo_offset, dtypes=(torch.int32, torch.int64), ndim=1)
+            check_shape("qo_offset", qo_offset, (batch,))
+        elif isinstance(qo_offset, bool) or not isinstance(qo_offset, int):
+            raise TypeError(f"qo_offset: expected an int or a [B] tensor, got "
+                            f"{type(qo_offset).__name__}")
+    check_same_device(q_idx=q_idx, k_idx=k_idx, cu_seqlens_q=cu_seqlens_q,
+                      cu_seqlens_k=cu_seqlens_k_checked, page_table=page_table,
+                      seqused_k=seqused_k,
+                      qo_offset=qo_offset if isinstance(qo_offset, torch.Tensor) else None)
+    return BlockMaxScoreCall(q_idx=q_idx, k_idx=k_idx, cu_seqlens_q=cu_seqlens_q,
+                             cu_seqlens_k=cu_seqlens_k_checked, max_seqlen_q=int(max_seqlen_q),
+                             max_seqlen_k=int(max_seqlen_k), max_k_tiles=int(max_k_tiles),
+                             scale=scale, causal=bool(causal), qo_offset=qo_offset,
+                             page_table=page_table if paged else None,
+                             seqused_k=seqused_k if paged else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# End-to-end prefill
+# ---------------------------------------------------------------------------------------------
+
+def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.Tensor,
+                k_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
+                max_seqlen_q: int, max_seqlen_k: int, topk: int = 16,
+                softmax_scale: Optional[float] = None, index_scale: float = 1.0,
+                local_blocks: int = 1, causal: bool = True, return_selection: bool = False):
+    """MSA prefill: index scores -> top-k blocks per (query, KV head) -> block-sparse attention.
+
+    Args:
+      q: [total_q, Hq, 128]; k, v: dense [total_k, Hkv, 128] (dtypes as ``sparse_atten_func``:
+        all bf16, all e4m3, or bf16 q with e4m3 k/v); Hq / Hkv in {1, 2, 4, 8, 16}.
+      q_idx: [total_q, Hkv, 128] index queries, one index head per KV head group (M3: 4).
+      k_idx: [total_k, Hk, 128] index keys with Hkv % Hk == 0 (M3: Hk = 1, a shared index key).
+      cu_seqlens_q, cu_seqlens_k: [B+1] int32; cu_seqlens_q[-1] == total_q.
+      max_seqlen_q, max_seqlen_k: host upper bounds on the lengths.
+      topk: blocks per (query, KV head), in {4, 8, 16, 32} (M3: 16).
+      softmax_scale: attention logit scale, default 128**-0.5.
+      index_scale: index score scale (M3: 1.0; it does not change the selection).
+      local_blocks: how many blocks ending at the query's own block are forced (M3: 1), 0..topk.
+      causal: bottom-right causal attention and causal index scores. With causal=False every
+        key of the request is visible, and the forced window is the request's last
+        local_blocks blocks instead.
+      return_selection: also return the selection.
+
+    Returns O [total_q, Hq, 128] bf16, or (O, q2k [Hkv, total_q, topk] int32) with
+    return_selection (ids ascending, -1 tail, own block always present when causal).
+
+    Call sequence (engines can replicate it step by step; none of it syncs the host here):
+      1. scores = block_max_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k,
+             max_seqlen_q=..., max_seqlen_k=..., scale=index_scale, causal=causal)
+             -> [Hkv, ceil(max_seqlen_k/128), total_q]
+      2. per query t of request b at local position i, on the device:
+             num_valid_pages[t] = ceil(k_len_b / 128)
+             causal_end_block[t] = (i + k_len_b - q_len_b) // 128       (its own block)
+      3. sel = sparse_topk_select(scores, topk, num_valid_pages, force_end_blocks=local_blocks,
+             causal_end_block=causal_end_block)                     -> [total_q, Hkv, topk]
+      4. q2k = sel.permute(1, 0, 2).contiguous()                    -> [Hkv, total_q, topk]
+      5. row_ptr, q_ids = build_k2q_csr(q2k, cu_seqlens_q, cu_seqlens_k, 128,
+             total_k=k.shape[0], max_seqlen_k=..., max_seqlen_q=..., qhead_per_kv=Hq // Hkv)
+      6. O = sparse_atten_func(q, k, v, row_ptr, q_ids, topk, cu_seqlens_q=..., cu_seqlens_k=...,
+             max_seqlen_q=..., max_seqlen_k=..., causal=causal, softmax_scale=softmax_scale)
+    """
+    check_tensor("q", q, ndim=3)
+    check_tensor("k", k, ndim=3)
+    check_tensor("q_idx", q_idx, ndim=3)
+    check_tensor("k_idx", k_idx, ndim=3)
+    num_kv_heads = k.shape[1]
+    qhead_per_kv = check_qhead_per_kv(q.shape[1], num_kv_heads)
+    check_topk("topk", topk, SUPPORTED_TOPK)
+    check_positive_int("local_blocks", local_blocks)
+    if local_blocks > topk:
+        raise ValueError(f"local_blocks: {local_blocks} exceeds topk = {topk}")
+    if q_idx.shape[0] != q.shape[0]:
+        raise ValueError(f"q_idx: has {q_idx.shape[0]} tokens but q has {q.shape[0]}")
+    if q_idx.shape[1] != num_kv_heads:
+        raise ValueError(f"q_idx: expected {num_kv_heads} index heads (one per KV head), got "
+                         f"{q_idx.shape[1]}")
+    if k_idx.shape[0] != k.shape[0]:
+        raise ValueError(f"k_idx: has {k_idx.shape[0]} tokens but k has {k.shape[0]}")
+    check_same_device(q=q, k=k, v=v, q_idx=q_idx, k_idx=k_idx, cu_seqlens_q=cu_seqlens_q)
+    check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
+
+    scores = block_max_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                              max_seqlen_k=max_seqlen_k, scale=index_scale, causal=causal)
+    num_valid_pages, own_block = _per_query_block_bounds(cu_seqlens_q, cu_seqlens_k, q.shape[0])
+    selection = sparse_topk_select(scores, topk, num_valid_pages,
+                                   force_end_blocks=local_blocks,
+                                   causal_end_block=own_block if causal else None)
+    q2k = selection.permute(1, 0, 2).contiguous()
+    row_ptr, q_ids = build_k2q_csr(q2k, cu_seqlens_q, cu_seqlens_k, BLOCK_SIZE,
+                                   total_k=k.shape[0], max_seqlen_k=max_seqlen_k,
+                                   max_seqlen_q=max_seqlen_q, qhead_per_kv=qhead_per_kv)
+    out = sparse_atten_func(q, k, v, row_ptr, q_ids, topk, cu_seqlens_q=cu_seqlens_q,
+                            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                            max_seqlen_k=max_seqlen_k, blk_kv=BLOCK_SIZE, causal=causal,
+                            softmax_scale=softmax_scale)
+    return (out, q2k) if return_selection else out
+
+
+def _per_query_block_bounds(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                            total_q: int):
+    """Per query token, on the device and without a host sync: (num_valid_pages [total_q],
+    own block (i + k_len - q_len) // 128 [total_q]), both int32. Floor division keeps a query
+    that sees no key (k_len < q_len, early rows) at a negative own block: it selects nothing."""
+    device = cu_seqlens_q.device
+    token = torch.arange(total_q, device=device, dtype=torch.int64)
+    cu_q = cu_seqlens_q.to(torch.int64)
+    cu_k = cu_seqlens_k.to(torch.int64)
+    request = torch.searchsorted(cu_q[1:], token, right=True).clamp_max(cu_q.numel() - 2)
+    q_len = cu_q[request + 1] - cu_q[request]
+    k_len = cu_k[request + 1] - cu_k[request]
+    local = token - cu_q[request]
+    num_valid_pages = torch.div(k_len + BLOCK_SIZE - 1, BLOCK_SIZE, rounding_mode="floor")
+    own_block = torch.div(local + k_len - q_len, BLOCK_SIZE, rounding_mode="floor")
+    return num_valid_pages.to(torch.int32), own_block.to(torch.int32)
+
+
+__all__ = ["block_max_scores", "msa_prefill", "BlockMaxScoreCall"]

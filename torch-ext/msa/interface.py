@@ -182,6 +182,9 @@ class SparseAttentionCall:
     k_dequant: Optional[object] = None
     v_dequant: Optional[object] = None
     v_global_scale: Optional[torch.Tensor] = None
+    k_scale_128x4: Optional[torch.Tensor] = None
+    v_scale_128x4: Optional[torch.Tensor] = None
+    k_global_scale: Optional[torch.Tensor] = None
 
     @property
     def paged(self) -> bool:
@@ -341,7 +344,8 @@ def check_sparse_atten_args(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seq
         raise ValueError("return_temperature_lse: requires return_softmax_lse=True")
     if qk_dtype is not None and qk_dtype != q.dtype:
         raise TypeError(f"qk_dtype: must equal q's dtype {q.dtype}, got {qk_dtype}")
-    v_compute = BF16 if v.dtype not in (BF16, FP8) else v.dtype   # NVFP4 V is staged to bf16
+    # bf16 q stages e4m3 (and NVFP4) K/V to bf16, so its P.V runs in bf16 (contract §1.2).
+    v_compute = v.dtype if (q.dtype == FP8 and v.dtype == FP8) else BF16
     if pv_dtype is None:
         pv_dtype = v_compute
     elif pv_dtype not in (v_compute, BF16):

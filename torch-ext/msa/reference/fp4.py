@@ -60,30 +60,33 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def unpack_e2m1(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Decode packed FP4 [..., n] bytes to [..., 2n] values: element 2i is the low nibble of
     byte i, element 2i+1 its high nibble."""
-    raw = as_bytes(packed).to(torch.int64)
-    codes = torch.stack((raw & 0x0F, raw >> 4), dim=-1).flatten(-2)
-    return e2m1_lut(packed.device, dtype)[codes]
+    lut = e2m1_lut(packed.device, dtype)
+    byte = torch.arange(256, device=packed.device)
+    pair_lut = torch.stack((lut[byte & 0x0F], lut[byte >> 4]), dim=-1)   # [256, 2]
+    return pair_lut[as_bytes(packed).to(torch.int64)].flatten(-2)
 
 
 def e2m1_codes_from_scaled(x: torch.Tensor) -> torch.Tensor:
     """Round already-scaled values to the nearest E2M1 code (ties to the even code), saturating
-    at +-6. Returns int64 codes in [0, 16).
+    at +-6. Returns uint8 codes in [0, 16).
 
     Between two neighbouring magnitudes the tie goes to the one with an even code (an even
     mantissa bit), e.g. 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
     """
     a = x.abs()
-    # (midpoint, tie rounds up?) per step between consecutive magnitudes; "up" when the upper
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    # One step per midpoint between consecutive magnitudes; a tie steps up only when the upper
     # neighbour's code is even.
-    code = ((a > 0.25).to(torch.int64) + (a >= 0.75) + (a > 1.25) + (a >= 1.75)
-            + (a > 2.5) + (a >= 3.5) + (a > 5.0))
+    for midpoint, tie_up in ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
+                             (2.5, False), (3.5, True), (5.0, False)):
+        code += (a >= midpoint) if tie_up else (a > midpoint)
     negative = (x < 0) & (code > 0)   # keep zero as +0 so quantization is deterministic
-    return code + negative.to(torch.int64) * 8
+    return code + negative.to(torch.uint8) * 8
 
 
 def pack_e2m1_codes(codes: torch.Tensor) -> torch.Tensor:
     """[..., 2n] codes -> [..., n] uint8, the even element in the low nibble."""
-    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    pairs = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
 
 

@@ -1,0 +1,371 @@
+// sparse_topk_select: per (query t, output head g) pick the best KV blocks from max_score
+// [H, K, T] fp32, exactly as msa.reference.topk.sparse_topk_select_reference:
+//
+//   end   = clamp(min(num_valid_pages[t], causal_end_block[t] + 1), 0, K)  (eligible ids < end)
+//   F     = [0, min(fb, end)) U [max(end - fe, 0), end)    forced, emitted whatever their score
+//   fill  = the topk - |F| best eligible non-forced blocks with score > -inf (NaN never), ties
+//           to the lower id; output ascending, then -1 up to topk (never -1 inside the prefix).
+//   head_reduce: scores of output head g reduce heads [g*R, (g+1)*R) by max (NaN-propagating,
+//           like torch.amax) or by an fp32 sum in ascending head order (R = H / H_out).
+//
+// Because F is two intervals, the candidates of a row are exactly ids [fbc, e0) with
+// fbc = min(fb, end) and e0 = max(end - fe, fbc); they rank strictly by (score desc, id asc).
+//
+// Two kernels, both keeping a sorted top-KCAP list per thread in registers (insertion is rare
+// after warm-up: a new value must beat the current last entry):
+//   * tile kernel (many queries): a warp's lanes are 32 consecutive queries, so every load of a
+//     block k is one coalesced 128-byte line; W warps of a CTA split the K range and merge their
+//     lists through shared memory.
+//   * row kernel (few queries, e.g. decode): one CTA per (t, g) row, its threads split K, then
+//     `budget` rounds of a block-wide arg-max pick the winners.
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+
+#include "common.cuh"
+#include "torch_binding.h"
+
+namespace msa {
+namespace {
+
+constexpr int kRowThreads = 128;
+constexpr int kWarp = 32;
+constexpr int kMaxTileWarps = 8;
+
+struct RowBounds {
+  int end;          // eligible ids are [0, end)
+  int begin_count;  // forced ids [0, begin_count)
+  int tail_start;   // forced ids [tail_start, end); candidates are [begin_count, tail_start)
+  int width;        // min(topk, K): slots that can hold an id
+  int budget;       // slots left for candidates
+};
+
+__device__ __forceinline__ RowBounds row_bounds(const TopkSelectArgs& a, int t) {
+  int64_t end = a.num_valid_pages_per_query == nullptr
+                    ? a.num_valid_pages
+                    : detail::load_integer(a.num_valid_pages_per_query,
+                                           a.num_valid_pages_is_int64, t);
+  if (a.causal_end_block != nullptr) {
+    const int64_t causal_end =
+        detail::load_integer(a.causal_end_block, a.causal_end_block_is_int64, t);
+    // causal_end + 1 without overflow at INT64_MAX.
+    end = causal_end < end ? causal_end + 1 : end;
+  }
+  end = end < 0 ? 0 : (end > a.num_tiles ? a.num_tiles : end);
+  RowBounds r;
+  r.end = static_cast<int>(end);
+  r.begin_count = static_cast<int>(a.force_begin_blocks < end ? a.force_begin_blocks : end);
+  const int64_t window_start = end - a.force_end_blocks;   // may be negative
+  r.tail_start = window_start > r.begin_count ? static_cast<int>(window_start) : r.begin_count;
+  r.width = a.topk < a.num_tiles ? a.topk : a.num_tiles;
+  const int forced = r.begin_count + (r.end - r.tail_start);
+  r.budget = r.width > forced ? r.width - forced : 0;
+  return r;
+}
+
+// Score of block k for query t and output head g (reducing R = H / H_out heads).
+template <int kMode>
+__device__ __forceinline__ float block_score(const TopkSelectArgs& a, int64_t head_stride,
+                                             int g, int heads_per_group, int k, int t) {
+  const float* p = a.max_score + static_cast<int64_t>(g) * heads_per_group * head_stride +
+                   static_cast<int64_t>(k) * a.total_q + t;
+  float v = __ldg(p);
+  if constexpr (kMode != static_cast<int>(HeadReduce::kNone)) {
+    for (int r = 1; r < heads_per_group; ++r) {
+      const float x = __ldg(p + r * head_stride);
+      if constexpr (kMode == static_cast<int>(HeadReduce::kSum)) {
+        v = v + x;
+      } else {
+        v = (v != v || x > v || x != x) ? (v != v ? v : x) : v;   // NaN-propagating max
+      }
+    }
+  }
+  return v;
+}
+
+// Total order of candidates: larger score first, lower id on ties.
+__device__ __forceinline__ bool ranks_before(float x, int xi, float y, int yi) {
+  return x > y || (x == y && xi < yi);
+}
+
+// Sorted (best first) list of up to KCAP candidates; empty slots are (-inf, -1).
+template <int KCAP>
+struct TopList {
+  float score[KCAP];
+  int id[KCAP];
+
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int i = 0; i < KCAP; ++i) {
+      score[i] = -INFINITY;
+      id[i] = -1;
+    }
+  }
+
+  // -inf and NaN never enter: they do not rank before an empty (-inf, -1) slot.
+  __device__ __forceinline__ void offer(float x, int xi) {
+    if (!ranks_before(x, xi, score[KCAP - 1], id[KCAP - 1])) return;
+#pragma unroll
+    for (int i = 0; i < KCAP; ++i) {
+      if (ranks_before(x, xi, score[i], id[i])) {
+        const float ts = score[i];
+        const int ti = id[i];
+        score[i] = x;
+        id[i] = xi;
+        x = ts;
+        xi = ti;
+      }
+    }
+  }
+
+  // Removes the best entry (row kernel).
+  __device__ __forceinline__ void pop_front() {
+#pragma unroll
+    for (int i = 0; i + 1 < KCAP; ++i) {
+      score[i] = score[i + 1];
+      id[i] = id[i + 1];
+    }
+    score[KCAP - 1] = -INFINITY;
+    id[KCAP - 1] = -1;
+  }
+};
+
+// Writes one output row given the selected candidate ids in ascending order (sorted_ids[i],
+// i < selected). Forced ids surround them: [0, begin_count) first, [tail_start, end) after.
+__device__ __forceinline__ void write_forced_and_tail(int32_t* out_row, const RowBounds& r,
+                                                     int selected, int topk) {
+  const int begin_slots = r.begin_count < r.width ? r.begin_count : r.width;
+  for (int p = 0; p < begin_slots; ++p) out_row[p] = p;
+  const int tail_first = r.begin_count + selected;
+  for (int f = r.tail_start; f < r.end; ++f) {
+    const int p = tail_first + (f - r.tail_start);
+    if (p >= r.width) break;
+    out_row[p] = f;
+  }
+  int filled = tail_first + (r.end - r.tail_start);
+  filled = filled < r.width ? filled : r.width;
+  for (int p = filled; p < topk; ++p) out_row[p] = -1;
+}
+
+// Tile kernel: blockDim = 32 * W; lane = query within a tile of 32, warp = K chunk.
+template <int KCAP, int kMode>
+__global__ void __launch_bounds__(kWarp* kMaxTileWarps)
+topk_tile_kernel(TopkSelectArgs a, int heads_per_group, int warps, int k_chunk) {
+  __shared__ float merge_score[KCAP][kWarp];
+  __shared__ int merge_id[KCAP][kWarp];
+  const int lane = threadIdx.x & (kWarp - 1);
+  const int warp = threadIdx.x / kWarp;
+  const int tiles_per_head = (a.total_q + kWarp - 1) / kWarp;
+  const int g = blockIdx.x / tiles_per_head;
+  const int t = (blockIdx.x - g * tiles_per_head) * kWarp + lane;
+  const bool active = t < a.total_q;
+  const int64_t head_stride = static_cast<int64_t>(a.num_tiles) * a.total_q;
+
+  RowBounds r{};
+  TopList<KCAP> list;
+  list.clear();
+  if (active) {
+    r = row_bounds(a, t);
+    int lo = warp * k_chunk;
+    int hi = lo + k_chunk;
+    lo = lo > r.begin_count ? lo : r.begin_count;
+    hi = hi < r.tail_start ? hi : r.tail_start;
+    if (r.budget > 0) {
+      int k = lo;
+      // Eight independent loads in flight per lane before they are ranked.
+      constexpr int kBatch = 8;
+      for (; k + kBatch <= hi; k += kBatch) {
+        float x[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          x[u] = block_score<kMode>(a, head_stride, g, heads_per_group, k + u, t);
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) list.offer(x[u], k + u);
+      }
+      for (; k < hi; ++k) {
+        list.offer(block_score<kMode>(a, head_stride, g, heads_per_group, k, t), k);
+      }
+    }
+  }
+  // Warp 0 absorbs the lists of warps 1..W-1 (in order) through shared memory.
+  for (int w = 1; w < warps; ++w) {
+    if (warp == w) {
+#pragma unroll
+      for (int i = 0; i < KCAP; ++i) {
+        merge_score[i][lane] = list.score[i];
+        merge_id[i][lane] = list.id[i];
+      }
+    }
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+      for (int i = 0; i < KCAP; ++i) list.offer(merge_score[i][lane], merge_id[i][lane]);
+    }
+    __syncthreads();
+  }
+  if (warp != 0 || !active) return;
+
+  // The first `budget` entries are the winners; sort their ids ascending (bitonic network on
+  // registers, empty slots as INT_MAX sink to the end).
+  int ids[KCAP];
+  int selected = 0;
+#pragma unroll
+  for (int i = 0; i < KCAP; ++i) {
+    const bool take = i < r.budget && list.id[i] >= 0;
+    ids[i] = take ? list.id[i] : INT_MAX;
+    selected += take ? 1 : 0;
+  }
+#pragma unroll
+  for (int size = 2; size <= KCAP; size <<= 1) {
+#pragma unroll
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+#pragma unroll
+      for (int i = 0; i < KCAP; ++i) {
+        const int j = i ^ stride;
+        if (j > i) {
+          const int lo_v = min(ids[i], ids[j]);
+          const int hi_v = max(ids[i], ids[j]);
+          const bool ascending = (i & size) == 0;
+          ids[i] = ascending ? lo_v : hi_v;
+          ids[j] = ascending ? hi_v : lo_v;
+        }
+      }
+    }
+  }
+  int32_t* out_row = a.out + (static_cast<int64_t>(t) * a.num_out_heads + g) * a.topk;
+#pragma unroll
+  for (int i = 0; i < KCAP; ++i) {
+    if (i < selected) out_row[r.begin_count + i] = ids[i];
+  }
+  write_forced_and_tail(out_row, r, selected, a.topk);
+}
+
+// Row kernel: one CTA of kRowThreads per (t, g).
+template <int KCAP, int kMode>
+__global__ void __launch_bounds__(kRowThreads)
+topk_row_kernel(TopkSelectArgs a, int heads_per_group) {
+  constexpr int kWarps = kRowThreads / kWarp;
+  __shared__ float best_score[2][kWarps];
+  __shared__ int best_id[2][kWarps];
+  __shared__ int chosen[64];
+  const int t = blockIdx.x % a.total_q;
+  const int g = blockIdx.x / a.total_q;
+  const int lane = threadIdx.x & (kWarp - 1);
+  const int warp = threadIdx.x / kWarp;
+  const int64_t head_stride = static_cast<int64_t>(a.num_tiles) * a.total_q;
+  const RowBounds r = row_bounds(a, t);
+
+  TopList<KCAP> list;
+  list.clear();
+  if (r.budget > 0) {
+    for (int k = r.begin_count + threadIdx.x; k < r.tail_start; k += kRowThreads) {
+      list.offer(block_score<kMode>(a, head_stride, g, heads_per_group, k, t), k);
+    }
+  }
+  int selected = 0;
+  for (; selected < r.budget; ++selected) {   // r is uniform over the CTA
+    float s = list.score[0];
+    int id = list.id[0];
+#pragma unroll
+    for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
+      const float os = __shfl_xor_sync(0xffffffffu, s, offset);
+      const int oi = __shfl_xor_sync(0xffffffffu, id, offset);
+      if (ranks_before(os, oi, s, id)) {
+        s = os;
+        id = oi;
+      }
+    }
+    const int buf = selected & 1;
+    if (lane == 0) {
+      best_score[buf][warp] = s;
+      best_id[buf][warp] = id;
+    }
+    __syncthreads();
+    s = best_score[buf][0];
+    id = best_id[buf][0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) {
+      if (ranks_before(best_score[buf][w], best_id[buf][w], s, id)) {
+        s = best_score[buf][w];
+        id = best_id[buf][w];
+      }
+    }
+    if (id < 0) break;                          // nothing left above -inf (uniform)
+    if (list.id[0] == id) list.pop_front();     // ids are unique: exactly one owner
+    if (threadIdx.x == 0) chosen[selected] = id;
+  }
+  __syncthreads();
+  int32_t* out_row = a.out + (static_cast<int64_t>(t) * a.num_out_heads + g) * a.topk;
+  if (threadIdx.x < selected) {
+    const int mine = chosen[threadIdx.x];
+    int rank = 0;
+    for (int j = 0; j < selected; ++j) rank += chosen[j] < mine ? 1 : 0;
+    out_row[r.begin_count + rank] = mine;
+  }
+  if (threadIdx.x == 0) write_forced_and_tail(out_row, r, selected, a.topk);
+}
+
+template <int KCAP, int kMode>
+cudaError_t launch_with(const TopkSelectArgs& a, int heads_per_group, cudaStream_t stream) {
+  const int64_t tiles_per_head = (a.total_q + kWarp - 1) / kWarp;
+  // Few queries: the tile kernel would leave most lanes idle and run long serial chains.
+  if (a.total_q < 64) {
+    const int64_t blocks = static_cast<int64_t>(a.total_q) * a.num_out_heads;
+    topk_row_kernel<KCAP, kMode><<<static_cast<unsigned>(blocks), kRowThreads, 0, stream>>>(
+        a, heads_per_group);
+    return cudaGetLastError();
+  }
+  int device = 0, sms = 132;
+  MSA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  MSA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  // Split K over more warps only while the grid is too small to fill the GPU (~32 warps/SM),
+  // and keep at least 128 blocks of K per warp.
+  const int64_t blocks = tiles_per_head * a.num_out_heads;
+  int64_t warps = (static_cast<int64_t>(sms) * 32 + blocks - 1) / blocks;
+  const int64_t by_k = (a.num_tiles + 127) / 128;
+  warps = warps < by_k ? warps : by_k;
+  warps = warps < 1 ? 1 : (warps > kMaxTileWarps ? kMaxTileWarps : warps);
+  const int k_chunk = static_cast<int>((a.num_tiles + warps - 1) / warps);
+  topk_tile_kernel<KCAP, kMode><<<static_cast<unsigned>(blocks),
+                                  static_cast<unsigned>(warps * kWarp), 0, stream>>>(
+      a, heads_per_group, static_cast<int>(warps), k_chunk);
+  return cudaGetLastError();
+}
+
+template <int KCAP>
+cudaError_t launch_mode(const TopkSelectArgs& a, int heads_per_group, cudaStream_t stream) {
+  switch (a.head_reduce) {
+    case HeadReduce::kSum:
+      return launch_with<KCAP, static_cast<int>(HeadReduce::kSum)>(a, heads_per_group, stream);
+    case HeadReduce::kMax:
+      return launch_with<KCAP, static_cast<int>(HeadReduce::kMax)>(a, heads_per_group, stream);
+    default:
+      return launch_with<KCAP, static_cast<int>(HeadReduce::kNone)>(a, 1, stream);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_sparse_topk_select(const TopkSelectArgs& a, cudaStream_t stream) {
+  if (a.topk < 1 || a.topk > 64 || a.num_heads < 1 || a.num_out_heads < 1 || a.num_tiles < 0 ||
+      a.total_q < 0 || a.force_begin_blocks < 0 || a.force_end_blocks < 0) {
+    return cudaErrorInvalidValue;
+  }
+  int heads_per_group = 1;
+  if (a.head_reduce != HeadReduce::kNone) {
+    if (a.num_heads % a.num_out_heads != 0) return cudaErrorInvalidValue;
+    heads_per_group = a.num_heads / a.num_out_heads;
+  } else if (a.num_out_heads != a.num_heads) {
+    return cudaErrorInvalidValue;
+  }
+  if (a.total_q == 0) return cudaSuccess;
+  const int width = a.topk < a.num_tiles ? a.topk : a.num_tiles;
+  if (width <= 8) return launch_mode<8>(a, heads_per_group, stream);
+  if (width <= 16) return launch_mode<16>(a, heads_per_group, stream);
+  if (width <= 32) return launch_mode<32>(a, heads_per_group, stream);
+  return launch_mode<64>(a, heads_per_group, stream);
+}
+
+}  // namespace msa

@@ -1,0 +1,98 @@
+"""Compile one kernel variant with fake tensors (no GPU needed), for AOT export or JIT use.
+
+Every size that varies between calls (tokens, heads, pages, batch, work items, topK) is a
+symbolic int, so one compiled variant serves every problem shape. The compiled object uses the
+TVM-FFI calling convention: call it with torch tensors, Python scalars and, last, the CUDA
+stream. The argument order is the one documented in sparse_prefill_sm90.py / combine.py.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+from .combine import SparseCombineSm90
+from .sparse_prefill_sm90 import SparsePrefillSm90
+from .variants import AttentionVariant, CombineVariant
+
+TARGET_ARCH = "sm_90a"
+_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
+
+
+def _tensor(dtype, shape, align=16):
+    """Row-major fake tensor; int entries are static, cute.sym_int() entries are dynamic."""
+    order = tuple(reversed(range(len(shape))))
+    return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
+
+
+def _dyn():
+    return cute.sym_int()
+
+
+def _index(shape):
+    return _tensor(cutlass.Int32, shape, align=4)
+
+
+def attention_args(variant: AttentionVariant):
+    dtype = _DTYPES[variant.dtype]
+    partial = _DTYPES[variant.partial_dtype]
+    hkv, hq, total_q = _dyn(), _dyn(), _dyn()
+    if variant.paged:
+        kv_shape = (_dyn(), hkv, 128, 128)
+    else:
+        kv_shape = (_dyn(), hkv, 128)
+    return [
+        _tensor(dtype, (total_q, hq, 128)),                 # q
+        _tensor(dtype, kv_shape), _tensor(dtype, kv_shape),  # k, v
+        _index((_dyn(),)), _index((_dyn(),)),               # cu_seqlens_q, cu_seqlens_k
+        _index((_dyn(),)),                                  # kv_lens
+        _index((_dyn(), _dyn())),                           # page_table
+        _index((_dyn(), _dyn())), _index((_dyn(), _dyn())),  # k2q_row_ptr, qsplit
+        _index((_dyn(), 6)), _index((1,)),                  # metadata, work_count
+        _tensor(partial, (_dyn(), total_q, hq, 128)),       # o_partial
+        _tensor(cutlass.Float32, (_dyn(), total_q, hq), align=4),   # lse_partial
+        _tensor(cutlass.Float32, (_dyn(), total_q, hq), align=4),   # lse_t_partial
+        cutlass.Float32(1.0), cutlass.Float32(1.0),         # softmax_scale, inv_temperature
+        cutlass.Int32(0), cutlass.Int32(0),                 # causal, want_lse_t
+        make_fake_stream(),
+    ]
+
+
+def combine_args(variant: CombineVariant):
+    partial = _DTYPES[variant.partial_dtype]
+    total_q, hq = _dyn(), _dyn()
+    return [
+        _tensor(partial, (_dyn(), total_q, hq, 128)),       # o_partial
+        _tensor(cutlass.Float32, (_dyn(), total_q, hq), align=4),   # lse_partial
+        _tensor(cutlass.Float32, (_dyn(), total_q, hq), align=4),   # lse_t_partial
+        _index((_dyn(), _dyn())),                           # split_counts
+        _tensor(cutlass.BFloat16, (total_q, hq, 128)),      # out
+        _tensor(cutlass.Float32, (total_q, hq), align=4),   # lse
+        _tensor(cutlass.Float32, (total_q, hq), align=4),   # lse_t
+        cutlass.Int32(0),                                   # want_lse_t
+        make_fake_stream(),
+    ]
+
+
+def compile_variant(variant, *, dump_dir: Optional[str] = None):
+    """cute.compile one variant for sm_90a with the TVM-FFI ABI. With dump_dir, the PTX is kept
+    there (the directory is created: the DSL silently skips a missing one)."""
+    os.environ.setdefault("CUTE_DSL_ARCH", TARGET_ARCH)
+    options = f"--enable-tvm-ffi --gpu-arch={TARGET_ARCH}"
+    if dump_dir is not None:
+        os.makedirs(dump_dir, exist_ok=True)
+        options += f" --keep-ptx --dump-dir={os.path.abspath(dump_dir)}"
+    if isinstance(variant, AttentionVariant):
+        if variant.dtype != "bfloat16":
+            raise NotImplementedError(f"{variant.name}: only bf16 Q/K/V is implemented")
+        kernel = SparsePrefillSm90(variant.qhead_per_kv, variant.paged,
+                                   _DTYPES[variant.partial_dtype])
+        return cute.compile(kernel, *attention_args(variant), options=options)
+    if isinstance(variant, CombineVariant):
+        kernel = SparseCombineSm90(_DTYPES[variant.partial_dtype])
+        return cute.compile(kernel, *combine_args(variant), options=options)
+    raise TypeError(f"variant: unknown kind {type(variant).__name__}")

@@ -1,0 +1,275 @@
+"""Native SM90 sparse prefill (CuTe-DSL kernel + combine) against a float64 reference.
+
+Tolerance (contract §5.1): with O64 the float64 reference (exact per-block partials), the
+native O must satisfy
+    max|O_native - O64| <= 2 * max|O_torchbf16 - O64| + 2e-3
+where O_torchbf16 is the PyTorch reference computed the way a bf16 attention kernel does it:
+fp32 math, unnormalized probabilities rounded to bf16 before P.V (pv_quant_dtype=bf16),
+partials rounded to partial_dtype, output rounded to bf16; 2e-3 is the rounding term (two bf16
+half-ulps at |O| < 0.5). LSE / LSE_T: equal -inf pattern, |diff| <= 1e-3 + 1e-3 |LSE64|.
+Every buffer the kernels write is poisoned with NaN first (the kernel allocates; the wrapper's
+POISON_BUFFERS_FOR_TESTS hook fills them).
+
+The schedule test at the bottom runs on CPU: the device-side schedule builder must equal the
+reference builder exactly.
+
+Benchmark mode (GPU): python tests/test_sparse_prefill_gpu.py --bench
+"""
+
+import math
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+if __name__ == "__main__":   # benchmark mode: import the package from the source tree
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                    "torch-ext"))
+import msa
+from msa import _backend
+from msa.interface import check_sparse_atten_args
+from msa.reference.sparse_attention import make_kv_source, sparse_attention_csr
+
+BLOCK = 128
+HKV = 2
+
+
+def _native_module():
+    from msa._native import sparse_prefill_sm90
+    return sparse_prefill_sm90
+
+
+def _random_lengths(batch, gen, causal):
+    """k_len not a multiple of 128; q_len <= k_len (prefill / append)."""
+    k_lens, q_lens = [], []
+    for _ in range(batch):
+        k = int(torch.randint(700, 4200, (1,), generator=gen))
+        if k % BLOCK == 0:
+            k += 37
+        q = int(torch.randint(1, k + 1, (1,), generator=gen)) if causal else \
+            int(torch.randint(1, 1500, (1,), generator=gen))
+        k_lens.append(k)
+        q_lens.append(q)
+    return q_lens, k_lens
+
+
+def _random_q2k(q_lens, k_lens, topk, causal, gen, unselected_block=1):
+    """[HKV, total_q, topK]: per (query, head) up to topK distinct visible blocks, sorted, -1
+    padded (sometimes a -1 in the middle); block `unselected_block` is never selected."""
+    rows = []
+    for ql, kl in zip(q_lens, k_lens):
+        n_blocks = -(-kl // BLOCK)
+        for i in range(ql):
+            last = (i + kl - ql) // BLOCK if causal else n_blocks - 1
+            for _h in range(HKV):
+                cand = torch.randperm(last + 1, generator=gen)
+                cand = cand[cand != unselected_block][:topk]
+                sel = torch.full((topk,), -1, dtype=torch.int32)
+                sel[: cand.numel()] = torch.sort(cand).values.to(torch.int32)
+                if cand.numel() >= 3 and int(torch.randint(0, 4, (1,), generator=gen)) == 0:
+                    sel = torch.cat([sel[:1], torch.tensor([-1], dtype=torch.int32),
+                                     sel[1:-1]])           # a -1 inside the row
+                rows.append(sel)
+    q2k = torch.stack(rows).view(-1, HKV, topk).permute(1, 0, 2).contiguous()
+    return q2k
+
+
+def _make_problem(g, topk, paged, causal, gen, device):
+    q_lens, k_lens = _random_lengths(3, gen, causal)
+    hq = g * HKV
+    cu_q = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(k_lens).cumsum(0)), dtype=torch.int32)
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    q = torch.randn(total_q, hq, 128, generator=gen).to(torch.bfloat16)
+    k = torch.randn(total_k, HKV, 128, generator=gen).to(torch.bfloat16)
+    v = torch.randn(total_k, HKV, 128, generator=gen).to(torch.bfloat16)
+    q2k = _random_q2k(q_lens, k_lens, topk, causal, gen)
+    extra = dict(page_table=None, seqused_k=None)
+    if paged:
+        n_pages = [-(-kl // BLOCK) for kl in k_lens]
+        width = max(n_pages) + 1
+        perm = torch.randperm(sum(n_pages) + 3, generator=gen)    # shuffled, spare pages
+        pages_k = torch.randn(perm.numel(), HKV, BLOCK, 128, generator=gen).to(torch.bfloat16)
+        pages_v = torch.randn(perm.numel(), HKV, BLOCK, 128, generator=gen).to(torch.bfloat16)
+        table = torch.full((3, width), -1, dtype=torch.int32)
+        used = 0
+        for b, (kl, npg) in enumerate(zip(k_lens, n_pages)):
+            for beta in range(npg):
+                page = int(perm[used]); used += 1
+                table[b, beta] = page
+                n = min(BLOCK, kl - beta * BLOCK)
+                t0 = int(cu_k[b]) + beta * BLOCK
+                pages_k[page, :, :n] = k[t0:t0 + n].transpose(0, 1)
+                pages_v[page, :, :n] = v[t0:t0 + n].transpose(0, 1)
+        k, v = pages_k, pages_v
+        extra = dict(page_table=table.to(device),
+                     seqused_k=torch.tensor(k_lens, dtype=torch.int32, device=device))
+    to = lambda t: t.to(device)
+    return dict(q=to(q), k=to(k), v=to(v), q2k=to(q2k), cu_q=to(cu_q), cu_k=to(cu_k),
+                max_q=max(q_lens), max_k=max(k_lens), total_k=total_k, **extra)
+
+
+def _float64_reference(p, row_ptr, q_idx, causal, scale, temperature):
+    kv = make_kv_source(p["k"], p["v"], p["cu_k"], p["page_table"], p["seqused_k"])
+    return sparse_attention_csr(p["q"], kv, row_ptr, q_idx, cu_seqlens_q=p["cu_q"],
+                                causal=causal, softmax_scale=scale,
+                                partial_dtype=torch.float64,
+                                lse_temperature_scale=temperature, compute_dtype=torch.float64)
+
+
+def _check_lse(name, got, want):
+    want = want.to(got.device)
+    inf_got, inf_want = torch.isinf(got), torch.isinf(want)
+    assert torch.equal(inf_got, inf_want), f"{name}: -inf pattern differs"
+    assert not torch.isnan(got).any(), f"{name}: NaN"
+    fin = ~inf_want
+    diff = (got[fin].double() - want[fin]).abs()
+    bound = 1e-3 + 1e-3 * want[fin].abs()
+    assert bool((diff <= bound).all()), f"{name}: max diff {diff.max().item():.3e}"
+
+
+CASES = [(g, paged, causal, partial)
+         for g in (1, 2, 4, 8, 16) for paged in (False, True) for causal in (False, True)
+         for partial in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("g,paged,causal,partial_dtype", CASES)
+def test_sparse_prefill_native_matches_float64(g, paged, causal, partial_dtype, seed,
+                                               monkeypatch):
+    monkeypatch.setattr(_native_module(), "POISON_BUFFERS_FOR_TESTS", True)
+    case = CASES.index((g, paged, causal, partial_dtype))
+    topk = (4, 8, 16, 32)[case % 4]
+    temperature = 2.0 if case % 3 else 1.0
+    with_schedule = case % 2 == 0
+    gen = torch.Generator().manual_seed(seed)
+    device = torch.device("cuda")
+    p = _make_problem(g, topk, paged, causal, gen, device)
+    built = msa.build_k2q_csr(p["q2k"], p["cu_q"], p["cu_k"], BLOCK, total_k=p["total_k"],
+                              max_seqlen_k=p["max_k"], max_seqlen_q=p["max_q"],
+                              qhead_per_kv=g, return_schedule=with_schedule)
+    row_ptr, q_idx = built[0], built[1]
+    schedule = built[2] if with_schedule else None
+    scale = 0.9 / math.sqrt(128)
+    monkeypatch.setenv("MSA_BACKEND", "native")       # raise instead of falling back
+    out, lse, lse_t = msa.sparse_atten_func(
+        p["q"], p["k"], p["v"], row_ptr, q_idx, topk, cu_seqlens_q=p["cu_q"],
+        cu_seqlens_k=p["cu_k"], max_seqlen_q=p["max_q"], max_seqlen_k=p["max_k"],
+        causal=causal, softmax_scale=scale, lse_temperature_scale=temperature,
+        return_temperature_lse=True, partial_dtype=partial_dtype, return_softmax_lse=True,
+        page_table=p["page_table"], seqused_k=p["seqused_k"], schedule=schedule)
+    torch.cuda.synchronize()
+    monkeypatch.delenv("MSA_BACKEND")
+    assert _backend.last_backend("sparse_atten") == "sm90"
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    if temperature == 1.0:
+        assert lse_t is lse
+
+    o64, lse64, lse_t64 = _float64_reference(p, row_ptr, q_idx, causal, scale, temperature)
+    kv = make_kv_source(p["k"], p["v"], p["cu_k"], p["page_table"], p["seqused_k"])
+    ref_out, _, _ = sparse_attention_csr(p["q"], kv, row_ptr, q_idx, cu_seqlens_q=p["cu_q"],
+                                         causal=causal, softmax_scale=scale,
+                                         partial_dtype=partial_dtype,
+                                         pv_quant_dtype=torch.bfloat16)
+    ref_err = (ref_out.to(torch.bfloat16).double() - o64).abs().max().item()
+    assert not torch.isnan(out).any(), "O has NaN (unwritten or empty rows)"
+    err = (out.double() - o64).abs().max().item()
+    print(f"G={g} paged={paged} causal={causal} partial={partial_dtype} topK={topk} "
+          f"T={temperature} schedule={with_schedule}: max|O-O64|={err:.3e} "
+          f"reference bf16 {ref_err:.3e}")
+    assert err <= 2 * ref_err + 2e-3
+    empty = torch.isinf(lse64)
+    if empty.any():
+        assert (out[empty.to(out.device)] == 0).all(), "empty rows must give O = 0"
+    _check_lse("LSE", lse, lse64)
+    _check_lse("LSE_T", lse_t, lse_t64)
+
+
+def test_device_schedule_matches_reference_builder(seed):
+    """CPU: build_schedule_on_device == prepare_sparse_fwd_schedule_and_split (exactly)."""
+    gen = torch.Generator().manual_seed(seed)
+    for g, topk, causal in ((16, 8, True), (1, 4, False)):
+        p = _make_problem(g, topk, False, causal, gen, torch.device("cpu"))
+        row_ptr, q_idx, ref = msa.build_k2q_csr(
+            p["q2k"], p["cu_q"], p["cu_k"], BLOCK, total_k=p["total_k"],
+            max_seqlen_k=p["max_k"], max_seqlen_q=p["max_q"], qhead_per_kv=g,
+            return_schedule=True)
+        call = check_sparse_atten_args(
+            p["q"], p["k"], p["v"], row_ptr, q_idx, topk, cu_seqlens_q=p["cu_q"],
+            cu_seqlens_k=p["cu_k"], max_seqlen_q=p["max_q"], max_seqlen_k=p["max_k"],
+            blk_kv=BLOCK, causal=causal, softmax_scale=None, lse_temperature_scale=1.0,
+            return_temperature_lse=False, partial_dtype=torch.float32,
+            return_softmax_lse=False, page_table=None, seqused_k=None, schedule=None,
+            usable_SM_count=-1, qk_dtype=None, pv_dtype=None, kv_dtypes=(torch.bfloat16,),
+            kv_last_dim=128)
+        mine = _native_module().build_schedule_on_device(call)
+        n = int(ref.work_count[0])
+        assert int(mine.work_count[0]) == n
+        assert mine.target_q_per_cta == ref.target_q_per_cta
+        assert torch.equal(mine.scheduler_metadata[:n], ref.scheduler_metadata[:n])
+        assert torch.equal(mine.split_counts, ref.split_counts)
+        used = int(row_ptr[:, -1].max())
+        for h in range(HKV):
+            end = int(row_ptr[h, -1])
+            assert torch.equal(mine.qsplit_indices[h, :end], ref.qsplit_indices[h, :end])
+        assert used > 0
+
+
+def _bench(seq=32768, hq=64, hkv=4, topk=16, iters=10):
+    """Times native sparse prefill (M3 shape, causal, one request) and prints the floors."""
+    device = torch.device("cuda")
+    g = hq // hkv
+    torch.manual_seed(0)
+    q = torch.randn(seq, hq, 128, device=device, dtype=torch.bfloat16)
+    k = torch.randn(seq, hkv, 128, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    qb = torch.arange(seq, device=device) // BLOCK
+    # Own block + the (topK-1) most recent earlier blocks (ascending; -1 where absent).
+    offs = torch.arange(topk, device=device)
+    sel = qb.view(-1, 1) - offs.flip(0).view(1, -1)
+    sel = torch.where(sel >= 0, sel, torch.full_like(sel, -1)).to(torch.int32)
+    q2k = sel.view(1, seq, topk).expand(hkv, -1, -1).contiguous()
+    cu = torch.tensor([0, seq], dtype=torch.int32, device=device)
+    row_ptr, q_idx = msa.build_k2q_csr(q2k, cu, cu, BLOCK, total_k=seq, max_seqlen_k=seq,
+                                       max_seqlen_q=seq, qhead_per_kv=g)
+    sched = None
+
+    def call(partial):
+        return msa.sparse_atten_func(q, k, v, row_ptr, q_idx, topk, cu_seqlens_q=cu,
+                                     cu_seqlens_k=cu, max_seqlen_q=seq, max_seqlen_k=seq,
+                                     causal=True, partial_dtype=partial, schedule=sched)
+    t0 = time.time()
+    call(torch.bfloat16)
+    torch.cuda.synchronize()
+    print(f"N={seq}: first call (schedule built on device, kernel load) {time.time() - t0:.2f} s")
+    from msa.interface import check_sparse_atten_args as _check
+    full = _check(q, k, v, row_ptr, q_idx, topk, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                  max_seqlen_q=seq, max_seqlen_k=seq, blk_kv=BLOCK, causal=True,
+                  softmax_scale=None, lse_temperature_scale=1.0, return_temperature_lse=False,
+                  partial_dtype=torch.bfloat16, return_softmax_lse=False, page_table=None,
+                  seqused_k=None, schedule=None, usable_SM_count=-1, qk_dtype=None,
+                  pv_dtype=None, kv_dtypes=(torch.bfloat16,), kv_last_dim=128)
+    torch.cuda.synchronize()
+    t0 = time.time()
+    sched = _native_module().build_schedule_on_device(full)
+    torch.cuda.synchronize()
+    print(f"N={seq}: device schedule build {1e3 * (time.time() - t0):.2f} ms")
+    pairs = int((q2k[0] >= 0).sum()) * BLOCK - seq * (BLOCK - 1) // 2   # approx visible pairs
+    flops = 4 * 128 * hq * pairs
+    for partial in (torch.bfloat16, torch.float32):
+        call(partial); torch.cuda.synchronize()
+        t0 = time.time()
+        for _ in range(iters):
+            call(partial)
+        torch.cuda.synchronize()
+        ms = (time.time() - t0) / iters * 1e3
+        print(f"N={seq} partial={partial}: {ms:.2f} ms, {flops / ms / 1e9:.1f} TFLOP/s "
+              f"(backend {_backend.last_backend('sparse_atten')})", flush=True)
+
+
+if __name__ == "__main__" and "--bench" in sys.argv:
+    for n in (8192, 32768, 65536, 131072):
+        _bench(seq=n)

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Compile every csrc/*.cu for Hopper (sm_90a) into an object file, without torch, and print the
+# ptxas resource usage (registers, spills, shared memory). Fails on the first compile error.
+#
+#   tools/check_csrc.sh                 # sm_90a
+#   MSA_CHECK_ARCHS="90a 100a" tools/check_csrc.sh
+#
+# The .cu files must not include torch headers (only torch-ext/torch_binding.cpp does); this
+# check enforces that. Skips with exit 0 when nvcc is not installed (CPU-only CI images).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+NVCC="${NVCC:-$(command -v nvcc || true)}"
+if [[ -z "${NVCC}" && -x /usr/local/cuda/bin/nvcc ]]; then
+  NVCC=/usr/local/cuda/bin/nvcc
+fi
+if [[ -z "${NVCC}" ]]; then
+  echo "check_csrc: nvcc not found; skipping" >&2
+  exit 0
+fi
+
+ARCHS="${MSA_CHECK_ARCHS:-90a}"
+OUT_DIR="$(mktemp -d)"
+trap 'rm -rf "${OUT_DIR}"' EXIT
+
+if grep -nE '#\s*include\s*[<"](torch|ATen|c10)/' "${ROOT}"/csrc/*.cu "${ROOT}"/csrc/*.cuh; then
+  echo "check_csrc: csrc/ must not include torch headers (only torch-ext/torch_binding.cpp may)" >&2
+  exit 1
+fi
+
+gencode=()
+for arch in ${ARCHS}; do
+  gencode+=("-gencode" "arch=compute_${arch},code=sm_${arch}")
+done
+
+status=0
+for src in "${ROOT}"/csrc/*.cu; do
+  name="$(basename "${src}" .cu)"
+  echo "== ${name}.cu (${ARCHS})"
+  log="${OUT_DIR}/${name}.log"
+  if ! "${NVCC}" -std=c++17 -O3 -lineinfo -Xptxas -v -Werror all-warnings \
+      -I"${ROOT}/csrc" -I"${ROOT}/torch-ext" "${gencode[@]}" \
+      -c "${src}" -o "${OUT_DIR}/${name}.o" >"${log}" 2>&1; then
+    cat "${log}" >&2
+    echo "check_csrc: ${name}.cu FAILED" >&2
+    status=1
+    continue
+  fi
+  # One line per kernel: demangled name, registers, shared memory, spills.
+  awk '
+    /Compiling entry function/ { match($0, /\047[^\047]+\047/); fn = substr($0, RSTART + 1, RLENGTH - 2) }
+    /bytes spill stores/ { spill = $0; sub(/^ +/, "", spill) }
+    /Used [0-9]+ registers/ { sub(/^ptxas info +: +/, ""); printf "%s\t%s | %s\n", fn, $0, spill }
+  ' "${log}" | c++filt -p | awk -F'\t' '{ printf "  %-60.60s %s\n", $1, $2 }'
+  if grep -qE '[1-9][0-9]* bytes spill (stores|loads)' "${log}"; then
+    echo "  note: register spills above" >&2
+  fi
+done
+exit "${status}"

@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Compile every shipped CuTe-DSL kernel variant ahead of time for sm_90a (no GPU needed).
+
+For each variant of cute_kernels.variants.shipped_variants(): cute.compile with fake tensors and
+the TVM-FFI ABI, export_to_c, link into `<name>.so`, and record it in `manifest.json`. The output
+directory (default .artifacts/, git-ignored) is what tools/build_variant.py --cute-artifacts
+copies into `<variant>/_artifacts/`, and what MSA_CUTE_ARTIFACTS points the runtime at.
+
+  python tools/compile_cute.py                 # all variants -> .artifacts/
+  python tools/compile_cute.py --check         # + ptxas -v on the PTX; fail on any spill
+  python tools/compile_cute.py --only g16 --no-export --check   # quick CI-style check
+
+Exit status 1 if any variant fails to compile or (with --check) spills registers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+MANIFEST_FORMAT = 1
+
+
+def preload_runtime() -> None:
+    """export_to_c resolves CUDA runtime symbols while dumping the object: load the DSL runtime
+    libraries globally first (otherwise 'Symbols not found: _cudaLibraryLoadData ...')."""
+    import cutlass.cute as cute
+    for path in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+
+
+def find_ptxas() -> str:
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    for candidate in ("/usr/local/cuda/bin/ptxas",):
+        if os.path.exists(candidate):
+            return candidate
+    try:
+        import triton  # the triton wheel bundles a ptxas
+        candidate = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    raise FileNotFoundError("ptxas not found (install the CUDA toolkit or set PATH)")
+
+
+def ptxas_report(ptx: Path, arch: str = "sm_90a") -> dict:
+    """Registers and spill bytes of every entry in `ptx` (max over entries)."""
+    proc = subprocess.run([find_ptxas(), f"-arch={arch}", "-v", str(ptx), "-o", os.devnull],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ptxas failed on {ptx.name}:\n{proc.stderr[-2000:]}")
+    text = proc.stderr + proc.stdout
+    spills = [int(a) + int(b) for a, b in
+              re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)]
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", text)]
+    return {"registers": max(regs, default=0), "spill_bytes": max(spills, default=0)}
+
+
+def link_shared_object(obj: Path, out: Path) -> None:
+    import cutlass.cute as cute
+    libs = cute.runtime.find_runtime_libraries(enable_tvm_ffi=True)
+    cc = shutil.which("gcc") or shutil.which("cc") or "gcc"
+    subprocess.run([cc, "-shared", "-o", str(out), str(obj), *libs], check=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(ROOT / ".artifacts"), help="output directory")
+    parser.add_argument("--check", action="store_true",
+                        help="run ptxas -v on each PTX and fail on register spills")
+    parser.add_argument("--only", action="append", default=[],
+                        help="compile only variants whose name contains this (repeatable)")
+    parser.add_argument("--no-export", action="store_true",
+                        help="compile (and check) only; write no .so / manifest")
+    args = parser.parse_args(argv)
+
+    sys.path.insert(0, str(ROOT))
+    import cutlass
+    from cute_kernels.build import TARGET_ARCH, compile_variant
+    from cute_kernels.variants import shipped_variants
+
+    variants = [v for v in shipped_variants()
+                if not args.only or any(s in v.name for s in args.only)]
+    if not variants:
+        print("no variant matches --only", file=sys.stderr)
+        return 1
+    out_dir = Path(args.out)
+    if not args.no_export:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        preload_runtime()
+    manifest = {"format": MANIFEST_FORMAT, "arch": TARGET_ARCH,
+                "cutlass_dsl_version": getattr(cutlass, "__version__", "unknown"),
+                "abi": "tvm-ffi", "variants": {}}
+    rows, failures = [], 0
+    with tempfile.TemporaryDirectory(prefix="msa_cute_") as tmp:
+        for variant in variants:
+            name = variant.name
+            dump = Path(tmp) / name
+            t0 = time.time()
+            row = {"name": name, "seconds": 0.0, "registers": "-", "spill_bytes": "-",
+                   "status": "ok"}
+            try:
+                compiled = compile_variant(variant, dump_dir=str(dump) if args.check else None)
+                if args.check:
+                    ptx = sorted(dump.glob("*.ptx"))
+                    if not ptx:
+                        raise RuntimeError("no PTX was kept")
+                    report = ptxas_report(ptx[0])
+                    row.update(report)
+                    if report["spill_bytes"] > 0:
+                        row["status"] = "SPILL"
+                        failures += 1
+                if not args.no_export:
+                    obj = Path(tmp) / f"{name}.o"
+                    compiled.export_to_c(str(obj), function_name=name)
+                    link_shared_object(obj, out_dir / f"{name}.so")
+                    manifest["variants"][name] = {
+                        "file": f"{name}.so", "function": name,
+                        "kind": type(variant).__name__, **variant.__dict__}
+            except Exception as exc:  # report every variant, fail at the end
+                row["status"] = f"ERROR: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                failures += 1
+            row["seconds"] = round(time.time() - t0, 1)
+            rows.append(row)
+            print(f"{name:<48} {row['seconds']:>6}s regs={row['registers']} "
+                  f"spill={row['spill_bytes']} {row['status']}", flush=True)
+    if not args.no_export:
+        (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    print(f"\n{len(rows)} variants, {failures} failed"
+          + ("" if args.no_export else f"; artifacts in {out_dir}"))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

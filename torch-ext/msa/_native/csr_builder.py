@@ -1,0 +1,88 @@
+"""Native k2q CSR builder (csrc/build_k2q_csr.cu), registered as ("build_k2q_csr", sm90/sm100).
+
+The CUDA ops ``run_build_k2q_csr`` and ``run_build_k2q_csr_with_schedule`` produce outputs
+bit-identical to :func:`msa.interface._build_k2q_csr_reference` (CSR) and
+:func:`msa.src.sm100.prepare_scheduler.prepare_sparse_fwd_schedule_and_split` (schedule). They
+take every size from host hints, so a call never synchronizes and can be captured in a CUDA
+graph. Importing this module does not touch CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _backend
+from ..src.sm100.prepare_scheduler import (METADATA_COLUMNS, SLOT_SHIFT, SparseAttentionSchedule,
+                                           schedule_capacity, target_q_per_cta)
+
+try:
+    from .._ops import HAS_COMPILED_OPS, ops
+except ImportError:   # source tree: no compiled extension
+    ops, HAS_COMPILED_OPS = None, False
+
+OP_NAME = "build_k2q_csr"
+KV_BLOCK = 128
+
+
+def supports(**_features) -> Optional[str]:
+    """None when the compiled ops can serve the call, else the reason they cannot."""
+    if not HAS_COMPILED_OPS or ops is None:
+        return "the compiled msa CUDA ops (_msa_cuda_*.so) are not built into this package"
+    if not hasattr(ops, "run_build_k2q_csr_with_schedule"):
+        return "the compiled msa CUDA ops lack run_build_k2q_csr"
+    return None
+
+
+def run(call):
+    """Build the k2q CSR (and the schedule when ``call.return_schedule``) on the GPU.
+
+    Args:
+      call: a validated :class:`msa.interface.K2qCsrCall` (q2k [Hkv, total_q, topK] int32,
+        cu_seqlens_q/k [B+1] int32, host hints total_rows, max_kv_blocks, max_seqlen_q).
+
+    Returns (k2q_row_ptr [Hkv, total_rows+1], k2q_q_indices [Hkv, total_q*topK]) int32, plus a
+    :class:`SparseAttentionSchedule` when ``call.return_schedule``. Every output element is
+    written by the kernels (the q-index tail past row_ptr[h, -1] is -1, like the reference), so
+    the buffers are allocated uninitialized.
+    """
+    q2k = call.q2k_indices
+    hkv, total_q, topk = q2k.shape
+    device = q2k.device
+    row_ptr = torch.empty(hkv, call.total_rows + 1, dtype=torch.int32, device=device)
+    q_idx = torch.empty(hkv, total_q * topk, dtype=torch.int32, device=device)
+    if not call.return_schedule:
+        ops.run_build_k2q_csr(q2k, call.cu_seqlens_q, call.cu_seqlens_k, row_ptr, q_idx, topk,
+                              KV_BLOCK, call.total_rows, call.max_kv_blocks)
+        return row_ptr, q_idx
+
+    max_seqlen_q = int(call.max_seqlen_q)
+    if max_seqlen_q >= 1 << SLOT_SHIFT:   # the reference's error, same class and message
+        raise ValueError(f"max_seqlen_q: packed query ids need < 2^24, got {max_seqlen_q}")
+    if total_q >= (1 << SLOT_SHIFT) - 1:
+        # The kernel packs q_local and the slot into one int32 while sorting; this size is far
+        # beyond any prefill, so the (slow, synchronizing) reference serves it.
+        from ..interface import _build_k2q_csr_reference
+        return _build_k2q_csr_reference(call)
+    target = target_q_per_cta(total_q=total_q, topk=topk, blk_kv=KV_BLOCK, head_kv=hkv,
+                              qhead_per_kv=call.qhead_per_kv, device=device,
+                              usable_SM_count=call.usable_SM_count)
+    capacity = schedule_capacity(total_rows=call.total_rows, total_q=total_q, topk=topk,
+                                 head_kv=hkv, target_q_per_cta=target)
+    metadata = torch.empty(capacity, METADATA_COLUMNS, dtype=torch.int32, device=device)
+    work_count = torch.empty(1, dtype=torch.int32, device=device)
+    qsplit = torch.empty_like(q_idx)
+    split_counts = torch.empty(total_q, hkv, dtype=torch.int32, device=device)
+    ops.run_build_k2q_csr_with_schedule(
+        q2k, call.cu_seqlens_q, call.cu_seqlens_k, row_ptr, q_idx, topk, KV_BLOCK,
+        call.total_rows, call.max_kv_blocks, metadata, work_count, qsplit, split_counts, target,
+        capacity, max_seqlen_q)
+    schedule = SparseAttentionSchedule(enabled=True, scheduler_metadata=metadata,
+                                       work_count=work_count, qsplit_indices=qsplit,
+                                       split_counts=split_counts, target_q_per_cta=target)
+    return row_ptr, q_idx, schedule
+
+
+for _arch in ("sm90", "sm100"):
+    _backend.register_native(OP_NAME, _arch, run, supports)

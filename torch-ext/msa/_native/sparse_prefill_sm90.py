@@ -1,0 +1,193 @@
+"""Native SM90 sparse prefill: the CuTe-DSL KV-outer attention kernel plus its combine.
+
+``run(call)`` takes a validated :class:`msa.interface.SparseAttentionCall` and launches two
+kernels on q's device and current stream, with no host synchronization:
+
+1. attention (cute_kernels/sparse_prefill_sm90.py): one CTA per schedule work item writes the
+   per-block partials O_partial [topK, total_q, Hq, 128] (fp32 or bf16) and LSE_partial
+   [topK, total_q, Hq] (plus LSE_T_partial when a temperature LSE is requested);
+2. combine (cute_kernels/combine.py): log-sum-exp merge into O bf16 [total_q, Hq, 128] and
+   LSE fp32 [total_q, Hq].
+
+When the call carries no schedule it is built here on the device with tensor ops
+(:func:`build_schedule_on_device`), so the path stays capture-safe.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .. import _backend
+from ..src.sm100.prepare_scheduler import (SLOT_SHIFT, SparseAttentionSchedule,
+                                          schedule_capacity, target_q_per_cta)
+from . import cute_runtime
+
+KV_BLOCK = 128
+# Tests set this to fill every buffer the kernels write with NaN first (catches unwritten rows).
+POISON_BUFFERS_FOR_TESTS = False
+_SUPPORTED_G = (1, 2, 4, 8, 16)
+_PARTIAL_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def _variant_names(qhead_per_kv: int, paged: bool, partial_dtype: torch.dtype) -> Tuple[str, str]:
+    """(attention, combine) artifact names; must match cute_kernels.variants."""
+    short = {"float32": "f32", "bfloat16": "bf16"}[_PARTIAL_NAMES[partial_dtype]]
+    layout = "paged" if paged else "dense"
+    return (f"sparse_prefill_sm90_bfloat16_g{qhead_per_kv}_{layout}_p{short}",
+            f"sparse_combine_sm90_p{short}")
+
+
+def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=False,
+             causal=False, qhead_per_kv=None, topk=None, partial_dtype=None, nvfp4=False,
+             **_ignored) -> Optional[str]:
+    """None if the native kernel serves a call with these features, else the reason."""
+    if nvfp4:
+        return "NVFP4 K/V is not native on sm90 yet"
+    if q_dtype != torch.bfloat16 or k_dtype != torch.bfloat16 or v_dtype != torch.bfloat16:
+        return f"q/k/v dtypes {q_dtype}/{k_dtype}/{v_dtype}: only all-bf16 is native on sm90 yet"
+    if pv_dtype not in (None, torch.bfloat16):
+        return f"pv_dtype {pv_dtype} is not native on sm90"
+    if partial_dtype not in _PARTIAL_NAMES:
+        return f"partial_dtype {partial_dtype} is not native on sm90 (float32, bfloat16 are)"
+    if qhead_per_kv not in _SUPPORTED_G:
+        return f"qhead_per_kv {qhead_per_kv} is not native"
+    return cute_runtime.unavailable_reason(*_variant_names(qhead_per_kv, bool(paged),
+                                                           partial_dtype))
+
+
+def run(call) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Returns (O bf16 [total_q, Hq, 128], LSE fp32 [total_q, Hq] or None, LSE_T or None);
+    every output is freshly allocated."""
+    q, k, v = call.q, call.k, call.v
+    device = q.device
+    total_q, num_heads, head_dim = q.shape
+    want_lse_t = call.want_temperature_lse and not call.temperature_is_one
+    out = torch.empty(total_q, num_heads, head_dim, dtype=torch.bfloat16, device=device)
+    lse = torch.empty(total_q, num_heads, dtype=torch.float32, device=device)
+    lse_t = torch.empty_like(lse) if want_lse_t else lse
+    if total_q == 0:
+        return out, (lse if call.want_lse else None), (lse_t if want_lse_t else None)
+
+    schedule = call.schedule
+    if schedule is None:
+        schedule = build_schedule_on_device(call)
+    attention_name, combine_name = _variant_names(call.qhead_per_kv, call.paged,
+                                                  call.partial_dtype)
+    batch = call.cu_seqlens_q.numel() - 1
+    cu_k = call.cu_seqlens_k
+    if call.paged:
+        if call.seqused_k is not None:
+            kv_lens = call.seqused_k
+        else:  # upstream quirk D11: the whole table width counts as the length
+            kv_lens = torch.full((batch,), call.page_table.shape[1] * KV_BLOCK,
+                                 dtype=torch.int32, device=device)
+        page_table = call.page_table.contiguous()
+    else:
+        kv_lens = (cu_k[1:] - cu_k[:-1]).contiguous()
+        page_table = kv_lens.view(batch, 1)          # unused by the dense variant
+    o_partial = torch.empty(call.topk, total_q, num_heads, head_dim, dtype=call.partial_dtype,
+                            device=device)
+    lse_partial = torch.empty(call.topk, total_q, num_heads, dtype=torch.float32, device=device)
+    lse_t_partial = torch.empty_like(lse_partial) if want_lse_t else lse_partial
+    if POISON_BUFFERS_FOR_TESTS:
+        for buffer in (o_partial, lse_partial, lse_t_partial, out, lse, lse_t):
+            buffer.fill_(float("nan"))
+    cute_runtime.launch(
+        attention_name, device, q, k, v, call.cu_seqlens_q, cu_k, kv_lens, page_table,
+        call.k2q_row_ptr, schedule.qsplit_indices, schedule.scheduler_metadata,
+        schedule.work_count, o_partial, lse_partial, lse_t_partial, float(call.softmax_scale),
+        1.0 / float(call.lse_temperature_scale), int(call.causal), int(want_lse_t))
+    cute_runtime.launch(
+        combine_name, device, o_partial, lse_partial, lse_t_partial, schedule.split_counts,
+        out, lse, lse_t, int(want_lse_t))
+    return out, (lse if call.want_lse else None), (lse_t if want_lse_t else None)
+
+
+def build_schedule_on_device(call) -> SparseAttentionSchedule:
+    """A complete schedule for the call's k2q CSR, built with tensor ops on the CSR's device
+    (no host synchronization; sizes come from host-known bounds).
+
+    Work items are (row, head, chunk) ordered like the reference builder: each (KV head, CSR
+    row) is cut into chunks of target_q_per_cta queries. Slots number a (query, KV head)'s
+    entries in CSR row order. Entries whose query id is out of range for the request get -1
+    and no slot. metadata rows past work_count are never read (the grid is the capacity and
+    CTAs past work_count exit).
+    """
+    row_ptr = call.k2q_row_ptr
+    q_idx = call.k2q_q_indices
+    device = row_ptr.device
+    hkv, n_entries = q_idx.shape
+    total_rows = row_ptr.shape[1] - 1
+    total_q = call.q.shape[0]
+    topk = call.topk
+    target = target_q_per_cta(total_q=total_q, topk=topk, blk_kv=KV_BLOCK, head_kv=hkv,
+                              qhead_per_kv=call.qhead_per_kv, device=device,
+                              usable_SM_count=call.usable_SM_count)
+    capacity = schedule_capacity(total_rows=total_rows, total_q=total_q, topk=topk,
+                                 head_kv=hkv, target_q_per_cta=target)
+    i64 = torch.int64
+    cu_q = call.cu_seqlens_q.to(i64)
+    cu_k = call.cu_seqlens_k.to(i64)
+    batch = cu_q.numel() - 1
+    max_blocks = -(-max(call.max_seqlen_k, KV_BLOCK) // KV_BLOCK)
+
+    # Owner (request b, block beta) of every packed CSR row (round-robin over requests).
+    rows_b = (cu_k[1:] - cu_k[:-1] + KV_BLOCK - 1) // KV_BLOCK                     # [B]
+    betas = torch.arange(max_blocks + 1, device=device, dtype=i64)
+    rows_before = torch.minimum(rows_b.view(1, -1), betas.view(-1, 1)).sum(1)      # [beta+1]
+    r_all = torch.arange(total_rows, device=device, dtype=i64)
+    row_beta = (torch.searchsorted(rows_before, r_all, right=True) - 1).clamp(0, max_blocks - 1)
+    rank = r_all - rows_before[row_beta]
+    has_block = (rows_b.view(1, -1) > betas[:max_blocks].view(-1, 1)).to(i64)      # [beta, B]
+    nth = has_block.cumsum(1)[row_beta]                                            # [rows, B]
+    row_batch = (nth <= rank.view(-1, 1)).sum(1).clamp_max(max(batch - 1, 0))
+    row_exists = r_all < rows_before[-1]
+
+    # Work items: chunks of each (row, head), flattened in (row, head) order.
+    counts = (row_ptr[:, 1:] - row_ptr[:, :-1]).to(i64).clamp_min(0)               # [H, rows]
+    counts = torch.where(row_exists.view(1, -1), counts, torch.zeros_like(counts))
+    chunks = ((counts + target - 1) // target).t().reshape(-1)                     # [rows*H]
+    chunk_end = chunks.cumsum(0)
+    w = torch.arange(capacity, device=device, dtype=i64)
+    pair = torch.searchsorted(chunk_end, w, right=True).clamp_max(max(chunks.numel() - 1, 0))
+    chunk_in_pair = w - (chunk_end[pair] - chunks[pair])
+    w_row, w_head = pair // hkv, pair % hkv
+    q_begin = chunk_in_pair * target
+    q_count = (counts[w_head, w_row] - q_begin).clamp(0, target)
+    meta = torch.stack([w_head, w_row, q_begin, q_count, row_batch[w_row], row_beta[w_row]], 1)
+    work_count = chunk_end[-1:].clamp_max(capacity).to(torch.int32) if chunks.numel() else \
+        torch.zeros(1, dtype=torch.int32, device=device)
+
+    # Slots: rank of each entry among the entries of its (KV head, query) in CSR order.
+    e = torch.arange(n_entries, device=device, dtype=i64).view(1, -1).expand(hkv, -1)
+    e_row = torch.searchsorted(row_ptr.to(i64).contiguous(), e.contiguous(), right=True) - 1
+    e_row = e_row.clamp(0, max(total_rows - 1, 0))
+    e_batch = row_batch[e_row]
+    q_local = q_idx.to(i64)
+    q_len = (cu_q[1:] - cu_q[:-1])[e_batch]
+    valid = ((e < row_ptr[:, -1:].to(i64)) & row_exists[e_row] & (q_local >= 0)
+             & (q_local < q_len))
+    q_abs = torch.where(valid, cu_q[e_batch] + q_local, torch.zeros_like(q_local))
+    heads = torch.arange(hkv, device=device, dtype=i64).view(-1, 1)
+    key = torch.where(valid, heads * total_q + q_abs, torch.full_like(q_abs, hkv * total_q))
+    flat_key = key.reshape(-1)
+    order = torch.sort(flat_key, stable=True).indices
+    sorted_key = flat_key[order]
+    group_start = torch.searchsorted(sorted_key, sorted_key, right=False)
+    slot_sorted = torch.arange(flat_key.numel(), device=device, dtype=i64) - group_start
+    slot = torch.empty_like(slot_sorted).scatter_(0, order, slot_sorted).view(hkv, n_entries)
+    valid = valid & (slot < topk)
+    qsplit = torch.where(valid, q_local | (slot << SLOT_SHIFT), torch.full_like(q_local, -1))
+    # scatter_add, not bincount: bincount reads the max on the host (a sync).
+    per_key = torch.zeros(hkv * total_q + 1, dtype=i64, device=device).scatter_add_(
+        0, flat_key, torch.ones_like(flat_key))[: hkv * total_q]
+    split_counts = per_key.view(hkv, total_q).t().clamp_max(topk)
+    return SparseAttentionSchedule(
+        enabled=True, scheduler_metadata=meta.to(torch.int32).contiguous(),
+        work_count=work_count, qsplit_indices=qsplit.to(torch.int32).contiguous(),
+        split_counts=split_counts.to(torch.int32).contiguous(), target_q_per_cta=target)
+
+
+_backend.register_native("sparse_atten", "sm90", run, supports)

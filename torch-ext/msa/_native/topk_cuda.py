@@ -1,0 +1,65 @@
+"""Native ``sparse_topk_select`` (csrc/sparse_topk_select.cu), registered for sm90 and sm100.
+
+Exact to :func:`msa.reference.topk.sparse_topk_select_reference`: same ids, same order, ties to
+the lower id. One launch, no host synchronization, capturable in a CUDA graph. Importing this
+module does not touch CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _backend
+
+try:
+    from .._ops import HAS_COMPILED_OPS, ops
+except ImportError:   # source tree: no compiled extension
+    ops, HAS_COMPILED_OPS = None, False
+
+OP_NAME = "sparse_topk_select"
+MAX_TOPK = 64
+# Codes of the op's head_reduce argument.
+HEAD_REDUCE_CODES = {None: 0, "sum": 1, "max": 2}
+_INT32_MAX = (1 << 31) - 1
+
+
+def supports(*, topk: int = 1, num_tiles: int = 1, head_reduce: Optional[str] = None,
+             **_features) -> Optional[str]:
+    """None when the compiled kernel serves the call (features from TopkSelectCall.features())."""
+    if not HAS_COMPILED_OPS or ops is None:
+        return "the compiled msa CUDA ops (_msa_cuda_*.so) are not built into this package"
+    if not hasattr(ops, "sparse_topk_select"):
+        return "the compiled msa CUDA ops lack sparse_topk_select"
+    if not 1 <= topk <= MAX_TOPK:
+        return f"topk {topk} is outside [1, {MAX_TOPK}]"
+    if head_reduce not in HEAD_REDUCE_CODES:
+        return f"head_reduce {head_reduce!r} is not supported"
+    if num_tiles >= _INT32_MAX:
+        return f"{num_tiles} KV tiles do not fit the kernel's int32 indexing"
+    return None
+
+
+def run(call) -> torch.Tensor:
+    """Fill ``call.output`` [T, H_out, topk] int32 from ``call.max_score`` [H, K, T] fp32.
+
+    Args:
+      call: a validated :class:`msa.topk.TopkSelectCall` (num_valid_pages an int or a [T] int32
+        tensor, causal_end_block None or [T] int32, head_reduce None / "max" / "sum").
+    Returns ``call.output``.
+    """
+    max_score = call.max_score
+    if max_score.dtype != torch.float32 or not max_score.is_contiguous():
+        max_score = max_score.float().contiguous()
+    per_query = call.num_valid_pages if isinstance(call.num_valid_pages, torch.Tensor) else None
+    nvp_int = call.num_tiles if per_query is not None else int(call.num_valid_pages)
+    ops.sparse_topk_select(max_score, call.output, call.topk, nvp_int, per_query,
+                           call.force_begin_blocks, call.force_end_blocks,
+                           call.causal_end_block, call.num_out_heads,
+                           HEAD_REDUCE_CODES[call.head_reduce])
+    return call.output
+
+
+for _arch in ("sm90", "sm100"):
+    _backend.register_native(OP_NAME, _arch, run, supports)

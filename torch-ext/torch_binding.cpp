@@ -1,0 +1,228 @@
+// Torch registration of the msa CUDA ops (namespace TORCH_EXTENSION_NAME = _msa_cuda_<id>).
+//
+// Every op validates dtype / device / shape / contiguity with TORCH_CHECK (RuntimeError on the
+// Python side), then calls the plain launcher from csrc/ on the current stream of the input's
+// device. Temporary memory comes from the caching allocator on that stream, so the ops are
+// safe to capture in CUDA graphs; nothing here reads device memory on the host.
+#define MSA_TORCH_BINDING
+#include "torch_binding.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "registration.h"
+
+namespace {
+
+void check_cuda_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype,
+                       int64_t dim, const torch::Device& device) {
+  TORCH_CHECK(t.is_cuda(), name, ": must be a CUDA tensor");
+  TORCH_CHECK(t.device() == device, name, ": is on ", t.device(), " but the inputs are on ",
+              device);
+  TORCH_CHECK(t.scalar_type() == dtype, name, ": expected dtype ", dtype, ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, ": expected rank ", dim, ", got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), name, ": must be contiguous");
+}
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(err));
+}
+
+// Validates the CSR arguments and fills the launcher struct.
+msa::K2qCsrArgs make_csr_args(const torch::Tensor& q2k, const torch::Tensor& cu_q,
+                              const torch::Tensor& cu_k, torch::Tensor& row_ptr,
+                              torch::Tensor& q_idx, int64_t topk, int64_t blk_kv,
+                              int64_t total_rows, int64_t max_kv_blocks) {
+  TORCH_CHECK(q2k.is_cuda(), "q2k: must be a CUDA tensor");
+  const torch::Device device = q2k.device();
+  check_cuda_tensor(q2k, "q2k", at::kInt, 3, device);
+  check_cuda_tensor(cu_q, "cu_seqlens_q", at::kInt, 1, device);
+  check_cuda_tensor(cu_k, "cu_seqlens_k", at::kInt, 1, device);
+  check_cuda_tensor(row_ptr, "row_ptr", at::kInt, 2, device);
+  check_cuda_tensor(q_idx, "q_idx", at::kInt, 2, device);
+  const int64_t hkv = q2k.size(0), total_q = q2k.size(1);
+  TORCH_CHECK(q2k.size(2) == topk && topk >= 1, "topk: ", topk, " does not match q2k.shape[2] = ",
+              q2k.size(2));
+  TORCH_CHECK(hkv >= 1, "q2k: needs at least one KV head");
+  TORCH_CHECK(cu_q.numel() >= 2 && cu_k.numel() == cu_q.numel(),
+              "cu_seqlens_q / cu_seqlens_k: expected equal shapes [B+1] with B >= 1, got ",
+              cu_q.sizes(), " and ", cu_k.sizes());
+  TORCH_CHECK(blk_kv >= 1, "blk_kv: must be >= 1, got ", blk_kv);
+  TORCH_CHECK(total_rows >= 0 && total_rows < INT_MAX, "total_rows: out of range: ", total_rows);
+  TORCH_CHECK(max_kv_blocks >= 0 && max_kv_blocks <= INT_MAX, "max_kv_blocks: out of range: ",
+              max_kv_blocks);
+  TORCH_CHECK(hkv * total_q * topk < INT_MAX, "q2k: more than 2^31 - 1 entries");
+  TORCH_CHECK(hkv * (total_rows + 1) <= static_cast<int64_t>(UINT32_MAX),
+              "total_rows: Hkv * (total_rows + 1) must fit in 32 bits");
+  TORCH_CHECK(row_ptr.size(0) == hkv && row_ptr.size(1) == total_rows + 1,
+              "row_ptr: expected shape [", hkv, ", ", total_rows + 1, "], got ", row_ptr.sizes());
+  TORCH_CHECK(q_idx.size(0) == hkv && q_idx.size(1) >= total_q * topk, "q_idx: expected shape [",
+              hkv, ", >= ", total_q * topk, "], got ", q_idx.sizes());
+  msa::K2qCsrArgs a{};
+  a.q2k_indices = q2k.data_ptr<int32_t>();
+  a.cu_seqlens_q = cu_q.data_ptr<int32_t>();
+  a.cu_seqlens_k = cu_k.data_ptr<int32_t>();
+  a.row_ptr = row_ptr.data_ptr<int32_t>();
+  a.q_indices = q_idx.data_ptr<int32_t>();
+  a.q_indices_stride = q_idx.size(1);
+  a.hkv = static_cast<int>(hkv);
+  a.total_q = static_cast<int>(total_q);
+  a.topk = static_cast<int>(topk);
+  a.batch = static_cast<int>(cu_q.numel() - 1);
+  a.blk_kv = static_cast<int>(blk_kv);
+  a.total_rows = static_cast<int>(total_rows);
+  a.max_kv_blocks = static_cast<int>(max_kv_blocks);
+  return a;
+}
+
+void launch_csr(const msa::K2qCsrArgs& a, const msa::K2qScheduleArgs* s,
+                const torch::Tensor& like, const char* op) {
+  const size_t bytes = msa::build_k2q_csr_workspace_bytes(a, s);
+  // Allocated on the current stream by the caching allocator: capture-safe, no sync.
+  torch::Tensor workspace = torch::empty({static_cast<int64_t>(bytes > 0 ? bytes : 1)},
+                                         like.options().dtype(at::kByte));
+  check_launch(msa::launch_build_k2q_csr(a, s, workspace.data_ptr(), bytes,
+                                         c10::cuda::getCurrentCUDAStream(like.get_device())),
+               op);
+}
+
+}  // namespace
+
+void run_build_k2q_csr(const torch::Tensor& q2k, const torch::Tensor& cu_q,
+                       const torch::Tensor& cu_k, torch::Tensor& row_ptr, torch::Tensor& q_idx,
+                       int64_t topk, int64_t blk_kv, int64_t total_rows, int64_t max_kv_blocks) {
+  const c10::cuda::CUDAGuard guard(q2k.device());
+  const msa::K2qCsrArgs a =
+      make_csr_args(q2k, cu_q, cu_k, row_ptr, q_idx, topk, blk_kv, total_rows, max_kv_blocks);
+  launch_csr(a, nullptr, q2k, "run_build_k2q_csr");
+}
+
+void run_build_k2q_csr_with_schedule(
+    const torch::Tensor& q2k, const torch::Tensor& cu_q, const torch::Tensor& cu_k,
+    torch::Tensor& row_ptr, torch::Tensor& q_idx, int64_t topk, int64_t blk_kv,
+    int64_t total_rows, int64_t max_kv_blocks, torch::Tensor& scheduler_metadata,
+    torch::Tensor& work_count, torch::Tensor& qsplit_idx, torch::Tensor& split_counts,
+    int64_t target_q_per_cta, int64_t work_capacity, int64_t max_seqlen_q) {
+  const c10::cuda::CUDAGuard guard(q2k.device());
+  const msa::K2qCsrArgs a =
+      make_csr_args(q2k, cu_q, cu_k, row_ptr, q_idx, topk, blk_kv, total_rows, max_kv_blocks);
+  const torch::Device device = q2k.device();
+  check_cuda_tensor(scheduler_metadata, "scheduler_metadata", at::kInt, 2, device);
+  check_cuda_tensor(work_count, "work_count", at::kInt, 1, device);
+  check_cuda_tensor(qsplit_idx, "qsplit_idx", at::kInt, 2, device);
+  check_cuda_tensor(split_counts, "split_counts", at::kInt, 2, device);
+  TORCH_CHECK(topk <= 32 && (topk & (topk - 1)) == 0,
+              "topk: the schedule builder needs a power of two <= 32, got ", topk);
+  TORCH_CHECK(a.total_q < (1 << 24) - 1, "q2k: the schedule packs query ids in 24 bits; total_q ",
+              a.total_q, " is too large");
+  TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_q < (1 << 24),
+              "max_seqlen_q: packed query ids need < 2^24, got ", max_seqlen_q);
+  TORCH_CHECK(target_q_per_cta >= 1 && target_q_per_cta <= INT_MAX,
+              "target_q_per_cta: must be >= 1, got ", target_q_per_cta);
+  TORCH_CHECK(work_capacity >= 1 && work_capacity <= INT_MAX,
+              "work_capacity: must be >= 1, got ", work_capacity);
+  TORCH_CHECK(scheduler_metadata.size(0) == work_capacity && scheduler_metadata.size(1) == 6,
+              "scheduler_metadata: expected shape [", work_capacity, ", 6], got ",
+              scheduler_metadata.sizes());
+  TORCH_CHECK(work_count.numel() >= 1, "work_count: expected shape [1]");
+  TORCH_CHECK(qsplit_idx.sizes() == q_idx.sizes(), "qsplit_idx: shape ", qsplit_idx.sizes(),
+              " differs from q_idx ", q_idx.sizes());
+  TORCH_CHECK(split_counts.size(0) == a.total_q && split_counts.size(1) == a.hkv,
+              "split_counts: expected shape [", a.total_q, ", ", a.hkv, "], got ",
+              split_counts.sizes());
+  msa::K2qScheduleArgs s{};
+  s.scheduler_metadata = scheduler_metadata.data_ptr<int32_t>();
+  s.work_count = work_count.data_ptr<int32_t>();
+  s.qsplit_indices = qsplit_idx.data_ptr<int32_t>();
+  s.split_counts = split_counts.data_ptr<int32_t>();
+  s.target_q_per_cta = static_cast<int>(target_q_per_cta);
+  s.work_capacity = static_cast<int>(work_capacity);
+  s.max_seqlen_q = static_cast<int>(max_seqlen_q);
+  launch_csr(a, &s, q2k, "run_build_k2q_csr_with_schedule");
+}
+
+void sparse_topk_select(const torch::Tensor& max_score, torch::Tensor& out, int64_t topk,
+                        int64_t num_valid_pages,
+                        const std::optional<torch::Tensor>& num_valid_pages_per_query,
+                        int64_t force_begin_blocks, int64_t force_end_blocks,
+                        const std::optional<torch::Tensor>& causal_end_block,
+                        int64_t num_out_heads, int64_t head_reduce) {
+  TORCH_CHECK(max_score.is_cuda(), "max_score: must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(max_score.device());
+  const torch::Device device = max_score.device();
+  check_cuda_tensor(max_score, "max_score", at::kFloat, 3, device);
+  check_cuda_tensor(out, "out", at::kInt, 3, device);
+  const int64_t heads = max_score.size(0), tiles = max_score.size(1), total_q = max_score.size(2);
+  TORCH_CHECK(topk >= 1 && topk <= 64, "topk: must be in [1, 64], got ", topk);
+  TORCH_CHECK(head_reduce >= 0 && head_reduce <= 2, "head_reduce: 0 (none), 1 (sum) or 2 (max), got ",
+              head_reduce);
+  TORCH_CHECK(heads >= 1, "max_score: needs at least one head");
+  TORCH_CHECK(tiles < INT_MAX && total_q < INT_MAX, "max_score: dimensions must be < 2^31");
+  if (head_reduce == 0) {
+    TORCH_CHECK(num_out_heads == heads, "num_out_heads: must equal the ", heads,
+                " heads of max_score without head_reduce, got ", num_out_heads);
+  } else {
+    TORCH_CHECK(num_out_heads >= 1 && heads % num_out_heads == 0, "num_out_heads: ",
+                num_out_heads, " does not divide the ", heads, " heads of max_score");
+  }
+  TORCH_CHECK(force_begin_blocks >= 0 && force_end_blocks >= 0,
+              "force_begin_blocks / force_end_blocks: must be >= 0");
+  TORCH_CHECK(out.size(0) == total_q && out.size(1) == num_out_heads && out.size(2) == topk,
+              "out: expected shape [", total_q, ", ", num_out_heads, ", ", topk, "], got ",
+              out.sizes());
+  msa::TopkSelectArgs a{};
+  a.max_score = max_score.data_ptr<float>();
+  a.out = out.data_ptr<int32_t>();
+  a.num_heads = static_cast<int>(heads);
+  a.num_tiles = static_cast<int>(tiles);
+  a.total_q = static_cast<int>(total_q);
+  a.num_out_heads = static_cast<int>(num_out_heads);
+  a.topk = static_cast<int>(topk);
+  a.head_reduce = static_cast<msa::HeadReduce>(head_reduce);
+  a.num_valid_pages = num_valid_pages;
+  a.force_begin_blocks = force_begin_blocks;
+  a.force_end_blocks = force_end_blocks;
+  auto per_query = [&](const std::optional<torch::Tensor>& t, const char* name, const void** ptr,
+                       bool* is_int64) {
+    if (!t.has_value()) return;
+    const torch::Tensor& v = *t;
+    TORCH_CHECK(v.is_cuda() && v.device() == device, name, ": must be on ", device);
+    TORCH_CHECK(v.scalar_type() == at::kInt || v.scalar_type() == at::kLong, name,
+                ": expected int32 or int64, got ", v.scalar_type());
+    TORCH_CHECK(v.dim() == 1 && v.size(0) == total_q && v.is_contiguous(), name,
+                ": expected a contiguous [", total_q, "] tensor, got ", v.sizes());
+    *ptr = v.data_ptr();
+    *is_int64 = v.scalar_type() == at::kLong;
+  };
+  per_query(num_valid_pages_per_query, "num_valid_pages", &a.num_valid_pages_per_query,
+            &a.num_valid_pages_is_int64);
+  per_query(causal_end_block, "causal_end_block", &a.causal_end_block,
+            &a.causal_end_block_is_int64);
+  check_launch(msa::launch_sparse_topk_select(a, c10::cuda::getCurrentCUDAStream(device.index())),
+               "sparse_topk_select");
+}
+
+TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
+  ops.def(
+      "run_build_k2q_csr(Tensor q2k, Tensor cu_q, Tensor cu_k, Tensor! row_ptr, Tensor! q_idx, "
+      "int topk, int blk_kv, int total_rows, int max_kv_blocks) -> ()");
+  ops.impl("run_build_k2q_csr", torch::kCUDA, &run_build_k2q_csr);
+  ops.def(
+      "run_build_k2q_csr_with_schedule(Tensor q2k, Tensor cu_q, Tensor cu_k, Tensor! row_ptr, "
+      "Tensor! q_idx, int topk, int blk_kv, int total_rows, int max_kv_blocks, "
+      "Tensor! scheduler_metadata, Tensor! work_count, Tensor! qsplit_idx, "
+      "Tensor! split_counts, int target_q_per_cta, int work_capacity, int max_seqlen_q) -> ()");
+  ops.impl("run_build_k2q_csr_with_schedule", torch::kCUDA, &run_build_k2q_csr_with_schedule);
+  ops.def(
+      "sparse_topk_select(Tensor max_score, Tensor! out, int topk, int num_valid_pages, "
+      "Tensor? num_valid_pages_per_query, int force_begin_blocks, int force_end_blocks, "
+      "Tensor? causal_end_block, int num_out_heads, int head_reduce) -> ()");
+  ops.impl("sparse_topk_select", torch::kCUDA, &sparse_topk_select);
+}
+
+REGISTER_EXTENSION(TORCH_EXTENSION_NAME)

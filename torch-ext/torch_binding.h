@@ -1,0 +1,102 @@
+// Plain C++ launchers of the msa CUDA ops (csrc/*.cu) and the torch op functions that wrap them.
+//
+// The launchers take raw device pointers and a stream; they never synchronize, read only what the
+// sizes below allow whatever the index values say, and are safe to capture in a CUDA graph
+// (every size comes from the host, temporary memory comes from the caller's workspace).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace msa {
+
+// ----------------------------------------------------------------------------------------------
+// q2k -> k2q CSR (+ optional sparse forward schedule). Semantics: contract §1.1 and
+// msa.sparse_index_utils.build_k2q_csr_torch_reference / prepare_scheduler (bit-identical).
+// ----------------------------------------------------------------------------------------------
+struct K2qCsrArgs {
+  const int32_t* q2k_indices;    // [hkv, total_q, topk] batch-local block ids, -1 = empty slot
+  const int32_t* cu_seqlens_q;   // [batch + 1]
+  const int32_t* cu_seqlens_k;   // [batch + 1]
+  int32_t* row_ptr;              // out [hkv, total_rows + 1]
+  int32_t* q_indices;            // out [hkv, q_indices_stride]; -1 past row_ptr[h, -1]
+  int64_t q_indices_stride;      // >= total_q * topk
+  int hkv;
+  int total_q;
+  int topk;
+  int batch;
+  int blk_kv;                    // tokens per KV block (128)
+  int total_rows;                // CSR rows to emit (host hint; rows past it are dropped)
+  int max_kv_blocks;             // host hint: ceil(max k_len / blk_kv); sizes a lookup table only
+};
+
+// Present only for run_build_k2q_csr_with_schedule.
+struct K2qScheduleArgs {
+  int32_t* scheduler_metadata;   // out [work_capacity, 6] (head, row, q_begin, q_count, batch, block)
+  int32_t* work_count;           // out [1]
+  int32_t* qsplit_indices;       // out, layout of q_indices: q_local | slot << 24, -1 = none
+  int32_t* split_counts;         // out [total_q, hkv]
+  int target_q_per_cta;          // > 0
+  int work_capacity;             // rows of scheduler_metadata
+  int max_seqlen_q;              // entries with q_local >= max_seqlen_q get no slot
+};
+
+// Bytes of temporary device memory launch_build_k2q_csr needs (depends on sizes only).
+size_t build_k2q_csr_workspace_bytes(const K2qCsrArgs& args, const K2qScheduleArgs* schedule);
+
+// `schedule` may be null. `workspace` must hold build_k2q_csr_workspace_bytes(args, schedule).
+// With a schedule, topk must be a power of two <= 32 and total_q < 2^24 - 1.
+cudaError_t launch_build_k2q_csr(const K2qCsrArgs& args, const K2qScheduleArgs* schedule,
+                                 void* workspace, size_t workspace_bytes, cudaStream_t stream);
+
+// ----------------------------------------------------------------------------------------------
+// sparse_topk_select. Semantics: msa.reference.topk.sparse_topk_select_reference.
+// ----------------------------------------------------------------------------------------------
+enum class HeadReduce : int { kNone = 0, kSum = 1, kMax = 2 };
+
+struct TopkSelectArgs {
+  const float* max_score;        // [num_heads, num_tiles, total_q] fp32, contiguous
+  int32_t* out;                  // out [total_q, num_out_heads, topk]
+  int num_heads;
+  int num_tiles;                 // K
+  int total_q;                   // T
+  int num_out_heads;             // == num_heads when head_reduce is kNone
+  int topk;                      // 1..64
+  HeadReduce head_reduce;
+  int64_t num_valid_pages;       // used when num_valid_pages_per_query is null
+  const void* num_valid_pages_per_query;  // optional [total_q] int32/int64
+  bool num_valid_pages_is_int64;
+  const void* causal_end_block;  // optional [total_q] int32/int64
+  bool causal_end_block_is_int64;
+  int64_t force_begin_blocks;    // >= 0
+  int64_t force_end_blocks;      // >= 0
+};
+
+cudaError_t launch_sparse_topk_select(const TopkSelectArgs& args, cudaStream_t stream);
+
+}  // namespace msa
+
+// Torch op functions (defined in torch_binding.cpp; only that file includes torch headers).
+#ifdef MSA_TORCH_BINDING
+#include <torch/all.h>
+
+void run_build_k2q_csr(const torch::Tensor& q2k, const torch::Tensor& cu_q,
+                       const torch::Tensor& cu_k, torch::Tensor& row_ptr, torch::Tensor& q_idx,
+                       int64_t topk, int64_t blk_kv, int64_t total_rows, int64_t max_kv_blocks);
+
+void run_build_k2q_csr_with_schedule(
+    const torch::Tensor& q2k, const torch::Tensor& cu_q, const torch::Tensor& cu_k,
+    torch::Tensor& row_ptr, torch::Tensor& q_idx, int64_t topk, int64_t blk_kv,
+    int64_t total_rows, int64_t max_kv_blocks, torch::Tensor& scheduler_metadata,
+    torch::Tensor& work_count, torch::Tensor& qsplit_idx, torch::Tensor& split_counts,
+    int64_t target_q_per_cta, int64_t work_capacity, int64_t max_seqlen_q);
+
+void sparse_topk_select(const torch::Tensor& max_score, torch::Tensor& out, int64_t topk,
+                        int64_t num_valid_pages,
+                        const std::optional<torch::Tensor>& num_valid_pages_per_query,
+                        int64_t force_begin_blocks, int64_t force_end_blocks,
+                        const std::optional<torch::Tensor>& causal_end_block,
+                        int64_t num_out_heads, int64_t head_reduce);
+#endif
