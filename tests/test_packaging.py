@@ -345,6 +345,40 @@ def test_loading_does_not_initialize_cuda(built_repo):
     assert result == {"cuda": False, "all": CONTRACT_ALL}
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch")
+def test_compiled_variant_builds_and_loads(tmp_path):
+    """On a CUDA host with nvcc: the arch variant compiles (sm_90a only, to keep it short),
+    registers the csrc ops under its namespace and imports without initializing CUDA."""
+    build_id = fresh_id()
+    proc = run_build("--out", str(tmp_path / "build"), "--require-compiled",
+                     "--cuda-capabilities", "9.0a", "--id", build_id)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    variant = tmp_path / "build" / build_variant.torch_cuda_variant_name(
+        torch.__version__, torch.version.cuda, bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+    ops = f"_msa_cuda_{build_id}"
+    assert (variant / f"{ops}.abi3.so").is_file()
+    assert json.loads((variant / "metadata.json").read_text())["backend"] == {
+        "type": "cuda", "archs": ["9.0a"]}
+    code = (
+        "import importlib, importlib.util, json, sys, torch\n"
+        "name, path = sys.argv[1], sys.argv[2]\n"
+        "spec = importlib.util.spec_from_file_location(name, path + '/__init__.py')\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules[name] = m\n"
+        "spec.loader.exec_module(m)\n"
+        "o = importlib.import_module(name + '._ops')\n"
+        "print(json.dumps({'cuda': torch.cuda.is_initialized(), 'compiled': o.HAS_COMPILED_OPS,\n"
+        "  'ops': sorted(n for n in torch._C._dispatch_get_all_op_names()\n"
+        "                if n.startswith(name + '::'))}))\n")
+    loaded = subprocess.run([sys.executable, "-c", code, ops, str(variant)],
+                            capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr
+    result = json.loads(loaded.stdout.strip().splitlines()[-1])
+    assert result["cuda"] is False and result["compiled"] is True
+    assert {f"{ops}::run_build_k2q_csr", f"{ops}::run_build_k2q_csr_with_schedule",
+            f"{ops}::sparse_topk_select"} <= set(result["ops"])
+
+
 # ---------------------------------------------------------------------------------------------
 # Smoke call through the loaded module
 # ---------------------------------------------------------------------------------------------
