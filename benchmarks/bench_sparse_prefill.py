@@ -27,10 +27,9 @@ HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
 
 
 def load_msa():
-    pkg = os.environ.get("MSA_PACKAGE_DIR", str(ROOT / "torch-ext"))
-    sys.path.insert(0, pkg)
-    import msa
-    return msa
+    sys.path.insert(0, str(ROOT / "tools"))
+    from msa_loading import load_msa as load
+    return load()
 
 
 def selection(n: int, pattern: str, gen: torch.Generator, device="cuda") -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Test setup: import the package from the source tree (torch-ext/) unless MSA_TEST_PACKAGE_DIR
-points at a built variant; GPU-marked tests skip cleanly without CUDA."""
+"""Test setup: import the package from the source tree (torch-ext/), or from a built variant
+folder when MSA_TEST_PACKAGE_DIR points at one (build/<variant>, imported as ``msa``); GPU-marked
+tests skip cleanly without CUDA."""
 
 import os
 import sys
@@ -9,9 +10,13 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-_pkg_parent = os.environ.get("MSA_TEST_PACKAGE_DIR", str(ROOT / "torch-ext"))
-if _pkg_parent not in sys.path:
-    sys.path.insert(0, _pkg_parent)
+_variant = os.environ.get("MSA_TEST_PACKAGE_DIR")
+if _variant:
+    sys.path.insert(0, str(ROOT / "tools"))
+    from msa_loading import import_variant_as_msa
+    import_variant_as_msa(_variant)
+else:
+    sys.path.insert(0, str(ROOT / "torch-ext"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_msa():
-    sys.path.insert(0, os.environ.get("MSA_PACKAGE_DIR", str(ROOT / "torch-ext")))
-    import msa
-    return msa
+    sys.path.insert(0, str(ROOT / "tools"))
+    from msa_loading import load_msa as load
+    return load()
 
 
 def dense_reference(q, k, v, rows, *, scale, selection=None):

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One call on a GPU host (the H200 device machine): build the CUDA variant (csrc ops + the
+# precompiled CuTe kernels), run the GPU tests against that build, then the benchmarks.
+#
+#   bash tools/gpu_session.sh [ARTIFACTS_DIR] [tests|bench|all] [extra benchmark args...]
+#
+# Expects, carried from the dev machine (all git-ignored): .gpu-runtime/ (made by
+# shared/tools/gpu-runtime-bundle.sh: the CuTe-DSL runtime + apache-tvm-ffi), ARTIFACTS_DIR
+# (tools/compile_cute.py output) and .whl/ (kernels 0.16.x + kernels-data + tomlkit for
+# transformers 5.17, and the pure-Python nvidia-cutlass-dsl wheels so the declared dependency is
+# importable; its 87 MB compiler flavour stays behind: the AOT kernels need only the runtime).
+# Logs and TSV go to $OUT.
+set -uo pipefail
+ART=${1:-.artifacts}
+WHAT=${2:-all}
+shift $(( $# > 2 ? 2 : $# ))
+OUT=${OUT:-$PWD/.gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+  .whl/kernels-*.whl .whl/kernels_data-*.whl .whl/tomlkit-*.whl .whl/nvidia_cutlass_dsl*.whl
+eval "$(bash .gpu-runtime/setup.sh)"
+export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
+
+echo "== build"
+python3 tools/build_variant.py --require-compiled --cuda-capabilities 9.0a --cute-artifacts "$ART" \
+  > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+tail -3 "$OUT/build.log"
+VARIANT=$(ls -d build/torch*-cu*-x86_64-linux | head -1)
+echo "variant: $VARIANT"
+status=0
+
+if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
+  echo "== GPU tests against $VARIANT"
+  MSA_TEST_PACKAGE_DIR=$PWD/$VARIANT MSA_EXPECT_NATIVE=1 timeout 420 python3 -m pytest -q -x \
+    -p no:cacheprovider tests/test_sparse_prefill_gpu.py tests/test_transformers_gpu.py \
+    tests/test_csrc_gpu.py tests/test_packaging.py -k "not speed" -s > "$OUT/tests.log" 2>&1
+  status=$?
+  grep -E "backend|passed|failed|Error|error" "$OUT/tests.log" | tail -25
+fi
+
+if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
+  echo "== benchmarks"
+  MSA_PACKAGE_DIR=$PWD/$VARIANT MSA_COMMIT=${MSA_COMMIT:-unknown} timeout 400 \
+    python3 benchmarks/bench_sparse_prefill.py --out "$OUT/sparse_prefill_h200.tsv" "$@" \
+    > "$OUT/bench.log" 2>&1 || status=1
+  tail -40 "$OUT/bench.log"
+fi
+exit $status
