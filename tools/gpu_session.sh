@@ -18,7 +18,7 @@ OUT=${OUT:-$PWD/.gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site \
   .whl/kernels-*.whl .whl/kernels_data-*.whl .whl/tomlkit-*.whl .whl/nvidia_cutlass_dsl*.whl
 eval "$(bash .gpu-runtime/setup.sh)"
 export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}"
@@ -35,8 +35,9 @@ status=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   echo "== GPU tests against $VARIANT"
   MSA_TEST_PACKAGE_DIR=$PWD/$VARIANT MSA_EXPECT_NATIVE=1 timeout 420 python3 -m pytest -q -x \
-    -p no:cacheprovider tests/test_sparse_prefill_gpu.py tests/test_transformers_gpu.py \
-    tests/test_csrc_gpu.py tests/test_packaging.py -k "not speed" -s > "$OUT/tests.log" 2>&1
+    -p no:cacheprovider ${MSA_GPU_TESTS:-tests/test_sparse_prefill_gpu.py \
+    tests/test_transformers_gpu.py tests/test_csrc_gpu.py tests/test_packaging.py} \
+    -k "not speed" -s > "$OUT/tests.log" 2>&1
   status=$?
   grep -E "backend|passed|failed|Error|error" "$OUT/tests.log" | tail -25
 fi
