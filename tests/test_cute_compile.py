@@ -1,7 +1,7 @@
 """CPU-only: the sm_90a CuTe-DSL sparse prefill kernel compiles without register spills.
 
-Compiles one attention variant (G=16, bf16, dense, fp32 partials) and the fp32 combine for
-sm_90a with fake tensors (no GPU needed) and runs ptxas -v on the kept PTX. Skips when
+Compiles two attention variants (G=16, bf16, dense: fp32 partials -> warp-level mma.sync
+kernel, bf16 partials -> warpgroup wgmma kernel) and the fp32 combine for sm_90a with fake tensors (no GPU needed) and runs ptxas -v on the kept PTX. Skips when
 nvidia-cutlass-dsl or ptxas is missing. The full variant list is checked by
 `python tools/compile_cute.py --check`.
 """
@@ -27,6 +27,7 @@ def _tools():
 
 
 @pytest.mark.parametrize("name", ["sparse_prefill_sm90_bfloat16_g16_dense_pf32",
+                                  "sparse_prefill_sm90_bfloat16_g16_dense_pbf16",
                                   "sparse_combine_sm90_pf32"])
 def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
     tools = _tools()
@@ -42,6 +43,10 @@ def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
     assert ptx, "the DSL kept no PTX"
     text = ptx[0].read_text()
     assert ".target sm_90a" in text
+    if name.endswith("_pbf16") and os.environ.get("MSA_CUTE_MMA", "wgmma") != "warp":
+        # S = QK^T (SS) and O = PV (RS, V^T MN-major): 8 k-steps each of m64n128k16.
+        assert text.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 16
+        assert "fence.proxy.async.shared::cta" in text
     report = tools.ptxas_report(ptx[0])
     assert report["spill_bytes"] == 0, report
     assert 0 < report["registers"] <= 255

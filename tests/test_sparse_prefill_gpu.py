@@ -259,6 +259,18 @@ def _bench(seq=32768, hq=64, hkv=4, topk=16, iters=10):
     print(f"N={seq}: device schedule build {1e3 * (time.time() - t0):.2f} ms")
     pairs = int((q2k[0] >= 0).sum()) * BLOCK - seq * (BLOCK - 1) // 2   # approx visible pairs
     flops = 4 * 128 * hq * pairs
+    runtime = _native_module().cute_runtime
+    plain_launch = runtime.launch
+    kernel_ms = {}
+
+    def timed_launch(name, device, *args):
+        """Event-timed launch: per-kernel split of the total (attention vs combine)."""
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        plain_launch(name, device, *args)
+        stop.record()
+        kernel_ms.setdefault(name.split("_sm90")[0], []).append((start, stop))
+
     for partial in (torch.bfloat16, torch.float32):
         call(partial); torch.cuda.synchronize()
         t0 = time.time()
@@ -266,8 +278,16 @@ def _bench(seq=32768, hq=64, hkv=4, topk=16, iters=10):
             call(partial)
         torch.cuda.synchronize()
         ms = (time.time() - t0) / iters * 1e3
+        runtime.launch = timed_launch
+        kernel_ms.clear()
+        for _ in range(iters):
+            call(partial)
+        torch.cuda.synchronize()
+        runtime.launch = plain_launch
+        split = ", ".join(f"{k} {sorted(a.elapsed_time(b) for a, b in v)[len(v) // 2]:.2f} ms"
+                          for k, v in kernel_ms.items())
         print(f"N={seq} partial={partial}: {ms:.2f} ms, {flops / ms / 1e9:.1f} TFLOP/s "
-              f"(backend {_backend.last_backend('sparse_atten')})", flush=True)
+              f"[{split}] (backend {_backend.last_backend('sparse_atten')})", flush=True)
 
 
 if __name__ == "__main__" and "--bench" in sys.argv:

@@ -18,10 +18,10 @@ OUT=${OUT:-$PWD/.gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site \
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/msa-site \
   .whl/kernels-*.whl .whl/kernels_data-*.whl .whl/tomlkit-*.whl .whl/nvidia_cutlass_dsl*.whl
 eval "$(bash .gpu-runtime/setup.sh)"
-export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}"
+export PYTHONPATH="/tmp/msa-site:/tmp/msa-site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 
 echo "== build"
@@ -34,7 +34,7 @@ status=0
 
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   echo "== GPU tests against $VARIANT"
-  MSA_TEST_PACKAGE_DIR=$PWD/$VARIANT MSA_EXPECT_NATIVE=1 timeout 420 python3 -m pytest -q -x \
+  MSA_TEST_PACKAGE_DIR=$PWD/$VARIANT MSA_EXPECT_NATIVE=1 timeout ${MSA_TEST_TIMEOUT:-420} python3 -m pytest -q \
     -p no:cacheprovider ${MSA_GPU_TESTS:-tests/test_sparse_prefill_gpu.py \
     tests/test_transformers_gpu.py tests/test_csrc_gpu.py tests/test_packaging.py} \
     -k "not speed" -s > "$OUT/tests.log" 2>&1
@@ -44,7 +44,7 @@ fi
 
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   echo "== benchmarks"
-  MSA_PACKAGE_DIR=$PWD/$VARIANT MSA_COMMIT=${MSA_COMMIT:-unknown} timeout 400 \
+  MSA_PACKAGE_DIR=$PWD/$VARIANT MSA_COMMIT=${MSA_COMMIT:-unknown} timeout ${MSA_BENCH_TIMEOUT:-400} \
     python3 benchmarks/bench_sparse_prefill.py --out "$OUT/sparse_prefill_h200.tsv" "$@" \
     > "$OUT/bench.log" 2>&1 || status=1
   tail -40 "$OUT/bench.log"

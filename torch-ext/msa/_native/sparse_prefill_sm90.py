@@ -3,7 +3,8 @@
 ``run(call)`` takes a validated :class:`msa.interface.SparseAttentionCall` and launches two
 kernels on q's device and current stream, with no host synchronization:
 
-1. attention (cute_kernels/sparse_prefill_sm90.py): one CTA per schedule work item writes the
+1. attention (cute_kernels/sparse_prefill_sm90_wgmma.py for bf16 partials, warpgroup MMA;
+   cute_kernels/sparse_prefill_sm90.py for fp32 partials): one CTA per schedule work item writes the
    per-block partials O_partial [topK, total_q, Hq, 128] (fp32 or bf16) and LSE_partial
    [topK, total_q, Hq] (plus LSE_T_partial when a temperature LSE is requested);
 2. combine (cute_kernels/combine.py): log-sum-exp merge into O bf16 [total_q, Hq, 128] and

@@ -1,9 +1,9 @@
-"""Block-sparse prefill attention, KV-outer, for Hopper (sm_90a), in the CuTe DSL.
+"""Block-sparse prefill attention, KV-outer, for Hopper (sm_90a), in the CuTe DSL: warp-MMA kernel.
 
 One CTA per work item of the k2q schedule (msa.src.sm100.prepare_scheduler): a work item is
 (KV head h, CSR row, q_begin, q_count, request b, KV block beta). The CTA loads the 128x128 K and
-V block of (b, beta, h) into shared memory once, then walks the item's queries in M tiles of 128
-rows = (128 / G queries) x (G query heads of KV head h). Per tile:
+V block of (b, beta, h) into shared memory once, then walks the item's queries in M tiles of
+TILE_M rows = (TILE_M / G queries) x (G query heads of KV head h). Per tile:
 
   gather Q rows (each query's G heads are G*128 contiguous elements of q [total_q, Hq, 128])
   S = Q K^T (fp32)  ->  scale, mask (j < k_len, causal bottom-right)  ->  single-block softmax
@@ -12,9 +12,16 @@ rows = (128 / G queries) x (G query heads of KV head h). Per tile:
 The softmax covers one block only, so there is no online rescale: LSE_blk = m + ln sum exp(s - m)
 (rows that see no key: LSE = -inf, O = 0). The combine kernel (combine.py) merges the slots.
 
-MMA: warp-level mma.sync m16n8k16 (bf16 in, fp32 accumulate) with ldmatrix operand loads and
-cp.async gathers; 8 warps, each owning 16 rows of the tile. This is the first correct version;
-wgmma (sm_90a warpgroup MMA) is the planned upgrade (see docs/design-sparse-prefill.md).
+Overlap: the Q tile is double-buffered (cp.async gather of tile t+1 in flight while tile t
+computes; the qsplit entries of tile t+2 are loaded meanwhile and each tile's entries are kept in
+shared memory for the softmax and the epilogue). Epilogue: each warp stages its 16 output rows in
+shared memory and writes them as 16-byte vectors (a query's G heads are one contiguous run).
+
+MMA: warp-level mma.sync m16n8k16 (bf16 in, fp32 accumulate) with ldmatrix operand loads; each
+warp owns 16 rows of the tile. fp32 partials: 128-row tiles, 8 warps, a separate fp32 O staging
+tile, 1 CTA/SM. bf16 partials: 64-row tiles, 4 warps, O staged in the tile's own Q rows, ~97 KB
+of shared memory, 2 CTAs/SM. The shipped bf16 variants use the warpgroup-MMA kernel instead
+(sparse_prefill_sm90_wgmma.py, which reuses this class's helpers); see cute_kernels/build.py.
 
 Tensors (all dynamic sizes are runtime values):
   q            [total_q, Hq, 128] bf16, Hq = G * Hkv
@@ -39,8 +46,8 @@ from .tile_utils import accumulator_as_operand_a, quad_max, quad_sum, rows_cols_
 
 HEAD_DIM = 128
 BLOCK_N = 128          # keys per KV block (= page size)
-TILE_M = 128           # query rows per MMA tile
-NUM_THREADS = 256      # 8 warps x 16 rows
+ROWS_PER_WARP = 16     # each warp owns 16 rows of the M tile (m16n8k16)
+Q_STAGES = 2           # Q tile double buffer
 SLOT_SHIFT = 24
 LOCAL_QUERY_MASK = (1 << SLOT_SHIFT) - 1
 LOG2_E = 1.4426950408889634
@@ -53,9 +60,15 @@ class SparsePrefillSm90:
     def __init__(self, qhead_per_kv: int, paged: bool, partial_dtype=cutlass.Float32):
         assert qhead_per_kv in (1, 2, 4, 8, 16)
         self.group = qhead_per_kv
-        self.queries_per_tile = TILE_M // qhead_per_kv
         self.paged = paged
         self.partial_dtype = partial_dtype
+        # bf16 partials: 64-row tiles, 4 warps, O staged in the tile's own Q rows -> ~97 KB of
+        # shared memory, so two CTAs share an SM and one's softmax/epilogue overlaps the other's
+        # MMAs. fp32 partials need a separate fp32 staging tile: 128-row tiles, 8 warps, 1 CTA/SM.
+        self.stage_o_in_q = partial_dtype.width == 16
+        self.tile_m = 64 if self.stage_o_in_q else 128
+        self.num_threads = self.tile_m // ROWS_PER_WARP * 32
+        self.queries_per_tile = self.tile_m // qhead_per_kv
         self.dtype = cutlass.BFloat16
 
     @cute.jit
@@ -69,30 +82,58 @@ class SparsePrefillSm90:
         # Shared tiles: 8x64 atoms with a 3-bit XOR swizzle so ldmatrix rows hit distinct banks.
         atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0,
                                          cute.make_layout((8, 64), stride=(64, 1)))
-        tile_layout = cute.tile_to_shape(atom, (TILE_M, HEAD_DIM), (0, 1))
+        tile_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM), (0, 1))
+        # Q is double-buffered: the gather of tile t+1 runs while tile t computes.
+        q_layout = cute.tile_to_shape(atom, (self.tile_m, HEAD_DIM, Q_STAGES), (0, 1, 2))
+        # O staging tile (partial dtype): the epilogue writes its fragment here, then each warp
+        # streams its own 16 rows out as 16-byte vectors (whole 256/512-byte rows per store).
+        o_atom_cols = 128 // self.partial_dtype.width * 8     # 64 bf16 or 32 fp32 = 128 bytes
+        o_atom = cute.make_composed_layout(
+            cute.make_swizzle(3, 4 - self.partial_dtype.width // 16, 3), 0,
+            cute.make_layout((8, o_atom_cols), stride=(o_atom_cols, 1)))
+        o_rows = 8 if self.stage_o_in_q else self.tile_m     # unused when staged in sQ
+        o_layout = cute.tile_to_shape(o_atom, (o_rows, HEAD_DIM), (0, 1))
 
         @cute.struct
         class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(tile_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(tile_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(tile_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.partial_dtype,
+                                                       cute.cosize(o_layout)], 1024]
+            # Packed qsplit entry of each query of the tile, per Q stage (read by softmax and
+            # epilogue instead of global memory).
+            sEntry: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.tile_m * Q_STAGES], 16]
 
         # Gmem -> smem: 16-byte cp.async chunks; 8 threads cover 64 columns of a row.
         copy_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                         self.dtype, num_bits_per_copy=128)
         gather_copy = cute.make_tiled_copy_tv(
-            copy_atom, cute.make_layout((NUM_THREADS // 8, 8), stride=(8, 1)),
+            copy_atom, cute.make_layout((self.num_threads // 8, 8), stride=(8, 1)),
             cute.make_layout((1, 8)))
         tiled_mma = cute.make_tiled_mma(
             warp.MmaF16BF16Op(self.dtype, cutlass.Float32, (16, 8, 16)),
-            (NUM_THREADS // 32, 1, 1), permutation_mnk=(TILE_M, 16, 16))
+            (self.num_threads // 32, 1, 1), permutation_mnk=(self.tile_m, 16, 16))
+        # Accumulator fragment -> sO: two adjacent columns per store (32 or 64 bits).
+        stage_o_copy = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.partial_dtype,
+                                num_bits_per_copy=2 * self.partial_dtype.width), tiled_mma)
+        # sO -> O_partial, one warp: 16-byte vectors, a row is 128/vec consecutive lanes.
+        vec = 128 // self.partial_dtype.width
+        lanes_per_row = HEAD_DIM // vec
+        store_o_copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.partial_dtype,
+                                num_bits_per_copy=128),
+            cute.make_layout((32 // lanes_per_row, lanes_per_row), stride=(lanes_per_row, 1)),
+            cute.make_layout((1, vec)))
 
         scale_log2 = softmax_scale * LOG2_E
         self.kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens, page_table, k2q_row_ptr,
                     qsplit, metadata, work_count, o_partial, lse_partial, lse_t_partial,
-                    scale_log2, inv_temperature, causal, want_lse_t, tile_layout, gather_copy,
-                    tiled_mma, SharedStorage).launch(
-            grid=(cute.size(metadata.shape[0]), 1, 1), block=(NUM_THREADS, 1, 1),
+                    scale_log2, inv_temperature, causal, want_lse_t, tile_layout, q_layout,
+                    o_layout, gather_copy, tiled_mma, stage_o_copy, store_o_copy,
+                    SharedStorage).launch(
+            grid=(cute.size(metadata.shape[0]), 1, 1), block=(self.num_threads, 1, 1),
             stream=stream)
 
     @cute.kernel
@@ -103,7 +144,9 @@ class SparsePrefillSm90:
                mLseTPartial: cute.Tensor, scale_log2: cutlass.Float32,
                inv_temperature: cutlass.Float32, causal: cutlass.Int32,
                want_lse_t: cutlass.Int32, tile_layout: cute.ComposedLayout,
+               q_layout: cute.ComposedLayout, o_layout: cute.ComposedLayout,
                gather_copy: cute.TiledCopy, tiled_mma: cute.TiledMma,
+               stage_o_copy: cute.TiledCopy, store_o_copy: cute.TiledCopy,
                SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         work, _, _ = cute.arch.block_idx()
@@ -136,37 +179,38 @@ class SparsePrefillSm90:
 
             smem = cutlass.utils.SmemAllocator()
             storage = smem.allocate(SharedStorage)
-            sQ = storage.sQ.get_tensor(tile_layout)
+            sQ_stages = storage.sQ.get_tensor(q_layout)
             sK = storage.sK.get_tensor(tile_layout)
             sV = storage.sV.get_tensor(tile_layout)
+            sEntry = storage.sEntry.get_tensor(cute.make_layout((self.tile_m, Q_STAGES)))
             # V^T view (D x N) for the B operand of O = P V.
             sVt = cute.composition(sV, cute.make_layout((HEAD_DIM, BLOCK_N), stride=(BLOCK_N, 1)))
 
             thr_copy = gather_copy.get_slice(tidx)
-            tXsQ = thr_copy.partition_D(sQ)
             tXsK = thr_copy.partition_D(sK)
             tXsV = thr_copy.partition_D(sV)
-            tXcX = thr_copy.partition_S(cute.make_identity_tensor((TILE_M, HEAD_DIM)))
-            row_stride0 = cute.make_layout((TILE_M, HEAD_DIM), stride=(0, 1))
+            tXcKV = thr_copy.partition_S(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
+            kv_row_stride0 = cute.make_layout((BLOCK_N, HEAD_DIM), stride=(0, 1))
+            tXcX = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, HEAD_DIM)))
+            row_stride0 = cute.make_layout((self.tile_m, HEAD_DIM), stride=(0, 1))
 
             # ---- K and V block: loaded once, rows past n_keys zero-filled --------------------
             for m in cutlass.range_constexpr(cute.size(tXsK.shape[1])):
-                key = tXcX[0, m, 0][0]
+                key = tXcKV[0, m, 0][0]
                 if key < n_keys:
                     k_ptr = self._kv_row_ptr(mK, kv_row0, head_kv, key)
                     v_ptr = self._kv_row_ptr(mV, kv_row0, head_kv, key)
-                    gK = thr_copy.partition_S(cute.make_tensor(k_ptr, row_stride0))
-                    gV = thr_copy.partition_S(cute.make_tensor(v_ptr, row_stride0))
+                    gK = thr_copy.partition_S(cute.make_tensor(k_ptr, kv_row_stride0))
+                    gV = thr_copy.partition_S(cute.make_tensor(v_ptr, kv_row_stride0))
                     cute.copy(gather_copy, gK[None, m, None], tXsK[None, m, None])
                     cute.copy(gather_copy, gV[None, m, None], tXsV[None, m, None])
                 else:
                     tXsK[None, m, None].fill(0)
                     tXsV[None, m, None].fill(0)
-            cute.arch.cp_async_commit_group()
 
             # ---- MMA partitions ---------------------------------------------------------------
             thr_mma = tiled_mma.get_slice(tidx)
-            tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+            tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ_stages[None, None, 0]))
             tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
             tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
             ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4),
@@ -176,36 +220,63 @@ class SparsePrefillSm90:
             copy_q = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
             copy_k = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
             copy_v = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
-            tSsQ = copy_q.partition_S(sQ)
             tSrQ_view = copy_q.retile(tSrQ)
             tSsK = copy_k.partition_S(sK)
             tSrK_view = copy_k.retile(tSrK)
             tOsVt = copy_v.partition_S(sVt)
             tOrVt_view = copy_v.retile(tOrVt)
 
-            tScS = rows_cols_view(thr_mma.partition_C(cute.make_identity_tensor((TILE_M, BLOCK_N))))
-            acc_shape = thr_mma.partition_shape_C((TILE_M, BLOCK_N))
+            tScS = rows_cols_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, BLOCK_N))))
+            acc_shape = thr_mma.partition_shape_C((self.tile_m, BLOCK_N))
             n_my_rows = cute.size(tScS, mode=[0])
             n_my_cols = cute.size(tScS, mode=[1])
 
+            # Epilogue partitions: fragment -> sO, and this warp's 16 rows of sO -> gmem.
+            thr_stage_o = stage_o_copy.get_slice(tidx)
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            lane = tidx % 32
+            rows_per_warp = ROWS_PER_WARP
+            thr_store_o = store_o_copy.get_slice(lane)
+            tWcO = thr_store_o.partition_S(cute.make_identity_tensor((rows_per_warp, HEAD_DIM)))
+            warp_row_stride0 = cute.make_layout((rows_per_warp, HEAD_DIM), stride=(0, 1))
+
             entry0 = mRowPtr[head_kv, csr_row] + q_begin
             n_tiles = (q_count + self.queries_per_tile - 1) // self.queries_per_tile
+            n_gather_rows = cute.size(tXcX.shape[1])
+            # qsplit entries of the rows this thread gathers, loaded one tile ahead so the
+            # cp.async addresses never wait on a global load.
+            gather_entries = cute.make_rmem_tensor((n_gather_rows,), cutlass.Int32)
+            self._load_gather_entries(gather_entries, mQsplit, head_kv, entry0, 0, q_count,
+                                      tXcX)
+            self._gather_q_tile(gather_entries, sQ_stages, sEntry, 0, thr_copy, gather_copy,
+                                tXcX, mQ, q_start, q_len, head_kv, row_stride0, tidx)
+            cute.arch.cp_async_commit_group()
+            self._load_gather_entries(gather_entries, mQsplit, head_kv, entry0,
+                                      self.queries_per_tile, q_count, tXcX)
             for tile in range(n_tiles):
-                tile_q0 = tile * self.queries_per_tile
-                # ---- gather this tile's Q rows (row r = query r // G, head r % G) --------------
-                for m in cutlass.range_constexpr(cute.size(tXsQ.shape[1])):
-                    r = tXcX[0, m, 0][0]
-                    packed = self._entry(mQsplit, head_kv, entry0, tile_q0, q_count, r)
-                    q_local = packed & LOCAL_QUERY_MASK
-                    if packed >= 0 and q_local < q_len:
-                        q_row = mQ[q_start + q_local, head_kv * self.group + r % self.group, None]
-                        gQ = thr_copy.partition_S(cute.make_tensor(q_row.iterator, row_stride0))
-                        cute.copy(gather_copy, gQ[None, m, None], tXsQ[None, m, None])
-                    else:
-                        tXsQ[None, m, None].fill(0)
-                cute.arch.cp_async_commit_group()
+                stage = tile % Q_STAGES
+                # Tile `tile` (and, first time, K/V) has landed; every warp is done with the
+                # previous tile, so its Q stage and entries may be overwritten now.
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.sync_threads()
+                if tile + 1 < n_tiles:
+                    self._gather_q_tile(gather_entries, sQ_stages, sEntry, 1 - stage, thr_copy,
+                                        gather_copy, tXcX, mQ, q_start, q_len, head_kv,
+                                        row_stride0, tidx)
+                    self._load_gather_entries(gather_entries, mQsplit, head_kv, entry0,
+                                              (tile + 2) * self.queries_per_tile, q_count, tXcX)
+                cute.arch.cp_async_commit_group()
+                sQ = sQ_stages[None, None, stage]
+                tSsQ = copy_q.partition_S(sQ)
+                if cutlass.const_expr(not self.stage_o_in_q):
+                    sO = storage.sO.get_tensor(o_layout)
+                else:
+                    # Warp w's O rows overwrite its own Q rows (only warp w read them, and its
+                    # S MMAs are done by the epilogue); the stage is refilled after a barrier.
+                    sO = sQ
+                tOsO = thr_stage_o.partition_D(sO)
+                tWsO = thr_store_o.partition_S(
+                    cute.local_tile(sO, (rows_per_warp, HEAD_DIM), (warp_idx, 0)))
 
                 # ---- S = Q K^T ---------------------------------------------------------------
                 acc_s = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
@@ -226,7 +297,7 @@ class SparsePrefillSm90:
                 row_inv_sum = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
                 for i in cutlass.range_constexpr(n_my_rows):
                     r = tScS[i, 0][0]
-                    packed = self._entry(mQsplit, head_kv, entry0, tile_q0, q_count, r)
+                    packed = sEntry[r // self.group, stage]
                     visible_end = n_keys                       # keys [0, visible_end) visible
                     if causal != 0:
                         visible_end = cutlass.min(visible_end,
@@ -243,13 +314,16 @@ class SparsePrefillSm90:
                         max_scaled = 0.0
                     row_sum = cutlass.Float32(0.0)
                     row_sum_t = cutlass.Float32(0.0)
+                    # The flag test stays outside the element loops: a branch per element
+                    # would split the loop into blocks the scheduler cannot interleave.
+                    if want_lse_t != 0:
+                        for j in cutlass.range_constexpr(n_my_cols):
+                            row_sum_t = row_sum_t + cute.math.exp2(
+                                (s_rc[i, j] * scale_log2 - max_scaled) * inv_temperature,
+                                fastmath=True)
                     for j in cutlass.range_constexpr(n_my_cols):
-                        x = s_rc[i, j] * scale_log2 - max_scaled
-                        p = cute.math.exp2(x, fastmath=True)
+                        p = cute.math.exp2(s_rc[i, j] * scale_log2 - max_scaled, fastmath=True)
                         row_sum = row_sum + p
-                        if want_lse_t != 0:
-                            row_sum_t = row_sum_t + cute.math.exp2(x * inv_temperature,
-                                                                   fastmath=True)
                         s_rc[i, j] = p
                     row_sum = quad_sum(row_sum)
                     row_inv_sum[i] = 0.0
@@ -268,7 +342,7 @@ class SparsePrefillSm90:
                 r_p = cute.make_fragment_like(acc_s, self.dtype)
                 r_p.store(acc_s.load().to(self.dtype))
                 t_p = accumulator_as_operand_a(r_p)
-                acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((TILE_M, HEAD_DIM)),
+                acc_o = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, HEAD_DIM)),
                                               cutlass.Float32)
                 acc_o.fill(0.0)
                 n_kv = cute.size(t_p.shape[2])
@@ -278,27 +352,70 @@ class SparsePrefillSm90:
                         cute.copy(copy_v, tOsVt[None, None, kk + 1], tOrVt_view[None, None, kk + 1])
                     cute.gemm(tiled_mma, acc_o, t_p[None, None, kk], tOrVt[None, None, kk], acc_o)
 
-                # ---- normalize and write this tile's partial rows -------------------------------
+                # ---- normalize, stage through sO, write whole partial rows ----------------------
                 o_rc = rows_cols_view(acc_o)
-                lane_in_quad = tidx % 4
                 for i in cutlass.range_constexpr(n_my_rows):
-                    r = tScS[i, 0][0]
-                    packed = self._entry(mQsplit, head_kv, entry0, tile_q0, q_count, r)
+                    for j in cutlass.range_constexpr(n_my_cols):
+                        o_rc[i, j] = o_rc[i, j] * row_inv_sum[i]
+                r_o = cute.make_fragment_like(acc_o, self.partial_dtype)
+                r_o.store(acc_o.load().to(self.partial_dtype))
+                cute.copy(stage_o_copy, thr_stage_o.retile(r_o), tOsO)
+                # Each warp reads back only the rows it wrote (the MMA gives warp w rows
+                # 16w..16w+15), so a warp barrier suffices.
+                cute.arch.sync_warp()
+                for m in cutlass.range_constexpr(cute.size(tWsO.shape[1])):
+                    r = warp_idx * rows_per_warp + tWcO[0, m, 0][0]
+                    packed = sEntry[r // self.group, stage]
                     q_local = packed & LOCAL_QUERY_MASK
                     if packed >= 0 and q_local < q_len:
-                        slot = packed >> SLOT_SHIFT
-                        q_abs = q_start + q_local
-                        hq = head_kv * self.group + r % self.group
-                        o_row = mOPartial[slot, q_abs, hq, None]
-                        for j in cutlass.range_constexpr(n_my_cols):
-                            o_row[tScS[0, j][1]] = (o_rc[i, j] * row_inv_sum[i]).to(
-                                self.partial_dtype)
-                        if lane_in_quad == 0:
+                        o_row = mOPartial[packed >> SLOT_SHIFT, q_start + q_local,
+                                          head_kv * self.group + r % self.group, None]
+                        gO = thr_store_o.partition_D(cute.make_tensor(o_row.iterator,
+                                                                      warp_row_stride0))
+                        cute.copy(store_o_copy, tWsO[None, m, None], gO[None, m, None])
+                if lane % 4 == 0:
+                    for i in cutlass.range_constexpr(n_my_rows):
+                        r = tScS[i, 0][0]
+                        packed = sEntry[r // self.group, stage]
+                        q_local = packed & LOCAL_QUERY_MASK
+                        if packed >= 0 and q_local < q_len:
+                            slot = packed >> SLOT_SHIFT
+                            q_abs = q_start + q_local
+                            hq = head_kv * self.group + r % self.group
                             mLsePartial[slot, q_abs, hq] = row_lse[i]
                             if want_lse_t != 0:
                                 mLseTPartial[slot, q_abs, hq] = row_lse_t[i]
-                # The next tile overwrites sQ.
-                cute.arch.sync_threads()
+
+    @cute.jit
+    def _load_gather_entries(self, entries: cute.Tensor, mQsplit: cute.Tensor,
+                             head_kv: cutlass.Int32, entry0: cutlass.Int32,
+                             tile_q0: cutlass.Int32, q_count: cutlass.Int32, tXcX: cute.Tensor):
+        """entries[m] = packed qsplit entry of the m-th row this thread gathers (or -1)."""
+        for m in cutlass.range_constexpr(cute.size(entries)):
+            entries[m] = self._entry(mQsplit, head_kv, entry0, tile_q0, q_count,
+                                     tXcX[0, m, 0][0])
+
+    @cute.jit
+    def _gather_q_tile(self, entries: cute.Tensor, sQ_stages: cute.Tensor, sEntry: cute.Tensor,
+                       stage: cutlass.Int32, thr_copy, gather_copy: cute.TiledCopy,
+                       tXcX: cute.Tensor, mQ: cute.Tensor, q_start: cutlass.Int32,
+                       q_len: cutlass.Int32, head_kv: cutlass.Int32, row_stride0: cute.Layout,
+                       tidx: cutlass.Int32):
+        """Issue the cp.async gather of one Q tile into stage `stage` (row r = query r // G,
+        head r % G; missing queries zero-filled) and record each query's entry in sEntry."""
+        tXsQ = thr_copy.partition_D(sQ_stages[None, None, stage])
+        for m in cutlass.range_constexpr(cute.size(entries)):
+            r = tXcX[0, m, 0][0]
+            packed = entries[m]
+            q_local = packed & LOCAL_QUERY_MASK
+            if tidx % 8 == 0 and r % self.group == 0:
+                sEntry[r // self.group, stage] = packed
+            if packed >= 0 and q_local < q_len:
+                q_row = mQ[q_start + q_local, head_kv * self.group + r % self.group, None]
+                gQ = thr_copy.partition_S(cute.make_tensor(q_row.iterator, row_stride0))
+                cute.copy(gather_copy, gQ[None, m, None], tXsQ[None, m, None])
+            else:
+                tXsQ[None, m, None].fill(0)
 
     @cute.jit
     def _kv_row_ptr(self, mKV: cute.Tensor, kv_row0: cutlass.Int32, head_kv: cutlass.Int32,

@@ -17,6 +17,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .combine import SparseCombineSm90
 from .sparse_prefill_sm90 import SparsePrefillSm90
+from .sparse_prefill_sm90_wgmma import SparsePrefillSm90Wgmma
 from .variants import AttentionVariant, CombineVariant
 
 TARGET_ARCH = "sm_90a"
@@ -78,6 +79,15 @@ def combine_args(variant: CombineVariant):
     ]
 
 
+def attention_kernel(variant: AttentionVariant):
+    """The kernel object of an attention variant: warpgroup MMA (wgmma) for bf16 partials,
+    warp MMA for fp32 partials. MSA_CUTE_MMA=warp forces the warp-MMA kernel everywhere."""
+    partial = _DTYPES[variant.partial_dtype]
+    use_wgmma = partial.width == 16 and os.environ.get("MSA_CUTE_MMA", "wgmma") != "warp"
+    cls = SparsePrefillSm90Wgmma if use_wgmma else SparsePrefillSm90
+    return cls(variant.qhead_per_kv, variant.paged, partial)
+
+
 def compile_variant(variant, *, dump_dir: Optional[str] = None):
     """cute.compile one variant for sm_90a with the TVM-FFI ABI. With dump_dir, the PTX is kept
     there (the directory is created: the DSL silently skips a missing one)."""
@@ -89,8 +99,7 @@ def compile_variant(variant, *, dump_dir: Optional[str] = None):
     if isinstance(variant, AttentionVariant):
         if variant.dtype != "bfloat16":
             raise NotImplementedError(f"{variant.name}: only bf16 Q/K/V is implemented")
-        kernel = SparsePrefillSm90(variant.qhead_per_kv, variant.paged,
-                                   _DTYPES[variant.partial_dtype])
+        kernel = attention_kernel(variant)
         return cute.compile(kernel, *attention_args(variant), options=options)
     if isinstance(variant, CombineVariant):
         kernel = SparseCombineSm90(_DTYPES[variant.partial_dtype])

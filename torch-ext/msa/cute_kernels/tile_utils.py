@@ -50,3 +50,45 @@ def quad_sum(value: cutlass.Float32) -> cutlass.Float32:
     value = value + cute.arch.shuffle_sync_bfly(value, offset=2)
     value = value + cute.arch.shuffle_sync_bfly(value, offset=1)
     return value
+
+
+@cute.jit
+def warp_max(value: cutlass.Float32) -> cutlass.Float32:
+    """Max over the 32 lanes of a warp (every lane gets the result)."""
+    for offset in cutlass.range_constexpr(5):
+        value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, offset=16 >> offset))
+    return value
+
+
+@cute.jit
+def warp_sum(value: cutlass.Float32) -> cutlass.Float32:
+    """Sum over the 32 lanes of a warp (every lane gets the result)."""
+    for offset in cutlass.range_constexpr(5):
+        value = value + cute.arch.shuffle_sync_bfly(value, offset=16 >> offset)
+    return value
+
+
+def wgmma_rows_cols_view(acc: cute.Tensor) -> cute.Tensor:
+    """Warpgroup-MMA accumulator ((2, 2, V), M, N) -> ((2, M), (2, V, N)) view: mode 0 = this
+    thread's rows (lane // 4 and lane // 4 + 8 of its warp's 16), mode 1 = its columns of each
+    row (a pair per 8-column group). Same quad-shares-a-row property as m16n8k16."""
+    compact = cute.make_layout(acc.layout.shape)
+    regroup = cute.make_layout(
+        ((compact.shape[0][1], compact.shape[1]),
+         (compact.shape[0][0], compact.shape[0][2], compact.shape[2])),
+        stride=((compact.stride[0][1], compact.stride[1]),
+                (compact.stride[0][0], compact.stride[0][2], compact.stride[2])))
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, regroup))
+
+
+def wgmma_accumulator_as_operand_a(acc_in_16bit: cute.Tensor) -> cute.Tensor:
+    """Reinterpret a warpgroup-MMA C fragment ((2, 2, N/8), M, 1) (converted to 16-bit) as the
+    register A operand of the next warpgroup MMA: ((2, 2, 2), M, N/16). Two adjacent 8-column
+    groups of C are one 16-wide K slice of A (P stays in registers for O = P V)."""
+    split = cute.logical_divide(acc_in_16bit.layout, ((None, None, 2), None, None))
+    layout = cute.make_layout(
+        ((split.shape[0][0], split.shape[0][1], split.shape[0][2][0]), split.shape[1],
+         (split.shape[0][2][1], split.shape[2])),
+        stride=((split.stride[0][0], split.stride[0][1], split.stride[0][2][0]), split.stride[1],
+                (split.stride[0][2][1], split.stride[2])))
+    return cute.make_tensor(acc_in_16bit.iterator, layout)
