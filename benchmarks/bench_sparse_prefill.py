@@ -4,7 +4,9 @@ Configuration (MiniMax-M3): Hq=64, Hkv=4, D=128, block 128, topK=16 with the que
 forced. Selection patterns:
   random     every query picks 15 uniformly random earlier blocks (per KV head);
   clustered  the queries of one 128-token block share 13 blocks and pick 2 of their own, as real
-             indexers produce.
+             indexers produce;
+  shared     the queries of one 128-token block share all 15 (FlexAttention's best case: its
+             BlockMask is exact at 128x128 granularity).
 Effective TFLOP/s = 4 * D * Hq * (selected, causally visible query-key pairs) / time; dense
 causal TFLOP/s = 4 * D * Hq * N^2 / 2 / time. Peers are measured in the same run.
 
@@ -46,6 +48,11 @@ def selection(n: int, pattern: str, gen: torch.Generator, device="cuda") -> torc
         pick = torch.randint(0, 1 << 30, (HKV, n, 2), generator=gen, device=device)
         pick = pick % own.clamp_min(1).view(1, -1, 1)
         score.scatter_(2, pick, 2.0)
+    elif pattern == "shared":
+        # All queries of a 128-token block share their 15 blocks (the anchor's FlexAttention
+        # configuration: selection per KV head and 128-query block).
+        shared = torch.rand(HKV, nblk, nblk, generator=gen, device=device, dtype=torch.float16)
+        score = shared.repeat_interleave(BLOCK, dim=1)[:, :n].contiguous()
     else:
         raise ValueError(f"pattern: {pattern}")
     blk = torch.arange(nblk, device=device)
