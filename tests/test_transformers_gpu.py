@@ -42,7 +42,7 @@ def _lift_sm100_gate(model) -> int:
 
 
 def test_minimax_m3_logits_and_greedy_tokens_match_sdpa():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("kernels")
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLForCausalLM
     if not any((ROOT / "build").glob("*/metadata.json")):

@@ -100,6 +100,18 @@ def check_cu_seqlens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> 
     return cu_seqlens_q.numel() - 1
 
 
+def check_page_table(page_table: torch.Tensor, batch: int, *, seqused_k=None,
+                     min_pages: int = 0) -> None:
+    """page_table [B, >= min_pages] int32 with contiguous rows; seqused_k, if given, [B] int32."""
+    check_tensor("page_table", page_table, dtypes=(torch.int32,), ndim=2, last_dim_contiguous=True)
+    if page_table.shape[0] != batch or page_table.shape[1] < min_pages:
+        raise ValueError(f"page_table: expected shape [{batch}, >= {min_pages}] (one row per "
+                         f"request), got {list(page_table.shape)}")
+    if seqused_k is not None:
+        check_tensor("seqused_k", seqused_k, dtypes=(torch.int32,), ndim=1, contiguous=True)
+        check_shape("seqused_k", seqused_k, (batch,))
+
+
 def check_positive_int(name: str, value, *, allow_none: bool = False, minimum: int = 0):
     if value is None and allow_none:
         return None

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from . import _backend
-from ._validation import (FP8, HEAD_DIM, check_head_dim, check_positive_int, check_qhead_per_kv,
+from ._validation import (check_page_table, FP8, HEAD_DIM, check_head_dim, check_positive_int, check_qhead_per_kv,
                           check_same_device, check_scale, check_shape, check_tensor, check_topk)
 from .reference.decode import decode_reference, split_decode_reference
 from .src.sm100.decode_schedule import DecodeSchedule, build_decode_schedule
@@ -121,11 +121,7 @@ def _check_kv_metadata(page_table, seqused_k, seqlen_q, max_seqlen_k, q2k_indice
     batch = seqused_k.numel()
     if batch < 1:
         raise ValueError("seqused_k: expected shape [B] with B >= 1, got [0]")
-    check_tensor("page_table", page_table, dtypes=(torch.int32,), ndim=2,
-                 last_dim_contiguous=True)
-    if page_table.shape[0] != batch or page_table.shape[1] < 1:
-        raise ValueError(f"page_table: expected shape [{batch}, max_pages >= 1] (one row per "
-                         f"request of seqused_k), got {list(page_table.shape)}")
+    check_page_table(page_table, batch, min_pages=1)
     _check_seqlen_q(seqlen_q)
     check_positive_int("max_seqlen_k", max_seqlen_k, minimum=1)
     if q2k_indices is not None:

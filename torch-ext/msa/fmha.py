@@ -42,7 +42,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _backend
-from ._validation import (FP8, HEAD_DIM, SUPPORTED_QHEAD_PER_KV, SUPPORTED_TOPK, check_head_dim,
+from ._validation import (check_page_table, FP8, HEAD_DIM, SUPPORTED_QHEAD_PER_KV, SUPPORTED_TOPK, check_head_dim,
                           check_qhead_per_kv, check_same_device, check_scale,
                           check_shape, check_tensor, check_topk)
 from .interface import build_k2q_csr, sparse_atten_func
@@ -898,12 +898,8 @@ def _page_table_from_indices(kv_indices, plan, page_size, num_pages, device,
 
 
 def _check_page_table(page_table, plan, page_size, device):
-    check_tensor("page_table", page_table, dtypes=(torch.int32,), ndim=2,
-                 last_dim_contiguous=True)
     need = max(-(-n // page_size) for n in plan["host_kv_lens"])
-    if page_table.shape[0] != plan["batch"] or page_table.shape[1] < need:
-        raise ValueError(f"page_table: expected shape [{plan['batch']}, >= {need}], got "
-                         f"{list(page_table.shape)}")
+    check_page_table(page_table, plan["batch"], min_pages=need)
     if page_table.device != device:
         raise ValueError(f"page_table: is on {page_table.device} but q is on {device}")
 

@@ -18,7 +18,7 @@ from typing import Optional, Union
 import torch
 
 from . import _backend
-from ._validation import (BLOCK_SIZE, FP8, SUPPORTED_TOPK, check_cu_seqlens,
+from ._validation import (check_page_table, BLOCK_SIZE, FP8, SUPPORTED_TOPK, check_cu_seqlens,
                           check_head_dim, check_positive_int, check_qhead_per_kv,
                           check_same_device, check_scale, check_shape, check_tensor, check_topk)
 from .interface import build_k2q_csr, sparse_atten_func
@@ -135,13 +135,7 @@ def _check_block_max_args(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         else:
             batch = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
             cu_seqlens_k_checked = cu_seqlens_k
-        check_tensor("page_table", page_table, dtypes=(torch.int32,), ndim=2,
-                     last_dim_contiguous=True)
-        if page_table.shape[0] != batch:
-            raise ValueError(f"page_table: has {page_table.shape[0]} rows for a batch of {batch}")
-        if seqused_k is not None:
-            check_tensor("seqused_k", seqused_k, dtypes=(torch.int32,), ndim=1, contiguous=True)
-            check_shape("seqused_k", seqused_k, (batch,))
+        check_page_table(page_table, batch, seqused_k=seqused_k)
     else:
         if cu_seqlens_k is None:
             raise ValueError("cu_seqlens_k: required with dense k_idx [total_k, Hk, 128]")

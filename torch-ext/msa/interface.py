@@ -14,9 +14,9 @@ from typing import Optional
 import torch
 
 from . import _backend
-from ._validation import (FP8, HEAD_DIM, PARTIAL_DTYPES, check_cu_seqlens, check_head_dim,
+from ._validation import (check_page_table, FP8, HEAD_DIM, PARTIAL_DTYPES, check_cu_seqlens, check_head_dim,
                           check_positive_int, check_qhead_per_kv, check_same_device, check_scale,
-                          check_shape, check_tensor, check_topk)
+                          check_tensor, check_topk)
 from .reference.sparse_attention import make_kv_source, sparse_attention_csr
 from .sparse_index_utils import build_k2q_csr_torch_reference, safe_total_rows
 from .src.sm100.prepare_scheduler import (SparseAttentionSchedule,
@@ -317,13 +317,7 @@ def check_sparse_atten_args(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seq
             raise ValueError("page_table: paged k/v [pages, Hkv, page, D] need a page_table")
         if k.shape[2] != blk_kv:
             raise ValueError(f"k: page size {k.shape[2]} must equal blk_kv {blk_kv}")
-        check_tensor("page_table", page_table, dtypes=(torch.int32,), ndim=2,
-                     last_dim_contiguous=True)
-        if page_table.shape[0] != batch:
-            raise ValueError(f"page_table: has {page_table.shape[0]} rows for a batch of {batch}")
-        if seqused_k is not None:
-            check_tensor("seqused_k", seqused_k, dtypes=(torch.int32,), ndim=1, contiguous=True)
-            check_shape("seqused_k", seqused_k, (batch,))
+        check_page_table(page_table, batch, seqused_k=seqused_k)
     else:
         if page_table is not None:
             raise ValueError("page_table: given with dense k of shape [total_k, Hkv, D]; paged "
