@@ -50,6 +50,7 @@ def test_reference_matches_dense_mask_float64(g, topk, causal, paged, seed):
     v = torch.randn(sum(k_lens), hkv, 128, generator=gen).bfloat16()
     # Block 1 is never selected: queries whose only candidates are masked get empty rows.
     q2k = random_q2k(q_lens, k_lens, hkv, topk, generator=gen, skip_block=1)
+    q2k[:, torch.randperm(q2k.shape[1], generator=gen)[:5]] = -1    # rows that select nothing
     page_table = seqused = None
     kk, vv = k, v
     if paged:
@@ -67,7 +68,7 @@ def test_reference_matches_dense_mask_float64(g, topk, causal, paged, seed):
     finite = torch.isfinite(ref_lse)
     assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-10, rtol=0)
     assert torch.allclose(lse_t[finite], ref_lse_t[finite], atol=1e-10, rtol=0)
-    assert (out[~finite] == 0).all()
+    assert (~finite).any() and (out[~finite] == 0).all()      # empty rows: O = 0, LSE = -inf
     # In float32 (the reference's default), agreement is to float32 rounding.
     out32, lse32, _ = interface.sparse_attention_reference(call)
     assert (out32.double() - ref_o).abs().max() < 2e-5

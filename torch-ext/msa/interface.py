@@ -139,7 +139,11 @@ def _build_k2q_csr_reference(call: K2qCsrCall):
 
 
 class SparseK2qCsrBuilderSm100:
-    """Callable form of :func:`build_k2q_csr` (the upstream name; it runs on any hardware)."""
+    """Callable form of :func:`build_k2q_csr` (the upstream name; it runs on any hardware).
+
+    ``builder(q2k [Hkv, total_q, topK] int32, cu_seqlens_q [B+1], cu_seqlens_k [B+1], *,
+    total_k, blk_kv=128, ...)`` returns (k2q_row_ptr [Hkv, rows+1], k2q_q_indices
+    [Hkv, total_q*topK]) and, with return_schedule, the schedule; see build_k2q_csr."""
 
     def __call__(self, q2k_indices, cu_seqlens_q, cu_seqlens_k, *, total_k, blk_kv=128,
                  max_seqlen_k=None, max_seqlen_q=None, total_rows=None, qhead_per_kv=1,

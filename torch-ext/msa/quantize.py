@@ -136,7 +136,11 @@ def quantize_kv_bf16_to_nvfp4_128x4(k: torch.Tensor, v: torch.Tensor
 
 def dequantize_nvfp4_128x4_to_bf16(qx: Nvfp4QuantizedTensor, *,
                                    include_global_scale: bool = True) -> torch.Tensor:
-    """The reference inverse: bf16 tensor of qx.original_shape with x = e2m1 * scale
+    """The reference inverse of :func:`quantize_bf16_to_nvfp4_128x4`.
+
+    qx.data [..., D/2] uint8 (two E2M1 values per byte, even element low), qx.scale_128x4 the
+    swizzled E4M3 block scales of the logical [rows, D/16] grid, qx.global_scale fp32 [1].
+    Returns a bf16 tensor of qx.original_shape [..., D] with x = e2m1 * scale
     (* global_scale when include_global_scale), computed in fp32 and rounded once to bf16."""
     if not isinstance(qx, Nvfp4QuantizedTensor):
         raise TypeError(f"qx: expected an Nvfp4QuantizedTensor, got {type(qx).__name__}")
