@@ -15,10 +15,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
+from .block_max_score_sm90 import BlockMaxScoreSm90
 from .combine import SparseCombineSm90
 from .sparse_prefill_sm90 import SparsePrefillSm90
 from .sparse_prefill_sm90_wgmma import SparsePrefillSm90Wgmma
-from .variants import AttentionVariant, CombineVariant
+from .variants import AttentionVariant, BlockMaxScoreVariant, CombineVariant
 
 TARGET_ARCH = "sm_90a"
 _DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
@@ -79,6 +80,24 @@ def combine_args(variant: CombineVariant):
     ]
 
 
+def block_max_score_args(variant: BlockMaxScoreVariant):
+    """Argument order of BlockMaxScoreSm90.__call__ (see block_max_score_sm90.py)."""
+    dtype = _DTYPES[variant.dtype]
+    total_q, batch = _dyn(), _dyn()
+    k_shape = (_dyn(), 1, 128, 128) if variant.paged else (_dyn(), 1, 128)
+    return [
+        _tensor(dtype, (total_q, variant.num_heads, 128)),  # q_idx
+        _tensor(dtype, k_shape),                            # k_idx (one shared key head)
+        _index((_dyn(),)), _index((_dyn(),)),               # cu_seqlens_q, cu_seqlens_k
+        _index((batch,)), _index((batch,)),                 # k_lens, causal offsets
+        _index((_dyn(), _dyn())),                           # page_table
+        _tensor(cutlass.Float32, (variant.num_heads, _dyn(), total_q), align=4),   # out
+        cutlass.Float32(1.0), cutlass.Int32(1),             # scale, causal
+        cutlass.Int32(1),                                   # grid_q_tiles
+        make_fake_stream(),
+    ]
+
+
 def attention_kernel(variant: AttentionVariant):
     """The kernel object of an attention variant: warpgroup MMA (wgmma) for bf16 partials,
     warp MMA for fp32 partials. MSA_CUTE_MMA=warp forces the warp-MMA kernel everywhere."""
@@ -104,4 +123,9 @@ def compile_variant(variant, *, dump_dir: Optional[str] = None):
     if isinstance(variant, CombineVariant):
         kernel = SparseCombineSm90(_DTYPES[variant.partial_dtype])
         return cute.compile(kernel, *combine_args(variant), options=options)
+    if isinstance(variant, BlockMaxScoreVariant):
+        if variant.dtype != "bfloat16":
+            raise NotImplementedError(f"{variant.name}: only bf16 q_idx/k_idx is implemented")
+        kernel = BlockMaxScoreSm90(variant.num_heads, variant.paged, _DTYPES[variant.dtype])
+        return cute.compile(kernel, *block_max_score_args(variant), options=options)
     raise TypeError(f"variant: unknown kind {type(variant).__name__}")

@@ -16,6 +16,8 @@ KV_BLOCK = 128
 QHEAD_PER_KV = (1, 2, 4, 8, 16)
 PARTIAL_DTYPES = ("float32", "bfloat16")     # partial dtypes with a native combine
 INPUT_DTYPES = ("bfloat16",)                 # Q/K/V element types compiled so far
+INDEX_HEADS = (1, 2, 4, 8)                   # index query heads H of block_max_scores
+INDEX_DTYPES = ("bfloat16",)                 # q_idx / k_idx element types compiled so far
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,20 @@ class CombineVariant:
         return f"sparse_combine_sm90_p{_short(self.partial_dtype)}"
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockMaxScoreVariant:
+    """One compiled indexer kernel: per (query, index head, 128-key tile) max of scale * q.k,
+    H index heads against one shared index-key head (Hk = 1), dense or paged index keys."""
+    num_heads: int
+    paged: bool
+    dtype: str = "bfloat16"
+
+    @property
+    def name(self) -> str:
+        layout = "paged" if self.paged else "dense"
+        return f"block_max_score_sm90_{self.dtype}_h{self.num_heads}_{layout}"
+
+
 def _short(dtype: str) -> str:
     return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(dtype, dtype)
 
@@ -56,6 +72,9 @@ def shipped_variants() -> List[object]:
                 for partial in PARTIAL_DTYPES:
                     out.append(AttentionVariant(g, paged, partial, dtype))
     out.extend(CombineVariant(p) for p in PARTIAL_DTYPES)
+    for dtype in INDEX_DTYPES:
+        for paged in (False, True):
+            out.extend(BlockMaxScoreVariant(h, paged, dtype) for h in INDEX_HEADS)
     return out
 
 

@@ -1,0 +1,303 @@
+"""Native SM90 indexer block max-scores (CuTe-DSL wgmma kernel) against a float64 reference.
+
+The native module is imported explicitly here (which registers it with msa._backend): it is not
+in msa._native.__init__ until it has passed on hardware. Every case runs with
+MSA_BACKEND=native (a fallback raises) and checks msa._backend.last_backend == "sm90".
+
+Checks per case, on fresh random varlen inputs (lengths not multiples of 128, requests with
+q_len > k_len whose early rows see nothing, an empty request, rows past cu_seqlens_q[-1] that no
+request owns): the output is poisoned with NaN first, so every element must be written; the
+-inf pattern equals the reference's exactly; finite values satisfy
+    |native - ref64| <= 1e-2 * max(|ref64|, scale * sqrt(128))
+(the relative error bound of the brief; scale * sqrt(128) is the typical |q.k| of these unit
+normal inputs, which keeps near-zero maxima from making the relative error meaningless).
+
+Benchmark mode (GPU): python tests/test_block_max_score_gpu.py --bench
+  prints TFLOP/s = 2 * H * 128 * (causally visible pairs) / time of the native kernel and of
+  the naive torch indexer (einsum score matrix + causal mask + 128-block max) at N = 8k, 32k.
+"""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+if __name__ == "__main__":   # benchmark mode: import the package from the source tree
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                    "torch-ext"))
+import msa
+from msa import _backend
+from msa.reference.max_score import block_max_scores_reference
+
+BLOCK = 128
+HEAD_DIM = 128
+
+
+def _native_module():
+    from msa._native import block_max_score_sm90   # registers "block_max_scores" for sm90
+    return block_max_score_sm90
+
+
+def _cu(lengths, device):
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32,
+                        device=device)
+
+
+def _random_lengths(gen, causal):
+    """Four requests: varied lengths (never multiples of 128), one with q_len > k_len, one
+    empty query side."""
+    q_lens, k_lens = [], []
+    for b in range(4):
+        k = int(torch.randint(150, 2600, (1,), generator=gen))
+        if k % BLOCK == 0:
+            k += 45
+        if b == 1:
+            q = k + int(torch.randint(1, 300, (1,), generator=gen))   # early rows see nothing
+        elif b == 3:
+            q = 0
+        else:
+            q = int(torch.randint(1, k + 1, (1,), generator=gen))
+        q_lens.append(q)
+        k_lens.append(k)
+    return q_lens, k_lens
+
+
+def _paginate(k_dense, k_lens, gen, device):
+    """Dense [total_k, 1, 128] -> shuffled pages [pages, 1, 128, 128] with spare junk pages,
+    and a page table whose entries past each request's pages are junk (-5)."""
+    n_pages = [-(-kl // BLOCK) for kl in k_lens]
+    total_pages = sum(n_pages) + 3
+    perm = torch.randperm(total_pages, generator=gen)
+    pages = torch.randn(total_pages, 1, BLOCK, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    table = torch.full((len(k_lens), max(n_pages) + 2), -5, dtype=torch.int32)
+    start, used = 0, 0
+    for b, (kl, npg) in enumerate(zip(k_lens, n_pages)):
+        for beta in range(npg):
+            page = int(perm[used])
+            used += 1
+            table[b, beta] = page
+            n = min(BLOCK, kl - beta * BLOCK)
+            pages[page, 0, :n] = k_dense[start + beta * BLOCK:start + beta * BLOCK + n, 0]
+        start += kl
+    return pages.to(device), table.to(device)
+
+
+def _offset_for(case, q_lens, k_lens, gen, device):
+    """None (bottom-right), an int, or a [B] tensor: cycled over the cases (causal only)."""
+    kind = case % 3
+    if kind == 0:
+        return None
+    if kind == 1:
+        return int(torch.randint(-200, 400, (1,), generator=gen))
+    shift = torch.randint(-300, 300, (len(q_lens),), generator=gen)
+    return (torch.tensor(k_lens) - torch.tensor(q_lens) + shift).to(torch.int64).to(device)
+
+
+def _check(got, want, scale):
+    want = want.to(got.device)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert not torch.isnan(got).any(), \
+        f"NaN at {int(torch.isnan(got).sum())} elements (unwritten outputs)"
+    inf_got, inf_want = torch.isinf(got), torch.isinf(want)
+    mismatch = inf_got != inf_want
+    assert not mismatch.any(), (f"-inf pattern differs at {int(mismatch.sum())} elements, "
+                                f"first {mismatch.nonzero()[0].tolist()}")
+    assert bool((got[inf_got] < 0).all()), "+inf in the output"
+    fin = ~inf_want
+    diff = (got[fin].double() - want[fin]).abs()
+    bound = 1e-2 * torch.clamp(want[fin].abs(), min=scale * math.sqrt(HEAD_DIM))
+    if diff.numel():
+        worst = (diff / bound).max().item()
+        assert worst <= 1.0, f"max |err| / bound = {worst:.3f} (max |err| {diff.max():.3e})"
+
+
+CASES = [(h, paged, causal) for h in (1, 2, 4, 8) for paged in (False, True)
+         for causal in (False, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("num_heads,paged,causal", CASES)
+def test_block_max_scores_native_matches_float64(num_heads, paged, causal, seed, monkeypatch):
+    native = _native_module()
+    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    case = CASES.index((num_heads, paged, causal))
+    gen = torch.Generator().manual_seed(seed)
+    device = torch.device("cuda")
+    q_lens, k_lens = _random_lengths(gen, causal)
+    orphan_rows = 5 if case % 2 else 0          # q rows past cu_seqlens_q[-1]: stay -inf
+    total_q, total_k = sum(q_lens) + orphan_rows, sum(k_lens)
+    q = (torch.randn(total_q, num_heads, HEAD_DIM, generator=gen)).to(torch.bfloat16)
+    k = (torch.randn(total_k, 1, HEAD_DIM, generator=gen)).to(torch.bfloat16)
+    cu_q, cu_k = _cu(q_lens, device), _cu(k_lens, device)
+    scale = (1.0, HEAD_DIM ** -0.5, 0.37)[case % 3]
+    offset = _offset_for(case, q_lens, k_lens, gen, device) if causal else None
+    max_k = max(k_lens)
+    # Sometimes a wider tile axis than needed (extra -inf tiles), sometimes a narrower one
+    # (tiles past it are not computed).
+    max_k_tiles = max(1, -(-max_k // BLOCK) + (2, 0, -3)[case % 3])
+    kwargs = dict(max_seqlen_q=max(q_lens), max_seqlen_k=max_k, scale=scale, causal=causal,
+                  qo_offset=offset, max_k_tiles=max_k_tiles)
+    q_dev = q.to(device)
+    if paged:
+        k_in, table = _paginate(k, k_lens, gen, device)
+        seqused = torch.tensor(k_lens, dtype=torch.int32, device=device)
+        args = (q_dev, k_in, cu_q, cu_k)
+        kwargs.update(page_table=table, seqused_k=seqused)
+    else:
+        k_in = k.to(device)
+        args = (q_dev, k_in, cu_q, cu_k)
+
+    monkeypatch.setenv("MSA_BACKEND", "native")       # raise instead of falling back
+    got = msa.block_max_scores(*args, **kwargs)
+    torch.cuda.synchronize()
+    monkeypatch.delenv("MSA_BACKEND")
+    assert _backend.last_backend("block_max_scores") == "sm90"
+
+    want = block_max_scores_reference(
+        q_dev, k_in, cu_q, cu_k, max_k_tiles=max_k_tiles, scale=scale, causal=causal,
+        qo_offset=offset, page_table=kwargs.get("page_table"),
+        seqused_k=kwargs.get("seqused_k"), compute_dtype=torch.float64)
+    print(f"H={num_heads} paged={paged} causal={causal} offset={type(offset).__name__} "
+          f"q_lens={q_lens} k_lens={k_lens} tiles={max_k_tiles}")
+    _check(got, want, scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("num_heads", (1, 8))
+def test_block_max_scores_native_long_request_and_small_grid(num_heads, seed, monkeypatch):
+    """One long request with max_seqlen_q understated (1): the kernel's grid-stride loop over
+    query tiles must still cover every row; plus a second request of one token."""
+    native = _native_module()
+    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    gen = torch.Generator().manual_seed(seed)
+    device = torch.device("cuda")
+    q_lens, k_lens = [3001, 1], [3001 + 77, 300]
+    q = torch.randn(sum(q_lens), num_heads, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    k = torch.randn(sum(k_lens), 1, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    q, k = q.to(device), k.to(device)
+    cu_q, cu_k = _cu(q_lens, device), _cu(k_lens, device)
+    tiles = -(-max(k_lens) // BLOCK)
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    got = msa.block_max_scores(q, k, cu_q, cu_k, max_seqlen_q=1, max_seqlen_k=max(k_lens),
+                               scale=1.0, causal=True, max_k_tiles=tiles)
+    torch.cuda.synchronize()
+    monkeypatch.delenv("MSA_BACKEND")
+    assert _backend.last_backend("block_max_scores") == "sm90"
+    want = block_max_scores_reference(q, k, cu_q, cu_k, max_k_tiles=tiles, scale=1.0,
+                                      causal=True, compute_dtype=torch.float64)
+    _check(got, want, 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the kernel compiles for sm_90a without spills (full list: tools/compile_cute.py --check)
+# ----------------------------------------------------------------------------------------------
+
+def test_variant_names_match_the_manifest_names():
+    """The runtime names artifacts without importing cutlass; both sides must agree."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    sys.path.insert(0, root)
+    from cute_kernels.variants import BlockMaxScoreVariant, shipped_variants
+    names = {v.name for v in shipped_variants() if isinstance(v, BlockMaxScoreVariant)}
+    native = _native_module()
+    assert names == {native.variant_name(h, paged) for h in native.SUPPORTED_HEADS
+                     for paged in (False, True)}
+
+
+def test_block_max_variant_compiles_for_sm90a_without_spills(tmp_path):
+    """Compiles the H = 4 paged variant (M3's shape) for sm_90a with fake tensors and checks the
+    PTX: 8 m64n128k16 wgmmas (one per 16-wide k step), 512 threads, no register spills."""
+    import importlib.util
+    if importlib.util.find_spec("cutlass") is None:
+        pytest.skip("nvidia-cutlass-dsl is not installed")
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    sys.path.insert(0, root)
+    sys.path.insert(0, os.path.join(root, "tools"))
+    try:
+        import compile_cute
+        compile_cute.find_ptxas()
+        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+        from cute_kernels.build import compile_variant
+        from cute_kernels.variants import by_name
+    except (ImportError, FileNotFoundError) as exc:   # runtime-only DSL install, no ptxas
+        pytest.skip(f"cannot compile CuTe kernels here: {exc}")
+    compile_variant(by_name("block_max_score_sm90_bfloat16_h4_paged"), dump_dir=str(tmp_path))
+    ptx = sorted(tmp_path.glob("*.ptx"))
+    assert ptx, "the DSL kept no PTX"
+    text = ptx[0].read_text()
+    assert ".target sm_90a" in text
+    assert text.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 8
+    assert ".reqntid 512" in text
+    assert "fence.proxy.async.shared::cta" in text
+    report = compile_cute.ptxas_report(ptx[0])
+    assert report["spill_bytes"] == 0, report
+    assert 0 < report["registers"] <= 128, report     # 512 threads: at most 128 registers
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark mode
+# ----------------------------------------------------------------------------------------------
+
+def _naive_indexer(q_idx, k_idx, scale):
+    """The textbook indexer on one sequence: [H, n, n] bf16 score matrix, causal mask, max per
+    128-key block -> [H, ceil(n/128), n] fp32. Memory grows as n^2 (out of memory past 32k)."""
+    n, num_heads, _ = q_idx.shape
+    tiles = -(-n // BLOCK)
+    keys = torch.nn.functional.pad(k_idx[:, 0], (0, 0, 0, tiles * BLOCK - n))
+    scores = torch.einsum("qhd,kd->hqk", q_idx * scale, keys)
+    pos = torch.arange(tiles * BLOCK, device=q_idx.device)
+    scores.masked_fill_(pos.view(1, 1, -1) > pos[:n].view(1, -1, 1), float("-inf"))
+    return scores.view(num_heads, n, tiles, BLOCK).amax(-1).float().transpose(1, 2)
+
+
+def _time_ms(fn, iters=10):
+    fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return sorted(times)[len(times) // 2]
+
+
+def bench(sizes=(8192, 32768), num_heads=4, scale=1.0):
+    """Prints native vs naive TFLOP/s for one causal sequence per size (M3: H_idx = 4)."""
+    _native_module()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    for n in sizes:
+        q = torch.randn(n, num_heads, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        k = torch.randn(n, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+        flops = 2 * num_heads * HEAD_DIM * (n * (n + 1) // 2)
+
+        def native():
+            return msa.block_max_scores(q, k, cu, cu, max_seqlen_q=n, max_seqlen_k=n,
+                                        scale=scale, causal=True)
+        os.environ["MSA_BACKEND"] = "native"
+        ms = _time_ms(native)
+        del os.environ["MSA_BACKEND"]
+        line = (f"N={n} H={num_heads}: native {ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s "
+                f"(backend {_backend.last_backend('block_max_scores')})")
+        try:
+            naive_ms = _time_ms(lambda: _naive_indexer(q, k, scale), iters=3)
+            got, want = native(), _naive_indexer(q, k, scale)
+            ok = torch.equal(torch.isinf(got), torch.isinf(want))
+            err = (got - want).nan_to_num(0.0, 0.0, 0.0).abs().max().item()
+            line += (f"; naive torch {naive_ms:.2f} ms {flops / naive_ms / 1e9:.1f} TFLOP/s, "
+                     f"speedup {naive_ms / ms:.1f}x (max |diff| {err:.3e}, -inf equal {ok})")
+        except torch.OutOfMemoryError:
+            line += "; naive torch: out of memory"
+        torch.cuda.empty_cache()
+        print(line, flush=True)
+
+
+if __name__ == "__main__" and "--bench" in sys.argv:
+    bench()

@@ -1,0 +1,110 @@
+"""Native SM90 indexer block max-scores: the CuTe-DSL warpgroup-MMA kernel of
+cute_kernels/block_max_score_sm90.py.
+
+``run(call)`` takes a validated :class:`msa.indexer.BlockMaxScoreCall` and launches one kernel on
+q_idx's device and current stream, with no host synchronization (capturable in a CUDA graph):
+per (query, index head, 128-key tile) the max of ``scale * q.k`` over the causally visible keys,
+-inf where none is, into a fresh ``[H, max_k_tiles, total_q]`` fp32 tensor. Every element is
+written by the kernel (computed tiles, -inf tiles and rows no request owns alike).
+
+Served: bf16 q_idx and k_idx, H in {1, 2, 4, 8} index heads against ONE shared index-key head
+(Hk = 1, as in MSA), dense or paged (page size 128) keys, causal or not, any qo_offset.
+Everything else (fp8, Hk > 1, fp32) falls back to the reference through ``supports``.
+
+NOT imported by ``msa._native.__init__`` on purpose: a kernel enters the default dispatch only
+after it has passed on hardware. Until then the GPU test (tests/test_block_max_score_gpu.py)
+imports this module explicitly, which registers it with ``msa._backend``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _backend
+from . import cute_runtime
+
+KEY_TILE = 128
+TILE_ROWS = 256                 # (query, head) rows per CTA; must match the kernel's TILE_M
+SUPPORTED_HEADS = (1, 2, 4, 8)
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16"}
+_INT32_MAX = 2 ** 31 - 1
+# Causal offsets are clamped to +-2^30: beyond that every key (or none) is visible anyway, and
+# the kernel's position arithmetic (query + offset - key) stays far from int32 overflow.
+_OFFSET_LIMIT = 2 ** 30
+# Tests set this to fill the output with NaN before the launch (catches unwritten elements).
+POISON_BUFFERS_FOR_TESTS = False
+
+
+def variant_name(num_heads: int, paged: bool, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Artifact name of a variant; must match cute_kernels.variants.BlockMaxScoreVariant."""
+    layout = "paged" if paged else "dense"
+    return f"block_max_score_sm90_{_DTYPE_NAMES[dtype]}_h{num_heads}_{layout}"
+
+
+def supports(*, q_dtype=None, k_dtype=None, paged=False, causal=True, num_heads=None,
+             num_k_heads=None, **_ignored) -> Optional[str]:
+    """None if the native kernel serves a call with these features, else the reason."""
+    if q_dtype != torch.bfloat16 or k_dtype != torch.bfloat16:
+        return f"q_idx/k_idx dtypes {q_dtype}/{k_dtype}: only bf16/bf16 is native on sm90 yet"
+    if num_k_heads != 1:
+        return f"{num_k_heads} index-key heads: the sm90 kernel serves one shared key head"
+    if num_heads not in SUPPORTED_HEADS:
+        return f"{num_heads} index heads: the sm90 kernel serves {SUPPORTED_HEADS}"
+    return cute_runtime.unavailable_reason(variant_name(num_heads, bool(paged)))
+
+
+def _causal_offsets(call, q_lens: torch.Tensor, k_lens: torch.Tensor) -> torch.Tensor:
+    """[B] int32 causal offsets on the device: qo_offset, or k_len - q_len (bottom-right)."""
+    offset = call.qo_offset
+    if offset is None:
+        return (k_lens - q_lens).to(torch.int32)
+    if isinstance(offset, torch.Tensor):
+        offset = offset.to(device=k_lens.device, dtype=torch.int64).reshape(-1)
+        offset = offset.expand(k_lens.numel()).clamp(-_OFFSET_LIMIT, _OFFSET_LIMIT)
+        return offset.to(torch.int32)
+    return torch.full_like(k_lens, max(-_OFFSET_LIMIT, min(_OFFSET_LIMIT, int(offset))))
+
+
+def run(call) -> torch.Tensor:
+    """Returns max_score [H, max_k_tiles, total_q] fp32 (freshly allocated, every element
+    written by the kernel)."""
+    q, k = call.q_idx, call.k_idx
+    device = q.device
+    total_q, num_heads, _ = q.shape
+    out = torch.empty(num_heads, call.max_k_tiles, total_q, dtype=torch.float32, device=device)
+    if total_q == 0:
+        return out
+    if out.numel() > _INT32_MAX or k.numel() > _INT32_MAX or q.numel() > _INT32_MAX:
+        # The kernel indexes with 32-bit element offsets (upstream disables max-score output
+        # past 2^31 elements too).
+        raise NotImplementedError(f"max_k_tiles: the sm90 kernel needs H * max_k_tiles * total_q "
+                                  f"= {out.numel()} and the q_idx/k_idx sizes below 2^31")
+    cu_q = call.cu_seqlens_q
+    batch = cu_q.numel() - 1
+    q_lens = cu_q[1:] - cu_q[:-1]
+    if call.paged:
+        page_table = call.page_table.contiguous()
+        if call.seqused_k is not None:
+            k_lens = call.seqused_k.contiguous()
+        else:  # upstream quirk D11: the whole table width counts as the length
+            k_lens = torch.full((batch,), page_table.shape[1] * KEY_TILE, dtype=torch.int32,
+                                device=device)
+        cu_k = cu_q                                  # unused by the paged variant
+    else:
+        cu_k = call.cu_seqlens_k
+        k_lens = (cu_k[1:] - cu_k[:-1]).contiguous()
+        page_table = k_lens.view(batch, 1)           # unused by the dense variant
+    offsets = _causal_offsets(call, q_lens, k_lens).contiguous()
+    queries_per_cta = TILE_ROWS // num_heads
+    grid_q_tiles = max(1, -(-call.max_seqlen_q // queries_per_cta))
+    if POISON_BUFFERS_FOR_TESTS:
+        out.fill_(float("nan"))
+    cute_runtime.launch(variant_name(num_heads, call.paged, q.dtype), device, q, k, cu_q, cu_k,
+                        k_lens, offsets, page_table, out, float(call.scale), int(call.causal),
+                        int(grid_q_tiles))
+    return out
+
+
+_backend.register_native("block_max_scores", "sm90", run, supports)
