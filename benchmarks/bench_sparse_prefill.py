@@ -18,20 +18,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import git_commit, load_msa  # noqa: E402
 HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
 
 
-def load_msa():
-    sys.path.insert(0, str(ROOT / "tools"))
-    from msa_loading import load_msa as load
-    return load()
 
 
 def selection(n: int, pattern: str, gen: torch.Generator, device="cuda") -> torch.Tensor:
@@ -127,12 +123,6 @@ def bench(fn, rep_ms=400):
     return triton.testing.do_bench(fn, warmup=100, rep=rep_ms, return_mode="median")
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                       text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return os.environ.get("MSA_COMMIT", "unknown")
 
 
 def main():

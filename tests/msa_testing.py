@@ -10,6 +10,15 @@ import torch
 
 BLOCK = 128
 
+# Contract §1: the package's __all__, exactly.
+CONTRACT_ALL = [
+    "sparse_atten_func", "sparse_atten_nvfp4_kv_func", "sparse_decode_atten_func",
+    "SparseDecodePagedAttentionWrapper", "fp4_indexer_block_scores", "build_k2q_csr",
+    "SparseK2qCsrBuilderSm100", "Nvfp4QuantizedTensor", "quantize_bf16_to_nvfp4_128x4",
+    "quantize_kv_bf16_to_nvfp4_128x4", "dequantize_nvfp4_128x4_to_bf16",
+    "swizzle_nvfp4_scale_to_128x4", "nvfp4_global_scale_from_amax",
+]
+
 
 def cu_seqlens(lengths: Sequence[int], device="cpu") -> torch.Tensor:
     out = [0]

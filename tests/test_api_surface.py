@@ -7,14 +7,7 @@ import inspect
 import torch
 
 import msa
-
-CONTRACT_ALL = [
-    "sparse_atten_func", "sparse_atten_nvfp4_kv_func", "sparse_decode_atten_func",
-    "SparseDecodePagedAttentionWrapper", "fp4_indexer_block_scores", "build_k2q_csr",
-    "SparseK2qCsrBuilderSm100", "Nvfp4QuantizedTensor", "quantize_bf16_to_nvfp4_128x4",
-    "quantize_kv_bf16_to_nvfp4_128x4", "dequantize_nvfp4_128x4_to_bf16",
-    "swizzle_nvfp4_scale_to_128x4", "nvfp4_global_scale_from_amax",
-]
+from msa_testing import CONTRACT_ALL
 ADDITIVE = ["fmha_sm100_plan", "fmha_sm100", "fmha_plan", "fmha", "sparse_topk_select",
             "sparse_fmha_plan", "sparse_fmha", "block_max_scores", "msa_prefill"]
 SUBMODULE_NAMES = {

@@ -33,13 +33,7 @@ if str(TOOLS) not in sys.path:
     sys.path.insert(0, str(TOOLS))
 import build_variant  # noqa: E402
 
-CONTRACT_ALL = [
-    "sparse_atten_func", "sparse_atten_nvfp4_kv_func", "sparse_decode_atten_func",
-    "SparseDecodePagedAttentionWrapper", "fp4_indexer_block_scores", "build_k2q_csr",
-    "SparseK2qCsrBuilderSm100", "Nvfp4QuantizedTensor", "quantize_bf16_to_nvfp4_128x4",
-    "quantize_kv_bf16_to_nvfp4_128x4", "dequantize_nvfp4_128x4_to_bf16",
-    "swizzle_nvfp4_scale_to_128x4", "nvfp4_global_scale_from_amax",
-]
+from msa_testing import CONTRACT_ALL  # noqa: E402
 EXPECTED_CUDA_VARIANT = "torch-cuda"     # built with --no-compile below
 EXPECTED_LOADED_VARIANT = "torch-cpu" if torch.version.cuda is None else EXPECTED_CUDA_VARIANT
 

@@ -9,7 +9,8 @@
 # (tools/compile_cute.py output) and .whl/ (kernels 0.16.x + kernels-data + tomlkit for
 # transformers 5.17, and the pure-Python nvidia-cutlass-dsl wheels so the declared dependency is
 # importable; its 87 MB compiler flavour stays behind: the AOT kernels need only the runtime).
-# Logs and TSV go to $OUT.
+# Logs and TSV go to $OUT (at most 8 files come back from the device tool: gpu.txt, build.log,
+# tests.log, bench.log and one TSV per benchmark).
 set -uo pipefail
 ART=${1:-.artifacts}
 WHAT=${2:-all}
@@ -48,5 +49,13 @@ if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
     python3 benchmarks/bench_sparse_prefill.py --out "$OUT/sparse_prefill_h200.tsv" "$@" \
     > "$OUT/bench.log" 2>&1 || status=1
   tail -40 "$OUT/bench.log"
+  # The other benchmarks (issues 4 and 5); MSA_BENCH_EXTRA="--quick" for a short session.
+  for bench in indexer_topk msa_prefill_e2e decode; do
+    MSA_PACKAGE_DIR=$PWD/$VARIANT MSA_COMMIT=${MSA_COMMIT:-unknown} timeout ${MSA_BENCH_TIMEOUT:-400} \
+      python3 benchmarks/bench_$bench.py --out "$OUT/${bench}_h200.tsv" ${MSA_BENCH_EXTRA:-} \
+      > "$OUT/bench_$bench.tmp" 2>&1 || status=1
+    tail -15 "$OUT/bench_$bench.tmp"
+    cat "$OUT/bench_$bench.tmp" >> "$OUT/bench.log" && rm -f "$OUT/bench_$bench.tmp"
+  done
 fi
 exit $status

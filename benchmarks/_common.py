@@ -1,0 +1,292 @@
+"""Shared helpers of the benchmark scripts: loading msa, timing, TSV output, sizes and guards.
+
+Every benchmark writes one TSV row per measurement with the GPU name, the commit and the date in
+front, appends to ``--out`` (header only when the file is new) and flushes after each row, so a
+run that times out still leaves its finished rows behind. ``--device cpu --tiny`` runs a minimal
+configuration on the CPU (timed with ``time.perf_counter``) so CI exercises every code path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 128          # MSA KV block / page size (tokens)
+HEAD_DIM = 128
+GIB = 1 << 30
+
+
+def load_msa():
+    """Import msa the way every script and test does (built variant, else the source tree)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from msa_loading import load_msa as load
+    return load()
+
+
+def git_commit() -> str:
+    """MSA_COMMIT when set (the device machine has no .git), else the checkout's short HEAD."""
+    if os.environ.get("MSA_COMMIT"):
+        return os.environ["MSA_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                       text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+def parse_sizes(text: str) -> List[int]:
+    """'32k,64k,131072' -> [32768, 65536, 131072] ('k' = 1024, 'm' = 1048576); '' -> []."""
+    sizes = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        mult = {"k": 1 << 10, "m": 1 << 20}.get(item[-1], 1)
+        sizes.append(int(item[:-1] if mult > 1 else item) * mult)
+    return sizes
+
+
+def parse_names(text: str) -> List[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def add_common_args(parser: argparse.ArgumentParser, rep_ms: int) -> None:
+    """The flags every benchmark shares (output, subsets, device, timing, guards)."""
+    parser.add_argument("--out", default=None,
+                        help="TSV path (appended; the header is written when the file is new)")
+    parser.add_argument("--quick", action="store_true", help="a small, fast subset")
+    parser.add_argument("--tiny", action="store_true",
+                        help="minimal shapes (with --device cpu: a CI smoke run in seconds)")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--rep-ms", type=int, default=rep_ms,
+                        help="timing budget per measurement (do_bench rep)")
+    parser.add_argument("--seed", type=int, default=None, help="default: fresh per run")
+    parser.add_argument("--mem-limit-gb", type=float, default=100.0,
+                        help="skip configurations whose estimated device memory exceeds this")
+    parser.add_argument("--ref-max-tokens", type=int, default=None,
+                        help="skip sizes above this many tokens when an op would run its "
+                             "PyTorch reference, which is slow (default: 8192 on CUDA, no "
+                             "limit on the CPU)")
+
+
+def apply_preset(args, parser: argparse.ArgumentParser, **values) -> None:
+    """Set the --tiny / --quick sizes, but only for flags the user left at their default."""
+    for name, value in values.items():
+        if getattr(args, name) == parser.get_default(name):
+            setattr(args, name, value)
+
+
+def setup(args) -> torch.device:
+    """Resolve --device, seed torch, and return the device."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (use --device cpu --tiny)")
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    print(f"seed={seed} device={device_name(device)}", flush=True)
+    return device
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+def time_ms(fn: Callable[[], object], device: torch.device, rep_ms: int = 200,
+            warmup_ms: int = 25) -> float:
+    """Median milliseconds of one fn() call.
+
+    CUDA: ``triton.testing.do_bench`` (warm-up, L2 flush between calls, median), or CUDA events
+    when Triton is missing. CPU: ``time.perf_counter`` around each call, 3 to 20 calls within
+    rep_ms after one warm-up call.
+    """
+    if device.type == "cuda":
+        try:
+            import triton.testing
+        except ImportError:
+            return _time_cuda_events(fn, rep_ms, warmup_ms)
+        return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    fn()
+    samples: List[float] = []
+    budget_end = time.perf_counter() + rep_ms / 1e3
+    while len(samples) < 3 or (len(samples) < 20 and time.perf_counter() < budget_end):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def _time_cuda_events(fn, rep_ms: int, warmup_ms: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    once = max(start.elapsed_time(end), 1e-3)
+    for _ in range(max(1, int(warmup_ms / once))):
+        fn()
+    samples = []
+    for _ in range(max(3, min(1000, int(rep_ms / once)))):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# Guards: memory estimates and the slow reference backend
+# ---------------------------------------------------------------------------------------------
+
+def fits(estimated_bytes: float, args, what: str) -> bool:
+    """True when the estimate is within --mem-limit-gb; otherwise prints a skip note."""
+    limit = args.mem_limit_gb * 1e9
+    if estimated_bytes <= limit:
+        return True
+    print(f"skip {what}: needs ~{estimated_bytes / 1e9:.1f} GB > --mem-limit-gb "
+          f"{args.mem_limit_gb:g}", flush=True)
+    return False
+
+
+def reference_too_slow(backend: Optional[str], tokens: int, device: torch.device, args,
+                       what: str) -> bool:
+    """True (and a printed note) when `backend` is the PyTorch reference and the size is above
+    --ref-max-tokens (default 8192 on CUDA, unlimited on the CPU): a reference run at a large
+    size could take minutes."""
+    limit = args.ref_max_tokens
+    if limit is None:
+        limit = 8192 if device.type == "cuda" else float("inf")
+    if backend != "reference" or tokens <= limit:
+        return False
+    print(f"skip {what}: the backend is the PyTorch reference, which is slow at {tokens} tokens "
+          f"(> --ref-max-tokens {limit})", flush=True)
+    return True
+
+
+def random_fill(shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+                chunk_bytes: int = GIB) -> torch.Tensor:
+    """Random normal tensor of any dtype (e4m3 included), filled in chunks along dim 0 so a
+    tens-of-GB cache never needs a second full-size float copy."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    flat = out.view(shape[0], -1) if out.numel() else out
+    per_row = max(1, flat.shape[1] * 4) if out.numel() else 1
+    rows = max(1, chunk_bytes // per_row)
+    for start in range(0, shape[0], rows):
+        part = flat[start:start + rows]
+        part.copy_(torch.randn(part.shape, device=device, dtype=torch.float32).to(dtype))
+    return out
+
+
+def cu_seqlens(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """[B+1] int32 prefix sums of the lengths."""
+    total = [0]
+    for n in lengths:
+        total.append(total[-1] + int(n))
+    return torch.tensor(total, dtype=torch.int32, device=device)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}[name]
+
+
+def time_dense_sdpa(triples, causal: bool, device: torch.device, rep_ms: int):
+    """(median ms, backend label) of dense SDPA over a list of (q, k, v) triples, one call each
+    per timed run: cuDNN only on CUDA (None ms, with a printed note, when cuDNN cannot run the
+    shape), the math SDPA on the CPU.
+
+    q [B, H, Lq, D], k / v [B, H, Lk, D] contiguous (GQA already expanded or folded)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def run():
+        return [sdpa(qq, kk, vv, is_causal=causal) for qq, kk, vv in triples]
+    if device.type != "cuda":
+        return time_ms(run, device, rep_ms), "math"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    # Enter the backend selection once, outside the timed calls (it costs host time per call).
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        try:
+            return time_ms(run, device, rep_ms), "cudnn"
+        except RuntimeError as exc:
+            print(f"skip cudnn sdpa {list(triples[0][0].shape)} x {list(triples[0][1].shape)}: "
+                  f"{str(exc).splitlines()[0]}", flush=True)
+            return None, "cudnn"
+
+
+# ---------------------------------------------------------------------------------------------
+# TSV output
+# ---------------------------------------------------------------------------------------------
+
+class TsvWriter:
+    """Rows of ``gpu, commit, date, *columns``: printed, and appended to `path` (if given) one
+    row at a time. Floats are written with the precision given per column in `formats`."""
+
+    def __init__(self, path: Optional[str], columns: Sequence[str], device: torch.device,
+                 formats: Optional[Dict[str, str]] = None):
+        self.columns = list(columns)
+        self.formats = formats or {}
+        self.prefix = [device_name(device), git_commit(), datetime.date.today().isoformat()]
+        self.path = Path(path) if path else None
+        self.rows = 0
+        header = "\t".join(["gpu", "commit", "date"] + self.columns)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not self.path.exists() or self.path.stat().st_size == 0:
+                self.path.write_text(header + "\n")
+        print(header, flush=True)
+
+    def _cell(self, column: str, value) -> str:
+        if value is None:
+            return ""
+        if isinstance(value, float):
+            return format(value, self.formats.get(column, ".3f"))
+        if isinstance(value, (list, tuple)):
+            return "+".join(map(str, value))
+        return str(value)
+
+    def write(self, **values) -> None:
+        unknown = set(values) - set(self.columns)
+        if unknown:
+            raise KeyError(f"unknown TSV columns {sorted(unknown)}")
+        line = "\t".join(self.prefix + [self._cell(c, values.get(c)) for c in self.columns])
+        print(line, flush=True)
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(line + "\n")
+        self.rows += 1
+
+
+def probe_backend(msa, op: str, fn: Callable[[], object]) -> Optional[str]:
+    """Run fn (a small call of `op`, same dtypes and heads as the real one) and return the
+    backend it took, so a slow reference can be skipped before a large call is ever made."""
+    fn()
+    return msa._backend.last_backend(op)
