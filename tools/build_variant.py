@@ -12,7 +12,9 @@ Writes, as kernel-builder lays them out (flat variant directories, loadable with
     ``metadata.json`` with the compiled archs, and ``_msa_cuda_<id>.abi3.so``;
   - otherwise the noarch ``torch-cuda`` (the same package without compiled ops; every call
     runs the PyTorch reference or a CuTe-DSL kernel);
-  - plus, with ``--cute-artifacts DIR``, DIR's precompiled CuTe-DSL kernels in ``_artifacts/``.
+  - plus the precompiled CuTe-DSL kernels in ``_artifacts/``: from ``--cute-artifacts DIR``, or
+    compiled by tools/compile_cute.py into ``.artifacts/`` when nvidia-cutlass-dsl is installed
+    (reused while the kernel sources are unchanged; ``--no-compile`` skips this).
 * ``torch-cpu``: the package with the PyTorch reference backend, for CPU-only machines.
 
 Earlier msa variants in the output directory are removed first, so a stale compiled variant
@@ -344,6 +346,29 @@ def copy_package(package_dir: Path, dest: Path, pyext: Sequence[str], warn) -> i
     return count
 
 
+def cached_cute_artifacts(root: Path, warn) -> Optional[Path]:
+    """<root>/.artifacts compiled from the current CuTe sources (tools/compile_cute.py), reused
+    while its manifest's sources_digest matches; None when the DSL is missing or compiling fails."""
+    import importlib.util
+    if importlib.util.find_spec("cutlass") is None:
+        return None
+    sys.path.insert(0, str(root / "tools"))
+    import compile_cute
+    out = root / ".artifacts"
+    manifest = out / "manifest.json"
+    want = compile_cute.sources_digest()
+    if manifest.is_file() and json.loads(manifest.read_text()).get("sources_digest") == want:
+        return out
+    print(f"compiling the CuTe-DSL kernels for sm_90a into {out} (tools/compile_cute.py)")
+    proc = subprocess.run([sys.executable, str(root / "tools" / "compile_cute.py"),
+                           "--out", str(out)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        warn("tools/compile_cute.py failed; the variant ships no CuTe kernels:\n"
+             + proc.stdout[-2000:] + proc.stderr[-2000:])
+        return None
+    return out
+
+
 def copy_artifacts(artifacts_dir: Path, dest: Path, pyext: Sequence[str], warn) -> int:
     """Copy precompiled CuTe-DSL kernels into ``dest`` (the variant's ``_artifacts/``).
 
@@ -500,9 +525,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--out", default="build",
                         help="output directory, relative to the repository root (default: build)")
     parser.add_argument("--no-compile", action="store_true",
-                        help="do not compile csrc; the CUDA variant is the noarch torch-cuda")
+                        help="compile nothing: no csrc (the CUDA variant is the noarch "
+                             "torch-cuda) and no CuTe kernels unless --cute-artifacts is given")
     parser.add_argument("--cute-artifacts", metavar="DIR",
-                        help="precompiled CuTe-DSL kernels to ship in <variant>/_artifacts/")
+                        help="precompiled CuTe-DSL kernels to ship in <variant>/_artifacts/ "
+                             "(default: compile them into .artifacts/ when the DSL is installed, "
+                             "reused while the kernel sources are unchanged)")
     parser.add_argument("--require-compiled", action="store_true",
                         help="fail (exit 1) unless the compiled CUDA variant was built")
     parser.add_argument("--cuda-capabilities", metavar="LIST",
@@ -561,6 +589,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cuda_ops = ops_name(config.python_name, "cuda", unique_id)
     cpu_ops = ops_name(config.python_name, "cpu", unique_id)
 
+    if artifacts_dir is None and not args.no_compile:
+        artifacts_dir = cached_cute_artifacts(root, warn)
     if args.no_compile:
         outcome = CompileOutcome(None, [], "--no-compile given")
     else:

@@ -77,6 +77,19 @@ def link_shared_object(obj: Path, out: Path) -> None:
     subprocess.run([cc, "-shared", "-o", str(out), str(obj), *libs], check=True)
 
 
+def sources_digest() -> str:
+    """sha256 over the CuTe kernel sources, this script and the DSL version: a manifest whose
+    digest matches was compiled from exactly these sources (tools/build_variant.py reuses it)."""
+    import hashlib
+    kernels_dir = Path(__file__).resolve().parents[1] / "torch-ext" / "msa" / "cute_kernels"
+    h = hashlib.sha256()
+    for path in sorted(kernels_dir.glob("*.py")) + [Path(__file__).resolve()]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    from importlib import metadata
+    h.update(metadata.version("nvidia-cutlass-dsl").encode())
+    return h.hexdigest()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(ROOT / ".artifacts"), help="output directory")
@@ -139,6 +152,8 @@ def main(argv=None) -> int:
             print(f"{name:<48} {row['seconds']:>6}s regs={row['registers']} "
                   f"spill={row['spill_bytes']} {row['status']}", flush=True)
     if not args.no_export:
+        if not args.only and not failures:
+            manifest["sources_digest"] = sources_digest()
         (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
     print(f"\n{len(rows)} variants, {failures} failed"
           + ("" if args.no_export else f"; artifacts in {out_dir}"))
