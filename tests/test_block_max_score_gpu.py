@@ -30,6 +30,7 @@ if __name__ == "__main__":   # benchmark mode: import the package from the sourc
 import msa
 from msa import _backend
 from msa.reference.max_score import block_max_scores_reference
+from msa_testing import cu_seqlens
 
 BLOCK = 128
 HEAD_DIM = 128
@@ -40,9 +41,6 @@ def _native_module():
     return block_max_score_sm90
 
 
-def _cu(lengths, device):
-    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32,
-                        device=device)
 
 
 def _random_lengths(gen, causal):
@@ -131,7 +129,7 @@ def test_block_max_scores_native_matches_float64(num_heads, paged, causal, seed,
     total_q, total_k = sum(q_lens) + orphan_rows, sum(k_lens)
     q = (torch.randn(total_q, num_heads, HEAD_DIM, generator=gen)).to(torch.bfloat16)
     k = (torch.randn(total_k, 1, HEAD_DIM, generator=gen)).to(torch.bfloat16)
-    cu_q, cu_k = _cu(q_lens, device), _cu(k_lens, device)
+    cu_q, cu_k = cu_seqlens(q_lens, device), cu_seqlens(k_lens, device)
     scale = (1.0, HEAD_DIM ** -0.5, 0.37)[case % 3]
     offset = _offset_for(case, q_lens, k_lens, gen, device) if causal else None
     max_k = max(k_lens)
@@ -179,7 +177,7 @@ def test_block_max_scores_native_long_request_and_small_grid(num_heads, seed, mo
     q = torch.randn(sum(q_lens), num_heads, HEAD_DIM, generator=gen).to(torch.bfloat16)
     k = torch.randn(sum(k_lens), 1, HEAD_DIM, generator=gen).to(torch.bfloat16)
     q, k = q.to(device), k.to(device)
-    cu_q, cu_k = _cu(q_lens, device), _cu(k_lens, device)
+    cu_q, cu_k = cu_seqlens(q_lens, device), cu_seqlens(k_lens, device)
     tiles = -(-max(k_lens) // BLOCK)
     monkeypatch.setenv("MSA_BACKEND", "native")
     got = msa.block_max_scores(q, k, cu_q, cu_k, max_seqlen_q=1, max_seqlen_k=max(k_lens),

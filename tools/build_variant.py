@@ -324,6 +324,11 @@ def package_files(package_dir: Path, warn=None) -> List[Path]:
     return sorted(found)
 
 
+def _copy_file(src: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src, target)
+
+
 def copy_package(package_dir: Path, dest: Path, pyext: Sequence[str], warn) -> int:
     """Copy every ``*.<pyext>`` file of the package, keeping subdirectories; returns the count.
 
@@ -339,9 +344,7 @@ def copy_package(package_dir: Path, dest: Path, pyext: Sequence[str], warn) -> i
         if rel == Path("_ops.py") or (len(rel.parts) == 1 and src.name.endswith(".abi3.so")):
             warn(f"{package_dir.name}/{rel}: skipped (generated per variant)")
             continue
-        target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, target)
+        _copy_file(src, dest / rel)
         count += 1
     return count
 
@@ -384,9 +387,7 @@ def copy_artifacts(artifacts_dir: Path, dest: Path, pyext: Sequence[str], warn) 
             warn(f"--cute-artifacts: {rel} skipped (extension .{_extension_of(src)} is not in "
                  f"build.toml [torch] pyext {list(pyext)})")
             continue
-        target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, target)
+        _copy_file(src, dest / rel)
         count += 1
     return count
 
