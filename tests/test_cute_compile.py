@@ -1,9 +1,11 @@
 """CPU-only: the sm_90a CuTe-DSL sparse prefill kernel compiles without register spills.
 
-Compiles two attention variants (G=16, bf16, dense: fp32 partials -> warp-level mma.sync
-kernel, bf16 partials -> warpgroup wgmma kernel) and the fp32 combine for sm_90a with fake tensors (no GPU needed) and runs ptxas -v on the kept PTX. Skips when
-nvidia-cutlass-dsl or ptxas is missing. The full variant list is checked by
-`python tools/compile_cute.py --check`.
+Compiles two bf16 attention variants (G=16, dense: fp32 partials -> warp-level mma.sync kernel,
+bf16 partials -> warpgroup wgmma kernel), two FP8 variants (all-e4m3 with e4m3 P.V, G=16 dense;
+e4m3 QK^T with bf16 P.V, G=4 paged) and the fp32 combine for sm_90a with fake tensors (no GPU
+needed) and runs ptxas -v on the kept PTX. Skips when nvidia-cutlass-dsl or ptxas is missing.
+The full variant list is checked by `python tools/compile_cute.py --check`. Also checks, without
+CUDA, that supports() gates the FP8 modes until they are validated.
 """
 
 import importlib.util
@@ -28,6 +30,8 @@ def _tools():
 
 @pytest.mark.parametrize("name", ["sparse_prefill_sm90_bfloat16_g16_dense_pf32",
                                   "sparse_prefill_sm90_bfloat16_g16_dense_pbf16",
+                                  "sparse_prefill_sm90_e4m3_g16_dense_pbf16",
+                                  "sparse_prefill_sm90_e4m3_pv_bf16_g4_paged_pbf16",
                                   "sparse_combine_sm90_pf32"])
 def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
     tools = _tools()
@@ -43,7 +47,17 @@ def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
     assert ptx, "the DSL kept no PTX"
     text = ptx[0].read_text()
     assert ".target sm_90a" in text
-    if name.endswith("_pbf16") and os.environ.get("MSA_CUTE_MMA", "wgmma") != "warp":
+    if "_e4m3_g" in name:
+        # e4m3 S = QK^T (SS) and e4m3 O = PV (SS: P rounded to e4m3 in shared memory, V^T
+        # K-major): 4 k-steps each of m64n128k32; P rounded with cvt e4m3x2.
+        assert text.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 8
+        assert "cvt.rn.satfinite.e4m3x2.f32" in text
+        assert "fence.proxy.async.shared::cta" in text
+    elif "_e4m3_pv_bf16_" in name:
+        # e4m3 QK^T (4 k-steps of k32), V converted to bf16, bf16 RS P.V (8 k-steps of k16).
+        assert text.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 4
+        assert text.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 8
+    elif name.endswith("_pbf16") and os.environ.get("MSA_CUTE_MMA", "wgmma") != "warp":
         # S = QK^T (SS) and O = PV (RS, V^T MN-major): 8 k-steps each of m64n128k16.
         assert text.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 16
         assert "fence.proxy.async.shared::cta" in text
@@ -55,11 +69,40 @@ def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
 def test_shipped_variant_names_match_the_runtime():
     """The loader names artifacts without importing cutlass; both sides must agree."""
     sys.path.insert(0, str(ROOT / "torch-ext"))
-    from cute_kernels.variants import shipped_variants
-    from msa._native.sparse_prefill_sm90 import _variant_names
+    from cute_kernels.variants import FP8_MODES, shipped_variants
+    from msa._native.sparse_prefill_sm90 import _variant_names, attention_mode
     import torch
     names = {v.name for v in shipped_variants()}
     for g in (1, 2, 4, 8, 16):
         for paged in (False, True):
             for partial in (torch.float32, torch.bfloat16):
                 assert set(_variant_names(g, paged, partial)) <= names
+            for mode in FP8_MODES:
+                assert set(_variant_names(g, paged, torch.bfloat16, mode)) <= names
+    bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
+    assert attention_mode(bf16, e4m3, e4m3, None) == "bf16_kv_e4m3"
+    assert attention_mode(e4m3, e4m3, e4m3, bf16) == "e4m3_pv_bf16"
+    assert attention_mode(e4m3, e4m3, e4m3, e4m3) == "e4m3"
+    assert set(FP8_MODES) == {attention_mode(bf16, e4m3, e4m3, None),
+                              attention_mode(e4m3, e4m3, e4m3, bf16),
+                              attention_mode(e4m3, e4m3, e4m3, None)}
+
+
+def test_fp8_modes_are_gated_until_validated(monkeypatch):
+    """supports() refuses an FP8 mode unless it is in VALIDATED_FP8_MODES or
+    MSA_UNVALIDATED_KERNELS=1 (no CUDA needed: the gate comes before any artifact lookup)."""
+    sys.path.insert(0, str(ROOT / "torch-ext"))
+    import torch
+    from msa._native import sparse_prefill_sm90 as native
+    e4m3 = torch.float8_e4m3fn
+    features = dict(q_dtype=e4m3, k_dtype=e4m3, v_dtype=e4m3, pv_dtype=e4m3, paged=False,
+                    qhead_per_kv=16, topk=16, partial_dtype=torch.bfloat16)
+    monkeypatch.delenv(native.UNVALIDATED_ENV, raising=False)
+    monkeypatch.setattr(native, "VALIDATED_FP8_MODES", set())
+    reason = native.supports(**features)
+    assert reason is not None and "not validated" in reason
+    monkeypatch.setenv(native.UNVALIDATED_ENV, "1")
+    reason = native.supports(**features)
+    assert reason is None or "not validated" not in reason
+    reason = native.supports(**dict(features, partial_dtype=torch.float32))
+    assert reason is not None and "partial" in reason

@@ -10,6 +10,17 @@ half-ulps at |O| < 0.5). LSE / LSE_T: equal -inf pattern, |diff| <= 1e-3 + 1e-3 
 Every buffer the kernels write is poisoned with NaN first (the kernel allocates; the wrapper's
 POISON_BUFFERS_FOR_TESTS hook fills them).
 
+FP8 (test_sparse_prefill_fp8_native_matches_reference): the three compiled FP8 modes (bf16 q +
+e4m3 k/v; e4m3 q/k/v with pv_dtype bf16; e4m3 q/k/v with pv_dtype e4m3), every G, dense and
+paged, bf16 partials. They are gated in msa._native.sparse_prefill_sm90 (VALIDATED_FP8_MODES);
+the test sets MSA_UNVALIDATED_KERNELS=1 to run them. Tolerance (contract §5.1, fp8):
+max|O - O_ref| <= max(0.125, 4 * bf16_floor), O_ref the reference backend (MSA_BACKEND=reference)
+on the same fp8 inputs, bf16_floor = max|bf16(O64) - O64| for the float64 model O64 (same P
+rounding); LSE / LSE_T within 2e-3 (abs + rel) of the reference backend's. Because 0.125 is
+loose (a mis-laid-out V tile can stay under it), the test also checks the modeled error, as the
+bf16 test does: max|O - O64| <= 2 * max|O_model - O64| + 4e-3, O_model the fp32 reference with P
+rounded to the kernel's P.V dtype (bf16, or e4m3), bf16 partials, bf16 output.
+
 The schedule test at the bottom runs on CPU: the device-side schedule builder must equal the
 reference builder exactly.
 
@@ -186,6 +197,97 @@ def test_sparse_prefill_native_matches_float64(g, paged, causal, partial_dtype, 
         assert (out[empty.to(out.device)] == 0).all(), "empty rows must give O = 0"
     _check_lse("LSE", lse, lse64)
     _check_lse("LSE_T", lse_t, lse_t64)
+
+
+FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
+FP8_CASES = [(mode, g, paged) for mode in FP8_MODES for g in (1, 2, 4, 8, 16)
+             for paged in (False, True)]
+
+
+def _check_lse_fp8(name, got, want):
+    """Equal -inf pattern, no NaN, |diff| <= 2e-3 + 2e-3 |want| (contract §5.1, fp8)."""
+    want = want.to(got.device)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)), f"{name}: -inf pattern differs"
+    assert not torch.isnan(got).any(), f"{name}: NaN"
+    fin = ~torch.isinf(want)
+    diff = (got[fin].double() - want[fin].double()).abs()
+    bound = 2e-3 + 2e-3 * want[fin].double().abs()
+    assert bool((diff <= bound).all()), f"{name}: max diff {diff.max().item():.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("mode,g,paged", FP8_CASES)
+def test_sparse_prefill_fp8_native_matches_reference(mode, g, paged, seed, monkeypatch):
+    native_module = _native_module()
+    monkeypatch.setattr(native_module, "POISON_BUFFERS_FOR_TESTS", True)
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")    # the FP8 modes are gated until proven
+    case = FP8_CASES.index((mode, g, paged))
+    topk = (4, 8, 16, 32)[case % 4]
+    causal = case % 3 != 1
+    temperature = 2.0 if case % 2 else 1.0
+    gen = torch.Generator().manual_seed(seed)
+    device = torch.device("cuda")
+    p = _make_problem(g, topk, paged, causal, gen, device)
+    e4m3 = torch.float8_e4m3fn
+    p["k"], p["v"] = p["k"].to(e4m3), p["v"].to(e4m3)
+    pv_dtype = None
+    if mode != "bf16_kv_e4m3":
+        p["q"] = p["q"].to(e4m3)
+        pv_dtype = torch.bfloat16 if mode == "e4m3_pv_bf16" else e4m3
+    assert native_module.attention_mode(p["q"].dtype, p["k"].dtype, p["v"].dtype,
+                                        pv_dtype) == mode
+    row_ptr, q_idx = msa.build_k2q_csr(p["q2k"], p["cu_q"], p["cu_k"], BLOCK,
+                                       total_k=p["total_k"], max_seqlen_k=p["max_k"],
+                                       max_seqlen_q=p["max_q"], qhead_per_kv=g)
+    scale = 0.9 / math.sqrt(128)
+
+    def call(backend):
+        monkeypatch.setenv("MSA_BACKEND", backend)
+        result = msa.sparse_atten_func(
+            p["q"], p["k"], p["v"], row_ptr, q_idx, topk, cu_seqlens_q=p["cu_q"],
+            cu_seqlens_k=p["cu_k"], max_seqlen_q=p["max_q"], max_seqlen_k=p["max_k"],
+            causal=causal, softmax_scale=scale, lse_temperature_scale=temperature,
+            return_temperature_lse=True, partial_dtype=torch.bfloat16,
+            return_softmax_lse=True, page_table=p["page_table"], seqused_k=p["seqused_k"],
+            pv_dtype=pv_dtype)
+        torch.cuda.synchronize()
+        monkeypatch.delenv("MSA_BACKEND")
+        return result
+
+    out, lse, lse_t = call("native")                   # raises instead of falling back
+    assert _backend.last_backend("sparse_atten") == "sm90"
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    ref_out, ref_lse, ref_lse_t = call("reference")
+    assert _backend.last_backend("sparse_atten") != "sm90"
+
+    # float64 model of the same computation (P rounded to e4m3 before P.V in mode e4m3) for
+    # the bf16 output floor.
+    kv = make_kv_source(p["k"], p["v"], p["cu_k"], p["page_table"], p["seqused_k"])
+    o64, _, _ = sparse_attention_csr(
+        p["q"], kv, row_ptr, q_idx, cu_seqlens_q=p["cu_q"], causal=causal, softmax_scale=scale,
+        partial_dtype=torch.float64, pv_quant_dtype=e4m3 if mode == "e4m3" else None,
+        compute_dtype=torch.float64)
+    bf16_floor = (o64.to(torch.bfloat16).double() - o64).abs().max().item()
+    model, _, _ = sparse_attention_csr(
+        p["q"], kv, row_ptr, q_idx, cu_seqlens_q=p["cu_q"], causal=causal, softmax_scale=scale,
+        partial_dtype=torch.bfloat16,
+        pv_quant_dtype=e4m3 if mode == "e4m3" else torch.bfloat16)
+    model_err = (model.to(torch.bfloat16).double() - o64).abs().max().item()
+    assert not torch.isnan(out).any(), "O has NaN (unwritten or empty rows)"
+    err = (out.double() - ref_out.double()).abs().max().item()
+    err64 = (out.double() - o64).abs().max().item()
+    bound = max(0.125, 4 * bf16_floor)
+    print(f"{mode} G={g} paged={paged} causal={causal} topK={topk} T={temperature}: "
+          f"max|O-O_ref|={err:.3e} max|O-O64|={err64:.3e} model {model_err:.3e} "
+          f"bf16 floor {bf16_floor:.3e} (bound {bound:.3e})")
+    assert err <= bound
+    assert err64 <= 2 * model_err + 4e-3, "beyond the modeled rounding error"
+    empty = torch.isinf(ref_lse.to(out.device))
+    if empty.any():
+        assert (out[empty] == 0).all(), "empty rows must give O = 0"
+    _check_lse_fp8("LSE", lse, ref_lse)
+    _check_lse_fp8("LSE_T", lse_t, ref_lse_t)
 
 
 def test_device_schedule_matches_reference_builder(seed):

@@ -207,6 +207,126 @@ void sparse_topk_select(const torch::Tensor& max_score, torch::Tensor& out, int6
                "sparse_topk_select");
 }
 
+void sparse_decode_attention(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const std::optional<torch::Tensor>& q2k_indices, const torch::Tensor& page_table,
+    const torch::Tensor& seqused_k, const torch::Tensor& request_indices,
+    const torch::Tensor& kv_tile_indices, const torch::Tensor& qo_tile_indices,
+    const torch::Tensor& num_splits, const torch::Tensor& merge_indptr,
+    const std::optional<torch::Tensor>& o_partial, const std::optional<torch::Tensor>& lse_partial,
+    torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
+    int64_t kv_chunk_size, bool split_kv, double softmax_scale) {
+  TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const torch::Device device = q.device();
+  constexpr int64_t kDim = 128, kPage = 128;
+  const at::ScalarType fp8 = at::kFloat8_e4m3fn;
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == fp8,
+              "q: expected bfloat16 or float8_e4m3fn, got ", q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16 || k.scalar_type() == fp8,
+              "k: expected bfloat16 or float8_e4m3fn, got ", k.scalar_type());
+  TORCH_CHECK(!(q.scalar_type() == fp8 && k.scalar_type() == at::kBFloat16),
+              "k: e4m3 q needs e4m3 K/V");
+  check_cuda_tensor(q, "q", q.scalar_type(), 3, device);
+  check_cuda_tensor(k, "k", k.scalar_type(), 4, device);
+  check_cuda_tensor(v, "v", k.scalar_type(), 4, device);
+  check_cuda_tensor(page_table, "page_table", at::kInt, 2, device);
+  check_cuda_tensor(seqused_k, "seqused_k", at::kInt, 1, device);
+  check_cuda_tensor(request_indices, "request_indices", at::kInt, 1, device);
+  check_cuda_tensor(kv_tile_indices, "kv_tile_indices", at::kInt, 1, device);
+  check_cuda_tensor(qo_tile_indices, "qo_tile_indices", at::kInt, 1, device);
+  check_cuda_tensor(num_splits, "num_splits", at::kInt, 1, device);
+  check_cuda_tensor(merge_indptr, "merge_indptr", at::kInt, 1, device);
+  check_cuda_tensor(out, "out", at::kBFloat16, 3, device);
+  const int64_t batch = seqused_k.numel();
+  const int64_t hq = q.size(1), hkv = k.size(1);
+  TORCH_CHECK(batch >= 1, "seqused_k: needs at least one request");
+  TORCH_CHECK(seqlen_q >= 1 && seqlen_q <= 16, "seqlen_q: must be in [1, 16], got ", seqlen_q);
+  TORCH_CHECK(q.size(0) == batch * seqlen_q && q.size(2) == kDim, "q: expected shape [",
+              batch * seqlen_q, ", Hq, 128], got ", q.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes(), "v: shape ", v.sizes(), " differs from k's ", k.sizes());
+  TORCH_CHECK(k.size(0) >= 1 && k.size(2) == kPage && k.size(3) == kDim,
+              "k: expected shape [pages >= 1, Hkv, 128, 128], got ", k.sizes());
+  TORCH_CHECK(hkv >= 1 && hq % hkv == 0 && hq / hkv <= 16, "q: ", hq,
+              " heads is not a multiple (G <= 16) of k's ", hkv, " heads");
+  TORCH_CHECK(hkv <= 65535, "k: at most 65535 KV heads (grid y)");
+  TORCH_CHECK(page_table.size(0) == batch && page_table.size(1) >= 1 &&
+                  page_table.size(1) <= INT_MAX,
+              "page_table: expected shape [", batch, ", >= 1], got ", page_table.sizes());
+  TORCH_CHECK(out.sizes() == q.sizes(), "out: expected shape ", q.sizes(), ", got ", out.sizes());
+  const int64_t num_work = request_indices.numel();
+  TORCH_CHECK(num_work >= 1 && num_work <= INT_MAX && kv_tile_indices.numel() == num_work &&
+                  qo_tile_indices.numel() == num_work,
+              "request_indices / kv_tile_indices / qo_tile_indices: expected equal sizes >= 1");
+  TORCH_CHECK(num_splits.numel() == batch && merge_indptr.numel() == batch + 1,
+              "num_splits / merge_indptr: expected [", batch, "] and [", batch + 1, "]");
+  TORCH_CHECK(kv_chunk_size >= 1 && kv_chunk_size <= INT_MAX,
+              "kv_chunk_size: must be >= 1, got ", kv_chunk_size);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(k.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+              "q / k / v / out: data must be 16-byte aligned");
+  msa::DecodeAttentionArgs a{};
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.q_fp8 = q.scalar_type() == fp8;
+  a.kv_fp8 = k.scalar_type() == fp8;
+  if (q2k_indices.has_value()) {
+    const torch::Tensor& q2k = *q2k_indices;
+    check_cuda_tensor(q2k, "q2k_indices", at::kInt, 3, device);
+    TORCH_CHECK(q2k.size(0) == hkv && q2k.size(1) == batch * seqlen_q && q2k.size(2) >= 1 &&
+                    q2k.size(2) <= 32,
+                "q2k_indices: expected shape [", hkv, ", ", batch * seqlen_q,
+                ", topK <= 32], got ", q2k.sizes());
+    a.q2k_indices = q2k.data_ptr<int32_t>();
+    a.topk = static_cast<int>(q2k.size(2));
+  }
+  a.page_table = page_table.data_ptr<int32_t>();
+  a.page_table_width = static_cast<int>(page_table.size(1));
+  a.seqused_k = seqused_k.data_ptr<int32_t>();
+  a.batch = static_cast<int>(batch);
+  a.seqlen_q = static_cast<int>(seqlen_q);
+  a.num_qo_heads = static_cast<int>(hq);
+  a.num_kv_heads = static_cast<int>(hkv);
+  a.num_pages = k.size(0);
+  a.request_indices = request_indices.data_ptr<int32_t>();
+  a.kv_tile_indices = kv_tile_indices.data_ptr<int32_t>();
+  a.qo_tile_indices = qo_tile_indices.data_ptr<int32_t>();
+  a.num_splits = num_splits.data_ptr<int32_t>();
+  a.merge_indptr = merge_indptr.data_ptr<int32_t>();
+  a.num_work = static_cast<int>(num_work);
+  a.kv_chunk_size = static_cast<int>(kv_chunk_size);
+  a.split_kv = split_kv;
+  if (split_kv) {
+    TORCH_CHECK(o_partial.has_value() && lse_partial.has_value(),
+                "o_partial / lse_partial: split_kv needs both workspaces");
+    const torch::Tensor& op = *o_partial;
+    const torch::Tensor& lp = *lse_partial;
+    check_cuda_tensor(op, "o_partial", at::kFloat, 4, device);
+    check_cuda_tensor(lp, "lse_partial", at::kFloat, 3, device);
+    TORCH_CHECK(op.size(1) == seqlen_q && op.size(2) == hq && op.size(3) == kDim,
+                "o_partial: expected shape [P, ", seqlen_q, ", ", hq, ", 128], got ", op.sizes());
+    TORCH_CHECK(lp.size(0) == op.size(0) && lp.size(1) == seqlen_q && lp.size(2) == hq,
+                "lse_partial: expected shape [", op.size(0), ", ", seqlen_q, ", ", hq, "], got ",
+                lp.sizes());
+    a.o_partial = op.data_ptr<float>();
+    a.lse_partial = lp.data_ptr<float>();
+    a.num_partial_slots = op.size(0);
+  }
+  a.out = out.data_ptr();
+  if (lse.has_value()) {
+    check_cuda_tensor(*lse, "lse", at::kFloat, 2, device);
+    TORCH_CHECK(lse->size(0) == q.size(0) && lse->size(1) == hq, "lse: expected shape [",
+                q.size(0), ", ", hq, "], got ", lse->sizes());
+    a.lse = lse->data_ptr<float>();
+  }
+  a.softmax_scale = static_cast<float>(softmax_scale);
+  check_launch(msa::launch_decode_attention(a, c10::cuda::getCurrentCUDAStream(device.index())),
+               "sparse_decode_attention");
+}
+
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "run_build_k2q_csr(Tensor q2k, Tensor cu_q, Tensor cu_k, Tensor! row_ptr, Tensor! q_idx, "
@@ -223,6 +343,13 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor? num_valid_pages_per_query, int force_begin_blocks, int force_end_blocks, "
       "Tensor? causal_end_block, int num_out_heads, int head_reduce) -> ()");
   ops.impl("sparse_topk_select", torch::kCUDA, &sparse_topk_select);
+  ops.def(
+      "sparse_decode_attention(Tensor q, Tensor k, Tensor v, Tensor? q2k_indices, "
+      "Tensor page_table, Tensor seqused_k, Tensor request_indices, Tensor kv_tile_indices, "
+      "Tensor qo_tile_indices, Tensor num_splits, Tensor merge_indptr, Tensor(a!)? o_partial, "
+      "Tensor(b!)? lse_partial, Tensor(c!) out, Tensor(d!)? lse, int seqlen_q, "
+      "int kv_chunk_size, bool split_kv, float softmax_scale) -> ()");
+  ops.impl("sparse_decode_attention", torch::kCUDA, &sparse_decode_attention);
 }
 
 REGISTER_EXTENSION(TORCH_EXTENSION_NAME)

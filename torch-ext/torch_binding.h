@@ -76,6 +76,45 @@ struct TopkSelectArgs {
 
 cudaError_t launch_sparse_topk_select(const TopkSelectArgs& args, cudaStream_t stream);
 
+// ----------------------------------------------------------------------------------------------
+// Paged decode attention (dense or block-sparse) with the split-KV schedule of
+// msa.src.sm100.decode_schedule. Semantics: msa.reference.decode (contract §1.4, D6).
+// Head dim and page size are 128. Grid: [num_work, num_kv_heads], plus a merge pass when split.
+// ----------------------------------------------------------------------------------------------
+struct DecodeAttentionArgs {
+  const void* q;                  // [batch * seqlen_q, num_qo_heads, 128] bf16 or e4m3
+  const void* k;                  // [num_pages, num_kv_heads, 128, 128] bf16 or e4m3
+  const void* v;                  // same shape / dtype as k
+  bool q_fp8;
+  bool kv_fp8;
+  const int32_t* q2k_indices;     // null (dense) or [num_kv_heads, batch * seqlen_q, topk]
+  int topk;
+  const int32_t* page_table;      // [batch, page_table_width] logical -> physical page
+  int page_table_width;
+  const int32_t* seqused_k;       // [batch]
+  int batch;
+  int seqlen_q;                   // 1..16
+  int num_qo_heads;
+  int num_kv_heads;
+  int64_t num_pages;              // k.shape[0]; page ids outside [0, num_pages) are skipped
+  const int32_t* request_indices; // [num_work] schedule: work item -> request
+  const int32_t* kv_tile_indices; // [num_work] work item -> chunk of the request
+  const int32_t* qo_tile_indices; // [num_work] work item -> 128-row query tile
+  const int32_t* num_splits;      // [batch] chunks per request
+  const int32_t* merge_indptr;    // [batch + 1] first partial slot of each request
+  int num_work;
+  int kv_chunk_size;              // units per chunk: pages (dense) or q2k slots (sparse)
+  bool split_kv;                  // write partials + merge (true) or out/lse directly
+  float* o_partial;               // [num_partial_slots, seqlen_q, num_qo_heads, 128] fp32
+  float* lse_partial;             // [num_partial_slots, seqlen_q, num_qo_heads] fp32
+  int64_t num_partial_slots;
+  void* out;                      // [batch * seqlen_q, num_qo_heads, 128] bf16
+  float* lse;                     // null or [batch * seqlen_q, num_qo_heads] fp32
+  float softmax_scale;
+};
+
+cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
+
 }  // namespace msa
 
 // Torch op functions (defined in torch_binding.cpp; only that file includes torch headers).
@@ -99,4 +138,14 @@ void sparse_topk_select(const torch::Tensor& max_score, torch::Tensor& out, int6
                         int64_t force_begin_blocks, int64_t force_end_blocks,
                         const std::optional<torch::Tensor>& causal_end_block,
                         int64_t num_out_heads, int64_t head_reduce);
+
+void sparse_decode_attention(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const std::optional<torch::Tensor>& q2k_indices, const torch::Tensor& page_table,
+    const torch::Tensor& seqused_k, const torch::Tensor& request_indices,
+    const torch::Tensor& kv_tile_indices, const torch::Tensor& qo_tile_indices,
+    const torch::Tensor& num_splits, const torch::Tensor& merge_indptr,
+    const std::optional<torch::Tensor>& o_partial, const std::optional<torch::Tensor>& lse_partial,
+    torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
+    int64_t kv_chunk_size, bool split_kv, double softmax_scale);
 #endif

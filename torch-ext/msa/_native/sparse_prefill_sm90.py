@@ -12,11 +12,21 @@ kernels on q's device and current stream, with no host synchronization:
 
 When the call carries no schedule it is built here on the device with tensor ops
 (:func:`build_schedule_on_device`), so the path stays capture-safe.
+
+FP8 (contract §1.2, no scale factors): three modes are compiled (cute_kernels.variants.FP8_MODES,
+bf16 partials only) -- ``bf16_kv_e4m3`` (bf16 q, e4m3 k/v), ``e4m3_pv_bf16`` (e4m3 q/k/v,
+pv_dtype bf16) and ``e4m3`` (e4m3 q/k/v, pv_dtype e4m3). **Validation gate:** supports() serves
+an FP8 mode only when it is listed in :data:`VALIDATED_FP8_MODES` (add a mode there only after
+its GPU test in tests/test_sparse_prefill_gpu.py passed on an H200), or when the environment
+sets ``MSA_UNVALIDATED_KERNELS=1`` (the GPU tests do, to validate them). Otherwise the reference
+runs (or MSA_BACKEND=native raises with the reason).
 """
 
 from __future__ import annotations
 
 from typing import Optional, Tuple
+
+import os
 
 import torch
 
@@ -30,13 +40,35 @@ KV_BLOCK = 128
 POISON_BUFFERS_FOR_TESTS = False
 _SUPPORTED_G = (1, 2, 4, 8, 16)
 _PARTIAL_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+_FP8 = torch.float8_e4m3fn
+# FP8 modes proven correct on hardware (GPU test passed on an H200). Empty: every FP8 mode is
+# compiled and shipped but refused by supports() unless MSA_UNVALIDATED_KERNELS=1.
+VALIDATED_FP8_MODES: set = set()
+UNVALIDATED_ENV = "MSA_UNVALIDATED_KERNELS"
 
 
-def _variant_names(qhead_per_kv: int, paged: bool, partial_dtype: torch.dtype) -> Tuple[str, str]:
+def attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype) -> Optional[str]:
+    """The compiled attention dtype mode for these dtypes ("bfloat16" or a
+    cute_kernels.variants.FP8_MODES name), or None when no kernel exists for them. pv_dtype
+    None means the contract default (v's compute dtype)."""
+    bf16 = torch.bfloat16
+    if q_dtype == bf16 and k_dtype == bf16 and v_dtype == bf16:
+        return "bfloat16" if pv_dtype in (None, bf16) else None
+    if q_dtype == bf16 and k_dtype == _FP8 and v_dtype == _FP8:
+        return "bf16_kv_e4m3" if pv_dtype in (None, bf16) else None
+    if q_dtype == _FP8 and k_dtype == _FP8 and v_dtype == _FP8:
+        if pv_dtype in (None, _FP8):
+            return "e4m3"
+        return "e4m3_pv_bf16" if pv_dtype == bf16 else None
+    return None
+
+
+def _variant_names(qhead_per_kv: int, paged: bool, partial_dtype: torch.dtype,
+                   mode: str = "bfloat16") -> Tuple[str, str]:
     """(attention, combine) artifact names; must match cute_kernels.variants."""
     short = {"float32": "f32", "bfloat16": "bf16"}[_PARTIAL_NAMES[partial_dtype]]
     layout = "paged" if paged else "dense"
-    return (f"sparse_prefill_sm90_bfloat16_g{qhead_per_kv}_{layout}_p{short}",
+    return (f"sparse_prefill_sm90_{mode}_g{qhead_per_kv}_{layout}_p{short}",
             f"sparse_combine_sm90_p{short}")
 
 
@@ -46,16 +78,23 @@ def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=F
     """None if the native kernel serves a call with these features, else the reason."""
     if nvfp4:
         return "NVFP4 K/V is not native on sm90 yet"
-    if q_dtype != torch.bfloat16 or k_dtype != torch.bfloat16 or v_dtype != torch.bfloat16:
-        return f"q/k/v dtypes {q_dtype}/{k_dtype}/{v_dtype}: only all-bf16 is native on sm90 yet"
-    if pv_dtype not in (None, torch.bfloat16):
-        return f"pv_dtype {pv_dtype} is not native on sm90"
+    mode = attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype)
+    if mode is None:
+        return (f"q/k/v dtypes {q_dtype}/{k_dtype}/{v_dtype} with pv_dtype {pv_dtype}: "
+                "not native on sm90")
+    if mode != "bfloat16":
+        if mode not in VALIDATED_FP8_MODES and os.environ.get(UNVALIDATED_ENV) != "1":
+            return (f"FP8 mode {mode} is compiled but not validated on hardware yet "
+                    f"(VALIDATED_FP8_MODES; {UNVALIDATED_ENV}=1 serves it anyway)")
+        if partial_dtype != torch.bfloat16:
+            return (f"partial_dtype {partial_dtype}: FP8 modes are native with bfloat16 "
+                    "partials only")
     if partial_dtype not in _PARTIAL_NAMES:
         return f"partial_dtype {partial_dtype} is not native on sm90 (float32, bfloat16 are)"
     if qhead_per_kv not in _SUPPORTED_G:
         return f"qhead_per_kv {qhead_per_kv} is not native"
     return cute_runtime.unavailable_reason(*_variant_names(qhead_per_kv, bool(paged),
-                                                           partial_dtype))
+                                                           partial_dtype, mode))
 
 
 def run(call) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -74,8 +113,9 @@ def run(call) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tens
     schedule = call.schedule
     if schedule is None:
         schedule = build_schedule_on_device(call)
+    mode = attention_mode(q.dtype, k.dtype, v.dtype, call.pv_dtype)
     attention_name, combine_name = _variant_names(call.qhead_per_kv, call.paged,
-                                                  call.partial_dtype)
+                                                  call.partial_dtype, mode)
     batch = call.cu_seqlens_q.numel() - 1
     cu_k = call.cu_seqlens_k
     if call.paged:

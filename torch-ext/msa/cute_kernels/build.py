@@ -19,10 +19,17 @@ from .block_max_score_sm90 import BlockMaxScoreSm90
 from .combine import SparseCombineSm90
 from .sparse_prefill_sm90 import SparsePrefillSm90
 from .sparse_prefill_sm90_wgmma import SparsePrefillSm90Wgmma
-from .variants import AttentionVariant, BlockMaxScoreVariant, CombineVariant
+from .variants import FP8_MODES, AttentionVariant, BlockMaxScoreVariant, CombineVariant
 
 TARGET_ARCH = "sm_90a"
 _DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
+# (q, k/v) element types of each attention dtype / FP8 mode (see variants.FP8_MODES).
+_QKV_DTYPES = {
+    "bfloat16": (cutlass.BFloat16, cutlass.BFloat16),
+    "bf16_kv_e4m3": (cutlass.BFloat16, cutlass.Float8E4M3FN),
+    "e4m3_pv_bf16": (cutlass.Float8E4M3FN, cutlass.Float8E4M3FN),
+    "e4m3": (cutlass.Float8E4M3FN, cutlass.Float8E4M3FN),
+}
 
 
 def _tensor(dtype, shape, align=16):
@@ -40,7 +47,7 @@ def _index(shape):
 
 
 def attention_args(variant: AttentionVariant):
-    dtype = _DTYPES[variant.dtype]
+    q_dtype, kv_dtype = _QKV_DTYPES[variant.dtype]
     partial = _DTYPES[variant.partial_dtype]
     hkv, hq, total_q = _dyn(), _dyn(), _dyn()
     if variant.paged:
@@ -48,8 +55,8 @@ def attention_args(variant: AttentionVariant):
     else:
         kv_shape = (_dyn(), hkv, 128)
     return [
-        _tensor(dtype, (total_q, hq, 128)),                 # q
-        _tensor(dtype, kv_shape), _tensor(dtype, kv_shape),  # k, v
+        _tensor(q_dtype, (total_q, hq, 128)),               # q
+        _tensor(kv_dtype, kv_shape), _tensor(kv_dtype, kv_shape),  # k, v
         _index((_dyn(),)), _index((_dyn(),)),               # cu_seqlens_q, cu_seqlens_k
         _index((_dyn(),)),                                  # kv_lens
         _index((_dyn(), _dyn())),                           # page_table
@@ -100,8 +107,14 @@ def block_max_score_args(variant: BlockMaxScoreVariant):
 
 def attention_kernel(variant: AttentionVariant):
     """The kernel object of an attention variant: warpgroup MMA (wgmma) for bf16 partials,
-    warp MMA for fp32 partials. MSA_CUTE_MMA=warp forces the warp-MMA kernel everywhere."""
+    warp MMA for fp32 partials. MSA_CUTE_MMA=warp forces the warp-MMA kernel for bf16 Q/K/V;
+    the FP8 modes exist only on the wgmma kernel (bf16 partials)."""
     partial = _DTYPES[variant.partial_dtype]
+    if variant.dtype in FP8_MODES:
+        if partial.width != 16:
+            raise NotImplementedError(f"{variant.name}: FP8 modes need bf16 partials")
+        return SparsePrefillSm90Wgmma(variant.qhead_per_kv, variant.paged, partial,
+                                      mode=variant.dtype)
     use_wgmma = partial.width == 16 and os.environ.get("MSA_CUTE_MMA", "wgmma") != "warp"
     cls = SparsePrefillSm90Wgmma if use_wgmma else SparsePrefillSm90
     return cls(variant.qhead_per_kv, variant.paged, partial)
@@ -116,8 +129,9 @@ def compile_variant(variant, *, dump_dir: Optional[str] = None):
         os.makedirs(dump_dir, exist_ok=True)
         options += f" --keep-ptx --dump-dir={os.path.abspath(dump_dir)}"
     if isinstance(variant, AttentionVariant):
-        if variant.dtype != "bfloat16":
-            raise NotImplementedError(f"{variant.name}: only bf16 Q/K/V is implemented")
+        if variant.dtype not in _QKV_DTYPES:
+            raise NotImplementedError(f"{variant.name}: Q/K/V dtype {variant.dtype} is not "
+                                      "implemented")
         kernel = attention_kernel(variant)
         return cute.compile(kernel, *attention_args(variant), options=options)
     if isinstance(variant, CombineVariant):

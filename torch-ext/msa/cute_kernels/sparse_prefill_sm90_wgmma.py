@@ -15,6 +15,20 @@ docstring for the work item, the tile, the masking and the softmax). What differ
 About 97 KB of shared memory and < 200 registers per thread: two CTAs per SM, so one CTA's
 softmax and epilogue overlap the other's MMAs. Compared with 4 warps of mma.sync, shared-memory
 operand traffic per tile drops from 4 x (Q rows + K + V) to Q + K + V.
+
+FP8 modes (``mode``; no scale factors are applied, contract §1.2):
+
+* ``"bf16"``         bf16 Q/K/V (the path described above);
+* ``"bf16_kv_e4m3"`` bf16 Q, e4m3 K/V (FP8 KV cache): K and V are loaded to registers, converted
+  to bf16 and stored into the same bf16 tiles, then the bf16 path runs unchanged;
+* ``"e4m3_pv_bf16"`` e4m3 Q/K/V with pv_dtype bf16: S = Q K^T on e4m3 wgmma (m64n128k32, fp32
+  accumulate) from e4m3 Q/K tiles, V converted to bf16 as above, P.V as in the bf16 path;
+* ``"e4m3"``         e4m3 Q/K/V with pv_dtype e4m3: e4m3 S wgmma; P = exp(s - m) rounded to e4m3
+  and written to a shared tile (the e4m3 register-A fragment layout differs from the
+  accumulator's, so P goes through shared memory: SS wgmma); V is stored transposed (Vt,
+  channel x key, key-contiguous) because e4m3 wgmma needs K-major B. The normalizer is the sum
+  of the unrounded P, as the reference's pv_quant_dtype models it.
+With e4m3 Q tiles (half the bytes) O cannot be staged in the Q rows: a separate bf16 tile is used.
 """
 
 from __future__ import annotations
@@ -31,17 +45,49 @@ from .tile_utils import (quad_max, quad_sum, wgmma_accumulator_as_operand_a,
 
 TILE_M = 64            # one warpgroup MMA row block
 NUM_THREADS = 128
+MODES = ("bf16", "bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
 
 
 class SparsePrefillSm90Wgmma(SparsePrefillSm90):
-    """wgmma variant; bf16 partials only (fp32 partials use the warp-MMA kernel)."""
+    """wgmma variant; bf16 partials only (fp32 partials use the warp-MMA kernel).
 
-    def __init__(self, qhead_per_kv: int, paged: bool, partial_dtype=cutlass.BFloat16):
+    mode (see the module docstring) fixes the element types: qk_dtype (Q and K tiles, S MMA),
+    kv_in_dtype (K/V in global memory), pv_dtype (P and V operands of O = P V)."""
+
+    def __init__(self, qhead_per_kv: int, paged: bool, partial_dtype=cutlass.BFloat16,
+                 mode: str = "bf16"):
         super().__init__(qhead_per_kv, paged, partial_dtype)
-        assert partial_dtype.width == 16, "the wgmma kernel stages O in the bf16 Q tile"
+        assert partial_dtype.width == 16, "the wgmma kernel stages O in a 16-bit tile"
+        assert mode in MODES, mode
         self.tile_m = TILE_M
         self.num_threads = NUM_THREADS
         self.queries_per_tile = TILE_M // qhead_per_kv
+        e4m3 = cutlass.Float8E4M3FN
+        self.mode = mode
+        self.qk_dtype = e4m3 if mode in ("e4m3_pv_bf16", "e4m3") else cutlass.BFloat16
+        self.kv_in_dtype = cutlass.BFloat16 if mode == "bf16" else e4m3
+        self.pv_dtype = e4m3 if mode == "e4m3" else cutlass.BFloat16
+        # Which K/V tiles cannot be a plain cp.async of global memory.
+        self.convert_k = self.kv_in_dtype is not self.qk_dtype
+        self.convert_v = self.kv_in_dtype is not self.pv_dtype
+        self.transpose_v = self.pv_dtype.width == 8
+        # O is staged (bf16) in the Q rows only when the Q tile is 16-bit.
+        self.stage_o_in_q = self.qk_dtype.width == 16
+
+    def _shared_storage(self, q_layout, k_layout, v_layout, p_layout, o_layout):
+        """Shared-memory struct; the P and O tiles exist only in the modes that use them (fields
+        built as real annotations: this module's annotations are strings)."""
+        def tile(dtype, layout):
+            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
+        fields = {"sQ": tile(self.qk_dtype, q_layout), "sK": tile(self.qk_dtype, k_layout),
+                  "sV": tile(self.pv_dtype, v_layout)}
+        if self.transpose_v:
+            fields["sP"] = tile(self.pv_dtype, p_layout)
+        if not self.stage_o_in_q:
+            fields["sO"] = tile(self.partial_dtype, o_layout)
+        fields["sEntry"] = cute.struct.Align[
+            cute.struct.MemRange[cutlass.Int32, TILE_M * Q_STAGES], 16]
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
@@ -51,30 +97,62 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                  lse_partial: cute.Tensor, lse_t_partial: cute.Tensor,
                  softmax_scale: cutlass.Float32, inv_temperature: cutlass.Float32,
                  causal: cutlass.Int32, want_lse_t: cutlass.Int32, stream):
-        # K-major 128-byte-swizzle atom (8 rows x 64 bf16); its swizzle goes on the pointer.
-        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        # K-major 128-byte-swizzle atom (8 rows x 128 bytes); its swizzle goes on the pointer.
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.qk_dtype)
         q_layout = cute.tile_to_shape(atom, (TILE_M, HEAD_DIM, Q_STAGES), (0, 1, 2))
         kv_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM), (0, 1))
-
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
-            sEntry: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, TILE_M * Q_STAGES], 16]
+        # p_layout / o_layout are placeholders in the modes without a P / separate O tile.
+        v_layout = kv_layout
+        p_layout = kv_layout
+        o_layout = kv_layout
+        if cutlass.const_expr(self.pv_dtype is not self.qk_dtype):
+            # e4m3 Q/K with bf16 P.V: V is a bf16 [key, channel] tile.
+            v_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
+                                                     self.pv_dtype)
+            v_layout = cute.tile_to_shape(v_atom, (BLOCK_N, HEAD_DIM), (0, 1))
+        if cutlass.const_expr(self.transpose_v):
+            # e4m3 P.V: Vt [channel, key] (key contiguous) and P [row, key], both K-major.
+            v_layout = cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N), (0, 1))
+            p_layout = cute.tile_to_shape(atom, (TILE_M, BLOCK_N), (0, 1))
+        if cutlass.const_expr(not self.stage_o_in_q):
+            o_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
+                                                     self.partial_dtype)
+            o_layout = cute.tile_to_shape(o_atom, (TILE_M, HEAD_DIM), (0, 1))
+        SharedStorage = self._shared_storage(q_layout, kv_layout, v_layout, p_layout, o_layout)
 
         copy_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                        self.dtype, num_bits_per_copy=128)
+                                        self.qk_dtype, num_bits_per_copy=128)
+        # 16-byte chunks: 8 (bf16) or 16 (e4m3) elements per thread per row segment.
+        chunk = 128 // self.qk_dtype.width
         gather_copy = cute.make_tiled_copy_tv(
             copy_atom, cute.make_layout((NUM_THREADS // 8, 8), stride=(8, 1)),
-            cute.make_layout((1, 8)))
+            cute.make_layout((1, chunk)))
+        # e4m3 K/V rows that must be converted or transposed: 16 bytes per thread into
+        # registers (plain loads), 8 threads per 128-channel row.
+        convert_load = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.kv_in_dtype,
+                                num_bits_per_copy=128),
+            cute.make_layout((NUM_THREADS // 8, 8), stride=(8, 1)),
+            cute.make_layout((1, 128 // self.kv_in_dtype.width)))
         mma_qk = hopper.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-            cutlass.Float32, (1, 1, 1), (TILE_M, BLOCK_N))
-        # V is stored [key, channel]: as the B operand (channel x key) of O = P V it is MN-major.
-        mma_pv = hopper.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            cutlass.Float32, (1, 1, 1), (TILE_M, HEAD_DIM), a_source=warpgroup.OperandSource.RMEM)
+            self.qk_dtype, self.qk_dtype, cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K, cutlass.Float32, (1, 1, 1), (TILE_M, BLOCK_N))
+        if cutlass.const_expr(self.transpose_v):
+            # e4m3 P.V: P and Vt both from shared memory, both K-major.
+            mma_pv = hopper.make_trivial_tiled_mma(
+                self.pv_dtype, self.pv_dtype, cute.nvgpu.OperandMajorMode.K,
+                cute.nvgpu.OperandMajorMode.K, cutlass.Float32, (1, 1, 1), (TILE_M, HEAD_DIM))
+        else:
+            # V is stored [key, channel]: as the B operand (channel x key) of O = P V it is
+            # MN-major.
+            mma_pv = hopper.make_trivial_tiled_mma(
+                self.pv_dtype, self.pv_dtype, cute.nvgpu.OperandMajorMode.K,
+                cute.nvgpu.OperandMajorMode.MN, cutlass.Float32, (1, 1, 1), (TILE_M, HEAD_DIM),
+                a_source=warpgroup.OperandSource.RMEM)
+        # Accumulator -> P tile (e4m3 P.V only): two adjacent columns per 16-bit store.
+        stage_p_copy = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.pv_dtype,
+                                num_bits_per_copy=2 * self.pv_dtype.width), mma_qk)
         stage_o_copy = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.partial_dtype,
                                 num_bits_per_copy=2 * self.partial_dtype.width), mma_pv)
@@ -90,8 +168,8 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
         self.kernel_wgmma(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens, page_table, k2q_row_ptr,
                           qsplit, metadata, work_count, o_partial, lse_partial, lse_t_partial,
                           scale_log2, inv_temperature, causal, want_lse_t, q_layout, kv_layout,
-                          gather_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy,
-                          SharedStorage).launch(
+                          v_layout, p_layout, o_layout, gather_copy, convert_load, mma_qk, mma_pv,
+                          stage_p_copy, stage_o_copy, store_o_copy, SharedStorage).launch(
             grid=(cute.size(metadata.shape[0]), 1, 1), block=(NUM_THREADS, 1, 1),
             stream=stream)
 
@@ -103,10 +181,12 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                      mLseTPartial: cute.Tensor, scale_log2: cutlass.Float32,
                      inv_temperature: cutlass.Float32, causal: cutlass.Int32,
                      want_lse_t: cutlass.Int32, q_layout: cute.ComposedLayout,
-                     kv_layout: cute.ComposedLayout, gather_copy: cute.TiledCopy,
+                     kv_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout,
+                     p_layout: cute.ComposedLayout, o_layout: cute.ComposedLayout,
+                     gather_copy: cute.TiledCopy, convert_load: cute.TiledCopy,
                      mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
-                     stage_o_copy: cute.TiledCopy, store_o_copy: cute.TiledCopy,
-                     SharedStorage: cutlass.Constexpr):
+                     stage_p_copy: cute.TiledCopy, stage_o_copy: cute.TiledCopy,
+                     store_o_copy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         work, _, _ = cute.arch.block_idx()
         if work < mWorkCount[0]:
@@ -139,31 +219,58 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
             storage = smem.allocate(SharedStorage)
             sQ_stages = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
             sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
-            sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+            sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
             sEntry = storage.sEntry.get_tensor(cute.make_layout((TILE_M, Q_STAGES)))
-            # V^T (channel x key) view for the B operand of O = P V.
-            sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, BLOCK_N), order=(1, 0)))
+            if cutlass.const_expr(self.transpose_v):
+                # sV already is V^T (channel x key); the load writes it through a
+                # (key, channel) view.
+                sVt = sV
+                sV_rows = cute.composition(
+                    sV, cute.make_ordered_layout((BLOCK_N, HEAD_DIM), order=(1, 0)))
+            else:
+                # V^T (channel x key) view for the B operand of O = P V.
+                sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, BLOCK_N),
+                                                                    order=(1, 0)))
+                sV_rows = sV
 
             thr_copy = gather_copy.get_slice(tidx)
             tXsK = thr_copy.partition_D(sK)
-            tXsV = thr_copy.partition_D(sV)
+            tXsV = thr_copy.partition_D(sV_rows)
             tXcKV = thr_copy.partition_S(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
             kv_row_stride0 = cute.make_layout((BLOCK_N, HEAD_DIM), stride=(0, 1))
             tXcX = thr_copy.partition_S(cute.make_identity_tensor((TILE_M, HEAD_DIM)))
             row_stride0 = cute.make_layout((TILE_M, HEAD_DIM), stride=(0, 1))
 
-            for m in cutlass.range_constexpr(cute.size(tXsK.shape[1])):
-                key = tXcKV[0, m, 0][0]
-                if key < n_keys:
-                    k_ptr = self._kv_row_ptr(mK, kv_row0, head_kv, key)
-                    v_ptr = self._kv_row_ptr(mV, kv_row0, head_kv, key)
-                    gK = thr_copy.partition_S(cute.make_tensor(k_ptr, kv_row_stride0))
-                    gV = thr_copy.partition_S(cute.make_tensor(v_ptr, kv_row_stride0))
-                    cute.copy(gather_copy, gK[None, m, None], tXsK[None, m, None])
-                    cute.copy(gather_copy, gV[None, m, None], tXsV[None, m, None])
+            if cutlass.const_expr(self.mode == "bf16"):
+                for m in cutlass.range_constexpr(cute.size(tXsK.shape[1])):
+                    key = tXcKV[0, m, 0][0]
+                    if key < n_keys:
+                        k_ptr = self._kv_row_ptr(mK, kv_row0, head_kv, key)
+                        v_ptr = self._kv_row_ptr(mV, kv_row0, head_kv, key)
+                        gK = thr_copy.partition_S(cute.make_tensor(k_ptr, kv_row_stride0))
+                        gV = thr_copy.partition_S(cute.make_tensor(v_ptr, kv_row_stride0))
+                        cute.copy(gather_copy, gK[None, m, None], tXsK[None, m, None])
+                        cute.copy(gather_copy, gV[None, m, None], tXsV[None, m, None])
+                    else:
+                        tXsK[None, m, None].fill(0)
+                        tXsV[None, m, None].fill(0)
+            else:
+                # FP8 modes: K by cp.async when its tile keeps e4m3, else converted; V always
+                # goes through registers (converted to bf16, or transposed for e4m3 P.V).
+                if cutlass.const_expr(self.convert_k):
+                    self._load_kv_through_registers(convert_load, tidx, mK, kv_row0, head_kv,
+                                                    n_keys, sK)
                 else:
-                    tXsK[None, m, None].fill(0)
-                    tXsV[None, m, None].fill(0)
+                    for m in cutlass.range_constexpr(cute.size(tXsK.shape[1])):
+                        key = tXcKV[0, m, 0][0]
+                        if key < n_keys:
+                            k_ptr = self._kv_row_ptr(mK, kv_row0, head_kv, key)
+                            gK = thr_copy.partition_S(cute.make_tensor(k_ptr, kv_row_stride0))
+                            cute.copy(gather_copy, gK[None, m, None], tXsK[None, m, None])
+                        else:
+                            tXsK[None, m, None].fill(0)
+                self._load_kv_through_registers(convert_load, tidx, mV, kv_row0, head_kv,
+                                                n_keys, sV_rows)
 
             # ---- warpgroup MMA operands ------------------------------------------------------
             thr_qk = mma_qk.get_slice(tidx)
@@ -171,6 +278,11 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
             tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_stages))   # (.., .., K, stage)
             tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
             tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
+            if cutlass.const_expr(self.transpose_v):
+                sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+                tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
+                thr_stage_p = stage_p_copy.get_slice(tidx)
+                tPsP = thr_stage_p.partition_D(sP)
             acc_s_shape = thr_qk.partition_shape_C((TILE_M, BLOCK_N))
             acc_o_shape = thr_pv.partition_shape_C((TILE_M, HEAD_DIM))
             tScS = wgmma_rows_cols_view(thr_qk.partition_C(
@@ -269,19 +381,39 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                             row_lse_t[i] = (max_scaled * inv_temperature
                                             + cute.math.log2(row_sum_t, fastmath=True)) * LN_2
 
-                # ---- O = P V (RS wgmma, P in registers) ----------------------------------------
-                r_p = cute.make_fragment_like(acc_s, self.dtype)
-                r_p.store(acc_s.load().to(self.dtype))
-                t_p = wgmma_accumulator_as_operand_a(r_p)
-                acc_o = cute.make_rmem_tensor(acc_o_shape, cutlass.Float32)
-                warpgroup.fence()
-                pv_atom = cute.make_mma_atom(mma_pv.op)
-                pv_atom.set(warpgroup.Field.ACCUMULATE, False)
-                for kk in cutlass.range_constexpr(cute.size(t_p.shape[2])):
-                    cute.gemm(pv_atom, acc_o, t_p[None, None, kk], tOrVt[None, None, kk], acc_o)
-                    pv_atom.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                if cutlass.const_expr(self.transpose_v):
+                    # ---- O = P V, e4m3 (SS wgmma): P rounded to e4m3 into the shared P tile --
+                    r_p8 = cute.make_fragment_like(acc_s, self.pv_dtype)
+                    r_p8.store(acc_s.load().to(self.pv_dtype))
+                    cute.copy(stage_p_copy, thr_stage_p.retile(r_p8), tPsP)
+                    acc_o = cute.make_rmem_tensor(acc_o_shape, cutlass.Float32)
+                    # Every warp's P rows feed the warpgroup MMA: generic -> async proxy.
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.sync_threads()
+                    warpgroup.fence()
+                    pv_atom8 = cute.make_mma_atom(mma_pv.op)
+                    pv_atom8.set(warpgroup.Field.ACCUMULATE, False)
+                    for kk in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+                        cute.gemm(pv_atom8, acc_o, tOrP[None, None, kk], tOrVt[None, None, kk],
+                                  acc_o)
+                        pv_atom8.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                else:
+                    # ---- O = P V (RS wgmma, P in registers) ------------------------------------
+                    r_p = cute.make_fragment_like(acc_s, self.pv_dtype)
+                    r_p.store(acc_s.load().to(self.pv_dtype))
+                    t_p = wgmma_accumulator_as_operand_a(r_p)
+                    acc_o = cute.make_rmem_tensor(acc_o_shape, cutlass.Float32)
+                    warpgroup.fence()
+                    pv_atom = cute.make_mma_atom(mma_pv.op)
+                    pv_atom.set(warpgroup.Field.ACCUMULATE, False)
+                    for kk in cutlass.range_constexpr(cute.size(t_p.shape[2])):
+                        cute.gemm(pv_atom, acc_o, t_p[None, None, kk], tOrVt[None, None, kk],
+                                  acc_o)
+                        pv_atom.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
 
                 # ---- normalize, stage in this warp's Q rows, write whole partial rows ----------
                 o_rc = wgmma_rows_cols_view(acc_o)
@@ -291,8 +423,12 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                 r_o = cute.make_fragment_like(acc_o, self.partial_dtype)
                 r_o.store(acc_o.load().to(self.partial_dtype))
                 # Warp w's accumulator rows are tile rows 16w..16w+15, the Q rows only its own
-                # S wgmma read (complete: wait_group(0) above).
-                sO = sQ_stages[None, None, stage]
+                # S wgmma read (complete: wait_group(0) above). e4m3 Q tiles are too small:
+                # a separate bf16 tile (each warp again touches only its own rows).
+                if cutlass.const_expr(self.stage_o_in_q):
+                    sO = sQ_stages[None, None, stage]
+                else:
+                    sO = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)
                 cute.copy(stage_o_copy, thr_stage_o.retile(r_o), thr_stage_o.partition_D(sO))
                 cute.arch.sync_warp()
                 tWsO = thr_store_o.partition_S(
@@ -319,3 +455,27 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                             mLsePartial[slot, q_abs, hq] = row_lse[i]
                             if want_lse_t != 0:
                                 mLseTPartial[slot, q_abs, hq] = row_lse_t[i]
+
+    @cute.jit
+    def _load_kv_through_registers(self, convert_load: cute.TiledCopy, tidx: cutlass.Int32,
+                                   mKV: cute.Tensor, kv_row0: cutlass.Int32,
+                                   head_kv: cutlass.Int32, n_keys: cutlass.Int32,
+                                   dst: cute.Tensor):
+        """Load the block's 128 x 128 K or V rows (e4m3) with plain 16-byte loads, convert to
+        dst's element type and store them through dst, a (key, channel) view of a shared tile
+        (bf16 [key, channel], or e4m3 Vt [channel, key] for the transposed store). Keys at or
+        past n_keys are zero-filled; nothing is read out of bounds."""
+        thr = convert_load.get_slice(tidx)
+        tLd = thr.partition_D(dst)
+        tLc = thr.partition_S(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
+        row_stride0 = cute.make_layout((BLOCK_N, HEAD_DIM), stride=(0, 1))
+        for m in cutlass.range_constexpr(cute.size(tLd.shape[1])):
+            key = tLc[0, m, 0][0]
+            if key < n_keys:
+                ptr = self._kv_row_ptr(mKV, kv_row0, head_kv, key)
+                gKV = thr.partition_S(cute.make_tensor(ptr, row_stride0))
+                frag = cute.make_fragment_like(gKV[None, m, None])
+                cute.copy(convert_load, gKV[None, m, None], frag)
+                tLd[None, m, None].store(frag.load().to(dst.element_type))
+            else:
+                tLd[None, m, None].fill(0)

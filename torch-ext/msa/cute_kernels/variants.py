@@ -16,13 +16,21 @@ KV_BLOCK = 128
 QHEAD_PER_KV = (1, 2, 4, 8, 16)
 PARTIAL_DTYPES = ("float32", "bfloat16")     # partial dtypes with a native combine
 INPUT_DTYPES = ("bfloat16",)                 # Q/K/V element types compiled so far
+# FP8 attention modes (wgmma kernel, bf16 partials only; no scale factors, contract §1.2):
+#   bf16_kv_e4m3  bf16 q, e4m3 k/v (staged to bf16 in shared memory), bf16 P.V
+#   e4m3_pv_bf16  e4m3 q/k/v, e4m3 QK^T, V staged to bf16, bf16 P.V (pv_dtype=bf16)
+#   e4m3          e4m3 q/k/v, e4m3 QK^T, P rounded to e4m3, e4m3 P.V (pv_dtype=e4m3)
+# They are compiled and shipped, but msa._native.sparse_prefill_sm90 serves a mode only once it
+# is listed in its VALIDATED_FP8_MODES (proven on an H200).
+FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
 INDEX_HEADS = (1, 2, 4, 8)                   # index query heads H of block_max_scores
 INDEX_DTYPES = ("bfloat16",)                 # q_idx / k_idx element types compiled so far
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionVariant:
-    """One compiled attention kernel: S = QK^T, single-block softmax, P.V per work item."""
+    """One compiled attention kernel: S = QK^T, single-block softmax, P.V per work item.
+    dtype is "bfloat16" (bf16 q/k/v) or one of FP8_MODES (which also fixes pv_dtype)."""
     qhead_per_kv: int
     paged: bool
     partial_dtype: str = "float32"
@@ -71,6 +79,10 @@ def shipped_variants() -> List[object]:
             for g in QHEAD_PER_KV:
                 for partial in PARTIAL_DTYPES:
                     out.append(AttentionVariant(g, paged, partial, dtype))
+    for mode in FP8_MODES:
+        for paged in (False, True):
+            for g in QHEAD_PER_KV:
+                out.append(AttentionVariant(g, paged, "bfloat16", mode))
     out.extend(CombineVariant(p) for p in PARTIAL_DTYPES)
     for dtype in INDEX_DTYPES:
         for paged in (False, True):

@@ -1,0 +1,583 @@
+// Paged decode attention for Hopper (sm_90a): dense or block-sparse, split-KV + merge.
+//
+// Semantics: msa.reference.decode (contract §1.4, sparse decode D6). One CTA per work item of the
+// split-KV schedule (msa.src.sm100.decode_schedule) and KV head: it streams the K/V pages of one
+// chunk of one request exactly once and serves every query row of that KV head in its qo tile
+// (up to 128 rows = seqlen_q * G rows; row r is query token r / G, q head h * G + r % G).
+//
+// Math on tensor cores with mma.sync m16n8k16 (bf16 in, fp32 accumulate), one 16-row m tile per
+// warp. e4m3 Q/K/V are converted to bf16 exactly. Softmax is folded per page (128 keys) against
+// the page max, like the reference: p = exp(s - page max) (rounded to e4m3 when Q and K/V are
+// e4m3), scaled by exp(page max - running max); P.V uses P split into a bf16 high part plus a
+// bf16 residual, so unrounded P keeps ~16 mantissa bits instead of bf16's 8.
+//
+// Safety: every page id, q2k id, length and schedule index is range-checked on the device;
+// invalid ones are skipped (their keys are invisible). No host synchronization; every size is a
+// host argument, so the launch can be captured in a CUDA graph.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cfloat>
+#include <cstdint>
+
+#include "common.cuh"
+#include "torch_binding.h"
+
+namespace msa {
+namespace {
+
+constexpr int kHeadDim = 128;
+constexpr int kPageSize = 128;
+constexpr int kRowsPerCta = 128;                 // = decode_schedule.QO_TILE_ROWS
+constexpr int kWarps = 8;                        // one 16-row m tile each
+constexpr int kThreads = kWarps * 32;
+constexpr int kStride = kHeadDim + 8;            // bf16 per smem row: padding keeps fragment
+                                                 // loads and ldmatrix free of bank conflicts
+constexpr int kMaxCandidates = 16 * 32;          // seqlen_q <= 16 tokens x topK <= 32 slots
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Dynamic shared memory layout (bytes).
+constexpr int kQBytes = kRowsPerCta * kStride * 2;               // Q tile, bf16
+constexpr int kPageBf16Bytes = 2 * kPageSize * kStride * 2;      // K then V of one page, bf16
+constexpr int kPageFp8Bytes = 2 * kPageSize * kHeadDim;          // K then V, raw e4m3
+constexpr int kStageRegionBytes = 2 * kPageBf16Bytes;            // bf16: two pipeline stages
+static_assert(kPageBf16Bytes + 2 * kPageFp8Bytes <= kStageRegionBytes,
+              "e4m3: one converted page + two raw stages must fit the stage region");
+constexpr int kListBytes = kMaxCandidates * 4 * 4;               // cand, phys, logical, mask
+constexpr int kSmemBytes = kQBytes + kStageRegionBytes + kListBytes + 64;
+
+struct __align__(16) Bf16x8 {
+  __nv_bfloat162 v[4];
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+__device__ __forceinline__ void cp_async_wait_one() {
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t bits) {
+  const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits),
+                                                      __NV_E4M3);
+  return __half22float2(__half2(raw));
+}
+
+// Rounds a probability to e4m3 and back, as an FP8 P.V MMA would see it.
+__device__ __forceinline__ float round_to_e4m3(float x) {
+  const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(q, __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+// 16 e4m3 values (one uint4) -> 16 bf16 values (two uint4), exact.
+__device__ __forceinline__ void e4m3x16_to_bf16(const uint4& in, Bf16x8 (&out)[2]) {
+  const uint32_t words[4] = {in.x, in.y, in.z, in.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const float2 a = e4m3x2_to_float2(static_cast<uint16_t>(words[w] & 0xFFFFu));
+    const float2 b = e4m3x2_to_float2(static_cast<uint16_t>(words[w] >> 16));
+    out[w / 2].v[(w % 2) * 2 + 0] = __floats2bfloat162_rn(a.x, a.y);
+    out[w / 2].v[(w % 2) * 2 + 1] = __floats2bfloat162_rn(b.x, b.y);
+  }
+}
+
+// One KV page of the CTA's work list: physical page, logical block and the query tokens
+// (bit t = token t) that may see it. token_mask == 0 means "skip" (invalid or unselected).
+struct PageRef {
+  int physical;
+  int logical;
+  uint32_t token_mask;
+};
+
+struct CtaContext {
+  int request;
+  int head;            // KV head
+  int qo_tile;
+  int chunk_begin;     // units: logical pages (dense) or q2k slots (sparse)
+  int chunk_end;
+  int seqlen_k;        // seqused_k[request], clamped to >= 0
+  int num_blocks;      // KV pages the request addresses: min(ceil(seqlen_k / 128), table width)
+};
+
+__device__ __forceinline__ PageRef resolve_page(const DecodeAttentionArgs& a,
+                                                const CtaContext& ctx, int i,
+                                                const int* list_phys, const int* list_logical,
+                                                const uint32_t* list_mask) {
+  PageRef ref;
+  if (a.q2k_indices != nullptr) {
+    ref.physical = list_phys[i];
+    ref.logical = list_logical[i];
+    ref.token_mask = list_mask[i];
+    return ref;
+  }
+  ref.logical = ctx.chunk_begin + i;
+  ref.physical = __ldg(a.page_table + static_cast<int64_t>(ctx.request) * a.page_table_width +
+                       ref.logical);
+  const bool ok = ref.physical >= 0 && ref.physical < a.num_pages;
+  ref.token_mask = ok ? 0xFFFFFFFFu : 0u;
+  return ref;
+}
+
+// Issues the cp.async copies of one page's K and V head slice into a stage.
+__device__ __forceinline__ void load_page_async(const DecodeAttentionArgs& a, int head,
+                                                const PageRef& ref, char* stage) {
+  if (ref.token_mask == 0) return;
+  const int64_t elem_offset =
+      (static_cast<int64_t>(ref.physical) * a.num_kv_heads + head) * (kPageSize * kHeadDim);
+  if (!a.kv_fp8) {
+    const __nv_bfloat16* k = static_cast<const __nv_bfloat16*>(a.k) + elem_offset;
+    const __nv_bfloat16* v = static_cast<const __nv_bfloat16*>(a.v) + elem_offset;
+    __nv_bfloat16* ks = reinterpret_cast<__nv_bfloat16*>(stage);
+    __nv_bfloat16* vs = ks + kPageSize * kStride;
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    for (int c = threadIdx.x; c < kPageSize * kChunksPerRow; c += kThreads) {
+      const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+      cp_async_16(ks + row * kStride + col, k + row * kHeadDim + col);
+      cp_async_16(vs + row * kStride + col, v + row * kHeadDim + col);
+    }
+  } else {
+    const uint8_t* k = static_cast<const uint8_t*>(a.k) + elem_offset;
+    const uint8_t* v = static_cast<const uint8_t*>(a.v) + elem_offset;
+    constexpr int kChunks = kPageSize * kHeadDim / 16;
+    for (int c = threadIdx.x; c < kChunks; c += kThreads) {
+      cp_async_16(stage + c * 16, k + c * 16);
+      cp_async_16(stage + kPageSize * kHeadDim + c * 16, v + c * 16);
+    }
+  }
+}
+
+// e4m3 raw page (K then V, dense rows of 128 bytes) -> padded bf16 page.
+__device__ __forceinline__ void convert_fp8_page(const char* raw, __nv_bfloat16* dst) {
+  constexpr int kChunksPerRow = kHeadDim / 16;
+  for (int c = threadIdx.x; c < 2 * kPageSize * kChunksPerRow; c += kThreads) {
+    const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 16;   // row spans K then V
+    const uint4 in = *reinterpret_cast<const uint4*>(raw + c * 16);
+    Bf16x8 out[2];
+    e4m3x16_to_bf16(in, out);
+    *reinterpret_cast<Bf16x8*>(dst + row * kStride + col) = out[0];
+    *reinterpret_cast<Bf16x8*>(dst + row * kStride + col + 8) = out[1];
+  }
+}
+
+// Stages the CTA's query rows into shared memory as bf16 (zero rows past the tile).
+__device__ __forceinline__ void load_queries(const DecodeAttentionArgs& a, const CtaContext& ctx,
+                                             int group, int tile_rows, __nv_bfloat16* qs) {
+  constexpr int kChunksPerRow = kHeadDim / 8;   // 8 output elements per step
+  for (int c = threadIdx.x; c < kRowsPerCta * kChunksPerRow; c += kThreads) {
+    const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+    Bf16x8 vals;
+    if (row < tile_rows) {
+      const int r = ctx.qo_tile * kRowsPerCta + row;
+      const int token = r / group, qo_head = ctx.head * group + r % group;
+      const int64_t offset =
+          ((static_cast<int64_t>(ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head) *
+              kHeadDim + col;
+      if (!a.q_fp8) {
+        vals = *reinterpret_cast<const Bf16x8*>(static_cast<const __nv_bfloat16*>(a.q) + offset);
+      } else {
+        const uint2 bits = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(a.q) + offset);
+        const uint32_t words[2] = {bits.x, bits.y};
+#pragma unroll
+        for (int w = 0; w < 2; ++w) {
+          const float2 lo = e4m3x2_to_float2(static_cast<uint16_t>(words[w] & 0xFFFFu));
+          const float2 hi = e4m3x2_to_float2(static_cast<uint16_t>(words[w] >> 16));
+          vals.v[w * 2] = __floats2bfloat162_rn(lo.x, lo.y);
+          vals.v[w * 2 + 1] = __floats2bfloat162_rn(hi.x, hi.y);
+        }
+      }
+    } else {
+      const __nv_bfloat162 zero = __floats2bfloat162_rn(0.f, 0.f);
+      vals.v[0] = vals.v[1] = vals.v[2] = vals.v[3] = zero;
+    }
+    *reinterpret_cast<Bf16x8*>(qs + row * kStride + col) = vals;
+  }
+}
+
+// Sparse: the distinct valid blocks the chunk's q2k slots select, in (token, slot) order of
+// first appearance, each with the mask of tokens that selected it. Returns the page count.
+__device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaContext& ctx,
+                                      int* cand, int* list_phys, int* list_logical,
+                                      uint32_t* list_mask, int* warp_counts, int* total) {
+  const int num_slots = ctx.chunk_end - ctx.chunk_begin;
+  const int num_cand = num_slots > 0 ? a.seqlen_q * num_slots : 0;
+  const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
+  for (int c = threadIdx.x; c < num_cand; c += kThreads) {
+    const int token = c / num_slots, slot = ctx.chunk_begin + c % num_slots;
+    const int64_t row = static_cast<int64_t>(ctx.request) * a.seqlen_q + token;
+    const int id = __ldg(a.q2k_indices + (ctx.head * total_q + row) * a.topk + slot);
+    cand[c] = (id >= 0 && id < ctx.num_blocks) ? id : -1;
+  }
+  if (threadIdx.x == 0) *total = 0;
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int base = 0; base < num_cand; base += kThreads) {
+    const int c = base + threadIdx.x;
+    int id = -1, physical = -1;
+    uint32_t mask = 0;
+    bool leader = false;
+    if (c < num_cand && (id = cand[c]) >= 0) {
+      leader = true;
+      for (int other = 0; other < num_cand; ++other) {
+        if (cand[other] == id) {
+          if (other < c) {
+            leader = false;
+            break;
+          }
+          mask |= 1u << (other / num_slots);
+        }
+      }
+      if (leader) {
+        physical = __ldg(a.page_table + static_cast<int64_t>(ctx.request) * a.page_table_width + id);
+        leader = physical >= 0 && physical < a.num_pages;
+      }
+    }
+    const unsigned ballot = __ballot_sync(0xFFFFFFFFu, leader);
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    int offset = *total + __popc(ballot & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w) offset += warp_counts[w];
+    if (leader) {
+      list_phys[offset] = physical;
+      list_logical[offset] = id;
+      list_mask[offset] = mask;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int sum = 0;
+      for (int w = 0; w < kWarps; ++w) sum += warp_counts[w];
+      *total += sum;
+    }
+    __syncthreads();
+  }
+  __syncthreads();
+  return *total;
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_attention_kernel(const DecodeAttentionArgs a) {
+  extern __shared__ __align__(128) char smem[];
+  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);
+  char* stages = smem + kQBytes;
+  int* cand = reinterpret_cast<int*>(stages + kStageRegionBytes);
+  int* list_phys = cand + kMaxCandidates;
+  int* list_logical = list_phys + kMaxCandidates;
+  uint32_t* list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
+  int* warp_counts = reinterpret_cast<int*>(list_mask + kMaxCandidates);
+  int* page_total = warp_counts + kWarps;
+
+  const int work = blockIdx.x;
+  CtaContext ctx;
+  ctx.head = blockIdx.y;
+  ctx.request = __ldg(a.request_indices + work);
+  const int chunk = __ldg(a.kv_tile_indices + work);
+  ctx.qo_tile = __ldg(a.qo_tile_indices + work);
+  const int group = a.num_qo_heads / a.num_kv_heads;
+  const int rows_total = a.seqlen_q * group;
+  if (ctx.request < 0 || ctx.request >= a.batch || chunk < 0 || ctx.qo_tile < 0 ||
+      ctx.qo_tile * kRowsPerCta >= rows_total) {
+    return;   // a corrupt schedule entry: nothing this CTA could safely write
+  }
+  const int tile_rows = min(kRowsPerCta, rows_total - ctx.qo_tile * kRowsPerCta);
+  ctx.seqlen_k = max(__ldg(a.seqused_k + ctx.request), 0);
+  ctx.num_blocks = min((ctx.seqlen_k + kPageSize - 1) / kPageSize, a.page_table_width);
+
+  // The chunk's unit range; the request's last chunk runs to its current end.
+  const int units_now = a.q2k_indices != nullptr ? a.topk : ctx.num_blocks;
+  const bool last_chunk = chunk == __ldg(a.num_splits + ctx.request) - 1;
+  ctx.chunk_begin = chunk * a.kv_chunk_size;
+  ctx.chunk_end = last_chunk ? units_now : min(ctx.chunk_begin + a.kv_chunk_size, units_now);
+  ctx.chunk_end = max(ctx.chunk_end, ctx.chunk_begin);
+  if (ctx.chunk_begin >= units_now) ctx.chunk_end = ctx.chunk_begin;
+
+  load_queries(a, ctx, group, tile_rows, qs);
+  int num_pages;
+  if (a.q2k_indices != nullptr) {
+    num_pages = build_sparse_page_list(a, ctx, cand, list_phys, list_logical, list_mask,
+                                       warp_counts, page_total);
+  } else {
+    num_pages = ctx.chunk_end - ctx.chunk_begin;
+    __syncthreads();
+  }
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bool warp_active = warp * 16 < tile_rows;
+  const float scale_log2 = a.softmax_scale * kLog2e;
+  const bool pv_fp8 = a.q_fp8 && a.kv_fp8;
+
+  // Per thread: rows warp*16 + lane/4 (+8); the last visible key of each row (-1: none).
+  int row_token[2];
+  int row_last_key[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = warp * 16 + (lane >> 2) + i * 8;
+    // Clamped so the token-mask shift stays < 32 for padding rows (masked off anyway).
+    row_token[i] = min((ctx.qo_tile * kRowsPerCta + row) / group, 31);
+    row_last_key[i] = row < tile_rows
+                          ? min(ctx.seqlen_k - 1, row_token[i] + ctx.seqlen_k - a.seqlen_q)
+                          : -1;
+  }
+
+  float acc[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+
+  // Pipeline stage st starts at stage_base + st * stage_bytes (bf16: the padded page itself;
+  // e4m3: raw bytes, converted into `converted` before use).
+  __nv_bfloat16* converted = reinterpret_cast<__nv_bfloat16*>(stages);
+  char* const stage_base = a.kv_fp8 ? stages + kPageBf16Bytes : stages;
+  const int stage_bytes = a.kv_fp8 ? kPageFp8Bytes : kPageBf16Bytes;
+
+  if (num_pages > 0) {
+    load_page_async(a, ctx.head, resolve_page(a, ctx, 0, list_phys, list_logical, list_mask),
+                    stage_base);
+  }
+  cp_async_commit();
+  for (int i = 0; i < num_pages; ++i) {
+    if (i + 1 < num_pages) {
+      load_page_async(a, ctx.head,
+                      resolve_page(a, ctx, i + 1, list_phys, list_logical, list_mask),
+                      stage_base + ((i + 1) & 1) * stage_bytes);
+    }
+    cp_async_commit();
+    cp_async_wait_one();
+    __syncthreads();
+    const PageRef page = resolve_page(a, ctx, i, list_phys, list_logical, list_mask);
+    const __nv_bfloat16* ks;
+    if (a.kv_fp8) {
+      if (page.token_mask != 0) convert_fp8_page(stage_base + (i & 1) * stage_bytes, converted);
+      __syncthreads();
+      ks = converted;
+    } else {
+      ks = reinterpret_cast<const __nv_bfloat16*>(stage_base + (i & 1) * stage_bytes);
+    }
+    const __nv_bfloat16* vs = ks + kPageSize * kStride;
+
+    if (warp_active && page.token_mask != 0) {
+      // S = Q K^T for this warp's 16 rows and the page's 128 keys.
+      float s[16][4];
+#pragma unroll
+      for (int n = 0; n < 16; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      const __nv_bfloat16* qw = qs + (warp * 16 + (lane >> 2)) * kStride + (lane & 3) * 2;
+#pragma unroll
+      for (int kd = 0; kd < kHeadDim / 16; ++kd) {
+        uint32_t qa[4];
+        qa[0] = *reinterpret_cast<const uint32_t*>(qw + kd * 16);
+        qa[1] = *reinterpret_cast<const uint32_t*>(qw + 8 * kStride + kd * 16);
+        qa[2] = *reinterpret_cast<const uint32_t*>(qw + kd * 16 + 8);
+        qa[3] = *reinterpret_cast<const uint32_t*>(qw + 8 * kStride + kd * 16 + 8);
+        const __nv_bfloat16* kp = ks + (lane >> 2) * kStride + kd * 16 + (lane & 3) * 2;
+#pragma unroll
+        for (int n = 0; n < 16; ++n) {
+          const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kp + n * 8 * kStride);
+          const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kp + n * 8 * kStride + 8);
+          mma_bf16(s[n], qa, b0, b1);
+        }
+      }
+      // Mask (causal against seqused_k, selection per token), page max per row.
+      int last_key[2];
+#pragma unroll
+      for (int i2 = 0; i2 < 2; ++i2) {
+        const bool selected = (page.token_mask >> row_token[i2]) & 1u;
+        last_key[i2] = selected ? row_last_key[i2] - page.logical * kPageSize : -1;
+      }
+      float page_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n * 8 + (lane & 3) * 2 + (e & 1);
+          const float v = key <= last_key[e >> 1] ? s[n][e] * scale_log2 : -INFINITY;
+          s[n][e] = v;
+          page_max[e >> 1] = fmaxf(page_max[e >> 1], v);
+        }
+      }
+      float alpha[2], beta[2];
+#pragma unroll
+      for (int i2 = 0; i2 < 2; ++i2) {
+        page_max[i2] = fmaxf(page_max[i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[i2], 1));
+        page_max[i2] = fmaxf(page_max[i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[i2], 2));
+        const float new_max = fmaxf(row_max[i2], page_max[i2]);
+        alpha[i2] = row_max[i2] == -INFINITY ? 0.f : exp2f(row_max[i2] - new_max);
+        beta[i2] = page_max[i2] == -INFINITY ? 0.f : exp2f(page_max[i2] - new_max);
+        if (page_max[i2] == -INFINITY) page_max[i2] = 0.f;   // exp2(-inf - 0) = 0 below
+        row_max[i2] = new_max;
+      }
+      float page_sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = exp2f(s[n][e] - page_max[e >> 1]);
+          page_sum[e >> 1] += p;
+          s[n][e] = (pv_fp8 ? round_to_e4m3(p) : p) * beta[e >> 1];
+        }
+      }
+#pragma unroll
+      for (int i2 = 0; i2 < 2; ++i2) row_sum[i2] = row_sum[i2] * alpha[i2] + beta[i2] * page_sum[i2];
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        acc[n][0] *= alpha[0];
+        acc[n][1] *= alpha[0];
+        acc[n][2] *= alpha[1];
+        acc[n][3] *= alpha[1];
+      }
+      // O += P V with P = high + residual (both bf16).
+#pragma unroll
+      for (int kk = 0; kk < kPageSize / 16; ++kk) {
+        uint32_t p_hi[4], p_lo[4];
+#pragma unroll
+        for (int f = 0; f < 4; ++f) {
+          const float* src = s[2 * kk + (f >> 1)] + (f & 1) * 2;
+          const __nv_bfloat162 hi = __floats2bfloat162_rn(src[0], src[1]);
+          const float2 hi_f = __bfloat1622float2(hi);
+          p_hi[f] = *reinterpret_cast<const uint32_t*>(&hi);
+          p_lo[f] = pack_bf16(src[0] - hi_f.x, src[1] - hi_f.y);
+        }
+        const int v_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+        for (int nd = 0; nd < 16; nd += 2) {
+          const uint32_t addr = smem_addr(vs + v_row * kStride + (nd + (lane >> 4)) * 8);
+          uint32_t b0, b1, b2, b3;
+          asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                       : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                       : "r"(addr));
+          mma_bf16(acc[nd], p_hi, b0, b1);
+          mma_bf16(acc[nd], p_lo, b0, b1);
+          mma_bf16(acc[nd + 1], p_hi, b2, b3);
+          mma_bf16(acc[nd + 1], p_lo, b2, b3);
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  // Finalize: normalized O and LSE (natural log) per row; empty rows give O = 0, LSE = -inf.
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    row_sum[i2] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[i2], 1);
+    row_sum[i2] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[i2], 2);
+  }
+  if (!warp_active) return;
+  const int64_t slot = a.split_kv ? static_cast<int64_t>(__ldg(a.merge_indptr + ctx.request)) + chunk
+                                  : 0;
+  if (a.split_kv && (slot < 0 || slot >= a.num_partial_slots)) return;
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    const int row = warp * 16 + (lane >> 2) + i2 * 8;
+    if (row >= tile_rows) continue;
+    const int r = ctx.qo_tile * kRowsPerCta + row;
+    const int token = r / group, qo_head = ctx.head * group + r % group;
+    const bool empty = !(row_sum[i2] > 0.f);
+    const float inv = empty ? 0.f : 1.f / row_sum[i2];
+    const float lse = empty ? -INFINITY : (row_max[i2] + log2f(row_sum[i2])) * kLn2;
+    if (a.split_kv) {
+      const int64_t idx = (slot * a.seqlen_q + token) * a.num_qo_heads + qo_head;
+      float* o = a.o_partial + idx * kHeadDim + (lane & 3) * 2;
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        *reinterpret_cast<float2*>(o + n * 8) =
+            make_float2(acc[n][i2 * 2] * inv, acc[n][i2 * 2 + 1] * inv);
+      }
+      if ((lane & 3) == 0) a.lse_partial[idx] = lse;
+    } else {
+      const int64_t idx =
+          (static_cast<int64_t>(ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head;
+      __nv_bfloat16* o = static_cast<__nv_bfloat16*>(a.out) + idx * kHeadDim + (lane & 3) * 2;
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        *reinterpret_cast<__nv_bfloat162*>(o + n * 8) =
+            __floats2bfloat162_rn(acc[n][i2 * 2] * inv, acc[n][i2 * 2 + 1] * inv);
+      }
+      if ((lane & 3) == 0 && a.lse != nullptr) a.lse[idx] = lse;
+    }
+  }
+}
+
+// Log-sum-exp combine of a request's partials: one warp per (query row, q head), 4 dims a lane.
+constexpr int kMergeWarps = 4;
+
+__global__ void __launch_bounds__(kMergeWarps * 32)
+    decode_merge_kernel(const DecodeAttentionArgs a) {
+  const int lane = threadIdx.x & 31;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kMergeWarps + (threadIdx.x >> 5);
+  const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
+  if (item >= total_q * a.num_qo_heads) return;
+  const int64_t q_row = item / a.num_qo_heads;
+  const int qo_head = static_cast<int>(item % a.num_qo_heads);
+  const int request = static_cast<int>(q_row / a.seqlen_q);
+  const int token = static_cast<int>(q_row % a.seqlen_q);
+  const int64_t begin = max(static_cast<int64_t>(__ldg(a.merge_indptr + request)), int64_t{0});
+  const int64_t end =
+      min(static_cast<int64_t>(__ldg(a.merge_indptr + request + 1)), a.num_partial_slots);
+  auto lse_index = [&](int64_t p) { return (p * a.seqlen_q + token) * a.num_qo_heads + qo_head; };
+  float max_lse = -INFINITY;
+  for (int64_t p = begin; p < end; ++p) max_lse = fmaxf(max_lse, a.lse_partial[lse_index(p)]);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float weight_sum = 0.f;
+  if (max_lse != -INFINITY) {
+    for (int64_t p = begin; p < end; ++p) {
+      const float lse = a.lse_partial[lse_index(p)];
+      if (lse == -INFINITY) continue;
+      const float w = __expf(lse - max_lse);
+      const float4 o = *reinterpret_cast<const float4*>(a.o_partial + lse_index(p) * kHeadDim +
+                                                        lane * 4);
+      acc.x += w * o.x;
+      acc.y += w * o.y;
+      acc.z += w * o.z;
+      acc.w += w * o.w;
+      weight_sum += w;
+    }
+  }
+  const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
+  const int64_t out_index = q_row * a.num_qo_heads + qo_head;
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + out_index * kHeadDim + lane * 4;
+  *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+  *reinterpret_cast<__nv_bfloat162*>(out + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+  if (lane == 0 && a.lse != nullptr) {
+    a.lse[out_index] = weight_sum > 0.f ? max_lse + logf(weight_sum) : -INFINITY;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream) {
+  if (args.num_work <= 0 || args.num_kv_heads <= 0) return cudaSuccess;
+  MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      decode_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  const dim3 grid(static_cast<unsigned>(args.num_work), static_cast<unsigned>(args.num_kv_heads));
+  decode_attention_kernel<<<grid, kThreads, kSmemBytes, stream>>>(args);
+  MSA_RETURN_IF_ERROR(cudaGetLastError());
+  if (args.split_kv) {
+    const int64_t items = static_cast<int64_t>(args.batch) * args.seqlen_q * args.num_qo_heads;
+    decode_merge_kernel<<<detail::grid_for(items, kMergeWarps), kMergeWarps * 32, 0, stream>>>(
+        args);
+    MSA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  return cudaSuccess;
+}
+
+}  // namespace msa

@@ -1,0 +1,73 @@
+"""Native paged decode attention (csrc/decode_attention.cu), registered as
+("sparse_decode_atten", "sm90").
+
+One CUDA launch per call (plus a merge launch when the schedule splits KV): a CTA per
+(work item of the :class:`~msa.src.sm100.decode_schedule.DecodeSchedule`, KV head) streams its
+chunk's K/V pages once and serves every query row of that KV head (up to 128 rows per qo tile),
+with mma.sync bf16 tensor-core math; the merge pass combines the fp32 partials by log-sum-exp.
+Semantics are :mod:`msa.reference.decode` (dense, sparse via q2k, e4m3 P only when Q and K/V are
+e4m3). The launch reads only device tensors, never synchronizes and can be captured in a CUDA
+graph.
+
+Not in the default dispatch (``_native/__init__.py``) until its GPU test passes on the H200:
+``supports()`` refuses while ``VALIDATED`` is False unless ``MSA_UNVALIDATED_KERNELS=1``.
+Importing this module does not touch CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from .. import _backend
+
+try:
+    from .._ops import HAS_COMPILED_OPS, ops
+except ImportError:   # source tree: no compiled extension
+    ops, HAS_COMPILED_OPS = None, False
+
+OP_NAME = "sparse_decode_atten"
+# Flip to True only after tests/test_decode_gpu.py passes on the H200.
+VALIDATED = False
+UNVALIDATED_ENV = "MSA_UNVALIDATED_KERNELS"
+MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
+MAX_TOPK = 32
+
+
+def supports(*, seqlen_q=1, qhead_per_kv=1, topk=None, **_features) -> Optional[str]:
+    """None when the compiled kernel can serve a call with these features, else the reason."""
+    if not HAS_COMPILED_OPS or ops is None:
+        return "the compiled msa CUDA ops (_msa_cuda_*.so) are not built into this package"
+    if not hasattr(ops, "sparse_decode_attention"):
+        return "the compiled msa CUDA ops lack sparse_decode_attention"
+    if not VALIDATED and os.environ.get(UNVALIDATED_ENV) != "1":
+        return (f"the native decode kernel is not validated on a GPU yet (set "
+                f"{UNVALIDATED_ENV}=1 to use it anyway)")
+    if seqlen_q * qhead_per_kv > MAX_ROWS_PER_KV_HEAD:
+        return f"seqlen_q * G = {seqlen_q * qhead_per_kv} rows exceeds {MAX_ROWS_PER_KV_HEAD}"
+    if topk is not None and topk > MAX_TOPK:
+        return f"topK {topk} exceeds {MAX_TOPK}"
+    return None
+
+
+def run(call) -> None:
+    """Run one validated :class:`msa.decode.DecodeCall` on the GPU.
+
+    Needs ``call.schedule`` (and, when it splits KV, the fp32 workspaces ``call.o_partial``
+    [>= P, seqlen_q, Hq, 128] / ``call.lse_partial`` [>= P, seqlen_q, Hq]). Writes ``call.out``
+    [B * seqlen_q, Hq, 128] bf16 and, when not None, ``call.lse`` [B * seqlen_q, Hq] fp32 in
+    place; rows that see no key get O = 0 and LSE = -inf.
+    """
+    s = call.schedule
+    if s is None:
+        raise ValueError("schedule: the native decode kernel needs a DecodeSchedule")
+    split = bool(s.split_kv)
+    ops.sparse_decode_attention(
+        call.q, call.k, call.v, call.q2k_indices, call.page_table, call.seqused_k,
+        s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
+        call.o_partial if split else None, call.lse_partial if split else None,
+        call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
+        float(call.softmax_scale))
+
+
+_backend.register_native(OP_NAME, "sm90", run, supports)
