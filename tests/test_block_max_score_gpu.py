@@ -148,7 +148,8 @@ def test_block_max_scores_native_matches_float64(num_heads, paged, causal, seed,
         k_in = k.to(device)
         args = (q_dev, k_in, cu_q, cu_k)
 
-    monkeypatch.setenv("MSA_BACKEND", "native")       # raise instead of falling back
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")   # the kernel is gated until this passes       # raise instead of falling back
     got = msa.block_max_scores(*args, **kwargs)
     torch.cuda.synchronize()
     monkeypatch.delenv("MSA_BACKEND")
@@ -180,6 +181,7 @@ def test_block_max_scores_native_long_request_and_small_grid(num_heads, seed, mo
     cu_q, cu_k = cu_seqlens(q_lens, device), cu_seqlens(k_lens, device)
     tiles = -(-max(k_lens) // BLOCK)
     monkeypatch.setenv("MSA_BACKEND", "native")
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")   # the kernel is gated until this passes
     got = msa.block_max_scores(q, k, cu_q, cu_k, max_seqlen_q=1, max_seqlen_k=max(k_lens),
                                scale=1.0, causal=True, max_k_tiles=tiles)
     torch.cuda.synchronize()

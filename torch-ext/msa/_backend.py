@@ -5,6 +5,9 @@ GPU architecture family ("sm90", "sm100"). Each registration carries a ``support
 predicate that returns ``None`` when the kernel can serve the call, or a short reason when it
 cannot (a dtype it lacks, an artifact that is not built, ...).
 
+Kernels that are built but not yet proven on hardware stay refused by their ``supports`` through
+:func:`unvalidated_reason` until their GPU test passes (``MSA_UNVALIDATED_KERNELS=1`` opts in).
+
 ``MSA_BACKEND`` forces a choice: ``reference`` always runs the reference; ``native`` raises
 instead of falling back (useful in GPU tests); ``auto`` (default) picks native when it can.
 
@@ -98,6 +101,18 @@ def choose(op: str, device: torch.device, **call) -> Tuple[str, Optional[Callabl
     _log_once(op, REFERENCE, reason, device)
     _last_backend[op] = REFERENCE
     return REFERENCE, None
+
+
+UNVALIDATED_ENV = "MSA_UNVALIDATED_KERNELS"
+
+
+def unvalidated_reason(what: str, validated: bool) -> Optional[str]:
+    """The gate every compiled-but-not-yet-hardware-validated kernel passes through: None when
+    the kernel may serve calls (validated, or MSA_UNVALIDATED_KERNELS=1 as the GPU tests set),
+    else the reason it may not. A kernel is marked validated only after its GPU test passed."""
+    if validated or os.environ.get(UNVALIDATED_ENV) == "1":
+        return None
+    return f"{what} is compiled but not yet validated on hardware ({UNVALIDATED_ENV}=1 serves it)"
 
 
 def last_backend(op: str) -> Optional[str]:

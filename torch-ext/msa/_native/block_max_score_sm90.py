@@ -11,9 +11,9 @@ Served: bf16 q_idx and k_idx, H in {1, 2, 4, 8} index heads against ONE shared i
 (Hk = 1, as in MSA), dense or paged (page size 128) keys, causal or not, any qo_offset.
 Everything else (fp8, Hk > 1, fp32) falls back to the reference through ``supports``.
 
-NOT imported by ``msa._native.__init__`` on purpose: a kernel enters the default dispatch only
-after it has passed on hardware. Until then the GPU test (tests/test_block_max_score_gpu.py)
-imports this module explicitly, which registers it with ``msa._backend``.
+Gated like every kernel not yet proven on hardware: ``supports`` refuses while ``VALIDATED`` is
+False unless ``MSA_UNVALIDATED_KERNELS=1`` (tests/test_block_max_score_gpu.py sets it). Flip
+``VALIDATED`` only after that test passes on an H200.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from . import cute_runtime
 KEY_TILE = 128
 TILE_ROWS = 256                 # (query, head) rows per CTA; must match the kernel's TILE_M
 SUPPORTED_HEADS = (1, 2, 4, 8)
+VALIDATED = False
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16"}
 _INT32_MAX = 2 ** 31 - 1
 # Causal offsets are clamped to +-2^30: beyond that every key (or none) is visible anyway, and
@@ -46,6 +47,9 @@ def variant_name(num_heads: int, paged: bool, dtype: torch.dtype = torch.bfloat1
 def supports(*, q_dtype=None, k_dtype=None, paged=False, causal=True, num_heads=None,
              num_k_heads=None, **_ignored) -> Optional[str]:
     """None if the native kernel serves a call with these features, else the reason."""
+    gate = _backend.unvalidated_reason("the sm90 block max-score kernel", VALIDATED)
+    if gate is not None:
+        return gate
     if q_dtype != torch.bfloat16 or k_dtype != torch.bfloat16:
         return f"q_idx/k_idx dtypes {q_dtype}/{k_dtype}: only bf16/bf16 is native on sm90 yet"
     if num_k_heads != 1:

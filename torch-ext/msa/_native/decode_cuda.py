@@ -9,14 +9,13 @@ Semantics are :mod:`msa.reference.decode` (dense, sparse via q2k, e4m3 P only wh
 e4m3). The launch reads only device tensors, never synchronizes and can be captured in a CUDA
 graph.
 
-Not in the default dispatch (``_native/__init__.py``) until its GPU test passes on the H200:
-``supports()`` refuses while ``VALIDATED`` is False unless ``MSA_UNVALIDATED_KERNELS=1``.
+Gated until its GPU test (tests/test_decode_gpu.py) passes on the H200: ``supports()`` refuses
+while ``VALIDATED`` is False unless ``MSA_UNVALIDATED_KERNELS=1``.
 Importing this module does not touch CUDA.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 from .. import _backend
@@ -29,7 +28,7 @@ except ImportError:   # source tree: no compiled extension
 OP_NAME = "sparse_decode_atten"
 # Flip to True only after tests/test_decode_gpu.py passes on the H200.
 VALIDATED = False
-UNVALIDATED_ENV = "MSA_UNVALIDATED_KERNELS"
+UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
@@ -40,9 +39,9 @@ def supports(*, seqlen_q=1, qhead_per_kv=1, topk=None, **_features) -> Optional[
         return "the compiled msa CUDA ops (_msa_cuda_*.so) are not built into this package"
     if not hasattr(ops, "sparse_decode_attention"):
         return "the compiled msa CUDA ops lack sparse_decode_attention"
-    if not VALIDATED and os.environ.get(UNVALIDATED_ENV) != "1":
-        return (f"the native decode kernel is not validated on a GPU yet (set "
-                f"{UNVALIDATED_ENV}=1 to use it anyway)")
+    gate = _backend.unvalidated_reason("the sm90 decode kernel", VALIDATED)
+    if gate is not None:
+        return gate
     if seqlen_q * qhead_per_kv > MAX_ROWS_PER_KV_HEAD:
         return f"seqlen_q * G = {seqlen_q * qhead_per_kv} rows exceeds {MAX_ROWS_PER_KV_HEAD}"
     if topk is not None and topk > MAX_TOPK:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-import os
 
 import torch
 
@@ -44,7 +43,7 @@ _FP8 = torch.float8_e4m3fn
 # FP8 modes proven correct on hardware (GPU test passed on an H200). Empty: every FP8 mode is
 # compiled and shipped but refused by supports() unless MSA_UNVALIDATED_KERNELS=1.
 VALIDATED_FP8_MODES: set = set()
-UNVALIDATED_ENV = "MSA_UNVALIDATED_KERNELS"
+UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
 
 
 def attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype) -> Optional[str]:
@@ -83,9 +82,9 @@ def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=F
         return (f"q/k/v dtypes {q_dtype}/{k_dtype}/{v_dtype} with pv_dtype {pv_dtype}: "
                 "not native on sm90")
     if mode != "bfloat16":
-        if mode not in VALIDATED_FP8_MODES and os.environ.get(UNVALIDATED_ENV) != "1":
-            return (f"FP8 mode {mode} is compiled but not validated on hardware yet "
-                    f"(VALIDATED_FP8_MODES; {UNVALIDATED_ENV}=1 serves it anyway)")
+        gate = _backend.unvalidated_reason(f"FP8 mode {mode}", mode in VALIDATED_FP8_MODES)
+        if gate is not None:
+            return gate
         if partial_dtype != torch.bfloat16:
             return (f"partial_dtype {partial_dtype}: FP8 modes are native with bfloat16 "
                     "partials only")
