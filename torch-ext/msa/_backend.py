@@ -112,7 +112,8 @@ def unvalidated_reason(what: str, validated: bool) -> Optional[str]:
     else the reason it may not. A kernel is marked validated only after its GPU test passed."""
     if validated or os.environ.get(UNVALIDATED_ENV) == "1":
         return None
-    return f"{what} is compiled but not yet validated on hardware ({UNVALIDATED_ENV}=1 serves it)"
+    return (f"{what} is compiled but not validated on hardware yet "
+            f"({UNVALIDATED_ENV}=1 serves it)")
 
 
 def last_backend(op: str) -> Optional[str]:
