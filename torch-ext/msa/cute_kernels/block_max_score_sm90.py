@@ -55,7 +55,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .tile_utils import quad_max, wgmma_rows_cols_view
+from .tile_utils import quad_max, warpgroup_gemm, wgmma_rows_cols_view
 
 HEAD_DIM = 128
 BLOCK_N = 128            # keys per tile (= page size)
@@ -224,15 +224,7 @@ class BlockMaxScoreSm90:
                     # ---- S = Q K^T (SS wgmma chain) -------------------------------------------
                     acc_s = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
                     tSrK_stage = tSrK[None, None, None, stage]
-                    warpgroup.fence()
-                    qk_atom = cute.make_mma_atom(mma.op)
-                    qk_atom.set(warpgroup.Field.ACCUMULATE, False)
-                    for kk in cutlass.range_constexpr(cute.size(tSrQ_mine.shape[2])):
-                        cute.gemm(qk_atom, acc_s, tSrQ_mine[None, None, kk],
-                                  tSrK_stage[None, None, kk], acc_s)
-                        qk_atom.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
+                    warpgroup_gemm(mma, acc_s, tSrQ_mine, tSrK_stage)
 
                     # ---- row max over the tile's visible keys ---------------------------------
                     key0 = t * BLOCK_N

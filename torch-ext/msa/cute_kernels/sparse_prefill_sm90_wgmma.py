@@ -40,7 +40,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LN_2, LOCAL_QUERY_MASK, LOG2_E, Q_STAGES,
                                   ROWS_PER_WARP, SLOT_SHIFT, SparsePrefillSm90)
-from .tile_utils import (quad_max, quad_sum, wgmma_accumulator_as_operand_a,
+from .tile_utils import (quad_max, quad_sum, warpgroup_gemm, wgmma_accumulator_as_operand_a,
                          wgmma_rows_cols_view)
 
 TILE_M = 64            # one warpgroup MMA row block
@@ -326,15 +326,7 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                 # ---- S = Q K^T (SS wgmma) ------------------------------------------------------
                 acc_s = cute.make_rmem_tensor(acc_s_shape, cutlass.Float32)
                 tSrQ_stage = tSrQ[None, None, None, stage]
-                warpgroup.fence()
-                qk_atom = cute.make_mma_atom(mma_qk.op)
-                qk_atom.set(warpgroup.Field.ACCUMULATE, False)
-                for kk in cutlass.range_constexpr(cute.size(tSrQ_stage.shape[2])):
-                    cute.gemm(qk_atom, acc_s, tSrQ_stage[None, None, kk], tSrK[None, None, kk],
-                              acc_s)
-                    qk_atom.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                warpgroup_gemm(mma_qk, acc_s, tSrQ_stage, tSrK)
 
                 # ---- mask + single-block softmax ---------------------------------------------
                 s_rc = wgmma_rows_cols_view(acc_s)
@@ -390,30 +382,14 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                     # Every warp's P rows feed the warpgroup MMA: generic -> async proxy.
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.sync_threads()
-                    warpgroup.fence()
-                    pv_atom8 = cute.make_mma_atom(mma_pv.op)
-                    pv_atom8.set(warpgroup.Field.ACCUMULATE, False)
-                    for kk in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-                        cute.gemm(pv_atom8, acc_o, tOrP[None, None, kk], tOrVt[None, None, kk],
-                                  acc_o)
-                        pv_atom8.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
+                    warpgroup_gemm(mma_pv, acc_o, tOrP, tOrVt)
                 else:
                     # ---- O = P V (RS wgmma, P in registers) ------------------------------------
                     r_p = cute.make_fragment_like(acc_s, self.pv_dtype)
                     r_p.store(acc_s.load().to(self.pv_dtype))
                     t_p = wgmma_accumulator_as_operand_a(r_p)
                     acc_o = cute.make_rmem_tensor(acc_o_shape, cutlass.Float32)
-                    warpgroup.fence()
-                    pv_atom = cute.make_mma_atom(mma_pv.op)
-                    pv_atom.set(warpgroup.Field.ACCUMULATE, False)
-                    for kk in cutlass.range_constexpr(cute.size(t_p.shape[2])):
-                        cute.gemm(pv_atom, acc_o, t_p[None, None, kk], tOrVt[None, None, kk],
-                                  acc_o)
-                        pv_atom.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
+                    warpgroup_gemm(mma_pv, acc_o, t_p, tOrVt)
 
                 # ---- normalize, stage in this warp's Q rows, write whole partial rows ----------
                 o_rc = wgmma_rows_cols_view(acc_o)

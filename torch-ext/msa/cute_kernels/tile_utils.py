@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.nvgpu import warpgroup
 
 
 def rows_cols_view(acc: cute.Tensor) -> cute.Tensor:
@@ -66,6 +67,21 @@ def warp_sum(value: cutlass.Float32) -> cutlass.Float32:
     for offset in cutlass.range_constexpr(5):
         value = value + cute.arch.shuffle_sync_bfly(value, offset=16 >> offset)
     return value
+
+
+def warpgroup_gemm(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor) -> None:
+    """acc = A B with one warpgroup-MMA chain over A's K slices (the first slice overwrites acc),
+    issued and waited for. A is a register or smem fragment, B an smem fragment, both
+    (MMA, M or N, K)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, False)
+    # A plain Python loop unrolls at trace time (this helper is not preprocessed by cute.jit).
+    for kk in range(cute.size(a.shape[2])):
+        cute.gemm(atom, acc, a[None, None, kk], b[None, None, kk], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
 
 
 def wgmma_rows_cols_view(acc: cute.Tensor) -> cute.Tensor:
