@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Fingerprint the sm_90a PTX of every shipped CuTe-DSL variant (no GPU needed).
+
+Refactors of kernel code that cannot be re-run on a GPU right away are proven no-ops this way:
+
+    python tools/ptx_fingerprint.py before.json     # on the old code
+    python tools/ptx_fingerprint.py after.json --compare before.json
+
+Source-location lines (.loc / .file) are ignored, so moving code between files does not count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "torch-ext"))
+
+import compile_cute  # noqa: E402,F401  (selects sm_90a for the DSL, like the real build)
+from msa.cute_kernels.build import compile_variant  # noqa: E402
+from msa.cute_kernels.variants import shipped_variants  # noqa: E402
+
+
+def fingerprint(variant) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        compile_variant(variant, dump_dir=tmp)
+        ptx = sorted(Path(tmp).glob("*.ptx"))[0].read_text()
+    body = "\n".join(line for line in ptx.splitlines()
+                     if not re.match(r"\s*\.(loc|file)\b", line))
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="JSON file: variant name -> PTX fingerprint")
+    ap.add_argument("--compare", metavar="JSON", help="fail unless every fingerprint matches")
+    args = ap.parse_args()
+    prints = {}
+    for variant in shipped_variants():
+        prints[variant.name] = fingerprint(variant)
+        print(f"{variant.name:<52} {prints[variant.name]}", flush=True)
+    Path(args.out).write_text(json.dumps(prints, indent=1, sort_keys=True))
+    if args.compare:
+        old = json.loads(Path(args.compare).read_text())
+        changed = sorted(k for k in set(old) | set(prints) if old.get(k) != prints.get(k))
+        print(f"{len(prints)} variants, {len(changed)} changed" +
+              (f": {', '.join(changed)}" if changed else ""))
+        return 1 if changed else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
