@@ -2,7 +2,8 @@
 # One call on a GPU host (the H200 device machine): build the CUDA variant (csrc ops + the
 # precompiled CuTe kernels), run the GPU tests against that build, then the benchmarks.
 #
-#   bash tools/gpu_session.sh [ARTIFACTS_DIR] [tests|bench|all] [extra benchmark args...]
+#   bash tools/gpu_session.sh [ARTIFACTS_DIR] [tests|bench|all|none] [extra benchmark args...]
+#   MSA_GPU_TESTS="files"  MSA_PYTEST_ARGS="-k ..."  MSA_SANITIZE=1 (memcheck stage)
 #
 # Expects, carried from the dev machine (all git-ignored): .gpu-runtime/ (made by
 # shared/tools/gpu-runtime-bundle.sh: the CuTe-DSL runtime + apache-tvm-ffi), ARTIFACTS_DIR
@@ -33,14 +34,37 @@ VARIANT=$(ls -d build/torch*-cu*-x86_64-linux | head -1)
 echo "variant: $VARIANT"
 status=0
 
+if [ -n "${MSA_SANITIZE:-}" ]; then
+  # compute-sanitizer memcheck over a representative set of native calls
+  # (tools/sanitize_cases.py), in the background while the tests run.
+  echo "== compute-sanitizer memcheck (background)"
+  ( timeout ${MSA_SANITIZE_TIMEOUT:-400} compute-sanitizer --tool memcheck --error-exitcode 9 \
+      --print-limit 20 python3 tools/sanitize_cases.py "$PWD/$VARIANT" > "$OUT/sanitizer.log" 2>&1
+    echo "sanitizer exit $?" >> "$OUT/sanitizer.log" ) &
+  sanitizer_pid=$!
+fi
+
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
+  # One pytest process per test file, all at once: the float64 oracles are CPU-bound and the
+  # host has 16 cores, so files run side by side; their logs are joined into tests.log.
   echo "== GPU tests against $VARIANT"
-  MSA_TEST_PACKAGE_DIR=$PWD/$VARIANT MSA_EXPECT_NATIVE=1 timeout ${MSA_TEST_TIMEOUT:-420} python3 -m pytest -q \
-    -p no:cacheprovider ${MSA_GPU_TESTS:-tests/test_sparse_prefill_gpu.py \
-    tests/test_transformers_gpu.py tests/test_csrc_gpu.py tests/test_packaging.py} \
-    -k "not speed" -s > "$OUT/tests.log" 2>&1
-  status=$?
-  grep -E "backend|passed|failed|Error|error" "$OUT/tests.log" | tail -25
+  pids=()
+  for file in ${MSA_GPU_TESTS:-tests/test_sparse_prefill_gpu.py tests/test_transformers_gpu.py \
+      tests/test_csrc_gpu.py tests/test_packaging.py}; do
+    log=/tmp/msa-tests-$(basename "$file" .py).log
+    MSA_TEST_PACKAGE_DIR=$PWD/$VARIANT MSA_EXPECT_NATIVE=1 timeout ${MSA_TEST_TIMEOUT:-420} \
+      python3 -m pytest -q -p no:cacheprovider "$file" ${MSA_PYTEST_ARGS:-} -s > "$log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  for log in /tmp/msa-tests-*.log; do echo "===== $log"; cat "$log"; done > "$OUT/tests.log"
+  grep -E "^=====|passed|failed|Error|error" "$OUT/tests.log" | tail -40
+fi
+
+if [ -n "${MSA_SANITIZE:-}" ]; then
+  wait "$sanitizer_pid"
+  echo "== sanitizer"; tail -12 "$OUT/sanitizer.log"
+  grep -q "sanitizer exit 0" "$OUT/sanitizer.log" || status=1
 fi
 
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then

@@ -1,0 +1,170 @@
+"""A representative set of native calls for `compute-sanitizer --tool memcheck` (GPU host).
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 tools/sanitize_cases.py build/<variant>
+
+Every native op runs at least once on small ragged inputs: build_k2q_csr (+ schedule), sparse
+prefill (bf16 dense/paged, fp32/bf16 partials, G = 1 and 16, each FP8 mode, the combine),
+sparse_topk_select (forced blocks, causal end, head reduce), block max-scores (dense/paged) and
+paged decode (dense/sparse, split and unsplit). Inputs include indices a caller may pass without
+host validation (the API never syncs to look at index values): q2k ids past the request's blocks
+or negative, page-table entries out of range, seqused_k larger than the table. Kernels must skip
+them, never touch memory outside their buffers. Unvalidated kernels are enabled here on purpose
+(MSA_UNVALIDATED_KERNELS=1): memcheck is part of their validation. MSA_BACKEND=native, so a
+silent fallback cannot hide a kernel from the sanitizer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ["MSA_UNVALIDATED_KERNELS"] = "1"
+os.environ["MSA_BACKEND"] = "native"
+sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tests"))
+from msa_loading import import_variant_as_msa  # noqa: E402
+
+msa = import_variant_as_msa(sys.argv[1])
+from msa import _backend  # noqa: E402
+from msa._native import block_max_score_sm90, decode_cuda  # noqa: E402,F401  (registers them)
+
+import test_sparse_prefill_gpu as prefill_cases  # noqa: E402
+import test_decode as decode_cases  # noqa: E402
+
+BLOCK = 128
+E4M3 = torch.float8_e4m3fn
+ran = []
+
+
+def expect_native(op):
+    torch.cuda.synchronize()
+    backend = _backend.last_backend(op)
+    assert backend == "sm90", f"{op} ran on {backend}"
+    ran.append(op)
+
+
+def sparse_prefill_cases(gen):
+    for g, paged, causal, partial, mode in (
+            (16, False, True, torch.bfloat16, "bf16"), (16, True, True, torch.float32, "bf16"),
+            (1, False, False, torch.float32, "bf16"), (1, True, False, torch.bfloat16, "bf16"),
+            (4, False, True, torch.bfloat16, "bf16_kv_e4m3"),
+            (8, True, True, torch.bfloat16, "e4m3_pv_bf16"), (2, False, False, torch.bfloat16, "e4m3")):
+        topk = 8
+        p = prefill_cases._make_problem(g, topk, paged, causal, gen, torch.device("cuda"))
+        q2k = p["q2k"]
+        # Garbage the API cannot see without a sync: ids past the request and negative ids.
+        q2k[0, 0, -1] = 1 << 20
+        q2k[-1, -1, 0] = -9
+        pv_dtype = None
+        if mode != "bf16":
+            p["k"], p["v"] = p["k"].to(E4M3), p["v"].to(E4M3)
+        if mode in ("e4m3_pv_bf16", "e4m3"):
+            p["q"] = p["q"].to(E4M3)
+            pv_dtype = torch.bfloat16 if mode == "e4m3_pv_bf16" else E4M3
+        if paged:
+            p["page_table"][0, -1] = 1 << 24          # past the pool, beyond seqused_k's pages
+        built = msa.build_k2q_csr(q2k, p["cu_q"], p["cu_k"], BLOCK, total_k=p["total_k"],
+                                  max_seqlen_k=p["max_k"], max_seqlen_q=p["max_q"],
+                                  qhead_per_kv=g, return_schedule=True)
+        expect_native("build_k2q_csr")
+        out, lse = msa.sparse_atten_func(
+            p["q"], p["k"], p["v"], built[0], built[1], topk, cu_seqlens_q=p["cu_q"],
+            cu_seqlens_k=p["cu_k"], max_seqlen_q=p["max_q"], max_seqlen_k=p["max_k"],
+            causal=causal, softmax_scale=0.1, partial_dtype=partial, return_softmax_lse=True,
+            page_table=p["page_table"], seqused_k=p["seqused_k"], schedule=built[2],
+            pv_dtype=pv_dtype)
+        expect_native("sparse_atten")
+        assert not torch.isnan(out).any()
+        print(f"sparse prefill {mode} G={g} paged={paged} causal={causal} partial={partial}: ok")
+
+
+def topk_cases(gen):
+    h, tiles, rows = 4, 300, 777
+    scores = torch.randn(h, tiles, rows, generator=gen).cuda()
+    scores[:, 200:, :5] = -float("inf")
+    end = torch.randint(0, tiles, (rows,), generator=gen, dtype=torch.int32).cuda()
+    for kw in (dict(), dict(force_begin_blocks=1, force_end_blocks=2, causal_end_block=end),
+               dict(head_reduce="max", num_out_heads=1)):
+        msa.sparse_topk_select(scores, 16, **kw)
+        expect_native("sparse_topk_select")
+    print("sparse_topk_select: ok")
+
+
+def block_max_cases(gen):
+    q_lens, k_lens = [700, 1, 333], [900, 129, 333]
+    for heads, paged in ((4, False), (4, True), (1, True)):
+        q = torch.randn(sum(q_lens), heads, 128, generator=gen).to(torch.bfloat16).cuda()
+        k = torch.randn(sum(k_lens), 1, 128, generator=gen).to(torch.bfloat16)
+        cu_q = torch.tensor([0, 700, 701, 1034], dtype=torch.int32).cuda()
+        cu_k = torch.tensor([0, 900, 1029, 1362], dtype=torch.int32).cuda()
+        kw = dict(max_seqlen_q=700, max_seqlen_k=900, scale=0.1, causal=True)
+        if paged:
+            pages, table = prefill_gen_pages(k, k_lens, gen)
+            table[1, -1] = -77                                   # junk past the request
+            msa.block_max_scores(q, pages, cu_q, cu_k, page_table=table,
+                                 seqused_k=torch.tensor(k_lens, dtype=torch.int32).cuda(), **kw)
+        else:
+            msa.block_max_scores(q, k.cuda(), cu_q, cu_k, **kw)
+        expect_native("block_max_scores")
+    print("block_max_scores: ok")
+
+
+def prefill_gen_pages(k, k_lens, gen):
+    n_pages = [-(-kl // BLOCK) for kl in k_lens]
+    pages = torch.randn(sum(n_pages) + 2, 1, BLOCK, 128, generator=gen).to(torch.bfloat16)
+    table = torch.full((len(k_lens), max(n_pages) + 1), 1 << 20, dtype=torch.int32)
+    used = start = 0
+    for b, (kl, npg) in enumerate(zip(k_lens, n_pages)):
+        for beta in range(npg):
+            n = min(BLOCK, kl - beta * BLOCK)
+            pages[used, 0, :n] = k[start + beta * BLOCK: start + beta * BLOCK + n, 0]
+            table[b, beta] = used
+            used += 1
+        start += kl
+    return pages.cuda(), table.cuda()
+
+
+def decode_run(lens, seqlen_q, group, dtypes, sparse, bad=False, **plan_kw):
+    hkv = 2
+    q_dtype, kv_dtype = decode_cases.DTYPES[dtypes]
+    q, k, v, table, seqused_k = decode_cases.make_batch(lens, seqlen_q, hkv, group, q_dtype,
+                                                         kv_dtype, device="cuda")
+    q2k = decode_cases.random_q2k(lens, seqlen_q, hkv, 8).cuda() if sparse else None
+    if bad:
+        table[0, -1] = 1 << 30
+        seqused_k = seqused_k.clone()
+        seqused_k[0] = 1 << 30
+        if q2k is not None:
+            q2k[0, 0, 0] = 1 << 30
+            q2k[1, 0, 1] = -5
+        plan_kw.setdefault("max_seqlen_k", 4096)
+    wrapper = msa.SparseDecodePagedAttentionWrapper()
+    wrapper.plan(page_table=table, seqused_k=seqused_k, seqlen_q=seqlen_q,
+                 max_seqlen_k=plan_kw.pop("max_seqlen_k", int(seqused_k.max()) + 1),
+                 q2k_indices=q2k, num_qo_heads=hkv * group, num_kv_heads=hkv, **plan_kw)
+    wrapper.run(q, k, v, return_softmax_lse=True)
+    expect_native("sparse_decode_atten")
+
+
+def decode_runs():
+    decode_run([1, 129, 1000, 77], 1, 16, "fp8", False, fixed_split_size=1)
+    decode_run([1, 129, 1000, 77], 4, 4, "bf16", True, disable_split_kv=True)
+    decode_run([3000, 0, 640], 16, 16, "bf16q_fp8kv", True)
+    decode_run([1000, 500], 2, 4, "bf16", True, bad=True, enable_cuda_graph=True)
+    decode_run([1000, 500], 2, 4, "fp8", False, bad=True, enable_cuda_graph=True)
+    print("decode: ok")
+
+
+if __name__ == "__main__":
+    generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    sparse_prefill_cases(generator)
+    topk_cases(generator)
+    block_max_cases(generator)
+    decode_runs()
+    print("ran natively:", sorted(set(ran)))
