@@ -16,7 +16,6 @@ causal TFLOP/s = 4 * D * Hq * N^2 / 2 / time. Peers are measured in the same run
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 from pathlib import Path
@@ -24,8 +23,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import git_commit, load_msa  # noqa: E402
+from _common import TsvWriter, load_msa  # noqa: E402
 HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
+COLUMNS = ("case", "lengths", "pattern", "dtype", "impl", "backend", "latency_ms", "eff_tflops",
+           "visible_pairs", "speedup_vs_flex")
 
 
 
@@ -60,6 +61,24 @@ def selection(n: int, pattern: str, gen: torch.Generator, device="cuda") -> torc
     if k < TOPK:
         idx = torch.cat([idx, idx.new_full((HKV, n, TOPK - k), -1)], -1)
     return idx.contiguous()
+
+
+E4M3 = torch.float8_e4m3fn
+DTYPE_MODES = {   # name -> (q, k, v) -> (q, k, v, pv_dtype)
+    "bf16": lambda q, k, v: (q, k, v, None),
+    "fp8": lambda q, k, v: (q.to(E4M3), k.to(E4M3), v.to(E4M3), E4M3),
+    "fp8_pv_bf16": lambda q, k, v: (q.to(E4M3), k.to(E4M3), v.to(E4M3), torch.bfloat16),
+    "bf16q_fp8kv": lambda q, k, v: (q, k.to(E4M3), v.to(E4M3), None),
+}
+
+
+def unvalidated_mode(msa, q, k, v, pv_dtype) -> bool:
+    """True when the native FP8 mode these dtypes select is still gated (run only because
+    --allow-unvalidated set MSA_UNVALIDATED_KERNELS)."""
+    from importlib import import_module
+    native = import_module(msa.__name__ + "._native.sparse_prefill_sm90")
+    mode = native.attention_mode(q.dtype, k.dtype, v.dtype, pv_dtype)
+    return mode not in ("bfloat16", None) and mode not in native.VALIDATED_FP8_MODES
 
 
 def visible_pairs(q2k: torch.Tensor) -> int:
@@ -131,19 +150,27 @@ def main():
     ap.add_argument("--varlen", default="32768,16384,8269,4396",
                     help="lengths of the varlen batch case ('' to skip)")
     ap.add_argument("--patterns", default="random,clustered")
-    ap.add_argument("--dtypes", default="bf16,fp8")
+    ap.add_argument("--dtypes", default="bf16,fp8_pv_bf16,bf16q_fp8kv,fp8",
+                    help="bf16; fp8 (e4m3 q/k/v, e4m3 P.V); fp8_pv_bf16 (e4m3 q/k/v, bf16 P.V); "
+                         "bf16q_fp8kv (bf16 q, e4m3 k/v)")
+    ap.add_argument("--allow-unvalidated", action="store_true",
+                    help="also time kernels still gated as unvalidated (backend column says so)")
     ap.add_argument("--peers", default="flex,cudnn")
     ap.add_argument("--out", default=None, help="TSV path (appended; header written if new)")
     ap.add_argument("--rep-ms", type=int, default=400)
     args = ap.parse_args()
 
+    if args.allow_unvalidated:
+        os.environ["MSA_UNVALIDATED_KERNELS"] = "1"
     msa = load_msa()
-    dev = torch.cuda.get_device_name()
-    commit, date = git_commit(), datetime.date.today().isoformat()
     gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
-    rows = []
-    header = ("gpu\tcommit\tdate\tcase\tlengths\tpattern\tdtype\timpl\tbackend\tlatency_ms\t"
-              "eff_tflops\tvisible_pairs\tspeedup_vs_flex")
+    tsv = TsvWriter(args.out, COLUMNS, torch.device("cuda"),
+                    formats={"eff_tflops": ".1f", "speedup_vs_flex": ".2f"})
+
+    def row(case, lens, pattern, dtype, impl, backend, ms, tflops, pairs, speedup):
+        tsv.write(case=case, lengths=lens, pattern=pattern, dtype=dtype, impl=impl,
+                  backend=backend, latency_ms=ms, eff_tflops=tflops, visible_pairs=pairs,
+                  speedup_vs_flex=speedup)
 
     cases = [("single", [int(s)]) for s in args.seqs.split(",") if s]
     if args.varlen:
@@ -169,18 +196,19 @@ def main():
                                                k[sl].transpose(0, 1).unsqueeze(0),
                                                v[sl].transpose(0, 1).unsqueeze(0), s))
                 flex_ms = bench(lambda: [r() for r in runs], args.rep_ms)
-                rows.append((case, lens, pattern, "bf16", "flex_attention", "triton", flex_ms,
-                             flops / flex_ms / 1e9, pairs, 1.0))
+                row(case, lens, pattern, "bf16", "flex_attention", "triton", flex_ms,
+                    flops / flex_ms / 1e9, pairs, 1.0)
             for dtype in args.dtypes.split(","):
-                dt = torch.bfloat16 if dtype == "bf16" else torch.float8_e4m3fn
-                qq, kk, vv = q.to(dt), k.to(dt), v.to(dt)
+                qq, kk, vv, pv_dtype = DTYPE_MODES[dtype](q, k, v)
                 kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
-                          max_seqlen_k=max(lens), causal=True)
+                          max_seqlen_k=max(lens), causal=True, pv_dtype=pv_dtype)
                 row_ptr, q_idx, sched = msa.build_k2q_csr(
                     q2k, cu, cu, 128, total_k=total, max_seqlen_k=max(lens),
                     max_seqlen_q=max(lens), qhead_per_kv=HQ // HKV, return_schedule=True)
                 msa.sparse_atten_func(qq, kk, vv, row_ptr, q_idx, TOPK, schedule=sched, **kw)
                 backend = msa._backend.last_backend("sparse_atten")
+                if backend != "reference" and unvalidated_mode(msa, qq, kk, vv, pv_dtype):
+                    backend += "-unvalidated"
                 if backend == "reference" and total > 8192:
                     print(f"skip msa {dtype} {case} {lens}: reference backend only", flush=True)
                     continue
@@ -194,8 +222,8 @@ def main():
                     return msa.sparse_atten_func(qq, kk, vv, rp, qi, TOPK, **kw)
                 full_ms = bench(full_call, args.rep_ms)
                 for impl, ms in (("msa_attention", attn_ms), ("msa_csr+attention", full_ms)):
-                    rows.append((case, lens, pattern, dtype, impl, backend, ms,
-                                 flops / ms / 1e9, pairs, (flex_ms / ms) if flex_ms else ""))
+                    row(case, lens, pattern, dtype, impl, backend, ms, flops / ms / 1e9, pairs,
+                        (flex_ms / ms) if flex_ms else None)
         if "cudnn" in args.peers:
             from torch.nn.attention import SDPBackend, sdpa_kernel
             ms_total = 0.0
@@ -210,23 +238,10 @@ def main():
                         qd, kd, vd, is_causal=True), args.rep_ms)
                 dense_flops += 4 * D * HQ * n * n // 2
                 del qd, kd, vd
-            rows.append((case, lens, "dense", "bf16", "cudnn_sdpa_causal", "cudnn", ms_total,
-                         dense_flops / ms_total / 1e9, "", ""))
+            row(case, lens, "dense", "bf16", "cudnn_sdpa_causal", "cudnn", ms_total,
+                dense_flops / ms_total / 1e9, None, None)
         torch.cuda.empty_cache()
 
-    lines = [header]
-    for case, lens, pattern, dtype, impl, backend, ms, tf, pairs, sp in rows:
-        sp = f"{sp:.2f}" if isinstance(sp, float) else sp
-        lines.append(f"{dev}\t{commit}\t{date}\t{case}\t{'+'.join(map(str, lens))}\t{pattern}\t"
-                     f"{dtype}\t{impl}\t{backend}\t{ms:.3f}\t{tf:.1f}\t{pairs}\t{sp}")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        path = Path(args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.exists()
-        with path.open("a") as f:
-            f.write(text + "\n" if new else "\n".join(lines[1:]) + "\n")
 
 
 if __name__ == "__main__":

@@ -222,7 +222,7 @@ def test_block_max_variant_compiles_for_sm90a_without_spills(tmp_path):
         os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
         from cute_kernels.build import compile_variant
         from cute_kernels.variants import by_name
-    except (ImportError, FileNotFoundError) as exc:   # runtime-only DSL install, no ptxas
+    except (ImportError, FileNotFoundError, RuntimeError) as exc:   # runtime-only DSL, no CTK
         pytest.skip(f"cannot compile CuTe kernels here: {exc}")
     compile_variant(by_name("block_max_score_sm90_bfloat16_h4_paged"), dump_dir=str(tmp_path))
     ptx = sorted(tmp_path.glob("*.ptx"))

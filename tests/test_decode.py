@@ -55,6 +55,7 @@ def oracle(q, k, v, table, seqused_k, seqlen_q, q2k=None, scale=None):
     """Float64: gather every visible key of each (query, KV head), then softmax."""
     q, k, v = q.cpu().double(), k.cpu().double(), v.cpu().double()
     table, lens = table.cpu().long(), seqused_k.cpu().long()
+    q2k = None if q2k is None else q2k.cpu()
     total_q, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv

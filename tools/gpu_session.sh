@@ -67,16 +67,25 @@ if [ -n "${MSA_SANITIZE:-}" ]; then
   grep -q "sanitizer exit 0" "$OUT/sanitizer.log" || status=1
 fi
 
+if [ -n "${MSA_EXTRA:-}" ]; then
+  # A one-off command with the session's environment (e.g. a diagnostic script); $VARIANT is set.
+  echo "== extra: $MSA_EXTRA"
+  VARIANT=$VARIANT timeout ${MSA_EXTRA_TIMEOUT:-120} bash -c "$MSA_EXTRA" > "$OUT/extra.log" 2>&1 \
+    || echo "extra exit $?" >> "$OUT/extra.log"
+  tail -30 "$OUT/extra.log"
+fi
+
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
+  # MSA_BENCHES picks the scripts (default: all four); extra arguments go to the sparse prefill
+  # benchmark, MSA_BENCH_EXTRA to the others ("--quick" for a short session).
   echo "== benchmarks"
-  MSA_PACKAGE_DIR=$PWD/$VARIANT MSA_COMMIT=${MSA_COMMIT:-unknown} timeout ${MSA_BENCH_TIMEOUT:-400} \
-    python3 benchmarks/bench_sparse_prefill.py --out "$OUT/sparse_prefill_h200.tsv" "$@" \
-    > "$OUT/bench.log" 2>&1 || status=1
-  tail -40 "$OUT/bench.log"
-  # The other benchmarks (issues 4 and 5); MSA_BENCH_EXTRA="--quick" for a short session.
-  for bench in indexer_topk msa_prefill_e2e decode; do
+  : > "$OUT/bench.log"
+  for bench in ${MSA_BENCHES:-sparse_prefill indexer_topk msa_prefill_e2e decode}; do
+    args=${MSA_BENCH_EXTRA:-}
+    [ "$bench" = sparse_prefill ] && args="$*"
+    echo "===== bench_$bench $args" >> "$OUT/bench.log"
     MSA_PACKAGE_DIR=$PWD/$VARIANT MSA_COMMIT=${MSA_COMMIT:-unknown} timeout ${MSA_BENCH_TIMEOUT:-400} \
-      python3 benchmarks/bench_$bench.py --out "$OUT/${bench}_h200.tsv" ${MSA_BENCH_EXTRA:-} \
+      python3 benchmarks/bench_$bench.py --out "$OUT/${bench}_h200.tsv" $args \
       > "$OUT/bench_$bench.tmp" 2>&1 || status=1
     tail -15 "$OUT/bench_$bench.tmp"
     cat "$OUT/bench_$bench.tmp" >> "$OUT/bench.log" && rm -f "$OUT/bench_$bench.tmp"
