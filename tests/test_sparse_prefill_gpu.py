@@ -19,7 +19,10 @@ on the same fp8 inputs, bf16_floor = max|bf16(O64) - O64| for the float64 model 
 rounding); LSE / LSE_T within 2e-3 (abs + rel) of the reference backend's. Because 0.125 is
 loose (a mis-laid-out V tile can stay under it), the test also checks the modeled error, as the
 bf16 test does: max|O - O64| <= 2 * max|O_model - O64| + 4e-3, O_model the fp32 reference with P
-rounded to the kernel's P.V dtype (bf16, or e4m3), bf16 partials, bf16 output.
+rounded to the kernel's P.V dtype (bf16, or e4m3), bf16 partials, bf16 output. In mode e4m3 the
+model bound must hold for all but 1e-4 of the elements: P values within float32 rounding of an
+e4m3 midpoint round one e4m3 ulp apart in kernel and model (diagnosed on the H200: the kernel
+equals the quantized model, and cuBLAS's FP8 product, except for such isolated rows).
 
 The schedule test at the bottom runs on CPU: the device-side schedule builder must equal the
 reference builder exactly.
@@ -282,7 +285,18 @@ def test_sparse_prefill_fp8_native_matches_reference(mode, g, paged, seed, monke
           f"max|O-O_ref|={err:.3e} max|O-O64|={err64:.3e} model {model_err:.3e} "
           f"bf16 floor {bf16_floor:.3e} (bound {bound:.3e})")
     assert err <= bound
-    assert err64 <= 2 * model_err + 4e-3, "beyond the modeled rounding error"
+    model_bound = 2 * model_err + 4e-3
+    if mode == "e4m3":
+        # P rounded to e4m3: where exp(s - m) lies within float32 rounding of an e4m3 midpoint,
+        # the kernel and the float64 model round it to neighbouring e4m3 values, one e4m3 ulp
+        # (2^-4 relative) apart, which moves that row's O by up to 2^-4 * p|v| / sum(p) (~1e-2).
+        # Such flips are rare (~1e-6 of the P elements); a layout or pipeline bug touches most
+        # elements. So: the contract bound above on the max, the model bound on all but 1e-4.
+        beyond = ((out.double() - o64).abs() > model_bound).double().mean().item()
+        print(f"  e4m3 P: fraction of O beyond the model bound {beyond:.2e}")
+        assert beyond <= 1e-4, "beyond the modeled rounding error (more than rare P flips)"
+    else:
+        assert err64 <= model_bound, "beyond the modeled rounding error"
     empty = torch.isinf(ref_lse.to(out.device))
     if empty.any():
         assert (out[empty] == 0).all(), "empty rows must give O = 0"

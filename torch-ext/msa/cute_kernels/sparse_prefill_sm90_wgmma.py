@@ -73,6 +73,8 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
         self.transpose_v = self.pv_dtype.width == 8
         # O is staged (bf16) in the Q rows only when the Q tile is 16-bit.
         self.stage_o_in_q = self.qk_dtype.width == 16
+        # 128-byte lines per Q row (2 for bf16, 1 for e4m3): the unit of the L2 prefetch.
+        self.q_lines_per_row = HEAD_DIM * self.qk_dtype.width // 8 // 128
 
     def _shared_storage(self, q_layout, k_layout, v_layout, p_layout, o_layout):
         """Shared-memory struct; the P and O tiles exist only in the modes that use them (fields
@@ -308,6 +310,12 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
             cute.arch.cp_async_commit_group()
             self._load_gather_entries(gather_entries, mQsplit, head_kv, entry0,
                                       self.queries_per_tile, q_count, tXcX)
+            # L2 prefetch two tiles ahead (no shared memory): thread t owns one 128-byte line
+            # of tile row t // lines_per_row. Its entry is loaded a tile before it is used, so
+            # the prefetch address never waits on a global load.
+            prefetch_row = tidx // self.q_lines_per_row
+            prefetch_entry = self._entry(mQsplit, head_kv, entry0, 2 * self.queries_per_tile,
+                                         q_count, prefetch_row)
             for tile in range(n_tiles):
                 stage = tile % Q_STAGES
                 cute.arch.cp_async_wait_group(0)
@@ -321,6 +329,12 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                                         row_stride0, tidx)
                     self._load_gather_entries(gather_entries, mQsplit, head_kv, entry0,
                                               (tile + 2) * self.queries_per_tile, q_count, tXcX)
+                    if tile + 2 < n_tiles:
+                        self._prefetch_q_line(mQ, prefetch_entry, prefetch_row, q_start, q_len,
+                                              head_kv, tidx)
+                        prefetch_entry = self._entry(mQsplit, head_kv, entry0,
+                                                     (tile + 3) * self.queries_per_tile,
+                                                     q_count, prefetch_row)
                 cute.arch.cp_async_commit_group()
 
                 # ---- S = Q K^T (SS wgmma) ------------------------------------------------------
@@ -431,6 +445,20 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                             mLsePartial[slot, q_abs, hq] = row_lse[i]
                             if want_lse_t != 0:
                                 mLseTPartial[slot, q_abs, hq] = row_lse_t[i]
+
+    @cute.jit
+    def _prefetch_q_line(self, mQ: cute.Tensor, packed: cutlass.Int32, row: cutlass.Int32,
+                         q_start: cutlass.Int32, q_len: cutlass.Int32, head_kv: cutlass.Int32,
+                         tidx: cutlass.Int32):
+        """prefetch.global.L2 of this thread's 128-byte line of Q tile row `row` (query
+        row // G, head row % G), when the row holds a query of the request."""
+        q_local = packed & LOCAL_QUERY_MASK
+        if row < TILE_M and packed >= 0 and q_local < q_len:
+            q_row = mQ[q_start + q_local, head_kv * self.group + row % self.group, None]
+            line = tidx % self.q_lines_per_row
+            elems_per_line = 1024 // self.qk_dtype.width
+            cute.arch.prefetch((q_row.iterator + line * elems_per_line).llvm_ptr,
+                               cache_level="L2")
 
     @cute.jit
     def _load_kv_through_registers(self, convert_load: cute.TiledCopy, tidx: cutlass.Int32,
