@@ -81,11 +81,12 @@ if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   echo "== benchmarks"
   : > "$OUT/bench.log"
   for bench in ${MSA_BENCHES:-sparse_prefill indexer_topk msa_prefill_e2e decode}; do
-    args=${MSA_BENCH_EXTRA:-}
-    [ "$bench" = sparse_prefill ] && args="$*"
-    echo "===== bench_$bench $args" >> "$OUT/bench.log"
+    # shellcheck disable=SC2206
+    args=(${MSA_BENCH_EXTRA:-})
+    [ "$bench" = sparse_prefill ] && args=("$@")
+    echo "===== bench_$bench ${args[*]}" >> "$OUT/bench.log"
     MSA_PACKAGE_DIR=$PWD/$VARIANT MSA_COMMIT=${MSA_COMMIT:-unknown} timeout ${MSA_BENCH_TIMEOUT:-400} \
-      python3 benchmarks/bench_$bench.py --out "$OUT/${bench}_h200.tsv" $args \
+      python3 benchmarks/bench_$bench.py --out "$OUT/${bench}_h200.tsv" "${args[@]}" \
       > "$OUT/bench_$bench.tmp" 2>&1 || status=1
     tail -15 "$OUT/bench_$bench.tmp"
     cat "$OUT/bench_$bench.tmp" >> "$OUT/bench.log" && rm -f "$OUT/bench_$bench.tmp"

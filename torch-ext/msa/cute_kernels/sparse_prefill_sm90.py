@@ -42,7 +42,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
-from .tile_utils import accumulator_as_operand_a, quad_max, quad_sum, rows_cols_view
+from .tile_utils import (accumulator_as_operand_a, mask_row_and_max, quad_max, quad_sum,
+                         rows_cols_view)
 
 HEAD_DIM = 128
 BLOCK_N = 128          # keys per KV block (= page size)
@@ -302,11 +303,7 @@ class SparsePrefillSm90:
                     if causal != 0:
                         visible_end = cutlass.min(visible_end,
                                                   (packed & LOCAL_QUERY_MASK) + causal_shift + 1)
-                    row_max = -cutlass.Float32.inf
-                    for j in cutlass.range_constexpr(n_my_cols):
-                        if tScS[0, j][1] >= visible_end:
-                            s_rc[i, j] = -cutlass.Float32.inf
-                        row_max = cute.arch.fmax(row_max, s_rc[i, j])
+                    row_max = mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end)
                     row_max = quad_max(row_max)
                     # Fully masked row: use 0 as the max so exp2 gives exact zeros, never NaN.
                     max_scaled = row_max * scale_log2

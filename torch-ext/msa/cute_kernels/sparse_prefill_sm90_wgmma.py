@@ -40,7 +40,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LN_2, LOCAL_QUERY_MASK, LOG2_E, Q_STAGES,
                                   ROWS_PER_WARP, SLOT_SHIFT, SparsePrefillSm90)
-from .tile_utils import (quad_max, quad_sum, warpgroup_gemm, wgmma_accumulator_as_operand_a,
+from .tile_utils import (mask_row_and_max, quad_max, quad_sum, warpgroup_gemm,
+                         wgmma_accumulator_as_operand_a,
                          wgmma_rows_cols_view)
 
 TILE_M = 64            # one warpgroup MMA row block
@@ -354,11 +355,7 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                     if causal != 0:
                         visible_end = cutlass.min(visible_end,
                                                   (packed & LOCAL_QUERY_MASK) + causal_shift + 1)
-                    row_max = -cutlass.Float32.inf
-                    for j in cutlass.range_constexpr(n_my_cols):
-                        if tScS[0, j][1] >= visible_end:
-                            s_rc[i, j] = -cutlass.Float32.inf
-                        row_max = cute.arch.fmax(row_max, s_rc[i, j])
+                    row_max = mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end)
                     row_max = quad_max(row_max)
                     max_scaled = row_max * scale_log2
                     if row_max == -cutlass.Float32.inf:
