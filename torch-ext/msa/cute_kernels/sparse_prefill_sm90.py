@@ -303,7 +303,7 @@ class SparsePrefillSm90:
                     if causal != 0:
                         visible_end = cutlass.min(visible_end,
                                                   (packed & LOCAL_QUERY_MASK) + causal_shift + 1)
-                    row_max = mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end)
+                    row_max = mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N)
                     row_max = quad_max(row_max)
                     # Fully masked row: use 0 as the max so exp2 gives exact zeros, never NaN.
                     max_scaled = row_max * scale_log2
@@ -360,28 +360,50 @@ class SparsePrefillSm90:
                 # Each warp reads back only the rows it wrote (the MMA gives warp w rows
                 # 16w..16w+15), so a warp barrier suffices.
                 cute.arch.sync_warp()
-                for m in cutlass.range_constexpr(cute.size(tWsO.shape[1])):
-                    r = warp_idx * rows_per_warp + tWcO[0, m, 0][0]
-                    packed = sEntry[r // self.group, stage]
-                    q_local = packed & LOCAL_QUERY_MASK
-                    if packed >= 0 and q_local < q_len:
-                        o_row = mOPartial[packed >> SLOT_SHIFT, q_start + q_local,
-                                          head_kv * self.group + r % self.group, None]
-                        gO = thr_store_o.partition_D(cute.make_tensor(o_row.iterator,
-                                                                      warp_row_stride0))
-                        cute.copy(store_o_copy, tWsO[None, m, None], gO[None, m, None])
-                if lane % 4 == 0:
-                    for i in cutlass.range_constexpr(n_my_rows):
-                        r = tScS[i, 0][0]
-                        packed = sEntry[r // self.group, stage]
-                        q_local = packed & LOCAL_QUERY_MASK
-                        if packed >= 0 and q_local < q_len:
-                            slot = packed >> SLOT_SHIFT
-                            q_abs = q_start + q_local
-                            hq = head_kv * self.group + r % self.group
-                            mLsePartial[slot, q_abs, hq] = row_lse[i]
-                            if want_lse_t != 0:
-                                mLseTPartial[slot, q_abs, hq] = row_lse_t[i]
+                self._write_partial_rows(tWsO, tWcO, warp_idx * rows_per_warp, tScS, n_my_rows,
+                                         row_lse, row_lse_t, want_lse_t, sEntry, stage,
+                                         q_start, q_len, head_kv, mOPartial, mLsePartial,
+                                         mLseTPartial, thr_store_o, store_o_copy,
+                                         warp_row_stride0, lane)
+
+    @cute.jit
+    def _write_partial_rows(self, tWsO: cute.Tensor, tWcO: cute.Tensor, warp_row0: cutlass.Int32,
+                            tScS: cute.Tensor, n_my_rows: cutlass.Constexpr,
+                            row_lse: cute.Tensor, row_lse_t: cute.Tensor,
+                            want_lse_t: cutlass.Int32, sEntry: cute.Tensor,
+                            stage: cutlass.Int32, q_start: cutlass.Int32, q_len: cutlass.Int32,
+                            head_kv: cutlass.Int32, mOPartial: cute.Tensor,
+                            mLsePartial: cute.Tensor, mLseTPartial: cute.Tensor,
+                            thr_store_o, store_o_copy: cute.TiledCopy,
+                            warp_row_stride0: cute.Layout, lane: cutlass.Int32):
+        """Write this warp's staged partial-O rows (tWsO: its slice of the shared O tile, rows
+        warp_row0 + tWcO) and the LSE / LSE_T of this thread's accumulator rows to slot
+        `packed >> SLOT_SHIFT` of their query; rows without a query of the request are skipped.
+        The shared reads come first and unconditionally (one vectorized fragment), so their
+        swizzled addresses are not recomputed inside each row's branch."""
+        r_out = cute.make_fragment_like(tWsO)
+        r_out.store(tWsO.load())
+        for m in cutlass.range_constexpr(cute.size(tWsO.shape[1])):
+            r = warp_row0 + tWcO[0, m, 0][0]
+            packed = sEntry[r // self.group, stage]
+            q_local = packed & LOCAL_QUERY_MASK
+            if packed >= 0 and q_local < q_len:
+                o_row = mOPartial[packed >> SLOT_SHIFT, q_start + q_local,
+                                  head_kv * self.group + r % self.group, None]
+                gO = thr_store_o.partition_D(cute.make_tensor(o_row.iterator, warp_row_stride0))
+                cute.copy(store_o_copy, r_out[None, m, None], gO[None, m, None])
+        if lane % 4 == 0:
+            for i in cutlass.range_constexpr(n_my_rows):
+                r = tScS[i, 0][0]
+                packed = sEntry[r // self.group, stage]
+                q_local = packed & LOCAL_QUERY_MASK
+                if packed >= 0 and q_local < q_len:
+                    slot = packed >> SLOT_SHIFT
+                    q_abs = q_start + q_local
+                    hq = head_kv * self.group + r % self.group
+                    mLsePartial[slot, q_abs, hq] = row_lse[i]
+                    if want_lse_t != 0:
+                        mLseTPartial[slot, q_abs, hq] = row_lse_t[i]
 
     @cute.jit
     def _load_gather_entries(self, entries: cute.Tensor, mQsplit: cute.Tensor,

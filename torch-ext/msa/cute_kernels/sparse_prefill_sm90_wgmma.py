@@ -39,7 +39,7 @@ import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LN_2, LOCAL_QUERY_MASK, LOG2_E, Q_STAGES,
-                                  ROWS_PER_WARP, SLOT_SHIFT, SparsePrefillSm90)
+                                  ROWS_PER_WARP, SparsePrefillSm90)
 from .tile_utils import (mask_row_and_max, quad_max, quad_sum, warpgroup_gemm,
                          wgmma_accumulator_as_operand_a,
                          wgmma_rows_cols_view)
@@ -355,7 +355,7 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                     if causal != 0:
                         visible_end = cutlass.min(visible_end,
                                                   (packed & LOCAL_QUERY_MASK) + causal_shift + 1)
-                    row_max = mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end)
+                    row_max = mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N)
                     row_max = quad_max(row_max)
                     max_scaled = row_max * scale_log2
                     if row_max == -cutlass.Float32.inf:
@@ -420,28 +420,11 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                 cute.arch.sync_warp()
                 tWsO = thr_store_o.partition_S(
                     cute.local_tile(sO, (ROWS_PER_WARP, HEAD_DIM), (warp_idx, 0)))
-                for m in cutlass.range_constexpr(cute.size(tWsO.shape[1])):
-                    r = warp_idx * ROWS_PER_WARP + tWcO[0, m, 0][0]
-                    packed = sEntry[r // self.group, stage]
-                    q_local = packed & LOCAL_QUERY_MASK
-                    if packed >= 0 and q_local < q_len:
-                        o_row = mOPartial[packed >> SLOT_SHIFT, q_start + q_local,
-                                          head_kv * self.group + r % self.group, None]
-                        gO = thr_store_o.partition_D(cute.make_tensor(o_row.iterator,
-                                                                      warp_row_stride0))
-                        cute.copy(store_o_copy, tWsO[None, m, None], gO[None, m, None])
-                if lane % 4 == 0:
-                    for i in cutlass.range_constexpr(n_my_rows):
-                        r = tScS[i, 0][0]
-                        packed = sEntry[r // self.group, stage]
-                        q_local = packed & LOCAL_QUERY_MASK
-                        if packed >= 0 and q_local < q_len:
-                            slot = packed >> SLOT_SHIFT
-                            q_abs = q_start + q_local
-                            hq = head_kv * self.group + r % self.group
-                            mLsePartial[slot, q_abs, hq] = row_lse[i]
-                            if want_lse_t != 0:
-                                mLseTPartial[slot, q_abs, hq] = row_lse_t[i]
+                self._write_partial_rows(tWsO, tWcO, warp_idx * ROWS_PER_WARP, tScS, n_my_rows,
+                                         row_lse, row_lse_t, want_lse_t, sEntry, stage,
+                                         q_start, q_len, head_kv, mOPartial, mLsePartial,
+                                         mLseTPartial, thr_store_o, store_o_copy,
+                                         warp_row_stride0, lane)
 
     @cute.jit
     def _prefetch_q_line(self, mQ: cute.Tensor, packed: cutlass.Int32, row: cutlass.Int32,
