@@ -49,17 +49,20 @@ def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
     assert ".target sm_90a" in text
     if "_e4m3_g" in name:
         # e4m3 S = QK^T (SS) and e4m3 O = PV (SS: P rounded to e4m3 in shared memory, V^T
-        # K-major): 4 k-steps each of m64n128k32; P rounded with cvt e4m3x2.
-        assert text.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 8
+        # K-major): 4 k-steps each of m64n128k32; P rounded with cvt e4m3x2. S is issued at two
+        # sites (tile 0 before the loop, tile t+1 inside it: the software pipeline).
+        assert text.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 12
         assert "cvt.rn.satfinite.e4m3x2.f32" in text
         assert "fence.proxy.async.shared::cta" in text
     elif "_e4m3_pv_bf16_" in name:
-        # e4m3 QK^T (4 k-steps of k32), V converted to bf16, bf16 RS P.V (8 k-steps of k16).
-        assert text.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 4
+        # e4m3 QK^T (4 k-steps of k32, two issue sites), V converted to bf16, bf16 RS P.V
+        # (8 k-steps of k16).
+        assert text.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 8
         assert text.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 8
     elif name.endswith("_pbf16") and os.environ.get("MSA_CUTE_MMA", "wgmma") != "warp":
-        # S = QK^T (SS) and O = PV (RS, V^T MN-major): 8 k-steps each of m64n128k16.
-        assert text.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 16
+        # S = QK^T (SS, two issue sites) and O = PV (RS, V^T MN-major): 8 k-steps each of
+        # m64n128k16.
+        assert text.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 24
         assert "fence.proxy.async.shared::cta" in text
     report = tools.ptxas_report(ptx[0])
     assert report["spill_bytes"] == 0, report

@@ -56,7 +56,8 @@ def _native_module():
 
 
 def _random_lengths(batch, gen, causal):
-    """k_len not a multiple of 128; q_len <= k_len (prefill / append)."""
+    """k_len not a multiple of 128; q_len <= k_len (prefill / append; causal: the first
+    request is decode-like, 1-2 new tokens, half of the time)."""
     k_lens, q_lens = [], []
     for _ in range(batch):
         k = int(torch.randint(700, 4200, (1,), generator=gen))
@@ -64,6 +65,8 @@ def _random_lengths(batch, gen, causal):
             k += 37
         q = int(torch.randint(1, k + 1, (1,), generator=gen)) if causal else \
             int(torch.randint(1, 1500, (1,), generator=gen))
+        if causal and len(q_lens) == 0 and int(torch.randint(0, 2, (1,), generator=gen)):
+            q = int(torch.randint(1, 3, (1,), generator=gen))   # decode-like: 1-2 new tokens
         k_lens.append(k)
         q_lens.append(q)
     return q_lens, k_lens

@@ -4,6 +4,7 @@
 #
 #   bash tools/gpu_session.sh [ARTIFACTS_DIR] [tests|bench|all|none] [extra benchmark args...]
 #   MSA_GPU_TESTS="files"  MSA_PYTEST_ARGS="-k ..."  MSA_SANITIZE=1 (memcheck stage)
+#   MSA_BENCH_IF_GREEN=1 (skip the benchmarks when a test failed)  MSA_EXTRA="cmd"
 #
 # Expects, carried from the dev machine (all git-ignored): .gpu-runtime/ (made by
 # shared/tools/gpu-runtime-bundle.sh: the CuTe-DSL runtime + apache-tvm-ffi), ARTIFACTS_DIR
@@ -75,7 +76,9 @@ if [ -n "${MSA_EXTRA:-}" ]; then
   tail -30 "$OUT/extra.log"
 fi
 
-if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
+if [ -n "${MSA_BENCH_IF_GREEN:-}" ] && [ $status -ne 0 ]; then
+  echo "== benchmarks skipped: the tests failed (MSA_BENCH_IF_GREEN)"
+elif [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   # MSA_BENCHES picks the scripts (default: all four); extra arguments go to the sparse prefill
   # benchmark, MSA_BENCH_EXTRA to the others ("--quick" for a short session).
   echo "== benchmarks"

@@ -41,6 +41,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LN_2, LOCAL_QUERY_MASK, LOG2_E, Q_STAGES,
                                   ROWS_PER_WARP, SparsePrefillSm90)
 from .tile_utils import (mask_row_and_max, quad_max, quad_sum, warpgroup_gemm,
+                         warpgroup_gemm_issue,
                          wgmma_accumulator_as_operand_a,
                          wgmma_rows_cols_view)
 
@@ -317,31 +318,32 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
             prefetch_row = tidx // self.q_lines_per_row
             prefetch_entry = self._entry(mQsplit, head_kv, entry0, 2 * self.queries_per_tile,
                                          q_count, prefetch_row)
+            # Software pipeline over query tiles: S(t+1) = Q(t+1) K^T is issued before tile t's
+            # epilogue (normalize, stage, store), so the tensor core works while the warps
+            # write partials. Q(t+2) is gathered into tile t's stage once its staged O rows
+            # are stored.
+            acc_s = cute.make_rmem_tensor(acc_s_shape, cutlass.Float32)
+            cute.arch.cp_async_wait_group(0)
+            # cp.async and st.shared are generic-proxy writes; wgmma reads through the
+            # async proxy.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            if n_tiles > 1:
+                self._gather_q_tile(gather_entries, sQ_stages, sEntry, 1, thr_copy, gather_copy,
+                                    tXcX, mQ, q_start, q_len, head_kv, row_stride0, tidx)
+                self._load_gather_entries(gather_entries, mQsplit, head_kv, entry0,
+                                          2 * self.queries_per_tile, q_count, tXcX)
+                if n_tiles > 2:
+                    self._prefetch_q_line(mQ, prefetch_entry, prefetch_row, q_start, q_len,
+                                          head_kv, tidx)
+                    prefetch_entry = self._entry(mQsplit, head_kv, entry0,
+                                                 3 * self.queries_per_tile, q_count,
+                                                 prefetch_row)
+            cute.arch.cp_async_commit_group()
+            warpgroup_gemm_issue(mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK)
             for tile in range(n_tiles):
                 stage = tile % Q_STAGES
-                cute.arch.cp_async_wait_group(0)
-                # cp.async and st.shared are generic-proxy writes; wgmma reads through the
-                # async proxy.
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.sync_threads()
-                if tile + 1 < n_tiles:
-                    self._gather_q_tile(gather_entries, sQ_stages, sEntry, 1 - stage, thr_copy,
-                                        gather_copy, tXcX, mQ, q_start, q_len, head_kv,
-                                        row_stride0, tidx)
-                    self._load_gather_entries(gather_entries, mQsplit, head_kv, entry0,
-                                              (tile + 2) * self.queries_per_tile, q_count, tXcX)
-                    if tile + 2 < n_tiles:
-                        self._prefetch_q_line(mQ, prefetch_entry, prefetch_row, q_start, q_len,
-                                              head_kv, tidx)
-                        prefetch_entry = self._entry(mQsplit, head_kv, entry0,
-                                                     (tile + 3) * self.queries_per_tile,
-                                                     q_count, prefetch_row)
-                cute.arch.cp_async_commit_group()
-
-                # ---- S = Q K^T (SS wgmma) ------------------------------------------------------
-                acc_s = cute.make_rmem_tensor(acc_s_shape, cutlass.Float32)
-                tSrQ_stage = tSrQ[None, None, None, stage]
-                warpgroup_gemm(mma_qk, acc_s, tSrQ_stage, tSrK)
+                warpgroup.wait_group(0)                      # S(tile) = Q K^T is in acc_s
 
                 # ---- mask + single-block softmax ---------------------------------------------
                 s_rc = wgmma_rows_cols_view(acc_s)
@@ -402,6 +404,14 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                     acc_o = cute.make_rmem_tensor(acc_o_shape, cutlass.Float32)
                     warpgroup_gemm(mma_pv, acc_o, t_p, tOrVt)
 
+                # ---- issue S(tile + 1) while this tile's partials are written --------------
+                if tile + 1 < n_tiles:
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.sync_threads()
+                    warpgroup_gemm_issue(mma_qk, acc_s, tSrQ[None, None, None, 1 - stage],
+                                         tSrK)
+
                 # ---- normalize, stage in this warp's Q rows, write whole partial rows ----------
                 o_rc = wgmma_rows_cols_view(acc_o)
                 for i in cutlass.range_constexpr(n_my_rows):
@@ -425,6 +435,23 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                                          q_start, q_len, head_kv, mOPartial, mLsePartial,
                                          mLseTPartial, thr_store_o, store_o_copy,
                                          warp_row_stride0, lane)
+
+                # ---- gather Q(tile + 2) into this tile's stage -------------------------------
+                if tile + 2 < n_tiles:
+                    cute.arch.sync_threads()          # every warp has stored its staged O rows
+                    self._gather_q_tile(gather_entries, sQ_stages, sEntry, stage, thr_copy,
+                                        gather_copy, tXcX, mQ, q_start, q_len, head_kv,
+                                        row_stride0, tidx)
+                    self._load_gather_entries(gather_entries, mQsplit, head_kv, entry0,
+                                              (tile + 3) * self.queries_per_tile, q_count, tXcX)
+                    if tile + 3 < n_tiles:
+                        self._prefetch_q_line(mQ, prefetch_entry, prefetch_row, q_start, q_len,
+                                              head_kv, tidx)
+                        prefetch_entry = self._entry(mQsplit, head_kv, entry0,
+                                                     (tile + 4) * self.queries_per_tile,
+                                                     q_count, prefetch_row)
+                cute.arch.cp_async_commit_group()
+            warpgroup.wait_group(0)          # no tile (q_count == 0): S(0) was still issued
 
     @cute.jit
     def _prefetch_q_line(self, mQ: cute.Tensor, packed: cutlass.Int32, row: cutlass.Int32,

@@ -91,10 +91,10 @@ def warp_sum(value: cutlass.Float32) -> cutlass.Float32:
     return value
 
 
-def warpgroup_gemm(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor) -> None:
-    """acc = A B with one warpgroup-MMA chain over A's K slices (the first slice overwrites acc),
-    issued and waited for. A is a register or smem fragment, B an smem fragment, both
-    (MMA, M or N, K)."""
+def warpgroup_gemm_issue(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor) -> None:
+    """Issue acc = A B as one warpgroup-MMA chain over A's K slices (the first slice overwrites
+    acc) and commit it as one group; acc must not be touched until warpgroup.wait_group. A is a
+    register or smem fragment, B an smem fragment, both (MMA, M or N, K)."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, False)
@@ -103,6 +103,11 @@ def warpgroup_gemm(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor) 
         cute.gemm(atom, acc, a[None, None, kk], b[None, None, kk], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
+
+
+def warpgroup_gemm(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor) -> None:
+    """acc = A B (warpgroup_gemm_issue), waited for."""
+    warpgroup_gemm_issue(tiled_mma, acc, a, b)
     warpgroup.wait_group(0)
 
 
