@@ -84,8 +84,11 @@ def run(call) -> torch.Tensor:
     if out.numel() > _INT32_MAX or k.numel() > _INT32_MAX or q.numel() > _INT32_MAX:
         # The kernel indexes with 32-bit element offsets (upstream disables max-score output
         # past 2^31 elements too).
-        raise NotImplementedError(f"max_k_tiles: the sm90 kernel needs H * max_k_tiles * total_q "
-                                  f"= {out.numel()} and the q_idx/k_idx sizes below 2^31")
+        sizes = {"max_score (H * max_k_tiles * total_q)": out.numel(), "k_idx": k.numel(),
+                 "q_idx": q.numel()}
+        over = ", ".join(f"{name} = {n}" for name, n in sizes.items() if n > _INT32_MAX)
+        raise NotImplementedError(f"block_max_scores: the sm90 kernel indexes with 32-bit "
+                                  f"element offsets; {over} is 2^31 or more")
     cu_q = call.cu_seqlens_q
     batch = cu_q.numel() - 1
     q_lens = cu_q[1:] - cu_q[:-1]
