@@ -192,6 +192,97 @@ def test_block_max_scores_native_long_request_and_small_grid(num_heads, seed, mo
     _check(got, want, 1.0)
 
 
+E4M3_CASES = [(h, paged, causal) for h in (1, 4, 8) for paged in (False, True)
+              for causal in (False, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("num_heads,paged,causal", E4M3_CASES)
+def test_block_max_scores_e4m3_native_matches_float64(num_heads, paged, causal, seed,
+                                                      monkeypatch):
+    """e4m3 q_idx / k_idx (the fp8 indexer): the reference computes on the same e4m3 values in
+    float64, so only the kernel's fp32 accumulation differs; same bound as bf16."""
+    native = _native_module()
+    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    case = E4M3_CASES.index((num_heads, paged, causal))
+    gen = torch.Generator().manual_seed(seed)
+    device = torch.device("cuda")
+    q_lens, k_lens = _random_lengths(gen, causal)
+    e4m3 = torch.float8_e4m3fn
+    q = (2 * torch.randn(sum(q_lens), num_heads, HEAD_DIM, generator=gen)).to(e4m3)
+    k = (2 * torch.randn(sum(k_lens), 1, HEAD_DIM, generator=gen)).to(torch.bfloat16)
+    cu_q, cu_k = cu_seqlens(q_lens, device), cu_seqlens(k_lens, device)
+    scale = (1.0, HEAD_DIM ** -0.5)[case % 2]
+    kwargs = dict(max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), scale=scale,
+                  causal=causal, max_k_tiles=-(-max(k_lens) // BLOCK))
+    if paged:
+        pages, table = _paginate(k, k_lens, gen, device)
+        k_in = pages.to(e4m3)
+        kwargs.update(page_table=table,
+                      seqused_k=torch.tensor(k_lens, dtype=torch.int32, device=device))
+    else:
+        k_in = k.to(e4m3).to(device)
+    q_dev = q.to(device)
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")   # e4m3 is gated until this passes
+    got = msa.block_max_scores(q_dev, k_in, cu_q, cu_k, **kwargs)
+    torch.cuda.synchronize()
+    monkeypatch.delenv("MSA_BACKEND")
+    assert _backend.last_backend("block_max_scores") == "sm90"
+    want = block_max_scores_reference(
+        q_dev, k_in, cu_q, cu_k, max_k_tiles=kwargs["max_k_tiles"], scale=scale, causal=causal,
+        page_table=kwargs.get("page_table"), seqused_k=kwargs.get("seqused_k"),
+        compute_dtype=torch.float64)
+    print(f"e4m3 H={num_heads} paged={paged} causal={causal} q_lens={q_lens} k_lens={k_lens}")
+    _check(got, want, 2 * 2 * scale)   # |q|, |k| ~ 2: typical |q.k| ~ 4 sqrt(128) scale
+
+
+DECODE_CASES = [(h, seqlen_q, dtype) for h in (1, 4, 8) for seqlen_q in (1, 4, 8)
+                for dtype in ("bf16", "e4m3") if h * seqlen_q <= 64]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("num_heads,seqlen_q,dtype", DECODE_CASES)
+def test_block_max_scores_decode_native_matches_float64(num_heads, seqlen_q, dtype, seed,
+                                                        monkeypatch):
+    """The decode indexer: 1-8 new tokens per request against a paged index-K cache (ragged
+    lengths up to ~20k, shuffled pages, an empty request), bottom-right causal. Runs the decode
+    variant (one warpgroup, K tiles split across CTAs) and checks that it was the one launched."""
+    native = _native_module()
+    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    launched = []
+    real_launch = native.cute_runtime.launch
+    monkeypatch.setattr(native.cute_runtime, "launch",
+                        lambda name, *a: (launched.append(name), real_launch(name, *a))[1])
+    gen = torch.Generator().manual_seed(seed)
+    device = torch.device("cuda")
+    k_lens = [int(torch.randint(1, 20000, (1,), generator=gen)) for _ in range(5)] + [0, 129]
+    q_lens = [seqlen_q if kl > 0 else 0 for kl in k_lens]
+    elem = torch.float8_e4m3fn if dtype == "e4m3" else torch.bfloat16
+    q = torch.randn(sum(q_lens), num_heads, HEAD_DIM, generator=gen).to(elem).to(device)
+    k = torch.randn(sum(k_lens), 1, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    pages, table = _paginate(k, k_lens, gen, device)
+    pages = pages.to(elem)
+    cu_q, cu_k = cu_seqlens(q_lens, device), cu_seqlens(k_lens, device)
+    seqused = torch.tensor(k_lens, dtype=torch.int32, device=device)
+    tiles = -(-max(k_lens) // BLOCK)
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")   # the decode variant is gated
+    got = msa.block_max_scores(q, pages, cu_q, cu_k, max_seqlen_q=seqlen_q,
+                               max_seqlen_k=max(k_lens), scale=HEAD_DIM ** -0.5, causal=True,
+                               page_table=table, seqused_k=seqused, max_k_tiles=tiles)
+    torch.cuda.synchronize()
+    monkeypatch.delenv("MSA_BACKEND")
+    assert launched and launched[-1].endswith("_decode"), launched
+    want = block_max_scores_reference(q, pages, cu_q, cu_k, max_k_tiles=tiles,
+                                      scale=HEAD_DIM ** -0.5, causal=True, page_table=table,
+                                      seqused_k=seqused, compute_dtype=torch.float64)
+    print(f"decode H={num_heads} seqlen_q={seqlen_q} {dtype} k_lens={k_lens}")
+    _check(got, want, HEAD_DIM ** -0.5)
+
+
 # ----------------------------------------------------------------------------------------------
 # CPU: the kernel compiles for sm_90a without spills (full list: tools/compile_cute.py --check)
 # ----------------------------------------------------------------------------------------------
@@ -203,8 +294,10 @@ def test_variant_names_match_the_manifest_names():
     from cute_kernels.variants import BlockMaxScoreVariant, shipped_variants
     names = {v.name for v in shipped_variants() if isinstance(v, BlockMaxScoreVariant)}
     native = _native_module()
-    assert names == {native.variant_name(h, paged) for h in native.SUPPORTED_HEADS
-                     for paged in (False, True)}
+    assert names == ({native.variant_name(h, paged, dtype) for h in native.SUPPORTED_HEADS
+                      for paged in (False, True) for dtype in native._DTYPE_NAMES}
+                     | {native.variant_name(h, True, dtype, decode=True)
+                        for h in native.SUPPORTED_HEADS for dtype in native._DTYPE_NAMES})
 
 
 def test_block_max_variant_compiles_for_sm90a_without_spills(tmp_path):

@@ -6,7 +6,7 @@
 Every native op runs at least once on small ragged inputs: build_k2q_csr (+ schedule), sparse
 prefill (bf16 dense/paged, fp32/bf16 partials, G = 1 and 16, each FP8 mode, the combine),
 sparse_topk_select (forced blocks, causal end, head reduce), block max-scores (dense/paged) and
-paged decode (dense/sparse, split and unsplit). Inputs include indices a caller may pass without
+paged decode (dense/sparse, split and unsplit); the e4m3 indexer too. Inputs include indices a caller may pass without
 host validation (the API never syncs to look at index values): q2k ids past the request's blocks
 or negative, page-table entries out of range, seqused_k larger than the table. Kernels must skip
 them, never touch memory outside their buffers. Unvalidated kernels are enabled here on purpose
@@ -16,7 +16,6 @@ silent fallback cannot hide a kernel from the sanitizer.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ from msa_loading import import_variant_as_msa  # noqa: E402
 
 msa = import_variant_as_msa(sys.argv[1])
 from msa import _backend  # noqa: E402
-from msa._native import block_max_score_sm90, decode_cuda  # noqa: E402,F401  (registers them)
+from msa._native import block_max_score_sm90, decode_cuda  # noqa: E402,F401 (registers them)
 
 import test_sparse_prefill_gpu as prefill_cases  # noqa: E402
 import test_decode as decode_cases  # noqa: E402
@@ -98,8 +97,9 @@ def topk_cases(gen):
 
 def block_max_cases(gen):
     q_lens, k_lens = [700, 1, 333], [900, 129, 333]
-    for heads, paged in ((4, False), (4, True), (1, True)):
-        q = torch.randn(sum(q_lens), heads, 128, generator=gen).to(torch.bfloat16).cuda()
+    for heads, paged, dtype in ((4, False, torch.bfloat16), (4, True, torch.bfloat16),
+                                (1, True, torch.bfloat16), (4, False, E4M3), (8, True, E4M3)):
+        q = torch.randn(sum(q_lens), heads, 128, generator=gen).to(dtype).cuda()
         k = torch.randn(sum(k_lens), 1, 128, generator=gen).to(torch.bfloat16)
         cu_q = torch.tensor([0, 700, 701, 1034], dtype=torch.int32).cuda()
         cu_k = torch.tensor([0, 900, 1029, 1362], dtype=torch.int32).cuda()
@@ -107,11 +107,21 @@ def block_max_cases(gen):
         if paged:
             pages, table = prefill_gen_pages(k, k_lens, gen)
             table[1, -1] = -77                                   # junk past the request
-            msa.block_max_scores(q, pages, cu_q, cu_k, page_table=table,
+            msa.block_max_scores(q, pages.to(dtype), cu_q, cu_k, page_table=table,
                                  seqused_k=torch.tensor(k_lens, dtype=torch.int32).cuda(), **kw)
         else:
-            msa.block_max_scores(q, k.cuda(), cu_q, cu_k, **kw)
+            msa.block_max_scores(q, k.to(dtype).cuda(), cu_q, cu_k, **kw)
         expect_native("block_max_scores")
+    # Decode-shaped (the decode variant: 1-4 rows per request, K tiles split across CTAs).
+    k_lens = [3000, 1, 700]
+    pages, table = prefill_gen_pages(torch.randn(sum(k_lens), 1, 128, generator=gen)
+                                     .to(torch.bfloat16), k_lens, gen)
+    q = torch.randn(9, 4, 128, generator=gen).to(torch.bfloat16).cuda()
+    cu_q = torch.tensor([0, 4, 5, 9], dtype=torch.int32).cuda()
+    msa.block_max_scores(q, pages, cu_q, cu_q, max_seqlen_q=4, max_seqlen_k=3000, scale=0.1,
+                         causal=True, page_table=table,
+                         seqused_k=torch.tensor(k_lens, dtype=torch.int32).cuda())
+    expect_native("block_max_scores")
     print("block_max_scores: ok")
 
 

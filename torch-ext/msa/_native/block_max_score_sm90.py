@@ -7,13 +7,15 @@ per (query, index head, 128-key tile) the max of ``scale * q.k`` over the causal
 -inf where none is, into a fresh ``[H, max_k_tiles, total_q]`` fp32 tensor. Every element is
 written by the kernel (computed tiles, -inf tiles and rows no request owns alike).
 
-Served: bf16 q_idx and k_idx, H in {1, 2, 4, 8} index heads against ONE shared index-key head
-(Hk = 1, as in MSA), dense or paged (page size 128) keys, causal or not, any qo_offset.
-Everything else (fp8, Hk > 1, fp32) falls back to the reference through ``supports``.
+Served: bf16 or e4m3 q_idx and k_idx (the same dtype), H in {1, 2, 4, 8} index heads against ONE
+shared index-key head (Hk = 1, as in MSA), dense or paged (page size 128) keys, causal or not, any
+qo_offset. Everything else (mixed dtypes, Hk > 1, fp32) falls back to the reference through
+``supports``.
 
-Gated like every kernel not yet proven on hardware: ``supports`` refuses while ``VALIDATED`` is
-False unless ``MSA_UNVALIDATED_KERNELS=1`` (tests/test_block_max_score_gpu.py sets it). Flip
-``VALIDATED`` only after that test passes on an H200.
+Gated like every kernel not yet proven on hardware: ``supports`` refuses a dtype outside
+``VALIDATED_DTYPES`` (bf16 passed on the H200; e4m3 is compiled and waiting for its GPU run)
+unless ``MSA_UNVALIDATED_KERNELS=1`` (tests/test_block_max_score_gpu.py sets it). Add a dtype only
+after its test cases pass on an H200.
 """
 
 from __future__ import annotations
@@ -28,9 +30,17 @@ from . import cute_runtime
 KEY_TILE = 128
 TILE_ROWS = 256                 # (query, head) rows per CTA; must match the kernel's TILE_M
 SUPPORTED_HEADS = (1, 2, 4, 8)
-# tests/test_block_max_score_gpu.py passed on the H200 (2026-11-30): 19 cases, dense + paged.
+# tests/test_block_max_score_gpu.py passed on the H200 (2026-11-30): 19 bf16 cases, dense + paged.
 VALIDATED = True
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16"}
+# q_idx/k_idx dtypes proven on the H200; e4m3 is compiled and shipped, gated until its GPU cases
+# (test_block_max_scores_e4m3_native_matches_float64) pass.
+VALIDATED_DTYPES = {torch.bfloat16}
+# The decode variants (paged keys, <= 64 rows per request, K tiles split across CTAs) are
+# compiled and shipped, gated until test_block_max_scores_decode_native_matches_float64 passes;
+# until then decode-shaped calls run the prefill variant (correct, one CTA per request).
+VALIDATED_DECODE = False
+DECODE_ROWS = 64                # rows per request the decode variant holds (one warpgroup)
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "e4m3"}
 _INT32_MAX = 2 ** 31 - 1
 # Causal offsets are clamped to +-2^30: beyond that every key (or none) is visible anyway, and
 # the kernel's position arithmetic (query + offset - key) stays far from int32 overflow.
@@ -39,10 +49,31 @@ _OFFSET_LIMIT = 2 ** 30
 POISON_BUFFERS_FOR_TESTS = False
 
 
-def variant_name(num_heads: int, paged: bool, dtype: torch.dtype = torch.bfloat16) -> str:
+def variant_name(num_heads: int, paged: bool, dtype: torch.dtype = torch.bfloat16,
+                 decode: bool = False) -> str:
     """Artifact name of a variant; must match cute_kernels.variants.BlockMaxScoreVariant."""
     layout = "paged" if paged else "dense"
-    return f"block_max_score_sm90_{_DTYPE_NAMES[dtype]}_h{num_heads}_{layout}"
+    suffix = "_decode" if decode else ""
+    return f"block_max_score_sm90_{_DTYPE_NAMES[dtype]}_h{num_heads}_{layout}{suffix}"
+
+
+def use_decode_variant(call, device) -> bool:
+    """Paged keys and at most DECODE_ROWS (query, head) rows per request (host bounds only, no
+    sync), the decode variant validated (or MSA_UNVALIDATED_KERNELS=1) and shipped."""
+    num_heads = call.q_idx.shape[1]
+    if not call.paged or call.max_seqlen_q * num_heads > DECODE_ROWS:
+        return False
+    if _backend.unvalidated_reason("the sm90 decode indexer", VALIDATED_DECODE) is not None:
+        return False
+    name = variant_name(num_heads, True, call.q_idx.dtype, decode=True)
+    return cute_runtime.unavailable_reason(name) is None
+
+
+def decode_key_splits(batch: int, max_k_tiles: int, device) -> int:
+    """CTAs per request for the decode variant: about two waves over the SMs, at least two K
+    tiles (one pipeline's worth) per CTA."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(-(-2 * sms // max(batch, 1)), -(-max_k_tiles // 2)))
 
 
 def supports(*, q_dtype=None, k_dtype=None, paged=False, causal=True, num_heads=None,
@@ -51,13 +82,18 @@ def supports(*, q_dtype=None, k_dtype=None, paged=False, causal=True, num_heads=
     gate = _backend.unvalidated_reason("the sm90 block max-score kernel", VALIDATED)
     if gate is not None:
         return gate
-    if q_dtype != torch.bfloat16 or k_dtype != torch.bfloat16:
-        return f"q_idx/k_idx dtypes {q_dtype}/{k_dtype}: only bf16/bf16 is native on sm90 yet"
+    if q_dtype != k_dtype or q_dtype not in _DTYPE_NAMES:
+        return (f"q_idx/k_idx dtypes {q_dtype}/{k_dtype}: the sm90 kernel serves bf16/bf16 and "
+                f"e4m3/e4m3")
+    gate = _backend.unvalidated_reason(f"the sm90 block max-score kernel for {q_dtype}",
+                                       q_dtype in VALIDATED_DTYPES)
+    if gate is not None:
+        return gate
     if num_k_heads != 1:
         return f"{num_k_heads} index-key heads: the sm90 kernel serves one shared key head"
     if num_heads not in SUPPORTED_HEADS:
         return f"{num_heads} index heads: the sm90 kernel serves {SUPPORTED_HEADS}"
-    return cute_runtime.unavailable_reason(variant_name(num_heads, bool(paged)))
+    return cute_runtime.unavailable_reason(variant_name(num_heads, bool(paged), q_dtype))
 
 
 def _causal_offsets(call, q_lens: torch.Tensor, k_lens: torch.Tensor) -> torch.Tensor:
@@ -105,13 +141,16 @@ def run(call) -> torch.Tensor:
         k_lens = (cu_k[1:] - cu_k[:-1]).contiguous()
         page_table = k_lens.view(batch, 1)           # unused by the dense variant
     offsets = _causal_offsets(call, q_lens, k_lens).contiguous()
-    queries_per_cta = TILE_ROWS // num_heads
-    grid_q_tiles = max(1, -(-call.max_seqlen_q // queries_per_cta))
+    decode = use_decode_variant(call, device)
+    if decode:      # grid x: K-tile chunks per request
+        grid_x = decode_key_splits(batch, call.max_k_tiles, device)
+    else:           # grid x: strides over each request's query tiles
+        grid_x = max(1, -(-call.max_seqlen_q // (TILE_ROWS // num_heads)))
     if POISON_BUFFERS_FOR_TESTS:
         out.fill_(float("nan"))
-    cute_runtime.launch(variant_name(num_heads, call.paged, q.dtype), device, q, k, cu_q, cu_k,
-                        k_lens, offsets, page_table, out, float(call.scale), int(call.causal),
-                        int(grid_q_tiles))
+    cute_runtime.launch(variant_name(num_heads, call.paged, q.dtype, decode), device, q, k, cu_q,
+                        cu_k, k_lens, offsets, page_table, out, float(call.scale),
+                        int(call.causal), int(grid_x))
     return out
 
 

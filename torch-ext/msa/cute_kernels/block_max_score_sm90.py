@@ -26,12 +26,19 @@ Work decomposition (a compute-bound GEMM with a row-max epilogue):
 * tiles past the CTA's causal limit (or the key end) are never computed: the CTA writes -inf
   there with coalesced stores (runs of queries along total_q, the output's fastest dim).
 
+Decode variant (``split_keys``, paged keys): 1-16 query rows per request make a 256-row tile
+mostly empty and leave one CTA per request streaming the whole cache. It uses one warpgroup
+(64 rows = up to 64 / H queries) and the grid's x splits each request's K tiles into chunks,
+one per CTA (the output tiles are disjoint, so no reduction): a memory-bound stream, 16 KB of Q
++ 3 x 32 KB of K in shared memory, two CTAs per SM.
+
 Four warpgroups share the tensor cores: while one does its row-max epilogue the others' wgmma
 chains keep the tensor cores busy. 256 rows per CTA keep L2 traffic low: each 32 KB K tile
 feeds 2*256*128*128 FLOPs (256 FLOP per byte). Shared memory: Q 64 KB + 3 x 32 KB of K = 160 KB,
 one CTA (16 warps, <= 128 registers per thread) per SM.
 
-Grid (x, B + 1): x strides over the request's query tiles, heaviest (last, most keys) first;
+Grid (x, B + 1): x strides over the request's query tiles, heaviest (last, most keys) first
+(decode variant: x is the K-tile chunk);
 y = b < B is request b, y = B the "orphan" rows [cu_seqlens_q[B], total_q) that no request
 owns, which only get -inf. So every element of out is written exactly once, whatever the
 lengths say, and nothing is read out of bounds: Q rows past a request's end, K rows past
@@ -39,8 +46,9 @@ k_len / the K tensor and pages outside [0, pages) are never loaded (their shared
 are stale and masked to -inf).
 
 Tensors (dynamic sizes are runtime values):
-  q            [total_q, H, 128] bf16 (H = 1, 2, 4 or 8: compile-time)
-  k            dense [total_k, 1, 128] or paged [pages, 1, 128, 128] bf16
+  q            [total_q, H, 128] bf16 or e4m3 (H = 1, 2, 4 or 8: compile-time)
+  k            dense [total_k, 1, 128] or paged [pages, 1, 128, 128], q's dtype
+               (e4m3: the same kernel with m64n128k32 e4m3 wgmmas, fp32 accumulation)
   cu_seqlens_q [B+1] int32; cu_seqlens_k [B+1] int32 (dense token offsets; unused when paged)
   k_lens       [B] int32 key lengths;  offsets [B] int32 causal offsets
   page_table   [B, max_pages] int32 (paged only; a 1-column dummy for dense)
@@ -69,21 +77,28 @@ STAGES = 3               # K tiles in flight
 class BlockMaxScoreSm90:
     """Compile-time configuration of one block max-score variant (see cute_kernels.variants)."""
 
-    def __init__(self, num_heads: int, paged: bool, dtype=cutlass.BFloat16):
+    def __init__(self, num_heads: int, paged: bool, dtype=cutlass.BFloat16,
+                 split_keys: bool = False):
         assert num_heads in (1, 2, 4, 8)
         self.num_heads = num_heads
         self.paged = paged
         self.dtype = dtype
-        self.queries_per_tile = TILE_M // num_heads
+        # Decode variant: one warpgroup (64 rows: 1-16 queries x H heads) and the grid's x
+        # splits each request's K tiles instead of striding over query tiles.
+        self.split_keys = split_keys
+        self.num_warpgroups = 1 if split_keys else NUM_WARPGROUPS
+        self.tile_m = WG_ROWS * self.num_warpgroups
+        self.num_threads = 128 * self.num_warpgroups
+        self.queries_per_tile = self.tile_m // num_heads
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, cu_seqlens_q: cute.Tensor,
                  cu_seqlens_k: cute.Tensor, k_lens: cute.Tensor, offsets: cute.Tensor,
                  page_table: cute.Tensor, out: cute.Tensor, scale: cutlass.Float32,
                  causal: cutlass.Int32, grid_q_tiles: cutlass.Int32, stream):
-        # K-major 128-byte-swizzle atom (8 rows x 64 bf16); the swizzle rides on the pointer.
+        # K-major 128-byte-swizzle atom (8 rows x 128 bytes); the swizzle rides on the pointer.
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
-        q_layout = cute.tile_to_shape(atom, (WG_ROWS, HEAD_DIM, NUM_WARPGROUPS), (0, 1, 2))
+        q_layout = cute.tile_to_shape(atom, (WG_ROWS, HEAD_DIM, self.num_warpgroups), (0, 1, 2))
         k_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM, STAGES), (0, 1, 2))
 
         @cute.struct
@@ -93,20 +108,22 @@ class BlockMaxScoreSm90:
 
         copy_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                         self.dtype, num_bits_per_copy=128)
-        # One warpgroup loads its own 64 Q rows: 16 rows x 8 threads (8 x 16 bytes = 64 cols).
+        # 16-byte chunks: 8 (bf16) or 16 (e4m3) elements.
+        chunk = 128 // self.dtype.width
+        # One warpgroup loads its own 64 Q rows: 16 rows x 8 threads of 16 bytes per step.
         q_copy = cute.make_tiled_copy_tv(copy_atom, cute.make_layout((16, 8), stride=(8, 1)),
-                                         cute.make_layout((1, 8)))
-        # The whole CTA loads a K tile: 64 rows x 8 threads per step, 2 x 2 steps.
+                                         cute.make_layout((1, chunk)))
+        # The whole CTA loads a K tile: 64 rows x 8 threads of 16 bytes per step.
         k_copy = cute.make_tiled_copy_tv(
-            copy_atom, cute.make_layout((NUM_THREADS // 8, 8), stride=(8, 1)),
-            cute.make_layout((1, 8)))
+            copy_atom, cute.make_layout((self.num_threads // 8, 8), stride=(8, 1)),
+            cute.make_layout((1, chunk)))
         mma = hopper.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             cutlass.Float32, (1, 1, 1), (WG_ROWS, BLOCK_N))
         self.kernel(q, k, cu_seqlens_q, cu_seqlens_k, k_lens, offsets, page_table, out, scale,
                     causal, q_layout, k_layout, q_copy, k_copy, mma, SharedStorage).launch(
             grid=(grid_q_tiles, cute.size(cu_seqlens_q.shape[0]), 1),
-            block=(NUM_THREADS, 1, 1), stream=stream)
+            block=(self.num_threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mCuQ: cute.Tensor, mCuK: cute.Tensor,
@@ -173,7 +190,12 @@ class BlockMaxScoreSm90:
         n_my_cols = cute.size(tScS, mode=[1])
 
         n_q_tiles = (q_len + qpt - 1) // qpt
-        for walk in range(cta_x, n_q_tiles, grid_x):
+        walk_start = cta_x
+        walk_stride = grid_x
+        if cutlass.const_expr(self.split_keys):
+            walk_start = 0                      # every CTA: all query tiles, its K-tile chunk
+            walk_stride = 1
+        for walk in range(walk_start, n_q_tiles, walk_stride):
             # Heaviest first: the last query tile sees the most keys under causal masking.
             q_tile = n_q_tiles - 1 - walk
             q_lo = q_tile * qpt                                  # first local query
@@ -188,8 +210,15 @@ class BlockMaxScoreSm90:
             n_tiles = cutlass.min(n_tiles, max_k_tiles)
             if cutlass.const_expr(self.paged):
                 n_tiles = cutlass.min(n_tiles, mPageTable.shape[1])
+            # This CTA computes tiles [t_begin, t_end): all of them, or its chunk (decode).
+            t_begin = 0
+            t_end = n_tiles
+            if cutlass.const_expr(self.split_keys):
+                chunk = (n_tiles + grid_x - 1) // grid_x
+                t_begin = cutlass.min(cta_x * chunk, n_tiles)
+                t_end = cutlass.min(t_begin + chunk, n_tiles)
 
-            if n_tiles > 0:
+            if t_end > t_begin:
                 # Q rows of this warpgroup (queries past the tile's end are not loaded).
                 for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
                     r = wg * WG_ROWS + tQcQ[0, m, 0][0]
@@ -201,13 +230,16 @@ class BlockMaxScoreSm90:
                         cute.copy(q_copy, gQ[None, m, None], tQsQ[None, m, None])
                 # Prologue: K tiles 0 .. STAGES-2 (Q rides in the first group).
                 for s in cutlass.range_constexpr(STAGES - 1):
-                    if s < n_tiles:
-                        self._load_k_tile(mK, mPageTable, request, k_row0, k_len, s, s,
-                                          sK_stages, thr_k_copy, k_copy, tKcK, k_row_stride0)
+                    if t_begin + s < t_end:
+                        self._load_k_tile(mK, mPageTable, request, k_row0, k_len, t_begin + s,
+                                          s, sK_stages, thr_k_copy, k_copy, tKcK,
+                                          k_row_stride0)
                     cute.arch.cp_async_commit_group()
 
-                for t in range(n_tiles):
+                for t in range(t_begin, t_end):
                     stage = t % STAGES
+                    if cutlass.const_expr(self.split_keys):
+                        stage = (t - t_begin) % STAGES
                     # Tile t has landed (at most STAGES-2 younger groups pending); after the
                     # barrier every warpgroup is also done reading the stage refilled below.
                     cute.arch.cp_async_wait_group(STAGES - 2)
@@ -215,9 +247,12 @@ class BlockMaxScoreSm90:
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.sync_threads()
                     ahead = t + STAGES - 1
-                    if ahead < n_tiles:
+                    ahead_stage = ahead % STAGES
+                    if cutlass.const_expr(self.split_keys):
+                        ahead_stage = (ahead - t_begin) % STAGES
+                    if ahead < t_end:
                         self._load_k_tile(mK, mPageTable, request, k_row0, k_len, ahead,
-                                          ahead % STAGES, sK_stages, thr_k_copy, k_copy, tKcK,
+                                          ahead_stage, sK_stages, thr_k_copy, k_copy, tKcK,
                                           k_row_stride0)
                     cute.arch.cp_async_commit_group()
 
@@ -258,7 +293,10 @@ class BlockMaxScoreSm90:
 
             # ---- tiles nobody in the tile can see: -inf, runs of queries (coalesced) ----------
             n_fill = (max_k_tiles - n_tiles) * n_heads * qpt
-            for idx in range(tidx, n_fill, NUM_THREADS):
+            if cutlass.const_expr(self.split_keys):
+                if cta_x != 0:                  # one CTA of the request fills
+                    n_fill = cutlass.Int32(0)
+            for idx in range(tidx, n_fill, self.num_threads):
                 q_in_tile = idx % qpt
                 head_tile = idx // qpt
                 if q_in_tile < n_q:

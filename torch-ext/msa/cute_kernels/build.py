@@ -23,6 +23,8 @@ from .variants import FP8_MODES, AttentionVariant, BlockMaxScoreVariant, Combine
 
 TARGET_ARCH = "sm_90a"
 _DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
+# q_idx / k_idx element types of the indexer (see variants.INDEX_DTYPES).
+_INDEX_DTYPES = {"bfloat16": cutlass.BFloat16, "e4m3": cutlass.Float8E4M3FN}
 # (q, k/v) element types of each attention dtype / FP8 mode (see variants.FP8_MODES).
 _QKV_DTYPES = {
     "bfloat16": (cutlass.BFloat16, cutlass.BFloat16),
@@ -89,7 +91,7 @@ def combine_args(variant: CombineVariant):
 
 def block_max_score_args(variant: BlockMaxScoreVariant):
     """Argument order of BlockMaxScoreSm90.__call__ (see block_max_score_sm90.py)."""
-    dtype = _DTYPES[variant.dtype]
+    dtype = _INDEX_DTYPES[variant.dtype]
     total_q, batch = _dyn(), _dyn()
     k_shape = (_dyn(), 1, 128, 128) if variant.paged else (_dyn(), 1, 128)
     return [
@@ -138,8 +140,7 @@ def compile_variant(variant, *, dump_dir: Optional[str] = None):
         kernel = SparseCombineSm90(_DTYPES[variant.partial_dtype])
         return cute.compile(kernel, *combine_args(variant), options=options)
     if isinstance(variant, BlockMaxScoreVariant):
-        if variant.dtype != "bfloat16":
-            raise NotImplementedError(f"{variant.name}: only bf16 q_idx/k_idx is implemented")
-        kernel = BlockMaxScoreSm90(variant.num_heads, variant.paged, _DTYPES[variant.dtype])
+        kernel = BlockMaxScoreSm90(variant.num_heads, variant.paged,
+                                   _INDEX_DTYPES[variant.dtype], split_keys=variant.decode)
         return cute.compile(kernel, *block_max_score_args(variant), options=options)
     raise TypeError(f"variant: unknown kind {type(variant).__name__}")

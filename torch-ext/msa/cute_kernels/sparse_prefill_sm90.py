@@ -296,44 +296,9 @@ class SparsePrefillSm90:
                 row_lse = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
                 row_lse_t = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
                 row_inv_sum = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
-                for i in cutlass.range_constexpr(n_my_rows):
-                    r = tScS[i, 0][0]
-                    packed = sEntry[r // self.group, stage]
-                    visible_end = n_keys                       # keys [0, visible_end) visible
-                    if causal != 0:
-                        visible_end = cutlass.min(visible_end,
-                                                  (packed & LOCAL_QUERY_MASK) + causal_shift + 1)
-                    row_max = mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N)
-                    row_max = quad_max(row_max)
-                    # Fully masked row: use 0 as the max so exp2 gives exact zeros, never NaN.
-                    max_scaled = row_max * scale_log2
-                    if row_max == -cutlass.Float32.inf:
-                        max_scaled = 0.0
-                    row_sum = cutlass.Float32(0.0)
-                    row_sum_t = cutlass.Float32(0.0)
-                    # The flag test stays outside the element loops: a branch per element
-                    # would split the loop into blocks the scheduler cannot interleave.
-                    if want_lse_t != 0:
-                        for j in cutlass.range_constexpr(n_my_cols):
-                            row_sum_t = row_sum_t + cute.math.exp2(
-                                (s_rc[i, j] * scale_log2 - max_scaled) * inv_temperature,
-                                fastmath=True)
-                    for j in cutlass.range_constexpr(n_my_cols):
-                        p = cute.math.exp2(s_rc[i, j] * scale_log2 - max_scaled, fastmath=True)
-                        row_sum = row_sum + p
-                        s_rc[i, j] = p
-                    row_sum = quad_sum(row_sum)
-                    row_inv_sum[i] = 0.0
-                    row_lse[i] = -cutlass.Float32.inf
-                    row_lse_t[i] = -cutlass.Float32.inf
-                    if row_sum > 0.0:
-                        row_inv_sum[i] = 1.0 / row_sum
-                        row_lse[i] = (max_scaled + cute.math.log2(row_sum, fastmath=True)) * LN_2
-                    if want_lse_t != 0:
-                        row_sum_t = quad_sum(row_sum_t)
-                        if row_sum_t > 0.0:
-                            row_lse_t[i] = (max_scaled * inv_temperature
-                                            + cute.math.log2(row_sum_t, fastmath=True)) * LN_2
+                self._softmax_rows(s_rc, tScS, n_my_rows, n_my_cols, sEntry, stage, n_keys,
+                                   causal, causal_shift, scale_log2, inv_temperature, want_lse_t,
+                                   row_lse, row_lse_t, row_inv_sum)
 
                 # ---- O = P V (P stays in registers) -------------------------------------------
                 r_p = cute.make_fragment_like(acc_s, self.dtype)
@@ -365,6 +330,55 @@ class SparsePrefillSm90:
                                          q_start, q_len, head_kv, mOPartial, mLsePartial,
                                          mLseTPartial, thr_store_o, store_o_copy,
                                          warp_row_stride0, lane)
+
+    @cute.jit
+    def _softmax_rows(self, s_rc: cute.Tensor, tScS: cute.Tensor, n_my_rows: cutlass.Constexpr,
+                      n_my_cols: cutlass.Constexpr, sEntry: cute.Tensor, stage: cutlass.Int32,
+                      n_keys: cutlass.Int32, causal: cutlass.Int32, causal_shift: cutlass.Int32,
+                      scale_log2: cutlass.Float32, inv_temperature: cutlass.Float32,
+                      want_lse_t: cutlass.Int32, row_lse: cute.Tensor, row_lse_t: cute.Tensor,
+                      row_inv_sum: cute.Tensor):
+        """Single-block softmax of this thread's rows of S (s_rc, in place: S -> unnormalized
+        P = exp(S - row max)): causal / length mask, row max and sum over the quad, and per row
+        1/sum, LSE and the temperature LSE (-inf and 0 for a row that sees no key)."""
+        for i in cutlass.range_constexpr(n_my_rows):
+            r = tScS[i, 0][0]
+            packed = sEntry[r // self.group, stage]
+            visible_end = n_keys                       # keys [0, visible_end) visible
+            if causal != 0:
+                visible_end = cutlass.min(visible_end,
+                                          (packed & LOCAL_QUERY_MASK) + causal_shift + 1)
+            row_max = mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N)
+            row_max = quad_max(row_max)
+            # Fully masked row: use 0 as the max so exp2 gives exact zeros, never NaN.
+            max_scaled = row_max * scale_log2
+            if row_max == -cutlass.Float32.inf:
+                max_scaled = 0.0
+            row_sum = cutlass.Float32(0.0)
+            row_sum_t = cutlass.Float32(0.0)
+            # The flag test stays outside the element loops: a branch per element
+            # would split the loop into blocks the scheduler cannot interleave.
+            if want_lse_t != 0:
+                for j in cutlass.range_constexpr(n_my_cols):
+                    row_sum_t = row_sum_t + cute.math.exp2(
+                        (s_rc[i, j] * scale_log2 - max_scaled) * inv_temperature,
+                        fastmath=True)
+            for j in cutlass.range_constexpr(n_my_cols):
+                p = cute.math.exp2(s_rc[i, j] * scale_log2 - max_scaled, fastmath=True)
+                row_sum = row_sum + p
+                s_rc[i, j] = p
+            row_sum = quad_sum(row_sum)
+            row_inv_sum[i] = 0.0
+            row_lse[i] = -cutlass.Float32.inf
+            row_lse_t[i] = -cutlass.Float32.inf
+            if row_sum > 0.0:
+                row_inv_sum[i] = 1.0 / row_sum
+                row_lse[i] = (max_scaled + cute.math.log2(row_sum, fastmath=True)) * LN_2
+            if want_lse_t != 0:
+                row_sum_t = quad_sum(row_sum_t)
+                if row_sum_t > 0.0:
+                    row_lse_t[i] = (max_scaled * inv_temperature
+                                    + cute.math.log2(row_sum_t, fastmath=True)) * LN_2
 
     @cute.jit
     def _write_partial_rows(self, tWsO: cute.Tensor, tWcO: cute.Tensor, warp_row0: cutlass.Int32,

@@ -38,11 +38,9 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LN_2, LOCAL_QUERY_MASK, LOG2_E, Q_STAGES,
+from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, Q_STAGES,
                                   ROWS_PER_WARP, SparsePrefillSm90)
-from .tile_utils import (mask_row_and_max, quad_max, quad_sum, warpgroup_gemm,
-                         warpgroup_gemm_issue,
-                         wgmma_accumulator_as_operand_a,
+from .tile_utils import (warpgroup_gemm, warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
                          wgmma_rows_cols_view)
 
 TILE_M = 64            # one warpgroup MMA row block
@@ -350,41 +348,9 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                 row_lse = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
                 row_lse_t = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
                 row_inv_sum = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
-                for i in cutlass.range_constexpr(n_my_rows):
-                    r = tScS[i, 0][0]
-                    packed = sEntry[r // self.group, stage]
-                    visible_end = n_keys
-                    if causal != 0:
-                        visible_end = cutlass.min(visible_end,
-                                                  (packed & LOCAL_QUERY_MASK) + causal_shift + 1)
-                    row_max = mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N)
-                    row_max = quad_max(row_max)
-                    max_scaled = row_max * scale_log2
-                    if row_max == -cutlass.Float32.inf:
-                        max_scaled = 0.0
-                    row_sum = cutlass.Float32(0.0)
-                    row_sum_t = cutlass.Float32(0.0)
-                    if want_lse_t != 0:
-                        for j in cutlass.range_constexpr(n_my_cols):
-                            row_sum_t = row_sum_t + cute.math.exp2(
-                                (s_rc[i, j] * scale_log2 - max_scaled) * inv_temperature,
-                                fastmath=True)
-                    for j in cutlass.range_constexpr(n_my_cols):
-                        p = cute.math.exp2(s_rc[i, j] * scale_log2 - max_scaled, fastmath=True)
-                        row_sum = row_sum + p
-                        s_rc[i, j] = p
-                    row_sum = quad_sum(row_sum)
-                    row_inv_sum[i] = 0.0
-                    row_lse[i] = -cutlass.Float32.inf
-                    row_lse_t[i] = -cutlass.Float32.inf
-                    if row_sum > 0.0:
-                        row_inv_sum[i] = 1.0 / row_sum
-                        row_lse[i] = (max_scaled + cute.math.log2(row_sum, fastmath=True)) * LN_2
-                    if want_lse_t != 0:
-                        row_sum_t = quad_sum(row_sum_t)
-                        if row_sum_t > 0.0:
-                            row_lse_t[i] = (max_scaled * inv_temperature
-                                            + cute.math.log2(row_sum_t, fastmath=True)) * LN_2
+                self._softmax_rows(s_rc, tScS, n_my_rows, n_my_cols, sEntry, stage, n_keys,
+                                   causal, causal_shift, scale_log2, inv_temperature, want_lse_t,
+                                   row_lse, row_lse_t, row_inv_sum)
 
                 if cutlass.const_expr(self.transpose_v):
                     # ---- O = P V, e4m3 (SS wgmma): P rounded to e4m3 into the shared P tile --

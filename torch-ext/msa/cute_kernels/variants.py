@@ -24,7 +24,7 @@ INPUT_DTYPES = ("bfloat16",)                 # Q/K/V element types compiled so f
 # is listed in its VALIDATED_FP8_MODES (proven on an H200).
 FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
 INDEX_HEADS = (1, 2, 4, 8)                   # index query heads H of block_max_scores
-INDEX_DTYPES = ("bfloat16",)                 # q_idx / k_idx element types compiled so far
+INDEX_DTYPES = ("bfloat16", "e4m3")          # q_idx / k_idx element types (same for both)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +60,13 @@ class BlockMaxScoreVariant:
     num_heads: int
     paged: bool
     dtype: str = "bfloat16"
+    decode: bool = False     # 1-16 query rows per request, K tiles split across CTAs
 
     @property
     def name(self) -> str:
         layout = "paged" if self.paged else "dense"
-        return f"block_max_score_sm90_{self.dtype}_h{self.num_heads}_{layout}"
+        suffix = "_decode" if self.decode else ""
+        return f"block_max_score_sm90_{self.dtype}_h{self.num_heads}_{layout}{suffix}"
 
 
 def _short(dtype: str) -> str:
@@ -87,6 +89,8 @@ def shipped_variants() -> List[object]:
     for dtype in INDEX_DTYPES:
         for paged in (False, True):
             out.extend(BlockMaxScoreVariant(h, paged, dtype) for h in INDEX_HEADS)
+        # The decode indexer reads a paged index-K cache.
+        out.extend(BlockMaxScoreVariant(h, True, dtype, decode=True) for h in INDEX_HEADS)
     return out
 
 
