@@ -105,3 +105,13 @@ def test_parse_sizes(text, expected):
     sys.path.insert(0, str(BENCH))
     from _common import parse_sizes
     assert parse_sizes(text) == expected
+
+
+def test_fmha_tiny(tmp_path):
+    out = tmp_path / "fmha.tsv"
+    run_tiny("bench_fmha.py", out)
+    header, rows = read_tsv(out)
+    assert {(r["mode"], r["layout"]) for r in rows} == {("o", "dense"), ("o", "paged"),
+                                                        ("max_score", "dense")}
+    assert {r["causal"] for r in rows if r["mode"] == "o"} == {"0", "1"}
+    assert all(t > 0 for t in latencies(rows, "latency_ms"))

@@ -171,10 +171,33 @@ def decode_runs():
     print("decode: ok")
 
 
+def fmha_cases(gen):
+    """Dense FMHA (gated kernel): dense and paged K/V, causal with an offset that leaves early
+    rows empty, a page-table entry past the pool."""
+    from test_fmha import to_pages
+    q_lens, kv_lens = [1, 130, 300], [200, 129, 900]
+    q = torch.randn(sum(q_lens), 8, 128, generator=gen).to(torch.bfloat16)
+    k = torch.randn(sum(kv_lens), 2, 128, generator=gen).to(torch.bfloat16)
+    v = torch.randn(sum(kv_lens), 2, 128, generator=gen).to(torch.bfloat16)
+    dev = torch.device("cuda")
+    for paged in (False, True):
+        kw, k_in, v_in = {}, k, v
+        if paged:
+            k_in, v_in, kv_indices, _ = to_pages(k, v, kv_lens, 128, gen)
+            kw["kv_indices"] = kv_indices.to(dev)
+        plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 8, 2,
+                             qo_offset=torch.tensor([199, -5, 600]),
+                             page_size=128 if paged else -1, device=dev)
+        msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, output_maxscore=False, **kw)
+        expect_native("fmha_dense")
+    print("fmha: ok")
+
+
 if __name__ == "__main__":
     generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     sparse_prefill_cases(generator)
     topk_cases(generator)
     block_max_cases(generator)
     decode_runs()
+    fmha_cases(generator)
     print("ran natively:", sorted(set(ran)))

@@ -536,7 +536,8 @@ class FmhaDenseCall:
         return dict(q_dtype=self.q.dtype, k_dtype=self.k.dtype, paged=self.paged,
                     page_size=self.k.shape[2] if self.paged else -1,
                     causal=self.plan["causal"], mode=self.mode,
-                    qhead_per_kv=self.q.shape[1] // self.k.shape[1])
+                    qhead_per_kv=self.q.shape[1] // self.k.shape[1],
+                    num_qo_heads=self.q.shape[1], num_kv_heads=self.k.shape[1])
 
 
 def fmha_sm100(q, k, v, plan_info, kv_indices=None, kv_block_indexes=None,

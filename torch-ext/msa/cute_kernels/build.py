@@ -19,7 +19,9 @@ from .block_max_score_sm90 import BlockMaxScoreSm90
 from .combine import SparseCombineSm90
 from .sparse_prefill_sm90 import SparsePrefillSm90
 from .sparse_prefill_sm90_wgmma import SparsePrefillSm90Wgmma
-from .variants import FP8_MODES, AttentionVariant, BlockMaxScoreVariant, CombineVariant
+from .fmha_sm90 import FmhaSm90
+from .variants import (FP8_MODES, AttentionVariant, BlockMaxScoreVariant, CombineVariant,
+                       FmhaVariant)
 
 TARGET_ARCH = "sm_90a"
 _DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
@@ -107,6 +109,24 @@ def block_max_score_args(variant: BlockMaxScoreVariant):
     ]
 
 
+def fmha_args(variant: FmhaVariant):
+    """Argument order of FmhaSm90.__call__ (see fmha_sm90.py)."""
+    dtype = _DTYPES[variant.dtype]
+    total_q, hq, hkv, batch = _dyn(), _dyn(), _dyn(), _dyn()
+    kv_shape = (_dyn(), hkv, 128, 128) if variant.paged else (_dyn(), hkv, 128)
+    return [
+        _tensor(dtype, (total_q, hq, 128)),                 # q
+        _tensor(dtype, kv_shape), _tensor(dtype, kv_shape),  # k, v
+        _tensor(dtype, (total_q, hq, 128)),                 # o
+        _index((_dyn(),)), _index((_dyn(),)),               # cu_seqlens_q, cu_seqlens_k
+        _index((batch,)), _index((batch,)),                 # kv_lens, qo_offset
+        _index((_dyn(), _dyn())),                           # page_table
+        cutlass.Float32(1.0), cutlass.Float32(1.0),         # logit_scale_log2, output_scale
+        cutlass.Int32(1), cutlass.Int32(1),                 # causal, grid_q_tiles
+        make_fake_stream(),
+    ]
+
+
 def attention_kernel(variant: AttentionVariant):
     """The kernel object of an attention variant: warpgroup MMA (wgmma) for bf16 partials,
     warp MMA for fp32 partials. MSA_CUTE_MMA=warp forces the warp-MMA kernel for bf16 Q/K/V;
@@ -143,4 +163,7 @@ def compile_variant(variant, *, dump_dir: Optional[str] = None):
         kernel = BlockMaxScoreSm90(variant.num_heads, variant.paged,
                                    _INDEX_DTYPES[variant.dtype], split_keys=variant.decode)
         return cute.compile(kernel, *block_max_score_args(variant), options=options)
+    if isinstance(variant, FmhaVariant):
+        kernel = FmhaSm90(variant.paged, _DTYPES[variant.dtype])
+        return cute.compile(kernel, *fmha_args(variant), options=options)
     raise TypeError(f"variant: unknown kind {type(variant).__name__}")

@@ -91,13 +91,14 @@ def warp_sum(value: cutlass.Float32) -> cutlass.Float32:
     return value
 
 
-def warpgroup_gemm_issue(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor) -> None:
-    """Issue acc = A B as one warpgroup-MMA chain over A's K slices (the first slice overwrites
-    acc) and commit it as one group; acc must not be touched until warpgroup.wait_group. A is a
-    register or smem fragment, B an smem fragment, both (MMA, M or N, K)."""
+def warpgroup_gemm_issue(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
+                         accumulate: bool = False) -> None:
+    """Issue acc = A B (acc += A B with accumulate) as one warpgroup-MMA chain over A's K
+    slices and commit it as one group; acc must not be touched until warpgroup.wait_group. A is
+    a register or smem fragment, B an smem fragment, both (MMA, M or N, K)."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, False)
+    atom.set(warpgroup.Field.ACCUMULATE, accumulate)
     # A plain Python loop unrolls at trace time (this helper is not preprocessed by cute.jit).
     for kk in range(cute.size(a.shape[2])):
         cute.gemm(atom, acc, a[None, None, kk], b[None, None, kk], acc)
@@ -105,9 +106,10 @@ def warpgroup_gemm_issue(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Te
     warpgroup.commit_group()
 
 
-def warpgroup_gemm(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor) -> None:
-    """acc = A B (warpgroup_gemm_issue), waited for."""
-    warpgroup_gemm_issue(tiled_mma, acc, a, b)
+def warpgroup_gemm(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
+                   accumulate: bool = False) -> None:
+    """acc = A B, or acc += A B (warpgroup_gemm_issue), waited for."""
+    warpgroup_gemm_issue(tiled_mma, acc, a, b, accumulate)
     warpgroup.wait_group(0)
 
 

@@ -25,6 +25,7 @@ INPUT_DTYPES = ("bfloat16",)                 # Q/K/V element types compiled so f
 FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
 INDEX_HEADS = (1, 2, 4, 8)                   # index query heads H of block_max_scores
 INDEX_DTYPES = ("bfloat16", "e4m3")          # q_idx / k_idx element types (same for both)
+FMHA_DTYPES = ("bfloat16",)                  # dense FMHA q/k/v element types
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,18 @@ class BlockMaxScoreVariant:
         return f"block_max_score_sm90_{self.dtype}_h{self.num_heads}_{layout}{suffix}"
 
 
+@dataclasses.dataclass(frozen=True)
+class FmhaVariant:
+    """One compiled dense FMHA forward kernel (the native fmha_dense backend): any GQA group and
+    causality at run time, dense or paged (page size 128) K/V."""
+    paged: bool
+    dtype: str = "bfloat16"
+
+    @property
+    def name(self) -> str:
+        return f"fmha_sm90_{self.dtype}_{'paged' if self.paged else 'dense'}"
+
+
 def _short(dtype: str) -> str:
     return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(dtype, dtype)
 
@@ -91,6 +104,8 @@ def shipped_variants() -> List[object]:
             out.extend(BlockMaxScoreVariant(h, paged, dtype) for h in INDEX_HEADS)
         # The decode indexer reads a paged index-K cache.
         out.extend(BlockMaxScoreVariant(h, True, dtype, decode=True) for h in INDEX_HEADS)
+    for dtype in FMHA_DTYPES:
+        out.extend(FmhaVariant(paged, dtype) for paged in (False, True))
     return out
 
 

@@ -1,0 +1,165 @@
+"""Dense FMHA through the fmha plan/run API (issue 6) next to cuDNN SDPA and SDPA's flash
+backend, measured in the same run.
+
+Cases: one sequence of N tokens, causal and non-causal, (Hq, Hkv) in {(64, 4), (32, 8)}, bf16,
+dense K/V and paged K/V (128-token pages, shuffled); plus the max-score-only proxy pass
+(output_o=False, num_kv_heads=1). TFLOP/s = 4 * D * Hq * (visible query-key pairs) / time,
+with N^2 / 2 pairs for causal and N^2 otherwise.
+
+    python benchmarks/bench_fmha.py --out benchmarks/results/fmha_h200.tsv [--allow-unvalidated]
+
+The native SM90 kernel is gated until its GPU test passes; --allow-unvalidated times it anyway
+(the backend column then says "sm90-unvalidated").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (TsvWriter, add_common_args, apply_preset, free_memory, load_msa,  # noqa: E402
+                     parse_names, parse_sizes, reference_too_slow, setup, time_ms)
+
+D = 128
+COLUMNS = ("mode", "n", "hq", "hkv", "causal", "layout", "impl", "backend", "latency_ms",
+           "tflops", "speedup_vs_cudnn", "note")
+
+
+def to_pages(k: torch.Tensor, v: torch.Tensor, gen: torch.Generator):
+    """[N, Hkv, D] -> shuffled pages [P, Hkv, 128, D] and kv_indices [P] (one request)."""
+    n, hkv, _ = k.shape
+    pages = -(-n // 128)
+    perm = torch.randperm(pages, generator=gen, device="cpu").to(k.device)
+    kp = torch.zeros(pages, hkv, 128, D, dtype=k.dtype, device=k.device)
+    vp = torch.zeros_like(kp)
+    pad = pages * 128 - n
+    kk = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).view(pages, 128, hkv, D)
+    vv = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).view(pages, 128, hkv, D)
+    kp[perm] = kk.transpose(1, 2)
+    vp[perm] = vv.transpose(1, 2)
+    return kp, vp, perm.to(torch.int32)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", default="4k,8k,32k,128k")
+    ap.add_argument("--heads", default="64x4,32x8", help="Hq x Hkv pairs")
+    ap.add_argument("--causal", default="1,0")
+    ap.add_argument("--layouts", default="dense,paged")
+    ap.add_argument("--peers", default="cudnn,flash", help="SDPA backends timed alongside")
+    ap.add_argument("--max-score-seqs", default="32k,128k",
+                    help="N of the max-score-only pass (Hq=4 index heads, Hkv=1)")
+    ap.add_argument("--allow-unvalidated", action="store_true",
+                    help="time the gated native kernel (backend column says so)")
+    add_common_args(ap, rep_ms=200)
+    args = ap.parse_args(argv)
+    if args.tiny:
+        apply_preset(args, ap, seqs="300", heads="4x2", max_score_seqs="300", rep_ms=5,
+                     peers="")
+    elif args.quick:
+        apply_preset(args, ap, seqs="8k,32k", heads="64x4", max_score_seqs="32k")
+    if args.allow_unvalidated:
+        os.environ["MSA_UNVALIDATED_KERNELS"] = "1"
+    device = setup(args)
+    msa = load_msa()
+    from importlib import import_module
+    try:
+        gated = not import_module(msa.__name__ + "._native.fmha_sm90").VALIDATED
+    except ImportError:           # a build without native kernels (torch-cpu)
+        gated = False
+    tsv = TsvWriter(args.out, COLUMNS, device, formats={"tflops": ".1f",
+                                                         "speedup_vs_cudnn": ".2f"})
+    gen = torch.Generator(device="cpu").manual_seed(torch.initial_seed() % (1 << 62))
+    for n in parse_sizes(args.seqs):
+        for pair in parse_names(args.heads):
+            hq, hkv = (int(x) for x in pair.split("x"))
+            q = torch.randn(n, hq, D, device=device, dtype=torch.bfloat16)
+            k = torch.randn(n, hkv, D, device=device, dtype=torch.bfloat16)
+            v = torch.randn(n, hkv, D, device=device, dtype=torch.bfloat16)
+            for causal in (c == "1" for c in parse_names(args.causal)):
+                pairs = n * (n + 1) // 2 if causal else n * n
+                flops = 4 * D * hq * pairs
+                peer_ms = {}
+                for peer in parse_names(args.peers):
+                    ms = time_sdpa(peer, q, k, v, causal, device, args.rep_ms)
+                    if ms is None:
+                        continue
+                    peer_ms[peer] = ms
+                    tsv.write(mode="o", n=n, hq=hq, hkv=hkv, causal=int(causal),
+                              layout="dense", impl=f"sdpa_{peer}", backend=peer,
+                              latency_ms=ms, tflops=flops / ms / 1e9)
+                for layout in parse_names(args.layouts):
+                    kw = {}
+                    k_in, v_in = k, v
+                    if layout == "paged":
+                        k_in, v_in, kv_indices = to_pages(k, v, gen)
+                        kw["kv_indices"] = kv_indices
+                    plan = msa.fmha_plan(torch.tensor([n]), torch.tensor([n]), hq, hkv,
+                                         causal=causal, page_size=128 if layout == "paged"
+                                         else -1, device=device)
+
+                    def call():
+                        return msa.fmha(q, k_in, v_in, plan, output_maxscore=False, **kw)
+                    call()
+                    backend = msa._backend.last_backend("fmha_dense")
+                    if reference_too_slow(backend, n, device, args, f"fmha {layout} N={n}"):
+                        continue
+                    if backend == "sm90" and gated:
+                        backend = "sm90-unvalidated"
+                    ms = time_ms(call, device, args.rep_ms)
+                    cudnn = peer_ms.get("cudnn")
+                    tsv.write(mode="o", n=n, hq=hq, hkv=hkv, causal=int(causal),
+                              layout=layout, impl="msa.fmha", backend=backend, latency_ms=ms,
+                              tflops=flops / ms / 1e9,
+                              speedup_vs_cudnn=(cudnn / ms) if cudnn else None)
+            free_memory(device)
+
+    # The max-score-only proxy pass: 4 index heads against one shared key head.
+    for n in parse_sizes(args.max_score_seqs):
+        q = torch.randn(n, 4, D, device=device, dtype=torch.bfloat16)
+        k = torch.randn(n, 1, D, device=device, dtype=torch.bfloat16)
+        plan = msa.fmha_plan(torch.tensor([n]), torch.tensor([n]), 4, 1, output_maxscore=True,
+                             device=device)
+
+        def score():
+            return msa.fmha(q, k, k, plan, output_o=False)
+        score()
+        backend = msa._backend.last_backend("fmha_max_score")
+        if reference_too_slow(backend, n, device, args, f"fmha max-score N={n}"):
+            continue
+        ms = time_ms(score, device, args.rep_ms)
+        flops = 2 * D * 4 * (n * (n + 1) // 2)
+        tsv.write(mode="max_score", n=n, hq=4, hkv=1, causal=1, layout="dense",
+                  impl="msa.fmha", backend=backend, latency_ms=ms, tflops=flops / ms / 1e9,
+                  note="2*D*H*pairs")
+        free_memory(device)
+
+
+def time_sdpa(peer: str, q, k, v, causal: bool, device, rep_ms: int):
+    """Dense SDPA with one backend (cudnn or flash) on [1, H, N, D] views (K/V expanded to Hq
+    heads); None (with a note) when the backend refuses the shape."""
+    if device.type != "cuda":
+        return None
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[peer]
+    g = q.shape[1] // k.shape[1]
+    qq = q.transpose(0, 1).unsqueeze(0)
+    kk = k.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
+    vv = v.repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with sdpa_kernel([backend]):
+        try:
+            return time_ms(lambda: sdpa(qq, kk, vv, is_causal=causal), device, rep_ms)
+        except RuntimeError as exc:
+            print(f"skip sdpa {peer} N={q.shape[0]}: {str(exc).splitlines()[0]}", flush=True)
+            return None
+
+
+if __name__ == "__main__":
+    main()

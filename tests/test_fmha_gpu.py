@@ -1,0 +1,110 @@
+"""Native SM90 dense FMHA (cute_kernels/fmha_sm90.py behind fmha_plan / fmha, output O) against
+a float64 reference, on fresh random varlen inputs with the output poisoned (NaN) first.
+
+Tolerance (contract §5.1, bf16): with O64 the float64 reference,
+    max|O - O64| <= 2 * max|O_model - O64| + 2e-3
+where O_model is the PyTorch reference computed the way the kernel does it (fp32, online softmax
+over 128-key blocks, unnormalized P rounded to bf16 before P.V, output rounded to bf16); 2e-3 is
+the rounding term. Rows that see no key must be exactly 0.
+
+The kernel is gated (msa._native.fmha_sm90.VALIDATED) until this passes on an H200; the test sets
+MSA_UNVALIDATED_KERNELS=1 and MSA_BACKEND=native (a fallback raises).
+"""
+
+import pytest
+import torch
+
+import msa
+from msa import _backend
+from msa.reference.dense_attention import dense_attention_reference, dense_token_kv
+from test_fmha import to_pages
+
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
+D = 128
+
+# (Hq, Hkv), q lengths (1, 7, 33, 128, 4096-class), causal, paged
+CASES = [((8, 2), True, False), ((8, 2), True, True), ((16, 1), True, False),
+         ((4, 4), False, False), ((4, 4), False, True), ((64, 4), True, True)]
+Q_LENS = [1, 7, 33, 128, 1500]
+
+
+def _native_module():
+    from msa._native import fmha_sm90
+    return fmha_sm90
+
+
+@pytest.mark.parametrize("heads,causal,paged", CASES)
+def test_fmha_native_matches_float64(heads, causal, paged, seed, monkeypatch):
+    native = _native_module()
+    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv = heads
+    q_lens = Q_LENS if hq <= 16 else [1, 300, 2049]
+    # KV at least as long as the queries (prefill / append), not multiples of 128; with a
+    # random causal offset per request, some early rows see no key at all.
+    kv_lens = [ql + int(torch.randint(0, 700, (1,), generator=gen)) for ql in q_lens]
+    offsets = [kl - ql + int(torch.randint(-40, 40, (1,), generator=gen))
+               for ql, kl in zip(q_lens, kv_lens)]
+    q = torch.randn(sum(q_lens), hq, D, generator=gen).to(torch.bfloat16)
+    k = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(torch.bfloat16)
+    v = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(torch.bfloat16)
+    dev = torch.device("cuda")
+    kw = {}
+    k_in, v_in = k, v
+    if paged:
+        k_in, v_in, kv_indices, _ = to_pages(k, v, kv_lens, 128, gen)
+        kw["kv_indices"] = kv_indices.to(dev)
+    plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), hq, hkv, causal=causal,
+                         qo_offset=torch.tensor(offsets) if causal else None,
+                         page_size=128 if paged else -1, device=dev)
+    scale = 0.7 * D ** -0.5
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    out, ms = msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, sm_scale=scale,
+                       v_scale=1.5, output_maxscore=False, **kw)
+    torch.cuda.synchronize()
+    monkeypatch.delenv("MSA_BACKEND")
+    assert _backend.last_backend("fmha_dense") == "sm90"
+    assert ms is None and out.dtype == torch.bfloat16
+    assert not torch.isnan(out).any(), "O has NaN (rows not written)"
+
+    kv = dense_token_kv(k, v, kv_lens)
+    offs = offsets if causal else [0] * len(q_lens)
+    o64, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offs, causal=causal,
+                                       logit_scale=scale, output_scale=1.5,
+                                       compute_dtype=torch.float64)
+    model, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offs, causal=causal,
+                                         logit_scale=scale, output_scale=1.5,
+                                         p_quant_dtype=torch.bfloat16, kv_step=128)
+    model_err = (model.to(torch.bfloat16).double() - o64).abs().max().item()
+    err = (out.cpu().double() - o64).abs().max().item()
+    print(f"Hq={hq} Hkv={hkv} causal={causal} paged={paged}: max|O-O64|={err:.3e} "
+          f"model {model_err:.3e}")
+    assert err <= 2 * model_err + 2e-3
+    empty = (o64.abs().amax(-1) == 0)
+    assert (out.cpu()[empty] == 0).all(), "rows that see no key must be 0"
+
+
+def test_max_score_only_pass_runs_on_the_indexer_kernel(seed, monkeypatch):
+    """Mode 2 (output_o=False, num_kv_heads=1) is the indexer's computation: it must run on
+    the sm90 block max-score kernel and match the reference backend exactly in its -inf pattern
+    and to 1e-2 relative elsewhere."""
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, kv_lens = [5, 300, 1100], [900, 700, 1100]
+    q = torch.randn(sum(q_lens), 4, D, generator=gen).to(torch.bfloat16).cuda()
+    k = torch.randn(sum(kv_lens), 1, D, generator=gen).to(torch.bfloat16).cuda()
+    plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 4, 1,
+                         output_maxscore=True, device=torch.device("cuda"))
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    _, ms = msa.fmha(q, k, k, plan, output_o=False)
+    torch.cuda.synchronize()
+    assert _backend.last_backend("fmha_max_score") == "sm90"
+    monkeypatch.setenv("MSA_BACKEND", "reference")
+    _, want = msa.fmha(q.cpu(), k.cpu(), k.cpu(),
+                       msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 4, 1,
+                                     output_maxscore=True, device="cpu"), output_o=False)
+    ms = ms.cpu()
+    assert torch.equal(torch.isinf(ms), torch.isinf(want))
+    fin = torch.isfinite(want)
+    rel = ((ms[fin] - want[fin]).abs() / want[fin].abs().clamp_min(1.0)).max().item()
+    assert rel <= 1e-2, rel

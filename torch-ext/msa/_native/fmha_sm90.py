@@ -1,0 +1,112 @@
+"""Native SM90 dense FMHA (the "fmha_dense" op): the CuTe-DSL kernel of
+cute_kernels/fmha_sm90.py behind ``fmha_sm100`` / ``fmha`` (contract §2.2, output O only).
+
+``run(call)`` takes a validated :class:`msa.fmha.FmhaDenseCall` and launches one kernel on q's
+device and current stream, with no host synchronization (every size comes from the plan's host
+values): O = output_scale * softmax(logit_scale * q k^T) v over the visible keys (causal
+bottom-right with the plan's or the override's qo_offset), 0 for rows that see nothing.
+
+Served: bf16 q/k/v, any GQA group, dense K/V or paged K/V with 128-token pages, causal or not,
+output O without max-score (mode 3). Other calls (e4m3, max-score output, other page sizes,
+block-selected mode) fall back to the reference through ``supports``; the block-selected mode
+goes to the sparse bridge before dispatch when the plan has one.
+
+Gated: ``VALIDATED`` is False until tests/test_fmha_gpu.py passes on an H200 (it sets
+``MSA_UNVALIDATED_KERNELS=1``).
+
+Also registered here: "fmha_max_score" (mode 2, the max-score-only proxy pass), which is the
+indexer's computation and runs on the validated sm90 block max-score kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import _backend
+from . import cute_runtime
+
+PAGE = 128
+TILE_M = 128                    # queries per CTA; must match cute_kernels.fmha_sm90.TILE_M
+VALIDATED = False
+MODE_O_ONLY = 3
+# Tests set this to fill O with NaN before the launch (catches rows the kernel does not write).
+POISON_BUFFERS_FOR_TESTS = False
+
+
+def variant_name(paged: bool, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Artifact name; must match cute_kernels.variants.FmhaVariant."""
+    return f"fmha_sm90_{'bfloat16' if dtype == torch.bfloat16 else dtype}_" \
+           f"{'paged' if paged else 'dense'}"
+
+
+def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=True, mode=None,
+             qhead_per_kv=None, **_ignored) -> Optional[str]:
+    """None if the native kernel serves a call with these features, else the reason."""
+    gate = _backend.unvalidated_reason("the sm90 dense FMHA kernel", VALIDATED)
+    if gate is not None:
+        return gate
+    if q_dtype != torch.bfloat16 or k_dtype != torch.bfloat16:
+        return f"q/k dtypes {q_dtype}/{k_dtype}: the sm90 FMHA serves bf16 only yet"
+    if mode != MODE_O_ONLY:
+        return f"mode {mode}: the sm90 FMHA writes O only (no max-score output yet)"
+    if paged and page_size != PAGE:
+        return f"page_size {page_size}: the sm90 FMHA pages by {PAGE} tokens"
+    return cute_runtime.unavailable_reason(variant_name(bool(paged)))
+
+
+def run(call):
+    """Returns (O [total_q, Hq, 128] bf16, None)."""
+    q, k, v = call.q, call.k, call.v
+    device = q.device
+    plan = call.plan
+    total_q, num_heads, head_dim = q.shape
+    out = torch.empty(total_q, num_heads, head_dim, dtype=call.out_dtype, device=device)
+    if total_q == 0:
+        return out, None
+
+    def on_device(t):
+        return t if t.device == device else t.to(device)
+
+    cu_q = on_device(plan["cu_seqlens_q"])
+    cu_k = on_device(plan["cu_seqlens_k"])
+    kv_lens = on_device(plan["kv_segment_lens"])
+    offsets = on_device(call.qo_offset).to(torch.int32).contiguous()
+    batch = cu_q.numel() - 1
+    table = call.page_table if call.paged else kv_lens.view(batch, 1)   # unused when dense
+    grid_q_tiles = max(1, -(-int(plan["max_seqlen_q"]) // TILE_M))
+    if POISON_BUFFERS_FOR_TESTS:
+        out.fill_(float("nan"))
+    cute_runtime.launch(variant_name(call.paged), device, q, k, v, out, cu_q, cu_k, kv_lens,
+                        offsets, table.contiguous(), float(call.logit_scale) * math.log2(math.e),
+                        float(call.output_scale), int(bool(plan["causal"])), grid_q_tiles)
+    return out, None
+
+
+_backend.register_native("fmha_dense", "sm90", run, supports)
+
+
+def max_score_supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=True,
+                       num_qo_heads=None, num_kv_heads=None, **_ignored) -> Optional[str]:
+    """The max-score-only proxy pass (mode 2) is the indexer's computation: native when the
+    sm90 block max-score kernel serves it (one shared key head, 128-token pages or dense K;
+    e4m3 inputs are widened to bf16 exactly, as the reference path does)."""
+    from . import block_max_score_sm90
+    if num_kv_heads != 1:
+        return f"{num_kv_heads} KV heads: the native max-score pass needs num_kv_heads = 1"
+    if paged and page_size != PAGE:
+        return f"page_size {page_size}: the native max-score pass pages by {PAGE} tokens"
+    return block_max_score_sm90.supports(q_dtype=torch.bfloat16, k_dtype=torch.bfloat16,
+                                         paged=paged, causal=causal, num_heads=num_qo_heads,
+                                         num_k_heads=1)
+
+
+def max_score_run(call):
+    """max_score [Hq, max_k_tiles, total_q] fp32 from the native indexer kernel."""
+    from ..fmha import _max_score_via_indexer
+    return _max_score_via_indexer(call)
+
+
+_backend.register_native("fmha_max_score", "sm90", max_score_run, max_score_supports)

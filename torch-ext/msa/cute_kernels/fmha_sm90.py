@@ -1,0 +1,335 @@
+"""Dense FMHA forward for Hopper (sm_90a), in the CuTe DSL: the native `fmha_dense` backend.
+
+Semantics (contract §2.2, msa.reference.dense_attention): for request b, batch-local query i and
+q head h (KV head h // G), key j is visible iff j < kv_len[b] and, when causal,
+j <= i + qo_offset[b]; O = output_scale * softmax(logit_scale * q k^T) v over the visible keys,
+0 for a row that sees none.
+
+Work decomposition (query-outer, FlashAttention style):
+
+* a CTA owns 128 consecutive queries of one request and one q head: two warpgroups of 64 rows,
+  each with its own Q rows in shared memory (loaded once, zero-filled past q_len);
+* it streams the request's 128-key blocks 0 .. (last block any of its queries sees) through a
+  two-stage cp.async ring (K and V of one block per stage, zero-filled past kv_len, pages looked
+  up in page_table when paged), shared by both warpgroups;
+* per block each warpgroup runs S = Q K^T (SS wgmma m64n128k16 x 8), the online softmax
+  (running row max and sum, accumulator rescaled when the max grows, masking only in rows that
+  do not see the whole block), and O += P V with P in registers (RS wgmma, V MN-major);
+* at the end O / sum * output_scale is staged in the warpgroup's Q rows and written as 16-byte
+  row segments.
+
+Shared memory: Q 2 x 16 KB + 2 stages x (K 32 KB + V 32 KB) = 160 KB, one CTA (8 warps) per SM.
+Grid (max query tiles, Hq, B); x runs from the last (heaviest under causal masking) tile. Every
+index read from a tensor (lengths, offsets, pages) is clamped to the tensor it addresses: a
+request's rows past the tensors are neither read nor written.
+
+Tensors (dynamic sizes are runtime values):
+  q            [total_q, Hq, 128] bf16          o  [total_q, Hq, 128] bf16
+  k, v         dense [total_k, Hkv, 128] or paged [pages, Hkv, 128, 128] bf16
+  cu_seqlens_q [B+1] int32; cu_seqlens_k [B+1] int32 (dense token offsets; unused when paged)
+  kv_lens      [B] int32;  qo_offset [B] int32;  page_table [B, max_pages] int32 (paged)
+  logit_scale_log2, output_scale: fp32; causal: int32 flag.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as hopper
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .tile_utils import (mask_row_and_max, quad_max, quad_sum, warpgroup_gemm,
+                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+
+HEAD_DIM = 128
+BLOCK_N = 128            # keys per block (= page size)
+WG_ROWS = 64             # rows per warpgroup MMA (m64)
+NUM_WARPGROUPS = 2
+TILE_M = WG_ROWS * NUM_WARPGROUPS
+NUM_THREADS = 128 * NUM_WARPGROUPS
+KV_STAGES = 2
+ROWS_PER_WARP = 16
+
+
+class FmhaSm90:
+    """Compile-time configuration of one dense FMHA variant (see cute_kernels.variants)."""
+
+    def __init__(self, paged: bool, dtype=cutlass.BFloat16):
+        assert dtype is cutlass.BFloat16, "the first sm90 FMHA serves bf16"
+        self.paged = paged
+        self.dtype = dtype
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor,
+                 cu_seqlens_q: cute.Tensor, cu_seqlens_k: cute.Tensor, kv_lens: cute.Tensor,
+                 qo_offset: cute.Tensor, page_table: cute.Tensor,
+                 logit_scale_log2: cutlass.Float32, output_scale: cutlass.Float32,
+                 causal: cutlass.Int32, grid_q_tiles: cutlass.Int32, stream):
+        # K-major 128-byte-swizzle atom (8 rows x 64 bf16); the swizzle rides on the pointer.
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        q_layout = cute.tile_to_shape(atom, (WG_ROWS, HEAD_DIM, NUM_WARPGROUPS), (0, 1, 2))
+        kv_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM, KV_STAGES), (0, 1, 2))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+
+        copy_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                        self.dtype, num_bits_per_copy=128)
+        chunk = 128 // self.dtype.width
+        # A warpgroup loads its own 64 Q rows: 16 rows x 8 threads of 16 bytes per step.
+        q_copy = cute.make_tiled_copy_tv(copy_atom, cute.make_layout((16, 8), stride=(8, 1)),
+                                         cute.make_layout((1, chunk)))
+        # The whole CTA loads a K or V block: 32 rows x 8 threads of 16 bytes per step.
+        kv_copy = cute.make_tiled_copy_tv(
+            copy_atom, cute.make_layout((NUM_THREADS // 8, 8), stride=(8, 1)),
+            cute.make_layout((1, chunk)))
+        mma_qk = hopper.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            cutlass.Float32, (1, 1, 1), (WG_ROWS, BLOCK_N))
+        # V is stored [key, channel]: as the B operand (channel x key) of O = P V it is MN-major.
+        mma_pv = hopper.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            cutlass.Float32, (1, 1, 1), (WG_ROWS, HEAD_DIM),
+            a_source=warpgroup.OperandSource.RMEM)
+        # Accumulator -> staged O rows (two adjacent columns per 32-bit store), then 16-byte
+        # row segments to global memory (16 lanes per 128-channel row).
+        stage_o_copy = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                num_bits_per_copy=2 * self.dtype.width), mma_pv)
+        lanes_per_row = HEAD_DIM // chunk
+        store_o_copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
+            cute.make_layout((32 // lanes_per_row, lanes_per_row), stride=(lanes_per_row, 1)),
+            cute.make_layout((1, chunk)))
+        self.kernel(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
+                    logit_scale_log2, output_scale, causal, q_layout, kv_layout, q_copy, kv_copy,
+                    mma_qk, mma_pv, stage_o_copy, store_o_copy, SharedStorage).launch(
+            grid=(grid_q_tiles, cute.size(q.shape[1]), cute.size(cu_seqlens_q.shape[0]) - 1),
+            block=(NUM_THREADS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mCuQ: cute.Tensor, mCuK: cute.Tensor, mKvLens: cute.Tensor,
+               mOffset: cute.Tensor, mPageTable: cute.Tensor,
+               scale_log2: cutlass.Float32, output_scale: cutlass.Float32,
+               causal: cutlass.Int32, q_layout: cute.ComposedLayout,
+               kv_layout: cute.ComposedLayout, q_copy: cute.TiledCopy, kv_copy: cute.TiledCopy,
+               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, stage_o_copy: cute.TiledCopy,
+               store_o_copy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta_x, head, request = cute.arch.block_idx()
+        grid_x, _, _ = cute.arch.grid_dim()
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_tidx = tidx % 128
+        lane = tidx % 32
+        warp_in_wg = cute.arch.make_warp_uniform(wg_tidx // 32)
+
+        total_q = mQ.shape[0]
+        head_kv = head // (mQ.shape[1] // mK.shape[1])
+        q_start = cutlass.max(cutlass.min(mCuQ[request], total_q), 0)
+        q_len = cutlass.min(mCuQ[request + 1], total_q) - q_start
+        kv_len = mKvLens[request]
+        offset = mOffset[request]
+        k_row0 = cutlass.Int32(0)
+        if cutlass.const_expr(not self.paged):
+            k_row0 = mCuK[request]
+            kv_len = cutlass.min(kv_len, mK.shape[0] - k_row0)
+        else:
+            kv_len = cutlass.min(kv_len, mPageTable.shape[1] * BLOCK_N)
+        n_q_tiles = (q_len + TILE_M - 1) // TILE_M
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ_wgs = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK_stages = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sV_stages = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+
+        # The last (heaviest) tiles first; x strides when the grid is smaller than the tiles.
+        for walk in range(cta_x, n_q_tiles, grid_x):
+            q_tile = n_q_tiles - 1 - walk
+            q_lo = q_tile * TILE_M                         # first local query of the tile
+            # Keys [0, kv_end) are visible to some query of the tile.
+            kv_end = kv_len
+            if causal != 0:
+                kv_end = cutlass.min(kv_end, cutlass.min(q_lo + TILE_M, q_len) + offset)
+            n_blocks = cutlass.max((kv_end + BLOCK_N - 1) // BLOCK_N, 0)
+            self._tile(mQ, mK, mV, mO, mPageTable, request, head, head_kv, q_start, q_len,
+                       q_lo, kv_len, k_row0, offset, causal, n_blocks, scale_log2,
+                       output_scale, tidx, wg, wg_tidx, lane, warp_in_wg, sQ_wgs, sK_stages,
+                       sV_stages, q_copy, kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy)
+
+    @cute.jit
+    def _tile(self, mQ, mK, mV, mO, mPageTable, request, head, head_kv, q_start, q_len, q_lo,
+              kv_len, k_row0, offset, causal, n_blocks, scale_log2, output_scale, tidx, wg,
+              wg_tidx, lane, warp_in_wg, sQ_wgs, sK_stages, sV_stages, q_copy, kv_copy, mma_qk,
+              mma_pv, stage_o_copy, store_o_copy):
+        """One 128-query tile: load Q, stream the key blocks, write O."""
+        # V^T (channel x key) views of the V stages for the B operand of O = P V.
+        sVt_stages = cute.composition(
+            sV_stages, cute.make_ordered_layout((HEAD_DIM, BLOCK_N, KV_STAGES), order=(1, 0, 2)))
+
+        # ---- Q rows of this warpgroup (zero past q_len) ------------------------------------
+        thr_q_copy = q_copy.get_slice(wg_tidx)
+        sQ_mine = sQ_wgs[None, None, wg]
+        tQsQ = thr_q_copy.partition_D(sQ_mine)
+        tQcQ = thr_q_copy.partition_S(cute.make_identity_tensor((WG_ROWS, HEAD_DIM)))
+        row_stride0 = cute.make_layout((WG_ROWS, HEAD_DIM), stride=(0, 1))
+        wg_q0 = q_lo + wg * WG_ROWS
+        for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+            q_local = wg_q0 + tQcQ[0, m, 0][0]
+            if q_local < q_len:
+                q_row = mQ[q_start + q_local, head, None]
+                gQ = thr_q_copy.partition_S(cute.make_tensor(q_row.iterator, row_stride0))
+                cute.copy(q_copy, gQ[None, m, None], tQsQ[None, m, None])
+            else:
+                tQsQ[None, m, None].fill(0)
+
+        thr_kv_copy = kv_copy.get_slice(tidx)
+        tKVcKV = thr_kv_copy.partition_S(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
+        kv_row_stride0 = cute.make_layout((BLOCK_N, HEAD_DIM), stride=(0, 1))
+        if n_blocks > 0:
+            self._load_kv_block(mK, mV, mPageTable, request, head_kv, k_row0, kv_len, 0, 0,
+                                sK_stages, sV_stages, thr_kv_copy, kv_copy, tKVcKV,
+                                kv_row_stride0)
+        cute.arch.cp_async_commit_group()            # Q rides in the first group
+
+        # ---- warpgroup MMA operands --------------------------------------------------------
+        thr_qk = mma_qk.get_slice(wg_tidx)
+        thr_pv = mma_pv.get_slice(wg_tidx)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_wgs))[None, None, None, wg]
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK_stages))      # (.., .., K, stage)
+        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt_stages))    # (.., .., K, stage)
+        acc_s_shape = thr_qk.partition_shape_C((WG_ROWS, BLOCK_N))
+        tScS = wgmma_rows_cols_view(thr_qk.partition_C(
+            cute.make_identity_tensor((WG_ROWS, BLOCK_N))))
+        n_my_rows = cute.size(tScS, mode=[0])
+        n_my_cols = cute.size(tScS, mode=[1])
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((WG_ROWS, HEAD_DIM)),
+                                      cutlass.Float32)
+        acc_o.fill(0.0)
+        o_rc = wgmma_rows_cols_view(acc_o)
+        row_max = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)   # running, scaled log2
+        row_sum = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)   # this thread's part
+        for i in cutlass.range_constexpr(n_my_rows):
+            row_max[i] = -cutlass.Float32.inf
+            row_sum[i] = 0.0
+
+        for blk in range(n_blocks):
+            stage = blk % KV_STAGES
+            cute.arch.cp_async_wait_group(0)
+            # cp.async writes are generic-proxy; wgmma reads through the async proxy. After the
+            # barrier both warpgroups are also done with the stage refilled below.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            if blk + 1 < n_blocks:
+                self._load_kv_block(mK, mV, mPageTable, request, head_kv, k_row0, kv_len,
+                                    blk + 1, 1 - stage, sK_stages, sV_stages, thr_kv_copy,
+                                    kv_copy, tKVcKV, kv_row_stride0)
+            cute.arch.cp_async_commit_group()
+
+            # ---- S = Q K^T ------------------------------------------------------------------
+            acc_s = cute.make_rmem_tensor(acc_s_shape, cutlass.Float32)
+            warpgroup_gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
+
+            # ---- online softmax ---------------------------------------------------------------
+            key0 = blk * BLOCK_N
+            s_rc = wgmma_rows_cols_view(acc_s)
+            for i in cutlass.range_constexpr(n_my_rows):
+                q_local = wg_q0 + tScS[i, 0][0]
+                visible_end = kv_len - key0                 # block keys [0, end) visible
+                if causal != 0:
+                    visible_end = cutlass.min(visible_end, q_local + offset - key0 + 1)
+                blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end,
+                                                    BLOCK_N))
+                new_max = cute.arch.fmax(row_max[i], blk_max * scale_log2)
+                base = new_max
+                if new_max == -cutlass.Float32.inf:
+                    base = 0.0                              # nothing visible yet: p = 0
+                correction = cute.math.exp2(row_max[i] - base, fastmath=True)
+                row_max[i] = new_max
+                part = cutlass.Float32(0.0)
+                for j in cutlass.range_constexpr(n_my_cols):
+                    p = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
+                    part = part + p
+                    s_rc[i, j] = p
+                row_sum[i] = row_sum[i] * correction + part
+                for j in cutlass.range_constexpr(n_my_cols):
+                    o_rc[i, j] = o_rc[i, j] * correction
+
+            # ---- O += P V (P in registers) ---------------------------------------------------
+            r_p = cute.make_fragment_like(acc_s, self.dtype)
+            r_p.store(acc_s.load().to(self.dtype))
+            t_p = wgmma_accumulator_as_operand_a(r_p)
+            warpgroup_gemm(mma_pv, acc_o, t_p, tOrVt[None, None, None, stage], accumulate=True)
+        cute.arch.cp_async_wait_group(0)
+        # The Q rows are staged over below by other threads than the ones that loaded (or
+        # zero-filled) them: with no key block the loop's barrier never ran.
+        cute.arch.sync_threads()
+
+        # ---- normalize, stage in this warpgroup's Q rows, write 16-byte row segments --------
+        for i in cutlass.range_constexpr(n_my_rows):
+            total = quad_sum(row_sum[i])
+            inv = cutlass.Float32(0.0)
+            if total > 0.0:
+                inv = output_scale / total
+            for j in cutlass.range_constexpr(n_my_cols):
+                o_rc[i, j] = o_rc[i, j] * inv
+        r_o = cute.make_fragment_like(acc_o, self.dtype)
+        r_o.store(acc_o.load().to(self.dtype))
+        # Warp w of the warpgroup holds rows 16w..16w+15 and only its own S wgmmas read them.
+        thr_stage_o = stage_o_copy.get_slice(wg_tidx)
+        cute.copy(stage_o_copy, thr_stage_o.retile(r_o), thr_stage_o.partition_D(sQ_mine))
+        cute.arch.sync_warp()
+        thr_store_o = store_o_copy.get_slice(lane)
+        tWsO = thr_store_o.partition_S(
+            cute.local_tile(sQ_mine, (ROWS_PER_WARP, HEAD_DIM), (warp_in_wg, 0)))
+        tWcO = thr_store_o.partition_S(cute.make_identity_tensor((ROWS_PER_WARP, HEAD_DIM)))
+        r_out = cute.make_fragment_like(tWsO)
+        r_out.store(tWsO.load())
+        warp_row_stride0 = cute.make_layout((ROWS_PER_WARP, HEAD_DIM), stride=(0, 1))
+        for m in cutlass.range_constexpr(cute.size(tWsO.shape[1])):
+            q_local = wg_q0 + warp_in_wg * ROWS_PER_WARP + tWcO[0, m, 0][0]
+            if q_local < q_len:
+                o_row = mO[q_start + q_local, head, None]
+                gO = thr_store_o.partition_D(cute.make_tensor(o_row.iterator, warp_row_stride0))
+                cute.copy(store_o_copy, r_out[None, m, None], gO[None, m, None])
+        # The next tile of this CTA reloads Q into these rows: everyone must be done reading.
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _load_kv_block(self, mK: cute.Tensor, mV: cute.Tensor, mPageTable: cute.Tensor,
+                       request: cutlass.Int32, head_kv: cutlass.Int32, k_row0: cutlass.Int32,
+                       kv_len: cutlass.Int32, blk: cutlass.Int32, stage: cutlass.Int32,
+                       sK_stages: cute.Tensor, sV_stages: cute.Tensor, thr_kv_copy,
+                       kv_copy: cute.TiledCopy, tKVcKV: cute.Tensor,
+                       kv_row_stride0: cute.Layout):
+        """cp.async the K and V rows of key block `blk` into `stage`; keys past kv_len (or on a
+        page outside the pool) are zero-filled, never read."""
+        n_keys = cutlass.min(kv_len - blk * BLOCK_N, BLOCK_N)
+        base = k_row0 + blk * BLOCK_N
+        if cutlass.const_expr(self.paged):
+            base = mPageTable[request, blk]
+            if base < 0 or base >= mK.shape[0]:
+                n_keys = 0
+                base = 0
+        tKsK = thr_kv_copy.partition_D(sK_stages[None, None, stage])
+        tVsV = thr_kv_copy.partition_D(sV_stages[None, None, stage])
+        for m in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
+            key = tKVcKV[0, m, 0][0]
+            if key < n_keys:
+                if cutlass.const_expr(self.paged):
+                    k_ptr = mK[base, head_kv, key, None].iterator
+                    v_ptr = mV[base, head_kv, key, None].iterator
+                else:
+                    k_ptr = mK[base + key, head_kv, None].iterator
+                    v_ptr = mV[base + key, head_kv, None].iterator
+                gK = thr_kv_copy.partition_S(cute.make_tensor(k_ptr, kv_row_stride0))
+                gV = thr_kv_copy.partition_S(cute.make_tensor(v_ptr, kv_row_stride0))
+                cute.copy(kv_copy, gK[None, m, None], tKsK[None, m, None])
+                cute.copy(kv_copy, gV[None, m, None], tVsV[None, m, None])
+            else:
+                tKsK[None, m, None].fill(0)
+                tVsV[None, m, None].fill(0)
