@@ -73,7 +73,10 @@ def run(call):
     cu_q = on_device(plan["cu_seqlens_q"])
     cu_k = on_device(plan["cu_seqlens_k"])
     kv_lens = on_device(plan["kv_segment_lens"])
-    offsets = on_device(call.qo_offset).to(torch.int32).contiguous()
+    # Beyond +-2^30 every key (or none) is visible anyway; the clamp keeps the kernel's
+    # position arithmetic (query + offset - key) far from int32 overflow.
+    offsets = on_device(call.qo_offset).to(torch.int64).clamp(-(1 << 30), 1 << 30)
+    offsets = offsets.to(torch.int32).contiguous()
     batch = cu_q.numel() - 1
     table = call.page_table if call.paged else kv_lens.view(batch, 1)   # unused when dense
     grid_q_tiles = max(1, -(-int(plan["max_seqlen_q"]) // TILE_M))

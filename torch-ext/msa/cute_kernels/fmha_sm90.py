@@ -135,7 +135,7 @@ class FmhaSm90:
         offset = mOffset[request]
         k_row0 = cutlass.Int32(0)
         if cutlass.const_expr(not self.paged):
-            k_row0 = mCuK[request]
+            k_row0 = cutlass.max(mCuK[request], 0)
             kv_len = cutlass.min(kv_len, mK.shape[0] - k_row0)
         else:
             kv_len = cutlass.min(kv_len, mPageTable.shape[1] * BLOCK_N)
