@@ -61,9 +61,9 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
-from .tile_utils import quad_max, warpgroup_gemm, wgmma_rows_cols_view
+from .tile_utils import quad_max, row_copy, warpgroup_gemm, wgmma_rows_cols_view
 
 HEAD_DIM = 128
 BLOCK_N = 128            # keys per tile (= page size)
@@ -106,17 +106,9 @@ class BlockMaxScoreSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(k_layout)], 1024]
 
-        copy_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                        self.dtype, num_bits_per_copy=128)
-        # 16-byte chunks: 8 (bf16) or 16 (e4m3) elements.
-        chunk = 128 // self.dtype.width
-        # One warpgroup loads its own 64 Q rows: 16 rows x 8 threads of 16 bytes per step.
-        q_copy = cute.make_tiled_copy_tv(copy_atom, cute.make_layout((16, 8), stride=(8, 1)),
-                                         cute.make_layout((1, chunk)))
-        # The whole CTA loads a K tile: 64 rows x 8 threads of 16 bytes per step.
-        k_copy = cute.make_tiled_copy_tv(
-            copy_atom, cute.make_layout((self.num_threads // 8, 8), stride=(8, 1)),
-            cute.make_layout((1, chunk)))
+        # One warpgroup loads its own 64 Q rows (16 per step); the whole CTA loads a K tile.
+        q_copy = row_copy(self.dtype, 16)
+        k_copy = row_copy(self.dtype, self.num_threads // 8)
         mma = hopper.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             cutlass.Float32, (1, 1, 1), (WG_ROWS, BLOCK_N))

@@ -36,10 +36,10 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
-from .tile_utils import (mask_row_and_max, quad_max, quad_sum, warpgroup_gemm,
-                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+from .tile_utils import (mask_row_and_max, quad_max, quad_sum, row_copy, warp_row_store_copy,
+                         warpgroup_gemm, wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 
 HEAD_DIM = 128
 BLOCK_N = 128            # keys per block (= page size)
@@ -76,16 +76,9 @@ class FmhaSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
 
-        copy_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                        self.dtype, num_bits_per_copy=128)
-        chunk = 128 // self.dtype.width
-        # A warpgroup loads its own 64 Q rows: 16 rows x 8 threads of 16 bytes per step.
-        q_copy = cute.make_tiled_copy_tv(copy_atom, cute.make_layout((16, 8), stride=(8, 1)),
-                                         cute.make_layout((1, chunk)))
-        # The whole CTA loads a K or V block: 32 rows x 8 threads of 16 bytes per step.
-        kv_copy = cute.make_tiled_copy_tv(
-            copy_atom, cute.make_layout((NUM_THREADS // 8, 8), stride=(8, 1)),
-            cute.make_layout((1, chunk)))
+        # A warpgroup loads its own 64 Q rows (16 per step); the whole CTA loads K / V blocks.
+        q_copy = row_copy(self.dtype, 16)
+        kv_copy = row_copy(self.dtype, NUM_THREADS // 8)
         mma_qk = hopper.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             cutlass.Float32, (1, 1, 1), (WG_ROWS, BLOCK_N))
@@ -99,11 +92,7 @@ class FmhaSm90:
         stage_o_copy = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
                                 num_bits_per_copy=2 * self.dtype.width), mma_pv)
-        lanes_per_row = HEAD_DIM // chunk
-        store_o_copy = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
-            cute.make_layout((32 // lanes_per_row, lanes_per_row), stride=(lanes_per_row, 1)),
-            cute.make_layout((1, chunk)))
+        store_o_copy = warp_row_store_copy(self.dtype, HEAD_DIM)
         self.kernel(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
                     logit_scale_log2, output_scale, causal, q_layout, kv_layout, q_copy, kv_copy,
                     mma_qk, mma_pv, stage_o_copy, store_o_copy, SharedStorage).launch(

@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import warp
 
 from .tile_utils import (accumulator_as_operand_a, mask_row_and_max, quad_max, quad_sum,
-                         rows_cols_view)
+                         row_copy, rows_cols_view, warp_row_store_copy)
 
 HEAD_DIM = 128
 BLOCK_N = 128          # keys per KV block (= page size)
@@ -107,11 +107,7 @@ class SparsePrefillSm90:
             sEntry: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.tile_m * Q_STAGES], 16]
 
         # Gmem -> smem: 16-byte cp.async chunks; 8 threads cover 64 columns of a row.
-        copy_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                        self.dtype, num_bits_per_copy=128)
-        gather_copy = cute.make_tiled_copy_tv(
-            copy_atom, cute.make_layout((self.num_threads // 8, 8), stride=(8, 1)),
-            cute.make_layout((1, 8)))
+        gather_copy = row_copy(self.dtype, self.num_threads // 8)
         tiled_mma = cute.make_tiled_mma(
             warp.MmaF16BF16Op(self.dtype, cutlass.Float32, (16, 8, 16)),
             (self.num_threads // 32, 1, 1), permutation_mnk=(self.tile_m, 16, 16))
@@ -120,13 +116,7 @@ class SparsePrefillSm90:
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.partial_dtype,
                                 num_bits_per_copy=2 * self.partial_dtype.width), tiled_mma)
         # sO -> O_partial, one warp: 16-byte vectors, a row is 128/vec consecutive lanes.
-        vec = 128 // self.partial_dtype.width
-        lanes_per_row = HEAD_DIM // vec
-        store_o_copy = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.partial_dtype,
-                                num_bits_per_copy=128),
-            cute.make_layout((32 // lanes_per_row, lanes_per_row), stride=(lanes_per_row, 1)),
-            cute.make_layout((1, vec)))
+        store_o_copy = warp_row_store_copy(self.partial_dtype, HEAD_DIM)
 
         scale_log2 = softmax_scale * LOG2_E
         self.kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens, page_table, k2q_row_ptr,

@@ -36,12 +36,12 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
 from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, Q_STAGES,
                                   ROWS_PER_WARP, SparsePrefillSm90)
-from .tile_utils import (warpgroup_gemm, warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
-                         wgmma_rows_cols_view)
+from .tile_utils import (row_copy, warp_row_store_copy, warpgroup_gemm, warpgroup_gemm_issue,
+                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 
 TILE_M = 64            # one warpgroup MMA row block
 NUM_THREADS = 128
@@ -122,20 +122,11 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
             o_layout = cute.tile_to_shape(o_atom, (TILE_M, HEAD_DIM), (0, 1))
         SharedStorage = self._shared_storage(q_layout, kv_layout, v_layout, p_layout, o_layout)
 
-        copy_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                        self.qk_dtype, num_bits_per_copy=128)
         # 16-byte chunks: 8 (bf16) or 16 (e4m3) elements per thread per row segment.
-        chunk = 128 // self.qk_dtype.width
-        gather_copy = cute.make_tiled_copy_tv(
-            copy_atom, cute.make_layout((NUM_THREADS // 8, 8), stride=(8, 1)),
-            cute.make_layout((1, chunk)))
+        gather_copy = row_copy(self.qk_dtype, NUM_THREADS // 8)
         # e4m3 K/V rows that must be converted or transposed: 16 bytes per thread into
         # registers (plain loads), 8 threads per 128-channel row.
-        convert_load = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.kv_in_dtype,
-                                num_bits_per_copy=128),
-            cute.make_layout((NUM_THREADS // 8, 8), stride=(8, 1)),
-            cute.make_layout((1, 128 // self.kv_in_dtype.width)))
+        convert_load = row_copy(self.kv_in_dtype, NUM_THREADS // 8, async_copy=False)
         mma_qk = hopper.make_trivial_tiled_mma(
             self.qk_dtype, self.qk_dtype, cute.nvgpu.OperandMajorMode.K,
             cute.nvgpu.OperandMajorMode.K, cutlass.Float32, (1, 1, 1), (TILE_M, BLOCK_N))
@@ -158,13 +149,7 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
         stage_o_copy = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.partial_dtype,
                                 num_bits_per_copy=2 * self.partial_dtype.width), mma_pv)
-        vec = 128 // self.partial_dtype.width
-        lanes_per_row = HEAD_DIM // vec
-        store_o_copy = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.partial_dtype,
-                                num_bits_per_copy=128),
-            cute.make_layout((32 // lanes_per_row, lanes_per_row), stride=(lanes_per_row, 1)),
-            cute.make_layout((1, vec)))
+        store_o_copy = warp_row_store_copy(self.partial_dtype, HEAD_DIM)
 
         scale_log2 = softmax_scale * LOG2_E
         self.kernel_wgmma(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens, page_table, k2q_row_ptr,

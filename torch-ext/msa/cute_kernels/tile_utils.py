@@ -11,7 +11,31 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+
+def row_copy(dtype, rows_per_step: int, async_copy: bool = True) -> cute.TiledCopy:
+    """Copy of 128-channel rows in 16-byte chunks, 8 threads per row: rows_per_step rows per
+    step of 8 * rows_per_step threads. cp.async global -> shared (async_copy), else plain
+    16-byte loads / stores (through registers)."""
+    if async_copy:
+        op = cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
+    else:
+        op = cute.nvgpu.CopyUniversalOp()
+    atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=128)
+    return cute.make_tiled_copy_tv(atom, cute.make_layout((rows_per_step, 8), stride=(8, 1)),
+                                   cute.make_layout((1, 128 // dtype.width)))
+
+
+def warp_row_store_copy(dtype, head_dim: int) -> cute.TiledCopy:
+    """One warp writing whole staged rows as 16-byte segments: head_dim / (16 bytes) lanes per
+    row, 32 / that rows per step (plain stores, shared -> registers -> global)."""
+    vec = 128 // dtype.width
+    lanes_per_row = head_dim // vec
+    return cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128),
+        cute.make_layout((32 // lanes_per_row, lanes_per_row), stride=(lanes_per_row, 1)),
+        cute.make_layout((1, vec)))
 
 
 def rows_cols_view(acc: cute.Tensor) -> cute.Tensor:
