@@ -46,7 +46,10 @@ constexpr int kStageRegionBytes = 2 * kPageBf16Bytes;            // bf16: two pi
 static_assert(kPageBf16Bytes + 2 * kPageFp8Bytes <= kStageRegionBytes,
               "e4m3: one converted page + two raw stages must fit the stage region");
 constexpr int kListBytes = kMaxCandidates * 4 * 4;               // cand, phys, logical, mask
-constexpr int kSmemBytes = kQBytes + kStageRegionBytes + kListBytes + 64;
+// warp_counts + page_total (64 B) and the split-keys page maxima [kWarps][16] floats.
+constexpr int kSmemBytes = kQBytes + kStageRegionBytes + kListBytes + 64 + kWarps * 16 * 4;
+static_assert(kWarps * 16 * (kHeadDim + 1) * 4 <= kStageRegionBytes,
+              "split keys: the warps' partial accumulators must fit the stage region");
 
 struct __align__(16) Bf16x8 {
   __nv_bfloat162 v[4];
@@ -62,6 +65,9 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 __device__ __forceinline__ void cp_async_wait_one() {
   asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
@@ -275,6 +281,12 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
   return *total;
 }
 
+// kSplitKeys (every qo tile has <= 16 rows, e.g. decode with G = 16 and one token): all 8
+// warps hold the same 16 rows and warp w takes keys [16w, 16w + 16) of every page, instead of
+// one warp doing the whole page while seven idle. The page max is shared through shared memory,
+// so every warp folds with the same running max as the one-warp path; the warps' partial sums
+// and accumulators are added at the end.
+template <bool kSplitKeys>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_kernel(const DecodeAttentionArgs a) {
   extern __shared__ __align__(128) char smem[];
@@ -286,6 +298,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t* list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
   int* warp_counts = reinterpret_cast<int*>(list_mask + kMaxCandidates);
   int* page_total = warp_counts + kWarps;
+  float* warp_page_max = reinterpret_cast<float*>(page_total + 1);   // [kWarps][16] (split keys)
 
   const int work = blockIdx.x;
   CtaContext ctx;
@@ -322,7 +335,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const bool warp_active = warp * 16 < tile_rows;
+  // Rows of this warp start at row_base; its key n8-tiles are n_base .. n_base + kNTiles - 1.
+  constexpr int kNTiles = kSplitKeys ? 2 : kPageSize / 8;
+  const int row_base = kSplitKeys ? 0 : warp * 16;
+  const int n_base = kSplitKeys ? warp * kNTiles : 0;
+  const bool warp_active = row_base < tile_rows;
   const float scale_log2 = a.softmax_scale * kLog2e;
   const bool pv_fp8 = a.q_fp8 && a.kv_fp8;
 
@@ -331,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int row_last_key[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int row = warp * 16 + (lane >> 2) + i * 8;
+    const int row = row_base + (lane >> 2) + i * 8;
     // Clamped so the token-mask shift stays < 32 for padding rows (masked off anyway).
     row_token[i] = min((ctx.qo_tile * kRowsPerCta + row) / group, 31);
     row_last_key[i] = row < tile_rows
@@ -377,11 +394,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const __nv_bfloat16* vs = ks + kPageSize * kStride;
 
     if (warp_active && page.token_mask != 0) {
-      // S = Q K^T for this warp's 16 rows and the page's 128 keys.
-      float s[16][4];
+      // S = Q K^T for this warp's 16 rows and its keys of the page.
+      float s[kNTiles][4];
 #pragma unroll
-      for (int n = 0; n < 16; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-      const __nv_bfloat16* qw = qs + (warp * 16 + (lane >> 2)) * kStride + (lane & 3) * 2;
+      for (int n = 0; n < kNTiles; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      const __nv_bfloat16* qw = qs + (row_base + (lane >> 2)) * kStride + (lane & 3) * 2;
 #pragma unroll
       for (int kd = 0; kd < kHeadDim / 16; ++kd) {
         uint32_t qa[4];
@@ -389,9 +406,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         qa[1] = *reinterpret_cast<const uint32_t*>(qw + 8 * kStride + kd * 16);
         qa[2] = *reinterpret_cast<const uint32_t*>(qw + kd * 16 + 8);
         qa[3] = *reinterpret_cast<const uint32_t*>(qw + 8 * kStride + kd * 16 + 8);
-        const __nv_bfloat16* kp = ks + (lane >> 2) * kStride + kd * 16 + (lane & 3) * 2;
+        const __nv_bfloat16* kp =
+            ks + (n_base * 8 + (lane >> 2)) * kStride + kd * 16 + (lane & 3) * 2;
 #pragma unroll
-        for (int n = 0; n < 16; ++n) {
+        for (int n = 0; n < kNTiles; ++n) {
           const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kp + n * 8 * kStride);
           const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kp + n * 8 * kStride + 8);
           mma_bf16(s[n], qa, b0, b1);
@@ -406,10 +424,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       float page_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int n = 0; n < 16; ++n) {
+      for (int n = 0; n < kNTiles; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = n * 8 + (lane & 3) * 2 + (e & 1);
+          const int key = (n_base + n) * 8 + (lane & 3) * 2 + (e & 1);
           const float v = key <= last_key[e >> 1] ? s[n][e] * scale_log2 : -INFINITY;
           s[n][e] = v;
           page_max[e >> 1] = fmaxf(page_max[e >> 1], v);
@@ -420,6 +438,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i2 = 0; i2 < 2; ++i2) {
         page_max[i2] = fmaxf(page_max[i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[i2], 1));
         page_max[i2] = fmaxf(page_max[i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[i2], 2));
+      }
+      if constexpr (kSplitKeys) {
+        // The whole page's max per row: every warp's max over its keys, through shared memory.
+        // (The branch is CTA-uniform here: every warp is active and sees the same page.)
+        if ((lane & 3) == 0) {
+          warp_page_max[warp * 16 + (lane >> 2)] = page_max[0];
+          warp_page_max[warp * 16 + (lane >> 2) + 8] = page_max[1];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i2 = 0; i2 < 2; ++i2) {
+          float m = -INFINITY;
+#pragma unroll
+          for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_page_max[w * 16 + (lane >> 2) + i2 * 8]);
+          page_max[i2] = m;
+        }
+      }
+#pragma unroll
+      for (int i2 = 0; i2 < 2; ++i2) {
         const float new_max = fmaxf(row_max[i2], page_max[i2]);
         alpha[i2] = row_max[i2] == -INFINITY ? 0.f : exp2f(row_max[i2] - new_max);
         beta[i2] = page_max[i2] == -INFINITY ? 0.f : exp2f(page_max[i2] - new_max);
@@ -428,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       float page_sum[2] = {0.f, 0.f};
 #pragma unroll
-      for (int n = 0; n < 16; ++n) {
+      for (int n = 0; n < kNTiles; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float p = exp2f(s[n][e] - page_max[e >> 1]);
@@ -445,9 +482,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         acc[n][2] *= alpha[1];
         acc[n][3] *= alpha[1];
       }
-      // O += P V with P = high + residual (both bf16).
+      // O += P V with P = high + residual (both bf16), over this warp's keys.
 #pragma unroll
-      for (int kk = 0; kk < kPageSize / 16; ++kk) {
+      for (int kk = 0; kk < kNTiles / 2; ++kk) {
         uint32_t p_hi[4], p_lo[4];
 #pragma unroll
         for (int f = 0; f < 4; ++f) {
@@ -457,7 +494,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           p_hi[f] = *reinterpret_cast<const uint32_t*>(&hi);
           p_lo[f] = pack_bf16(src[0] - hi_f.x, src[1] - hi_f.y);
         }
-        const int v_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        const int v_row = (n_base / 2 + kk) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
         for (int nd = 0; nd < 16; nd += 2) {
           const uint32_t addr = smem_addr(vs + v_row * kStride + (nd + (lane >> 4)) * 8);
@@ -481,13 +518,52 @@ __global__ void __launch_bounds__(kThreads, 1)
     row_sum[i2] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[i2], 1);
     row_sum[i2] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[i2], 2);
   }
+  if constexpr (kSplitKeys) {
+    // Add the warps' partial accumulators and sums (same running max in every warp) in the
+    // now idle stage region; warp 0 then writes the rows as the one-warp path does.
+    cp_async_wait_all();
+    float* part_acc = reinterpret_cast<float*>(stages);                 // [kWarps][16][128]
+    float* part_sum = part_acc + kWarps * 16 * kHeadDim;                // [kWarps][16]
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+      const int row = (lane >> 2) + i2 * 8;
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        *reinterpret_cast<float2*>(part_acc + (warp * 16 + row) * kHeadDim + n * 8 +
+                                   (lane & 3) * 2) =
+            make_float2(acc[n][i2 * 2], acc[n][i2 * 2 + 1]);
+      }
+      if ((lane & 3) == 0) part_sum[warp * 16 + row] = row_sum[i2];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+      const int row = (lane >> 2) + i2 * 8;
+      float total = 0.f;
+      for (int w = 0; w < kWarps; ++w) total += part_sum[w * 16 + row];
+      row_sum[i2] = total;
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        float2 sum2 = make_float2(0.f, 0.f);
+        for (int w = 0; w < kWarps; ++w) {
+          const float2 x = *reinterpret_cast<const float2*>(
+              part_acc + (w * 16 + row) * kHeadDim + n * 8 + (lane & 3) * 2);
+          sum2.x += x.x;
+          sum2.y += x.y;
+        }
+        acc[n][i2 * 2] = sum2.x;
+        acc[n][i2 * 2 + 1] = sum2.y;
+      }
+    }
+  }
   if (!warp_active) return;
   const int64_t slot = a.split_kv ? static_cast<int64_t>(__ldg(a.merge_indptr + ctx.request)) + chunk
                                   : 0;
   if (a.split_kv && (slot < 0 || slot >= a.num_partial_slots)) return;
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
-    const int row = warp * 16 + (lane >> 2) + i2 * 8;
+    const int row = row_base + (lane >> 2) + i2 * 8;
     if (row >= tile_rows) continue;
     const int r = ctx.qo_tile * kRowsPerCta + row;
     const int token = r / group, qo_head = ctx.head * group + r % group;
@@ -566,10 +642,19 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
 
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream) {
   if (args.num_work <= 0 || args.num_kv_heads <= 0) return cudaSuccess;
-  MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      decode_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const dim3 grid(static_cast<unsigned>(args.num_work), static_cast<unsigned>(args.num_kv_heads));
-  decode_attention_kernel<<<grid, kThreads, kSmemBytes, stream>>>(args);
+  // Split keys across warps only when every qo tile has <= 16 rows (the binding checks it).
+  if (args.split_keys) {
+    MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(decode_attention_kernel<true>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             kSmemBytes));
+    decode_attention_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(args);
+  } else {
+    MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(decode_attention_kernel<false>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             kSmemBytes));
+    decode_attention_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(args);
+  }
   MSA_RETURN_IF_ERROR(cudaGetLastError());
   if (args.split_kv) {
     const int64_t items = static_cast<int64_t>(args.batch) * args.seqlen_q * args.num_qo_heads;

@@ -88,13 +88,18 @@ def _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k):
 LENS = [1, 129, 1000, 256, 77]
 
 
+@pytest.mark.parametrize("keys", ["rows", "split"])
 @pytest.mark.parametrize("split", ["forced", "unsplit"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("dtypes", list(DTYPES))
 @pytest.mark.parametrize("group", [1, 4, 16])
 @pytest.mark.parametrize("seqlen_q", [1, 4, 8])
 def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, group, dtypes,
-                                      sparse, split):
+                                      sparse, split, keys, monkeypatch):
+    """keys="split": the kernel form where the warps split each page's keys (tiles of <= 16
+    rows; for larger tiles the kernel keeps the row form, so those cases repeat "rows")."""
+    from msa._native import decode_cuda
+    monkeypatch.setattr(decode_cuda, "SPLIT_KEYS_FOR_TESTS", keys == "split")
     q, k, v, table, seqused_k, q2k = _batch(LENS, seqlen_q, group, dtypes, sparse)
     kw = dict(fixed_split_size=1) if split == "forced" else dict(disable_split_kv=True)
     wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k, **kw)

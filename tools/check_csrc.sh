@@ -56,4 +56,27 @@ for src in "${ROOT}"/csrc/*.cu; do
     echo "  note: register spills above" >&2
   fi
 done
+
+# The torch binding (torch-ext/torch_binding.cpp) is only built on a GPU host (it needs a CUDA
+# torch); a CPU torch ships the same headers, so check it compiles here: syntax and types, with
+# the one CUDA-build-generated header stubbed. Skipped when python has no torch.
+PY="${PYTHON:-python3}"
+if TORCH_INC="$("${PY}" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include"))' 2>/dev/null)"; then
+  echo "== torch_binding.cpp (syntax, $(${PY} -c 'import torch; print(torch.__version__)') headers)"
+  mkdir -p "${OUT_DIR}/stub/c10/cuda/impl"
+  echo "#pragma once" > "${OUT_DIR}/stub/c10/cuda/impl/cuda_cmake_macros.h"
+  PY_INC="$("${PY}" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+  CUDA_INC="$(dirname "$(dirname "$(readlink -f "${NVCC}")")")/include"
+  [[ -f "${CUDA_INC}/cuda_runtime_api.h" ]] || CUDA_INC=/usr/local/cuda/include
+  if ! g++ -std=c++17 -fsyntax-only -DTORCH_EXTENSION_NAME=_msa_check \
+      -I"${ROOT}/torch-ext" -I"${ROOT}/tools" -I"${OUT_DIR}/stub" -I"${PY_INC}" \
+      -I"${TORCH_INC}" -I"${TORCH_INC}/torch/csrc/api/include" -I"${CUDA_INC}" \
+      "${ROOT}/torch-ext/torch_binding.cpp" > "${OUT_DIR}/binding.log" 2>&1; then
+    cat "${OUT_DIR}/binding.log" >&2
+    echo "check_csrc: torch_binding.cpp FAILED" >&2
+    status=1
+  else
+    echo "  ok"
+  fi
+fi
 exit "${status}"

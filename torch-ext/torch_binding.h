@@ -111,6 +111,7 @@ struct DecodeAttentionArgs {
   void* out;                      // [batch * seqlen_q, num_qo_heads, 128] bf16
   float* lse;                     // null or [batch * seqlen_q, num_qo_heads] fp32
   float softmax_scale;
+  bool split_keys;                // warps split each page's keys (every qo tile <= 16 rows)
 };
 
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
@@ -147,5 +148,5 @@ void sparse_decode_attention(
     const torch::Tensor& num_splits, const torch::Tensor& merge_indptr,
     const std::optional<torch::Tensor>& o_partial, const std::optional<torch::Tensor>& lse_partial,
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
-    int64_t kv_chunk_size, bool split_kv, double softmax_scale);
+    int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys);
 #endif

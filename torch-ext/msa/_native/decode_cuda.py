@@ -29,6 +29,12 @@ OP_NAME = "sparse_decode_atten"
 # Flip to True only after tests/test_decode_gpu.py passes on the H200.
 # tests/test_decode_gpu.py passed on the H200 (2026-11-30): 118 cases, dense + sparse, graph replay.
 VALIDATED = True
+# The split-keys form (all 8 warps share the <= 16 rows of a decode tile and split each page's
+# keys, instead of one warp computing while seven idle): compiled, gated until the "split" cases
+# of tests/test_decode_gpu.py pass on an H200. Tests force it on or off through
+# SPLIT_KEYS_FOR_TESTS (None: the gate decides).
+VALIDATED_SPLIT_KEYS = False
+SPLIT_KEYS_FOR_TESTS: Optional[bool] = None
 UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
@@ -67,7 +73,16 @@ def run(call) -> None:
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
         call.o_partial if split else None, call.lse_partial if split else None,
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
-        float(call.softmax_scale))
+        float(call.softmax_scale), _split_keys())
+
+
+def _split_keys() -> bool:
+    """Whether to let the kernel split page keys across warps (it does so only for tiles of
+    <= 16 rows): forced by tests, else once validated (or MSA_UNVALIDATED_KERNELS=1)."""
+    if SPLIT_KEYS_FOR_TESTS is not None:
+        return SPLIT_KEYS_FOR_TESTS
+    return _backend.unvalidated_reason("the split-keys decode kernel",
+                                       VALIDATED_SPLIT_KEYS) is None
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
