@@ -394,3 +394,13 @@ def bench(sizes=(8192, 32768), num_heads=4, scale=1.0):
 
 if __name__ == "__main__" and "--bench" in sys.argv:
     bench()
+
+
+def test_decode_key_splits_cover_two_waves_with_at_least_two_tiles_each():
+    """CPU: the decode variant's grid x (K-tile chunks per request)."""
+    native = _native_module()
+    assert native.decode_key_splits(1, 64, 132) == 32          # capped by 2 tiles per CTA
+    assert native.decode_key_splits(1, 4096, 132) == 264       # two waves for one request
+    assert native.decode_key_splits(32, 1024, 132) == 9        # ceil(264 / 32)
+    assert native.decode_key_splits(512, 1024, 132) == 1
+    assert native.decode_key_splits(4, 1, 132) == 1            # at least one CTA

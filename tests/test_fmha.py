@@ -659,3 +659,34 @@ def test_bad_sparse_run_inputs(seed):
     with pytest.raises(ValueError, match="^plan_info: not a sparse-prefill plan"):
         dense = msa.fmha_plan(T([34]), T([512]), 4, 2, device="cpu")
         msa.sparse_fmha(q, kp, kp, dense[3], kv_block_indexes=sel)
+
+
+def test_native_max_score_pass_serves_only_the_indexer_shape():
+    """CPU: the sm90 "fmha_max_score" registration is the indexer kernel's shape (one shared
+    key head, dense or 128-token pages, <= 8 heads); anything else is refused with a reason
+    before any launch (and then runs the reference)."""
+    from msa._native import fmha_sm90
+    ok = dict(q_dtype=torch.bfloat16, k_dtype=torch.bfloat16, paged=False, page_size=-1,
+              causal=True, num_qo_heads=4, num_kv_heads=1)
+    reason = fmha_sm90.max_score_supports(**dict(ok, num_kv_heads=2))
+    assert reason is not None and "num_kv_heads = 1" in reason
+    reason = fmha_sm90.max_score_supports(**dict(ok, paged=True, page_size=64))
+    assert reason is not None and "page_size 64" in reason
+    reason = fmha_sm90.max_score_supports(**dict(ok, num_qo_heads=16))
+    assert reason is not None and "index heads" in reason
+
+
+def test_native_dense_fmha_is_gated_and_names_what_it_does_not_serve(monkeypatch):
+    """CPU: the sm90 dense FMHA refuses every call until validated; with the opt-in it still
+    refuses e4m3, the max-score modes and pages other than 128, naming them."""
+    from msa import _backend
+    from msa._native import fmha_sm90
+    base = dict(q_dtype=torch.bfloat16, k_dtype=torch.bfloat16, paged=False, page_size=-1,
+                causal=True, mode=3, qhead_per_kv=4)
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
+    if not fmha_sm90.VALIDATED:
+        assert "not validated" in fmha_sm90.supports(**base)
+    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
+    assert "bf16 only" in fmha_sm90.supports(**dict(base, q_dtype=torch.float8_e4m3fn))
+    assert "mode 1" in fmha_sm90.supports(**dict(base, mode=1))
+    assert "page_size 64" in fmha_sm90.supports(**dict(base, paged=True, page_size=64))

@@ -69,11 +69,10 @@ def use_decode_variant(call, device) -> bool:
     return cute_runtime.unavailable_reason(name) is None
 
 
-def decode_key_splits(batch: int, max_k_tiles: int, device) -> int:
+def decode_key_splits(batch: int, max_k_tiles: int, sm_count: int) -> int:
     """CTAs per request for the decode variant: about two waves over the SMs, at least two K
     tiles (one pipeline's worth) per CTA."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(-(-2 * sms // max(batch, 1)), -(-max_k_tiles // 2)))
+    return max(1, min(-(-2 * sm_count // max(batch, 1)), -(-max_k_tiles // 2)))
 
 
 def supports(*, q_dtype=None, k_dtype=None, paged=False, causal=True, num_heads=None,
@@ -143,7 +142,8 @@ def run(call) -> torch.Tensor:
     offsets = _causal_offsets(call, q_lens, k_lens).contiguous()
     decode = use_decode_variant(call, device)
     if decode:      # grid x: K-tile chunks per request
-        grid_x = decode_key_splits(batch, call.max_k_tiles, device)
+        grid_x = decode_key_splits(batch, call.max_k_tiles,
+                                   torch.cuda.get_device_properties(device).multi_processor_count)
     else:           # grid x: strides over each request's query tiles
         grid_x = max(1, -(-call.max_seqlen_q // (TILE_ROWS // num_heads)))
     if POISON_BUFFERS_FOR_TESTS:
