@@ -63,7 +63,8 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import warpgroup
 
-from .tile_utils import quad_max, row_copy, warpgroup_gemm, wgmma_rows_cols_view
+from .tile_utils import (kv_row_iterator, quad_max, row_copy, warpgroup_gemm,
+                         wgmma_rows_cols_view)
 
 HEAD_DIM = 128
 BLOCK_N = 128            # keys per tile (= page size)
@@ -351,9 +352,6 @@ class BlockMaxScoreSm90:
         for m in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
             key = tKcK[0, m, 0][0]
             if key < n_keys:
-                if cutlass.const_expr(self.paged):
-                    k_ptr = mK[base, 0, key, None].iterator
-                else:
-                    k_ptr = mK[base + key, 0, None].iterator
+                k_ptr = kv_row_iterator(mK, self.paged, base, 0, key)
                 gK = thr_k_copy.partition_S(cute.make_tensor(k_ptr, k_row_stride0))
                 cute.copy(k_copy, gK[None, m, None], tKsK[None, m, None])

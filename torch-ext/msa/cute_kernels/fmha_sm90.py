@@ -38,8 +38,9 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import warpgroup
 
-from .tile_utils import (mask_row_and_max, quad_max, quad_sum, row_copy, warp_row_store_copy,
-                         warpgroup_gemm, wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+from .tile_utils import (kv_row_iterator, mask_row_and_max, quad_max, quad_sum, row_copy,
+                         warp_row_store_copy, warpgroup_gemm, wgmma_accumulator_as_operand_a,
+                         wgmma_rows_cols_view)
 
 HEAD_DIM = 128
 BLOCK_N = 128            # keys per block (= page size)
@@ -309,12 +310,8 @@ class FmhaSm90:
         for m in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
             key = tKVcKV[0, m, 0][0]
             if key < n_keys:
-                if cutlass.const_expr(self.paged):
-                    k_ptr = mK[base, head_kv, key, None].iterator
-                    v_ptr = mV[base, head_kv, key, None].iterator
-                else:
-                    k_ptr = mK[base + key, head_kv, None].iterator
-                    v_ptr = mV[base + key, head_kv, None].iterator
+                k_ptr = kv_row_iterator(mK, self.paged, base, head_kv, key)
+                v_ptr = kv_row_iterator(mV, self.paged, base, head_kv, key)
                 gK = thr_kv_copy.partition_S(cute.make_tensor(k_ptr, kv_row_stride0))
                 gV = thr_kv_copy.partition_S(cute.make_tensor(v_ptr, kv_row_stride0))
                 cute.copy(kv_copy, gK[None, m, None], tKsK[None, m, None])

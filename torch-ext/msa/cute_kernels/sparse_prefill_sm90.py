@@ -43,7 +43,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
 from .tile_utils import (accumulator_as_operand_a, mask_row_and_max, quad_max, quad_sum,
-                         row_copy, rows_cols_view, warp_row_store_copy)
+                         kv_row_iterator, row_copy, rows_cols_view, warp_row_store_copy)
 
 HEAD_DIM = 128
 BLOCK_N = 128          # keys per KV block (= page size)
@@ -189,8 +189,8 @@ class SparsePrefillSm90:
             for m in cutlass.range_constexpr(cute.size(tXsK.shape[1])):
                 key = tXcKV[0, m, 0][0]
                 if key < n_keys:
-                    k_ptr = self._kv_row_ptr(mK, kv_row0, head_kv, key)
-                    v_ptr = self._kv_row_ptr(mV, kv_row0, head_kv, key)
+                    k_ptr = kv_row_iterator(mK, self.paged, kv_row0, head_kv, key)
+                    v_ptr = kv_row_iterator(mV, self.paged, kv_row0, head_kv, key)
                     gK = thr_copy.partition_S(cute.make_tensor(k_ptr, kv_row_stride0))
                     gV = thr_copy.partition_S(cute.make_tensor(v_ptr, kv_row_stride0))
                     cute.copy(gather_copy, gK[None, m, None], tXsK[None, m, None])
@@ -439,15 +439,6 @@ class SparsePrefillSm90:
                 cute.copy(gather_copy, gQ[None, m, None], tXsQ[None, m, None])
             else:
                 tXsQ[None, m, None].fill(0)
-
-    @cute.jit
-    def _kv_row_ptr(self, mKV: cute.Tensor, kv_row0: cutlass.Int32, head_kv: cutlass.Int32,
-                    key: cutlass.Int32):
-        """Address of the 128 channels of key `key` of the block (dense: token kv_row0 + key;
-        paged: page kv_row0, slot key)."""
-        if cutlass.const_expr(self.paged):
-            return mKV[kv_row0, head_kv, key, None].iterator
-        return mKV[kv_row0 + key, head_kv, None].iterator
 
     @cute.jit
     def _entry(self, mQsplit: cute.Tensor, head_kv: cutlass.Int32, entry0: cutlass.Int32,

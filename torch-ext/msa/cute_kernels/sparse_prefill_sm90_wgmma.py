@@ -40,8 +40,9 @@ from cutlass.cute.nvgpu import warpgroup
 
 from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, Q_STAGES,
                                   ROWS_PER_WARP, SparsePrefillSm90)
-from .tile_utils import (row_copy, warp_row_store_copy, warpgroup_gemm, warpgroup_gemm_issue,
-                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+from .tile_utils import (kv_row_iterator, row_copy, warp_row_store_copy, warpgroup_gemm,
+                         warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
+                         wgmma_rows_cols_view)
 
 TILE_M = 64            # one warpgroup MMA row block
 NUM_THREADS = 128
@@ -232,8 +233,8 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                 for m in cutlass.range_constexpr(cute.size(tXsK.shape[1])):
                     key = tXcKV[0, m, 0][0]
                     if key < n_keys:
-                        k_ptr = self._kv_row_ptr(mK, kv_row0, head_kv, key)
-                        v_ptr = self._kv_row_ptr(mV, kv_row0, head_kv, key)
+                        k_ptr = kv_row_iterator(mK, self.paged, kv_row0, head_kv, key)
+                        v_ptr = kv_row_iterator(mV, self.paged, kv_row0, head_kv, key)
                         gK = thr_copy.partition_S(cute.make_tensor(k_ptr, kv_row_stride0))
                         gV = thr_copy.partition_S(cute.make_tensor(v_ptr, kv_row_stride0))
                         cute.copy(gather_copy, gK[None, m, None], tXsK[None, m, None])
@@ -251,7 +252,7 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                     for m in cutlass.range_constexpr(cute.size(tXsK.shape[1])):
                         key = tXcKV[0, m, 0][0]
                         if key < n_keys:
-                            k_ptr = self._kv_row_ptr(mK, kv_row0, head_kv, key)
+                            k_ptr = kv_row_iterator(mK, self.paged, kv_row0, head_kv, key)
                             gK = thr_copy.partition_S(cute.make_tensor(k_ptr, kv_row_stride0))
                             cute.copy(gather_copy, gK[None, m, None], tXsK[None, m, None])
                         else:
@@ -312,16 +313,10 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
             if n_tiles > 1:
-                self._gather_q_tile(gather_entries, sQ_stages, sEntry, 1, thr_copy, gather_copy,
-                                    tXcX, mQ, q_start, q_len, head_kv, row_stride0, tidx)
-                self._load_gather_entries(gather_entries, mQsplit, head_kv, entry0,
-                                          2 * self.queries_per_tile, q_count, tXcX)
-                if n_tiles > 2:
-                    self._prefetch_q_line(mQ, prefetch_entry, prefetch_row, q_start, q_len,
-                                          head_kv, tidx)
-                    prefetch_entry = self._entry(mQsplit, head_kv, entry0,
-                                                 3 * self.queries_per_tile, q_count,
-                                                 prefetch_row)
+                prefetch_entry = self._gather_q_tile_ahead(
+                    1, 1, n_tiles, prefetch_entry, prefetch_row, gather_entries, sQ_stages,
+                    sEntry, thr_copy, gather_copy, tXcX, mQ, mQsplit, entry0, q_count, q_start,
+                    q_len, head_kv, row_stride0, tidx)
             cute.arch.cp_async_commit_group()
             warpgroup_gemm_issue(mma_qk, acc_s, tSrQ[None, None, None, 0], tSrK)
             for tile in range(n_tiles):
@@ -390,19 +385,38 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                 # ---- gather Q(tile + 2) into this tile's stage -------------------------------
                 if tile + 2 < n_tiles:
                     cute.arch.sync_threads()          # every warp has stored its staged O rows
-                    self._gather_q_tile(gather_entries, sQ_stages, sEntry, stage, thr_copy,
-                                        gather_copy, tXcX, mQ, q_start, q_len, head_kv,
-                                        row_stride0, tidx)
-                    self._load_gather_entries(gather_entries, mQsplit, head_kv, entry0,
-                                              (tile + 3) * self.queries_per_tile, q_count, tXcX)
-                    if tile + 3 < n_tiles:
-                        self._prefetch_q_line(mQ, prefetch_entry, prefetch_row, q_start, q_len,
-                                              head_kv, tidx)
-                        prefetch_entry = self._entry(mQsplit, head_kv, entry0,
-                                                     (tile + 4) * self.queries_per_tile,
-                                                     q_count, prefetch_row)
+                    prefetch_entry = self._gather_q_tile_ahead(
+                        tile + 2, stage, n_tiles, prefetch_entry, prefetch_row, gather_entries,
+                        sQ_stages, sEntry, thr_copy, gather_copy, tXcX, mQ, mQsplit, entry0,
+                        q_count, q_start, q_len, head_kv, row_stride0, tidx)
                 cute.arch.cp_async_commit_group()
             warpgroup.wait_group(0)          # no tile (q_count == 0): S(0) was still issued
+
+    @cute.jit
+    def _gather_q_tile_ahead(self, tile: cutlass.Int32, stage: cutlass.Int32,
+                             n_tiles: cutlass.Int32, prefetch_entry: cutlass.Int32,
+                             prefetch_row: cutlass.Int32, gather_entries: cute.Tensor,
+                             sQ_stages: cute.Tensor, sEntry: cute.Tensor, thr_copy,
+                             gather_copy: cute.TiledCopy, tXcX: cute.Tensor, mQ: cute.Tensor,
+                             mQsplit: cute.Tensor, entry0: cutlass.Int32,
+                             q_count: cutlass.Int32, q_start: cutlass.Int32,
+                             q_len: cutlass.Int32, head_kv: cutlass.Int32,
+                             row_stride0: cute.Layout, tidx: cutlass.Int32) -> cutlass.Int32:
+        """The Q-side pipeline step: gather tile `tile` into `stage` (gather_entries hold its
+        entries), load the entries of tile + 1 and L2-prefetch tile + 1's rows (prefetch_entry
+        holds this thread's entry of it). Returns this thread's entry of tile + 2, for the next
+        prefetch."""
+        self._gather_q_tile(gather_entries, sQ_stages, sEntry, stage, thr_copy, gather_copy,
+                            tXcX, mQ, q_start, q_len, head_kv, row_stride0, tidx)
+        self._load_gather_entries(gather_entries, mQsplit, head_kv, entry0,
+                                  (tile + 1) * self.queries_per_tile, q_count, tXcX)
+        if tile + 1 < n_tiles:
+            self._prefetch_q_line(mQ, prefetch_entry, prefetch_row, q_start, q_len, head_kv,
+                                  tidx)
+            prefetch_entry = self._entry(mQsplit, head_kv, entry0,
+                                         (tile + 2) * self.queries_per_tile, q_count,
+                                         prefetch_row)
+        return prefetch_entry
 
     @cute.jit
     def _prefetch_q_line(self, mQ: cute.Tensor, packed: cutlass.Int32, row: cutlass.Int32,
@@ -434,7 +448,7 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
         for m in cutlass.range_constexpr(cute.size(tLd.shape[1])):
             key = tLc[0, m, 0][0]
             if key < n_keys:
-                ptr = self._kv_row_ptr(mKV, kv_row0, head_kv, key)
+                ptr = kv_row_iterator(mKV, self.paged, kv_row0, head_kv, key)
                 gKV = thr.partition_S(cute.make_tensor(ptr, row_stride0))
                 frag = cute.make_fragment_like(gKV[None, m, None])
                 cute.copy(convert_load, gKV[None, m, None], frag)

@@ -27,6 +27,14 @@ def row_copy(dtype, rows_per_step: int, async_copy: bool = True) -> cute.TiledCo
                                    cute.make_layout((1, 128 // dtype.width)))
 
 
+def kv_row_iterator(mKV: cute.Tensor, paged: bool, base, head, key):
+    """Address of the 128 channels of one key of a K or V tensor: paged [pages, H, 128, D] ->
+    page `base`, slot `key`; dense [tokens, H, D] -> token `base + key`."""
+    if paged:
+        return mKV[base, head, key, None].iterator
+    return mKV[base + key, head, None].iterator
+
+
 def warp_row_store_copy(dtype, head_dim: int) -> cute.TiledCopy:
     """One warp writing whole staged rows as 16-byte segments: head_dim / (16 bytes) lanes per
     row, 32 / that rows per step (plain stores, shared -> registers -> global)."""
