@@ -95,9 +95,10 @@ def supports(*, q_dtype=None, k_dtype=None, paged=False, causal=True, num_heads=
     return cute_runtime.unavailable_reason(variant_name(num_heads, bool(paged), q_dtype))
 
 
-def _causal_offsets(call, q_lens: torch.Tensor, k_lens: torch.Tensor) -> torch.Tensor:
-    """[B] int32 causal offsets on the device: qo_offset, or k_len - q_len (bottom-right)."""
-    offset = call.qo_offset
+def causal_offsets(offset, q_lens: Optional[torch.Tensor],
+                   k_lens: torch.Tensor) -> torch.Tensor:
+    """[B] int32 causal offsets on k_lens' device, clamped to +-2^30: the given qo_offset (an
+    int or a [B] / scalar tensor), or k_len - q_len (bottom-right) when it is None."""
     if offset is None:
         return (k_lens - q_lens).to(torch.int32)
     if isinstance(offset, torch.Tensor):
@@ -139,7 +140,7 @@ def run(call) -> torch.Tensor:
         cu_k = call.cu_seqlens_k
         k_lens = (cu_k[1:] - cu_k[:-1]).contiguous()
         page_table = k_lens.view(batch, 1)           # unused by the dense variant
-    offsets = _causal_offsets(call, q_lens, k_lens).contiguous()
+    offsets = causal_offsets(call.qo_offset, q_lens, k_lens).contiguous()
     decode = use_decode_variant(call, device)
     if decode:      # grid x: K-tile chunks per request
         grid_x = decode_key_splits(batch, call.max_k_tiles,

@@ -26,20 +26,20 @@ from typing import Optional
 import torch
 
 from .. import _backend
-from . import cute_runtime
+from . import block_max_score_sm90, cute_runtime
 
 PAGE = 128
 TILE_M = 128                    # queries per CTA; must match cute_kernels.fmha_sm90.TILE_M
 VALIDATED = False
 MODE_O_ONLY = 3
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16"}      # served q/k/v dtypes (variants.FMHA_DTYPES)
 # Tests set this to fill O with NaN before the launch (catches rows the kernel does not write).
 POISON_BUFFERS_FOR_TESTS = False
 
 
 def variant_name(paged: bool, dtype: torch.dtype = torch.bfloat16) -> str:
     """Artifact name; must match cute_kernels.variants.FmhaVariant."""
-    return f"fmha_sm90_{'bfloat16' if dtype == torch.bfloat16 else dtype}_" \
-           f"{'paged' if paged else 'dense'}"
+    return f"fmha_sm90_{_DTYPE_NAMES[dtype]}_{'paged' if paged else 'dense'}"
 
 
 def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=True, mode=None,
@@ -67,16 +67,12 @@ def run(call):
     if total_q == 0:
         return out, None
 
-    def on_device(t):
-        return t if t.device == device else t.to(device)
-
-    cu_q = on_device(plan["cu_seqlens_q"])
-    cu_k = on_device(plan["cu_seqlens_k"])
-    kv_lens = on_device(plan["kv_segment_lens"])
-    # Beyond +-2^30 every key (or none) is visible anyway; the clamp keeps the kernel's
-    # position arithmetic (query + offset - key) far from int32 overflow.
-    offsets = on_device(call.qo_offset).to(torch.int64).clamp(-(1 << 30), 1 << 30)
-    offsets = offsets.to(torch.int32).contiguous()
+    from ..fmha import _to
+    cu_q = _to(plan["cu_seqlens_q"], device)
+    cu_k = _to(plan["cu_seqlens_k"], device)
+    kv_lens = _to(plan["kv_segment_lens"], device)
+    # The fmha call always carries [B] offsets; clamped as the indexer clamps them.
+    offsets = block_max_score_sm90.causal_offsets(call.qo_offset, None, kv_lens).contiguous()
     batch = cu_q.numel() - 1
     table = call.page_table if call.paged else kv_lens.view(batch, 1)   # unused when dense
     grid_q_tiles = max(1, -(-int(plan["max_seqlen_q"]) // TILE_M))
@@ -96,7 +92,6 @@ def max_score_supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1,
     """The max-score-only proxy pass (mode 2) is the indexer's computation: native when the
     sm90 block max-score kernel serves it (one shared key head, 128-token pages or dense K;
     e4m3 inputs are widened to bf16 exactly, as the reference path does)."""
-    from . import block_max_score_sm90
     if num_kv_heads != 1:
         return f"{num_kv_heads} KV heads: the native max-score pass needs num_kv_heads = 1"
     if paged and page_size != PAGE:
