@@ -79,8 +79,9 @@ fi
 if [ -n "${MSA_BENCH_IF_GREEN:-}" ] && [ $status -ne 0 ]; then
   echo "== benchmarks skipped: the tests failed (MSA_BENCH_IF_GREEN)"
 elif [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
-  # MSA_BENCHES picks the scripts (default: all four); extra arguments go to the sparse prefill
-  # benchmark, MSA_BENCH_EXTRA to the others ("--quick" for a short session).
+  # MSA_BENCHES picks the scripts (default: sparse prefill, indexer/top-k, end-to-end, decode;
+  # name "fmha" to add bench_fmha.py); extra arguments go to the sparse prefill benchmark,
+  # MSA_BENCH_EXTRA to the others ("--quick" for a short session).
   echo "== benchmarks"
   : > "$OUT/bench.log"
   for bench in ${MSA_BENCHES:-sparse_prefill indexer_topk msa_prefill_e2e decode}; do

@@ -34,6 +34,7 @@ from msa import _backend  # noqa: E402
 from msa._native import block_max_score_sm90, decode_cuda  # noqa: E402,F401 (registers them)
 
 import test_sparse_prefill_gpu as prefill_cases  # noqa: E402
+from test_block_max_score_gpu import _paginate as paginate_index_keys  # noqa: E402
 import test_decode as decode_cases  # noqa: E402
 
 BLOCK = 128
@@ -105,8 +106,8 @@ def block_max_cases(gen):
         cu_k = torch.tensor([0, 900, 1029, 1362], dtype=torch.int32).cuda()
         kw = dict(max_seqlen_q=700, max_seqlen_k=900, scale=0.1, causal=True)
         if paged:
-            pages, table = prefill_gen_pages(k, k_lens, gen)
-            table[1, -1] = -77                                   # junk past the request
+            pages, table = paginate_index_keys(k, k_lens, gen, torch.device("cuda"))
+            table[0, -1] = 1 << 20                 # past the pool (the other junk is negative)
             msa.block_max_scores(q, pages.to(dtype), cu_q, cu_k, page_table=table,
                                  seqused_k=torch.tensor(k_lens, dtype=torch.int32).cuda(), **kw)
         else:
@@ -114,8 +115,9 @@ def block_max_cases(gen):
         expect_native("block_max_scores")
     # Decode-shaped (the decode variant: 1-4 rows per request, K tiles split across CTAs).
     k_lens = [3000, 1, 700]
-    pages, table = prefill_gen_pages(torch.randn(sum(k_lens), 1, 128, generator=gen)
-                                     .to(torch.bfloat16), k_lens, gen)
+    pages, table = paginate_index_keys(
+        torch.randn(sum(k_lens), 1, 128, generator=gen).to(torch.bfloat16), k_lens, gen,
+        torch.device("cuda"))
     q = torch.randn(9, 4, 128, generator=gen).to(torch.bfloat16).cuda()
     cu_q = torch.tensor([0, 4, 5, 9], dtype=torch.int32).cuda()
     msa.block_max_scores(q, pages, cu_q, cu_q, max_seqlen_q=4, max_seqlen_k=3000, scale=0.1,
@@ -123,21 +125,6 @@ def block_max_cases(gen):
                          seqused_k=torch.tensor(k_lens, dtype=torch.int32).cuda())
     expect_native("block_max_scores")
     print("block_max_scores: ok")
-
-
-def prefill_gen_pages(k, k_lens, gen):
-    n_pages = [-(-kl // BLOCK) for kl in k_lens]
-    pages = torch.randn(sum(n_pages) + 2, 1, BLOCK, 128, generator=gen).to(torch.bfloat16)
-    table = torch.full((len(k_lens), max(n_pages) + 1), 1 << 20, dtype=torch.int32)
-    used = start = 0
-    for b, (kl, npg) in enumerate(zip(k_lens, n_pages)):
-        for beta in range(npg):
-            n = min(BLOCK, kl - beta * BLOCK)
-            pages[used, 0, :n] = k[start + beta * BLOCK: start + beta * BLOCK + n, 0]
-            table[b, beta] = used
-            used += 1
-        start += kl
-    return pages.cuda(), table.cuda()
 
 
 def decode_run(lens, seqlen_q, group, dtypes, sparse, bad=False, **plan_kw):
