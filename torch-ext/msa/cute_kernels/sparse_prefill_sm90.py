@@ -153,19 +153,8 @@ class SparsePrefillSm90:
             q_len = mCuQ[batch + 1] - q_start
             k_len = mKvLens[batch]
             key0 = kv_block * BLOCK_N
-            # Keys of this block that exist; never read past the K/V tensor.
-            n_keys = cutlass.min(k_len - key0, BLOCK_N)
-            kv_row0 = cutlass.Int32(0)     # dense: first token; paged: physical page
-            if cutlass.const_expr(self.paged):
-                kv_row0 = -1
-                if kv_block < mPageTable.shape[1]:
-                    kv_row0 = mPageTable[batch, kv_block]
-                if kv_row0 < 0 or kv_row0 >= mK.shape[0]:
-                    n_keys = 0
-                    kv_row0 = 0
-            else:
-                kv_row0 = mCuK[batch] + key0
-                n_keys = cutlass.min(n_keys, mK.shape[0] - kv_row0)
+            kv_row0, n_keys = self._kv_block_source(mK, mCuK, mPageTable, batch, kv_block,
+                                                    k_len)
             causal_shift = k_len - q_len - key0   # key j visible iff j <= q_local + shift
 
             smem = cutlass.utils.SmemAllocator()
@@ -320,6 +309,27 @@ class SparsePrefillSm90:
                                          q_start, q_len, head_kv, mOPartial, mLsePartial,
                                          mLseTPartial, thr_store_o, store_o_copy,
                                          warp_row_stride0, lane)
+
+    @cute.jit
+    def _kv_block_source(self, mK: cute.Tensor, mCuK: cute.Tensor, mPageTable: cute.Tensor,
+                         batch: cutlass.Int32, kv_block: cutlass.Int32, k_len: cutlass.Int32):
+        """(kv_row0, n_keys) of KV block kv_block of request batch: its first token (dense) or
+        physical page (paged), and how many of its keys exist and may be read (0 for a page
+        outside the table or the pool; never past the K/V tensor)."""
+        key0 = kv_block * BLOCK_N
+        n_keys = cutlass.min(k_len - key0, BLOCK_N)
+        kv_row0 = cutlass.Int32(0)
+        if cutlass.const_expr(self.paged):
+            kv_row0 = -1
+            if kv_block < mPageTable.shape[1]:
+                kv_row0 = mPageTable[batch, kv_block]
+            if kv_row0 < 0 or kv_row0 >= mK.shape[0]:
+                n_keys = 0
+                kv_row0 = 0
+        else:
+            kv_row0 = mCuK[batch] + key0
+            n_keys = cutlass.min(n_keys, mK.shape[0] - kv_row0)
+        return kv_row0, n_keys
 
     @cute.jit
     def _softmax_rows(self, s_rc: cute.Tensor, tScS: cute.Tensor, n_my_rows: cutlass.Constexpr,

@@ -189,18 +189,8 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
             q_len = mCuQ[batch + 1] - q_start
             k_len = mKvLens[batch]
             key0 = kv_block * BLOCK_N
-            n_keys = cutlass.min(k_len - key0, BLOCK_N)
-            kv_row0 = cutlass.Int32(0)
-            if cutlass.const_expr(self.paged):
-                kv_row0 = -1
-                if kv_block < mPageTable.shape[1]:
-                    kv_row0 = mPageTable[batch, kv_block]
-                if kv_row0 < 0 or kv_row0 >= mK.shape[0]:
-                    n_keys = 0
-                    kv_row0 = 0
-            else:
-                kv_row0 = mCuK[batch] + key0
-                n_keys = cutlass.min(n_keys, mK.shape[0] - kv_row0)
+            kv_row0, n_keys = self._kv_block_source(mK, mCuK, mPageTable, batch, kv_block,
+                                                    k_len)
             causal_shift = k_len - q_len - key0
 
             smem = cutlass.utils.SmemAllocator()
