@@ -5,6 +5,8 @@
 #   bash tools/gpu_session.sh [ARTIFACTS_DIR] [tests|bench|all|none] [extra benchmark args...]
 #   MSA_GPU_TESTS="files"  MSA_PYTEST_ARGS="-k ..."  MSA_SANITIZE=1 (memcheck stage)
 #   MSA_BENCH_IF_GREEN=1 (skip the benchmarks when a test failed)  MSA_EXTRA="cmd"
+#   MSA_BENCH_UNVALIDATED=1 (the benchmarks may run gated kernels: with MSA_BENCH_IF_GREEN, a
+#   kernel whose test just passed on this host is timed in the same call)
 #
 # Expects, carried from the dev machine (all git-ignored): .gpu-runtime/ (made by
 # shared/tools/gpu-runtime-bundle.sh: the CuTe-DSL runtime + apache-tvm-ffi), ARTIFACTS_DIR
@@ -83,6 +85,7 @@ elif [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   # name "fmha" to add bench_fmha.py); extra arguments go to the sparse prefill benchmark,
   # MSA_BENCH_EXTRA to the others ("--quick" for a short session).
   echo "== benchmarks"
+  [ -n "${MSA_BENCH_UNVALIDATED:-}" ] && export MSA_UNVALIDATED_KERNELS=1
   : > "$OUT/bench.log"
   for bench in ${MSA_BENCHES:-sparse_prefill indexer_topk msa_prefill_e2e decode}; do
     # shellcheck disable=SC2206
