@@ -13,7 +13,7 @@ qo_offset. Everything else (mixed dtypes, Hk > 1, fp32) falls back to the refere
 ``supports``.
 
 Gated like every kernel not yet proven on hardware: ``supports`` refuses a dtype outside
-``VALIDATED_DTYPES`` (bf16 passed on the H200; e4m3 is compiled and waiting for its GPU run)
+``VALIDATED_DTYPES`` (bf16 and e4m3 passed on the H200)
 unless ``MSA_UNVALIDATED_KERNELS=1`` (tests/test_block_max_score_gpu.py sets it). Add a dtype only
 after its test cases pass on an H200.
 """
@@ -32,13 +32,13 @@ TILE_ROWS = 256                 # (query, head) rows per CTA; must match the ker
 SUPPORTED_HEADS = (1, 2, 4, 8)
 # tests/test_block_max_score_gpu.py passed on the H200 (2026-11-30): 19 bf16 cases, dense + paged.
 VALIDATED = True
-# q_idx/k_idx dtypes proven on the H200; e4m3 is compiled and shipped, gated until its GPU cases
-# (test_block_max_scores_e4m3_native_matches_float64) pass.
-VALIDATED_DTYPES = {torch.bfloat16}
-# The decode variants (paged keys, <= 64 rows per request, K tiles split across CTAs) are
-# compiled and shipped, gated until test_block_max_scores_decode_native_matches_float64 passes;
-# until then decode-shaped calls run the prefill variant (correct, one CTA per request).
-VALIDATED_DECODE = False
+# q_idx/k_idx dtypes proven on the H200: e4m3 passed its 12 cases
+# (test_block_max_scores_e4m3_native_matches_float64) on 2026-11-30 (session 3).
+VALIDATED_DTYPES = {torch.bfloat16, torch.float8_e4m3fn}
+# The decode variants (paged keys, <= 64 rows per request, K tiles split across CTAs) passed
+# test_block_max_scores_decode_native_matches_float64 (18 cases, bf16 + e4m3) on the H200
+# (2026-11-30, session 3).
+VALIDATED_DECODE = True
 DECODE_ROWS = 64                # rows per request the decode variant holds (one warpgroup)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "e4m3"}
 _INT32_MAX = 2 ** 31 - 1

@@ -30,10 +30,10 @@ OP_NAME = "sparse_decode_atten"
 # tests/test_decode_gpu.py passed on the H200 (2026-11-30): 118 cases, dense + sparse, graph replay.
 VALIDATED = True
 # The split-keys form (all 8 warps share the <= 16 rows of a decode tile and split each page's
-# keys, instead of one warp computing while seven idle): compiled, gated until the "split" cases
-# of tests/test_decode_gpu.py pass on an H200. Tests force it on or off through
-# SPLIT_KEYS_FOR_TESTS (None: the gate decides).
-VALIDATED_SPLIT_KEYS = False
+# keys, instead of one warp computing while seven idle): its "split" cases of
+# tests/test_decode_gpu.py passed on the H200 (2026-11-30, session 3; 226 cases in all). Tests
+# force it on or off through SPLIT_KEYS_FOR_TESTS (None: the gate decides).
+VALIDATED_SPLIT_KEYS = True
 SPLIT_KEYS_FOR_TESTS: Optional[bool] = None
 UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)

@@ -11,8 +11,7 @@ output O without max-score (mode 3). Other calls (e4m3, max-score output, other 
 block-selected mode) fall back to the reference through ``supports``; the block-selected mode
 goes to the sparse bridge before dispatch when the plan has one.
 
-Gated: ``VALIDATED`` is False until tests/test_fmha_gpu.py passes on an H200 (it sets
-``MSA_UNVALIDATED_KERNELS=1``).
+Validated: tests/test_fmha_gpu.py passed on the H200 (2026-11-30, session 3).
 
 Also registered here: "fmha_max_score" (mode 2, the max-score-only proxy pass), which is the
 indexer's computation and runs on the validated sm90 block max-score kernel.
@@ -30,7 +29,8 @@ from . import block_max_score_sm90, cute_runtime
 
 PAGE = 128
 TILE_M = 128                    # queries per CTA; must match cute_kernels.fmha_sm90.TILE_M
-VALIDATED = False
+# tests/test_fmha_gpu.py passed on the H200 (2026-11-30, session 3): 7 tests.
+VALIDATED = True
 MODE_O_ONLY = 3
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16"}      # served q/k/v dtypes (variants.FMHA_DTYPES)
 # Tests set this to fill O with NaN before the launch (catches rows the kernel does not write).
