@@ -11,6 +11,16 @@
 // e4m3), scaled by exp(page max - running max); P.V uses P split into a bf16 high part plus a
 // bf16 residual, so unrounded P keeps ~16 mantissa bits instead of bf16's 8.
 //
+// Direct e4m3 form (e4m3 Q and K/V, tiles of <= 16 rows, warps splitting each page's keys):
+// no conversion pass. Pages stay e4m3 in a four-stage cp.async ring (16-byte chunks of each row
+// XOR-swizzled by row % 8), fragments are read straight from it and widened in registers to f16
+// (exact for e4m3), and the MMA is f16 with fp32 accumulation. Q lives in registers. QK^T uses a
+// permuted channel order (k-chunk kd's positions {2t, 2t+1, 2t+8, 2t+9} hold channels
+// 32t + 4kd + {0..3}, t = lane % 4) so each thread reads 32 contiguous bytes of a K row; P.V
+// uses a permuted output order (n-tile j, column c holds channel 16c + j) so each thread reads
+// one 16-byte chunk of four V rows and interleaves them with byte permutes. P is rounded to e4m3
+// (exact in f16) and each page's P.V is scaled by exp(page max - running max) in fp32.
+//
 // Safety: every page id, q2k id, length and schedule index is range-checked on the device;
 // invalid ones are skipped (their keys are invisible). No host synchronization; every size is a
 // host argument, so the launch can be captured in a CUDA graph.
@@ -50,6 +60,14 @@ constexpr int kListBytes = kMaxCandidates * 4 * 4;               // cand, phys, 
 constexpr int kSmemBytes = kQBytes + kStageRegionBytes + kListBytes + 64 + kWarps * 16 * 4;
 static_assert(kWarps * 16 * (kHeadDim + 1) * 4 <= kStageRegionBytes,
               "split keys: the warps' partial accumulators must fit the stage region");
+constexpr int kDirectStages = 4;                 // direct e4m3 form: raw pages in flight
+static_assert(kDirectStages * kPageFp8Bytes <= kStageRegionBytes,
+              "direct e4m3: the raw page ring must fit the stage region");
+// Direct e4m3 form: partial accumulators as [warp][row][8 column groups of 17][16] floats, so
+// the permuted writes and the natural reads hit at most two threads per bank.
+constexpr int kDirectPartRow = 8 * 17;
+static_assert(kWarps * 16 * (kDirectPartRow + 1) * 4 <= kStageRegionBytes,
+              "direct e4m3: the warps' partial accumulators must fit the stage region");
 
 struct __align__(16) Bf16x8 {
   __nv_bfloat162 v[4];
@@ -77,6 +95,44 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two e4m3 values (the low 16 bits, first value in the low byte) -> f16x2, exact.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t bits) {
+  const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(
+      static_cast<__nv_fp8x2_storage_t>(bits & 0xFFFFu), __NV_E4M3);
+  return static_cast<uint32_t>(raw.x) | (static_cast<uint32_t>(raw.y) << 16);
+}
+
+// (lo, hi) rounded to e4m3 (as an FP8 P.V MMA sees P), returned as the exact f16x2.
+__device__ __forceinline__ uint32_t round_e4m3x2_to_f16x2(float lo, float hi) {
+  return e4m3x2_to_f16x2(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE,
+                                                  __NV_E4M3));
+}
+
+// 32-bit word w (0..7) of two 16-byte chunks.
+__device__ __forceinline__ uint32_t word_of(const uint4 (&v)[2], int w) {
+  const uint4& c = v[w >> 2];
+  switch (w & 3) {
+    case 0: return c.x;
+    case 1: return c.y;
+    case 2: return c.z;
+    default: return c.w;
+  }
+}
+
+// 16-byte chunk `chunk` of row `row` of a swizzled raw e4m3 tile (rows of 128 bytes).
+__device__ __forceinline__ uint4 swizzled_chunk(const char* tile, int row, int chunk) {
+  return *reinterpret_cast<const uint4*>(tile + row * kHeadDim + ((chunk ^ (row & 7)) << 4));
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -171,6 +227,58 @@ __device__ __forceinline__ void load_page_async(const DecodeAttentionArgs& a, in
       cp_async_16(stage + c * 16, k + c * 16);
       cp_async_16(stage + kPageSize * kHeadDim + c * 16, v + c * 16);
     }
+  }
+}
+
+// Direct e4m3 form: one page's K and V head slice, raw, each row's 16-byte chunks XOR-swizzled
+// by row % 8 (the fragment reads then touch eight distinct bank groups).
+__device__ __forceinline__ void load_page_fp8_swizzled(const DecodeAttentionArgs& a, int head,
+                                                       const PageRef& ref, char* stage) {
+  if (ref.token_mask == 0) return;
+  const int64_t elem_offset =
+      (static_cast<int64_t>(ref.physical) * a.num_kv_heads + head) * (kPageSize * kHeadDim);
+  const uint8_t* k = static_cast<const uint8_t*>(a.k) + elem_offset;
+  const uint8_t* v = static_cast<const uint8_t*>(a.v) + elem_offset;
+  constexpr int kChunks = kPageSize * kHeadDim / 16;
+  for (int c = threadIdx.x; c < kChunks; c += kThreads) {
+    const int row = c >> 3;
+    const int dst = row * kHeadDim + (((c & 7) ^ (row & 7)) << 4);
+    cp_async_16(stage + dst, k + c * 16);
+    cp_async_16(stage + kPageSize * kHeadDim + dst, v + c * 16);
+  }
+}
+
+// Direct e4m3 form: this thread's Q A-fragments (f16x2) for rows lane/4 and lane/4 + 8 of a
+// tile of <= 16 rows, in the permuted QK^T channel order (see the file comment): chunk kd holds
+// channels 32t + 4kd + {0, 1} (qf[kd][0..1]) and + {2, 3} (qf[kd][2..3]). Zero past the tile.
+__device__ __forceinline__ void load_query_fragments_fp8(const DecodeAttentionArgs& a,
+                                                         const CtaContext& ctx, int group,
+                                                         int tile_rows,
+                                                         uint32_t (&qf)[kHeadDim / 16][4]) {
+  const int lane = threadIdx.x & 31;
+  uint4 raw[2][2];
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    const int row = (lane >> 2) + i2 * 8;
+    raw[i2][0] = raw[i2][1] = make_uint4(0u, 0u, 0u, 0u);
+    if (row < tile_rows) {
+      const int r = ctx.qo_tile * kRowsPerCta + row;
+      const int token = r / group, qo_head = ctx.head * group + r % group;
+      const int64_t offset =
+          ((static_cast<int64_t>(ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head) *
+              kHeadDim + (lane & 3) * 32;
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.q) + offset);
+      raw[i2][0] = src[0];
+      raw[i2][1] = src[1];
+    }
+  }
+#pragma unroll
+  for (int kd = 0; kd < kHeadDim / 16; ++kd) {
+    const uint32_t w0 = word_of(raw[0], kd), w1 = word_of(raw[1], kd);
+    qf[kd][0] = e4m3x2_to_f16x2(w0);
+    qf[kd][1] = e4m3x2_to_f16x2(w1);
+    qf[kd][2] = e4m3x2_to_f16x2(w0 >> 16);
+    qf[kd][3] = e4m3x2_to_f16x2(w1 >> 16);
   }
 }
 
@@ -286,9 +394,12 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
 // one warp doing the whole page while seven idle. The page max is shared through shared memory,
 // so every warp folds with the same running max as the one-warp path; the warps' partial sums
 // and accumulators are added at the end.
-template <bool kSplitKeys>
+//
+// kDirectFp8 (with kSplitKeys; e4m3 Q and K/V): the direct e4m3 form of the file comment.
+template <bool kSplitKeys, bool kDirectFp8>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_kernel(const DecodeAttentionArgs a) {
+  static_assert(kSplitKeys || !kDirectFp8, "the direct e4m3 form splits keys across warps");
   extern __shared__ __align__(128) char smem[];
   __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);
   char* stages = smem + kQBytes;
@@ -324,7 +435,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   ctx.chunk_end = max(ctx.chunk_end, ctx.chunk_begin);
   if (ctx.chunk_begin >= units_now) ctx.chunk_end = ctx.chunk_begin;
 
-  load_queries(a, ctx, group, tile_rows, qs);
+  uint32_t qf[kHeadDim / 16][4];   // direct e4m3 form: Q fragments in registers
+  if constexpr (kDirectFp8) {
+    load_query_fragments_fp8(a, ctx, group, tile_rows, qf);
+  } else {
+    load_queries(a, ctx, group, tile_rows, qs);
+  }
   int num_pages;
   if (a.q2k_indices != nullptr) {
     num_pages = build_sparse_page_list(a, ctx, cand, list_phys, list_logical, list_mask,
@@ -368,39 +484,83 @@ __global__ void __launch_bounds__(kThreads, 1)
   char* const stage_base = a.kv_fp8 ? stages + kPageBf16Bytes : stages;
   const int stage_bytes = a.kv_fp8 ? kPageFp8Bytes : kPageBf16Bytes;
 
-  if (num_pages > 0) {
+  if constexpr (kDirectFp8) {
+    // Pages 0 .. kDirectStages - 2 in flight before the loop; one more per iteration.
+#pragma unroll
+    for (int st = 0; st < kDirectStages - 1; ++st) {
+      if (st < num_pages) {
+        load_page_fp8_swizzled(a, ctx.head,
+                               resolve_page(a, ctx, st, list_phys, list_logical, list_mask),
+                               stages + st * kPageFp8Bytes);
+      }
+      cp_async_commit();
+    }
+  } else if (num_pages > 0) {
     load_page_async(a, ctx.head, resolve_page(a, ctx, 0, list_phys, list_logical, list_mask),
                     stage_base);
   }
-  cp_async_commit();
+  if constexpr (!kDirectFp8) cp_async_commit();
   for (int i = 0; i < num_pages; ++i) {
-    if (i + 1 < num_pages) {
-      load_page_async(a, ctx.head,
-                      resolve_page(a, ctx, i + 1, list_phys, list_logical, list_mask),
-                      stage_base + ((i + 1) & 1) * stage_bytes);
-    }
-    cp_async_commit();
-    cp_async_wait_one();
-    __syncthreads();
-    const PageRef page = resolve_page(a, ctx, i, list_phys, list_logical, list_mask);
-    const __nv_bfloat16* ks;
-    if (a.kv_fp8) {
-      if (page.token_mask != 0) convert_fp8_page(stage_base + (i & 1) * stage_bytes, converted);
+    if constexpr (kDirectFp8) {
+      // The stage of page i + 3 last held page i - 1, released by the previous iteration's
+      // closing barrier.
+      const int ahead = i + kDirectStages - 1;
+      if (ahead < num_pages) {
+        load_page_fp8_swizzled(a, ctx.head,
+                               resolve_page(a, ctx, ahead, list_phys, list_logical, list_mask),
+                               stages + (ahead % kDirectStages) * kPageFp8Bytes);
+      }
+      cp_async_commit();
+      asm volatile("cp.async.wait_group %0;\n" ::"n"(kDirectStages - 1) : "memory");
       __syncthreads();
-      ks = converted;
     } else {
-      ks = reinterpret_cast<const __nv_bfloat16*>(stage_base + (i & 1) * stage_bytes);
+      if (i + 1 < num_pages) {
+        load_page_async(a, ctx.head,
+                        resolve_page(a, ctx, i + 1, list_phys, list_logical, list_mask),
+                        stage_base + ((i + 1) & 1) * stage_bytes);
+      }
+      cp_async_commit();
+      cp_async_wait_one();
+      __syncthreads();
     }
-    const __nv_bfloat16* vs = ks + kPageSize * kStride;
+    const PageRef page = resolve_page(a, ctx, i, list_phys, list_logical, list_mask);
+    // Direct e4m3 form: the raw swizzled K and V of page i.
+    const char* k8 = stages + (i % kDirectStages) * kPageFp8Bytes;
+    const char* v8 = k8 + kPageSize * kHeadDim;
+    const __nv_bfloat16* ks = nullptr;
+    if constexpr (!kDirectFp8) {
+      if (a.kv_fp8) {
+        if (page.token_mask != 0) convert_fp8_page(stage_base + (i & 1) * stage_bytes, converted);
+        __syncthreads();
+        ks = converted;
+      } else {
+        ks = reinterpret_cast<const __nv_bfloat16*>(stage_base + (i & 1) * stage_bytes);
+      }
+    }
+    const __nv_bfloat16* vs = kDirectFp8 ? nullptr : ks + kPageSize * kStride;
 
     if (warp_active && page.token_mask != 0) {
       // S = Q K^T for this warp's 16 rows and its keys of the page.
       float s[kNTiles][4];
 #pragma unroll
       for (int n = 0; n < kNTiles; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      if constexpr (kDirectFp8) {
+        // Key row (n_base + n) * 8 + lane / 4, channels [32t, 32t + 32): chunks 2t and 2t + 1.
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n) {
+          const int key = (n_base + n) * 8 + (lane >> 2);
+          const uint4 k_raw[2] = {swizzled_chunk(k8, key, (lane & 3) * 2),
+                                  swizzled_chunk(k8, key, (lane & 3) * 2 + 1)};
+#pragma unroll
+          for (int kd = 0; kd < kHeadDim / 16; ++kd) {
+            const uint32_t w = word_of(k_raw, kd);
+            mma_f16(s[n], qf[kd], e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16));
+          }
+        }
+      }
       const __nv_bfloat16* qw = qs + (row_base + (lane >> 2)) * kStride + (lane & 3) * 2;
 #pragma unroll
-      for (int kd = 0; kd < kHeadDim / 16; ++kd) {
+      for (int kd = 0; kd < (kDirectFp8 ? 0 : kHeadDim / 16); ++kd) {
         uint32_t qa[4];
         qa[0] = *reinterpret_cast<const uint32_t*>(qw + kd * 16);
         qa[1] = *reinterpret_cast<const uint32_t*>(qw + 8 * kStride + kd * 16);
@@ -470,13 +630,50 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int e = 0; e < 4; ++e) {
           const float p = exp2f(s[n][e] - page_max[e >> 1]);
           page_sum[e >> 1] += p;
-          s[n][e] = (pv_fp8 ? round_to_e4m3(p) : p) * beta[e >> 1];
+          // Direct e4m3 form: P stays relative to the page max (rounded when packed below).
+          s[n][e] = kDirectFp8 ? p : (pv_fp8 ? round_to_e4m3(p) : p) * beta[e >> 1];
         }
       }
 #pragma unroll
       for (int i2 = 0; i2 < 2; ++i2) row_sum[i2] = row_sum[i2] * alpha[i2] + beta[i2] * page_sum[i2];
+      if constexpr (kDirectFp8) {
+        // O = alpha O + beta (P V) over this warp's 16 keys. P (e4m3, exact in f16) is the A
+        // fragment as the S accumulator holds it. V rows 2t, 2t+1, 2t+8, 2t+9 of the warp's
+        // keys, chunk lane / 4: n-tile 4m + q, column c = lane / 4 is channel 16c + 4m + q.
+        const int t = lane & 3, key0 = n_base * 8 + 2 * t;
+        const uint32_t pa[4] = {round_e4m3x2_to_f16x2(s[0][0], s[0][1]),
+                                round_e4m3x2_to_f16x2(s[0][2], s[0][3]),
+                                round_e4m3x2_to_f16x2(s[1][0], s[1][1]),
+                                round_e4m3x2_to_f16x2(s[1][2], s[1][3])};
+        const uint4 v_lo[2] = {swizzled_chunk(v8, key0, lane >> 2),
+                               swizzled_chunk(v8, key0 + 8, lane >> 2)};
+        const uint4 v_hi[2] = {swizzled_chunk(v8, key0 + 1, lane >> 2),
+                               swizzled_chunk(v8, key0 + 9, lane >> 2)};
 #pragma unroll
-      for (int n = 0; n < 16; ++n) {
+        for (int m = 0; m < 4; ++m) {
+          // Bytes of keys (2t, 2t+1) and (2t+8, 2t+9) interleaved per channel.
+          const uint32_t k01_a = __byte_perm(word_of(v_lo, m), word_of(v_hi, m), 0x5140);
+          const uint32_t k01_b = __byte_perm(word_of(v_lo, m), word_of(v_hi, m), 0x7362);
+          const uint32_t k89_a = __byte_perm(word_of(v_lo, m + 4), word_of(v_hi, m + 4), 0x5140);
+          const uint32_t k89_b = __byte_perm(word_of(v_lo, m + 4), word_of(v_hi, m + 4), 0x7362);
+          const uint32_t b0[4] = {e4m3x2_to_f16x2(k01_a), e4m3x2_to_f16x2(k01_a >> 16),
+                                  e4m3x2_to_f16x2(k01_b), e4m3x2_to_f16x2(k01_b >> 16)};
+          const uint32_t b1[4] = {e4m3x2_to_f16x2(k89_a), e4m3x2_to_f16x2(k89_a >> 16),
+                                  e4m3x2_to_f16x2(k89_b), e4m3x2_to_f16x2(k89_b >> 16)};
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            float pv[4] = {0.f, 0.f, 0.f, 0.f};
+            mma_f16(pv, pa, b0[q], b1[q]);
+            float* o = acc[4 * m + q];
+            o[0] = o[0] * alpha[0] + pv[0] * beta[0];
+            o[1] = o[1] * alpha[0] + pv[1] * beta[0];
+            o[2] = o[2] * alpha[1] + pv[2] * beta[1];
+            o[3] = o[3] * alpha[1] + pv[3] * beta[1];
+          }
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < (kDirectFp8 ? 0 : 16); ++n) {
         acc[n][0] *= alpha[0];
         acc[n][1] *= alpha[0];
         acc[n][2] *= alpha[1];
@@ -484,7 +681,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       // O += P V with P = high + residual (both bf16), over this warp's keys.
 #pragma unroll
-      for (int kk = 0; kk < kNTiles / 2; ++kk) {
+      for (int kk = 0; kk < (kDirectFp8 ? 0 : kNTiles / 2); ++kk) {
         uint32_t p_hi[4], p_lo[4];
 #pragma unroll
         for (int f = 0; f < 4; ++f) {
@@ -523,15 +720,24 @@ __global__ void __launch_bounds__(kThreads, 1)
     // now idle stage region; warp 0 then writes the rows as the one-warp path does.
     cp_async_wait_all();
     float* part_acc = reinterpret_cast<float*>(stages);                 // [kWarps][16][128]
-    float* part_sum = part_acc + kWarps * 16 * kHeadDim;                // [kWarps][16]
+    float* part_sum = part_acc + kWarps * 16 * (kDirectFp8 ? kDirectPartRow : kHeadDim);
+    // Direct e4m3 form: channel d of (warp, row) at [warp][row][d / 16 (stride 17)][d % 16].
+    auto direct_part = [&](int w, int row, int d) {
+      return part_acc + (w * 16 + row) * kDirectPartRow + 17 * (d >> 4) + (d & 15);
+    };
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {
       const int row = (lane >> 2) + i2 * 8;
 #pragma unroll
       for (int n = 0; n < 16; ++n) {
-        *reinterpret_cast<float2*>(part_acc + (warp * 16 + row) * kHeadDim + n * 8 +
-                                   (lane & 3) * 2) =
-            make_float2(acc[n][i2 * 2], acc[n][i2 * 2 + 1]);
+        if constexpr (kDirectFp8) {   // n-tile n, column 2t + e holds channel 16 (2t + e) + n
+          *direct_part(warp, row, 32 * (lane & 3) + n) = acc[n][i2 * 2];
+          *direct_part(warp, row, 32 * (lane & 3) + 16 + n) = acc[n][i2 * 2 + 1];
+        } else {
+          *reinterpret_cast<float2*>(part_acc + (warp * 16 + row) * kHeadDim + n * 8 +
+                                     (lane & 3) * 2) =
+              make_float2(acc[n][i2 * 2], acc[n][i2 * 2 + 1]);
+        }
       }
       if ((lane & 3) == 0) part_sum[warp * 16 + row] = row_sum[i2];
     }
@@ -547,8 +753,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int n = 0; n < 16; ++n) {
         float2 sum2 = make_float2(0.f, 0.f);
         for (int w = 0; w < kWarps; ++w) {
-          const float2 x = *reinterpret_cast<const float2*>(
-              part_acc + (w * 16 + row) * kHeadDim + n * 8 + (lane & 3) * 2);
+          float2 x;
+          if constexpr (kDirectFp8) {   // natural order from here on
+            x.x = *direct_part(w, row, n * 8 + (lane & 3) * 2);
+            x.y = *direct_part(w, row, n * 8 + (lane & 3) * 2 + 1);
+          } else {
+            x = *reinterpret_cast<const float2*>(part_acc + (w * 16 + row) * kHeadDim + n * 8 +
+                                                 (lane & 3) * 2);
+          }
           sum2.x += x.x;
           sum2.y += x.y;
         }
@@ -643,17 +855,20 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream) {
   if (args.num_work <= 0 || args.num_kv_heads <= 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(args.num_work), static_cast<unsigned>(args.num_kv_heads));
-  // Split keys across warps only when every qo tile has <= 16 rows (the binding checks it).
-  if (args.split_keys) {
-    MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(decode_attention_kernel<true>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+  // Split keys across warps only when every qo tile has <= 16 rows, and the direct e4m3 form
+  // only then with e4m3 Q and K/V (the binding checks both).
+  auto launch = [&](auto kernel) -> cudaError_t {
+    MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              kSmemBytes));
-    decode_attention_kernel<true><<<grid, kThreads, kSmemBytes, stream>>>(args);
+    kernel<<<grid, kThreads, kSmemBytes, stream>>>(args);
+    return cudaSuccess;
+  };
+  if (args.direct_fp8) {
+    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, true>));
+  } else if (args.split_keys) {
+    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, false>));
   } else {
-    MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(decode_attention_kernel<false>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             kSmemBytes));
-    decode_attention_kernel<false><<<grid, kThreads, kSmemBytes, stream>>>(args);
+    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<false, false>));
   }
   MSA_RETURN_IF_ERROR(cudaGetLastError());
   if (args.split_kv) {

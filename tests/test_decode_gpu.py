@@ -88,7 +88,7 @@ def _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k):
 LENS = [1, 129, 1000, 256, 77]
 
 
-@pytest.mark.parametrize("keys", ["rows", "split"])
+@pytest.mark.parametrize("keys", ["rows", "split", "direct"])
 @pytest.mark.parametrize("split", ["forced", "unsplit"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("dtypes", list(DTYPES))
@@ -97,15 +97,59 @@ LENS = [1, 129, 1000, 256, 77]
 def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, group, dtypes,
                                       sparse, split, keys, monkeypatch):
     """keys="split": the kernel form where the warps split each page's keys (tiles of <= 16
-    rows; for larger tiles the kernel keeps the row form, so those cases repeat "rows")."""
-    from msa._native import decode_cuda
-    monkeypatch.setattr(decode_cuda, "SPLIT_KEYS_FOR_TESTS", keys == "split")
+    rows; for larger tiles the kernel keeps the row form, so those cases repeat "rows").
+    keys="direct": the split form's direct e4m3 variant (e4m3 q and K/V only)."""
+    if keys == "direct" and dtypes != "fp8":
+        pytest.skip("the direct form serves e4m3 q and K/V only")
+    _force_form(monkeypatch, keys)
     q, k, v, table, seqused_k, q2k = _batch(LENS, seqlen_q, group, dtypes, sparse)
     kw = dict(fixed_split_size=1) if split == "forced" else dict(disable_split_kv=True)
     wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k, **kw)
     assert wrapper.decode_schedule.split_kv == (split == "forced")
     out, lse = _run_native(msa_pkg, wrapper, q, k, v)
     _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
+    if dtypes == "fp8":
+        _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k)
+
+
+def _force_form(monkeypatch, keys):
+    """keys: "rows" (one warp per 16 rows), "split" (warps split each page's keys, bf16
+    staging) or "direct" (split, e4m3 fragments read straight from the raw pages)."""
+    from msa._native import decode_cuda
+    monkeypatch.setattr(decode_cuda, "SPLIT_KEYS_FOR_TESTS", keys in ("split", "direct"))
+    monkeypatch.setattr(decode_cuda, "DIRECT_FP8_FOR_TESTS", keys == "direct")
+
+
+def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k):
+    """e4m3 q and K/V: the contract's tolerance (checked by _check) is loose next to what a
+    correct kernel does, so also compare with the reference backend, which models the same
+    rounding (P rounded to e4m3 against each page's max): all but 1e-3 of the elements within
+    two bf16 ulps (+1e-4), the rest only within the contract (an fp32 difference can flip a P
+    value at an e4m3 rounding midpoint)."""
+    from test_decode import fp32_reference
+    ref, _ = fp32_reference(q.cpu(), k.cpu(), v.cpu(), None if q2k is None else q2k.cpu(),
+                            table.cpu(), seqused_k.cpu(), seqlen_q)
+    ref = ref.double()
+    err = (out.double().cpu() - ref).abs()
+    ulp = torch.finfo(BF16).eps * ref.abs().clamp_min(1e-30)
+    loose = (err > 2 * ulp + 1e-4).double().mean().item()
+    assert loose <= 1e-3, (loose, err.max().item())
+
+
+@pytest.mark.parametrize("keys", ["rows", "split", "direct"])
+@pytest.mark.parametrize("dtypes", ["bf16", "fp8"])
+def test_native_decode_512k_context(msa_pkg, native_only, seed, dtypes, keys, monkeypatch):
+    """A 512k-token request next to tiny and odd-length ones (G = 16, one query token, the
+    M3 decode shape), dense and sparse, pages shuffled, the planner's own split."""
+    if keys == "direct" and dtypes != "fp8":
+        pytest.skip("the direct form serves e4m3 q and K/V only")
+    _force_form(monkeypatch, keys)
+    lens, seqlen_q, group = [524288, 3, 70001], 1, 16
+    for sparse in (False, True):
+        q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, dtypes, sparse, topk=16)
+        wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k)
+        out, lse = _run_native(msa_pkg, wrapper, q, k, v)
+        _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])

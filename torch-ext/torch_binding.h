@@ -112,6 +112,7 @@ struct DecodeAttentionArgs {
   float* lse;                     // null or [batch * seqlen_q, num_qo_heads] fp32
   float softmax_scale;
   bool split_keys;                // warps split each page's keys (every qo tile <= 16 rows)
+  bool direct_fp8;                // with split_keys, e4m3 q and K/V: no bf16 conversion pass
 };
 
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
@@ -148,5 +149,6 @@ void sparse_decode_attention(
     const torch::Tensor& num_splits, const torch::Tensor& merge_indptr,
     const std::optional<torch::Tensor>& o_partial, const std::optional<torch::Tensor>& lse_partial,
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
-    int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys);
+    int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
+    bool direct_fp8);
 #endif

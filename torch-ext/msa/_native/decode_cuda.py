@@ -35,6 +35,11 @@ VALIDATED = True
 # force it on or off through SPLIT_KEYS_FOR_TESTS (None: the gate decides).
 VALIDATED_SPLIT_KEYS = True
 SPLIT_KEYS_FOR_TESTS: Optional[bool] = None
+# The direct e4m3 form of the split-keys kernel (e4m3 q and K/V read straight from a four-stage
+# raw page ring and widened to f16 in registers; no bf16 conversion pass): compiled, gated until
+# the "direct" cases of tests/test_decode_gpu.py pass on an H200. DIRECT_FP8_FOR_TESTS forces it.
+VALIDATED_DIRECT_FP8 = False
+DIRECT_FP8_FOR_TESTS: Optional[bool] = None
 UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
@@ -73,7 +78,7 @@ def run(call) -> None:
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
         call.o_partial if split else None, call.lse_partial if split else None,
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
-        float(call.softmax_scale), _split_keys())
+        float(call.softmax_scale), _split_keys(), _direct_fp8())
 
 
 def _split_keys() -> bool:
@@ -83,6 +88,15 @@ def _split_keys() -> bool:
         return SPLIT_KEYS_FOR_TESTS
     return _backend.unvalidated_reason("the split-keys decode kernel",
                                        VALIDATED_SPLIT_KEYS) is None
+
+
+def _direct_fp8() -> bool:
+    """Whether split-keys tiles with e4m3 q and K/V may use the direct e4m3 form (the binding
+    applies it only there): forced by tests, else once validated (or MSA_UNVALIDATED_KERNELS=1)."""
+    if DIRECT_FP8_FOR_TESTS is not None:
+        return DIRECT_FP8_FOR_TESTS
+    return _backend.unvalidated_reason("the direct e4m3 decode kernel",
+                                       VALIDATED_DIRECT_FP8) is None
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
