@@ -284,6 +284,131 @@ def test_block_max_scores_decode_native_matches_float64(num_heads, seqlen_q, dty
 
 
 # ----------------------------------------------------------------------------------------------
+# Tensors of 2^31 elements or more (64-bit row offsets in the kernel)
+# ----------------------------------------------------------------------------------------------
+
+ELEMENTS_2_31 = 2 ** 31
+
+
+def _nan_tensor(shape, dtype, device):
+    """A tensor whose every element is NaN (filled as bit patterns on the device, so multi-GB
+    pools are cheap): any read of it that should not happen turns an output into NaN."""
+    bits = {torch.float8_e4m3fn: (torch.uint8, 0x7F), torch.bfloat16: (torch.int16, 0x7FC0)}
+    int_dtype, nan = bits[dtype]
+    return torch.full(shape, nan, dtype=int_dtype, device=device).view(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("num_heads,decode_q", [(4, None), (8, 2)])
+def test_block_max_scores_paged_pool_past_2_31_elements(num_heads, decode_q, seed,
+                                                        monkeypatch):
+    """e4m3 index-K pool of more than 2^31 elements (2^17 pages of [1, 128, 128] below the
+    boundary, ~2.1 GB, NaN) whose used pages all lie past the 2^31-element boundary (the decode
+    benchmark's B = 32 x 512k cache has exactly 2^31 elements): the page offset must be 64-bit
+    (it was page << 14 in 32 bits: every stride of k is static). Prefill variant (H = 4) and
+    decode variant (H = 8, 2 new tokens). The output must equal the same kernel's output on a
+    compact pool of the used pages exactly, and the float64 reference on those pages."""
+    native = _native_module()
+    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    launched = []
+    real_launch = native.cute_runtime.launch
+    monkeypatch.setattr(native.cute_runtime, "launch",
+                        lambda name, *a: (launched.append(name), real_launch(name, *a))[1])
+    gen = torch.Generator().manual_seed(seed)
+    device = torch.device("cuda")
+    e4m3 = torch.float8_e4m3fn
+    if decode_q is None:
+        q_lens, k_lens = _random_lengths(gen, True)
+    else:
+        k_lens = [int(torch.randint(1, 6000, (1,), generator=gen)) for _ in range(4)] + [0]
+        q_lens = [decode_q if kl > 0 else 0 for kl in k_lens]
+    q = torch.randn(sum(q_lens), num_heads, HEAD_DIM, generator=gen).to(e4m3).to(device)
+    k = torch.randn(sum(k_lens), 1, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    pages, table = _paginate(k, k_lens, gen, device)
+    pages = pages.to(e4m3)
+    boundary = ELEMENTS_2_31 // (BLOCK * HEAD_DIM)         # first page at element 2^31
+    pool = _nan_tensor((boundary + pages.shape[0], 1, BLOCK, HEAD_DIM), e4m3, device)
+    pool[boundary:] = pages
+    assert pool.numel() > ELEMENTS_2_31
+    pool_table = torch.where(table >= 0, table + boundary, table)   # junk entries stay junk
+    cu_q, cu_k = cu_seqlens(q_lens, device), cu_seqlens(k_lens, device)
+    scale = HEAD_DIM ** -0.5
+    kwargs = dict(max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), scale=scale,
+                  causal=True, seqused_k=torch.tensor(k_lens, dtype=torch.int32, device=device),
+                  max_k_tiles=-(-max(k_lens) // BLOCK))
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")   # as the other cases of this file
+    got = msa.block_max_scores(q, pool, cu_q, cu_k, page_table=pool_table, **kwargs)
+    torch.cuda.synchronize()
+    del pool
+    compact = msa.block_max_scores(q, pages, cu_q, cu_k, page_table=table, **kwargs)
+    torch.cuda.synchronize()
+    monkeypatch.delenv("MSA_BACKEND")
+    assert _backend.last_backend("block_max_scores") == "sm90"
+    assert len(launched) == 2 and launched[0] == launched[1], launched
+    assert launched[0].endswith("_decode") == (decode_q is not None), launched
+    print(f"pool past 2^31: H={num_heads} decode_q={decode_q} q_lens={q_lens} k_lens={k_lens}")
+    assert torch.equal(got, compact), "the pool past 2^31 elements changes the result"
+    want = block_max_scores_reference(
+        q, pages, cu_q, cu_k, max_k_tiles=kwargs["max_k_tiles"], scale=scale, causal=True,
+        page_table=table, seqused_k=kwargs["seqused_k"], compute_dtype=torch.float64)
+    _check(got, want, scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+def test_block_max_scores_dense_rows_and_output_past_2_31_elements(seed, monkeypatch):
+    """Dense e4m3 q_idx [total_q, 8, 128] and k_idx [total_k, 1, 128] of more than 2^31
+    elements each (~2.1 GB apiece) and an output of more than 2^31 elements (~10.7 GB): request
+    0 owns the first 2^21 query rows but no key, request 1 the first 2^24 keys but no query
+    (both regions NaN), so every q and k row the computed requests read lies past the 2^31-element
+    boundary (H = 8 makes the q strides static: row << 10 in 32 bits before the fix); a wide tile
+    axis (max_k_tiles = 160) puts their output past 2^31 elements too. Request 0's rows see no
+    key: all -inf. The rest must equal the kernel's output on compact inputs exactly and the
+    float64 reference."""
+    native = _native_module()
+    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    gen = torch.Generator().manual_seed(seed)
+    device = torch.device("cuda")
+    e4m3 = torch.float8_e4m3fn
+    num_heads, tiles = 8, 160
+    lead_q = ELEMENTS_2_31 // (num_heads * HEAD_DIM)        # 2^21 rows
+    lead_k = ELEMENTS_2_31 // HEAD_DIM                      # 2^24 keys
+    q_lens, k_lens = _random_lengths(gen, True)
+    q_small = torch.randn(sum(q_lens), num_heads, HEAD_DIM, generator=gen).to(e4m3).to(device)
+    k_small = torch.randn(sum(k_lens), 1, HEAD_DIM, generator=gen).to(e4m3).to(device)
+    q = _nan_tensor((lead_q + sum(q_lens), num_heads, HEAD_DIM), e4m3, device)
+    q[lead_q:] = q_small
+    k = _nan_tensor((lead_k + sum(k_lens), 1, HEAD_DIM), e4m3, device)
+    k[lead_k:] = k_small
+    scale = HEAD_DIM ** -0.5
+    common = dict(scale=scale, causal=True, max_k_tiles=tiles)
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")   # as the other cases of this file
+    got = msa.block_max_scores(q, k, cu_seqlens([lead_q, 0] + q_lens, device),
+                               cu_seqlens([0, lead_k] + k_lens, device), max_seqlen_q=lead_q,
+                               max_seqlen_k=lead_k, **common)
+    torch.cuda.synchronize()
+    assert _backend.last_backend("block_max_scores") == "sm90"
+    del q, k
+    assert got.numel() > ELEMENTS_2_31
+    assert bool(torch.isneginf(got[:, :, :lead_q]).all()), "request 0 sees no key: all -inf"
+    got = got[:, :, lead_q:].contiguous()
+    torch.cuda.empty_cache()
+    cu_q, cu_k = cu_seqlens(q_lens, device), cu_seqlens(k_lens, device)
+    compact = msa.block_max_scores(q_small, k_small, cu_q, cu_k, max_seqlen_q=max(q_lens),
+                                   max_seqlen_k=max(k_lens), **common)
+    torch.cuda.synchronize()
+    monkeypatch.delenv("MSA_BACKEND")
+    print(f"rows past 2^31: q_lens={q_lens} k_lens={k_lens}")
+    assert torch.equal(got, compact), "rows past 2^31 elements change the result"
+    want = block_max_scores_reference(q_small, k_small, cu_q, cu_k, compute_dtype=torch.float64,
+                                      **common)
+    _check(got, want, scale)
+
+
+# ----------------------------------------------------------------------------------------------
 # CPU: the kernel compiles for sm_90a without spills (full list: tools/compile_cute.py --check)
 # ----------------------------------------------------------------------------------------------
 
@@ -404,3 +529,32 @@ def test_decode_key_splits_cover_two_waves_with_at_least_two_tiles_each():
     assert native.decode_key_splits(32, 1024, 132) == 9        # ceil(264 / 32)
     assert native.decode_key_splits(512, 1024, 132) == 1
     assert native.decode_key_splits(4, 1, 132) == 1            # at least one CTA
+
+
+def test_launch_limits_refuse_int32_counts_not_tensor_sizes():
+    """CPU: run() refuses, before any launch and naming the argument, the counts the kernel
+    keeps in int32 (max_k_tiles * 256 rows of -inf fill; max_pages * 128 as the key length of a
+    paged call without seqused_k); tensors of 2^31 elements or more are served (64-bit row
+    offsets), e.g. the decode benchmark's index-K cache of 32 x 512k tokens."""
+    from msa.indexer import BlockMaxScoreCall
+    native = _native_module()
+    e4m3 = torch.float8_e4m3fn
+    q = torch.randn(3, 4, HEAD_DIM).to(e4m3)
+    # k_idx of 2^31 + 2^14 elements without the memory (a broadcast view; run() refuses before
+    # it would read it).
+    k = torch.randn(1, 1, 1, 1).to(e4m3).expand(2 ** 17 + 1, 1, BLOCK, HEAD_DIM)
+    seqused = torch.tensor([200], dtype=torch.int32)
+
+    def call(max_k_tiles, table_width, seqused_k):
+        table = torch.randint(0, 2 ** 17, (1, table_width), dtype=torch.int32)
+        return BlockMaxScoreCall(q_idx=q, k_idx=k, cu_seqlens_q=torch.tensor([0, 3]).int(),
+                                 cu_seqlens_k=None, max_seqlen_q=3, max_seqlen_k=200,
+                                 max_k_tiles=max_k_tiles, scale=1.0, causal=True,
+                                 qo_offset=None, page_table=table, seqused_k=seqused_k)
+
+    with pytest.raises(NotImplementedError, match=r"^max_k_tiles: .* = 2147483648 does not fit"):
+        native.run(call(2 ** 23, 2, seqused))
+    with pytest.raises(NotImplementedError, match=r"^page_table: .* = 2147483648 does not fit"):
+        native.run(call(2, 2 ** 24, None))
+    assert k.numel() > 2 ** 31
+    native.check_launch_limits(call(2 ** 23 - 1, 2 ** 24, seqused))   # all counts fit: served

@@ -690,3 +690,27 @@ def test_native_dense_fmha_is_gated_and_names_what_it_does_not_serve(monkeypatch
     assert "bf16 only" in fmha_sm90.supports(**dict(base, q_dtype=torch.float8_e4m3fn))
     assert "mode 1" in fmha_sm90.supports(**dict(base, mode=1))
     assert "page_size 64" in fmha_sm90.supports(**dict(base, paged=True, page_size=64))
+
+
+def test_native_dense_fmha_refuses_a_page_table_of_int32_key_count(seed):
+    """CPU: the sm90 FMHA launcher refuses, before any launch and naming the argument, a page
+    table whose width * 128 keys does not fit int32 (the kernel clamps key lengths to it in 32
+    bits); K/V pools of 2^31 elements or more are served (64-bit row offsets)."""
+    from msa._native import fmha_sm90
+    from msa.fmha import FmhaDenseCall
+    gen = torch.Generator().manual_seed(seed)
+    q = randn(5, 4, D, gen=gen)
+    # 2^16 + 1 pages of [2, 128, 128]: 2^31 + 2^15 elements, as a broadcast view.
+    pool = randn(1, 1, 1, 1, gen=gen).expand(2 ** 16 + 1, 2, 128, D)
+
+    def call(width):
+        table = torch.randint(0, 2 ** 16, (1, width), dtype=torch.int32, generator=gen)
+        return FmhaDenseCall(q=q, k=pool, v=pool, plan={}, qo_offset=torch.zeros(1).int(),
+                             host_qo_offset=[0], page_table=table, kv_block_indexes=None,
+                             logit_scale=1.0, output_scale=1.0, want_o=True, max_k_tiles=-1,
+                             out_dtype=torch.bfloat16)
+
+    with pytest.raises(NotImplementedError, match=r"^page_table: .* = 2147483648 does not fit"):
+        fmha_sm90.run(call(2 ** 24))
+    assert pool.numel() > 2 ** 31
+    fmha_sm90.check_launch_limits(call(2 ** 24 - 1))

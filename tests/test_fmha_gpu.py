@@ -108,3 +108,71 @@ def test_max_score_only_pass_runs_on_the_indexer_kernel(seed, monkeypatch):
     fin = torch.isfinite(want)
     rel = ((ms[fin] - want[fin]).abs() / want[fin].abs().clamp_min(1.0)).max().item()
     assert rel <= 1e-2, rel
+
+
+def _nan_tensor(shape, dtype, device):
+    """A bf16 tensor whose every element is NaN (filled as bit patterns on the device, so
+    multi-GB pools are cheap): any read of it that should not happen turns O into NaN."""
+    assert dtype == torch.bfloat16
+    return torch.full(shape, 0x7FC0, dtype=torch.int16, device=device).view(dtype)
+
+
+def test_fmha_native_paged_pool_past_2_31_elements(seed, monkeypatch):
+    """Paged bf16 K/V pools of more than 2^31 elements each (2^16 pages of [2, 128, 128] below
+    the boundary, NaN; ~4.3 GB apiece) whose used pages all lie past the 2^31-element boundary:
+    the kernel's K/V row addresses must be 64-bit. O must equal the kernel's O on a compact pool
+    of the used pages exactly, and the float64 reference within the bound of the test above."""
+    native = _native_module()
+    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv = 8, 2
+    q_lens = [1, 33, 700]
+    kv_lens = [ql + int(torch.randint(0, 700, (1,), generator=gen)) for ql in q_lens]
+    offsets = [kl - ql + int(torch.randint(-40, 40, (1,), generator=gen))
+               for ql, kl in zip(q_lens, kv_lens)]
+    q = torch.randn(sum(q_lens), hq, D, generator=gen).to(torch.bfloat16)
+    k = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(torch.bfloat16)
+    v = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(torch.bfloat16)
+    dev = torch.device("cuda")
+    k_pages, v_pages, kv_indices, _ = to_pages(k, v, kv_lens, 128, gen)
+    k_pages, v_pages, kv_indices = k_pages.to(dev), v_pages.to(dev), kv_indices.to(dev)
+    boundary = 2 ** 31 // (hkv * 128 * D)                     # first page at element 2^31
+    pools = []
+    for used in (k_pages, v_pages):
+        pool = _nan_tensor((boundary + used.shape[0], hkv, 128, D), torch.bfloat16, dev)
+        pool[boundary:] = used
+        assert pool.numel() > 2 ** 31
+        pools.append(pool)
+    plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), hq, hkv, causal=True,
+                         qo_offset=torch.tensor(offsets), page_size=128, device=dev)
+    scale = 0.7 * D ** -0.5
+    q_dev = q.to(dev)
+
+    def native_call(k_in, v_in, indices):
+        monkeypatch.setenv("MSA_BACKEND", "native")
+        out, _ = msa.fmha(q_dev, k_in, v_in, plan, sm_scale=scale, v_scale=1.5,
+                          output_maxscore=False, kv_indices=indices)
+        torch.cuda.synchronize()
+        monkeypatch.delenv("MSA_BACKEND")
+        assert _backend.last_backend("fmha_dense") == "sm90"
+        return out
+
+    out = native_call(pools[0], pools[1], kv_indices + boundary)
+    del pools
+    torch.cuda.empty_cache()
+    assert not torch.isnan(out).any(), "O has NaN (a read of a wrong page, or unwritten rows)"
+    assert torch.equal(out, native_call(k_pages, v_pages, kv_indices)), \
+        "the pool past 2^31 elements changes O"
+
+    kv = dense_token_kv(k, v, kv_lens)
+    o64, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offsets, causal=True,
+                                       logit_scale=scale, output_scale=1.5,
+                                       compute_dtype=torch.float64)
+    model, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offsets, causal=True,
+                                         logit_scale=scale, output_scale=1.5,
+                                         p_quant_dtype=torch.bfloat16, kv_step=128)
+    model_err = (model.to(torch.bfloat16).double() - o64).abs().max().item()
+    err = (out.cpu().double() - o64).abs().max().item()
+    print(f"pool past 2^31: max|O-O64|={err:.3e} model {model_err:.3e}")
+    assert err <= 2 * model_err + 2e-3

@@ -307,6 +307,94 @@ def test_sparse_prefill_fp8_native_matches_reference(mode, g, paged, seed, monke
     _check_lse_fp8("LSE_T", lse_t, ref_lse_t)
 
 
+def _nan_tensor(shape, dtype, device):
+    """A tensor whose every element is NaN (filled as bit patterns on the device, so multi-GB
+    pools are cheap): any read of it that should not happen turns an output into NaN."""
+    bits = {torch.float8_e4m3fn: (torch.uint8, 0x7F), torch.bfloat16: (torch.int16, 0x7FC0)}
+    int_dtype, nan = bits[dtype]
+    return torch.full(shape, nan, dtype=int_dtype, device=device).view(dtype)
+
+
+LARGE_POOL_CASES = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                    (torch.bfloat16, torch.float8_e4m3fn)]
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("partial_dtype,kv_dtype", LARGE_POOL_CASES)
+def test_sparse_prefill_paged_pool_past_2_31_elements(partial_dtype, kv_dtype, seed,
+                                                      monkeypatch):
+    """Paged K/V pools of more than 2^31 elements each (2^16 pages of [2, 128, 128] below the
+    boundary, NaN; ~4.3 GB apiece in bf16) whose used pages all lie past the 2^31-element
+    boundary: every K/V row address of the attention kernels must be 64-bit. Cases: bf16 K/V
+    with fp32 partials (warp-MMA kernel) and bf16 partials (wgmma kernel), and e4m3 K/V (mode
+    bf16_kv_e4m3: rows loaded through registers and converted). The output must equal the same
+    kernels' output on a compact pool of the used pages exactly, and the float64 reference
+    within the bound of the bf16 test (e4m3: the modeled-error bound of the FP8 test)."""
+    native = _native_module()
+    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    if kv_dtype != torch.bfloat16:
+        monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")   # as the FP8 test
+    g, topk, causal = 4, 8, True
+    gen = torch.Generator().manual_seed(seed)
+    device = torch.device("cuda")
+    p = _make_problem(g, topk, True, causal, gen, device)
+    p["k"], p["v"] = p["k"].to(kv_dtype), p["v"].to(kv_dtype)
+    row_ptr, q_idx = msa.build_k2q_csr(p["q2k"], p["cu_q"], p["cu_k"], BLOCK,
+                                       total_k=p["total_k"], max_seqlen_k=p["max_k"],
+                                       max_seqlen_q=p["max_q"], qhead_per_kv=g)
+    scale = 0.9 / math.sqrt(128)
+
+    def native_call(k, v, page_table):
+        monkeypatch.setenv("MSA_BACKEND", "native")       # raise instead of falling back
+        result = msa.sparse_atten_func(
+            p["q"], k, v, row_ptr, q_idx, topk, cu_seqlens_q=p["cu_q"], cu_seqlens_k=p["cu_k"],
+            max_seqlen_q=p["max_q"], max_seqlen_k=p["max_k"], causal=causal,
+            softmax_scale=scale, partial_dtype=partial_dtype, return_softmax_lse=True,
+            page_table=page_table, seqused_k=p["seqused_k"])
+        torch.cuda.synchronize()
+        monkeypatch.delenv("MSA_BACKEND")
+        assert _backend.last_backend("sparse_atten") == "sm90"
+        return result[0], result[1]
+
+    boundary = 2 ** 31 // (HKV * BLOCK * 128)                # first page at element 2^31
+    pools = []
+    for used in (p["k"], p["v"]):
+        pool = _nan_tensor((boundary + used.shape[0],) + tuple(used.shape[1:]), kv_dtype,
+                           device)
+        pool[boundary:] = used
+        assert pool.numel() > 2 ** 31
+        pools.append(pool)
+    table = p["page_table"]
+    out, lse = native_call(pools[0], pools[1], torch.where(table >= 0, table + boundary, table))
+    del pools
+    torch.cuda.empty_cache()
+    out_compact, lse_compact = native_call(p["k"], p["v"], table)
+    assert not torch.isnan(out).any(), "O has NaN (a read of a wrong page, or unwritten rows)"
+    assert torch.equal(out, out_compact) and torch.equal(lse, lse_compact), \
+        "the pool past 2^31 elements changes the result"
+
+    kv = make_kv_source(p["k"], p["v"], p["cu_k"], table, p["seqused_k"])
+    o64, lse64, _ = sparse_attention_csr(p["q"], kv, row_ptr, q_idx, cu_seqlens_q=p["cu_q"],
+                                         causal=causal, softmax_scale=scale,
+                                         partial_dtype=torch.float64,
+                                         compute_dtype=torch.float64)
+    model, _, _ = sparse_attention_csr(p["q"], kv, row_ptr, q_idx, cu_seqlens_q=p["cu_q"],
+                                       causal=causal, softmax_scale=scale,
+                                       partial_dtype=partial_dtype,
+                                       pv_quant_dtype=torch.bfloat16)
+    model_err = (model.to(torch.bfloat16).double() - o64).abs().max().item()
+    err = (out.double() - o64).abs().max().item()
+    print(f"pool past 2^31: partial={partial_dtype} kv={kv_dtype}: max|O-O64|={err:.3e} "
+          f"model {model_err:.3e}")
+    if kv_dtype == torch.bfloat16:
+        assert err <= 2 * model_err + 2e-3
+        _check_lse("LSE", lse, lse64)
+    else:
+        assert err <= 2 * model_err + 4e-3
+        _check_lse_fp8("LSE", lse, lse64)
+
+
 def test_device_schedule_matches_reference_builder(seed):
     """CPU: build_schedule_on_device == prepare_sparse_fwd_schedule_and_split (exactly)."""
     gen = torch.Generator().manual_seed(seed)
@@ -335,6 +423,38 @@ def test_device_schedule_matches_reference_builder(seed):
             end = int(row_ptr[h, -1])
             assert torch.equal(mine.qsplit_indices[h, :end], ref.qsplit_indices[h, :end])
         assert used > 0
+
+
+def test_launch_limits_refuse_int32_counts(seed):
+    """CPU: run() refuses, before any launch and naming the argument, what the kernels count in
+    int32: total_q * Hq combine rows, and max_pages * 128 as the key length of a paged call
+    without seqused_k. K/V pools of 2^31 elements or more are served (64-bit row offsets)."""
+    import dataclasses
+    gen = torch.Generator().manual_seed(seed)
+    p = _make_problem(2, 4, True, True, gen, torch.device("cpu"))
+    row_ptr, q_idx = msa.build_k2q_csr(p["q2k"], p["cu_q"], p["cu_k"], BLOCK,
+                                       total_k=p["total_k"], max_seqlen_k=p["max_k"],
+                                       max_seqlen_q=p["max_q"], qhead_per_kv=2)
+    call = check_sparse_atten_args(
+        p["q"], p["k"], p["v"], row_ptr, q_idx, 4, cu_seqlens_q=p["cu_q"],
+        cu_seqlens_k=p["cu_k"], max_seqlen_q=p["max_q"], max_seqlen_k=p["max_k"], blk_kv=BLOCK,
+        causal=True, softmax_scale=None, lse_temperature_scale=1.0,
+        return_temperature_lse=False, partial_dtype=torch.float32, return_softmax_lse=False,
+        page_table=p["page_table"], seqused_k=p["seqused_k"], schedule=None,
+        usable_SM_count=-1, qk_dtype=None, pv_dtype=None, kv_dtypes=(torch.bfloat16,),
+        kv_last_dim=128)
+    native = _native_module()
+    # 2^24 queries x 256 heads without the memory (a broadcast view; run() refuses first).
+    huge_q = p["q"][:1, :1].expand(2 ** 24, 256, 128)
+    with pytest.raises(NotImplementedError, match=r"^q: total_q \* Hq .* = 4294967296"):
+        native.run(dataclasses.replace(call, q=huge_q))
+    wide = torch.randint(0, 8, (call.page_table.shape[0], 2 ** 24), dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match=r"^page_table: .* = 2147483648 does not fit"):
+        native.run(dataclasses.replace(call, page_table=wide, seqused_k=None))
+    # A pool of 2^31 elements or more is no limit, nor is a wide table with seqused_k.
+    big_k = p["k"][:1].expand(2 ** 16 + 1, HKV, BLOCK, 128)
+    assert big_k.numel() > 2 ** 31
+    native.check_launch_limits(dataclasses.replace(call, k=big_k, v=big_k, page_table=wide))
 
 
 def _bench(seq=32768, hq=64, hkv=4, topk=16, iters=10):

@@ -10,7 +10,9 @@ written by the kernel (computed tiles, -inf tiles and rows no request owns alike
 Served: bf16 or e4m3 q_idx and k_idx (the same dtype), H in {1, 2, 4, 8} index heads against ONE
 shared index-key head (Hk = 1, as in MSA), dense or paged (page size 128) keys, causal or not, any
 qo_offset. Everything else (mixed dtypes, Hk > 1, fp32) falls back to the reference through
-``supports``.
+``supports``. Sizes: q_idx, k_idx and the output may hold 2^31 elements or more (64-bit row
+offsets in the kernel); ``run`` raises NotImplementedError only for counts that must fit int32
+(:func:`check_launch_limits`).
 
 Gated like every kernel not yet proven on hardware: ``supports`` refuses a dtype outside
 ``VALIDATED_DTYPES`` (bf16 and e4m3 passed on the H200)
@@ -41,7 +43,6 @@ VALIDATED_DTYPES = {torch.bfloat16, torch.float8_e4m3fn}
 VALIDATED_DECODE = True
 DECODE_ROWS = 64                # rows per request the decode variant holds (one warpgroup)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "e4m3"}
-_INT32_MAX = 2 ** 31 - 1
 # Causal offsets are clamped to +-2^30: beyond that every key (or none) is visible anyway, and
 # the kernel's position arithmetic (query + offset - key) stays far from int32 overflow.
 _OFFSET_LIMIT = 2 ** 30
@@ -108,23 +109,31 @@ def causal_offsets(offset, q_lens: Optional[torch.Tensor],
     return torch.full_like(k_lens, max(-_OFFSET_LIMIT, min(_OFFSET_LIMIT, int(offset))))
 
 
+def check_launch_limits(call) -> None:
+    """NotImplementedError for sizes the kernel cannot count in int32. q_idx, k_idx and the
+    output may hold 2^31 elements or more (their row offsets are 64-bit: a decode batch of 32 x
+    512k tokens has an index-K cache of exactly 2^31 e4m3 elements); what stays 32-bit is the
+    -inf fill index of a CTA, up to max_k_tiles * 256 (rows per CTA), and the key length
+    max_pages * 128 that a paged call without seqused_k implies."""
+    cute_runtime.check_int32_count("max_k_tiles", call.max_k_tiles * TILE_ROWS,
+                                   f"max_k_tiles * {TILE_ROWS} (the kernel's -inf fill index "
+                                   f"over tiles x rows per CTA)")
+    if call.paged and call.seqused_k is None:
+        cute_runtime.check_int32_count("page_table", call.page_table.shape[1] * KEY_TILE,
+                                       f"max_pages * {KEY_TILE} (the key length without "
+                                       f"seqused_k)")
+
+
 def run(call) -> torch.Tensor:
     """Returns max_score [H, max_k_tiles, total_q] fp32 (freshly allocated, every element
     written by the kernel)."""
     q, k = call.q_idx, call.k_idx
     device = q.device
     total_q, num_heads, _ = q.shape
+    check_launch_limits(call)
     out = torch.empty(num_heads, call.max_k_tiles, total_q, dtype=torch.float32, device=device)
     if total_q == 0:
         return out
-    if out.numel() > _INT32_MAX or k.numel() > _INT32_MAX or q.numel() > _INT32_MAX:
-        # The kernel indexes with 32-bit element offsets (upstream disables max-score output
-        # past 2^31 elements too).
-        sizes = {"max_score (H * max_k_tiles * total_q)": out.numel(), "k_idx": k.numel(),
-                 "q_idx": q.numel()}
-        over = ", ".join(f"{name} = {n}" for name, n in sizes.items() if n > _INT32_MAX)
-        raise NotImplementedError(f"block_max_scores: the sm90 kernel indexes with 32-bit "
-                                  f"element offsets; {over} is 2^31 or more")
     cu_q = call.cu_seqlens_q
     batch = cu_q.numel() - 1
     q_lens = cu_q[1:] - cu_q[:-1]

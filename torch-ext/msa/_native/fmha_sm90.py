@@ -57,12 +57,23 @@ def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=Tr
     return cute_runtime.unavailable_reason(variant_name(bool(paged)))
 
 
+def check_launch_limits(call) -> None:
+    """NotImplementedError for sizes the kernel cannot count in int32. q, k, v and O may hold
+    2^31 elements or more (their row offsets are 64-bit: the page or token index times a 64-bit
+    stride); the kernel clamps key lengths to max_pages * 128 in 32 bits, so that must fit."""
+    if call.paged:
+        cute_runtime.check_int32_count("page_table", call.page_table.shape[1] * PAGE,
+                                       f"max_pages * {PAGE} (the longest key range the table "
+                                       f"maps)")
+
+
 def run(call):
     """Returns (O [total_q, Hq, 128] bf16, None)."""
     q, k, v = call.q, call.k, call.v
     device = q.device
     plan = call.plan
     total_q, num_heads, head_dim = q.shape
+    check_launch_limits(call)
     out = torch.empty(total_q, num_heads, head_dim, dtype=call.out_dtype, device=device)
     if total_q == 0:
         return out, None

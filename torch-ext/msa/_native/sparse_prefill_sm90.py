@@ -99,12 +99,27 @@ def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=F
                                                            partial_dtype, mode))
 
 
+def check_launch_limits(call) -> None:
+    """NotImplementedError for sizes the kernels cannot count in int32. q, k, v and the
+    partials may hold 2^31 elements or more (row offsets are 64-bit: page or token index times a
+    64-bit stride); the combine numbers its output rows total_q * Hq in 32 bits, and a paged call
+    without seqused_k takes max_pages * 128 as an int32 key length."""
+    total_q, num_heads = call.q.shape[0], call.q.shape[1]
+    cute_runtime.check_int32_count("q", total_q * num_heads,
+                                   "total_q * Hq (rows of the combine)")
+    if call.paged and call.seqused_k is None:
+        cute_runtime.check_int32_count("page_table", call.page_table.shape[1] * KV_BLOCK,
+                                       f"max_pages * {KV_BLOCK} (the key length without "
+                                       f"seqused_k)")
+
+
 def run(call) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Returns (O bf16 [total_q, Hq, 128], LSE fp32 [total_q, Hq] or None, LSE_T or None);
     every output is freshly allocated."""
     q, k, v = call.q, call.k, call.v
     device = q.device
     total_q, num_heads, head_dim = q.shape
+    check_launch_limits(call)
     want_lse_t = call.want_temperature_lse and not call.temperature_is_one
     out = torch.empty(total_q, num_heads, head_dim, dtype=torch.bfloat16, device=device)
     lse = torch.empty(total_q, num_heads, dtype=torch.float32, device=device)

@@ -54,6 +54,9 @@ Tensors (dynamic sizes are runtime values):
   page_table   [B, max_pages] int32 (paged only; a 1-column dummy for dense)
   out          [H, max_k_tiles, total_q] fp32
   scale: fp32 (> 0); causal: int32 flag; the launch grid x is a host-known int32.
+q, k and out may hold 2^31 elements or more: their row addresses are 64-bit (q and k rows through
+tile_utils.row_iterator / kv_row_iterator, which matter here because H and Hk = 1 make every stride
+of q and k static; out's strides are dynamic 64-bit). Counts (tokens, tiles, pages) are Int32.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import warpgroup
 
-from .tile_utils import (kv_row_iterator, quad_max, row_copy, warpgroup_gemm,
+from .tile_utils import (kv_row_iterator, quad_max, row_copy, row_iterator, warpgroup_gemm,
                          wgmma_rows_cols_view)
 
 HEAD_DIM = 128
@@ -217,9 +220,8 @@ class BlockMaxScoreSm90:
                     r = wg * WG_ROWS + tQcQ[0, m, 0][0]
                     q_local = q_lo + r // n_heads
                     if q_local < q_len:
-                        q_row = mQ[q_start + q_local, r % n_heads, None]
-                        gQ = thr_q_copy.partition_S(cute.make_tensor(q_row.iterator,
-                                                                     q_row_stride0))
+                        q_ptr = row_iterator(mQ, q_start + q_local, r % n_heads)
+                        gQ = thr_q_copy.partition_S(cute.make_tensor(q_ptr, q_row_stride0))
                         cute.copy(q_copy, gQ[None, m, None], tQsQ[None, m, None])
                 # Prologue: K tiles 0 .. STAGES-2 (Q rides in the first group).
                 for s in cutlass.range_constexpr(STAGES - 1):

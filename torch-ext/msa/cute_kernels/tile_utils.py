@@ -29,10 +29,22 @@ def row_copy(dtype, rows_per_step: int, async_copy: bool = True) -> cute.TiledCo
 
 def kv_row_iterator(mKV: cute.Tensor, paged: bool, base, head, key):
     """Address of the 128 channels of one key of a K or V tensor: paged [pages, H, 128, D] ->
-    page `base`, slot `key`; dense [tokens, H, D] -> token `base + key`."""
+    page `base`, slot `key`; dense [tokens, H, D] -> token `base + key`.
+
+    The page / token index enters the offset as a 64-bit integer: a [pages, 1, 128, 128] pool
+    passes 2^31 elements at 2^17 pages, and with all strides static (H = 1 compiled in) the DSL
+    would otherwise multiply Int32 x Int32 (page << 14 in 32 bits). One 64-bit multiply-add per
+    row address; the page and token indices themselves stay Int32."""
     if paged:
-        return mKV[base, head, key, None].iterator
-    return mKV[base + key, head, None].iterator
+        return mKV[cutlass.Int64(base), head, key, None].iterator
+    return mKV[cutlass.Int64(base + key), head, None].iterator
+
+
+def row_iterator(mX: cute.Tensor, row, head):
+    """Address of the last-mode vector [row, head, :] of a [rows, H, D] tensor (Q, O), with the
+    row entering the offset as a 64-bit integer (rows * H * D may pass 2^31 elements; with H
+    static the DSL would multiply in 32 bits)."""
+    return mX[cutlass.Int64(row), head, None].iterator
 
 
 def warp_row_store_copy(dtype, head_dim: int) -> cute.TiledCopy:
