@@ -12,7 +12,7 @@
 // bf16 residual, so unrounded P keeps ~16 mantissa bits instead of bf16's 8.
 //
 // Direct e4m3 form (e4m3 Q and K/V, tiles of <= 16 rows, warps splitting each page's keys):
-// no conversion pass. Pages stay e4m3 in a four-stage cp.async ring (16-byte chunks of each row
+// no conversion pass. Pages stay e4m3 in a six-stage cp.async ring (16-byte chunks of each row
 // XOR-swizzled by row % 8), fragments are read straight from it and widened in registers to f16
 // (exact for e4m3), and the MMA is f16 with fp32 accumulation. Q lives in registers. QK^T uses a
 // permuted channel order (k-chunk kd's positions {2t, 2t+1, 2t+8, 2t+9} hold channels
@@ -60,13 +60,17 @@ constexpr int kListBytes = kMaxCandidates * 4 * 4;               // cand, phys, 
 constexpr int kSmemBytes = kQBytes + kStageRegionBytes + kListBytes + 64 + kWarps * 16 * 4;
 static_assert(kWarps * 16 * (kHeadDim + 1) * 4 <= kStageRegionBytes,
               "split keys: the warps' partial accumulators must fit the stage region");
-constexpr int kDirectStages = 4;                 // direct e4m3 form: raw pages in flight
-static_assert(kDirectStages * kPageFp8Bytes <= kStageRegionBytes,
-              "direct e4m3: the raw page ring must fit the stage region");
+// Direct e4m3 form: no Q tile and no converted page, so the raw page ring takes the front of
+// shared memory and is deep (five pages in flight per SM: the decode stream is latency-bound
+// at fewer bytes in flight), followed by the same lists.
+constexpr int kDirectStages = 6;
+constexpr int kDirectRingBytes = kDirectStages * kPageFp8Bytes;
+constexpr int kDirectSmemBytes = kDirectRingBytes + kListBytes + 64 + kWarps * 16 * 4;
+static_assert(kDirectSmemBytes <= 227 * 1024, "direct e4m3: shared memory per CTA");
 // Direct e4m3 form: partial accumulators as [warp][row][8 column groups of 17][16] floats, so
 // the permuted writes and the natural reads hit at most two threads per bank.
 constexpr int kDirectPartRow = 8 * 17;
-static_assert(kWarps * 16 * (kDirectPartRow + 1) * 4 <= kStageRegionBytes,
+static_assert(kWarps * 16 * (kDirectPartRow + 1) * 4 <= kDirectRingBytes,
               "direct e4m3: the warps' partial accumulators must fit the stage region");
 
 struct __align__(16) Bf16x8 {
@@ -402,8 +406,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(kSplitKeys || !kDirectFp8, "the direct e4m3 form splits keys across warps");
   extern __shared__ __align__(128) char smem[];
   __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);
-  char* stages = smem + kQBytes;
-  int* cand = reinterpret_cast<int*>(stages + kStageRegionBytes);
+  char* stages = smem + (kDirectFp8 ? 0 : kQBytes);
+  int* cand = reinterpret_cast<int*>(stages + (kDirectFp8 ? kDirectRingBytes : kStageRegionBytes));
   int* list_phys = cand + kMaxCandidates;
   int* list_logical = list_phys + kMaxCandidates;
   uint32_t* list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
@@ -502,8 +506,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if constexpr (!kDirectFp8) cp_async_commit();
   for (int i = 0; i < num_pages; ++i) {
     if constexpr (kDirectFp8) {
-      // The stage of page i + 3 last held page i - 1, released by the previous iteration's
-      // closing barrier.
+      // The stage of page i + kDirectStages - 1 last held page i - 1, released by the previous
+      // iteration's closing barrier.
       const int ahead = i + kDirectStages - 1;
       if (ahead < num_pages) {
         load_page_fp8_swizzled(a, ctx.head,
@@ -857,18 +861,18 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   const dim3 grid(static_cast<unsigned>(args.num_work), static_cast<unsigned>(args.num_kv_heads));
   // Split keys across warps only when every qo tile has <= 16 rows, and the direct e4m3 form
   // only then with e4m3 Q and K/V (the binding checks both).
-  auto launch = [&](auto kernel) -> cudaError_t {
+  auto launch = [&](auto kernel, int smem_bytes) -> cudaError_t {
     MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             kSmemBytes));
-    kernel<<<grid, kThreads, kSmemBytes, stream>>>(args);
+                                             smem_bytes));
+    kernel<<<grid, kThreads, smem_bytes, stream>>>(args);
     return cudaSuccess;
   };
   if (args.direct_fp8) {
-    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, true>));
+    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, true>, kDirectSmemBytes));
   } else if (args.split_keys) {
-    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, false>));
+    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, false>, kSmemBytes));
   } else {
-    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<false, false>));
+    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<false, false>, kSmemBytes));
   }
   MSA_RETURN_IF_ERROR(cudaGetLastError());
   if (args.split_kv) {

@@ -35,7 +35,7 @@ VALIDATED = True
 # force it on or off through SPLIT_KEYS_FOR_TESTS (None: the gate decides).
 VALIDATED_SPLIT_KEYS = True
 SPLIT_KEYS_FOR_TESTS: Optional[bool] = None
-# The direct e4m3 form of the split-keys kernel (e4m3 q and K/V read straight from a four-stage
+# The direct e4m3 form of the split-keys kernel (e4m3 q and K/V read straight from a six-stage
 # raw page ring and widened to f16 in registers; no bf16 conversion pass): compiled, gated until
 # the "direct" cases of tests/test_decode_gpu.py pass on an H200. DIRECT_FP8_FOR_TESTS forces it.
 VALIDATED_DIRECT_FP8 = False
