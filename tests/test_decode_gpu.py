@@ -123,17 +123,20 @@ def _force_form(monkeypatch, keys):
 def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k):
     """e4m3 q and K/V: the contract's tolerance (checked by _check) is loose next to what a
     correct kernel does, so also compare with the reference backend, which models the same
-    rounding (P rounded to e4m3 against each page's max): all but 1e-3 of the elements within
-    two bf16 ulps (+1e-4), the rest only within the contract (an fp32 difference can flip a P
-    value at an e4m3 rounding midpoint)."""
+    rounding (P rounded to e4m3 against each page's max). Each output row (query, head) should
+    match within two bf16 ulps (+1e-4); an fp32 difference can flip one P value at an e4m3
+    rounding midpoint, which moves that whole row by one e4m3 ulp of p / sum(p) times a V row,
+    so up to 2 % of the rows (at least 2) may only meet the contract. A layout or permutation
+    error moves every row."""
     from test_decode import fp32_reference
     ref, _ = fp32_reference(q.cpu(), k.cpu(), v.cpu(), None if q2k is None else q2k.cpu(),
                             table.cpu(), seqused_k.cpu(), seqlen_q)
     ref = ref.double()
     err = (out.double().cpu() - ref).abs()
     ulp = torch.finfo(BF16).eps * ref.abs().clamp_min(1e-30)
-    loose = (err > 2 * ulp + 1e-4).double().mean().item()
-    assert loose <= 1e-3, (loose, err.max().item())
+    loose_rows = (err > 2 * ulp + 1e-4).any(dim=-1)
+    allowed = max(2, int(0.02 * loose_rows.numel()))
+    assert int(loose_rows.sum()) <= allowed, (int(loose_rows.sum()), allowed, err.max().item())
 
 
 @pytest.mark.parametrize("keys", ["rows", "split", "direct"])
