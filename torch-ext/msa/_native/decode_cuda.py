@@ -36,9 +36,11 @@ VALIDATED = True
 VALIDATED_SPLIT_KEYS = True
 SPLIT_KEYS_FOR_TESTS: Optional[bool] = None
 # The direct e4m3 form of the split-keys kernel (e4m3 q and K/V read straight from a six-stage
-# raw page ring and widened to f16 in registers; no bf16 conversion pass): compiled, gated until
-# the "direct" cases of tests/test_decode_gpu.py pass on an H200. DIRECT_FP8_FOR_TESTS forces it.
-VALIDATED_DIRECT_FP8 = False
+# raw page ring and widened to f16 in registers; no bf16 conversion pass): its "direct" cases of
+# tests/test_decode_gpu.py (37, with a 512k request) passed on the H200 (2026-11-30, session 3,
+# commit 492e1b6); memcheck clean on its six-stage predecessor (same addresses).
+# DIRECT_FP8_FOR_TESTS forces it on or off.
+VALIDATED_DIRECT_FP8 = True
 DIRECT_FP8_FOR_TESTS: Optional[bool] = None
 UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
