@@ -55,6 +55,8 @@ def main(argv=None):
     ap.add_argument("--peers", default="cudnn,flash", help="SDPA backends timed alongside")
     ap.add_argument("--max-score-seqs", default="32k,128k",
                     help="N of the max-score-only pass (Hq=4 index heads, Hkv=1)")
+    ap.add_argument("--forms", default="plain",
+                    help="kernel block loops to time: plain, pipelined (impl msa.fmha[form])")
     ap.add_argument("--allow-unvalidated", action="store_true",
                     help="time the gated native kernel (backend column says so)")
     add_common_args(ap, rep_ms=200)
@@ -70,9 +72,10 @@ def main(argv=None):
     msa = load_msa()
     from importlib import import_module
     try:
-        gated = not import_module(msa.__name__ + "._native.fmha_sm90").VALIDATED
+        native = import_module(msa.__name__ + "._native.fmha_sm90")
+        gated = not native.VALIDATED
     except ImportError:           # a build without native kernels (torch-cpu)
-        gated = False
+        native, gated = None, False
     tsv = TsvWriter(args.out, COLUMNS, device, formats={"tflops": ".1f",
                                                          "speedup_vs_cudnn": ".2f"})
     gen = torch.Generator(device="cpu").manual_seed(torch.initial_seed() % (1 << 62))
@@ -106,18 +109,24 @@ def main(argv=None):
 
                     def call():
                         return msa.fmha(q, k_in, v_in, plan, output_maxscore=False, **kw)
-                    call()
-                    backend = msa._backend.last_backend("fmha_dense")
-                    if reference_too_slow(backend, n, device, args, f"fmha {layout} N={n}"):
-                        continue
-                    if backend == "sm90" and gated:
-                        backend = "sm90-unvalidated"
-                    ms = time_ms(call, device, args.rep_ms)
-                    cudnn = peer_ms.get("cudnn")
-                    tsv.write(mode="o", n=n, hq=hq, hkv=hkv, causal=int(causal),
-                              layout=layout, impl="msa.fmha", backend=backend, latency_ms=ms,
-                              tflops=flops / ms / 1e9,
-                              speedup_vs_cudnn=(cudnn / ms) if cudnn else None)
+                    for form in parse_names(args.forms):
+                        if native is not None:
+                            native.PIPELINED_FOR_TESTS = form == "pipelined"
+                        call()
+                        backend = msa._backend.last_backend("fmha_dense")
+                        if reference_too_slow(backend, n, device, args, f"fmha {layout} N={n}"):
+                            continue
+                        unvalidated = gated or (form == "pipelined" and native is not None
+                                                and not native.VALIDATED_PIPELINED)
+                        if backend == "sm90" and unvalidated:
+                            backend = "sm90-unvalidated"
+                        ms = time_ms(call, device, args.rep_ms)
+                        cudnn = peer_ms.get("cudnn")
+                        impl = "msa.fmha" if form == "plain" else f"msa.fmha[{form}]"
+                        tsv.write(mode="o", n=n, hq=hq, hkv=hkv, causal=int(causal),
+                                  layout=layout, impl=impl, backend=backend, latency_ms=ms,
+                                  tflops=flops / ms / 1e9,
+                                  speedup_vs_cudnn=(cudnn / ms) if cudnn else None)
             free_memory(device)
 
     # The max-score-only proxy pass: 4 index heads against one shared key head.

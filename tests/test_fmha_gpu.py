@@ -33,10 +33,14 @@ def _native_module():
     return fmha_sm90
 
 
+@pytest.mark.parametrize("form", ["plain", "pipelined"])
 @pytest.mark.parametrize("heads,causal,paged", CASES)
-def test_fmha_native_matches_float64(heads, causal, paged, seed, monkeypatch):
+def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypatch):
+    """form: the kernel's block loop (plain, or pipelined: S(j+1) and P(j) V(j) in flight
+    together)."""
     native = _native_module()
     monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    monkeypatch.setattr(native, "PIPELINED_FOR_TESTS", form == "pipelined")
     monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads

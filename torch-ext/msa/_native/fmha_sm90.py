@@ -31,15 +31,32 @@ PAGE = 128
 TILE_M = 128                    # queries per CTA; must match cute_kernels.fmha_sm90.TILE_M
 # tests/test_fmha_gpu.py passed on the H200 (2026-11-30, session 3): 7 tests.
 VALIDATED = True
+# The pipelined block loop (S(j+1) and P(j) V(j) in flight together): compiled (no spills, no
+# serialized wgmma), gated until tests/test_fmha_gpu.py's "pipelined" cases pass on an H200.
+# A first, branched form (commit 3b67486) passed the tests but ptxas serialized its wgmmas and
+# it measured 385-414 TFLOP/s against the plain loop's 459-477.
+VALIDATED_PIPELINED = False
+PIPELINED_FOR_TESTS: Optional[bool] = None
 MODE_O_ONLY = 3
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16"}      # served q/k/v dtypes (variants.FMHA_DTYPES)
 # Tests set this to fill O with NaN before the launch (catches rows the kernel does not write).
 POISON_BUFFERS_FOR_TESTS = False
 
 
-def variant_name(paged: bool, dtype: torch.dtype = torch.bfloat16) -> str:
+def variant_name(paged: bool, dtype: torch.dtype = torch.bfloat16,
+                 pipelined: bool = False) -> str:
     """Artifact name; must match cute_kernels.variants.FmhaVariant."""
-    return f"fmha_sm90_{_DTYPE_NAMES[dtype]}_{'paged' if paged else 'dense'}"
+    suffix = "_pipelined" if pipelined else ""
+    return f"fmha_sm90_{_DTYPE_NAMES[dtype]}_{'paged' if paged else 'dense'}{suffix}"
+
+
+def use_pipelined() -> bool:
+    """The intra-warpgroup pipelined block loop (cute_kernels/fmha_sm90.py): forced by tests
+    and benchmarks through PIPELINED_FOR_TESTS, else once validated (or
+    MSA_UNVALIDATED_KERNELS=1)."""
+    if PIPELINED_FOR_TESTS is not None:
+        return PIPELINED_FOR_TESTS
+    return _backend.unvalidated_reason("the pipelined sm90 FMHA", VALIDATED_PIPELINED) is None
 
 
 def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=True, mode=None,
@@ -54,7 +71,7 @@ def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=Tr
         return f"mode {mode}: the sm90 FMHA writes O only (no max-score output yet)"
     if paged and page_size != PAGE:
         return f"page_size {page_size}: the sm90 FMHA pages by {PAGE} tokens"
-    return cute_runtime.unavailable_reason(variant_name(bool(paged)))
+    return cute_runtime.unavailable_reason(variant_name(bool(paged), pipelined=use_pipelined()))
 
 
 def check_launch_limits(call) -> None:
@@ -89,7 +106,7 @@ def run(call):
     grid_q_tiles = max(1, -(-int(plan["max_seqlen_q"]) // TILE_M))
     if POISON_BUFFERS_FOR_TESTS:
         out.fill_(float("nan"))
-    cute_runtime.launch(variant_name(call.paged), device, q, k, v, out, cu_q, cu_k, kv_lens,
+    cute_runtime.launch(variant_name(call.paged, pipelined=use_pipelined()), device, q, k, v, out, cu_q, cu_k, kv_lens,
                         offsets, table.contiguous(), float(call.logit_scale) * math.log2(math.e),
                         float(call.output_scale), int(bool(plan["causal"])), grid_q_tiles)
     return out, None

@@ -164,6 +164,6 @@ def compile_variant(variant, *, dump_dir: Optional[str] = None):
                                    _INDEX_DTYPES[variant.dtype], split_keys=variant.decode)
         return cute.compile(kernel, *block_max_score_args(variant), options=options)
     if isinstance(variant, FmhaVariant):
-        kernel = FmhaSm90(variant.paged, _DTYPES[variant.dtype])
+        kernel = FmhaSm90(variant.paged, _DTYPES[variant.dtype], variant.pipelined)
         return cute.compile(kernel, *fmha_args(variant), options=options)
     raise TypeError(f"variant: unknown kind {type(variant).__name__}")

@@ -76,10 +76,12 @@ class FmhaVariant:
     causality at run time, dense or paged (page size 128) K/V."""
     paged: bool
     dtype: str = "bfloat16"
+    pipelined: bool = False      # the intra-warpgroup pipelined block loop (fmha_sm90.py)
 
     @property
     def name(self) -> str:
-        return f"fmha_sm90_{self.dtype}_{'paged' if self.paged else 'dense'}"
+        suffix = "_pipelined" if self.pipelined else ""
+        return f"fmha_sm90_{self.dtype}_{'paged' if self.paged else 'dense'}{suffix}"
 
 
 def _short(dtype: str) -> str:
@@ -105,7 +107,8 @@ def shipped_variants() -> List[object]:
         # The decode indexer reads a paged index-K cache.
         out.extend(BlockMaxScoreVariant(h, True, dtype, decode=True) for h in INDEX_HEADS)
     for dtype in FMHA_DTYPES:
-        out.extend(FmhaVariant(paged, dtype) for paged in (False, True))
+        out.extend(FmhaVariant(paged, dtype, pipelined) for paged in (False, True)
+                   for pipelined in (False, True))
     return out
 
 
