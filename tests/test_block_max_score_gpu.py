@@ -36,6 +36,15 @@ BLOCK = 128
 HEAD_DIM = 128
 
 
+def _record_launches(native, monkeypatch):
+    """The list the names of the launched CuTe variants are appended to."""
+    launched = []
+    real_launch = native.cute_runtime.launch
+    monkeypatch.setattr(native.cute_runtime, "launch",
+                        lambda name, *a: (launched.append(name), real_launch(name, *a))[1])
+    return launched
+
+
 def _native_module():
     from msa._native import block_max_score_sm90   # registers "block_max_scores" for sm90
     return block_max_score_sm90
@@ -252,10 +261,7 @@ def test_block_max_scores_decode_native_matches_float64(num_heads, seqlen_q, dty
     variant (one warpgroup, K tiles split across CTAs) and checks that it was the one launched."""
     native = _native_module()
     monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
-    launched = []
-    real_launch = native.cute_runtime.launch
-    monkeypatch.setattr(native.cute_runtime, "launch",
-                        lambda name, *a: (launched.append(name), real_launch(name, *a))[1])
+    launched = _record_launches(native, monkeypatch)
     gen = torch.Generator().manual_seed(seed)
     device = torch.device("cuda")
     k_lens = [int(torch.randint(1, 20000, (1,), generator=gen)) for _ in range(5)] + [0, 129]
@@ -311,10 +317,7 @@ def test_block_max_scores_paged_pool_past_2_31_elements(num_heads, decode_q, see
     compact pool of the used pages exactly, and the float64 reference on those pages."""
     native = _native_module()
     monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
-    launched = []
-    real_launch = native.cute_runtime.launch
-    monkeypatch.setattr(native.cute_runtime, "launch",
-                        lambda name, *a: (launched.append(name), real_launch(name, *a))[1])
+    launched = _record_launches(native, monkeypatch)
     gen = torch.Generator().manual_seed(seed)
     device = torch.device("cuda")
     e4m3 = torch.float8_e4m3fn

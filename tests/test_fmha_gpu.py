@@ -33,6 +33,23 @@ def _native_module():
     return fmha_sm90
 
 
+def _check_against_float64(out, q, k, v, q_lens, kv_lens, offsets, causal, scale, label):
+    """max |O - float64 reference| within twice the modelled bf16 error (the reference with P
+    rounded to bf16 per 128-key step) + 2e-3; output_scale 1.5. Returns the float64 O."""
+    kv = dense_token_kv(k, v, kv_lens)
+    o64, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offsets, causal=causal,
+                                       logit_scale=scale, output_scale=1.5,
+                                       compute_dtype=torch.float64)
+    model, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offsets, causal=causal,
+                                         logit_scale=scale, output_scale=1.5,
+                                         p_quant_dtype=torch.bfloat16, kv_step=128)
+    model_err = (model.to(torch.bfloat16).double() - o64).abs().max().item()
+    err = (out.cpu().double() - o64).abs().max().item()
+    print(f"{label}: max|O-O64|={err:.3e} model {model_err:.3e}")
+    assert err <= 2 * model_err + 2e-3
+    return o64
+
+
 @pytest.mark.parametrize("form", ["plain", "pipelined"])
 @pytest.mark.parametrize("heads,causal,paged", CASES)
 def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypatch):
@@ -72,19 +89,9 @@ def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypat
     assert ms is None and out.dtype == torch.bfloat16
     assert not torch.isnan(out).any(), "O has NaN (rows not written)"
 
-    kv = dense_token_kv(k, v, kv_lens)
     offs = offsets if causal else [0] * len(q_lens)
-    o64, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offs, causal=causal,
-                                       logit_scale=scale, output_scale=1.5,
-                                       compute_dtype=torch.float64)
-    model, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offs, causal=causal,
-                                         logit_scale=scale, output_scale=1.5,
-                                         p_quant_dtype=torch.bfloat16, kv_step=128)
-    model_err = (model.to(torch.bfloat16).double() - o64).abs().max().item()
-    err = (out.cpu().double() - o64).abs().max().item()
-    print(f"Hq={hq} Hkv={hkv} causal={causal} paged={paged}: max|O-O64|={err:.3e} "
-          f"model {model_err:.3e}")
-    assert err <= 2 * model_err + 2e-3
+    o64 = _check_against_float64(out, q, k, v, q_lens, kv_lens, offs, causal, scale,
+                                 f"Hq={hq} Hkv={hkv} causal={causal} paged={paged} {form}")
     empty = (o64.abs().amax(-1) == 0)
     assert (out.cpu()[empty] == 0).all(), "rows that see no key must be 0"
 
@@ -169,14 +176,5 @@ def test_fmha_native_paged_pool_past_2_31_elements(seed, monkeypatch):
     assert torch.equal(out, native_call(k_pages, v_pages, kv_indices)), \
         "the pool past 2^31 elements changes O"
 
-    kv = dense_token_kv(k, v, kv_lens)
-    o64, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offsets, causal=True,
-                                       logit_scale=scale, output_scale=1.5,
-                                       compute_dtype=torch.float64)
-    model, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offsets, causal=True,
-                                         logit_scale=scale, output_scale=1.5,
-                                         p_quant_dtype=torch.bfloat16, kv_step=128)
-    model_err = (model.to(torch.bfloat16).double() - o64).abs().max().item()
-    err = (out.cpu().double() - o64).abs().max().item()
-    print(f"pool past 2^31: max|O-O64|={err:.3e} model {model_err:.3e}")
-    assert err <= 2 * model_err + 2e-3
+    _check_against_float64(out, q, k, v, q_lens, kv_lens, offsets, True, scale,
+                           "pool past 2^31")
