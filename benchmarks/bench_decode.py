@@ -37,6 +37,7 @@ from _common import (BLOCK, HEAD_DIM, add_common_args, apply_preset, dtype_of, f
 COLUMNS = ("batch", "context", "seqlen_q", "kv_dtype", "mode", "exec", "backend", "latency_us",
            "bytes_read", "tb_per_s", "speedup_vs_cudnn", "note")
 DECODE_OP = "sparse_decode_atten"
+FORM_NOTE = [""]   # set by --direct-pairs: which kernel variant a forced run timed
 
 
 class DecodeBatch:
@@ -260,7 +261,8 @@ def bench_mode(msa, data: DecodeBatch, mode, dtype_name, args, device, tsv, used
         tsv.write(batch=batch, context=context, seqlen_q=seqlen_q, kv_dtype=dtype_name,
                   mode=mode, exec=exec_kind, backend=backend, latency_us=us,
                   bytes_read=bytes_read, tb_per_s=bytes_read / us / 1e6,
-                  speedup_vs_cudnn=cudnn_us / us if cudnn_us else None)
+                  speedup_vs_cudnn=cudnn_us / us if cudnn_us else None,
+                  note=FORM_NOTE[0] or None)
     if mode == "step":
         data.q2k.copy_(data.random_selection())   # later modes see a random selection again
 
@@ -278,6 +280,9 @@ def main(argv=None):
     ap.add_argument("--hkv", type=int, default=4, help="KV heads (= index heads of the step)")
     ap.add_argument("--topk", type=int, default=16)
     ap.add_argument("--peers", default="cudnn", help="'cudnn' or '' (no dense peer)")
+    ap.add_argument("--direct-pairs", default="auto", choices=("auto", "on", "off"),
+                    help="the e4m3 decode kernel's page-pair variant: the gate decides (auto) "
+                         "or forced; forced runs say so in the note column")
     add_common_args(ap, rep_ms=100)
     args = ap.parse_args(argv)
     if args.tiny:
@@ -287,6 +292,11 @@ def main(argv=None):
 
     device = setup(args)
     msa = load_msa()
+    if args.direct_pairs != "auto":
+        from importlib import import_module
+        native = import_module(msa.__name__ + "._native.decode_cuda")
+        native.DIRECT_PAIRS_FOR_TESTS = args.direct_pairs == "on"
+        FORM_NOTE[0] = f"direct_pairs={args.direct_pairs}"
     tsv = TsvWriter(args.out, COLUMNS, device,
                     formats={"latency_us": ".2f", "tb_per_s": ".3f", "speedup_vs_cudnn": ".2f"})
     dtype_names = parse_names(args.dtypes)

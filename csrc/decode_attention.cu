@@ -65,7 +65,8 @@ static_assert(kWarps * 16 * (kHeadDim + 1) * 4 <= kStageRegionBytes,
 // at fewer bytes in flight), followed by the same lists.
 constexpr int kDirectStages = 6;
 constexpr int kDirectRingBytes = kDirectStages * kPageFp8Bytes;
-constexpr int kDirectSmemBytes = kDirectRingBytes + kListBytes + 64 + kWarps * 16 * 4;
+// (+ a second [kWarps][16] page-max buffer: the page-pair variant exchanges two pages' maxima.)
+constexpr int kDirectSmemBytes = kDirectRingBytes + kListBytes + 64 + 2 * kWarps * 16 * 4;
 static_assert(kDirectSmemBytes <= 227 * 1024, "direct e4m3: shared memory per CTA");
 // Direct e4m3 form: partial accumulators as [warp][row][8 column groups of 17][16] floats, so
 // the permuted writes and the natural reads hit at most two threads per bank.
@@ -393,6 +394,240 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
   return *total;
 }
 
+// ---- Direct e4m3 form, page-pair variant: per-warp pieces ----------------------------------
+// A warp's slice of one page: keys key_base .. key_base + 15 (two n8-tiles), rows lane / 4 and
+// lane / 4 + 8 of the <= 16-row tile. Fragment layouts as in the file comment.
+
+// S = Q K^T of two pages at once (four independent MMA chains instead of two).
+__device__ __forceinline__ void direct_qk_two_pages(const char* k8_a, const char* k8_b,
+                                                    int key_base, int lane,
+                                                    const uint32_t (&qf)[kHeadDim / 16][4],
+                                                    float (&s)[2][2][4]) {
+#pragma unroll
+  for (int pg = 0; pg < 2; ++pg)
+#pragma unroll
+    for (int n = 0; n < 2; ++n) s[pg][n][0] = s[pg][n][1] = s[pg][n][2] = s[pg][n][3] = 0.f;
+  uint4 k_raw[2][2][2];
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const int key = key_base + n * 8 + (lane >> 2);
+    k_raw[0][n][0] = swizzled_chunk(k8_a, key, (lane & 3) * 2);
+    k_raw[0][n][1] = swizzled_chunk(k8_a, key, (lane & 3) * 2 + 1);
+    k_raw[1][n][0] = swizzled_chunk(k8_b, key, (lane & 3) * 2);
+    k_raw[1][n][1] = swizzled_chunk(k8_b, key, (lane & 3) * 2 + 1);
+  }
+#pragma unroll
+  for (int kd = 0; kd < kHeadDim / 16; ++kd) {
+#pragma unroll
+    for (int pg = 0; pg < 2; ++pg) {
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const uint32_t w = word_of(k_raw[pg][n], kd);
+        mma_f16(s[pg][n], qf[kd], e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16));
+      }
+    }
+  }
+}
+
+// O += (scale P) V over one page's 16 keys of this warp: P = s (probabilities against the page
+// max) rounded to e4m3, times the per-row scale in f16, as the A fragment; V from the raw page.
+__device__ __forceinline__ void direct_pv_page(const char* v8, int key_base, int lane,
+                                               const float (&s)[2][4], float scale_g,
+                                               float scale_g8, float (&acc)[16][4]) {
+  const __half2 sc_g = __float2half2_rn(scale_g), sc_g8 = __float2half2_rn(scale_g8);
+  auto scaled = [](uint32_t p2, __half2 b) {
+    const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&p2), b);
+    return *reinterpret_cast<const uint32_t*>(&r);
+  };
+  const uint32_t pa[4] = {scaled(round_e4m3x2_to_f16x2(s[0][0], s[0][1]), sc_g),
+                          scaled(round_e4m3x2_to_f16x2(s[0][2], s[0][3]), sc_g8),
+                          scaled(round_e4m3x2_to_f16x2(s[1][0], s[1][1]), sc_g),
+                          scaled(round_e4m3x2_to_f16x2(s[1][2], s[1][3]), sc_g8)};
+  const int key0 = key_base + 2 * (lane & 3);
+  const uint4 v_lo[2] = {swizzled_chunk(v8, key0, lane >> 2),
+                         swizzled_chunk(v8, key0 + 8, lane >> 2)};
+  const uint4 v_hi[2] = {swizzled_chunk(v8, key0 + 1, lane >> 2),
+                         swizzled_chunk(v8, key0 + 9, lane >> 2)};
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const uint32_t k01_a = __byte_perm(word_of(v_lo, m), word_of(v_hi, m), 0x5140);
+    const uint32_t k01_b = __byte_perm(word_of(v_lo, m), word_of(v_hi, m), 0x7362);
+    const uint32_t k89_a = __byte_perm(word_of(v_lo, m + 4), word_of(v_hi, m + 4), 0x5140);
+    const uint32_t k89_b = __byte_perm(word_of(v_lo, m + 4), word_of(v_hi, m + 4), 0x7362);
+    const uint32_t b0[4] = {e4m3x2_to_f16x2(k01_a), e4m3x2_to_f16x2(k01_a >> 16),
+                            e4m3x2_to_f16x2(k01_b), e4m3x2_to_f16x2(k01_b >> 16)};
+    const uint32_t b1[4] = {e4m3x2_to_f16x2(k89_a), e4m3x2_to_f16x2(k89_a >> 16),
+                            e4m3x2_to_f16x2(k89_b), e4m3x2_to_f16x2(k89_b >> 16)};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) mma_f16(acc[4 * m + q], pa, b0[q], b1[q]);
+  }
+}
+
+// Page `idx` of the CTA's list, or a skipped page past its end.
+__device__ __forceinline__ PageRef page_or_none(const DecodeAttentionArgs& a,
+                                                const CtaContext& ctx, int idx, int num_pages,
+                                                const int* list_phys, const int* list_logical,
+                                                const uint32_t* list_mask) {
+  if (idx < num_pages) return resolve_page(a, ctx, idx, list_phys, list_logical, list_mask);
+  PageRef none;
+  none.physical = 0;
+  none.logical = 0;
+  none.token_mask = 0;
+  return none;
+}
+
+// The page-pair variant's whole page loop (split keys: warp w owns keys 16w .. 16w + 15 of
+// every page; rows lane / 4 and lane / 4 + 8). The ring's six stages are three pair slots; one
+// cp.async group per pair. Per pair: one top barrier, one page-max exchange for both pages,
+// then the pages fold in order (page 0, then page 1) exactly as two one-page steps would:
+// O = alpha0 alpha1 O + beta0 alpha1 (P0 V0) + beta1 (P1 V1), each P against its page's max.
+__device__ __forceinline__ void direct_page_pairs(
+    const DecodeAttentionArgs& a, const CtaContext& ctx, int num_pages, char* stages,
+    const int* list_phys, const int* list_logical, const uint32_t* list_mask,
+    float* warp_page_max, const uint32_t (&qf)[kHeadDim / 16][4], const int (&row_token)[2],
+    const int (&row_last_key)[2], float scale_log2, float (&acc)[16][4], float (&row_max)[2],
+    float (&row_sum)[2]) {
+  constexpr int kSlots = kDirectStages / 2;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int key_base = warp * 16;
+  const int num_pairs = (num_pages + 1) / 2;
+  auto page_of = [&](int idx) {
+    return page_or_none(a, ctx, idx, num_pages, list_phys, list_logical, list_mask);
+  };
+  auto stage_of = [&](int idx) {   // page idx -> its stage (slot of its pair, then 0 / 1)
+    return stages + (((idx >> 1) % kSlots) * 2 + (idx & 1)) * kPageFp8Bytes;
+  };
+  auto issue_pair = [&](int pair) {   // one cp.async group per pair, empty past the end
+#pragma unroll
+    for (int pg = 0; pg < 2; ++pg) {
+      const int idx = 2 * pair + pg;
+      if (idx < num_pages) load_page_fp8_swizzled(a, ctx.head, page_of(idx), stage_of(idx));
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int pair = 0; pair < kSlots - 1; ++pair) issue_pair(pair);
+
+  for (int pair = 0; pair < num_pairs; ++pair) {
+    // Pair `pair` has landed; after the barrier every warp is done with pair - 1, whose slot
+    // takes pair + kSlots - 1.
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kSlots - 2) : "memory");
+    __syncthreads();
+    issue_pair(pair + kSlots - 1);
+    const PageRef page[2] = {page_of(2 * pair), page_of(2 * pair + 1)};
+    const char* k8[2] = {stage_of(2 * pair), stage_of(2 * pair + 1)};
+
+    float s[2][2][4];
+    direct_qk_two_pages(k8[0], k8[1], key_base, lane, qf, s);
+
+    // Mask (causal against seqused_k, the selection per token, skipped pages), page maxima.
+    float page_max[2][2];
+#pragma unroll
+    for (int pg = 0; pg < 2; ++pg) {
+      int last_key[2];
+#pragma unroll
+      for (int i2 = 0; i2 < 2; ++i2) {
+        const bool selected = (page[pg].token_mask >> row_token[i2]) & 1u;
+        last_key[i2] = selected ? row_last_key[i2] - page[pg].logical * kPageSize : -1;
+        page_max[pg][i2] = -INFINITY;
+      }
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key_base + n * 8 + (lane & 3) * 2 + (e & 1);
+          const float v = key <= last_key[e >> 1] ? s[pg][n][e] * scale_log2 : -INFINITY;
+          s[pg][n][e] = v;
+          page_max[pg][e >> 1] = fmaxf(page_max[pg][e >> 1], v);
+        }
+      }
+#pragma unroll
+      for (int i2 = 0; i2 < 2; ++i2) {
+        page_max[pg][i2] =
+            fmaxf(page_max[pg][i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[pg][i2], 1));
+        page_max[pg][i2] =
+            fmaxf(page_max[pg][i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[pg][i2], 2));
+      }
+    }
+    // Both pages' maxima over all warps: [page][warp][row].
+    if ((lane & 3) == 0) {
+#pragma unroll
+      for (int pg = 0; pg < 2; ++pg) {
+        warp_page_max[(pg * kWarps + warp) * 16 + (lane >> 2)] = page_max[pg][0];
+        warp_page_max[(pg * kWarps + warp) * 16 + (lane >> 2) + 8] = page_max[pg][1];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int pg = 0; pg < 2; ++pg) {
+#pragma unroll
+      for (int i2 = 0; i2 < 2; ++i2) {
+        float m = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+          m = fmaxf(m, warp_page_max[(pg * kWarps + w) * 16 + (lane >> 2) + i2 * 8]);
+        }
+        page_max[pg][i2] = m;
+      }
+    }
+
+    // Fold page 0 then page 1 into the running max: O's rescale and each page's P scale.
+    float alpha[2], p_scale[2][2];
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+      const float m0 = fmaxf(row_max[i2], page_max[0][i2]);
+      const float a0 = row_max[i2] == -INFINITY ? 0.f : exp2f(row_max[i2] - m0);
+      const float b0 = page_max[0][i2] == -INFINITY ? 0.f : exp2f(page_max[0][i2] - m0);
+      const float m1 = fmaxf(m0, page_max[1][i2]);
+      const float a1 = m0 == -INFINITY ? 0.f : exp2f(m0 - m1);
+      const float b1 = page_max[1][i2] == -INFINITY ? 0.f : exp2f(page_max[1][i2] - m1);
+      alpha[i2] = a0 * a1;
+      p_scale[0][i2] = b0 * a1;
+      p_scale[1][i2] = b1;
+      row_max[i2] = m1;
+#pragma unroll
+      for (int pg = 0; pg < 2; ++pg) {
+        if (page_max[pg][i2] == -INFINITY) page_max[pg][i2] = 0.f;   // exp2(-inf - 0) = 0
+      }
+    }
+    float page_sum[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+    for (int pg = 0; pg < 2; ++pg) {
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = exp2f(s[pg][n][e] - page_max[pg][e >> 1]);
+          page_sum[pg][e >> 1] += p;
+          s[pg][n][e] = p;
+        }
+      }
+    }
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+      row_sum[i2] = row_sum[i2] * alpha[i2] + p_scale[0][i2] * page_sum[0][i2] +
+                    p_scale[1][i2] * page_sum[1][i2];
+    }
+    if (!__all_sync(0xFFFFFFFFu, alpha[0] == 1.f && alpha[1] == 1.f)) {
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        acc[n][0] *= alpha[0];
+        acc[n][1] *= alpha[0];
+        acc[n][2] *= alpha[1];
+        acc[n][3] *= alpha[1];
+      }
+    }
+    // Skipped pages were not loaded: their stage holds stale bytes, never multiplied.
+#pragma unroll
+    for (int pg = 0; pg < 2; ++pg) {
+      if (page[pg].token_mask != 0) {
+        direct_pv_page(k8[pg] + kPageSize * kHeadDim, key_base, lane, s[pg], p_scale[pg][0],
+                       p_scale[pg][1], acc);
+      }
+    }
+  }
+}
+
 // kSplitKeys (every qo tile has <= 16 rows, e.g. decode with G = 16 and one token): all 8
 // warps hold the same 16 rows and warp w takes keys [16w, 16w + 16) of every page, instead of
 // one warp doing the whole page while seven idle. The page max is shared through shared memory,
@@ -400,10 +635,15 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
 // and accumulators are added at the end.
 //
 // kDirectFp8 (with kSplitKeys; e4m3 Q and K/V): the direct e4m3 form of the file comment.
-template <bool kSplitKeys, bool kDirectFp8>
+// kDirectPairs (with kDirectFp8): that form taking two pages per step: one page-max exchange and
+// one top barrier per two pages, and four independent MMA chains per warp instead of two (the
+// one-page step spends most of its time in dependent chains and barriers, all warps in
+// lockstep). Each page's P is still rounded against its own max, as the reference does.
+template <bool kSplitKeys, bool kDirectFp8, bool kDirectPairs = false>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_kernel(const DecodeAttentionArgs a) {
   static_assert(kSplitKeys || !kDirectFp8, "the direct e4m3 form splits keys across warps");
+  static_assert(kDirectFp8 || !kDirectPairs, "page pairs are a variant of the direct form");
   extern __shared__ __align__(128) char smem[];
   __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);
   char* stages = smem + (kDirectFp8 ? 0 : kQBytes);
@@ -488,7 +728,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   char* const stage_base = a.kv_fp8 ? stages + kPageBf16Bytes : stages;
   const int stage_bytes = a.kv_fp8 ? kPageFp8Bytes : kPageBf16Bytes;
 
-  if constexpr (kDirectFp8) {
+  if constexpr (kDirectPairs) {
+    direct_page_pairs(a, ctx, num_pages, stages, list_phys, list_logical, list_mask,
+                      warp_page_max, qf, row_token, row_last_key, scale_log2, acc, row_max,
+                      row_sum);
+  } else if constexpr (kDirectFp8) {
     // Pages 0 .. kDirectStages - 2 in flight before the loop; one more per iteration.
 #pragma unroll
     for (int st = 0; st < kDirectStages - 1; ++st) {
@@ -504,7 +748,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                     stage_base);
   }
   if constexpr (!kDirectFp8) cp_async_commit();
-  for (int i = 0; i < num_pages; ++i) {
+  for (int i = 0; i < (kDirectPairs ? 0 : num_pages); ++i) {
     if constexpr (kDirectFp8) {
       // Page i has landed (at most kDirectStages - 2 younger groups pending). After the
       // barrier every warp is done with page i - 1, so its stage takes page
@@ -878,7 +1122,9 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
     kernel<<<grid, kThreads, smem_bytes, stream>>>(args);
     return cudaSuccess;
   };
-  if (args.direct_fp8) {
+  if (args.direct_fp8 && args.direct_pairs) {
+    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, true, true>, kDirectSmemBytes));
+  } else if (args.direct_fp8) {
     MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, true>, kDirectSmemBytes));
   } else if (args.split_keys) {
     MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, false>, kSmemBytes));

@@ -88,7 +88,7 @@ def _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k):
 LENS = [1, 129, 1000, 256, 77]
 
 
-@pytest.mark.parametrize("keys", ["rows", "split", "direct"])
+@pytest.mark.parametrize("keys", ["rows", "split", "direct", "pairs"])
 @pytest.mark.parametrize("split", ["forced", "unsplit"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("dtypes", list(DTYPES))
@@ -98,8 +98,9 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
                                       sparse, split, keys, monkeypatch):
     """keys="split": the kernel form where the warps split each page's keys (tiles of <= 16
     rows; for larger tiles the kernel keeps the row form, so those cases repeat "rows").
-    keys="direct": the split form's direct e4m3 variant (e4m3 q and K/V only)."""
-    if keys == "direct" and dtypes != "fp8":
+    keys="direct": the split form's direct e4m3 variant (e4m3 q and K/V only); "pairs": that
+    variant taking two pages per step."""
+    if keys in ("direct", "pairs") and dtypes != "fp8":
         pytest.skip("the direct form serves e4m3 q and K/V only")
     _force_form(monkeypatch, keys)
     q, k, v, table, seqused_k, q2k = _batch(LENS, seqlen_q, group, dtypes, sparse)
@@ -114,10 +115,12 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
 
 def _force_form(monkeypatch, keys):
     """keys: "rows" (one warp per 16 rows), "split" (warps split each page's keys, bf16
-    staging) or "direct" (split, e4m3 fragments read straight from the raw pages)."""
+    staging), "direct" (split, e4m3 fragments read straight from the raw pages) or "pairs"
+    (direct, two pages per step)."""
     from msa._native import decode_cuda
-    monkeypatch.setattr(decode_cuda, "SPLIT_KEYS_FOR_TESTS", keys in ("split", "direct"))
-    monkeypatch.setattr(decode_cuda, "DIRECT_FP8_FOR_TESTS", keys == "direct")
+    monkeypatch.setattr(decode_cuda, "SPLIT_KEYS_FOR_TESTS", keys in ("split", "direct", "pairs"))
+    monkeypatch.setattr(decode_cuda, "DIRECT_FP8_FOR_TESTS", keys in ("direct", "pairs"))
+    monkeypatch.setattr(decode_cuda, "DIRECT_PAIRS_FOR_TESTS", keys == "pairs")
 
 
 def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k):
@@ -139,12 +142,12 @@ def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k
     assert int(loose_rows.sum()) <= allowed, (int(loose_rows.sum()), allowed, err.max().item())
 
 
-@pytest.mark.parametrize("keys", ["rows", "split", "direct"])
+@pytest.mark.parametrize("keys", ["rows", "split", "direct", "pairs"])
 @pytest.mark.parametrize("dtypes", ["bf16", "fp8"])
 def test_native_decode_512k_context(msa_pkg, native_only, seed, dtypes, keys, monkeypatch):
     """A 512k-token request next to tiny and odd-length ones (G = 16, one query token, the
     M3 decode shape), dense and sparse, pages shuffled, the planner's own split."""
-    if keys == "direct" and dtypes != "fp8":
+    if keys in ("direct", "pairs") and dtypes != "fp8":
         pytest.skip("the direct form serves e4m3 q and K/V only")
     _force_form(monkeypatch, keys)
     lens, seqlen_q, group = [524288, 3, 70001], 1, 16

@@ -42,6 +42,12 @@ SPLIT_KEYS_FOR_TESTS: Optional[bool] = None
 # DIRECT_FP8_FOR_TESTS forces it on or off.
 VALIDATED_DIRECT_FP8 = True
 DIRECT_FP8_FOR_TESTS: Optional[bool] = None
+# Its page-pair variant (two pages per step: one barrier and one page-max exchange per two
+# pages, four independent MMA chains per warp): compiled (174 registers, no spills), gated until
+# the "pairs" cases of tests/test_decode_gpu.py pass on an H200. The one-page direct form reads
+# 3.1 TB/s (73 % of 4.26) at B >= 32; this variant is the attempt at >= 80 %.
+VALIDATED_DIRECT_PAIRS = False
+DIRECT_PAIRS_FOR_TESTS: Optional[bool] = None
 UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
@@ -80,7 +86,7 @@ def run(call) -> None:
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
         call.o_partial if split else None, call.lse_partial if split else None,
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
-        float(call.softmax_scale), _split_keys(), _direct_fp8())
+        float(call.softmax_scale), _split_keys(), _direct_fp8(), _direct_pairs())
 
 
 def _split_keys() -> bool:
@@ -99,6 +105,15 @@ def _direct_fp8() -> bool:
         return DIRECT_FP8_FOR_TESTS
     return _backend.unvalidated_reason("the direct e4m3 decode kernel",
                                        VALIDATED_DIRECT_FP8) is None
+
+
+def _direct_pairs() -> bool:
+    """Whether the direct e4m3 form takes two pages per step: forced by tests and benchmarks,
+    else once validated (or MSA_UNVALIDATED_KERNELS=1)."""
+    if DIRECT_PAIRS_FOR_TESTS is not None:
+        return DIRECT_PAIRS_FOR_TESTS
+    return _backend.unvalidated_reason("the page-pair direct e4m3 decode kernel",
+                                       VALIDATED_DIRECT_PAIRS) is None
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
