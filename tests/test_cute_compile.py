@@ -82,13 +82,24 @@ def test_shipped_variant_names_match_the_runtime():
                 assert set(_variant_names(g, paged, partial)) <= names
             for mode in FP8_MODES:
                 assert set(_variant_names(g, paged, torch.bfloat16, mode)) <= names
+            assert f"sparse_prefill_sm90_e4m3_rp_g{g}_{'paged' if paged else 'dense'}_pbf16" \
+                in names
     bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
     assert attention_mode(bf16, e4m3, e4m3, None) == "bf16_kv_e4m3"
     assert attention_mode(e4m3, e4m3, e4m3, bf16) == "e4m3_pv_bf16"
     assert attention_mode(e4m3, e4m3, e4m3, e4m3) == "e4m3"
-    assert set(FP8_MODES) == {attention_mode(bf16, e4m3, e4m3, None),
-                              attention_mode(e4m3, e4m3, e4m3, bf16),
-                              attention_mode(e4m3, e4m3, e4m3, None)}
+    # Every compiled FP8 family serves a dtype mode: "e4m3_rp" is "e4m3" with P in registers.
+    import msa._native.sparse_prefill_sm90 as native
+    served = set()
+    for register_p in (False, True):
+        native.REGISTER_P_FOR_TESTS = register_p
+        try:
+            served |= {native.kernel_mode(attention_mode(bf16, e4m3, e4m3, None)),
+                       native.kernel_mode(attention_mode(e4m3, e4m3, e4m3, bf16)),
+                       native.kernel_mode(attention_mode(e4m3, e4m3, e4m3, None))}
+        finally:
+            native.REGISTER_P_FOR_TESTS = None
+    assert set(FP8_MODES) == served
 
 
 def test_fp8_modes_are_gated_until_validated(monkeypatch):

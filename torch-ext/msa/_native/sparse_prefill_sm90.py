@@ -46,6 +46,12 @@ _FP8 = torch.float8_e4m3fn
 # and paged. "e4m3" (P rounded to e4m3) matches the quantized model except for isolated one-ulp
 # P flips at e4m3 midpoints (diagnosed: the error vector of such a row is parallel to one V row).
 VALIDATED_FP8_MODES: set = {"bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3"}
+# Mode "e4m3" on the kernel form that keeps P in registers (variants "e4m3_rp": key-permuted Vt,
+# RS P.V wgmma, no shared P tile and no barrier before P.V): compiled, gated until the
+# "e4m3_rp" cases of tests/test_sparse_prefill_gpu.py pass on an H200. REGISTER_P_FOR_TESTS
+# forces it on or off.
+VALIDATED_REGISTER_P = False
+REGISTER_P_FOR_TESTS: Optional[bool] = None
 UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
 
 
@@ -65,9 +71,22 @@ def attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype) -> Optional[str]:
     return None
 
 
+def kernel_mode(mode: str) -> str:
+    """The compiled variant family serving an attention mode: "e4m3" runs on "e4m3_rp" (P in
+    registers) when that form is validated or forced, else on the shared-P form."""
+    if mode != "e4m3":
+        return mode
+    use = REGISTER_P_FOR_TESTS
+    if use is None:
+        use = _backend.unvalidated_reason("the register-P e4m3 kernel",
+                                          VALIDATED_REGISTER_P) is None
+    return "e4m3_rp" if use else mode
+
+
 def _variant_names(qhead_per_kv: int, paged: bool, partial_dtype: torch.dtype,
                    mode: str = "bfloat16") -> Tuple[str, str]:
     """(attention, combine) artifact names; must match cute_kernels.variants."""
+    mode = kernel_mode(mode)
     short = {"float32": "f32", "bfloat16": "bf16"}[_PARTIAL_NAMES[partial_dtype]]
     layout = "paged" if paged else "dense"
     return (f"sparse_prefill_sm90_{mode}_g{qhead_per_kv}_{layout}_p{short}",

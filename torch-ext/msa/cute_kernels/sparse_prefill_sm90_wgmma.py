@@ -28,6 +28,14 @@ FP8 modes (``mode``; no scale factors are applied, contract §1.2):
   accumulator's, so P goes through shared memory: SS wgmma); V is stored transposed (Vt,
   channel x key, key-contiguous) because e4m3 wgmma needs K-major B. The normalizer is the sum
   of the unrounded P, as the reference's pv_quant_dtype models it.
+* ``"e4m3_rp"``      the ``"e4m3"`` math with P kept in registers (gated until validated): the
+  e4m3 A fragment of an RS wgmma (m64nNk32) holds k = 4t + {0..3} and 16 + 4t + {0..3} (t =
+  lane % 4) where the S accumulator holds columns 8j + 2t + {0, 1}; instead of moving P, the key
+  order of the Vt tile is permuted so that accumulator column c lands at k = pi(c), with
+  c = e + 2t + 8 jlo + 16 jhi + 32 g  ->  pi(c) = e + 4t + 2 jlo + 16 jhi + 32 g
+  (a bijection inside each 32-key group, applied once per block by the transposing V store).
+  Each A register then takes two converted accumulator pairs of the same row: no shared P tile
+  and no barrier before P.V.
 With e4m3 Q tiles (half the bytes) O cannot be staged in the Q rows: a separate bf16 tile is used.
 """
 
@@ -46,7 +54,32 @@ from .tile_utils import (kv_row_iterator, row_copy, warp_row_store_copy, warpgro
 
 TILE_M = 64            # one warpgroup MMA row block
 NUM_THREADS = 128
-MODES = ("bf16", "bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
+MODES = ("bf16", "bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3", "e4m3_rp")
+
+
+def register_p_key_order() -> cute.Layout:
+    """"e4m3_rp": (key, channel) -> index into the Vt tile (channel + HEAD_DIM * key'), with key
+    c = e + 2t + 8 jlo + 16 jhi + 32 g stored at key' = pi(c) = e + 4t + 2 jlo + 16 jhi + 32 g.
+    (Called while a kernel is traced.)"""
+    return cute.make_layout(
+        ((2, 4, 2, 2, BLOCK_N // 32), HEAD_DIM),
+        stride=((HEAD_DIM, 4 * HEAD_DIM, 2 * HEAD_DIM, 16 * HEAD_DIM, 32 * HEAD_DIM), 1))
+
+
+@cute.jit
+def register_p_operand(r_p8: cute.Tensor, a_shape) -> cute.Tensor:
+    """The e4m3 S-accumulator-layout P ((2, 2, N/8): pair e, row half h, 8-column group j) as
+    the A fragment of the RS P.V wgmma ((4, 2, 2), 1, K/32: v, h, g2, k-block kk), for the
+    key-permuted Vt (register_p_key_order): A(v, h, g2, kk) = P(v % 2, h, v // 2 + 2 g2 + 4 kk).
+    Compile-time register moves only."""
+    t_a = cute.make_rmem_tensor(a_shape, r_p8.element_type)
+    for kk in cutlass.range_constexpr(BLOCK_N // 32):
+        for g2 in cutlass.range_constexpr(2):
+            for h in cutlass.range_constexpr(2):
+                for v in cutlass.range_constexpr(4):
+                    t_a[v + 4 * h + 8 * g2 + 16 * kk] = \
+                        r_p8[v % 2 + 2 * h + 4 * (v // 2 + 2 * g2 + 4 * kk)]
+    return t_a
 
 
 class SparsePrefillSm90Wgmma(SparsePrefillSm90):
@@ -65,9 +98,11 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
         self.queries_per_tile = TILE_M // qhead_per_kv
         e4m3 = cutlass.Float8E4M3FN
         self.mode = mode
-        self.qk_dtype = e4m3 if mode in ("e4m3_pv_bf16", "e4m3") else cutlass.BFloat16
+        self.qk_dtype = e4m3 if mode in ("e4m3_pv_bf16", "e4m3", "e4m3_rp") else cutlass.BFloat16
         self.kv_in_dtype = cutlass.BFloat16 if mode == "bf16" else e4m3
-        self.pv_dtype = e4m3 if mode == "e4m3" else cutlass.BFloat16
+        self.pv_dtype = e4m3 if mode in ("e4m3", "e4m3_rp") else cutlass.BFloat16
+        # e4m3 P.V with P in registers (RS wgmma) and a key-permuted Vt tile.
+        self.register_p = mode == "e4m3_rp"
         # Which K/V tiles cannot be a plain cp.async of global memory.
         self.convert_k = self.kv_in_dtype is not self.qk_dtype
         self.convert_v = self.kv_in_dtype is not self.pv_dtype
@@ -84,7 +119,7 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
             return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
         fields = {"sQ": tile(self.qk_dtype, q_layout), "sK": tile(self.qk_dtype, k_layout),
                   "sV": tile(self.pv_dtype, v_layout)}
-        if self.transpose_v:
+        if self.transpose_v and not self.register_p:
             fields["sP"] = tile(self.pv_dtype, p_layout)
         if not self.stage_o_in_q:
             fields["sO"] = tile(self.partial_dtype, o_layout)
@@ -131,7 +166,13 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
         mma_qk = hopper.make_trivial_tiled_mma(
             self.qk_dtype, self.qk_dtype, cute.nvgpu.OperandMajorMode.K,
             cute.nvgpu.OperandMajorMode.K, cutlass.Float32, (1, 1, 1), (TILE_M, BLOCK_N))
-        if cutlass.const_expr(self.transpose_v):
+        if cutlass.const_expr(self.register_p):
+            # e4m3 P.V with P in registers (RS) and the key-permuted Vt (K-major).
+            mma_pv = hopper.make_trivial_tiled_mma(
+                self.pv_dtype, self.pv_dtype, cute.nvgpu.OperandMajorMode.K,
+                cute.nvgpu.OperandMajorMode.K, cutlass.Float32, (1, 1, 1), (TILE_M, HEAD_DIM),
+                a_source=warpgroup.OperandSource.RMEM)
+        elif cutlass.const_expr(self.transpose_v):
             # e4m3 P.V: P and Vt both from shared memory, both K-major.
             mma_pv = hopper.make_trivial_tiled_mma(
                 self.pv_dtype, self.pv_dtype, cute.nvgpu.OperandMajorMode.K,
@@ -205,6 +246,9 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                 sVt = sV
                 sV_rows = cute.composition(
                     sV, cute.make_ordered_layout((BLOCK_N, HEAD_DIM), order=(1, 0)))
+                if cutlass.const_expr(self.register_p):
+                    # Key c of the block is stored at Vt column pi(c) (module docstring).
+                    sV_rows = cute.composition(sV, register_p_key_order())
             else:
                 # V^T (channel x key) view for the B operand of O = P V.
                 sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, BLOCK_N),
@@ -256,7 +300,7 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
             tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_stages))   # (.., .., K, stage)
             tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
             tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
-            if cutlass.const_expr(self.transpose_v):
+            if cutlass.const_expr(self.transpose_v and not self.register_p):
                 sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
                 tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
                 thr_stage_p = stage_p_copy.get_slice(tidx)
@@ -322,7 +366,14 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                                    causal, causal_shift, scale_log2, inv_temperature, want_lse_t,
                                    row_lse, row_lse_t, row_inv_sum)
 
-                if cutlass.const_expr(self.transpose_v):
+                if cutlass.const_expr(self.register_p):
+                    # ---- O = P V, e4m3 (RS wgmma): P rounded to e4m3, regrouped in registers -
+                    r_p8 = cute.make_fragment_like(acc_s, self.pv_dtype)
+                    r_p8.store(acc_s.load().to(self.pv_dtype))
+                    t_p8 = register_p_operand(r_p8, thr_pv.partition_shape_A((TILE_M, BLOCK_N)))
+                    acc_o = cute.make_rmem_tensor(acc_o_shape, cutlass.Float32)
+                    warpgroup_gemm(mma_pv, acc_o, t_p8, tOrVt)
+                elif cutlass.const_expr(self.transpose_v):
                     # ---- O = P V, e4m3 (SS wgmma): P rounded to e4m3 into the shared P tile --
                     r_p8 = cute.make_fragment_like(acc_s, self.pv_dtype)
                     r_p8.store(acc_s.load().to(self.pv_dtype))
