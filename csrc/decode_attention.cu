@@ -85,6 +85,12 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
 }
+// 16 bytes, or 16 zero bytes when !valid (src-size 0: nothing is read; src stays a valid
+// address all the same).
+__device__ __forceinline__ void cp_async_16_or_zero(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 __device__ __forceinline__ void cp_async_wait_one() {
   asm volatile("cp.async.wait_group 1;\n" ::: "memory");
@@ -236,9 +242,14 @@ __device__ __forceinline__ void load_page_async(const DecodeAttentionArgs& a, in
 }
 
 // Direct e4m3 form: one page's K and V head slice, raw, each row's 16-byte chunks XOR-swizzled
-// by row % 8 (the fragment reads then touch eight distinct bank groups).
+// by row % 8 (the fragment reads then touch eight distinct bank groups). kZeroTail: rows at or
+// past `valid_rows` (the request's keys end inside the page) are zero-filled instead of read,
+// so whatever bytes a cache holds there (NaN patterns of an uninitialized pool included) never
+// meet a zero probability in P.V (0 x NaN = NaN).
+template <bool kZeroTail = false>
 __device__ __forceinline__ void load_page_fp8_swizzled(const DecodeAttentionArgs& a, int head,
-                                                       const PageRef& ref, char* stage) {
+                                                       const PageRef& ref, char* stage,
+                                                       int valid_rows = kPageSize) {
   if (ref.token_mask == 0) return;
   const int64_t elem_offset =
       (static_cast<int64_t>(ref.physical) * a.num_kv_heads + head) * (kPageSize * kHeadDim);
@@ -248,8 +259,14 @@ __device__ __forceinline__ void load_page_fp8_swizzled(const DecodeAttentionArgs
   for (int c = threadIdx.x; c < kChunks; c += kThreads) {
     const int row = c >> 3;
     const int dst = row * kHeadDim + (((c & 7) ^ (row & 7)) << 4);
-    cp_async_16(stage + dst, k + c * 16);
-    cp_async_16(stage + kPageSize * kHeadDim + dst, v + c * 16);
+    if constexpr (kZeroTail) {
+      const bool valid = row < valid_rows;
+      cp_async_16_or_zero(stage + dst, k + (valid ? c * 16 : 0), valid);
+      cp_async_16_or_zero(stage + kPageSize * kHeadDim + dst, v + (valid ? c * 16 : 0), valid);
+    } else {
+      cp_async_16(stage + dst, k + c * 16);
+      cp_async_16(stage + kPageSize * kHeadDim + dst, v + c * 16);
+    }
   }
 }
 
@@ -477,7 +494,8 @@ __device__ __forceinline__ PageRef page_or_none(const DecodeAttentionArgs& a,
 }
 
 // The page-pair variant's whole page loop (split keys: warp w owns keys 16w .. 16w + 15 of
-// every page; rows lane / 4 and lane / 4 + 8). The ring's six stages are three pair slots; one
+// every page; rows lane / 4 and lane / 4 + 8). Key rows past the request's end are zero-filled
+// on load (the one-page forms read whole pages). The ring's six stages are three pair slots; one
 // cp.async group per pair. Per pair: one top barrier, one page-max exchange for both pages,
 // then the pages fold in order (page 0, then page 1) exactly as two one-page steps would:
 // O = alpha0 alpha1 O + beta0 alpha1 (P0 V0) + beta1 (P1 V1), each P against its page's max.
@@ -501,7 +519,11 @@ __device__ __forceinline__ void direct_page_pairs(
 #pragma unroll
     for (int pg = 0; pg < 2; ++pg) {
       const int idx = 2 * pair + pg;
-      if (idx < num_pages) load_page_fp8_swizzled(a, ctx.head, page_of(idx), stage_of(idx));
+      if (idx < num_pages) {
+        const PageRef ref = page_of(idx);
+        const int valid_rows = min(kPageSize, max(ctx.seqlen_k - ref.logical * kPageSize, 0));
+        load_page_fp8_swizzled<true>(a, ctx.head, ref, stage_of(idx), valid_rows);
+      }
     }
     cp_async_commit();
   };

@@ -142,6 +142,26 @@ def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k
     assert int(loose_rows.sum()) <= allowed, (int(loose_rows.sum()), allowed, err.max().item())
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_native_decode_pairs_ignore_nan_bytes_past_the_keys(msa_pkg, native_only, seed, sparse,
+                                                          monkeypatch):
+    """The page-pair form zero-fills key rows past a request's end when it loads the page, so
+    NaN bytes there (an uninitialized cache pool) cannot reach O through 0 x NaN. (The one-page
+    forms read whole pages: the pool must hold finite values past the keys; see
+    docs/design-decode.md.)"""
+    _force_form(monkeypatch, "pairs")
+    lens, seqlen_q, group = [1, 129, 1000, 77, 300], 1, 16
+    q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, "fp8", sparse)
+    for b, n in enumerate(lens):
+        if n % P:
+            page = int(table[b, (n - 1) // P])
+            k.view(torch.uint8)[page, :, n % P:, :] = 0x7F      # e4m3 NaN
+            v.view(torch.uint8)[page, :, n % P:, :] = 0x7F
+    wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k)
+    out, lse = _run_native(msa_pkg, wrapper, q, k, v)
+    _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
+
+
 @pytest.mark.parametrize("keys", ["rows", "split", "direct", "pairs"])
 @pytest.mark.parametrize("dtypes", ["bf16", "fp8"])
 def test_native_decode_512k_context(msa_pkg, native_only, seed, dtypes, keys, monkeypatch):
