@@ -120,3 +120,37 @@ def test_fp8_modes_are_gated_until_validated(monkeypatch):
     assert reason is None or "not validated" not in reason
     reason = native.supports(**dict(features, partial_dtype=torch.float32))
     assert reason is not None and "partial" in reason
+
+
+def test_gated_kernel_forms_follow_their_flags(monkeypatch):
+    """The session-3 gated forms (e4m3 P.V with P in registers, the pipelined FMHA loop, the
+    page-pair e4m3 decode step) run only when validated, forced by a test hook, or opted into
+    with MSA_UNVALIDATED_KERNELS=1; otherwise their validated counterparts run. No CUDA needed."""
+    sys.path.insert(0, str(ROOT / "torch-ext"))
+    from msa import _backend
+    from msa._native import decode_cuda, fmha_sm90, sparse_prefill_sm90
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
+    gates = ((sparse_prefill_sm90, "VALIDATED_REGISTER_P", "REGISTER_P_FOR_TESTS"),
+             (fmha_sm90, "VALIDATED_PIPELINED", "PIPELINED_FOR_TESTS"),
+             (decode_cuda, "VALIDATED_DIRECT_PAIRS", "DIRECT_PAIRS_FOR_TESTS"))
+    for module, flag, hook in gates:
+        monkeypatch.setattr(module, flag, False)
+        monkeypatch.setattr(module, hook, None)
+
+    def chosen():
+        return (sparse_prefill_sm90.kernel_mode("e4m3"), fmha_sm90.use_pipelined(),
+                decode_cuda._direct_pairs())
+    assert chosen() == ("e4m3", False, False)
+    assert sparse_prefill_sm90.kernel_mode("e4m3_pv_bf16") == "e4m3_pv_bf16"
+    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
+    assert chosen() == ("e4m3_rp", True, True)
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
+    monkeypatch.setattr(sparse_prefill_sm90, "VALIDATED_REGISTER_P", True)
+    monkeypatch.setattr(fmha_sm90, "VALIDATED_PIPELINED", True)
+    monkeypatch.setattr(decode_cuda, "VALIDATED_DIRECT_PAIRS", True)
+    assert chosen() == ("e4m3_rp", True, True)
+    monkeypatch.setattr(sparse_prefill_sm90, "REGISTER_P_FOR_TESTS", False)
+    monkeypatch.setattr(fmha_sm90, "PIPELINED_FOR_TESTS", False)
+    monkeypatch.setattr(decode_cuda, "DIRECT_PAIRS_FOR_TESTS", False)
+    assert chosen() == ("e4m3", False, False)
+    assert fmha_sm90.variant_name(True, pipelined=True) == "fmha_sm90_bfloat16_paged_pipelined"
