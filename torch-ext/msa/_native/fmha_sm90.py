@@ -106,8 +106,9 @@ def run(call):
     grid_q_tiles = max(1, -(-int(plan["max_seqlen_q"]) // TILE_M))
     if POISON_BUFFERS_FOR_TESTS:
         out.fill_(float("nan"))
-    cute_runtime.launch(variant_name(call.paged, pipelined=use_pipelined()), device, q, k, v, out, cu_q, cu_k, kv_lens,
-                        offsets, table.contiguous(), float(call.logit_scale) * math.log2(math.e),
+    name = variant_name(call.paged, pipelined=use_pipelined())
+    cute_runtime.launch(name, device, q, k, v, out, cu_q, cu_k, kv_lens, offsets,
+                        table.contiguous(), float(call.logit_scale) * math.log2(math.e),
                         float(call.output_scale), int(bool(plan["causal"])), grid_q_tiles)
     return out, None
 
