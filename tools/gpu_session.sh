@@ -6,6 +6,7 @@
 #   MSA_GPU_TESTS="files"  MSA_PYTEST_ARGS="-x ..." (split on spaces)
 #   MSA_PYTEST_K="a or b" (one -k expression)  MSA_SANITIZE=1 (memcheck stage)
 #   MSA_BENCH_IF_GREEN=1 (skip the benchmarks when a test failed)  MSA_EXTRA="cmd"
+#   MSA_BENCH_ARGS_<name>="..." (arguments of benchmarks/bench_<name>.py alone)
 #   MSA_BENCH_UNVALIDATED=1 (the benchmarks may run gated kernels: with MSA_BENCH_IF_GREEN, a
 #   kernel whose test just passed on this host is timed in the same call)
 #
@@ -93,6 +94,10 @@ elif [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
     # shellcheck disable=SC2206
     args=(${MSA_BENCH_EXTRA:-})
     [ "$bench" = sparse_prefill ] && args=("$@")
+    # MSA_BENCH_ARGS_<name> (e.g. MSA_BENCH_ARGS_decode="--quick --direct-pairs on") overrides.
+    per_bench="MSA_BENCH_ARGS_${bench}"
+    # shellcheck disable=SC2206
+    [ -n "${!per_bench:-}" ] && args=(${!per_bench})
     echo "===== bench_$bench ${args[*]}" >> "$OUT/bench.log"
     MSA_PACKAGE_DIR=$PWD/$VARIANT MSA_COMMIT=${MSA_COMMIT:-unknown} timeout ${MSA_BENCH_TIMEOUT:-400} \
       python3 benchmarks/bench_$bench.py --out "$OUT/${bench}_h200.tsv" "${args[@]}" \
