@@ -677,8 +677,9 @@ def test_native_max_score_pass_serves_only_the_indexer_shape():
 
 
 def test_native_dense_fmha_is_gated_and_names_what_it_does_not_serve(monkeypatch):
-    """CPU: the sm90 dense FMHA refuses every call until validated; with the opt-in it still
-    refuses e4m3, the max-score modes and pages other than 128, naming them."""
+    """CPU: the sm90 dense FMHA refuses every call until validated (mode 1, O + max-score,
+    has its own gate); with the opt-in it still refuses e4m3, the max-score-only mode (that one
+    is fmha_max_score's) and pages other than 128, naming them."""
     from msa import _backend
     from msa._native import fmha_sm90
     base = dict(q_dtype=torch.bfloat16, k_dtype=torch.bfloat16, paged=False, page_size=-1,
@@ -686,10 +687,13 @@ def test_native_dense_fmha_is_gated_and_names_what_it_does_not_serve(monkeypatch
     monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
     if not fmha_sm90.VALIDATED:
         assert "not validated" in fmha_sm90.supports(**base)
+    if not fmha_sm90.VALIDATED_MAX_SCORE:
+        assert "not validated" in fmha_sm90.supports(**dict(base, mode=1))
     monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
     assert "bf16 only" in fmha_sm90.supports(**dict(base, q_dtype=torch.float8_e4m3fn))
-    assert "mode 1" in fmha_sm90.supports(**dict(base, mode=1))
+    assert "mode 2" in fmha_sm90.supports(**dict(base, mode=2))
     assert "page_size 64" in fmha_sm90.supports(**dict(base, paged=True, page_size=64))
+    assert fmha_sm90._variant_for(True, 1) == "fmha_sm90_bfloat16_paged_maxscore"
 
 
 def test_native_dense_fmha_refuses_a_page_table_of_int32_key_count(seed):

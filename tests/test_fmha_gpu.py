@@ -96,6 +96,63 @@ def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypat
     assert (out.cpu()[empty] == 0).all(), "rows that see no key must be 0"
 
 
+@pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
+                                                 ((4, 4), False, True), ((16, 1), True, False)])
+def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, seed,
+                                                         monkeypatch):
+    """Mode 1 (O and max-score, gated kernel fmha_sm90_*_maxscore): O against float64 as the
+    O-only test checks it; max_score [Hq, max_k_tiles, total_q] against the reference backend:
+    the same -inf pattern (tiles a row cannot see, rows no request owns) and 1e-2 relative
+    elsewhere, values scaled by sm_scale * q_scale * k_scale."""
+    native = _native_module()
+    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv = heads
+    q_lens = [1, 33, 700, 129]
+    kv_lens = [ql + int(torch.randint(0, 500, (1,), generator=gen)) for ql in q_lens]
+    offsets = [kl - ql + int(torch.randint(-40, 40, (1,), generator=gen))
+               for ql, kl in zip(q_lens, kv_lens)]
+    q = torch.randn(sum(q_lens), hq, D, generator=gen).to(torch.bfloat16)
+    k = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(torch.bfloat16)
+    v = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(torch.bfloat16)
+    kw, k_in, v_in = {}, k, v
+    if paged:
+        k_in, v_in, kv_indices, _ = to_pages(k, v, kv_lens, 128, gen)
+        kw["kv_indices"] = kv_indices
+    scale = 0.7 * D ** -0.5
+
+    def run(device, backend):
+        dev = torch.device(device)
+        plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), hq, hkv,
+                             causal=causal, qo_offset=torch.tensor(offsets) if causal else None,
+                             page_size=128 if paged else -1, output_maxscore=True, device=dev)
+        monkeypatch.setenv("MSA_BACKEND", backend)
+        result = msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, sm_scale=scale,
+                          k_scale=0.5, v_scale=1.5, output_maxscore=True,
+                          **{name: t.to(dev) for name, t in kw.items()})
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        monkeypatch.delenv("MSA_BACKEND")
+        return result
+
+    out, ms = run("cuda", "native")
+    assert _backend.last_backend("fmha_dense") == "sm90"
+    assert out.dtype == torch.bfloat16 and ms.dtype == torch.float32
+    assert not torch.isnan(out).any() and not torch.isnan(ms).any()
+    offs = offsets if causal else [0] * len(q_lens)
+    _check_against_float64(out, q, k, v, q_lens, kv_lens, offs, causal, scale * 0.5,
+                           f"mode 1 Hq={hq} Hkv={hkv} causal={causal} paged={paged}")
+    _, want = run("cpu", "reference")
+    ms = ms.cpu()
+    assert ms.shape == want.shape
+    assert torch.equal(torch.isinf(ms), torch.isinf(want)), "-inf pattern differs"
+    fin = torch.isfinite(want)
+    rel = ((ms[fin] - want[fin]).abs() / want[fin].abs().clamp_min(1.0)).max().item()
+    print(f"  max-score rel err {rel:.2e} over {int(fin.sum())} values")
+    assert rel <= 1e-2, rel
+
+
 def test_max_score_only_pass_runs_on_the_indexer_kernel(seed, monkeypatch):
     """Mode 2 (output_o=False, num_kv_heads=1) is the indexer's computation: it must run on
     the sm90 block max-score kernel and match the reference backend exactly in its -inf pattern

@@ -1,5 +1,5 @@
 """Native SM90 dense FMHA (the "fmha_dense" op): the CuTe-DSL kernel of
-cute_kernels/fmha_sm90.py behind ``fmha_sm100`` / ``fmha`` (contract §2.2, output O only).
+cute_kernels/fmha_sm90.py behind ``fmha_sm100`` / ``fmha`` (contract §2.2).
 
 ``run(call)`` takes a validated :class:`msa.fmha.FmhaDenseCall` and launches one kernel on q's
 device and current stream, with no host synchronization (every size comes from the plan's host
@@ -7,9 +7,10 @@ values): O = output_scale * softmax(logit_scale * q k^T) v over the visible keys
 bottom-right with the plan's or the override's qo_offset), 0 for rows that see nothing.
 
 Served: bf16 q/k/v, any GQA group, dense K/V or paged K/V with 128-token pages, causal or not,
-output O without max-score (mode 3). Other calls (e4m3, max-score output, other page sizes,
-block-selected mode) fall back to the reference through ``supports``; the block-selected mode
-goes to the sparse bridge before dispatch when the plan has one.
+output O (mode 3), and O with the max-score output (mode 1, gated: ``VALIDATED_MAX_SCORE``).
+Other calls (e4m3, other page sizes, block-selected mode) fall back to the reference through
+``supports``; the block-selected mode goes to the sparse bridge before dispatch when the plan
+has one.
 
 Validated: tests/test_fmha_gpu.py passed on the H200 (2026-11-30, session 3).
 
@@ -37,16 +38,21 @@ VALIDATED = True
 # it measured 385-414 TFLOP/s against the plain loop's 459-477.
 VALIDATED_PIPELINED = False
 PIPELINED_FOR_TESTS: Optional[bool] = None
+# O + max-score (mode 1) on the plain loop (variants fmha_sm90_*_maxscore: each row's scaled max
+# over a block's visible keys is written as the block streams by): compiled, gated until
+# test_fmha_native_o_and_max_score_match_the_reference passes on an H200.
+VALIDATED_MAX_SCORE = False
 MODE_O_ONLY = 3
+MODE_O_AND_SCORE = 1
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16"}      # served q/k/v dtypes (variants.FMHA_DTYPES)
 # Tests set this to fill O with NaN before the launch (catches rows the kernel does not write).
 POISON_BUFFERS_FOR_TESTS = False
 
 
 def variant_name(paged: bool, dtype: torch.dtype = torch.bfloat16,
-                 pipelined: bool = False) -> str:
+                 pipelined: bool = False, max_score: bool = False) -> str:
     """Artifact name; must match cute_kernels.variants.FmhaVariant."""
-    suffix = "_pipelined" if pipelined else ""
+    suffix = ("_pipelined" if pipelined else "") + ("_maxscore" if max_score else "")
     return f"fmha_sm90_{_DTYPE_NAMES[dtype]}_{'paged' if paged else 'dense'}{suffix}"
 
 
@@ -67,11 +73,23 @@ def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=Tr
         return gate
     if q_dtype != torch.bfloat16 or k_dtype != torch.bfloat16:
         return f"q/k dtypes {q_dtype}/{k_dtype}: the sm90 FMHA serves bf16 only yet"
-    if mode != MODE_O_ONLY:
-        return f"mode {mode}: the sm90 FMHA writes O only (no max-score output yet)"
+    if mode not in (MODE_O_ONLY, MODE_O_AND_SCORE):
+        return f"mode {mode}: the sm90 FMHA writes O, or O and the max-score output"
+    if mode == MODE_O_AND_SCORE:
+        gate = _backend.unvalidated_reason("the sm90 FMHA with max-score output",
+                                           VALIDATED_MAX_SCORE)
+        if gate is not None:
+            return gate
     if paged and page_size != PAGE:
         return f"page_size {page_size}: the sm90 FMHA pages by {PAGE} tokens"
-    return cute_runtime.unavailable_reason(variant_name(bool(paged), pipelined=use_pipelined()))
+    return cute_runtime.unavailable_reason(_variant_for(bool(paged), mode))
+
+
+def _variant_for(paged: bool, mode: int) -> str:
+    """The artifact serving mode 3 (O: plain or pipelined loop) or mode 1 (O + max-score)."""
+    if mode == MODE_O_AND_SCORE:
+        return variant_name(paged, max_score=True)
+    return variant_name(paged, pipelined=use_pipelined())
 
 
 def check_launch_limits(call) -> None:
@@ -85,15 +103,20 @@ def check_launch_limits(call) -> None:
 
 
 def run(call):
-    """Returns (O [total_q, Hq, 128] bf16, None)."""
+    """Returns (O [total_q, Hq, 128] bf16, max_score [Hq, max_k_tiles, total_q] fp32 in mode 1
+    (-inf where no key of the tile is visible to the row) or None)."""
     q, k, v = call.q, call.k, call.v
     device = q.device
     plan = call.plan
     total_q, num_heads, head_dim = q.shape
     check_launch_limits(call)
     out = torch.empty(total_q, num_heads, head_dim, dtype=call.out_dtype, device=device)
+    with_score = call.max_k_tiles > 0
+    # The kernel writes the tiles each row's query tile streams; the rest stays -inf.
+    max_score = (torch.full((num_heads, call.max_k_tiles, total_q), float("-inf"),
+                            dtype=torch.float32, device=device) if with_score else None)
     if total_q == 0:
-        return out, None
+        return out, max_score
 
     from ..fmha import _to
     cu_q = _to(plan["cu_seqlens_q"], device)
@@ -106,11 +129,14 @@ def run(call):
     grid_q_tiles = max(1, -(-int(plan["max_seqlen_q"]) // TILE_M))
     if POISON_BUFFERS_FOR_TESTS:
         out.fill_(float("nan"))
-    name = variant_name(call.paged, pipelined=use_pipelined())
-    cute_runtime.launch(name, device, q, k, v, out, cu_q, cu_k, kv_lens, offsets,
-                        table.contiguous(), float(call.logit_scale) * math.log2(math.e),
-                        float(call.output_scale), int(bool(plan["causal"])), grid_q_tiles)
-    return out, None
+    name = _variant_for(call.paged, MODE_O_AND_SCORE if with_score else MODE_O_ONLY)
+    args = [q, k, v, out, cu_q, cu_k, kv_lens, offsets, table.contiguous(),
+            float(call.logit_scale) * math.log2(math.e), float(call.output_scale),
+            int(bool(plan["causal"])), grid_q_tiles]
+    if with_score:     # max-score values are scaled by sm_scale * q_scale * k_scale
+        args += [max_score, float(call.logit_scale)]
+    cute_runtime.launch(name, device, *args)
+    return out, max_score
 
 
 _backend.register_native("fmha_dense", "sm90", run, supports)

@@ -19,7 +19,7 @@ from .block_max_score_sm90 import BlockMaxScoreSm90
 from .combine import SparseCombineSm90
 from .sparse_prefill_sm90 import SparsePrefillSm90
 from .sparse_prefill_sm90_wgmma import SparsePrefillSm90Wgmma
-from .fmha_sm90 import FmhaSm90
+from .fmha_sm90 import FmhaSm90, FmhaSm90MaxScore
 from .variants import (FP8_MODES, AttentionVariant, BlockMaxScoreVariant, CombineVariant,
                        FmhaVariant)
 
@@ -124,6 +124,8 @@ def fmha_args(variant: FmhaVariant):
         _index((_dyn(), _dyn())),                           # page_table
         cutlass.Float32(1.0), cutlass.Float32(1.0),         # logit_scale_log2, output_scale
         cutlass.Int32(1), cutlass.Int32(1),                 # causal, grid_q_tiles
+    ] + ([_tensor(cutlass.Float32, (hq, _dyn(), total_q)),  # max_score [Hq, tiles, total_q]
+          cutlass.Float32(1.0)] if variant.max_score else []) + [   # score_scale
         make_fake_stream(),
     ]
 
@@ -165,6 +167,9 @@ def compile_variant(variant, *, dump_dir: Optional[str] = None):
                                    _INDEX_DTYPES[variant.dtype], split_keys=variant.decode)
         return cute.compile(kernel, *block_max_score_args(variant), options=options)
     if isinstance(variant, FmhaVariant):
-        kernel = FmhaSm90(variant.paged, _DTYPES[variant.dtype], variant.pipelined)
+        if variant.max_score:
+            kernel = FmhaSm90MaxScore(variant.paged, _DTYPES[variant.dtype])
+        else:
+            kernel = FmhaSm90(variant.paged, _DTYPES[variant.dtype], variant.pipelined)
         return cute.compile(kernel, *fmha_args(variant), options=options)
     raise TypeError(f"variant: unknown kind {type(variant).__name__}")

@@ -77,6 +77,17 @@ class FmhaSm90:
                  qo_offset: cute.Tensor, page_table: cute.Tensor,
                  logit_scale_log2: cutlass.Float32, output_scale: cutlass.Float32,
                  causal: cutlass.Int32, grid_q_tiles: cutlass.Int32, stream):
+        self._launch(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
+                     logit_scale_log2, output_scale, causal, grid_q_tiles, None, None, stream)
+
+    @cute.jit
+    def _launch(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor,
+                cu_seqlens_q: cute.Tensor, cu_seqlens_k: cute.Tensor, kv_lens: cute.Tensor,
+                qo_offset: cute.Tensor, page_table: cute.Tensor,
+                logit_scale_log2: cutlass.Float32, output_scale: cutlass.Float32,
+                causal: cutlass.Int32, grid_q_tiles: cutlass.Int32, max_score, score_scale,
+                stream):
+        """Launch with or without the max-score output (max_score None: O only)."""
         # K-major 128-byte-swizzle atom (8 rows x 64 bf16); the swizzle rides on the pointer.
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
         q_layout = cute.tile_to_shape(atom, (WG_ROWS, HEAD_DIM, NUM_WARPGROUPS), (0, 1, 2))
@@ -105,11 +116,20 @@ class FmhaSm90:
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
                                 num_bits_per_copy=2 * self.dtype.width), mma_pv)
         store_o_copy = warp_row_store_copy(self.dtype, HEAD_DIM)
-        self.kernel(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
-                    logit_scale_log2, output_scale, causal, q_layout, kv_layout, q_copy, kv_copy,
-                    mma_qk, mma_pv, stage_o_copy, store_o_copy, SharedStorage).launch(
-            grid=(grid_q_tiles, cute.size(q.shape[1]), cute.size(cu_seqlens_q.shape[0]) - 1),
-            block=(NUM_THREADS, 1, 1), stream=stream)
+        grid = (grid_q_tiles, cute.size(q.shape[1]), cute.size(cu_seqlens_q.shape[0]) - 1)
+        if cutlass.const_expr(max_score is None):
+            self.kernel(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
+                        logit_scale_log2, output_scale, causal, q_layout, kv_layout, q_copy,
+                        kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy,
+                        SharedStorage).launch(grid=grid, block=(NUM_THREADS, 1, 1),
+                                              stream=stream)
+        else:
+            self.kernel_max_score(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset,
+                                  page_table, logit_scale_log2, output_scale, causal, max_score,
+                                  score_scale, q_layout, kv_layout, q_copy, kv_copy, mma_qk,
+                                  mma_pv, stage_o_copy, store_o_copy,
+                                  SharedStorage).launch(grid=grid, block=(NUM_THREADS, 1, 1),
+                                                        stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -120,6 +140,35 @@ class FmhaSm90:
                kv_layout: cute.ComposedLayout, q_copy: cute.TiledCopy, kv_copy: cute.TiledCopy,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, stage_o_copy: cute.TiledCopy,
                store_o_copy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+        self._cta(mQ, mK, mV, mO, mCuQ, mCuK, mKvLens, mOffset, mPageTable, scale_log2,
+                  output_scale, causal, None, None, q_layout, kv_layout, q_copy, kv_copy, mma_qk,
+                  mma_pv, stage_o_copy, store_o_copy, SharedStorage)
+
+    @cute.kernel
+    def kernel_max_score(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                         mO: cute.Tensor, mCuQ: cute.Tensor, mCuK: cute.Tensor,
+                         mKvLens: cute.Tensor, mOffset: cute.Tensor, mPageTable: cute.Tensor,
+                         scale_log2: cutlass.Float32, output_scale: cutlass.Float32,
+                         causal: cutlass.Int32, mMaxScore: cute.Tensor,
+                         score_scale: cutlass.Float32, q_layout: cute.ComposedLayout,
+                         kv_layout: cute.ComposedLayout, q_copy: cute.TiledCopy,
+                         kv_copy: cute.TiledCopy, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
+                         stage_o_copy: cute.TiledCopy, store_o_copy: cute.TiledCopy,
+                         SharedStorage: cutlass.Constexpr):
+        self._cta(mQ, mK, mV, mO, mCuQ, mCuK, mKvLens, mOffset, mPageTable, scale_log2,
+                  output_scale, causal, mMaxScore, score_scale, q_layout, kv_layout, q_copy,
+                  kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, SharedStorage)
+
+    @cute.jit
+    def _cta(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+             mCuQ: cute.Tensor, mCuK: cute.Tensor, mKvLens: cute.Tensor, mOffset: cute.Tensor,
+             mPageTable: cute.Tensor, scale_log2: cutlass.Float32,
+             output_scale: cutlass.Float32, causal: cutlass.Int32, mMaxScore, score_scale,
+             q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout,
+             q_copy: cute.TiledCopy, kv_copy: cute.TiledCopy, mma_qk: cute.TiledMma,
+             mma_pv: cute.TiledMma, stage_o_copy: cute.TiledCopy, store_o_copy: cute.TiledCopy,
+             SharedStorage: cutlass.Constexpr):
+        """One CTA: its query tiles of one request and q head (mMaxScore None: O only)."""
         tidx, _, _ = cute.arch.thread_idx()
         cta_x, head, request = cute.arch.block_idx()
         grid_x, _, _ = cute.arch.grid_dim()
@@ -160,14 +209,16 @@ class FmhaSm90:
             self._tile(mQ, mK, mV, mO, mPageTable, request, head, head_kv, q_start, q_len,
                        q_lo, kv_len, k_row0, offset, causal, n_blocks, scale_log2,
                        output_scale, tidx, wg, wg_tidx, lane, warp_in_wg, sQ_wgs, sK_stages,
-                       sV_stages, q_copy, kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy)
+                       sV_stages, q_copy, kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy,
+                       mMaxScore, score_scale)
 
     @cute.jit
     def _tile(self, mQ, mK, mV, mO, mPageTable, request, head, head_kv, q_start, q_len, q_lo,
               kv_len, k_row0, offset, causal, n_blocks, scale_log2, output_scale, tidx, wg,
               wg_tidx, lane, warp_in_wg, sQ_wgs, sK_stages, sV_stages, q_copy, kv_copy, mma_qk,
-              mma_pv, stage_o_copy, store_o_copy):
-        """One 128-query tile: load Q, stream the key blocks, write O."""
+              mma_pv, stage_o_copy, store_o_copy, mMaxScore=None, score_scale=None):
+        """One 128-query tile: load Q, stream the key blocks, write O (and, with mMaxScore,
+        each row's scaled max over the visible keys of every block it streams)."""
         # V^T (channel x key) views of the V stages for the B operand of O = P V.
         sVt_stages = cute.composition(
             sV_stages, cute.make_ordered_layout((HEAD_DIM, BLOCK_N, KV_STAGES), order=(1, 0, 2)))
@@ -259,6 +310,9 @@ class FmhaSm90:
                         visible_end = cutlass.min(visible_end, q_local + offset - key0 + 1)
                     blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end,
                                                         BLOCK_N))
+                    if cutlass.const_expr(mMaxScore is not None):
+                        self._store_max_score(mMaxScore, score_scale, blk_max, head, blk,
+                                              q_start, q_local, q_len, lane)
                     new_max = cute.arch.fmax(row_max[i], blk_max * scale_log2)
                     base = new_max
                     if new_max == -cutlass.Float32.inf:
@@ -393,6 +447,20 @@ class FmhaSm90:
                 tVsV[None, m, None].fill(0)
 
     @cute.jit
+    def _store_max_score(self, mMaxScore: cute.Tensor, score_scale: cutlass.Float32,
+                         blk_max: cutlass.Float32, head: cutlass.Int32, blk: cutlass.Int32,
+                         q_start: cutlass.Int32, q_local: cutlass.Int32, q_len: cutlass.Int32,
+                         lane: cutlass.Int32):
+        """max_score[head, blk, query] = score_scale * (the row's max over the block's visible
+        keys), -inf where none is visible; one lane of the quad that shares the row writes.
+        Blocks the tile never streams keep the caller's -inf fill."""
+        if lane % 4 == 0 and q_local < q_len and blk < mMaxScore.shape[1]:
+            value = blk_max * score_scale
+            if blk_max == -cutlass.Float32.inf:
+                value = -cutlass.Float32.inf
+            mMaxScore[head, blk, q_start + q_local] = value
+
+    @cute.jit
     def _publish_stages(self):
         """Every thread's cp.async rows have landed and are visible to the async proxy (wgmma
         reads shared memory through it); every warpgroup has passed its previous wgmma waits."""
@@ -454,3 +522,24 @@ class FmhaSm90:
                 cute.copy(kv_copy, gX[None, m, None], tXsX[None, m, None])
             else:
                 tXsX[None, m, None].fill(0)
+
+
+class FmhaSm90MaxScore(FmhaSm90):
+    """The plain-loop kernel that also writes the max-score output (fmha mode 1, O + score):
+    max_score [Hq, max_k_tiles, total_q] fp32, filled with -inf by the caller; the kernel writes
+    score_scale * (max over the visible keys of the block) for every block a row's tile
+    streams. Arguments: FmhaSm90's, then max_score and score_scale before the stream."""
+
+    def __init__(self, paged: bool, dtype=cutlass.BFloat16):
+        super().__init__(paged, dtype, pipelined=False)
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor,
+                 cu_seqlens_q: cute.Tensor, cu_seqlens_k: cute.Tensor, kv_lens: cute.Tensor,
+                 qo_offset: cute.Tensor, page_table: cute.Tensor,
+                 logit_scale_log2: cutlass.Float32, output_scale: cutlass.Float32,
+                 causal: cutlass.Int32, grid_q_tiles: cutlass.Int32, max_score: cute.Tensor,
+                 score_scale: cutlass.Float32, stream):
+        self._launch(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
+                     logit_scale_log2, output_scale, causal, grid_q_tiles, max_score,
+                     score_scale, stream)

@@ -77,10 +77,11 @@ class FmhaVariant:
     paged: bool
     dtype: str = "bfloat16"
     pipelined: bool = False      # the intra-warpgroup pipelined block loop (fmha_sm90.py)
+    max_score: bool = False      # also writes the max-score output (mode 1; plain loop)
 
     @property
     def name(self) -> str:
-        suffix = "_pipelined" if self.pipelined else ""
+        suffix = ("_pipelined" if self.pipelined else "") + ("_maxscore" if self.max_score else "")
         return f"fmha_sm90_{self.dtype}_{'paged' if self.paged else 'dense'}{suffix}"
 
 
@@ -109,6 +110,7 @@ def shipped_variants() -> List[object]:
     for dtype in FMHA_DTYPES:
         out.extend(FmhaVariant(paged, dtype, pipelined) for paged in (False, True)
                    for pipelined in (False, True))
+        out.extend(FmhaVariant(paged, dtype, max_score=True) for paged in (False, True))
     return out
 
 
