@@ -177,6 +177,12 @@ def fmha_cases(gen):
                              page_size=128 if paged else -1, device=dev)
         msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, output_maxscore=False, **kw)
         expect_native("fmha_dense")
+        # O + max-score (mode 1): the max-score rows of every streamed block are written.
+        plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 8, 2,
+                             qo_offset=torch.tensor([199, -5, 600]), output_maxscore=True,
+                             page_size=128 if paged else -1, device=dev)
+        msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, output_maxscore=True, **kw)
+        expect_native("fmha_dense")
     print("fmha: ok")
 
 
