@@ -48,38 +48,14 @@ from cutlass.cute.nvgpu import warpgroup
 
 from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, Q_STAGES,
                                   ROWS_PER_WARP, SparsePrefillSm90)
-from .tile_utils import (kv_row_iterator, row_copy, warp_row_store_copy, warpgroup_gemm,
-                         warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
-                         wgmma_rows_cols_view)
+from .tile_utils import (kv_row_iterator, register_p_key_order, register_p_operand, row_copy,
+                         warp_row_store_copy, warpgroup_gemm, warpgroup_gemm_issue,
+                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 
 TILE_M = 64            # one warpgroup MMA row block
 NUM_THREADS = 128
 MODES = ("bf16", "bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3", "e4m3_rp")
 
-
-def register_p_key_order() -> cute.Layout:
-    """"e4m3_rp": (key, channel) -> index into the Vt tile (channel + HEAD_DIM * key'), with key
-    c = e + 2t + 8 jlo + 16 jhi + 32 g stored at key' = pi(c) = e + 4t + 2 jlo + 16 jhi + 32 g.
-    (Called while a kernel is traced.)"""
-    return cute.make_layout(
-        ((2, 4, 2, 2, BLOCK_N // 32), HEAD_DIM),
-        stride=((HEAD_DIM, 4 * HEAD_DIM, 2 * HEAD_DIM, 16 * HEAD_DIM, 32 * HEAD_DIM), 1))
-
-
-@cute.jit
-def register_p_operand(r_p8: cute.Tensor, a_shape) -> cute.Tensor:
-    """The e4m3 S-accumulator-layout P ((2, 2, N/8): pair e, row half h, 8-column group j) as
-    the A fragment of the RS P.V wgmma ((4, 2, 2), 1, K/32: v, h, g2, k-block kk), for the
-    key-permuted Vt (register_p_key_order): A(v, h, g2, kk) = P(v % 2, h, v // 2 + 2 g2 + 4 kk).
-    Compile-time register moves only."""
-    t_a = cute.make_rmem_tensor(a_shape, r_p8.element_type)
-    for kk in cutlass.range_constexpr(BLOCK_N // 32):
-        for g2 in cutlass.range_constexpr(2):
-            for h in cutlass.range_constexpr(2):
-                for v in cutlass.range_constexpr(4):
-                    t_a[v + 4 * h + 8 * g2 + 16 * kk] = \
-                        r_p8[v % 2 + 2 * h + 4 * (v // 2 + 2 * g2 + 4 * kk)]
-    return t_a
 
 
 class SparsePrefillSm90Wgmma(SparsePrefillSm90):

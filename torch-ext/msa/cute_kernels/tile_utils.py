@@ -181,3 +181,29 @@ def wgmma_accumulator_as_operand_a(acc_in_16bit: cute.Tensor) -> cute.Tensor:
         stride=((split.stride[0][0], split.stride[0][1], split.stride[0][2][0]), split.stride[1],
                 (split.stride[0][2][1], split.stride[2])))
     return cute.make_tensor(acc_in_16bit.iterator, layout)
+
+
+def register_p_key_order(block_n: int = 128, head_dim: int = 128) -> cute.Layout:
+    """e4m3 P.V with P in registers: (key, channel) -> index into a Vt tile (channel +
+    head_dim * key'), key c = e + 2t + 8 jlo + 16 jhi + 32 g stored at key' = pi(c) =
+    e + 4t + 2 jlo + 16 jhi + 32 g, the order in which register_p_operand hands P to the RS
+    wgmma. (Called while a kernel is traced.)"""
+    return cute.make_layout(
+        ((2, 4, 2, 2, block_n // 32), head_dim),
+        stride=((head_dim, 4 * head_dim, 2 * head_dim, 16 * head_dim, 32 * head_dim), 1))
+
+
+@cute.jit
+def register_p_operand(r_p8: cute.Tensor, a_shape) -> cute.Tensor:
+    """The e4m3 S-accumulator-layout P ((2, 2, N/8): pair e, row half h, 8-column group j) as
+    the A fragment of the RS P.V wgmma ((4, 2, 2), 1, K/32: v, h, g2, k-block kk), for the
+    key-permuted Vt (register_p_key_order): A(v, h, g2, kk) = P(v % 2, h, v // 2 + 2 g2 + 4 kk).
+    Compile-time register moves only."""
+    t_a = cute.make_rmem_tensor(a_shape, r_p8.element_type)
+    for kk in cutlass.range_constexpr(cute.size(r_p8) // 16):
+        for g2 in cutlass.range_constexpr(2):
+            for h in cutlass.range_constexpr(2):
+                for v in cutlass.range_constexpr(4):
+                    t_a[v + 4 * h + 8 * g2 + 16 * kk] = \
+                        r_p8[v % 2 + 2 * h + 4 * (v // 2 + 2 * g2 + 4 * kk)]
+    return t_a
