@@ -57,6 +57,9 @@ def main(argv=None):
                     help="N of the max-score-only pass (Hq=4 index heads, Hkv=1)")
     ap.add_argument("--forms", default="plain",
                     help="kernel block loops to time: plain, pipelined (impl msa.fmha[form])")
+    ap.add_argument("--dtypes", default="bf16",
+                    help="q/k/v dtypes: bf16, fp8 (e4m3 q/k/v, bf16 O; impl msa.fmha[e4m3], "
+                         "plain loop)")
     ap.add_argument("--allow-unvalidated", action="store_true",
                     help="time the gated native kernel (backend column says so)")
     add_common_args(ap, rep_ms=200)
@@ -106,23 +109,36 @@ def main(argv=None):
                     plan = msa.fmha_plan(torch.tensor([n]), torch.tensor([n]), hq, hkv,
                                          causal=causal, page_size=128 if layout == "paged"
                                          else -1, device=device)
-
-                    def call():
-                        return msa.fmha(q, k_in, v_in, plan, output_maxscore=False, **kw)
-                    for form in parse_names(args.forms):
+                    runs = [("bf16", form) for form in parse_names(args.forms)
+                            if "bf16" in parse_names(args.dtypes)]
+                    if "fp8" in parse_names(args.dtypes):
+                        runs.append(("fp8", "plain"))
+                    for dtype_name, form in runs:
                         if native is not None:
                             native.PIPELINED_FOR_TESTS = form == "pipelined"
+                        if dtype_name == "fp8":
+                            q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k_in, v_in))
+
+                            def call():
+                                return msa.fmha(q8, k8, v8, plan, output_maxscore=False, **kw)
+                        else:
+                            def call():
+                                return msa.fmha(q, k_in, v_in, plan, output_maxscore=False,
+                                                **kw)
                         call()
                         backend = msa._backend.last_backend("fmha_dense")
                         if reference_too_slow(backend, n, device, args, f"fmha {layout} N={n}"):
                             continue
-                        unvalidated = gated or (form == "pipelined" and native is not None
-                                                and not native.VALIDATED_PIPELINED)
+                        unvalidated = gated or (native is not None and (
+                            (form == "pipelined" and not native.VALIDATED_PIPELINED)
+                            or (dtype_name == "fp8" and not native.VALIDATED_FP8)))
                         if backend == "sm90" and unvalidated:
                             backend = "sm90-unvalidated"
                         ms = time_ms(call, device, args.rep_ms)
                         cudnn = peer_ms.get("cudnn")
                         impl = "msa.fmha" if form == "plain" else f"msa.fmha[{form}]"
+                        if dtype_name == "fp8":
+                            impl = "msa.fmha[e4m3]"
                         tsv.write(mode="o", n=n, hq=hq, hkv=hkv, causal=int(causal),
                                   layout=layout, impl=impl, backend=backend, latency_ms=ms,
                                   tflops=flops / ms / 1e9,

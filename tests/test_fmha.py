@@ -677,9 +677,10 @@ def test_native_max_score_pass_serves_only_the_indexer_shape():
 
 
 def test_native_dense_fmha_is_gated_and_names_what_it_does_not_serve(monkeypatch):
-    """CPU: the sm90 dense FMHA refuses every call until validated (mode 1, O + max-score,
-    has its own gate); with the opt-in it still refuses e4m3, the max-score-only mode (that one
-    is fmha_max_score's) and pages other than 128, naming them."""
+    """CPU: the sm90 dense FMHA refuses every call until validated (mode 1, O + max-score, and
+    e4m3 have their own gates); with the opt-in it still refuses mixed dtypes, e4m3 with
+    max-score, the max-score-only mode (that one is fmha_max_score's) and pages other than 128,
+    naming them."""
     from msa import _backend
     from msa._native import fmha_sm90
     base = dict(q_dtype=torch.bfloat16, k_dtype=torch.bfloat16, paged=False, page_size=-1,
@@ -689,8 +690,14 @@ def test_native_dense_fmha_is_gated_and_names_what_it_does_not_serve(monkeypatch
         assert "not validated" in fmha_sm90.supports(**base)
     if not fmha_sm90.VALIDATED_MAX_SCORE:
         assert "not validated" in fmha_sm90.supports(**dict(base, mode=1))
+    if not fmha_sm90.VALIDATED_FP8:
+        assert "not validated" in fmha_sm90.supports(
+            **dict(base, q_dtype=torch.float8_e4m3fn, k_dtype=torch.float8_e4m3fn))
     monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
-    assert "bf16 only" in fmha_sm90.supports(**dict(base, q_dtype=torch.float8_e4m3fn))
+    assert "one dtype" in fmha_sm90.supports(**dict(base, q_dtype=torch.float8_e4m3fn))
+    fp8 = dict(base, q_dtype=torch.float8_e4m3fn, k_dtype=torch.float8_e4m3fn)
+    assert "O only" in fmha_sm90.supports(**dict(fp8, mode=1))
+    assert fmha_sm90._variant_for(False, 3, torch.float8_e4m3fn) == "fmha_sm90_e4m3_dense"
     assert "mode 2" in fmha_sm90.supports(**dict(base, mode=2))
     assert "page_size 64" in fmha_sm90.supports(**dict(base, paged=True, page_size=64))
     assert fmha_sm90._variant_for(True, 1) == "fmha_sm90_bfloat16_paged_maxscore"

@@ -191,6 +191,14 @@ def fmha_cases(gen):
                              page_size=128 if paged else -1, device=dev)
         msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, output_maxscore=True, **kw)
         expect_native("fmha_dense")
+    # e4m3 q/k/v (gated likewise): the per-block V transpose into the key-permuted V^T.
+    if not _backend.unvalidated_reason("fmha e4m3", fmha_native().VALIDATED_FP8):
+        e4m3 = torch.float8_e4m3fn
+        plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 8, 2,
+                             qo_offset=torch.tensor([199, -5, 600]), device=dev)
+        msa.fmha(q.to(dev).to(e4m3), k.to(dev).to(e4m3), v.to(dev).to(e4m3), plan,
+                 output_maxscore=False)
+        expect_native("fmha_dense")
     print("fmha: ok")
 
 

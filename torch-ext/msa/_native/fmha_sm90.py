@@ -7,10 +7,10 @@ values): O = output_scale * softmax(logit_scale * q k^T) v over the visible keys
 bottom-right with the plan's or the override's qo_offset), 0 for rows that see nothing.
 
 Served: bf16 q/k/v, any GQA group, dense K/V or paged K/V with 128-token pages, causal or not,
-output O (mode 3), and O with the max-score output (mode 1, gated: ``VALIDATED_MAX_SCORE``).
-Other calls (e4m3, other page sizes, block-selected mode) fall back to the reference through
-``supports``; the block-selected mode goes to the sparse bridge before dispatch when the plan
-has one.
+output O (mode 3), and O with the max-score output (mode 1, gated: ``VALIDATED_MAX_SCORE``);
+e4m3 q/k/v with O only (gated: ``VALIDATED_FP8``). Other calls (mixed dtypes, other page
+sizes, block-selected mode) fall back to the reference through ``supports``; the
+block-selected mode goes to the sparse bridge before dispatch when the plan has one.
 
 Validated: tests/test_fmha_gpu.py passed on the H200 (2026-11-30, session 3).
 
@@ -42,9 +42,14 @@ PIPELINED_FOR_TESTS: Optional[bool] = None
 # over a block's visible keys is written as the block streams by): compiled, gated until
 # test_fmha_native_o_and_max_score_match_the_reference passes on an H200.
 VALIDATED_MAX_SCORE = False
+# e4m3 q/k/v (variants fmha_sm90_e4m3_*: e4m3 QK^T wgmma, P rounded to e4m3 in registers, V
+# transposed per block into a key-permuted Vt; O bf16; q/k/v/o scales folded into the logit and
+# output scales): compiled, gated until the e4m3 cases of tests/test_fmha_gpu.py pass.
+VALIDATED_FP8 = False
 MODE_O_ONLY = 3
 MODE_O_AND_SCORE = 1
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16"}      # served q/k/v dtypes (variants.FMHA_DTYPES)
+# served q/k/v dtypes (variants.FMHA_DTYPES)
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "e4m3"}
 # Tests set this to fill O with NaN before the launch (catches rows the kernel does not write).
 POISON_BUFFERS_FOR_TESTS = False
 
@@ -71,10 +76,17 @@ def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=Tr
     gate = _backend.unvalidated_reason("the sm90 dense FMHA kernel", VALIDATED)
     if gate is not None:
         return gate
-    if q_dtype != torch.bfloat16 or k_dtype != torch.bfloat16:
-        return f"q/k dtypes {q_dtype}/{k_dtype}: the sm90 FMHA serves bf16 only yet"
+    if q_dtype != k_dtype or q_dtype not in _DTYPE_NAMES:
+        return (f"q/k dtypes {q_dtype}/{k_dtype}: the sm90 FMHA serves bf16 or e4m3 q/k/v "
+                "(one dtype)")
     if mode not in (MODE_O_ONLY, MODE_O_AND_SCORE):
         return f"mode {mode}: the sm90 FMHA writes O, or O and the max-score output"
+    if q_dtype == torch.float8_e4m3fn:
+        gate = _backend.unvalidated_reason("the e4m3 sm90 FMHA", VALIDATED_FP8)
+        if gate is not None:
+            return gate
+        if mode != MODE_O_ONLY:
+            return f"mode {mode}: the e4m3 sm90 FMHA writes O only"
     if mode == MODE_O_AND_SCORE:
         gate = _backend.unvalidated_reason("the sm90 FMHA with max-score output",
                                            VALIDATED_MAX_SCORE)
@@ -82,11 +94,14 @@ def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=Tr
             return gate
     if paged and page_size != PAGE:
         return f"page_size {page_size}: the sm90 FMHA pages by {PAGE} tokens"
-    return cute_runtime.unavailable_reason(_variant_for(bool(paged), mode))
+    return cute_runtime.unavailable_reason(_variant_for(bool(paged), mode, q_dtype))
 
 
-def _variant_for(paged: bool, mode: int) -> str:
-    """The artifact serving mode 3 (O: plain or pipelined loop) or mode 1 (O + max-score)."""
+def _variant_for(paged: bool, mode: int, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The artifact serving mode 3 (O: plain or pipelined loop; e4m3: plain) or mode 1
+    (O + max-score)."""
+    if dtype == torch.float8_e4m3fn:
+        return variant_name(paged, dtype)
     if mode == MODE_O_AND_SCORE:
         return variant_name(paged, max_score=True)
     return variant_name(paged, pipelined=use_pipelined())
@@ -129,7 +144,7 @@ def run(call):
     grid_q_tiles = max(1, -(-int(plan["max_seqlen_q"]) // TILE_M))
     if POISON_BUFFERS_FOR_TESTS:
         out.fill_(float("nan"))
-    name = _variant_for(call.paged, MODE_O_AND_SCORE if with_score else MODE_O_ONLY)
+    name = _variant_for(call.paged, MODE_O_AND_SCORE if with_score else MODE_O_ONLY, q.dtype)
     args = [q, k, v, out, cu_q, cu_k, kv_lens, offsets, table.contiguous(),
             float(call.logit_scale) * math.log2(math.e), float(call.output_scale),
             int(bool(plan["causal"])), grid_q_tiles]

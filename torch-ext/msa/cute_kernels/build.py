@@ -24,7 +24,7 @@ from .variants import (FP8_MODES, AttentionVariant, BlockMaxScoreVariant, Combin
                        FmhaVariant)
 
 TARGET_ARCH = "sm_90a"
-_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
+_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "e4m3": cutlass.Float8E4M3FN}
 # q_idx / k_idx element types of the indexer (see variants.INDEX_DTYPES).
 _INDEX_DTYPES = {"bfloat16": cutlass.BFloat16, "e4m3": cutlass.Float8E4M3FN}
 # (q, k/v) element types of each attention dtype / FP8 mode (see variants.FP8_MODES).
@@ -118,7 +118,7 @@ def fmha_args(variant: FmhaVariant):
     return [
         _tensor(dtype, (total_q, hq, 128)),                 # q
         _tensor(dtype, kv_shape), _tensor(dtype, kv_shape),  # k, v
-        _tensor(dtype, (total_q, hq, 128)),                 # o
+        _tensor(cutlass.BFloat16, (total_q, hq, 128)),      # o (bf16 for e4m3 q too)
         _index((_dyn(),)), _index((_dyn(),)),               # cu_seqlens_q, cu_seqlens_k
         _index((batch,)), _index((batch,)),                 # kv_lens, qo_offset
         _index((_dyn(), _dyn())),                           # page_table

@@ -48,9 +48,10 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import warpgroup
 
-from .tile_utils import (kv_row_iterator, mask_row_and_max, quad_max, quad_sum, row_copy,
-                         warp_row_store_copy, warpgroup_gemm, warpgroup_gemm_issue,
-                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+from .tile_utils import (kv_row_iterator, mask_row_and_max, quad_max, quad_sum,
+                         register_p_key_order, register_p_operand, row_copy, warp_row_store_copy,
+                         warpgroup_gemm, warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
+                         wgmma_rows_cols_view)
 
 HEAD_DIM = 128
 BLOCK_N = 128            # keys per block (= page size)
@@ -66,9 +67,14 @@ class FmhaSm90:
     """Compile-time configuration of one dense FMHA variant (see cute_kernels.variants)."""
 
     def __init__(self, paged: bool, dtype=cutlass.BFloat16, pipelined: bool = False):
-        assert dtype is cutlass.BFloat16, "the first sm90 FMHA serves bf16"
+        assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
         self.paged = paged
-        self.dtype = dtype
+        self.dtype = dtype                 # q, k, v
+        self.out_dtype = cutlass.BFloat16  # O (bf16 for e4m3 q too, contract §2.2)
+        # e4m3: QK^T on e4m3 wgmma; P rounded to e4m3 and kept in registers; V transposed per
+        # block into a key-permuted Vt tile (the e4m3 B operand must be K-major).
+        self.fp8 = dtype.width == 8
+        assert not (self.fp8 and pipelined), "e4m3 rides on the plain loop"
         self.pipelined = pipelined
 
     @cute.jit
@@ -93,42 +99,53 @@ class FmhaSm90:
         q_layout = cute.tile_to_shape(atom, (WG_ROWS, HEAD_DIM, NUM_WARPGROUPS), (0, 1, 2))
         kv_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM, KV_STAGES), (0, 1, 2))
 
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+        # e4m3 only (placeholders otherwise): the key-permuted Vt tile and a bf16 O tile (the
+        # e4m3 Q rows are too small to stage O in).
+        vt_layout = kv_layout
+        o_layout = kv_layout
+        if cutlass.const_expr(self.fp8):
+            vt_layout = cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N), (0, 1))
+            o_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
+                                                     self.out_dtype)
+            o_layout = cute.tile_to_shape(o_atom, (WG_ROWS, HEAD_DIM, NUM_WARPGROUPS), (0, 1, 2))
+        SharedStorage = self._shared_storage(q_layout, kv_layout, vt_layout, o_layout)
 
         # A warpgroup loads its own 64 Q rows (16 per step); the whole CTA loads K / V blocks.
         q_copy = row_copy(self.dtype, 16)
         kv_copy = row_copy(self.dtype, NUM_THREADS // 8)
+        # e4m3: V rows (16 bytes per thread) from its stage to registers, then into Vt.
+        vt_copy = kv_copy
+        if cutlass.const_expr(self.fp8):
+            vt_copy = row_copy(self.dtype, NUM_THREADS // 8, async_copy=False)
         mma_qk = hopper.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             cutlass.Float32, (1, 1, 1), (WG_ROWS, BLOCK_N))
         # V is stored [key, channel]: as the B operand (channel x key) of O = P V it is MN-major.
+        # e4m3: B is the K-major Vt tile.
         mma_pv = hopper.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K if self.fp8 else cute.nvgpu.OperandMajorMode.MN,
             cutlass.Float32, (1, 1, 1), (WG_ROWS, HEAD_DIM),
             a_source=warpgroup.OperandSource.RMEM)
         # Accumulator -> staged O rows (two adjacent columns per 32-bit store), then 16-byte
         # row segments to global memory (16 lanes per 128-channel row).
         stage_o_copy = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                num_bits_per_copy=2 * self.dtype.width), mma_pv)
-        store_o_copy = warp_row_store_copy(self.dtype, HEAD_DIM)
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype,
+                                num_bits_per_copy=2 * self.out_dtype.width), mma_pv)
+        store_o_copy = warp_row_store_copy(self.out_dtype, HEAD_DIM)
         grid = (grid_q_tiles, cute.size(q.shape[1]), cute.size(cu_seqlens_q.shape[0]) - 1)
         if cutlass.const_expr(max_score is None):
             self.kernel(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
                         logit_scale_log2, output_scale, causal, q_layout, kv_layout, q_copy,
-                        kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy,
-                        SharedStorage).launch(grid=grid, block=(NUM_THREADS, 1, 1),
+                        kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, vt_layout,
+                        o_layout, vt_copy, SharedStorage).launch(grid=grid, block=(NUM_THREADS, 1, 1),
                                               stream=stream)
         else:
             self.kernel_max_score(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset,
                                   page_table, logit_scale_log2, output_scale, causal, max_score,
                                   score_scale, q_layout, kv_layout, q_copy, kv_copy, mma_qk,
-                                  mma_pv, stage_o_copy, store_o_copy,
-                                  SharedStorage).launch(grid=grid, block=(NUM_THREADS, 1, 1),
+                                  mma_pv, stage_o_copy, store_o_copy, vt_layout, o_layout,
+                                  vt_copy, SharedStorage).launch(grid=grid, block=(NUM_THREADS, 1, 1),
                                                         stream=stream)
 
     @cute.kernel
@@ -139,10 +156,12 @@ class FmhaSm90:
                causal: cutlass.Int32, q_layout: cute.ComposedLayout,
                kv_layout: cute.ComposedLayout, q_copy: cute.TiledCopy, kv_copy: cute.TiledCopy,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, stage_o_copy: cute.TiledCopy,
-               store_o_copy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+               store_o_copy: cute.TiledCopy, vt_layout, o_layout, vt_copy: cute.TiledCopy,
+               SharedStorage: cutlass.Constexpr):
         self._cta(mQ, mK, mV, mO, mCuQ, mCuK, mKvLens, mOffset, mPageTable, scale_log2,
                   output_scale, causal, None, None, q_layout, kv_layout, q_copy, kv_copy, mma_qk,
-                  mma_pv, stage_o_copy, store_o_copy, SharedStorage)
+                  mma_pv, stage_o_copy, store_o_copy, vt_layout, o_layout, vt_copy,
+                  SharedStorage)
 
     @cute.kernel
     def kernel_max_score(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
@@ -154,10 +173,12 @@ class FmhaSm90:
                          kv_layout: cute.ComposedLayout, q_copy: cute.TiledCopy,
                          kv_copy: cute.TiledCopy, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                          stage_o_copy: cute.TiledCopy, store_o_copy: cute.TiledCopy,
+                         vt_layout, o_layout, vt_copy: cute.TiledCopy,
                          SharedStorage: cutlass.Constexpr):
         self._cta(mQ, mK, mV, mO, mCuQ, mCuK, mKvLens, mOffset, mPageTable, scale_log2,
                   output_scale, causal, mMaxScore, score_scale, q_layout, kv_layout, q_copy,
-                  kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, SharedStorage)
+                  kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, vt_layout, o_layout,
+                  vt_copy, SharedStorage)
 
     @cute.jit
     def _cta(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -167,7 +188,7 @@ class FmhaSm90:
              q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout,
              q_copy: cute.TiledCopy, kv_copy: cute.TiledCopy, mma_qk: cute.TiledMma,
              mma_pv: cute.TiledMma, stage_o_copy: cute.TiledCopy, store_o_copy: cute.TiledCopy,
-             SharedStorage: cutlass.Constexpr):
+             vt_layout, o_layout, vt_copy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
         """One CTA: its query tiles of one request and q head (mMaxScore None: O only)."""
         tidx, _, _ = cute.arch.thread_idx()
         cta_x, head, request = cute.arch.block_idx()
@@ -196,6 +217,11 @@ class FmhaSm90:
         sQ_wgs = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK_stages = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sV_stages = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sVt = None
+        sO_wgs = None
+        if cutlass.const_expr(self.fp8):
+            sVt = storage.sVt.get_tensor(vt_layout.outer, swizzle=vt_layout.inner)
+            sO_wgs = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)
 
         # The last (heaviest) tiles first; x strides when the grid is smaller than the tiles.
         for walk in range(cta_x, n_q_tiles, grid_x):
@@ -210,13 +236,14 @@ class FmhaSm90:
                        q_lo, kv_len, k_row0, offset, causal, n_blocks, scale_log2,
                        output_scale, tidx, wg, wg_tidx, lane, warp_in_wg, sQ_wgs, sK_stages,
                        sV_stages, q_copy, kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy,
-                       mMaxScore, score_scale)
+                       mMaxScore, score_scale, sVt, sO_wgs, vt_copy)
 
     @cute.jit
     def _tile(self, mQ, mK, mV, mO, mPageTable, request, head, head_kv, q_start, q_len, q_lo,
               kv_len, k_row0, offset, causal, n_blocks, scale_log2, output_scale, tidx, wg,
               wg_tidx, lane, warp_in_wg, sQ_wgs, sK_stages, sV_stages, q_copy, kv_copy, mma_qk,
-              mma_pv, stage_o_copy, store_o_copy, mMaxScore=None, score_scale=None):
+              mma_pv, stage_o_copy, store_o_copy, mMaxScore=None, score_scale=None, sVt=None,
+              sO_wgs=None, vt_copy=None):
         """One 128-query tile: load Q, stream the key blocks, write O (and, with mMaxScore,
         each row's scaled max over the visible keys of every block it streams)."""
         # V^T (channel x key) views of the V stages for the B operand of O = P V.
@@ -266,7 +293,10 @@ class FmhaSm90:
         thr_pv = mma_pv.get_slice(wg_tidx)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_wgs))[None, None, None, wg]
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK_stages))      # (.., .., K, stage)
-        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt_stages))    # (.., .., K, stage)
+        if cutlass.const_expr(self.fp8):
+            tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))       # (.., .., K)
+        else:
+            tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt_stages))  # (.., .., K, stage)
         acc_s_shape = thr_qk.partition_shape_C((WG_ROWS, BLOCK_N))
         tScS = wgmma_rows_cols_view(thr_qk.partition_C(
             cute.make_identity_tensor((WG_ROWS, BLOCK_N))))
@@ -295,6 +325,12 @@ class FmhaSm90:
                                         blk + 1, 1 - stage, sK_stages, sV_stages, thr_kv_copy,
                                         kv_copy, tKVcKV, kv_row_stride0)
                 cute.arch.cp_async_commit_group()
+                if cutlass.const_expr(self.fp8):
+                    # V(blk) -> Vt, keys permuted; every warpgroup finished P V(blk - 1) on Vt
+                    # before the barrier above.
+                    self._transpose_v(sV_stages[None, None, stage], sVt, vt_copy, tidx)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.sync_threads()
 
                 # ---- S = Q K^T --------------------------------------------------------------
                 acc_s = cute.make_rmem_tensor(acc_s_shape, cutlass.Float32)
@@ -329,11 +365,20 @@ class FmhaSm90:
                         o_rc[i, j] = o_rc[i, j] * correction
 
                 # ---- O += P V (P in registers) -----------------------------------------------
-                r_p = cute.make_fragment_like(acc_s, self.dtype)
-                r_p.store(acc_s.load().to(self.dtype))
-                t_p = wgmma_accumulator_as_operand_a(r_p)
-                warpgroup_gemm(mma_pv, acc_o, t_p, tOrVt[None, None, None, stage],
-                               accumulate=True)
+                if cutlass.const_expr(self.fp8):
+                    # P rounded to e4m3 (as the reference's p_quant models an FP8 MMA), handed
+                    # to the RS wgmma in the key order of the permuted Vt.
+                    r_p8 = cute.make_fragment_like(acc_s, self.dtype)
+                    r_p8.store(acc_s.load().to(self.dtype))
+                    t_p8 = register_p_operand(r_p8,
+                                              thr_pv.partition_shape_A((WG_ROWS, BLOCK_N)))
+                    warpgroup_gemm(mma_pv, acc_o, t_p8, tOrVt, accumulate=True)
+                else:
+                    r_p = cute.make_fragment_like(acc_s, self.dtype)
+                    r_p.store(acc_s.load().to(self.dtype))
+                    t_p = wgmma_accumulator_as_operand_a(r_p)
+                    warpgroup_gemm(mma_pv, acc_o, t_p, tOrVt[None, None, None, stage],
+                                   accumulate=True)
         else:
             correction = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
             acc_s = cute.make_rmem_tensor(acc_s_shape, cutlass.Float32)
@@ -393,15 +438,18 @@ class FmhaSm90:
                 inv = output_scale / total
             for j in cutlass.range_constexpr(n_my_cols):
                 o_rc[i, j] = o_rc[i, j] * inv
-        r_o = cute.make_fragment_like(acc_o, self.dtype)
-        r_o.store(acc_o.load().to(self.dtype))
+        r_o = cute.make_fragment_like(acc_o, self.out_dtype)
+        r_o.store(acc_o.load().to(self.out_dtype))
+        sO_mine = sQ_mine                                  # bf16: O takes the Q rows' place
+        if cutlass.const_expr(self.fp8):
+            sO_mine = sO_wgs[None, None, wg]
         # Warp w of the warpgroup holds rows 16w..16w+15 and only its own S wgmmas read them.
         thr_stage_o = stage_o_copy.get_slice(wg_tidx)
-        cute.copy(stage_o_copy, thr_stage_o.retile(r_o), thr_stage_o.partition_D(sQ_mine))
+        cute.copy(stage_o_copy, thr_stage_o.retile(r_o), thr_stage_o.partition_D(sO_mine))
         cute.arch.sync_warp()
         thr_store_o = store_o_copy.get_slice(lane)
         tWsO = thr_store_o.partition_S(
-            cute.local_tile(sQ_mine, (ROWS_PER_WARP, HEAD_DIM), (warp_in_wg, 0)))
+            cute.local_tile(sO_mine, (ROWS_PER_WARP, HEAD_DIM), (warp_in_wg, 0)))
         tWcO = thr_store_o.partition_S(cute.make_identity_tensor((ROWS_PER_WARP, HEAD_DIM)))
         r_out = cute.make_fragment_like(tWsO)
         r_out.store(tWsO.load())
@@ -445,6 +493,31 @@ class FmhaSm90:
             else:
                 tKsK[None, m, None].fill(0)
                 tVsV[None, m, None].fill(0)
+
+    def _shared_storage(self, q_layout, kv_layout, vt_layout, o_layout):
+        """Shared-memory struct: Q, K and V stages; e4m3 adds the key-permuted Vt tile and a
+        bf16 O tile (fields built as real annotations: this module's are strings)."""
+        def tile(dtype, layout):
+            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
+        fields = {"sQ": tile(self.dtype, q_layout), "sK": tile(self.dtype, kv_layout),
+                  "sV": tile(self.dtype, kv_layout)}
+        if self.fp8:
+            fields["sVt"] = tile(self.dtype, vt_layout)
+            fields["sO"] = tile(self.out_dtype, o_layout)
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    @cute.jit
+    def _transpose_v(self, sV_stage: cute.Tensor, sVt: cute.Tensor, vt_copy: cute.TiledCopy,
+                     tidx: cutlass.Int32):
+        """e4m3: the V rows of a stage (key, channel) into Vt (channel, pi(key)), the key order
+        register_p_operand hands P in; 16 bytes of one row per thread and step."""
+        thr = vt_copy.get_slice(tidx)
+        src = thr.partition_S(sV_stage)
+        dst = thr.partition_D(cute.composition(sVt, register_p_key_order(BLOCK_N, HEAD_DIM)))
+        for m in cutlass.range_constexpr(cute.size(src.shape[1])):
+            frag = cute.make_fragment_like(src[None, m, None])
+            frag.store(src[None, m, None].load())
+            dst[None, m, None].store(frag.load())
 
     @cute.jit
     def _store_max_score(self, mMaxScore: cute.Tensor, score_scale: cutlass.Float32,
