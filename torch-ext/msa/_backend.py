@@ -116,6 +116,14 @@ def unvalidated_reason(what: str, validated: bool) -> Optional[str]:
             f"({UNVALIDATED_ENV}=1 serves it)")
 
 
+def form_enabled(forced: Optional[bool], what: str, validated: bool) -> bool:
+    """Whether a gated alternative form of a native kernel runs: `forced` (a tests/benchmarks
+    hook) when not None, else the unvalidated_reason gate."""
+    if forced is not None:
+        return forced
+    return unvalidated_reason(what, validated) is None
+
+
 def last_backend(op: str) -> Optional[str]:
     """The backend that ran the most recent call of `op` in this process (for tests and logs)."""
     return _last_backend.get(op)

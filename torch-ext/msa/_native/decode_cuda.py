@@ -43,7 +43,7 @@ SPLIT_KEYS_FOR_TESTS: Optional[bool] = None
 VALIDATED_DIRECT_FP8 = True
 DIRECT_FP8_FOR_TESTS: Optional[bool] = None
 # Its page-pair variant (two pages per step: one barrier and one page-max exchange per two
-# pages, four independent MMA chains per warp): compiled (174 registers, no spills), gated until
+# pages, four independent MMA chains per warp): compiled (177 registers, no spills), gated until
 # the "pairs" cases of tests/test_decode_gpu.py pass on an H200. The one-page direct form reads
 # 3.1 TB/s (73 % of 4.26) at B >= 32; this variant is the attempt at >= 80 %.
 VALIDATED_DIRECT_PAIRS = False
@@ -92,28 +92,22 @@ def run(call) -> None:
 def _split_keys() -> bool:
     """Whether to let the kernel split page keys across warps (it does so only for tiles of
     <= 16 rows): forced by tests, else once validated (or MSA_UNVALIDATED_KERNELS=1)."""
-    if SPLIT_KEYS_FOR_TESTS is not None:
-        return SPLIT_KEYS_FOR_TESTS
-    return _backend.unvalidated_reason("the split-keys decode kernel",
-                                       VALIDATED_SPLIT_KEYS) is None
+    return _backend.form_enabled(SPLIT_KEYS_FOR_TESTS, "the split-keys decode kernel",
+                                 VALIDATED_SPLIT_KEYS)
 
 
 def _direct_fp8() -> bool:
     """Whether split-keys tiles with e4m3 q and K/V may use the direct e4m3 form (the binding
     applies it only there): forced by tests, else once validated (or MSA_UNVALIDATED_KERNELS=1)."""
-    if DIRECT_FP8_FOR_TESTS is not None:
-        return DIRECT_FP8_FOR_TESTS
-    return _backend.unvalidated_reason("the direct e4m3 decode kernel",
-                                       VALIDATED_DIRECT_FP8) is None
+    return _backend.form_enabled(DIRECT_FP8_FOR_TESTS, "the direct e4m3 decode kernel",
+                                 VALIDATED_DIRECT_FP8)
 
 
 def _direct_pairs() -> bool:
     """Whether the direct e4m3 form takes two pages per step: forced by tests and benchmarks,
     else once validated (or MSA_UNVALIDATED_KERNELS=1)."""
-    if DIRECT_PAIRS_FOR_TESTS is not None:
-        return DIRECT_PAIRS_FOR_TESTS
-    return _backend.unvalidated_reason("the page-pair direct e4m3 decode kernel",
-                                       VALIDATED_DIRECT_PAIRS) is None
+    return _backend.form_enabled(DIRECT_PAIRS_FOR_TESTS,
+                                 "the page-pair direct e4m3 decode kernel", VALIDATED_DIRECT_PAIRS)
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)

@@ -65,9 +65,8 @@ def use_pipelined() -> bool:
     """The intra-warpgroup pipelined block loop (cute_kernels/fmha_sm90.py): forced by tests
     and benchmarks through PIPELINED_FOR_TESTS, else once validated (or
     MSA_UNVALIDATED_KERNELS=1)."""
-    if PIPELINED_FOR_TESTS is not None:
-        return PIPELINED_FOR_TESTS
-    return _backend.unvalidated_reason("the pipelined sm90 FMHA", VALIDATED_PIPELINED) is None
+    return _backend.form_enabled(PIPELINED_FOR_TESTS, "the pipelined sm90 FMHA",
+                                 VALIDATED_PIPELINED)
 
 
 def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=True, mode=None,

@@ -76,10 +76,8 @@ def kernel_mode(mode: str) -> str:
     registers) when that form is validated or forced, else on the shared-P form."""
     if mode != "e4m3":
         return mode
-    use = REGISTER_P_FOR_TESTS
-    if use is None:
-        use = _backend.unvalidated_reason("the register-P e4m3 kernel",
-                                          VALIDATED_REGISTER_P) is None
+    use = _backend.form_enabled(REGISTER_P_FOR_TESTS, "the register-P e4m3 kernel",
+                                VALIDATED_REGISTER_P)
     return "e4m3_rp" if use else mode
 
 
