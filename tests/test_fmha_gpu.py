@@ -33,6 +33,31 @@ def _native_module():
     return fmha_sm90
 
 
+def _problem(heads, causal, paged, dtype, gen, q_lens=None):
+    """Random varlen q/k/v of `dtype` (KV at least as long as the queries, not multiples of
+    128; with a random causal offset per request some early rows see no key) on the CPU, the
+    K/V the kernel reads (shuffled 128-token pages when paged) and the plan, on the GPU."""
+    hq, hkv = heads
+    if q_lens is None:
+        q_lens = Q_LENS if hq <= 16 else [1, 300, 2049]
+    kv_lens = [ql + int(torch.randint(0, 700, (1,), generator=gen)) for ql in q_lens]
+    offsets = [kl - ql + int(torch.randint(-40, 40, (1,), generator=gen))
+               for ql, kl in zip(q_lens, kv_lens)]
+    q = torch.randn(sum(q_lens), hq, D, generator=gen).to(dtype)
+    k = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(dtype)
+    v = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(dtype)
+    dev = torch.device("cuda")
+    kw, k_in, v_in = {}, k, v
+    if paged:
+        k_in, v_in, kv_indices, _ = to_pages(k, v, kv_lens, 128, gen)
+        kw["kv_indices"] = kv_indices.to(dev)
+    plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), hq, hkv, causal=causal,
+                         qo_offset=torch.tensor(offsets) if causal else None,
+                         page_size=128 if paged else -1, device=dev)
+    return dict(q=q, k=k, v=v, q_lens=q_lens, kv_lens=kv_lens, offsets=offsets, plan=plan,
+                args=(q.to(dev), k_in.to(dev), v_in.to(dev), plan), kw=kw)
+
+
 def _check_against_float64(out, q, k, v, q_lens, kv_lens, offsets, causal, scale, label):
     """max |O - float64 reference| within twice the modelled bf16 error (the reference with P
     rounded to bf16 per 128-key step) + 2e-3; output_scale 1.5. Returns the float64 O."""
@@ -61,28 +86,13 @@ def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypat
     monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
-    q_lens = Q_LENS if hq <= 16 else [1, 300, 2049]
-    # KV at least as long as the queries (prefill / append), not multiples of 128; with a
-    # random causal offset per request, some early rows see no key at all.
-    kv_lens = [ql + int(torch.randint(0, 700, (1,), generator=gen)) for ql in q_lens]
-    offsets = [kl - ql + int(torch.randint(-40, 40, (1,), generator=gen))
-               for ql, kl in zip(q_lens, kv_lens)]
-    q = torch.randn(sum(q_lens), hq, D, generator=gen).to(torch.bfloat16)
-    k = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(torch.bfloat16)
-    v = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(torch.bfloat16)
-    dev = torch.device("cuda")
-    kw = {}
-    k_in, v_in = k, v
-    if paged:
-        k_in, v_in, kv_indices, _ = to_pages(k, v, kv_lens, 128, gen)
-        kw["kv_indices"] = kv_indices.to(dev)
-    plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), hq, hkv, causal=causal,
-                         qo_offset=torch.tensor(offsets) if causal else None,
-                         page_size=128 if paged else -1, device=dev)
+    p = _problem(heads, causal, paged, torch.bfloat16, gen)
+    q, k, v, q_lens, kv_lens, offsets = (p[n] for n in ("q", "k", "v", "q_lens", "kv_lens",
+                                                         "offsets"))
     scale = 0.7 * D ** -0.5
     monkeypatch.setenv("MSA_BACKEND", "native")
-    out, ms = msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, sm_scale=scale,
-                       v_scale=1.5, output_maxscore=False, **kw)
+    out, ms = msa.fmha(*p["args"], sm_scale=scale, v_scale=1.5, output_maxscore=False,
+                       **p["kw"])
     torch.cuda.synchronize()
     monkeypatch.delenv("MSA_BACKEND")
     assert _backend.last_backend("fmha_dense") == "sm90"
@@ -168,25 +178,13 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, seed
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     e4m3 = torch.float8_e4m3fn
-    q_lens = Q_LENS if hq <= 16 else [1, 300, 2049]
-    kv_lens = [ql + int(torch.randint(0, 700, (1,), generator=gen)) for ql in q_lens]
-    offsets = [kl - ql + int(torch.randint(-40, 40, (1,), generator=gen))
-               for ql, kl in zip(q_lens, kv_lens)]
-    q = torch.randn(sum(q_lens), hq, D, generator=gen).to(e4m3)
-    k = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(e4m3)
-    v = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(e4m3)
-    dev = torch.device("cuda")
-    kw, k_in, v_in = {}, k, v
-    if paged:
-        k_in, v_in, kv_indices, _ = to_pages(k, v, kv_lens, 128, gen)
-        kw["kv_indices"] = kv_indices.to(dev)
-    plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), hq, hkv, causal=causal,
-                         qo_offset=torch.tensor(offsets) if causal else None,
-                         page_size=128 if paged else -1, device=dev)
+    p = _problem(heads, causal, paged, e4m3, gen)
+    q, k, v, q_lens, kv_lens, offsets = (p[n] for n in ("q", "k", "v", "q_lens", "kv_lens",
+                                                         "offsets"))
     scale = 0.7 * D ** -0.5
     monkeypatch.setenv("MSA_BACKEND", "native")
-    out, _ = msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, sm_scale=scale,
-                      q_scale=1.25, v_scale=1.5, output_maxscore=False, **kw)
+    out, _ = msa.fmha(*p["args"], sm_scale=scale, q_scale=1.25, v_scale=1.5,
+                      output_maxscore=False, **p["kw"])
     torch.cuda.synchronize()
     monkeypatch.delenv("MSA_BACKEND")
     assert _backend.last_backend("fmha_dense") == "sm90"
