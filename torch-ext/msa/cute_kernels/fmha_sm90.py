@@ -133,20 +133,20 @@ class FmhaSm90:
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype,
                                 num_bits_per_copy=2 * self.out_dtype.width), mma_pv)
         store_o_copy = warp_row_store_copy(self.out_dtype, HEAD_DIM)
-        grid = (grid_q_tiles, cute.size(q.shape[1]), cute.size(cu_seqlens_q.shape[0]) - 1)
+        launch = dict(grid=(grid_q_tiles, cute.size(q.shape[1]),
+                            cute.size(cu_seqlens_q.shape[0]) - 1),
+                      block=(NUM_THREADS, 1, 1), stream=stream)
         if cutlass.const_expr(max_score is None):
             self.kernel(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
                         logit_scale_log2, output_scale, causal, q_layout, kv_layout, q_copy,
                         kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, vt_layout,
-                        o_layout, vt_copy, SharedStorage).launch(grid=grid, block=(NUM_THREADS, 1, 1),
-                                              stream=stream)
+                        o_layout, vt_copy, SharedStorage).launch(**launch)
         else:
             self.kernel_max_score(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset,
                                   page_table, logit_scale_log2, output_scale, causal, max_score,
                                   score_scale, q_layout, kv_layout, q_copy, kv_copy, mma_qk,
                                   mma_pv, stage_o_copy, store_o_copy, vt_layout, o_layout,
-                                  vt_copy, SharedStorage).launch(grid=grid, block=(NUM_THREADS, 1, 1),
-                                                        stream=stream)
+                                  vt_copy, SharedStorage).launch(**launch)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -315,11 +315,8 @@ class FmhaSm90:
         if cutlass.const_expr(not self.pipelined):
             for blk in range(n_blocks):
                 stage = blk % KV_STAGES
-                cute.arch.cp_async_wait_group(0)
-                # cp.async writes are generic-proxy; wgmma reads through the async proxy. After
-                # the barrier both warpgroups are also done with the stage refilled below.
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.sync_threads()
+                # After the barrier both warpgroups are also done with the stage refilled below.
+                self._publish_stages()
                 if blk + 1 < n_blocks:
                     self._load_kv_block(mK, mV, mPageTable, request, head_kv, k_row0, kv_len,
                                         blk + 1, 1 - stage, sK_stages, sV_stages, thr_kv_copy,
