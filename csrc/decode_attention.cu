@@ -519,11 +519,9 @@ __device__ __forceinline__ void direct_page_pairs(
 #pragma unroll
     for (int pg = 0; pg < 2; ++pg) {
       const int idx = 2 * pair + pg;
-      if (idx < num_pages) {
-        const PageRef ref = page_of(idx);
-        const int valid_rows = min(kPageSize, max(ctx.seqlen_k - ref.logical * kPageSize, 0));
-        load_page_fp8_swizzled<true>(a, ctx.head, ref, stage_of(idx), valid_rows);
-      }
+      const PageRef ref = page_of(idx);   // past the end: skipped, nothing is loaded
+      const int valid_rows = min(kPageSize, max(ctx.seqlen_k - ref.logical * kPageSize, 0));
+      load_page_fp8_swizzled<true>(a, ctx.head, ref, stage_of(idx), valid_rows);
     }
     cp_async_commit();
   };
