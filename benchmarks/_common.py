@@ -33,6 +33,16 @@ def load_msa():
     return load()
 
 
+def native_module(msa, name: str):
+    """msa's native-kernel module `name` (e.g. "fmha_sm90": its VALIDATED flags and test hooks),
+    or None in a build without native kernels."""
+    from importlib import import_module
+    try:
+        return import_module(f"{msa.__name__}._native.{name}")
+    except ImportError:
+        return None
+
+
 def git_commit() -> str:
     """MSA_COMMIT when set (the device machine has no .git), else the checkout's short HEAD."""
     if os.environ.get("MSA_COMMIT"):

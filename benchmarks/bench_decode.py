@@ -30,9 +30,9 @@ import argparse
 import torch
 
 from _common import (BLOCK, HEAD_DIM, add_common_args, apply_preset, dtype_of, fits,
-                     free_memory, load_msa, parse_names, parse_sizes, probe_backend, random_fill,
-                     reference_too_slow, setup, synchronize, time_dense_sdpa, time_ms,
-                     TsvWriter)
+                     free_memory, load_msa, native_module, parse_names, parse_sizes,
+                     probe_backend, random_fill, reference_too_slow, setup, synchronize,
+                     time_dense_sdpa, time_ms, TsvWriter)
 
 COLUMNS = ("batch", "context", "seqlen_q", "kv_dtype", "mode", "exec", "backend", "latency_us",
            "bytes_read", "tb_per_s", "speedup_vs_cudnn", "note")
@@ -293,9 +293,7 @@ def main(argv=None):
     device = setup(args)
     msa = load_msa()
     if args.direct_pairs != "auto":
-        from importlib import import_module
-        native = import_module(msa.__name__ + "._native.decode_cuda")
-        native.DIRECT_PAIRS_FOR_TESTS = args.direct_pairs == "on"
+        native_module(msa, "decode_cuda").DIRECT_PAIRS_FOR_TESTS = args.direct_pairs == "on"
         FORM_NOTE[0] = f"direct_pairs={args.direct_pairs}"
     tsv = TsvWriter(args.out, COLUMNS, device,
                     formats={"latency_us": ".2f", "tb_per_s": ".3f", "speedup_vs_cudnn": ".2f"})

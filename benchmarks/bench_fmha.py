@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (TsvWriter, add_common_args, apply_preset, free_memory, load_msa,  # noqa: E402
-                     parse_names, parse_sizes, reference_too_slow, setup, time_ms)
+                     native_module, parse_names, parse_sizes, reference_too_slow, setup,
+                     time_ms)
 
 D = 128
 COLUMNS = ("mode", "n", "hq", "hkv", "causal", "layout", "impl", "backend", "latency_ms",
@@ -73,12 +74,13 @@ def main(argv=None):
         os.environ["MSA_UNVALIDATED_KERNELS"] = "1"
     device = setup(args)
     msa = load_msa()
-    from importlib import import_module
-    try:
-        native = import_module(msa.__name__ + "._native.fmha_sm90")
-        gated = not native.VALIDATED
-    except ImportError:           # a build without native kernels (torch-cpu)
-        native, gated = None, False
+    native = native_module(msa, "fmha_sm90")     # None in a build without native kernels
+    gated = native is not None and not native.VALIDATED
+    # (q/k/v dtype, block loop) pairs to time; e4m3 runs on the plain loop.
+    dtype_names = parse_names(args.dtypes)
+    runs = [("bf16", form) for form in parse_names(args.forms) if "bf16" in dtype_names]
+    if "fp8" in dtype_names:
+        runs.append(("fp8", "plain"))
     tsv = TsvWriter(args.out, COLUMNS, device, formats={"tflops": ".1f",
                                                          "speedup_vs_cudnn": ".2f"})
     gen = torch.Generator(device="cpu").manual_seed(torch.initial_seed() % (1 << 62))
@@ -109,10 +111,6 @@ def main(argv=None):
                     plan = msa.fmha_plan(torch.tensor([n]), torch.tensor([n]), hq, hkv,
                                          causal=causal, page_size=128 if layout == "paged"
                                          else -1, device=device)
-                    runs = [("bf16", form) for form in parse_names(args.forms)
-                            if "bf16" in parse_names(args.dtypes)]
-                    if "fp8" in parse_names(args.dtypes):
-                        runs.append(("fp8", "plain"))
                     for dtype_name, form in runs:
                         if native is not None:
                             native.PIPELINED_FOR_TESTS = form == "pipelined"

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TsvWriter, load_msa  # noqa: E402
+from _common import TsvWriter, load_msa, native_module  # noqa: E402
 HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
 COLUMNS = ("case", "lengths", "pattern", "dtype", "impl", "backend", "latency_ms", "eff_tflops",
            "visible_pairs", "speedup_vs_flex")
@@ -78,21 +78,18 @@ DTYPE_MODES = {   # name -> (q, k, v) -> (q, k, v, pv_dtype)
 def unvalidated_mode(msa, q, k, v, pv_dtype) -> bool:
     """True when the native FP8 mode these dtypes select is still gated (run only because
     --allow-unvalidated set MSA_UNVALIDATED_KERNELS)."""
-    from importlib import import_module
-    native = import_module(msa.__name__ + "._native.sparse_prefill_sm90")
+    native = native_module(msa, "sparse_prefill_sm90")
     mode = native.attention_mode(q.dtype, k.dtype, v.dtype, pv_dtype)
-    if native.kernel_mode(mode or "") == "e4m3_rp" and not native.VALIDATED_REGISTER_P:
+    if native.kernel_mode(mode) == "e4m3_rp" and not native.VALIDATED_REGISTER_P:
         return True
     return mode not in ("bfloat16", None) and mode not in native.VALIDATED_FP8_MODES
 
 
 def set_register_p(msa, value) -> None:
     """Force the e4m3 kernel form (True: P in registers, False: shared P, None: the gate)."""
-    from importlib import import_module
-    try:
-        import_module(msa.__name__ + "._native.sparse_prefill_sm90").REGISTER_P_FOR_TESTS = value
-    except ImportError:   # a build without native kernels
-        pass
+    native = native_module(msa, "sparse_prefill_sm90")
+    if native is not None:   # a build without native kernels has nothing to force
+        native.REGISTER_P_FOR_TESTS = value
 
 
 def visible_pairs(q2k: torch.Tensor) -> int:

@@ -33,19 +33,27 @@ def _native_module():
     return fmha_sm90
 
 
-def _problem(heads, causal, paged, dtype, gen, q_lens=None):
-    """Random varlen q/k/v of `dtype` (KV at least as long as the queries, not multiples of
-    128; with a random causal offset per request some early rows see no key) on the CPU, the
-    K/V the kernel reads (shuffled 128-token pages when paged) and the plan, on the GPU."""
+def _random_varlen(heads, dtype, gen, q_lens=None, max_extra_kv=700):
+    """Random varlen q/k/v of `dtype` on the CPU: KV at least as long as the queries (up to
+    max_extra_kv more), not multiples of 128, and a random causal offset per request, so some
+    early rows see no key. Returns (q, k, v, q_lens, kv_lens, offsets)."""
     hq, hkv = heads
     if q_lens is None:
         q_lens = Q_LENS if hq <= 16 else [1, 300, 2049]
-    kv_lens = [ql + int(torch.randint(0, 700, (1,), generator=gen)) for ql in q_lens]
+    kv_lens = [ql + int(torch.randint(0, max_extra_kv, (1,), generator=gen)) for ql in q_lens]
     offsets = [kl - ql + int(torch.randint(-40, 40, (1,), generator=gen))
                for ql, kl in zip(q_lens, kv_lens)]
     q = torch.randn(sum(q_lens), hq, D, generator=gen).to(dtype)
     k = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(dtype)
     v = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(dtype)
+    return q, k, v, q_lens, kv_lens, offsets
+
+
+def _problem(heads, causal, paged, dtype, gen):
+    """_random_varlen's q/k/v on the CPU, and on the GPU the K/V the kernel reads (shuffled
+    128-token pages when paged) and the plan."""
+    hq, hkv = heads
+    q, k, v, q_lens, kv_lens, offsets = _random_varlen(heads, dtype, gen)
     dev = torch.device("cuda")
     kw, k_in, v_in = {}, k, v
     if paged:
@@ -119,13 +127,8 @@ def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, s
     monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
-    q_lens = [1, 33, 700, 129]
-    kv_lens = [ql + int(torch.randint(0, 500, (1,), generator=gen)) for ql in q_lens]
-    offsets = [kl - ql + int(torch.randint(-40, 40, (1,), generator=gen))
-               for ql, kl in zip(q_lens, kv_lens)]
-    q = torch.randn(sum(q_lens), hq, D, generator=gen).to(torch.bfloat16)
-    k = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(torch.bfloat16)
-    v = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(torch.bfloat16)
+    q, k, v, q_lens, kv_lens, offsets = _random_varlen(heads, torch.bfloat16, gen,
+                                                       q_lens=[1, 33, 700, 129], max_extra_kv=500)
     kw, k_in, v_in = {}, k, v
     if paged:
         k_in, v_in, kv_indices, _ = to_pages(k, v, kv_lens, 128, gen)
@@ -252,13 +255,8 @@ def test_fmha_native_paged_pool_past_2_31_elements(seed, monkeypatch):
     monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = 8, 2
-    q_lens = [1, 33, 700]
-    kv_lens = [ql + int(torch.randint(0, 700, (1,), generator=gen)) for ql in q_lens]
-    offsets = [kl - ql + int(torch.randint(-40, 40, (1,), generator=gen))
-               for ql, kl in zip(q_lens, kv_lens)]
-    q = torch.randn(sum(q_lens), hq, D, generator=gen).to(torch.bfloat16)
-    k = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(torch.bfloat16)
-    v = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(torch.bfloat16)
+    q, k, v, q_lens, kv_lens, offsets = _random_varlen((hq, hkv), torch.bfloat16, gen,
+                                                       q_lens=[1, 33, 700])
     dev = torch.device("cuda")
     k_pages, v_pages, kv_indices, _ = to_pages(k, v, kv_lens, 128, gen)
     k_pages, v_pages, kv_indices = k_pages.to(dev), v_pages.to(dev), kv_indices.to(dev)

@@ -32,6 +32,7 @@ from msa_loading import import_variant_as_msa  # noqa: E402
 msa = import_variant_as_msa(sys.argv[1])
 from msa import _backend  # noqa: E402
 from msa._native import block_max_score_sm90, decode_cuda  # noqa: E402,F401 (registers them)
+from msa._native import fmha_sm90  # noqa: E402 (its gates: VALIDATED_MAX_SCORE, VALIDATED_FP8)
 
 import test_sparse_prefill_gpu as prefill_cases  # noqa: E402
 from test_block_max_score_gpu import _paginate as paginate_index_keys  # noqa: E402
@@ -158,11 +159,6 @@ def decode_runs():
     print("decode: ok")
 
 
-def fmha_native():
-    from importlib import import_module
-    return import_module(msa.__name__ + "._native.fmha_sm90")
-
-
 def fmha_cases(gen):
     """Dense FMHA (gated kernel): dense and paged K/V, causal with an offset that leaves early
     rows empty, a page-table entry past the pool."""
@@ -184,7 +180,7 @@ def fmha_cases(gen):
         expect_native("fmha_dense")
         # O + max-score (mode 1): the max-score rows of every streamed block are written.
         # (Gated until validated: only where MSA_UNVALIDATED_KERNELS=1 opens it.)
-        if _backend.unvalidated_reason("fmha mode 1", fmha_native().VALIDATED_MAX_SCORE):
+        if _backend.unvalidated_reason("fmha mode 1", fmha_sm90.VALIDATED_MAX_SCORE):
             continue
         plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 8, 2,
                              qo_offset=torch.tensor([199, -5, 600]), output_maxscore=True,
@@ -192,7 +188,7 @@ def fmha_cases(gen):
         msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, output_maxscore=True, **kw)
         expect_native("fmha_dense")
     # e4m3 q/k/v (gated likewise): the per-block V transpose into the key-permuted V^T.
-    if not _backend.unvalidated_reason("fmha e4m3", fmha_native().VALIDATED_FP8):
+    if not _backend.unvalidated_reason("fmha e4m3", fmha_sm90.VALIDATED_FP8):
         e4m3 = torch.float8_e4m3fn
         plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 8, 2,
                              qo_offset=torch.tensor([199, -5, 600]), device=dev)

@@ -25,7 +25,7 @@ INPUT_DTYPES = ("bfloat16",)                 # Q/K/V element types compiled so f
 FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3", "e4m3_rp")
 INDEX_HEADS = (1, 2, 4, 8)                   # index query heads H of block_max_scores
 INDEX_DTYPES = ("bfloat16", "e4m3")          # q_idx / k_idx element types (same for both)
-FMHA_DTYPES = ("bfloat16", "e4m3")          # dense FMHA q/k/v element types
+FMHA_DTYPES = ("bfloat16", "e4m3")          # dense FMHA q/k/v element types (plain loop, O)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +108,10 @@ def shipped_variants() -> List[object]:
         # The decode indexer reads a paged index-K cache.
         out.extend(BlockMaxScoreVariant(h, True, dtype, decode=True) for h in INDEX_HEADS)
     for paged in (False, True):
-        out.extend(FmhaVariant(paged, "bfloat16", pipelined) for pipelined in (False, True))
+        out.extend(FmhaVariant(paged, dtype) for dtype in FMHA_DTYPES)
+        # The pipelined loop and the O + max-score output exist for bf16 only.
+        out.append(FmhaVariant(paged, "bfloat16", pipelined=True))
         out.append(FmhaVariant(paged, "bfloat16", max_score=True))
-        out.append(FmhaVariant(paged, "e4m3"))      # the plain loop, O only
     return out
 
 
