@@ -122,3 +122,12 @@ def to_paged(k: torch.Tensor, v: torch.Tensor, k_lens: List[int], *, extra_pages
             vp[p, :, : hi - lo] = v[lo:hi].transpose(0, 1)
         t0 += n
     return kp, vp, table, torch.tensor(k_lens, dtype=torch.int32)
+
+
+def nan_tensor(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A bf16 or e4m3 tensor whose every element is NaN, filled as bit patterns on the device
+    (multi-GB pools are cheap): any read of it that should not happen turns an output into
+    NaN."""
+    bits = {torch.float8_e4m3fn: (torch.uint8, 0x7F), torch.bfloat16: (torch.int16, 0x7FC0)}
+    int_dtype, nan = bits[dtype]
+    return torch.full(shape, nan, dtype=int_dtype, device=device).view(dtype)

@@ -30,7 +30,7 @@ if __name__ == "__main__":   # benchmark mode: import the package from the sourc
 import msa
 from msa import _backend
 from msa.reference.max_score import block_max_scores_reference
-from msa_testing import cu_seqlens
+from msa_testing import cu_seqlens, nan_tensor
 
 BLOCK = 128
 HEAD_DIM = 128
@@ -48,8 +48,6 @@ def _record_launches(native, monkeypatch):
 def _native_module():
     from msa._native import block_max_score_sm90   # registers "block_max_scores" for sm90
     return block_max_score_sm90
-
-
 
 
 def _random_lengths(gen, causal):
@@ -296,14 +294,6 @@ def test_block_max_scores_decode_native_matches_float64(num_heads, seqlen_q, dty
 ELEMENTS_2_31 = 2 ** 31
 
 
-def _nan_tensor(shape, dtype, device):
-    """A tensor whose every element is NaN (filled as bit patterns on the device, so multi-GB
-    pools are cheap): any read of it that should not happen turns an output into NaN."""
-    bits = {torch.float8_e4m3fn: (torch.uint8, 0x7F), torch.bfloat16: (torch.int16, 0x7FC0)}
-    int_dtype, nan = bits[dtype]
-    return torch.full(shape, nan, dtype=int_dtype, device=device).view(dtype)
-
-
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("num_heads,decode_q", [(4, None), (8, 2)])
@@ -331,7 +321,7 @@ def test_block_max_scores_paged_pool_past_2_31_elements(num_heads, decode_q, see
     pages, table = _paginate(k, k_lens, gen, device)
     pages = pages.to(e4m3)
     boundary = ELEMENTS_2_31 // (BLOCK * HEAD_DIM)         # first page at element 2^31
-    pool = _nan_tensor((boundary + pages.shape[0], 1, BLOCK, HEAD_DIM), e4m3, device)
+    pool = nan_tensor((boundary + pages.shape[0], 1, BLOCK, HEAD_DIM), e4m3, device)
     pool[boundary:] = pages
     assert pool.numel() > ELEMENTS_2_31
     pool_table = torch.where(table >= 0, table + boundary, table)   # junk entries stay junk
@@ -381,9 +371,9 @@ def test_block_max_scores_dense_rows_and_output_past_2_31_elements(seed, monkeyp
     q_lens, k_lens = _random_lengths(gen, True)
     q_small = torch.randn(sum(q_lens), num_heads, HEAD_DIM, generator=gen).to(e4m3).to(device)
     k_small = torch.randn(sum(k_lens), 1, HEAD_DIM, generator=gen).to(e4m3).to(device)
-    q = _nan_tensor((lead_q + sum(q_lens), num_heads, HEAD_DIM), e4m3, device)
+    q = nan_tensor((lead_q + sum(q_lens), num_heads, HEAD_DIM), e4m3, device)
     q[lead_q:] = q_small
-    k = _nan_tensor((lead_k + sum(k_lens), 1, HEAD_DIM), e4m3, device)
+    k = nan_tensor((lead_k + sum(k_lens), 1, HEAD_DIM), e4m3, device)
     k[lead_k:] = k_small
     scale = HEAD_DIM ** -0.5
     common = dict(scale=scale, causal=True, max_k_tiles=tiles)

@@ -17,6 +17,7 @@ import torch
 import msa
 from msa import _backend
 from msa.reference.dense_attention import dense_attention_reference, dense_token_kv
+from msa_testing import nan_tensor
 from test_fmha import to_pages
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
@@ -238,13 +239,6 @@ def test_max_score_only_pass_runs_on_the_indexer_kernel(seed, monkeypatch):
     assert rel <= 1e-2, rel
 
 
-def _nan_tensor(shape, dtype, device):
-    """A bf16 tensor whose every element is NaN (filled as bit patterns on the device, so
-    multi-GB pools are cheap): any read of it that should not happen turns O into NaN."""
-    assert dtype == torch.bfloat16
-    return torch.full(shape, 0x7FC0, dtype=torch.int16, device=device).view(dtype)
-
-
 def test_fmha_native_paged_pool_past_2_31_elements(seed, monkeypatch):
     """Paged bf16 K/V pools of more than 2^31 elements each (2^16 pages of [2, 128, 128] below
     the boundary, NaN; ~4.3 GB apiece) whose used pages all lie past the 2^31-element boundary:
@@ -263,7 +257,7 @@ def test_fmha_native_paged_pool_past_2_31_elements(seed, monkeypatch):
     boundary = 2 ** 31 // (hkv * 128 * D)                     # first page at element 2^31
     pools = []
     for used in (k_pages, v_pages):
-        pool = _nan_tensor((boundary + used.shape[0], hkv, 128, D), torch.bfloat16, dev)
+        pool = nan_tensor((boundary + used.shape[0], hkv, 128, D), torch.bfloat16, dev)
         pool[boundary:] = used
         assert pool.numel() > 2 ** 31
         pools.append(pool)

@@ -45,6 +45,7 @@ import msa
 from msa import _backend
 from msa.interface import check_sparse_atten_args
 from msa.reference.sparse_attention import make_kv_source, sparse_attention_csr
+from msa_testing import nan_tensor
 
 BLOCK = 128
 HKV = 2
@@ -310,14 +311,6 @@ def test_sparse_prefill_fp8_native_matches_reference(mode, g, paged, seed, monke
     _check_lse_fp8("LSE_T", lse_t, ref_lse_t)
 
 
-def _nan_tensor(shape, dtype, device):
-    """A tensor whose every element is NaN (filled as bit patterns on the device, so multi-GB
-    pools are cheap): any read of it that should not happen turns an output into NaN."""
-    bits = {torch.float8_e4m3fn: (torch.uint8, 0x7F), torch.bfloat16: (torch.int16, 0x7FC0)}
-    int_dtype, nan = bits[dtype]
-    return torch.full(shape, nan, dtype=int_dtype, device=device).view(dtype)
-
-
 LARGE_POOL_CASES = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
                     (torch.bfloat16, torch.float8_e4m3fn)]
 
@@ -363,7 +356,7 @@ def test_sparse_prefill_paged_pool_past_2_31_elements(partial_dtype, kv_dtype, s
     boundary = 2 ** 31 // (HKV * BLOCK * 128)                # first page at element 2^31
     pools = []
     for used in (p["k"], p["v"]):
-        pool = _nan_tensor((boundary + used.shape[0],) + tuple(used.shape[1:]), kv_dtype,
+        pool = nan_tensor((boundary + used.shape[0],) + tuple(used.shape[1:]), kv_dtype,
                            device)
         pool[boundary:] = used
         assert pool.numel() > 2 ** 31

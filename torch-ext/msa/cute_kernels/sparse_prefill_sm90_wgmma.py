@@ -57,7 +57,6 @@ NUM_THREADS = 128
 MODES = ("bf16", "bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3", "e4m3_rp")
 
 
-
 class SparsePrefillSm90Wgmma(SparsePrefillSm90):
     """wgmma variant; bf16 partials only (fp32 partials use the warp-MMA kernel).
 
