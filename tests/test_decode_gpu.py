@@ -100,9 +100,7 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
     rows; for larger tiles the kernel keeps the row form, so those cases repeat "rows").
     keys="direct": the split form's direct e4m3 variant (e4m3 q and K/V only); "pairs": that
     variant taking two pages per step."""
-    if keys in ("direct", "pairs") and dtypes != "fp8":
-        pytest.skip("the direct form serves e4m3 q and K/V only")
-    _force_form(monkeypatch, keys)
+    _force_form(monkeypatch, keys, dtypes)
     q, k, v, table, seqused_k, q2k = _batch(LENS, seqlen_q, group, dtypes, sparse)
     kw = dict(fixed_split_size=1) if split == "forced" else dict(disable_split_kv=True)
     wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k, **kw)
@@ -113,10 +111,12 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
         _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 
-def _force_form(monkeypatch, keys):
+def _force_form(monkeypatch, keys, dtypes):
     """keys: "rows" (one warp per 16 rows), "split" (warps split each page's keys, bf16
     staging), "direct" (split, e4m3 fragments read straight from the raw pages) or "pairs"
-    (direct, two pages per step)."""
+    (direct, two pages per step); the direct forms serve e4m3 q and K/V only (skip otherwise)."""
+    if keys in ("direct", "pairs") and dtypes != "fp8":
+        pytest.skip("the direct form serves e4m3 q and K/V only")
     from msa._native import decode_cuda
     monkeypatch.setattr(decode_cuda, "SPLIT_KEYS_FOR_TESTS", keys in ("split", "direct", "pairs"))
     monkeypatch.setattr(decode_cuda, "DIRECT_FP8_FOR_TESTS", keys in ("direct", "pairs"))
@@ -149,7 +149,7 @@ def test_native_decode_pairs_ignore_nan_bytes_past_the_keys(msa_pkg, native_only
     NaN bytes there (an uninitialized cache pool) cannot reach O through 0 x NaN. (The one-page
     forms read whole pages: the pool must hold finite values past the keys; see
     docs/design-decode.md.)"""
-    _force_form(monkeypatch, "pairs")
+    _force_form(monkeypatch, "pairs", "fp8")
     lens, seqlen_q, group = [1, 129, 1000, 77, 300], 1, 16
     q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, "fp8", sparse)
     for b, n in enumerate(lens):
@@ -167,9 +167,7 @@ def test_native_decode_pairs_ignore_nan_bytes_past_the_keys(msa_pkg, native_only
 def test_native_decode_512k_context(msa_pkg, native_only, seed, dtypes, keys, monkeypatch):
     """A 512k-token request next to tiny and odd-length ones (G = 16, one query token, the
     M3 decode shape), dense and sparse, pages shuffled, the planner's own split."""
-    if keys in ("direct", "pairs") and dtypes != "fp8":
-        pytest.skip("the direct form serves e4m3 q and K/V only")
-    _force_form(monkeypatch, keys)
+    _force_form(monkeypatch, keys, dtypes)
     lens, seqlen_q, group = [524288, 3, 70001], 1, 16
     for sparse in (False, True):
         q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, dtypes, sparse, topk=16)
