@@ -34,27 +34,37 @@ def _native_module():
     return fmha_sm90
 
 
-def _random_varlen(heads, dtype, gen, q_lens=None, max_extra_kv=700):
+def _exact_product_values(shape, gen):
+    """Random signs times 0.5 or 1: every partial sum of q.k is a multiple of 1/4 below 2^8, so
+    QK^T is exact at any accumulation precision (Hopper's FP8 wgmma does not accumulate in full
+    fp32)."""
+    mag = torch.where(torch.rand(shape, generator=gen) < 0.5, 0.5, 1.0)
+    return torch.where(torch.rand(shape, generator=gen) < 0.5, -mag, mag)
+
+
+def _random_varlen(heads, dtype, gen, q_lens=None, max_extra_kv=700, qk_values="randn"):
     """Random varlen q/k/v of `dtype` on the CPU: KV at least as long as the queries (up to
     max_extra_kv more), not multiples of 128, and a random causal offset per request, so some
-    early rows see no key. Returns (q, k, v, q_lens, kv_lens, offsets)."""
+    early rows see no key. q and k are normal (qk_values="randn") or _exact_product_values
+    ("exact"). Returns (q, k, v, q_lens, kv_lens, offsets)."""
     hq, hkv = heads
     if q_lens is None:
         q_lens = Q_LENS if hq <= 16 else [1, 300, 2049]
     kv_lens = [ql + int(torch.randint(0, max_extra_kv, (1,), generator=gen)) for ql in q_lens]
     offsets = [kl - ql + int(torch.randint(-40, 40, (1,), generator=gen))
                for ql, kl in zip(q_lens, kv_lens)]
-    q = torch.randn(sum(q_lens), hq, D, generator=gen).to(dtype)
-    k = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(dtype)
+    draw = torch.randn if qk_values == "randn" else _exact_product_values
+    q = draw((sum(q_lens), hq, D), generator=gen).to(dtype)
+    k = draw((sum(kv_lens), hkv, D), generator=gen).to(dtype)
     v = torch.randn(sum(kv_lens), hkv, D, generator=gen).to(dtype)
     return q, k, v, q_lens, kv_lens, offsets
 
 
-def _problem(heads, causal, paged, dtype, gen):
+def _problem(heads, causal, paged, dtype, gen, qk_values="randn"):
     """_random_varlen's q/k/v on the CPU, and on the GPU the K/V the kernel reads (shuffled
     128-token pages when paged) and the plan."""
     hq, hkv = heads
-    q, k, v, q_lens, kv_lens, offsets = _random_varlen(heads, dtype, gen)
+    q, k, v, q_lens, kv_lens, offsets = _random_varlen(heads, dtype, gen, qk_values=qk_values)
     dev = torch.device("cuda")
     kw, k_in, v_in = {}, k, v
     if paged:
@@ -167,22 +177,31 @@ def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, s
     assert rel <= 1e-2, rel
 
 
+@pytest.mark.parametrize("qk_values", ["randn", "exact"])
 @pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
                                                  ((4, 4), False, False), ((64, 4), True, True)])
-def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, seed, monkeypatch):
-    """e4m3 q/k/v (gated kernel fmha_sm90_e4m3_*; O bf16). Contract §5.1 bound against float64
-    with exact P: max |O - O64| <= max(0.125, 4 bf16 floor). And against the model of what an
-    FP8 P.V computes (the reference with P = exp(s - running max) rounded to e4m3 per 128-key
-    step, float64 otherwise): every (query, head) row within two bf16 ulps + 1e-3, except up to
-    2 % of the rows (an fp32 difference can flip a P value at an e4m3 midpoint, which moves that
-    whole row); a layout error (the key-permuted V^T, the register P) moves every row."""
+def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_values, seed,
+                                                      monkeypatch):
+    """e4m3 q/k/v (kernel fmha_sm90_e4m3_*; O bf16), q_scale 1.25, v_scale 1.5.
+
+    Contract §5.1 bound against float64 with exact P: max |O - O64| <= max(0.125, 4 bf16 floor).
+    The model of what an FP8 P.V computes is the reference with P = exp(s - running max) rounded
+    to e4m3 per 128-key step (float64 otherwise):
+    - qk_values="exact" (q, k in {+-0.5, +-1}: QK^T exact at any accumulation precision): every
+      (query, head) row within two bf16 ulps + 1e-3 of the model, except max(2, 0.1 %) rows (a P
+      within float32 rounding of an e4m3 midpoint). A layout error (the key-permuted V^T, the
+      register P) moves every row.
+    - qk_values="randn": Hopper's FP8 wgmma keeps fewer bits than fp32 while it accumulates
+      QK^T, so ~1e-4 relative noise in s flips the e4m3 rounding of P in many rows (measured on
+      the H200: 12-14 % of rows, none with exact products). Then, as the sparse prefill's FP8
+      test: |O - O64| <= 2 max|bf16(model) - O64| + 4e-3 for all but 1e-4 of the elements."""
     native = _native_module()
     monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
     monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     e4m3 = torch.float8_e4m3fn
-    p = _problem(heads, causal, paged, e4m3, gen)
+    p = _problem(heads, causal, paged, e4m3, gen, qk_values=qk_values)
     q, k, v, q_lens, kv_lens, offsets = (p[n] for n in ("q", "k", "v", "q_lens", "kv_lens",
                                                          "offsets"))
     scale = 0.7 * D ** -0.5
@@ -204,12 +223,17 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, seed
     bf16_floor = (o64.to(torch.bfloat16).double() - o64).abs().max().item()
     err64 = (out - o64).abs().max().item()
     ulp = torch.finfo(torch.bfloat16).eps * model.abs().clamp_min(1e-30)
-    loose_rows = ((out - model).abs() > 2 * ulp + 1e-3).any(-1)
-    print(f"e4m3 Hq={hq} Hkv={hkv} causal={causal} paged={paged}: max|O-O64|={err64:.3e} "
-          f"max|O-model|={(out - model).abs().max().item():.3e} rows off the model "
-          f"{int(loose_rows.sum())}/{loose_rows.numel()}")
+    rows_off = ((out - model).abs() > 2 * ulp + 1e-3).any(-1)
+    model_bound = 2 * (model.to(torch.bfloat16).double() - o64).abs().max().item() + 4e-3
+    beyond = ((out - o64).abs() > model_bound).double().mean().item()
+    print(f"e4m3 {qk_values} Hq={hq} Hkv={hkv} causal={causal} paged={paged}: "
+          f"max|O-O64|={err64:.3e} max|O-model|={(out - model).abs().max().item():.3e} rows off "
+          f"the model {int(rows_off.sum())}/{rows_off.numel()}, beyond the model bound {beyond:.1e}")
     assert err64 <= max(0.125, 4 * bf16_floor)
-    assert int(loose_rows.sum()) <= max(2, int(0.02 * loose_rows.numel()))
+    if qk_values == "exact":
+        assert int(rows_off.sum()) <= max(2, int(1e-3 * rows_off.numel()))
+    else:
+        assert beyond <= 1e-4, "beyond the modeled rounding error (more than rare P flips)"
     empty = (o64.abs().amax(-1) == 0)
     assert (out[empty] == 0).all(), "rows that see no key must be 0"
 
