@@ -37,7 +37,7 @@ from _common import (BLOCK, HEAD_DIM, add_common_args, apply_preset, dtype_of, f
 COLUMNS = ("batch", "context", "seqlen_q", "kv_dtype", "mode", "exec", "backend", "latency_us",
            "bytes_read", "tb_per_s", "speedup_vs_cudnn", "note")
 DECODE_OP = "sparse_decode_atten"
-FORM_NOTE = [""]   # set by --direct-pairs: which kernel variant a forced run timed
+FORM_NOTE = [""]   # set by --direct-wide: which kernel variant a forced run timed
 
 
 class DecodeBatch:
@@ -280,8 +280,8 @@ def main(argv=None):
     ap.add_argument("--hkv", type=int, default=4, help="KV heads (= index heads of the step)")
     ap.add_argument("--topk", type=int, default=16)
     ap.add_argument("--peers", default="cudnn", help="'cudnn' or '' (no dense peer)")
-    ap.add_argument("--direct-pairs", default="auto", choices=("auto", "on", "off"),
-                    help="the e4m3 decode kernel's page-pair variant: the gate decides (auto) "
+    ap.add_argument("--direct-wide", default="auto", choices=("auto", "on", "off"),
+                    help="the e4m3 decode kernel's 16-warp variant: the gate decides (auto) "
                          "or forced; forced runs say so in the note column")
     add_common_args(ap, rep_ms=100)
     args = ap.parse_args(argv)
@@ -292,9 +292,9 @@ def main(argv=None):
 
     device = setup(args)
     msa = load_msa()
-    if args.direct_pairs != "auto":
-        native_module(msa, "decode_cuda").DIRECT_PAIRS_FOR_TESTS = args.direct_pairs == "on"
-        FORM_NOTE[0] = f"direct_pairs={args.direct_pairs}"
+    if args.direct_wide != "auto":
+        native_module(msa, "decode_cuda").DIRECT_WIDE_FOR_TESTS = args.direct_wide == "on"
+        FORM_NOTE[0] = f"direct_wide={args.direct_wide}"
     tsv = TsvWriter(args.out, COLUMNS, device,
                     formats={"latency_us": ".2f", "tb_per_s": ".3f", "speedup_vs_cudnn": ".2f"})
     dtype_names = parse_names(args.dtypes)

@@ -56,8 +56,11 @@ constexpr int kStageRegionBytes = 2 * kPageBf16Bytes;            // bf16: two pi
 static_assert(kPageBf16Bytes + 2 * kPageFp8Bytes <= kStageRegionBytes,
               "e4m3: one converted page + two raw stages must fit the stage region");
 constexpr int kListBytes = kMaxCandidates * 4 * 4;               // cand, phys, logical, mask
-// warp_counts + page_total (64 B) and the split-keys page maxima [kWarps][16] floats.
-constexpr int kSmemBytes = kQBytes + kStageRegionBytes + kListBytes + 64 + kWarps * 16 * 4;
+// warp_counts + page_total (one int per warp, up to 16 warps, + 1) and the split-keys page
+// maxima [kWarps][16] floats.
+constexpr int kCountsSlotBytes = 128;
+constexpr int kSmemBytes =
+    kQBytes + kStageRegionBytes + kListBytes + kCountsSlotBytes + kWarps * 16 * 4;
 static_assert(kWarps * 16 * (kHeadDim + 1) * 4 <= kStageRegionBytes,
               "split keys: the warps' partial accumulators must fit the stage region");
 // Direct e4m3 form: no Q tile and no converted page, so the raw page ring takes the front of
@@ -65,14 +68,16 @@ static_assert(kWarps * 16 * (kHeadDim + 1) * 4 <= kStageRegionBytes,
 // at fewer bytes in flight), followed by the same lists.
 constexpr int kDirectStages = 6;
 constexpr int kDirectRingBytes = kDirectStages * kPageFp8Bytes;
-// (+ a second [kWarps][16] page-max buffer: the page-pair variant exchanges two pages' maxima.)
-constexpr int kDirectSmemBytes = kDirectRingBytes + kListBytes + 64 + 2 * kWarps * 16 * 4;
+// (Page maxima: [2 pages][16 rows][8 warps] floats, each page's keys split over 8 warps.)
+// (+ the 16-warp form's shared copy of the Q fragments, [8 kd][32 lanes] x 16 bytes.)
+constexpr int kDirectSmemBytes =
+    kDirectRingBytes + kListBytes + kCountsSlotBytes + 2 * 16 * 8 * 4 + 8 * 32 * 16;
 static_assert(kDirectSmemBytes <= 227 * 1024, "direct e4m3: shared memory per CTA");
 // Direct e4m3 form: partial accumulators as [warp][row][8 column groups of 17][16] floats, so
 // the permuted writes and the natural reads hit at most two threads per bank.
 constexpr int kDirectPartRow = 8 * 17;
-static_assert(kWarps * 16 * (kDirectPartRow + 1) * 4 <= kDirectRingBytes,
-              "direct e4m3: the warps' partial accumulators must fit the stage region");
+static_assert(16 * 16 * (kDirectPartRow + 1) * 4 <= kDirectRingBytes,
+              "direct e4m3: 16 warps' partial accumulators must fit the stage region");
 
 struct __align__(16) Bf16x8 {
   __nv_bfloat162 v[4];
@@ -242,31 +247,29 @@ __device__ __forceinline__ void load_page_async(const DecodeAttentionArgs& a, in
 }
 
 // Direct e4m3 form: one page's K and V head slice, raw, each row's 16-byte chunks XOR-swizzled
-// by row % 8 (the fragment reads then touch eight distinct bank groups). kZeroTail: rows at or
-// past `valid_rows` (the request's keys end inside the page) are zero-filled instead of read,
-// so whatever bytes a cache holds there (NaN patterns of an uninitialized pool included) never
-// meet a zero probability in P.V (0 x NaN = NaN).
-template <bool kZeroTail = false>
+// by row % 8 (the fragment reads then touch eight distinct bank groups), by kCtaThreads
+// threads. Rows at or past `valid_rows` (the request's keys end inside the page) are
+// zero-filled instead of read, so whatever bytes a cache holds there (NaN patterns of an
+// uninitialized pool included) never meet a zero probability in P.V (0 x NaN = NaN).
+template <int kCtaThreads>
 __device__ __forceinline__ void load_page_fp8_swizzled(const DecodeAttentionArgs& a, int head,
                                                        const PageRef& ref, char* stage,
-                                                       int valid_rows = kPageSize) {
+                                                       int valid_rows) {
   if (ref.token_mask == 0) return;
   const int64_t elem_offset =
       (static_cast<int64_t>(ref.physical) * a.num_kv_heads + head) * (kPageSize * kHeadDim);
   const uint8_t* k = static_cast<const uint8_t*>(a.k) + elem_offset;
   const uint8_t* v = static_cast<const uint8_t*>(a.v) + elem_offset;
   constexpr int kChunks = kPageSize * kHeadDim / 16;
-  for (int c = threadIdx.x; c < kChunks; c += kThreads) {
+  static_assert(kChunks % kCtaThreads == 0, "every thread issues the same number of copies");
+#pragma unroll
+  for (int i = 0; i < kChunks / kCtaThreads; ++i) {
+    const int c = threadIdx.x + i * kCtaThreads;
     const int row = c >> 3;
     const int dst = row * kHeadDim + (((c & 7) ^ (row & 7)) << 4);
-    if constexpr (kZeroTail) {
-      const bool valid = row < valid_rows;
-      cp_async_16_or_zero(stage + dst, k + (valid ? c * 16 : 0), valid);
-      cp_async_16_or_zero(stage + kPageSize * kHeadDim + dst, v + (valid ? c * 16 : 0), valid);
-    } else {
-      cp_async_16(stage + dst, k + c * 16);
-      cp_async_16(stage + kPageSize * kHeadDim + dst, v + c * 16);
-    }
+    const bool valid = row < valid_rows;
+    cp_async_16_or_zero(stage + dst, k + (valid ? c * 16 : 0), valid);
+    cp_async_16_or_zero(stage + kPageSize * kHeadDim + dst, v + (valid ? c * 16 : 0), valid);
   }
 }
 
@@ -353,13 +356,14 @@ __device__ __forceinline__ void load_queries(const DecodeAttentionArgs& a, const
 
 // Sparse: the distinct valid blocks the chunk's q2k slots select, in (token, slot) order of
 // first appearance, each with the mask of tokens that selected it. Returns the page count.
+template <int kCtaThreads>
 __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaContext& ctx,
                                       int* cand, int* list_phys, int* list_logical,
                                       uint32_t* list_mask, int* warp_counts, int* total) {
   const int num_slots = ctx.chunk_end - ctx.chunk_begin;
   const int num_cand = num_slots > 0 ? a.seqlen_q * num_slots : 0;
   const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
-  for (int c = threadIdx.x; c < num_cand; c += kThreads) {
+  for (int c = threadIdx.x; c < num_cand; c += kCtaThreads) {
     const int token = c / num_slots, slot = ctx.chunk_begin + c % num_slots;
     const int64_t row = static_cast<int64_t>(ctx.request) * a.seqlen_q + token;
     const int id = __ldg(a.q2k_indices + (ctx.head * total_q + row) * a.topk + slot);
@@ -368,7 +372,7 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
   if (threadIdx.x == 0) *total = 0;
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int base = 0; base < num_cand; base += kThreads) {
+  for (int base = 0; base < num_cand; base += kCtaThreads) {
     const int c = base + threadIdx.x;
     int id = -1, physical = -1;
     uint32_t mask = 0;
@@ -402,7 +406,7 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
     __syncthreads();
     if (threadIdx.x == 0) {
       int sum = 0;
-      for (int w = 0; w < kWarps; ++w) sum += warp_counts[w];
+      for (int w = 0; w < kCtaThreads / 32; ++w) sum += warp_counts[w];
       *total += sum;
     }
     __syncthreads();
@@ -415,32 +419,48 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
 // A warp's slice of one page: keys key_base .. key_base + 15 (two n8-tiles), rows lane / 4 and
 // lane / 4 + 8 of the <= 16-row tile. Fragment layouts as in the file comment.
 
-// S = Q K^T of two pages at once (four independent MMA chains instead of two).
-__device__ __forceinline__ void direct_qk_two_pages(const char* k8_a, const char* k8_b,
-                                                    int key_base, int lane,
-                                                    const uint32_t (&qf)[kHeadDim / 16][4],
-                                                    float (&s)[2][2][4]) {
+// S = Q K^T of kNP pages at once (2 kNP independent MMA chains). (The e4m3 mma.sync
+// m16n8k32 would skip the widening, but sm_90 has no FP8 mma.sync: ptxas expands it into the
+// same F2FP unpacks and f16 HMMAs, plus adds.)
+// Q fragments from registers (qf) or, kQInSmem, from the CTA's copy of them (q_frags,
+// [kd][lane] uint4: the 16-warp form cannot hold them in its 128 registers).
+template <int kNP, bool kQInSmem>
+__device__ __forceinline__ void direct_qk_pages(const char* const (&k8)[kNP], int key_base,
+                                                int lane, const uint32_t (&qf)[kHeadDim / 16][4],
+                                                const uint4* q_frags, float (&s)[kNP][2][4]) {
 #pragma unroll
-  for (int pg = 0; pg < 2; ++pg)
+  for (int pg = 0; pg < kNP; ++pg)
 #pragma unroll
     for (int n = 0; n < 2; ++n) s[pg][n][0] = s[pg][n][1] = s[pg][n][2] = s[pg][n][3] = 0.f;
-  uint4 k_raw[2][2][2];
+  uint4 k_raw[kNP][2][2];
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
     const int key = key_base + n * 8 + (lane >> 2);
-    k_raw[0][n][0] = swizzled_chunk(k8_a, key, (lane & 3) * 2);
-    k_raw[0][n][1] = swizzled_chunk(k8_a, key, (lane & 3) * 2 + 1);
-    k_raw[1][n][0] = swizzled_chunk(k8_b, key, (lane & 3) * 2);
-    k_raw[1][n][1] = swizzled_chunk(k8_b, key, (lane & 3) * 2 + 1);
+#pragma unroll
+    for (int pg = 0; pg < kNP; ++pg) {
+      k_raw[pg][n][0] = swizzled_chunk(k8[pg], key, (lane & 3) * 2);
+      k_raw[pg][n][1] = swizzled_chunk(k8[pg], key, (lane & 3) * 2 + 1);
+    }
   }
 #pragma unroll
   for (int kd = 0; kd < kHeadDim / 16; ++kd) {
+    uint32_t qa[4];
+    if constexpr (kQInSmem) {
+      const uint4 q4 = q_frags[kd * 32 + lane];
+      qa[0] = q4.x;
+      qa[1] = q4.y;
+      qa[2] = q4.z;
+      qa[3] = q4.w;
+    } else {
 #pragma unroll
-    for (int pg = 0; pg < 2; ++pg) {
+      for (int r = 0; r < 4; ++r) qa[r] = qf[kd][r];
+    }
+#pragma unroll
+    for (int pg = 0; pg < kNP; ++pg) {
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
         const uint32_t w = word_of(k_raw[pg][n], kd);
-        mma_f16(s[pg][n], qf[kd], e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16));
+        mma_f16(s[pg][n], qa, e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16));
       }
     }
   }
@@ -480,6 +500,16 @@ __device__ __forceinline__ void direct_pv_page(const char* v8, int key_base, int
   }
 }
 
+// x[i] of a two-element register array by select (a runtime index would put it in local memory).
+template <class T>
+__device__ __forceinline__ T pick2(const T (&x)[2], int i) {
+  return i != 0 ? x[1] : x[0];
+}
+template <class T>
+__device__ __forceinline__ T pick2(const T (&x)[2][2], int i, int j) {
+  return i != 0 ? x[1][j] : x[0][j];
+}
+
 // Page `idx` of the CTA's list, or a skipped page past its end.
 __device__ __forceinline__ PageRef page_or_none(const DecodeAttentionArgs& a,
                                                 const CtaContext& ctx, int idx, int num_pages,
@@ -493,21 +523,27 @@ __device__ __forceinline__ PageRef page_or_none(const DecodeAttentionArgs& a,
   return none;
 }
 
-// The page-pair variant's whole page loop (split keys: warp w owns keys 16w .. 16w + 15 of
-// every page; rows lane / 4 and lane / 4 + 8). Key rows past the request's end are zero-filled
-// on load (the one-page forms read whole pages). The ring's six stages are three pair slots; one
-// cp.async group per pair. Per pair: one top barrier, one page-max exchange for both pages,
-// then the pages fold in order (page 0, then page 1) exactly as two one-page steps would:
+// The direct form's whole page loop, two pages per step (split keys: rows lane / 4 and
+// lane / 4 + 8; kW = 8 warps: warp w owns keys 16w .. 16w + 15 of both pages; kW = 16: warp w
+// owns those keys, 16 (w % 8) .. +15, of page w / 8 only, half the work per warp and twice the
+// warps to hide its latencies). Key rows past the request's end are zero-filled on load. The
+// ring's six stages are three pair slots; one cp.async group per pair. Per pair: one top
+// barrier, one page-max exchange for both pages, then the pages fold in order (page 0, then
+// page 1) exactly as two one-page steps would:
 // O = alpha0 alpha1 O + beta0 alpha1 (P0 V0) + beta1 (P1 V1), each P against its page's max.
+template <int kW>
 __device__ __forceinline__ void direct_page_pairs(
     const DecodeAttentionArgs& a, const CtaContext& ctx, int num_pages, char* stages,
     const int* list_phys, const int* list_logical, const uint32_t* list_mask,
-    float* warp_page_max, const uint32_t (&qf)[kHeadDim / 16][4], const int (&row_token)[2],
-    const int (&row_last_key)[2], float scale_log2, float (&acc)[16][4], float (&row_max)[2],
-    float (&row_sum)[2]) {
+    float* warp_page_max, const uint32_t (&qf)[kHeadDim / 16][4], const uint4* q_frags,
+    const int (&row_token)[2], const int (&row_last_key)[2], float scale_log2,
+    float (&acc)[16][4], float (&row_max)[2], float (&row_sum)[2]) {
+  static_assert(kW == 8 || kW == 16, "8 warps (both pages each) or 16 (one page each)");
   constexpr int kSlots = kDirectStages / 2;
+  constexpr int kNP = kW == 8 ? 2 : 1;              // pages of a pair this warp computes
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int key_base = warp * 16;
+  const int key_base = (warp & 7) * 16;
+  const int first_page = kNP == 2 ? 0 : warp >> 3;   // its first page within the pair
   const int num_pairs = (num_pages + 1) / 2;
   auto page_of = [&](int idx) {
     return page_or_none(a, ctx, idx, num_pages, list_phys, list_logical, list_mask);
@@ -521,7 +557,7 @@ __device__ __forceinline__ void direct_page_pairs(
       const int idx = 2 * pair + pg;
       const PageRef ref = page_of(idx);   // past the end: skipped, nothing is loaded
       const int valid_rows = min(kPageSize, max(ctx.seqlen_k - ref.logical * kPageSize, 0));
-      load_page_fp8_swizzled<true>(a, ctx.head, ref, stage_of(idx), valid_rows);
+      load_page_fp8_swizzled<32 * kW>(a, ctx.head, ref, stage_of(idx), valid_rows);
     }
     cp_async_commit();
   };
@@ -536,45 +572,52 @@ __device__ __forceinline__ void direct_page_pairs(
     issue_pair(pair + kSlots - 1);
     const PageRef page[2] = {page_of(2 * pair), page_of(2 * pair + 1)};
     const char* k8[2] = {stage_of(2 * pair), stage_of(2 * pair + 1)};
+    const char* my_k8[kNP];
+#pragma unroll
+    for (int pl = 0; pl < kNP; ++pl) my_k8[pl] = pick2(k8, first_page + pl);
 
-    float s[2][2][4];
-    direct_qk_two_pages(k8[0], k8[1], key_base, lane, qf, s);
+    float s[kNP][2][4];
+    direct_qk_pages<kNP, kW == 16>(my_k8, key_base, lane, qf, q_frags, s);
 
-    // Mask (causal against seqused_k, the selection per token, skipped pages), page maxima.
+    // Mask (causal against seqused_k, the selection per token, skipped pages), page maxima
+    // over this warp's keys of its pages.
     float page_max[2][2];
 #pragma unroll
-    for (int pg = 0; pg < 2; ++pg) {
+    for (int pl = 0; pl < kNP; ++pl) {
+      const PageRef ref = pick2(page, first_page + pl);
       int last_key[2];
 #pragma unroll
       for (int i2 = 0; i2 < 2; ++i2) {
-        const bool selected = (page[pg].token_mask >> row_token[i2]) & 1u;
-        last_key[i2] = selected ? row_last_key[i2] - page[pg].logical * kPageSize : -1;
-        page_max[pg][i2] = -INFINITY;
+        const bool selected = (ref.token_mask >> row_token[i2]) & 1u;
+        last_key[i2] = selected ? row_last_key[i2] - ref.logical * kPageSize : -1;
+        page_max[pl][i2] = -INFINITY;
       }
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = key_base + n * 8 + (lane & 3) * 2 + (e & 1);
-          const float v = key <= last_key[e >> 1] ? s[pg][n][e] * scale_log2 : -INFINITY;
-          s[pg][n][e] = v;
-          page_max[pg][e >> 1] = fmaxf(page_max[pg][e >> 1], v);
+          const float v = key <= last_key[e >> 1] ? s[pl][n][e] * scale_log2 : -INFINITY;
+          s[pl][n][e] = v;
+          page_max[pl][e >> 1] = fmaxf(page_max[pl][e >> 1], v);
         }
       }
 #pragma unroll
       for (int i2 = 0; i2 < 2; ++i2) {
-        page_max[pg][i2] =
-            fmaxf(page_max[pg][i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[pg][i2], 1));
-        page_max[pg][i2] =
-            fmaxf(page_max[pg][i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[pg][i2], 2));
+        page_max[pl][i2] =
+            fmaxf(page_max[pl][i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[pl][i2], 1));
+        page_max[pl][i2] =
+            fmaxf(page_max[pl][i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[pl][i2], 2));
       }
     }
-    // Both pages' maxima over all warps: [page][warp][row].
+    // Both pages' maxima over the eight warps that own each page's keys: [page][row][warp % 8],
+    // so a row's eight maxima are two 16-byte reads.
     if ((lane & 3) == 0) {
 #pragma unroll
-      for (int pg = 0; pg < 2; ++pg) {
-        warp_page_max[(pg * kWarps + warp) * 16 + (lane >> 2)] = page_max[pg][0];
-        warp_page_max[(pg * kWarps + warp) * 16 + (lane >> 2) + 8] = page_max[pg][1];
+      for (int pl = 0; pl < kNP; ++pl) {
+        const int pg = first_page + pl;
+        warp_page_max[(pg * 16 + (lane >> 2)) * 8 + (warp & 7)] = page_max[pl][0];
+        warp_page_max[(pg * 16 + (lane >> 2) + 8) * 8 + (warp & 7)] = page_max[pl][1];
       }
     }
     __syncthreads();
@@ -582,12 +625,11 @@ __device__ __forceinline__ void direct_page_pairs(
     for (int pg = 0; pg < 2; ++pg) {
 #pragma unroll
       for (int i2 = 0; i2 < 2; ++i2) {
-        float m = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-          m = fmaxf(m, warp_page_max[(pg * kWarps + w) * 16 + (lane >> 2) + i2 * 8]);
-        }
-        page_max[pg][i2] = m;
+        const float4* row_max4 = reinterpret_cast<const float4*>(
+            warp_page_max + (pg * 16 + (lane >> 2) + i2 * 8) * 8);
+        const float4 lo = row_max4[0], hi = row_max4[1];
+        page_max[pg][i2] = fmaxf(fmaxf(fmaxf(lo.x, lo.y), fmaxf(lo.z, lo.w)),
+                                 fmaxf(fmaxf(hi.x, hi.y), fmaxf(hi.z, hi.w)));
       }
     }
 
@@ -610,23 +652,27 @@ __device__ __forceinline__ void direct_page_pairs(
         if (page_max[pg][i2] == -INFINITY) page_max[pg][i2] = 0.f;   // exp2(-inf - 0) = 0
       }
     }
-    float page_sum[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+    float page_sum[kNP][2];
 #pragma unroll
-    for (int pg = 0; pg < 2; ++pg) {
+    for (int pl = 0; pl < kNP; ++pl) {
+      page_sum[pl][0] = page_sum[pl][1] = 0.f;
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float p = exp2f(s[pg][n][e] - page_max[pg][e >> 1]);
-          page_sum[pg][e >> 1] += p;
-          s[pg][n][e] = p;
+          const float p = exp2f(s[pl][n][e] - pick2(page_max, first_page + pl, e >> 1));
+          page_sum[pl][e >> 1] += p;
+          s[pl][n][e] = p;
         }
       }
     }
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {
-      row_sum[i2] = row_sum[i2] * alpha[i2] + p_scale[0][i2] * page_sum[0][i2] +
-                    p_scale[1][i2] * page_sum[1][i2];
+      row_sum[i2] *= alpha[i2];
+#pragma unroll
+      for (int pl = 0; pl < kNP; ++pl) {
+        row_sum[i2] += pick2(p_scale, first_page + pl, i2) * page_sum[pl][i2];
+      }
     }
     if (!__all_sync(0xFFFFFFFFu, alpha[0] == 1.f && alpha[1] == 1.f)) {
 #pragma unroll
@@ -639,10 +685,11 @@ __device__ __forceinline__ void direct_page_pairs(
     }
     // Skipped pages were not loaded: their stage holds stale bytes, never multiplied.
 #pragma unroll
-    for (int pg = 0; pg < 2; ++pg) {
-      if (page[pg].token_mask != 0) {
-        direct_pv_page(k8[pg] + kPageSize * kHeadDim, key_base, lane, s[pg], p_scale[pg][0],
-                       p_scale[pg][1], acc);
+    for (int pl = 0; pl < kNP; ++pl) {
+      const int pg = first_page + pl;
+      if (pick2(page, pg).token_mask != 0) {
+        direct_pv_page(pick2(k8, pg) + kPageSize * kHeadDim, key_base, lane, s[pl],
+                       pick2(p_scale, pg, 0), pick2(p_scale, pg, 1), acc);
       }
     }
   }
@@ -654,16 +701,18 @@ __device__ __forceinline__ void direct_page_pairs(
 // so every warp folds with the same running max as the one-warp path; the warps' partial sums
 // and accumulators are added at the end.
 //
-// kDirectFp8 (with kSplitKeys; e4m3 Q and K/V): the direct e4m3 form of the file comment.
-// kDirectPairs (with kDirectFp8): that form taking two pages per step: one page-max exchange and
-// one top barrier per two pages, and four independent MMA chains per warp instead of two (the
-// one-page step spends most of its time in dependent chains and barriers, all warps in
-// lockstep). Each page's P is still rounded against its own max, as the reference does.
-template <bool kSplitKeys, bool kDirectFp8, bool kDirectPairs = false>
-__global__ void __launch_bounds__(kThreads, 1)
+// kDirectFp8 (with kSplitKeys; e4m3 Q and K/V): the direct e4m3 form of the file comment, two
+// pages per step (direct_page_pairs: one page-max exchange and one top barrier per two pages,
+// four independent MMA chains per warp; a one-page step spent most of its time in dependent
+// chains and barriers, all warps in lockstep: 3.1 vs 3.4 TB/s). Each page's P is still rounded
+// against its own max, as the reference does. kDirectWarps: the direct form's CTA size, 8 warps
+// or 16 (each of the 16 computes one page of a pair; <= 128 registers a thread).
+template <bool kSplitKeys, bool kDirectFp8, int kDirectWarps = kWarps>
+__global__ void __launch_bounds__(32 * (kDirectFp8 ? kDirectWarps : kWarps), 1)
     decode_attention_kernel(const DecodeAttentionArgs a) {
   static_assert(kSplitKeys || !kDirectFp8, "the direct e4m3 form splits keys across warps");
-  static_assert(kDirectFp8 || !kDirectPairs, "page pairs are a variant of the direct form");
+  static_assert(kDirectFp8 || kDirectWarps == kWarps, "16 warps only in the direct form");
+  constexpr int kW = kDirectFp8 ? kDirectWarps : kWarps;   // warps of this CTA
   extern __shared__ __align__(128) char smem[];
   __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);
   char* stages = smem + (kDirectFp8 ? 0 : kQBytes);
@@ -672,8 +721,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   int* list_logical = list_phys + kMaxCandidates;
   uint32_t* list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
   int* warp_counts = reinterpret_cast<int*>(list_mask + kMaxCandidates);
-  int* page_total = warp_counts + kWarps;
-  float* warp_page_max = reinterpret_cast<float*>(page_total + 1);   // [kWarps][16] (split keys)
+  int* page_total = warp_counts + kW;
+  // Split keys: per-warp page maxima (16-byte aligned: the direct form reads them as float4).
+  float* warp_page_max =
+      reinterpret_cast<float*>(reinterpret_cast<char*>(warp_counts) + kCountsSlotBytes);
+  // Direct form on 16 warps: the Q fragments, [kd][lane] (after the page maxima).
+  uint4* q_frags = reinterpret_cast<uint4*>(warp_page_max + 2 * 16 * 8);
+  static_assert(kW * 4 + 4 <= kCountsSlotBytes, "warp_counts and page_total fit their slot");
 
   const int work = blockIdx.x;
   CtaContext ctx;
@@ -702,12 +756,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t qf[kHeadDim / 16][4];   // direct e4m3 form: Q fragments in registers
   if constexpr (kDirectFp8) {
     load_query_fragments_fp8(a, ctx, group, tile_rows, qf);
+    if constexpr (kW == 16) {   // every warp holds the same rows: one copy (read after a barrier)
+      if ((threadIdx.x >> 5) == 0) {
+#pragma unroll
+        for (int kd = 0; kd < kHeadDim / 16; ++kd) {
+          q_frags[kd * 32 + (threadIdx.x & 31)] = make_uint4(qf[kd][0], qf[kd][1], qf[kd][2],
+                                                             qf[kd][3]);
+        }
+      }
+    }
   } else {
     load_queries(a, ctx, group, tile_rows, qs);
   }
   int num_pages;
   if (a.q2k_indices != nullptr) {
-    num_pages = build_sparse_page_list(a, ctx, cand, list_phys, list_logical, list_mask,
+    num_pages = build_sparse_page_list<32 * kW>(a, ctx, cand, list_phys, list_logical, list_mask,
                                        warp_counts, page_total);
   } else {
     num_pages = ctx.chunk_end - ctx.chunk_begin;
@@ -748,88 +811,42 @@ __global__ void __launch_bounds__(kThreads, 1)
   char* const stage_base = a.kv_fp8 ? stages + kPageBf16Bytes : stages;
   const int stage_bytes = a.kv_fp8 ? kPageFp8Bytes : kPageBf16Bytes;
 
-  if constexpr (kDirectPairs) {
-    direct_page_pairs(a, ctx, num_pages, stages, list_phys, list_logical, list_mask,
-                      warp_page_max, qf, row_token, row_last_key, scale_log2, acc, row_max,
-                      row_sum);
-  } else if constexpr (kDirectFp8) {
-    // Pages 0 .. kDirectStages - 2 in flight before the loop; one more per iteration.
-#pragma unroll
-    for (int st = 0; st < kDirectStages - 1; ++st) {
-      if (st < num_pages) {
-        load_page_fp8_swizzled(a, ctx.head,
-                               resolve_page(a, ctx, st, list_phys, list_logical, list_mask),
-                               stages + st * kPageFp8Bytes);
-      }
-      cp_async_commit();
-    }
+  if constexpr (kDirectFp8) {
+    direct_page_pairs<kW>(a, ctx, num_pages, stages, list_phys, list_logical, list_mask,
+                          warp_page_max, qf, q_frags, row_token, row_last_key, scale_log2, acc,
+                          row_max, row_sum);
   } else if (num_pages > 0) {
     load_page_async(a, ctx.head, resolve_page(a, ctx, 0, list_phys, list_logical, list_mask),
                     stage_base);
   }
   if constexpr (!kDirectFp8) cp_async_commit();
-  for (int i = 0; i < (kDirectPairs ? 0 : num_pages); ++i) {
-    if constexpr (kDirectFp8) {
-      // Page i has landed (at most kDirectStages - 2 younger groups pending). After the
-      // barrier every warp is done with page i - 1, so its stage takes page
-      // i + kDirectStages - 1 (one barrier per page besides the page-max exchange).
-      asm volatile("cp.async.wait_group %0;\n" ::"n"(kDirectStages - 2) : "memory");
-      __syncthreads();
-      const int ahead = i + kDirectStages - 1;
-      if (ahead < num_pages) {
-        load_page_fp8_swizzled(a, ctx.head,
-                               resolve_page(a, ctx, ahead, list_phys, list_logical, list_mask),
-                               stages + (ahead % kDirectStages) * kPageFp8Bytes);
-      }
-      cp_async_commit();
-    } else {
-      if (i + 1 < num_pages) {
-        load_page_async(a, ctx.head,
-                        resolve_page(a, ctx, i + 1, list_phys, list_logical, list_mask),
-                        stage_base + ((i + 1) & 1) * stage_bytes);
-      }
-      cp_async_commit();
-      cp_async_wait_one();
-      __syncthreads();
+  for (int i = 0; i < (kDirectFp8 ? 0 : num_pages); ++i) {
+    if (i + 1 < num_pages) {
+      load_page_async(a, ctx.head, resolve_page(a, ctx, i + 1, list_phys, list_logical, list_mask),
+                      stage_base + ((i + 1) & 1) * stage_bytes);
     }
+    cp_async_commit();
+    cp_async_wait_one();
+    __syncthreads();
     const PageRef page = resolve_page(a, ctx, i, list_phys, list_logical, list_mask);
-    // Direct e4m3 form: the raw swizzled K and V of page i.
-    const char* k8 = stages + (i % kDirectStages) * kPageFp8Bytes;
-    const char* v8 = k8 + kPageSize * kHeadDim;
-    const __nv_bfloat16* ks = nullptr;
-    if constexpr (!kDirectFp8) {
-      if (a.kv_fp8) {
-        if (page.token_mask != 0) convert_fp8_page(stage_base + (i & 1) * stage_bytes, converted);
-        __syncthreads();
-        ks = converted;
-      } else {
-        ks = reinterpret_cast<const __nv_bfloat16*>(stage_base + (i & 1) * stage_bytes);
-      }
+    const __nv_bfloat16* ks;
+    if (a.kv_fp8) {
+      if (page.token_mask != 0) convert_fp8_page(stage_base + (i & 1) * stage_bytes, converted);
+      __syncthreads();
+      ks = converted;
+    } else {
+      ks = reinterpret_cast<const __nv_bfloat16*>(stage_base + (i & 1) * stage_bytes);
     }
-    const __nv_bfloat16* vs = kDirectFp8 ? nullptr : ks + kPageSize * kStride;
+    const __nv_bfloat16* vs = ks + kPageSize * kStride;
 
     if (warp_active && page.token_mask != 0) {
       // S = Q K^T for this warp's 16 rows and its keys of the page.
       float s[kNTiles][4];
 #pragma unroll
       for (int n = 0; n < kNTiles; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-      if constexpr (kDirectFp8) {
-        // Key row (n_base + n) * 8 + lane / 4, channels [32t, 32t + 32): chunks 2t and 2t + 1.
-#pragma unroll
-        for (int n = 0; n < kNTiles; ++n) {
-          const int key = (n_base + n) * 8 + (lane >> 2);
-          const uint4 k_raw[2] = {swizzled_chunk(k8, key, (lane & 3) * 2),
-                                  swizzled_chunk(k8, key, (lane & 3) * 2 + 1)};
-#pragma unroll
-          for (int kd = 0; kd < kHeadDim / 16; ++kd) {
-            const uint32_t w = word_of(k_raw, kd);
-            mma_f16(s[n], qf[kd], e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16));
-          }
-        }
-      }
       const __nv_bfloat16* qw = qs + (row_base + (lane >> 2)) * kStride + (lane & 3) * 2;
 #pragma unroll
-      for (int kd = 0; kd < (kDirectFp8 ? 0 : kHeadDim / 16); ++kd) {
+      for (int kd = 0; kd < kHeadDim / 16; ++kd) {
         uint32_t qa[4];
         qa[0] = *reinterpret_cast<const uint32_t*>(qw + kd * 16);
         qa[1] = *reinterpret_cast<const uint32_t*>(qw + 8 * kStride + kd * 16);
@@ -899,59 +916,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int e = 0; e < 4; ++e) {
           const float p = exp2f(s[n][e] - page_max[e >> 1]);
           page_sum[e >> 1] += p;
-          // Direct e4m3 form: P stays relative to the page max (rounded when packed below).
-          s[n][e] = kDirectFp8 ? p : (pv_fp8 ? round_to_e4m3(p) : p) * beta[e >> 1];
+          s[n][e] = (pv_fp8 ? round_to_e4m3(p) : p) * beta[e >> 1];
         }
       }
 #pragma unroll
       for (int i2 = 0; i2 < 2; ++i2) row_sum[i2] = row_sum[i2] * alpha[i2] + beta[i2] * page_sum[i2];
-      if constexpr (kDirectFp8) {
-        // O = alpha O + (beta P) V over this warp's 16 keys. P rounded to e4m3 (exact in f16)
-        // times beta in f16 (relative error 2^-11, far below P's own e4m3 rounding) is the A
-        // fragment as the S accumulator holds it, so the MMA accumulates straight into O.
-        // alpha is exactly 1 once the running max stops moving: the warp then skips the
-        // rescale. V rows 2t, 2t+1, 2t+8, 2t+9 of the warp's keys, chunk lane / 4: n-tile
-        // 4m + q, column c = lane / 4 is channel 16c + 4m + q.
-        const int t = lane & 3, key0 = n_base * 8 + 2 * t;
-        const __half2 beta_g = __float2half2_rn(beta[0]), beta_g8 = __float2half2_rn(beta[1]);
-        auto scaled = [](uint32_t p2, __half2 b) {
-          const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&p2), b);
-          return *reinterpret_cast<const uint32_t*>(&r);
-        };
-        const uint32_t pa[4] = {scaled(round_e4m3x2_to_f16x2(s[0][0], s[0][1]), beta_g),
-                                scaled(round_e4m3x2_to_f16x2(s[0][2], s[0][3]), beta_g8),
-                                scaled(round_e4m3x2_to_f16x2(s[1][0], s[1][1]), beta_g),
-                                scaled(round_e4m3x2_to_f16x2(s[1][2], s[1][3]), beta_g8)};
-        if (!__all_sync(0xFFFFFFFFu, alpha[0] == 1.f && alpha[1] == 1.f)) {
 #pragma unroll
-          for (int n = 0; n < 16; ++n) {
-            acc[n][0] *= alpha[0];
-            acc[n][1] *= alpha[0];
-            acc[n][2] *= alpha[1];
-            acc[n][3] *= alpha[1];
-          }
-        }
-        const uint4 v_lo[2] = {swizzled_chunk(v8, key0, lane >> 2),
-                               swizzled_chunk(v8, key0 + 8, lane >> 2)};
-        const uint4 v_hi[2] = {swizzled_chunk(v8, key0 + 1, lane >> 2),
-                               swizzled_chunk(v8, key0 + 9, lane >> 2)};
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          // Bytes of keys (2t, 2t+1) and (2t+8, 2t+9) interleaved per channel.
-          const uint32_t k01_a = __byte_perm(word_of(v_lo, m), word_of(v_hi, m), 0x5140);
-          const uint32_t k01_b = __byte_perm(word_of(v_lo, m), word_of(v_hi, m), 0x7362);
-          const uint32_t k89_a = __byte_perm(word_of(v_lo, m + 4), word_of(v_hi, m + 4), 0x5140);
-          const uint32_t k89_b = __byte_perm(word_of(v_lo, m + 4), word_of(v_hi, m + 4), 0x7362);
-          const uint32_t b0[4] = {e4m3x2_to_f16x2(k01_a), e4m3x2_to_f16x2(k01_a >> 16),
-                                  e4m3x2_to_f16x2(k01_b), e4m3x2_to_f16x2(k01_b >> 16)};
-          const uint32_t b1[4] = {e4m3x2_to_f16x2(k89_a), e4m3x2_to_f16x2(k89_a >> 16),
-                                  e4m3x2_to_f16x2(k89_b), e4m3x2_to_f16x2(k89_b >> 16)};
-#pragma unroll
-          for (int q = 0; q < 4; ++q) mma_f16(acc[4 * m + q], pa, b0[q], b1[q]);
-        }
-      }
-#pragma unroll
-      for (int n = 0; n < (kDirectFp8 ? 0 : 16); ++n) {
+      for (int n = 0; n < 16; ++n) {
         acc[n][0] *= alpha[0];
         acc[n][1] *= alpha[0];
         acc[n][2] *= alpha[1];
@@ -959,7 +930,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       // O += P V with P = high + residual (both bf16), over this warp's keys.
 #pragma unroll
-      for (int kk = 0; kk < (kDirectFp8 ? 0 : kNTiles / 2); ++kk) {
+      for (int kk = 0; kk < kNTiles / 2; ++kk) {
         uint32_t p_hi[4], p_lo[4];
 #pragma unroll
         for (int f = 0; f < 4; ++f) {
@@ -984,9 +955,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    if constexpr (!kDirectFp8) __syncthreads();   // the direct form's top barrier does this
+    __syncthreads();
   }
-  if constexpr (kDirectFp8) __syncthreads();      // the last page is read before the reuse
+  if constexpr (kDirectFp8) __syncthreads();      // the last pair is read before the reuse
 
   // Finalize: normalized O and LSE (natural log) per row; empty rows give O = 0, LSE = -inf.
 #pragma unroll
@@ -998,8 +969,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Add the warps' partial accumulators and sums (same running max in every warp) in the
     // now idle stage region; warp 0 then writes the rows as the one-warp path does.
     cp_async_wait_all();
-    float* part_acc = reinterpret_cast<float*>(stages);                 // [kWarps][16][128]
-    float* part_sum = part_acc + kWarps * 16 * (kDirectFp8 ? kDirectPartRow : kHeadDim);
+    float* part_acc = reinterpret_cast<float*>(stages);                 // [kW][16][128]
+    float* part_sum = part_acc + kW * 16 * (kDirectFp8 ? kDirectPartRow : kHeadDim);
     // Direct e4m3 form: channel d of (warp, row) at [warp][row][d / 16 (stride 17)][d % 16].
     auto direct_part = [&](int w, int row, int d) {
       return part_acc + (w * 16 + row) * kDirectPartRow + 17 * (d >> 4) + (d & 15);
@@ -1026,12 +997,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i2 = 0; i2 < 2; ++i2) {
       const int row = (lane >> 2) + i2 * 8;
       float total = 0.f;
-      for (int w = 0; w < kWarps; ++w) total += part_sum[w * 16 + row];
+      for (int w = 0; w < kW; ++w) total += part_sum[w * 16 + row];
       row_sum[i2] = total;
 #pragma unroll
       for (int n = 0; n < 16; ++n) {
         float2 sum2 = make_float2(0.f, 0.f);
-        for (int w = 0; w < kWarps; ++w) {
+        for (int w = 0; w < kW; ++w) {
           float2 x;
           if constexpr (kDirectFp8) {   // natural order from here on
             x.x = *direct_part(w, row, n * 8 + (lane & 3) * 2);
@@ -1136,14 +1107,15 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   const dim3 grid(static_cast<unsigned>(args.num_work), static_cast<unsigned>(args.num_kv_heads));
   // Split keys across warps only when every qo tile has <= 16 rows, and the direct e4m3 form
   // only then with e4m3 Q and K/V (the binding checks both).
-  auto launch = [&](auto kernel, int smem_bytes) -> cudaError_t {
+  auto launch = [&](auto kernel, int smem_bytes, int threads = kThreads) -> cudaError_t {
     MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              smem_bytes));
-    kernel<<<grid, kThreads, smem_bytes, stream>>>(args);
+    kernel<<<grid, threads, smem_bytes, stream>>>(args);
     return cudaSuccess;
   };
-  if (args.direct_fp8 && args.direct_pairs) {
-    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, true, true>, kDirectSmemBytes));
+  if (args.direct_fp8 && args.direct_wide) {
+    MSA_RETURN_IF_ERROR(
+        launch(decode_attention_kernel<true, true, 16>, kDirectSmemBytes, 16 * 32));
   } else if (args.direct_fp8) {
     MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, true>, kDirectSmemBytes));
   } else if (args.split_keys) {

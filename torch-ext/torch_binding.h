@@ -113,7 +113,7 @@ struct DecodeAttentionArgs {
   float softmax_scale;
   bool split_keys;                // warps split each page's keys (every qo tile <= 16 rows)
   bool direct_fp8;                // with split_keys, e4m3 q and K/V: no bf16 conversion pass
-  bool direct_pairs;              // with direct_fp8: two pages per step
+  bool direct_wide;               // with direct_fp8: 16 warps, one page of a pair each
 };
 
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
@@ -151,5 +151,5 @@ void sparse_decode_attention(
     const std::optional<torch::Tensor>& o_partial, const std::optional<torch::Tensor>& lse_partial,
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
-    bool direct_fp8, bool direct_pairs);
+    bool direct_fp8, bool direct_wide);
 #endif

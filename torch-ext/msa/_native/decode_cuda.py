@@ -36,18 +36,19 @@ VALIDATED = True
 VALIDATED_SPLIT_KEYS = True
 SPLIT_KEYS_FOR_TESTS: Optional[bool] = None
 # The direct e4m3 form of the split-keys kernel (e4m3 q and K/V read straight from a six-stage
-# raw page ring and widened to f16 in registers; no bf16 conversion pass): its "direct" cases of
-# tests/test_decode_gpu.py (37, with a 512k request) passed on the H200 (2026-11-30, session 3,
-# commit 492e1b6); memcheck clean on its six-stage predecessor (same addresses).
-# DIRECT_FP8_FOR_TESTS forces it on or off.
+# raw page ring, two pages per step, widened to f16 in registers; no bf16 conversion pass): its
+# cases of tests/test_decode_gpu.py passed on the H200 (2026-11-30, session 4: the page-pair
+# loop, 39 cases incl. NaN bytes past the keys; memcheck clean). It read 3.20-3.39 TB/s at
+# B >= 32 where the one-page loop it replaced read 2.99-3.11. DIRECT_FP8_FOR_TESTS forces it on
+# or off.
 VALIDATED_DIRECT_FP8 = True
 DIRECT_FP8_FOR_TESTS: Optional[bool] = None
-# Its page-pair variant (two pages per step: one barrier and one page-max exchange per two
-# pages, four independent MMA chains per warp): compiled (177 registers, no spills), gated until
-# the "pairs" cases of tests/test_decode_gpu.py pass on an H200. The one-page direct form reads
-# 3.1 TB/s (73 % of 4.26) at B >= 32; this variant is the attempt at >= 80 %.
-VALIDATED_DIRECT_PAIRS = False
-DIRECT_PAIRS_FOR_TESTS: Optional[bool] = None
+# That form on 16 warps (each computes one page of a pair; half the work per warp, twice the
+# warps: the 8-warp form issues only every ~4 cycles a warp, ncu 2026-11-30): compiled, gated
+# until the "wide" cases of tests/test_decode_gpu.py pass on an H200. DIRECT_WIDE_FOR_TESTS
+# forces it on or off.
+VALIDATED_DIRECT_WIDE = False
+DIRECT_WIDE_FOR_TESTS: Optional[bool] = None
 UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
@@ -86,7 +87,7 @@ def run(call) -> None:
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
         call.o_partial if split else None, call.lse_partial if split else None,
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
-        float(call.softmax_scale), _split_keys(), _direct_fp8(), _direct_pairs())
+        float(call.softmax_scale), _split_keys(), _direct_fp8(), _direct_wide())
 
 
 def _split_keys() -> bool:
@@ -103,11 +104,12 @@ def _direct_fp8() -> bool:
                                  VALIDATED_DIRECT_FP8)
 
 
-def _direct_pairs() -> bool:
-    """Whether the direct e4m3 form takes two pages per step: forced by tests and benchmarks,
-    else once validated (or MSA_UNVALIDATED_KERNELS=1)."""
-    return _backend.form_enabled(DIRECT_PAIRS_FOR_TESTS,
-                                 "the page-pair direct e4m3 decode kernel", VALIDATED_DIRECT_PAIRS)
+
+def _direct_wide() -> bool:
+    """Whether the direct e4m3 form runs on 16 warps: forced by tests and benchmarks, else once
+    validated (or MSA_UNVALIDATED_KERNELS=1)."""
+    return _backend.form_enabled(DIRECT_WIDE_FOR_TESTS, "the 16-warp direct e4m3 decode kernel",
+                                 VALIDATED_DIRECT_WIDE)
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
