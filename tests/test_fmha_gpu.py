@@ -34,12 +34,12 @@ def _native_module():
     return fmha_sm90
 
 
-def _exact_product_values(shape, gen):
+def _exact_product_values(shape, generator):
     """Random signs times 0.5 or 1: every partial sum of q.k is a multiple of 1/4 below 2^8, so
     QK^T is exact at any accumulation precision (Hopper's FP8 wgmma does not accumulate in full
     fp32)."""
-    mag = torch.where(torch.rand(shape, generator=gen) < 0.5, 0.5, 1.0)
-    return torch.where(torch.rand(shape, generator=gen) < 0.5, -mag, mag)
+    mag = torch.where(torch.rand(shape, generator=generator) < 0.5, 0.5, 1.0)
+    return torch.where(torch.rand(shape, generator=generator) < 0.5, -mag, mag)
 
 
 def _random_varlen(heads, dtype, gen, q_lens=None, max_extra_kv=700, qk_values="randn"):
