@@ -37,9 +37,6 @@ from _common import (BLOCK, HEAD_DIM, add_common_args, apply_preset, dtype_of, f
 COLUMNS = ("batch", "context", "seqlen_q", "kv_dtype", "mode", "exec", "backend", "latency_us",
            "bytes_read", "tb_per_s", "speedup_vs_cudnn", "note")
 DECODE_OP = "sparse_decode_atten"
-FORM_NOTE = [""]   # set by --direct-wide: which kernel variant a forced run timed
-
-
 class DecodeBatch:
     """One decode batch: B requests at `context` tokens, seqlen_q queries each.
 
@@ -262,7 +259,7 @@ def bench_mode(msa, data: DecodeBatch, mode, dtype_name, args, device, tsv, used
                   mode=mode, exec=exec_kind, backend=backend, latency_us=us,
                   bytes_read=bytes_read, tb_per_s=bytes_read / us / 1e6,
                   speedup_vs_cudnn=cudnn_us / us if cudnn_us else None,
-                  note=FORM_NOTE[0] or None)
+                  note=None)
     if mode == "step":
         data.q2k.copy_(data.random_selection())   # later modes see a random selection again
 
@@ -280,9 +277,6 @@ def main(argv=None):
     ap.add_argument("--hkv", type=int, default=4, help="KV heads (= index heads of the step)")
     ap.add_argument("--topk", type=int, default=16)
     ap.add_argument("--peers", default="cudnn", help="'cudnn' or '' (no dense peer)")
-    ap.add_argument("--direct-wide", default="auto", choices=("auto", "on", "off"),
-                    help="the e4m3 decode kernel's 16-warp variant: the gate decides (auto) "
-                         "or forced; forced runs say so in the note column")
     add_common_args(ap, rep_ms=100)
     args = ap.parse_args(argv)
     if args.tiny:
@@ -292,9 +286,6 @@ def main(argv=None):
 
     device = setup(args)
     msa = load_msa()
-    if args.direct_wide != "auto":
-        native_module(msa, "decode_cuda").DIRECT_WIDE_FOR_TESTS = args.direct_wide == "on"
-        FORM_NOTE[0] = f"direct_wide={args.direct_wide}"
     tsv = TsvWriter(args.out, COLUMNS, device,
                     formats={"latency_us": ".2f", "tb_per_s": ".3f", "speedup_vs_cudnn": ".2f"})
     dtype_names = parse_names(args.dtypes)

@@ -56,9 +56,9 @@ constexpr int kStageRegionBytes = 2 * kPageBf16Bytes;            // bf16: two pi
 static_assert(kPageBf16Bytes + 2 * kPageFp8Bytes <= kStageRegionBytes,
               "e4m3: one converted page + two raw stages must fit the stage region");
 constexpr int kListBytes = kMaxCandidates * 4 * 4;               // cand, phys, logical, mask
-// warp_counts + page_total (one int per warp, up to 16 warps, + 1) and the split-keys page
-// maxima [kWarps][16] floats.
-constexpr int kCountsSlotBytes = 128;
+// warp_counts + page_total (one int per warp + 1) and the split-keys page maxima
+// [kWarps][16] floats.
+constexpr int kCountsSlotBytes = 64;
 constexpr int kSmemBytes =
     kQBytes + kStageRegionBytes + kListBytes + kCountsSlotBytes + kWarps * 16 * 4;
 static_assert(kWarps * 16 * (kHeadDim + 1) * 4 <= kStageRegionBytes,
@@ -69,15 +69,13 @@ static_assert(kWarps * 16 * (kHeadDim + 1) * 4 <= kStageRegionBytes,
 constexpr int kDirectStages = 6;
 constexpr int kDirectRingBytes = kDirectStages * kPageFp8Bytes;
 // (Page maxima: [2 pages][16 rows][8 warps] floats, each page's keys split over 8 warps.)
-// (+ the 16-warp form's shared copy of the Q fragments, [8 kd][32 lanes] x 16 bytes.)
-constexpr int kDirectSmemBytes =
-    kDirectRingBytes + kListBytes + kCountsSlotBytes + 2 * 16 * 8 * 4 + 8 * 32 * 16;
+constexpr int kDirectSmemBytes = kDirectRingBytes + kListBytes + kCountsSlotBytes + 2 * 16 * kWarps * 4;
 static_assert(kDirectSmemBytes <= 227 * 1024, "direct e4m3: shared memory per CTA");
 // Direct e4m3 form: partial accumulators as [warp][row][8 column groups of 17][16] floats, so
 // the permuted writes and the natural reads hit at most two threads per bank.
 constexpr int kDirectPartRow = 8 * 17;
-static_assert(16 * 16 * (kDirectPartRow + 1) * 4 <= kDirectRingBytes,
-              "direct e4m3: 16 warps' partial accumulators must fit the stage region");
+static_assert(kWarps * 16 * (kDirectPartRow + 1) * 4 <= kDirectRingBytes,
+              "direct e4m3: the warps' partial accumulators must fit the stage region");
 
 struct __align__(16) Bf16x8 {
   __nv_bfloat162 v[4];
@@ -120,6 +118,22 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two e4m3 values of a 32-bit word -> f16x2, exact: bytes 0-1 (lo) or 2-3 (hi). Through a
+// b16 unpack, so the conversion reads the upper half itself (F2FP ... R.H1) instead of after
+// a shift.
+__device__ __forceinline__ uint32_t e4m3x2_lo_to_f16x2(uint32_t word) {
+  uint32_t r;
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n"
+      : "=r"(r) : "r"(word));
+  return r;
+}
+__device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t word) {
+  uint32_t r;
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n"
+      : "=r"(r) : "r"(word));
+  return r;
 }
 
 // Two e4m3 values (the low 16 bits, first value in the low byte) -> f16x2, exact.
@@ -300,10 +314,10 @@ __device__ __forceinline__ void load_query_fragments_fp8(const DecodeAttentionAr
 #pragma unroll
   for (int kd = 0; kd < kHeadDim / 16; ++kd) {
     const uint32_t w0 = word_of(raw[0], kd), w1 = word_of(raw[1], kd);
-    qf[kd][0] = e4m3x2_to_f16x2(w0);
-    qf[kd][1] = e4m3x2_to_f16x2(w1);
-    qf[kd][2] = e4m3x2_to_f16x2(w0 >> 16);
-    qf[kd][3] = e4m3x2_to_f16x2(w1 >> 16);
+    qf[kd][0] = e4m3x2_lo_to_f16x2(w0);
+    qf[kd][1] = e4m3x2_lo_to_f16x2(w1);
+    qf[kd][2] = e4m3x2_hi_to_f16x2(w0);
+    qf[kd][3] = e4m3x2_hi_to_f16x2(w1);
   }
 }
 
@@ -422,12 +436,10 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
 // S = Q K^T of kNP pages at once (2 kNP independent MMA chains). (The e4m3 mma.sync
 // m16n8k32 would skip the widening, but sm_90 has no FP8 mma.sync: ptxas expands it into the
 // same F2FP unpacks and f16 HMMAs, plus adds.)
-// Q fragments from registers (qf) or, kQInSmem, from the CTA's copy of them (q_frags,
-// [kd][lane] uint4: the 16-warp form cannot hold them in its 128 registers).
-template <int kNP, bool kQInSmem>
+template <int kNP>
 __device__ __forceinline__ void direct_qk_pages(const char* const (&k8)[kNP], int key_base,
                                                 int lane, const uint32_t (&qf)[kHeadDim / 16][4],
-                                                const uint4* q_frags, float (&s)[kNP][2][4]) {
+                                                float (&s)[kNP][2][4]) {
 #pragma unroll
   for (int pg = 0; pg < kNP; ++pg)
 #pragma unroll
@@ -444,23 +456,12 @@ __device__ __forceinline__ void direct_qk_pages(const char* const (&k8)[kNP], in
   }
 #pragma unroll
   for (int kd = 0; kd < kHeadDim / 16; ++kd) {
-    uint32_t qa[4];
-    if constexpr (kQInSmem) {
-      const uint4 q4 = q_frags[kd * 32 + lane];
-      qa[0] = q4.x;
-      qa[1] = q4.y;
-      qa[2] = q4.z;
-      qa[3] = q4.w;
-    } else {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) qa[r] = qf[kd][r];
-    }
 #pragma unroll
     for (int pg = 0; pg < kNP; ++pg) {
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
         const uint32_t w = word_of(k_raw[pg][n], kd);
-        mma_f16(s[pg][n], qa, e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16));
+        mma_f16(s[pg][n], qf[kd], e4m3x2_lo_to_f16x2(w), e4m3x2_hi_to_f16x2(w));
       }
     }
   }
@@ -491,23 +492,13 @@ __device__ __forceinline__ void direct_pv_page(const char* v8, int key_base, int
     const uint32_t k01_b = __byte_perm(word_of(v_lo, m), word_of(v_hi, m), 0x7362);
     const uint32_t k89_a = __byte_perm(word_of(v_lo, m + 4), word_of(v_hi, m + 4), 0x5140);
     const uint32_t k89_b = __byte_perm(word_of(v_lo, m + 4), word_of(v_hi, m + 4), 0x7362);
-    const uint32_t b0[4] = {e4m3x2_to_f16x2(k01_a), e4m3x2_to_f16x2(k01_a >> 16),
-                            e4m3x2_to_f16x2(k01_b), e4m3x2_to_f16x2(k01_b >> 16)};
-    const uint32_t b1[4] = {e4m3x2_to_f16x2(k89_a), e4m3x2_to_f16x2(k89_a >> 16),
-                            e4m3x2_to_f16x2(k89_b), e4m3x2_to_f16x2(k89_b >> 16)};
+    const uint32_t b0[4] = {e4m3x2_lo_to_f16x2(k01_a), e4m3x2_hi_to_f16x2(k01_a),
+                            e4m3x2_lo_to_f16x2(k01_b), e4m3x2_hi_to_f16x2(k01_b)};
+    const uint32_t b1[4] = {e4m3x2_lo_to_f16x2(k89_a), e4m3x2_hi_to_f16x2(k89_a),
+                            e4m3x2_lo_to_f16x2(k89_b), e4m3x2_hi_to_f16x2(k89_b)};
 #pragma unroll
     for (int q = 0; q < 4; ++q) mma_f16(acc[4 * m + q], pa, b0[q], b1[q]);
   }
-}
-
-// x[i] of a two-element register array by select (a runtime index would put it in local memory).
-template <class T>
-__device__ __forceinline__ T pick2(const T (&x)[2], int i) {
-  return i != 0 ? x[1] : x[0];
-}
-template <class T>
-__device__ __forceinline__ T pick2(const T (&x)[2][2], int i, int j) {
-  return i != 0 ? x[1][j] : x[0][j];
 }
 
 // Page `idx` of the CTA's list, or a skipped page past its end.
@@ -523,27 +514,23 @@ __device__ __forceinline__ PageRef page_or_none(const DecodeAttentionArgs& a,
   return none;
 }
 
-// The direct form's whole page loop, two pages per step (split keys: rows lane / 4 and
-// lane / 4 + 8; kW = 8 warps: warp w owns keys 16w .. 16w + 15 of both pages; kW = 16: warp w
-// owns those keys, 16 (w % 8) .. +15, of page w / 8 only, half the work per warp and twice the
-// warps to hide its latencies). Key rows past the request's end are zero-filled on load. The
+// The direct form's whole page loop, two pages per step (split keys: warp w owns keys
+// 16w .. 16w + 15 of both pages; rows lane / 4 and lane / 4 + 8). (A 16-warp form, each warp
+// computing one page of the pair, ran 2.6-2.8 TB/s against this form's 3.4: twice the warps
+// but 1.4x the instructions a pair.) Key rows past the request's end are zero-filled on load. The
 // ring's six stages are three pair slots; one cp.async group per pair. Per pair: one top
 // barrier, one page-max exchange for both pages, then the pages fold in order (page 0, then
 // page 1) exactly as two one-page steps would:
 // O = alpha0 alpha1 O + beta0 alpha1 (P0 V0) + beta1 (P1 V1), each P against its page's max.
-template <int kW>
 __device__ __forceinline__ void direct_page_pairs(
     const DecodeAttentionArgs& a, const CtaContext& ctx, int num_pages, char* stages,
     const int* list_phys, const int* list_logical, const uint32_t* list_mask,
-    float* warp_page_max, const uint32_t (&qf)[kHeadDim / 16][4], const uint4* q_frags,
-    const int (&row_token)[2], const int (&row_last_key)[2], float scale_log2,
-    float (&acc)[16][4], float (&row_max)[2], float (&row_sum)[2]) {
-  static_assert(kW == 8 || kW == 16, "8 warps (both pages each) or 16 (one page each)");
+    float* warp_page_max, const uint32_t (&qf)[kHeadDim / 16][4], const int (&row_token)[2],
+    const int (&row_last_key)[2], float scale_log2, float (&acc)[16][4], float (&row_max)[2],
+    float (&row_sum)[2]) {
   constexpr int kSlots = kDirectStages / 2;
-  constexpr int kNP = kW == 8 ? 2 : 1;              // pages of a pair this warp computes
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int key_base = (warp & 7) * 16;
-  const int first_page = kNP == 2 ? 0 : warp >> 3;   // its first page within the pair
+  const int key_base = warp * 16;
   const int num_pairs = (num_pages + 1) / 2;
   auto page_of = [&](int idx) {
     return page_or_none(a, ctx, idx, num_pages, list_phys, list_logical, list_mask);
@@ -557,7 +544,7 @@ __device__ __forceinline__ void direct_page_pairs(
       const int idx = 2 * pair + pg;
       const PageRef ref = page_of(idx);   // past the end: skipped, nothing is loaded
       const int valid_rows = min(kPageSize, max(ctx.seqlen_k - ref.logical * kPageSize, 0));
-      load_page_fp8_swizzled<32 * kW>(a, ctx.head, ref, stage_of(idx), valid_rows);
+      load_page_fp8_swizzled<kThreads>(a, ctx.head, ref, stage_of(idx), valid_rows);
     }
     cp_async_commit();
   };
@@ -572,19 +559,16 @@ __device__ __forceinline__ void direct_page_pairs(
     issue_pair(pair + kSlots - 1);
     const PageRef page[2] = {page_of(2 * pair), page_of(2 * pair + 1)};
     const char* k8[2] = {stage_of(2 * pair), stage_of(2 * pair + 1)};
-    const char* my_k8[kNP];
-#pragma unroll
-    for (int pl = 0; pl < kNP; ++pl) my_k8[pl] = pick2(k8, first_page + pl);
 
-    float s[kNP][2][4];
-    direct_qk_pages<kNP, kW == 16>(my_k8, key_base, lane, qf, q_frags, s);
+    float s[2][2][4];
+    direct_qk_pages<2>(k8, key_base, lane, qf, s);
 
     // Mask (causal against seqused_k, the selection per token, skipped pages), page maxima
-    // over this warp's keys of its pages.
+    // over this warp's keys.
     float page_max[2][2];
 #pragma unroll
-    for (int pl = 0; pl < kNP; ++pl) {
-      const PageRef ref = pick2(page, first_page + pl);
+    for (int pl = 0; pl < 2; ++pl) {
+      const PageRef& ref = page[pl];
       int last_key[2];
 #pragma unroll
       for (int i2 = 0; i2 < 2; ++i2) {
@@ -610,14 +594,14 @@ __device__ __forceinline__ void direct_page_pairs(
             fmaxf(page_max[pl][i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[pl][i2], 2));
       }
     }
-    // Both pages' maxima over the eight warps that own each page's keys: [page][row][warp % 8],
-    // so a row's eight maxima are two 16-byte reads.
+    // Both pages' maxima over all warps: [page][row][warp], so a row's eight warps are two
+    // 16-byte reads.
+    static_assert(kWarps == 8, "a row's warp maxima are read as two float4");
     if ((lane & 3) == 0) {
 #pragma unroll
-      for (int pl = 0; pl < kNP; ++pl) {
-        const int pg = first_page + pl;
-        warp_page_max[(pg * 16 + (lane >> 2)) * 8 + (warp & 7)] = page_max[pl][0];
-        warp_page_max[(pg * 16 + (lane >> 2) + 8) * 8 + (warp & 7)] = page_max[pl][1];
+      for (int pg = 0; pg < 2; ++pg) {
+        warp_page_max[(pg * 16 + (lane >> 2)) * kWarps + warp] = page_max[pg][0];
+        warp_page_max[(pg * 16 + (lane >> 2) + 8) * kWarps + warp] = page_max[pg][1];
       }
     }
     __syncthreads();
@@ -626,7 +610,7 @@ __device__ __forceinline__ void direct_page_pairs(
 #pragma unroll
       for (int i2 = 0; i2 < 2; ++i2) {
         const float4* row_max4 = reinterpret_cast<const float4*>(
-            warp_page_max + (pg * 16 + (lane >> 2) + i2 * 8) * 8);
+            warp_page_max + (pg * 16 + (lane >> 2) + i2 * 8) * kWarps);
         const float4 lo = row_max4[0], hi = row_max4[1];
         page_max[pg][i2] = fmaxf(fmaxf(fmaxf(lo.x, lo.y), fmaxf(lo.z, lo.w)),
                                  fmaxf(fmaxf(hi.x, hi.y), fmaxf(hi.z, hi.w)));
@@ -652,27 +636,23 @@ __device__ __forceinline__ void direct_page_pairs(
         if (page_max[pg][i2] == -INFINITY) page_max[pg][i2] = 0.f;   // exp2(-inf - 0) = 0
       }
     }
-    float page_sum[kNP][2];
+    float page_sum[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll
-    for (int pl = 0; pl < kNP; ++pl) {
-      page_sum[pl][0] = page_sum[pl][1] = 0.f;
+    for (int pg = 0; pg < 2; ++pg) {
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float p = exp2f(s[pl][n][e] - pick2(page_max, first_page + pl, e >> 1));
-          page_sum[pl][e >> 1] += p;
-          s[pl][n][e] = p;
+          const float p = exp2f(s[pg][n][e] - page_max[pg][e >> 1]);
+          page_sum[pg][e >> 1] += p;
+          s[pg][n][e] = p;
         }
       }
     }
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {
-      row_sum[i2] *= alpha[i2];
-#pragma unroll
-      for (int pl = 0; pl < kNP; ++pl) {
-        row_sum[i2] += pick2(p_scale, first_page + pl, i2) * page_sum[pl][i2];
-      }
+      row_sum[i2] = row_sum[i2] * alpha[i2] + p_scale[0][i2] * page_sum[0][i2] +
+                    p_scale[1][i2] * page_sum[1][i2];
     }
     if (!__all_sync(0xFFFFFFFFu, alpha[0] == 1.f && alpha[1] == 1.f)) {
 #pragma unroll
@@ -685,11 +665,10 @@ __device__ __forceinline__ void direct_page_pairs(
     }
     // Skipped pages were not loaded: their stage holds stale bytes, never multiplied.
 #pragma unroll
-    for (int pl = 0; pl < kNP; ++pl) {
-      const int pg = first_page + pl;
-      if (pick2(page, pg).token_mask != 0) {
-        direct_pv_page(pick2(k8, pg) + kPageSize * kHeadDim, key_base, lane, s[pl],
-                       pick2(p_scale, pg, 0), pick2(p_scale, pg, 1), acc);
+    for (int pg = 0; pg < 2; ++pg) {
+      if (page[pg].token_mask != 0) {
+        direct_pv_page(k8[pg] + kPageSize * kHeadDim, key_base, lane, s[pg], p_scale[pg][0],
+                       p_scale[pg][1], acc);
       }
     }
   }
@@ -705,14 +684,11 @@ __device__ __forceinline__ void direct_page_pairs(
 // pages per step (direct_page_pairs: one page-max exchange and one top barrier per two pages,
 // four independent MMA chains per warp; a one-page step spent most of its time in dependent
 // chains and barriers, all warps in lockstep: 3.1 vs 3.4 TB/s). Each page's P is still rounded
-// against its own max, as the reference does. kDirectWarps: the direct form's CTA size, 8 warps
-// or 16 (each of the 16 computes one page of a pair; <= 128 registers a thread).
-template <bool kSplitKeys, bool kDirectFp8, int kDirectWarps = kWarps>
-__global__ void __launch_bounds__(32 * (kDirectFp8 ? kDirectWarps : kWarps), 1)
+// against its own max, as the reference does.
+template <bool kSplitKeys, bool kDirectFp8>
+__global__ void __launch_bounds__(kThreads, 1)
     decode_attention_kernel(const DecodeAttentionArgs a) {
   static_assert(kSplitKeys || !kDirectFp8, "the direct e4m3 form splits keys across warps");
-  static_assert(kDirectFp8 || kDirectWarps == kWarps, "16 warps only in the direct form");
-  constexpr int kW = kDirectFp8 ? kDirectWarps : kWarps;   // warps of this CTA
   extern __shared__ __align__(128) char smem[];
   __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);
   char* stages = smem + (kDirectFp8 ? 0 : kQBytes);
@@ -721,13 +697,11 @@ __global__ void __launch_bounds__(32 * (kDirectFp8 ? kDirectWarps : kWarps), 1)
   int* list_logical = list_phys + kMaxCandidates;
   uint32_t* list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
   int* warp_counts = reinterpret_cast<int*>(list_mask + kMaxCandidates);
-  int* page_total = warp_counts + kW;
+  int* page_total = warp_counts + kWarps;
   // Split keys: per-warp page maxima (16-byte aligned: the direct form reads them as float4).
   float* warp_page_max =
       reinterpret_cast<float*>(reinterpret_cast<char*>(warp_counts) + kCountsSlotBytes);
-  // Direct form on 16 warps: the Q fragments, [kd][lane] (after the page maxima).
-  uint4* q_frags = reinterpret_cast<uint4*>(warp_page_max + 2 * 16 * 8);
-  static_assert(kW * 4 + 4 <= kCountsSlotBytes, "warp_counts and page_total fit their slot");
+  static_assert(kWarps * 4 + 4 <= kCountsSlotBytes, "warp_counts and page_total fit their slot");
 
   const int work = blockIdx.x;
   CtaContext ctx;
@@ -756,21 +730,12 @@ __global__ void __launch_bounds__(32 * (kDirectFp8 ? kDirectWarps : kWarps), 1)
   uint32_t qf[kHeadDim / 16][4];   // direct e4m3 form: Q fragments in registers
   if constexpr (kDirectFp8) {
     load_query_fragments_fp8(a, ctx, group, tile_rows, qf);
-    if constexpr (kW == 16) {   // every warp holds the same rows: one copy (read after a barrier)
-      if ((threadIdx.x >> 5) == 0) {
-#pragma unroll
-        for (int kd = 0; kd < kHeadDim / 16; ++kd) {
-          q_frags[kd * 32 + (threadIdx.x & 31)] = make_uint4(qf[kd][0], qf[kd][1], qf[kd][2],
-                                                             qf[kd][3]);
-        }
-      }
-    }
   } else {
     load_queries(a, ctx, group, tile_rows, qs);
   }
   int num_pages;
   if (a.q2k_indices != nullptr) {
-    num_pages = build_sparse_page_list<32 * kW>(a, ctx, cand, list_phys, list_logical, list_mask,
+    num_pages = build_sparse_page_list<kThreads>(a, ctx, cand, list_phys, list_logical, list_mask,
                                        warp_counts, page_total);
   } else {
     num_pages = ctx.chunk_end - ctx.chunk_begin;
@@ -812,9 +777,9 @@ __global__ void __launch_bounds__(32 * (kDirectFp8 ? kDirectWarps : kWarps), 1)
   const int stage_bytes = a.kv_fp8 ? kPageFp8Bytes : kPageBf16Bytes;
 
   if constexpr (kDirectFp8) {
-    direct_page_pairs<kW>(a, ctx, num_pages, stages, list_phys, list_logical, list_mask,
-                          warp_page_max, qf, q_frags, row_token, row_last_key, scale_log2, acc,
-                          row_max, row_sum);
+    direct_page_pairs(a, ctx, num_pages, stages, list_phys, list_logical, list_mask,
+                      warp_page_max, qf, row_token, row_last_key, scale_log2, acc, row_max,
+                      row_sum);
   } else if (num_pages > 0) {
     load_page_async(a, ctx.head, resolve_page(a, ctx, 0, list_phys, list_logical, list_mask),
                     stage_base);
@@ -969,8 +934,8 @@ __global__ void __launch_bounds__(32 * (kDirectFp8 ? kDirectWarps : kWarps), 1)
     // Add the warps' partial accumulators and sums (same running max in every warp) in the
     // now idle stage region; warp 0 then writes the rows as the one-warp path does.
     cp_async_wait_all();
-    float* part_acc = reinterpret_cast<float*>(stages);                 // [kW][16][128]
-    float* part_sum = part_acc + kW * 16 * (kDirectFp8 ? kDirectPartRow : kHeadDim);
+    float* part_acc = reinterpret_cast<float*>(stages);                 // [kWarps][16][128]
+    float* part_sum = part_acc + kWarps * 16 * (kDirectFp8 ? kDirectPartRow : kHeadDim);
     // Direct e4m3 form: channel d of (warp, row) at [warp][row][d / 16 (stride 17)][d % 16].
     auto direct_part = [&](int w, int row, int d) {
       return part_acc + (w * 16 + row) * kDirectPartRow + 17 * (d >> 4) + (d & 15);
@@ -997,12 +962,12 @@ __global__ void __launch_bounds__(32 * (kDirectFp8 ? kDirectWarps : kWarps), 1)
     for (int i2 = 0; i2 < 2; ++i2) {
       const int row = (lane >> 2) + i2 * 8;
       float total = 0.f;
-      for (int w = 0; w < kW; ++w) total += part_sum[w * 16 + row];
+      for (int w = 0; w < kWarps; ++w) total += part_sum[w * 16 + row];
       row_sum[i2] = total;
 #pragma unroll
       for (int n = 0; n < 16; ++n) {
         float2 sum2 = make_float2(0.f, 0.f);
-        for (int w = 0; w < kW; ++w) {
+        for (int w = 0; w < kWarps; ++w) {
           float2 x;
           if constexpr (kDirectFp8) {   // natural order from here on
             x.x = *direct_part(w, row, n * 8 + (lane & 3) * 2);
@@ -1107,16 +1072,13 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   const dim3 grid(static_cast<unsigned>(args.num_work), static_cast<unsigned>(args.num_kv_heads));
   // Split keys across warps only when every qo tile has <= 16 rows, and the direct e4m3 form
   // only then with e4m3 Q and K/V (the binding checks both).
-  auto launch = [&](auto kernel, int smem_bytes, int threads = kThreads) -> cudaError_t {
+  auto launch = [&](auto kernel, int smem_bytes) -> cudaError_t {
     MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              smem_bytes));
-    kernel<<<grid, threads, smem_bytes, stream>>>(args);
+    kernel<<<grid, kThreads, smem_bytes, stream>>>(args);
     return cudaSuccess;
   };
-  if (args.direct_fp8 && args.direct_wide) {
-    MSA_RETURN_IF_ERROR(
-        launch(decode_attention_kernel<true, true, 16>, kDirectSmemBytes, 16 * 32));
-  } else if (args.direct_fp8) {
+  if (args.direct_fp8) {
     MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, true>, kDirectSmemBytes));
   } else if (args.split_keys) {
     MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, false>, kSmemBytes));

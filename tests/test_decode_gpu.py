@@ -88,7 +88,7 @@ def _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k):
 LENS = [1, 129, 1000, 256, 77]
 
 
-@pytest.mark.parametrize("keys", ["rows", "split", "direct", "wide"])
+@pytest.mark.parametrize("keys", ["rows", "split", "direct"])
 @pytest.mark.parametrize("split", ["forced", "unsplit"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("dtypes", list(DTYPES))
@@ -99,7 +99,7 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
     """keys="split": the kernel form where the warps split each page's keys (tiles of <= 16
     rows; for larger tiles the kernel keeps the row form, so those cases repeat "rows").
     keys="direct": the split form's direct e4m3 variant (e4m3 q and K/V only, two pages per
-    step); "wide": that form on 16 warps."""
+    step)."""
     _force_form(monkeypatch, keys, dtypes)
     q, k, v, table, seqused_k, q2k = _batch(LENS, seqlen_q, group, dtypes, sparse)
     kw = dict(fixed_split_size=1) if split == "forced" else dict(disable_split_kv=True)
@@ -113,15 +113,13 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
 
 def _force_form(monkeypatch, keys, dtypes):
     """keys: "rows" (one warp per 16 rows), "split" (warps split each page's keys, bf16
-    staging), "direct" (split, e4m3 fragments read straight from the raw pages, two pages per
-    step) or "wide" (direct on 16 warps, one page of a pair each); the direct forms serve e4m3 q
-    and K/V only (skip otherwise)."""
-    if keys in ("direct", "wide") and dtypes != "fp8":
+    staging) or "direct" (split, e4m3 fragments read straight from the raw pages, two pages per
+    step); the direct form serves e4m3 q and K/V only (skip otherwise)."""
+    if keys == "direct" and dtypes != "fp8":
         pytest.skip("the direct form serves e4m3 q and K/V only")
     from msa._native import decode_cuda
-    monkeypatch.setattr(decode_cuda, "SPLIT_KEYS_FOR_TESTS", keys in ("split", "direct", "wide"))
-    monkeypatch.setattr(decode_cuda, "DIRECT_FP8_FOR_TESTS", keys in ("direct", "wide"))
-    monkeypatch.setattr(decode_cuda, "DIRECT_WIDE_FOR_TESTS", keys == "wide")
+    monkeypatch.setattr(decode_cuda, "SPLIT_KEYS_FOR_TESTS", keys in ("split", "direct"))
+    monkeypatch.setattr(decode_cuda, "DIRECT_FP8_FOR_TESTS", keys == "direct")
 
 
 def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k):
@@ -143,15 +141,14 @@ def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k
     assert int(loose_rows.sum()) <= allowed, (int(loose_rows.sum()), allowed, err.max().item())
 
 
-@pytest.mark.parametrize("keys", ["direct", "wide"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_native_decode_direct_ignores_nan_bytes_past_the_keys(msa_pkg, native_only, seed,
-                                                             sparse, keys, monkeypatch):
+                                                             sparse, monkeypatch):
     """The direct e4m3 form zero-fills key rows past a request's end when it loads the page, so
     NaN bytes there (an uninitialized cache pool) cannot reach O through 0 x NaN. (The bf16
     staging forms read whole pages: the pool must hold finite values past the keys; see
     docs/design-decode.md.)"""
-    _force_form(monkeypatch, keys, "fp8")
+    _force_form(monkeypatch, "direct", "fp8")
     lens, seqlen_q, group = [1, 129, 1000, 77, 300], 1, 16
     q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, "fp8", sparse)
     for b, n in enumerate(lens):
@@ -164,7 +161,7 @@ def test_native_decode_direct_ignores_nan_bytes_past_the_keys(msa_pkg, native_on
     _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 
-@pytest.mark.parametrize("keys", ["rows", "split", "direct", "wide"])
+@pytest.mark.parametrize("keys", ["rows", "split", "direct"])
 @pytest.mark.parametrize("dtypes", ["bf16", "fp8"])
 def test_native_decode_512k_context(msa_pkg, native_only, seed, dtypes, keys, monkeypatch):
     """A 512k-token request next to tiny and odd-length ones (G = 16, one query token, the

@@ -43,12 +43,6 @@ SPLIT_KEYS_FOR_TESTS: Optional[bool] = None
 # or off.
 VALIDATED_DIRECT_FP8 = True
 DIRECT_FP8_FOR_TESTS: Optional[bool] = None
-# That form on 16 warps (each computes one page of a pair; half the work per warp, twice the
-# warps: the 8-warp form issues only every ~4 cycles a warp, ncu 2026-11-30): compiled, gated
-# until the "wide" cases of tests/test_decode_gpu.py pass on an H200. DIRECT_WIDE_FOR_TESTS
-# forces it on or off.
-VALIDATED_DIRECT_WIDE = False
-DIRECT_WIDE_FOR_TESTS: Optional[bool] = None
 UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
@@ -87,7 +81,7 @@ def run(call) -> None:
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
         call.o_partial if split else None, call.lse_partial if split else None,
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
-        float(call.softmax_scale), _split_keys(), _direct_fp8(), _direct_wide())
+        float(call.softmax_scale), _split_keys(), _direct_fp8())
 
 
 def _split_keys() -> bool:
@@ -103,13 +97,6 @@ def _direct_fp8() -> bool:
     return _backend.form_enabled(DIRECT_FP8_FOR_TESTS, "the direct e4m3 decode kernel",
                                  VALIDATED_DIRECT_FP8)
 
-
-
-def _direct_wide() -> bool:
-    """Whether the direct e4m3 form runs on 16 warps: forced by tests and benchmarks, else once
-    validated (or MSA_UNVALIDATED_KERNELS=1)."""
-    return _backend.form_enabled(DIRECT_WIDE_FOR_TESTS, "the 16-warp direct e4m3 decode kernel",
-                                 VALIDATED_DIRECT_WIDE)
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
