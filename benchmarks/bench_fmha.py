@@ -56,11 +56,8 @@ def main(argv=None):
     ap.add_argument("--peers", default="cudnn,flash", help="SDPA backends timed alongside")
     ap.add_argument("--max-score-seqs", default="32k,128k",
                     help="N of the max-score-only pass (Hq=4 index heads, Hkv=1)")
-    ap.add_argument("--forms", default="plain",
-                    help="kernel block loops to time: plain, pipelined (impl msa.fmha[form])")
     ap.add_argument("--dtypes", default="bf16",
-                    help="q/k/v dtypes: bf16, fp8 (e4m3 q/k/v, bf16 O; impl msa.fmha[e4m3], "
-                         "plain loop)")
+                    help="q/k/v dtypes: bf16, fp8 (e4m3 q/k/v, bf16 O; impl msa.fmha[e4m3])")
     ap.add_argument("--allow-unvalidated", action="store_true",
                     help="time the gated native kernel (backend column says so)")
     add_common_args(ap, rep_ms=200)
@@ -76,11 +73,9 @@ def main(argv=None):
     msa = load_msa()
     native = native_module(msa, "fmha_sm90")     # None in a build without native kernels
     gated = native is not None and not native.VALIDATED
-    # (q/k/v dtype, block loop) pairs to time; e4m3 runs on the plain loop.
     dtype_names = parse_names(args.dtypes)
-    runs = [("bf16", form) for form in parse_names(args.forms) if "bf16" in dtype_names]
-    if "fp8" in dtype_names:
-        runs.append(("fp8", "plain"))
+    if set(dtype_names) - {"bf16", "fp8"}:
+        ap.error(f"--dtypes {args.dtypes}: bf16 and fp8 are the choices")
     tsv = TsvWriter(args.out, COLUMNS, device, formats={"tflops": ".1f",
                                                          "speedup_vs_cudnn": ".2f"})
     gen = torch.Generator(device="cpu").manual_seed(torch.initial_seed() % (1 << 62))
@@ -111,9 +106,7 @@ def main(argv=None):
                     plan = msa.fmha_plan(torch.tensor([n]), torch.tensor([n]), hq, hkv,
                                          causal=causal, page_size=128 if layout == "paged"
                                          else -1, device=device)
-                    for dtype_name, form in runs:
-                        if native is not None:
-                            native.PIPELINED_FOR_TESTS = form == "pipelined"
+                    for dtype_name in dtype_names:
                         if dtype_name == "fp8":
                             q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k_in, v_in))
 
@@ -127,16 +120,13 @@ def main(argv=None):
                         backend = msa._backend.last_backend("fmha_dense")
                         if reference_too_slow(backend, n, device, args, f"fmha {layout} N={n}"):
                             continue
-                        unvalidated = gated or (native is not None and (
-                            (form == "pipelined" and not native.VALIDATED_PIPELINED)
-                            or (dtype_name == "fp8" and not native.VALIDATED_FP8)))
+                        unvalidated = gated or (native is not None and dtype_name == "fp8"
+                                                and not native.VALIDATED_FP8)
                         if backend == "sm90" and unvalidated:
                             backend = "sm90-unvalidated"
                         ms = time_ms(call, device, args.rep_ms)
                         cudnn = peer_ms.get("cudnn")
-                        impl = "msa.fmha" if form == "plain" else f"msa.fmha[{form}]"
-                        if dtype_name == "fp8":
-                            impl = "msa.fmha[e4m3]"
+                        impl = "msa.fmha[e4m3]" if dtype_name == "fp8" else "msa.fmha"
                         tsv.write(mode="o", n=n, hq=hq, hkv=hkv, causal=int(causal),
                                   layout=layout, impl=impl, backend=backend, latency_ms=ms,
                                   tflops=flops / ms / 1e9,

@@ -67,9 +67,6 @@ E4M3 = torch.float8_e4m3fn
 DTYPE_MODES = {   # name -> (q, k, v) -> (q, k, v, pv_dtype)
     "bf16": lambda q, k, v: (q, k, v, None),
     "fp8": lambda q, k, v: (q.to(E4M3), k.to(E4M3), v.to(E4M3), E4M3),
-    # fp8 on the kernel form that keeps P in registers ("e4m3_rp"); "fp8" then forces the
-    # shared-P form, so both can be timed in one run.
-    "fp8_rp": lambda q, k, v: (q.to(E4M3), k.to(E4M3), v.to(E4M3), E4M3),
     "fp8_pv_bf16": lambda q, k, v: (q.to(E4M3), k.to(E4M3), v.to(E4M3), torch.bfloat16),
     "bf16q_fp8kv": lambda q, k, v: (q, k.to(E4M3), v.to(E4M3), None),
 }
@@ -80,16 +77,7 @@ def unvalidated_mode(msa, q, k, v, pv_dtype) -> bool:
     --allow-unvalidated set MSA_UNVALIDATED_KERNELS)."""
     native = native_module(msa, "sparse_prefill_sm90")
     mode = native.attention_mode(q.dtype, k.dtype, v.dtype, pv_dtype)
-    if native.kernel_mode(mode) == "e4m3_rp" and not native.VALIDATED_REGISTER_P:
-        return True
     return mode not in ("bfloat16", None) and mode not in native.VALIDATED_FP8_MODES
-
-
-def set_register_p(msa, value) -> None:
-    """Force the e4m3 kernel form (True: P in registers, False: shared P, None: the gate)."""
-    native = native_module(msa, "sparse_prefill_sm90")
-    if native is not None:   # a build without native kernels has nothing to force
-        native.REGISTER_P_FOR_TESTS = value
 
 
 def visible_pairs(q2k: torch.Tensor) -> int:
@@ -163,8 +151,7 @@ def main():
     ap.add_argument("--patterns", default="random,clustered")
     ap.add_argument("--dtypes", default="bf16,fp8_pv_bf16,bf16q_fp8kv,fp8",
                     help="bf16; fp8 (e4m3 q/k/v, e4m3 P.V); fp8_pv_bf16 (e4m3 q/k/v, bf16 P.V); "
-                         "bf16q_fp8kv (bf16 q, e4m3 k/v); fp8_rp (fp8 on the P-in-registers "
-                         "form, gated: add --allow-unvalidated)")
+                         "bf16q_fp8kv (bf16 q, e4m3 k/v)")
     ap.add_argument("--allow-unvalidated", action="store_true",
                     help="also time kernels still gated as unvalidated (backend column says so)")
     ap.add_argument("--peers", default="flex,cudnn")
@@ -212,7 +199,6 @@ def main():
                     flops / flex_ms / 1e9, pairs, 1.0)
             for dtype in args.dtypes.split(","):
                 qq, kk, vv, pv_dtype = DTYPE_MODES[dtype](q, k, v)
-                set_register_p(msa, {"fp8_rp": True, "fp8": False}.get(dtype))
                 kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
                           max_seqlen_k=max(lens), causal=True, pv_dtype=pv_dtype)
                 row_ptr, q_idx, sched = msa.build_k2q_csr(

@@ -10,6 +10,7 @@ CUDA, that supports() gates the FP8 modes until they are validated.
 
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -48,10 +49,12 @@ def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
     text = ptx[0].read_text()
     assert ".target sm_90a" in text
     if "_e4m3_g" in name:
-        # e4m3 S = QK^T (SS) and e4m3 O = PV (SS: P rounded to e4m3 in shared memory, V^T
-        # K-major): 4 k-steps each of m64n128k32; P rounded with cvt e4m3x2. S is issued at two
-        # sites (tile 0 before the loop, tile t+1 inside it: the software pipeline).
+        # e4m3 S = QK^T (SS) and e4m3 O = PV (RS: P rounded to e4m3 and kept in registers, V^T
+        # K-major and key-permuted): 4 k-steps each of m64n128k32; P rounded with cvt e4m3x2.
+        # S is issued at two sites (tile 0 before the loop, tile t+1 inside it: the software
+        # pipeline).
         assert text.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 12
+        assert len(re.findall(r"m64n128k32\.f32\.e4m3\.e4m3 \{[^}]*\}, \{", text)) == 4
         assert "cvt.rn.satfinite.e4m3x2.f32" in text
         assert "fence.proxy.async.shared::cta" in text
     elif "_e4m3_pv_bf16_" in name:
@@ -82,24 +85,11 @@ def test_shipped_variant_names_match_the_runtime():
                 assert set(_variant_names(g, paged, partial)) <= names
             for mode in FP8_MODES:
                 assert set(_variant_names(g, paged, torch.bfloat16, mode)) <= names
-            assert f"sparse_prefill_sm90_e4m3_rp_g{g}_{'paged' if paged else 'dense'}_pbf16" \
-                in names
     bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
-    assert attention_mode(bf16, e4m3, e4m3, None) == "bf16_kv_e4m3"
-    assert attention_mode(e4m3, e4m3, e4m3, bf16) == "e4m3_pv_bf16"
-    assert attention_mode(e4m3, e4m3, e4m3, e4m3) == "e4m3"
-    # Every compiled FP8 family serves a dtype mode: "e4m3_rp" is "e4m3" with P in registers.
-    import msa._native.sparse_prefill_sm90 as native
-    served = set()
-    for register_p in (False, True):
-        native.REGISTER_P_FOR_TESTS = register_p
-        try:
-            served |= {native.kernel_mode(attention_mode(bf16, e4m3, e4m3, None)),
-                       native.kernel_mode(attention_mode(e4m3, e4m3, e4m3, bf16)),
-                       native.kernel_mode(attention_mode(e4m3, e4m3, e4m3, None))}
-        finally:
-            native.REGISTER_P_FOR_TESTS = None
-    assert set(FP8_MODES) == served
+    # Every compiled FP8 family serves a dtype mode.
+    served = {attention_mode(bf16, e4m3, e4m3, None), attention_mode(e4m3, e4m3, e4m3, bf16),
+              attention_mode(e4m3, e4m3, e4m3, e4m3)}
+    assert served == {"bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3"} == set(FP8_MODES)
 
 
 def test_fp8_modes_are_gated_until_validated(monkeypatch):
@@ -123,34 +113,23 @@ def test_fp8_modes_are_gated_until_validated(monkeypatch):
 
 
 def test_gated_kernel_forms_follow_their_flags(monkeypatch):
-    """The session-3 gated forms (e4m3 P.V with P in registers, the pipelined FMHA loop, the
-    page-pair e4m3 decode step) run only when validated, forced by a test hook, or opted into
-    with MSA_UNVALIDATED_KERNELS=1; otherwise their validated counterparts run. No CUDA needed."""
+    """The session-3 gated form (the page-pair e4m3 decode step) runs only when validated,
+    forced by a test hook, or opted into with MSA_UNVALIDATED_KERNELS=1; otherwise its validated
+    counterpart runs. No CUDA needed."""
     sys.path.insert(0, str(ROOT / "torch-ext"))
     from msa import _backend
-    from msa._native import decode_cuda, fmha_sm90, sparse_prefill_sm90
+    from msa._native import decode_cuda
     monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
-    gates = ((sparse_prefill_sm90, "VALIDATED_REGISTER_P", "REGISTER_P_FOR_TESTS"),
-             (fmha_sm90, "VALIDATED_PIPELINED", "PIPELINED_FOR_TESTS"),
-             (decode_cuda, "VALIDATED_DIRECT_PAIRS", "DIRECT_PAIRS_FOR_TESTS"))
-    for module, flag, hook in gates:
-        monkeypatch.setattr(module, flag, False)
-        monkeypatch.setattr(module, hook, None)
+    monkeypatch.setattr(decode_cuda, "VALIDATED_DIRECT_PAIRS", False)
+    monkeypatch.setattr(decode_cuda, "DIRECT_PAIRS_FOR_TESTS", None)
 
     def chosen():
-        return (sparse_prefill_sm90.kernel_mode("e4m3"), fmha_sm90.use_pipelined(),
-                decode_cuda._direct_pairs())
-    assert chosen() == ("e4m3", False, False)
-    assert sparse_prefill_sm90.kernel_mode("e4m3_pv_bf16") == "e4m3_pv_bf16"
+        return decode_cuda._direct_pairs()
+    assert chosen() is False
     monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
-    assert chosen() == ("e4m3_rp", True, True)
+    assert chosen() is True
     monkeypatch.delenv(_backend.UNVALIDATED_ENV)
-    monkeypatch.setattr(sparse_prefill_sm90, "VALIDATED_REGISTER_P", True)
-    monkeypatch.setattr(fmha_sm90, "VALIDATED_PIPELINED", True)
     monkeypatch.setattr(decode_cuda, "VALIDATED_DIRECT_PAIRS", True)
-    assert chosen() == ("e4m3_rp", True, True)
-    monkeypatch.setattr(sparse_prefill_sm90, "REGISTER_P_FOR_TESTS", False)
-    monkeypatch.setattr(fmha_sm90, "PIPELINED_FOR_TESTS", False)
+    assert chosen() is True
     monkeypatch.setattr(decode_cuda, "DIRECT_PAIRS_FOR_TESTS", False)
-    assert chosen() == ("e4m3", False, False)
-    assert fmha_sm90.variant_name(True, pipelined=True) == "fmha_sm90_bfloat16_paged_pipelined"
+    assert chosen() is False

@@ -94,14 +94,10 @@ def _check_against_float64(out, q, k, v, q_lens, kv_lens, offsets, causal, scale
     return o64
 
 
-@pytest.mark.parametrize("form", ["plain", "pipelined"])
 @pytest.mark.parametrize("heads,causal,paged", CASES)
-def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypatch):
-    """form: the kernel's block loop (plain, or pipelined: S(j+1) and P(j) V(j) in flight
-    together)."""
+def test_fmha_native_matches_float64(heads, causal, paged, seed, monkeypatch):
     native = _native_module()
     monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
-    monkeypatch.setattr(native, "PIPELINED_FOR_TESTS", form == "pipelined")
     monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
@@ -120,7 +116,7 @@ def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypat
 
     offs = offsets if causal else [0] * len(q_lens)
     o64 = _check_against_float64(out, q, k, v, q_lens, kv_lens, offs, causal, scale,
-                                 f"Hq={hq} Hkv={hkv} causal={causal} paged={paged} {form}")
+                                 f"Hq={hq} Hkv={hkv} causal={causal} paged={paged}")
     empty = (o64.abs().amax(-1) == 0)
     assert (out.cpu()[empty] == 0).all(), "rows that see no key must be 0"
 
@@ -129,7 +125,7 @@ def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypat
                                                  ((4, 4), False, True), ((16, 1), True, False)])
 def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, seed,
                                                          monkeypatch):
-    """Mode 1 (O and max-score, gated kernel fmha_sm90_*_maxscore): O against float64 as the
+    """Mode 1 (O and max-score, kernel fmha_sm90_*_maxscore): O against float64 as the
     O-only test checks it; max_score [Hq, max_k_tiles, total_q] against the reference backend:
     the same -inf pattern (tiles a row cannot see, rows no request owns) and 1e-2 relative
     elsewhere, values scaled by sm_scale * q_scale * k_scale."""

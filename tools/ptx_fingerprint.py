@@ -7,6 +7,9 @@ Refactors of kernel code that cannot be re-run on a GPU right away are proven no
     python tools/ptx_fingerprint.py after.json --compare before.json
 
 Source-location lines (.loc / .file) are ignored, so moving code between files does not count.
+A change that deletes variants on purpose adds --allow-removed (they are listed, not failed);
+one that renames them adds --rename OLD=NEW (the old file's names have OLD replaced by NEW
+before comparing, e.g. --rename _e4m3_rp_=_e4m3_).
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="JSON file: variant name -> PTX fingerprint")
     ap.add_argument("--compare", metavar="JSON", help="fail unless every fingerprint matches")
+    ap.add_argument("--allow-removed", action="store_true",
+                    help="with --compare: variants no longer shipped are listed, not failed")
+    ap.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
+                    help="with --compare: replace OLD by NEW in the old file's variant names")
     args = ap.parse_args()
     prints = {}
     for variant in shipped_variants():
@@ -50,9 +57,19 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(prints, indent=1, sort_keys=True))
     if args.compare:
         old = json.loads(Path(args.compare).read_text())
-        changed = sorted(k for k in set(old) | set(prints) if old.get(k) != prints.get(k))
+        for spec in args.rename:
+            before, after = spec.split("=", 1)
+            moved = {k.replace(before, after): v for k, v in old.items() if before in k}
+            old = {k: v for k, v in old.items() if before not in k}
+            old.update(moved)
+        removed = sorted(set(old) - set(prints))
+        changed = sorted(k for k in prints if old.get(k) != prints[k])
+        if not args.allow_removed:
+            changed = sorted(changed + removed)
         print(f"{len(prints)} variants, {len(changed)} changed" +
               (f": {', '.join(changed)}" if changed else ""))
+        if removed and args.allow_removed:
+            print(f"{len(removed)} removed: {', '.join(removed)}")
         return 1 if changed else 0
     return 0
 

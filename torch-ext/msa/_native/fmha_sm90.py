@@ -7,12 +7,12 @@ values): O = output_scale * softmax(logit_scale * q k^T) v over the visible keys
 bottom-right with the plan's or the override's qo_offset), 0 for rows that see nothing.
 
 Served: bf16 q/k/v, any GQA group, dense K/V or paged K/V with 128-token pages, causal or not,
-output O (mode 3), and O with the max-score output (mode 1, gated: ``VALIDATED_MAX_SCORE``);
-e4m3 q/k/v with O only (gated: ``VALIDATED_FP8``). Other calls (mixed dtypes, other page
-sizes, block-selected mode) fall back to the reference through ``supports``; the
-block-selected mode goes to the sparse bridge before dispatch when the plan has one.
+output O (mode 3), and O with the max-score output (mode 1); e4m3 q/k/v with O only (gated:
+``VALIDATED_FP8``). Other calls (mixed dtypes, other page sizes, block-selected mode) fall back
+to the reference through ``supports``; the block-selected mode goes to the sparse bridge before
+dispatch when the plan has one.
 
-Validated: tests/test_fmha_gpu.py passed on the H200 (2026-11-30, session 3).
+Validated: tests/test_fmha_gpu.py passed on the H200 (2026-11-30; e4m3 q/k/v not yet).
 
 Also registered here: "fmha_max_score" (mode 2, the max-score-only proxy pass), which is the
 indexer's computation and runs on the validated sm90 block max-score kernel.
@@ -32,16 +32,10 @@ PAGE = 128
 TILE_M = 128                    # queries per CTA; must match cute_kernels.fmha_sm90.TILE_M
 # tests/test_fmha_gpu.py passed on the H200 (2026-11-30, session 3): 7 tests.
 VALIDATED = True
-# The pipelined block loop (S(j+1) and P(j) V(j) in flight together): compiled (no spills, no
-# serialized wgmma), gated until tests/test_fmha_gpu.py's "pipelined" cases pass on an H200.
-# A first, branched form (commit 3b67486) passed the tests but ptxas serialized its wgmmas and
-# it measured 385-414 TFLOP/s against the plain loop's 459-477.
-VALIDATED_PIPELINED = False
-PIPELINED_FOR_TESTS: Optional[bool] = None
-# O + max-score (mode 1) on the plain loop (variants fmha_sm90_*_maxscore: each row's scaled max
-# over a block's visible keys is written as the block streams by): compiled, gated until
-# test_fmha_native_o_and_max_score_match_the_reference passes on an H200.
-VALIDATED_MAX_SCORE = False
+# O + max-score (mode 1; variants fmha_sm90_*_maxscore: each row's scaled max over a block's
+# visible keys is written as the block streams by): test_fmha_native_o_and_max_score_match_the_
+# reference passed on the H200 (2026-11-30).
+VALIDATED_MAX_SCORE = True
 # e4m3 q/k/v (variants fmha_sm90_e4m3_*: e4m3 QK^T wgmma, P rounded to e4m3 in registers, V
 # transposed per block into a key-permuted Vt; O bf16; q/k/v/o scales folded into the logit and
 # output scales): compiled, gated until the e4m3 cases of tests/test_fmha_gpu.py pass.
@@ -55,18 +49,10 @@ POISON_BUFFERS_FOR_TESTS = False
 
 
 def variant_name(paged: bool, dtype: torch.dtype = torch.bfloat16,
-                 pipelined: bool = False, max_score: bool = False) -> str:
+                 max_score: bool = False) -> str:
     """Artifact name; must match cute_kernels.variants.FmhaVariant."""
-    suffix = ("_pipelined" if pipelined else "") + ("_maxscore" if max_score else "")
+    suffix = "_maxscore" if max_score else ""
     return f"fmha_sm90_{_DTYPE_NAMES[dtype]}_{'paged' if paged else 'dense'}{suffix}"
-
-
-def use_pipelined() -> bool:
-    """The intra-warpgroup pipelined block loop (cute_kernels/fmha_sm90.py): forced by tests
-    and benchmarks through PIPELINED_FOR_TESTS, else once validated (or
-    MSA_UNVALIDATED_KERNELS=1)."""
-    return _backend.form_enabled(PIPELINED_FOR_TESTS, "the pipelined sm90 FMHA",
-                                 VALIDATED_PIPELINED)
 
 
 def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=True, mode=None,
@@ -97,13 +83,8 @@ def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=Tr
 
 
 def _variant_for(paged: bool, mode: int, dtype: torch.dtype = torch.bfloat16) -> str:
-    """The artifact serving mode 3 (O: plain or pipelined loop; e4m3: plain) or mode 1
-    (O + max-score)."""
-    if dtype == torch.float8_e4m3fn:
-        return variant_name(paged, dtype)
-    if mode == MODE_O_AND_SCORE:
-        return variant_name(paged, max_score=True)
-    return variant_name(paged, pipelined=use_pipelined())
+    """The artifact serving mode 3 (O; bf16 or e4m3) or mode 1 (O + max-score, bf16)."""
+    return variant_name(paged, dtype, max_score=mode == MODE_O_AND_SCORE)
 
 
 def check_launch_limits(call) -> None:

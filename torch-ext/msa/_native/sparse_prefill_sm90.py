@@ -15,11 +15,11 @@ When the call carries no schedule it is built here on the device with tensor ops
 
 FP8 (contract §1.2, no scale factors): three modes are compiled (cute_kernels.variants.FP8_MODES,
 bf16 partials only) -- ``bf16_kv_e4m3`` (bf16 q, e4m3 k/v), ``e4m3_pv_bf16`` (e4m3 q/k/v,
-pv_dtype bf16) and ``e4m3`` (e4m3 q/k/v, pv_dtype e4m3). **Validation gate:** supports() serves
-an FP8 mode only when it is listed in :data:`VALIDATED_FP8_MODES` (add a mode there only after
-its GPU test in tests/test_sparse_prefill_gpu.py passed on an H200), or when the environment
-sets ``MSA_UNVALIDATED_KERNELS=1`` (the GPU tests do, to validate them). Otherwise the reference
-runs (or MSA_BACKEND=native raises with the reason).
+pv_dtype bf16) and ``e4m3`` (e4m3 q/k/v, pv_dtype e4m3, P kept in registers). **Validation
+gate:** supports() serves an FP8 mode only when it is listed in :data:`VALIDATED_FP8_MODES` (add
+a mode there only after its GPU test in tests/test_sparse_prefill_gpu.py passed on an H200), or
+when the environment sets ``MSA_UNVALIDATED_KERNELS=1`` (the GPU tests do, to validate them).
+Otherwise the reference runs (or MSA_BACKEND=native raises with the reason).
 """
 
 from __future__ import annotations
@@ -45,13 +45,9 @@ _FP8 = torch.float8_e4m3fn
 # Passed tests/test_sparse_prefill_gpu.py on the H200 (2026-11-30, session 2): every G, dense
 # and paged. "e4m3" (P rounded to e4m3) matches the quantized model except for isolated one-ulp
 # P flips at e4m3 midpoints (diagnosed: the error vector of such a row is parallel to one V row).
+# Its kernel now keeps P in registers; that form passed the same test on the H200 (2026-11-30)
+# and replaced the shared-memory-P form.
 VALIDATED_FP8_MODES: set = {"bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3"}
-# Mode "e4m3" on the kernel form that keeps P in registers (variants "e4m3_rp": key-permuted Vt,
-# RS P.V wgmma, no shared P tile and no barrier before P.V): compiled, gated until the
-# "e4m3_rp" cases of tests/test_sparse_prefill_gpu.py pass on an H200. REGISTER_P_FOR_TESTS
-# forces it on or off.
-VALIDATED_REGISTER_P = False
-REGISTER_P_FOR_TESTS: Optional[bool] = None
 UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
 
 
@@ -71,20 +67,9 @@ def attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype) -> Optional[str]:
     return None
 
 
-def kernel_mode(mode: str) -> str:
-    """The compiled variant family serving an attention mode: "e4m3" runs on "e4m3_rp" (P in
-    registers) when that form is validated or forced, else on the shared-P form."""
-    if mode != "e4m3":
-        return mode
-    use = _backend.form_enabled(REGISTER_P_FOR_TESTS, "the register-P e4m3 kernel",
-                                VALIDATED_REGISTER_P)
-    return "e4m3_rp" if use else mode
-
-
 def _variant_names(qhead_per_kv: int, paged: bool, partial_dtype: torch.dtype,
                    mode: str = "bfloat16") -> Tuple[str, str]:
     """(attention, combine) artifact names; must match cute_kernels.variants."""
-    mode = kernel_mode(mode)
     short = {"float32": "f32", "bfloat16": "bf16"}[_PARTIAL_NAMES[partial_dtype]]
     layout = "paged" if paged else "dense"
     return (f"sparse_prefill_sm90_{mode}_g{qhead_per_kv}_{layout}_p{short}",

@@ -33,7 +33,6 @@ _QKV_DTYPES = {
     "bf16_kv_e4m3": (cutlass.BFloat16, cutlass.Float8E4M3FN),
     "e4m3_pv_bf16": (cutlass.Float8E4M3FN, cutlass.Float8E4M3FN),
     "e4m3": (cutlass.Float8E4M3FN, cutlass.Float8E4M3FN),
-    "e4m3_rp": (cutlass.Float8E4M3FN, cutlass.Float8E4M3FN),   # "e4m3" with P in registers
 }
 
 
@@ -170,6 +169,6 @@ def compile_variant(variant, *, dump_dir: Optional[str] = None):
         if variant.max_score:
             kernel = FmhaSm90MaxScore(variant.paged, _DTYPES[variant.dtype])
         else:
-            kernel = FmhaSm90(variant.paged, _DTYPES[variant.dtype], variant.pipelined)
+            kernel = FmhaSm90(variant.paged, _DTYPES[variant.dtype])
         return cute.compile(kernel, *fmha_args(variant), options=options)
     raise TypeError(f"variant: unknown kind {type(variant).__name__}")

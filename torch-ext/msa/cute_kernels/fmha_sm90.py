@@ -18,15 +18,9 @@ Work decomposition (query-outer, FlashAttention style):
 * at the end O / sum * output_scale is staged in the warpgroup's Q rows and written as 16-byte
   row segments.
 
-Two block-loop forms (compile-time `pipelined`):
-* plain (shipped): one two-stage ring holding K and V of a block; per block a barrier, then S,
-  the softmax and P V, each waited for;
-* pipelined (gated until its GPU tests pass): K runs one block ahead of V in two two-stage
-  rings; S(j+1) = Q K(j+1)^T and O += P(j) V(j) are issued back to back and the softmax of
-  S(j+1) runs while P(j) V(j) is on the tensor cores; only the accumulator rescale waits for
-  it. Blocks 0 .. n-2 go through one branch-free loop and the last P V is peeled: a
-  data-dependent branch around the wgmma issue / waits made ptxas serialize every wgmma of the
-  kernel (C7514), which measured 15 % slower than the plain form.
+The block loop is plain: per block a barrier, then S, the softmax and P V, each waited for.
+(A pipelined loop, S(j+1) and P(j) V(j) in flight together, measured 3-9 % slower on the H200
+and was removed: docs/design-fmha.md.)
 
 Shared memory: Q 2 x 16 KB + 2 stages x (K 32 KB + V 32 KB) = 160 KB, one CTA (8 warps) per SM.
 Grid (max query tiles, Hq, B); x runs from the last (heaviest under causal masking) tile. Every
@@ -50,8 +44,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from .tile_utils import (kv_row_iterator, mask_row_and_max, quad_max, quad_sum,
                          register_p_key_order, register_p_operand, row_copy, warp_row_store_copy,
-                         warpgroup_gemm, warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
-                         wgmma_rows_cols_view)
+                         warpgroup_gemm, wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 
 HEAD_DIM = 128
 BLOCK_N = 128            # keys per block (= page size)
@@ -66,7 +59,7 @@ ROWS_PER_WARP = 16
 class FmhaSm90:
     """Compile-time configuration of one dense FMHA variant (see cute_kernels.variants)."""
 
-    def __init__(self, paged: bool, dtype=cutlass.BFloat16, pipelined: bool = False):
+    def __init__(self, paged: bool, dtype=cutlass.BFloat16):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
         self.paged = paged
         self.dtype = dtype                 # q, k, v
@@ -74,8 +67,6 @@ class FmhaSm90:
         # e4m3: QK^T on e4m3 wgmma; P rounded to e4m3 and kept in registers; V transposed per
         # block into a key-permuted Vt tile (the e4m3 B operand must be K-major).
         self.fp8 = dtype.width == 8
-        assert not (self.fp8 and pipelined), "e4m3 rides on the plain loop"
-        self.pipelined = pipelined
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor,
@@ -270,23 +261,11 @@ class FmhaSm90:
         tKVcKV = thr_kv_copy.partition_S(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
         kv_row_stride0 = cute.make_layout((BLOCK_N, HEAD_DIM), stride=(0, 1))
 
-        if cutlass.const_expr(not self.pipelined):
-            if n_blocks > 0:
-                self._load_kv_block(mK, mV, mPageTable, request, head_kv, k_row0, kv_len, 0, 0,
-                                    sK_stages, sV_stages, thr_kv_copy, kv_copy, tKVcKV,
-                                    kv_row_stride0)
-            cute.arch.cp_async_commit_group()            # Q rides in the first group
-        else:
-            # Prologue group (with Q): K(0), K(1) and V(0).
-            if n_blocks > 0:
-                self._load_rows(mK, mPageTable, request, head_kv, k_row0, kv_len, 0, sK_stages,
-                                0, thr_kv_copy, kv_copy, tKVcKV, kv_row_stride0)
-                self._load_rows(mV, mPageTable, request, head_kv, k_row0, kv_len, 0, sV_stages,
-                                0, thr_kv_copy, kv_copy, tKVcKV, kv_row_stride0)
-            if n_blocks > 1:
-                self._load_rows(mK, mPageTable, request, head_kv, k_row0, kv_len, 1, sK_stages,
-                                1, thr_kv_copy, kv_copy, tKVcKV, kv_row_stride0)
-            cute.arch.cp_async_commit_group()
+        if n_blocks > 0:
+            self._load_kv_block(mK, mV, mPageTable, request, head_kv, k_row0, kv_len, 0, 0,
+                                sK_stages, sV_stages, thr_kv_copy, kv_copy, tKVcKV,
+                                kv_row_stride0)
+        cute.arch.cp_async_commit_group()                # Q rides in the first group
 
         # ---- warpgroup MMA operands --------------------------------------------------------
         thr_qk = mma_qk.get_slice(wg_tidx)
@@ -312,122 +291,51 @@ class FmhaSm90:
             row_max[i] = -cutlass.Float32.inf
             row_sum[i] = 0.0
 
-        if cutlass.const_expr(not self.pipelined):
-            for blk in range(n_blocks):
-                stage = blk % KV_STAGES
-                # After the barrier both warpgroups are also done with the stage refilled below.
-                self._publish_stages()
-                if blk + 1 < n_blocks:
-                    self._load_kv_block(mK, mV, mPageTable, request, head_kv, k_row0, kv_len,
-                                        blk + 1, 1 - stage, sK_stages, sV_stages, thr_kv_copy,
-                                        kv_copy, tKVcKV, kv_row_stride0)
-                cute.arch.cp_async_commit_group()
-                if cutlass.const_expr(self.fp8):
-                    # V(blk) -> Vt, keys permuted; every warpgroup finished P V(blk - 1) on Vt
-                    # before the barrier above.
-                    self._transpose_v(sV_stages[None, None, stage], sVt, vt_copy, tidx)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.sync_threads()
+        for blk in range(n_blocks):
+            stage = blk % KV_STAGES
+            # After the barrier both warpgroups are also done with the stage refilled below.
+            self._publish_stages()
+            if blk + 1 < n_blocks:
+                self._load_kv_block(mK, mV, mPageTable, request, head_kv, k_row0, kv_len,
+                                    blk + 1, 1 - stage, sK_stages, sV_stages, thr_kv_copy,
+                                    kv_copy, tKVcKV, kv_row_stride0)
+            cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(self.fp8):
+                # V(blk) -> Vt, keys permuted; every warpgroup finished P V(blk - 1) on Vt
+                # before the barrier above.
+                self._transpose_v(sV_stages[None, None, stage], sVt, vt_copy, tidx)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_threads()
 
-                # ---- S = Q K^T --------------------------------------------------------------
-                acc_s = cute.make_rmem_tensor(acc_s_shape, cutlass.Float32)
-                warpgroup_gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
-
-                # ---- online softmax -----------------------------------------------------------
-                key0 = blk * BLOCK_N
-                s_rc = wgmma_rows_cols_view(acc_s)
-                for i in cutlass.range_constexpr(n_my_rows):
-                    q_local = wg_q0 + tScS[i, 0][0]
-                    visible_end = kv_len - key0                 # block keys [0, end) visible
-                    if causal != 0:
-                        visible_end = cutlass.min(visible_end, q_local + offset - key0 + 1)
-                    blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end,
-                                                        BLOCK_N))
-                    if cutlass.const_expr(mMaxScore is not None):
-                        self._store_max_score(mMaxScore, score_scale, blk_max, head, blk,
-                                              q_start, q_local, q_len, lane)
-                    new_max = cute.arch.fmax(row_max[i], blk_max * scale_log2)
-                    base = new_max
-                    if new_max == -cutlass.Float32.inf:
-                        base = 0.0                              # nothing visible yet: p = 0
-                    correction = cute.math.exp2(row_max[i] - base, fastmath=True)
-                    row_max[i] = new_max
-                    part = cutlass.Float32(0.0)
-                    for j in cutlass.range_constexpr(n_my_cols):
-                        p = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
-                        part = part + p
-                        s_rc[i, j] = p
-                    row_sum[i] = row_sum[i] * correction + part
-                    for j in cutlass.range_constexpr(n_my_cols):
-                        o_rc[i, j] = o_rc[i, j] * correction
-
-                # ---- O += P V (P in registers) -----------------------------------------------
-                if cutlass.const_expr(self.fp8):
-                    # P rounded to e4m3 (as the reference's p_quant models an FP8 MMA), handed
-                    # to the RS wgmma in the key order of the permuted Vt.
-                    r_p8 = cute.make_fragment_like(acc_s, self.dtype)
-                    r_p8.store(acc_s.load().to(self.dtype))
-                    t_p8 = register_p_operand(r_p8,
-                                              thr_pv.partition_shape_A((WG_ROWS, BLOCK_N)))
-                    warpgroup_gemm(mma_pv, acc_o, t_p8, tOrVt, accumulate=True)
-                else:
-                    r_p = cute.make_fragment_like(acc_s, self.dtype)
-                    r_p.store(acc_s.load().to(self.dtype))
-                    t_p = wgmma_accumulator_as_operand_a(r_p)
-                    warpgroup_gemm(mma_pv, acc_o, t_p, tOrVt[None, None, None, stage],
-                                   accumulate=True)
-        else:
-            correction = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
+            # ---- S = Q K^T -----------------------------------------------------------------
             acc_s = cute.make_rmem_tensor(acc_s_shape, cutlass.Float32)
-            r_p = cute.make_fragment_like(acc_s, self.dtype)             # P(j), bf16
-            t_p = wgmma_accumulator_as_operand_a(r_p)
+            warpgroup_gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
 
-            if n_blocks > 0:
-                self._publish_stages()
-                warpgroup_gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, 0])
-                self._online_softmax(acc_s, 0, row_max, row_sum, correction, tScS, wg_q0,
-                                     kv_len, offset, causal, scale_log2)
-                r_p.store(acc_s.load().to(self.dtype))
+            # ---- online softmax ------------------------------------------------------------
+            self._online_softmax(acc_s, o_rc, blk, row_max, row_sum, tScS, wg_q0, kv_len,
+                                 offset, causal, scale_log2, mMaxScore, score_scale, head,
+                                 q_start, q_len, lane)
 
-            # Blocks 0 .. n_blocks - 2: S(blk + 1) and P(blk) V(blk) in flight together. (No
-            # data-dependent branch around the wgmma issue and waits: with one, ptxas serializes
-            # every wgmma of the kernel, C7514.)
-            for blk in range(n_blocks - 1):
-                stage = blk % KV_STAGES
-                # K(blk + 1) and V(blk) have landed for every thread; every warpgroup is done
-                # with S(blk) (K stage `stage`) and P(blk - 1) V(blk - 1) (V stage 1 - stage).
-                self._publish_stages()
-                if blk + 2 < n_blocks:
-                    self._load_rows(mK, mPageTable, request, head_kv, k_row0, kv_len, blk + 2,
-                                    sK_stages, stage, thr_kv_copy, kv_copy, tKVcKV,
-                                    kv_row_stride0)
-                self._load_rows(mV, mPageTable, request, head_kv, k_row0, kv_len, blk + 1,
-                                sV_stages, 1 - stage, thr_kv_copy, kv_copy, tKVcKV,
-                                kv_row_stride0)
-                cute.arch.cp_async_commit_group()
-                # S(blk + 1) = Q K(blk + 1)^T, then O += P(blk) V(blk) with P in registers
-                warpgroup_gemm_issue(mma_qk, acc_s, tSrQ, tSrK[None, None, None, 1 - stage])
-                warpgroup_gemm_issue(mma_pv, acc_o, t_p, tOrVt[None, None, None, stage],
-                                     accumulate=True)
-                warpgroup.wait_group(1)                         # S(blk + 1) is in acc_s
-                self._online_softmax(acc_s, blk + 1, row_max, row_sum, correction, tScS,
-                                     wg_q0, kv_len, offset, causal, scale_log2)
-                warpgroup.wait_group(0)                         # P(blk) V(blk) is in acc_o
-                for i in cutlass.range_constexpr(n_my_rows):
-                    for j in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
-                        o_rc[i, j] = o_rc[i, j] * correction[i]
+            # ---- O += P V (P in registers) -------------------------------------------------
+            if cutlass.const_expr(self.fp8):
+                # P rounded to e4m3 (as the reference's p_quant models an FP8 MMA), handed
+                # to the RS wgmma in the key order of the permuted Vt.
+                r_p8 = cute.make_fragment_like(acc_s, self.dtype)
+                r_p8.store(acc_s.load().to(self.dtype))
+                t_p8 = register_p_operand(r_p8, thr_pv.partition_shape_A((WG_ROWS, BLOCK_N)))
+                warpgroup_gemm(mma_pv, acc_o, t_p8, tOrVt, accumulate=True)
+            else:
+                r_p = cute.make_fragment_like(acc_s, self.dtype)
                 r_p.store(acc_s.load().to(self.dtype))
-            if n_blocks > 0:                                    # the last block's P V
-                self._publish_stages()
-                last_stage = (n_blocks - 1) % KV_STAGES
-                warpgroup_gemm(mma_pv, acc_o, t_p, tOrVt[None, None, None, last_stage],
+                t_p = wgmma_accumulator_as_operand_a(r_p)
+                warpgroup_gemm(mma_pv, acc_o, t_p, tOrVt[None, None, None, stage],
                                accumulate=True)
         cute.arch.cp_async_wait_group(0)
         # The Q rows are staged over below by other threads than the ones that loaded (or
         # zero-filled) them: with no key block the loop's barrier never ran.
         cute.arch.sync_threads()
 
-        # ---- normalize, stage in this warpgroup's Q rows, write 16-byte row segments --------
+        # ---- normalize, stage in this warpgroup's Q rows, write 16-byte row segments -------
         for i in cutlass.range_constexpr(n_my_rows):
             total = quad_sum(row_sum[i])
             inv = cutlass.Float32(0.0)
@@ -538,14 +446,18 @@ class FmhaSm90:
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
+
     @cute.jit
-    def _online_softmax(self, acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
-                        row_sum: cute.Tensor, correction: cute.Tensor, tScS: cute.Tensor,
+    def _online_softmax(self, acc_s: cute.Tensor, o_rc: cute.Tensor, blk: cutlass.Int32,
+                        row_max: cute.Tensor, row_sum: cute.Tensor, tScS: cute.Tensor,
                         wg_q0: cutlass.Int32, kv_len: cutlass.Int32, offset: cutlass.Int32,
-                        causal: cutlass.Int32, scale_log2: cutlass.Float32):
+                        causal: cutlass.Int32, scale_log2: cutlass.Float32, mMaxScore,
+                        score_scale, head: cutlass.Int32, q_start: cutlass.Int32,
+                        q_len: cutlass.Int32, lane: cutlass.Int32):
         """S of key block `blk` -> P = exp2(S * scale_log2 - new max) in place (masked keys 0);
-        the running max and sum move on, and correction[i] = exp2(old max - new max) is what
-        the caller multiplies the O accumulator by (once its pending P V is done)."""
+        the running max and sum move on and the O accumulator rows (o_rc) are rescaled by
+        exp2(old max - new max). With mMaxScore, each row's scaled max over the block's visible
+        keys is stored too."""
         key0 = blk * BLOCK_N
         s_rc = wgmma_rows_cols_view(acc_s)
         n_my_cols = cute.size(tScS, mode=[1])
@@ -555,53 +467,32 @@ class FmhaSm90:
             if causal != 0:
                 visible_end = cutlass.min(visible_end, q_local + offset - key0 + 1)
             blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N))
+            if cutlass.const_expr(mMaxScore is not None):
+                self._store_max_score(mMaxScore, score_scale, blk_max, head, blk, q_start,
+                                      q_local, q_len, lane)
             new_max = cute.arch.fmax(row_max[i], blk_max * scale_log2)
             base = new_max
             if new_max == -cutlass.Float32.inf:
                 base = 0.0                                  # nothing visible yet: p = 0
-            correction[i] = cute.math.exp2(row_max[i] - base, fastmath=True)
+            correction = cute.math.exp2(row_max[i] - base, fastmath=True)
             row_max[i] = new_max
             part = cutlass.Float32(0.0)
             for j in cutlass.range_constexpr(n_my_cols):
                 p = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
                 part = part + p
                 s_rc[i, j] = p
-            row_sum[i] = row_sum[i] * correction[i] + part
-
-    @cute.jit
-    def _load_rows(self, mX: cute.Tensor, mPageTable: cute.Tensor, request: cutlass.Int32,
-                   head_kv: cutlass.Int32, k_row0: cutlass.Int32, kv_len: cutlass.Int32,
-                   blk: cutlass.Int32, sX_stages: cute.Tensor, stage: cutlass.Int32,
-                   thr_kv_copy, kv_copy: cute.TiledCopy, tKVcKV: cute.Tensor,
-                   kv_row_stride0: cute.Layout):
-        """cp.async the K (or V) rows of key block `blk` into `stage`; keys past kv_len (or on
-        a page outside the pool) are zero-filled, never read."""
-        n_keys = cutlass.min(kv_len - blk * BLOCK_N, BLOCK_N)
-        base = k_row0 + blk * BLOCK_N
-        if cutlass.const_expr(self.paged):
-            base = mPageTable[request, blk]
-            if base < 0 or base >= mX.shape[0]:
-                n_keys = 0
-                base = 0
-        tXsX = thr_kv_copy.partition_D(sX_stages[None, None, stage])
-        for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
-            key = tKVcKV[0, m, 0][0]
-            if key < n_keys:
-                x_ptr = kv_row_iterator(mX, self.paged, base, head_kv, key)
-                gX = thr_kv_copy.partition_S(cute.make_tensor(x_ptr, kv_row_stride0))
-                cute.copy(kv_copy, gX[None, m, None], tXsX[None, m, None])
-            else:
-                tXsX[None, m, None].fill(0)
-
+            row_sum[i] = row_sum[i] * correction + part
+            for j in cutlass.range_constexpr(n_my_cols):
+                o_rc[i, j] = o_rc[i, j] * correction
 
 class FmhaSm90MaxScore(FmhaSm90):
-    """The plain-loop kernel that also writes the max-score output (fmha mode 1, O + score):
+    """The kernel that also writes the max-score output (fmha mode 1, O + score):
     max_score [Hq, max_k_tiles, total_q] fp32, filled with -inf by the caller; the kernel writes
     score_scale * (max over the visible keys of the block) for every block a row's tile
     streams. Arguments: FmhaSm90's, then max_score and score_scale before the stream."""
 
     def __init__(self, paged: bool, dtype=cutlass.BFloat16):
-        super().__init__(paged, dtype, pipelined=False)
+        super().__init__(paged, dtype)
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor,

@@ -24,14 +24,12 @@ FP8 modes (``mode``; no scale factors are applied, contract §1.2):
 * ``"e4m3_pv_bf16"`` e4m3 Q/K/V with pv_dtype bf16: S = Q K^T on e4m3 wgmma (m64n128k32, fp32
   accumulate) from e4m3 Q/K tiles, V converted to bf16 as above, P.V as in the bf16 path;
 * ``"e4m3"``         e4m3 Q/K/V with pv_dtype e4m3: e4m3 S wgmma; P = exp(s - m) rounded to e4m3
-  and written to a shared tile (the e4m3 register-A fragment layout differs from the
-  accumulator's, so P goes through shared memory: SS wgmma); V is stored transposed (Vt,
-  channel x key, key-contiguous) because e4m3 wgmma needs K-major B. The normalizer is the sum
-  of the unrounded P, as the reference's pv_quant_dtype models it.
-* ``"e4m3_rp"``      the ``"e4m3"`` math with P kept in registers (gated until validated): the
-  e4m3 A fragment of an RS wgmma (m64nNk32) holds k = 4t + {0..3} and 16 + 4t + {0..3} (t =
-  lane % 4) where the S accumulator holds columns 8j + 2t + {0, 1}; instead of moving P, the key
-  order of the Vt tile is permuted so that accumulator column c lands at k = pi(c), with
+  and kept in registers for an RS P.V wgmma; V is stored transposed (Vt, channel x key,
+  key-contiguous) because e4m3 wgmma needs K-major B. The normalizer is the sum of the unrounded
+  P, as the reference's pv_quant_dtype models it. The e4m3 A fragment of an RS wgmma (m64nNk32)
+  holds k = 4t + {0..3} and 16 + 4t + {0..3} (t = lane % 4) where the S accumulator holds
+  columns 8j + 2t + {0, 1}; instead of moving P, the key order of the Vt tile is permuted so
+  that accumulator column c lands at k = pi(c), with
   c = e + 2t + 8 jlo + 16 jhi + 32 g  ->  pi(c) = e + 4t + 2 jlo + 16 jhi + 32 g
   (a bijection inside each 32-key group, applied once per block by the transposing V store).
   Each A register then takes two converted accumulator pairs of the same row: no shared P tile
@@ -54,7 +52,7 @@ from .tile_utils import (kv_row_iterator, register_p_key_order, register_p_opera
 
 TILE_M = 64            # one warpgroup MMA row block
 NUM_THREADS = 128
-MODES = ("bf16", "bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3", "e4m3_rp")
+MODES = ("bf16", "bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
 
 
 class SparsePrefillSm90Wgmma(SparsePrefillSm90):
@@ -73,29 +71,26 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
         self.queries_per_tile = TILE_M // qhead_per_kv
         e4m3 = cutlass.Float8E4M3FN
         self.mode = mode
-        self.qk_dtype = e4m3 if mode in ("e4m3_pv_bf16", "e4m3", "e4m3_rp") else cutlass.BFloat16
+        self.qk_dtype = e4m3 if mode in ("e4m3_pv_bf16", "e4m3") else cutlass.BFloat16
         self.kv_in_dtype = cutlass.BFloat16 if mode == "bf16" else e4m3
-        self.pv_dtype = e4m3 if mode in ("e4m3", "e4m3_rp") else cutlass.BFloat16
-        # e4m3 P.V with P in registers (RS wgmma) and a key-permuted Vt tile.
-        self.register_p = mode == "e4m3_rp"
+        self.pv_dtype = e4m3 if mode == "e4m3" else cutlass.BFloat16
         # Which K/V tiles cannot be a plain cp.async of global memory.
         self.convert_k = self.kv_in_dtype is not self.qk_dtype
         self.convert_v = self.kv_in_dtype is not self.pv_dtype
+        # e4m3 P.V: P in registers (RS wgmma) against a transposed, key-permuted Vt tile.
         self.transpose_v = self.pv_dtype.width == 8
         # O is staged (bf16) in the Q rows only when the Q tile is 16-bit.
         self.stage_o_in_q = self.qk_dtype.width == 16
         # 128-byte lines per Q row (2 for bf16, 1 for e4m3): the unit of the L2 prefetch.
         self.q_lines_per_row = HEAD_DIM * self.qk_dtype.width // 8 // 128
 
-    def _shared_storage(self, q_layout, k_layout, v_layout, p_layout, o_layout):
-        """Shared-memory struct; the P and O tiles exist only in the modes that use them (fields
-        built as real annotations: this module's annotations are strings)."""
+    def _shared_storage(self, q_layout, k_layout, v_layout, o_layout):
+        """Shared-memory struct; the O tile exists only in the modes that use it (fields built as
+        real annotations: this module's annotations are strings)."""
         def tile(dtype, layout):
             return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
         fields = {"sQ": tile(self.qk_dtype, q_layout), "sK": tile(self.qk_dtype, k_layout),
                   "sV": tile(self.pv_dtype, v_layout)}
-        if self.transpose_v and not self.register_p:
-            fields["sP"] = tile(self.pv_dtype, p_layout)
         if not self.stage_o_in_q:
             fields["sO"] = tile(self.partial_dtype, o_layout)
         fields["sEntry"] = cute.struct.Align[
@@ -114,9 +109,8 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.qk_dtype)
         q_layout = cute.tile_to_shape(atom, (TILE_M, HEAD_DIM, Q_STAGES), (0, 1, 2))
         kv_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM), (0, 1))
-        # p_layout / o_layout are placeholders in the modes without a P / separate O tile.
+        # o_layout is a placeholder in the modes without a separate O tile.
         v_layout = kv_layout
-        p_layout = kv_layout
         o_layout = kv_layout
         if cutlass.const_expr(self.pv_dtype is not self.qk_dtype):
             # e4m3 Q/K with bf16 P.V: V is a bf16 [key, channel] tile.
@@ -124,14 +118,13 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                                                      self.pv_dtype)
             v_layout = cute.tile_to_shape(v_atom, (BLOCK_N, HEAD_DIM), (0, 1))
         if cutlass.const_expr(self.transpose_v):
-            # e4m3 P.V: Vt [channel, key] (key contiguous) and P [row, key], both K-major.
+            # e4m3 P.V: Vt [channel, key] (key contiguous), K-major.
             v_layout = cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N), (0, 1))
-            p_layout = cute.tile_to_shape(atom, (TILE_M, BLOCK_N), (0, 1))
         if cutlass.const_expr(not self.stage_o_in_q):
             o_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
                                                      self.partial_dtype)
             o_layout = cute.tile_to_shape(o_atom, (TILE_M, HEAD_DIM), (0, 1))
-        SharedStorage = self._shared_storage(q_layout, kv_layout, v_layout, p_layout, o_layout)
+        SharedStorage = self._shared_storage(q_layout, kv_layout, v_layout, o_layout)
 
         # 16-byte chunks: 8 (bf16) or 16 (e4m3) elements per thread per row segment.
         gather_copy = row_copy(self.qk_dtype, NUM_THREADS // 8)
@@ -141,17 +134,12 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
         mma_qk = hopper.make_trivial_tiled_mma(
             self.qk_dtype, self.qk_dtype, cute.nvgpu.OperandMajorMode.K,
             cute.nvgpu.OperandMajorMode.K, cutlass.Float32, (1, 1, 1), (TILE_M, BLOCK_N))
-        if cutlass.const_expr(self.register_p):
+        if cutlass.const_expr(self.transpose_v):
             # e4m3 P.V with P in registers (RS) and the key-permuted Vt (K-major).
             mma_pv = hopper.make_trivial_tiled_mma(
                 self.pv_dtype, self.pv_dtype, cute.nvgpu.OperandMajorMode.K,
                 cute.nvgpu.OperandMajorMode.K, cutlass.Float32, (1, 1, 1), (TILE_M, HEAD_DIM),
                 a_source=warpgroup.OperandSource.RMEM)
-        elif cutlass.const_expr(self.transpose_v):
-            # e4m3 P.V: P and Vt both from shared memory, both K-major.
-            mma_pv = hopper.make_trivial_tiled_mma(
-                self.pv_dtype, self.pv_dtype, cute.nvgpu.OperandMajorMode.K,
-                cute.nvgpu.OperandMajorMode.K, cutlass.Float32, (1, 1, 1), (TILE_M, HEAD_DIM))
         else:
             # V is stored [key, channel]: as the B operand (channel x key) of O = P V it is
             # MN-major.
@@ -159,10 +147,6 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                 self.pv_dtype, self.pv_dtype, cute.nvgpu.OperandMajorMode.K,
                 cute.nvgpu.OperandMajorMode.MN, cutlass.Float32, (1, 1, 1), (TILE_M, HEAD_DIM),
                 a_source=warpgroup.OperandSource.RMEM)
-        # Accumulator -> P tile (e4m3 P.V only): two adjacent columns per 16-bit store.
-        stage_p_copy = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.pv_dtype,
-                                num_bits_per_copy=2 * self.pv_dtype.width), mma_qk)
         stage_o_copy = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.partial_dtype,
                                 num_bits_per_copy=2 * self.partial_dtype.width), mma_pv)
@@ -172,8 +156,8 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
         self.kernel_wgmma(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens, page_table, k2q_row_ptr,
                           qsplit, metadata, work_count, o_partial, lse_partial, lse_t_partial,
                           scale_log2, inv_temperature, causal, want_lse_t, q_layout, kv_layout,
-                          v_layout, p_layout, o_layout, gather_copy, convert_load, mma_qk, mma_pv,
-                          stage_p_copy, stage_o_copy, store_o_copy, SharedStorage).launch(
+                          v_layout, o_layout, gather_copy, convert_load, mma_qk, mma_pv,
+                          stage_o_copy, store_o_copy, SharedStorage).launch(
             grid=(cute.size(metadata.shape[0]), 1, 1), block=(NUM_THREADS, 1, 1),
             stream=stream)
 
@@ -186,11 +170,10 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                      inv_temperature: cutlass.Float32, causal: cutlass.Int32,
                      want_lse_t: cutlass.Int32, q_layout: cute.ComposedLayout,
                      kv_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout,
-                     p_layout: cute.ComposedLayout, o_layout: cute.ComposedLayout,
-                     gather_copy: cute.TiledCopy, convert_load: cute.TiledCopy,
-                     mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
-                     stage_p_copy: cute.TiledCopy, stage_o_copy: cute.TiledCopy,
-                     store_o_copy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+                     o_layout: cute.ComposedLayout, gather_copy: cute.TiledCopy,
+                     convert_load: cute.TiledCopy, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
+                     stage_o_copy: cute.TiledCopy, store_o_copy: cute.TiledCopy,
+                     SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         work, _, _ = cute.arch.block_idx()
         if work < mWorkCount[0]:
@@ -216,14 +199,10 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
             sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
             sEntry = storage.sEntry.get_tensor(cute.make_layout((TILE_M, Q_STAGES)))
             if cutlass.const_expr(self.transpose_v):
-                # sV already is V^T (channel x key); the load writes it through a
-                # (key, channel) view.
+                # sV already is V^T (channel x key); the load writes it through a (key, channel)
+                # view that stores key c of the block at Vt column pi(c) (module docstring).
                 sVt = sV
-                sV_rows = cute.composition(
-                    sV, cute.make_ordered_layout((BLOCK_N, HEAD_DIM), order=(1, 0)))
-                if cutlass.const_expr(self.register_p):
-                    # Key c of the block is stored at Vt column pi(c) (module docstring).
-                    sV_rows = cute.composition(sV, register_p_key_order())
+                sV_rows = cute.composition(sV, register_p_key_order())
             else:
                 # V^T (channel x key) view for the B operand of O = P V.
                 sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, BLOCK_N),
@@ -275,11 +254,6 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
             tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_stages))   # (.., .., K, stage)
             tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
             tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
-            if cutlass.const_expr(self.transpose_v and not self.register_p):
-                sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
-                tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
-                thr_stage_p = stage_p_copy.get_slice(tidx)
-                tPsP = thr_stage_p.partition_D(sP)
             acc_s_shape = thr_qk.partition_shape_C((TILE_M, BLOCK_N))
             acc_o_shape = thr_pv.partition_shape_C((TILE_M, HEAD_DIM))
             tScS = wgmma_rows_cols_view(thr_qk.partition_C(
@@ -341,23 +315,13 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                                    causal, causal_shift, scale_log2, inv_temperature, want_lse_t,
                                    row_lse, row_lse_t, row_inv_sum)
 
-                if cutlass.const_expr(self.register_p):
+                if cutlass.const_expr(self.transpose_v):
                     # ---- O = P V, e4m3 (RS wgmma): P rounded to e4m3, regrouped in registers -
                     r_p8 = cute.make_fragment_like(acc_s, self.pv_dtype)
                     r_p8.store(acc_s.load().to(self.pv_dtype))
                     t_p8 = register_p_operand(r_p8, thr_pv.partition_shape_A((TILE_M, BLOCK_N)))
                     acc_o = cute.make_rmem_tensor(acc_o_shape, cutlass.Float32)
                     warpgroup_gemm(mma_pv, acc_o, t_p8, tOrVt)
-                elif cutlass.const_expr(self.transpose_v):
-                    # ---- O = P V, e4m3 (SS wgmma): P rounded to e4m3 into the shared P tile --
-                    r_p8 = cute.make_fragment_like(acc_s, self.pv_dtype)
-                    r_p8.store(acc_s.load().to(self.pv_dtype))
-                    cute.copy(stage_p_copy, thr_stage_p.retile(r_p8), tPsP)
-                    acc_o = cute.make_rmem_tensor(acc_o_shape, cutlass.Float32)
-                    # Every warp's P rows feed the warpgroup MMA: generic -> async proxy.
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.sync_threads()
-                    warpgroup_gemm(mma_pv, acc_o, tOrP, tOrVt)
                 else:
                     # ---- O = P V (RS wgmma, P in registers) ------------------------------------
                     r_p = cute.make_fragment_like(acc_s, self.pv_dtype)

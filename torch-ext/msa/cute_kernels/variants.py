@@ -19,13 +19,14 @@ INPUT_DTYPES = ("bfloat16",)                 # Q/K/V element types compiled so f
 # FP8 attention modes (wgmma kernel, bf16 partials only; no scale factors, contract §1.2):
 #   bf16_kv_e4m3  bf16 q, e4m3 k/v (staged to bf16 in shared memory), bf16 P.V
 #   e4m3_pv_bf16  e4m3 q/k/v, e4m3 QK^T, V staged to bf16, bf16 P.V (pv_dtype=bf16)
-#   e4m3          e4m3 q/k/v, e4m3 QK^T, P rounded to e4m3, e4m3 P.V (pv_dtype=e4m3)
+#   e4m3          e4m3 q/k/v, e4m3 QK^T, P rounded to e4m3 in registers, e4m3 P.V
+#                 (pv_dtype=e4m3)
 # They are compiled and shipped, but msa._native.sparse_prefill_sm90 serves a mode only once it
 # is listed in its VALIDATED_FP8_MODES (proven on an H200).
-FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3", "e4m3_rp")
+FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
 INDEX_HEADS = (1, 2, 4, 8)                   # index query heads H of block_max_scores
 INDEX_DTYPES = ("bfloat16", "e4m3")          # q_idx / k_idx element types (same for both)
-FMHA_DTYPES = ("bfloat16", "e4m3")          # dense FMHA q/k/v element types (plain loop, O)
+FMHA_DTYPES = ("bfloat16", "e4m3")          # dense FMHA q/k/v element types (output O)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,12 +77,11 @@ class FmhaVariant:
     causality at run time, dense or paged (page size 128) K/V."""
     paged: bool
     dtype: str = "bfloat16"
-    pipelined: bool = False      # the intra-warpgroup pipelined block loop (fmha_sm90.py)
-    max_score: bool = False      # also writes the max-score output (mode 1; plain loop)
+    max_score: bool = False      # also writes the max-score output (mode 1)
 
     @property
     def name(self) -> str:
-        suffix = ("_pipelined" if self.pipelined else "") + ("_maxscore" if self.max_score else "")
+        suffix = "_maxscore" if self.max_score else ""
         return f"fmha_sm90_{self.dtype}_{'paged' if self.paged else 'dense'}{suffix}"
 
 
@@ -109,8 +109,7 @@ def shipped_variants() -> List[object]:
         out.extend(BlockMaxScoreVariant(h, True, dtype, decode=True) for h in INDEX_HEADS)
     for paged in (False, True):
         out.extend(FmhaVariant(paged, dtype) for dtype in FMHA_DTYPES)
-        # The pipelined loop and the O + max-score output exist for bf16 only.
-        out.append(FmhaVariant(paged, "bfloat16", pipelined=True))
+        # The O + max-score output exists for bf16 only.
         out.append(FmhaVariant(paged, "bfloat16", max_score=True))
     return out
 
