@@ -11,10 +11,11 @@
 // e4m3), scaled by exp(page max - running max); P.V uses P split into a bf16 high part plus a
 // bf16 residual, so unrounded P keeps ~16 mantissa bits instead of bf16's 8.
 //
-// Direct e4m3 form (e4m3 Q and K/V, tiles of <= 16 rows, warps splitting each page's keys):
-// no conversion pass. Pages stay e4m3 in a six-stage cp.async ring (16-byte chunks of each row
-// XOR-swizzled by row % 8), fragments are read straight from it and widened in registers to f16
-// (exact for e4m3), and the MMA is f16 with fp32 accumulation. Q lives in registers. QK^T uses a
+// Direct e4m3 form (e4m3 Q and K/V, tiles of <= 16 rows, warps splitting each page's keys, two
+// pages per step): no conversion pass. Pages stay e4m3 in a six-stage cp.async ring (16-byte
+// chunks of each row XOR-swizzled by row % 8; rows past the request's end zero-filled), fragments
+// are read straight from it and widened in registers to f16 (exact for e4m3), and the MMA is f16
+// with fp32 accumulation. Q lives in registers. QK^T uses a
 // permuted channel order (k-chunk kd's positions {2t, 2t+1, 2t+8, 2t+9} hold channels
 // 32t + 4kd + {0..3}, t = lane % 4) so each thread reads 32 contiguous bytes of a K row; P.V
 // uses a permuted output order (n-tile j, column c holds channel 16c + j) so each thread reads

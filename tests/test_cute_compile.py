@@ -113,23 +113,23 @@ def test_fp8_modes_are_gated_until_validated(monkeypatch):
 
 
 def test_gated_kernel_forms_follow_their_flags(monkeypatch):
-    """The session-3 gated form (the page-pair e4m3 decode step) runs only when validated,
-    forced by a test hook, or opted into with MSA_UNVALIDATED_KERNELS=1; otherwise its validated
+    """A kernel form (here the direct e4m3 decode form) runs only when validated, forced by a
+    test hook, or opted into with MSA_UNVALIDATED_KERNELS=1; otherwise its validated
     counterpart runs. No CUDA needed."""
     sys.path.insert(0, str(ROOT / "torch-ext"))
     from msa import _backend
     from msa._native import decode_cuda
     monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
-    monkeypatch.setattr(decode_cuda, "VALIDATED_DIRECT_PAIRS", False)
-    monkeypatch.setattr(decode_cuda, "DIRECT_PAIRS_FOR_TESTS", None)
+    monkeypatch.setattr(decode_cuda, "VALIDATED_DIRECT_FP8", False)
+    monkeypatch.setattr(decode_cuda, "DIRECT_FP8_FOR_TESTS", None)
 
     def chosen():
-        return decode_cuda._direct_pairs()
+        return decode_cuda._direct_fp8()
     assert chosen() is False
     monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
     assert chosen() is True
     monkeypatch.delenv(_backend.UNVALIDATED_ENV)
-    monkeypatch.setattr(decode_cuda, "VALIDATED_DIRECT_PAIRS", True)
+    monkeypatch.setattr(decode_cuda, "VALIDATED_DIRECT_FP8", True)
     assert chosen() is True
-    monkeypatch.setattr(decode_cuda, "DIRECT_PAIRS_FOR_TESTS", False)
+    monkeypatch.setattr(decode_cuda, "DIRECT_FP8_FOR_TESTS", False)
     assert chosen() is False

@@ -32,7 +32,6 @@ from msa_loading import import_variant_as_msa  # noqa: E402
 msa = import_variant_as_msa(sys.argv[1])
 from msa import _backend  # noqa: E402
 from msa._native import block_max_score_sm90, decode_cuda  # noqa: E402,F401 (registers them)
-from msa._native import fmha_sm90  # noqa: E402 (its gate: VALIDATED_FP8)
 
 import test_sparse_prefill_gpu as prefill_cases  # noqa: E402
 from test_block_max_score_gpu import _paginate as paginate_index_keys  # noqa: E402
@@ -184,14 +183,13 @@ def fmha_cases(gen):
                              page_size=128 if paged else -1, device=dev)
         msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, output_maxscore=True, **kw)
         expect_native("fmha_dense")
-    # e4m3 q/k/v (gated until validated): the per-block V transpose into the key-permuted V^T.
-    if not _backend.unvalidated_reason("fmha e4m3", fmha_sm90.VALIDATED_FP8):
-        e4m3 = torch.float8_e4m3fn
-        plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 8, 2,
-                             qo_offset=torch.tensor([199, -5, 600]), device=dev)
-        msa.fmha(q.to(dev).to(e4m3), k.to(dev).to(e4m3), v.to(dev).to(e4m3), plan,
-                 output_maxscore=False)
-        expect_native("fmha_dense")
+    # e4m3 q/k/v: the per-block V transpose into the key-permuted V^T.
+    e4m3 = torch.float8_e4m3fn
+    plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 8, 2,
+                         qo_offset=torch.tensor([199, -5, 600]), device=dev)
+    msa.fmha(q.to(dev).to(e4m3), k.to(dev).to(e4m3), v.to(dev).to(e4m3), plan,
+             output_maxscore=False)
+    expect_native("fmha_dense")
     print("fmha: ok")
 
 
