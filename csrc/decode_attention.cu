@@ -502,6 +502,17 @@ __device__ __forceinline__ void direct_pv_page(const char* v8, int key_base, int
   }
 }
 
+// O's rows times alpha: rows lane / 4 (alpha[0]) and lane / 4 + 8 (alpha[1]) of 16 n8-tiles.
+__device__ __forceinline__ void scale_rows(float (&acc)[16][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    acc[n][0] *= alpha[0];
+    acc[n][1] *= alpha[0];
+    acc[n][2] *= alpha[1];
+    acc[n][3] *= alpha[1];
+  }
+}
+
 // Page `idx` of the CTA's list, or a skipped page past its end.
 __device__ __forceinline__ PageRef page_or_none(const DecodeAttentionArgs& a,
                                                 const CtaContext& ctx, int idx, int num_pages,
@@ -655,15 +666,7 @@ __device__ __forceinline__ void direct_page_pairs(
       row_sum[i2] = row_sum[i2] * alpha[i2] + p_scale[0][i2] * page_sum[0][i2] +
                     p_scale[1][i2] * page_sum[1][i2];
     }
-    if (!__all_sync(0xFFFFFFFFu, alpha[0] == 1.f && alpha[1] == 1.f)) {
-#pragma unroll
-      for (int n = 0; n < 16; ++n) {
-        acc[n][0] *= alpha[0];
-        acc[n][1] *= alpha[0];
-        acc[n][2] *= alpha[1];
-        acc[n][3] *= alpha[1];
-      }
-    }
+    if (!__all_sync(0xFFFFFFFFu, alpha[0] == 1.f && alpha[1] == 1.f)) scale_rows(acc, alpha);
     // Skipped pages were not loaded: their stage holds stale bytes, never multiplied.
 #pragma unroll
     for (int pg = 0; pg < 2; ++pg) {
@@ -887,13 +890,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
 #pragma unroll
       for (int i2 = 0; i2 < 2; ++i2) row_sum[i2] = row_sum[i2] * alpha[i2] + beta[i2] * page_sum[i2];
-#pragma unroll
-      for (int n = 0; n < 16; ++n) {
-        acc[n][0] *= alpha[0];
-        acc[n][1] *= alpha[0];
-        acc[n][2] *= alpha[1];
-        acc[n][3] *= alpha[1];
-      }
+      scale_rows(acc, alpha);
       // O += P V with P = high + residual (both bf16), over this warp's keys.
 #pragma unroll
       for (int kk = 0; kk < kNTiles / 2; ++kk) {
