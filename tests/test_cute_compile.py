@@ -133,3 +133,38 @@ def test_gated_kernel_forms_follow_their_flags(monkeypatch):
     assert chosen() is True
     monkeypatch.setattr(decode_cuda, "DIRECT_FP8_FOR_TESTS", False)
     assert chosen() is False
+
+
+def test_word_transpose_of_v_lands_in_the_register_p_key_order():
+    """tile_utils.transpose_v_words (the e4m3 FMHA's per-block V -> Vt): traced with identity
+    tensors for every one of its 256 threads, the byte each word store writes, Vt(channel, c'),
+    is the byte that thread loaded from V(pi^-1(c'), channel), where register_p_key_order maps a
+    key c to its Vt column pi(c) = c'; and the 256 threads write every Vt byte exactly once."""
+    _tools()
+    import cutlass
+    import cutlass.cute as cute
+    sys.path.insert(0, str(ROOT / "torch-ext"))
+    from msa.cute_kernels.tile_utils import (register_p_key_order, register_p_row_order,
+                                             transpose_v_copies)
+    pairs, inverse = [], []
+
+    @cute.jit
+    def trace():   # records only: asserts and comparisons inside a traced function are staged
+        load, store = transpose_v_copies(cutlass.Float8E4M3FN)
+        rows = register_p_row_order()
+        key_order = register_p_key_order()
+        for key in cutlass.range_constexpr(128):
+            inverse.append((key, int(rows((key_order((key, 0)) // 128, 0)))))
+        for tidx in cutlass.range_constexpr(256):
+            src = load.get_slice(tidx).partition_S(cute.make_identity_tensor((128, 128)))
+            dst = store.get_slice(tidx).partition_D(cute.make_identity_tensor((128, 128)))
+            for x in cutlass.range_constexpr(4):   # word 4m + i = channel byte i of rows x
+                for ch in cutlass.range_constexpr(16):
+                    r, c_src = src[x * 16 + ch]
+                    c_dst, r_dst = dst[ch * 4 + x]
+                    pairs.append(((int(r), int(c_src)), (int(r_dst), int(c_dst))))
+    trace()
+    assert all(key == back for key, back in inverse), "the row order inverts the key order"
+    assert len(pairs) == 256 * 64
+    assert all(loaded == written for loaded, written in pairs)
+    assert len({written for _, written in pairs}) == 128 * 128

@@ -43,8 +43,9 @@ import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import warpgroup
 
 from .tile_utils import (kv_row_iterator, mask_row_and_max, quad_max, quad_sum,
-                         register_p_key_order, register_p_operand, row_copy, warp_row_store_copy,
-                         warpgroup_gemm, wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+                         register_p_operand, row_copy, transpose_v_copies, transpose_v_words,
+                         warp_row_store_copy, warpgroup_gemm, wgmma_accumulator_as_operand_a,
+                         wgmma_rows_cols_view)
 
 HEAD_DIM = 128
 BLOCK_N = 128            # keys per block (= page size)
@@ -104,10 +105,6 @@ class FmhaSm90:
         # A warpgroup loads its own 64 Q rows (16 per step); the whole CTA loads K / V blocks.
         q_copy = row_copy(self.dtype, 16)
         kv_copy = row_copy(self.dtype, NUM_THREADS // 8)
-        # e4m3: V rows (16 bytes per thread) from its stage to registers, then into Vt.
-        vt_copy = kv_copy
-        if cutlass.const_expr(self.fp8):
-            vt_copy = row_copy(self.dtype, NUM_THREADS // 8, async_copy=False)
         mma_qk = hopper.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             cutlass.Float32, (1, 1, 1), (WG_ROWS, BLOCK_N))
@@ -131,13 +128,13 @@ class FmhaSm90:
             self.kernel(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
                         logit_scale_log2, output_scale, causal, q_layout, kv_layout, q_copy,
                         kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, vt_layout,
-                        o_layout, vt_copy, SharedStorage).launch(**launch)
+                        o_layout, SharedStorage).launch(**launch)
         else:
             self.kernel_max_score(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset,
                                   page_table, logit_scale_log2, output_scale, causal, max_score,
                                   score_scale, q_layout, kv_layout, q_copy, kv_copy, mma_qk,
                                   mma_pv, stage_o_copy, store_o_copy, vt_layout, o_layout,
-                                  vt_copy, SharedStorage).launch(**launch)
+                                  SharedStorage).launch(**launch)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -147,12 +144,11 @@ class FmhaSm90:
                causal: cutlass.Int32, q_layout: cute.ComposedLayout,
                kv_layout: cute.ComposedLayout, q_copy: cute.TiledCopy, kv_copy: cute.TiledCopy,
                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, stage_o_copy: cute.TiledCopy,
-               store_o_copy: cute.TiledCopy, vt_layout, o_layout, vt_copy: cute.TiledCopy,
+               store_o_copy: cute.TiledCopy, vt_layout, o_layout,
                SharedStorage: cutlass.Constexpr):
         self._cta(mQ, mK, mV, mO, mCuQ, mCuK, mKvLens, mOffset, mPageTable, scale_log2,
                   output_scale, causal, None, None, q_layout, kv_layout, q_copy, kv_copy, mma_qk,
-                  mma_pv, stage_o_copy, store_o_copy, vt_layout, o_layout, vt_copy,
-                  SharedStorage)
+                  mma_pv, stage_o_copy, store_o_copy, vt_layout, o_layout, SharedStorage)
 
     @cute.kernel
     def kernel_max_score(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
@@ -164,12 +160,11 @@ class FmhaSm90:
                          kv_layout: cute.ComposedLayout, q_copy: cute.TiledCopy,
                          kv_copy: cute.TiledCopy, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
                          stage_o_copy: cute.TiledCopy, store_o_copy: cute.TiledCopy,
-                         vt_layout, o_layout, vt_copy: cute.TiledCopy,
-                         SharedStorage: cutlass.Constexpr):
+                         vt_layout, o_layout, SharedStorage: cutlass.Constexpr):
         self._cta(mQ, mK, mV, mO, mCuQ, mCuK, mKvLens, mOffset, mPageTable, scale_log2,
                   output_scale, causal, mMaxScore, score_scale, q_layout, kv_layout, q_copy,
                   kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, vt_layout, o_layout,
-                  vt_copy, SharedStorage)
+                  SharedStorage)
 
     @cute.jit
     def _cta(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -179,7 +174,7 @@ class FmhaSm90:
              q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout,
              q_copy: cute.TiledCopy, kv_copy: cute.TiledCopy, mma_qk: cute.TiledMma,
              mma_pv: cute.TiledMma, stage_o_copy: cute.TiledCopy, store_o_copy: cute.TiledCopy,
-             vt_layout, o_layout, vt_copy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+             vt_layout, o_layout, SharedStorage: cutlass.Constexpr):
         """One CTA: its query tiles of one request and q head (mMaxScore None: O only)."""
         tidx, _, _ = cute.arch.thread_idx()
         cta_x, head, request = cute.arch.block_idx()
@@ -227,14 +222,14 @@ class FmhaSm90:
                        q_lo, kv_len, k_row0, offset, causal, n_blocks, scale_log2,
                        output_scale, tidx, wg, wg_tidx, lane, warp_in_wg, sQ_wgs, sK_stages,
                        sV_stages, q_copy, kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy,
-                       mMaxScore, score_scale, sVt, sO_wgs, vt_copy)
+                       mMaxScore, score_scale, sVt, sO_wgs)
 
     @cute.jit
     def _tile(self, mQ, mK, mV, mO, mPageTable, request, head, head_kv, q_start, q_len, q_lo,
               kv_len, k_row0, offset, causal, n_blocks, scale_log2, output_scale, tidx, wg,
               wg_tidx, lane, warp_in_wg, sQ_wgs, sK_stages, sV_stages, q_copy, kv_copy, mma_qk,
               mma_pv, stage_o_copy, store_o_copy, mMaxScore=None, score_scale=None, sVt=None,
-              sO_wgs=None, vt_copy=None):
+              sO_wgs=None):
         """One 128-query tile: load Q, stream the key blocks, write O (and, with mMaxScore,
         each row's scaled max over the visible keys of every block it streams)."""
         # V^T (channel x key) views of the V stages for the B operand of O = P V.
@@ -303,7 +298,7 @@ class FmhaSm90:
             if cutlass.const_expr(self.fp8):
                 # V(blk) -> Vt, keys permuted; every warpgroup finished P V(blk - 1) on Vt
                 # before the barrier above.
-                self._transpose_v(sV_stages[None, None, stage], sVt, vt_copy, tidx)
+                self._transpose_v(sV_stages[None, None, stage], sVt, tidx)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.sync_threads()
 
@@ -412,17 +407,11 @@ class FmhaSm90:
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.jit
-    def _transpose_v(self, sV_stage: cute.Tensor, sVt: cute.Tensor, vt_copy: cute.TiledCopy,
-                     tidx: cutlass.Int32):
+    def _transpose_v(self, sV_stage: cute.Tensor, sVt: cute.Tensor, tidx: cutlass.Int32):
         """e4m3: the V rows of a stage (key, channel) into Vt (channel, pi(key)), the key order
-        register_p_operand hands P in; 16 bytes of one row per thread and step."""
-        thr = vt_copy.get_slice(tidx)
-        src = thr.partition_S(sV_stage)
-        dst = thr.partition_D(cute.composition(sVt, register_p_key_order(BLOCK_N, HEAD_DIM)))
-        for m in cutlass.range_constexpr(cute.size(src.shape[1])):
-            frag = cute.make_fragment_like(src[None, m, None])
-            frag.store(src[None, m, None].load())
-            dst[None, m, None].store(frag.load())
+        register_p_operand hands P in, a 4-byte word per store (tile_utils.transpose_v_words)."""
+        load, store = transpose_v_copies(self.dtype)
+        transpose_v_words(sV_stage, sVt, load, store, tidx)
 
     @cute.jit
     def _store_max_score(self, mMaxScore: cute.Tensor, score_scale: cutlass.Float32,

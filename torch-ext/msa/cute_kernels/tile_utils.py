@@ -207,3 +207,55 @@ def register_p_operand(r_p8: cute.Tensor, a_shape) -> cute.Tensor:
                     t_a[v + 4 * h + 8 * g2 + 16 * kk] = \
                         r_p8[v % 2 + 2 * h + 4 * (v // 2 + 2 * g2 + 4 * kk)]
     return t_a
+
+
+def register_p_row_order(block_n: int = 128, head_dim: int = 128) -> cute.Layout:
+    """The inverse view of register_p_key_order for a V tile (key, channel): (r, channel) ->
+    index into V (key + block_n * channel) with key = pi^-1(r), i.e. row r of the result is the
+    key that Vt column r holds (r = x0 + 2 x1 + 4t + 16 jhi + 32 g <-> key x0 + 8 x1 + 2t +
+    16 jhi + 32 g). (Called while a kernel is traced.)"""
+    return cute.make_layout(
+        ((2, 2, 4, 2, block_n // 32), head_dim),
+        stride=((1, 8, 2, 16, 32), block_n))
+
+
+def transpose_v_copies(dtype):
+    """The two tiled copies of transpose_v_words (8 warps): warp c, lane w reads rows 4w .. 4w+3
+    x channels 16c .. 16c+15 of the row-permuted V (four 16-byte loads) and writes channels
+    16c .. 16c+15 x columns 4w .. 4w+3 of Vt (sixteen 4-byte stores). For a K-major 128-byte
+    swizzled Vt the 32 lanes of a store hit 32 distinct banks (their words are one channel row)."""
+    load = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128),
+        cute.make_layout((32, 8), stride=(1, 32)), cute.make_layout((4, 16), stride=(16, 1)))
+    store = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=32),
+        cute.make_layout((8, 32), stride=(32, 1)), cute.make_layout((16, 4), stride=(4, 1)))
+    return load, store
+
+
+@cute.jit
+def transpose_v_words(sV_stage: cute.Tensor, sVt: cute.Tensor, load: cute.TiledCopy,
+                      store: cute.TiledCopy, tidx: cutlass.Int32):
+    """e4m3 V tile (key, channel) -> Vt (channel, pi(key)) in the register-P key order, in
+    words: a thread's four rows of the row-permuted V (register_p_row_order) are four keys
+    whose bytes of one channel make one Vt word; eight byte permutes per 4 x 4 block."""
+    v_rows = cute.composition(sV_stage, register_p_row_order(cute.size(sV_stage, mode=[0]),
+                                                              cute.size(sV_stage, mode=[1])))
+    src = load.get_slice(tidx).partition_S(v_rows)
+    r_in = cute.make_fragment_like(src)
+    cute.copy(load, src, r_in)
+    dst = store.get_slice(tidx).partition_D(sVt)
+    r_out = cute.make_fragment_like(dst)
+    w_in = cute.recast_tensor(r_in, cutlass.Uint32)     # [row x * 4 + m]: channels 16c + 4m ..
+    w_out = cute.recast_tensor(r_out, cutlass.Uint32)   # [4m + i]: channel 16c + 4m + i, rows 0..3
+    for m in cutlass.range_constexpr(4):
+        a0, a1, a2, a3 = (w_in[x * 4 + m] for x in range(4))
+        lo01 = cute.arch.prmt(a0, a1, 0x5140)        # a0.0 a1.0 a0.1 a1.1
+        hi01 = cute.arch.prmt(a0, a1, 0x7362)        # a0.2 a1.2 a0.3 a1.3
+        lo23 = cute.arch.prmt(a2, a3, 0x5140)
+        hi23 = cute.arch.prmt(a2, a3, 0x7362)
+        w_out[4 * m + 0] = cute.arch.prmt(lo01, lo23, 0x5410)   # a0.0 a1.0 a2.0 a3.0
+        w_out[4 * m + 1] = cute.arch.prmt(lo01, lo23, 0x7632)
+        w_out[4 * m + 2] = cute.arch.prmt(hi01, hi23, 0x5410)
+        w_out[4 * m + 3] = cute.arch.prmt(hi01, hi23, 0x7632)
+    cute.copy(store, r_out, dst)
