@@ -39,7 +39,8 @@ VALIDATED_MAX_SCORE = True
 # transposed per block into a key-permuted Vt; O bf16; q/k/v/o scales folded into the logit and
 # output scales): test_fmha_native_e4m3_matches_the_quantized_model passed on the H200
 # (2026-11-30, session 4; 8 cases: with exact-product q/k every row equals the e4m3-P model)
-# and memcheck ran it clean. Slow so far (242 TFLOP/s at 32k: the byte-wise V transpose).
+# and memcheck ran it clean; again with the word-wise V transpose (55ab96c): 511-537 TFLOP/s
+# at 8k-32k, 1.10-1.13x the bf16 kernel.
 VALIDATED_FP8 = True
 MODE_O_ONLY = 3
 MODE_O_AND_SCORE = 1
