@@ -69,6 +69,9 @@ DTYPE_MODES = {   # name -> (q, k, v) -> (q, k, v, pv_dtype)
     "fp8": lambda q, k, v: (q.to(E4M3), k.to(E4M3), v.to(E4M3), E4M3),
     "fp8_pv_bf16": lambda q, k, v: (q.to(E4M3), k.to(E4M3), v.to(E4M3), torch.bfloat16),
     "bf16q_fp8kv": lambda q, k, v: (q, k.to(E4M3), v.to(E4M3), None),
+    # fp8 on the kernel form that transposes V in words ("e4m3_wt", gated); "fp8" then forces the
+    # byte-store form, so both can be timed in one run.
+    "fp8_wt": lambda q, k, v: (q.to(E4M3), k.to(E4M3), v.to(E4M3), E4M3),
 }
 
 
@@ -77,7 +80,17 @@ def unvalidated_mode(msa, q, k, v, pv_dtype) -> bool:
     --allow-unvalidated set MSA_UNVALIDATED_KERNELS)."""
     native = native_module(msa, "sparse_prefill_sm90")
     mode = native.attention_mode(q.dtype, k.dtype, v.dtype, pv_dtype)
+    if native.kernel_mode(mode or "") == "e4m3_wt" and not native.VALIDATED_WORD_TRANSPOSE:
+        return True
     return mode not in ("bfloat16", None) and mode not in native.VALIDATED_FP8_MODES
+
+
+def set_word_transpose(msa, value) -> None:
+    """Force the e4m3 kernel form (True: V transposed in words, False: byte stores, None: the
+    gate)."""
+    native = native_module(msa, "sparse_prefill_sm90")
+    if native is not None:   # a build without native kernels has nothing to force
+        native.WORD_TRANSPOSE_FOR_TESTS = value
 
 
 def visible_pairs(q2k: torch.Tensor) -> int:
@@ -151,7 +164,8 @@ def main():
     ap.add_argument("--patterns", default="random,clustered")
     ap.add_argument("--dtypes", default="bf16,fp8_pv_bf16,bf16q_fp8kv,fp8",
                     help="bf16; fp8 (e4m3 q/k/v, e4m3 P.V); fp8_pv_bf16 (e4m3 q/k/v, bf16 P.V); "
-                         "bf16q_fp8kv (bf16 q, e4m3 k/v)")
+                         "bf16q_fp8kv (bf16 q, e4m3 k/v); fp8_wt (fp8 on the word-transpose "
+                         "form, gated: add --allow-unvalidated)")
     ap.add_argument("--allow-unvalidated", action="store_true",
                     help="also time kernels still gated as unvalidated (backend column says so)")
     ap.add_argument("--peers", default="flex,cudnn")
@@ -198,6 +212,7 @@ def main():
                 row(case, lens, pattern, "bf16", "flex_attention", "triton", flex_ms,
                     flops / flex_ms / 1e9, pairs, 1.0)
             for dtype in args.dtypes.split(","):
+                set_word_transpose(msa, {"fp8_wt": True, "fp8": False}.get(dtype))
                 qq, kk, vv, pv_dtype = DTYPE_MODES[dtype](q, k, v)
                 kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
                           max_seqlen_k=max(lens), causal=True, pv_dtype=pv_dtype)

@@ -430,7 +430,7 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
   return *total;
 }
 
-// ---- Direct e4m3 form, page-pair variant: per-warp pieces ----------------------------------
+// ---- Direct e4m3 form, per-warp pieces ------------------------------------------------
 // A warp's slice of one page: keys key_base .. key_base + 15 (two n8-tiles), rows lane / 4 and
 // lane / 4 + 8 of the <= 16-row tile. Fragment layouts as in the file comment.
 

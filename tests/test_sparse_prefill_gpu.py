@@ -206,7 +206,8 @@ def test_sparse_prefill_native_matches_float64(g, paged, causal, partial_dtype, 
     _check_lse("LSE_T", lse_t, lse_t64)
 
 
-FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
+# "e4m3_wt": the "e4m3" math on the kernel form that transposes V into Vt in words.
+FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3", "e4m3_wt")
 FP8_CASES = [(mode, g, paged) for mode in FP8_MODES for g in (1, 2, 4, 8, 16)
              for paged in (False, True)]
 
@@ -230,6 +231,8 @@ def test_sparse_prefill_fp8_native_matches_reference(mode, g, paged, seed, monke
     monkeypatch.setattr(native_module, "POISON_BUFFERS_FOR_TESTS", True)
     monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")    # the FP8 modes are gated until proven
     case = FP8_CASES.index((mode, g, paged))
+    monkeypatch.setattr(native_module, "WORD_TRANSPOSE_FOR_TESTS", mode == "e4m3_wt")
+    form, mode = mode, ("e4m3" if mode == "e4m3_wt" else mode)
     topk = (4, 8, 16, 32)[case % 4]
     causal = case % 3 != 1
     temperature = 2.0 if case % 2 else 1.0
@@ -285,7 +288,7 @@ def test_sparse_prefill_fp8_native_matches_reference(mode, g, paged, seed, monke
     err = (out.double() - ref_out.double()).abs().max().item()
     err64 = (out.double() - o64).abs().max().item()
     bound = max(0.125, 4 * bf16_floor)
-    print(f"{mode} G={g} paged={paged} causal={causal} topK={topk} T={temperature}: "
+    print(f"{form} G={g} paged={paged} causal={causal} topK={topk} T={temperature}: "
           f"max|O-O_ref|={err:.3e} max|O-O64|={err64:.3e} model {model_err:.3e} "
           f"bf16 floor {bf16_floor:.3e} (bound {bound:.3e})")
     assert err <= bound

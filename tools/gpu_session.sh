@@ -94,7 +94,7 @@ elif [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
     # shellcheck disable=SC2206
     args=(${MSA_BENCH_EXTRA:-})
     [ "$bench" = sparse_prefill ] && args=("$@")
-    # MSA_BENCH_ARGS_<name> (e.g. MSA_BENCH_ARGS_decode="--quick --direct-pairs on") overrides.
+    # MSA_BENCH_ARGS_<name> (e.g. MSA_BENCH_ARGS_decode="--quick --batches 32") overrides.
     per_bench="MSA_BENCH_ARGS_${bench}"
     # shellcheck disable=SC2206
     [ -n "${!per_bench:-}" ] && args=(${!per_bench})

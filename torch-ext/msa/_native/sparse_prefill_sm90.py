@@ -48,6 +48,12 @@ _FP8 = torch.float8_e4m3fn
 # Its kernel now keeps P in registers; that form passed the same test on the H200 (2026-11-30)
 # and replaced the shared-memory-P form.
 VALIDATED_FP8_MODES: set = {"bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3"}
+# Mode "e4m3" on the kernel form that transposes V into Vt in words (variants "e4m3_wt": four
+# 16-byte loads of the key-permuted rows, byte permutes, word stores; the "e4m3" form stores each
+# byte): compiled, gated until the "e4m3_wt" cases of tests/test_sparse_prefill_gpu.py pass on an
+# H200. WORD_TRANSPOSE_FOR_TESTS forces it on or off.
+VALIDATED_WORD_TRANSPOSE = False
+WORD_TRANSPOSE_FOR_TESTS: Optional[bool] = None
 UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
 
 
@@ -67,9 +73,20 @@ def attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype) -> Optional[str]:
     return None
 
 
+def kernel_mode(mode: str) -> str:
+    """The compiled variant family serving an attention mode: "e4m3" runs on "e4m3_wt" (V
+    transposed in words) when that form is validated or forced, else on the byte-store form."""
+    if mode != "e4m3":
+        return mode
+    use = _backend.form_enabled(WORD_TRANSPOSE_FOR_TESTS, "the word-transpose e4m3 kernel",
+                                VALIDATED_WORD_TRANSPOSE)
+    return "e4m3_wt" if use else mode
+
+
 def _variant_names(qhead_per_kv: int, paged: bool, partial_dtype: torch.dtype,
                    mode: str = "bfloat16") -> Tuple[str, str]:
     """(attention, combine) artifact names; must match cute_kernels.variants."""
+    mode = kernel_mode(mode)
     short = {"float32": "f32", "bfloat16": "bf16"}[_PARTIAL_NAMES[partial_dtype]]
     layout = "paged" if paged else "dense"
     return (f"sparse_prefill_sm90_{mode}_g{qhead_per_kv}_{layout}_p{short}",

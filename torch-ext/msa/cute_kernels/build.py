@@ -33,6 +33,7 @@ _QKV_DTYPES = {
     "bf16_kv_e4m3": (cutlass.BFloat16, cutlass.Float8E4M3FN),
     "e4m3_pv_bf16": (cutlass.Float8E4M3FN, cutlass.Float8E4M3FN),
     "e4m3": (cutlass.Float8E4M3FN, cutlass.Float8E4M3FN),
+    "e4m3_wt": (cutlass.Float8E4M3FN, cutlass.Float8E4M3FN),   # "e4m3", V transposed in words
 }
 
 

@@ -34,6 +34,9 @@ FP8 modes (``mode``; no scale factors are applied, contract §1.2):
   (a bijection inside each 32-key group, applied once per block by the transposing V store).
   Each A register then takes two converted accumulator pairs of the same row: no shared P tile
   and no barrier before P.V.
+* ``"e4m3_wt"``      "e4m3" with the transposing V load in words: lane w of warp c loads the
+  keys pi^-1(4w .. 4w+3) (16 bytes each, channels 16c ..) and byte-transposes them into four
+  Vt words (tile_utils.transpose_words_4x4); the "e4m3" load stores each byte on its own.
 With e4m3 Q tiles (half the bytes) O cannot be staged in the Q rows: a separate bf16 tile is used.
 """
 
@@ -46,13 +49,15 @@ from cutlass.cute.nvgpu import warpgroup
 
 from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, Q_STAGES,
                                   ROWS_PER_WARP, SparsePrefillSm90)
-from .tile_utils import (kv_row_iterator, register_p_key_order, register_p_operand, row_copy,
-                         warp_row_store_copy, warpgroup_gemm, warpgroup_gemm_issue,
+from .tile_utils import (kv_row_iterator, register_p_key_order, register_p_operand,
+                         register_p_row_key, row_copy, transpose_v_store_copy,
+                         transpose_words_4x4, warp_row_store_copy, warpgroup_gemm,
+                         warpgroup_gemm_issue,
                          wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 
 TILE_M = 64            # one warpgroup MMA row block
 NUM_THREADS = 128
-MODES = ("bf16", "bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
+MODES = ("bf16", "bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3", "e4m3_wt")
 
 
 class SparsePrefillSm90Wgmma(SparsePrefillSm90):
@@ -71,9 +76,10 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
         self.queries_per_tile = TILE_M // qhead_per_kv
         e4m3 = cutlass.Float8E4M3FN
         self.mode = mode
-        self.qk_dtype = e4m3 if mode in ("e4m3_pv_bf16", "e4m3") else cutlass.BFloat16
+        self.qk_dtype = e4m3 if mode in ("e4m3_pv_bf16", "e4m3", "e4m3_wt") else cutlass.BFloat16
         self.kv_in_dtype = cutlass.BFloat16 if mode == "bf16" else e4m3
-        self.pv_dtype = e4m3 if mode == "e4m3" else cutlass.BFloat16
+        self.pv_dtype = e4m3 if mode in ("e4m3", "e4m3_wt") else cutlass.BFloat16
+        self.word_transpose = mode == "e4m3_wt"      # the V load into Vt in words
         # Which K/V tiles cannot be a plain cp.async of global memory.
         self.convert_k = self.kv_in_dtype is not self.qk_dtype
         self.convert_v = self.kv_in_dtype is not self.pv_dtype
@@ -245,8 +251,11 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                             cute.copy(gather_copy, gK[None, m, None], tXsK[None, m, None])
                         else:
                             tXsK[None, m, None].fill(0)
-                self._load_kv_through_registers(convert_load, tidx, mV, kv_row0, head_kv,
-                                                n_keys, sV_rows)
+                if cutlass.const_expr(self.word_transpose):
+                    self._load_v_transposed_words(tidx, mV, kv_row0, head_kv, n_keys, sVt)
+                else:
+                    self._load_kv_through_registers(convert_load, tidx, mV, kv_row0, head_kv,
+                                                    n_keys, sV_rows)
 
             # ---- warpgroup MMA operands ------------------------------------------------------
             thr_qk = mma_qk.get_slice(tidx)
@@ -411,6 +420,41 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
             elems_per_line = 1024 // self.qk_dtype.width
             cute.arch.prefetch((q_row.iterator + line * elems_per_line).llvm_ptr,
                                cache_level="L2")
+
+    @cute.jit
+    def _load_v_transposed_words(self, tidx: cutlass.Int32, mV: cute.Tensor,
+                                 kv_row0: cutlass.Int32, head_kv: cutlass.Int32,
+                                 n_keys: cutlass.Int32, sVt: cute.Tensor):
+        """e4m3 P.V ("e4m3_wt"): the block's V into Vt (channel, pi(key)) in words. Lane w of
+        warp c loads keys pi^-1(4w + x), x = 0..3 (tile_utils.register_p_row_key), channels
+        16c' .. 16c'+15 for its chunks c' = c, c + 4 (16-byte loads), byte-transposes each 4 x 4
+        block and stores sixteen words a chunk (tile_utils.transpose_v_store_copy). Keys at or
+        past n_keys are zero-filled; nothing is read out of bounds."""
+        num_warps = NUM_THREADS // 32
+        store = transpose_v_store_copy(self.kv_in_dtype, num_warps)
+        dst = store.get_slice(tidx).partition_D(sVt)          # (vals, channel tiles, 1)
+        lane = tidx % 32
+        warp = tidx // 32
+        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.kv_in_dtype,
+                                   num_bits_per_copy=128)
+        chunk_layout = cute.make_layout((HEAD_DIM // 16, 16), stride=(16, 1))
+        for j in cutlass.range_constexpr(HEAD_DIM // 16 // num_warps):
+            chunk = warp + num_warps * j
+            r_in = cute.make_rmem_tensor((16, 4), self.kv_in_dtype)   # (channel, row x)
+            for x in cutlass.range_constexpr(4):
+                key = register_p_row_key(lane, x)
+                if key < n_keys:
+                    ptr = kv_row_iterator(mV, self.paged, kv_row0, head_kv, key)
+                    row_chunks = cute.make_tensor(ptr, chunk_layout)   # (chunk, byte)
+                    cute.copy(load, row_chunks[chunk, None], r_in[None, x])
+                else:
+                    r_in[None, x].fill(0)
+            r_out = cute.make_fragment_like(dst[None, j, 0])
+            w_in = cute.recast_tensor(r_in, cutlass.Uint32)     # [x * 4 + m]
+            w_out = cute.recast_tensor(r_out, cutlass.Uint32)   # [4m + i]: channel 4m + i
+            for m in cutlass.range_constexpr(4):
+                transpose_words_4x4(w_in, w_out, m)
+            cute.copy(store, r_out, dst[None, j, 0])
 
     @cute.jit
     def _load_kv_through_registers(self, convert_load: cute.TiledCopy, tidx: cutlass.Int32,

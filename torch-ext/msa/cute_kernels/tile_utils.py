@@ -219,18 +219,45 @@ def register_p_row_order(block_n: int = 128, head_dim: int = 128) -> cute.Layout
         stride=((1, 8, 2, 16, 32), block_n))
 
 
+def register_p_row_key(lane, x: int):
+    """Key of row 4 lane + x of the row-permuted V (register_p_row_order): x0 + 8 x1 + 2t +
+    16 jhi + 32 g for lane = t + 4 jhi + 8 g. Works on Python ints and traced Int32."""
+    return (x & 1) + 8 * (x >> 1) + 2 * (lane % 4) + 16 * ((lane // 4) % 2) + 32 * (lane // 8)
+
+
+def transpose_v_store_copy(dtype, num_warps: int = 8):
+    """Word stores into Vt (channel, key'), K-major: warp c, lane w writes channels
+    16c .. 16c+15 (+ 16 num_warps per further tile) x columns 4w .. 4w+3 (sixteen 4-byte stores
+    a tile); the 32 lanes of a store write one channel row, 32 distinct banks of a 128-byte
+    swizzled row."""
+    return cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=32),
+        cute.make_layout((num_warps, 32), stride=(32, 1)), cute.make_layout((16, 4), stride=(4, 1)))
+
+
 def transpose_v_copies(dtype):
     """The two tiled copies of transpose_v_words (8 warps): warp c, lane w reads rows 4w .. 4w+3
     x channels 16c .. 16c+15 of the row-permuted V (four 16-byte loads) and writes channels
-    16c .. 16c+15 x columns 4w .. 4w+3 of Vt (sixteen 4-byte stores). For a K-major 128-byte
-    swizzled Vt the 32 lanes of a store hit 32 distinct banks (their words are one channel row)."""
+    16c .. 16c+15 x columns 4w .. 4w+3 of Vt (transpose_v_store_copy)."""
     load = cute.make_tiled_copy_tv(
         cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128),
         cute.make_layout((32, 8), stride=(1, 32)), cute.make_layout((4, 16), stride=(16, 1)))
-    store = cute.make_tiled_copy_tv(
-        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=32),
-        cute.make_layout((8, 32), stride=(32, 1)), cute.make_layout((16, 4), stride=(4, 1)))
-    return load, store
+    return load, transpose_v_store_copy(dtype, 8)
+
+
+@cute.jit
+def transpose_words_4x4(w_in: cute.Tensor, w_out: cute.Tensor, m: int):
+    """w_out[4m + i] = byte i of w_in[m], w_in[4 + m], w_in[8 + m], w_in[12 + m] (words of four
+    rows x, channels 4m .. 4m+3 -> words of channel 4m + i, rows 0..3): eight byte permutes."""
+    a0, a1, a2, a3 = (w_in[x * 4 + m] for x in range(4))
+    lo01 = cute.arch.prmt(a0, a1, 0x5140)        # a0.0 a1.0 a0.1 a1.1
+    hi01 = cute.arch.prmt(a0, a1, 0x7362)        # a0.2 a1.2 a0.3 a1.3
+    lo23 = cute.arch.prmt(a2, a3, 0x5140)
+    hi23 = cute.arch.prmt(a2, a3, 0x7362)
+    w_out[4 * m + 0] = cute.arch.prmt(lo01, lo23, 0x5410)   # a0.0 a1.0 a2.0 a3.0
+    w_out[4 * m + 1] = cute.arch.prmt(lo01, lo23, 0x7632)
+    w_out[4 * m + 2] = cute.arch.prmt(hi01, hi23, 0x5410)
+    w_out[4 * m + 3] = cute.arch.prmt(hi01, hi23, 0x7632)
 
 
 @cute.jit
@@ -249,13 +276,5 @@ def transpose_v_words(sV_stage: cute.Tensor, sVt: cute.Tensor, load: cute.TiledC
     w_in = cute.recast_tensor(r_in, cutlass.Uint32)     # [row x * 4 + m]: channels 16c + 4m ..
     w_out = cute.recast_tensor(r_out, cutlass.Uint32)   # [4m + i]: channel 16c + 4m + i, rows 0..3
     for m in cutlass.range_constexpr(4):
-        a0, a1, a2, a3 = (w_in[x * 4 + m] for x in range(4))
-        lo01 = cute.arch.prmt(a0, a1, 0x5140)        # a0.0 a1.0 a0.1 a1.1
-        hi01 = cute.arch.prmt(a0, a1, 0x7362)        # a0.2 a1.2 a0.3 a1.3
-        lo23 = cute.arch.prmt(a2, a3, 0x5140)
-        hi23 = cute.arch.prmt(a2, a3, 0x7362)
-        w_out[4 * m + 0] = cute.arch.prmt(lo01, lo23, 0x5410)   # a0.0 a1.0 a2.0 a3.0
-        w_out[4 * m + 1] = cute.arch.prmt(lo01, lo23, 0x7632)
-        w_out[4 * m + 2] = cute.arch.prmt(hi01, hi23, 0x5410)
-        w_out[4 * m + 3] = cute.arch.prmt(hi01, hi23, 0x7632)
+        transpose_words_4x4(w_in, w_out, m)
     cute.copy(store, r_out, dst)

@@ -23,7 +23,8 @@ INPUT_DTYPES = ("bfloat16",)                 # Q/K/V element types compiled so f
 #                 (pv_dtype=e4m3)
 # They are compiled and shipped, but msa._native.sparse_prefill_sm90 serves a mode only once it
 # is listed in its VALIDATED_FP8_MODES (proven on an H200).
-FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
+#   e4m3_wt       "e4m3" with the transposing V load in words (gated until validated)
+FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3", "e4m3_wt")
 INDEX_HEADS = (1, 2, 4, 8)                   # index query heads H of block_max_scores
 INDEX_DTYPES = ("bfloat16", "e4m3")          # q_idx / k_idx element types (same for both)
 FMHA_DTYPES = ("bfloat16", "e4m3")          # dense FMHA q/k/v element types (output O)
