@@ -300,8 +300,9 @@ def test_wrapper_matches_function_and_split_matches_unsplit(seed, sparse):
     finite = torch.isfinite(fn_lse)
     assert torch.equal(finite, torch.isfinite(lse_s))
     assert torch.allclose(lse_s[finite], fn_lse[finite], atol=1e-5, rtol=0)
-    # bf16 outputs of fp32 values that differ by rounding: at most one bf16 ulp apart.
-    assert torch.allclose(out_s.float(), fn_out.float(), atol=0, rtol=2 ** -7)
+    # bf16 outputs of fp32 values that differ by rounding: at most one bf16 ulp apart, except
+    # elements that cancel to ~1e-7 (fp32 noise of the other summation order): absolute floor.
+    assert torch.allclose(out_s.float(), fn_out.float(), atol=1e-6, rtol=2 ** -7)
     ref_u = fp32_reference(q, k, v, q2k, table, seqused_k, seqlen_q)
     ref_s = fp32_reference(q, k, v, q2k, table, seqused_k, seqlen_q, forced.decode_schedule)
     assert torch.allclose(ref_s[0], ref_u[0], atol=1e-5, rtol=0)
@@ -321,7 +322,7 @@ def test_wrapper_matches_function_and_split_matches_unsplit(seed, sparse):
     auto = _plan(msa.SparseDecodePagedAttentionWrapper(), table, seqused_k, seqlen_q,
                  hkv * group, hkv, q2k)
     out_a = auto.run(q, k, v)
-    assert torch.allclose(out_a.float(), fn_out.float(), atol=0, rtol=2 ** -7)
+    assert torch.allclose(out_a.float(), fn_out.float(), atol=1e-6, rtol=2 ** -7)
 
 
 def test_function_accepts_schedule_and_workspaces(seed):
@@ -364,7 +365,10 @@ def test_wrapper_sees_buffer_contents_written_after_plan(seed, sparse):
     assert not torch.equal(before, after)
     expect = msa.sparse_decode_atten_func(q, k, v, q2k, page_table=table, seqused_k=seqused_k,
                                           seqlen_q=seqlen_q, max_seqlen_k=1024)
-    assert torch.allclose(after.float(), expect.float(), atol=0, rtol=2 ** -7)
+    # Split (the wrapper) and unsplit runs sum the same terms in another order (fp32): equal to
+    # a bf16 ulp, except elements that cancel to ~1e-7, which may differ by fp32 noise (seed
+    # 3851863617: -5.49e-08 vs -5.73e-08), hence the absolute floor.
+    assert torch.allclose(after.float(), expect.float(), atol=1e-6, rtol=2 ** -7)
     ref_out, ref_lse = oracle(q, k, v, table, seqused_k, seqlen_q, q2k)
     check_against_oracle(after, torch.where(torch.isfinite(ref_lse), ref_lse, -math.inf).float(),
                          ref_out, ref_lse, fp8_pv=False)
