@@ -30,7 +30,7 @@ import argparse
 import torch
 
 from _common import (BLOCK, HEAD_DIM, add_common_args, apply_preset, dtype_of, fits,
-                     free_memory, load_msa, native_module, parse_names, parse_sizes,
+                     free_memory, load_msa, parse_names, parse_sizes,
                      probe_backend, random_fill, reference_too_slow, setup, synchronize,
                      time_dense_sdpa, time_ms, TsvWriter)
 

@@ -137,17 +137,11 @@ __device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t word) {
   return r;
 }
 
-// Two e4m3 values (the low 16 bits, first value in the low byte) -> f16x2, exact.
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t bits) {
-  const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(
-      static_cast<__nv_fp8x2_storage_t>(bits & 0xFFFFu), __NV_E4M3);
-  return static_cast<uint32_t>(raw.x) | (static_cast<uint32_t>(raw.y) << 16);
-}
-
 // (lo, hi) rounded to e4m3 (as an FP8 P.V MMA sees P), returned as the exact f16x2.
 __device__ __forceinline__ uint32_t round_e4m3x2_to_f16x2(float lo, float hi) {
-  return e4m3x2_to_f16x2(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE,
-                                                  __NV_E4M3));
+  const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(
+      __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3), __NV_E4M3);
+  return static_cast<uint32_t>(raw.x) | (static_cast<uint32_t>(raw.y) << 16);
 }
 
 // 32-bit word w (0..7) of two 16-byte chunks.
@@ -262,11 +256,10 @@ __device__ __forceinline__ void load_page_async(const DecodeAttentionArgs& a, in
 }
 
 // Direct e4m3 form: one page's K and V head slice, raw, each row's 16-byte chunks XOR-swizzled
-// by row % 8 (the fragment reads then touch eight distinct bank groups), by kCtaThreads
-// threads. Rows at or past `valid_rows` (the request's keys end inside the page) are
-// zero-filled instead of read, so whatever bytes a cache holds there (NaN patterns of an
-// uninitialized pool included) never meet a zero probability in P.V (0 x NaN = NaN).
-template <int kCtaThreads>
+// by row % 8 (the fragment reads then touch eight distinct bank groups). Rows at or past
+// `valid_rows` (the request's keys end inside the page) are zero-filled instead of read, so
+// whatever bytes a cache holds there (NaN patterns of an uninitialized pool included) never meet
+// a zero probability in P.V (0 x NaN = NaN).
 __device__ __forceinline__ void load_page_fp8_swizzled(const DecodeAttentionArgs& a, int head,
                                                        const PageRef& ref, char* stage,
                                                        int valid_rows) {
@@ -276,10 +269,10 @@ __device__ __forceinline__ void load_page_fp8_swizzled(const DecodeAttentionArgs
   const uint8_t* k = static_cast<const uint8_t*>(a.k) + elem_offset;
   const uint8_t* v = static_cast<const uint8_t*>(a.v) + elem_offset;
   constexpr int kChunks = kPageSize * kHeadDim / 16;
-  static_assert(kChunks % kCtaThreads == 0, "every thread issues the same number of copies");
+  static_assert(kChunks % kThreads == 0, "every thread issues the same number of copies");
 #pragma unroll
-  for (int i = 0; i < kChunks / kCtaThreads; ++i) {
-    const int c = threadIdx.x + i * kCtaThreads;
+  for (int i = 0; i < kChunks / kThreads; ++i) {
+    const int c = threadIdx.x + i * kThreads;
     const int row = c >> 3;
     const int dst = row * kHeadDim + (((c & 7) ^ (row & 7)) << 4);
     const bool valid = row < valid_rows;
@@ -371,14 +364,13 @@ __device__ __forceinline__ void load_queries(const DecodeAttentionArgs& a, const
 
 // Sparse: the distinct valid blocks the chunk's q2k slots select, in (token, slot) order of
 // first appearance, each with the mask of tokens that selected it. Returns the page count.
-template <int kCtaThreads>
 __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaContext& ctx,
                                       int* cand, int* list_phys, int* list_logical,
                                       uint32_t* list_mask, int* warp_counts, int* total) {
   const int num_slots = ctx.chunk_end - ctx.chunk_begin;
   const int num_cand = num_slots > 0 ? a.seqlen_q * num_slots : 0;
   const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
-  for (int c = threadIdx.x; c < num_cand; c += kCtaThreads) {
+  for (int c = threadIdx.x; c < num_cand; c += kThreads) {
     const int token = c / num_slots, slot = ctx.chunk_begin + c % num_slots;
     const int64_t row = static_cast<int64_t>(ctx.request) * a.seqlen_q + token;
     const int id = __ldg(a.q2k_indices + (ctx.head * total_q + row) * a.topk + slot);
@@ -387,7 +379,7 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
   if (threadIdx.x == 0) *total = 0;
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int base = 0; base < num_cand; base += kCtaThreads) {
+  for (int base = 0; base < num_cand; base += kThreads) {
     const int c = base + threadIdx.x;
     int id = -1, physical = -1;
     uint32_t mask = 0;
@@ -421,7 +413,7 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
     __syncthreads();
     if (threadIdx.x == 0) {
       int sum = 0;
-      for (int w = 0; w < kCtaThreads / 32; ++w) sum += warp_counts[w];
+      for (int w = 0; w < kWarps; ++w) sum += warp_counts[w];
       *total += sum;
     }
     __syncthreads();
@@ -434,23 +426,23 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
 // A warp's slice of one page: keys key_base .. key_base + 15 (two n8-tiles), rows lane / 4 and
 // lane / 4 + 8 of the <= 16-row tile. Fragment layouts as in the file comment.
 
-// S = Q K^T of kNP pages at once (2 kNP independent MMA chains). (The e4m3 mma.sync
+// S = Q K^T of two pages at once (four independent MMA chains). (The e4m3 mma.sync
 // m16n8k32 would skip the widening, but sm_90 has no FP8 mma.sync: ptxas expands it into the
 // same F2FP unpacks and f16 HMMAs, plus adds.)
-template <int kNP>
-__device__ __forceinline__ void direct_qk_pages(const char* const (&k8)[kNP], int key_base,
-                                                int lane, const uint32_t (&qf)[kHeadDim / 16][4],
-                                                float (&s)[kNP][2][4]) {
+__device__ __forceinline__ void direct_qk_two_pages(const char* const (&k8)[2], int key_base,
+                                                    int lane,
+                                                    const uint32_t (&qf)[kHeadDim / 16][4],
+                                                    float (&s)[2][2][4]) {
 #pragma unroll
-  for (int pg = 0; pg < kNP; ++pg)
+  for (int pg = 0; pg < 2; ++pg)
 #pragma unroll
     for (int n = 0; n < 2; ++n) s[pg][n][0] = s[pg][n][1] = s[pg][n][2] = s[pg][n][3] = 0.f;
-  uint4 k_raw[kNP][2][2];
+  uint4 k_raw[2][2][2];
 #pragma unroll
   for (int n = 0; n < 2; ++n) {
     const int key = key_base + n * 8 + (lane >> 2);
 #pragma unroll
-    for (int pg = 0; pg < kNP; ++pg) {
+    for (int pg = 0; pg < 2; ++pg) {
       k_raw[pg][n][0] = swizzled_chunk(k8[pg], key, (lane & 3) * 2);
       k_raw[pg][n][1] = swizzled_chunk(k8[pg], key, (lane & 3) * 2 + 1);
     }
@@ -458,7 +450,7 @@ __device__ __forceinline__ void direct_qk_pages(const char* const (&k8)[kNP], in
 #pragma unroll
   for (int kd = 0; kd < kHeadDim / 16; ++kd) {
 #pragma unroll
-    for (int pg = 0; pg < kNP; ++pg) {
+    for (int pg = 0; pg < 2; ++pg) {
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
         const uint32_t w = word_of(k_raw[pg][n], kd);
@@ -556,7 +548,7 @@ __device__ __forceinline__ void direct_page_pairs(
       const int idx = 2 * pair + pg;
       const PageRef ref = page_of(idx);   // past the end: skipped, nothing is loaded
       const int valid_rows = min(kPageSize, max(ctx.seqlen_k - ref.logical * kPageSize, 0));
-      load_page_fp8_swizzled<kThreads>(a, ctx.head, ref, stage_of(idx), valid_rows);
+      load_page_fp8_swizzled(a, ctx.head, ref, stage_of(idx), valid_rows);
     }
     cp_async_commit();
   };
@@ -573,7 +565,7 @@ __device__ __forceinline__ void direct_page_pairs(
     const char* k8[2] = {stage_of(2 * pair), stage_of(2 * pair + 1)};
 
     float s[2][2][4];
-    direct_qk_pages<2>(k8, key_base, lane, qf, s);
+    direct_qk_two_pages(k8, key_base, lane, qf, s);
 
     // Mask (causal against seqused_k, the selection per token, skipped pages), page maxima
     // over this warp's keys.
@@ -739,7 +731,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   int num_pages;
   if (a.q2k_indices != nullptr) {
-    num_pages = build_sparse_page_list<kThreads>(a, ctx, cand, list_phys, list_logical, list_mask,
+    num_pages = build_sparse_page_list(a, ctx, cand, list_phys, list_logical, list_mask,
                                        warp_counts, page_total);
   } else {
     num_pages = ctx.chunk_end - ctx.chunk_begin;

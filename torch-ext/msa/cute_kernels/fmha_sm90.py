@@ -435,7 +435,6 @@ class FmhaSm90:
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
 
-
     @cute.jit
     def _online_softmax(self, acc_s: cute.Tensor, o_rc: cute.Tensor, blk: cutlass.Int32,
                         row_max: cute.Tensor, row_sum: cute.Tensor, tScS: cute.Tensor,
