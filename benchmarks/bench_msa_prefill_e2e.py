@@ -46,8 +46,9 @@ class Pipeline:
     q [T, Hq, 128], k / v [T, Hkv, 128], q_idx [T, Hkv, 128], k_idx [T, 1, 128] (T = sum of the
     lengths, self-attention: q_len == k_len per request)."""
 
-    def __init__(self, msa, lengths, dtype, args, device):
+    def __init__(self, msa, lengths, dtype, args, device, partial_dtype=torch.bfloat16):
         self.msa, self.lengths, self.args = msa, list(lengths), args
+        self.partial_dtype = partial_dtype
         total = sum(lengths)
         self.total, self.max_len = total, max(lengths)
         self.cu = cu_seqlens(lengths, device)
@@ -80,12 +81,13 @@ class Pipeline:
         row_ptr, q_ids = csr
         return self.msa.sparse_atten_func(self.q, self.k, self.v, row_ptr, q_ids, self.args.topk,
                                           cu_seqlens_q=self.cu, cu_seqlens_k=self.cu,
-                                          causal=True, **self.lens)
+                                          causal=True, partial_dtype=self.partial_dtype,
+                                          **self.lens)
 
     def end_to_end(self):
         return self.msa.msa_prefill(self.q, self.k, self.v, self.q_idx, self.k_idx, self.cu,
                                     self.cu, topk=self.args.topk, index_scale=self.args.index_scale,
-                                    **self.lens)
+                                    partial_dtype=self.partial_dtype, **self.lens)
 
     # Stand-ins for a stage skipped because only its slow reference would run.
     def synthetic_scores(self):
@@ -172,11 +174,11 @@ def bench_case(msa, case, lengths, args, device, tsv: TsvWriter, backends, dtype
     dense_flops = 4 * HEAD_DIM * args.hq * sum(n * n / 2 for n in lengths)
     cudnn_ms = None
     for dtype_name in dtype_names:
-        dtype = dtype_of(dtype_name)
+        dtype, partial_dtype = split_dtype_name(dtype_name)
         if not fits(estimate_bytes(total, max_len, args, dtype.itemsize), args,
                     f"msa prefill {case} {lengths} {dtype_name}"):
             continue
-        pipe = Pipeline(msa, lengths, dtype, args, device)
+        pipe = Pipeline(msa, lengths, dtype, args, device, partial_dtype)
         row = dict(case=case, lengths=lengths, dtype=dtype_name)
         if cudnn_ms is None and "cudnn" in args.peers and fits(
                 cudnn_bytes(max_len, args), args, f"cudnn {case} {lengths}"):
@@ -217,11 +219,21 @@ def bench_case(msa, case, lengths, args, device, tsv: TsvWriter, backends, dtype
         free_memory(device)
 
 
+def split_dtype_name(name: str):
+    """(q/k/v and index dtype, partial_dtype) of a --dtypes entry: "bf16", "fp8", or either with
+    "_p<partial>" (e.g. fp8_pe4m3: e4m3 partials; default bf16 partials)."""
+    base, _, partial = name.partition("_p")
+    partials = {"": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16,
+                "fp32": torch.float32, "e4m3": torch.float8_e4m3fn}
+    return dtype_of(base), partials[partial]
+
+
 def probe_backends(msa, args, device, dtype_names):
     """{dtype: {stage: backend}} from one small pipeline run per dtype (two requests)."""
     found = {}
     for dtype_name in dtype_names:
-        pipe = Pipeline(msa, [4 * BLOCK, 2 * BLOCK + 5], dtype_of(dtype_name), args, device)
+        dtype, partial_dtype = split_dtype_name(dtype_name)
+        pipe = Pipeline(msa, [4 * BLOCK, 2 * BLOCK + 5], dtype, args, device, partial_dtype)
         pipe.attention(pipe.csr(pipe.select(pipe.scores())))
         found[dtype_name] = {s: msa._backend.last_backend(STAGE_OP[s]) for s in STAGES}
         print(f"backends {dtype_name}: {found[dtype_name]}", flush=True)
@@ -234,7 +246,9 @@ def main(argv=None):
     ap.add_argument("--seqs", default="32k,64k,128k", help="single-sequence lengths")
     ap.add_argument("--varlen", default="32768,16384,8269,4396",
                     help="lengths of the varlen batch ('' to skip)")
-    ap.add_argument("--dtypes", default="bf16", help="q/k/v and index dtypes: bf16, fp8")
+    ap.add_argument("--dtypes", default="bf16",
+                    help="q/k/v and index dtypes: bf16, fp8; '_p<partial>' picks the sparse "
+                         "attention's partial_dtype (e.g. fp8_pe4m3; default bf16 partials)")
     ap.add_argument("--hq", type=int, default=64)
     ap.add_argument("--hkv", type=int, default=4, help="KV heads = index heads (H_idx)")
     ap.add_argument("--topk", type=int, default=16)

@@ -69,28 +69,21 @@ DTYPE_MODES = {   # name -> (q, k, v) -> (q, k, v, pv_dtype)
     "fp8": lambda q, k, v: (q.to(E4M3), k.to(E4M3), v.to(E4M3), E4M3),
     "fp8_pv_bf16": lambda q, k, v: (q.to(E4M3), k.to(E4M3), v.to(E4M3), torch.bfloat16),
     "bf16q_fp8kv": lambda q, k, v: (q, k.to(E4M3), v.to(E4M3), None),
-    # fp8 on the kernel form that transposes V in words ("e4m3_wt", gated); "fp8" then forces the
-    # byte-store form, so both can be timed in one run.
-    "fp8_wt": lambda q, k, v: (q.to(E4M3), k.to(E4M3), v.to(E4M3), E4M3),
 }
 
 
-def unvalidated_mode(msa, q, k, v, pv_dtype) -> bool:
-    """True when the native FP8 mode these dtypes select is still gated (run only because
-    --allow-unvalidated set MSA_UNVALIDATED_KERNELS)."""
+# --partials name -> partial_dtype of sparse_atten_func (rows of other than bf16 are labelled
+# "<dtype>_p<name>").
+PARTIALS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "e4m3": E4M3}
+
+
+def unvalidated_mode(msa, q, k, v, pv_dtype, partial_dtype) -> bool:
+    """True when the native FP8 mode or partial dtype of this call is still gated (run only
+    because --allow-unvalidated set MSA_UNVALIDATED_KERNELS)."""
     native = native_module(msa, "sparse_prefill_sm90")
     mode = native.attention_mode(q.dtype, k.dtype, v.dtype, pv_dtype)
-    if native.kernel_mode(mode or "") == "e4m3_wt" and not native.VALIDATED_WORD_TRANSPOSE:
-        return True
-    return mode not in ("bfloat16", None) and mode not in native.VALIDATED_FP8_MODES
-
-
-def set_word_transpose(msa, value) -> None:
-    """Force the e4m3 kernel form (True: V transposed in words, False: byte stores, None: the
-    gate)."""
-    native = native_module(msa, "sparse_prefill_sm90")
-    if native is not None:   # a build without native kernels has nothing to force
-        native.WORD_TRANSPOSE_FOR_TESTS = value
+    return ((mode not in ("bfloat16", None) and mode not in native.VALIDATED_FP8_MODES)
+            or partial_dtype not in native.VALIDATED_PARTIAL_DTYPES)
 
 
 def visible_pairs(q2k: torch.Tensor) -> int:
@@ -164,8 +157,9 @@ def main():
     ap.add_argument("--patterns", default="random,clustered")
     ap.add_argument("--dtypes", default="bf16,fp8_pv_bf16,bf16q_fp8kv,fp8",
                     help="bf16; fp8 (e4m3 q/k/v, e4m3 P.V); fp8_pv_bf16 (e4m3 q/k/v, bf16 P.V); "
-                         "bf16q_fp8kv (bf16 q, e4m3 k/v); fp8_wt (fp8 on the word-transpose "
-                         "form, gated: add --allow-unvalidated)")
+                         "bf16q_fp8kv (bf16 q, e4m3 k/v)")
+    ap.add_argument("--partials", default="bf16",
+                    help="partial_dtype of each msa run: bf16, fp16, fp32, e4m3 (comma list)")
     ap.add_argument("--allow-unvalidated", action="store_true",
                     help="also time kernels still gated as unvalidated (backend column says so)")
     ap.add_argument("--peers", default="flex,cudnn")
@@ -211,20 +205,24 @@ def main():
                 flex_ms = bench(lambda: [r() for r in runs], args.rep_ms)
                 row(case, lens, pattern, "bf16", "flex_attention", "triton", flex_ms,
                     flops / flex_ms / 1e9, pairs, 1.0)
-            for dtype in args.dtypes.split(","):
-                set_word_transpose(msa, {"fp8_wt": True, "fp8": False}.get(dtype))
+            msa_runs = [(dtype, partial) for dtype in args.dtypes.split(",")
+                        for partial in args.partials.split(",")]
+            for dtype, partial in msa_runs:
                 qq, kk, vv, pv_dtype = DTYPE_MODES[dtype](q, k, v)
                 kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
-                          max_seqlen_k=max(lens), causal=True, pv_dtype=pv_dtype)
+                          max_seqlen_k=max(lens), causal=True, pv_dtype=pv_dtype,
+                          partial_dtype=PARTIALS[partial])
+                label = dtype if partial == "bf16" else f"{dtype}_p{partial}"
                 row_ptr, q_idx, sched = msa.build_k2q_csr(
                     q2k, cu, cu, 128, total_k=total, max_seqlen_k=max(lens),
                     max_seqlen_q=max(lens), qhead_per_kv=HQ // HKV, return_schedule=True)
                 msa.sparse_atten_func(qq, kk, vv, row_ptr, q_idx, TOPK, schedule=sched, **kw)
                 backend = msa._backend.last_backend("sparse_atten")
-                if backend != "reference" and unvalidated_mode(msa, qq, kk, vv, pv_dtype):
+                if backend != "reference" and unvalidated_mode(msa, qq, kk, vv, pv_dtype,
+                                                               PARTIALS[partial]):
                     backend += "-unvalidated"
                 if backend == "reference" and total > 8192:
-                    print(f"skip msa {dtype} {case} {lens}: reference backend only", flush=True)
+                    print(f"skip msa {label} {case} {lens}: reference backend only", flush=True)
                     continue
                 attn_ms = bench(lambda: msa.sparse_atten_func(qq, kk, vv, row_ptr, q_idx, TOPK,
                                                               schedule=sched, **kw), args.rep_ms)
@@ -236,7 +234,7 @@ def main():
                     return msa.sparse_atten_func(qq, kk, vv, rp, qi, TOPK, **kw)
                 full_ms = bench(full_call, args.rep_ms)
                 for impl, ms in (("msa_attention", attn_ms), ("msa_csr+attention", full_ms)):
-                    row(case, lens, pattern, dtype, impl, backend, ms, flops / ms / 1e9, pairs,
+                    row(case, lens, pattern, label, impl, backend, ms, flops / ms / 1e9, pairs,
                         (flex_ms / ms) if flex_ms else None)
         if "cudnn" in args.peers:
             from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -79,25 +79,18 @@ def test_shipped_variant_names_match_the_runtime():
     from msa._native.sparse_prefill_sm90 import _variant_names, attention_mode
     import torch
     names = {v.name for v in shipped_variants()}
+    partials = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
     for g in (1, 2, 4, 8, 16):
         for paged in (False, True):
-            for partial in (torch.float32, torch.bfloat16):
+            for partial in partials:   # every contract partial_dtype
                 assert set(_variant_names(g, paged, partial)) <= names
-            for mode in FP8_MODES:
-                assert set(_variant_names(g, paged, torch.bfloat16, mode)) <= names
+                if partial != torch.float32:   # FP8 modes: every partial but fp32
+                    for mode in FP8_MODES:
+                        assert set(_variant_names(g, paged, partial, mode)) <= names
     bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
-    # Every compiled FP8 family serves a dtype mode: "e4m3_wt" is "e4m3" with V transposed in
-    # words (gated).
-    import msa._native.sparse_prefill_sm90 as native
-    served = set()
-    for word_transpose in (False, True):
-        native.WORD_TRANSPOSE_FOR_TESTS = word_transpose
-        try:
-            served |= {native.kernel_mode(attention_mode(bf16, e4m3, e4m3, None)),
-                       native.kernel_mode(attention_mode(e4m3, e4m3, e4m3, bf16)),
-                       native.kernel_mode(attention_mode(e4m3, e4m3, e4m3, None))}
-        finally:
-            native.WORD_TRANSPOSE_FOR_TESTS = None
+    # Every compiled FP8 family serves a dtype mode.
+    served = {attention_mode(bf16, e4m3, e4m3, None), attention_mode(e4m3, e4m3, e4m3, bf16),
+              attention_mode(e4m3, e4m3, e4m3, None)}
     assert served == set(FP8_MODES)
 
 
@@ -121,33 +114,46 @@ def test_fp8_modes_are_gated_until_validated(monkeypatch):
     assert reason is not None and "partial" in reason
 
 
+def test_new_partial_dtypes_are_gated_until_validated(monkeypatch):
+    """fp16 / e4m3 partials run natively only once in VALIDATED_PARTIAL_DTYPES, or with
+    MSA_UNVALIDATED_KERNELS=1; bf16 / fp32 partials are validated. No CUDA needed."""
+    sys.path.insert(0, str(ROOT / "torch-ext"))
+    import torch
+    from msa._native import sparse_prefill_sm90 as native
+    bf16 = torch.bfloat16
+    features = dict(q_dtype=bf16, k_dtype=bf16, v_dtype=bf16, pv_dtype=None, paged=True,
+                    qhead_per_kv=8, topk=16)
+    monkeypatch.delenv(native.UNVALIDATED_ENV, raising=False)
+    monkeypatch.setattr(native, "VALIDATED_PARTIAL_DTYPES", {torch.float32, bf16})
+    for partial in (torch.float16, torch.float8_e4m3fn):
+        reason = native.supports(**features, partial_dtype=partial)
+        assert reason is not None and "not validated" in reason and str(partial) in reason
+    for partial in (torch.float32, bf16):
+        reason = native.supports(**features, partial_dtype=partial)
+        assert reason is None or "not validated" not in reason
+    monkeypatch.setenv(native.UNVALIDATED_ENV, "1")
+    reason = native.supports(**features, partial_dtype=torch.float8_e4m3fn)
+    assert reason is None or "not validated" not in reason
+
+
 def test_gated_kernel_forms_follow_their_flags(monkeypatch):
-    """A kernel form (the direct e4m3 decode form; the word-transpose e4m3 sparse prefill, gated
-    since session 4) runs only when validated, forced by a test hook, or opted into with
-    MSA_UNVALIDATED_KERNELS=1; otherwise its validated counterpart runs. No CUDA needed."""
+    """A kernel form (the direct e4m3 decode form) runs only when validated, forced by a test
+    hook, or opted into with MSA_UNVALIDATED_KERNELS=1; otherwise its validated counterpart
+    runs. No CUDA needed."""
     sys.path.insert(0, str(ROOT / "torch-ext"))
     from msa import _backend
-    from msa._native import decode_cuda, sparse_prefill_sm90
+    from msa._native import decode_cuda
     monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
-    gates = ((decode_cuda, "VALIDATED_DIRECT_FP8", "DIRECT_FP8_FOR_TESTS"),
-             (sparse_prefill_sm90, "VALIDATED_WORD_TRANSPOSE", "WORD_TRANSPOSE_FOR_TESTS"))
-    for module, flag, hook in gates:
-        monkeypatch.setattr(module, flag, False)
-        monkeypatch.setattr(module, hook, None)
-
-    def chosen():
-        return decode_cuda._direct_fp8(), sparse_prefill_sm90.kernel_mode("e4m3")
-    assert chosen() == (False, "e4m3")
-    assert sparse_prefill_sm90.kernel_mode("e4m3_pv_bf16") == "e4m3_pv_bf16"
+    monkeypatch.setattr(decode_cuda, "VALIDATED_DIRECT_FP8", False)
+    monkeypatch.setattr(decode_cuda, "DIRECT_FP8_FOR_TESTS", None)
+    assert not decode_cuda._direct_fp8()
     monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
-    assert chosen() == (True, "e4m3_wt")
+    assert decode_cuda._direct_fp8()
     monkeypatch.delenv(_backend.UNVALIDATED_ENV)
-    for module, flag, _ in gates:
-        monkeypatch.setattr(module, flag, True)
-    assert chosen() == (True, "e4m3_wt")
-    for module, _, hook in gates:
-        monkeypatch.setattr(module, hook, False)
-    assert chosen() == (False, "e4m3")
+    monkeypatch.setattr(decode_cuda, "VALIDATED_DIRECT_FP8", True)
+    assert decode_cuda._direct_fp8()
+    monkeypatch.setattr(decode_cuda, "DIRECT_FP8_FOR_TESTS", False)
+    assert not decode_cuda._direct_fp8()
 
 
 def test_word_transpose_of_v_lands_in_the_register_p_key_order():
@@ -181,38 +187,5 @@ def test_word_transpose_of_v_lands_in_the_register_p_key_order():
     trace()
     assert all(key == back for key, back in inverse), "the row order inverts the key order"
     assert len(pairs) == 256 * 64
-    assert all(loaded == written for loaded, written in pairs)
-    assert len({written for _, written in pairs}) == 128 * 128
-
-
-def test_word_transposing_v_load_of_the_sparse_kernel_lands_in_the_register_p_key_order():
-    """The "e4m3_wt" sparse prefill V load (4 warps): lane w of warp c loads key
-    register_p_row_key(w, x) at channels 16 (c + 4j) + ch; the byte it stores for (x, ch) must land
-    at Vt(channel 16 (c + 4j) + ch, pi(key)), traced through the store copy's own partition, and
-    the 128 threads x 2 chunks write every Vt byte exactly once."""
-    _tools()
-    import cutlass
-    import cutlass.cute as cute
-    sys.path.insert(0, str(ROOT / "torch-ext"))
-    from msa.cute_kernels.tile_utils import (register_p_key_order, register_p_row_key,
-                                             transpose_v_store_copy)
-    pairs = []
-
-    @cute.jit
-    def trace():   # records only (see the test above)
-        store = transpose_v_store_copy(cutlass.Float8E4M3FN, 4)
-        key_order = register_p_key_order()
-        for tidx in cutlass.range_constexpr(128):
-            dst = store.get_slice(tidx).partition_D(cute.make_identity_tensor((128, 128)))
-            lane, warp = tidx % 32, tidx // 32
-            for j in cutlass.range_constexpr(2):
-                for x in cutlass.range_constexpr(4):
-                    key = register_p_row_key(lane, x)
-                    for ch in cutlass.range_constexpr(16):
-                        c_dst, r_dst = dst[None, j, 0][ch * 4 + x]
-                        loaded = (int(key_order((key, 0)) // 128), 16 * (warp + 4 * j) + ch)
-                        pairs.append((loaded, (int(r_dst), int(c_dst))))
-    trace()
-    assert len(pairs) == 128 * 2 * 64
     assert all(loaded == written for loaded, written in pairs)
     assert len({written for _, written in pairs}) == 128 * 128

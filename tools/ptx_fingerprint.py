@@ -7,9 +7,9 @@ Refactors of kernel code that cannot be re-run on a GPU right away are proven no
     python tools/ptx_fingerprint.py after.json --compare before.json
 
 Source-location lines (.loc / .file) are ignored, so moving code between files does not count.
-A change that deletes variants on purpose adds --allow-removed (they are listed, not failed);
-one that renames them adds --rename OLD=NEW (the old file's names have OLD replaced by NEW
-before comparing, e.g. --rename _e4m3_rp_=_e4m3_).
+A change that deletes variants on purpose adds --allow-removed (they are listed, not failed),
+one that adds variants --allow-added, one that renames them --rename OLD=NEW (the old file's
+names have OLD replaced by NEW before comparing, e.g. --rename _e4m3_rp_=_e4m3_).
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def main() -> int:
     ap.add_argument("--compare", metavar="JSON", help="fail unless every fingerprint matches")
     ap.add_argument("--allow-removed", action="store_true",
                     help="with --compare: variants no longer shipped are listed, not failed")
+    ap.add_argument("--allow-added", action="store_true",
+                    help="with --compare: variants new since the old file are listed, not failed")
     ap.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
                     help="with --compare: replace OLD by NEW in the old file's variant names")
     args = ap.parse_args()
@@ -63,13 +65,18 @@ def main() -> int:
             old = {k: v for k, v in old.items() if before not in k}
             old.update(moved)
         removed = sorted(set(old) - set(prints))
-        changed = sorted(k for k in prints if old.get(k) != prints[k])
+        added = sorted(set(prints) - set(old))
+        changed = sorted(k for k in prints if k in old and old[k] != prints[k])
         if not args.allow_removed:
             changed = sorted(changed + removed)
+        if not args.allow_added:
+            changed = sorted(changed + added)
         print(f"{len(prints)} variants, {len(changed)} changed" +
               (f": {', '.join(changed)}" if changed else ""))
         if removed and args.allow_removed:
             print(f"{len(removed)} removed: {', '.join(removed)}")
+        if added and args.allow_added:
+            print(f"{len(added)} added: {', '.join(added)}")
         return 1 if changed else 0
     return 0
 

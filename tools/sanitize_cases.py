@@ -4,10 +4,10 @@
         python3 tools/sanitize_cases.py build/<variant>
 
 Every native op runs at least once on small ragged inputs: build_k2q_csr (+ schedule), sparse
-prefill (bf16 dense/paged, fp32/bf16 partials, G = 1 and 16, each FP8 mode, the combine),
-sparse_topk_select (forced blocks, causal end, head reduce), block max-scores (dense/paged) and
-paged decode (dense/sparse, split and unsplit); the e4m3 indexer too. Inputs include indices a caller may pass without
-host validation (the API never syncs to look at index values): q2k ids past the request's blocks
+prefill (bf16 dense/paged, fp32/bf16/fp16/e4m3 partials, G = 1 and 16, each FP8 mode, the
+combine), sparse_topk_select (forced blocks, causal end, head reduce), block max-scores
+(dense/paged) and paged decode (dense/sparse, split and unsplit); the e4m3 indexer too. Inputs
+include indices a caller may pass without host validation (the API never syncs to look at index values): q2k ids past the request's blocks
 or negative, page-table entries out of range, seqused_k larger than the table. Kernels must skip
 them, never touch memory outside their buffers. Unvalidated kernels are enabled here on purpose
 (MSA_UNVALIDATED_KERNELS=1): memcheck is part of their validation. MSA_BACKEND=native, so a
@@ -54,7 +54,9 @@ def sparse_prefill_cases(gen):
             (16, False, True, torch.bfloat16, "bf16"), (16, True, True, torch.float32, "bf16"),
             (1, False, False, torch.float32, "bf16"), (1, True, False, torch.bfloat16, "bf16"),
             (4, False, True, torch.bfloat16, "bf16_kv_e4m3"),
-            (8, True, True, torch.bfloat16, "e4m3_pv_bf16"), (2, False, False, torch.bfloat16, "e4m3")):
+            (8, True, True, torch.bfloat16, "e4m3_pv_bf16"), (2, False, False, torch.bfloat16, "e4m3"),
+            (16, True, True, E4M3, "bf16"), (8, False, True, torch.float16, "e4m3"),
+            (16, False, True, E4M3, "e4m3")):
         topk = 8
         p = prefill_cases._make_problem(g, topk, paged, causal, gen, torch.device("cuda"))
         q2k = p["q2k"]

@@ -181,7 +181,8 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
                 k_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
                 max_seqlen_q: int, max_seqlen_k: int, topk: int = 16,
                 softmax_scale: Optional[float] = None, index_scale: float = 1.0,
-                local_blocks: int = 1, causal: bool = True, return_selection: bool = False):
+                local_blocks: int = 1, causal: bool = True, return_selection: bool = False,
+                partial_dtype: torch.dtype = torch.bfloat16):
     """MSA prefill: index scores -> top-k blocks per (query, KV head) -> block-sparse attention.
 
     Args:
@@ -199,6 +200,9 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
         key of the request is visible, and the forced window is the request's last
         local_blocks blocks instead.
       return_selection: also return the selection.
+      partial_dtype: the sparse attention's per-block partial dtype (``sparse_atten_func``:
+        fp32, bf16, fp16 or e4m3; e4m3 halves the partial traffic at the contract's looser fp8
+        tolerance).
 
     Returns O [total_q, Hq, 128] bf16, or (O, q2k [Hkv, total_q, topk] int32) with
     return_selection (ids ascending, -1 tail, own block always present when causal).
@@ -216,7 +220,8 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
       5. row_ptr, q_ids = build_k2q_csr(q2k, cu_seqlens_q, cu_seqlens_k, 128,
              total_k=k.shape[0], max_seqlen_k=..., max_seqlen_q=..., qhead_per_kv=Hq // Hkv)
       6. O = sparse_atten_func(q, k, v, row_ptr, q_ids, topk, cu_seqlens_q=..., cu_seqlens_k=...,
-             max_seqlen_q=..., max_seqlen_k=..., causal=causal, softmax_scale=softmax_scale)
+             max_seqlen_q=..., max_seqlen_k=..., causal=causal, softmax_scale=softmax_scale,
+             partial_dtype=partial_dtype)
     """
     check_tensor("q", q, ndim=3)
     check_tensor("k", k, ndim=3)
@@ -251,7 +256,7 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
     out = sparse_atten_func(q, k, v, row_ptr, q_ids, topk, cu_seqlens_q=cu_seqlens_q,
                             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                             max_seqlen_k=max_seqlen_k, blk_kv=BLOCK_SIZE, causal=causal,
-                            softmax_scale=softmax_scale)
+                            softmax_scale=softmax_scale, partial_dtype=partial_dtype)
     return (out, q2k) if return_selection else out
 
 

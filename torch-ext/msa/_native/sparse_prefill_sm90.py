@@ -3,10 +3,11 @@
 ``run(call)`` takes a validated :class:`msa.interface.SparseAttentionCall` and launches two
 kernels on q's device and current stream, with no host synchronization:
 
-1. attention (cute_kernels/sparse_prefill_sm90_wgmma.py for bf16 partials, warpgroup MMA;
-   cute_kernels/sparse_prefill_sm90.py for fp32 partials): one CTA per schedule work item writes the
-   per-block partials O_partial [topK, total_q, Hq, 128] (fp32 or bf16) and LSE_partial
-   [topK, total_q, Hq] (plus LSE_T_partial when a temperature LSE is requested);
+1. attention (cute_kernels/sparse_prefill_sm90_wgmma.py for bf16, fp16 and e4m3 partials,
+   warpgroup MMA; cute_kernels/sparse_prefill_sm90.py for fp32 partials): one CTA per schedule
+   work item writes the per-block partials O_partial [topK, total_q, Hq, 128] (partial_dtype)
+   and LSE_partial [topK, total_q, Hq] (plus LSE_T_partial when a temperature LSE is
+   requested);
 2. combine (cute_kernels/combine.py): log-sum-exp merge into O bf16 [total_q, Hq, 128] and
    LSE fp32 [total_q, Hq].
 
@@ -14,7 +15,7 @@ When the call carries no schedule it is built here on the device with tensor ops
 (:func:`build_schedule_on_device`), so the path stays capture-safe.
 
 FP8 (contract §1.2, no scale factors): three modes are compiled (cute_kernels.variants.FP8_MODES,
-bf16 partials only) -- ``bf16_kv_e4m3`` (bf16 q, e4m3 k/v), ``e4m3_pv_bf16`` (e4m3 q/k/v,
+bf16, fp16 or e4m3 partials) -- ``bf16_kv_e4m3`` (bf16 q, e4m3 k/v), ``e4m3_pv_bf16`` (e4m3 q/k/v,
 pv_dtype bf16) and ``e4m3`` (e4m3 q/k/v, pv_dtype e4m3, P kept in registers). **Validation
 gate:** supports() serves an FP8 mode only when it is listed in :data:`VALIDATED_FP8_MODES` (add
 a mode there only after its GPU test in tests/test_sparse_prefill_gpu.py passed on an H200), or
@@ -38,8 +39,15 @@ KV_BLOCK = 128
 # Tests set this to fill every buffer the kernels write with NaN first (catches unwritten rows).
 POISON_BUFFERS_FOR_TESTS = False
 _SUPPORTED_G = (1, 2, 4, 8, 16)
-_PARTIAL_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 _FP8 = torch.float8_e4m3fn
+# partial_dtype -> (variant dtype name, short name in artifact names); every contract dtype.
+_PARTIALS = {torch.float32: ("float32", "f32"), torch.bfloat16: ("bfloat16", "bf16"),
+             torch.float16: ("float16", "f16"), _FP8: ("e4m3", "e4m3")}
+# Partial dtypes proven on an H200 (tests/test_sparse_prefill_gpu.py). fp16 and e4m3 partials
+# (wgmma kernel: O staged in 16 bits, e4m3 rows converted as they are written; combine reading
+# them) are compiled and shipped, refused by supports() until their GPU cases pass (or
+# MSA_UNVALIDATED_KERNELS=1).
+VALIDATED_PARTIAL_DTYPES: set = {torch.float32, torch.bfloat16}
 # FP8 modes proven correct on hardware (GPU test passed on an H200). Empty: every FP8 mode is
 # compiled and shipped but refused by supports() unless MSA_UNVALIDATED_KERNELS=1.
 # Passed tests/test_sparse_prefill_gpu.py on the H200 (2026-11-30, session 2): every G, dense
@@ -48,12 +56,6 @@ _FP8 = torch.float8_e4m3fn
 # Its kernel now keeps P in registers; that form passed the same test on the H200 (2026-11-30)
 # and replaced the shared-memory-P form.
 VALIDATED_FP8_MODES: set = {"bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3"}
-# Mode "e4m3" on the kernel form that transposes V into Vt in words (variants "e4m3_wt": four
-# 16-byte loads of the key-permuted rows, byte permutes, word stores; the "e4m3" form stores each
-# byte): compiled, gated until the "e4m3_wt" cases of tests/test_sparse_prefill_gpu.py pass on an
-# H200. WORD_TRANSPOSE_FOR_TESTS forces it on or off.
-VALIDATED_WORD_TRANSPOSE = False
-WORD_TRANSPOSE_FOR_TESTS: Optional[bool] = None
 UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
 
 
@@ -73,21 +75,10 @@ def attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype) -> Optional[str]:
     return None
 
 
-def kernel_mode(mode: str) -> str:
-    """The compiled variant family serving an attention mode: "e4m3" runs on "e4m3_wt" (V
-    transposed in words) when that form is validated or forced, else on the byte-store form."""
-    if mode != "e4m3":
-        return mode
-    use = _backend.form_enabled(WORD_TRANSPOSE_FOR_TESTS, "the word-transpose e4m3 kernel",
-                                VALIDATED_WORD_TRANSPOSE)
-    return "e4m3_wt" if use else mode
-
-
 def _variant_names(qhead_per_kv: int, paged: bool, partial_dtype: torch.dtype,
                    mode: str = "bfloat16") -> Tuple[str, str]:
     """(attention, combine) artifact names; must match cute_kernels.variants."""
-    mode = kernel_mode(mode)
-    short = {"float32": "f32", "bfloat16": "bf16"}[_PARTIAL_NAMES[partial_dtype]]
+    short = _PARTIALS[partial_dtype][1]
     layout = "paged" if paged else "dense"
     return (f"sparse_prefill_sm90_{mode}_g{qhead_per_kv}_{layout}_p{short}",
             f"sparse_combine_sm90_p{short}")
@@ -107,11 +98,15 @@ def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=F
         gate = _backend.unvalidated_reason(f"FP8 mode {mode}", mode in VALIDATED_FP8_MODES)
         if gate is not None:
             return gate
-        if partial_dtype != torch.bfloat16:
-            return (f"partial_dtype {partial_dtype}: FP8 modes are native with bfloat16 "
-                    "partials only")
-    if partial_dtype not in _PARTIAL_NAMES:
-        return f"partial_dtype {partial_dtype} is not native on sm90 (float32, bfloat16 are)"
+        if partial_dtype == torch.float32:
+            return ("partial_dtype torch.float32: FP8 modes are native with bfloat16, float16 "
+                    "and e4m3 partials")
+    if partial_dtype not in _PARTIALS:
+        return f"partial_dtype {partial_dtype} is not native on sm90"
+    gate = _backend.unvalidated_reason(f"partial_dtype {partial_dtype}",
+                                       partial_dtype in VALIDATED_PARTIAL_DTYPES)
+    if gate is not None:
+        return gate
     if qhead_per_kv not in _SUPPORTED_G:
         return f"qhead_per_kv {qhead_per_kv} is not native"
     return cute_runtime.unavailable_reason(*_variant_names(qhead_per_kv, bool(paged),

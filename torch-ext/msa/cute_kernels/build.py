@@ -24,7 +24,8 @@ from .variants import (FP8_MODES, AttentionVariant, BlockMaxScoreVariant, Combin
                        FmhaVariant)
 
 TARGET_ARCH = "sm_90a"
-_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "e4m3": cutlass.Float8E4M3FN}
+_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
+           "e4m3": cutlass.Float8E4M3FN}
 # q_idx / k_idx element types of the indexer (see variants.INDEX_DTYPES).
 _INDEX_DTYPES = {"bfloat16": cutlass.BFloat16, "e4m3": cutlass.Float8E4M3FN}
 # (q, k/v) element types of each attention dtype / FP8 mode (see variants.FP8_MODES).
@@ -33,7 +34,6 @@ _QKV_DTYPES = {
     "bf16_kv_e4m3": (cutlass.BFloat16, cutlass.Float8E4M3FN),
     "e4m3_pv_bf16": (cutlass.Float8E4M3FN, cutlass.Float8E4M3FN),
     "e4m3": (cutlass.Float8E4M3FN, cutlass.Float8E4M3FN),
-    "e4m3_wt": (cutlass.Float8E4M3FN, cutlass.Float8E4M3FN),   # "e4m3", V transposed in words
 }
 
 
@@ -131,16 +131,17 @@ def fmha_args(variant: FmhaVariant):
 
 
 def attention_kernel(variant: AttentionVariant):
-    """The kernel object of an attention variant: warpgroup MMA (wgmma) for bf16 partials,
-    warp MMA for fp32 partials. MSA_CUTE_MMA=warp forces the warp-MMA kernel for bf16 Q/K/V;
-    the FP8 modes exist only on the wgmma kernel (bf16 partials)."""
+    """The kernel object of an attention variant: warpgroup MMA (wgmma) for bf16, fp16 and
+    e4m3 partials, warp MMA for fp32 partials. MSA_CUTE_MMA=warp forces the warp-MMA kernel for
+    bf16 Q/K/V with 16-bit partials; the FP8 modes exist only on the wgmma kernel."""
     partial = _DTYPES[variant.partial_dtype]
     if variant.dtype in FP8_MODES:
-        if partial.width != 16:
-            raise NotImplementedError(f"{variant.name}: FP8 modes need bf16 partials")
+        if partial.width == 32:
+            raise NotImplementedError(f"{variant.name}: FP8 modes have no fp32 partials")
         return SparsePrefillSm90Wgmma(variant.qhead_per_kv, variant.paged, partial,
                                       mode=variant.dtype)
-    use_wgmma = partial.width == 16 and os.environ.get("MSA_CUTE_MMA", "wgmma") != "warp"
+    use_wgmma = partial.width == 8 or (
+        partial.width == 16 and os.environ.get("MSA_CUTE_MMA", "wgmma") != "warp")
     cls = SparsePrefillSm90Wgmma if use_wgmma else SparsePrefillSm90
     return cls(variant.qhead_per_kv, variant.paged, partial)
 

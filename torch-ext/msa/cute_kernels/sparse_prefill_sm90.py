@@ -397,6 +397,15 @@ class SparsePrefillSm90:
         swizzled addresses are not recomputed inside each row's branch."""
         r_out = cute.make_fragment_like(tWsO)
         r_out.store(tWsO.load())
+        if cutlass.const_expr(mOPartial.element_type is not tWsO.element_type):
+            # e4m3 partials staged in 16 bits (values already on the e4m3 grid): convert, and
+            # write each lane's elements as one narrower vector on the same thread mapping.
+            r_narrow = cute.make_fragment_like(r_out, mOPartial.element_type)
+            r_narrow.store(r_out.load().to(mOPartial.element_type))
+            r_out = r_narrow
+            store_o_copy = warp_row_store_copy(mOPartial.element_type, HEAD_DIM,
+                                               128 // tWsO.element_type.width)
+            thr_store_o = store_o_copy.get_slice(lane)
         for m in cutlass.range_constexpr(cute.size(tWsO.shape[1])):
             r = warp_row0 + tWcO[0, m, 0][0]
             packed = sEntry[r // self.group, stage]

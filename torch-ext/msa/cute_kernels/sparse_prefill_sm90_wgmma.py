@@ -34,9 +34,6 @@ FP8 modes (``mode``; no scale factors are applied, contract §1.2):
   (a bijection inside each 32-key group, applied once per block by the transposing V store).
   Each A register then takes two converted accumulator pairs of the same row: no shared P tile
   and no barrier before P.V.
-* ``"e4m3_wt"``      "e4m3" with the transposing V load in words: lane w of warp c loads the
-  keys pi^-1(4w .. 4w+3) (16 bytes each, channels 16c ..) and byte-transposes them into four
-  Vt words (tile_utils.transpose_words_4x4); the "e4m3" load stores each byte on its own.
 With e4m3 Q tiles (half the bytes) O cannot be staged in the Q rows: a separate bf16 tile is used.
 """
 
@@ -49,19 +46,17 @@ from cutlass.cute.nvgpu import warpgroup
 
 from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, Q_STAGES,
                                   ROWS_PER_WARP, SparsePrefillSm90)
-from .tile_utils import (kv_row_iterator, register_p_key_order, register_p_operand,
-                         register_p_row_key, row_copy, transpose_v_store_copy,
-                         transpose_words_4x4, warp_row_store_copy, warpgroup_gemm,
-                         warpgroup_gemm_issue,
+from .tile_utils import (kv_row_iterator, register_p_key_order, register_p_operand, row_copy,
+                         warp_row_store_copy, warpgroup_gemm, warpgroup_gemm_issue,
                          wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 
 TILE_M = 64            # one warpgroup MMA row block
 NUM_THREADS = 128
-MODES = ("bf16", "bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3", "e4m3_wt")
+MODES = ("bf16", "bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
 
 
 class SparsePrefillSm90Wgmma(SparsePrefillSm90):
-    """wgmma variant; bf16 partials only (fp32 partials use the warp-MMA kernel).
+    """wgmma variant; bf16, fp16 or e4m3 partials (fp32 partials use the warp-MMA kernel).
 
     mode (see the module docstring) fixes the element types: qk_dtype (Q and K tiles, S MMA),
     kv_in_dtype (K/V in global memory), pv_dtype (P and V operands of O = P V)."""
@@ -69,17 +64,19 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
     def __init__(self, qhead_per_kv: int, paged: bool, partial_dtype=cutlass.BFloat16,
                  mode: str = "bf16"):
         super().__init__(qhead_per_kv, paged, partial_dtype)
-        assert partial_dtype.width == 16, "the wgmma kernel stages O in a 16-bit tile"
+        assert partial_dtype.width == 16 or partial_dtype is cutlass.Float8E4M3FN, partial_dtype
+        # O is staged in a 16-bit tile; e4m3 partials are staged as fp16 holding the values
+        # already rounded to e4m3 (exact: one cvt each way), converted back as rows are written.
+        self.stage_dtype = partial_dtype if partial_dtype.width == 16 else cutlass.Float16
         assert mode in MODES, mode
         self.tile_m = TILE_M
         self.num_threads = NUM_THREADS
         self.queries_per_tile = TILE_M // qhead_per_kv
         e4m3 = cutlass.Float8E4M3FN
         self.mode = mode
-        self.qk_dtype = e4m3 if mode in ("e4m3_pv_bf16", "e4m3", "e4m3_wt") else cutlass.BFloat16
+        self.qk_dtype = e4m3 if mode in ("e4m3_pv_bf16", "e4m3") else cutlass.BFloat16
         self.kv_in_dtype = cutlass.BFloat16 if mode == "bf16" else e4m3
-        self.pv_dtype = e4m3 if mode in ("e4m3", "e4m3_wt") else cutlass.BFloat16
-        self.word_transpose = mode == "e4m3_wt"      # the V load into Vt in words
+        self.pv_dtype = e4m3 if mode == "e4m3" else cutlass.BFloat16
         # Which K/V tiles cannot be a plain cp.async of global memory.
         self.convert_k = self.kv_in_dtype is not self.qk_dtype
         self.convert_v = self.kv_in_dtype is not self.pv_dtype
@@ -98,7 +95,7 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
         fields = {"sQ": tile(self.qk_dtype, q_layout), "sK": tile(self.qk_dtype, k_layout),
                   "sV": tile(self.pv_dtype, v_layout)}
         if not self.stage_o_in_q:
-            fields["sO"] = tile(self.partial_dtype, o_layout)
+            fields["sO"] = tile(self.stage_dtype, o_layout)
         fields["sEntry"] = cute.struct.Align[
             cute.struct.MemRange[cutlass.Int32, TILE_M * Q_STAGES], 16]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
@@ -128,7 +125,7 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
             v_layout = cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N), (0, 1))
         if cutlass.const_expr(not self.stage_o_in_q):
             o_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
-                                                     self.partial_dtype)
+                                                     self.stage_dtype)
             o_layout = cute.tile_to_shape(o_atom, (TILE_M, HEAD_DIM), (0, 1))
         SharedStorage = self._shared_storage(q_layout, kv_layout, v_layout, o_layout)
 
@@ -154,9 +151,9 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                 cute.nvgpu.OperandMajorMode.MN, cutlass.Float32, (1, 1, 1), (TILE_M, HEAD_DIM),
                 a_source=warpgroup.OperandSource.RMEM)
         stage_o_copy = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.partial_dtype,
-                                num_bits_per_copy=2 * self.partial_dtype.width), mma_pv)
-        store_o_copy = warp_row_store_copy(self.partial_dtype, HEAD_DIM)
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.stage_dtype,
+                                num_bits_per_copy=2 * self.stage_dtype.width), mma_pv)
+        store_o_copy = warp_row_store_copy(self.stage_dtype, HEAD_DIM)
 
         scale_log2 = softmax_scale * LOG2_E
         self.kernel_wgmma(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens, page_table, k2q_row_ptr,
@@ -251,11 +248,8 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                             cute.copy(gather_copy, gK[None, m, None], tXsK[None, m, None])
                         else:
                             tXsK[None, m, None].fill(0)
-                if cutlass.const_expr(self.word_transpose):
-                    self._load_v_transposed_words(tidx, mV, kv_row0, head_kv, n_keys, sVt)
-                else:
-                    self._load_kv_through_registers(convert_load, tidx, mV, kv_row0, head_kv,
-                                                    n_keys, sV_rows)
+                self._load_kv_through_registers(convert_load, tidx, mV, kv_row0, head_kv,
+                                                n_keys, sV_rows)
 
             # ---- warpgroup MMA operands ------------------------------------------------------
             thr_qk = mma_qk.get_slice(tidx)
@@ -352,13 +346,18 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                 for i in cutlass.range_constexpr(n_my_rows):
                     for j in cutlass.range_constexpr(n_my_cols):
                         o_rc[i, j] = o_rc[i, j] * row_inv_sum[i]
-                r_o = cute.make_fragment_like(acc_o, self.partial_dtype)
-                r_o.store(acc_o.load().to(self.partial_dtype))
+                r_o = cute.make_fragment_like(acc_o, self.stage_dtype)
+                if cutlass.const_expr(self.stage_dtype is self.partial_dtype):
+                    r_o.store(acc_o.load().to(self.partial_dtype))
+                else:   # rounded once, to e4m3; fp16 holds it exactly
+                    r_o.store(acc_o.load().to(self.partial_dtype).to(self.stage_dtype))
                 # Warp w's accumulator rows are tile rows 16w..16w+15, the Q rows only its own
-                # S wgmma read (complete: wait_group(0) above). e4m3 Q tiles are too small:
-                # a separate bf16 tile (each warp again touches only its own rows).
+                # S wgmma read (complete: wait_group(0) above), viewed as the 16-bit stage
+                # type. e4m3 Q tiles are too small: a separate 16-bit tile (each warp again
+                # touches only its own rows).
                 if cutlass.const_expr(self.stage_o_in_q):
-                    sO = sQ_stages[None, None, stage]
+                    sO = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner,
+                                               dtype=self.stage_dtype)[None, None, stage]
                 else:
                     sO = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)
                 cute.copy(stage_o_copy, thr_stage_o.retile(r_o), thr_stage_o.partition_D(sO))
@@ -420,41 +419,6 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
             elems_per_line = 1024 // self.qk_dtype.width
             cute.arch.prefetch((q_row.iterator + line * elems_per_line).llvm_ptr,
                                cache_level="L2")
-
-    @cute.jit
-    def _load_v_transposed_words(self, tidx: cutlass.Int32, mV: cute.Tensor,
-                                 kv_row0: cutlass.Int32, head_kv: cutlass.Int32,
-                                 n_keys: cutlass.Int32, sVt: cute.Tensor):
-        """e4m3 P.V ("e4m3_wt"): the block's V into Vt (channel, pi(key)) in words. Lane w of
-        warp c loads keys pi^-1(4w + x), x = 0..3 (tile_utils.register_p_row_key), channels
-        16c' .. 16c'+15 for its chunks c' = c, c + 4 (16-byte loads), byte-transposes each 4 x 4
-        block and stores sixteen words a chunk (tile_utils.transpose_v_store_copy). Keys at or
-        past n_keys are zero-filled; nothing is read out of bounds."""
-        num_warps = NUM_THREADS // 32
-        store = transpose_v_store_copy(self.kv_in_dtype, num_warps)
-        dst = store.get_slice(tidx).partition_D(sVt)          # (vals, channel tiles, 1)
-        lane = tidx % 32
-        warp = tidx // 32
-        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.kv_in_dtype,
-                                   num_bits_per_copy=128)
-        chunk_layout = cute.make_layout((HEAD_DIM // 16, 16), stride=(16, 1))
-        for j in cutlass.range_constexpr(HEAD_DIM // 16 // num_warps):
-            chunk = warp + num_warps * j
-            r_in = cute.make_rmem_tensor((16, 4), self.kv_in_dtype)   # (channel, row x)
-            for x in cutlass.range_constexpr(4):
-                key = register_p_row_key(lane, x)
-                if key < n_keys:
-                    ptr = kv_row_iterator(mV, self.paged, kv_row0, head_kv, key)
-                    row_chunks = cute.make_tensor(ptr, chunk_layout)   # (chunk, byte)
-                    cute.copy(load, row_chunks[chunk, None], r_in[None, x])
-                else:
-                    r_in[None, x].fill(0)
-            r_out = cute.make_fragment_like(dst[None, j, 0])
-            w_in = cute.recast_tensor(r_in, cutlass.Uint32)     # [x * 4 + m]
-            w_out = cute.recast_tensor(r_out, cutlass.Uint32)   # [4m + i]: channel 4m + i
-            for m in cutlass.range_constexpr(4):
-                transpose_words_4x4(w_in, w_out, m)
-            cute.copy(store, r_out, dst[None, j, 0])
 
     @cute.jit
     def _load_kv_through_registers(self, convert_load: cute.TiledCopy, tidx: cutlass.Int32,

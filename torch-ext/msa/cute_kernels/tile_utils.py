@@ -47,13 +47,15 @@ def row_iterator(mX: cute.Tensor, row, head):
     return mX[cutlass.Int64(row), head, None].iterator
 
 
-def warp_row_store_copy(dtype, head_dim: int) -> cute.TiledCopy:
-    """One warp writing whole staged rows as 16-byte segments: head_dim / (16 bytes) lanes per
-    row, 32 / that rows per step (plain stores, shared -> registers -> global)."""
-    vec = 128 // dtype.width
+def warp_row_store_copy(dtype, head_dim: int, vec: int = 0) -> cute.TiledCopy:
+    """One warp writing whole staged rows in segments of vec elements (default: 16 bytes):
+    head_dim / vec lanes per row, 32 / that rows per step (plain stores, shared -> registers
+    -> global)."""
+    vec = vec or 128 // dtype.width
     lanes_per_row = head_dim // vec
     return cute.make_tiled_copy_tv(
-        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128),
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype,
+                            num_bits_per_copy=vec * dtype.width),
         cute.make_layout((32 // lanes_per_row, lanes_per_row), stride=(lanes_per_row, 1)),
         cute.make_layout((1, vec)))
 
@@ -219,30 +221,18 @@ def register_p_row_order(block_n: int = 128, head_dim: int = 128) -> cute.Layout
         stride=((1, 8, 2, 16, 32), block_n))
 
 
-def register_p_row_key(lane, x: int):
-    """Key of row 4 lane + x of the row-permuted V (register_p_row_order): x0 + 8 x1 + 2t +
-    16 jhi + 32 g for lane = t + 4 jhi + 8 g. Works on Python ints and traced Int32."""
-    return (x & 1) + 8 * (x >> 1) + 2 * (lane % 4) + 16 * ((lane // 4) % 2) + 32 * (lane // 8)
-
-
-def transpose_v_store_copy(dtype, num_warps: int = 8):
-    """Word stores into Vt (channel, key'), K-major: warp c, lane w writes channels
-    16c .. 16c+15 (+ 16 num_warps per further tile) x columns 4w .. 4w+3 (sixteen 4-byte stores
-    a tile); the 32 lanes of a store write one channel row, 32 distinct banks of a 128-byte
-    swizzled row."""
-    return cute.make_tiled_copy_tv(
-        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=32),
-        cute.make_layout((num_warps, 32), stride=(32, 1)), cute.make_layout((16, 4), stride=(4, 1)))
-
-
 def transpose_v_copies(dtype):
     """The two tiled copies of transpose_v_words (8 warps): warp c, lane w reads rows 4w .. 4w+3
     x channels 16c .. 16c+15 of the row-permuted V (four 16-byte loads) and writes channels
-    16c .. 16c+15 x columns 4w .. 4w+3 of Vt (transpose_v_store_copy)."""
+    16c .. 16c+15 x columns 4w .. 4w+3 of Vt (sixteen 4-byte stores; the 32 lanes of a store
+    write one channel row, 32 distinct banks of a 128-byte swizzled row)."""
     load = cute.make_tiled_copy_tv(
         cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128),
         cute.make_layout((32, 8), stride=(1, 32)), cute.make_layout((4, 16), stride=(16, 1)))
-    return load, transpose_v_store_copy(dtype, 8)
+    store = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=32),
+        cute.make_layout((8, 32), stride=(32, 1)), cute.make_layout((16, 4), stride=(4, 1)))
+    return load, store
 
 
 @cute.jit

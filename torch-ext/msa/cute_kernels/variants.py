@@ -14,17 +14,20 @@ from typing import List
 HEAD_DIM = 128
 KV_BLOCK = 128
 QHEAD_PER_KV = (1, 2, 4, 8, 16)
-PARTIAL_DTYPES = ("float32", "bfloat16")     # partial dtypes with a native combine
+PARTIAL_DTYPES = ("float32", "bfloat16", "float16", "e4m3")   # contract §1.2, all native
+# Partial dtypes of the wgmma kernel (every dtype mode); fp32 partials use the warp-MMA kernel
+# and exist for bf16 Q/K/V only.
+WGMMA_PARTIAL_DTYPES = ("bfloat16", "float16", "e4m3")
 INPUT_DTYPES = ("bfloat16",)                 # Q/K/V element types compiled so far
-# FP8 attention modes (wgmma kernel, bf16 partials only; no scale factors, contract §1.2):
+# FP8 attention modes (wgmma kernel: bf16, fp16 or e4m3 partials; no scale factors, contract
+# §1.2):
 #   bf16_kv_e4m3  bf16 q, e4m3 k/v (staged to bf16 in shared memory), bf16 P.V
 #   e4m3_pv_bf16  e4m3 q/k/v, e4m3 QK^T, V staged to bf16, bf16 P.V (pv_dtype=bf16)
 #   e4m3          e4m3 q/k/v, e4m3 QK^T, P rounded to e4m3 in registers, e4m3 P.V
 #                 (pv_dtype=e4m3)
 # They are compiled and shipped, but msa._native.sparse_prefill_sm90 serves a mode only once it
 # is listed in its VALIDATED_FP8_MODES (proven on an H200).
-#   e4m3_wt       "e4m3" with the transposing V load in words (gated until validated)
-FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3", "e4m3_wt")
+FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
 INDEX_HEADS = (1, 2, 4, 8)                   # index query heads H of block_max_scores
 INDEX_DTYPES = ("bfloat16", "e4m3")          # q_idx / k_idx element types (same for both)
 FMHA_DTYPES = ("bfloat16", "e4m3")          # dense FMHA q/k/v element types (output O)
@@ -101,7 +104,8 @@ def shipped_variants() -> List[object]:
     for mode in FP8_MODES:
         for paged in (False, True):
             for g in QHEAD_PER_KV:
-                out.append(AttentionVariant(g, paged, "bfloat16", mode))
+                for partial in WGMMA_PARTIAL_DTYPES:
+                    out.append(AttentionVariant(g, paged, partial, mode))
     out.extend(CombineVariant(p) for p in PARTIAL_DTYPES)
     for dtype in INDEX_DTYPES:
         for paged in (False, True):
