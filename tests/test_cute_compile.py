@@ -216,3 +216,59 @@ def test_word_transposing_v_load_of_the_sparse_kernel_lands_in_the_register_p_ke
     assert len(pairs) == 128 * 2 * 64
     assert all(loaded == written for loaded, written in pairs)
     assert len({written for _, written in pairs}) == 128 * 128
+
+
+@pytest.mark.parametrize("name", ["fmha_sm90_bfloat16_dense_ws", "fmha_sm90_bfloat16_paged_ws"])
+def test_warp_specialized_fmha_compiles_without_spills_or_serialized_wgmma(name, tmp_path):
+    """The warp-specialized FMHA (cute_kernels/fmha_sm90_ws.py): a TMA producer (bulk tensor
+    loads, 3-D dense / 4-D paged boxes) and two consumer warpgroups after setmaxnreg; S = QK^T
+    and O = PV at 8 k-steps of m64n128k16 each, issued at four sites (block 0's S, the loop's S
+    and P V, the last P V). ptxas must neither spill nor serialize the wgmmas (C7512 / C7514)."""
+    tools = _tools()
+    try:
+        tools.find_ptxas()
+    except FileNotFoundError:
+        pytest.skip("ptxas is not available")
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from cute_kernels.build import compile_variant
+    from cute_kernels.variants import by_name
+    compile_variant(by_name(name), dump_dir=str(tmp_path))
+    text = sorted(tmp_path.glob("*.ptx"))[0].read_text()
+    assert text.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 32
+    dims = "4d" if "_paged" in name else "3d"
+    assert f"cp.async.bulk.tensor.{dims}.shared::cta.global" in text
+    assert "setmaxnreg.dec.sync.aligned.u32" in text
+    assert "setmaxnreg.inc.sync.aligned.u32" in text
+    assert ".reqntid 384" in text and ".minnctapersm 1" in text
+    report = tools.ptxas_report(sorted(tmp_path.glob("*.ptx"))[0])
+    assert report["spill_bytes"] == 0, report
+    assert not report["wgmma_serialized"], report
+
+
+def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
+    """bf16 O-only FMHA calls run on the ws variants only when VALIDATED_WARP_SPECIALIZED, forced
+    by WARP_SPECIALIZED_FOR_TESTS, or opted into with MSA_UNVALIDATED_KERNELS=1; mode 1 and
+    e4m3 never do. The chosen names are shipped variants. No CUDA needed."""
+    sys.path.insert(0, str(ROOT / "torch-ext"))
+    import torch
+    from msa import _backend
+    from msa._native import fmha_sm90 as native
+    from cute_kernels.variants import shipped_variants
+    names = {v.name for v in shipped_variants()}
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
+    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", False)
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
+    o, o_score = native.MODE_O_ONLY, native.MODE_O_AND_SCORE
+    assert native._variant_for(False, o) == "fmha_sm90_bfloat16_dense"
+    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
+    for paged in (False, True):
+        name = native._variant_for(paged, o)
+        assert name.endswith("_ws") and name in names
+        assert not native._variant_for(paged, o_score).endswith("_ws")
+        assert not native._variant_for(paged, o, torch.float8_e4m3fn).endswith("_ws")
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", False)
+    assert native._variant_for(True, o) == "fmha_sm90_bfloat16_paged"
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
+    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", True)
+    assert native._variant_for(True, o) == "fmha_sm90_bfloat16_paged_ws"
