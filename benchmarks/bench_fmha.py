@@ -58,6 +58,9 @@ def main(argv=None):
                     help="N of the max-score-only pass (Hq=4 index heads, Hkv=1)")
     ap.add_argument("--dtypes", default="bf16",
                     help="q/k/v dtypes: bf16, fp8 (e4m3 q/k/v, bf16 O; impl msa.fmha[e4m3])")
+    ap.add_argument("--forms", default="plain",
+                    help="bf16 kernel forms to time side by side: plain, ws (warp-specialized; "
+                         "impl msa.fmha[ws]); the form hook is set per row")
     ap.add_argument("--allow-unvalidated", action="store_true",
                     help="time the gated native kernel (backend column says so)")
     add_common_args(ap, rep_ms=200)
@@ -76,6 +79,11 @@ def main(argv=None):
     dtype_names = parse_names(args.dtypes)
     if set(dtype_names) - {"bf16", "fp8"}:
         ap.error(f"--dtypes {args.dtypes}: bf16 and fp8 are the choices")
+    form_names = parse_names(args.forms)
+    if set(form_names) - {"plain", "ws"}:
+        ap.error(f"--forms {args.forms}: plain and ws are the choices")
+    # (dtype, form) rows: the warp-specialized form exists for bf16 only.
+    runs = [(d, f) for d in dtype_names for f in form_names if d == "bf16" or f == "plain"]
     tsv = TsvWriter(args.out, COLUMNS, device, formats={"tflops": ".1f",
                                                          "speedup_vs_cudnn": ".2f"})
     gen = torch.Generator(device="cpu").manual_seed(torch.initial_seed() % (1 << 62))
@@ -106,7 +114,9 @@ def main(argv=None):
                     plan = msa.fmha_plan(torch.tensor([n]), torch.tensor([n]), hq, hkv,
                                          causal=causal, page_size=128 if layout == "paged"
                                          else -1, device=device)
-                    for dtype_name in dtype_names:
+                    for dtype_name, form in runs:
+                        if native is not None and hasattr(native, "WARP_SPECIALIZED_FOR_TESTS"):
+                            native.WARP_SPECIALIZED_FOR_TESTS = form == "ws"
                         if dtype_name == "fp8":
                             q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k_in, v_in))
 
@@ -121,12 +131,16 @@ def main(argv=None):
                         if reference_too_slow(backend, n, device, args, f"fmha {layout} N={n}"):
                             continue
                         unvalidated = gated or (native is not None and dtype_name == "fp8"
-                                                and not native.VALIDATED_FP8)
+                                                and not native.VALIDATED_FP8) or (
+                            form == "ws" and native is not None
+                            and not native.VALIDATED_WARP_SPECIALIZED)
                         if backend == "sm90" and unvalidated:
                             backend = "sm90-unvalidated"
                         ms = time_ms(call, device, args.rep_ms)
                         cudnn = peer_ms.get("cudnn")
                         impl = "msa.fmha[e4m3]" if dtype_name == "fp8" else "msa.fmha"
+                        if form != "plain":
+                            impl += f"[{form}]"
                         tsv.write(mode="o", n=n, hq=hq, hkv=hkv, causal=int(causal),
                                   layout=layout, impl=impl, backend=backend, latency_ms=ms,
                                   tflops=flops / ms / 1e9,

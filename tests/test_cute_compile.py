@@ -189,3 +189,32 @@ def test_word_transpose_of_v_lands_in_the_register_p_key_order():
     assert len(pairs) == 256 * 64
     assert all(loaded == written for loaded, written in pairs)
     assert len({written for _, written in pairs}) == 128 * 128
+
+
+def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
+    """bf16 O-only FMHA calls run on the ws variants only when VALIDATED_WARP_SPECIALIZED, forced
+    by WARP_SPECIALIZED_FOR_TESTS, or opted into with MSA_UNVALIDATED_KERNELS=1; mode 1 and
+    e4m3 never do. The chosen names are shipped variants. No CUDA needed."""
+    sys.path.insert(0, str(ROOT / "torch-ext"))
+    import torch
+    from msa import _backend
+    from msa._native import fmha_sm90 as native
+    from cute_kernels.variants import shipped_variants
+    names = {v.name for v in shipped_variants()}
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
+    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", False)
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
+    o, o_score = native.MODE_O_ONLY, native.MODE_O_AND_SCORE
+    assert native._variant_for(False, o) == "fmha_sm90_bfloat16_dense"
+    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
+    for paged in (False, True):
+        name = native._variant_for(paged, o)
+        assert name.endswith("_ws") and name in names
+        assert not native._variant_for(paged, o_score).endswith("_ws")
+        assert not native._variant_for(paged, o, torch.float8_e4m3fn).endswith("_ws")
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", False)
+    assert native._variant_for(True, o) == "fmha_sm90_bfloat16_paged"
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
+    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", True)
+    assert native._variant_for(True, o) == "fmha_sm90_bfloat16_paged_ws"

@@ -94,10 +94,14 @@ def _check_against_float64(out, q, k, v, q_lens, kv_lens, offsets, causal, scale
     return o64
 
 
+@pytest.mark.parametrize("form", ["plain", "ws"])
 @pytest.mark.parametrize("heads,causal,paged", CASES)
-def test_fmha_native_matches_float64(heads, causal, paged, seed, monkeypatch):
+def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypatch):
+    """form: the kernel serving bf16 O: plain (cute_kernels/fmha_sm90.py) or ws (the
+    warp-specialized cute_kernels/fmha_sm90_ws.py, forced through WARP_SPECIALIZED_FOR_TESTS)."""
     native = _native_module()
     monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", form == "ws")
     monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
@@ -259,13 +263,54 @@ def test_max_score_only_pass_runs_on_the_indexer_kernel(seed, monkeypatch):
     assert rel <= 1e-2, rel
 
 
-def test_fmha_native_paged_pool_past_2_31_elements(seed, monkeypatch):
+@pytest.mark.parametrize("form", ["plain", "ws"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
+    """Paged K/V whose slots past each request's kv_len (and the spare pages) hold NaN: a masked
+    P is exactly 0, but 0 * NaN is NaN, so those V rows must never reach P V (the plain kernel
+    zero-fills them; the ws form's TMA reads whole pages and zeroes the tail rows of V in shared
+    memory before publishing the block)."""
+    native = _native_module()
+    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", form == "ws")
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv = 8, 2
+    q, k, v, q_lens, kv_lens, offsets = _random_varlen((hq, hkv), torch.bfloat16, gen,
+                                                       q_lens=[1, 33, 700, 129])
+    k_pages, v_pages, kv_indices, table = to_pages(k, v, kv_lens, 128, gen)
+    used = torch.zeros(k_pages.shape[0], 128, dtype=torch.bool)
+    for b, n in enumerate(kv_lens):
+        for beta in range(-(-n // 128)):
+            used[int(table[b, beta]), :min(128, n - beta * 128)] = True
+    for pages in (k_pages, v_pages):
+        pages.masked_fill_(~used[:, None, :, None], float("nan"))
+    dev = torch.device("cuda")
+    plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), hq, hkv, causal=causal,
+                         qo_offset=torch.tensor(offsets) if causal else None, page_size=128,
+                         device=dev)
+    scale = 0.7 * D ** -0.5
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    out, _ = msa.fmha(q.to(dev), k_pages.to(dev), v_pages.to(dev), plan, sm_scale=scale,
+                      v_scale=1.5, output_maxscore=False, kv_indices=kv_indices.to(dev))
+    torch.cuda.synchronize()
+    monkeypatch.delenv("MSA_BACKEND")
+    assert _backend.last_backend("fmha_dense") == "sm90"
+    assert not torch.isnan(out).any(), "O has NaN (a slot past kv_len reached P V)"
+    offs = offsets if causal else [0] * len(q_lens)
+    _check_against_float64(out, q, k, v, q_lens, kv_lens, offs, causal, scale,
+                           f"NaN past kv_len causal={causal} form={form}")
+
+
+@pytest.mark.parametrize("form", ["plain", "ws"])
+def test_fmha_native_paged_pool_past_2_31_elements(form, seed, monkeypatch):
     """Paged bf16 K/V pools of more than 2^31 elements each (2^16 pages of [2, 128, 128] below
     the boundary, NaN; ~4.3 GB apiece) whose used pages all lie past the 2^31-element boundary:
     the kernel's K/V row addresses must be 64-bit. O must equal the kernel's O on a compact pool
     of the used pages exactly, and the float64 reference within the bound of the test above."""
     native = _native_module()
     monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", form == "ws")
     monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = 8, 2

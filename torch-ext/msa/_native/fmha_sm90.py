@@ -42,6 +42,13 @@ VALIDATED_MAX_SCORE = True
 # and memcheck ran it clean; again with the word-wise V transpose (55ab96c): 511-537 TFLOP/s
 # at 8k-32k, 1.10-1.13x the bf16 kernel.
 VALIDATED_FP8 = True
+# The warp-specialized form (variants fmha_sm90_bfloat16_*_ws, cute_kernels/fmha_sm90_ws.py: a
+# TMA producer warp over a K/V mbarrier ring, setmaxnreg, two ping-pong consumer warpgroups
+# with S(j) and P(j-1) V(j-1) in one turn; bf16, O only): compiled for sm_90a (no spills, no
+# serialized wgmma), gated until the "ws" cases of tests/test_fmha_gpu.py pass on an H200.
+# WARP_SPECIALIZED_FOR_TESTS forces it on or off (tests, bench_fmha --forms).
+VALIDATED_WARP_SPECIALIZED = False
+WARP_SPECIALIZED_FOR_TESTS: Optional[bool] = None
 MODE_O_ONLY = 3
 MODE_O_AND_SCORE = 1
 # served q/k/v dtypes (variants.FMHA_DTYPES)
@@ -51,10 +58,19 @@ POISON_BUFFERS_FOR_TESTS = False
 
 
 def variant_name(paged: bool, dtype: torch.dtype = torch.bfloat16,
-                 max_score: bool = False) -> str:
+                 max_score: bool = False, form: str = "plain") -> str:
     """Artifact name; must match cute_kernels.variants.FmhaVariant."""
     suffix = "_maxscore" if max_score else ""
+    if form != "plain":
+        suffix += f"_{form}"
     return f"fmha_sm90_{_DTYPE_NAMES[dtype]}_{'paged' if paged else 'dense'}{suffix}"
+
+
+def use_warp_specialized() -> bool:
+    """Whether bf16 O-only calls run on the warp-specialized form (cute_kernels/fmha_sm90_ws.py):
+    WARP_SPECIALIZED_FOR_TESTS when set, else once validated (or MSA_UNVALIDATED_KERNELS=1)."""
+    return _backend.form_enabled(WARP_SPECIALIZED_FOR_TESTS, "the warp-specialized sm90 FMHA",
+                                 VALIDATED_WARP_SPECIALIZED)
 
 
 def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=True, mode=None,
@@ -85,7 +101,10 @@ def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=Tr
 
 
 def _variant_for(paged: bool, mode: int, dtype: torch.dtype = torch.bfloat16) -> str:
-    """The artifact serving mode 3 (O; bf16 or e4m3) or mode 1 (O + max-score, bf16)."""
+    """The artifact serving mode 3 (O; bf16 or e4m3) or mode 1 (O + max-score, bf16); bf16 O
+    runs on the warp-specialized form when use_warp_specialized()."""
+    if mode == MODE_O_ONLY and dtype == torch.bfloat16 and use_warp_specialized():
+        return variant_name(paged, dtype, form="ws")
     return variant_name(paged, dtype, max_score=mode == MODE_O_AND_SCORE)
 
 

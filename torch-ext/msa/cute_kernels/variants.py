@@ -82,10 +82,15 @@ class FmhaVariant:
     paged: bool
     dtype: str = "bfloat16"
     max_score: bool = False      # also writes the max-score output (mode 1)
+    # "plain" (cute_kernels.fmha_sm90) or "ws" (cute_kernels.fmha_sm90_ws: TMA producer warp,
+    # ping-pong consumer warpgroups; bf16, O only; gated until validated)
+    form: str = "plain"
 
     @property
     def name(self) -> str:
         suffix = "_maxscore" if self.max_score else ""
+        if self.form != "plain":
+            suffix += f"_{self.form}"
         return f"fmha_sm90_{self.dtype}_{'paged' if self.paged else 'dense'}{suffix}"
 
 
@@ -116,6 +121,8 @@ def shipped_variants() -> List[object]:
         out.extend(FmhaVariant(paged, dtype) for dtype in FMHA_DTYPES)
         # The O + max-score output exists for bf16 only.
         out.append(FmhaVariant(paged, "bfloat16", max_score=True))
+        # The warp-specialized form (bf16, O only).
+        out.append(FmhaVariant(paged, "bfloat16", form="ws"))
     return out
 
 

@@ -1,0 +1,452 @@
+"""Dense FMHA forward for Hopper (sm_90a), warp-specialized form (gated; variants
+fmha_sm90_bfloat16_{dense,paged}_ws). Same semantics, arguments and grid as FmhaSm90
+(cute_kernels/fmha_sm90.py, O only, bf16); only the way the key blocks are streamed and the
+two warpgroups are scheduled differs.
+
+Roles (384 threads, one CTA per SM):
+
+* warpgroup 0 is the producer (setmaxnreg down to PRODUCER_REGS); its warp 0 loads the K and V
+  blocks of every tile the CTA walks with TMA into a KV_STAGES-deep ring, K and V with their own
+  full / empty mbarriers (full: one arrival plus the TMA's transaction bytes; empty: one arrival
+  per consumer warp). Dense K/V: a 128-row box at the request's token offset (rows past the
+  tensor are zero-filled by the TMA; rows past kv_len that belong to the next request are read
+  and masked). Paged: the page from page_table (a page id outside the pool is out of the box's
+  bounds, so the TMA zero-fills it, as the cp.async kernel does). The V block holding kv_len's
+  tail goes through a scratch mbarrier instead: the producer waits for it, zeroes the rows past
+  kv_len (a masked P is exactly 0, but 0 * NaN from unused page slots or unused cache rows is
+  not) and only then arrives on the V full barrier.
+* warpgroups 1 and 2 are consumers (setmaxnreg up to MMA_REGS), 64 query rows each, Q loaded by
+  the warpgroup itself with cp.async (zero past q_len). Per key block j a consumer issues
+  S(j) = Q K(j)^T and O += P(j-1) V(j-1) back to back in one turn; with `overlap` it waits
+  for S(j) only and runs the softmax of block j while P(j-1) V(j-1) runs, then waits for it and
+  rescales O (intra-warpgroup overlap);
+  block 0's S and the last P V are peeled so the loop body issues its wgmmas unconditionally.
+  (That overlap is the constructor's `overlap`, off in the shipped variants: with it ptxas
+  serializes the wgmmas for lack of registers, C7512. Without it the turn's two GEMMs are
+  waited for before the softmax, and only the other warpgroup's GEMMs run under it.)
+* ping-pong: the two GEMM issues of a block are a turn; turns alternate between the consumers
+  through two named barriers (a consumer waits on its own, then arrives on the other's), so
+  one warpgroup's softmax runs under the other's GEMMs (FlashAttention-3's schedule). Both
+  consumers take n_blocks + 1 turns per tile, so the alternation stays matched.
+
+Shared memory: Q 2 x 16 KB + KV_STAGES x (K 32 KB + V 32 KB) + mbarriers.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as hopper
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .tile_utils import (mask_row_and_max, quad_max, quad_sum, row_copy, warp_row_store_copy,
+                         warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
+                         wgmma_rows_cols_view)
+
+HEAD_DIM = 128
+BLOCK_N = 128            # keys per block (= page size)
+WG_ROWS = 64             # rows per consumer warpgroup
+NUM_MMA_WARPGROUPS = 2
+TILE_M = WG_ROWS * NUM_MMA_WARPGROUPS
+NUM_THREADS = 128 * (1 + NUM_MMA_WARPGROUPS)
+KV_STAGES = 2
+ROWS_PER_WARP = 16
+PRODUCER_REGS = 24
+MMA_REGS = 240           # 24 * 128 + 240 * 256 <= 64K registers
+# Named barriers (0 is sync_threads): a consumer warpgroup's own (Q published, O staged),
+# and each consumer's ping-pong turn.
+BAR_WG = 1               # + consumer index, 128 threads
+BAR_TURN = 3             # + consumer index, 256 threads
+
+
+class FmhaSm90Ws:
+    """Compile-time configuration of one warp-specialized dense FMHA variant (bf16, O only)."""
+
+    def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
+                 overlap: bool = False):
+        assert dtype == cutlass.BFloat16, dtype
+        self.paged = paged
+        # overlap: the softmax of block j runs while P(j-1) V(j-1) is in flight (wait_group(1)
+        # after the turn). Off: both GEMMs of the turn are waited for before the softmax (the
+        # overlap then comes from the other warpgroup only). With it on, ptxas 13.0 reports
+        # C7512 (wgmma serialized for lack of registers) at 240 registers per consumer thread.
+        self.overlap = overlap
+        self.dtype = dtype
+        self.out_dtype = cutlass.BFloat16
+        self.kv_stages = kv_stages
+        self.tile_bytes = BLOCK_N * HEAD_DIM * dtype.width // 8
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor,
+                 cu_seqlens_q: cute.Tensor, cu_seqlens_k: cute.Tensor, kv_lens: cute.Tensor,
+                 qo_offset: cute.Tensor, page_table: cute.Tensor,
+                 logit_scale_log2: cutlass.Float32, output_scale: cutlass.Float32,
+                 causal: cutlass.Int32, grid_q_tiles: cutlass.Int32, stream):
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        q_layout = cute.tile_to_shape(atom, (WG_ROWS, HEAD_DIM, NUM_MMA_WARPGROUPS), (0, 1, 2))
+        kv_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM, self.kv_stages), (0, 1, 2))
+        kv_tile = cute.slice_(kv_layout, (None, None, 0))
+        # TMA views with the (key, channel) box first: dense (token, channel, head), paged
+        # (slot, channel, head, page).
+        modes = [2, 3, 1, 0] if cutlass.const_expr(self.paged) else [0, 2, 1]
+        k_view = cute.make_tensor(k.iterator, cute.select(k.layout, mode=modes))
+        v_view = cute.make_tensor(v.iterator, cute.select(v.layout, mode=modes))
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_k, tK = cpasync.make_tiled_tma_atom(op, k_view, kv_tile, (BLOCK_N, HEAD_DIM))
+        tma_v, tV = cpasync.make_tiled_tma_atom(op, v_view, kv_tile, (BLOCK_N, HEAD_DIM))
+        SharedStorage = self._shared_storage(q_layout, kv_layout)
+
+        q_copy = row_copy(self.dtype, 16)
+        # Zeroing the V rows past kv_len: one warp, 4 rows per step, 16-byte stores.
+        zero_copy = row_copy(self.dtype, 4, async_copy=False)
+        mma_qk = hopper.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            cutlass.Float32, (1, 1, 1), (WG_ROWS, BLOCK_N))
+        mma_pv = hopper.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.MN, cutlass.Float32, (1, 1, 1), (WG_ROWS, HEAD_DIM),
+            a_source=warpgroup.OperandSource.RMEM)
+        stage_o_copy = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype,
+                                num_bits_per_copy=2 * self.out_dtype.width), mma_pv)
+        store_o_copy = warp_row_store_copy(self.out_dtype, HEAD_DIM)
+        self.kernel(q, tK, tV, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
+                    logit_scale_log2, output_scale, causal, tma_k, tma_v, q_layout, kv_layout,
+                    q_copy, zero_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy,
+                    SharedStorage).launch(
+            grid=(grid_q_tiles, cute.size(q.shape[1]), cute.size(cu_seqlens_q.shape[0]) - 1),
+            block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
+
+    def _shared_storage(self, q_layout, kv_layout):
+        """Q, K and V stages, then the mbarriers: K full / empty, V full / empty per stage and
+        one scratch barrier (fields built as real annotations: this module's are strings)."""
+        def tile(dtype, layout):
+            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
+        fields = {"sQ": tile(self.dtype, q_layout), "sK": tile(self.dtype, kv_layout),
+                  "sV": tile(self.dtype, kv_layout),
+                  "mbar": cute.struct.Align[
+                      cute.struct.MemRange[cutlass.Int64, 4 * self.kv_stages + 1], 8]}
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, tK: cute.Tensor, tV: cute.Tensor, mO: cute.Tensor,
+               mCuQ: cute.Tensor, mCuK: cute.Tensor, mKvLens: cute.Tensor,
+               mOffset: cute.Tensor, mPageTable: cute.Tensor,
+               scale_log2: cutlass.Float32, output_scale: cutlass.Float32,
+               causal: cutlass.Int32, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+               q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout,
+               q_copy: cute.TiledCopy, zero_copy: cute.TiledCopy, mma_qk: cute.TiledMma,
+               mma_pv: cute.TiledMma, stage_o_copy: cute.TiledCopy,
+               store_o_copy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta_x, head, request = cute.arch.block_idx()
+        grid_x, _, _ = cute.arch.grid_dim()
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ_wgs = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK_stages = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sV_stages = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        mbar = storage.mbar.data_ptr()
+        if warp == 0:
+            with cute.arch.elect_one():
+                for s in cutlass.range_constexpr(self.kv_stages):
+                    cute.arch.mbarrier_init(mbar + s, 1)                            # K full
+                    cute.arch.mbarrier_init(mbar + self.kv_stages + s,
+                                            4 * NUM_MMA_WARPGROUPS)                 # K empty
+                    cute.arch.mbarrier_init(mbar + 2 * self.kv_stages + s, 1)       # V full
+                    cute.arch.mbarrier_init(mbar + 3 * self.kv_stages + s,
+                                            4 * NUM_MMA_WARPGROUPS)                 # V empty
+                cute.arch.mbarrier_init(mbar + 4 * self.kv_stages, 1)               # scratch
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # Per-request values (as FmhaSm90._cta; every index clamped to the tensor it addresses).
+        total_q = mQ.shape[0]
+        head_kv = head // (mQ.shape[1] // tK.shape[2])
+        q_start = cutlass.max(cutlass.min(mCuQ[request], total_q), 0)
+        q_len = cutlass.min(mCuQ[request + 1], total_q) - q_start
+        kv_len = mKvLens[request]
+        offset = mOffset[request]
+        k_row0 = cutlass.Int32(0)
+        if cutlass.const_expr(not self.paged):
+            k_row0 = cutlass.max(mCuK[request], 0)
+            kv_len = cutlass.min(kv_len, tK.shape[0] - k_row0)
+        else:
+            kv_len = cutlass.min(kv_len, mPageTable.shape[1] * BLOCK_N)
+        n_q_tiles = (q_len + TILE_M - 1) // TILE_M
+
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                self._producer(tK, tV, mPageTable, tma_k, tma_v, zero_copy, sK_stages,
+                               sV_stages, mbar, request, head_kv, k_row0, kv_len, offset,
+                               causal, q_len, n_q_tiles, cta_x, grid_x, tidx % 32)
+        else:
+            cute.arch.setmaxregister_increase(MMA_REGS)
+            self._consumer(mQ, mO, head, q_start, q_len, kv_len, offset, causal, n_q_tiles,
+                           cta_x, grid_x, scale_log2, output_scale, tidx, wg - 1, sQ_wgs,
+                           sK_stages, sV_stages, mbar, q_copy, mma_qk, mma_pv, stage_o_copy,
+                           store_o_copy)
+
+    @cute.jit
+    def _tile_blocks(self, walk, n_q_tiles, q_len, kv_len, offset, causal):
+        """(first local query, number of key blocks) of the walk-th tile of this CTA: the last
+        (heaviest) tiles first, keys [0, kv_end) visible to some query of the tile."""
+        q_lo = (n_q_tiles - 1 - walk) * TILE_M
+        kv_end = kv_len
+        if causal != 0:
+            kv_end = cutlass.min(kv_end, cutlass.min(q_lo + TILE_M, q_len) + offset)
+        return q_lo, cutlass.max((kv_end + BLOCK_N - 1) // BLOCK_N, 0)
+
+    # ---- producer (one warp) ---------------------------------------------------------------
+    @cute.jit
+    def _producer(self, tK: cute.Tensor, tV: cute.Tensor, mPageTable: cute.Tensor,
+                  tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, zero_copy: cute.TiledCopy,
+                  sK_stages: cute.Tensor, sV_stages: cute.Tensor, mbar, request, head_kv,
+                  k_row0, kv_len, offset, causal, q_len, n_q_tiles, cta_x, grid_x, lane):
+        S = self.kv_stages
+        # (TMA, stage) smem and (TMA, block or page) gmem partitions of the K and V boxes.
+        if cutlass.const_expr(self.paged):
+            gK = tK[None, None, head_kv, None]                          # (slot, ch, page)
+            gV = tV[None, None, head_kv, None]
+        else:
+            gK = cute.local_tile(cute.domain_offset((k_row0, 0), tK[None, None, head_kv]),
+                                 (BLOCK_N, HEAD_DIM), (None, 0))       # (key, ch, block)
+            gV = cute.local_tile(cute.domain_offset((k_row0, 0), tV[None, None, head_kv]),
+                                 (BLOCK_N, HEAD_DIM), (None, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
+                                           cute.group_modes(sK_stages, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
+                                           cute.group_modes(sV_stages, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        thr_zero = zero_copy.get_slice(lane)
+        tZcZ = thr_zero.partition_D(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
+
+        g = cutlass.Int32(0)                  # blocks streamed so far (all tiles)
+        scratch_phase = cutlass.Int32(0)
+        for walk in range(cta_x, n_q_tiles, grid_x):
+            q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
+            for blk in range(n_blocks):
+                stage = (g + blk) % S
+                free_phase = (((g + blk) // S) % 2) ^ 1
+                src = blk
+                if cutlass.const_expr(self.paged):
+                    src = mPageTable[request, blk]    # outside the pool: the TMA zero-fills
+                # K
+                cute.arch.mbarrier_wait(mbar + S + stage, free_phase)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + stage, self.tile_bytes)
+                cute.copy(tma_k, tKgK[None, src], tKsK[None, stage], tma_bar_ptr=mbar + stage)
+                # V
+                cute.arch.mbarrier_wait(mbar + 3 * S + stage, free_phase)
+                n_keys = kv_len - blk * BLOCK_N
+                if n_keys >= BLOCK_N:
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + 2 * S + stage,
+                                                                self.tile_bytes)
+                    cute.copy(tma_v, tVgV[None, src], tVsV[None, stage],
+                              tma_bar_ptr=mbar + 2 * S + stage)
+                else:
+                    # kv_len's tail block: land it, zero the rows past kv_len, then publish.
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + 4 * S, self.tile_bytes)
+                    cute.copy(tma_v, tVgV[None, src], tVsV[None, stage],
+                              tma_bar_ptr=mbar + 4 * S)
+                    cute.arch.mbarrier_wait(mbar + 4 * S, scratch_phase)
+                    scratch_phase = scratch_phase ^ 1
+                    tZsV = thr_zero.partition_D(sV_stages[None, None, stage])
+                    for m in cutlass.range_constexpr(cute.size(tZsV.shape[1])):
+                        if tZcZ[0, m, 0][0] >= n_keys:
+                            tZsV[None, m, None].fill(0)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.sync_warp()
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive(mbar + 2 * S + stage)
+            g = g + n_blocks
+
+    # ---- consumers (two warpgroups) --------------------------------------------------------
+    @cute.jit
+    def _consumer(self, mQ, mO, head, q_start, q_len, kv_len, offset, causal, n_q_tiles, cta_x,
+                  grid_x, scale_log2, output_scale, tidx, mwg, sQ_wgs, sK_stages, sV_stages,
+                  mbar, q_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy):
+        S = self.kv_stages
+        wg_tidx = tidx % 128
+        lane = tidx % 32
+        warp_in_wg = cute.arch.make_warp_uniform(wg_tidx // 32)
+        turn_mine = BAR_TURN + mwg
+        turn_other = BAR_TURN + 1 - mwg
+        # Consumer 0 takes the first turn.
+        if mwg == 1:
+            cute.arch.barrier_arrive(barrier_id=BAR_TURN, number_of_threads=256)
+
+        sVt_stages = cute.composition(
+            sV_stages, cute.make_ordered_layout((HEAD_DIM, BLOCK_N, S), order=(1, 0, 2)))
+        sQ_mine = sQ_wgs[None, None, mwg]
+        thr_q_copy = q_copy.get_slice(wg_tidx)
+        tQsQ = thr_q_copy.partition_D(sQ_mine)
+        tQcQ = thr_q_copy.partition_S(cute.make_identity_tensor((WG_ROWS, HEAD_DIM)))
+        row_stride0 = cute.make_layout((WG_ROWS, HEAD_DIM), stride=(0, 1))
+
+        thr_qk = mma_qk.get_slice(wg_tidx)
+        thr_pv = mma_pv.get_slice(wg_tidx)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_wgs))[None, None, None, mwg]
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK_stages))        # (.., .., K, stage)
+        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt_stages))      # (.., .., K, stage)
+        tScS = wgmma_rows_cols_view(thr_qk.partition_C(
+            cute.make_identity_tensor((WG_ROWS, BLOCK_N))))
+        n_my_rows = cute.size(tScS, mode=[0])
+        n_my_cols = cute.size(tScS, mode=[1])
+        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((WG_ROWS, BLOCK_N)),
+                                      cutlass.Float32)
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((WG_ROWS, HEAD_DIM)),
+                                      cutlass.Float32)
+        o_rc = wgmma_rows_cols_view(acc_o)
+        r_p = cute.make_fragment_like(acc_s, self.dtype)
+        t_p = wgmma_accumulator_as_operand_a(r_p)
+        row_max = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)   # running, log2 units
+        row_sum = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)   # this thread's part
+        corr = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
+
+        g = cutlass.Int32(0)
+        for walk in range(cta_x, n_q_tiles, grid_x):
+            q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
+            wg_q0 = q_lo + mwg * WG_ROWS
+            # ---- Q rows of this warpgroup (zero past q_len), published to the async proxy
+            for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+                q_local = wg_q0 + tQcQ[0, m, 0][0]
+                if q_local < q_len:
+                    q_row = mQ[q_start + q_local, head, None]
+                    gQ = thr_q_copy.partition_S(cute.make_tensor(q_row.iterator, row_stride0))
+                    cute.copy(q_copy, gQ[None, m, None], tQsQ[None, m, None])
+                else:
+                    tQsQ[None, m, None].fill(0)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
+
+            acc_o.fill(0.0)
+            for i in cutlass.range_constexpr(n_my_rows):
+                row_max[i] = -cutlass.Float32.inf
+                row_sum[i] = 0.0
+            if n_blocks > 0:
+                # ---- block 0: S only
+                stage = g % S
+                cute.arch.mbarrier_wait(mbar + stage, (g // S) % 2)
+                cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
+                warpgroup_gemm_issue(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
+                cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
+                warpgroup.wait_group(0)
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(mbar + S + stage)                # K free
+                self._softmax(acc_s, 0, row_max, row_sum, corr, tScS, wg_q0, kv_len, offset,
+                              causal, scale_log2)
+                r_p.store(acc_s.load().to(self.dtype))
+                # ---- blocks 1 .. n-1: S(j) and P(j-1) V(j-1) in one turn
+                for blk in range(1, n_blocks):
+                    gj = g + blk
+                    stage = gj % S
+                    prev = (gj - 1) % S
+                    cute.arch.mbarrier_wait(mbar + stage, (gj // S) % 2)
+                    cute.arch.mbarrier_wait(mbar + 2 * S + prev, ((gj - 1) // S) % 2)
+                    cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
+                    warpgroup_gemm_issue(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
+                    warpgroup_gemm_issue(mma_pv, acc_o, t_p, tOrVt[None, None, None, prev],
+                                         accumulate=True)
+                    cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
+                    if cutlass.const_expr(self.overlap):
+                        warpgroup.wait_group(1)                             # S(j) landed
+                    else:
+                        warpgroup.wait_group(0)                             # and P V(j-1)
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive(mbar + S + stage)            # K free
+                    self._softmax(acc_s, blk, row_max, row_sum, corr, tScS, wg_q0, kv_len,
+                                  offset, causal, scale_log2)
+                    warpgroup.wait_group(0)                                 # P V(j-1) done
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive(mbar + 3 * S + prev)         # V free
+                    for i in cutlass.range_constexpr(n_my_rows):
+                        for j in cutlass.range_constexpr(n_my_cols):
+                            o_rc[i, j] = o_rc[i, j] * corr[i]
+                    r_p.store(acc_s.load().to(self.dtype))
+                # ---- the last P V
+                gl = g + n_blocks - 1
+                last = gl % S
+                cute.arch.mbarrier_wait(mbar + 2 * S + last, (gl // S) % 2)
+                cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
+                warpgroup_gemm_issue(mma_pv, acc_o, t_p, tOrVt[None, None, None, last],
+                                     accumulate=True)
+                cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
+                warpgroup.wait_group(0)
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(mbar + 3 * S + last)             # V free
+            g = g + n_blocks
+
+            # ---- normalize, stage in this warpgroup's Q rows, write 16-byte row segments
+            for i in cutlass.range_constexpr(n_my_rows):
+                total = quad_sum(row_sum[i])
+                inv = cutlass.Float32(0.0)
+                if total > 0.0:
+                    inv = output_scale / total
+                for j in cutlass.range_constexpr(n_my_cols):
+                    o_rc[i, j] = o_rc[i, j] * inv
+            r_o = cute.make_fragment_like(acc_o, self.out_dtype)
+            r_o.store(acc_o.load().to(self.out_dtype))
+            # Warp w holds rows 16w..16w+15 and only its own S wgmmas read them.
+            thr_stage_o = stage_o_copy.get_slice(wg_tidx)
+            cute.copy(stage_o_copy, thr_stage_o.retile(r_o), thr_stage_o.partition_D(sQ_mine))
+            cute.arch.sync_warp()
+            thr_store_o = store_o_copy.get_slice(lane)
+            tWsO = thr_store_o.partition_S(
+                cute.local_tile(sQ_mine, (ROWS_PER_WARP, HEAD_DIM), (warp_in_wg, 0)))
+            tWcO = thr_store_o.partition_S(cute.make_identity_tensor((ROWS_PER_WARP, HEAD_DIM)))
+            r_out = cute.make_fragment_like(tWsO)
+            r_out.store(tWsO.load())
+            warp_row_stride0 = cute.make_layout((ROWS_PER_WARP, HEAD_DIM), stride=(0, 1))
+            for m in cutlass.range_constexpr(cute.size(tWsO.shape[1])):
+                q_local = wg_q0 + warp_in_wg * ROWS_PER_WARP + tWcO[0, m, 0][0]
+                if q_local < q_len:
+                    o_row = mO[q_start + q_local, head, None]
+                    gO = thr_store_o.partition_D(cute.make_tensor(o_row.iterator,
+                                                                  warp_row_stride0))
+                    cute.copy(store_o_copy, r_out[None, m, None], gO[None, m, None])
+            # The next tile reloads Q into these rows: the whole warpgroup must be done.
+            cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
+
+    @cute.jit
+    def _softmax(self, acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
+                 row_sum: cute.Tensor, corr: cute.Tensor, tScS: cute.Tensor,
+                 wg_q0: cutlass.Int32, kv_len: cutlass.Int32, offset: cutlass.Int32,
+                 causal: cutlass.Int32, scale_log2: cutlass.Float32):
+        """S of key block `blk` -> P = exp2(S * scale_log2 - new max) in place (masked keys 0);
+        the running max and sum move on; corr[i] = exp2(old max - new max), the factor the O
+        rows take before P V of this block is added (applied by the caller once the previous
+        P V has landed)."""
+        key0 = blk * BLOCK_N
+        s_rc = wgmma_rows_cols_view(acc_s)
+        n_my_cols = cute.size(tScS, mode=[1])
+        for i in cutlass.range_constexpr(cute.size(tScS, mode=[0])):
+            q_local = wg_q0 + tScS[i, 0][0]
+            visible_end = kv_len - key0
+            if causal != 0:
+                visible_end = cutlass.min(visible_end, q_local + offset - key0 + 1)
+            blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N))
+            new_max = cute.arch.fmax(row_max[i], blk_max * scale_log2)
+            base = new_max
+            if new_max == -cutlass.Float32.inf:
+                base = 0.0
+            correction = cute.math.exp2(row_max[i] - base, fastmath=True)
+            row_max[i] = new_max
+            part = cutlass.Float32(0.0)
+            for j in cutlass.range_constexpr(n_my_cols):
+                p = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
+                part = part + p
+                s_rc[i, j] = p
+            row_sum[i] = row_sum[i] * correction + part
+            corr[i] = correction
