@@ -106,35 +106,44 @@ def mask_row_and_max(s_rc: cute.Tensor, row: cutlass.Constexpr, coords: cute.Ten
 
 
 @cute.jit
+def group_max(value: cutlass.Float32, lanes: cutlass.Constexpr) -> cutlass.Float32:
+    """Max over each aligned group of `lanes` lanes (a power of two <= 32; every lane of the
+    group gets the result). Every lane of the warp must execute it."""
+    for i in cutlass.range_constexpr(lanes.bit_length() - 1):
+        value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, offset=(lanes >> 1) >> i))
+    return value
+
+
+@cute.jit
+def group_sum(value: cutlass.Float32, lanes: cutlass.Constexpr) -> cutlass.Float32:
+    """Sum over each aligned group of `lanes` lanes (as group_max)."""
+    for i in cutlass.range_constexpr(lanes.bit_length() - 1):
+        value = value + cute.arch.shuffle_sync_bfly(value, offset=(lanes >> 1) >> i)
+    return value
+
+
+@cute.jit
 def quad_max(value: cutlass.Float32) -> cutlass.Float32:
     """Max over the 4 lanes of a quad (the lanes that share an accumulator row)."""
-    value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, offset=2))
-    value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, offset=1))
-    return value
+    return group_max(value, 4)
 
 
 @cute.jit
 def quad_sum(value: cutlass.Float32) -> cutlass.Float32:
     """Sum over the 4 lanes of a quad."""
-    value = value + cute.arch.shuffle_sync_bfly(value, offset=2)
-    value = value + cute.arch.shuffle_sync_bfly(value, offset=1)
-    return value
+    return group_sum(value, 4)
 
 
 @cute.jit
 def warp_max(value: cutlass.Float32) -> cutlass.Float32:
     """Max over the 32 lanes of a warp (every lane gets the result)."""
-    for offset in cutlass.range_constexpr(5):
-        value = cute.arch.fmax(value, cute.arch.shuffle_sync_bfly(value, offset=16 >> offset))
-    return value
+    return group_max(value, 32)
 
 
 @cute.jit
 def warp_sum(value: cutlass.Float32) -> cutlass.Float32:
     """Sum over the 32 lanes of a warp (every lane gets the result)."""
-    for offset in cutlass.range_constexpr(5):
-        value = value + cute.arch.shuffle_sync_bfly(value, offset=16 >> offset)
-    return value
+    return group_sum(value, 32)
 
 
 def warpgroup_gemm_issue(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
