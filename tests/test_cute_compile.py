@@ -218,3 +218,35 @@ def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
     monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", True)
     assert native._variant_for(True, o) == "fmha_sm90_bfloat16_paged_ws"
+
+
+def test_split_kv_fmha_form_follows_its_flag(monkeypatch):
+    """Plans with num_kv_splits > 1 run the split-KV variants (shipped, both dtypes and
+    layouts) only when VALIDATED_SPLIT_KV, forced by SPLIT_KV_FOR_TESTS, or opted into with
+    MSA_UNVALIDATED_KERNELS=1, and never with the max-score output. No CUDA needed."""
+    sys.path.insert(0, str(ROOT / "torch-ext"))
+    import torch
+    from cute_kernels.variants import shipped_variants
+    from msa import _backend
+    from msa._native import fmha_sm90 as native
+    names = {v.name for v in shipped_variants()}
+    for paged in (False, True):
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+            assert native.variant_name(paged, dtype, form="split") in names
+    assert native.SPLIT_COMBINE in names
+    monkeypatch.setattr(native.cute_runtime, "unavailable_reason", lambda *names: None)
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
+    monkeypatch.setattr(native, "VALIDATED_SPLIT_KV", False)
+    monkeypatch.setattr(native, "SPLIT_KV_FOR_TESTS", None)
+    plan = {"num_kv_splits": 4}
+    assert native.split_kv_count(plan, False) == 1
+    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
+    assert native.split_kv_count(plan, False) == 4
+    assert native.split_kv_count(plan, True) == 1            # max-score output: unsplit
+    assert native.split_kv_count({"num_kv_splits": 1}, False) == 1
+    monkeypatch.setattr(native, "SPLIT_KV_FOR_TESTS", False)
+    assert native.split_kv_count(plan, False) == 1
+    monkeypatch.setattr(native, "SPLIT_KV_FOR_TESTS", None)
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
+    monkeypatch.setattr(native, "VALIDATED_SPLIT_KV", True)
+    assert native.split_kv_count(plan, False) == 4

@@ -60,11 +60,14 @@ def _random_varlen(heads, dtype, gen, q_lens=None, max_extra_kv=700, qk_values="
     return q, k, v, q_lens, kv_lens, offsets
 
 
-def _problem(heads, causal, paged, dtype, gen, qk_values="randn"):
+def _problem(heads, causal, paged, dtype, gen, qk_values="randn", q_lens=None,
+             max_extra_kv=700, num_kv_splits=-1):
     """_random_varlen's q/k/v on the CPU, and on the GPU the K/V the kernel reads (shuffled
     128-token pages when paged) and the plan."""
     hq, hkv = heads
-    q, k, v, q_lens, kv_lens, offsets = _random_varlen(heads, dtype, gen, qk_values=qk_values)
+    q, k, v, q_lens, kv_lens, offsets = _random_varlen(heads, dtype, gen, q_lens=q_lens,
+                                                       max_extra_kv=max_extra_kv,
+                                                       qk_values=qk_values)
     dev = torch.device("cuda")
     kw, k_in, v_in = {}, k, v
     if paged:
@@ -72,7 +75,8 @@ def _problem(heads, causal, paged, dtype, gen, qk_values="randn"):
         kw["kv_indices"] = kv_indices.to(dev)
     plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), hq, hkv, causal=causal,
                          qo_offset=torch.tensor(offsets) if causal else None,
-                         page_size=128 if paged else -1, device=dev)
+                         page_size=128 if paged else -1, num_kv_splits=num_kv_splits,
+                         device=dev)
     return dict(q=q, k=k, v=v, q_lens=q_lens, kv_lens=kv_lens, offsets=offsets, plan=plan,
                 args=(q.to(dev), k_in.to(dev), v_in.to(dev), plan), kw=kw)
 
@@ -236,6 +240,53 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_v
         assert beyond <= 1e-4, "beyond the modeled rounding error (more than rare P flips)"
     empty = (o64.abs().amax(-1) == 0)
     assert (out[empty] == 0).all(), "rows that see no key must be 0"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "e4m3"])
+@pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
+                                                 ((16, 1), False, True), ((4, 4), False, False)])
+def test_fmha_native_split_kv_matches_float64(heads, causal, paged, dtype, seed, monkeypatch):
+    """Decode-like plans (q lengths 1, 7, 33, 128 against 1-3k keys) forced to num_kv_splits=3
+    on the split-KV form (fp32 partial rows + LSE per key range, then the combine). bf16: the
+    bound of test_fmha_native_matches_float64 (twice the modelled bf16 error + 2e-3). e4m3:
+    the contract's max(0.125, 4 bf16 floor) (P is rounded against each split's own running max,
+    so the unsplit e4m3 model does not apply row for row)."""
+    native = _native_module()
+    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    monkeypatch.setattr(native, "SPLIT_KV_FOR_TESTS", True)
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv = heads
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float8_e4m3fn
+    p = _problem(heads, causal, paged, torch_dtype, gen, q_lens=[1, 7, 33, 128],
+                 max_extra_kv=3000, num_kv_splits=3)
+    plan = p["plan"][3] if isinstance(p["plan"], tuple) else p["plan"]
+    assert native.split_kv_count(plan, False) == 3, "the split-KV form must run"
+    q, k, v, q_lens, kv_lens, offsets = (p[n] for n in ("q", "k", "v", "q_lens", "kv_lens",
+                                                         "offsets"))
+    scale = 0.7 * D ** -0.5
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    out, _ = msa.fmha(*p["args"], sm_scale=scale, v_scale=1.5, output_maxscore=False,
+                      **p["kw"])
+    torch.cuda.synchronize()
+    monkeypatch.delenv("MSA_BACKEND")
+    assert _backend.last_backend("fmha_dense") == "sm90"
+    assert out.dtype == torch.bfloat16 and not torch.isnan(out).any(), "O has NaN"
+    offs = offsets if causal else [0] * len(q_lens)
+    label = f"split-KV {dtype} Hq={hq} Hkv={hkv} causal={causal} paged={paged}"
+    if dtype == "bfloat16":
+        o64 = _check_against_float64(out, q, k, v, q_lens, kv_lens, offs, causal, scale, label)
+    else:
+        kv = dense_token_kv(k, v, kv_lens)
+        o64, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offs, causal=causal,
+                                           logit_scale=scale, output_scale=1.5,
+                                           compute_dtype=torch.float64)
+        err = (out.cpu().double() - o64).abs().max().item()
+        floor = (o64.to(torch.bfloat16).double() - o64).abs().max().item()
+        print(f"{label}: max|O-O64|={err:.3e} (bound {max(0.125, 4 * floor):.3e})")
+        assert err <= max(0.125, 4 * floor)
+    empty = (o64.abs().amax(-1) == 0)
+    assert (out.cpu()[empty] == 0).all(), "rows that see no key must be 0"
 
 
 def test_max_score_only_pass_runs_on_the_indexer_kernel(seed, monkeypatch):

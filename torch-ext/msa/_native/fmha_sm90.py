@@ -1,17 +1,21 @@
 """Native SM90 dense FMHA (the "fmha_dense" op): the CuTe-DSL kernel of
 cute_kernels/fmha_sm90.py behind ``fmha_sm100`` / ``fmha`` (contract §2.2).
 
-``run(call)`` takes a validated :class:`msa.fmha.FmhaDenseCall` and launches one kernel on q's
-device and current stream, with no host synchronization (every size comes from the plan's host
-values): O = output_scale * softmax(logit_scale * q k^T) v over the visible keys (causal
-bottom-right with the plan's or the override's qo_offset), 0 for rows that see nothing.
+``run(call)`` takes a validated :class:`msa.fmha.FmhaDenseCall` and launches one kernel (two
+with split-KV: the partial rows, then the combine) on q's device and current stream, with no
+host synchronization (every size comes from the plan's host values): O = output_scale *
+softmax(logit_scale * q k^T) v over the visible keys (causal bottom-right with the plan's or the
+override's qo_offset), 0 for rows that see nothing.
 
 Served: bf16 q/k/v, any GQA group, dense K/V or paged K/V with 128-token pages, causal or not,
-output O (mode 3), and O with the max-score output (mode 1); e4m3 q/k/v with O only. Other calls (mixed dtypes, other page sizes, block-selected mode) fall back
-to the reference through ``supports``; the block-selected mode goes to the sparse bridge before
+output O (mode 3; bf16 on the warp-specialized kernel), and O with the max-score output (mode
+1); e4m3 q/k/v with O only. Plans with num_kv_splits > 1 run the split-KV form once it is
+validated. Other calls (mixed dtypes, other page sizes, block-selected mode) fall back to the
+reference through ``supports``; the block-selected mode goes to the sparse bridge before
 dispatch when the plan has one.
 
-Validated: tests/test_fmha_gpu.py passed on the H200 (2026-11-30; e4m3 q/k/v not yet).
+Validated on the H200: tests/test_fmha_gpu.py (plain loop and max-score 2026-11-30, e4m3
+session 4, warp-specialized form 2026-12-01).
 
 Also registered here: "fmha_max_score" (mode 2, the max-score-only proxy pass), which is the
 indexer's computation and runs on the validated sm90 block max-score kernel.
@@ -50,6 +54,14 @@ VALIDATED_FP8 = True
 # bf16 O-only calls. WARP_SPECIALIZED_FOR_TESTS forces it on or off (tests, bench_fmha --forms).
 VALIDATED_WARP_SPECIALIZED = True
 WARP_SPECIALIZED_FOR_TESTS: Optional[bool] = None
+# Split-KV for plans with num_kv_splits > 1 (decode-like: few query tiles, long KV; variants
+# fmha_sm90_*_split, FmhaSm90Split: each CTA streams one key range and writes fp32 partial rows
+# + LSE, merged by the sparse combine, one slot per split). Compiled; gated until the "split"
+# cases of tests/test_fmha_gpu.py pass on an H200 (unsplit native runs meanwhile). The hook
+# forces it on or off.
+VALIDATED_SPLIT_KV = False
+SPLIT_KV_FOR_TESTS: Optional[bool] = None
+SPLIT_COMBINE = "sparse_combine_sm90_pf32"
 MODE_O_ONLY = 3
 MODE_O_AND_SCORE = 1
 # served q/k/v dtypes (variants.FMHA_DTYPES)
@@ -109,6 +121,20 @@ def _variant_for(paged: bool, mode: int, dtype: torch.dtype = torch.bfloat16) ->
     return variant_name(paged, dtype, max_score=mode == MODE_O_AND_SCORE)
 
 
+def split_kv_count(plan, with_score: bool) -> int:
+    """The plan's num_kv_splits when the split-KV form runs it (O only, validated or forced,
+    artifacts present), else 1."""
+    splits = int(plan.get("num_kv_splits", 1) or 1)
+    if splits <= 1 or with_score:
+        return 1
+    if not _backend.form_enabled(SPLIT_KV_FOR_TESTS, "the split-KV sm90 FMHA",
+                                 VALIDATED_SPLIT_KV):
+        return 1
+    if cute_runtime.unavailable_reason(variant_name(False, form="split"), SPLIT_COMBINE):
+        return 1
+    return splits
+
+
 def check_launch_limits(call) -> None:
     """NotImplementedError for sizes the kernel cannot count in int32. q, k, v and O may hold
     2^31 elements or more (their row offsets are 64-bit: the page or token index times a 64-bit
@@ -146,10 +172,28 @@ def run(call):
     grid_q_tiles = max(1, -(-int(plan["max_seqlen_q"]) // TILE_M))
     if POISON_BUFFERS_FOR_TESTS:
         out.fill_(float("nan"))
+    scalars = [float(call.logit_scale) * math.log2(math.e), float(call.output_scale),
+               int(bool(plan["causal"])), grid_q_tiles]
+    splits = split_kv_count(plan, with_score)
+    if splits > 1:
+        # fp32 partial rows + LSE per split, merged by the combine (one slot per split).
+        o_partial = torch.empty(splits, total_q, num_heads, head_dim, dtype=torch.float32,
+                                device=device)
+        lse_partial = torch.empty(splits, total_q, num_heads, dtype=torch.float32,
+                                  device=device)
+        if POISON_BUFFERS_FOR_TESTS:
+            o_partial.fill_(float("nan"))
+            lse_partial.fill_(float("nan"))
+        cute_runtime.launch(variant_name(call.paged, q.dtype, form="split"), device, q, k, v,
+                            o_partial, lse_partial, cu_q, cu_k, kv_lens, offsets,
+                            table.contiguous(), *scalars, splits)
+        counts = torch.full((total_q, 1), splits, dtype=torch.int32, device=device)
+        lse = torch.empty(total_q, num_heads, dtype=torch.float32, device=device)
+        cute_runtime.launch(SPLIT_COMBINE, device, o_partial, lse_partial, lse_partial, counts,
+                            out, lse, lse, 0)
+        return out, None
     name = _variant_for(call.paged, MODE_O_AND_SCORE if with_score else MODE_O_ONLY, q.dtype)
-    args = [q, k, v, out, cu_q, cu_k, kv_lens, offsets, table.contiguous(),
-            float(call.logit_scale) * math.log2(math.e), float(call.output_scale),
-            int(bool(plan["causal"])), grid_q_tiles]
+    args = [q, k, v, out, cu_q, cu_k, kv_lens, offsets, table.contiguous()] + scalars
     if with_score:     # max-score values are scaled by sm_scale * q_scale * k_scale
         args += [max_score, float(call.logit_scale)]
     cute_runtime.launch(name, device, *args)

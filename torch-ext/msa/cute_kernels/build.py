@@ -19,7 +19,7 @@ from .block_max_score_sm90 import BlockMaxScoreSm90
 from .combine import SparseCombineSm90
 from .sparse_prefill_sm90 import SparsePrefillSm90
 from .sparse_prefill_sm90_wgmma import SparsePrefillSm90Wgmma
-from .fmha_sm90 import FmhaSm90, FmhaSm90MaxScore
+from .fmha_sm90 import FmhaSm90, FmhaSm90MaxScore, FmhaSm90Split
 from .fmha_sm90_ws import FmhaSm90Ws
 from .variants import (FP8_MODES, AttentionVariant, BlockMaxScoreVariant, CombineVariant,
                        FmhaVariant)
@@ -112,21 +112,30 @@ def block_max_score_args(variant: BlockMaxScoreVariant):
 
 
 def fmha_args(variant: FmhaVariant):
-    """Argument order of FmhaSm90.__call__ (see fmha_sm90.py)."""
+    """Argument order of FmhaSm90.__call__ (see fmha_sm90.py; FmhaSm90Split replaces o by
+    o_partial and lse_partial and takes num_splits last)."""
     dtype = _DTYPES[variant.dtype]
     total_q, hq, hkv, batch = _dyn(), _dyn(), _dyn(), _dyn()
     kv_shape = (_dyn(), hkv, 128, 128) if variant.paged else (_dyn(), hkv, 128)
+    split = variant.form == "split"
+    if split:
+        splits = _dyn()
+        outputs = [_tensor(cutlass.Float32, (splits, total_q, hq, 128)),      # o_partial
+                   _tensor(cutlass.Float32, (splits, total_q, hq), align=4)]  # lse_partial
+    else:
+        outputs = [_tensor(cutlass.BFloat16, (total_q, hq, 128))]  # o (bf16 for e4m3 q too)
     return [
         _tensor(dtype, (total_q, hq, 128)),                 # q
         _tensor(dtype, kv_shape), _tensor(dtype, kv_shape),  # k, v
-        _tensor(cutlass.BFloat16, (total_q, hq, 128)),      # o (bf16 for e4m3 q too)
+    ] + outputs + [
         _index((_dyn(),)), _index((_dyn(),)),               # cu_seqlens_q, cu_seqlens_k
         _index((batch,)), _index((batch,)),                 # kv_lens, qo_offset
         _index((_dyn(), _dyn())),                           # page_table
         cutlass.Float32(1.0), cutlass.Float32(1.0),         # logit_scale_log2, output_scale
         cutlass.Int32(1), cutlass.Int32(1),                 # causal, grid_q_tiles
     ] + ([_tensor(cutlass.Float32, (hq, _dyn(), total_q)),  # max_score [Hq, tiles, total_q]
-          cutlass.Float32(1.0)] if variant.max_score else []) + [   # score_scale
+          cutlass.Float32(1.0)] if variant.max_score else []) + (
+        [cutlass.Int32(2)] if split else []) + [            # num_splits
         make_fake_stream(),
     ]
 
@@ -174,6 +183,8 @@ def compile_variant(variant, *, dump_dir: Optional[str] = None):
                 raise NotImplementedError(f"{variant.name}: the warp-specialized FMHA is bf16, "
                                           "O only")
             kernel = FmhaSm90Ws(variant.paged, _DTYPES[variant.dtype])
+        elif variant.form == "split":
+            kernel = FmhaSm90Split(variant.paged, _DTYPES[variant.dtype])
         elif variant.max_score:
             kernel = FmhaSm90MaxScore(variant.paged, _DTYPES[variant.dtype])
         else:

@@ -55,6 +55,7 @@ TILE_M = WG_ROWS * NUM_WARPGROUPS
 NUM_THREADS = 128 * NUM_WARPGROUPS
 KV_STAGES = 2
 ROWS_PER_WARP = 16
+LN_2 = 0.6931471805599453
 
 
 class FmhaSm90:
@@ -84,8 +85,9 @@ class FmhaSm90:
                 qo_offset: cute.Tensor, page_table: cute.Tensor,
                 logit_scale_log2: cutlass.Float32, output_scale: cutlass.Float32,
                 causal: cutlass.Int32, grid_q_tiles: cutlass.Int32, max_score, score_scale,
-                stream):
-        """Launch with or without the max-score output (max_score None: O only)."""
+                stream, split=None):
+        """Launch with or without the max-score output (max_score None: O only); with split =
+        (lse_partial, num_splits), o is o_partial and the split-KV kernel runs."""
         # K-major 128-byte-swizzle atom (8 rows x 64 bf16); the swizzle rides on the pointer.
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
         q_layout = cute.tile_to_shape(atom, (WG_ROWS, HEAD_DIM, NUM_WARPGROUPS), (0, 1, 2))
@@ -124,7 +126,16 @@ class FmhaSm90:
         launch = dict(grid=(grid_q_tiles, cute.size(q.shape[1]),
                             cute.size(cu_seqlens_q.shape[0]) - 1),
                       block=(NUM_THREADS, 1, 1), stream=stream)
-        if cutlass.const_expr(max_score is None):
+        if cutlass.const_expr(split is not None):
+            lse_partial, num_splits = split
+            launch["grid"] = (grid_q_tiles, cute.size(q.shape[1]),
+                              (cute.size(cu_seqlens_q.shape[0]) - 1) * num_splits)
+            self.kernel_split(q, k, v, o, lse_partial, num_splits, cu_seqlens_q, cu_seqlens_k,
+                              kv_lens, qo_offset, page_table, logit_scale_log2, output_scale,
+                              causal, q_layout, kv_layout, q_copy, kv_copy, mma_qk, mma_pv,
+                              stage_o_copy, store_o_copy, vt_layout, o_layout,
+                              SharedStorage).launch(**launch)
+        elif cutlass.const_expr(max_score is None):
             self.kernel(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
                         logit_scale_log2, output_scale, causal, q_layout, kv_layout, q_copy,
                         kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, vt_layout,
@@ -165,6 +176,76 @@ class FmhaSm90:
                   output_scale, causal, mMaxScore, score_scale, q_layout, kv_layout, q_copy,
                   kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, vt_layout, o_layout,
                   SharedStorage)
+
+    @cute.kernel
+    def kernel_split(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                     mOPartial: cute.Tensor, mLsePartial: cute.Tensor, num_splits: cutlass.Int32,
+                     mCuQ: cute.Tensor, mCuK: cute.Tensor, mKvLens: cute.Tensor,
+                     mOffset: cute.Tensor, mPageTable: cute.Tensor,
+                     scale_log2: cutlass.Float32, output_scale: cutlass.Float32,
+                     causal: cutlass.Int32, q_layout: cute.ComposedLayout,
+                     kv_layout: cute.ComposedLayout, q_copy: cute.TiledCopy,
+                     kv_copy: cute.TiledCopy, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
+                     stage_o_copy: cute.TiledCopy, store_o_copy: cute.TiledCopy, vt_layout,
+                     o_layout, SharedStorage: cutlass.Constexpr):
+        """Split-KV: grid z = request x split. A tile's key blocks [0, n_blocks) are cut into
+        num_splits ranges of ceil(n_blocks / num_splits); this CTA streams its range (the keys
+        shifted to start at the range: key offset, causal offset and page-table column move
+        with it) and writes fp32 partial rows o_partial[split] and their LSE."""
+        tidx, _, _ = cute.arch.thread_idx()
+        cta_x, head, z = cute.arch.block_idx()
+        grid_x, _, _ = cute.arch.grid_dim()
+        request = z // num_splits
+        split = z % num_splits
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_tidx = tidx % 128
+        lane = tidx % 32
+        warp_in_wg = cute.arch.make_warp_uniform(wg_tidx // 32)
+
+        total_q = mQ.shape[0]
+        head_kv = head // (mQ.shape[1] // mK.shape[1])
+        q_start = cutlass.max(cutlass.min(mCuQ[request], total_q), 0)
+        q_len = cutlass.min(mCuQ[request + 1], total_q) - q_start
+        kv_len = mKvLens[request]
+        offset = mOffset[request]
+        k_row0 = cutlass.Int32(0)
+        if cutlass.const_expr(not self.paged):
+            k_row0 = cutlass.max(mCuK[request], 0)
+            kv_len = cutlass.min(kv_len, mK.shape[0] - k_row0)
+        else:
+            kv_len = cutlass.min(kv_len, mPageTable.shape[1] * BLOCK_N)
+        n_q_tiles = (q_len + TILE_M - 1) // TILE_M
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ_wgs = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK_stages = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sV_stages = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sVt = None
+        if cutlass.const_expr(self.fp8):
+            sVt = storage.sVt.get_tensor(vt_layout.outer, swizzle=vt_layout.inner)
+        mO = mOPartial[split, None, None, None]
+        mLse = mLsePartial[split, None, None]
+
+        for walk in range(cta_x, n_q_tiles, grid_x):
+            q_tile = n_q_tiles - 1 - walk
+            q_lo = q_tile * TILE_M
+            kv_end = kv_len
+            if causal != 0:
+                kv_end = cutlass.min(kv_end, cutlass.min(q_lo + TILE_M, q_len) + offset)
+            n_blocks = cutlass.max((kv_end + BLOCK_N - 1) // BLOCK_N, 0)
+            per_split = (n_blocks + num_splits - 1) // num_splits
+            first = cutlass.min(split * per_split, n_blocks)
+            count = cutlass.min(per_split, n_blocks - first)
+            shift = first * BLOCK_N
+            table = mPageTable
+            if cutlass.const_expr(self.paged):
+                table = cute.make_tensor(mPageTable.iterator + first, mPageTable.layout)
+            self._tile(mQ, mK, mV, mO, table, request, head, head_kv, q_start, q_len, q_lo,
+                       kv_len - shift, k_row0 + shift, offset - shift, causal, count,
+                       scale_log2, output_scale, tidx, wg, wg_tidx, lane, warp_in_wg, sQ_wgs,
+                       sK_stages, sV_stages, q_copy, kv_copy, mma_qk, mma_pv, stage_o_copy,
+                       store_o_copy, None, None, sVt, None, mLse)
 
     @cute.jit
     def _cta(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -229,9 +310,11 @@ class FmhaSm90:
               kv_len, k_row0, offset, causal, n_blocks, scale_log2, output_scale, tidx, wg,
               wg_tidx, lane, warp_in_wg, sQ_wgs, sK_stages, sV_stages, q_copy, kv_copy, mma_qk,
               mma_pv, stage_o_copy, store_o_copy, mMaxScore=None, score_scale=None, sVt=None,
-              sO_wgs=None):
+              sO_wgs=None, mLse=None):
         """One 128-query tile: load Q, stream the key blocks, write O (and, with mMaxScore,
-        each row's scaled max over the visible keys of every block it streams)."""
+        each row's scaled max over the visible keys of every block it streams). With mLse
+        (split-KV), mO is fp32: the rows are written straight from the accumulator, normalized
+        over this call's blocks, with their LSE (natural log, logit scale included)."""
         # V^T (channel x key) views of the V stages for the B operand of O = P V.
         sVt_stages = cute.composition(
             sV_stages, cute.make_ordered_layout((HEAD_DIM, BLOCK_N, KV_STAGES), order=(1, 0, 2)))
@@ -330,7 +413,23 @@ class FmhaSm90:
         # zero-filled) them: with no key block the loop's barrier never ran.
         cute.arch.sync_threads()
 
-        # ---- normalize, stage in this warpgroup's Q rows, write 16-byte row segments -------
+        if cutlass.const_expr(mLse is not None):
+            self._write_split_rows(mO, mLse, o_rc, row_max, row_sum, tScS, n_my_rows,
+                                   n_my_cols, wg_q0, q_start, q_len, head, output_scale, lane)
+        else:
+            self._write_rows(mO, o_rc, acc_o, row_sum, n_my_rows, n_my_cols, output_scale,
+                             sQ_mine, sO_wgs, wg, wg_tidx, warp_in_wg, lane, wg_q0, q_start,
+                             q_len, head, stage_o_copy, store_o_copy)
+        # The next tile of this CTA reloads Q into these rows: everyone must be done reading.
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _write_rows(self, mO, o_rc, acc_o, row_sum, n_my_rows: cutlass.Constexpr,
+                    n_my_cols: cutlass.Constexpr, output_scale, sQ_mine, sO_wgs, wg, wg_tidx,
+                    warp_in_wg, lane, wg_q0, q_start, q_len, head, stage_o_copy,
+                    store_o_copy):
+        """O = acc / sum * output_scale, staged (bf16) in this warpgroup's Q rows (e4m3: its O
+        tile) and written as 16-byte row segments."""
         for i in cutlass.range_constexpr(n_my_rows):
             total = quad_sum(row_sum[i])
             inv = cutlass.Float32(0.0)
@@ -360,8 +459,27 @@ class FmhaSm90:
                 o_row = mO[q_start + q_local, head, None]
                 gO = thr_store_o.partition_D(cute.make_tensor(o_row.iterator, warp_row_stride0))
                 cute.copy(store_o_copy, r_out[None, m, None], gO[None, m, None])
-        # The next tile of this CTA reloads Q into these rows: everyone must be done reading.
-        cute.arch.sync_threads()
+
+    @cute.jit
+    def _write_split_rows(self, mO, mLse, o_rc, row_max, row_sum, tScS,
+                          n_my_rows: cutlass.Constexpr, n_my_cols: cutlass.Constexpr, wg_q0,
+                          q_start, q_len, head, output_scale, lane):
+        """Split-KV partial rows: O_s = acc / sum * output_scale (fp32, straight from the
+        accumulator) and LSE_s = (max + log2 sum) ln 2; a row that saw no key of this split
+        gets O_s = 0 and LSE_s = -inf (weight 0 in the combine)."""
+        for i in cutlass.range_constexpr(n_my_rows):
+            total = quad_sum(row_sum[i])
+            inv = cutlass.Float32(0.0)
+            lse = -cutlass.Float32.inf
+            if total > 0.0:
+                inv = output_scale / total
+                lse = (row_max[i] + cute.math.log2(total, fastmath=True)) * LN_2
+            q_local = wg_q0 + tScS[i, 0][0]
+            if q_local < q_len:
+                for j in cutlass.range_constexpr(n_my_cols):
+                    mO[q_start + q_local, head, tScS[i, j][1]] = o_rc[i, j] * inv
+                if lane % 4 == 0:
+                    mLse[q_start + q_local, head] = lse
 
     @cute.jit
     def _load_kv_block(self, mK: cute.Tensor, mV: cute.Tensor, mPageTable: cute.Tensor,
@@ -492,3 +610,22 @@ class FmhaSm90MaxScore(FmhaSm90):
         self._launch(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
                      logit_scale_log2, output_scale, causal, grid_q_tiles, max_score,
                      score_scale, stream)
+
+
+class FmhaSm90Split(FmhaSm90):
+    """Split-KV (decode-like plans: few query tiles, long KV): FmhaSm90 whose CTAs each stream
+    one of num_splits ranges of a tile's key blocks and write fp32 partial rows
+    o_partial [num_splits, total_q, Hq, 128] and lse_partial [num_splits, total_q, Hq]; the
+    sparse combine (pf32, one slot per split) merges them. Arguments: FmhaSm90's with o replaced
+    by o_partial, lse_partial, and num_splits before the stream."""
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o_partial: cute.Tensor,
+                 lse_partial: cute.Tensor, cu_seqlens_q: cute.Tensor, cu_seqlens_k: cute.Tensor,
+                 kv_lens: cute.Tensor, qo_offset: cute.Tensor, page_table: cute.Tensor,
+                 logit_scale_log2: cutlass.Float32, output_scale: cutlass.Float32,
+                 causal: cutlass.Int32, grid_q_tiles: cutlass.Int32, num_splits: cutlass.Int32,
+                 stream):
+        self._launch(q, k, v, o_partial, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset,
+                     page_table, logit_scale_log2, output_scale, causal, grid_q_tiles, None,
+                     None, stream, split=(lse_partial, num_splits))

@@ -82,8 +82,9 @@ class FmhaVariant:
     paged: bool
     dtype: str = "bfloat16"
     max_score: bool = False      # also writes the max-score output (mode 1)
-    # "plain" (cute_kernels.fmha_sm90) or "ws" (cute_kernels.fmha_sm90_ws: TMA producer warp,
-    # ping-pong consumer warpgroups; bf16, O only; gated until validated)
+    # "plain" (cute_kernels.fmha_sm90), "ws" (cute_kernels.fmha_sm90_ws: TMA producer warp,
+    # ping-pong consumer warpgroups; bf16, O only) or "split" (fmha_sm90.FmhaSm90Split: the
+    # plain loop over one of num_splits key ranges, fp32 partial rows + LSE; O only)
     form: str = "plain"
 
     @property
@@ -123,6 +124,8 @@ def shipped_variants() -> List[object]:
         out.append(FmhaVariant(paged, "bfloat16", max_score=True))
         # The warp-specialized form (bf16, O only).
         out.append(FmhaVariant(paged, "bfloat16", form="ws"))
+        # Split-KV for decode-like plans (O only).
+        out.extend(FmhaVariant(paged, dtype, form="split") for dtype in FMHA_DTYPES)
     return out
 
 
