@@ -9,8 +9,7 @@ override's qo_offset), 0 for rows that see nothing.
 
 Served: bf16 q/k/v, any GQA group, dense K/V or paged K/V with 128-token pages, causal or not,
 output O (mode 3; bf16 on the warp-specialized kernel), and O with the max-score output (mode
-1); e4m3 q/k/v with O only. Plans with num_kv_splits > 1 run the split-KV form once it is
-validated. Other calls (mixed dtypes, other page sizes, block-selected mode) fall back to the
+1); e4m3 q/k/v with O only. Plans with num_kv_splits > 1 run the split-KV form. Other calls (mixed dtypes, other page sizes, block-selected mode) fall back to the
 reference through ``supports``; the block-selected mode goes to the sparse bridge before
 dispatch when the plan has one.
 
@@ -56,10 +55,11 @@ VALIDATED_WARP_SPECIALIZED = True
 WARP_SPECIALIZED_FOR_TESTS: Optional[bool] = None
 # Split-KV for plans with num_kv_splits > 1 (decode-like: few query tiles, long KV; variants
 # fmha_sm90_*_split, FmhaSm90Split: each CTA streams one key range and writes fp32 partial rows
-# + LSE, merged by the sparse combine, one slot per split). Compiled; gated until the "split"
-# cases of tests/test_fmha_gpu.py pass on an H200 (unsplit native runs meanwhile). The hook
-# forces it on or off.
-VALIDATED_SPLIT_KV = False
+# + LSE, merged by the sparse combine, one slot per split). Passed the "split" cases of
+# tests/test_fmha_gpu.py and memcheck on the H200 (2026-12-01, session 5): 1.20-1.52x the
+# unsplit kernel on plans the planner splits (B=1, q 1 / 128, 32k / 128k keys). The hook forces
+# it on or off.
+VALIDATED_SPLIT_KV = True
 SPLIT_KV_FOR_TESTS: Optional[bool] = None
 SPLIT_COMBINE = "sparse_combine_sm90_pf32"
 MODE_O_ONLY = 3
