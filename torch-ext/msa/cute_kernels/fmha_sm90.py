@@ -192,60 +192,10 @@ class FmhaSm90:
         num_splits ranges of ceil(n_blocks / num_splits); this CTA streams its range (the keys
         shifted to start at the range: key offset, causal offset and page-table column move
         with it) and writes fp32 partial rows o_partial[split] and their LSE."""
-        tidx, _, _ = cute.arch.thread_idx()
-        cta_x, head, z = cute.arch.block_idx()
-        grid_x, _, _ = cute.arch.grid_dim()
-        request = z // num_splits
-        split = z % num_splits
-        wg = cute.arch.make_warp_uniform(tidx // 128)
-        wg_tidx = tidx % 128
-        lane = tidx % 32
-        warp_in_wg = cute.arch.make_warp_uniform(wg_tidx // 32)
-
-        total_q = mQ.shape[0]
-        head_kv = head // (mQ.shape[1] // mK.shape[1])
-        q_start = cutlass.max(cutlass.min(mCuQ[request], total_q), 0)
-        q_len = cutlass.min(mCuQ[request + 1], total_q) - q_start
-        kv_len = mKvLens[request]
-        offset = mOffset[request]
-        k_row0 = cutlass.Int32(0)
-        if cutlass.const_expr(not self.paged):
-            k_row0 = cutlass.max(mCuK[request], 0)
-            kv_len = cutlass.min(kv_len, mK.shape[0] - k_row0)
-        else:
-            kv_len = cutlass.min(kv_len, mPageTable.shape[1] * BLOCK_N)
-        n_q_tiles = (q_len + TILE_M - 1) // TILE_M
-
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
-        sQ_wgs = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-        sK_stages = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
-        sV_stages = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
-        sVt = None
-        if cutlass.const_expr(self.fp8):
-            sVt = storage.sVt.get_tensor(vt_layout.outer, swizzle=vt_layout.inner)
-        mO = mOPartial[split, None, None, None]
-        mLse = mLsePartial[split, None, None]
-
-        for walk in range(cta_x, n_q_tiles, grid_x):
-            q_tile = n_q_tiles - 1 - walk
-            q_lo = q_tile * TILE_M
-            kv_end = kv_len
-            if causal != 0:
-                kv_end = cutlass.min(kv_end, cutlass.min(q_lo + TILE_M, q_len) + offset)
-            n_blocks = cutlass.max((kv_end + BLOCK_N - 1) // BLOCK_N, 0)
-            per_split = (n_blocks + num_splits - 1) // num_splits
-            first = cutlass.min(split * per_split, n_blocks)
-            count = cutlass.min(per_split, n_blocks - first)
-            shift = first * BLOCK_N
-            table = mPageTable
-            if cutlass.const_expr(self.paged):
-                table = cute.make_tensor(mPageTable.iterator + first, mPageTable.layout)
-            self._tile(mQ, mK, mV, mO, table, request, head, head_kv, q_start, q_len, q_lo,
-                       kv_len - shift, k_row0 + shift, offset - shift, causal, count,
-                       scale_log2, output_scale, tidx, wg, wg_tidx, lane, warp_in_wg, sQ_wgs,
-                       sK_stages, sV_stages, q_copy, kv_copy, mma_qk, mma_pv, stage_o_copy,
-                       store_o_copy, None, None, sVt, None, mLse)
+        self._cta(mQ, mK, mV, mOPartial, mCuQ, mCuK, mKvLens, mOffset, mPageTable, scale_log2,
+                  output_scale, causal, None, None, q_layout, kv_layout, q_copy, kv_copy, mma_qk,
+                  mma_pv, stage_o_copy, store_o_copy, vt_layout, o_layout, SharedStorage,
+                  mLsePartial, num_splits)
 
     @cute.jit
     def _cta(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -255,11 +205,19 @@ class FmhaSm90:
              q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout,
              q_copy: cute.TiledCopy, kv_copy: cute.TiledCopy, mma_qk: cute.TiledMma,
              mma_pv: cute.TiledMma, stage_o_copy: cute.TiledCopy, store_o_copy: cute.TiledCopy,
-             vt_layout, o_layout, SharedStorage: cutlass.Constexpr):
-        """One CTA: its query tiles of one request and q head (mMaxScore None: O only)."""
+             vt_layout, o_layout, SharedStorage: cutlass.Constexpr, mLsePartial=None,
+             num_splits=None):
+        """One CTA: its query tiles of one request and q head (mMaxScore None: O only). With
+        num_splits (split-KV), grid z is request x split and mO is o_partial."""
         tidx, _, _ = cute.arch.thread_idx()
         cta_x, head, request = cute.arch.block_idx()
         grid_x, _, _ = cute.arch.grid_dim()
+        mLse = None
+        if cutlass.const_expr(num_splits is not None):
+            split = request % num_splits
+            request = request // num_splits
+            mO = mO[split, None, None, None]
+            mLse = mLsePartial[split, None, None]
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wg_tidx = tidx % 128
         lane = tidx % 32
@@ -299,11 +257,26 @@ class FmhaSm90:
             if causal != 0:
                 kv_end = cutlass.min(kv_end, cutlass.min(q_lo + TILE_M, q_len) + offset)
             n_blocks = cutlass.max((kv_end + BLOCK_N - 1) // BLOCK_N, 0)
-            self._tile(mQ, mK, mV, mO, mPageTable, request, head, head_kv, q_start, q_len,
-                       q_lo, kv_len, k_row0, offset, causal, n_blocks, scale_log2,
-                       output_scale, tidx, wg, wg_tidx, lane, warp_in_wg, sQ_wgs, sK_stages,
-                       sV_stages, q_copy, kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy,
-                       mMaxScore, score_scale, sVt, sO_wgs)
+            if cutlass.const_expr(num_splits is None):
+                self._tile(mQ, mK, mV, mO, mPageTable, request, head, head_kv, q_start, q_len,
+                           q_lo, kv_len, k_row0, offset, causal, n_blocks, scale_log2,
+                           output_scale, tidx, wg, wg_tidx, lane, warp_in_wg, sQ_wgs, sK_stages,
+                           sV_stages, q_copy, kv_copy, mma_qk, mma_pv, stage_o_copy,
+                           store_o_copy, mMaxScore, score_scale, sVt, sO_wgs)
+            else:
+                # This split's key blocks of the tile, the key origin shifted to the first.
+                per_split = (n_blocks + num_splits - 1) // num_splits
+                first = cutlass.min(split * per_split, n_blocks)
+                count = cutlass.min(per_split, n_blocks - first)
+                shift = first * BLOCK_N
+                table = mPageTable
+                if cutlass.const_expr(self.paged):
+                    table = cute.make_tensor(mPageTable.iterator + first, mPageTable.layout)
+                self._tile(mQ, mK, mV, mO, table, request, head, head_kv, q_start, q_len, q_lo,
+                           kv_len - shift, k_row0 + shift, offset - shift, causal, count,
+                           scale_log2, output_scale, tidx, wg, wg_tidx, lane, warp_in_wg,
+                           sQ_wgs, sK_stages, sV_stages, q_copy, kv_copy, mma_qk, mma_pv,
+                           stage_o_copy, store_o_copy, None, None, sVt, None, mLse)
 
     @cute.jit
     def _tile(self, mQ, mK, mV, mO, mPageTable, request, head, head_kv, q_start, q_len, q_lo,
