@@ -3,8 +3,10 @@ backend, measured in the same run.
 
 Cases: one sequence of N tokens, causal and non-causal, (Hq, Hkv) in {(64, 4), (32, 8)}, bf16,
 dense K/V and paged K/V (128-token pages, shuffled); plus the max-score-only proxy pass
-(output_o=False, num_kv_heads=1). TFLOP/s = 4 * D * Hq * (visible query-key pairs) / time,
-with N^2 / 2 pairs for causal and N^2 otherwise.
+(output_o=False, num_kv_heads=1); and, with --decode, decode-like plans (B requests of q
+queries against kv keys, causal bottom-right) on the split-KV form next to the unsplit kernel
+(no SDPA peer: its causal mask is top-left). TFLOP/s = 4 * D * Hq * (visible query-key pairs) /
+time, with N^2 / 2 pairs for causal and N^2 otherwise.
 
     python benchmarks/bench_fmha.py --out benchmarks/results/fmha_h200.tsv [--allow-unvalidated]
 
@@ -63,6 +65,9 @@ def main(argv=None):
                          "impl msa.fmha[ws]); the form hook is set per row")
     ap.add_argument("--allow-unvalidated", action="store_true",
                     help="time the gated native kernel (backend column says so)")
+    ap.add_argument("--decode", default="",
+                    help="decode-like plans 'BxQxKV,...' (e.g. 1x1x32k,1x128x128k): split-KV "
+                         "vs unsplit ('' to skip)")
     add_common_args(ap, rep_ms=200)
     args = ap.parse_args(argv)
     if args.tiny:
@@ -166,6 +171,43 @@ def main(argv=None):
                   impl="msa.fmha", backend=backend, latency_ms=ms, tflops=flops / ms / 1e9,
                   note="2*D*H*pairs")
         free_memory(device)
+    if args.decode:
+        bench_decode_like(msa, native, args, tsv, device)
+
+
+def bench_decode_like(msa, native, args, tsv, device):
+    """--decode "BxQxKV,...": one row per dtype for the unsplit kernel and one for the split-KV
+    form with the planner's split count (rows only when the planner splits)."""
+    for spec in parse_names(args.decode):
+        b, ql, kv = (parse_sizes(x)[0] for x in spec.split("x"))
+        hq, hkv = 64, 4
+        pairs = b * sum(kv - ql + i + 1 for i in range(ql))
+        for dtype_name in parse_names(args.dtypes):
+            dtype = torch.float8_e4m3fn if dtype_name == "fp8" else torch.bfloat16
+            q = torch.randn(b * ql, hq, D, device=device).to(dtype)
+            k = torch.randn(b * kv, hkv, D, device=device).to(dtype)
+            v = torch.randn(b * kv, hkv, D, device=device).to(dtype)
+            plan = msa.fmha_plan(torch.full((b,), ql), torch.full((b,), kv), hq, hkv,
+                                 causal=True, device=device)
+            splits = plan[3]["num_kv_splits"]
+            if splits <= 1:
+                print(f"skip decode {spec} {dtype_name}: the planner does not split", flush=True)
+                continue
+            for form in ("unsplit", "split"):
+                if native is not None:
+                    native.SPLIT_KV_FOR_TESTS = form == "split"
+                call = lambda: msa.fmha(q, k, v, plan, output_maxscore=False)   # noqa: E731
+                call()
+                ms = time_ms(call, device, args.rep_ms)
+                impl = "msa.fmha" + ("[e4m3]" if dtype_name == "fp8" else "")
+                impl += f"[split={splits}]" if form == "split" else "[unsplit]"
+                tsv.write(mode="decode", n=kv, hq=hq, hkv=hkv, causal=1, layout="dense",
+                          impl=impl, backend=msa._backend.last_backend("fmha_dense"),
+                          latency_ms=ms, tflops=4 * D * hq * pairs / ms / 1e9,
+                          note=f"B={b} q={ql}")
+            if native is not None:
+                native.SPLIT_KV_FOR_TESTS = None
+            free_memory(device)
 
 
 def time_sdpa(peer: str, q, k, v, causal: bool, device, rep_ms: int):
