@@ -7,7 +7,7 @@ pipeline produces:
 
   block_max_scores    index scores [H_idx, tiles, N]
   sparse_topk_select  selection [N, Hkv, 16] (own block forced via causal_end_block)
-  build_k2q_csr       the q2k transpose and the k2q CSR of the selection
+  build_k2q_csr       the q2k transpose, the k2q CSR of the selection and the attention schedule
   sparse_atten_func   block-sparse attention over the selection
   stage_sum           the sum of the four (msa_prefill adds only the per-query block bounds)
   msa_prefill         the whole pipeline in one call
@@ -75,14 +75,15 @@ class Pipeline:
     def csr(self, selection):
         q2k = selection.permute(1, 0, 2).contiguous()
         return self.msa.build_k2q_csr(q2k, self.cu, self.cu, BLOCK, total_k=self.total,
-                                      qhead_per_kv=self.args.hq // self.args.hkv, **self.lens)
+                                      qhead_per_kv=self.args.hq // self.args.hkv,
+                                      return_schedule=True, **self.lens)
 
     def attention(self, csr):
-        row_ptr, q_ids = csr
+        row_ptr, q_ids, schedule = csr
         return self.msa.sparse_atten_func(self.q, self.k, self.v, row_ptr, q_ids, self.args.topk,
                                           cu_seqlens_q=self.cu, cu_seqlens_k=self.cu,
                                           causal=True, partial_dtype=self.partial_dtype,
-                                          **self.lens)
+                                          schedule=schedule, **self.lens)
 
     def end_to_end(self):
         return self.msa.msa_prefill(self.q, self.k, self.v, self.q_idx, self.k_idx, self.cu,
