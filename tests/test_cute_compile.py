@@ -237,9 +237,10 @@ def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
             for paged in (False, True):
                 name = native._variant_for(paged, o, dtype)
                 assert name.endswith("_" + form) and name in names
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "wso")
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "bogus")
     with pytest.raises(ValueError, match="e4m3 warp-specialized forms"):
         native._variant_for(False, o, e4m3)
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "wso")
     assert native._variant_for(False, o_score) == "fmha_sm90_bfloat16_dense_maxscore"
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
     monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", True)

@@ -96,7 +96,7 @@ def _check_against_float64(out, q, k, v, q_lens, kv_lens, offsets, causal, scale
 
 def _force_form(native, form, monkeypatch):
     """Serve O-only calls with `form`: plain, or a warp-specialized form name (ws, ws3, wso,
-    wso3; e4m3: ws, ws3) forced through WARP_SPECIALIZED_FOR_TESTS."""
+    wso3, for bf16 and e4m3) forced through WARP_SPECIALIZED_FOR_TESTS."""
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", False if form == "plain" else form)
 
 
@@ -184,14 +184,14 @@ def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, s
     assert rel <= 1e-2, rel
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "ws3"])
+@pytest.mark.parametrize("form", ["plain", "ws", "ws3", "wso", "wso3"])
 @pytest.mark.parametrize("qk_values", ["randn", "exact"])
 @pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
                                                  ((4, 4), False, False), ((64, 4), True, True)])
 def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_values, form,
                                                       seed, monkeypatch):
     """e4m3 q/k/v (kernel fmha_sm90_e4m3_*; O bf16), q_scale 1.25, v_scale 1.5; form: plain or
-    the warp-specialized e4m3 form ws / ws3 (V transposed by the producer warpgroup).
+    a warp-specialized e4m3 form ws / ws3 / wso / wso3 (V transposed by the producer warpgroup).
 
     Contract §5.1 bound against float64 with exact P: max |O - O64| <= max(0.125, 4 bf16 floor).
     The model of what an FP8 P.V computes is the reference with P = exp(s - running max) rounded
@@ -312,7 +312,7 @@ def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
                            f"NaN past kv_len causal={causal} form={form}")
 
 
-@pytest.mark.parametrize("form", ["ws", "ws3"])
+@pytest.mark.parametrize("form", ["ws", "ws3", "wso", "wso3"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """e4m3 paged K/V with NaN (0x7f) in every slot past kv_len and in the spare pages: the

@@ -49,7 +49,7 @@ VALIDATED_FP8 = True
 # WARP_SPECIALIZED_FOR_TESTS forces it on or off (tests, bench_fmha --forms).
 # H200 (a205452): the ws form passed its GPU cases and memcheck, still gated.
 VALIDATED_WARP_SPECIALIZED = False
-# e4m3 q/k/v on the warp-specialized kernel (variants fmha_sm90_e4m3_*_ws: raw V by TMA, three
+# e4m3 q/k/v on the warp-specialized kernel (variants fmha_sm90_e4m3_*_ws*: raw V by TMA, three
 # producer warps transpose it into key-permuted Vt stages; P e4m3 in registers as the plain
 # e4m3 kernel): compiled only, gated until its "ws" e4m3 cases pass on an H200.
 VALIDATED_WARP_SPECIALIZED_FP8 = False
@@ -58,7 +58,7 @@ VALIDATED_WARP_SPECIALIZED_FP8 = False
 WARP_SPECIALIZED_FOR_TESTS: Union[None, bool, str] = None
 # Warp-specialized forms per q/k/v dtype (must match cute_kernels.variants.WS_FORMS /
 # WS_FP8_FORMS): ws (2 K/V stages), ws3 (3 stages), wso / wso3 (intra-warpgroup overlap).
-WS_FORMS = {"bfloat16": ("ws", "ws3", "wso", "wso3"), "e4m3": ("ws", "ws3")}
+WS_FORMS = {"bfloat16": ("ws", "ws3", "wso", "wso3"), "e4m3": ("ws", "ws3", "wso", "wso3")}
 MODE_O_ONLY = 3
 MODE_O_AND_SCORE = 1
 # served q/k/v dtypes (variants.FMHA_DTYPES)

@@ -1,9 +1,9 @@
 """Dense FMHA forward for Hopper (sm_90a), warp-specialized forms (gated; variants
-fmha_sm90_bfloat16_{dense,paged}_{ws,ws3,wso,wso3} and fmha_sm90_e4m3_{dense,paged}_{ws,ws3}).
+fmha_sm90_{bfloat16,e4m3}_{dense,paged}_{ws,ws3,wso,wso3}).
 Same semantics, arguments and grid as FmhaSm90 (cute_kernels/fmha_sm90.py, O only, bf16 or
 e4m3 q/k/v); only the way the key blocks are streamed and the two warpgroups are scheduled
 differs. Forms (FORMS): ws = 2 K/V stages; ws3 = 3 stages; wso / wso3 = intra-warpgroup overlap
-(below). e4m3 (ws, ws3): as the plain e4m3 kernel, P is rounded to e4m3 in registers and handed
+(below), for both dtypes. e4m3: as the plain e4m3 kernel, P is rounded to e4m3 in registers and handed
 in the key order of register_p_key_order, so P V reads a key-permuted, K-major Vt: the producer
 TMA-loads raw V into its own ring and warps 1-3 of the producer warpgroup transpose it
 (tile_utils.transpose_v_words_masked: 32-bit words, byte permutes; keys past kv_len written as
@@ -39,8 +39,8 @@ Roles (384 threads, one CTA per SM):
 
 Shared memory: bf16 Q 2 x 16 KB + stages x (K 32 KB + V 32 KB) + mbarriers (ws 160 KB, ws3
 224 KB); e4m3 Q 2 x 8 KB + stages x (K, raw V, Vt 16 KB each) + O 2 x 16 KB (bf16) (ws 144 KB,
-ws3 192 KB). Registers: bf16 24 (producer) / 240 (consumers); e4m3 96 / 208 (the transposer
-warps need more than 24: at 56 they spilled).
+ws3 192 KB). Registers: bf16 24 (producer) / 240 (consumers); e4m3 80 / 216 (the transposer
+warps need more than 24: they use up to R70).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .tile_utils import (mask_row_and_max, pack_bf16_pairs, quad_max, quad_sum,
-                         register_p_operand, row_copy, transpose_v_copies,
+from .tile_utils import (mask_row_and_max, pack_bf16_pairs, pack_e4m3_quads, quad_max,
+                         quad_sum, register_p_operand, row_copy, transpose_v_copies,
                          transpose_v_words_masked, warp_row_store_copy, warpgroup_gemm_issue,
                          wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 
@@ -66,8 +66,8 @@ ROWS_PER_WARP = 16
 PRODUCER_REGS = 24
 MMA_REGS = 240           # 24 * 128 + 240 * 256 <= 64K registers
 # e4m3: warps 1-3 of the producer warpgroup transpose V (word loads, byte permutes).
-PRODUCER_REGS_FP8 = 96
-MMA_REGS_FP8 = 208       # 96 * 128 + 208 * 256 = 64K registers
+PRODUCER_REGS_FP8 = 80
+MMA_REGS_FP8 = 216       # 80 * 128 + 216 * 256 = 64K registers
 TRANSPOSE_WARPS = 3
 # Named barriers (0 is sync_threads): a consumer warpgroup's own (Q published, O staged),
 # and each consumer's ping-pong turn.
@@ -82,7 +82,7 @@ FORMS = {
     "wso": dict(kv_stages=2, overlap=True),      # intra-warpgroup overlap
     "wso3": dict(kv_stages=3, overlap=True),
 }
-FP8_FORMS = ("ws", "ws3")
+FP8_FORMS = ("ws", "ws3", "wso", "wso3")
 
 
 class FmhaSm90Ws:
@@ -95,13 +95,13 @@ class FmhaSm90Ws:
         self.paged = paged
         # overlap: the softmax of block j runs while P(j-1) V(j-1) is in flight (wait_group(1)
         # after the turn). Off: both GEMMs of the turn are waited for before the softmax (the
-        # overlap then comes from the other warpgroup only). On, P is rounded to bf16 by
-        # pack_bf16_pairs (pinned inline assembly): with a plain conversion LLVM moves it into
-        # the next iteration and ptxas 13.0 serializes the wgmmas for lack of registers (C7512).
+        # overlap then comes from the other warpgroup only). On, P is rounded by
+        # pack_bf16_pairs / pack_e4m3_quads (pinned inline assembly): with a plain conversion
+        # LLVM moves it into the next iteration and ptxas 13.0 serializes the wgmmas for lack of
+        # registers (C7512).
         self.overlap = overlap
         self.dtype = dtype
         self.fp8 = dtype.width == 8
-        assert not (self.fp8 and overlap), "e4m3: no overlap form"
         self.out_dtype = cutlass.BFloat16
         self.kv_stages = kv_stages
         self.tile_bytes = BLOCK_N * HEAD_DIM * dtype.width // 8
@@ -357,7 +357,9 @@ class FmhaSm90Ws:
                     offset, causal, q_len, n_q_tiles, cta_x, grid_x, tidx):
         """Per streamed block: wait for its raw V stage (TMA) and for its Vt stage to be free,
         write Vt (channel, pi(key)) in the register-P key order (tile_utils.transpose_v_words:
-        eight 16-channel groups of 32 lanes; transposer warp t takes groups t, t + 3, t + 6),
+        eight 16-channel groups of 32 lanes; transposer warp t takes groups t, t + 3, t + 6, in
+        a loop that is not unrolled: unrolled, LLVM hoisted the addresses of all three groups
+        out of the block loop and the warps needed 96 registers),
         zeroing the keys past kv_len, fence to the async proxy, then one arrival per warp on
         Vt full and on raw V empty."""
         S = self.kv_stages
@@ -374,7 +376,7 @@ class FmhaSm90Ws:
                 n_keys = kv_len - blk * BLOCK_N
                 cute.arch.mbarrier_wait(mbar + 4 * S + 1 + stage, phase)      # raw V landed
                 cute.arch.mbarrier_wait(mbar + 3 * S + stage, phase ^ 1)      # Vt stage free
-                for i in cutlass.range_constexpr((8 + TRANSPOSE_WARPS - 1) // TRANSPOSE_WARPS):
+                for i in cutlass.range((8 + TRANSPOSE_WARPS - 1) // TRANSPOSE_WARPS, unroll=1):
                     group = t_warp + TRANSPOSE_WARPS * i
                     if group < 8:
                         transpose_v_words_masked(sV_stages[None, None, stage],
@@ -496,7 +498,9 @@ class FmhaSm90Ws:
                     for i in cutlass.range_constexpr(n_my_rows):
                         for j in cutlass.range_constexpr(n_my_cols):
                             o_rc[i, j] = o_rc[i, j] * corr[i]
-                    if cutlass.const_expr(self.overlap):
+                    if cutlass.const_expr(self.overlap and self.fp8):
+                        pack_e4m3_quads(acc_s, r_p)
+                    elif cutlass.const_expr(self.overlap):
                         pack_bf16_pairs(acc_s, r_p)
                     else:
                         r_p.store(acc_s.load().to(self.dtype))

@@ -78,7 +78,7 @@ class BlockMaxScoreVariant:
 # Warp-specialized FMHA forms (cute_kernels.fmha_sm90_ws.FORMS): ws (2 K/V stages), ws3 (3),
 # wso / wso3 (intra-warpgroup overlap: the softmax of block j under the own P V(j-1)).
 WS_FORMS = ("ws", "ws3", "wso", "wso3")
-WS_FP8_FORMS = ("ws", "ws3")
+WS_FP8_FORMS = ("ws", "ws3", "wso", "wso3")
 
 
 @dataclasses.dataclass(frozen=True)
