@@ -29,6 +29,8 @@ from _common import (TsvWriter, add_common_args, apply_preset, free_memory, load
                      time_ms)
 
 D = 128
+# Warp-specialized forms per --dtypes name when the native module is absent (it says which).
+WS_FORMS = {"bf16": ("ws", "ws3", "wso", "wso3"), "fp8": ("ws", "ws3", "wso", "wso3")}
 COLUMNS = ("mode", "n", "hq", "hkv", "causal", "layout", "impl", "backend", "latency_ms",
            "tflops", "speedup_vs_cudnn", "note")
 
@@ -61,8 +63,10 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="bf16",
                     help="q/k/v dtypes: bf16, fp8 (e4m3 q/k/v, bf16 O; impl msa.fmha[e4m3])")
     ap.add_argument("--forms", default="plain",
-                    help="bf16 kernel forms to time side by side: plain, ws (warp-specialized; "
-                         "impl msa.fmha[ws]); the form hook is set per row")
+                    help="kernel forms to time side by side: plain and the warp-specialized "
+                         "forms (ws, ws3, wso, wso3; impl msa.fmha[<form>]); "
+                         "a (dtype, form) pair that does not exist is skipped; the form hook is "
+                         "set per row")
     ap.add_argument("--allow-unvalidated", action="store_true",
                     help="time the gated native kernel (backend column says so)")
     ap.add_argument("--decode", default="",
@@ -85,10 +89,14 @@ def main(argv=None):
     if set(dtype_names) - {"bf16", "fp8"}:
         ap.error(f"--dtypes {args.dtypes}: bf16 and fp8 are the choices")
     form_names = parse_names(args.forms)
-    if set(form_names) - {"plain", "ws"}:
-        ap.error(f"--forms {args.forms}: plain and ws are the choices")
-    # (dtype, form) rows: the warp-specialized form exists for bf16 only.
-    runs = [(d, f) for d in dtype_names for f in form_names if d == "bf16" or f == "plain"]
+    ws_forms = dict(WS_FORMS)
+    if native is not None and hasattr(native, "WS_FORMS"):
+        ws_forms = {"bf16": native.WS_FORMS["bfloat16"], "fp8": native.WS_FORMS["e4m3"]}
+    known = {"plain", *ws_forms["bf16"], *ws_forms["fp8"]}
+    if set(form_names) - known:
+        ap.error(f"--forms {args.forms}: the choices are {', '.join(sorted(known))}")
+    # (dtype, form) rows for the forms each dtype has.
+    runs = [(d, f) for d in dtype_names for f in form_names if f == "plain" or f in ws_forms[d]]
     tsv = TsvWriter(args.out, COLUMNS, device, formats={"tflops": ".1f",
                                                          "speedup_vs_cudnn": ".2f"})
     gen = torch.Generator(device="cpu").manual_seed(torch.initial_seed() % (1 << 62))
@@ -121,7 +129,8 @@ def main(argv=None):
                                          else -1, device=device)
                     for dtype_name, form in runs:
                         if native is not None and hasattr(native, "WARP_SPECIALIZED_FOR_TESTS"):
-                            native.WARP_SPECIALIZED_FOR_TESTS = form == "ws"
+                            native.WARP_SPECIALIZED_FOR_TESTS = (False if form == "plain"
+                                                                 else form)
                         if dtype_name == "fp8":
                             q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k_in, v_in))
 
@@ -135,10 +144,12 @@ def main(argv=None):
                         backend = msa._backend.last_backend("fmha_dense")
                         if reference_too_slow(backend, n, device, args, f"fmha {layout} N={n}"):
                             continue
+                        ws_validated = native is not None and (
+                            getattr(native, "VALIDATED_WARP_SPECIALIZED_FP8", False)
+                            if dtype_name == "fp8" else native.VALIDATED_WARP_SPECIALIZED)
                         unvalidated = gated or (native is not None and dtype_name == "fp8"
                                                 and not native.VALIDATED_FP8) or (
-                            form == "ws" and native is not None
-                            and not native.VALIDATED_WARP_SPECIALIZED)
+                            form != "plain" and not ws_validated)
                         if backend == "sm90" and unvalidated:
                             backend = "sm90-unvalidated"
                         ms = time_ms(call, device, args.rep_ms)

@@ -167,7 +167,7 @@ def test_word_transpose_of_v_lands_in_the_register_p_key_order():
     sys.path.insert(0, str(ROOT / "torch-ext"))
     from msa.cute_kernels.tile_utils import (register_p_key_order, register_p_row_order,
                                              transpose_v_copies)
-    pairs, inverse = [], []
+    pairs, inverse, row_keys = [], [], []
 
     @cute.jit
     def trace():   # records only: asserts and comparisons inside a traced function are staged
@@ -176,6 +176,7 @@ def test_word_transpose_of_v_lands_in_the_register_p_key_order():
         key_order = register_p_key_order()
         for key in cutlass.range_constexpr(128):
             inverse.append((key, int(rows((key_order((key, 0)) // 128, 0)))))
+            row_keys.append(int(rows((key, 0))))          # row `key` of V holds this key
         for tidx in cutlass.range_constexpr(256):
             src = load.get_slice(tidx).partition_S(cute.make_identity_tensor((128, 128)))
             dst = store.get_slice(tidx).partition_D(cute.make_identity_tensor((128, 128)))
@@ -185,6 +186,13 @@ def test_word_transpose_of_v_lands_in_the_register_p_key_order():
                     c_dst, r_dst = dst[ch * 4 + x]
                     pairs.append(((int(r), int(c_src)), (int(r_dst), int(c_dst))))
     trace()
+    # The masked transpose (the e4m3 ws form) zeroes the rows of keys register_p_row_key(w, x).
+    from msa.cute_kernels.tile_utils import register_p_row_key
+    for tidx in range(256):
+        for x in range(4):
+            (r, _), _ = pairs[tidx * 64 + x * 16]
+            assert r == 4 * (tidx % 32) + x
+            assert row_keys[r] == register_p_row_key(tidx % 32, x)
     assert all(key == back for key, back in inverse), "the row order inverts the key order"
     assert len(pairs) == 256 * 64
     assert all(loaded == written for loaded, written in pairs)
@@ -192,32 +200,54 @@ def test_word_transpose_of_v_lands_in_the_register_p_key_order():
 
 
 def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
-    """bf16 O-only FMHA calls run on the ws variants only when VALIDATED_WARP_SPECIALIZED, forced
-    by WARP_SPECIALIZED_FOR_TESTS, or opted into with MSA_UNVALIDATED_KERNELS=1; mode 1 and
-    e4m3 never do. The chosen names are shipped variants. No CUDA needed."""
+    """O-only FMHA calls run on the ws variants only when validated for their dtype
+    (VALIDATED_WARP_SPECIALIZED bf16, VALIDATED_WARP_SPECIALIZED_FP8 e4m3), forced by
+    WARP_SPECIALIZED_FOR_TESTS (True: ws; a form name: that form), or opted into with
+    MSA_UNVALIDATED_KERNELS=1; mode 1 never does. Every chosen name is a shipped variant. No
+    CUDA needed."""
     sys.path.insert(0, str(ROOT / "torch-ext"))
+    import pytest
     import torch
     from msa import _backend
     from msa._native import fmha_sm90 as native
-    from cute_kernels.variants import shipped_variants
+    from cute_kernels.variants import WS_FORMS, WS_FP8_FORMS, shipped_variants
     names = {v.name for v in shipped_variants()}
+    e4m3 = torch.float8_e4m3fn
+    assert native.WS_FORMS == {"bfloat16": WS_FORMS, "e4m3": WS_FP8_FORMS}
     monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
     monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", False)
+    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED_FP8", False)
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
     o, o_score = native.MODE_O_ONLY, native.MODE_O_AND_SCORE
     assert native._variant_for(False, o) == "fmha_sm90_bfloat16_dense"
+    assert native._variant_for(False, o, e4m3) == "fmha_sm90_e4m3_dense"
     monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
     for paged in (False, True):
-        name = native._variant_for(paged, o)
-        assert name.endswith("_ws") and name in names
+        for dtype in (torch.bfloat16, e4m3):
+            name = native._variant_for(paged, o, dtype)
+            assert name.endswith("_ws") and name in names
         assert not native._variant_for(paged, o_score).endswith("_ws")
-        assert not native._variant_for(paged, o, torch.float8_e4m3fn).endswith("_ws")
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", False)
     assert native._variant_for(True, o) == "fmha_sm90_bfloat16_paged"
+    assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged"
     monkeypatch.delenv(_backend.UNVALIDATED_ENV)
+    for dtype, forms in ((torch.bfloat16, WS_FORMS), (e4m3, WS_FP8_FORMS)):
+        for form in forms:
+            monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", form)
+            for paged in (False, True):
+                name = native._variant_for(paged, o, dtype)
+                assert name.endswith("_" + form) and name in names
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "bogus")
+    with pytest.raises(ValueError, match="e4m3 warp-specialized forms"):
+        native._variant_for(False, o, e4m3)
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "wso")
+    assert native._variant_for(False, o_score) == "fmha_sm90_bfloat16_dense_maxscore"
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
     monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", True)
     assert native._variant_for(True, o) == "fmha_sm90_bfloat16_paged_ws"
+    assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged"
+    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED_FP8", True)
+    assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged_ws"
 
 
 def test_split_kv_fmha_form_follows_its_flag(monkeypatch):

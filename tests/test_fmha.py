@@ -697,6 +697,7 @@ def test_native_dense_fmha_is_gated_and_names_what_it_does_not_serve(monkeypatch
     assert "one dtype" in fmha_sm90.supports(**dict(base, q_dtype=torch.float8_e4m3fn))
     fp8 = dict(base, q_dtype=torch.float8_e4m3fn, k_dtype=torch.float8_e4m3fn)
     assert "O only" in fmha_sm90.supports(**dict(fp8, mode=1))
+    monkeypatch.setattr(fmha_sm90, "WARP_SPECIALIZED_FOR_TESTS", False)   # the plain kernel
     assert fmha_sm90._variant_for(False, 3, torch.float8_e4m3fn) == "fmha_sm90_e4m3_dense"
     assert "mode 2" in fmha_sm90.supports(**dict(base, mode=2))
     assert "page_size 64" in fmha_sm90.supports(**dict(base, paged=True, page_size=64))

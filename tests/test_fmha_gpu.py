@@ -98,14 +98,21 @@ def _check_against_float64(out, q, k, v, q_lens, kv_lens, offsets, causal, scale
     return o64
 
 
-@pytest.mark.parametrize("form", ["plain", "ws"])
+def _force_form(native, form, monkeypatch):
+    """Serve O-only calls with `form`: plain, or a warp-specialized form name (ws, ws3, wso,
+    wso3, for bf16 and e4m3) forced through WARP_SPECIALIZED_FOR_TESTS."""
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", False if form == "plain" else form)
+
+
+@pytest.mark.parametrize("form", ["plain", "ws", "ws3", "wso", "wso3"])
 @pytest.mark.parametrize("heads,causal,paged", CASES)
 def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypatch):
-    """form: the kernel serving bf16 O: plain (cute_kernels/fmha_sm90.py) or ws (the
-    warp-specialized cute_kernels/fmha_sm90_ws.py, forced through WARP_SPECIALIZED_FOR_TESTS)."""
+    """form: the kernel serving bf16 O: plain (cute_kernels/fmha_sm90.py) or a form of the
+    warp-specialized cute_kernels/fmha_sm90_ws.py (ws, ws3: 3 K/V stages, wso / wso3:
+    intra-warpgroup overlap), forced through WARP_SPECIALIZED_FOR_TESTS."""
     native = _native_module()
     monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", form == "ws")
+    _force_form(native, form, monkeypatch)
     monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
@@ -181,12 +188,14 @@ def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, s
     assert rel <= 1e-2, rel
 
 
+@pytest.mark.parametrize("form", ["plain", "ws", "ws3", "wso", "wso3"])
 @pytest.mark.parametrize("qk_values", ["randn", "exact"])
 @pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
                                                  ((4, 4), False, False), ((64, 4), True, True)])
-def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_values, seed,
-                                                      monkeypatch):
-    """e4m3 q/k/v (kernel fmha_sm90_e4m3_*; O bf16), q_scale 1.25, v_scale 1.5.
+def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_values, form,
+                                                      seed, monkeypatch):
+    """e4m3 q/k/v (kernel fmha_sm90_e4m3_*; O bf16), q_scale 1.25, v_scale 1.5; form: plain or
+    a warp-specialized e4m3 form ws / ws3 / wso / wso3 (V transposed by the producer warpgroup).
 
     Contract §5.1 bound against float64 with exact P: max |O - O64| <= max(0.125, 4 bf16 floor).
     The model of what an FP8 P.V computes is the reference with P = exp(s - running max) rounded
@@ -201,6 +210,7 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_v
       test: |O - O64| <= 2 max|bf16(model) - O64| + 4e-3 for all but 1e-4 of the elements."""
     native = _native_module()
     monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    _force_form(native, form, monkeypatch)
     monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
@@ -230,7 +240,7 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_v
     rows_off = ((out - model).abs() > 2 * ulp + 1e-3).any(-1)
     model_bound = 2 * (model.to(torch.bfloat16).double() - o64).abs().max().item() + 4e-3
     beyond = ((out - o64).abs() > model_bound).double().mean().item()
-    print(f"e4m3 {qk_values} Hq={hq} Hkv={hkv} causal={causal} paged={paged}: "
+    print(f"e4m3 {form} {qk_values} Hq={hq} Hkv={hkv} causal={causal} paged={paged}: "
           f"max|O-O64|={err64:.3e} max|O-model|={(out - model).abs().max().item():.3e} rows off "
           f"the model {int(rows_off.sum())}/{rows_off.numel()}, beyond the model bound {beyond:.1e}")
     assert err64 <= max(0.125, 4 * bf16_floor)
@@ -314,7 +324,7 @@ def test_max_score_only_pass_runs_on_the_indexer_kernel(seed, monkeypatch):
     assert rel <= 1e-2, rel
 
 
-@pytest.mark.parametrize("form", ["plain", "ws"])
+@pytest.mark.parametrize("form", ["plain", "ws", "ws3", "wso", "wso3"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """Paged K/V whose slots past each request's kv_len (and the spare pages) hold NaN: a masked
@@ -323,7 +333,7 @@ def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     memory before publishing the block)."""
     native = _native_module()
     monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", form == "ws")
+    _force_form(native, form, monkeypatch)
     monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = 8, 2
@@ -353,6 +363,55 @@ def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
                            f"NaN past kv_len causal={causal} form={form}")
 
 
+@pytest.mark.parametrize("form", ["ws", "ws3", "wso", "wso3"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
+    """e4m3 paged K/V with NaN (0x7f) in every slot past kv_len and in the spare pages: the
+    warp-specialized e4m3 form's TMA reads whole pages and its transposer warps must write the
+    keys past kv_len of Vt as zeros. O must be NaN-free and equal the plain e4m3 kernel's O
+    (which zero-fills those rows) on the same pool within 2 bf16 ulps + 1e-3."""
+    native = _native_module()
+    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv = 8, 2
+    e4m3 = torch.float8_e4m3fn
+    q, k, v, q_lens, kv_lens, offsets = _random_varlen((hq, hkv), e4m3, gen,
+                                                       q_lens=[1, 33, 700, 129])
+    k_pages, v_pages, kv_indices, table = to_pages(k, v, kv_lens, 128, gen)
+    used = torch.zeros(k_pages.shape[0], 128, dtype=torch.bool)
+    for b, n in enumerate(kv_lens):
+        for beta in range(-(-n // 128)):
+            used[int(table[b, beta]), :min(128, n - beta * 128)] = True
+    unused = ~used[:, None, :, None].expand_as(k_pages)
+    for pages in (k_pages, v_pages):
+        pages.view(torch.uint8)[unused] = 0x7F                       # e4m3 NaN
+    assert torch.isnan(v_pages.float()).any()
+    dev = torch.device("cuda")
+    plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), hq, hkv, causal=causal,
+                         qo_offset=torch.tensor(offsets) if causal else None, page_size=128,
+                         device=dev)
+    args = (q.to(dev), k_pages.to(dev), v_pages.to(dev), plan)
+    kw = dict(sm_scale=0.7 * D ** -0.5, q_scale=1.25, v_scale=1.5, output_maxscore=False,
+              kv_indices=kv_indices.to(dev))
+    outs = {}
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    for run in ("plain", form):
+        _force_form(native, run, monkeypatch)
+        outs[run], _ = msa.fmha(*args, **kw)
+        torch.cuda.synchronize()
+        assert _backend.last_backend("fmha_dense") == "sm90"
+    monkeypatch.delenv("MSA_BACKEND")
+    want, got = outs["plain"].cpu().double(), outs[form].cpu().double()
+    assert not torch.isnan(want).any()
+    assert not torch.isnan(got).any(), "O has NaN (a slot past kv_len reached P V)"
+    ulp = torch.finfo(torch.bfloat16).eps * want.abs()
+    worst = ((got - want).abs() - 2 * ulp).max().item()
+    print(f"e4m3 NaN past kv_len causal={causal} form={form}: max|O-O_plain|="
+          f"{(got - want).abs().max().item():.3e}")
+    assert worst <= 1e-3
+
+
 @pytest.mark.parametrize("form", ["plain", "ws"])
 def test_fmha_native_paged_pool_past_2_31_elements(form, seed, monkeypatch):
     """Paged bf16 K/V pools of more than 2^31 elements each (2^16 pages of [2, 128, 128] below
@@ -361,7 +420,7 @@ def test_fmha_native_paged_pool_past_2_31_elements(form, seed, monkeypatch):
     of the used pages exactly, and the float64 reference within the bound of the test above."""
     native = _native_module()
     monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", form == "ws")
+    _force_form(native, form, monkeypatch)
     monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = 8, 2

@@ -161,8 +161,24 @@ def decode_runs():
 
 
 def fmha_cases(gen):
-    """Dense FMHA (gated kernel): dense and paged K/V, causal with an offset that leaves early
-    rows empty, a page-table entry past the pool."""
+    """Dense FMHA: dense and paged K/V, causal with an offset that leaves early rows empty, a
+    page-table entry past the pool; O-only calls once per kernel form (plain and every
+    warp-specialized form of the dtype, forced through WARP_SPECIALIZED_FOR_TESTS)."""
+    from msa._native import fmha_sm90
+    forms = {dtype: ["plain", *names] for dtype, names in fmha_sm90.WS_FORMS.items()}
+    try:
+        for form in forms["bfloat16"]:
+            fmha_sm90.WARP_SPECIALIZED_FOR_TESTS = False if form == "plain" else form
+            _fmha_bf16_cases(gen, with_max_score=form == "plain")
+        for form in forms["e4m3"]:
+            fmha_sm90.WARP_SPECIALIZED_FOR_TESTS = False if form == "plain" else form
+            _fmha_e4m3_cases(gen)
+    finally:
+        fmha_sm90.WARP_SPECIALIZED_FOR_TESTS = None
+    print("fmha: ok (forms " + ", ".join(f"{d}: {'/'.join(f)}" for d, f in forms.items()) + ")")
+
+
+def _fmha_bf16_cases(gen, with_max_score):
     from test_fmha import to_pages
     q_lens, kv_lens = [1, 130, 300], [200, 129, 900]
     q = torch.randn(sum(q_lens), 8, 128, generator=gen).to(torch.bfloat16)
@@ -179,20 +195,36 @@ def fmha_cases(gen):
                              page_size=128 if paged else -1, device=dev)
         msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, output_maxscore=False, **kw)
         expect_native("fmha_dense")
+        if not with_max_score:
+            continue
         # O + max-score (mode 1): the max-score rows of every streamed block are written.
         plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 8, 2,
                              qo_offset=torch.tensor([199, -5, 600]), output_maxscore=True,
                              page_size=128 if paged else -1, device=dev)
         msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, output_maxscore=True, **kw)
         expect_native("fmha_dense")
-    # e4m3 q/k/v: the per-block V transpose into the key-permuted V^T.
+
+
+def _fmha_e4m3_cases(gen):
+    """e4m3 q/k/v: the per-block V transpose into the key-permuted V^T (plain: by the CTA;
+    ws forms: by the producer warpgroup), dense and paged K/V."""
+    from test_fmha import to_pages
+    q_lens, kv_lens = [1, 130, 300], [200, 129, 900]
     e4m3 = torch.float8_e4m3fn
-    plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 8, 2,
-                         qo_offset=torch.tensor([199, -5, 600]), device=dev)
-    msa.fmha(q.to(dev).to(e4m3), k.to(dev).to(e4m3), v.to(dev).to(e4m3), plan,
-             output_maxscore=False)
-    expect_native("fmha_dense")
-    print("fmha: ok")
+    q = torch.randn(sum(q_lens), 8, 128, generator=gen).to(e4m3)
+    k = torch.randn(sum(kv_lens), 2, 128, generator=gen).to(e4m3)
+    v = torch.randn(sum(kv_lens), 2, 128, generator=gen).to(e4m3)
+    dev = torch.device("cuda")
+    for paged in (False, True):
+        kw, k_in, v_in = {}, k, v
+        if paged:
+            k_in, v_in, kv_indices, _ = to_pages(k, v, kv_lens, 128, gen)
+            kw["kv_indices"] = kv_indices.to(dev)
+        plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 8, 2,
+                             qo_offset=torch.tensor([199, -5, 600]),
+                             page_size=128 if paged else -1, device=dev)
+        msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, output_maxscore=False, **kw)
+        expect_native("fmha_dense")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ indexer's computation and runs on the validated sm90 block max-score kernel.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -50,9 +50,18 @@ VALIDATED_FP8 = True
 # with S(j) and P(j-1) V(j-1) in one turn; bf16, O only): compiled for sm_90a (no spills, no
 # serialized wgmma). Passed the "ws" cases of tests/test_fmha_gpu.py and memcheck on the H200
 # (2026-12-01, session 5) at 0.86-0.92x cuDNN against 0.72-0.78x for the plain loop: it serves
-# bf16 O-only calls. WARP_SPECIALIZED_FOR_TESTS forces it on or off (tests, bench_fmha --forms).
+# bf16 O-only calls.
 VALIDATED_WARP_SPECIALIZED = True
-WARP_SPECIALIZED_FOR_TESTS: Optional[bool] = None
+# e4m3 q/k/v on the warp-specialized kernel (variants fmha_sm90_e4m3_*_ws*: raw V by TMA, three
+# producer warps transpose it into key-permuted Vt stages; P e4m3 in registers as the plain
+# e4m3 kernel): compiled only, gated until its "ws" e4m3 cases pass on an H200.
+VALIDATED_WARP_SPECIALIZED_FP8 = False
+# None: the gates above decide (the served form is "ws"); False: the plain kernel; True: "ws";
+# a form name: that form (WS_FORMS of the call's dtype; a name the dtype lacks is an error).
+WARP_SPECIALIZED_FOR_TESTS: Union[None, bool, str] = None
+# Warp-specialized forms per q/k/v dtype (must match cute_kernels.variants.WS_FORMS /
+# WS_FP8_FORMS): ws (2 K/V stages), ws3 (3 stages), wso / wso3 (intra-warpgroup overlap).
+WS_FORMS = {"bfloat16": ("ws", "ws3", "wso", "wso3"), "e4m3": ("ws", "ws3", "wso", "wso3")}
 # Split-KV for plans with num_kv_splits > 1 (decode-like: few query tiles, long KV; variants
 # fmha_sm90_*_split, FmhaSm90Split: each CTA streams one key range and writes fp32 partial rows
 # + LSE, merged by the sparse combine, one slot per split). Passed the "split" cases of
@@ -80,10 +89,27 @@ def variant_name(paged: bool, dtype: torch.dtype = torch.bfloat16,
 
 
 def use_warp_specialized() -> bool:
-    """Whether bf16 O-only calls run on the warp-specialized form (cute_kernels/fmha_sm90_ws.py):
-    WARP_SPECIALIZED_FOR_TESTS when set, else once validated (or MSA_UNVALIDATED_KERNELS=1)."""
-    return _backend.form_enabled(WARP_SPECIALIZED_FOR_TESTS, "the warp-specialized sm90 FMHA",
-                                 VALIDATED_WARP_SPECIALIZED)
+    """Whether bf16 O-only calls run on a warp-specialized form (cute_kernels/fmha_sm90_ws.py)."""
+    return warp_specialized_form(torch.bfloat16) is not None
+
+
+def warp_specialized_form(dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
+    """The warp-specialized form serving O-only calls of q/k/v `dtype`, or None (the plain
+    kernel): WARP_SPECIALIZED_FOR_TESTS when set, else "ws" once validated for the dtype (or
+    with MSA_UNVALIDATED_KERNELS=1)."""
+    forms = WS_FORMS[_DTYPE_NAMES[dtype]]
+    forced = WARP_SPECIALIZED_FOR_TESTS
+    if isinstance(forced, str):
+        if forced not in forms:
+            raise ValueError(f"WARP_SPECIALIZED_FOR_TESTS={forced!r}: the {_DTYPE_NAMES[dtype]} "
+                             f"warp-specialized forms are {', '.join(forms)}")
+        return forced
+    fp8 = dtype == torch.float8_e4m3fn
+    enabled = _backend.form_enabled(
+        forced, "the warp-specialized e4m3 sm90 FMHA" if fp8 else
+        "the warp-specialized sm90 FMHA",
+        VALIDATED_WARP_SPECIALIZED_FP8 if fp8 else VALIDATED_WARP_SPECIALIZED)
+    return "ws" if enabled else None
 
 
 def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=True, mode=None,
@@ -114,10 +140,12 @@ def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=Tr
 
 
 def _variant_for(paged: bool, mode: int, dtype: torch.dtype = torch.bfloat16) -> str:
-    """The artifact serving mode 3 (O; bf16 or e4m3) or mode 1 (O + max-score, bf16); bf16 O
-    runs on the warp-specialized form when use_warp_specialized()."""
-    if mode == MODE_O_ONLY and dtype == torch.bfloat16 and use_warp_specialized():
-        return variant_name(paged, dtype, form="ws")
+    """The artifact serving mode 3 (O; bf16 or e4m3) or mode 1 (O + max-score, bf16); O runs on
+    a warp-specialized form when warp_specialized_form(dtype) names one."""
+    if mode == MODE_O_ONLY:
+        form = warp_specialized_form(dtype)
+        if form is not None:
+            return variant_name(paged, dtype, form=form)
     return variant_name(paged, dtype, max_score=mode == MODE_O_AND_SCORE)
 
 

@@ -20,7 +20,7 @@ from .combine import SparseCombineSm90
 from .sparse_prefill_sm90 import SparsePrefillSm90
 from .sparse_prefill_sm90_wgmma import SparsePrefillSm90Wgmma
 from .fmha_sm90 import FmhaSm90, FmhaSm90MaxScore, FmhaSm90Split
-from .fmha_sm90_ws import FmhaSm90Ws
+from .fmha_sm90_ws import FORMS as WS_FORMS, FP8_FORMS as FP8_WS_FORMS, FmhaSm90Ws
 from .variants import (FP8_MODES, AttentionVariant, BlockMaxScoreVariant, CombineVariant,
                        FmhaVariant)
 
@@ -178,13 +178,14 @@ def compile_variant(variant, *, dump_dir: Optional[str] = None):
                                    _INDEX_DTYPES[variant.dtype], split_keys=variant.decode)
         return cute.compile(kernel, *block_max_score_args(variant), options=options)
     if isinstance(variant, FmhaVariant):
-        if variant.form == "ws":
-            if variant.max_score or variant.dtype != "bfloat16":
-                raise NotImplementedError(f"{variant.name}: the warp-specialized FMHA is bf16, "
-                                          "O only")
-            kernel = FmhaSm90Ws(variant.paged, _DTYPES[variant.dtype])
-        elif variant.form == "split":
+        if variant.form == "split":
             kernel = FmhaSm90Split(variant.paged, _DTYPES[variant.dtype])
+        elif variant.form != "plain":
+            forms = FP8_WS_FORMS if variant.dtype == "e4m3" else WS_FORMS
+            if variant.max_score or variant.form not in forms:
+                raise NotImplementedError(f"{variant.name}: the warp-specialized FMHA forms are "
+                                          f"{', '.join(forms)} ({variant.dtype}), O only")
+            kernel = FmhaSm90Ws(variant.paged, _DTYPES[variant.dtype], **WS_FORMS[variant.form])
         elif variant.max_score:
             kernel = FmhaSm90MaxScore(variant.paged, _DTYPES[variant.dtype])
         else:

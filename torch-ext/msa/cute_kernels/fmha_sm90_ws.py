@@ -1,7 +1,13 @@
-"""Dense FMHA forward for Hopper (sm_90a), warp-specialized form (gated; variants
-fmha_sm90_bfloat16_{dense,paged}_ws). Same semantics, arguments and grid as FmhaSm90
-(cute_kernels/fmha_sm90.py, O only, bf16); only the way the key blocks are streamed and the
-two warpgroups are scheduled differs.
+"""Dense FMHA forward for Hopper (sm_90a), warp-specialized forms (gated; variants
+fmha_sm90_{bfloat16,e4m3}_{dense,paged}_{ws,ws3,wso,wso3}).
+Same semantics, arguments and grid as FmhaSm90 (cute_kernels/fmha_sm90.py, O only, bf16 or
+e4m3 q/k/v); only the way the key blocks are streamed and the two warpgroups are scheduled
+differs. Forms (FORMS): ws = 2 K/V stages; ws3 = 3 stages; wso / wso3 = intra-warpgroup overlap
+(below), for both dtypes. e4m3: as the plain e4m3 kernel, P is rounded to e4m3 in registers and handed
+in the key order of register_p_key_order, so P V reads a key-permuted, K-major Vt: the producer
+TMA-loads raw V into its own ring and warps 1-3 of the producer warpgroup transpose it
+(tile_utils.transpose_v_words_masked: 32-bit words, byte permutes; keys past kv_len written as
+zeros) into Vt stages, which the consumers wait for and release as they do V in bf16.
 
 Roles (384 threads, one CTA per SM):
 
@@ -21,15 +27,20 @@ Roles (384 threads, one CTA per SM):
   for S(j) only and runs the softmax of block j while P(j-1) V(j-1) runs, then waits for it and
   rescales O (intra-warpgroup overlap);
   block 0's S and the last P V are peeled so the loop body issues its wgmmas unconditionally.
-  (That overlap is the constructor's `overlap`, off in the shipped variants: with it ptxas
-  serializes the wgmmas for lack of registers, C7512. Without it the turn's two GEMMs are
-  waited for before the softmax, and only the other warpgroup's GEMMs run under it.)
+  (That overlap is the constructor's `overlap`, forms wso / wso3. Without it the turn's two
+  GEMMs are waited for before the softmax, and only the other warpgroup's GEMMs run under it.
+  With it and a plain bf16 conversion of P, LLVM moved the conversion past the loop's phi into
+  the next iteration, so 64 fp32 P values stayed live across the back edge next to S, O and
+  P(j-1), and ptxas serialized the wgmmas, C7512; tile_utils.pack_bf16_pairs pins it.)
 * ping-pong: the two GEMM issues of a block are a turn; turns alternate between the consumers
   through two named barriers (a consumer waits on its own, then arrives on the other's), so
   one warpgroup's softmax runs under the other's GEMMs (FlashAttention-3's schedule). Both
   consumers take n_blocks + 1 turns per tile, so the alternation stays matched.
 
-Shared memory: Q 2 x 16 KB + KV_STAGES x (K 32 KB + V 32 KB) + mbarriers.
+Shared memory: bf16 Q 2 x 16 KB + stages x (K 32 KB + V 32 KB) + mbarriers (ws 160 KB, ws3
+224 KB); e4m3 Q 2 x 8 KB + stages x (K, raw V, Vt 16 KB each) + O 2 x 16 KB (bf16) (ws 144 KB,
+ws3 192 KB). Registers: bf16 24 (producer) / 240 (consumers); e4m3 80 / 216 (the transposer
+warps need more than 24: they use up to R70).
 """
 
 from __future__ import annotations
@@ -39,9 +50,10 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .tile_utils import (mask_row_and_max, quad_max, quad_sum, row_copy, warp_row_store_copy,
-                         warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
-                         wgmma_rows_cols_view)
+from .tile_utils import (mask_row_and_max, pack_bf16_pairs, pack_e4m3_quads, quad_max,
+                         quad_sum, register_p_operand, row_copy, transpose_v_copies,
+                         transpose_v_words_masked, warp_row_store_copy, warpgroup_gemm_issue,
+                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 
 HEAD_DIM = 128
 BLOCK_N = 128            # keys per block (= page size)
@@ -53,28 +65,48 @@ KV_STAGES = 2
 ROWS_PER_WARP = 16
 PRODUCER_REGS = 24
 MMA_REGS = 240           # 24 * 128 + 240 * 256 <= 64K registers
+# e4m3: warps 1-3 of the producer warpgroup transpose V (word loads, byte permutes).
+PRODUCER_REGS_FP8 = 80
+MMA_REGS_FP8 = 216       # 80 * 128 + 216 * 256 = 64K registers
+TRANSPOSE_WARPS = 3
 # Named barriers (0 is sync_threads): a consumer warpgroup's own (Q published, O staged),
 # and each consumer's ping-pong turn.
 BAR_WG = 1               # + consumer index, 128 threads
 BAR_TURN = 3             # + consumer index, 256 threads
 
 
+# Forms (variant name suffixes) -> constructor options. "ws" is the measured form.
+FORMS = {
+    "ws": dict(kv_stages=2, overlap=False),
+    "ws3": dict(kv_stages=3, overlap=False),     # 3 K/V stages (224 KB of shared memory)
+    "wso": dict(kv_stages=2, overlap=True),      # intra-warpgroup overlap
+    "wso3": dict(kv_stages=3, overlap=True),
+}
+FP8_FORMS = ("ws", "ws3", "wso", "wso3")
+
+
 class FmhaSm90Ws:
-    """Compile-time configuration of one warp-specialized dense FMHA variant (bf16, O only)."""
+    """Compile-time configuration of one warp-specialized dense FMHA variant (O only; bf16, or
+    e4m3 q/k/v with V transposed by the producer warpgroup)."""
 
     def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
                  overlap: bool = False):
-        assert dtype == cutlass.BFloat16, dtype
+        assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
         self.paged = paged
         # overlap: the softmax of block j runs while P(j-1) V(j-1) is in flight (wait_group(1)
         # after the turn). Off: both GEMMs of the turn are waited for before the softmax (the
-        # overlap then comes from the other warpgroup only). With it on, ptxas 13.0 reports
-        # C7512 (wgmma serialized for lack of registers) at 240 registers per consumer thread.
+        # overlap then comes from the other warpgroup only). On, P is rounded by
+        # pack_bf16_pairs / pack_e4m3_quads (pinned inline assembly): with a plain conversion
+        # LLVM moves it into the next iteration and ptxas 13.0 serializes the wgmmas for lack of
+        # registers (C7512).
         self.overlap = overlap
         self.dtype = dtype
+        self.fp8 = dtype.width == 8
         self.out_dtype = cutlass.BFloat16
         self.kv_stages = kv_stages
         self.tile_bytes = BLOCK_N * HEAD_DIM * dtype.width // 8
+        self.producer_regs = PRODUCER_REGS_FP8 if self.fp8 else PRODUCER_REGS
+        self.mma_regs = MMA_REGS_FP8 if self.fp8 else MMA_REGS
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor,
@@ -104,7 +136,8 @@ class FmhaSm90Ws:
             cutlass.Float32, (1, 1, 1), (WG_ROWS, BLOCK_N))
         mma_pv = hopper.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.MN, cutlass.Float32, (1, 1, 1), (WG_ROWS, HEAD_DIM),
+            cute.nvgpu.OperandMajorMode.K if self.fp8 else cute.nvgpu.OperandMajorMode.MN,
+            cutlass.Float32, (1, 1, 1), (WG_ROWS, HEAD_DIM),
             a_source=warpgroup.OperandSource.RMEM)
         stage_o_copy = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype,
@@ -117,15 +150,35 @@ class FmhaSm90Ws:
             grid=(grid_q_tiles, cute.size(q.shape[1]), cute.size(cu_seqlens_q.shape[0]) - 1),
             block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
 
+    def _fp8_layouts(self):
+        """e4m3: the key-permuted Vt stages (channel, key', stage) and the bf16 O tiles (the
+        e4m3 Q rows are too small to stage O in). Static; called while tracing."""
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        vt_layout = cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N, self.kv_stages), (0, 1, 2))
+        o_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
+                                                 self.out_dtype)
+        o_layout = cute.tile_to_shape(o_atom, (WG_ROWS, HEAD_DIM, NUM_MMA_WARPGROUPS),
+                                      (0, 1, 2))
+        return vt_layout, o_layout
+
+    def _n_mbarriers(self):
+        """K full / empty, V full / empty per stage, one scratch barrier; e4m3 adds the raw V
+        ring's full / empty (the V full / empty pair then guards the Vt stages)."""
+        return (6 if self.fp8 else 4) * self.kv_stages + 1
+
     def _shared_storage(self, q_layout, kv_layout):
-        """Q, K and V stages, then the mbarriers: K full / empty, V full / empty per stage and
-        one scratch barrier (fields built as real annotations: this module's are strings)."""
+        """Q, K and V stages (e4m3: raw V, then Vt stages and O tiles), then the mbarriers
+        (fields built as real annotations: this module's are strings)."""
         def tile(dtype, layout):
             return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
         fields = {"sQ": tile(self.dtype, q_layout), "sK": tile(self.dtype, kv_layout),
-                  "sV": tile(self.dtype, kv_layout),
-                  "mbar": cute.struct.Align[
-                      cute.struct.MemRange[cutlass.Int64, 4 * self.kv_stages + 1], 8]}
+                  "sV": tile(self.dtype, kv_layout)}
+        if self.fp8:
+            vt_layout, o_layout = self._fp8_layouts()
+            fields["sVt"] = tile(self.dtype, vt_layout)
+            fields["sO"] = tile(self.out_dtype, o_layout)
+        fields["mbar"] = cute.struct.Align[
+            cute.struct.MemRange[cutlass.Int64, self._n_mbarriers()], 8]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.kernel
@@ -150,15 +203,30 @@ class FmhaSm90Ws:
         sK_stages = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sV_stages = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         mbar = storage.mbar.data_ptr()
+        sVt_stages = None
+        sO_wgs = None
+        if cutlass.const_expr(self.fp8):
+            vt_layout, o_layout = self._fp8_layouts()
+            sVt_stages = storage.sVt.get_tensor(vt_layout.outer, swizzle=vt_layout.inner)
+            sO_wgs = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)
         if warp == 0:
             with cute.arch.elect_one():
                 for s in cutlass.range_constexpr(self.kv_stages):
                     cute.arch.mbarrier_init(mbar + s, 1)                            # K full
                     cute.arch.mbarrier_init(mbar + self.kv_stages + s,
                                             4 * NUM_MMA_WARPGROUPS)                 # K empty
-                    cute.arch.mbarrier_init(mbar + 2 * self.kv_stages + s, 1)       # V full
+                    if cutlass.const_expr(self.fp8):
+                        cute.arch.mbarrier_init(mbar + 2 * self.kv_stages + s,
+                                                TRANSPOSE_WARPS)                    # Vt full
+                    else:
+                        cute.arch.mbarrier_init(mbar + 2 * self.kv_stages + s, 1)   # V full
                     cute.arch.mbarrier_init(mbar + 3 * self.kv_stages + s,
                                             4 * NUM_MMA_WARPGROUPS)                 # V empty
+                    if cutlass.const_expr(self.fp8):
+                        cute.arch.mbarrier_init(mbar + 4 * self.kv_stages + 1 + s,
+                                                1)                                  # raw V full
+                        cute.arch.mbarrier_init(mbar + 5 * self.kv_stages + 1 + s,
+                                                TRANSPOSE_WARPS)                    # raw V empty
                 cute.arch.mbarrier_init(mbar + 4 * self.kv_stages, 1)               # scratch
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
@@ -181,17 +249,21 @@ class FmhaSm90Ws:
         n_q_tiles = (q_len + TILE_M - 1) // TILE_M
 
         if wg == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp == 0:
                 self._producer(tK, tV, mPageTable, tma_k, tma_v, zero_copy, sK_stages,
                                sV_stages, mbar, request, head_kv, k_row0, kv_len, offset,
                                causal, q_len, n_q_tiles, cta_x, grid_x, tidx % 32)
+            if cutlass.const_expr(self.fp8):
+                if warp > 0:
+                    self._transposer(sV_stages, sVt_stages, mbar, kv_len, offset, causal,
+                                     q_len, n_q_tiles, cta_x, grid_x, tidx)
         else:
-            cute.arch.setmaxregister_increase(MMA_REGS)
+            cute.arch.setmaxregister_increase(self.mma_regs)
             self._consumer(mQ, mO, head, q_start, q_len, kv_len, offset, causal, n_q_tiles,
                            cta_x, grid_x, scale_log2, output_scale, tidx, wg - 1, sQ_wgs,
                            sK_stages, sV_stages, mbar, q_copy, mma_qk, mma_pv, stage_o_copy,
-                           store_o_copy)
+                           store_o_copy, sVt_stages, sO_wgs)
 
     @cute.jit
     def _tile_blocks(self, walk, n_q_tiles, q_len, kv_len, offset, causal):
@@ -244,37 +316,85 @@ class FmhaSm90Ws:
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar + stage, self.tile_bytes)
                 cute.copy(tma_k, tKgK[None, src], tKsK[None, stage], tma_bar_ptr=mbar + stage)
                 # V
-                cute.arch.mbarrier_wait(mbar + 3 * S + stage, free_phase)
-                n_keys = kv_len - blk * BLOCK_N
-                if n_keys >= BLOCK_N:
+                if cutlass.const_expr(self.fp8):
+                    # Raw V ring; the transposer warps zero the keys past kv_len.
+                    cute.arch.mbarrier_wait(mbar + 5 * S + 1 + stage, free_phase)
                     with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + 2 * S + stage,
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + 4 * S + 1 + stage,
                                                                 self.tile_bytes)
                     cute.copy(tma_v, tVgV[None, src], tVsV[None, stage],
-                              tma_bar_ptr=mbar + 2 * S + stage)
+                              tma_bar_ptr=mbar + 4 * S + 1 + stage)
                 else:
-                    # kv_len's tail block: land it, zero the rows past kv_len, then publish.
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + 4 * S, self.tile_bytes)
-                    cute.copy(tma_v, tVgV[None, src], tVsV[None, stage],
-                              tma_bar_ptr=mbar + 4 * S)
-                    cute.arch.mbarrier_wait(mbar + 4 * S, scratch_phase)
-                    scratch_phase = scratch_phase ^ 1
-                    tZsV = thr_zero.partition_D(sV_stages[None, None, stage])
-                    for m in cutlass.range_constexpr(cute.size(tZsV.shape[1])):
-                        if tZcZ[0, m, 0][0] >= n_keys:
-                            tZsV[None, m, None].fill(0)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.sync_warp()
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive(mbar + 2 * S + stage)
+                    cute.arch.mbarrier_wait(mbar + 3 * S + stage, free_phase)
+                    n_keys = kv_len - blk * BLOCK_N
+                    if n_keys >= BLOCK_N:
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_arrive_and_expect_tx(mbar + 2 * S + stage,
+                                                                    self.tile_bytes)
+                        cute.copy(tma_v, tVgV[None, src], tVsV[None, stage],
+                                  tma_bar_ptr=mbar + 2 * S + stage)
+                    else:
+                        # kv_len's tail block: land it, zero the rows past kv_len, then publish.
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_arrive_and_expect_tx(mbar + 4 * S, self.tile_bytes)
+                        cute.copy(tma_v, tVgV[None, src], tVsV[None, stage],
+                                  tma_bar_ptr=mbar + 4 * S)
+                        cute.arch.mbarrier_wait(mbar + 4 * S, scratch_phase)
+                        scratch_phase = scratch_phase ^ 1
+                        tZsV = thr_zero.partition_D(sV_stages[None, None, stage])
+                        for m in cutlass.range_constexpr(cute.size(tZsV.shape[1])):
+                            if tZcZ[0, m, 0][0] >= n_keys:
+                                tZsV[None, m, None].fill(0)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        cute.arch.sync_warp()
+                        with cute.arch.elect_one():
+                            cute.arch.mbarrier_arrive(mbar + 2 * S + stage)
+            g = g + n_blocks
+
+    # ---- e4m3 V transposer (warps 1 .. TRANSPOSE_WARPS of the producer warpgroup) ----------
+    @cute.jit
+    def _transposer(self, sV_stages: cute.Tensor, sVt_stages: cute.Tensor, mbar, kv_len,
+                    offset, causal, q_len, n_q_tiles, cta_x, grid_x, tidx):
+        """Per streamed block: wait for its raw V stage (TMA) and for its Vt stage to be free,
+        write Vt (channel, pi(key)) in the register-P key order (tile_utils.transpose_v_words:
+        eight 16-channel groups of 32 lanes; transposer warp t takes groups t, t + 3, t + 6, in
+        a loop that is not unrolled: unrolled, LLVM hoisted the addresses of all three groups
+        out of the block loop and the warps needed 96 registers),
+        zeroing the keys past kv_len, fence to the async proxy, then one arrival per warp on
+        Vt full and on raw V empty."""
+        S = self.kv_stages
+        load, store = transpose_v_copies(self.dtype)
+        t_warp = cute.arch.make_warp_uniform(tidx // 32) - 1
+        lane = tidx % 32
+        g = cutlass.Int32(0)
+        for walk in range(cta_x, n_q_tiles, grid_x):
+            q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
+            for blk in range(n_blocks):
+                gj = g + blk
+                stage = gj % S
+                phase = (gj // S) % 2
+                n_keys = kv_len - blk * BLOCK_N
+                cute.arch.mbarrier_wait(mbar + 4 * S + 1 + stage, phase)      # raw V landed
+                cute.arch.mbarrier_wait(mbar + 3 * S + stage, phase ^ 1)      # Vt stage free
+                for i in cutlass.range((8 + TRANSPOSE_WARPS - 1) // TRANSPOSE_WARPS, unroll=1):
+                    group = t_warp + TRANSPOSE_WARPS * i
+                    if group < 8:
+                        transpose_v_words_masked(sV_stages[None, None, stage],
+                                                 sVt_stages[None, None, stage], load, store,
+                                                 group * 32 + lane, n_keys)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_warp()
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive(mbar + 2 * S + stage)               # Vt full
+                    cute.arch.mbarrier_arrive(mbar + 5 * S + 1 + stage)           # raw V free
             g = g + n_blocks
 
     # ---- consumers (two warpgroups) --------------------------------------------------------
     @cute.jit
     def _consumer(self, mQ, mO, head, q_start, q_len, kv_len, offset, causal, n_q_tiles, cta_x,
                   grid_x, scale_log2, output_scale, tidx, mwg, sQ_wgs, sK_stages, sV_stages,
-                  mbar, q_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy):
+                  mbar, q_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, sVt_stages=None,
+                  sO_wgs=None):
         S = self.kv_stages
         wg_tidx = tidx % 128
         lane = tidx % 32
@@ -285,8 +405,9 @@ class FmhaSm90Ws:
         if mwg == 1:
             cute.arch.barrier_arrive(barrier_id=BAR_TURN, number_of_threads=256)
 
-        sVt_stages = cute.composition(
-            sV_stages, cute.make_ordered_layout((HEAD_DIM, BLOCK_N, S), order=(1, 0, 2)))
+        if cutlass.const_expr(not self.fp8):
+            sVt_stages = cute.composition(
+                sV_stages, cute.make_ordered_layout((HEAD_DIM, BLOCK_N, S), order=(1, 0, 2)))
         sQ_mine = sQ_wgs[None, None, mwg]
         thr_q_copy = q_copy.get_slice(wg_tidx)
         tQsQ = thr_q_copy.partition_D(sQ_mine)
@@ -308,7 +429,10 @@ class FmhaSm90Ws:
                                       cutlass.Float32)
         o_rc = wgmma_rows_cols_view(acc_o)
         r_p = cute.make_fragment_like(acc_s, self.dtype)
-        t_p = wgmma_accumulator_as_operand_a(r_p)
+        t_p = r_p
+        if cutlass.const_expr(not self.fp8):
+            t_p = wgmma_accumulator_as_operand_a(r_p)
+        a_shape = thr_pv.partition_shape_A((WG_ROWS, BLOCK_N))
         row_max = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)   # running, log2 units
         row_sum = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)   # this thread's part
         corr = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
@@ -357,8 +481,8 @@ class FmhaSm90Ws:
                     cute.arch.mbarrier_wait(mbar + 2 * S + prev, ((gj - 1) // S) % 2)
                     cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
                     warpgroup_gemm_issue(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
-                    warpgroup_gemm_issue(mma_pv, acc_o, t_p, tOrVt[None, None, None, prev],
-                                         accumulate=True)
+                    warpgroup_gemm_issue(mma_pv, acc_o, self._p_operand(t_p, a_shape),
+                                         tOrVt[None, None, None, prev], accumulate=True)
                     cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
                     if cutlass.const_expr(self.overlap):
                         warpgroup.wait_group(1)                             # S(j) landed
@@ -374,14 +498,19 @@ class FmhaSm90Ws:
                     for i in cutlass.range_constexpr(n_my_rows):
                         for j in cutlass.range_constexpr(n_my_cols):
                             o_rc[i, j] = o_rc[i, j] * corr[i]
-                    r_p.store(acc_s.load().to(self.dtype))
+                    if cutlass.const_expr(self.overlap and self.fp8):
+                        pack_e4m3_quads(acc_s, r_p)
+                    elif cutlass.const_expr(self.overlap):
+                        pack_bf16_pairs(acc_s, r_p)
+                    else:
+                        r_p.store(acc_s.load().to(self.dtype))
                 # ---- the last P V
                 gl = g + n_blocks - 1
                 last = gl % S
                 cute.arch.mbarrier_wait(mbar + 2 * S + last, (gl // S) % 2)
                 cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
-                warpgroup_gemm_issue(mma_pv, acc_o, t_p, tOrVt[None, None, None, last],
-                                     accumulate=True)
+                warpgroup_gemm_issue(mma_pv, acc_o, self._p_operand(t_p, a_shape),
+                                     tOrVt[None, None, None, last], accumulate=True)
                 cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
                 warpgroup.wait_group(0)
                 if lane == 0:
@@ -399,12 +528,15 @@ class FmhaSm90Ws:
             r_o = cute.make_fragment_like(acc_o, self.out_dtype)
             r_o.store(acc_o.load().to(self.out_dtype))
             # Warp w holds rows 16w..16w+15 and only its own S wgmmas read them.
+            sO_mine = sQ_mine                          # bf16: O takes the Q rows' place
+            if cutlass.const_expr(self.fp8):
+                sO_mine = sO_wgs[None, None, mwg]
             thr_stage_o = stage_o_copy.get_slice(wg_tidx)
-            cute.copy(stage_o_copy, thr_stage_o.retile(r_o), thr_stage_o.partition_D(sQ_mine))
+            cute.copy(stage_o_copy, thr_stage_o.retile(r_o), thr_stage_o.partition_D(sO_mine))
             cute.arch.sync_warp()
             thr_store_o = store_o_copy.get_slice(lane)
             tWsO = thr_store_o.partition_S(
-                cute.local_tile(sQ_mine, (ROWS_PER_WARP, HEAD_DIM), (warp_in_wg, 0)))
+                cute.local_tile(sO_mine, (ROWS_PER_WARP, HEAD_DIM), (warp_in_wg, 0)))
             tWcO = thr_store_o.partition_S(cute.make_identity_tensor((ROWS_PER_WARP, HEAD_DIM)))
             r_out = cute.make_fragment_like(tWsO)
             r_out.store(tWsO.load())
@@ -418,6 +550,14 @@ class FmhaSm90Ws:
                     cute.copy(store_o_copy, r_out[None, m, None], gO[None, m, None])
             # The next tile reloads Q into these rows: the whole warpgroup must be done.
             cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
+
+    @cute.jit
+    def _p_operand(self, t_p: cute.Tensor, a_shape):
+        """The A operand of P V: bf16, the accumulator-as-operand view of P; e4m3, P moved into
+        the key order of the permuted Vt (tile_utils.register_p_operand)."""
+        if cutlass.const_expr(self.fp8):
+            return register_p_operand(t_p, a_shape)
+        return t_p
 
     @cute.jit
     def _softmax(self, acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,

@@ -75,6 +75,12 @@ class BlockMaxScoreVariant:
         return f"block_max_score_sm90_{self.dtype}_h{self.num_heads}_{layout}{suffix}"
 
 
+# Warp-specialized FMHA forms (cute_kernels.fmha_sm90_ws.FORMS): ws (2 K/V stages), ws3 (3),
+# wso / wso3 (intra-warpgroup overlap: the softmax of block j under the own P V(j-1)).
+WS_FORMS = ("ws", "ws3", "wso", "wso3")
+WS_FP8_FORMS = ("ws", "ws3", "wso", "wso3")
+
+
 @dataclasses.dataclass(frozen=True)
 class FmhaVariant:
     """One compiled dense FMHA forward kernel (the native fmha_dense backend): any GQA group and
@@ -82,9 +88,10 @@ class FmhaVariant:
     paged: bool
     dtype: str = "bfloat16"
     max_score: bool = False      # also writes the max-score output (mode 1)
-    # "plain" (cute_kernels.fmha_sm90), "ws" (cute_kernels.fmha_sm90_ws: TMA producer warp,
-    # ping-pong consumer warpgroups; bf16, O only) or "split" (fmha_sm90.FmhaSm90Split: the
-    # plain loop over one of num_splits key ranges, fp32 partial rows + LSE; O only)
+    # "plain" (cute_kernels.fmha_sm90), a warp-specialized form of cute_kernels.fmha_sm90_ws
+    # (TMA producer warp, ping-pong consumer warpgroups; O only): WS_FORMS for bf16,
+    # WS_FP8_FORMS for e4m3; or "split" (fmha_sm90.FmhaSm90Split: the plain loop over one of
+    # num_splits key ranges, fp32 partial rows + LSE; O only)
     form: str = "plain"
 
     @property
@@ -122,8 +129,9 @@ def shipped_variants() -> List[object]:
         out.extend(FmhaVariant(paged, dtype) for dtype in FMHA_DTYPES)
         # The O + max-score output exists for bf16 only.
         out.append(FmhaVariant(paged, "bfloat16", max_score=True))
-        # The warp-specialized form (bf16, O only).
-        out.append(FmhaVariant(paged, "bfloat16", form="ws"))
+        # The warp-specialized forms (O only).
+        out.extend(FmhaVariant(paged, "bfloat16", form=f) for f in WS_FORMS)
+        out.extend(FmhaVariant(paged, "e4m3", form=f) for f in WS_FP8_FORMS)
         # Split-KV for decode-like plans (O only).
         out.extend(FmhaVariant(paged, dtype, form="split") for dtype in FMHA_DTYPES)
     return out
