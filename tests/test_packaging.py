@@ -239,7 +239,11 @@ def test_missing_csrc_files_give_a_clear_error(tmp_path):
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only torch")
 def test_require_compiled_fails_on_cpu_torch(tmp_path):
-    proc = run_build("--out", str(tmp_path / "build"), "--require-compiled", "--id", fresh_id())
+    # An empty --cute-artifacts folder: the CuTe kernels are not what this checks, and compiling
+    # all of them (build_variant's default) takes minutes on a 2-core machine.
+    (tmp_path / "no-artifacts").mkdir()
+    proc = run_build("--out", str(tmp_path / "build"), "--require-compiled", "--id", fresh_id(),
+                     "--cute-artifacts", str(tmp_path / "no-artifacts"))
     assert proc.returncode == 1
     assert "not a CUDA build" in proc.stderr
     # The noarch variants are still written.
@@ -346,8 +350,10 @@ def test_compiled_variant_builds_and_loads(tmp_path):
     """On a CUDA host with nvcc: the arch variant compiles (sm_90a only, to keep it short),
     registers the csrc ops under its namespace and imports without initializing CUDA."""
     build_id = fresh_id()
+    (tmp_path / "no-artifacts").mkdir()      # csrc only: no CuTe compile (minutes)
     proc = run_build("--out", str(tmp_path / "build"), "--require-compiled",
-                     "--cuda-capabilities", "9.0a", "--id", build_id)
+                     "--cuda-capabilities", "9.0a", "--id", build_id,
+                     "--cute-artifacts", str(tmp_path / "no-artifacts"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     variant = tmp_path / "build" / build_variant.torch_cuda_variant_name(
         torch.__version__, torch.version.cuda, bool(torch._C._GLIBCXX_USE_CXX11_ABI))
