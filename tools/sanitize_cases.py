@@ -54,7 +54,8 @@ def sparse_prefill_cases(gen):
             (16, False, True, torch.bfloat16, "bf16"), (16, True, True, torch.float32, "bf16"),
             (1, False, False, torch.float32, "bf16"), (1, True, False, torch.bfloat16, "bf16"),
             (4, False, True, torch.bfloat16, "bf16_kv_e4m3"),
-            (8, True, True, torch.bfloat16, "e4m3_pv_bf16"), (2, False, False, torch.bfloat16, "e4m3"),
+            (8, True, True, torch.bfloat16, "e4m3_pv_bf16"),
+            (2, False, False, torch.bfloat16, "e4m3"),
             (16, True, True, E4M3, "bf16"), (8, False, True, torch.float16, "e4m3"),
             (16, False, True, E4M3, "e4m3")):
         topk = 8

@@ -9,9 +9,10 @@ override's qo_offset), 0 for rows that see nothing.
 
 Served: bf16 q/k/v, any GQA group, dense K/V or paged K/V with 128-token pages, causal or not,
 output O (mode 3; bf16 on the warp-specialized kernel), and O with the max-score output (mode
-1); e4m3 q/k/v with O only. Plans with num_kv_splits > 1 run the split-KV form. Other calls (mixed dtypes, other page sizes, block-selected mode) fall back to the
-reference through ``supports``; the block-selected mode goes to the sparse bridge before
-dispatch when the plan has one.
+1); e4m3 q/k/v with O only. Plans with num_kv_splits > 1 run the split-KV form. Other calls
+(mixed dtypes, other page sizes, block-selected mode) fall back to the reference through
+``supports``; the block-selected mode goes to the sparse bridge before dispatch when the plan
+has one.
 
 Validated on the H200: tests/test_fmha_gpu.py (plain loop and max-score 2026-11-30, e4m3
 session 4, warp-specialized form 2026-12-01).

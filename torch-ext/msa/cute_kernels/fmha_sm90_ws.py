@@ -2,12 +2,13 @@
 fmha_sm90_{bfloat16,e4m3}_{dense,paged}_{ws,ws3,wso,wso3}).
 Same semantics, arguments and grid as FmhaSm90 (cute_kernels/fmha_sm90.py, O only, bf16 or
 e4m3 q/k/v); only the way the key blocks are streamed and the two warpgroups are scheduled
-differs. Forms (FORMS): ws = 2 K/V stages; ws3 = 3 stages; wso / wso3 = intra-warpgroup overlap
-(below), for both dtypes. e4m3: as the plain e4m3 kernel, P is rounded to e4m3 in registers and handed
-in the key order of register_p_key_order, so P V reads a key-permuted, K-major Vt: the producer
-TMA-loads raw V into its own ring and warps 1-3 of the producer warpgroup transpose it
-(tile_utils.transpose_v_words_masked: 32-bit words, byte permutes; keys past kv_len written as
-zeros) into Vt stages, which the consumers wait for and release as they do V in bf16.
+differs. Forms (FORMS): ws = 2 K/V stages; ws3 = 3 stages; wso / wso3 = intra-warpgroup
+overlap (below), for both dtypes. e4m3: as the plain e4m3 kernel, P is rounded to e4m3 in
+registers and handed in the key order of register_p_key_order, so P V reads a key-permuted,
+K-major Vt: the producer TMA-loads raw V into its own ring and warps 1-3 of the producer
+warpgroup transpose it (tile_utils.transpose_v_words with n_keys: 32-bit words, byte permutes;
+keys past kv_len written as zeros) into Vt stages, which the consumers wait for and release as
+they do V in bf16.
 
 Roles (384 threads, one CTA per SM):
 
@@ -50,9 +51,10 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from .fmha_sm90 import write_o_rows
 from .tile_utils import (mask_row_and_max, pack_bf16_pairs, pack_e4m3_quads, quad_max,
-                         quad_sum, register_p_operand, row_copy, transpose_v_copies,
-                         transpose_v_words_masked, warp_row_store_copy, warpgroup_gemm_issue,
+                         register_p_operand, row_copy, transpose_v_copies,
+                         transpose_v_words, warp_row_store_copy, warpgroup_gemm_issue,
                          wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 
 HEAD_DIM = 128
@@ -379,9 +381,9 @@ class FmhaSm90Ws:
                 for i in cutlass.range((8 + TRANSPOSE_WARPS - 1) // TRANSPOSE_WARPS, unroll=1):
                     group = t_warp + TRANSPOSE_WARPS * i
                     if group < 8:
-                        transpose_v_words_masked(sV_stages[None, None, stage],
-                                                 sVt_stages[None, None, stage], load, store,
-                                                 group * 32 + lane, n_keys)
+                        transpose_v_words(sV_stages[None, None, stage],
+                                          sVt_stages[None, None, stage], load, store,
+                                          group * 32 + lane, n_keys)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.sync_warp()
                 with cute.arch.elect_one():
@@ -517,37 +519,13 @@ class FmhaSm90Ws:
                     cute.arch.mbarrier_arrive(mbar + 3 * S + last)             # V free
             g = g + n_blocks
 
-            # ---- normalize, stage in this warpgroup's Q rows, write 16-byte row segments
-            for i in cutlass.range_constexpr(n_my_rows):
-                total = quad_sum(row_sum[i])
-                inv = cutlass.Float32(0.0)
-                if total > 0.0:
-                    inv = output_scale / total
-                for j in cutlass.range_constexpr(n_my_cols):
-                    o_rc[i, j] = o_rc[i, j] * inv
-            r_o = cute.make_fragment_like(acc_o, self.out_dtype)
-            r_o.store(acc_o.load().to(self.out_dtype))
-            # Warp w holds rows 16w..16w+15 and only its own S wgmmas read them.
+            # ---- normalize, stage in this warpgroup's Q rows (e4m3: its O tile), write
             sO_mine = sQ_mine                          # bf16: O takes the Q rows' place
             if cutlass.const_expr(self.fp8):
                 sO_mine = sO_wgs[None, None, mwg]
-            thr_stage_o = stage_o_copy.get_slice(wg_tidx)
-            cute.copy(stage_o_copy, thr_stage_o.retile(r_o), thr_stage_o.partition_D(sO_mine))
-            cute.arch.sync_warp()
-            thr_store_o = store_o_copy.get_slice(lane)
-            tWsO = thr_store_o.partition_S(
-                cute.local_tile(sO_mine, (ROWS_PER_WARP, HEAD_DIM), (warp_in_wg, 0)))
-            tWcO = thr_store_o.partition_S(cute.make_identity_tensor((ROWS_PER_WARP, HEAD_DIM)))
-            r_out = cute.make_fragment_like(tWsO)
-            r_out.store(tWsO.load())
-            warp_row_stride0 = cute.make_layout((ROWS_PER_WARP, HEAD_DIM), stride=(0, 1))
-            for m in cutlass.range_constexpr(cute.size(tWsO.shape[1])):
-                q_local = wg_q0 + warp_in_wg * ROWS_PER_WARP + tWcO[0, m, 0][0]
-                if q_local < q_len:
-                    o_row = mO[q_start + q_local, head, None]
-                    gO = thr_store_o.partition_D(cute.make_tensor(o_row.iterator,
-                                                                  warp_row_stride0))
-                    cute.copy(store_o_copy, r_out[None, m, None], gO[None, m, None])
+            write_o_rows(mO, o_rc, acc_o, row_sum, n_my_rows, n_my_cols, output_scale, sO_mine,
+                         wg_tidx, warp_in_wg, lane, wg_q0, q_start, q_len, head, stage_o_copy,
+                         store_o_copy, self.out_dtype)
             # The next tile reloads Q into these rows: the whole warpgroup must be done.
             cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
 

@@ -263,10 +263,12 @@ def transpose_words_4x4(w_in: cute.Tensor, w_out: cute.Tensor, m: int):
 
 @cute.jit
 def transpose_v_words(sV_stage: cute.Tensor, sVt: cute.Tensor, load: cute.TiledCopy,
-                      store: cute.TiledCopy, tidx: cutlass.Int32):
+                      store: cute.TiledCopy, tidx: cutlass.Int32, n_keys=None):
     """e4m3 V tile (key, channel) -> Vt (channel, pi(key)) in the register-P key order, in
     words: a thread's four rows of the row-permuted V (register_p_row_order) are four keys
-    whose bytes of one channel make one Vt word; eight byte permutes per 4 x 4 block."""
+    whose bytes of one channel make one Vt word; eight byte permutes per 4 x 4 block. With
+    n_keys, keys >= n_keys are written as zeros (a select per loaded word; thread (group
+    c = tidx // 32, w = tidx % 32) holds keys register_p_row_key(w, x), x = 0..3)."""
     v_rows = cute.composition(sV_stage, register_p_row_order(cute.size(sV_stage, mode=[0]),
                                                               cute.size(sV_stage, mode=[1])))
     src = load.get_slice(tidx).partition_S(v_rows)
@@ -276,6 +278,12 @@ def transpose_v_words(sV_stage: cute.Tensor, sVt: cute.Tensor, load: cute.TiledC
     r_out = cute.make_fragment_like(dst)
     w_in = cute.recast_tensor(r_in, cutlass.Uint32)     # [row x * 4 + m]: channels 16c + 4m ..
     w_out = cute.recast_tensor(r_out, cutlass.Uint32)   # [4m + i]: channel 16c + 4m + i, rows 0..3
+    if cutlass.const_expr(n_keys is not None):
+        key_base = register_p_row_key(tidx % 32, 0)
+        for x in cutlass.range_constexpr(4):
+            keep = key_base + register_p_row_key(0, x) < n_keys
+            for m in cutlass.range_constexpr(4):
+                w_in[x * 4 + m] = cutlass.select_(keep, w_in[x * 4 + m], cutlass.Uint32(0))
     for m in cutlass.range_constexpr(4):
         transpose_words_4x4(w_in, w_out, m)
     cute.copy(store, r_out, dst)
@@ -296,33 +304,6 @@ def pack_bf16_pairs(acc: cute.Tensor, r_p: cute.Tensor):
                       cutlass.Float32(acc[2 * w]).ir_value()],
             "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", has_side_effects=True,
             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@cute.jit
-def transpose_v_words_masked(sV_stage: cute.Tensor, sVt: cute.Tensor, load: cute.TiledCopy,
-                             store: cute.TiledCopy, tidx: cutlass.Int32,
-                             n_keys: cutlass.Int32):
-    """transpose_v_words for one thread index of the 8-warp layout, with the keys >= n_keys
-    written as zeros (a select per loaded word). Thread (group c = tidx // 32, w = tidx % 32)
-    loads rows 4w + x (x = 0..3) of the row-permuted V, keys register_p_row_key(w, x)."""
-    v_rows = cute.composition(sV_stage, register_p_row_order(cute.size(sV_stage, mode=[0]),
-                                                              cute.size(sV_stage, mode=[1])))
-    src = load.get_slice(tidx).partition_S(v_rows)
-    r_in = cute.make_fragment_like(src)
-    cute.copy(load, src, r_in)
-    dst = store.get_slice(tidx).partition_D(sVt)
-    r_out = cute.make_fragment_like(dst)
-    w_in = cute.recast_tensor(r_in, cutlass.Uint32)
-    w_out = cute.recast_tensor(r_out, cutlass.Uint32)
-    w = tidx % 32
-    key_base = register_p_row_key(w, 0)
-    for x in cutlass.range_constexpr(4):
-        keep = key_base + register_p_row_key(0, x) < n_keys
-        for m in cutlass.range_constexpr(4):
-            w_in[x * 4 + m] = cutlass.select_(keep, w_in[x * 4 + m], cutlass.Uint32(0))
-    for m in cutlass.range_constexpr(4):
-        transpose_words_4x4(w_in, w_out, m)
-    cute.copy(store, r_out, dst)
 
 
 def register_p_row_key(w, x):
