@@ -163,10 +163,15 @@ def decode_runs():
 
 def fmha_cases(gen):
     """Dense FMHA: dense and paged K/V, causal with an offset that leaves early rows empty, a
-    page-table entry past the pool; O-only calls once per kernel form (plain and every
-    warp-specialized form of the dtype, forced through WARP_SPECIALIZED_FOR_TESTS)."""
+    page-table entry past the pool; O-only calls once per kernel form: plain and "ws" (the
+    served forms), plus the warp-specialized forms named in MSA_SANITIZE_FMHA_FORMS
+    (comma-separated, "all" for every one; each form adds ~20 s of memcheck per dtype), forced
+    through WARP_SPECIALIZED_FOR_TESTS."""
     from msa._native import fmha_sm90
-    forms = {dtype: ["plain", *names] for dtype, names in fmha_sm90.WS_FORMS.items()}
+    wanted = os.environ.get("MSA_SANITIZE_FMHA_FORMS", "")
+    forms = {dtype: ["plain"] + [f for f in names if f == "ws" or wanted == "all"
+                                 or f in wanted.split(",")]
+             for dtype, names in fmha_sm90.WS_FORMS.items()}
     try:
         for form in forms["bfloat16"]:
             fmha_sm90.WARP_SPECIALIZED_FOR_TESTS = False if form == "plain" else form
@@ -176,7 +181,24 @@ def fmha_cases(gen):
             _fmha_e4m3_cases(gen)
     finally:
         fmha_sm90.WARP_SPECIALIZED_FOR_TESTS = None
-    print("fmha: ok (forms " + ", ".join(f"{d}: {'/'.join(f)}" for d, f in forms.items()) + ")")
+    _fmha_split_kv_case(gen)
+    print("fmha: ok (split-KV; forms " + ", ".join(f"{d}: {'/'.join(f)}" for d, f in forms.items()) + ")")
+
+
+def _fmha_split_kv_case(gen):
+    """A decode-like plan forced to 3 key splits (the split-KV kernel + the combine), paged."""
+    from test_fmha import to_pages
+    q_lens, kv_lens = [1, 33], [1500, 900]
+    q = torch.randn(sum(q_lens), 8, 128, generator=gen).to(torch.bfloat16)
+    k = torch.randn(sum(kv_lens), 2, 128, generator=gen).to(torch.bfloat16)
+    v = torch.randn(sum(kv_lens), 2, 128, generator=gen).to(torch.bfloat16)
+    dev = torch.device("cuda")
+    k_in, v_in, kv_indices, _ = to_pages(k, v, kv_lens, 128, gen)
+    plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 8, 2, page_size=128,
+                         num_kv_splits=3, device=dev)
+    msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, output_maxscore=False,
+             kv_indices=kv_indices.to(dev))
+    expect_native("fmha_dense")
 
 
 def _fmha_bf16_cases(gen, with_max_score):
