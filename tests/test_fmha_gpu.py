@@ -98,6 +98,17 @@ def _check_against_float64(out, q, k, v, q_lens, kv_lens, offsets, causal, scale
     return o64
 
 
+def _fmha_native(monkeypatch, *args, **kwargs):
+    """msa.fmha(*args, **kwargs) with MSA_BACKEND=native (a fallback raises), synchronized;
+    asserts the sm90 kernel served it."""
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    result = msa.fmha(*args, **kwargs)
+    torch.cuda.synchronize()
+    monkeypatch.delenv("MSA_BACKEND")
+    assert _backend.last_backend("fmha_dense") == "sm90"
+    return result
+
+
 def _force_form(native, form, monkeypatch):
     """Serve O-only calls with `form`: plain, or a warp-specialized form name (ws, ws3, wso,
     wso3, for bf16 and e4m3) forced through WARP_SPECIALIZED_FOR_TESTS."""
@@ -120,12 +131,8 @@ def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypat
     q, k, v, q_lens, kv_lens, offsets = (p[n] for n in ("q", "k", "v", "q_lens", "kv_lens",
                                                          "offsets"))
     scale = 0.7 * D ** -0.5
-    monkeypatch.setenv("MSA_BACKEND", "native")
-    out, ms = msa.fmha(*p["args"], sm_scale=scale, v_scale=1.5, output_maxscore=False,
-                       **p["kw"])
-    torch.cuda.synchronize()
-    monkeypatch.delenv("MSA_BACKEND")
-    assert _backend.last_backend("fmha_dense") == "sm90"
+    out, ms = _fmha_native(monkeypatch, *p["args"], sm_scale=scale, v_scale=1.5,
+                           output_maxscore=False, **p["kw"])
     assert ms is None and out.dtype == torch.bfloat16
     assert not torch.isnan(out).any(), "O has NaN (rows not written)"
 
@@ -219,12 +226,8 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_v
     q, k, v, q_lens, kv_lens, offsets = (p[n] for n in ("q", "k", "v", "q_lens", "kv_lens",
                                                          "offsets"))
     scale = 0.7 * D ** -0.5
-    monkeypatch.setenv("MSA_BACKEND", "native")
-    out, _ = msa.fmha(*p["args"], sm_scale=scale, q_scale=1.25, v_scale=1.5,
-                      output_maxscore=False, **p["kw"])
-    torch.cuda.synchronize()
-    monkeypatch.delenv("MSA_BACKEND")
-    assert _backend.last_backend("fmha_dense") == "sm90"
+    out, _ = _fmha_native(monkeypatch, *p["args"], sm_scale=scale, q_scale=1.25, v_scale=1.5,
+                          output_maxscore=False, **p["kw"])
     assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
     kv = dense_token_kv(k, v, kv_lens)
     offs = offsets if causal else [0] * len(q_lens)
@@ -275,12 +278,8 @@ def test_fmha_native_split_kv_matches_float64(heads, causal, paged, dtype, seed,
     q, k, v, q_lens, kv_lens, offsets = (p[n] for n in ("q", "k", "v", "q_lens", "kv_lens",
                                                          "offsets"))
     scale = 0.7 * D ** -0.5
-    monkeypatch.setenv("MSA_BACKEND", "native")
-    out, _ = msa.fmha(*p["args"], sm_scale=scale, v_scale=1.5, output_maxscore=False,
-                      **p["kw"])
-    torch.cuda.synchronize()
-    monkeypatch.delenv("MSA_BACKEND")
-    assert _backend.last_backend("fmha_dense") == "sm90"
+    out, _ = _fmha_native(monkeypatch, *p["args"], sm_scale=scale, v_scale=1.5,
+                          output_maxscore=False, **p["kw"])
     assert out.dtype == torch.bfloat16 and not torch.isnan(out).any(), "O has NaN"
     offs = offsets if causal else [0] * len(q_lens)
     label = f"split-KV {dtype} Hq={hq} Hkv={hkv} causal={causal} paged={paged}"
@@ -351,12 +350,9 @@ def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
                          qo_offset=torch.tensor(offsets) if causal else None, page_size=128,
                          device=dev)
     scale = 0.7 * D ** -0.5
-    monkeypatch.setenv("MSA_BACKEND", "native")
-    out, _ = msa.fmha(q.to(dev), k_pages.to(dev), v_pages.to(dev), plan, sm_scale=scale,
-                      v_scale=1.5, output_maxscore=False, kv_indices=kv_indices.to(dev))
-    torch.cuda.synchronize()
-    monkeypatch.delenv("MSA_BACKEND")
-    assert _backend.last_backend("fmha_dense") == "sm90"
+    out, _ = _fmha_native(monkeypatch, q.to(dev), k_pages.to(dev), v_pages.to(dev), plan,
+                          sm_scale=scale, v_scale=1.5, output_maxscore=False,
+                          kv_indices=kv_indices.to(dev))
     assert not torch.isnan(out).any(), "O has NaN (a slot past kv_len reached P V)"
     offs = offsets if causal else [0] * len(q_lens)
     _check_against_float64(out, q, k, v, q_lens, kv_lens, offs, causal, scale,
@@ -442,12 +438,8 @@ def test_fmha_native_paged_pool_past_2_31_elements(form, seed, monkeypatch):
     q_dev = q.to(dev)
 
     def native_call(k_in, v_in, indices):
-        monkeypatch.setenv("MSA_BACKEND", "native")
-        out, _ = msa.fmha(q_dev, k_in, v_in, plan, sm_scale=scale, v_scale=1.5,
-                          output_maxscore=False, kv_indices=indices)
-        torch.cuda.synchronize()
-        monkeypatch.delenv("MSA_BACKEND")
-        assert _backend.last_backend("fmha_dense") == "sm90"
+        out, _ = _fmha_native(monkeypatch, q_dev, k_in, v_in, plan, sm_scale=scale,
+                              v_scale=1.5, output_maxscore=False, kv_indices=indices)
         return out
 
     out = native_call(pools[0], pools[1], kv_indices + boundary)

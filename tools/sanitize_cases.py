@@ -162,36 +162,40 @@ def decode_runs():
 
 
 def fmha_cases(gen):
-    """Dense FMHA: dense and paged K/V, causal with an offset that leaves early rows empty, a
-    page-table entry past the pool; O-only calls once per kernel form: plain and "ws" (the
-    served forms), plus the warp-specialized forms named in MSA_SANITIZE_FMHA_FORMS
-    (comma-separated, "all" for every one; each form adds ~20 s of memcheck per dtype), forced
-    through WARP_SPECIALIZED_FOR_TESTS."""
+    """Dense FMHA: dense and paged K/V, causal with an offset that leaves early rows empty;
+    O-only calls once per kernel form: plain and "ws", plus the warp-specialized forms named in
+    MSA_SANITIZE_FMHA_FORMS (comma-separated, "all" for every one; each form adds ~20 s of
+    memcheck per dtype), forced through WARP_SPECIALIZED_FOR_TESTS; bf16 O + max-score; a
+    split-KV plan."""
     from msa._native import fmha_sm90
     wanted = os.environ.get("MSA_SANITIZE_FMHA_FORMS", "")
     forms = {dtype: ["plain"] + [f for f in names if f == "ws" or wanted == "all"
                                  or f in wanted.split(",")]
              for dtype, names in fmha_sm90.WS_FORMS.items()}
     try:
-        for form in forms["bfloat16"]:
-            fmha_sm90.WARP_SPECIALIZED_FOR_TESTS = False if form == "plain" else form
-            _fmha_bf16_cases(gen, with_max_score=form == "plain")
-        for form in forms["e4m3"]:
-            fmha_sm90.WARP_SPECIALIZED_FOR_TESTS = False if form == "plain" else form
-            _fmha_e4m3_cases(gen)
+        for dtype_name, dtype in (("bfloat16", torch.bfloat16), ("e4m3", torch.float8_e4m3fn)):
+            for form in forms[dtype_name]:
+                fmha_sm90.WARP_SPECIALIZED_FOR_TESTS = False if form == "plain" else form
+                _fmha_o_cases(gen, dtype, with_max_score=form == "plain" and
+                              dtype == torch.bfloat16)
     finally:
         fmha_sm90.WARP_SPECIALIZED_FOR_TESTS = None
     _fmha_split_kv_case(gen)
-    print("fmha: ok (split-KV; forms " + ", ".join(f"{d}: {'/'.join(f)}" for d, f in forms.items()) + ")")
+    listed = ", ".join(f"{d}: {'/'.join(f)}" for d, f in forms.items())
+    print(f"fmha: ok (forms {listed}; split-KV)")
+
+
+def _fmha_inputs(gen, q_lens, kv_lens, dtype):
+    """Random q [sum q_lens, 8, 128], k / v [sum kv_lens, 2, 128] of `dtype`, on the CPU."""
+    draw = lambda n, h: torch.randn(n, h, 128, generator=gen).to(dtype)   # noqa: E731
+    return draw(sum(q_lens), 8), draw(sum(kv_lens), 2), draw(sum(kv_lens), 2)
 
 
 def _fmha_split_kv_case(gen):
     """A decode-like plan forced to 3 key splits (the split-KV kernel + the combine), paged."""
     from test_fmha import to_pages
     q_lens, kv_lens = [1, 33], [1500, 900]
-    q = torch.randn(sum(q_lens), 8, 128, generator=gen).to(torch.bfloat16)
-    k = torch.randn(sum(kv_lens), 2, 128, generator=gen).to(torch.bfloat16)
-    v = torch.randn(sum(kv_lens), 2, 128, generator=gen).to(torch.bfloat16)
+    q, k, v = _fmha_inputs(gen, q_lens, kv_lens, torch.bfloat16)
     dev = torch.device("cuda")
     k_in, v_in, kv_indices, _ = to_pages(k, v, kv_lens, 128, gen)
     plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 8, 2, page_size=128,
@@ -201,53 +205,28 @@ def _fmha_split_kv_case(gen):
     expect_native("fmha_dense")
 
 
-def _fmha_bf16_cases(gen, with_max_score):
+def _fmha_o_cases(gen, dtype, with_max_score):
+    """O-only (and, with_max_score, O + max-score) calls on dense and paged K/V; e4m3 covers
+    the per-block V transpose into the key-permuted V^T (plain: by the CTA; ws forms: by the
+    producer warpgroup)."""
     from test_fmha import to_pages
     q_lens, kv_lens = [1, 130, 300], [200, 129, 900]
-    q = torch.randn(sum(q_lens), 8, 128, generator=gen).to(torch.bfloat16)
-    k = torch.randn(sum(kv_lens), 2, 128, generator=gen).to(torch.bfloat16)
-    v = torch.randn(sum(kv_lens), 2, 128, generator=gen).to(torch.bfloat16)
+    q, k, v = _fmha_inputs(gen, q_lens, kv_lens, dtype)
     dev = torch.device("cuda")
     for paged in (False, True):
         kw, k_in, v_in = {}, k, v
         if paged:
             k_in, v_in, kv_indices, _ = to_pages(k, v, kv_lens, 128, gen)
             kw["kv_indices"] = kv_indices.to(dev)
-        plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 8, 2,
-                             qo_offset=torch.tensor([199, -5, 600]),
-                             page_size=128 if paged else -1, device=dev)
-        msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, output_maxscore=False, **kw)
-        expect_native("fmha_dense")
-        if not with_max_score:
-            continue
-        # O + max-score (mode 1): the max-score rows of every streamed block are written.
-        plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 8, 2,
-                             qo_offset=torch.tensor([199, -5, 600]), output_maxscore=True,
-                             page_size=128 if paged else -1, device=dev)
-        msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, output_maxscore=True, **kw)
-        expect_native("fmha_dense")
-
-
-def _fmha_e4m3_cases(gen):
-    """e4m3 q/k/v: the per-block V transpose into the key-permuted V^T (plain: by the CTA;
-    ws forms: by the producer warpgroup), dense and paged K/V."""
-    from test_fmha import to_pages
-    q_lens, kv_lens = [1, 130, 300], [200, 129, 900]
-    e4m3 = torch.float8_e4m3fn
-    q = torch.randn(sum(q_lens), 8, 128, generator=gen).to(e4m3)
-    k = torch.randn(sum(kv_lens), 2, 128, generator=gen).to(e4m3)
-    v = torch.randn(sum(kv_lens), 2, 128, generator=gen).to(e4m3)
-    dev = torch.device("cuda")
-    for paged in (False, True):
-        kw, k_in, v_in = {}, k, v
-        if paged:
-            k_in, v_in, kv_indices, _ = to_pages(k, v, kv_lens, 128, gen)
-            kw["kv_indices"] = kv_indices.to(dev)
-        plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 8, 2,
-                             qo_offset=torch.tensor([199, -5, 600]),
-                             page_size=128 if paged else -1, device=dev)
-        msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, output_maxscore=False, **kw)
-        expect_native("fmha_dense")
+        for max_score in (False, True) if with_max_score else (False,):
+            # O + max-score (mode 1): the max-score rows of every streamed block are written.
+            plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 8, 2,
+                                 qo_offset=torch.tensor([199, -5, 600]),
+                                 output_maxscore=max_score,
+                                 page_size=128 if paged else -1, device=dev)
+            msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, output_maxscore=max_score,
+                     **kw)
+            expect_native("fmha_dense")
 
 
 if __name__ == "__main__":

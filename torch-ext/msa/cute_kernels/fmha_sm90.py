@@ -59,6 +59,85 @@ LN_2 = 0.6931471805599453
 
 
 @cute.jit
+def request_bounds(mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable, request, key_rows,
+                   paged: cutlass.Constexpr):
+    """(q_start, q_len, kv_len, offset, k_row0, n_q_tiles) of one request, every index clamped
+    to the tensor it addresses: query rows to q, dense key rows to the key_rows of k, paged key
+    lengths to the page table's width."""
+    total_q = mQ.shape[0]
+    q_start = cutlass.max(cutlass.min(mCuQ[request], total_q), 0)
+    q_len = cutlass.min(mCuQ[request + 1], total_q) - q_start
+    kv_len = mKvLens[request]
+    offset = mOffset[request]
+    k_row0 = cutlass.Int32(0)
+    if cutlass.const_expr(not paged):
+        k_row0 = cutlass.max(mCuK[request], 0)
+        kv_len = cutlass.min(kv_len, key_rows - k_row0)
+    else:
+        kv_len = cutlass.min(kv_len, mPageTable.shape[1] * BLOCK_N)
+    n_q_tiles = (q_len + TILE_M - 1) // TILE_M
+    return q_start, q_len, kv_len, offset, k_row0, n_q_tiles
+
+
+@cute.jit
+def store_max_score(mMaxScore: cute.Tensor, score_scale: cutlass.Float32,
+                    blk_max: cutlass.Float32, head: cutlass.Int32, blk: cutlass.Int32,
+                    q_start: cutlass.Int32, q_local: cutlass.Int32, q_len: cutlass.Int32,
+                    lane: cutlass.Int32):
+    """max_score[head, blk, query] = score_scale * (the row's max over the block's visible
+    keys), -inf where none is visible; one lane of the quad that shares the row writes.
+    Blocks the tile never streams keep the caller's -inf fill."""
+    if lane % 4 == 0 and q_local < q_len and blk < mMaxScore.shape[1]:
+        value = blk_max * score_scale
+        if blk_max == -cutlass.Float32.inf:
+            value = -cutlass.Float32.inf
+        mMaxScore[head, blk, q_start + q_local] = value
+
+
+@cute.jit
+def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
+                   row_sum: cute.Tensor, tScS: cute.Tensor, wg_q0: cutlass.Int32,
+                   kv_len: cutlass.Int32, offset: cutlass.Int32, causal: cutlass.Int32,
+                   scale_log2: cutlass.Float32, o_rc=None, corr=None, max_score=None):
+    """S of key block `blk` -> P = exp2(S * scale_log2 - new max) in place (masked keys 0); the
+    running max and sum move on. The correction exp2(old max - new max) rescales the O
+    accumulator rows o_rc here, or is left in corr[i] for the caller to apply (the
+    warp-specialized kernel, whose previous P V may still be in flight). With max_score =
+    (mMaxScore, score_scale, head, q_start, q_len, lane), each row's scaled max over the block's
+    visible keys is stored too (store_max_score)."""
+    key0 = blk * BLOCK_N
+    s_rc = wgmma_rows_cols_view(acc_s)
+    n_my_cols = cute.size(tScS, mode=[1])
+    for i in cutlass.range_constexpr(cute.size(tScS, mode=[0])):
+        q_local = wg_q0 + tScS[i, 0][0]
+        visible_end = kv_len - key0                     # block keys [0, end) visible
+        if causal != 0:
+            visible_end = cutlass.min(visible_end, q_local + offset - key0 + 1)
+        blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N))
+        if cutlass.const_expr(max_score is not None):
+            mMaxScore, score_scale, head, q_start, q_len, lane = max_score
+            store_max_score(mMaxScore, score_scale, blk_max, head, blk, q_start, q_local,
+                            q_len, lane)
+        new_max = cute.arch.fmax(row_max[i], blk_max * scale_log2)
+        base = new_max
+        if new_max == -cutlass.Float32.inf:
+            base = 0.0                                  # nothing visible yet: p = 0
+        correction = cute.math.exp2(row_max[i] - base, fastmath=True)
+        row_max[i] = new_max
+        part = cutlass.Float32(0.0)
+        for j in cutlass.range_constexpr(n_my_cols):
+            p = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
+            part = part + p
+            s_rc[i, j] = p
+        row_sum[i] = row_sum[i] * correction + part
+        if cutlass.const_expr(o_rc is not None):
+            for j in cutlass.range_constexpr(n_my_cols):
+                o_rc[i, j] = o_rc[i, j] * correction
+        else:
+            corr[i] = correction
+
+
+@cute.jit
 def write_o_rows(mO, o_rc, acc_o, row_sum, n_my_rows: cutlass.Constexpr,
                  n_my_cols: cutlass.Constexpr, output_scale, sO_mine, wg_tidx, warp_in_wg, lane,
                  wg_q0, q_start, q_len, head, stage_o_copy, store_o_copy, out_dtype):
@@ -258,19 +337,9 @@ class FmhaSm90:
         lane = tidx % 32
         warp_in_wg = cute.arch.make_warp_uniform(wg_tidx // 32)
 
-        total_q = mQ.shape[0]
         head_kv = head // (mQ.shape[1] // mK.shape[1])
-        q_start = cutlass.max(cutlass.min(mCuQ[request], total_q), 0)
-        q_len = cutlass.min(mCuQ[request + 1], total_q) - q_start
-        kv_len = mKvLens[request]
-        offset = mOffset[request]
-        k_row0 = cutlass.Int32(0)
-        if cutlass.const_expr(not self.paged):
-            k_row0 = cutlass.max(mCuK[request], 0)
-            kv_len = cutlass.min(kv_len, mK.shape[0] - k_row0)
-        else:
-            kv_len = cutlass.min(kv_len, mPageTable.shape[1] * BLOCK_N)
-        n_q_tiles = (q_len + TILE_M - 1) // TILE_M
+        q_start, q_len, kv_len, offset, k_row0, n_q_tiles = request_bounds(
+            mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable, request, mK.shape[0], self.paged)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -398,9 +467,11 @@ class FmhaSm90:
             warpgroup_gemm(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
 
             # ---- online softmax ------------------------------------------------------------
-            self._online_softmax(acc_s, o_rc, blk, row_max, row_sum, tScS, wg_q0, kv_len,
-                                 offset, causal, scale_log2, mMaxScore, score_scale, head,
-                                 q_start, q_len, lane)
+            max_score = None
+            if cutlass.const_expr(mMaxScore is not None):
+                max_score = (mMaxScore, score_scale, head, q_start, q_len, lane)
+            online_softmax(acc_s, blk, row_max, row_sum, tScS, wg_q0, kv_len, offset, causal,
+                           scale_log2, o_rc=o_rc, max_score=max_score)
 
             # ---- O += P V (P in registers) -------------------------------------------------
             if cutlass.const_expr(self.fp8):
@@ -506,64 +577,12 @@ class FmhaSm90:
         transpose_v_words(sV_stage, sVt, load, store, tidx)
 
     @cute.jit
-    def _store_max_score(self, mMaxScore: cute.Tensor, score_scale: cutlass.Float32,
-                         blk_max: cutlass.Float32, head: cutlass.Int32, blk: cutlass.Int32,
-                         q_start: cutlass.Int32, q_local: cutlass.Int32, q_len: cutlass.Int32,
-                         lane: cutlass.Int32):
-        """max_score[head, blk, query] = score_scale * (the row's max over the block's visible
-        keys), -inf where none is visible; one lane of the quad that shares the row writes.
-        Blocks the tile never streams keep the caller's -inf fill."""
-        if lane % 4 == 0 and q_local < q_len and blk < mMaxScore.shape[1]:
-            value = blk_max * score_scale
-            if blk_max == -cutlass.Float32.inf:
-                value = -cutlass.Float32.inf
-            mMaxScore[head, blk, q_start + q_local] = value
-
-    @cute.jit
     def _publish_stages(self):
         """Every thread's cp.async rows have landed and are visible to the async proxy (wgmma
         reads shared memory through it); every warpgroup has passed its previous wgmma waits."""
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
-
-    @cute.jit
-    def _online_softmax(self, acc_s: cute.Tensor, o_rc: cute.Tensor, blk: cutlass.Int32,
-                        row_max: cute.Tensor, row_sum: cute.Tensor, tScS: cute.Tensor,
-                        wg_q0: cutlass.Int32, kv_len: cutlass.Int32, offset: cutlass.Int32,
-                        causal: cutlass.Int32, scale_log2: cutlass.Float32, mMaxScore,
-                        score_scale, head: cutlass.Int32, q_start: cutlass.Int32,
-                        q_len: cutlass.Int32, lane: cutlass.Int32):
-        """S of key block `blk` -> P = exp2(S * scale_log2 - new max) in place (masked keys 0);
-        the running max and sum move on and the O accumulator rows (o_rc) are rescaled by
-        exp2(old max - new max). With mMaxScore, each row's scaled max over the block's visible
-        keys is stored too."""
-        key0 = blk * BLOCK_N
-        s_rc = wgmma_rows_cols_view(acc_s)
-        n_my_cols = cute.size(tScS, mode=[1])
-        for i in cutlass.range_constexpr(cute.size(tScS, mode=[0])):
-            q_local = wg_q0 + tScS[i, 0][0]
-            visible_end = kv_len - key0                     # block keys [0, end) visible
-            if causal != 0:
-                visible_end = cutlass.min(visible_end, q_local + offset - key0 + 1)
-            blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N))
-            if cutlass.const_expr(mMaxScore is not None):
-                self._store_max_score(mMaxScore, score_scale, blk_max, head, blk, q_start,
-                                      q_local, q_len, lane)
-            new_max = cute.arch.fmax(row_max[i], blk_max * scale_log2)
-            base = new_max
-            if new_max == -cutlass.Float32.inf:
-                base = 0.0                                  # nothing visible yet: p = 0
-            correction = cute.math.exp2(row_max[i] - base, fastmath=True)
-            row_max[i] = new_max
-            part = cutlass.Float32(0.0)
-            for j in cutlass.range_constexpr(n_my_cols):
-                p = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
-                part = part + p
-                s_rc[i, j] = p
-            row_sum[i] = row_sum[i] * correction + part
-            for j in cutlass.range_constexpr(n_my_cols):
-                o_rc[i, j] = o_rc[i, j] * correction
 
 class FmhaSm90MaxScore(FmhaSm90):
     """The kernel that also writes the max-score output (fmha mode 1, O + score):

@@ -51,10 +51,10 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .fmha_sm90 import write_o_rows
-from .tile_utils import (mask_row_and_max, pack_bf16_pairs, pack_e4m3_quads, quad_max,
-                         register_p_operand, row_copy, transpose_v_copies,
-                         transpose_v_words, warp_row_store_copy, warpgroup_gemm_issue,
+from .fmha_sm90 import online_softmax, request_bounds, write_o_rows
+from .tile_utils import (pack_bf16_pairs, pack_e4m3_quads, register_p_operand, row_copy,
+                         transpose_v_copies, transpose_v_words, warp_row_store_copy,
+                         warpgroup_gemm_issue,
                          wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 
 HEAD_DIM = 128
@@ -235,20 +235,9 @@ class FmhaSm90Ws:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        # Per-request values (as FmhaSm90._cta; every index clamped to the tensor it addresses).
-        total_q = mQ.shape[0]
         head_kv = head // (mQ.shape[1] // tK.shape[2])
-        q_start = cutlass.max(cutlass.min(mCuQ[request], total_q), 0)
-        q_len = cutlass.min(mCuQ[request + 1], total_q) - q_start
-        kv_len = mKvLens[request]
-        offset = mOffset[request]
-        k_row0 = cutlass.Int32(0)
-        if cutlass.const_expr(not self.paged):
-            k_row0 = cutlass.max(mCuK[request], 0)
-            kv_len = cutlass.min(kv_len, tK.shape[0] - k_row0)
-        else:
-            kv_len = cutlass.min(kv_len, mPageTable.shape[1] * BLOCK_N)
-        n_q_tiles = (q_len + TILE_M - 1) // TILE_M
+        q_start, q_len, kv_len, offset, k_row0, n_q_tiles = request_bounds(
+            mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable, request, tK.shape[0], self.paged)
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -471,8 +460,8 @@ class FmhaSm90Ws:
                 warpgroup.wait_group(0)
                 if lane == 0:
                     cute.arch.mbarrier_arrive(mbar + S + stage)                # K free
-                self._softmax(acc_s, 0, row_max, row_sum, corr, tScS, wg_q0, kv_len, offset,
-                              causal, scale_log2)
+                online_softmax(acc_s, 0, row_max, row_sum, tScS, wg_q0, kv_len, offset,
+                               causal, scale_log2, corr=corr)
                 r_p.store(acc_s.load().to(self.dtype))
                 # ---- blocks 1 .. n-1: S(j) and P(j-1) V(j-1) in one turn
                 for blk in range(1, n_blocks):
@@ -492,8 +481,8 @@ class FmhaSm90Ws:
                         warpgroup.wait_group(0)                             # and P V(j-1)
                     if lane == 0:
                         cute.arch.mbarrier_arrive(mbar + S + stage)            # K free
-                    self._softmax(acc_s, blk, row_max, row_sum, corr, tScS, wg_q0, kv_len,
-                                  offset, causal, scale_log2)
+                    online_softmax(acc_s, blk, row_max, row_sum, tScS, wg_q0, kv_len,
+                                   offset, causal, scale_log2, corr=corr)
                     warpgroup.wait_group(0)                                 # P V(j-1) done
                     if lane == 0:
                         cute.arch.mbarrier_arrive(mbar + 3 * S + prev)         # V free
@@ -536,35 +525,3 @@ class FmhaSm90Ws:
         if cutlass.const_expr(self.fp8):
             return register_p_operand(t_p, a_shape)
         return t_p
-
-    @cute.jit
-    def _softmax(self, acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
-                 row_sum: cute.Tensor, corr: cute.Tensor, tScS: cute.Tensor,
-                 wg_q0: cutlass.Int32, kv_len: cutlass.Int32, offset: cutlass.Int32,
-                 causal: cutlass.Int32, scale_log2: cutlass.Float32):
-        """S of key block `blk` -> P = exp2(S * scale_log2 - new max) in place (masked keys 0);
-        the running max and sum move on; corr[i] = exp2(old max - new max), the factor the O
-        rows take before P V of this block is added (applied by the caller once the previous
-        P V has landed)."""
-        key0 = blk * BLOCK_N
-        s_rc = wgmma_rows_cols_view(acc_s)
-        n_my_cols = cute.size(tScS, mode=[1])
-        for i in cutlass.range_constexpr(cute.size(tScS, mode=[0])):
-            q_local = wg_q0 + tScS[i, 0][0]
-            visible_end = kv_len - key0
-            if causal != 0:
-                visible_end = cutlass.min(visible_end, q_local + offset - key0 + 1)
-            blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N))
-            new_max = cute.arch.fmax(row_max[i], blk_max * scale_log2)
-            base = new_max
-            if new_max == -cutlass.Float32.inf:
-                base = 0.0
-            correction = cute.math.exp2(row_max[i] - base, fastmath=True)
-            row_max[i] = new_max
-            part = cutlass.Float32(0.0)
-            for j in cutlass.range_constexpr(n_my_cols):
-                p = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
-                part = part + p
-                s_rc[i, j] = p
-            row_sum[i] = row_sum[i] * correction + part
-            corr[i] = correction
