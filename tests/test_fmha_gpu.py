@@ -274,7 +274,7 @@ def test_fmha_native_split_kv_matches_float64(heads, causal, paged, dtype, seed,
     p = _problem(heads, causal, paged, torch_dtype, gen, q_lens=[1, 7, 33, 128],
                  max_extra_kv=3000, num_kv_splits=3)
     plan = p["plan"][3] if isinstance(p["plan"], tuple) else p["plan"]
-    assert native.split_kv_count(plan, False) == 3, "the split-KV form must run"
+    assert native.split_kv_count(plan, False, paged, torch_dtype) == 3, "the split-KV form must run"
     q, k, v, q_lens, kv_lens, offsets = (p[n] for n in ("q", "k", "v", "q_lens", "kv_lens",
                                                          "offsets"))
     scale = 0.7 * D ** -0.5

@@ -89,11 +89,6 @@ def variant_name(paged: bool, dtype: torch.dtype = torch.bfloat16,
     return f"fmha_sm90_{_DTYPE_NAMES[dtype]}_{'paged' if paged else 'dense'}{suffix}"
 
 
-def use_warp_specialized() -> bool:
-    """Whether bf16 O-only calls run on a warp-specialized form (cute_kernels/fmha_sm90_ws.py)."""
-    return warp_specialized_form(torch.bfloat16) is not None
-
-
 def warp_specialized_form(dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
     """The warp-specialized form serving O-only calls of q/k/v `dtype`, or None (the plain
     kernel): WARP_SPECIALIZED_FOR_TESTS when set, else "ws" once validated for the dtype (or
@@ -150,16 +145,17 @@ def _variant_for(paged: bool, mode: int, dtype: torch.dtype = torch.bfloat16) ->
     return variant_name(paged, dtype, max_score=mode == MODE_O_AND_SCORE)
 
 
-def split_kv_count(plan, with_score: bool) -> int:
+def split_kv_count(plan, with_score: bool, paged: bool = False,
+                   dtype: torch.dtype = torch.bfloat16) -> int:
     """The plan's num_kv_splits when the split-KV form runs it (O only, validated or forced,
-    artifacts present), else 1."""
+    its artifact for this layout and dtype and the combine present), else 1."""
     splits = int(plan.get("num_kv_splits", 1) or 1)
     if splits <= 1 or with_score:
         return 1
     if not _backend.form_enabled(SPLIT_KV_FOR_TESTS, "the split-KV sm90 FMHA",
                                  VALIDATED_SPLIT_KV):
         return 1
-    if cute_runtime.unavailable_reason(variant_name(False, form="split"), SPLIT_COMBINE):
+    if cute_runtime.unavailable_reason(variant_name(paged, dtype, form="split"), SPLIT_COMBINE):
         return 1
     return splits
 
@@ -203,7 +199,7 @@ def run(call):
         out.fill_(float("nan"))
     scalars = [float(call.logit_scale) * math.log2(math.e), float(call.output_scale),
                int(bool(plan["causal"])), grid_q_tiles]
-    splits = split_kv_count(plan, with_score)
+    splits = split_kv_count(plan, with_score, call.paged, q.dtype)
     if splits > 1:
         # fp32 partial rows + LSE per split, merged by the combine (one slot per split).
         o_partial = torch.empty(splits, total_q, num_heads, head_dim, dtype=torch.float32,

@@ -48,7 +48,7 @@ _PARTIALS = {torch.float32: ("float32", "f32"), torch.bfloat16: ("bfloat16", "bf
 # them) passed every bf16 case and G = 2, 16 of each FP8 mode on 2026-11-30 (session 5),
 # memcheck clean.
 VALIDATED_PARTIAL_DTYPES: set = {torch.float32, torch.bfloat16, torch.float16, _FP8}
-# FP8 modes proven correct on hardware (GPU test passed on an H200). Empty: every FP8 mode is
+# FP8 modes proven correct on hardware (GPU test passed on an H200); a mode missing here is
 # compiled and shipped but refused by supports() unless MSA_UNVALIDATED_KERNELS=1.
 # Passed tests/test_sparse_prefill_gpu.py on the H200 (2026-11-30, session 2): every G, dense
 # and paged. "e4m3" (P rounded to e4m3) matches the quantized model except for isolated one-ulp
