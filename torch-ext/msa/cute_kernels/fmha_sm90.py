@@ -58,6 +58,26 @@ ROWS_PER_WARP = 16
 LN_2 = 0.6931471805599453
 
 
+def mmas_and_o_copies(dtype, out_dtype):
+    """(mma_qk, mma_pv, stage_o_copy, store_o_copy) of a 64-row warpgroup tile: S = Q K^T
+    (SS, both K-major), O = P V with P in registers (V stored [key, channel] is the MN-major B
+    operand; e4m3: B is the K-major Vt tile), accumulator -> staged O rows (two adjacent columns
+    per store), then 16-byte row segments to global memory. Shared by the plain and the
+    warp-specialized kernels; called while tracing."""
+    mma_qk = hopper.make_trivial_tiled_mma(
+        dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+        cutlass.Float32, (1, 1, 1), (WG_ROWS, BLOCK_N))
+    mma_pv = hopper.make_trivial_tiled_mma(
+        dtype, dtype, cute.nvgpu.OperandMajorMode.K,
+        cute.nvgpu.OperandMajorMode.K if dtype.width == 8 else cute.nvgpu.OperandMajorMode.MN,
+        cutlass.Float32, (1, 1, 1), (WG_ROWS, HEAD_DIM),
+        a_source=warpgroup.OperandSource.RMEM)
+    stage_o_copy = cute.make_tiled_copy_C(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype,
+                            num_bits_per_copy=2 * out_dtype.width), mma_pv)
+    return mma_qk, mma_pv, stage_o_copy, warp_row_store_copy(out_dtype, HEAD_DIM)
+
+
 @cute.jit
 def request_bounds(mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable, request, key_rows,
                    paged: cutlass.Constexpr):
@@ -221,22 +241,8 @@ class FmhaSm90:
         # A warpgroup loads its own 64 Q rows (16 per step); the whole CTA loads K / V blocks.
         q_copy = row_copy(self.dtype, 16)
         kv_copy = row_copy(self.dtype, NUM_THREADS // 8)
-        mma_qk = hopper.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-            cutlass.Float32, (1, 1, 1), (WG_ROWS, BLOCK_N))
-        # V is stored [key, channel]: as the B operand (channel x key) of O = P V it is MN-major.
-        # e4m3: B is the K-major Vt tile.
-        mma_pv = hopper.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K if self.fp8 else cute.nvgpu.OperandMajorMode.MN,
-            cutlass.Float32, (1, 1, 1), (WG_ROWS, HEAD_DIM),
-            a_source=warpgroup.OperandSource.RMEM)
-        # Accumulator -> staged O rows (two adjacent columns per 32-bit store), then 16-byte
-        # row segments to global memory (16 lanes per 128-channel row).
-        stage_o_copy = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype,
-                                num_bits_per_copy=2 * self.out_dtype.width), mma_pv)
-        store_o_copy = warp_row_store_copy(self.out_dtype, HEAD_DIM)
+        mma_qk, mma_pv, stage_o_copy, store_o_copy = mmas_and_o_copies(self.dtype,
+                                                                       self.out_dtype)
         launch = dict(grid=(grid_q_tiles, cute.size(q.shape[1]),
                             cute.size(cu_seqlens_q.shape[0]) - 1),
                       block=(NUM_THREADS, 1, 1), stream=stream)

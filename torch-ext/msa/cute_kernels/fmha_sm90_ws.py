@@ -48,13 +48,11 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .fmha_sm90 import online_softmax, request_bounds, write_o_rows
+from .fmha_sm90 import mmas_and_o_copies, online_softmax, request_bounds, write_o_rows
 from .tile_utils import (pack_bf16_pairs, pack_e4m3_quads, register_p_operand, row_copy,
-                         transpose_v_copies, transpose_v_words, warp_row_store_copy,
-                         warpgroup_gemm_issue,
+                         transpose_v_copies, transpose_v_words, warpgroup_gemm_issue,
                          wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 
 HEAD_DIM = 128
@@ -133,18 +131,8 @@ class FmhaSm90Ws:
         q_copy = row_copy(self.dtype, 16)
         # Zeroing the V rows past kv_len: one warp, 4 rows per step, 16-byte stores.
         zero_copy = row_copy(self.dtype, 4, async_copy=False)
-        mma_qk = hopper.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-            cutlass.Float32, (1, 1, 1), (WG_ROWS, BLOCK_N))
-        mma_pv = hopper.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K if self.fp8 else cute.nvgpu.OperandMajorMode.MN,
-            cutlass.Float32, (1, 1, 1), (WG_ROWS, HEAD_DIM),
-            a_source=warpgroup.OperandSource.RMEM)
-        stage_o_copy = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype,
-                                num_bits_per_copy=2 * self.out_dtype.width), mma_pv)
-        store_o_copy = warp_row_store_copy(self.out_dtype, HEAD_DIM)
+        mma_qk, mma_pv, stage_o_copy, store_o_copy = mmas_and_o_copies(self.dtype,
+                                                                       self.out_dtype)
         self.kernel(q, tK, tV, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
                     logit_scale_log2, output_scale, causal, tma_k, tma_v, q_layout, kv_layout,
                     q_copy, zero_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy,
