@@ -75,6 +75,8 @@ DTYPE_MODES = {   # name -> (q, k, v) -> (q, k, v, pv_dtype)
 # --partials name -> partial_dtype of sparse_atten_func (rows of other than bf16 are labelled
 # "<dtype>_p<name>").
 PARTIALS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "e4m3": E4M3}
+# --forms name -> msa._native.sparse_prefill_sm90.WARP_SPECIALIZED_FOR_TESTS
+FORM_HOOK = {"served": None, "wgmma": False, "ws": True}
 
 
 def unvalidated_mode(msa, q, k, v, pv_dtype, partial_dtype) -> bool:
@@ -160,6 +162,13 @@ def main():
                          "bf16q_fp8kv (bf16 q, e4m3 k/v)")
     ap.add_argument("--partials", default="bf16",
                     help="partial_dtype of each msa run: bf16, fp16, fp32, e4m3 (comma list)")
+    ap.add_argument("--forms", default="served",
+                    help="attention kernel forms to time side by side: served (what the gates "
+                         "pick), wgmma, ws (warp-specialized; G 8/16, bf16 or fp8 only); impl "
+                         "msa_attention[<form>] unless served; a form that does not run the "
+                         "call is skipped")
+    ap.add_argument("--impls", default="attention,csr+attention",
+                    help="msa rows: attention (prebuilt CSR and schedule), csr+attention")
     ap.add_argument("--allow-unvalidated", action="store_true",
                     help="also time kernels still gated as unvalidated (backend column says so)")
     ap.add_argument("--peers", default="flex,cudnn")
@@ -205,9 +214,13 @@ def main():
                 flex_ms = bench(lambda: [r() for r in runs], args.rep_ms)
                 row(case, lens, pattern, "bf16", "flex_attention", "triton", flex_ms,
                     flops / flex_ms / 1e9, pairs, 1.0)
-            msa_runs = [(dtype, partial) for dtype in args.dtypes.split(",")
-                        for partial in args.partials.split(",")]
-            for dtype, partial in msa_runs:
+            msa_runs = [(dtype, partial, form) for dtype in args.dtypes.split(",")
+                        for partial in args.partials.split(",")
+                        for form in args.forms.split(",")]
+            native = native_module(msa, "sparse_prefill_sm90")
+            for dtype, partial, form in msa_runs:
+                if native is not None:
+                    native.WARP_SPECIALIZED_FOR_TESTS = FORM_HOOK[form]
                 qq, kk, vv, pv_dtype = DTYPE_MODES[dtype](q, k, v)
                 kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
                           max_seqlen_k=max(lens), causal=True, pv_dtype=pv_dtype,
@@ -218,24 +231,37 @@ def main():
                     max_seqlen_q=max(lens), qhead_per_kv=HQ // HKV, return_schedule=True)
                 msa.sparse_atten_func(qq, kk, vv, row_ptr, q_idx, TOPK, schedule=sched, **kw)
                 backend = msa._backend.last_backend("sparse_atten")
-                if backend != "reference" and unvalidated_mode(msa, qq, kk, vv, pv_dtype,
-                                                               PARTIALS[partial]):
+                ran_ws = (native is not None and backend == "sm90"
+                          and native.last_attention_variant.endswith("_ws"))
+                if form != "served" and ran_ws != (form == "ws"):
+                    print(f"skip msa {label} [{form}]: that form does not serve it", flush=True)
+                    continue
+                if backend != "reference" and (
+                        unvalidated_mode(msa, qq, kk, vv, pv_dtype, PARTIALS[partial])
+                        or (ran_ws and not native.VALIDATED_WARP_SPECIALIZED)):
                     backend += "-unvalidated"
                 if backend == "reference" and total > 8192:
                     print(f"skip msa {label} {case} {lens}: reference backend only", flush=True)
                     continue
-                attn_ms = bench(lambda: msa.sparse_atten_func(qq, kk, vv, row_ptr, q_idx, TOPK,
-                                                              schedule=sched, **kw), args.rep_ms)
+                timed = []
+                if "attention" in args.impls.split(","):
+                    timed.append(("msa_attention", bench(
+                        lambda: msa.sparse_atten_func(qq, kk, vv, row_ptr, q_idx, TOPK,
+                                                      schedule=sched, **kw), args.rep_ms)))
 
                 def full_call():
                     rp, qi = msa.build_k2q_csr(q2k, cu, cu, 128, total_k=total,
                                                max_seqlen_k=max(lens), max_seqlen_q=max(lens),
                                                qhead_per_kv=HQ // HKV)
                     return msa.sparse_atten_func(qq, kk, vv, rp, qi, TOPK, **kw)
-                full_ms = bench(full_call, args.rep_ms)
-                for impl, ms in (("msa_attention", attn_ms), ("msa_csr+attention", full_ms)):
-                    row(case, lens, pattern, label, impl, backend, ms, flops / ms / 1e9, pairs,
-                        (flex_ms / ms) if flex_ms else None)
+                if "csr+attention" in args.impls.split(","):
+                    timed.append(("msa_csr+attention", bench(full_call, args.rep_ms)))
+                suffix = "" if form == "served" else f"[{form}]"
+                for impl, ms in timed:
+                    row(case, lens, pattern, label, impl + suffix, backend, ms,
+                        flops / ms / 1e9, pairs, (flex_ms / ms) if flex_ms else None)
+            if native is not None:
+                native.WARP_SPECIALIZED_FOR_TESTS = None
         if "cudnn" in args.peers:
             from torch.nn.attention import SDPBackend, sdpa_kernel
             ms_total = 0.0

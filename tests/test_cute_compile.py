@@ -2,7 +2,8 @@
 
 Compiles two bf16 attention variants (G=16, dense: fp32 partials -> warp-level mma.sync kernel,
 bf16 partials -> warpgroup wgmma kernel), two FP8 variants (all-e4m3 with e4m3 P.V, G=16 dense;
-e4m3 QK^T with bf16 P.V, G=4 paged) and the fp32 combine for sm_90a with fake tensors (no GPU
+e4m3 QK^T with bf16 P.V, G=4 paged), two of the warp-specialized TMA form (bf16 G=16 dense,
+e4m3 G=8 paged with e4m3 partials) and the fp32 combine for sm_90a with fake tensors (no GPU
 needed) and runs ptxas -v on the kept PTX. Skips when nvidia-cutlass-dsl or ptxas is missing.
 The full variant list is checked by `python tools/compile_cute.py --check`. Also checks, without
 CUDA, that supports() gates the FP8 modes until they are validated.
@@ -33,7 +34,9 @@ def _tools():
                                   "sparse_prefill_sm90_bfloat16_g16_dense_pbf16",
                                   "sparse_prefill_sm90_e4m3_g16_dense_pbf16",
                                   "sparse_prefill_sm90_e4m3_pv_bf16_g4_paged_pbf16",
-                                  "sparse_combine_sm90_pf32"])
+                                  "sparse_combine_sm90_pf32",
+                                  "sparse_prefill_sm90_bfloat16_g16_dense_pbf16_ws",
+                                  "sparse_prefill_sm90_e4m3_g8_paged_pe4m3_ws"])
 def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
     tools = _tools()
     try:
@@ -48,7 +51,22 @@ def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
     assert ptx, "the DSL kept no PTX"
     text = ptx[0].read_text()
     assert ".target sm_90a" in text
-    if "_e4m3_g" in name:
+    if name.endswith("_ws"):
+        # Warp-specialized: the producer warpgroup gives registers to the consumers; per tile
+        # each query's Q rows arrive by TMA (G x 128 bytes per box: 64 / G queries x 2 boxes
+        # for bf16, 1 for e4m3) and its partial rows leave by TMA; S and P.V are issued once.
+        g = int(re.search(r"_g(\d+)_", name).group(1))
+        boxes_per_query = 2 if "_bfloat16_" in name else 1
+        loads = "cp.async.bulk.tensor.3d.shared::cta.global.tile.mbarrier::complete_tx::bytes"
+        assert text.count(loads) == 64 // g * boxes_per_query
+        assert "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group" in text
+        assert "setmaxnreg.dec.sync.aligned.u32" in text
+        assert "setmaxnreg.inc.sync.aligned.u32" in text
+        mma = ("m64n128k16.f32.bf16.bf16" if boxes_per_query == 2
+               else "m64n128k32.f32.e4m3.e4m3")
+        assert text.count(f"wgmma.mma_async.sync.aligned.{mma}") == (16 if boxes_per_query == 2
+                                                                      else 8)
+    elif "_e4m3_g" in name:
         # e4m3 S = QK^T (SS) and e4m3 O = PV (RS: P rounded to e4m3 and kept in registers, V^T
         # K-major and key-permuted): 4 k-steps each of m64n128k32; P rounded with cvt e4m3x2.
         # S is issued at two sites (tile 0 before the loop, tile t+1 inside it: the software
@@ -87,6 +105,21 @@ def test_shipped_variant_names_match_the_runtime():
                 if partial != torch.float32:   # FP8 modes: every partial but fp32
                     for mode in FP8_MODES:
                         assert set(_variant_names(g, paged, partial, mode)) <= names
+    # The warp-specialized form wherever it applies (forced on; the gate is tested below).
+    from msa._native import sparse_prefill_sm90 as native
+    forced = native.WARP_SPECIALIZED_FOR_TESTS
+    native.WARP_SPECIALIZED_FOR_TESTS = True
+    try:
+        for g in (8, 16):
+            for paged in (False, True):
+                for partial in partials[1:]:
+                    for mode in native.WS_MODES:
+                        attention, _ = _variant_names(g, paged, partial, mode)
+                        assert attention.endswith("_ws") and attention in names
+        assert not _variant_names(4, False, torch.bfloat16)[0].endswith("_ws")
+        assert not _variant_names(16, False, torch.float32)[0].endswith("_ws")
+    finally:
+        native.WARP_SPECIALIZED_FOR_TESTS = forced
     bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
     # Every compiled FP8 family serves a dtype mode.
     served = {attention_mode(bf16, e4m3, e4m3, None), attention_mode(e4m3, e4m3, e4m3, bf16),
@@ -154,6 +187,31 @@ def test_gated_kernel_forms_follow_their_flags(monkeypatch):
     assert decode_cuda._direct_fp8()
     monkeypatch.setattr(decode_cuda, "DIRECT_FP8_FOR_TESTS", False)
     assert not decode_cuda._direct_fp8()
+
+
+def test_warp_specialized_sparse_form_follows_its_flag(monkeypatch):
+    """The warp-specialized sparse attention serves G 8 / 16 bf16 or all-e4m3 calls with 16-bit
+    or e4m3 partials only when validated, forced, or with MSA_UNVALIDATED_KERNELS=1; never
+    elsewhere. No CUDA needed."""
+    sys.path.insert(0, str(ROOT / "torch-ext"))
+    import torch
+    from msa import _backend
+    from msa._native import sparse_prefill_sm90 as native
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
+    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", False)
+    bf16 = torch.bfloat16
+    assert not native.warp_specialized(16, bf16, "bfloat16")
+    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
+    assert native.warp_specialized(16, bf16, "bfloat16")
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
+    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", True)
+    assert native.warp_specialized(8, torch.float8_e4m3fn, "e4m3")
+    for g, partial, mode in ((4, bf16, "bfloat16"), (16, torch.float32, "bfloat16"),
+                             (16, bf16, "e4m3_pv_bf16"), (16, bf16, "bf16_kv_e4m3")):
+        assert not native.warp_specialized(g, partial, mode)
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", False)
+    assert not native.warp_specialized(16, bf16, "bfloat16")
 
 
 def test_word_transpose_of_v_lands_in_the_register_p_key_order():

@@ -163,13 +163,33 @@ CASES = [(g, paged, causal, partial)
          for partial in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)]
 
 
+# Every case on the wgmma (or warp-MMA) kernel, and again on the warp-specialized form where it
+# exists (G 8 / 16, bf16 or all-e4m3 q/k/v, 16-bit or e4m3 partials).
+WS_GROUPS = (8, 16)
+FORMS_OF_CASE = [(case, "wgmma") for case in CASES] + [
+    (case, "ws") for case in CASES if case[0] in WS_GROUPS and case[3] != torch.float32]
+
+
+def _select_form(native_module, monkeypatch, form):
+    """Pin the attention kernel form (the warp-specialized one is gated until validated)."""
+    monkeypatch.setattr(native_module, "WARP_SPECIALIZED_FOR_TESTS", form == "ws")
+
+
+def _check_form_ran(native_module, form):
+    ran = native_module.last_attention_variant
+    assert ran.endswith("_ws") == (form == "ws"), f"expected the {form} form, ran {ran}"
+
+
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.parametrize("g,paged,causal,partial_dtype", CASES, ids=_case_id)
-def test_sparse_prefill_native_matches_float64(g, paged, causal, partial_dtype, seed,
-                                               monkeypatch):
+@pytest.mark.parametrize("case,form", FORMS_OF_CASE,
+                         ids=lambda v: v if isinstance(v, str) else
+                         "-".join(str(_case_id(x) or x) for x in v))
+def test_sparse_prefill_native_matches_float64(case, form, seed, monkeypatch):
+    g, paged, causal, partial_dtype = case
     native_module = _native_module()
     monkeypatch.setattr(native_module, "POISON_BUFFERS_FOR_TESTS", True)
+    _select_form(native_module, monkeypatch, form)
     if partial_dtype not in native_module.VALIDATED_PARTIAL_DTYPES:
         monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     case = CASES.index((g, paged, causal, partial_dtype))
@@ -195,6 +215,7 @@ def test_sparse_prefill_native_matches_float64(g, paged, causal, partial_dtype, 
     torch.cuda.synchronize()
     monkeypatch.delenv("MSA_BACKEND")
     assert _backend.last_backend("sparse_atten") == "sm90"
+    _check_form_ran(native_module, form)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     if temperature == 1.0:
         assert lse_t is lse
@@ -244,15 +265,26 @@ def _check_lse_fp8(name, got, want):
     assert bool((diff <= bound).all()), f"{name}: max diff {diff.max().item():.3e}"
 
 
+# The all-e4m3 mode on the warp-specialized form: both layouts, every partial dtype, G 8 / 16.
+FP8_WS_CASES = [("e4m3", g, paged, partial) for g in WS_GROUPS for paged in (False, True)
+                for partial in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)]
+FP8_FORMS_OF_CASE = [(case, "wgmma") for case in FP8_CASES] + [
+    (case, "ws") for case in FP8_WS_CASES]
+
+
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.parametrize("mode,g,paged,partial_dtype", FP8_CASES, ids=_case_id)
-def test_sparse_prefill_fp8_native_matches_reference(mode, g, paged, partial_dtype, seed,
-                                                     monkeypatch):
+@pytest.mark.parametrize("case,form", FP8_FORMS_OF_CASE,
+                         ids=lambda v: v if isinstance(v, str) else
+                         "-".join(str(_case_id(x) or x) for x in v))
+def test_sparse_prefill_fp8_native_matches_reference(case, form, seed, monkeypatch):
+    mode, g, paged, partial_dtype = case
     native_module = _native_module()
     monkeypatch.setattr(native_module, "POISON_BUFFERS_FOR_TESTS", True)
+    _select_form(native_module, monkeypatch, form)
     monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")    # the FP8 modes are gated until proven
-    case = FP8_CASES.index((mode, g, paged, partial_dtype))
+    all_cases = FP8_CASES + [c for c in FP8_WS_CASES if c not in FP8_CASES]
+    case = all_cases.index((mode, g, paged, partial_dtype))
     topk = (4, 8, 16, 32)[case % 4]
     causal = case % 3 != 1
     temperature = 2.0 if case % 2 else 1.0
@@ -287,6 +319,7 @@ def test_sparse_prefill_fp8_native_matches_reference(mode, g, paged, partial_dty
 
     out, lse, lse_t = call("native")                   # raises instead of falling back
     assert _backend.last_backend("sparse_atten") == "sm90"
+    _check_form_ran(native_module, form)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     ref_out, ref_lse, ref_lse_t = call("reference")
     assert _backend.last_backend("sparse_atten") != "sm90"

@@ -50,14 +50,23 @@ def expect_native(op):
 
 
 def sparse_prefill_cases(gen):
-    for g, paged, causal, partial, mode in (
-            (16, False, True, torch.bfloat16, "bf16"), (16, True, True, torch.float32, "bf16"),
-            (1, False, False, torch.float32, "bf16"), (1, True, False, torch.bfloat16, "bf16"),
-            (4, False, True, torch.bfloat16, "bf16_kv_e4m3"),
-            (8, True, True, torch.bfloat16, "e4m3_pv_bf16"),
-            (2, False, False, torch.bfloat16, "e4m3"),
-            (16, True, True, E4M3, "bf16"), (8, False, True, torch.float16, "e4m3"),
-            (16, False, True, E4M3, "e4m3")):
+    """Each kernel form explicitly: "wgmma" (the wgmma / warp-MMA kernels) and "ws" (the
+    warp-specialized TMA form, G 8 / 16)."""
+    from msa._native import sparse_prefill_sm90
+    for g, paged, causal, partial, mode, form in (
+            (16, False, True, torch.bfloat16, "bf16", "wgmma"),
+            (16, True, True, torch.float32, "bf16", "wgmma"),
+            (1, False, False, torch.float32, "bf16", "wgmma"),
+            (1, True, False, torch.bfloat16, "bf16", "wgmma"),
+            (4, False, True, torch.bfloat16, "bf16_kv_e4m3", "wgmma"),
+            (8, True, True, torch.bfloat16, "e4m3_pv_bf16", "wgmma"),
+            (2, False, False, torch.bfloat16, "e4m3", "wgmma"),
+            (16, True, True, E4M3, "bf16", "wgmma"),
+            (8, False, True, torch.float16, "e4m3", "wgmma"),
+            (16, False, True, E4M3, "e4m3", "wgmma"),
+            (16, False, True, torch.bfloat16, "bf16", "ws"), (8, True, False, E4M3, "bf16", "ws"),
+            (16, True, True, E4M3, "e4m3", "ws"), (8, False, True, torch.float16, "e4m3", "ws")):
+        sparse_prefill_sm90.WARP_SPECIALIZED_FOR_TESTS = form == "ws"
         topk = 8
         p = prefill_cases._make_problem(g, topk, paged, causal, gen, torch.device("cuda"))
         q2k = p["q2k"]
@@ -83,8 +92,11 @@ def sparse_prefill_cases(gen):
             page_table=p["page_table"], seqused_k=p["seqused_k"], schedule=built[2],
             pv_dtype=pv_dtype)
         expect_native("sparse_atten")
+        assert sparse_prefill_sm90.last_attention_variant.endswith("_ws") == (form == "ws")
         assert not torch.isnan(out).any()
-        print(f"sparse prefill {mode} G={g} paged={paged} causal={causal} partial={partial}: ok")
+        print(f"sparse prefill [{form}] {mode} G={g} paged={paged} causal={causal} "
+              f"partial={partial}: ok")
+    sparse_prefill_sm90.WARP_SPECIALIZED_FOR_TESTS = None
 
 
 def topk_cases(gen):

@@ -57,6 +57,19 @@ VALIDATED_PARTIAL_DTYPES: set = {torch.float32, torch.bfloat16, torch.float16, _
 # and replaced the shared-memory-P form.
 VALIDATED_FP8_MODES: set = {"bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3"}
 UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
+# The warp-specialized form (variants sparse_prefill_sm90_{bfloat16,e4m3}_g{8,16}_*_ws,
+# cute_kernels/sparse_prefill_sm90_ws.py: a TMA producer warp gathers each query's G x 128 Q
+# rows, two consumer warpgroups take tiles alternately and TMA-store each query's partial rows):
+# for G in WS_GROUPS, bf16 or all-e4m3 Q/K/V, 16-bit or e4m3 partials. Compiled for sm_90a (no
+# spills); gated until its cases in tests/test_sparse_prefill_gpu.py pass on an H200.
+VALIDATED_WARP_SPECIALIZED = False
+# None: the gate decides; False: the wgmma kernel; True: the warp-specialized form wherever it
+# exists (tests and benchmarks).
+WARP_SPECIALIZED_FOR_TESTS: Optional[bool] = None
+WS_GROUPS = (8, 16)
+WS_MODES = ("bfloat16", "e4m3")
+# The attention artifact of the most recent run() (tests and benchmarks check the form).
+last_attention_variant: Optional[str] = None
 
 
 def attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype) -> Optional[str]:
@@ -75,12 +88,25 @@ def attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype) -> Optional[str]:
     return None
 
 
+def warp_specialized(qhead_per_kv: int, partial_dtype: torch.dtype, mode: str) -> bool:
+    """Whether the warp-specialized form runs this call: it exists for the head group, dtype
+    mode and partial dtype, and the gate (or WARP_SPECIALIZED_FOR_TESTS) allows it."""
+    if (qhead_per_kv not in WS_GROUPS or mode not in WS_MODES
+            or partial_dtype == torch.float32):
+        return False
+    return _backend.form_enabled(WARP_SPECIALIZED_FOR_TESTS,
+                                 "the warp-specialized sm90 sparse attention",
+                                 VALIDATED_WARP_SPECIALIZED)
+
+
 def _variant_names(qhead_per_kv: int, paged: bool, partial_dtype: torch.dtype,
                    mode: str = "bfloat16") -> Tuple[str, str]:
-    """(attention, combine) artifact names; must match cute_kernels.variants."""
+    """(attention, combine) artifact names of the form that serves the call; must match
+    cute_kernels.variants."""
     short = _PARTIALS[partial_dtype][1]
     layout = "paged" if paged else "dense"
-    return (f"sparse_prefill_sm90_{mode}_g{qhead_per_kv}_{layout}_p{short}",
+    form = "_ws" if warp_specialized(qhead_per_kv, partial_dtype, mode) else ""
+    return (f"sparse_prefill_sm90_{mode}_g{qhead_per_kv}_{layout}_p{short}{form}",
             f"sparse_combine_sm90_p{short}")
 
 
@@ -166,6 +192,8 @@ def run(call) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tens
     if POISON_BUFFERS_FOR_TESTS:
         for buffer in (o_partial, lse_partial, lse_t_partial, out, lse, lse_t):
             buffer.fill_(float("nan"))
+    global last_attention_variant
+    last_attention_variant = attention_name
     cute_runtime.launch(
         attention_name, device, q, k, v, call.cu_seqlens_q, cu_k, kv_lens, page_table,
         call.k2q_row_ptr, schedule.qsplit_indices, schedule.scheduler_metadata,

@@ -19,10 +19,11 @@ from .block_max_score_sm90 import BlockMaxScoreSm90
 from .combine import SparseCombineSm90
 from .sparse_prefill_sm90 import SparsePrefillSm90
 from .sparse_prefill_sm90_wgmma import SparsePrefillSm90Wgmma
+from .sparse_prefill_sm90_ws import SparsePrefillSm90Ws
 from .fmha_sm90 import FmhaSm90, FmhaSm90MaxScore, FmhaSm90Split
 from .fmha_sm90_ws import FORMS as WS_FORMS, FP8_FORMS as FP8_WS_FORMS, FmhaSm90Ws
-from .variants import (FP8_MODES, AttentionVariant, BlockMaxScoreVariant, CombineVariant,
-                       FmhaVariant)
+from .variants import (FP8_MODES, WS_DTYPES, WS_GROUPS, AttentionVariant, BlockMaxScoreVariant,
+                       CombineVariant, FmhaVariant)
 
 TARGET_ARCH = "sm_90a"
 _DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
@@ -145,6 +146,16 @@ def attention_kernel(variant: AttentionVariant):
     e4m3 partials, warp MMA for fp32 partials. MSA_CUTE_MMA=warp forces the warp-MMA kernel for
     bf16 Q/K/V with 16-bit partials; the FP8 modes exist only on the wgmma kernel."""
     partial = _DTYPES[variant.partial_dtype]
+    if variant.form == "ws":
+        if (variant.qhead_per_kv not in WS_GROUPS or variant.dtype not in WS_DTYPES
+                or partial.width == 32):
+            raise NotImplementedError(f"{variant.name}: the warp-specialized form exists for "
+                                      f"G in {WS_GROUPS}, {'/'.join(WS_DTYPES)} Q/K/V and "
+                                      "16-bit or e4m3 partials")
+        return SparsePrefillSm90Ws(variant.qhead_per_kv, variant.paged, partial,
+                                   mode="bf16" if variant.dtype == "bfloat16" else "e4m3")
+    if variant.form:
+        raise NotImplementedError(f"{variant.name}: unknown attention form {variant.form!r}")
     if variant.dtype in FP8_MODES:
         if partial.width == 32:
             raise NotImplementedError(f"{variant.name}: FP8 modes have no fp32 partials")

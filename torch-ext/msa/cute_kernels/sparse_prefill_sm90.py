@@ -415,6 +415,18 @@ class SparsePrefillSm90:
                                   head_kv * self.group + r % self.group, None]
                 gO = thr_store_o.partition_D(cute.make_tensor(o_row.iterator, warp_row_stride0))
                 cute.copy(store_o_copy, r_out[None, m, None], gO[None, m, None])
+        self._write_lse_rows(tScS, n_my_rows, row_lse, row_lse_t, want_lse_t, sEntry, stage,
+                             q_start, q_len, head_kv, mLsePartial, mLseTPartial, lane)
+
+    @cute.jit
+    def _write_lse_rows(self, tScS: cute.Tensor, n_my_rows: cutlass.Constexpr,
+                        row_lse: cute.Tensor, row_lse_t: cute.Tensor, want_lse_t: cutlass.Int32,
+                        sEntry: cute.Tensor, stage: cutlass.Int32, q_start: cutlass.Int32,
+                        q_len: cutlass.Int32, head_kv: cutlass.Int32, mLsePartial: cute.Tensor,
+                        mLseTPartial: cute.Tensor, lane: cutlass.Int32):
+        """LSE (and LSE_T) of this thread's accumulator rows into slot `packed >> SLOT_SHIFT` of
+        their query (one lane per quad: the quad shares a row); rows without a query of the
+        request are skipped."""
         if lane % 4 == 0:
             for i in cutlass.range_constexpr(n_my_rows):
                 r = tScS[i, 0][0]
@@ -427,6 +439,30 @@ class SparsePrefillSm90:
                     mLsePartial[slot, q_abs, hq] = row_lse[i]
                     if want_lse_t != 0:
                         mLseTPartial[slot, q_abs, hq] = row_lse_t[i]
+
+    @cute.jit
+    def _load_kv_through_registers(self, convert_load: cute.TiledCopy, tidx: cutlass.Int32,
+                                   mKV: cute.Tensor, kv_row0: cutlass.Int32,
+                                   head_kv: cutlass.Int32, n_keys: cutlass.Int32,
+                                   dst: cute.Tensor):
+        """Load the block's 128 x 128 K or V rows (e4m3) with plain 16-byte loads, convert to
+        dst's element type and store them through dst, a (key, channel) view of a shared tile
+        (bf16 [key, channel], or e4m3 Vt [channel, key] for the transposed store). Keys at or
+        past n_keys are zero-filled; nothing is read out of bounds."""
+        thr = convert_load.get_slice(tidx)
+        tLd = thr.partition_D(dst)
+        tLc = thr.partition_S(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
+        row_stride0 = cute.make_layout((BLOCK_N, HEAD_DIM), stride=(0, 1))
+        for m in cutlass.range_constexpr(cute.size(tLd.shape[1])):
+            key = tLc[0, m, 0][0]
+            if key < n_keys:
+                ptr = kv_row_iterator(mKV, self.paged, kv_row0, head_kv, key)
+                gKV = thr.partition_S(cute.make_tensor(ptr, row_stride0))
+                frag = cute.make_fragment_like(gKV[None, m, None])
+                cute.copy(convert_load, gKV[None, m, None], frag)
+                tLd[None, m, None].store(frag.load().to(dst.element_type))
+            else:
+                tLd[None, m, None].fill(0)
 
     @cute.jit
     def _load_gather_entries(self, entries: cute.Tensor, mQsplit: cute.Tensor,

@@ -419,27 +419,3 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
             elems_per_line = 1024 // self.qk_dtype.width
             cute.arch.prefetch((q_row.iterator + line * elems_per_line).llvm_ptr,
                                cache_level="L2")
-
-    @cute.jit
-    def _load_kv_through_registers(self, convert_load: cute.TiledCopy, tidx: cutlass.Int32,
-                                   mKV: cute.Tensor, kv_row0: cutlass.Int32,
-                                   head_kv: cutlass.Int32, n_keys: cutlass.Int32,
-                                   dst: cute.Tensor):
-        """Load the block's 128 x 128 K or V rows (e4m3) with plain 16-byte loads, convert to
-        dst's element type and store them through dst, a (key, channel) view of a shared tile
-        (bf16 [key, channel], or e4m3 Vt [channel, key] for the transposed store). Keys at or
-        past n_keys are zero-filled; nothing is read out of bounds."""
-        thr = convert_load.get_slice(tidx)
-        tLd = thr.partition_D(dst)
-        tLc = thr.partition_S(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
-        row_stride0 = cute.make_layout((BLOCK_N, HEAD_DIM), stride=(0, 1))
-        for m in cutlass.range_constexpr(cute.size(tLd.shape[1])):
-            key = tLc[0, m, 0][0]
-            if key < n_keys:
-                ptr = kv_row_iterator(mKV, self.paged, kv_row0, head_kv, key)
-                gKV = thr.partition_S(cute.make_tensor(ptr, row_stride0))
-                frag = cute.make_fragment_like(gKV[None, m, None])
-                cute.copy(convert_load, gKV[None, m, None], frag)
-                tLd[None, m, None].store(frag.load().to(dst.element_type))
-            else:
-                tLd[None, m, None].fill(0)

@@ -28,6 +28,10 @@ INPUT_DTYPES = ("bfloat16",)                 # Q/K/V element types compiled so f
 # They are compiled and shipped, but msa._native.sparse_prefill_sm90 serves a mode only once it
 # is listed in its VALIDATED_FP8_MODES (proven on an H200).
 FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
+# The warp-specialized sparse attention form (AttentionVariant.form "ws"): head groups whose
+# query rows fill whole 1 KB swizzle atoms, bf16 or all-e4m3 Q/K/V.
+WS_GROUPS = (8, 16)
+WS_DTYPES = ("bfloat16", "e4m3")
 INDEX_HEADS = (1, 2, 4, 8)                   # index query heads H of block_max_scores
 INDEX_DTYPES = ("bfloat16", "e4m3")          # q_idx / k_idx element types (same for both)
 FMHA_DTYPES = ("bfloat16", "e4m3")          # dense FMHA q/k/v element types (output O)
@@ -41,12 +45,16 @@ class AttentionVariant:
     paged: bool
     partial_dtype: str = "float32"
     dtype: str = "bfloat16"
+    # "" (the wgmma / warp-MMA kernels) or "ws" (cute_kernels.sparse_prefill_sm90_ws: TMA Q
+    # gathers and partial stores, warp-specialized; WS_GROUPS x WS_DTYPES, wgmma partials)
+    form: str = ""
 
     @property
     def name(self) -> str:
         layout = "paged" if self.paged else "dense"
+        suffix = f"_{self.form}" if self.form else ""
         return (f"sparse_prefill_sm90_{self.dtype}_g{self.qhead_per_kv}_{layout}"
-                f"_p{_short(self.partial_dtype)}")
+                f"_p{_short(self.partial_dtype)}{suffix}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +127,11 @@ def shipped_variants() -> List[object]:
             for g in QHEAD_PER_KV:
                 for partial in WGMMA_PARTIAL_DTYPES:
                     out.append(AttentionVariant(g, paged, partial, mode))
+    for dtype in WS_DTYPES:
+        for paged in (False, True):
+            for g in WS_GROUPS:
+                for partial in WGMMA_PARTIAL_DTYPES:
+                    out.append(AttentionVariant(g, paged, partial, dtype, form="ws"))
     out.extend(CombineVariant(p) for p in PARTIAL_DTYPES)
     for dtype in INDEX_DTYPES:
         for paged in (False, True):

@@ -1,0 +1,386 @@
+"""Block-sparse prefill attention, KV-outer, warp-specialized with TMA (Hopper, sm_90a), for
+head groups G = 8 and 16 (the MSA configuration, Hq = 64 over Hkv = 4, is G = 16).
+
+Same work items, masking, softmax and outputs as sparse_prefill_sm90_wgmma (read its docstring
+and sparse_prefill_sm90's); what differs is who moves the bytes. In the wgmma kernel every
+thread computes cp.async gather addresses for its Q rows and 16-byte store addresses for its
+partial-O rows, about 40 % of the instructions per tile. Here a query's G heads are one
+contiguous G x 128 run of q (and of a slot of o_partial), so one TMA box of G rows x 128 bytes
+moves it:
+
+* warp 0 (producer, its warpgroup drops to PRODUCER_REGS): per 64-row tile it loads the tile's
+  qsplit entries (lane i: query i), publishes them in shared memory and TMA-loads each query's
+  G x 128 Q rows (2 boxes for bf16, 1 for e4m3) into a Q_STAGES-deep ring (full barrier: one
+  arrival plus the boxes' bytes; empty: one arrival per warp of the consuming warpgroup).
+  Coordinates of a missing or invalid query fall outside q, and the TMA zero-fills them.
+* warpgroups 1 and 2 (consumers) take tiles alternately (one warpgroup's softmax and epilogue
+  run under the other's MMAs). First they load the block's K and V once (cp.async; e4m3 V is
+  transposed through registers into the key-permuted Vt, as in the wgmma kernel), then per tile:
+  S = Q K^T (SS wgmma), single-block softmax, O = P V (RS wgmma), normalize, stage O in the
+  warpgroup's own O tile (partial dtype, 128-byte swizzle) and TMA-store each valid query's G
+  rows to its slot (warp w stores queries w, w + 4); LSE rows are written by the threads. A
+  warpgroup waits for its previous stores to have read the O tile before refilling it, and
+  releases the Q stage (and the entries) after its last read.
+
+Shared memory (bf16, bf16 partials): Q 4 x 16 KB + K 32 KB + V 32 KB + O 2 x 16 KB = 160 KB;
+one CTA per SM. The kernel never reads or writes out of bounds whatever the schedule says: TMA
+boxes are clipped to q and o_partial, K/V rows past the block's keys are zero-filled.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as hopper
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, SLOT_SHIFT,
+                                  SparsePrefillSm90)
+from .tile_utils import (kv_row_iterator, register_p_key_order, register_p_operand, row_copy,
+                         warpgroup_gemm, warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
+                         wgmma_rows_cols_view)
+
+WS_GROUPS = (8, 16)         # G with a query's rows filling whole 1 KB swizzle atoms
+WS_MODES = ("bf16", "e4m3")
+WG_ROWS = 64                # rows per tile (one consumer warpgroup's wgmma M)
+NUM_MMA_WARPGROUPS = 2
+NUM_THREADS = 128 * (1 + NUM_MMA_WARPGROUPS)
+Q_STAGES = 4
+PRODUCER_REGS = 40
+MMA_REGS = 232              # 40 * 128 + 232 * 256 <= 64K registers
+# Named barriers (0 is sync_threads): both consumer warpgroups (K/V landed), and each consumer
+# warpgroup's own (its O tile free / written).
+BAR_CONSUMERS = 1
+BAR_WG = 2                  # + consumer index
+
+
+class SparsePrefillSm90Ws(SparsePrefillSm90):
+    """Warp-specialized TMA variant; mode "bf16" (bf16 Q/K/V) or "e4m3" (e4m3 Q/K/V and P.V),
+    bf16, fp16 or e4m3 partials, G in WS_GROUPS."""
+
+    def __init__(self, qhead_per_kv: int, paged: bool, partial_dtype=cutlass.BFloat16,
+                 mode: str = "bf16"):
+        super().__init__(qhead_per_kv, paged, partial_dtype)
+        assert qhead_per_kv in WS_GROUPS, qhead_per_kv
+        assert partial_dtype.width == 16 or partial_dtype is cutlass.Float8E4M3FN, partial_dtype
+        assert mode in WS_MODES, mode
+        self.mode = mode
+        self.qk_dtype = cutlass.Float8E4M3FN if mode == "e4m3" else cutlass.BFloat16
+        self.pv_dtype = self.qk_dtype
+        self.transpose_v = mode == "e4m3"
+        self.tile_m = WG_ROWS
+        self.queries_per_tile = WG_ROWS // qhead_per_kv
+        # One TMA box = a query's G rows x 128 bytes (the swizzle span): 64 bf16 / 128 e4m3.
+        self.q_box_cols = 1024 // self.qk_dtype.width
+        self.o_box_cols = 1024 // partial_dtype.width
+        self.q_query_bytes = qhead_per_kv * HEAD_DIM * self.qk_dtype.width // 8
+
+    def _shared_storage(self, q_layout, k_layout, v_layout, o_layout):
+        def tile(dtype, layout):
+            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
+        fields = {"sQ": tile(self.qk_dtype, q_layout), "sK": tile(self.qk_dtype, k_layout),
+                  "sV": tile(self.pv_dtype, v_layout), "sO": tile(self.partial_dtype, o_layout),
+                  "sEntry": cute.struct.Align[cute.struct.MemRange[
+                      cutlass.Int32, self.queries_per_tile * Q_STAGES], 16],
+                  "mbar": cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES],
+                                            8]}
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
+                 cu_seqlens_q: cute.Tensor, cu_seqlens_k: cute.Tensor, kv_lens: cute.Tensor,
+                 page_table: cute.Tensor, k2q_row_ptr: cute.Tensor, qsplit: cute.Tensor,
+                 metadata: cute.Tensor, work_count: cute.Tensor, o_partial: cute.Tensor,
+                 lse_partial: cute.Tensor, lse_t_partial: cute.Tensor,
+                 softmax_scale: cutlass.Float32, inv_temperature: cutlass.Float32,
+                 causal: cutlass.Int32, want_lse_t: cutlass.Int32, stream):
+        G = self.group
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.qk_dtype)
+        q_layout = cute.tile_to_shape(atom, (WG_ROWS, HEAD_DIM, Q_STAGES), (0, 1, 2))
+        q_box = cute.tile_to_shape(atom, (G, self.q_box_cols), (0, 1))
+        k_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM), (0, 1))
+        v_layout = k_layout
+        if cutlass.const_expr(self.transpose_v):
+            v_layout = cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N), (0, 1))   # Vt
+        o_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
+                                                 self.partial_dtype)
+        o_layout = cute.tile_to_shape(o_atom, (WG_ROWS, HEAD_DIM, NUM_MMA_WARPGROUPS),
+                                      (0, 1, 2))
+        o_box = cute.tile_to_shape(o_atom, (G, self.o_box_cols), (0, 1))
+        SharedStorage = self._shared_storage(q_layout, k_layout, v_layout, o_layout)
+
+        # TMA views with the (head, channel) box first: q (head, channel, token), o_partial
+        # (head, channel, token, slot).
+        q_view = cute.make_tensor(q.iterator, cute.select(q.layout, mode=[1, 2, 0]))
+        o_view = cute.make_tensor(o_partial.iterator,
+                                  cute.select(o_partial.layout, mode=[2, 3, 1, 0]))
+        tma_q, tQ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), q_view,
+                                                q_box, (G, self.q_box_cols))
+        tma_o, tO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), o_view,
+                                                o_box, (G, self.o_box_cols))
+
+        gather_copy = row_copy(self.qk_dtype, 16)                       # one warpgroup
+        convert_load = row_copy(self.qk_dtype, 16, async_copy=False)
+        mma_qk = hopper.make_trivial_tiled_mma(
+            self.qk_dtype, self.qk_dtype, cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K, cutlass.Float32, (1, 1, 1), (WG_ROWS, BLOCK_N))
+        # bf16: V [key, channel] is the MN-major B of O = P V; e4m3: the key-permuted Vt is
+        # K-major (e4m3 wgmma needs it).
+        v_major = (cute.nvgpu.OperandMajorMode.K if cutlass.const_expr(self.transpose_v)
+                   else cute.nvgpu.OperandMajorMode.MN)
+        mma_pv = hopper.make_trivial_tiled_mma(
+            self.pv_dtype, self.pv_dtype, cute.nvgpu.OperandMajorMode.K, v_major,
+            cutlass.Float32, (1, 1, 1), (WG_ROWS, HEAD_DIM),
+            a_source=warpgroup.OperandSource.RMEM)
+        stage_o_copy = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.partial_dtype,
+                                num_bits_per_copy=2 * self.partial_dtype.width), mma_pv)
+
+        self.kernel_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens, page_table, k2q_row_ptr,
+                       qsplit, metadata, work_count, lse_partial, lse_t_partial,
+                       softmax_scale * LOG2_E, inv_temperature, causal, want_lse_t, tQ, tO,
+                       tma_q, tma_o, q_layout, k_layout, v_layout, o_layout, gather_copy,
+                       convert_load, mma_qk, mma_pv, stage_o_copy, SharedStorage).launch(
+            grid=(cute.size(metadata.shape[0]), 1, 1), block=(NUM_THREADS, 1, 1),
+            stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel_ws(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCuQ: cute.Tensor,
+                  mCuK: cute.Tensor, mKvLens: cute.Tensor, mPageTable: cute.Tensor,
+                  mRowPtr: cute.Tensor, mQsplit: cute.Tensor, mMeta: cute.Tensor,
+                  mWorkCount: cute.Tensor, mLsePartial: cute.Tensor, mLseTPartial: cute.Tensor,
+                  scale_log2: cutlass.Float32, inv_temperature: cutlass.Float32,
+                  causal: cutlass.Int32, want_lse_t: cutlass.Int32, tQ: cute.Tensor,
+                  tO: cute.Tensor, tma_q: cute.CopyAtom, tma_o: cute.CopyAtom,
+                  q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout,
+                  v_layout: cute.ComposedLayout, o_layout: cute.ComposedLayout,
+                  gather_copy: cute.TiledCopy, convert_load: cute.TiledCopy,
+                  mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, stage_o_copy: cute.TiledCopy,
+                  SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        work, _, _ = cute.arch.block_idx()
+        if work < mWorkCount[0]:
+            head_kv = mMeta[work, 0]
+            csr_row = mMeta[work, 1]
+            q_begin = mMeta[work, 2]
+            q_count = mMeta[work, 3]
+            batch = mMeta[work, 4]
+            kv_block = mMeta[work, 5]
+            q_start = mCuQ[batch]
+            q_len = mCuQ[batch + 1] - q_start
+            entry0 = mRowPtr[head_kv, csr_row] + q_begin
+            n_tiles = (q_count + self.queries_per_tile - 1) // self.queries_per_tile
+
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(SharedStorage)
+            sQ_stages = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+            sO_wgs = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)
+            sEntry = storage.sEntry.get_tensor(
+                cute.make_layout((self.queries_per_tile, Q_STAGES)))
+            mbar = storage.mbar.data_ptr()
+            wg = cute.arch.make_warp_uniform(tidx // 128)
+            warp = cute.arch.make_warp_uniform(tidx // 32)
+            if warp == 0:
+                with cute.arch.elect_one():
+                    for s in cutlass.range_constexpr(Q_STAGES):
+                        cute.arch.mbarrier_init(mbar + s, 1)                     # Q full
+                        cute.arch.mbarrier_init(mbar + Q_STAGES + s, 4)          # Q empty
+                cpasync.prefetch_descriptor(tma_q)
+                cpasync.prefetch_descriptor(tma_o)
+            if wg > 0:
+                # Rows of missing queries are multiplied too: start the ring from zeros, and
+                # publish the zeros to the async proxy before the first TMA lands.
+                zero_copy = row_copy(self.qk_dtype, 32, async_copy=False)
+                thr_zero = zero_copy.get_slice(tidx - 128)
+                for s in cutlass.range_constexpr(Q_STAGES):
+                    thr_zero.partition_D(sQ_stages[None, None, s]).fill(0)
+                cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                if warp == 0:
+                    self._produce_q(mQsplit, tQ, tma_q, sQ_stages, sEntry, mbar, head_kv,
+                                    entry0, q_count, q_start, n_tiles, tidx % 32)
+            else:
+                cute.arch.setmaxregister_increase(MMA_REGS)
+                self._consume(mK, mV, mCuK, mKvLens, mPageTable, mLsePartial, mLseTPartial,
+                              tO, tma_o, storage, sQ_stages, sO_wgs, sEntry, mbar, k_layout,
+                              v_layout, gather_copy, convert_load, mma_qk, mma_pv,
+                              stage_o_copy, head_kv, batch, kv_block, q_start, q_len,
+                              n_tiles, scale_log2, inv_temperature, causal, want_lse_t,
+                              tidx - 128, wg - 1)
+
+    # ---- producer (one warp) ---------------------------------------------------------------
+    @cute.jit
+    def _produce_q(self, mQsplit: cute.Tensor, tQ: cute.Tensor, tma_q: cute.CopyAtom,
+                   sQ_stages: cute.Tensor, sEntry: cute.Tensor, mbar, head_kv: cutlass.Int32,
+                   entry0: cutlass.Int32, q_count: cutlass.Int32, q_start: cutlass.Int32,
+                   n_tiles: cutlass.Int32, lane: cutlass.Int32):
+        """Per tile: wait for the stage to be free, publish the tile's entries (lane i: query
+        i, -1 past the work item) and TMA-load the G x 128 Q rows of each of its queries."""
+        G = self.group
+        qpt = self.queries_per_tile
+        # ((G, cols) box, query, column half, stage) and ((G, cols) box, head group, column
+        # half, token).
+        sQ_boxes = cute.group_modes(cute.flat_divide(sQ_stages, (G, self.q_box_cols)), 0, 2)
+        gQ_boxes = cute.group_modes(cute.flat_divide(tQ, (G, self.q_box_cols)), 0, 2)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), sQ_boxes, gQ_boxes)
+        for tile in range(n_tiles):
+            stage = tile % Q_STAGES
+            cute.arch.mbarrier_wait(mbar + Q_STAGES + stage, ((tile // Q_STAGES) % 2) ^ 1)
+            n_valid = cutlass.min(qpt, q_count - tile * qpt)
+            packed = cutlass.Int32(-1)
+            if lane < n_valid:
+                packed = mQsplit[head_kv, entry0 + tile * qpt + lane]
+            if lane < qpt:
+                sEntry[lane, stage] = packed
+            cute.arch.sync_warp()
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar + stage,
+                                                        n_valid * self.q_query_bytes)
+            for i in cutlass.range_constexpr(qpt):
+                packed_i = cute.arch.shuffle_sync(packed, i)
+                if i < n_valid:
+                    # -1 (no slot) maps past q: the TMA zero-fills the box.
+                    token = q_start + (packed_i & LOCAL_QUERY_MASK)
+                    for h in cutlass.range_constexpr(HEAD_DIM // self.q_box_cols):
+                        cute.copy(tma_q, tQgQ[None, head_kv, h, token],
+                                  tQsQ[None, i, h, stage], tma_bar_ptr=mbar + stage)
+
+    # ---- consumers (two warpgroups) --------------------------------------------------------
+    @cute.jit
+    def _consume(self, mK, mV, mCuK, mKvLens, mPageTable, mLsePartial, mLseTPartial, tO,
+                 tma_o, storage, sQ_stages, sO_wgs, sEntry, mbar, k_layout, v_layout,
+                 gather_copy, convert_load, mma_qk, mma_pv, stage_o_copy, head_kv, batch,
+                 kv_block, q_start, q_len, n_tiles, scale_log2, inv_temperature, causal,
+                 want_lse_t, ctidx, mwg):
+        G = self.group
+        wg_tidx = ctidx % 128
+        lane = ctidx % 32
+        warp_in_wg = cute.arch.make_warp_uniform(wg_tidx // 32)
+        k_len = mKvLens[batch]
+        key0 = kv_block * BLOCK_N
+        kv_row0, n_keys = self._kv_block_source(mK, mCuK, mPageTable, batch, kv_block, k_len)
+        causal_shift = k_len - q_len - key0
+
+        sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+        if cutlass.const_expr(self.transpose_v):
+            # sV is Vt (channel x key); the load stores key c at Vt column pi(c).
+            sVt = sV
+            sV_rows = cute.composition(sV, register_p_key_order())
+        else:
+            sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, BLOCK_N),
+                                                                order=(1, 0)))
+            sV_rows = sV
+
+        # ---- the block's K (warpgroup 0) and V (warpgroup 1), rows past n_keys zeroed
+        if mwg == 0:
+            self._load_rows_async(gather_copy, wg_tidx, mK, kv_row0, head_kv, n_keys, sK)
+        else:
+            if cutlass.const_expr(self.transpose_v):
+                self._load_kv_through_registers(convert_load, wg_tidx, mV, kv_row0, head_kv,
+                                                n_keys, sV_rows)
+            else:
+                self._load_rows_async(gather_copy, wg_tidx, mV, kv_row0, head_kv, n_keys,
+                                      sV_rows)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=256)
+
+        thr_qk = mma_qk.get_slice(wg_tidx)
+        thr_pv = mma_pv.get_slice(wg_tidx)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_stages))   # (.., .., K, stage)
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        tScS = wgmma_rows_cols_view(thr_qk.partition_C(
+            cute.make_identity_tensor((WG_ROWS, BLOCK_N))))
+        n_my_rows = cute.size(tScS, mode=[0])
+        n_my_cols = cute.size(tScS, mode=[1])
+        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((WG_ROWS, BLOCK_N)),
+                                      cutlass.Float32)
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((WG_ROWS, HEAD_DIM)),
+                                      cutlass.Float32)
+        a_shape = thr_pv.partition_shape_A((WG_ROWS, BLOCK_N))
+        thr_stage_o = stage_o_copy.get_slice(wg_tidx)
+        tOsO_mine = thr_stage_o.partition_D(sO_wgs[None, None, mwg])
+        # ((G, cols) box, query, column half, warpgroup) and ((G, cols) box, head group,
+        # column half, token, slot).
+        sO_boxes = cute.group_modes(cute.flat_divide(sO_wgs, (G, self.o_box_cols)), 0, 2)
+        gO_boxes = cute.group_modes(cute.flat_divide(tO, (G, self.o_box_cols)), 0, 2)
+        tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), sO_boxes, gO_boxes)
+
+        for tile in range(mwg, n_tiles, NUM_MMA_WARPGROUPS):
+            stage = tile % Q_STAGES
+            cute.arch.mbarrier_wait(mbar + stage, (tile // Q_STAGES) % 2)
+            warpgroup_gemm(mma_qk, acc_s, tSrQ[None, None, None, stage], tSrK)
+
+            s_rc = wgmma_rows_cols_view(acc_s)
+            row_lse = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
+            row_lse_t = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
+            row_inv_sum = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
+            self._softmax_rows(s_rc, tScS, n_my_rows, n_my_cols, sEntry, stage, n_keys, causal,
+                               causal_shift, scale_log2, inv_temperature, want_lse_t, row_lse,
+                               row_lse_t, row_inv_sum)
+            r_p = cute.make_fragment_like(acc_s, self.pv_dtype)
+            r_p.store(acc_s.load().to(self.pv_dtype))
+            if cutlass.const_expr(self.transpose_v):
+                t_p = register_p_operand(r_p, a_shape)
+            else:
+                t_p = wgmma_accumulator_as_operand_a(r_p)
+            warpgroup_gemm(mma_pv, acc_o, t_p, tOrVt)
+
+            o_rc = wgmma_rows_cols_view(acc_o)
+            for i in cutlass.range_constexpr(n_my_rows):
+                for j in cutlass.range_constexpr(n_my_cols):
+                    o_rc[i, j] = o_rc[i, j] * row_inv_sum[i]
+            r_o = cute.make_fragment_like(acc_o, self.partial_dtype)
+            r_o.store(acc_o.load().to(self.partial_dtype))
+            # The O tile is free once this warpgroup's previous stores have read it.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
+            cute.copy(stage_o_copy, thr_stage_o.retile(r_o), tOsO_mine)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
+            # Warp w stores queries w, w + 4: G rows x 128 channels into the query's slot.
+            for i in cutlass.range_constexpr((self.queries_per_tile + 3) // 4):
+                query = warp_in_wg + 4 * i
+                if query < self.queries_per_tile:
+                    packed = sEntry[query, stage]
+                    q_local = packed & LOCAL_QUERY_MASK
+                    if packed >= 0 and q_local < q_len:
+                        for h in cutlass.range_constexpr(HEAD_DIM // self.o_box_cols):
+                            cute.copy(tma_o, tOsO[None, query, h, mwg],
+                                      tOgO[None, head_kv, h, q_start + q_local,
+                                           packed >> SLOT_SHIFT])
+            cute.arch.cp_async_bulk_commit_group()
+            self._write_lse_rows(tScS, n_my_rows, row_lse, row_lse_t, want_lse_t, sEntry, stage,
+                                 q_start, q_len, head_kv, mLsePartial, mLseTPartial, lane)
+            # Last reads of this stage's entries are done: hand the Q stage back.
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.mbarrier_arrive(mbar + Q_STAGES + stage)
+        # The O tile must outlive the stores reading it.
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _load_rows_async(self, gather_copy: cute.TiledCopy, tidx: cutlass.Int32,
+                         mKV: cute.Tensor, kv_row0: cutlass.Int32, head_kv: cutlass.Int32,
+                         n_keys: cutlass.Int32, dst: cute.Tensor):
+        """cp.async the block's 128 K or V rows into dst (a (key, channel) view of a shared
+        tile, same element type), keys at or past n_keys zero-filled."""
+        thr = gather_copy.get_slice(tidx)
+        tXd = thr.partition_D(dst)
+        tXc = thr.partition_S(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
+        row_stride0 = cute.make_layout((BLOCK_N, HEAD_DIM), stride=(0, 1))
+        for m in cutlass.range_constexpr(cute.size(tXd.shape[1])):
+            key = tXc[0, m, 0][0]
+            if key < n_keys:
+                ptr = kv_row_iterator(mKV, self.paged, kv_row0, head_kv, key)
+                gX = thr.partition_S(cute.make_tensor(ptr, row_stride0))
+                cute.copy(gather_copy, gX[None, m, None], tXd[None, m, None])
+            else:
+                tXd[None, m, None].fill(0)
