@@ -142,20 +142,10 @@ class SparsePrefillSm90:
         tidx, _, _ = cute.arch.thread_idx()
         work, _, _ = cute.arch.block_idx()
         if work < mWorkCount[0]:
-            head_kv = mMeta[work, 0]
-            csr_row = mMeta[work, 1]
-            q_begin = mMeta[work, 2]
-            q_count = mMeta[work, 3]
-            batch = mMeta[work, 4]
-            kv_block = mMeta[work, 5]
-
-            q_start = mCuQ[batch]
-            q_len = mCuQ[batch + 1] - q_start
-            k_len = mKvLens[batch]
-            key0 = kv_block * BLOCK_N
-            kv_row0, n_keys = self._kv_block_source(mK, mCuK, mPageTable, batch, kv_block,
-                                                    k_len)
-            causal_shift = k_len - q_len - key0   # key j visible iff j <= q_local + shift
+            (head_kv, csr_row, q_begin, q_count, batch, kv_block, q_start,
+             q_len) = self._work_item(mMeta, mCuQ, work)
+            kv_row0, n_keys, causal_shift = self._kv_block_bounds(
+                mK, mCuK, mKvLens, mPageTable, batch, kv_block, q_len)
 
             smem = cutlass.utils.SmemAllocator()
             storage = smem.allocate(SharedStorage)
@@ -311,11 +301,28 @@ class SparsePrefillSm90:
                                          warp_row_stride0, lane)
 
     @cute.jit
-    def _kv_block_source(self, mK: cute.Tensor, mCuK: cute.Tensor, mPageTable: cute.Tensor,
-                         batch: cutlass.Int32, kv_block: cutlass.Int32, k_len: cutlass.Int32):
-        """(kv_row0, n_keys) of KV block kv_block of request batch: its first token (dense) or
-        physical page (paged), and how many of its keys exist and may be read (0 for a page
-        outside the table or the pool; never past the K/V tensor)."""
+    def _work_item(self, mMeta: cute.Tensor, mCuQ: cute.Tensor, work: cutlass.Int32):
+        """Schedule row `work` (head_kv, csr_row, q_begin, q_count, batch, kv_block) and its
+        request's queries (q_start, q_len)."""
+        head_kv = mMeta[work, 0]
+        csr_row = mMeta[work, 1]
+        q_begin = mMeta[work, 2]
+        q_count = mMeta[work, 3]
+        batch = mMeta[work, 4]
+        kv_block = mMeta[work, 5]
+        q_start = mCuQ[batch]
+        q_len = mCuQ[batch + 1] - q_start
+        return head_kv, csr_row, q_begin, q_count, batch, kv_block, q_start, q_len
+
+    @cute.jit
+    def _kv_block_bounds(self, mK: cute.Tensor, mCuK: cute.Tensor, mKvLens: cute.Tensor,
+                         mPageTable: cute.Tensor, batch: cutlass.Int32,
+                         kv_block: cutlass.Int32, q_len: cutlass.Int32):
+        """(kv_row0, n_keys, causal_shift) of KV block kv_block of request batch: its first token
+        (dense) or physical page (paged); how many of its keys exist and may be read (0 for a
+        page outside the table or the pool; never past the K/V tensor); and the bottom-right
+        causal shift (block key j is visible to query q_local iff j <= q_local + shift)."""
+        k_len = mKvLens[batch]
         key0 = kv_block * BLOCK_N
         n_keys = cutlass.min(k_len - key0, BLOCK_N)
         kv_row0 = cutlass.Int32(0)
@@ -329,7 +336,7 @@ class SparsePrefillSm90:
         else:
             kv_row0 = mCuK[batch] + key0
             n_keys = cutlass.min(n_keys, mK.shape[0] - kv_row0)
-        return kv_row0, n_keys
+        return kv_row0, n_keys, k_len - q_len - key0
 
     @cute.jit
     def _softmax_rows(self, s_rc: cute.Tensor, tScS: cute.Tensor, n_my_rows: cutlass.Constexpr,
@@ -439,6 +446,25 @@ class SparsePrefillSm90:
                     mLsePartial[slot, q_abs, hq] = row_lse[i]
                     if want_lse_t != 0:
                         mLseTPartial[slot, q_abs, hq] = row_lse_t[i]
+
+    @cute.jit
+    def _load_rows_async(self, gather_copy: cute.TiledCopy, tidx: cutlass.Int32,
+                         mKV: cute.Tensor, kv_row0: cutlass.Int32, head_kv: cutlass.Int32,
+                         n_keys: cutlass.Int32, dst: cute.Tensor):
+        """cp.async the block's 128 K or V rows into dst (a (key, channel) view of a shared
+        tile, same element type), keys at or past n_keys zero-filled."""
+        thr = gather_copy.get_slice(tidx)
+        tXd = thr.partition_D(dst)
+        tXc = thr.partition_S(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
+        row_stride0 = cute.make_layout((BLOCK_N, HEAD_DIM), stride=(0, 1))
+        for m in cutlass.range_constexpr(cute.size(tXd.shape[1])):
+            key = tXc[0, m, 0][0]
+            if key < n_keys:
+                ptr = kv_row_iterator(mKV, self.paged, kv_row0, head_kv, key)
+                gX = thr.partition_S(cute.make_tensor(ptr, row_stride0))
+                cute.copy(gather_copy, gX[None, m, None], tXd[None, m, None])
+            else:
+                tXd[None, m, None].fill(0)
 
     @cute.jit
     def _load_kv_through_registers(self, convert_load: cute.TiledCopy, tidx: cutlass.Int32,

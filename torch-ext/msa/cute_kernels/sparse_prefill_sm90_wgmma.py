@@ -180,20 +180,10 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
         tidx, _, _ = cute.arch.thread_idx()
         work, _, _ = cute.arch.block_idx()
         if work < mWorkCount[0]:
-            head_kv = mMeta[work, 0]
-            csr_row = mMeta[work, 1]
-            q_begin = mMeta[work, 2]
-            q_count = mMeta[work, 3]
-            batch = mMeta[work, 4]
-            kv_block = mMeta[work, 5]
-
-            q_start = mCuQ[batch]
-            q_len = mCuQ[batch + 1] - q_start
-            k_len = mKvLens[batch]
-            key0 = kv_block * BLOCK_N
-            kv_row0, n_keys = self._kv_block_source(mK, mCuK, mPageTable, batch, kv_block,
-                                                    k_len)
-            causal_shift = k_len - q_len - key0
+            (head_kv, csr_row, q_begin, q_count, batch, kv_block, q_start,
+             q_len) = self._work_item(mMeta, mCuQ, work)
+            kv_row0, n_keys, causal_shift = self._kv_block_bounds(
+                mK, mCuK, mKvLens, mPageTable, batch, kv_block, q_len)
 
             smem = cutlass.utils.SmemAllocator()
             storage = smem.allocate(SharedStorage)
@@ -240,14 +230,7 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                     self._load_kv_through_registers(convert_load, tidx, mK, kv_row0, head_kv,
                                                     n_keys, sK)
                 else:
-                    for m in cutlass.range_constexpr(cute.size(tXsK.shape[1])):
-                        key = tXcKV[0, m, 0][0]
-                        if key < n_keys:
-                            k_ptr = kv_row_iterator(mK, self.paged, kv_row0, head_kv, key)
-                            gK = thr_copy.partition_S(cute.make_tensor(k_ptr, kv_row_stride0))
-                            cute.copy(gather_copy, gK[None, m, None], tXsK[None, m, None])
-                        else:
-                            tXsK[None, m, None].fill(0)
+                    self._load_rows_async(gather_copy, tidx, mK, kv_row0, head_kv, n_keys, sK)
                 self._load_kv_through_registers(convert_load, tidx, mV, kv_row0, head_kv,
                                                 n_keys, sV_rows)
 

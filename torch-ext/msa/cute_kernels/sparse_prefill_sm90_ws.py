@@ -36,9 +36,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, SLOT_SHIFT,
                                   SparsePrefillSm90)
-from .tile_utils import (kv_row_iterator, register_p_key_order, register_p_operand, row_copy,
-                         warpgroup_gemm, warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
-                         wgmma_rows_cols_view)
+from .tile_utils import (register_p_key_order, register_p_operand, row_copy, warpgroup_gemm,
+                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 
 WS_GROUPS = (8, 16)         # G with a query's rows filling whole 1 KB swizzle atoms
 WS_MODES = ("bf16", "e4m3")
@@ -160,14 +159,8 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
         tidx, _, _ = cute.arch.thread_idx()
         work, _, _ = cute.arch.block_idx()
         if work < mWorkCount[0]:
-            head_kv = mMeta[work, 0]
-            csr_row = mMeta[work, 1]
-            q_begin = mMeta[work, 2]
-            q_count = mMeta[work, 3]
-            batch = mMeta[work, 4]
-            kv_block = mMeta[work, 5]
-            q_start = mCuQ[batch]
-            q_len = mCuQ[batch + 1] - q_start
+            (head_kv, csr_row, q_begin, q_count, batch, kv_block, q_start,
+             q_len) = self._work_item(mMeta, mCuQ, work)
             entry0 = mRowPtr[head_kv, csr_row] + q_begin
             n_tiles = (q_count + self.queries_per_tile - 1) // self.queries_per_tile
 
@@ -260,10 +253,8 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
         wg_tidx = ctidx % 128
         lane = ctidx % 32
         warp_in_wg = cute.arch.make_warp_uniform(wg_tidx // 32)
-        k_len = mKvLens[batch]
-        key0 = kv_block * BLOCK_N
-        kv_row0, n_keys = self._kv_block_source(mK, mCuK, mPageTable, batch, kv_block, k_len)
-        causal_shift = k_len - q_len - key0
+        kv_row0, n_keys, causal_shift = self._kv_block_bounds(mK, mCuK, mKvLens, mPageTable,
+                                                              batch, kv_block, q_len)
 
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
@@ -365,22 +356,3 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
                 cute.arch.mbarrier_arrive(mbar + Q_STAGES + stage)
         # The O tile must outlive the stores reading it.
         cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def _load_rows_async(self, gather_copy: cute.TiledCopy, tidx: cutlass.Int32,
-                         mKV: cute.Tensor, kv_row0: cutlass.Int32, head_kv: cutlass.Int32,
-                         n_keys: cutlass.Int32, dst: cute.Tensor):
-        """cp.async the block's 128 K or V rows into dst (a (key, channel) view of a shared
-        tile, same element type), keys at or past n_keys zero-filled."""
-        thr = gather_copy.get_slice(tidx)
-        tXd = thr.partition_D(dst)
-        tXc = thr.partition_S(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
-        row_stride0 = cute.make_layout((BLOCK_N, HEAD_DIM), stride=(0, 1))
-        for m in cutlass.range_constexpr(cute.size(tXd.shape[1])):
-            key = tXc[0, m, 0][0]
-            if key < n_keys:
-                ptr = kv_row_iterator(mKV, self.paged, kv_row0, head_kv, key)
-                gX = thr.partition_S(cute.make_tensor(ptr, row_stride0))
-                cute.copy(gather_copy, gX[None, m, None], tXd[None, m, None])
-            else:
-                tXd[None, m, None].fill(0)
