@@ -163,21 +163,25 @@ CASES = [(g, paged, causal, partial)
          for partial in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)]
 
 
-# Every case on the wgmma (or warp-MMA) kernel, and again on the warp-specialized form where it
-# exists (G 8 / 16, bf16 or all-e4m3 q/k/v, 16-bit or e4m3 partials).
+# Every case on the wgmma (or warp-MMA) kernel, and again on each warp-specialized form where it
+# exists (G 8 / 16, bf16 or all-e4m3 q/k/v, 16-bit or e4m3 partials): "ws" and the pipelined
+# "wsp".
 WS_GROUPS = (8, 16)
+WS_FORMS = ("ws", "wsp")
 FORMS_OF_CASE = [(case, "wgmma") for case in CASES] + [
-    (case, "ws") for case in CASES if case[0] in WS_GROUPS and case[3] != torch.float32]
+    (case, form) for form in WS_FORMS for case in CASES
+    if case[0] in WS_GROUPS and case[3] != torch.float32]
 
 
 def _select_form(native_module, monkeypatch, form):
-    """Pin the attention kernel form (the warp-specialized one is gated until validated)."""
-    monkeypatch.setattr(native_module, "WARP_SPECIALIZED_FOR_TESTS", form == "ws")
+    """Pin the attention kernel form (the warp-specialized ones are gated until validated)."""
+    monkeypatch.setattr(native_module, "WARP_SPECIALIZED_FOR_TESTS", form in WS_FORMS)
+    monkeypatch.setattr(native_module, "PIPELINED_FOR_TESTS", form == "wsp")
 
 
 def _check_form_ran(native_module, form):
     ran = native_module.last_attention_variant
-    assert ran.endswith("_ws") == (form == "ws"), f"expected the {form} form, ran {ran}"
+    assert native_module.variant_form(ran) == form, f"expected the {form} form, ran {ran}"
 
 
 @pytest.mark.gpu
@@ -269,7 +273,7 @@ def _check_lse_fp8(name, got, want):
 FP8_WS_CASES = [("e4m3", g, paged, partial) for g in WS_GROUPS for paged in (False, True)
                 for partial in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)]
 FP8_FORMS_OF_CASE = [(case, "wgmma") for case in FP8_CASES] + [
-    (case, "ws") for case in FP8_WS_CASES]
+    (case, form) for form in WS_FORMS for case in FP8_WS_CASES]
 
 
 @pytest.mark.gpu

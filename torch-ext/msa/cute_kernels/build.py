@@ -22,8 +22,8 @@ from .sparse_prefill_sm90_wgmma import SparsePrefillSm90Wgmma
 from .sparse_prefill_sm90_ws import SparsePrefillSm90Ws
 from .fmha_sm90 import FmhaSm90, FmhaSm90MaxScore, FmhaSm90Split
 from .fmha_sm90_ws import FORMS as WS_FORMS, FP8_FORMS as FP8_WS_FORMS, FmhaSm90Ws
-from .variants import (FP8_MODES, WS_DTYPES, WS_GROUPS, AttentionVariant, BlockMaxScoreVariant,
-                       CombineVariant, FmhaVariant)
+from .variants import (FP8_MODES, SPARSE_WS_FORMS, WS_DTYPES, WS_GROUPS, AttentionVariant,
+                       BlockMaxScoreVariant, CombineVariant, FmhaVariant)
 
 TARGET_ARCH = "sm_90a"
 _DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
@@ -146,14 +146,15 @@ def attention_kernel(variant: AttentionVariant):
     e4m3 partials, warp MMA for fp32 partials. MSA_CUTE_MMA=warp forces the warp-MMA kernel for
     bf16 Q/K/V with 16-bit partials; the FP8 modes exist only on the wgmma kernel."""
     partial = _DTYPES[variant.partial_dtype]
-    if variant.form == "ws":
+    if variant.form in SPARSE_WS_FORMS:
         if (variant.qhead_per_kv not in WS_GROUPS or variant.dtype not in WS_DTYPES
                 or partial.width == 32):
             raise NotImplementedError(f"{variant.name}: the warp-specialized form exists for "
                                       f"G in {WS_GROUPS}, {'/'.join(WS_DTYPES)} Q/K/V and "
                                       "16-bit or e4m3 partials")
         return SparsePrefillSm90Ws(variant.qhead_per_kv, variant.paged, partial,
-                                   mode="bf16" if variant.dtype == "bfloat16" else "e4m3")
+                                   mode="bf16" if variant.dtype == "bfloat16" else "e4m3",
+                                   pipeline_s=variant.form == "wsp")
     if variant.form:
         raise NotImplementedError(f"{variant.name}: unknown attention form {variant.form!r}")
     if variant.dtype in FP8_MODES:

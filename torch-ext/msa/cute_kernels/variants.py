@@ -32,6 +32,7 @@ FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
 # query rows fill whole 1 KB swizzle atoms, bf16 or all-e4m3 Q/K/V.
 WS_GROUPS = (8, 16)
 WS_DTYPES = ("bfloat16", "e4m3")
+SPARSE_WS_FORMS = ("ws", "wsp")
 INDEX_HEADS = (1, 2, 4, 8)                   # index query heads H of block_max_scores
 INDEX_DTYPES = ("bfloat16", "e4m3")          # q_idx / k_idx element types (same for both)
 FMHA_DTYPES = ("bfloat16", "e4m3")          # dense FMHA q/k/v element types (output O)
@@ -45,8 +46,9 @@ class AttentionVariant:
     paged: bool
     partial_dtype: str = "float32"
     dtype: str = "bfloat16"
-    # "" (the wgmma / warp-MMA kernels) or "ws" (cute_kernels.sparse_prefill_sm90_ws: TMA Q
-    # gathers and partial stores, warp-specialized; WS_GROUPS x WS_DTYPES, wgmma partials)
+    # "" (the wgmma / warp-MMA kernels), "ws" (cute_kernels.sparse_prefill_sm90_ws: TMA Q
+    # gathers and partial stores, warp-specialized; WS_GROUPS x WS_DTYPES, wgmma partials) or
+    # "wsp" (the same with S of a consumer's next tile issued under its epilogue)
     form: str = ""
 
     @property
@@ -127,11 +129,12 @@ def shipped_variants() -> List[object]:
             for g in QHEAD_PER_KV:
                 for partial in WGMMA_PARTIAL_DTYPES:
                     out.append(AttentionVariant(g, paged, partial, mode))
-    for dtype in WS_DTYPES:
-        for paged in (False, True):
-            for g in WS_GROUPS:
-                for partial in WGMMA_PARTIAL_DTYPES:
-                    out.append(AttentionVariant(g, paged, partial, dtype, form="ws"))
+    for form in SPARSE_WS_FORMS:
+        for dtype in WS_DTYPES:
+            for paged in (False, True):
+                for g in WS_GROUPS:
+                    for partial in WGMMA_PARTIAL_DTYPES:
+                        out.append(AttentionVariant(g, paged, partial, dtype, form=form))
     out.extend(CombineVariant(p) for p in PARTIAL_DTYPES)
     for dtype in INDEX_DTYPES:
         for paged in (False, True):
