@@ -448,12 +448,16 @@ class SparsePrefillSm90:
                         mLseTPartial[slot, q_abs, hq] = row_lse_t[i]
 
     @cute.jit
-    def _load_rows_async(self, gather_copy: cute.TiledCopy, tidx: cutlass.Int32,
-                         mKV: cute.Tensor, kv_row0: cutlass.Int32, head_kv: cutlass.Int32,
-                         n_keys: cutlass.Int32, dst: cute.Tensor):
-        """cp.async the block's 128 K or V rows into dst (a (key, channel) view of a shared
-        tile, same element type), keys at or past n_keys zero-filled."""
-        thr = gather_copy.get_slice(tidx)
+    def _load_kv_rows(self, row_copy_: cute.TiledCopy, tidx: cutlass.Int32, mKV: cute.Tensor,
+                      kv_row0: cutlass.Int32, head_kv: cutlass.Int32, n_keys: cutlass.Int32,
+                      dst: cute.Tensor, through_registers: cutlass.Constexpr = False):
+        """Load the block's 128 x 128 K or V rows into dst, a (key, channel) view of a shared
+        tile; keys at or past n_keys are zero-filled and nothing is read out of bounds.
+        row_copy_ is a cp.async row copy (dst has the source's element type), or, with
+        through_registers, plain 16-byte loads whose registers are converted to dst's element
+        type and stored through dst (bf16 [key, channel] from e4m3, or the e4m3 Vt [channel,
+        key] of the transposed store)."""
+        thr = row_copy_.get_slice(tidx)
         tXd = thr.partition_D(dst)
         tXc = thr.partition_S(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
         row_stride0 = cute.make_layout((BLOCK_N, HEAD_DIM), stride=(0, 1))
@@ -462,33 +466,14 @@ class SparsePrefillSm90:
             if key < n_keys:
                 ptr = kv_row_iterator(mKV, self.paged, kv_row0, head_kv, key)
                 gX = thr.partition_S(cute.make_tensor(ptr, row_stride0))
-                cute.copy(gather_copy, gX[None, m, None], tXd[None, m, None])
+                if cutlass.const_expr(through_registers):
+                    frag = cute.make_fragment_like(gX[None, m, None])
+                    cute.copy(row_copy_, gX[None, m, None], frag)
+                    tXd[None, m, None].store(frag.load().to(dst.element_type))
+                else:
+                    cute.copy(row_copy_, gX[None, m, None], tXd[None, m, None])
             else:
                 tXd[None, m, None].fill(0)
-
-    @cute.jit
-    def _load_kv_through_registers(self, convert_load: cute.TiledCopy, tidx: cutlass.Int32,
-                                   mKV: cute.Tensor, kv_row0: cutlass.Int32,
-                                   head_kv: cutlass.Int32, n_keys: cutlass.Int32,
-                                   dst: cute.Tensor):
-        """Load the block's 128 x 128 K or V rows (e4m3) with plain 16-byte loads, convert to
-        dst's element type and store them through dst, a (key, channel) view of a shared tile
-        (bf16 [key, channel], or e4m3 Vt [channel, key] for the transposed store). Keys at or
-        past n_keys are zero-filled; nothing is read out of bounds."""
-        thr = convert_load.get_slice(tidx)
-        tLd = thr.partition_D(dst)
-        tLc = thr.partition_S(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
-        row_stride0 = cute.make_layout((BLOCK_N, HEAD_DIM), stride=(0, 1))
-        for m in cutlass.range_constexpr(cute.size(tLd.shape[1])):
-            key = tLc[0, m, 0][0]
-            if key < n_keys:
-                ptr = kv_row_iterator(mKV, self.paged, kv_row0, head_kv, key)
-                gKV = thr.partition_S(cute.make_tensor(ptr, row_stride0))
-                frag = cute.make_fragment_like(gKV[None, m, None])
-                cute.copy(convert_load, gKV[None, m, None], frag)
-                tLd[None, m, None].store(frag.load().to(dst.element_type))
-            else:
-                tLd[None, m, None].fill(0)
 
     @cute.jit
     def _load_gather_entries(self, entries: cute.Tensor, mQsplit: cute.Tensor,

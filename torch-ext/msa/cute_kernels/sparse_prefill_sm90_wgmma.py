@@ -227,12 +227,12 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                 # FP8 modes: K by cp.async when its tile keeps e4m3, else converted; V always
                 # goes through registers (converted to bf16, or transposed for e4m3 P.V).
                 if cutlass.const_expr(self.convert_k):
-                    self._load_kv_through_registers(convert_load, tidx, mK, kv_row0, head_kv,
-                                                    n_keys, sK)
+                    self._load_kv_rows(convert_load, tidx, mK, kv_row0, head_kv, n_keys, sK,
+                                       through_registers=True)
                 else:
-                    self._load_rows_async(gather_copy, tidx, mK, kv_row0, head_kv, n_keys, sK)
-                self._load_kv_through_registers(convert_load, tidx, mV, kv_row0, head_kv,
-                                                n_keys, sV_rows)
+                    self._load_kv_rows(gather_copy, tidx, mK, kv_row0, head_kv, n_keys, sK)
+                self._load_kv_rows(convert_load, tidx, mV, kv_row0, head_kv, n_keys, sV_rows,
+                                   through_registers=True)
 
             # ---- warpgroup MMA operands ------------------------------------------------------
             thr_qk = mma_qk.get_slice(tidx)

@@ -278,14 +278,14 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
 
         # ---- the block's K (warpgroup 0) and V (warpgroup 1), rows past n_keys zeroed
         if mwg == 0:
-            self._load_rows_async(gather_copy, wg_tidx, mK, kv_row0, head_kv, n_keys, sK)
+            self._load_kv_rows(gather_copy, wg_tidx, mK, kv_row0, head_kv, n_keys, sK)
         else:
             if cutlass.const_expr(self.transpose_v):
-                self._load_kv_through_registers(convert_load, wg_tidx, mV, kv_row0, head_kv,
-                                                n_keys, sV_rows)
+                self._load_kv_rows(convert_load, wg_tidx, mV, kv_row0, head_kv, n_keys,
+                                   sV_rows, through_registers=True)
             else:
-                self._load_rows_async(gather_copy, wg_tidx, mV, kv_row0, head_kv, n_keys,
-                                      sV_rows)
+                self._load_kv_rows(gather_copy, wg_tidx, mV, kv_row0, head_kv, n_keys,
+                                   sV_rows)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_proxy("async.shared", space="cta")
