@@ -12,7 +12,8 @@ moves it:
   qsplit entries (lane i: query i), publishes them in shared memory and TMA-loads each query's
   G x 128 Q rows (2 boxes for bf16, 1 for e4m3) into a Q_STAGES-deep ring (full barrier: one
   arrival plus the boxes' bytes; empty: one arrival per warp of the consuming warpgroup).
-  Coordinates of a missing or invalid query fall outside q, and the TMA zero-fills them.
+  A query without a slot (entry -1) is loaded from token q_start + 2^24 - 1: past q (the TMA
+  zero-fills the box) unless the batch holds more tokens, and its rows are never written.
 * warpgroups 1 and 2 (consumers) take tiles alternately (one warpgroup's softmax and epilogue
   run under the other's MMAs). First they load the block's K and V once (cp.async; e4m3 V is
   transposed through registers into the key-permuted Vt, as in the wgmma kernel), then per tile:
