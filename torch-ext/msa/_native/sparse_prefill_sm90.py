@@ -3,8 +3,10 @@
 ``run(call)`` takes a validated :class:`msa.interface.SparseAttentionCall` and launches two
 kernels on q's device and current stream, with no host synchronization:
 
-1. attention (cute_kernels/sparse_prefill_sm90_wgmma.py for bf16, fp16 and e4m3 partials,
-   warpgroup MMA; cute_kernels/sparse_prefill_sm90.py for fp32 partials): one CTA per schedule
+1. attention (cute_kernels/sparse_prefill_sm90_ws.py, warp-specialized with TMA, for G 8 / 16
+   with bf16 or all-e4m3 q/k/v and 16-bit or e4m3 partials; cute_kernels/sparse_prefill_sm90_
+   wgmma.py, warpgroup MMA, for the other 16-bit / e4m3-partial calls;
+   cute_kernels/sparse_prefill_sm90.py for fp32 partials): one CTA per schedule
    work item writes the per-block partials O_partial [topK, total_q, Hq, 128] (partial_dtype)
    and LSE_partial [topK, total_q, Hq] (plus LSE_T_partial when a temperature LSE is
    requested);
@@ -61,9 +63,11 @@ UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
 # cute_kernels/sparse_prefill_sm90_ws.py: a TMA producer warp gathers each query's G x 128 Q
 # rows, two consumer warpgroups take tiles alternately and TMA-store each query's partial rows):
 # for G in WS_GROUPS, bf16 or all-e4m3 Q/K/V, 16-bit or e4m3 partials. Compiled for sm_90a (no
-# spills). Its 36 cases in tests/test_sparse_prefill_gpu.py passed on the H200 (2026-12-01,
-# session 6): 1.17x (bf16) to 1.29x (e4m3 with e4m3 partials) faster than the wgmma kernel at
-# 32k. It serves those calls; the wgmma kernel keeps the other G and dtype modes.
+# spills). On the H200 (2026-12-01, session 6) its 36 cases in tests/test_sparse_prefill_gpu.py
+# passed, then the whole file (163 cases, both forms), tests/test_msa_prefill_gpu.py, the
+# transformers MiniMax-M3 test and memcheck of its cases: 1.17x (bf16) to 1.29x (e4m3 with e4m3
+# partials) faster than the wgmma kernel at 32k. It serves those calls; the wgmma kernel keeps
+# the other G and dtype modes.
 VALIDATED_WARP_SPECIALIZED = True
 # None: the gate decides; False: the wgmma kernel; True: the warp-specialized form wherever it
 # exists (tests and benchmarks).
