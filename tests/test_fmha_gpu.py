@@ -111,8 +111,20 @@ def _fmha_native(monkeypatch, *args, **kwargs):
 
 def _force_form(native, form, monkeypatch):
     """Serve O-only calls with `form`: plain, or a warp-specialized form name (ws, ws3, wso,
-    wso3, for bf16 and e4m3) forced through WARP_SPECIALIZED_FOR_TESTS."""
+    wso3, for bf16 and e4m3) forced through WARP_SPECIALIZED_FOR_TESTS. Split-KV is pinned off:
+    the planner splits the key range of these small problems, and the split form (tested on its
+    own below) would then serve the call instead of `form`, rounding e4m3 P against each split's
+    running max."""
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", False if form == "plain" else form)
+    monkeypatch.setattr(native, "SPLIT_KV_FOR_TESTS", False)
+
+
+def _check_form_ran(native, form):
+    """The O-only call just made ran `form` (plain: no form suffix)."""
+    ran = native.last_variant
+    suffix = ran.rsplit("_", 1)[-1]
+    assert (suffix == form) if form != "plain" else suffix in ("dense", "paged"), \
+        f"expected the {form} form, ran {ran}"
 
 
 @pytest.mark.parametrize("form", ["plain", "ws", "ws3", "wso", "wso3"])
@@ -133,6 +145,7 @@ def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypat
     scale = 0.7 * D ** -0.5
     out, ms = _fmha_native(monkeypatch, *p["args"], sm_scale=scale, v_scale=1.5,
                            output_maxscore=False, **p["kw"])
+    _check_form_ran(native, form)
     assert ms is None and out.dtype == torch.bfloat16
     assert not torch.isnan(out).any(), "O has NaN (rows not written)"
 
@@ -228,6 +241,7 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_v
     scale = 0.7 * D ** -0.5
     out, _ = _fmha_native(monkeypatch, *p["args"], sm_scale=scale, q_scale=1.25, v_scale=1.5,
                           output_maxscore=False, **p["kw"])
+    _check_form_ran(native, form)
     assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
     kv = dense_token_kv(k, v, kv_lens)
     offs = offsets if causal else [0] * len(q_lens)
@@ -280,6 +294,7 @@ def test_fmha_native_split_kv_matches_float64(heads, causal, paged, dtype, seed,
     scale = 0.7 * D ** -0.5
     out, _ = _fmha_native(monkeypatch, *p["args"], sm_scale=scale, v_scale=1.5,
                           output_maxscore=False, **p["kw"])
+    _check_form_ran(native, "split")
     assert out.dtype == torch.bfloat16 and not torch.isnan(out).any(), "O has NaN"
     offs = offsets if causal else [0] * len(q_lens)
     label = f"split-KV {dtype} Hq={hq} Hkv={hkv} causal={causal} paged={paged}"
@@ -353,6 +368,7 @@ def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     out, _ = _fmha_native(monkeypatch, q.to(dev), k_pages.to(dev), v_pages.to(dev), plan,
                           sm_scale=scale, v_scale=1.5, output_maxscore=False,
                           kv_indices=kv_indices.to(dev))
+    _check_form_ran(native, form)
     assert not torch.isnan(out).any(), "O has NaN (a slot past kv_len reached P V)"
     offs = offsets if causal else [0] * len(q_lens)
     _check_against_float64(out, q, k, v, q_lens, kv_lens, offs, causal, scale,
@@ -440,6 +456,7 @@ def test_fmha_native_paged_pool_past_2_31_elements(form, seed, monkeypatch):
     def native_call(k_in, v_in, indices):
         out, _ = _fmha_native(monkeypatch, q_dev, k_in, v_in, plan, sm_scale=scale,
                               v_scale=1.5, output_maxscore=False, kv_indices=indices)
+        _check_form_ran(native, form)
         return out
 
     out = native_call(pools[0], pools[1], kv_indices + boundary)

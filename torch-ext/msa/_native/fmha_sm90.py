@@ -78,6 +78,8 @@ MODE_O_AND_SCORE = 1
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "e4m3"}
 # Tests set this to fill O with NaN before the launch (catches rows the kernel does not write).
 POISON_BUFFERS_FOR_TESTS = False
+# The FMHA artifact of the most recent run() (tests check which form served a call).
+last_variant: Optional[str] = None
 
 
 def variant_name(paged: bool, dtype: torch.dtype = torch.bfloat16,
@@ -199,6 +201,7 @@ def run(call):
         out.fill_(float("nan"))
     scalars = [float(call.logit_scale) * math.log2(math.e), float(call.output_scale),
                int(bool(plan["causal"])), grid_q_tiles]
+    global last_variant
     splits = split_kv_count(plan, with_score, call.paged, q.dtype)
     if splits > 1:
         # fp32 partial rows + LSE per split, merged by the combine (one slot per split).
@@ -209,7 +212,8 @@ def run(call):
         if POISON_BUFFERS_FOR_TESTS:
             o_partial.fill_(float("nan"))
             lse_partial.fill_(float("nan"))
-        cute_runtime.launch(variant_name(call.paged, q.dtype, form="split"), device, q, k, v,
+        last_variant = variant_name(call.paged, q.dtype, form="split")
+        cute_runtime.launch(last_variant, device, q, k, v,
                             o_partial, lse_partial, cu_q, cu_k, kv_lens, offsets,
                             table.contiguous(), *scalars, splits)
         counts = torch.full((total_q, 1), splits, dtype=torch.int32, device=device)
@@ -221,6 +225,7 @@ def run(call):
     args = [q, k, v, out, cu_q, cu_k, kv_lens, offsets, table.contiguous()] + scalars
     if with_score:     # max-score values are scaled by sm_scale * q_scale * k_scale
         args += [max_score, float(call.logit_scale)]
+    last_variant = name
     cute_runtime.launch(name, device, *args)
     return out, max_score
 
