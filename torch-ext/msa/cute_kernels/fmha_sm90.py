@@ -158,6 +158,25 @@ def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
 
 
 @cute.jit
+def load_q_rows(mQ: cute.Tensor, q_copy: cute.TiledCopy, thr_q_copy, tQsQ: cute.Tensor,
+                tQcQ: cute.Tensor, wg_q0: cutlass.Int32, q_start: cutlass.Int32,
+                q_len: cutlass.Int32, head: cutlass.Int32):
+    """cp.async a warpgroup's Q rows (tQsQ: its partition of the warpgroup's Q tile, tQcQ the
+    matching coordinates; row r is query wg_q0 + r of the request, head `head`); rows past
+    q_len are zero-filled, never read. The caller commits the copy group. Shared by the plain
+    and the warp-specialized kernels."""
+    row_stride0 = cute.make_layout((WG_ROWS, HEAD_DIM), stride=(0, 1))
+    for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+        q_local = wg_q0 + tQcQ[0, m, 0][0]
+        if q_local < q_len:
+            q_row = mQ[q_start + q_local, head, None]
+            gQ = thr_q_copy.partition_S(cute.make_tensor(q_row.iterator, row_stride0))
+            cute.copy(q_copy, gQ[None, m, None], tQsQ[None, m, None])
+        else:
+            tQsQ[None, m, None].fill(0)
+
+
+@cute.jit
 def write_o_rows(mO, o_rc, acc_o, row_sum, n_my_rows: cutlass.Constexpr,
                  n_my_cols: cutlass.Constexpr, output_scale, sO_mine, wg_tidx, warp_in_wg, lane,
                  wg_q0, q_start, q_len, head, stage_o_copy, store_o_copy, out_dtype):
@@ -407,16 +426,8 @@ class FmhaSm90:
         sQ_mine = sQ_wgs[None, None, wg]
         tQsQ = thr_q_copy.partition_D(sQ_mine)
         tQcQ = thr_q_copy.partition_S(cute.make_identity_tensor((WG_ROWS, HEAD_DIM)))
-        row_stride0 = cute.make_layout((WG_ROWS, HEAD_DIM), stride=(0, 1))
         wg_q0 = q_lo + wg * WG_ROWS
-        for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
-            q_local = wg_q0 + tQcQ[0, m, 0][0]
-            if q_local < q_len:
-                q_row = mQ[q_start + q_local, head, None]
-                gQ = thr_q_copy.partition_S(cute.make_tensor(q_row.iterator, row_stride0))
-                cute.copy(q_copy, gQ[None, m, None], tQsQ[None, m, None])
-            else:
-                tQsQ[None, m, None].fill(0)
+        load_q_rows(mQ, q_copy, thr_q_copy, tQsQ, tQcQ, wg_q0, q_start, q_len, head)
 
         thr_kv_copy = kv_copy.get_slice(tidx)
         tKVcKV = thr_kv_copy.partition_S(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))

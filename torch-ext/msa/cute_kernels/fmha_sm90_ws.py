@@ -50,7 +50,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .fmha_sm90 import mmas_and_o_copies, online_softmax, request_bounds, write_o_rows
+from .fmha_sm90 import (load_q_rows, mmas_and_o_copies, online_softmax, request_bounds,
+                        write_o_rows)
 from .tile_utils import (pack_bf16_pairs, pack_e4m3_quads, register_p_operand, row_copy,
                          transpose_v_copies, transpose_v_words, warpgroup_gemm_issue,
                          wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
@@ -391,7 +392,6 @@ class FmhaSm90Ws:
         thr_q_copy = q_copy.get_slice(wg_tidx)
         tQsQ = thr_q_copy.partition_D(sQ_mine)
         tQcQ = thr_q_copy.partition_S(cute.make_identity_tensor((WG_ROWS, HEAD_DIM)))
-        row_stride0 = cute.make_layout((WG_ROWS, HEAD_DIM), stride=(0, 1))
 
         thr_qk = mma_qk.get_slice(wg_tidx)
         thr_pv = mma_pv.get_slice(wg_tidx)
@@ -421,14 +421,7 @@ class FmhaSm90Ws:
             q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
             wg_q0 = q_lo + mwg * WG_ROWS
             # ---- Q rows of this warpgroup (zero past q_len), published to the async proxy
-            for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
-                q_local = wg_q0 + tQcQ[0, m, 0][0]
-                if q_local < q_len:
-                    q_row = mQ[q_start + q_local, head, None]
-                    gQ = thr_q_copy.partition_S(cute.make_tensor(q_row.iterator, row_stride0))
-                    cute.copy(q_copy, gQ[None, m, None], tQsQ[None, m, None])
-                else:
-                    tQsQ[None, m, None].fill(0)
+            load_q_rows(mQ, q_copy, thr_q_copy, tQsQ, tQcQ, wg_q0, q_start, q_len, head)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_proxy("async.shared", space="cta")

@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from .fmha_sm90 import mmas_and_o_copies
 from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, SLOT_SHIFT,
                                   SparsePrefillSm90)
 from .tile_utils import (register_p_key_order, register_p_operand, row_copy, warpgroup_gemm,
@@ -130,20 +130,9 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
 
         gather_copy = row_copy(self.qk_dtype, 16)                       # one warpgroup
         convert_load = row_copy(self.qk_dtype, 16, async_copy=False)
-        mma_qk = hopper.make_trivial_tiled_mma(
-            self.qk_dtype, self.qk_dtype, cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.K, cutlass.Float32, (1, 1, 1), (WG_ROWS, BLOCK_N))
-        # bf16: V [key, channel] is the MN-major B of O = P V; e4m3: the key-permuted Vt is
-        # K-major (e4m3 wgmma needs it).
-        v_major = (cute.nvgpu.OperandMajorMode.K if cutlass.const_expr(self.transpose_v)
-                   else cute.nvgpu.OperandMajorMode.MN)
-        mma_pv = hopper.make_trivial_tiled_mma(
-            self.pv_dtype, self.pv_dtype, cute.nvgpu.OperandMajorMode.K, v_major,
-            cutlass.Float32, (1, 1, 1), (WG_ROWS, HEAD_DIM),
-            a_source=warpgroup.OperandSource.RMEM)
-        stage_o_copy = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.partial_dtype,
-                                num_bits_per_copy=2 * self.partial_dtype.width), mma_pv)
+        # The dense FMHA's warpgroup MMAs (Q/K/V and P of one dtype; e4m3 P V reads the
+        # key-permuted Vt K-major) and its accumulator -> staged-O copy, in the partial dtype.
+        mma_qk, mma_pv, stage_o_copy, _ = mmas_and_o_copies(self.qk_dtype, self.partial_dtype)
 
         self.kernel_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens, page_table, k2q_row_ptr,
                        qsplit, metadata, work_count, lse_partial, lse_t_partial,
