@@ -109,14 +109,18 @@ def _fmha_native(monkeypatch, *args, **kwargs):
     return result
 
 
-def _force_form(native, form, monkeypatch):
-    """Serve O-only calls with `form`: plain, or a warp-specialized form name (ws, ws3, wso,
-    wso3, for bf16 and e4m3) forced through WARP_SPECIALIZED_FOR_TESTS. Split-KV is pinned off:
-    the planner splits the key range of these small problems, and the split form (tested on its
-    own below) would then serve the call instead of `form`, rounding e4m3 P against each split's
-    running max."""
+def _native_serving(form, monkeypatch):
+    """The native module, set to serve O-only calls with `form` (gates opened, outputs poisoned):
+    plain, or a warp-specialized form name (ws, ws3, wso, wso3, for bf16 and e4m3) forced
+    through WARP_SPECIALIZED_FOR_TESTS. Split-KV is pinned off: the planner splits the key range
+    of these small problems, and the split form (tested on its own below) would then serve the
+    call instead of `form`, rounding e4m3 P against each split's running max."""
+    native = _native_module()
+    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", False if form == "plain" else form)
     monkeypatch.setattr(native, "SPLIT_KV_FOR_TESTS", False)
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    return native
 
 
 def _check_form_ran(native, form):
@@ -133,10 +137,7 @@ def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypat
     """form: the kernel serving bf16 O: plain (cute_kernels/fmha_sm90.py) or a form of the
     warp-specialized cute_kernels/fmha_sm90_ws.py (ws, ws3: 3 K/V stages, wso / wso3:
     intra-warpgroup overlap), forced through WARP_SPECIALIZED_FOR_TESTS."""
-    native = _native_module()
-    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
-    _force_form(native, form, monkeypatch)
-    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    native = _native_serving(form, monkeypatch)
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     p = _problem(heads, causal, paged, torch.bfloat16, gen)
@@ -228,10 +229,7 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_v
       QK^T, so ~1e-4 relative noise in s flips the e4m3 rounding of P in many rows (measured on
       the H200: 12-14 % of rows, none with exact products). Then, as the sparse prefill's FP8
       test: |O - O64| <= 2 max|bf16(model) - O64| + 4e-3 for all but 1e-4 of the elements."""
-    native = _native_module()
-    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
-    _force_form(native, form, monkeypatch)
-    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    native = _native_serving(form, monkeypatch)
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     e4m3 = torch.float8_e4m3fn
@@ -345,10 +343,7 @@ def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     P is exactly 0, but 0 * NaN is NaN, so those V rows must never reach P V (the plain kernel
     zero-fills them; the ws form's TMA reads whole pages and zeroes the tail rows of V in shared
     memory before publishing the block)."""
-    native = _native_module()
-    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
-    _force_form(native, form, monkeypatch)
-    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    native = _native_serving(form, monkeypatch)
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = 8, 2
     q, k, v, q_lens, kv_lens, offsets = _random_varlen((hq, hkv), torch.bfloat16, gen,
@@ -382,9 +377,6 @@ def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch)
     warp-specialized e4m3 form's TMA reads whole pages and its transposer warps must write the
     keys past kv_len of Vt as zeros. O must be NaN-free and equal the plain e4m3 kernel's O
     (which zero-fills those rows) on the same pool within 2 bf16 ulps + 1e-3."""
-    native = _native_module()
-    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
-    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = 8, 2
     e4m3 = torch.float8_e4m3fn
@@ -409,10 +401,11 @@ def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch)
     outs = {}
     monkeypatch.setenv("MSA_BACKEND", "native")
     for run in ("plain", form):
-        _force_form(native, run, monkeypatch)
+        native = _native_serving(run, monkeypatch)
         outs[run], _ = msa.fmha(*args, **kw)
         torch.cuda.synchronize()
         assert _backend.last_backend("fmha_dense") == "sm90"
+        _check_form_ran(native, run)
     monkeypatch.delenv("MSA_BACKEND")
     want, got = outs["plain"].cpu().double(), outs[form].cpu().double()
     assert not torch.isnan(want).any()
@@ -430,10 +423,7 @@ def test_fmha_native_paged_pool_past_2_31_elements(form, seed, monkeypatch):
     the boundary, NaN; ~4.3 GB apiece) whose used pages all lie past the 2^31-element boundary:
     the kernel's K/V row addresses must be 64-bit. O must equal the kernel's O on a compact pool
     of the used pages exactly, and the float64 reference within the bound of the test above."""
-    native = _native_module()
-    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
-    _force_form(native, form, monkeypatch)
-    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    native = _native_serving(form, monkeypatch)
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = 8, 2
     q, k, v, q_lens, kv_lens, offsets = _random_varlen((hq, hkv), torch.bfloat16, gen,
