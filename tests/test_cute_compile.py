@@ -92,6 +92,25 @@ def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
     report = tools.ptxas_report(ptx[0])
     assert report["spill_bytes"] == 0, report
     assert 0 < report["registers"] <= 255
+    assert report["register_split_excess"] == 0, report
+
+
+def test_setmaxnreg_split_must_fit_the_launch_registers():
+    """setmaxnreg only moves registers within the CTA's launch allocation: a producer warpgroup
+    at .dec plus the consumer warpgroups at .inc beyond it means .inc never returns (the e4m3
+    FMHA ws forms hung so: 80 / 216 x 384 threads = 65536 > 168 x 384)."""
+    tools = _tools()
+
+    def ptx(dec, inc, threads=384):
+        return (f".entry k()\n.reqntid {threads}, 1, 1\n.minnctapersm 1\n{{\n"
+                f"setmaxnreg.dec.sync.aligned.u32 \t{dec};\n"
+                f"setmaxnreg.inc.sync.aligned.u32 \t{inc};\n}}")
+    assert tools.register_split_excess(ptx(80, 216), 168) == 1024
+    assert tools.register_split_excess(ptx(72, 216), 168) == 0
+    assert tools.register_split_excess(ptx(24, 240), 168) == 0
+    assert tools.register_split_excess(ptx(24, 248), 168) == 2048
+    assert tools.register_split_excess(ptx(40, 232, threads=384), 160) > 0
+    assert tools.register_split_excess(".entry k()\n.reqntid 256, 1, 1\n{}", 168) == 0
 
 
 def test_shipped_variant_names_match_the_runtime():

@@ -7,12 +7,13 @@ directory (default .artifacts/, git-ignored) is what tools/build_variant.py --cu
 copies into `<variant>/_artifacts/`, and what MSA_CUTE_ARTIFACTS points the runtime at.
 
   python tools/compile_cute.py                 # all variants -> .artifacts/
-  python tools/compile_cute.py --check         # + ptxas -v on the PTX; fail on any spill or
-                                               #   on serialized warpgroup MMAs (C7514)
+  python tools/compile_cute.py --check         # + ptxas -v on the PTX; fail on any spill,
+                                               #   on serialized warpgroup MMAs (C7514) or on a
+                                               #   setmaxnreg split over the launch registers
   python tools/compile_cute.py --only g16 --no-export --check   # quick CI-style check
 
-Exit status 1 if any variant fails to compile or (with --check) spills registers or has its
-warpgroup MMAs serialized by ptxas.
+Exit status 1 if any variant fails to compile or (with --check) spills registers, has its
+warpgroup MMAs serialized by ptxas or asks setmaxnreg for more registers than it launched with.
 """
 
 from __future__ import annotations
@@ -72,8 +73,32 @@ def ptxas_report(ptx: Path, arch: str = "sm_90a") -> dict:
     spills = [int(a) + int(b) for a, b in
               re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)]
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", text)]
-    return {"registers": max(regs, default=0), "spill_bytes": max(spills, default=0),
-            "wgmma_serialized": "wgmma.mma_async instructions are serialized" in text}
+    registers = max(regs, default=0)
+    return {"registers": registers, "spill_bytes": max(spills, default=0),
+            "wgmma_serialized": "wgmma.mma_async instructions are serialized" in text,
+            "register_split_excess": register_split_excess(ptx.read_text(), registers)}
+
+
+def register_split_excess(ptx_text: str, launch_registers: int) -> int:
+    """Registers by which a warp-specialized kernel's setmaxnreg split overdraws its CTA's
+    launch allocation (0 when it fits or the kernel has no split). setmaxnreg only moves
+    registers inside that allocation (launch registers x threads): if one producer warpgroup at
+    its .dec count plus every other warpgroup at its .inc count need more, the consumers'
+    setmaxnreg.inc waits forever (the e4m3 FMHA ws forms hung so at 80 / 216 with 168 x 384)."""
+    incs = [int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx_text)]
+    if not incs:
+        return 0
+    decs = [int(n) for n in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", ptx_text)]
+    ntid = re.search(r"\.(?:reqntid|maxntid)\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?",
+                     ptx_text)
+    if ntid is None:
+        raise RuntimeError("setmaxnreg in a kernel without .reqntid / .maxntid")
+    threads = 1
+    for n in ntid.groups():
+        threads *= int(n or 1)
+    producer = max(decs, default=launch_registers)
+    need = 128 * producer + (threads - 128) * max(incs)
+    return max(0, need - launch_registers * threads)
 
 
 def link_shared_object(obj: Path, out: Path) -> None:
@@ -100,7 +125,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(ROOT / ".artifacts"), help="output directory")
     parser.add_argument("--check", action="store_true",
-                        help="run ptxas -v on each PTX and fail on register spills")
+                        help="run ptxas -v on each PTX and fail on register spills, serialized "
+                             "wgmmas or a setmaxnreg split the launch registers cannot hold")
     parser.add_argument("--only", action="append", default=[],
                         help="compile only variants whose name contains this (repeatable)")
     parser.add_argument("--no-export", action="store_true",
@@ -142,6 +168,10 @@ def main(argv=None) -> int:
                     row.update(report)
                     if report["spill_bytes"] > 0:
                         row["status"] = "SPILL"
+                        failures += 1
+                    elif report["register_split_excess"] > 0:
+                        row["status"] = (f"SETMAXNREG OVERDRAW by {report['register_split_excess']}"
+                                         " registers (the consumers' setmaxnreg.inc would hang)")
                         failures += 1
                     elif report["wgmma_serialized"]:
                         row["status"] = "WGMMA-SERIALIZED (ptxas C7514)"

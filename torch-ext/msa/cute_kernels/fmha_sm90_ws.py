@@ -40,7 +40,7 @@ Roles (384 threads, one CTA per SM):
 
 Shared memory: bf16 Q 2 x 16 KB + stages x (K 32 KB + V 32 KB) + mbarriers (ws 160 KB, ws3
 224 KB); e4m3 Q 2 x 8 KB + stages x (K, raw V, Vt 16 KB each) + O 2 x 16 KB (bf16) (ws 144 KB,
-ws3 192 KB). Registers: bf16 24 (producer) / 240 (consumers); e4m3 80 / 216 (the transposer
+ws3 192 KB). Registers: bf16 24 (producer) / 240 (consumers); e4m3 72 / 216 (the transposer
 warps need more than 24: they use up to R70).
 """
 
@@ -64,11 +64,14 @@ TILE_M = WG_ROWS * NUM_MMA_WARPGROUPS
 NUM_THREADS = 128 * (1 + NUM_MMA_WARPGROUPS)
 KV_STAGES = 2
 ROWS_PER_WARP = 16
+# setmaxnreg moves registers inside the CTA's launch allocation: 384 threads launch with 168
+# each (64512, not 64K), so producer * 128 + consumer * 256 must stay <= 64512 or the
+# consumers' setmaxnreg.inc waits forever (tools/compile_cute.py --check enforces it).
 PRODUCER_REGS = 24
-MMA_REGS = 240           # 24 * 128 + 240 * 256 <= 64K registers
+MMA_REGS = 240           # 24 * 128 + 240 * 256 = 64512
 # e4m3: warps 1-3 of the producer warpgroup transpose V (word loads, byte permutes).
-PRODUCER_REGS_FP8 = 80
-MMA_REGS_FP8 = 216       # 80 * 128 + 216 * 256 = 64K registers
+PRODUCER_REGS_FP8 = 72   # the transposer region uses up to R70
+MMA_REGS_FP8 = 216       # 72 * 128 + 216 * 256 = 64512 (80 / 216 hung: 65536)
 TRANSPOSE_WARPS = 3
 # Named barriers (0 is sync_threads): a consumer warpgroup's own (Q published, O staged),
 # and each consumer's ping-pong turn.

@@ -53,7 +53,7 @@ NUM_MMA_WARPGROUPS = 2
 NUM_THREADS = 128 * (1 + NUM_MMA_WARPGROUPS)
 Q_STAGES = 4
 PRODUCER_REGS = 40
-MMA_REGS = 232              # 40 * 128 + 232 * 256 <= 64K registers
+MMA_REGS = 232              # 40 * 128 + 232 * 256 = 64512 = 168 * 384 (launch allocation)
 # Named barriers (0 is sync_threads): both consumer warpgroups (K/V landed), and each consumer
 # warpgroup's own (its O tile free / written).
 BAR_CONSUMERS = 1
