@@ -111,7 +111,7 @@ def _fmha_native(monkeypatch, *args, **kwargs):
 
 def _native_serving(form, monkeypatch):
     """The native module, set to serve O-only calls with `form` (gates opened, outputs poisoned):
-    plain, or a warp-specialized form name (ws, ws3, wso, wso3, wsr; bf16 and e4m3) forced
+    plain, or a warp-specialized form name (ws, ws3, wso, wso3, for bf16 and e4m3) forced
     through WARP_SPECIALIZED_FOR_TESTS. Split-KV is pinned off: the planner splits the key range
     of these small problems, and the split form (tested on its own below) would then serve the
     call instead of `form`, rounding e4m3 P against each split's running max."""
@@ -131,7 +131,7 @@ def _check_form_ran(native, form):
         f"expected the {form} form, ran {ran}"
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "ws3", "wso", "wso3", "wsr"])
+@pytest.mark.parametrize("form", ["plain", "ws", "ws3", "wso", "wso3"])
 @pytest.mark.parametrize("heads,causal,paged", CASES)
 def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypatch):
     """form: the kernel serving bf16 O: plain (cute_kernels/fmha_sm90.py) or a form of the
@@ -209,7 +209,7 @@ def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, s
     assert rel <= 1e-2, rel
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "ws3", "wso", "wso3", "wsr"])
+@pytest.mark.parametrize("form", ["plain", "ws", "ws3", "wso", "wso3"])
 @pytest.mark.parametrize("qk_values", ["randn", "exact"])
 @pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
                                                  ((4, 4), False, False), ((64, 4), True, True)])
@@ -336,7 +336,7 @@ def test_max_score_only_pass_runs_on_the_indexer_kernel(seed, monkeypatch):
     assert rel <= 1e-2, rel
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "ws3", "wso", "wso3", "wsr"])
+@pytest.mark.parametrize("form", ["plain", "ws", "ws3", "wso", "wso3"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """Paged K/V whose slots past each request's kv_len (and the spare pages) hold NaN: a masked
@@ -370,7 +370,7 @@ def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
                            f"NaN past kv_len causal={causal} form={form}")
 
 
-@pytest.mark.parametrize("form", ["ws", "ws3", "wso", "wso3", "wsr"])
+@pytest.mark.parametrize("form", ["ws", "ws3", "wso", "wso3"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """e4m3 paged K/V with NaN (0x7f) in every slot past kv_len and in the spare pages: the
@@ -415,29 +415,6 @@ def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch)
     print(f"e4m3 NaN past kv_len causal={causal} form={form}: max|O-O_plain|="
           f"{(got - want).abs().max().item():.3e}")
     assert worst <= 1e-3
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("paged", [False, True])
-def test_fmha_native_lazy_rescale_is_bit_identical_to_ws(dtype, paged, seed, monkeypatch):
-    """wsr skips the O rescale in warps whose rows all kept their running max (their correction
-    is exactly 1), so its O must equal ws's bit for bit, on long rows (up to ~40 key blocks,
-    where most blocks skip it) and short ones, causal with random offsets."""
-    gen = torch.Generator().manual_seed(seed)
-    p = _problem((8, 2), True, paged, dtype, gen, q_lens=[1, 300, 4096, 777],
-                 max_extra_kv=1000)
-    monkeypatch.setenv("MSA_BACKEND", "native")
-    outs = {}
-    for form in ("ws", "wsr"):
-        native = _native_serving(form, monkeypatch)
-        outs[form], _ = msa.fmha(*p["args"], sm_scale=0.9 * D ** -0.5, output_maxscore=False,
-                                 **p["kw"])
-        torch.cuda.synchronize()
-        _check_form_ran(native, form)
-    monkeypatch.delenv("MSA_BACKEND")
-    assert not torch.isnan(outs["ws"]).any()
-    assert torch.equal(outs["wsr"], outs["ws"]), \
-        f"wsr differs from ws in {(outs['wsr'] != outs['ws']).sum().item()} elements"
 
 
 @pytest.mark.parametrize("form", ["plain", "ws"])

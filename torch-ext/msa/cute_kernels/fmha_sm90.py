@@ -158,15 +158,6 @@ def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
 
 
 @cute.jit
-def rescale_rows(o_rc: cute.Tensor, corr: cute.Tensor, n_rows: cutlass.Constexpr,
-                 n_cols: cutlass.Constexpr):
-    """O accumulator row i *= corr[i] (the online softmax's correction)."""
-    for i in cutlass.range_constexpr(n_rows):
-        for j in cutlass.range_constexpr(n_cols):
-            o_rc[i, j] = o_rc[i, j] * corr[i]
-
-
-@cute.jit
 def load_q_rows(mQ: cute.Tensor, q_copy: cute.TiledCopy, thr_q_copy, tQsQ: cute.Tensor,
                 tQcQ: cute.Tensor, wg_q0: cutlass.Int32, q_start: cutlass.Int32,
                 q_len: cutlass.Int32, head: cutlass.Int32):

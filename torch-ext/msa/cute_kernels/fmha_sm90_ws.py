@@ -51,7 +51,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .fmha_sm90 import (load_q_rows, mmas_and_o_copies, online_softmax, request_bounds,
-                        rescale_rows, write_o_rows)
+                        write_o_rows)
 from .tile_utils import (pack_bf16_pairs, pack_e4m3_quads, register_p_operand, row_copy,
                          transpose_v_copies, transpose_v_words, warpgroup_gemm_issue,
                          wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
@@ -85,11 +85,8 @@ FORMS = {
     "ws3": dict(kv_stages=3, overlap=False),     # 3 K/V stages (224 KB of shared memory)
     "wso": dict(kv_stages=2, overlap=True),      # intra-warpgroup overlap
     "wso3": dict(kv_stages=3, overlap=True),
-    # ws, with O rescaled only when some row of the warp moved its running max (the others'
-    # correction is exactly 1, so the result is bit-identical to ws).
-    "wsr": dict(kv_stages=2, overlap=False, lazy_rescale=True),
 }
-FP8_FORMS = ("ws", "ws3", "wso", "wso3", "wsr")
+FP8_FORMS = ("ws", "ws3", "wso", "wso3")
 
 
 class FmhaSm90Ws:
@@ -97,14 +94,9 @@ class FmhaSm90Ws:
     e4m3 q/k/v with V transposed by the producer warpgroup)."""
 
     def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
-                 overlap: bool = False, lazy_rescale: bool = False):
+                 overlap: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
-        assert not (lazy_rescale and overlap), "lazy_rescale is a form of the ws loop"
         self.paged = paged
-        # lazy_rescale: skip the O rescale (64 FMUL per thread per block, ~14 % of a consumer's
-        # instructions) in warps none of whose rows moved its running max; late in a long row
-        # the max rarely moves.
-        self.lazy_rescale = lazy_rescale
         # overlap: the softmax of block j runs while P(j-1) V(j-1) is in flight (wait_group(1)
         # after the turn). Off: both GEMMs of the turn are waited for before the softmax (the
         # overlap then comes from the other warpgroup only). On, P is rounded by
@@ -478,14 +470,9 @@ class FmhaSm90Ws:
                     warpgroup.wait_group(0)                                 # P V(j-1) done
                     if lane == 0:
                         cute.arch.mbarrier_arrive(mbar + 3 * S + prev)         # V free
-                    if cutlass.const_expr(self.lazy_rescale):
-                        moved = corr[0] != 1.0
-                        for i in cutlass.range_constexpr(1, n_my_rows):
-                            moved = moved | (corr[i] != 1.0)
-                        if cute.arch.vote_any_sync(moved):
-                            rescale_rows(o_rc, corr, n_my_rows, n_my_cols)
-                    else:
-                        rescale_rows(o_rc, corr, n_my_rows, n_my_cols)
+                    for i in cutlass.range_constexpr(n_my_rows):
+                        for j in cutlass.range_constexpr(n_my_cols):
+                            o_rc[i, j] = o_rc[i, j] * corr[i]
                     if cutlass.const_expr(self.overlap and self.fp8):
                         pack_e4m3_quads(acc_s, r_p)
                     elif cutlass.const_expr(self.overlap):

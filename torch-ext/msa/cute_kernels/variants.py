@@ -86,10 +86,9 @@ class BlockMaxScoreVariant:
 
 
 # Warp-specialized FMHA forms (cute_kernels.fmha_sm90_ws.FORMS): ws (2 K/V stages), ws3 (3),
-# wso / wso3 (intra-warpgroup overlap: the softmax of block j under the own P V(j-1)), wsr (ws
-# with the O rescale skipped in warps whose rows kept their running max).
-WS_FORMS = ("ws", "ws3", "wso", "wso3", "wsr")
-WS_FP8_FORMS = ("ws", "ws3", "wso", "wso3", "wsr")
+# wso / wso3 (intra-warpgroup overlap: the softmax of block j under the own P V(j-1)).
+WS_FORMS = ("ws", "ws3", "wso", "wso3")
+WS_FP8_FORMS = ("ws", "ws3", "wso", "wso3")
 
 
 @dataclasses.dataclass(frozen=True)
