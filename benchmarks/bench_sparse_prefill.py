@@ -75,10 +75,8 @@ DTYPE_MODES = {   # name -> (q, k, v) -> (q, k, v, pv_dtype)
 # --partials name -> partial_dtype of sparse_atten_func (rows of other than bf16 are labelled
 # "<dtype>_p<name>").
 PARTIALS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "e4m3": E4M3}
-# --forms name -> msa._native.sparse_prefill_sm90 (WARP_SPECIALIZED_FOR_TESTS,
-# PIPELINED_FOR_TESTS)
-FORM_HOOKS = {"served": (None, None), "wgmma": (False, None), "ws": (True, False),
-              "wsp": (True, True)}
+# --forms name -> msa._native.sparse_prefill_sm90.WARP_SPECIALIZED_FOR_TESTS
+FORM_HOOKS = {"served": None, "wgmma": False, "ws": True}
 
 
 def unvalidated_mode(msa, q, k, v, pv_dtype, partial_dtype) -> bool:
@@ -166,8 +164,7 @@ def main():
                     help="partial_dtype of each msa run: bf16, fp16, fp32, e4m3 (comma list)")
     ap.add_argument("--forms", default="served",
                     help="attention kernel forms to time side by side: served (what the gates "
-                         "pick), wgmma, ws (warp-specialized; G 8/16, bf16 or fp8 only), wsp "
-                         "(ws with S of the next tile under the epilogue); impl "
+                         "pick), wgmma, ws (warp-specialized; G 8/16, bf16 or fp8 only); impl "
                          "msa_attention[<form>] unless served; a form that does not run the "
                          "call is skipped")
     ap.add_argument("--impls", default="attention,csr+attention",
@@ -223,8 +220,7 @@ def main():
             native = native_module(msa, "sparse_prefill_sm90")
             for dtype, partial, form in msa_runs:
                 if native is not None:
-                    (native.WARP_SPECIALIZED_FOR_TESTS,
-                     native.PIPELINED_FOR_TESTS) = FORM_HOOKS[form]
+                    native.WARP_SPECIALIZED_FOR_TESTS = FORM_HOOKS[form]
                 qq, kk, vv, pv_dtype = DTYPE_MODES[dtype](q, k, v)
                 kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
                           max_seqlen_k=max(lens), causal=True, pv_dtype=pv_dtype,
@@ -240,8 +236,7 @@ def main():
                 if form != "served" and ran != form:
                     print(f"skip msa {label} [{form}]: that form does not serve it", flush=True)
                     continue
-                gated_form = ((ran in ("ws", "wsp") and not native.VALIDATED_WARP_SPECIALIZED)
-                              or (ran == "wsp" and not native.VALIDATED_PIPELINED))
+                gated_form = ran == "ws" and not native.VALIDATED_WARP_SPECIALIZED
                 if backend != "reference" and (
                         unvalidated_mode(msa, qq, kk, vv, pv_dtype, PARTIALS[partial])
                         or gated_form):
@@ -267,7 +262,7 @@ def main():
                     row(case, lens, pattern, label, impl + suffix, backend, ms,
                         flops / ms / 1e9, pairs, (flex_ms / ms) if flex_ms else None)
             if native is not None:
-                native.WARP_SPECIALIZED_FOR_TESTS = native.PIPELINED_FOR_TESTS = None
+                native.WARP_SPECIALIZED_FOR_TESTS = None
         if "cudnn" in args.peers:
             from torch.nn.attention import SDPBackend, sdpa_kernel
             ms_total = 0.0

@@ -37,7 +37,7 @@ def _tools():
                                   "sparse_combine_sm90_pf32",
                                   "sparse_prefill_sm90_bfloat16_g16_dense_pbf16_ws",
                                   "sparse_prefill_sm90_e4m3_g8_paged_pe4m3_ws",
-                                  "sparse_prefill_sm90_bfloat16_g8_paged_pf16_wsp"])
+                                  "sparse_prefill_sm90_bfloat16_g8_paged_pf16_ws"])
 def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
     tools = _tools()
     try:
@@ -52,7 +52,7 @@ def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
     assert ptx, "the DSL kept no PTX"
     text = ptx[0].read_text()
     assert ".target sm_90a" in text
-    if name.endswith(("_ws", "_wsp")):
+    if name.endswith("_ws"):
         # Warp-specialized: the producer warpgroup gives registers to the consumers; per tile
         # each query's Q rows arrive by TMA (G x 128 bytes per box: 64 / G queries x 2 boxes
         # for bf16, 1 for e4m3) and its partial rows leave by TMA; S and P.V are issued once.
@@ -65,11 +65,8 @@ def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
         assert "setmaxnreg.inc.sync.aligned.u32" in text
         mma = ("m64n128k16.f32.bf16.bf16" if boxes_per_query == 2
                else "m64n128k32.f32.e4m3.e4m3")
-        # S = Q K^T is issued at two sites in the pipelined form (a consumer's first tile, and
-        # its next tile under the epilogue).
-        s_sites = 2 if name.endswith("_wsp") else 1
         k_steps = 8 if boxes_per_query == 2 else 4
-        assert text.count(f"wgmma.mma_async.sync.aligned.{mma}") == k_steps * (s_sites + 1)
+        assert text.count(f"wgmma.mma_async.sync.aligned.{mma}") == 2 * k_steps
     elif "_e4m3_g" in name:
         # e4m3 S = QK^T (SS) and e4m3 O = PV (RS: P rounded to e4m3 and kept in registers, V^T
         # K-major and key-permuted): 4 k-steps each of m64n128k32; P rounded with cvt e4m3x2.
@@ -130,22 +127,20 @@ def test_shipped_variant_names_match_the_runtime():
                         assert set(_variant_names(g, paged, partial, mode)) <= names
     # The warp-specialized form wherever it applies (forced on; the gate is tested below).
     from msa._native import sparse_prefill_sm90 as native
-    forced = native.WARP_SPECIALIZED_FOR_TESTS, native.PIPELINED_FOR_TESTS
+    forced = native.WARP_SPECIALIZED_FOR_TESTS
     native.WARP_SPECIALIZED_FOR_TESTS = True
     try:
-        for form in ("ws", "wsp"):
-            native.PIPELINED_FOR_TESTS = form == "wsp"
-            for g in (8, 16):
-                for paged in (False, True):
-                    for partial in partials[1:]:
-                        for mode in native.WS_MODES:
-                            attention, _ = _variant_names(g, paged, partial, mode)
-                            assert native.variant_form(attention) == form
-                            assert attention in names
-            assert native.variant_form(_variant_names(4, False, torch.bfloat16)[0]) == "wgmma"
-            assert native.variant_form(_variant_names(16, False, torch.float32)[0]) == "wgmma"
+        for g in (8, 16):
+            for paged in (False, True):
+                for partial in partials[1:]:
+                    for mode in native.WS_MODES:
+                        attention, _ = _variant_names(g, paged, partial, mode)
+                        assert native.variant_form(attention) == "ws"
+                        assert attention in names
+        assert native.variant_form(_variant_names(4, False, torch.bfloat16)[0]) == "wgmma"
+        assert native.variant_form(_variant_names(16, False, torch.float32)[0]) == "wgmma"
     finally:
-        native.WARP_SPECIALIZED_FOR_TESTS, native.PIPELINED_FOR_TESTS = forced
+        native.WARP_SPECIALIZED_FOR_TESTS = forced
     bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
     # Every compiled FP8 family serves a dtype mode.
     served = {attention_mode(bf16, e4m3, e4m3, None), attention_mode(e4m3, e4m3, e4m3, bf16),
@@ -240,33 +235,6 @@ def test_warp_specialized_sparse_form_follows_its_flag(monkeypatch):
     assert not native.warp_specialized(16, bf16, "bfloat16")
 
 
-def test_pipelined_sparse_form_follows_its_flag(monkeypatch):
-    """Where the warp-specialized form runs, its pipelined variant (_wsp) replaces it only when
-    validated, forced, or with MSA_UNVALIDATED_KERNELS=1. No CUDA needed."""
-    sys.path.insert(0, str(ROOT / "torch-ext"))
-    import torch
-    from msa import _backend
-    from msa._native import sparse_prefill_sm90 as native
-    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", True)
-    monkeypatch.setattr(native, "PIPELINED_FOR_TESTS", None)
-    monkeypatch.setattr(native, "VALIDATED_PIPELINED", False)
-
-    def form():
-        return native.variant_form(native._variant_names(16, False, torch.bfloat16)[0])
-    assert form() == "ws"
-    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
-    assert form() == "wsp"
-    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
-    monkeypatch.setattr(native, "VALIDATED_PIPELINED", True)
-    assert form() == "wsp"
-    monkeypatch.setattr(native, "PIPELINED_FOR_TESTS", False)
-    assert form() == "ws"
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", False)
-    monkeypatch.setattr(native, "PIPELINED_FOR_TESTS", True)
-    assert form() == "wgmma"
-
-
 def test_word_transpose_of_v_lands_in_the_register_p_key_order():
     """tile_utils.transpose_v_words (the e4m3 FMHA's per-block V -> Vt): traced with identity
     tensors for every one of its 256 threads, the byte each word store writes, Vt(channel, c'),
@@ -351,7 +319,7 @@ def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "bogus")
     with pytest.raises(ValueError, match="e4m3 warp-specialized forms"):
         native._variant_for(False, o, e4m3)
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "wso")
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "ws")
     assert native._variant_for(False, o_score) == "fmha_sm90_bfloat16_dense_maxscore"
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
     monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", True)

@@ -163,11 +163,10 @@ CASES = [(g, paged, causal, partial)
          for partial in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)]
 
 
-# Every case on the wgmma (or warp-MMA) kernel, and again on each warp-specialized form where it
-# exists (G 8 / 16, bf16 or all-e4m3 q/k/v, 16-bit or e4m3 partials): "ws" and the pipelined
-# "wsp".
+# Every case on the wgmma (or warp-MMA) kernel, and again on the warp-specialized form "ws" where
+# it exists (G 8 / 16, bf16 or all-e4m3 q/k/v, 16-bit or e4m3 partials).
 WS_GROUPS = (8, 16)
-WS_FORMS = ("ws", "wsp")
+WS_FORMS = ("ws",)
 FORMS_OF_CASE = [(case, "wgmma") for case in CASES] + [
     (case, form) for form in WS_FORMS for case in CASES
     if case[0] in WS_GROUPS and case[3] != torch.float32]
@@ -176,7 +175,6 @@ FORMS_OF_CASE = [(case, "wgmma") for case in CASES] + [
 def _select_form(native_module, monkeypatch, form):
     """Pin the attention kernel form (the warp-specialized ones are gated until validated)."""
     monkeypatch.setattr(native_module, "WARP_SPECIALIZED_FOR_TESTS", form in WS_FORMS)
-    monkeypatch.setattr(native_module, "PIPELINED_FOR_TESTS", form == "wsp")
 
 
 def _check_form_ran(native_module, form):

@@ -72,12 +72,6 @@ VALIDATED_WARP_SPECIALIZED = True
 # None: the gate decides; False: the wgmma kernel; True: the warp-specialized form wherever it
 # exists (tests and benchmarks).
 WARP_SPECIALIZED_FOR_TESTS: Optional[bool] = None
-# Its pipelined variant (variants ..._wsp: a consumer issues S of its next tile before this
-# tile's epilogue; the e4m3 path is latency-bound, not byte-bound, at 2.1 TB/s): compiled for
-# sm_90a, gated until its cases pass on an H200. Used in place of "ws" wherever "ws" runs once
-# validated (or forced: PIPELINED_FOR_TESTS).
-VALIDATED_PIPELINED = False
-PIPELINED_FOR_TESTS: Optional[bool] = None
 WS_GROUPS = (8, 16)
 WS_MODES = ("bfloat16", "e4m3")
 # The attention artifact of the most recent run() (tests and benchmarks check the form).
@@ -112,12 +106,9 @@ def warp_specialized(qhead_per_kv: int, partial_dtype: torch.dtype, mode: str) -
 
 
 def variant_form(attention_name: str) -> str:
-    """The kernel form of an attention artifact name: "wsp", "ws" or "wgmma" (the wgmma and
-    warp-MMA kernels)."""
-    for form in ("wsp", "ws"):
-        if attention_name.endswith("_" + form):
-            return form
-    return "wgmma"
+    """The kernel form of an attention artifact name: "ws" or "wgmma" (the wgmma and warp-MMA
+    kernels)."""
+    return "ws" if attention_name.endswith("_ws") else "wgmma"
 
 
 def _variant_names(qhead_per_kv: int, paged: bool, partial_dtype: torch.dtype,
@@ -126,11 +117,7 @@ def _variant_names(qhead_per_kv: int, paged: bool, partial_dtype: torch.dtype,
     cute_kernels.variants."""
     short = _PARTIALS[partial_dtype][1]
     layout = "paged" if paged else "dense"
-    form = ""
-    if warp_specialized(qhead_per_kv, partial_dtype, mode):
-        form = "_wsp" if _backend.form_enabled(
-            PIPELINED_FOR_TESTS, "the pipelined warp-specialized sm90 sparse attention",
-            VALIDATED_PIPELINED) else "_ws"
+    form = "_ws" if warp_specialized(qhead_per_kv, partial_dtype, mode) else ""
     return (f"sparse_prefill_sm90_{mode}_g{qhead_per_kv}_{layout}_p{short}{form}",
             f"sparse_combine_sm90_p{short}")
 

@@ -153,8 +153,7 @@ def attention_kernel(variant: AttentionVariant):
                                       f"G in {WS_GROUPS}, {'/'.join(WS_DTYPES)} Q/K/V and "
                                       "16-bit or e4m3 partials")
         return SparsePrefillSm90Ws(variant.qhead_per_kv, variant.paged, partial,
-                                   mode="bf16" if variant.dtype == "bfloat16" else "e4m3",
-                                   pipeline_s=variant.form == "wsp")
+                                   mode="bf16" if variant.dtype == "bfloat16" else "e4m3")
     if variant.form:
         raise NotImplementedError(f"{variant.name}: unknown attention form {variant.form!r}")
     if variant.dtype in FP8_MODES:

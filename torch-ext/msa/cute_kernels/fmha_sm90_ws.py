@@ -1,9 +1,8 @@
-"""Dense FMHA forward for Hopper (sm_90a), warp-specialized forms (gated; variants
-fmha_sm90_{bfloat16,e4m3}_{dense,paged}_{ws,ws3,wso,wso3}).
+"""Dense FMHA forward for Hopper (sm_90a), warp-specialized (variants
+fmha_sm90_{bfloat16,e4m3}_{dense,paged}_ws; they serve O-only calls).
 Same semantics, arguments and grid as FmhaSm90 (cute_kernels/fmha_sm90.py, O only, bf16 or
 e4m3 q/k/v); only the way the key blocks are streamed and the two warpgroups are scheduled
-differs. Forms (FORMS): ws = 2 K/V stages; ws3 = 3 stages; wso / wso3 = intra-warpgroup
-overlap (below), for both dtypes. e4m3: as the plain e4m3 kernel, P is rounded to e4m3 in
+differs. e4m3: as the plain e4m3 kernel, P is rounded to e4m3 in
 registers and handed in the key order of register_p_key_order, so P V reads a key-permuted,
 K-major Vt: the producer TMA-loads raw V into its own ring and warps 1-3 of the producer
 warpgroup transpose it (tile_utils.transpose_v_words with n_keys: 32-bit words, byte permutes;
@@ -24,23 +23,17 @@ Roles (384 threads, one CTA per SM):
   not) and only then arrives on the V full barrier.
 * warpgroups 1 and 2 are consumers (setmaxnreg up to MMA_REGS), 64 query rows each, Q loaded by
   the warpgroup itself with cp.async (zero past q_len). Per key block j a consumer issues
-  S(j) = Q K(j)^T and O += P(j-1) V(j-1) back to back in one turn; with `overlap` it waits
-  for S(j) only and runs the softmax of block j while P(j-1) V(j-1) runs, then waits for it and
-  rescales O (intra-warpgroup overlap);
-  block 0's S and the last P V are peeled so the loop body issues its wgmmas unconditionally.
-  (That overlap is the constructor's `overlap`, forms wso / wso3. Without it the turn's two
-  GEMMs are waited for before the softmax, and only the other warpgroup's GEMMs run under it.
-  With it and a plain bf16 conversion of P, LLVM moved the conversion past the loop's phi into
-  the next iteration, so 64 fp32 P values stayed live across the back edge next to S, O and
-  P(j-1), and ptxas serialized the wgmmas, C7512; tile_utils.pack_bf16_pairs pins it.)
+  S(j) = Q K(j)^T and O += P(j-1) V(j-1) back to back in one turn, waits for both, then runs
+  the softmax of block j and rescales O; block 0's S and the last P V are peeled so the loop
+  body issues its wgmmas unconditionally. (Measured and removed, docs/design-fmha.md: 3 K/V
+  stages, intra-warpgroup overlap of the softmax with the own P V, a lazy O rescale.)
 * ping-pong: the two GEMM issues of a block are a turn; turns alternate between the consumers
   through two named barriers (a consumer waits on its own, then arrives on the other's), so
   one warpgroup's softmax runs under the other's GEMMs (FlashAttention-3's schedule). Both
   consumers take n_blocks + 1 turns per tile, so the alternation stays matched.
 
-Shared memory: bf16 Q 2 x 16 KB + stages x (K 32 KB + V 32 KB) + mbarriers (ws 160 KB, ws3
-224 KB); e4m3 Q 2 x 8 KB + stages x (K, raw V, Vt 16 KB each) + O 2 x 16 KB (bf16) (ws 144 KB,
-ws3 192 KB). Registers: bf16 24 (producer) / 240 (consumers); e4m3 72 / 216 (the transposer
+Shared memory: bf16 Q 2 x 16 KB + 2 stages x (K 32 KB + V 32 KB) + mbarriers (160 KB); e4m3
+Q 2 x 8 KB + 2 stages x (K, raw V, Vt 16 KB each) + O 2 x 16 KB (bf16) (144 KB). Registers: bf16 24 (producer) / 240 (consumers); e4m3 72 / 216 (the transposer
 warps need more than 24: they use up to R70).
 """
 
@@ -52,9 +45,9 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .fmha_sm90 import (load_q_rows, mmas_and_o_copies, online_softmax, request_bounds,
                         write_o_rows)
-from .tile_utils import (pack_bf16_pairs, pack_e4m3_quads, register_p_operand, row_copy,
-                         transpose_v_copies, transpose_v_words, warpgroup_gemm_issue,
-                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+from .tile_utils import (register_p_operand, row_copy, transpose_v_copies, transpose_v_words,
+                         warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
+                         wgmma_rows_cols_view)
 
 HEAD_DIM = 128
 BLOCK_N = 128            # keys per block (= page size)
@@ -79,31 +72,18 @@ BAR_WG = 1               # + consumer index, 128 threads
 BAR_TURN = 3             # + consumer index, 256 threads
 
 
-# Forms (variant name suffixes) -> constructor options. "ws" is the measured form.
-FORMS = {
-    "ws": dict(kv_stages=2, overlap=False),
-    "ws3": dict(kv_stages=3, overlap=False),     # 3 K/V stages (224 KB of shared memory)
-    "wso": dict(kv_stages=2, overlap=True),      # intra-warpgroup overlap
-    "wso3": dict(kv_stages=3, overlap=True),
-}
-FP8_FORMS = ("ws", "ws3", "wso", "wso3")
+# Forms (variant name suffixes) -> constructor options.
+FORMS = {"ws": {}}
+FP8_FORMS = ("ws",)
 
 
 class FmhaSm90Ws:
     """Compile-time configuration of one warp-specialized dense FMHA variant (O only; bf16, or
     e4m3 q/k/v with V transposed by the producer warpgroup)."""
 
-    def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
-                 overlap: bool = False):
+    def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
         self.paged = paged
-        # overlap: the softmax of block j runs while P(j-1) V(j-1) is in flight (wait_group(1)
-        # after the turn). Off: both GEMMs of the turn are waited for before the softmax (the
-        # overlap then comes from the other warpgroup only). On, P is rounded by
-        # pack_bf16_pairs / pack_e4m3_quads (pinned inline assembly): with a plain conversion
-        # LLVM moves it into the next iteration and ptxas 13.0 serializes the wgmmas for lack of
-        # registers (C7512).
-        self.overlap = overlap
         self.dtype = dtype
         self.fp8 = dtype.width == 8
         self.out_dtype = cutlass.BFloat16
@@ -459,26 +439,20 @@ class FmhaSm90Ws:
                     warpgroup_gemm_issue(mma_pv, acc_o, self._p_operand(t_p, a_shape),
                                          tOrVt[None, None, None, prev], accumulate=True)
                     cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
-                    if cutlass.const_expr(self.overlap):
-                        warpgroup.wait_group(1)                             # S(j) landed
-                    else:
-                        warpgroup.wait_group(0)                             # and P V(j-1)
+                    warpgroup.wait_group(0)                         # S(j) and P V(j-1)
                     if lane == 0:
                         cute.arch.mbarrier_arrive(mbar + S + stage)            # K free
                     online_softmax(acc_s, blk, row_max, row_sum, tScS, wg_q0, kv_len,
                                    offset, causal, scale_log2, corr=corr)
-                    warpgroup.wait_group(0)                                 # P V(j-1) done
+                    # A no-op since the wait above (it served the removed overlap form); kept
+                    # so the validated PTX stays byte-identical.
+                    warpgroup.wait_group(0)
                     if lane == 0:
                         cute.arch.mbarrier_arrive(mbar + 3 * S + prev)         # V free
                     for i in cutlass.range_constexpr(n_my_rows):
                         for j in cutlass.range_constexpr(n_my_cols):
                             o_rc[i, j] = o_rc[i, j] * corr[i]
-                    if cutlass.const_expr(self.overlap and self.fp8):
-                        pack_e4m3_quads(acc_s, r_p)
-                    elif cutlass.const_expr(self.overlap):
-                        pack_bf16_pairs(acc_s, r_p)
-                    else:
-                        r_p.store(acc_s.load().to(self.dtype))
+                    r_p.store(acc_s.load().to(self.dtype))
                 # ---- the last P V
                 gl = g + n_blocks - 1
                 last = gl % S

@@ -23,11 +23,6 @@ moves it:
   warpgroup waits for its previous stores to have read the O tile before refilling it, and
   releases the Q stage (and the entries) after its last read.
 
-Form "wsp" (pipeline_s, gated): a consumer issues S of its next tile (its Q stage is already
-loaded: that stage was freed by the warpgroup's tile before last) right after this tile's P V,
-so the tensor core computes it during this tile's epilogue; the loop then starts by waiting for
-it. Aimed at the e4m3 path, which runs at ~2.1 TB/s, latency-bound rather than byte-bound.
-
 Shared memory (bf16, bf16 partials): Q 4 x 16 KB + K 32 KB + V 32 KB + O 2 x 16 KB = 160 KB;
 one CTA per SM. The kernel never reads or writes out of bounds whatever the schedule says: TMA
 boxes are clipped to q and o_partial, K/V rows past the block's keys are zero-filled.
@@ -43,8 +38,7 @@ from .fmha_sm90 import mmas_and_o_copies
 from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, SLOT_SHIFT,
                                   SparsePrefillSm90)
 from .tile_utils import (register_p_key_order, register_p_operand, row_copy, warpgroup_gemm,
-                         warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
-                         wgmma_rows_cols_view)
+                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 
 WS_GROUPS = (8, 16)         # G with a query's rows filling whole 1 KB swizzle atoms
 WS_MODES = ("bf16", "e4m3")
@@ -65,11 +59,8 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
     bf16, fp16 or e4m3 partials, G in WS_GROUPS."""
 
     def __init__(self, qhead_per_kv: int, paged: bool, partial_dtype=cutlass.BFloat16,
-                 mode: str = "bf16", pipeline_s: bool = False):
+                 mode: str = "bf16"):
         super().__init__(qhead_per_kv, paged, partial_dtype)
-        # pipeline_s (form "wsp"): a consumer issues S of its next tile as soon as this tile's
-        # P V is done, so that S runs under this tile's epilogue instead of after it.
-        self.pipeline_s = pipeline_s
         assert qhead_per_kv in WS_GROUPS, qhead_per_kv
         assert partial_dtype.width == 16 or partial_dtype is cutlass.Float8E4M3FN, partial_dtype
         assert mode in WS_MODES, mode
@@ -303,18 +294,10 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
         gO_boxes = cute.group_modes(cute.flat_divide(tO, (G, self.o_box_cols)), 0, 2)
         tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), sO_boxes, gO_boxes)
 
-        if cutlass.const_expr(self.pipeline_s):
-            if mwg < n_tiles:
-                cute.arch.mbarrier_wait(mbar + mwg % Q_STAGES, (mwg // Q_STAGES) % 2)
-                warpgroup_gemm_issue(mma_qk, acc_s, tSrQ[None, None, None, mwg % Q_STAGES],
-                                     tSrK)
         for tile in range(mwg, n_tiles, NUM_MMA_WARPGROUPS):
             stage = tile % Q_STAGES
-            if cutlass.const_expr(self.pipeline_s):
-                warpgroup.wait_group(0)                  # S(tile), issued a tile earlier
-            else:
-                cute.arch.mbarrier_wait(mbar + stage, (tile // Q_STAGES) % 2)
-                warpgroup_gemm(mma_qk, acc_s, tSrQ[None, None, None, stage], tSrK)
+            cute.arch.mbarrier_wait(mbar + stage, (tile // Q_STAGES) % 2)
+            warpgroup_gemm(mma_qk, acc_s, tSrQ[None, None, None, stage], tSrK)
 
             s_rc = wgmma_rows_cols_view(acc_s)
             row_lse = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
@@ -330,15 +313,6 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
             else:
                 t_p = wgmma_accumulator_as_operand_a(r_p)
             warpgroup_gemm(mma_pv, acc_o, t_p, tOrVt)
-            if cutlass.const_expr(self.pipeline_s):
-                # S of this warpgroup's next tile runs under the epilogue below (which does not
-                # touch acc_s); its Q stage was freed by this warpgroup's tile before last.
-                upcoming = tile + NUM_MMA_WARPGROUPS
-                if upcoming < n_tiles:
-                    cute.arch.mbarrier_wait(mbar + upcoming % Q_STAGES,
-                                            (upcoming // Q_STAGES) % 2)
-                    warpgroup_gemm_issue(mma_qk, acc_s,
-                                         tSrQ[None, None, None, upcoming % Q_STAGES], tSrK)
 
             o_rc = wgmma_rows_cols_view(acc_o)
             for i in cutlass.range_constexpr(n_my_rows):

@@ -32,7 +32,7 @@ FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
 # query rows fill whole 1 KB swizzle atoms, bf16 or all-e4m3 Q/K/V.
 WS_GROUPS = (8, 16)
 WS_DTYPES = ("bfloat16", "e4m3")
-SPARSE_WS_FORMS = ("ws", "wsp")
+SPARSE_WS_FORMS = ("ws",)
 INDEX_HEADS = (1, 2, 4, 8)                   # index query heads H of block_max_scores
 INDEX_DTYPES = ("bfloat16", "e4m3")          # q_idx / k_idx element types (same for both)
 FMHA_DTYPES = ("bfloat16", "e4m3")          # dense FMHA q/k/v element types (output O)
@@ -47,8 +47,7 @@ class AttentionVariant:
     partial_dtype: str = "float32"
     dtype: str = "bfloat16"
     # "" (the wgmma / warp-MMA kernels), "ws" (cute_kernels.sparse_prefill_sm90_ws: TMA Q
-    # gathers and partial stores, warp-specialized; WS_GROUPS x WS_DTYPES, wgmma partials) or
-    # "wsp" (the same with S of a consumer's next tile issued under its epilogue)
+    # gathers and partial stores, warp-specialized; WS_GROUPS x WS_DTYPES, wgmma partials)
     form: str = ""
 
     @property
@@ -85,10 +84,10 @@ class BlockMaxScoreVariant:
         return f"block_max_score_sm90_{self.dtype}_h{self.num_heads}_{layout}{suffix}"
 
 
-# Warp-specialized FMHA forms (cute_kernels.fmha_sm90_ws.FORMS): ws (2 K/V stages), ws3 (3),
-# wso / wso3 (intra-warpgroup overlap: the softmax of block j under the own P V(j-1)).
-WS_FORMS = ("ws", "ws3", "wso", "wso3")
-WS_FP8_FORMS = ("ws", "ws3", "wso", "wso3")
+# Warp-specialized FMHA forms (cute_kernels.fmha_sm90_ws.FORMS); the 3-stage and overlapped
+# forms were measured slower and removed (docs/design-fmha.md).
+WS_FORMS = ("ws",)
+WS_FP8_FORMS = ("ws",)
 
 
 @dataclasses.dataclass(frozen=True)
