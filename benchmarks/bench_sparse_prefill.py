@@ -76,7 +76,7 @@ DTYPE_MODES = {   # name -> (q, k, v) -> (q, k, v, pv_dtype)
 # "<dtype>_p<name>").
 PARTIALS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "e4m3": E4M3}
 # --forms name -> msa._native.sparse_prefill_sm90.WARP_SPECIALIZED_FOR_TESTS
-FORM_HOOKS = {"served": None, "wgmma": False, "ws": True}
+FORM_HOOKS = {"served": None, "wgmma": False, "ws": "ws", "ws3w": "ws3w"}
 
 
 def unvalidated_mode(msa, q, k, v, pv_dtype, partial_dtype) -> bool:
@@ -164,7 +164,8 @@ def main():
                     help="partial_dtype of each msa run: bf16, fp16, fp32, e4m3 (comma list)")
     ap.add_argument("--forms", default="served",
                     help="attention kernel forms to time side by side: served (what the gates "
-                         "pick), wgmma, ws (warp-specialized; G 8/16, bf16 or fp8 only); impl "
+                         "pick), wgmma, ws (warp-specialized; G 8/16, bf16 or fp8 only), ws3w (ws with "
+                         "three consumer warpgroups); impl "
                          "msa_attention[<form>] unless served; a form that does not run the "
                          "call is skipped")
     ap.add_argument("--impls", default="attention,csr+attention",
@@ -236,7 +237,8 @@ def main():
                 if form != "served" and ran != form:
                     print(f"skip msa {label} [{form}]: that form does not serve it", flush=True)
                     continue
-                gated_form = ran == "ws" and not native.VALIDATED_WARP_SPECIALIZED
+                gated_form = ((ran in ("ws", "ws3w") and not native.VALIDATED_WARP_SPECIALIZED)
+                              or (ran == "ws3w" and not native.VALIDATED_WS3W))
                 if backend != "reference" and (
                         unvalidated_mode(msa, qq, kk, vv, pv_dtype, PARTIALS[partial])
                         or gated_form):

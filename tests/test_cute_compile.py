@@ -37,7 +37,7 @@ def _tools():
                                   "sparse_combine_sm90_pf32",
                                   "sparse_prefill_sm90_bfloat16_g16_dense_pbf16_ws",
                                   "sparse_prefill_sm90_e4m3_g8_paged_pe4m3_ws",
-                                  "sparse_prefill_sm90_bfloat16_g8_paged_pf16_ws"])
+                                  "sparse_prefill_sm90_bfloat16_g8_paged_pf16_ws3w"])
 def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
     tools = _tools()
     try:
@@ -52,7 +52,7 @@ def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
     assert ptx, "the DSL kept no PTX"
     text = ptx[0].read_text()
     assert ".target sm_90a" in text
-    if name.endswith("_ws"):
+    if name.endswith(("_ws", "_ws3w")):
         # Warp-specialized: the producer warpgroup gives registers to the consumers; per tile
         # each query's Q rows arrive by TMA (G x 128 bytes per box: 64 / G queries x 2 boxes
         # for bf16, 1 for e4m3) and its partial rows leave by TMA; S and P.V are issued once.
@@ -233,6 +233,43 @@ def test_warp_specialized_sparse_form_follows_its_flag(monkeypatch):
         assert not native.warp_specialized(g, partial, mode)
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", False)
     assert not native.warp_specialized(16, bf16, "bfloat16")
+
+
+def test_three_warpgroup_sparse_form_follows_its_flag(monkeypatch):
+    """Where the warp-specialized form runs, "ws3w" replaces "ws" only when validated, with
+    MSA_UNVALIDATED_KERNELS=1, or named by WARP_SPECIALIZED_FOR_TESTS (a name pins that form;
+    an unknown name is an error). Every chosen name is a shipped variant. No CUDA needed."""
+    sys.path.insert(0, str(ROOT / "torch-ext"))
+    import torch
+    from msa import _backend
+    from msa._native import sparse_prefill_sm90 as native
+    from cute_kernels.variants import shipped_variants
+    names = {v.name for v in shipped_variants()}
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
+    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", True)
+    monkeypatch.setattr(native, "VALIDATED_WS3W", False)
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
+
+    def served(g=16, partial=torch.bfloat16, mode="bfloat16"):
+        attention, combine = native._variant_names(g, True, partial, mode)
+        assert attention in names and combine in names
+        return native.variant_form(attention)
+    assert served() == "ws"
+    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
+    assert served() == "ws3w" and served(8, torch.float8_e4m3fn, "e4m3") == "ws3w"
+    assert served(4) == "wgmma"
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "ws")
+    assert served() == "ws"
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "ws3w")
+    assert served(8, torch.float16, "e4m3") == "ws3w"
+    assert served(16, torch.float32) == "wgmma"
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
+    monkeypatch.setattr(native, "VALIDATED_WS3W", True)
+    assert served() == "ws3w"
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "bogus")
+    with pytest.raises(ValueError, match="warp-specialized forms"):
+        served()
 
 
 def test_word_transpose_of_v_lands_in_the_register_p_key_order():

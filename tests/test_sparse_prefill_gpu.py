@@ -163,10 +163,11 @@ CASES = [(g, paged, causal, partial)
          for partial in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)]
 
 
-# Every case on the wgmma (or warp-MMA) kernel, and again on the warp-specialized form "ws" where
-# it exists (G 8 / 16, bf16 or all-e4m3 q/k/v, 16-bit or e4m3 partials).
+# Every case on the wgmma (or warp-MMA) kernel, and again on each warp-specialized form where it
+# exists (G 8 / 16, bf16 or all-e4m3 q/k/v, 16-bit or e4m3 partials): "ws" and "ws3w" (three
+# consumer warpgroups).
 WS_GROUPS = (8, 16)
-WS_FORMS = ("ws",)
+WS_FORMS = ("ws", "ws3w")
 FORMS_OF_CASE = [(case, "wgmma") for case in CASES] + [
     (case, form) for form in WS_FORMS for case in CASES
     if case[0] in WS_GROUPS and case[3] != torch.float32]
@@ -174,7 +175,8 @@ FORMS_OF_CASE = [(case, "wgmma") for case in CASES] + [
 
 def _select_form(native_module, monkeypatch, form):
     """Pin the attention kernel form (the warp-specialized ones are gated until validated)."""
-    monkeypatch.setattr(native_module, "WARP_SPECIALIZED_FOR_TESTS", form in WS_FORMS)
+    monkeypatch.setattr(native_module, "WARP_SPECIALIZED_FOR_TESTS",
+                        form if form in WS_FORMS else False)
 
 
 def _check_form_ran(native_module, form):

@@ -52,7 +52,7 @@ def expect_native(op):
 
 def sparse_prefill_cases(gen):
     """Each kernel form explicitly: "wgmma" (the wgmma / warp-MMA kernels), "ws" (the
-    warp-specialized TMA form, G 8 / 16)."""
+    warp-specialized TMA form, G 8 / 16) and "ws3w" (its three-warpgroup form)."""
     from msa._native import sparse_prefill_sm90
     for g, paged, causal, partial, mode, form in (
             (16, False, True, torch.bfloat16, "bf16", "wgmma"),
@@ -66,8 +66,10 @@ def sparse_prefill_cases(gen):
             (8, False, True, torch.float16, "e4m3", "wgmma"),
             (16, False, True, E4M3, "e4m3", "wgmma"),
             (16, False, True, torch.bfloat16, "bf16", "ws"), (8, True, False, E4M3, "bf16", "ws"),
-            (16, True, True, E4M3, "e4m3", "ws"), (8, False, True, torch.float16, "e4m3", "ws")):
-        sparse_prefill_sm90.WARP_SPECIALIZED_FOR_TESTS = form == "ws"
+            (16, True, True, E4M3, "e4m3", "ws"), (8, False, True, torch.float16, "e4m3", "ws"),
+            (16, False, True, torch.bfloat16, "bf16", "ws3w"),
+            (8, True, True, E4M3, "e4m3", "ws3w")):
+        sparse_prefill_sm90.WARP_SPECIALIZED_FOR_TESTS = False if form == "wgmma" else form
         topk = 8
         p = prefill_cases._make_problem(g, topk, paged, causal, gen, torch.device("cuda"))
         q2k = p["q2k"]

@@ -27,7 +27,7 @@ Otherwise the reference runs (or MSA_BACKEND=native raises with the reason).
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 
 import torch
@@ -69,9 +69,14 @@ UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
 # partials) faster than the wgmma kernel at 32k. It serves those calls; the wgmma kernel keeps
 # the other G and dtype modes.
 VALIDATED_WARP_SPECIALIZED = True
-# None: the gate decides; False: the wgmma kernel; True: the warp-specialized form wherever it
-# exists (tests and benchmarks).
-WARP_SPECIALIZED_FOR_TESTS: Optional[bool] = None
+# None: the gate decides; False: the wgmma kernel; True: the served warp-specialized form
+# wherever it exists; a form name ("ws", "ws3w"): that form (tests and benchmarks).
+WARP_SPECIALIZED_FOR_TESTS: Union[None, bool, str] = None
+# The three-consumer-warpgroup form (variants ..._ws3w, 6 Q stages): compiled for sm_90a (no
+# spills, consumers within 130 registers), gated until its cases pass on an H200; it replaces
+# "ws" wherever "ws" runs once validated.
+VALIDATED_WS3W = False
+WS_FORMS = ("ws", "ws3w")
 WS_GROUPS = (8, 16)
 WS_MODES = ("bfloat16", "e4m3")
 # The attention artifact of the most recent run() (tests and benchmarks check the form).
@@ -100,15 +105,19 @@ def warp_specialized(qhead_per_kv: int, partial_dtype: torch.dtype, mode: str) -
     if (qhead_per_kv not in WS_GROUPS or mode not in WS_MODES
             or partial_dtype == torch.float32):
         return False
-    return _backend.form_enabled(WARP_SPECIALIZED_FOR_TESTS,
+    forced = WARP_SPECIALIZED_FOR_TESTS
+    return _backend.form_enabled(True if isinstance(forced, str) else forced,
                                  "the warp-specialized sm90 sparse attention",
                                  VALIDATED_WARP_SPECIALIZED)
 
 
 def variant_form(attention_name: str) -> str:
-    """The kernel form of an attention artifact name: "ws" or "wgmma" (the wgmma and warp-MMA
-    kernels)."""
-    return "ws" if attention_name.endswith("_ws") else "wgmma"
+    """The kernel form of an attention artifact name: "ws", "ws3w" or "wgmma" (the wgmma and
+    warp-MMA kernels)."""
+    for form in WS_FORMS:
+        if attention_name.endswith("_" + form):
+            return form
+    return "wgmma"
 
 
 def _variant_names(qhead_per_kv: int, paged: bool, partial_dtype: torch.dtype,
@@ -117,7 +126,17 @@ def _variant_names(qhead_per_kv: int, paged: bool, partial_dtype: torch.dtype,
     cute_kernels.variants."""
     short = _PARTIALS[partial_dtype][1]
     layout = "paged" if paged else "dense"
-    form = "_ws" if warp_specialized(qhead_per_kv, partial_dtype, mode) else ""
+    form = ""
+    if warp_specialized(qhead_per_kv, partial_dtype, mode):
+        forced = WARP_SPECIALIZED_FOR_TESTS
+        if isinstance(forced, str):
+            if forced not in WS_FORMS:
+                raise ValueError(f"WARP_SPECIALIZED_FOR_TESTS={forced!r}: the warp-specialized "
+                                 f"forms are {', '.join(WS_FORMS)}")
+            form = "_" + forced
+        else:
+            form = "_ws3w" if _backend.form_enabled(
+                None, "the three-warpgroup sm90 sparse attention", VALIDATED_WS3W) else "_ws"
     return (f"sparse_prefill_sm90_{mode}_g{qhead_per_kv}_{layout}_p{short}{form}",
             f"sparse_combine_sm90_p{short}")
 

@@ -19,7 +19,7 @@ from .block_max_score_sm90 import BlockMaxScoreSm90
 from .combine import SparseCombineSm90
 from .sparse_prefill_sm90 import SparsePrefillSm90
 from .sparse_prefill_sm90_wgmma import SparsePrefillSm90Wgmma
-from .sparse_prefill_sm90_ws import SparsePrefillSm90Ws
+from .sparse_prefill_sm90_ws import WS3W, SparsePrefillSm90Ws
 from .fmha_sm90 import FmhaSm90, FmhaSm90MaxScore, FmhaSm90Split
 from .fmha_sm90_ws import FORMS as WS_FORMS, FP8_FORMS as FP8_WS_FORMS, FmhaSm90Ws
 from .variants import (FP8_MODES, SPARSE_WS_FORMS, WS_DTYPES, WS_GROUPS, AttentionVariant,
@@ -153,7 +153,8 @@ def attention_kernel(variant: AttentionVariant):
                                       f"G in {WS_GROUPS}, {'/'.join(WS_DTYPES)} Q/K/V and "
                                       "16-bit or e4m3 partials")
         return SparsePrefillSm90Ws(variant.qhead_per_kv, variant.paged, partial,
-                                   mode="bf16" if variant.dtype == "bfloat16" else "e4m3")
+                                   mode="bf16" if variant.dtype == "bfloat16" else "e4m3",
+                                   **(WS3W if variant.form == "ws3w" else {}))
     if variant.form:
         raise NotImplementedError(f"{variant.name}: unknown attention form {variant.form!r}")
     if variant.dtype in FP8_MODES:

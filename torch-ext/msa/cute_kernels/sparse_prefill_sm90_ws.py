@@ -44,10 +44,14 @@ WS_GROUPS = (8, 16)         # G with a query's rows filling whole 1 KB swizzle a
 WS_MODES = ("bf16", "e4m3")
 WG_ROWS = 64                # rows per tile (one consumer warpgroup's wgmma M)
 NUM_MMA_WARPGROUPS = 2
-NUM_THREADS = 128 * (1 + NUM_MMA_WARPGROUPS)
 Q_STAGES = 4
 PRODUCER_REGS = 40
 MMA_REGS = 232              # 40 * 128 + 232 * 256 = 64512 = 168 * 384 (launch allocation)
+# Form "ws3w" (gated): three consumer warpgroups (512 threads launch with 128 registers each:
+# 40 * 128 + 152 * 384 = 63488; the consumer code uses up to R145) and 6 Q stages, for more
+# tiles in flight: the e4m3 path is latency-bound (~2 us per tile per warpgroup, of which the
+# GEMMs take ~0.4 us).
+WS3W = dict(consumers=3, q_stages=6, mma_regs=152)
 # Named barriers (0 is sync_threads): both consumer warpgroups (K/V landed), and each consumer
 # warpgroup's own (its O tile free / written).
 BAR_CONSUMERS = 1
@@ -59,8 +63,13 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
     bf16, fp16 or e4m3 partials, G in WS_GROUPS."""
 
     def __init__(self, qhead_per_kv: int, paged: bool, partial_dtype=cutlass.BFloat16,
-                 mode: str = "bf16"):
+                 mode: str = "bf16", consumers: int = NUM_MMA_WARPGROUPS,
+                 q_stages: int = Q_STAGES, mma_regs: int = MMA_REGS):
         super().__init__(qhead_per_kv, paged, partial_dtype)
+        assert consumers in (2, 3), consumers
+        self.consumers = consumers
+        self.q_stages = q_stages
+        self.mma_regs = mma_regs
         assert qhead_per_kv in WS_GROUPS, qhead_per_kv
         assert partial_dtype.width == 16 or partial_dtype is cutlass.Float8E4M3FN, partial_dtype
         assert mode in WS_MODES, mode
@@ -81,8 +90,9 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
         fields = {"sQ": tile(self.qk_dtype, q_layout), "sK": tile(self.qk_dtype, k_layout),
                   "sV": tile(self.pv_dtype, v_layout), "sO": tile(self.partial_dtype, o_layout),
                   "sEntry": cute.struct.Align[cute.struct.MemRange[
-                      cutlass.Int32, self.queries_per_tile * Q_STAGES], 16],
-                  "mbar": cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 2 * Q_STAGES],
+                      cutlass.Int32, self.queries_per_tile * self.q_stages], 16],
+                  "mbar": cute.struct.Align[cute.struct.MemRange[cutlass.Int64,
+                                                                 2 * self.q_stages],
                                             8]}
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
@@ -96,7 +106,7 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
                  causal: cutlass.Int32, want_lse_t: cutlass.Int32, stream):
         G = self.group
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.qk_dtype)
-        q_layout = cute.tile_to_shape(atom, (WG_ROWS, HEAD_DIM, Q_STAGES), (0, 1, 2))
+        q_layout = cute.tile_to_shape(atom, (WG_ROWS, HEAD_DIM, self.q_stages), (0, 1, 2))
         q_box = cute.tile_to_shape(atom, (G, self.q_box_cols), (0, 1))
         k_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM), (0, 1))
         v_layout = k_layout
@@ -104,8 +114,7 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
             v_layout = cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N), (0, 1))   # Vt
         o_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
                                                  self.partial_dtype)
-        o_layout = cute.tile_to_shape(o_atom, (WG_ROWS, HEAD_DIM, NUM_MMA_WARPGROUPS),
-                                      (0, 1, 2))
+        o_layout = cute.tile_to_shape(o_atom, (WG_ROWS, HEAD_DIM, self.consumers), (0, 1, 2))
         o_box = cute.tile_to_shape(o_atom, (G, self.o_box_cols), (0, 1))
         SharedStorage = self._shared_storage(q_layout, k_layout, v_layout, o_layout)
 
@@ -130,7 +139,7 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
                        softmax_scale * LOG2_E, inv_temperature, causal, want_lse_t, tQ, tO,
                        tma_q, tma_o, q_layout, k_layout, v_layout, o_layout, gather_copy,
                        convert_load, mma_qk, mma_pv, stage_o_copy, SharedStorage).launch(
-            grid=(cute.size(metadata.shape[0]), 1, 1), block=(NUM_THREADS, 1, 1),
+            grid=(cute.size(metadata.shape[0]), 1, 1), block=(128 * (1 + self.consumers), 1, 1),
             stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -159,23 +168,26 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
             sQ_stages = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
             sO_wgs = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)
             sEntry = storage.sEntry.get_tensor(
-                cute.make_layout((self.queries_per_tile, Q_STAGES)))
+                cute.make_layout((self.queries_per_tile, self.q_stages)))
             mbar = storage.mbar.data_ptr()
             wg = cute.arch.make_warp_uniform(tidx // 128)
             warp = cute.arch.make_warp_uniform(tidx // 32)
             if warp == 0:
                 with cute.arch.elect_one():
-                    for s in cutlass.range_constexpr(Q_STAGES):
+                    for s in cutlass.range_constexpr(self.q_stages):
                         cute.arch.mbarrier_init(mbar + s, 1)                     # Q full
-                        cute.arch.mbarrier_init(mbar + Q_STAGES + s, 4)          # Q empty
+                        cute.arch.mbarrier_init(mbar + self.q_stages + s, 4)     # Q empty
                 cpasync.prefetch_descriptor(tma_q)
                 cpasync.prefetch_descriptor(tma_o)
-            if wg > 0:
+            zeroing = wg > 0
+            if cutlass.const_expr(self.consumers > 2):
+                zeroing = zeroing & (wg < 3)        # the zeroing copy spans 256 threads
+            if zeroing:
                 # Rows of missing queries are multiplied too: start the ring from zeros, and
                 # publish the zeros to the async proxy before the first TMA lands.
                 zero_copy = row_copy(self.qk_dtype, 32, async_copy=False)
                 thr_zero = zero_copy.get_slice(tidx - 128)
-                for s in cutlass.range_constexpr(Q_STAGES):
+                for s in cutlass.range_constexpr(self.q_stages):
                     thr_zero.partition_D(sQ_stages[None, None, s]).fill(0)
                 cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.mbarrier_init_fence()
@@ -187,7 +199,7 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
                     self._produce_q(mQsplit, tQ, tma_q, sQ_stages, sEntry, mbar, head_kv,
                                     entry0, q_count, q_start, n_tiles, tidx % 32)
             else:
-                cute.arch.setmaxregister_increase(MMA_REGS)
+                cute.arch.setmaxregister_increase(self.mma_regs)
                 self._consume(mK, mV, mCuK, mKvLens, mPageTable, mLsePartial, mLseTPartial,
                               tO, tma_o, storage, sQ_stages, sO_wgs, sEntry, mbar, k_layout,
                               v_layout, gather_copy, convert_load, mma_qk, mma_pv,
@@ -211,8 +223,9 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
         gQ_boxes = cute.group_modes(cute.flat_divide(tQ, (G, self.q_box_cols)), 0, 2)
         tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), sQ_boxes, gQ_boxes)
         for tile in range(n_tiles):
-            stage = tile % Q_STAGES
-            cute.arch.mbarrier_wait(mbar + Q_STAGES + stage, ((tile // Q_STAGES) % 2) ^ 1)
+            stage = tile % self.q_stages
+            cute.arch.mbarrier_wait(mbar + self.q_stages + stage,
+                                    ((tile // self.q_stages) % 2) ^ 1)
             n_valid = cutlass.min(qpt, q_count - tile * qpt)
             packed = cutlass.Int32(-1)
             if lane < n_valid:
@@ -232,7 +245,17 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
                         cute.copy(tma_q, tQgQ[None, head_kv, h, token],
                                   tQsQ[None, i, h, stage], tma_bar_ptr=mbar + stage)
 
-    # ---- consumers (two warpgroups) --------------------------------------------------------
+    @cute.jit
+    def _load_v_rows(self, gather_copy, convert_load, wg_tidx, mV, kv_row0, head_kv, n_keys,
+                     sV_rows):
+        """The block's V rows (e4m3: transposed through registers into the key-permuted Vt)."""
+        if cutlass.const_expr(self.transpose_v):
+            self._load_kv_rows(convert_load, wg_tidx, mV, kv_row0, head_kv, n_keys, sV_rows,
+                               through_registers=True)
+        else:
+            self._load_kv_rows(gather_copy, wg_tidx, mV, kv_row0, head_kv, n_keys, sV_rows)
+
+    # ---- consumers (two or three warpgroups) ----------------------------------------------
     @cute.jit
     def _consume(self, mK, mV, mCuK, mKvLens, mPageTable, mLsePartial, mLseTPartial, tO,
                  tma_o, storage, sQ_stages, sO_wgs, sEntry, mbar, k_layout, v_layout,
@@ -261,16 +284,17 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
         if mwg == 0:
             self._load_kv_rows(gather_copy, wg_tidx, mK, kv_row0, head_kv, n_keys, sK)
         else:
-            if cutlass.const_expr(self.transpose_v):
-                self._load_kv_rows(convert_load, wg_tidx, mV, kv_row0, head_kv, n_keys,
-                                   sV_rows, through_registers=True)
+            if cutlass.const_expr(self.consumers == 2):
+                self._load_v_rows(gather_copy, convert_load, wg_tidx, mV, kv_row0, head_kv,
+                                  n_keys, sV_rows)
             else:
-                self._load_kv_rows(gather_copy, wg_tidx, mV, kv_row0, head_kv, n_keys,
-                                   sV_rows)
+                if mwg == 1:
+                    self._load_v_rows(gather_copy, convert_load, wg_tidx, mV, kv_row0,
+                                      head_kv, n_keys, sV_rows)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=256)
+        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=128 * self.consumers)
 
         thr_qk = mma_qk.get_slice(wg_tidx)
         thr_pv = mma_pv.get_slice(wg_tidx)
@@ -294,9 +318,9 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
         gO_boxes = cute.group_modes(cute.flat_divide(tO, (G, self.o_box_cols)), 0, 2)
         tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), sO_boxes, gO_boxes)
 
-        for tile in range(mwg, n_tiles, NUM_MMA_WARPGROUPS):
-            stage = tile % Q_STAGES
-            cute.arch.mbarrier_wait(mbar + stage, (tile // Q_STAGES) % 2)
+        for tile in range(mwg, n_tiles, self.consumers):
+            stage = tile % self.q_stages
+            cute.arch.mbarrier_wait(mbar + stage, (tile // self.q_stages) % 2)
             warpgroup_gemm(mma_qk, acc_s, tSrQ[None, None, None, stage], tSrK)
 
             s_rc = wgmma_rows_cols_view(acc_s)
@@ -343,6 +367,6 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
             # Last reads of this stage's entries are done: hand the Q stage back.
             cute.arch.sync_warp()
             if lane == 0:
-                cute.arch.mbarrier_arrive(mbar + Q_STAGES + stage)
+                cute.arch.mbarrier_arrive(mbar + self.q_stages + stage)
         # The O tile must outlive the stores reading it.
         cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -32,7 +32,7 @@ FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
 # query rows fill whole 1 KB swizzle atoms, bf16 or all-e4m3 Q/K/V.
 WS_GROUPS = (8, 16)
 WS_DTYPES = ("bfloat16", "e4m3")
-SPARSE_WS_FORMS = ("ws",)
+SPARSE_WS_FORMS = ("ws", "ws3w")
 INDEX_HEADS = (1, 2, 4, 8)                   # index query heads H of block_max_scores
 INDEX_DTYPES = ("bfloat16", "e4m3")          # q_idx / k_idx element types (same for both)
 FMHA_DTYPES = ("bfloat16", "e4m3")          # dense FMHA q/k/v element types (output O)
@@ -47,7 +47,8 @@ class AttentionVariant:
     partial_dtype: str = "float32"
     dtype: str = "bfloat16"
     # "" (the wgmma / warp-MMA kernels), "ws" (cute_kernels.sparse_prefill_sm90_ws: TMA Q
-    # gathers and partial stores, warp-specialized; WS_GROUPS x WS_DTYPES, wgmma partials)
+    # gathers and partial stores, warp-specialized; WS_GROUPS x WS_DTYPES, wgmma partials) or
+    # "ws3w" (the same with three consumer warpgroups)
     form: str = ""
 
     @property
