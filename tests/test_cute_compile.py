@@ -128,17 +128,18 @@ def test_shipped_variant_names_match_the_runtime():
     # The warp-specialized form wherever it applies (forced on; the gate is tested below).
     from msa._native import sparse_prefill_sm90 as native
     forced = native.WARP_SPECIALIZED_FOR_TESTS
-    native.WARP_SPECIALIZED_FOR_TESTS = True
     try:
-        for g in (8, 16):
-            for paged in (False, True):
-                for partial in partials[1:]:
-                    for mode in native.WS_MODES:
-                        attention, _ = _variant_names(g, paged, partial, mode)
-                        assert native.variant_form(attention) == "ws"
-                        assert attention in names
-        assert native.variant_form(_variant_names(4, False, torch.bfloat16)[0]) == "wgmma"
-        assert native.variant_form(_variant_names(16, False, torch.float32)[0]) == "wgmma"
+        for form in native.WS_FORMS:
+            native.WARP_SPECIALIZED_FOR_TESTS = form
+            for g in (8, 16):
+                for paged in (False, True):
+                    for partial in partials[1:]:
+                        for mode in native.WS_MODES:
+                            attention, _ = _variant_names(g, paged, partial, mode)
+                            assert native.variant_form(attention) == form
+                            assert attention in names
+            assert native.variant_form(_variant_names(4, False, torch.bfloat16)[0]) == "wgmma"
+            assert native.variant_form(_variant_names(16, False, torch.float32)[0]) == "wgmma"
     finally:
         native.WARP_SPECIALIZED_FOR_TESTS = forced
     bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
@@ -236,9 +237,10 @@ def test_warp_specialized_sparse_form_follows_its_flag(monkeypatch):
 
 
 def test_three_warpgroup_sparse_form_follows_its_flag(monkeypatch):
-    """Where the warp-specialized form runs, "ws3w" replaces "ws" only when validated, with
-    MSA_UNVALIDATED_KERNELS=1, or named by WARP_SPECIALIZED_FOR_TESTS (a name pins that form;
-    an unknown name is an error). Every chosen name is a shipped variant. No CUDA needed."""
+    """Where the warp-specialized form runs, "ws3w" replaces "ws" only for the (dtype mode,
+    partial dtype) pairs in VALIDATED_WS3W, with MSA_UNVALIDATED_KERNELS=1, or named by
+    WARP_SPECIALIZED_FOR_TESTS (a name pins that form; an unknown name is an error). Every
+    chosen name is a shipped variant. No CUDA needed."""
     sys.path.insert(0, str(ROOT / "torch-ext"))
     import torch
     from msa import _backend
@@ -247,7 +249,7 @@ def test_three_warpgroup_sparse_form_follows_its_flag(monkeypatch):
     names = {v.name for v in shipped_variants()}
     monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
     monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", True)
-    monkeypatch.setattr(native, "VALIDATED_WS3W", False)
+    monkeypatch.setattr(native, "VALIDATED_WS3W", set())
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
 
     def served(g=16, partial=torch.bfloat16, mode="bfloat16"):
@@ -265,8 +267,10 @@ def test_three_warpgroup_sparse_form_follows_its_flag(monkeypatch):
     assert served(8, torch.float16, "e4m3") == "ws3w"
     assert served(16, torch.float32) == "wgmma"
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
-    monkeypatch.setattr(native, "VALIDATED_WS3W", True)
+    monkeypatch.setattr(native, "VALIDATED_WS3W", {("bfloat16", torch.bfloat16)})
     assert served() == "ws3w"
+    assert served(16, torch.float8_e4m3fn) == "ws"
+    assert served(8, torch.bfloat16, "e4m3") == "ws"
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "bogus")
     with pytest.raises(ValueError, match="warp-specialized forms"):
         served()
