@@ -30,7 +30,7 @@ from _common import (TsvWriter, add_common_args, apply_preset, free_memory, load
 
 D = 128
 # Warp-specialized forms per --dtypes name when the native module is absent (it says which).
-WS_FORMS = {"bf16": ("ws",), "fp8": ("ws",)}
+WS_FORMS = {"bf16": ("ws", "wsf"), "fp8": ("ws", "wsf")}
 COLUMNS = ("mode", "n", "hq", "hkv", "causal", "layout", "impl", "backend", "latency_ms",
            "tflops", "speedup_vs_cudnn", "note")
 
@@ -64,7 +64,7 @@ def main(argv=None):
                     help="q/k/v dtypes: bf16, fp8 (e4m3 q/k/v, bf16 O; impl msa.fmha[e4m3])")
     ap.add_argument("--forms", default="plain",
                     help="kernel forms to time side by side: plain and the warp-specialized "
-                         "forms (ws; impl msa.fmha[<form>]); "
+                         "forms (ws, wsf; impl msa.fmha[<form>]); "
                          "a (dtype, form) pair that does not exist is skipped; the form hook is "
                          "set per row")
     ap.add_argument("--allow-unvalidated", action="store_true",

@@ -111,7 +111,7 @@ def _fmha_native(monkeypatch, *args, **kwargs):
 
 def _native_serving(form, monkeypatch):
     """The native module, set to serve O-only calls with `form` (gates opened, outputs poisoned):
-    plain, or a warp-specialized form name (ws, for bf16 and e4m3) forced
+    plain, or a warp-specialized form name (ws, wsf; bf16 and e4m3) forced
     through WARP_SPECIALIZED_FOR_TESTS. Split-KV is pinned off: the planner splits the key range
     of these small problems, and the split form (tested on its own below) would then serve the
     call instead of `form`, rounding e4m3 P against each split's running max."""
@@ -131,12 +131,12 @@ def _check_form_ran(native, form):
         f"expected the {form} form, ran {ran}"
 
 
-@pytest.mark.parametrize("form", ["plain", "ws"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsf"])
 @pytest.mark.parametrize("heads,causal,paged", CASES)
 def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypatch):
     """form: the kernel serving bf16 O: plain (cute_kernels/fmha_sm90.py) or the
-    warp-specialized cute_kernels/fmha_sm90_ws.py (ws), forced through
-    WARP_SPECIALIZED_FOR_TESTS."""
+    warp-specialized cute_kernels/fmha_sm90_ws.py (ws; wsf: FlashAttention-3's intra-warpgroup
+    order), forced through WARP_SPECIALIZED_FOR_TESTS."""
     native = _native_serving(form, monkeypatch)
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
@@ -209,14 +209,14 @@ def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, s
     assert rel <= 1e-2, rel
 
 
-@pytest.mark.parametrize("form", ["plain", "ws"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsf"])
 @pytest.mark.parametrize("qk_values", ["randn", "exact"])
 @pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
                                                  ((4, 4), False, False), ((64, 4), True, True)])
 def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_values, form,
                                                       seed, monkeypatch):
     """e4m3 q/k/v (kernel fmha_sm90_e4m3_*; O bf16), q_scale 1.25, v_scale 1.5; form: plain or
-    the warp-specialized e4m3 form ws (V transposed by the producer warpgroup).
+    a warp-specialized e4m3 form ws / wsf (V transposed by the producer warpgroup).
 
     Contract §5.1 bound against float64 with exact P: max |O - O64| <= max(0.125, 4 bf16 floor).
     The model of what an FP8 P.V computes is the reference with P = exp(s - running max) rounded
@@ -336,7 +336,7 @@ def test_max_score_only_pass_runs_on_the_indexer_kernel(seed, monkeypatch):
     assert rel <= 1e-2, rel
 
 
-@pytest.mark.parametrize("form", ["plain", "ws"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsf"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """Paged K/V whose slots past each request's kv_len (and the spare pages) hold NaN: a masked
@@ -370,7 +370,7 @@ def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
                            f"NaN past kv_len causal={causal} form={form}")
 
 
-@pytest.mark.parametrize("form", ["ws"])
+@pytest.mark.parametrize("form", ["ws", "wsf"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """e4m3 paged K/V with NaN (0x7f) in every slot past kv_len and in the spare pages: the

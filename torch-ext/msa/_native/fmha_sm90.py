@@ -65,7 +65,7 @@ VALIDATED_WARP_SPECIALIZED_FP8 = True
 WARP_SPECIALIZED_FOR_TESTS: Union[None, bool, str] = None
 # Warp-specialized forms per q/k/v dtype (must match cute_kernels.variants.WS_FORMS /
 # WS_FP8_FORMS).
-WS_FORMS = {"bfloat16": ("ws",), "e4m3": ("ws",)}
+WS_FORMS = {"bfloat16": ("ws", "wsf"), "e4m3": ("ws", "wsf")}
 # Split-KV for plans with num_kv_splits > 1 (decode-like: few query tiles, long KV; variants
 # fmha_sm90_*_split, FmhaSm90Split: each CTA streams one key range and writes fp32 partial rows
 # + LSE, merged by the sparse combine, one slot per split). Passed the "split" cases of

@@ -26,7 +26,9 @@ Roles (384 threads, one CTA per SM):
   S(j) = Q K(j)^T and O += P(j-1) V(j-1) back to back in one turn, waits for both, then runs
   the softmax of block j and rescales O; block 0's S and the last P V are peeled so the loop
   body issues its wgmmas unconditionally. (Measured and removed, docs/design-fmha.md: 3 K/V
-  stages, intra-warpgroup overlap of the softmax with the own P V, a lazy O rescale.)
+  stages, an intra-warpgroup overlap that rescaled O after the own P V, a lazy O rescale.)
+  Form "wsf" (gated): FlashAttention-3's order, O rescaled under S(j) and the softmax of block
+  j under the own P(j-1) V(j-1) (the constructor's `overlap`).
 * ping-pong: the two GEMM issues of a block are a turn; turns alternate between the consumers
   through two named barriers (a consumer waits on its own, then arrives on the other's), so
   one warpgroup's softmax runs under the other's GEMMs (FlashAttention-3's schedule). Both
@@ -45,9 +47,9 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .fmha_sm90 import (load_q_rows, mmas_and_o_copies, online_softmax, request_bounds,
                         write_o_rows)
-from .tile_utils import (register_p_operand, row_copy, transpose_v_copies, transpose_v_words,
-                         warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
-                         wgmma_rows_cols_view)
+from .tile_utils import (pack_bf16_pairs, pack_e4m3_quads, register_p_operand, row_copy,
+                         transpose_v_copies, transpose_v_words, warpgroup_gemm_issue,
+                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 
 HEAD_DIM = 128
 BLOCK_N = 128            # keys per block (= page size)
@@ -72,18 +74,25 @@ BAR_WG = 1               # + consumer index, 128 threads
 BAR_TURN = 3             # + consumer index, 256 threads
 
 
-# Forms (variant name suffixes) -> constructor options.
-FORMS = {"ws": {}}
-FP8_FORMS = ("ws",)
+# Forms (variant name suffixes) -> constructor options. "ws" serves; "wsf" is gated (never
+# served unless forced): FlashAttention-3's intra-warpgroup order, below.
+FORMS = {"ws": {}, "wsf": dict(overlap=True)}
+FP8_FORMS = ("ws", "wsf")
 
 
 class FmhaSm90Ws:
     """Compile-time configuration of one warp-specialized dense FMHA variant (O only; bf16, or
     e4m3 q/k/v with V transposed by the producer warpgroup)."""
 
-    def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES):
+    def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
+                 overlap: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
         self.paged = paged
+        # overlap (form "wsf"): per turn, issue S(j), rescale O to max j-1 while it runs, issue
+        # P(j-1) V(j-1), wait for S(j) only and run the softmax of block j under the own P V;
+        # then wait for it and round P(j) (pinned inline assembly: a plain conversion is sunk
+        # into the next iteration by LLVM, and ptxas then serializes the wgmmas, C7512).
+        self.overlap = overlap
         self.dtype = dtype
         self.fp8 = dtype.width == 8
         self.out_dtype = cutlass.BFloat16
@@ -436,28 +445,46 @@ class FmhaSm90Ws:
                     cute.arch.mbarrier_wait(mbar + 2 * S + prev, ((gj - 1) // S) % 2)
                     cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
                     warpgroup_gemm_issue(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
+                    if cutlass.const_expr(self.overlap):
+                        # O holds P V up to block j-2 (relative to max j-2): rescale it to max
+                        # j-1 while S(j) runs, before P(j-1) V(j-1) joins it.
+                        for i in cutlass.range_constexpr(n_my_rows):
+                            for j in cutlass.range_constexpr(n_my_cols):
+                                o_rc[i, j] = o_rc[i, j] * corr[i]
                     warpgroup_gemm_issue(mma_pv, acc_o, self._p_operand(t_p, a_shape),
                                          tOrVt[None, None, None, prev], accumulate=True)
                     cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
-                    warpgroup.wait_group(0)                         # S(j) and P V(j-1)
+                    if cutlass.const_expr(self.overlap):
+                        warpgroup.wait_group(1)                     # S(j); P V(j-1) runs on
+                    else:
+                        warpgroup.wait_group(0)                     # S(j) and P V(j-1)
                     if lane == 0:
                         cute.arch.mbarrier_arrive(mbar + S + stage)            # K free
                     online_softmax(acc_s, blk, row_max, row_sum, tScS, wg_q0, kv_len,
                                    offset, causal, scale_log2, corr=corr)
-                    # A no-op since the wait above (it served the removed overlap form); kept
-                    # so the validated PTX stays byte-identical.
+                    # ws: a no-op after the wait above (kept: the validated PTX has it); wsf:
+                    # P V(j-1) done, so r_p may take P(j).
                     warpgroup.wait_group(0)
                     if lane == 0:
                         cute.arch.mbarrier_arrive(mbar + 3 * S + prev)         # V free
-                    for i in cutlass.range_constexpr(n_my_rows):
-                        for j in cutlass.range_constexpr(n_my_cols):
-                            o_rc[i, j] = o_rc[i, j] * corr[i]
-                    r_p.store(acc_s.load().to(self.dtype))
+                    if cutlass.const_expr(self.overlap and self.fp8):
+                        pack_e4m3_quads(acc_s, r_p)
+                    elif cutlass.const_expr(self.overlap):
+                        pack_bf16_pairs(acc_s, r_p)
+                    else:
+                        for i in cutlass.range_constexpr(n_my_rows):
+                            for j in cutlass.range_constexpr(n_my_cols):
+                                o_rc[i, j] = o_rc[i, j] * corr[i]
+                        r_p.store(acc_s.load().to(self.dtype))
                 # ---- the last P V
                 gl = g + n_blocks - 1
                 last = gl % S
                 cute.arch.mbarrier_wait(mbar + 2 * S + last, (gl // S) % 2)
                 cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
+                if cutlass.const_expr(self.overlap):
+                    for i in cutlass.range_constexpr(n_my_rows):        # to the last max
+                        for j in cutlass.range_constexpr(n_my_cols):
+                            o_rc[i, j] = o_rc[i, j] * corr[i]
                 warpgroup_gemm_issue(mma_pv, acc_o, self._p_operand(t_p, a_shape),
                                      tOrVt[None, None, None, last], accumulate=True)
                 cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T
 
 
 def row_copy(dtype, rows_per_step: int, async_copy: bool = True) -> cute.TiledCopy:
@@ -287,7 +289,41 @@ def transpose_v_words(sV_stage: cute.Tensor, sVt: cute.Tensor, load: cute.TiledC
     cute.copy(store, r_out, dst)
 
 
+@cute.jit
+def pack_bf16_pairs(acc: cute.Tensor, r_p: cute.Tensor):
+    """r_p (a 16-bit copy of the fp32 accumulator acc, same layout) = acc rounded to bf16, one
+    cvt.rn.bf16x2.f32 per element pair, emitted as inline assembly with side effects so that
+    it stays where it is written. (A plain conversion at the end of a loop body is moved by
+    LLVM past the loop's phi, to the next iteration's use: the fp32 values then stay live
+    across the loop back edge, 32 registers more, which made ptxas serialize the wgmmas of
+    the overlapped FMHA loop, C7512.)"""
+    words = cute.recast_tensor(r_p, cutlass.Uint32)
+    for w in cutlass.range_constexpr(cute.size(words)):
+        words[w] = cutlass.Uint32(llvm.inline_asm(
+            T.i32(), [cutlass.Float32(acc[2 * w + 1]).ir_value(),
+                      cutlass.Float32(acc[2 * w]).ir_value()],
+            "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", has_side_effects=True,
+            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 def register_p_row_key(w, x):
     """The key of row 4w + x of the row-permuted V (register_p_row_order; w < 32, x < 4): plain
     integer arithmetic, for Python ints or DSL integers."""
     return x % 2 + 8 * (x // 2) + 2 * (w % 4) + 16 * ((w // 4) % 2) + 32 * (w // 8)
+
+
+@cute.jit
+def pack_e4m3_quads(acc: cute.Tensor, r_p8: cute.Tensor):
+    """r_p8 (an e4m3 copy of the fp32 accumulator acc, same layout) = acc rounded to e4m3
+    (cvt.rn.satfinite.e4m3x2.f32, as the DSL's conversion), four elements per 32-bit word, as
+    inline assembly with side effects so that it stays where it is written (pack_bf16_pairs
+    says why)."""
+    words = cute.recast_tensor(r_p8, cutlass.Uint32)
+    for w in cutlass.range_constexpr(cute.size(words)):
+        words[w] = cutlass.Uint32(llvm.inline_asm(
+            T.i32(), [cutlass.Float32(acc[4 * w + i]).ir_value() for i in range(4)],
+            "{\n.reg .b16 lo, hi;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+            "mov.b32 $0, {lo, hi};\n}", "=r,f,f,f,f", has_side_effects=True,
+            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))

@@ -85,10 +85,11 @@ class BlockMaxScoreVariant:
         return f"block_max_score_sm90_{self.dtype}_h{self.num_heads}_{layout}{suffix}"
 
 
-# Warp-specialized FMHA forms (cute_kernels.fmha_sm90_ws.FORMS); the 3-stage and overlapped
-# forms were measured slower and removed (docs/design-fmha.md).
-WS_FORMS = ("ws",)
-WS_FP8_FORMS = ("ws",)
+# Warp-specialized FMHA forms (cute_kernels.fmha_sm90_ws.FORMS): ws (served) and wsf (gated:
+# FlashAttention-3's intra-warpgroup order); earlier 3-stage and overlapped forms were
+# measured slower and removed (docs/design-fmha.md).
+WS_FORMS = ("ws", "wsf")
+WS_FP8_FORMS = ("ws", "wsf")
 
 
 @dataclasses.dataclass(frozen=True)
