@@ -78,6 +78,27 @@ def mmas_and_o_copies(dtype, out_dtype):
     return mma_qk, mma_pv, stage_o_copy, warp_row_store_copy(out_dtype, HEAD_DIM)
 
 
+def consumer_fragments(mma_qk, mma_pv, wg_tidx, sQ: cute.Tensor, sK: cute.Tensor,
+                       sVt: cute.Tensor):
+    """A 64-row consumer warpgroup's views of the MMAs of mmas_and_o_copies: (tSrQ, tSrK,
+    tOrVt) fragments of the Q / K / Vt tiles (trailing stage modes kept), tScS the (row, col)
+    coordinates of its S accumulator, the S and O accumulators (fp32) and the shape of P as
+    the A operand of P V. Shared by the warp-specialized FMHA and sparse kernels; called while
+    tracing."""
+    thr_qk = mma_qk.get_slice(wg_tidx)
+    thr_pv = mma_pv.get_slice(wg_tidx)
+    tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+    tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+    tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
+    tScS = wgmma_rows_cols_view(
+        thr_qk.partition_C(cute.make_identity_tensor((WG_ROWS, BLOCK_N))))
+    acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((WG_ROWS, BLOCK_N)),
+                                  cutlass.Float32)
+    acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((WG_ROWS, HEAD_DIM)),
+                                  cutlass.Float32)
+    return tSrQ, tSrK, tOrVt, tScS, acc_s, acc_o, thr_pv.partition_shape_A((WG_ROWS, BLOCK_N))
+
+
 @cute.jit
 def request_bounds(mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable, request, key_rows,
                    paged: cutlass.Constexpr):

@@ -45,8 +45,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .fmha_sm90 import (load_q_rows, mmas_and_o_copies, online_softmax, request_bounds,
-                        write_o_rows)
+from .fmha_sm90 import (consumer_fragments, load_q_rows, mmas_and_o_copies, online_softmax,
+                        request_bounds, write_o_rows)
 from .tile_utils import (pack_bf16_pairs, pack_e4m3_quads, register_p_operand, row_copy,
                          transpose_v_copies, transpose_v_words, warpgroup_gemm_issue,
                          wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
@@ -385,25 +385,17 @@ class FmhaSm90Ws:
         tQsQ = thr_q_copy.partition_D(sQ_mine)
         tQcQ = thr_q_copy.partition_S(cute.make_identity_tensor((WG_ROWS, HEAD_DIM)))
 
-        thr_qk = mma_qk.get_slice(wg_tidx)
-        thr_pv = mma_pv.get_slice(wg_tidx)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_wgs))[None, None, None, mwg]
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK_stages))        # (.., .., K, stage)
-        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt_stages))      # (.., .., K, stage)
-        tScS = wgmma_rows_cols_view(thr_qk.partition_C(
-            cute.make_identity_tensor((WG_ROWS, BLOCK_N))))
+        # (.., .., K, warpgroup) Q, (.., .., K, stage) K and Vt fragments.
+        tSrQ, tSrK, tOrVt, tScS, acc_s, acc_o, a_shape = consumer_fragments(
+            mma_qk, mma_pv, wg_tidx, sQ_wgs, sK_stages, sVt_stages)
+        tSrQ = tSrQ[None, None, None, mwg]
         n_my_rows = cute.size(tScS, mode=[0])
         n_my_cols = cute.size(tScS, mode=[1])
-        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((WG_ROWS, BLOCK_N)),
-                                      cutlass.Float32)
-        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((WG_ROWS, HEAD_DIM)),
-                                      cutlass.Float32)
         o_rc = wgmma_rows_cols_view(acc_o)
         r_p = cute.make_fragment_like(acc_s, self.dtype)
         t_p = r_p
         if cutlass.const_expr(not self.fp8):
             t_p = wgmma_accumulator_as_operand_a(r_p)
-        a_shape = thr_pv.partition_shape_A((WG_ROWS, BLOCK_N))
         row_max = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)   # running, log2 units
         row_sum = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)   # this thread's part
         corr = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)

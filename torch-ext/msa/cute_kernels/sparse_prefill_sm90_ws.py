@@ -37,7 +37,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .fmha_sm90 import mmas_and_o_copies
+from .fmha_sm90 import consumer_fragments, mmas_and_o_copies
 from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, SLOT_SHIFT,
                                   SparsePrefillSm90)
 from .tile_utils import (register_p_key_order, register_p_operand, row_copy, warpgroup_gemm,
@@ -300,20 +300,11 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=128 * self.consumers)
 
-        thr_qk = mma_qk.get_slice(wg_tidx)
-        thr_pv = mma_pv.get_slice(wg_tidx)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_stages))   # (.., .., K, stage)
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
-        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
-        tScS = wgmma_rows_cols_view(thr_qk.partition_C(
-            cute.make_identity_tensor((WG_ROWS, BLOCK_N))))
+        # (.., .., K, stage) Q fragments.
+        tSrQ, tSrK, tOrVt, tScS, acc_s, acc_o, a_shape = consumer_fragments(
+            mma_qk, mma_pv, wg_tidx, sQ_stages, sK, sVt)
         n_my_rows = cute.size(tScS, mode=[0])
         n_my_cols = cute.size(tScS, mode=[1])
-        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((WG_ROWS, BLOCK_N)),
-                                      cutlass.Float32)
-        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((WG_ROWS, HEAD_DIM)),
-                                      cutlass.Float32)
-        a_shape = thr_pv.partition_shape_A((WG_ROWS, BLOCK_N))
         thr_stage_o = stage_o_copy.get_slice(wg_tidx)
         tOsO_mine = thr_stage_o.partition_D(sO_wgs[None, None, mwg])
         # ((G, cols) box, query, column half, warpgroup) and ((G, cols) box, head group,
