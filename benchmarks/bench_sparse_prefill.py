@@ -79,13 +79,14 @@ PARTIALS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32
 FORM_HOOKS = {"served": None, "wgmma": False, "ws": "ws", "ws3w": "ws3w"}
 
 
-def unvalidated_mode(msa, q, k, v, pv_dtype, partial_dtype) -> bool:
-    """True when the native FP8 mode or partial dtype of this call is still gated (run only
-    because --allow-unvalidated set MSA_UNVALIDATED_KERNELS)."""
+def unvalidated_mode(msa, q, k, v, pv_dtype, partial_dtype, form) -> bool:
+    """True when the native FP8 mode, partial dtype or kernel form (that ran) of this call is
+    still gated (run only because --allow-unvalidated set MSA_UNVALIDATED_KERNELS)."""
     native = native_module(msa, "sparse_prefill_sm90")
     mode = native.attention_mode(q.dtype, k.dtype, v.dtype, pv_dtype)
     return ((mode not in ("bfloat16", None) and mode not in native.VALIDATED_FP8_MODES)
-            or partial_dtype not in native.VALIDATED_PARTIAL_DTYPES)
+            or partial_dtype not in native.VALIDATED_PARTIAL_DTYPES
+            or (form is not None and not native.form_validated(form, mode, partial_dtype)))
 
 
 def visible_pairs(q2k: torch.Tensor) -> int:
@@ -237,11 +238,8 @@ def main():
                 if form != "served" and ran != form:
                     print(f"skip msa {label} [{form}]: that form does not serve it", flush=True)
                     continue
-                gated_form = ((ran in ("ws", "ws3w") and not native.VALIDATED_WARP_SPECIALIZED)
-                              or (ran == "ws3w" and not native.VALIDATED_WS3W))
-                if backend != "reference" and (
-                        unvalidated_mode(msa, qq, kk, vv, pv_dtype, PARTIALS[partial])
-                        or gated_form):
+                if backend != "reference" and unvalidated_mode(msa, qq, kk, vv, pv_dtype,
+                                                               PARTIALS[partial], ran):
                     backend += "-unvalidated"
                 if backend == "reference" and total > 8192:
                     print(f"skip msa {label} {case} {lens}: reference backend only", flush=True)

@@ -274,6 +274,14 @@ def test_three_warpgroup_sparse_form_follows_its_flag(monkeypatch):
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "bogus")
     with pytest.raises(ValueError, match="warp-specialized forms"):
         served()
+    # form_validated (what benchmarks label "-unvalidated") follows the same per-pair gate.
+    assert native.form_validated("ws3w", "bfloat16", torch.bfloat16)
+    assert not native.form_validated("ws3w", "bfloat16", torch.float8_e4m3fn)
+    assert native.form_validated("ws", "bfloat16", torch.float8_e4m3fn)
+    assert native.form_validated("wgmma", "e4m3", torch.float16)
+    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", False)
+    assert not native.form_validated("ws", "bfloat16", torch.bfloat16)
+    assert not native.form_validated("ws3w", "bfloat16", torch.bfloat16)
 
 
 def test_word_transpose_of_v_lands_in_the_register_p_key_order():

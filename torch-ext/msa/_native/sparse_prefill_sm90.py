@@ -115,6 +115,16 @@ def warp_specialized(qhead_per_kv: int, partial_dtype: torch.dtype, mode: str) -
                                  VALIDATED_WARP_SPECIALIZED)
 
 
+def form_validated(form: str, mode: str, partial_dtype: torch.dtype) -> bool:
+    """Whether kernel `form` ("wgmma", "ws", "ws3w") is validated for this dtype mode and
+    partial dtype (ws3w per (mode, partial) pair: VALIDATED_WS3W)."""
+    if form == "wgmma":
+        return True
+    if not VALIDATED_WARP_SPECIALIZED:
+        return False
+    return form == "ws" or (mode, partial_dtype) in VALIDATED_WS3W
+
+
 def variant_form(attention_name: str) -> str:
     """The kernel form of an attention artifact name: "ws", "ws3w" or "wgmma" (the wgmma and
     warp-MMA kernels)."""
@@ -141,7 +151,7 @@ def _variant_names(qhead_per_kv: int, paged: bool, partial_dtype: torch.dtype,
         else:
             form = "_ws3w" if _backend.form_enabled(
                 None, "the three-warpgroup sm90 sparse attention",
-                (mode, partial_dtype) in VALIDATED_WS3W) else "_ws"
+                form_validated("ws3w", mode, partial_dtype)) else "_ws"
     return (f"sparse_prefill_sm90_{mode}_g{qhead_per_kv}_{layout}_p{short}{form}",
             f"sparse_combine_sm90_p{short}")
 
