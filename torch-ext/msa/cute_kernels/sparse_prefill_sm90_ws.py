@@ -42,8 +42,8 @@ from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, S
                                   SparsePrefillSm90)
 from .tile_utils import (register_p_key_order, register_p_operand, row_copy, warpgroup_gemm,
                          wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+from .variants import WS_GROUPS   # G with a query's rows filling whole 1 KB swizzle atoms
 
-WS_GROUPS = (8, 16)         # G with a query's rows filling whole 1 KB swizzle atoms
 WS_MODES = ("bf16", "e4m3")
 WG_ROWS = 64                # rows per tile (one consumer warpgroup's wgmma M)
 NUM_MMA_WARPGROUPS = 2
