@@ -43,9 +43,9 @@ import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import warpgroup
 
 from .tile_utils import (kv_row_iterator, mask_row_and_max, quad_max, quad_sum,
-                         register_p_operand, row_copy, transpose_v_copies, transpose_v_words,
-                         warp_row_store_copy, warpgroup_gemm, wgmma_accumulator_as_operand_a,
-                         wgmma_rows_cols_view)
+                         register_p_operand, row_copy, smem_tile, transpose_v_copies,
+                         transpose_v_words, warp_row_store_copy, warpgroup_gemm,
+                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 
 HEAD_DIM = 128
 BLOCK_N = 128            # keys per block (= page size)
@@ -598,13 +598,11 @@ class FmhaSm90:
     def _shared_storage(self, q_layout, kv_layout, vt_layout, o_layout):
         """Shared-memory struct: Q, K and V stages; e4m3 adds the key-permuted Vt tile and a
         bf16 O tile (fields built as real annotations: this module's are strings)."""
-        def tile(dtype, layout):
-            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
-        fields = {"sQ": tile(self.dtype, q_layout), "sK": tile(self.dtype, kv_layout),
-                  "sV": tile(self.dtype, kv_layout)}
+        fields = {"sQ": smem_tile(self.dtype, q_layout),
+                  "sK": smem_tile(self.dtype, kv_layout), "sV": smem_tile(self.dtype, kv_layout)}
         if self.fp8:
-            fields["sVt"] = tile(self.dtype, vt_layout)
-            fields["sO"] = tile(self.out_dtype, o_layout)
+            fields["sVt"] = smem_tile(self.dtype, vt_layout)
+            fields["sO"] = smem_tile(self.out_dtype, o_layout)
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.jit

@@ -48,7 +48,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .fmha_sm90 import (consumer_fragments, load_q_rows, mmas_and_o_copies, online_softmax,
                         request_bounds, write_o_rows)
 from .tile_utils import (pack_bf16_pairs, pack_e4m3_quads, register_p_operand, row_copy,
-                         transpose_v_copies, transpose_v_words, warpgroup_gemm_issue,
+                         smem_tile, transpose_v_copies, transpose_v_words, warpgroup_gemm_issue,
                          wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 
 HEAD_DIM = 128
@@ -152,14 +152,12 @@ class FmhaSm90Ws:
     def _shared_storage(self, q_layout, kv_layout):
         """Q, K and V stages (e4m3: raw V, then Vt stages and O tiles), then the mbarriers
         (fields built as real annotations: this module's are strings)."""
-        def tile(dtype, layout):
-            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
-        fields = {"sQ": tile(self.dtype, q_layout), "sK": tile(self.dtype, kv_layout),
-                  "sV": tile(self.dtype, kv_layout)}
+        fields = {"sQ": smem_tile(self.dtype, q_layout),
+                  "sK": smem_tile(self.dtype, kv_layout), "sV": smem_tile(self.dtype, kv_layout)}
         if self.fp8:
             vt_layout, o_layout = self._fp8_layouts()
-            fields["sVt"] = tile(self.dtype, vt_layout)
-            fields["sO"] = tile(self.out_dtype, o_layout)
+            fields["sVt"] = smem_tile(self.dtype, vt_layout)
+            fields["sO"] = smem_tile(self.out_dtype, o_layout)
         fields["mbar"] = cute.struct.Align[
             cute.struct.MemRange[cutlass.Int64, self._n_mbarriers()], 8]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))

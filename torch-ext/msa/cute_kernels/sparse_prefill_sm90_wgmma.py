@@ -47,7 +47,7 @@ from cutlass.cute.nvgpu import warpgroup
 from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, Q_STAGES,
                                   ROWS_PER_WARP, SparsePrefillSm90)
 from .tile_utils import (kv_row_iterator, register_p_key_order, register_p_operand, row_copy,
-                         warp_row_store_copy, warpgroup_gemm, warpgroup_gemm_issue,
+                         smem_tile, warp_row_store_copy, warpgroup_gemm, warpgroup_gemm_issue,
                          wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 
 TILE_M = 64            # one warpgroup MMA row block
@@ -90,12 +90,11 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
     def _shared_storage(self, q_layout, k_layout, v_layout, o_layout):
         """Shared-memory struct; the O tile exists only in the modes that use it (fields built as
         real annotations: this module's annotations are strings)."""
-        def tile(dtype, layout):
-            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
-        fields = {"sQ": tile(self.qk_dtype, q_layout), "sK": tile(self.qk_dtype, k_layout),
-                  "sV": tile(self.pv_dtype, v_layout)}
+        fields = {"sQ": smem_tile(self.qk_dtype, q_layout),
+                  "sK": smem_tile(self.qk_dtype, k_layout),
+                  "sV": smem_tile(self.pv_dtype, v_layout)}
         if not self.stage_o_in_q:
-            fields["sO"] = tile(self.stage_dtype, o_layout)
+            fields["sO"] = smem_tile(self.stage_dtype, o_layout)
         fields["sEntry"] = cute.struct.Align[
             cute.struct.MemRange[cutlass.Int32, TILE_M * Q_STAGES], 16]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))

@@ -40,8 +40,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .fmha_sm90 import consumer_fragments, mmas_and_o_copies
 from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, SLOT_SHIFT,
                                   SparsePrefillSm90)
-from .tile_utils import (register_p_key_order, register_p_operand, row_copy, warpgroup_gemm,
-                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+from .tile_utils import (register_p_key_order, register_p_operand, row_copy, smem_tile,
+                         warpgroup_gemm, wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
 from .variants import WS_GROUPS   # G with a query's rows filling whole 1 KB swizzle atoms
 
 WS_MODES = ("bf16", "e4m3")
@@ -89,10 +89,10 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
         self.q_query_bytes = qhead_per_kv * HEAD_DIM * self.qk_dtype.width // 8
 
     def _shared_storage(self, q_layout, k_layout, v_layout, o_layout):
-        def tile(dtype, layout):
-            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
-        fields = {"sQ": tile(self.qk_dtype, q_layout), "sK": tile(self.qk_dtype, k_layout),
-                  "sV": tile(self.pv_dtype, v_layout), "sO": tile(self.partial_dtype, o_layout),
+        fields = {"sQ": smem_tile(self.qk_dtype, q_layout),
+                  "sK": smem_tile(self.qk_dtype, k_layout),
+                  "sV": smem_tile(self.pv_dtype, v_layout),
+                  "sO": smem_tile(self.partial_dtype, o_layout),
                   "sEntry": cute.struct.Align[cute.struct.MemRange[
                       cutlass.Int32, self.queries_per_tile * self.q_stages], 16],
                   "mbar": cute.struct.Align[cute.struct.MemRange[cutlass.Int64,

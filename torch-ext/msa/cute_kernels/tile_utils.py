@@ -16,6 +16,12 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T
 
 
+def smem_tile(dtype, layout):
+    """A shared-storage struct field holding `layout` (its cosize) of `dtype`, 1024-byte
+    aligned (the 128-byte swizzle's period); for cute.struct field annotations."""
+    return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
+
+
 def row_copy(dtype, rows_per_step: int, async_copy: bool = True) -> cute.TiledCopy:
     """Copy of 128-channel rows in 16-byte chunks, 8 threads per row: rows_per_step rows per
     step of 8 * rows_per_step threads. cp.async global -> shared (async_copy), else plain
