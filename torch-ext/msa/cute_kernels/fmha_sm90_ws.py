@@ -35,8 +35,9 @@ Roles (384 threads, one CTA per SM):
   consumers take n_blocks + 1 turns per tile, so the alternation stays matched.
 
 Shared memory: bf16 Q 2 x 16 KB + 2 stages x (K 32 KB + V 32 KB) + mbarriers (160 KB); e4m3
-Q 2 x 8 KB + 2 stages x (K, raw V, Vt 16 KB each) + O 2 x 16 KB (bf16) (144 KB). Registers: bf16 24 (producer) / 240 (consumers); e4m3 72 / 216 (the transposer
-warps need more than 24: they use up to R70).
+Q 2 x 8 KB + 2 stages x (K, raw V, Vt 16 KB each) + O 2 x 16 KB (bf16) (144 KB). Registers:
+bf16 24 (producer) / 240 (consumers); e4m3 72 / 216 (the transposer warps need more than 24:
+they use up to R70).
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ Form "ws3w" (WS3W): three consumer warpgroups taking tiles round-robin and 6 Q s
 first two still zero the Q ring and load K and V.
 
 Shared memory (bf16, bf16 partials): Q 4 x 16 KB + K 32 KB + V 32 KB + O 2 x 16 KB = 160 KB
-(ws3w: Q 6 x 16 KB, O 3 x 16 KB, 208 KB); one CTA per SM. The kernel never reads or writes out of bounds whatever the schedule says: TMA
-boxes are clipped to q and o_partial, K/V rows past the block's keys are zero-filled.
+(ws3w: Q 6 x 16 KB, O 3 x 16 KB, 208 KB); one CTA per SM. The kernel never reads or writes out
+of bounds whatever the schedule says: TMA boxes are clipped to q and o_partial, K/V rows past
+the block's keys are zero-filled.
 """
 
 from __future__ import annotations
