@@ -35,6 +35,12 @@ COLUMNS = ("mode", "n", "hq", "hkv", "causal", "layout", "impl", "backend", "lat
            "tflops", "speedup_vs_cudnn", "note")
 
 
+def ran_form(variant: str, forms) -> str:
+    """The kernel form of an FMHA artifact name (native.last_variant): a warp-specialized
+    form's suffix, else "plain"."""
+    return next((f for f in forms if variant.endswith("_" + f)), "plain")
+
+
 def to_pages(k: torch.Tensor, v: torch.Tensor, gen: torch.Generator):
     """[N, Hkv, D] -> shuffled pages [P, Hkv, 128, D] and kv_indices [P] (one request)."""
     n, hkv, _ = k.shape
@@ -62,9 +68,10 @@ def main(argv=None):
                     help="N of the max-score-only pass (Hq=4 index heads, Hkv=1)")
     ap.add_argument("--dtypes", default="bf16",
                     help="q/k/v dtypes: bf16, fp8 (e4m3 q/k/v, bf16 O; impl msa.fmha[e4m3])")
-    ap.add_argument("--forms", default="plain",
-                    help="kernel forms to time side by side: plain and the warp-specialized "
-                         "forms (ws, wsf; impl msa.fmha[<form>]); "
+    ap.add_argument("--forms", default="served",
+                    help="kernel forms to time side by side: served (what the gates pick for "
+                         "the call), plain and the warp-specialized forms (ws, wsf); impl "
+                         "msa.fmha[<form that ran>]; "
                          "a (dtype, form) pair that does not exist is skipped; the form hook is "
                          "set per row")
     ap.add_argument("--allow-unvalidated", action="store_true",
@@ -84,7 +91,6 @@ def main(argv=None):
     device = setup(args)
     msa = load_msa()
     native = native_module(msa, "fmha_sm90")     # None in a build without native kernels
-    gated = native is not None and not native.VALIDATED
     dtype_names = parse_names(args.dtypes)
     if set(dtype_names) - {"bf16", "fp8"}:
         ap.error(f"--dtypes {args.dtypes}: bf16 and fp8 are the choices")
@@ -92,11 +98,12 @@ def main(argv=None):
     ws_forms = dict(WS_FORMS)
     if native is not None and hasattr(native, "WS_FORMS"):
         ws_forms = {"bf16": native.WS_FORMS["bfloat16"], "fp8": native.WS_FORMS["e4m3"]}
-    known = {"plain", *ws_forms["bf16"], *ws_forms["fp8"]}
+    known = {"served", "plain", *ws_forms["bf16"], *ws_forms["fp8"]}
     if set(form_names) - known:
         ap.error(f"--forms {args.forms}: the choices are {', '.join(sorted(known))}")
     # (dtype, form) rows for the forms each dtype has.
-    runs = [(d, f) for d in dtype_names for f in form_names if f == "plain" or f in ws_forms[d]]
+    runs = [(d, f) for d in dtype_names for f in form_names
+            if f in ("served", "plain") or f in ws_forms[d]]
     tsv = TsvWriter(args.out, COLUMNS, device, formats={"tflops": ".1f",
                                                          "speedup_vs_cudnn": ".2f"})
     gen = torch.Generator(device="cpu").manual_seed(torch.initial_seed() % (1 << 62))
@@ -129,8 +136,8 @@ def main(argv=None):
                                          else -1, device=device)
                     for dtype_name, form in runs:
                         if native is not None and hasattr(native, "WARP_SPECIALIZED_FOR_TESTS"):
-                            native.WARP_SPECIALIZED_FOR_TESTS = (False if form == "plain"
-                                                                 else form)
+                            native.WARP_SPECIALIZED_FOR_TESTS = {"served": None,
+                                                                 "plain": False}.get(form, form)
                         if dtype_name == "fp8":
                             q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k_in, v_in))
 
@@ -144,19 +151,18 @@ def main(argv=None):
                         backend = msa._backend.last_backend("fmha_dense")
                         if reference_too_slow(backend, n, device, args, f"fmha {layout} N={n}"):
                             continue
-                        ws_validated = native is not None and (
-                            getattr(native, "VALIDATED_WARP_SPECIALIZED_FP8", False)
-                            if dtype_name == "fp8" else native.VALIDATED_WARP_SPECIALIZED)
-                        unvalidated = gated or (native is not None and dtype_name == "fp8"
-                                                and not native.VALIDATED_FP8) or (
-                            form != "plain" and not ws_validated)
+                        ran = form
+                        if native is not None and form == "served":
+                            ran = ran_form(native.last_variant or "", ws_forms[dtype_name])
+                        unvalidated = native is not None and not native.form_validated(
+                            ran, torch.float8_e4m3fn if dtype_name == "fp8" else torch.bfloat16)
                         if backend == "sm90" and unvalidated:
                             backend = "sm90-unvalidated"
                         ms = time_ms(call, device, args.rep_ms)
                         cudnn = peer_ms.get("cudnn")
                         impl = "msa.fmha[e4m3]" if dtype_name == "fp8" else "msa.fmha"
-                        if form != "plain":
-                            impl += f"[{form}]"
+                        if ran != "plain":
+                            impl += f"[{ran}]"
                         tsv.write(mode="o", n=n, hq=hq, hkv=hkv, causal=int(causal),
                                   layout=layout, impl=impl, backend=backend, latency_ms=ms,
                                   tflops=flops / ms / 1e9,

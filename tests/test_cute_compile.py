@@ -350,10 +350,11 @@ def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
     assert native._variant_for(False, o) == "fmha_sm90_bfloat16_dense"
     assert native._variant_for(False, o, e4m3) == "fmha_sm90_e4m3_dense"
     monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
+    served = {torch.bfloat16: "_ws", e4m3: "_wsf"}
     for paged in (False, True):
         for dtype in (torch.bfloat16, e4m3):
             name = native._variant_for(paged, o, dtype)
-            assert name.endswith("_ws") and name in names
+            assert name.endswith(served[dtype]) and name in names
         assert not native._variant_for(paged, o_score).endswith("_ws")
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", False)
     assert native._variant_for(True, o) == "fmha_sm90_bfloat16_paged"
@@ -375,7 +376,17 @@ def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
     assert native._variant_for(True, o) == "fmha_sm90_bfloat16_paged_ws"
     assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged"
     monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED_FP8", True)
+    assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged_wsf"
+    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", True)
     assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged_ws"
+    # The served forms are validated ones; form_validated is the one gate (dispatch, benches).
+    for name, form in native.SERVED_WS_FORM.items():
+        assert form in native.VALIDATED_WS_FORMS[name] and form in native.WS_FORMS[name]
+    assert native.form_validated("wsf", e4m3) and native.form_validated("plain", e4m3)
+    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED_FP8", False)
+    assert not native.form_validated("wsf", e4m3) and native.form_validated("ws")
+    monkeypatch.setattr(native, "VALIDATED_WS_FORMS", {"bfloat16": ("ws",), "e4m3": ()})
+    assert not native.form_validated("wsf") and native.form_validated("ws")
 
 
 def test_split_kv_fmha_form_follows_its_flag(monkeypatch):

@@ -60,12 +60,21 @@ VALIDATED_WARP_SPECIALIZED = True
 # cases (exact products: every row on the e4m3-P model) and NaN-past-kv_len, memcheck clean;
 # "ws" 527-582 TFLOP/s at 8k-32k, 1.07-1.09x the plain e4m3 kernel: it serves e4m3 O-only calls.
 VALIDATED_WARP_SPECIALIZED_FP8 = True
-# None: the gates above decide (the served form is "ws"); False: the plain kernel; True: "ws";
-# a form name: that form (WS_FORMS of the call's dtype; a name the dtype lacks is an error).
+# None: the gates above decide (the served form is SERVED_WS_FORM's); False: the plain kernel;
+# True: "ws"; a form name: that form (WS_FORMS of the call's dtype; a name the dtype lacks is an
+# error).
 WARP_SPECIALIZED_FOR_TESTS: Union[None, bool, str] = None
 # Warp-specialized forms per q/k/v dtype (must match cute_kernels.variants.WS_FORMS /
 # WS_FP8_FORMS).
 WS_FORMS = {"bfloat16": ("ws", "wsf"), "e4m3": ("ws", "wsf")}
+# "wsf" (FlashAttention-3's intra-warpgroup order: O rescaled under S(j), the softmax of block j
+# under the own P(j-1) V(j-1)): on the H200 (2026-12-01, session 8, 05edc2d) its float64,
+# quantized-model and NaN-past-kv_len cases passed in both dtypes and memcheck was clean. Timed
+# next to ws in the same run (Hq 64 / Hkv 4, dense): e4m3 faster in all four cells (8k causal
+# 2.107 -> 2.073 ms, 8k 4.004 -> 3.933, 32k causal 30.93 -> 30.07, 32k 60.96 -> 59.65), bf16
+# slower in all four (e.g. 32k causal 31.87 -> 34.42 ms). So each dtype serves its faster form.
+VALIDATED_WS_FORMS = {"bfloat16": ("ws", "wsf"), "e4m3": ("ws", "wsf")}
+SERVED_WS_FORM = {"bfloat16": "ws", "e4m3": "wsf"}
 # Split-KV for plans with num_kv_splits > 1 (decode-like: few query tiles, long KV; variants
 # fmha_sm90_*_split, FmhaSm90Split: each CTA streams one key range and writes fp32 partial rows
 # + LSE, merged by the sparse combine, one slot per split). Passed the "split" cases of
@@ -94,10 +103,22 @@ def variant_name(paged: bool, dtype: torch.dtype = torch.bfloat16,
     return f"fmha_sm90_{_DTYPE_NAMES[dtype]}_{'paged' if paged else 'dense'}{suffix}"
 
 
+def form_validated(form: str, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether kernel `form` ("plain" or a warp-specialized form) is validated for q/k/v
+    `dtype` (the dispatcher's gate and the benchmarks' "-unvalidated" label)."""
+    fp8 = dtype == torch.float8_e4m3fn
+    if not (VALIDATED_FP8 if fp8 else VALIDATED):
+        return False
+    if form == "plain":
+        return True
+    return ((VALIDATED_WARP_SPECIALIZED_FP8 if fp8 else VALIDATED_WARP_SPECIALIZED)
+            and form in VALIDATED_WS_FORMS[_DTYPE_NAMES[dtype]])
+
+
 def warp_specialized_form(dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
     """The warp-specialized form serving O-only calls of q/k/v `dtype`, or None (the plain
-    kernel): WARP_SPECIALIZED_FOR_TESTS when set, else "ws" once validated for the dtype (or
-    with MSA_UNVALIDATED_KERNELS=1)."""
+    kernel): WARP_SPECIALIZED_FOR_TESTS when set, else SERVED_WS_FORM's once validated for the
+    dtype (or with MSA_UNVALIDATED_KERNELS=1)."""
     forms = WS_FORMS[_DTYPE_NAMES[dtype]]
     forced = WARP_SPECIALIZED_FOR_TESTS
     if isinstance(forced, str):
@@ -106,11 +127,14 @@ def warp_specialized_form(dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
                              f"warp-specialized forms are {', '.join(forms)}")
         return forced
     fp8 = dtype == torch.float8_e4m3fn
+    served = SERVED_WS_FORM[_DTYPE_NAMES[dtype]]
+    if forced is True:
+        return "ws"
     enabled = _backend.form_enabled(
-        forced, "the warp-specialized e4m3 sm90 FMHA" if fp8 else
-        "the warp-specialized sm90 FMHA",
+        forced, f"the warp-specialized ({served}) e4m3 sm90 FMHA" if fp8 else
+        f"the warp-specialized ({served}) sm90 FMHA",
         VALIDATED_WARP_SPECIALIZED_FP8 if fp8 else VALIDATED_WARP_SPECIALIZED)
-    return "ws" if enabled else None
+    return served if enabled else None
 
 
 def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=True, mode=None,
