@@ -27,8 +27,8 @@ Roles (384 threads, one CTA per SM):
   the softmax of block j and rescales O; block 0's S and the last P V are peeled so the loop
   body issues its wgmmas unconditionally. (Measured and removed, docs/design-fmha.md: 3 K/V
   stages, an intra-warpgroup overlap that rescaled O after the own P V, a lazy O rescale.)
-  Form "wsf" (gated): FlashAttention-3's order, O rescaled under S(j) and the softmax of block
-  j under the own P(j-1) V(j-1) (the constructor's `overlap`).
+  Form "wsf" (serves e4m3; slower for bf16): FlashAttention-3's order, O rescaled under S(j)
+  and the softmax of block j under the own P(j-1) V(j-1) (the constructor's `overlap`).
 * ping-pong: the two GEMM issues of a block are a turn; turns alternate between the consumers
   through two named barriers (a consumer waits on its own, then arrives on the other's), so
   one warpgroup's softmax runs under the other's GEMMs (FlashAttention-3's schedule). Both
@@ -75,8 +75,8 @@ BAR_WG = 1               # + consumer index, 128 threads
 BAR_TURN = 3             # + consumer index, 256 threads
 
 
-# Forms (variant name suffixes) -> constructor options. "ws" serves; "wsf" is gated (never
-# served unless forced): FlashAttention-3's intra-warpgroup order, below.
+# Forms (variant name suffixes) -> constructor options. "ws" serves bf16, "wsf"
+# (FlashAttention-3's intra-warpgroup order, below) e4m3 (msa._native.fmha_sm90.SERVED_WS_FORM).
 FORMS = {"ws": {}, "wsf": dict(overlap=True)}
 FP8_FORMS = ("ws", "wsf")
 
