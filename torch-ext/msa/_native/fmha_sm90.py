@@ -132,8 +132,7 @@ def warp_specialized_form(dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
         return "ws"
     enabled = _backend.form_enabled(
         forced, f"the warp-specialized ({served}) e4m3 sm90 FMHA" if fp8 else
-        f"the warp-specialized ({served}) sm90 FMHA",
-        VALIDATED_WARP_SPECIALIZED_FP8 if fp8 else VALIDATED_WARP_SPECIALIZED)
+        f"the warp-specialized ({served}) sm90 FMHA", form_validated(served, dtype))
     return served if enabled else None
 
 
