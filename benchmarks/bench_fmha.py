@@ -30,7 +30,7 @@ from _common import (TsvWriter, add_common_args, apply_preset, free_memory, load
 
 D = 128
 # Warp-specialized forms per --dtypes name when the native module is absent (it says which).
-WS_FORMS = {"bf16": ("ws", "wsf"), "fp8": ("ws", "wsf")}
+WS_FORMS = {"bf16": ("ws", "wsf", "wsu"), "fp8": ("ws", "wsf")}
 COLUMNS = ("mode", "n", "hq", "hkv", "causal", "layout", "impl", "backend", "latency_ms",
            "tflops", "speedup_vs_cudnn", "note")
 
@@ -70,7 +70,7 @@ def main(argv=None):
                     help="q/k/v dtypes: bf16, fp8 (e4m3 q/k/v, bf16 O; impl msa.fmha[e4m3])")
     ap.add_argument("--forms", default="served",
                     help="kernel forms to time side by side: served (what the gates pick for "
-                         "the call), plain and the warp-specialized forms (ws, wsf); impl "
+                         "the call), plain and the warp-specialized forms (ws, wsf, wsu); impl "
                          "msa.fmha[<form that ran>]; "
                          "a (dtype, form) pair that does not exist is skipped; the form hook is "
                          "set per row")

@@ -111,7 +111,7 @@ def _fmha_native(monkeypatch, *args, **kwargs):
 
 def _native_serving(form, monkeypatch):
     """The native module, set to serve O-only calls with `form` (gates opened, outputs poisoned):
-    plain, or a warp-specialized form name (ws, wsf; bf16 and e4m3) forced
+    plain, or a warp-specialized form name (ws, wsf; wsu bf16 only) forced
     through WARP_SPECIALIZED_FOR_TESTS. Split-KV is pinned off: the planner splits the key range
     of these small problems, and the split form (tested on its own below) would then serve the
     call instead of `form`, rounding e4m3 P against each split's running max."""
@@ -131,7 +131,7 @@ def _check_form_ran(native, form):
         f"expected the {form} form, ran {ran}"
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsf"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu"])
 @pytest.mark.parametrize("heads,causal,paged", CASES)
 def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypatch):
     """form: the kernel serving bf16 O: plain (cute_kernels/fmha_sm90.py) or the
@@ -336,7 +336,7 @@ def test_max_score_only_pass_runs_on_the_indexer_kernel(seed, monkeypatch):
     assert rel <= 1e-2, rel
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsf"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """Paged K/V whose slots past each request's kv_len (and the spare pages) hold NaN: a masked

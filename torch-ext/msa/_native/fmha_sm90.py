@@ -66,13 +66,16 @@ VALIDATED_WARP_SPECIALIZED_FP8 = True
 WARP_SPECIALIZED_FOR_TESTS: Union[None, bool, str] = None
 # Warp-specialized forms per q/k/v dtype (must match cute_kernels.variants.WS_FORMS /
 # WS_FP8_FORMS).
-WS_FORMS = {"bfloat16": ("ws", "wsf"), "e4m3": ("ws", "wsf")}
+WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu"), "e4m3": ("ws", "wsf")}
 # "wsf" (FlashAttention-3's intra-warpgroup order: O rescaled under S(j), the softmax of block j
 # under the own P(j-1) V(j-1)): on the H200 (2026-12-01, session 8, 05edc2d) its float64,
 # quantized-model and NaN-past-kv_len cases passed in both dtypes and memcheck was clean. Timed
 # next to ws in the same run (Hq 64 / Hkv 4, dense): e4m3 faster in all four cells (8k causal
 # 2.107 -> 2.073 ms, 8k 4.004 -> 3.933, 32k causal 30.93 -> 30.07, 32k 60.96 -> 59.65), bf16
 # slower in all four (e.g. 32k causal 31.87 -> 34.42 ms). So each dtype serves its faster form.
+# "wsu" (bf16; cute_kernels/fmha_sm90_ws.py `uniform`: every tile starts on K/V stage 0, the
+# block loop is unrolled by two and the consumer traced per warpgroup, so the wgmma descriptors
+# are static offsets in uniform registers): compiled for sm_90a, not yet run on the H200.
 VALIDATED_WS_FORMS = {"bfloat16": ("ws", "wsf"), "e4m3": ("ws", "wsf")}
 SERVED_WS_FORM = {"bfloat16": "ws", "e4m3": "wsf"}
 # Split-KV for plans with num_kv_splits > 1 (decode-like: few query tiles, long KV; variants

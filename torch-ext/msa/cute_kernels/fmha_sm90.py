@@ -139,13 +139,14 @@ def store_max_score(mMaxScore: cute.Tensor, score_scale: cutlass.Float32,
 def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
                    row_sum: cute.Tensor, tScS: cute.Tensor, wg_q0: cutlass.Int32,
                    kv_len: cutlass.Int32, offset: cutlass.Int32, causal: cutlass.Int32,
-                   scale_log2: cutlass.Float32, o_rc=None, corr=None, max_score=None):
+                   scale_log2: cutlass.Float32, o_rc=None, corr=None, max_score=None,
+                   mask: cutlass.Constexpr = True):
     """S of key block `blk` -> P = exp2(S * scale_log2 - new max) in place (masked keys 0); the
     running max and sum move on. The correction exp2(old max - new max) rescales the O
     accumulator rows o_rc here, or is left in corr[i] for the caller to apply (the
     warp-specialized kernel, whose previous P V may still be in flight). With max_score =
     (mMaxScore, score_scale, head, q_start, q_len, lane), each row's scaled max over the block's
-    visible keys is stored too (store_max_score)."""
+    visible keys is stored too (store_max_score). mask=False: every row sees the whole block."""
     key0 = blk * BLOCK_N
     s_rc = wgmma_rows_cols_view(acc_s)
     n_my_cols = cute.size(tScS, mode=[1])
@@ -154,7 +155,10 @@ def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
         visible_end = kv_len - key0                     # block keys [0, end) visible
         if causal != 0:
             visible_end = cutlass.min(visible_end, q_local + offset - key0 + 1)
-        blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N))
+        if cutlass.const_expr(mask):
+            blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N))
+        else:   # the caller knows every row sees the whole block
+            blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, BLOCK_N, BLOCK_N))
         if cutlass.const_expr(max_score is not None):
             mMaxScore, score_scale, head, q_start, q_len, lane = max_score
             store_max_score(mMaxScore, score_scale, blk_max, head, blk, q_start, q_local,

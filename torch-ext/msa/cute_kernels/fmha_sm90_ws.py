@@ -29,6 +29,10 @@ Roles (384 threads, one CTA per SM):
   stages, an intra-warpgroup overlap that rescaled O after the own P V, a lazy O rescale.)
   Form "wsf" (serves e4m3; slower for bf16): FlashAttention-3's order, O rescaled under S(j)
   and the softmax of block j under the own P(j-1) V(j-1) (the constructor's `overlap`).
+  Form "wsu" (bf16, gated; the constructor's `uniform`): every tile starts on K/V stage 0, the
+  blocks every row of the tile sees whole run in unrolled pairs (block 2i+1 on stage 1, 2i+2
+  on stage 0, no mask), the rest one by one, and the consumer body is traced once per
+  warpgroup, so that the wgmma descriptors are static offsets in uniform registers.
 * ping-pong: the two GEMM issues of a block are a turn; turns alternate between the consumers
   through two named barriers (a consumer waits on its own, then arrives on the other's), so
   one warpgroup's softmax runs under the other's GEMMs (FlashAttention-3's schedule). Both
@@ -41,6 +45,8 @@ they use up to R70).
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
@@ -76,8 +82,9 @@ BAR_TURN = 3             # + consumer index, 256 threads
 
 
 # Forms (variant name suffixes) -> constructor options. "ws" serves bf16, "wsf"
-# (FlashAttention-3's intra-warpgroup order, below) e4m3 (msa._native.fmha_sm90.SERVED_WS_FORM).
-FORMS = {"ws": {}, "wsf": dict(overlap=True)}
+# (FlashAttention-3's intra-warpgroup order, below) e4m3 (msa._native.fmha_sm90.SERVED_WS_FORM);
+# "wsu" (bf16, uniform wgmma descriptors) is gated.
+FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True)}
 FP8_FORMS = ("ws", "wsf")
 
 
@@ -86,8 +93,17 @@ class FmhaSm90Ws:
     e4m3 q/k/v with V transposed by the producer warpgroup)."""
 
     def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
-                 overlap: bool = False):
+                 overlap: bool = False, uniform: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
+        # uniform (form "wsu", bf16): every tile starts on K/V stage 0 and the block loop is
+        # unrolled by two, so each turn's stage is a compile-time constant, and the consumer
+        # body is traced once per warpgroup, so its Q tile is too. Every wgmma descriptor is
+        # then a constant offset of the shared-memory base and ptxas keeps them in uniform
+        # registers (ws rebuilds each in vector registers and moves it with R2UR, ~12
+        # instructions per wgmma: the longest part of a turn). Stage phases come from per-stage
+        # use counts.
+        assert not (uniform and (overlap or dtype.width == 8 or kv_stages != 2))
+        self.uniform = uniform
         self.paged = paged
         # overlap (form "wsf"): per turn, issue S(j), rescale O to max j-1 while it runs, issue
         # P(j-1) V(j-1), wait for S(j) only and run the softmax of block j under the own P V;
@@ -231,10 +247,18 @@ class FmhaSm90Ws:
                                      q_len, n_q_tiles, cta_x, grid_x, tidx)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self._consumer(mQ, mO, head, q_start, q_len, kv_len, offset, causal, n_q_tiles,
-                           cta_x, grid_x, scale_log2, output_scale, tidx, wg - 1, sQ_wgs,
-                           sK_stages, sV_stages, mbar, q_copy, mma_qk, mma_pv, stage_o_copy,
-                           store_o_copy, sVt_stages, sO_wgs)
+            args = (mQ, mO, head, q_start, q_len, kv_len, offset, causal, n_q_tiles, cta_x,
+                    grid_x, scale_log2, output_scale, tidx)
+            rest = (sQ_wgs, sK_stages, sV_stages, mbar, q_copy, mma_qk, mma_pv, stage_o_copy,
+                    store_o_copy, sVt_stages, sO_wgs)
+            if cutlass.const_expr(self.uniform):
+                # One trace per consumer warpgroup: its index, hence its Q tile, is static.
+                if wg == 1:
+                    self._consumer(*args, 0, *rest)
+                else:
+                    self._consumer(*args, 1, *rest)
+            else:
+                self._consumer(*args, wg - 1, *rest)
 
     @cute.jit
     def _tile_blocks(self, walk, n_q_tiles, q_len, kv_len, offset, causal):
@@ -245,6 +269,25 @@ class FmhaSm90Ws:
         if causal != 0:
             kv_end = cutlass.min(kv_end, cutlass.min(q_lo + TILE_M, q_len) + offset)
         return q_lo, cutlass.max((kv_end + BLOCK_N - 1) // BLOCK_N, 0)
+
+    @cute.jit
+    def _stage_phase(self, g_blk, blk, parity):
+        """(K/V stage, its mbarrier phase) of a tile's key block `blk` (g_blk: blocks streamed
+        before it over all tiles). ws / wsf: a ring over all blocks; wsu: block j of every tile
+        on stage j % 2, use j // 2 of that stage in this tile (parity: bit s = the parity of
+        stage s's uses before this tile)."""
+        stage = g_blk % self.kv_stages
+        phase = (g_blk // self.kv_stages) % 2
+        if cutlass.const_expr(self.uniform):
+            stage = blk % 2
+            phase = ((parity >> stage) ^ (blk // 2)) & 1
+        return stage, phase
+
+    @staticmethod
+    def _next_parity(parity, n_blocks):
+        """wsu: the stage-use parities after a tile of n_blocks (stage 0 takes the even
+        blocks). A single register: the producer runs on 24."""
+        return parity ^ (((n_blocks + 1) // 2) & 1) ^ (((n_blocks // 2) & 1) << 1)
 
     # ---- producer (one warp) ---------------------------------------------------------------
     @cute.jit
@@ -272,12 +315,13 @@ class FmhaSm90Ws:
         tZcZ = thr_zero.partition_D(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
 
         g = cutlass.Int32(0)                  # blocks streamed so far (all tiles)
+        parity = cutlass.Int32(0)             # wsu: stage-use parities (_stage_phase)
         scratch_phase = cutlass.Int32(0)
         for walk in range(cta_x, n_q_tiles, grid_x):
             q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
             for blk in range(n_blocks):
-                stage = (g + blk) % S
-                free_phase = (((g + blk) // S) % 2) ^ 1
+                stage, phase = self._stage_phase(g + blk, blk, parity)
+                free_phase = phase ^ 1
                 src = blk
                 if cutlass.const_expr(self.paged):
                     src = mPageTable[request, blk]    # outside the pool: the TMA zero-fills
@@ -321,6 +365,7 @@ class FmhaSm90Ws:
                         with cute.arch.elect_one():
                             cute.arch.mbarrier_arrive(mbar + 2 * S + stage)
             g = g + n_blocks
+            parity = self._next_parity(parity, n_blocks)
 
     # ---- e4m3 V transposer (warps 1 .. TRANSPOSE_WARPS of the producer warpgroup) ----------
     @cute.jit
@@ -400,6 +445,7 @@ class FmhaSm90Ws:
         corr = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
 
         g = cutlass.Int32(0)
+        parity = cutlass.Int32(0)             # wsu: stage-use parities (_stage_phase)
         for walk in range(cta_x, n_q_tiles, grid_x):
             q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
             wg_q0 = q_lo + mwg * WG_ROWS
@@ -414,10 +460,18 @@ class FmhaSm90Ws:
             for i in cutlass.range_constexpr(n_my_rows):
                 row_max[i] = -cutlass.Float32.inf
                 row_sum[i] = 0.0
+            # What a turn needs besides its block's stages (_turn is traced inline).
+            turn = SimpleNamespace(
+                mma_qk=mma_qk, mma_pv=mma_pv, acc_s=acc_s, acc_o=acc_o, o_rc=o_rc, r_p=r_p,
+                t_p=t_p, a_shape=a_shape, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tScS=tScS,
+                row_max=row_max, row_sum=row_sum, corr=corr, mbar=mbar, lane=lane,
+                turn_mine=turn_mine, turn_other=turn_other, wg_q0=wg_q0, kv_len=kv_len,
+                offset=offset, causal=causal, scale_log2=scale_log2, n_my_rows=n_my_rows,
+                n_my_cols=n_my_cols)
             if n_blocks > 0:
                 # ---- block 0: S only
-                stage = g % S
-                cute.arch.mbarrier_wait(mbar + stage, (g // S) % 2)
+                stage, phase = self._stage_phase(g, 0, parity)
+                cute.arch.mbarrier_wait(mbar + stage, phase)
                 cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
                 warpgroup_gemm_issue(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
                 cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
@@ -428,49 +482,28 @@ class FmhaSm90Ws:
                                causal, scale_log2, corr=corr)
                 r_p.store(acc_s.load().to(self.dtype))
                 # ---- blocks 1 .. n-1: S(j) and P(j-1) V(j-1) in one turn
-                for blk in range(1, n_blocks):
-                    gj = g + blk
-                    stage = gj % S
-                    prev = (gj - 1) % S
-                    cute.arch.mbarrier_wait(mbar + stage, (gj // S) % 2)
-                    cute.arch.mbarrier_wait(mbar + 2 * S + prev, ((gj - 1) // S) % 2)
-                    cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
-                    warpgroup_gemm_issue(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
-                    if cutlass.const_expr(self.overlap):
-                        # O holds P V up to block j-2 (relative to max j-2): rescale it to max
-                        # j-1 while S(j) runs, before P(j-1) V(j-1) joins it.
-                        for i in cutlass.range_constexpr(n_my_rows):
-                            for j in cutlass.range_constexpr(n_my_cols):
-                                o_rc[i, j] = o_rc[i, j] * corr[i]
-                    warpgroup_gemm_issue(mma_pv, acc_o, self._p_operand(t_p, a_shape),
-                                         tOrVt[None, None, None, prev], accumulate=True)
-                    cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
-                    if cutlass.const_expr(self.overlap):
-                        warpgroup.wait_group(1)                     # S(j); P V(j-1) runs on
-                    else:
-                        warpgroup.wait_group(0)                     # S(j) and P V(j-1)
-                    if lane == 0:
-                        cute.arch.mbarrier_arrive(mbar + S + stage)            # K free
-                    online_softmax(acc_s, blk, row_max, row_sum, tScS, wg_q0, kv_len,
-                                   offset, causal, scale_log2, corr=corr)
-                    # ws: a no-op after the wait above (kept: the validated PTX has it); wsf:
-                    # P V(j-1) done, so r_p may take P(j).
-                    warpgroup.wait_group(0)
-                    if lane == 0:
-                        cute.arch.mbarrier_arrive(mbar + 3 * S + prev)         # V free
-                    if cutlass.const_expr(self.overlap and self.fp8):
-                        pack_e4m3_quads(acc_s, r_p)
-                    elif cutlass.const_expr(self.overlap):
-                        pack_bf16_pairs(acc_s, r_p)
-                    else:
-                        for i in cutlass.range_constexpr(n_my_rows):
-                            for j in cutlass.range_constexpr(n_my_cols):
-                                o_rc[i, j] = o_rc[i, j] * corr[i]
-                        r_p.store(acc_s.load().to(self.dtype))
+                first_dynamic = 1
+                if cutlass.const_expr(self.uniform):
+                    # Pairs of blocks (2i+1 on stage 1, 2i+2 on stage 0): static stages; only
+                    # blocks every row of the tile sees whole (no mask), the rest below.
+                    n_whole = kv_len
+                    if causal != 0:
+                        n_whole = cutlass.min(n_whole, q_lo + offset + 1)
+                    n_whole = cutlass.min(cutlass.max(n_whole, 0) // BLOCK_N, n_blocks)
+                    n_pairs = cutlass.max(n_whole - 1, 0) // 2
+                    for i in range(n_pairs):
+                        p0 = (parity ^ i) & 1                   # stage 0, use i
+                        p1 = ((parity >> 1) ^ i) & 1            # stage 1, use i
+                        self._turn(turn, 2 * i + 1, 1, p1, 0, p0, mask=False)
+                        self._turn(turn, 2 * i + 2, 0, p0 ^ 1, 1, p1, mask=False)
+                    first_dynamic = 2 * n_pairs + 1
+                for blk in range(first_dynamic, n_blocks):
+                    stage, k_phase = self._stage_phase(g + blk, blk, parity)
+                    prev, v_phase = self._stage_phase(g + blk - 1, blk - 1, parity)
+                    self._turn(turn, blk, stage, k_phase, prev, v_phase)
                 # ---- the last P V
-                gl = g + n_blocks - 1
-                last = gl % S
-                cute.arch.mbarrier_wait(mbar + 2 * S + last, (gl // S) % 2)
+                last, phase = self._stage_phase(g + n_blocks - 1, n_blocks - 1, parity)
+                cute.arch.mbarrier_wait(mbar + 2 * S + last, phase)
                 cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
                 if cutlass.const_expr(self.overlap):
                     for i in cutlass.range_constexpr(n_my_rows):        # to the last max
@@ -483,6 +516,7 @@ class FmhaSm90Ws:
                 if lane == 0:
                     cute.arch.mbarrier_arrive(mbar + 3 * S + last)             # V free
             g = g + n_blocks
+            parity = self._next_parity(parity, n_blocks)
 
             # ---- normalize, stage in this warpgroup's Q rows (e4m3: its O tile), write
             sO_mine = sQ_mine                          # bf16: O takes the Q rows' place
@@ -493,6 +527,53 @@ class FmhaSm90Ws:
                          store_o_copy, self.out_dtype)
             # The next tile reloads Q into these rows: the whole warpgroup must be done.
             cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
+
+    @cute.jit
+    def _turn(self, t, blk, stage, k_phase, prev, v_phase, mask: cutlass.Constexpr = True):
+        """Key block blk >= 1: wait for K(blk) (stage, k_phase) and V(blk - 1) (prev, v_phase),
+        issue S(blk) and P(blk-1) V(blk-1) in this consumer's ping-pong turn, run the softmax
+        of block blk and leave P(blk) in t.r_p (t: the consumer's fragments and state)."""
+        S = self.kv_stages
+        cute.arch.mbarrier_wait(t.mbar + stage, k_phase)
+        cute.arch.mbarrier_wait(t.mbar + 2 * S + prev, v_phase)
+        cute.arch.barrier(barrier_id=t.turn_mine, number_of_threads=256)
+        warpgroup_gemm_issue(t.mma_qk, t.acc_s, t.tSrQ, t.tSrK[None, None, None, stage])
+        if cutlass.const_expr(self.overlap):
+            # O holds P V up to block j-2 (relative to max j-2): rescale it to max j-1 while
+            # S(j) runs, before P(j-1) V(j-1) joins it.
+            for i in cutlass.range_constexpr(t.n_my_rows):
+                for j in cutlass.range_constexpr(t.n_my_cols):
+                    t.o_rc[i, j] = t.o_rc[i, j] * t.corr[i]
+        warpgroup_gemm_issue(t.mma_pv, t.acc_o, self._p_operand(t.t_p, t.a_shape),
+                             t.tOrVt[None, None, None, prev], accumulate=True)
+        cute.arch.barrier_arrive(barrier_id=t.turn_other, number_of_threads=256)
+        if cutlass.const_expr(self.overlap):
+            warpgroup.wait_group(1)                     # S(j); P V(j-1) runs on
+        else:
+            warpgroup.wait_group(0)                     # S(j) and P V(j-1)
+        if t.lane == 0:
+            cute.arch.mbarrier_arrive(t.mbar + S + stage)                  # K free
+        online_softmax(t.acc_s, blk, t.row_max, t.row_sum, t.tScS, t.wg_q0, t.kv_len,
+                       t.offset, t.causal, t.scale_log2, corr=t.corr, mask=mask)
+        # ws: a no-op after the wait above (kept: the validated PTX has it); wsf: P V(j-1)
+        # done, so r_p may take P(j).
+        warpgroup.wait_group(0)
+        if t.lane == 0:
+            cute.arch.mbarrier_arrive(t.mbar + 3 * S + prev)               # V free
+        if cutlass.const_expr(self.overlap and self.fp8):
+            pack_e4m3_quads(t.acc_s, t.r_p)
+        elif cutlass.const_expr(self.overlap):
+            pack_bf16_pairs(t.acc_s, t.r_p)
+        else:
+            for i in cutlass.range_constexpr(t.n_my_rows):
+                for j in cutlass.range_constexpr(t.n_my_cols):
+                    t.o_rc[i, j] = t.o_rc[i, j] * t.corr[i]
+            if cutlass.const_expr(self.uniform):
+                # Pinned here: between the two turns of an unrolled pair LLVM would sink a
+                # plain conversion under the next S wgmma (64 fp32 P live: C7512).
+                pack_bf16_pairs(t.acc_s, t.r_p)
+            else:
+                t.r_p.store(t.acc_s.load().to(self.dtype))
 
     @cute.jit
     def _p_operand(self, t_p: cute.Tensor, a_shape):

@@ -85,10 +85,11 @@ class BlockMaxScoreVariant:
         return f"block_max_score_sm90_{self.dtype}_h{self.num_heads}_{layout}{suffix}"
 
 
-# Warp-specialized FMHA forms (cute_kernels.fmha_sm90_ws.FORMS): ws (serves bf16) and wsf
-# (FlashAttention-3's intra-warpgroup order; serves e4m3); earlier 3-stage and overlapped forms were
+# Warp-specialized FMHA forms (cute_kernels.fmha_sm90_ws.FORMS): ws (serves bf16), wsf
+# (FlashAttention-3's intra-warpgroup order; serves e4m3) and wsu (bf16, gated: static K/V
+# stages and Q tile, so the wgmma descriptors stay in uniform registers); earlier 3-stage and overlapped forms were
 # measured slower and removed (docs/design-fmha.md).
-WS_FORMS = ("ws", "wsf")
+WS_FORMS = ("ws", "wsf", "wsu")
 WS_FP8_FORMS = ("ws", "wsf")
 
 
