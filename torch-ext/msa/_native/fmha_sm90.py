@@ -74,10 +74,14 @@ WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu"), "e4m3": ("ws", "wsf")}
 # 2.107 -> 2.073 ms, 8k 4.004 -> 3.933, 32k causal 30.93 -> 30.07, 32k 60.96 -> 59.65), bf16
 # slower in all four (e.g. 32k causal 31.87 -> 34.42 ms). So each dtype serves its faster form.
 # "wsu" (bf16; cute_kernels/fmha_sm90_ws.py `uniform`: every tile starts on K/V stage 0, the
-# block loop is unrolled by two and the consumer traced per warpgroup, so the wgmma descriptors
-# are static offsets in uniform registers): compiled for sm_90a, not yet run on the H200.
-VALIDATED_WS_FORMS = {"bfloat16": ("ws", "wsf"), "e4m3": ("ws", "wsf")}
-SERVED_WS_FORM = {"bfloat16": "ws", "e4m3": "wsf"}
+# blocks every row sees whole run as unrolled pairs on static stages, the consumer is traced
+# per warpgroup, so the wgmma descriptors are static offsets in uniform registers): on the H200
+# (2026-12-01, session 8, 5fb4b37) its float64 and NaN-past-kv_len cases passed (with ws / wsf,
+# whose PTX the shared refactor reordered: 45 cases) and memcheck was clean; same run, Hq 64 /
+# Hkv 4, dense, ms, ws -> wsu: 8k causal 2.112 -> 1.894, 8k 4.035 -> 3.497, 32k causal 31.71 ->
+# 31.12, 32k 63.25 -> 54.12 (650 TFLOP/s, 1.03x cuDNN). It serves bf16.
+VALIDATED_WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu"), "e4m3": ("ws", "wsf")}
+SERVED_WS_FORM = {"bfloat16": "wsu", "e4m3": "wsf"}
 # Split-KV for plans with num_kv_splits > 1 (decode-like: few query tiles, long KV; variants
 # fmha_sm90_*_split, FmhaSm90Split: each CTA streams one key range and writes fp32 partial rows
 # + LSE, merged by the sparse combine, one slot per split). Passed the "split" cases of
