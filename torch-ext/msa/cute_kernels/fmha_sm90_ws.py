@@ -29,7 +29,7 @@ Roles (384 threads, one CTA per SM):
   stages, an intra-warpgroup overlap that rescaled O after the own P V, a lazy O rescale.)
   Form "wsf" (serves e4m3; slower for bf16): FlashAttention-3's order, O rescaled under S(j)
   and the softmax of block j under the own P(j-1) V(j-1) (the constructor's `overlap`).
-  Form "wsu" (bf16, gated; the constructor's `uniform`): every tile starts on K/V stage 0, the
+  Form "wsu" (serves bf16; the constructor's `uniform`): every tile starts on K/V stage 0, the
   blocks every row of the tile sees whole run in unrolled pairs (block 2i+1 on stage 1, 2i+2
   on stage 0, no mask), the rest one by one, and the consumer body is traced once per
   warpgroup, so that the wgmma descriptors are static offsets in uniform registers.
@@ -81,9 +81,9 @@ BAR_WG = 1               # + consumer index, 128 threads
 BAR_TURN = 3             # + consumer index, 256 threads
 
 
-# Forms (variant name suffixes) -> constructor options. "ws" serves bf16, "wsf"
-# (FlashAttention-3's intra-warpgroup order, below) e4m3 (msa._native.fmha_sm90.SERVED_WS_FORM);
-# "wsu" (bf16, uniform wgmma descriptors) is gated.
+# Forms (variant name suffixes) -> constructor options (msa._native.fmha_sm90.SERVED_WS_FORM):
+# "wsu" (uniform wgmma descriptors) serves bf16, "wsf" (FlashAttention-3's intra-warpgroup
+# order) e4m3; "ws" is the base both build on.
 FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True)}
 FP8_FORMS = ("ws", "wsf")
 
@@ -95,13 +95,13 @@ class FmhaSm90Ws:
     def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
                  overlap: bool = False, uniform: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
-        # uniform (form "wsu", bf16): every tile starts on K/V stage 0 and the block loop is
-        # unrolled by two, so each turn's stage is a compile-time constant, and the consumer
-        # body is traced once per warpgroup, so its Q tile is too. Every wgmma descriptor is
-        # then a constant offset of the shared-memory base and ptxas keeps them in uniform
-        # registers (ws rebuilds each in vector registers and moves it with R2UR, ~12
-        # instructions per wgmma: the longest part of a turn). Stage phases come from per-stage
-        # use counts.
+        # uniform (form "wsu", bf16): every tile starts on K/V stage 0 and the blocks every row
+        # sees whole run in unrolled pairs (mask-free), so their stages are compile-time
+        # constants, and the consumer body is traced once per warpgroup, so its Q tile is too.
+        # Every wgmma descriptor is then a constant offset of the shared-memory base and ptxas
+        # keeps them in uniform registers (ws rebuilds each in vector registers and moves it
+        # with R2UR, ~12 instructions per wgmma: the longest part of a turn). Stage phases come
+        # from the parity of each stage's uses (_stage_phase).
         assert not (uniform and (overlap or dtype.width == 8 or kv_stages != 2))
         self.uniform = uniform
         self.paged = paged

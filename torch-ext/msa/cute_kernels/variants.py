@@ -85,8 +85,8 @@ class BlockMaxScoreVariant:
         return f"block_max_score_sm90_{self.dtype}_h{self.num_heads}_{layout}{suffix}"
 
 
-# Warp-specialized FMHA forms (cute_kernels.fmha_sm90_ws.FORMS): ws (serves bf16), wsf
-# (FlashAttention-3's intra-warpgroup order; serves e4m3) and wsu (bf16, gated: static K/V
+# Warp-specialized FMHA forms (cute_kernels.fmha_sm90_ws.FORMS): ws (the base), wsf
+# (FlashAttention-3's intra-warpgroup order; serves e4m3) and wsu (bf16 only, served: static K/V
 # stages and Q tile, so the wgmma descriptors stay in uniform registers); earlier 3-stage and overlapped forms were
 # measured slower and removed (docs/design-fmha.md).
 WS_FORMS = ("ws", "wsf", "wsu")
