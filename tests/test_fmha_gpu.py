@@ -111,7 +111,7 @@ def _fmha_native(monkeypatch, *args, **kwargs):
 
 def _native_serving(form, monkeypatch):
     """The native module, set to serve O-only calls with `form` (gates opened, outputs poisoned):
-    plain, or a warp-specialized form name (ws, wsf; wsu bf16 only) forced
+    plain, or a warp-specialized form name (ws, wsf, wsu; bf16 and e4m3) forced
     through WARP_SPECIALIZED_FOR_TESTS. Split-KV is pinned off: the planner splits the key range
     of these small problems, and the split form (tested on its own below) would then serve the
     call instead of `form`, rounding e4m3 P against each split's running max."""
@@ -209,7 +209,7 @@ def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, s
     assert rel <= 1e-2, rel
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsf"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu"])
 @pytest.mark.parametrize("qk_values", ["randn", "exact"])
 @pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
                                                  ((4, 4), False, False), ((64, 4), True, True)])
@@ -370,7 +370,7 @@ def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
                            f"NaN past kv_len causal={causal} form={form}")
 
 
-@pytest.mark.parametrize("form", ["ws", "wsf"])
+@pytest.mark.parametrize("form", ["ws", "wsf", "wsu"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """e4m3 paged K/V with NaN (0x7f) in every slot past kv_len and in the spare pages: the
@@ -417,7 +417,7 @@ def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch)
     assert worst <= 1e-3
 
 
-@pytest.mark.parametrize("form", ["plain", "ws"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsu"])
 def test_fmha_native_paged_pool_past_2_31_elements(form, seed, monkeypatch):
     """Paged bf16 K/V pools of more than 2^31 elements each (2^16 pages of [2, 128, 128] below
     the boundary, NaN; ~4.3 GB apiece) whose used pages all lie past the 2^31-element boundary:

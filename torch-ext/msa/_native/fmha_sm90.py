@@ -66,7 +66,7 @@ VALIDATED_WARP_SPECIALIZED_FP8 = True
 WARP_SPECIALIZED_FOR_TESTS: Union[None, bool, str] = None
 # Warp-specialized forms per q/k/v dtype (must match cute_kernels.variants.WS_FORMS /
 # WS_FP8_FORMS).
-WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu"), "e4m3": ("ws", "wsf")}
+WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu"), "e4m3": ("ws", "wsf", "wsu")}
 # "wsf" (FlashAttention-3's intra-warpgroup order: O rescaled under S(j), the softmax of block j
 # under the own P(j-1) V(j-1)): on the H200 (2026-12-01, session 8, 05edc2d) its float64,
 # quantized-model and NaN-past-kv_len cases passed in both dtypes and memcheck was clean. Timed
@@ -79,7 +79,9 @@ WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu"), "e4m3": ("ws", "wsf")}
 # (2026-12-01, session 8, 5fb4b37) its float64 and NaN-past-kv_len cases passed (with ws / wsf,
 # whose PTX the shared refactor reordered: 45 cases) and memcheck was clean; same run, Hq 64 /
 # Hkv 4, dense, ms, ws -> wsu: 8k causal 2.112 -> 1.894, 8k 4.035 -> 3.497, 32k causal 31.71 ->
-# 31.12, 32k 63.25 -> 54.12 (650 TFLOP/s, 1.03x cuDNN). It serves bf16.
+# 31.12, 32k 63.25 -> 54.12 (650 TFLOP/s, 1.03x cuDNN). It serves bf16. e4m3 "wsu" (the same
+# with the transposer warps on the per-tile stages and P rounded to e4m3 in place): compiled
+# for sm_90a (no spills, wgmmas not serialized), not yet run on the H200.
 VALIDATED_WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu"), "e4m3": ("ws", "wsf")}
 SERVED_WS_FORM = {"bfloat16": "wsu", "e4m3": "wsf"}
 # Split-KV for plans with num_kv_splits > 1 (decode-like: few query tiles, long KV; variants

@@ -29,10 +29,11 @@ Roles (384 threads, one CTA per SM):
   stages, an intra-warpgroup overlap that rescaled O after the own P V, a lazy O rescale.)
   Form "wsf" (serves e4m3; slower for bf16): FlashAttention-3's order, O rescaled under S(j)
   and the softmax of block j under the own P(j-1) V(j-1) (the constructor's `overlap`).
-  Form "wsu" (serves bf16; the constructor's `uniform`): every tile starts on K/V stage 0, the
-  blocks every row of the tile sees whole run in unrolled pairs (block 2i+1 on stage 1, 2i+2
-  on stage 0, no mask), the rest one by one, and the consumer body is traced once per
-  warpgroup, so that the wgmma descriptors are static offsets in uniform registers.
+  Form "wsu" (serves bf16; e4m3 gated; the constructor's `uniform`): every tile starts on K/V
+  stage 0 (producer, e4m3 transposer and consumers), the blocks every row of the tile sees
+  whole run in unrolled pairs (block 2i+1 on stage 1, 2i+2 on stage 0, no mask), the rest one
+  by one, and the consumer body is traced once per warpgroup, so that the wgmma descriptors
+  are static offsets in uniform registers.
 * ping-pong: the two GEMM issues of a block are a turn; turns alternate between the consumers
   through two named barriers (a consumer waits on its own, then arrives on the other's), so
   one warpgroup's softmax runs under the other's GEMMs (FlashAttention-3's schedule). Both
@@ -83,9 +84,9 @@ BAR_TURN = 3             # + consumer index, 256 threads
 
 # Forms (variant name suffixes) -> constructor options (msa._native.fmha_sm90.SERVED_WS_FORM):
 # "wsu" (uniform wgmma descriptors) serves bf16, "wsf" (FlashAttention-3's intra-warpgroup
-# order) e4m3; "ws" is the base both build on.
+# order) e4m3; "ws" is the base both build on; e4m3 "wsu" is gated.
 FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True)}
-FP8_FORMS = ("ws", "wsf")
+FP8_FORMS = ("ws", "wsf", "wsu")
 
 
 class FmhaSm90Ws:
@@ -95,14 +96,15 @@ class FmhaSm90Ws:
     def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
                  overlap: bool = False, uniform: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
-        # uniform (form "wsu", bf16): every tile starts on K/V stage 0 and the blocks every row
+        # uniform (form "wsu"): every tile starts on K/V stage 0 and the blocks every row
         # sees whole run in unrolled pairs (mask-free), so their stages are compile-time
         # constants, and the consumer body is traced once per warpgroup, so its Q tile is too.
         # Every wgmma descriptor is then a constant offset of the shared-memory base and ptxas
         # keeps them in uniform registers (ws rebuilds each in vector registers and moves it
         # with R2UR, ~12 instructions per wgmma: the longest part of a turn). Stage phases come
         # from the parity of each stage's uses (_stage_phase).
-        assert not (uniform and (overlap or dtype.width == 8 or kv_stages != 2))
+        # (uniform with overlap: e4m3 spills a few registers in every role; not offered.)
+        assert not (uniform and (overlap or kv_stages != 2))
         self.uniform = uniform
         self.paged = paged
         # overlap (form "wsf"): per turn, issue S(j), rescale O to max j-1 while it runs, issue
@@ -383,12 +385,16 @@ class FmhaSm90Ws:
         t_warp = cute.arch.make_warp_uniform(tidx // 32) - 1
         lane = tidx % 32
         g = cutlass.Int32(0)
+        parity = cutlass.Int32(0)             # uniform forms: stage-use parities
         for walk in range(cta_x, n_q_tiles, grid_x):
             q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
             for blk in range(n_blocks):
                 gj = g + blk
-                stage = gj % S
-                phase = (gj // S) % 2
+                if cutlass.const_expr(self.uniform):
+                    stage, phase = self._stage_phase(gj, blk, parity)
+                else:
+                    stage = gj % S
+                    phase = (gj // S) % 2
                 n_keys = kv_len - blk * BLOCK_N
                 cute.arch.mbarrier_wait(mbar + 4 * S + 1 + stage, phase)      # raw V landed
                 cute.arch.mbarrier_wait(mbar + 3 * S + stage, phase ^ 1)      # Vt stage free
@@ -404,6 +410,7 @@ class FmhaSm90Ws:
                     cute.arch.mbarrier_arrive(mbar + 2 * S + stage)               # Vt full
                     cute.arch.mbarrier_arrive(mbar + 5 * S + 1 + stage)           # raw V free
             g = g + n_blocks
+            parity = self._next_parity(parity, n_blocks)
 
     # ---- consumers (two warpgroups) --------------------------------------------------------
     @cute.jit
@@ -568,9 +575,11 @@ class FmhaSm90Ws:
             for i in cutlass.range_constexpr(t.n_my_rows):
                 for j in cutlass.range_constexpr(t.n_my_cols):
                     t.o_rc[i, j] = t.o_rc[i, j] * t.corr[i]
-            if cutlass.const_expr(self.uniform):
+            if cutlass.const_expr(self.uniform and self.fp8):
                 # Pinned here: between the two turns of an unrolled pair LLVM would sink a
                 # plain conversion under the next S wgmma (64 fp32 P live: C7512).
+                pack_e4m3_quads(t.acc_s, t.r_p)
+            elif cutlass.const_expr(self.uniform):
                 pack_bf16_pairs(t.acc_s, t.r_p)
             else:
                 t.r_p.store(t.acc_s.load().to(self.dtype))
