@@ -27,9 +27,9 @@ Roles (384 threads, one CTA per SM):
   the softmax of block j and rescales O; block 0's S and the last P V are peeled so the loop
   body issues its wgmmas unconditionally. (Measured and removed, docs/design-fmha.md: 3 K/V
   stages, an intra-warpgroup overlap that rescaled O after the own P V, a lazy O rescale.)
-  Form "wsf" (serves e4m3; slower for bf16): FlashAttention-3's order, O rescaled under S(j)
+  Form "wsf" (validated; slower than wsu): FlashAttention-3's order, O rescaled under S(j)
   and the softmax of block j under the own P(j-1) V(j-1) (the constructor's `overlap`).
-  Form "wsu" (serves bf16; e4m3 gated; the constructor's `uniform`): every tile starts on K/V
+  Form "wsu" (serves bf16 and e4m3; the constructor's `uniform`): every tile starts on K/V
   stage 0 (producer, e4m3 transposer and consumers), the blocks every row of the tile sees
   whole run in unrolled pairs (block 2i+1 on stage 1, 2i+2 on stage 0, no mask), the rest one
   by one, and the consumer body is traced once per warpgroup, so that the wgmma descriptors
@@ -83,8 +83,8 @@ BAR_TURN = 3             # + consumer index, 256 threads
 
 
 # Forms (variant name suffixes) -> constructor options (msa._native.fmha_sm90.SERVED_WS_FORM):
-# "wsu" (uniform wgmma descriptors) serves bf16, "wsf" (FlashAttention-3's intra-warpgroup
-# order) e4m3; "ws" is the base both build on; e4m3 "wsu" is gated.
+# "wsu" (uniform wgmma descriptors) serves both dtypes; "ws" is the base it builds on, "wsf"
+# FlashAttention-3's intra-warpgroup order (served e4m3 before wsu).
 FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True)}
 FP8_FORMS = ("ws", "wsf", "wsu")
 
