@@ -152,13 +152,12 @@ def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
     n_my_cols = cute.size(tScS, mode=[1])
     for i in cutlass.range_constexpr(cute.size(tScS, mode=[0])):
         q_local = wg_q0 + tScS[i, 0][0]
-        visible_end = kv_len - key0                     # block keys [0, end) visible
-        if causal != 0:
-            visible_end = cutlass.min(visible_end, q_local + offset - key0 + 1)
-        if cutlass.const_expr(mask):
-            blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N))
-        else:   # the caller knows every row sees the whole block
-            blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, BLOCK_N, BLOCK_N))
+        visible_end = BLOCK_N                           # block keys [0, end) visible
+        if cutlass.const_expr(mask):                    # (else the caller knows: all of them)
+            visible_end = kv_len - key0
+            if causal != 0:
+                visible_end = cutlass.min(visible_end, q_local + offset - key0 + 1)
+        blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N))
         if cutlass.const_expr(max_score is not None):
             mMaxScore, score_scale, head, q_start, q_len, lane = max_score
             store_max_score(mMaxScore, score_scale, blk_max, head, blk, q_start, q_local,

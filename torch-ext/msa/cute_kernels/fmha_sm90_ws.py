@@ -278,11 +278,12 @@ class FmhaSm90Ws:
         before it over all tiles). ws / wsf: a ring over all blocks; wsu: block j of every tile
         on stage j % 2, use j // 2 of that stage in this tile (parity: bit s = the parity of
         stage s's uses before this tile)."""
-        stage = g_blk % self.kv_stages
-        phase = (g_blk // self.kv_stages) % 2
         if cutlass.const_expr(self.uniform):
             stage = blk % 2
             phase = ((parity >> stage) ^ (blk // 2)) & 1
+        else:
+            stage = g_blk % self.kv_stages
+            phase = (g_blk // self.kv_stages) % 2
         return stage, phase
 
     @staticmethod
@@ -389,12 +390,7 @@ class FmhaSm90Ws:
         for walk in range(cta_x, n_q_tiles, grid_x):
             q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
             for blk in range(n_blocks):
-                gj = g + blk
-                if cutlass.const_expr(self.uniform):
-                    stage, phase = self._stage_phase(gj, blk, parity)
-                else:
-                    stage = gj % S
-                    phase = (gj // S) % 2
+                stage, phase = self._stage_phase(g + blk, blk, parity)
                 n_keys = kv_len - blk * BLOCK_N
                 cute.arch.mbarrier_wait(mbar + 4 * S + 1 + stage, phase)      # raw V landed
                 cute.arch.mbarrier_wait(mbar + 3 * S + stage, phase ^ 1)      # Vt stage free
