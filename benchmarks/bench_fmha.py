@@ -35,12 +35,6 @@ COLUMNS = ("mode", "n", "hq", "hkv", "causal", "layout", "impl", "backend", "lat
            "tflops", "speedup_vs_cudnn", "note")
 
 
-def ran_form(variant: str, forms) -> str:
-    """The kernel form of an FMHA artifact name (native.last_variant): a warp-specialized
-    form's suffix, else "plain"."""
-    return next((f for f in forms if variant.endswith("_" + f)), "plain")
-
-
 def to_pages(k: torch.Tensor, v: torch.Tensor, gen: torch.Generator):
     """[N, Hkv, D] -> shuffled pages [P, Hkv, 128, D] and kv_indices [P] (one request)."""
     n, hkv, _ = k.shape
@@ -153,7 +147,7 @@ def main(argv=None):
                             continue
                         ran = form
                         if native is not None and form == "served":
-                            ran = ran_form(native.last_variant or "", ws_forms[dtype_name])
+                            ran = native.variant_form(native.last_variant or "")
                         unvalidated = native is not None and not native.form_validated(
                             ran, torch.float8_e4m3fn if dtype_name == "fp8" else torch.bfloat16)
                         if backend == "sm90" and unvalidated:

@@ -379,6 +379,11 @@ def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
     assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged_wsu"
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", True)
     assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged_ws"
+    # variant_form inverts variant_name (bench_fmha labels rows by the form that ran).
+    for dtype, forms in ((torch.bfloat16, WS_FORMS), (e4m3, WS_FP8_FORMS)):
+        for form in (*forms, "split", "plain"):
+            assert native.variant_form(native.variant_name(True, dtype, form=form)) == form
+    assert native.variant_form(native.variant_name(False, max_score=True)) == "plain"
     # The served forms are validated ones; form_validated is the one gate (dispatch, benches).
     for name, form in native.SERVED_WS_FORM.items():
         assert form in native.VALIDATED_WS_FORMS[name] and form in native.WS_FORMS[name]

@@ -115,14 +115,25 @@ def variant_name(paged: bool, dtype: torch.dtype = torch.bfloat16,
     return f"fmha_sm90_{_DTYPE_NAMES[dtype]}_{'paged' if paged else 'dense'}{suffix}"
 
 
+def variant_form(name: str) -> str:
+    """The kernel form of an FMHA artifact name (variant_name's suffix): a warp-specialized
+    form, "split", or "plain"."""
+    for form in sorted({*WS_FORMS["bfloat16"], *WS_FORMS["e4m3"], "split"}):
+        if name.endswith("_" + form):
+            return form
+    return "plain"
+
+
 def form_validated(form: str, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether kernel `form` ("plain" or a warp-specialized form) is validated for q/k/v
+    """Whether kernel `form` ("plain", "split" or a warp-specialized form) is validated for q/k/v
     `dtype` (the dispatcher's gate and the benchmarks' "-unvalidated" label)."""
     fp8 = dtype == torch.float8_e4m3fn
     if not (VALIDATED_FP8 if fp8 else VALIDATED):
         return False
     if form == "plain":
         return True
+    if form == "split":
+        return VALIDATED_SPLIT_KV
     return ((VALIDATED_WARP_SPECIALIZED_FP8 if fp8 else VALIDATED_WARP_SPECIALIZED)
             and form in VALIDATED_WS_FORMS[_DTYPE_NAMES[dtype]])
 
