@@ -165,8 +165,8 @@ def main():
                     help="partial_dtype of each msa run: bf16, fp16, fp32, e4m3 (comma list)")
     ap.add_argument("--forms", default="served",
                     help="attention kernel forms to time side by side: served (what the gates "
-                         "pick), wgmma, ws (warp-specialized; G 8/16, bf16 or fp8 only), ws3w (ws with "
-                         "three consumer warpgroups); impl "
+                         "pick), wgmma, ws (warp-specialized; G 8/16, bf16 or fp8 only), "
+                         "ws3w (ws with three consumer warpgroups); impl "
                          "msa_attention[<form>] unless served; a form that does not run the "
                          "call is skipped")
     ap.add_argument("--impls", default="attention,csr+attention",

@@ -87,8 +87,8 @@ class BlockMaxScoreVariant:
 
 # Warp-specialized FMHA forms (cute_kernels.fmha_sm90_ws.FORMS): ws (the base), wsf
 # (FlashAttention-3's intra-warpgroup order) and wsu (static K/V stages and Q tile, so the
-# wgmma descriptors stay in uniform registers; serves both dtypes); earlier 3-stage and overlapped forms were
-# measured slower and removed (docs/design-fmha.md).
+# wgmma descriptors stay in uniform registers; serves both dtypes); earlier 3-stage and
+# overlapped forms were measured slower and removed (docs/design-fmha.md).
 WS_FORMS = ("ws", "wsf", "wsu")
 WS_FP8_FORMS = ("ws", "wsf", "wsu")
 
