@@ -56,8 +56,9 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .fmha_sm90 import (consumer_fragments, load_q_rows, mmas_and_o_copies, online_softmax,
                         request_bounds, write_o_rows)
 from .tile_utils import (pack_bf16_pairs, pack_e4m3_quads, register_p_operand, row_copy,
-                         smem_tile, transpose_v_copies, transpose_v_words, warpgroup_gemm_issue,
-                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+                         scale_rows, smem_tile, transpose_v_copies, transpose_v_words,
+                         warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
+                         wgmma_rows_cols_view)
 
 HEAD_DIM = 128
 BLOCK_N = 128            # keys per block (= page size)
@@ -469,8 +470,7 @@ class FmhaSm90Ws:
                 t_p=t_p, a_shape=a_shape, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tScS=tScS,
                 row_max=row_max, row_sum=row_sum, corr=corr, mbar=mbar, lane=lane,
                 turn_mine=turn_mine, turn_other=turn_other, wg_q0=wg_q0, kv_len=kv_len,
-                offset=offset, causal=causal, scale_log2=scale_log2, n_my_rows=n_my_rows,
-                n_my_cols=n_my_cols)
+                offset=offset, causal=causal, scale_log2=scale_log2)
             if n_blocks > 0:
                 # ---- block 0: S only
                 stage, phase = self._stage_phase(g, 0, parity)
@@ -509,9 +509,7 @@ class FmhaSm90Ws:
                 cute.arch.mbarrier_wait(mbar + 2 * S + last, phase)
                 cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
                 if cutlass.const_expr(self.overlap):
-                    for i in cutlass.range_constexpr(n_my_rows):        # to the last max
-                        for j in cutlass.range_constexpr(n_my_cols):
-                            o_rc[i, j] = o_rc[i, j] * corr[i]
+                    scale_rows(o_rc, corr)                              # to the last max
                 warpgroup_gemm_issue(mma_pv, acc_o, self._p_operand(t_p, a_shape),
                                      tOrVt[None, None, None, last], accumulate=True)
                 cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
@@ -544,9 +542,7 @@ class FmhaSm90Ws:
         if cutlass.const_expr(self.overlap):
             # O holds P V up to block j-2 (relative to max j-2): rescale it to max j-1 while
             # S(j) runs, before P(j-1) V(j-1) joins it.
-            for i in cutlass.range_constexpr(t.n_my_rows):
-                for j in cutlass.range_constexpr(t.n_my_cols):
-                    t.o_rc[i, j] = t.o_rc[i, j] * t.corr[i]
+            scale_rows(t.o_rc, t.corr)
         warpgroup_gemm_issue(t.mma_pv, t.acc_o, self._p_operand(t.t_p, t.a_shape),
                              t.tOrVt[None, None, None, prev], accumulate=True)
         cute.arch.barrier_arrive(barrier_id=t.turn_other, number_of_threads=256)
@@ -568,9 +564,7 @@ class FmhaSm90Ws:
         elif cutlass.const_expr(self.overlap):
             pack_bf16_pairs(t.acc_s, t.r_p)
         else:
-            for i in cutlass.range_constexpr(t.n_my_rows):
-                for j in cutlass.range_constexpr(t.n_my_cols):
-                    t.o_rc[i, j] = t.o_rc[i, j] * t.corr[i]
+            scale_rows(t.o_rc, t.corr)
             if cutlass.const_expr(self.uniform and self.fp8):
                 # Pinned here: between the two turns of an unrolled pair LLVM would sink a
                 # plain conversion under the next S wgmma (64 fp32 P live: C7512).

@@ -176,6 +176,14 @@ def warpgroup_gemm(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
     warpgroup.wait_group(0)
 
 
+def scale_rows(rows_cols: cute.Tensor, factors: cute.Tensor) -> None:
+    """rows_cols[i, j] *= factors[i]: a wgmma_rows_cols_view of an accumulator, one factor per
+    row of this thread (e.g. the online-softmax correction of O)."""
+    for i in range(cute.size(rows_cols, mode=[0])):
+        for j in range(cute.size(rows_cols, mode=[1])):
+            rows_cols[i, j] = rows_cols[i, j] * factors[i]
+
+
 def wgmma_rows_cols_view(acc: cute.Tensor) -> cute.Tensor:
     """Warpgroup-MMA accumulator ((2, 2, V), M, N) -> ((2, M), (2, V, N)) view: mode 0 = this
     thread's rows (lane // 4 and lane // 4 + 8 of its warp's 16), mode 1 = its columns of each
