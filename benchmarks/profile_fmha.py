@@ -1,0 +1,79 @@
+"""One dense FMHA call of a chosen form, repeated, for a profiler (ncu, nsys).
+
+Not a benchmark (bench_fmha.py times and writes TSV); this only launches the kernel so that a
+profiler wrapped around it can sample it. One warm-up call, then --iters calls, so
+`ncu --launch-skip 1 --launch-count 1 -k regex:fmha` profiles a warm launch.
+
+    ncu --set full -k regex:fmha --launch-skip 1 --launch-count 1 -o R \\
+        python benchmarks/profile_fmha.py --dtype fp8 --form wsu --n 8192 --causal 0
+    ncu --import R.ncu-rep --page source --print-source sass --csv   # stall samples per SASS
+
+Prints the variant and the mean time of the calls (profiler overhead included when wrapped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import load_msa, native_module, parse_sizes  # noqa: E402
+
+D = 128
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
+    ap.add_argument("--form", default="served",
+                    help="served, plain, or a warp-specialized form of fmha_sm90.WS_FORMS")
+    ap.add_argument("--n", default="8k", help="tokens (one request, q = kv)")
+    ap.add_argument("--heads", default="64x4", help="Hq x Hkv")
+    ap.add_argument("--causal", type=int, default=0)
+    ap.add_argument("--paged", action="store_true")
+    ap.add_argument("--iters", type=int, default=3)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("MSA_UNVALIDATED_KERNELS", "1")   # gated forms may be profiled
+    msa = load_msa()
+    native = native_module(msa, "fmha_sm90")
+    if native is None:
+        raise SystemExit("profile_fmha: this build has no native fmha_sm90 module")
+    native.WARP_SPECIALIZED_FOR_TESTS = {"served": None, "plain": False}.get(args.form,
+                                                                             args.form)
+    n = parse_sizes(args.n)[0]
+    hq, hkv = (int(x) for x in args.heads.split("x"))
+    dev = torch.device("cuda")
+    q = torch.randn(n, hq, D, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(n, hkv, D, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(n, hkv, D, device=dev, dtype=torch.bfloat16)
+    kw = {}
+    if args.paged:
+        pages = -(-n // 128)
+        pad = pages * 128 - n
+        k, v = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)).view(pages, 128, hkv, D)
+                .transpose(1, 2).contiguous() for t in (k, v))
+        kw["kv_indices"] = torch.arange(pages, device=dev, dtype=torch.int32)
+    if args.dtype == "fp8":
+        q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    plan = msa.fmha_plan(torch.tensor([n]), torch.tensor([n]), hq, hkv, causal=bool(args.causal),
+                         page_size=128 if args.paged else -1, device=dev)
+    msa.fmha(q, k, v, plan, output_maxscore=False, **kw)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.iters):
+        msa.fmha(q, k, v, plan, output_maxscore=False, **kw)
+    end.record()
+    torch.cuda.synchronize()
+    print(f"profile_fmha: {native.last_variant} backend {msa._backend.last_backend('fmha_dense')}"
+          f" n={n} heads={hq}x{hkv} causal={args.causal} paged={args.paged}: "
+          f"{start.elapsed_time(end) / args.iters:.3f} ms per call")
+
+
+if __name__ == "__main__":
+    main()
