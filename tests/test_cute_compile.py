@@ -322,6 +322,9 @@ def test_word_transpose_of_v_lands_in_the_register_p_key_order():
             assert r == 4 * (tidx % 32) + x
             assert row_keys[r] == register_p_row_key(tidx % 32, x)
     assert all(key == back for key, back in inverse), "the row order inverts the key order"
+    # The V transpose op of the wsut form (csrc/fmha_transpose_v.cu) writes the same order.
+    from msa._native.fmha_sm90 import vt_column_keys
+    assert row_keys == vt_column_keys(), "Vt column keys differ from register_p_row_order"
     assert len(pairs) == 256 * 64
     assert all(loaded == written for loaded, written in pairs)
     assert len({written for _, written in pairs}) == 128 * 128

@@ -209,14 +209,15 @@ def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, s
     assert rel <= 1e-2, rel
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsut"])
 @pytest.mark.parametrize("qk_values", ["randn", "exact"])
 @pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
                                                  ((4, 4), False, False), ((64, 4), True, True)])
 def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_values, form,
                                                       seed, monkeypatch):
     """e4m3 q/k/v (kernel fmha_sm90_e4m3_*; O bf16), q_scale 1.25, v_scale 1.5; form: plain or
-    a warp-specialized e4m3 form ws / wsf (V transposed by the producer warpgroup).
+    a warp-specialized e4m3 form: ws / wsf / wsu (V transposed by the producer warpgroup) or
+    wsut (V transposed ahead of the kernel by the fmha_transpose_v_e4m3 op).
 
     Contract §5.1 bound against float64 with exact P: max |O - O64| <= max(0.125, 4 bf16 floor).
     The model of what an FP8 P.V computes is the reference with P = exp(s - running max) rounded
@@ -370,12 +371,12 @@ def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
                            f"NaN past kv_len causal={causal} form={form}")
 
 
-@pytest.mark.parametrize("form", ["ws", "wsf", "wsu"])
+@pytest.mark.parametrize("form", ["ws", "wsf", "wsu", "wsut"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """e4m3 paged K/V with NaN (0x7f) in every slot past kv_len and in the spare pages: the
-    warp-specialized e4m3 form's TMA reads whole pages and its transposer warps must write the
-    keys past kv_len of Vt as zeros. O must be NaN-free and equal the plain e4m3 kernel's O
+    warp-specialized e4m3 form's TMA reads whole pages and its transposer warps (wsut: the
+    transpose op ahead of the kernel) must write the keys past kv_len of Vt as zeros. O must be NaN-free and equal the plain e4m3 kernel's O
     (which zero-fills those rows) on the same pool within 2 bf16 ulps + 1e-3."""
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = 8, 2
@@ -458,3 +459,52 @@ def test_fmha_native_paged_pool_past_2_31_elements(form, seed, monkeypatch):
 
     _check_against_float64(out, q, k, v, q_lens, kv_lens, offsets, True, scale,
                            "pool past 2^31")
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_transpose_v_op_matches_its_reference(paged, seed):
+    """fmha_transpose_v_e4m3 (csrc/fmha_transpose_v.cu, V -> Vt for the wsut form) against
+    transpose_v_reference, byte for byte: varlen requests whose lengths are not multiples of
+    128 (keys past kv_len zero), NaN bytes in every slot past kv_len and in spare pages, a page
+    id outside the pool (zeros), an output poisoned first."""
+    native = _native_module()
+    if not hasattr(native.ops, native.TRANSPOSE_V_OP):
+        pytest.fail("the compiled msa CUDA ops lack fmha_transpose_v_e4m3")
+    gen = torch.Generator().manual_seed(seed)
+    hkv = 3
+    kv_lens = [1, 127, 128, 129, 700 + int(torch.randint(0, 128, (1,), generator=gen))]
+    total = sum(kv_lens)
+    dev = torch.device("cuda")
+    raw = torch.randint(0, 256, (total + 40, hkv, D), generator=gen, dtype=torch.uint8)
+    raw[raw == 0x7F] = 0x11
+    raw[raw == 0xFF] = 0x12
+    raw[total:] = 0x7F                                          # rows past the last request
+    page_table = None
+    if paged:
+        pages = [-(-n // 128) for n in kv_lens]
+        pool = torch.full((sum(pages) + 3, hkv, 128, D), 0x7F, dtype=torch.uint8)
+        perm = torch.randperm(pool.shape[0], generator=gen)
+        page_table = torch.zeros(len(kv_lens), max(pages) + 1, dtype=torch.int32)
+        start, used = 0, 0
+        for b, n in enumerate(kv_lens):
+            for j in range(pages[b]):
+                page = int(perm[used])
+                used += 1
+                live = min(128, n - j * 128)
+                pool[page, :, :live] = raw[start + j * 128:start + j * 128 + live].transpose(0, 1)
+                page_table[b, j] = page
+            start += n
+        page_table[0, 0] = pool.shape[0] + 5                     # outside the pool: zeros
+        v = pool.view(torch.float8_e4m3fn).to(dev)
+        page_table = page_table.to(dev)
+    else:
+        v = raw.view(torch.float8_e4m3fn).to(dev)
+    cu_k = torch.tensor([0] + list(torch.tensor(kv_lens).cumsum(0)), dtype=torch.int32,
+                        device=dev)
+    lens = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
+    vt, table = native.transpose_v(v, cu_k, lens, page_table, kv_lens)
+    torch.cuda.synchronize()
+    want = native.transpose_v_reference(v, cu_k, lens, page_table, table, vt.shape[0])
+    assert vt.shape == want.shape
+    assert torch.equal(vt.view(torch.uint8), want.view(torch.uint8))
+    assert not torch.isnan(vt.float()).any(), "a NaN past kv_len reached Vt"

@@ -89,7 +89,8 @@ def test_build_toml_has_required_settings():
     assert kernel["cuda-capabilities"] == ["9.0a", "10.0a"]
     assert kernel["depends"] == ["torch"] and kernel["include"] == ["torch-ext"]
     assert kernel["src"] == ["csrc/build_k2q_csr.cu", "csrc/sparse_topk_select.cu",
-                             "csrc/decode_attention.cu", "csrc/common.cuh"]
+                             "csrc/decode_attention.cu", "csrc/fmha_transpose_v.cu",
+                             "csrc/common.cuh"]
 
 
 def test_build_toml_passes_the_kernels_parser_and_dependency_allow_list():

@@ -207,6 +207,69 @@ void sparse_topk_select(const torch::Tensor& max_score, torch::Tensor& out, int6
                "sparse_topk_select");
 }
 
+void fmha_transpose_v_e4m3(const torch::Tensor& v, const torch::Tensor& cu_seqlens_k,
+                           const torch::Tensor& kv_lens,
+                           const std::optional<torch::Tensor>& page_table,
+                           const torch::Tensor& vt_table, torch::Tensor& vt) {
+  TORCH_CHECK(v.is_cuda(), "v: must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(v.device());
+  const torch::Device device = v.device();
+  constexpr int64_t kBlock = 128;
+  const bool paged = page_table.has_value();
+  TORCH_CHECK(v.scalar_type() == at::kFloat8_e4m3fn, "v: expected float8_e4m3fn, got ",
+              v.scalar_type());
+  TORCH_CHECK(v.dim() == (paged ? 4 : 3), "v: expected ", paged ? "[pages, Hkv, 128, 128]" :
+              "[tokens, Hkv, 128]", ", got shape ", v.sizes());
+  TORCH_CHECK(v.size(-1) == kBlock && v.stride(-1) == 1, "v: the head dim must be 128 and "
+              "contiguous, got shape ", v.sizes(), " strides ", v.strides());
+  TORCH_CHECK(!paged || v.size(2) == kBlock, "v: pages must hold 128 slots, got ", v.sizes());
+  for (int64_t d = 0; d + 1 < v.dim(); ++d) {
+    TORCH_CHECK(v.stride(d) % 16 == 0, "v: strides must be multiples of 16 bytes, got ",
+                v.strides());
+  }
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0,
+              "v: data must be 16-byte aligned");
+  const int64_t hkv = v.size(1);
+  check_cuda_tensor(cu_seqlens_k, "cu_seqlens_k", at::kInt, 1, device);
+  check_cuda_tensor(kv_lens, "kv_lens", at::kInt, 1, device);
+  check_cuda_tensor(vt_table, "vt_table", at::kInt, 2, device);
+  check_cuda_tensor(vt, "vt", at::kFloat8_e4m3fn, 4, device);
+  const int64_t batch = kv_lens.size(0);
+  TORCH_CHECK(cu_seqlens_k.size(0) == batch + 1, "cu_seqlens_k: expected ", batch + 1,
+              " entries, got ", cu_seqlens_k.size(0));
+  TORCH_CHECK(vt_table.size(0) == batch, "vt_table: expected ", batch, " rows, got ",
+              vt_table.size(0));
+  TORCH_CHECK(vt.size(1) == hkv && vt.size(2) == kBlock && vt.size(3) == kBlock,
+              "vt: expected [blocks, ", hkv, ", 128, 128], got ", vt.sizes());
+  TORCH_CHECK(vt_table.size(1) < 65536 && hkv < 65536 && batch < 65536,
+              "vt_table / v / kv_lens: grid dimensions past 65535");
+  msa::TransposeVArgs a{};
+  a.v = static_cast<const uint8_t*>(v.data_ptr());
+  a.v_row_stride = paged ? v.stride(2) : v.stride(0);
+  a.v_head_stride = v.stride(1);
+  a.v_page_stride = paged ? v.stride(0) : 0;
+  a.num_tokens = paged ? 0 : v.size(0);
+  a.num_pages = paged ? v.size(0) : 0;
+  a.cu_seqlens_k = cu_seqlens_k.data_ptr<int32_t>();
+  a.kv_lens = kv_lens.data_ptr<int32_t>();
+  if (paged) {
+    check_cuda_tensor(*page_table, "page_table", at::kInt, 2, device);
+    TORCH_CHECK(page_table->size(0) == batch, "page_table: expected ", batch, " rows, got ",
+                page_table->size(0));
+    a.page_table = page_table->data_ptr<int32_t>();
+    a.page_table_width = static_cast<int>(page_table->size(1));
+  }
+  a.vt_table = vt_table.data_ptr<int32_t>();
+  a.vt_table_width = static_cast<int>(vt_table.size(1));
+  a.vt = static_cast<uint8_t*>(vt.data_ptr());
+  a.num_vt_blocks = vt.size(0);
+  a.batch = static_cast<int>(batch);
+  a.num_kv_heads = static_cast<int>(hkv);
+  check_launch(msa::launch_fmha_transpose_v_e4m3(
+                   a, c10::cuda::getCurrentCUDAStream(device.index())),
+               "fmha_transpose_v_e4m3");
+}
+
 void sparse_decode_attention(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     const std::optional<torch::Tensor>& q2k_indices, const torch::Tensor& page_table,
@@ -356,6 +419,10 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "int kv_chunk_size, bool split_kv, float softmax_scale, bool split_keys=False, "
       "bool direct_fp8=False) -> ()");
   ops.impl("sparse_decode_attention", torch::kCUDA, &sparse_decode_attention);
+  ops.def(
+      "fmha_transpose_v_e4m3(Tensor v, Tensor cu_seqlens_k, Tensor kv_lens, Tensor? page_table, "
+      "Tensor vt_table, Tensor! vt) -> ()");
+  ops.impl("fmha_transpose_v_e4m3", torch::kCUDA, &fmha_transpose_v_e4m3);
 }
 
 REGISTER_EXTENSION(TORCH_EXTENSION_NAME)

@@ -117,6 +117,33 @@ struct DecodeAttentionArgs {
 
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
 
+// ----------------------------------------------------------------------------------------------
+// e4m3 V -> Vt for the dense FMHA's wsut form: for every (request, key block < ceil(kv_len /
+// 128), KV head), Vt[vt_table[request, block], head, channel, r] = V(key k(r) of the block,
+// head, channel), k(r) = tile_utils.register_p_row_order (msa._native.fmha_sm90.VT_COLUMN_KEYS);
+// keys at or past kv_len and rows outside the tensor / page pool are zero.
+// ----------------------------------------------------------------------------------------------
+struct TransposeVArgs {
+  const uint8_t* v;               // dense [num_tokens, hkv, 128] or paged [num_pages, hkv, 128, 128]
+  int64_t v_row_stride;           // bytes between tokens (dense) or page slots (paged)
+  int64_t v_head_stride;          // bytes between heads
+  int64_t v_page_stride;          // bytes between pages (paged)
+  int64_t num_tokens;             // dense rows of v
+  int64_t num_pages;              // paged: page ids outside [0, num_pages) read as zeros
+  const int32_t* cu_seqlens_k;    // [batch + 1] (dense)
+  const int32_t* kv_lens;         // [batch]
+  const int32_t* page_table;      // null (dense) or [batch, page_table_width]
+  int page_table_width;           // paged: key lengths are clamped to width * 128, as the FMHA
+  const int32_t* vt_table;        // [batch, vt_table_width]: the Vt block of each key block
+  int vt_table_width;             // >= the longest request's key blocks
+  uint8_t* vt;                    // out [num_vt_blocks, hkv, 128, 128]
+  int64_t num_vt_blocks;
+  int batch;
+  int num_kv_heads;
+};
+
+cudaError_t launch_fmha_transpose_v_e4m3(const TransposeVArgs& args, cudaStream_t stream);
+
 }  // namespace msa
 
 // Torch op functions (defined in torch_binding.cpp; only that file includes torch headers).
@@ -140,6 +167,11 @@ void sparse_topk_select(const torch::Tensor& max_score, torch::Tensor& out, int6
                         int64_t force_begin_blocks, int64_t force_end_blocks,
                         const std::optional<torch::Tensor>& causal_end_block,
                         int64_t num_out_heads, int64_t head_reduce);
+
+void fmha_transpose_v_e4m3(const torch::Tensor& v, const torch::Tensor& cu_seqlens_k,
+                           const torch::Tensor& kv_lens,
+                           const std::optional<torch::Tensor>& page_table,
+                           const torch::Tensor& vt_table, torch::Tensor& vt);
 
 void sparse_decode_attention(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

@@ -31,6 +31,11 @@ import torch
 from .. import _backend
 from . import block_max_score_sm90, cute_runtime
 
+try:
+    from .._ops import HAS_COMPILED_OPS, ops
+except ImportError:   # source tree: no compiled extension
+    ops, HAS_COMPILED_OPS = None, False
+
 PAGE = 128
 TILE_M = 128                    # queries per CTA; must match cute_kernels.fmha_sm90.TILE_M
 # tests/test_fmha_gpu.py passed on the H200 (2026-11-30, session 3): 7 tests.
@@ -66,7 +71,7 @@ VALIDATED_WARP_SPECIALIZED_FP8 = True
 WARP_SPECIALIZED_FOR_TESTS: Union[None, bool, str] = None
 # Warp-specialized forms per q/k/v dtype (must match cute_kernels.variants.WS_FORMS /
 # WS_FP8_FORMS).
-WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu"), "e4m3": ("ws", "wsf", "wsu")}
+WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu"), "e4m3": ("ws", "wsf", "wsu", "wsut")}
 # "wsf" (FlashAttention-3's intra-warpgroup order: O rescaled under S(j), the softmax of block j
 # under the own P(j-1) V(j-1)): on the H200 (2026-12-01, session 8, 05edc2d) its float64,
 # quantized-model and NaN-past-kv_len cases passed in both dtypes and memcheck was clean. Timed
@@ -85,6 +90,10 @@ WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu"), "e4m3": ("ws", "wsf", "wsu")}
 # NaN-past-kv_len passed, memcheck clean; same run, ms, wsf -> wsu: 8k causal 2.092 -> 1.759,
 # 8k 3.959 -> 3.230, 32k causal 30.29 -> 25.34 (694 TFLOP/s, 1.18x cuDNN), 32k 59.59 -> 52.53.
 # It serves e4m3.
+# e4m3 "wsut" (session 9): wsu reading V transposed ahead of the kernel (transpose_v, the
+# fmha_transpose_v_e4m3 CUDA op: one pass over the request's V blocks) instead of transposing
+# it in three producer warps; ncu of e4m3 wsu at 8k showed those warps issuing a third of the
+# kernel's instructions (half of them mbarrier polling) on the consumers' schedulers.
 VALIDATED_WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu"), "e4m3": ("ws", "wsf", "wsu")}
 SERVED_WS_FORM = {"bfloat16": "wsu", "e4m3": "wsu"}
 # Split-KV for plans with num_kv_splits > 1 (decode-like: few query tiles, long KV; variants
@@ -104,6 +113,72 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "e4m3"}
 POISON_BUFFERS_FOR_TESTS = False
 # The FMHA artifact of the most recent run() (tests check which form served a call).
 last_variant: Optional[str] = None
+# Forms whose v argument is V transposed ahead of the kernel (transpose_v).
+V_TRANSPOSED_FORMS = ("wsut",)
+TRANSPOSE_V_OP = "fmha_transpose_v_e4m3"
+
+
+def vt_column_keys(block: int = PAGE):
+    """The key each column of a transposed V block holds: column r = x0 + 2 x1 + 4 t + 16 j
+    (t < 4) holds key x0 + 8 x1 + 2 t + 16 j, the order in which the e4m3 kernels hand P from
+    registers to the P.V wgmma (cute_kernels.tile_utils.register_p_row_order; the CUDA op
+    computes the same, tests check all three agree)."""
+    return [(r & ~0xF) | (r & 1) | (((r >> 1) & 1) << 3) | (((r >> 2) & 3) << 1)
+            for r in range(block)]
+
+
+def vt_table(kv_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] int32: the block of the transposed V holding key block j of request b,
+    request after request (block j < ceil(kv_len_b / 128)); device ops only, no sync."""
+    blocks = (kv_lens.to(torch.int64) + PAGE - 1) // PAGE
+    base = torch.cumsum(blocks, 0) - blocks
+    cols = torch.arange(width, device=kv_lens.device, dtype=torch.int64)
+    return (base[:, None] + cols[None, :]).to(torch.int32)
+
+
+def transpose_v(v: torch.Tensor, cu_seqlens_k: torch.Tensor, kv_lens: torch.Tensor,
+                page_table: Optional[torch.Tensor], host_kv_lens) -> tuple:
+    """e4m3 V (dense [tokens, Hkv, 128] or paged [pages, Hkv, 128, 128]) -> (Vt [blocks, Hkv,
+    128 channels, 128 keys'], vt_table [B, W]) for the wsut form: Vt[vt_table[b, j], h, c, r]
+    = V(key vt_column_keys()[r] of block j of request b, head h, channel c), zero at or past
+    kv_len (paged: kv_len clamped to the table's width * 128, as the FMHA clamps it) and for
+    rows outside the tensor or pool. One launch; sizes from the host lengths."""
+    cap = page_table.shape[1] * PAGE if page_table is not None else None
+    blocks = [-(-(n if cap is None else min(n, cap)) // PAGE) for n in host_kv_lens]
+    width = max(max(blocks, default=0), 1)
+    table = vt_table(kv_lens, width)
+    vt = torch.empty(max(sum(blocks), 1), v.shape[1], PAGE, PAGE, dtype=v.dtype,
+                     device=v.device)
+    getattr(ops, TRANSPOSE_V_OP)(v, cu_seqlens_k, kv_lens, page_table, table, vt)
+    return vt, table
+
+
+def transpose_v_reference(v: torch.Tensor, cu_seqlens_k: torch.Tensor, kv_lens: torch.Tensor,
+                          page_table: Optional[torch.Tensor], table: torch.Tensor,
+                          num_blocks: int) -> torch.Tensor:
+    """What transpose_v writes, in plain torch (tests): Vt [num_blocks, Hkv, 128, 128] with the
+    blocks no request owns left zero."""
+    hkv = v.shape[1]
+    vt = torch.zeros(num_blocks, hkv, PAGE, PAGE, dtype=torch.uint8, device=v.device)
+    raw = v.view(torch.uint8)
+    keys = torch.tensor(vt_column_keys(), device=v.device)
+    for b in range(kv_lens.shape[0]):
+        n = int(kv_lens[b])
+        if page_table is not None:
+            n = min(n, page_table.shape[1] * PAGE)
+        for j in range(-(-n // PAGE)):
+            block = torch.zeros(PAGE, hkv, PAGE, dtype=torch.uint8, device=v.device)
+            live = min(PAGE, n - j * PAGE)
+            if page_table is not None:
+                page = int(page_table[b, j])
+                if 0 <= page < v.shape[0]:
+                    block[:live] = raw[page, :, :live].transpose(0, 1)
+            else:
+                start = int(cu_seqlens_k[b]) + j * PAGE
+                rows = max(0, min(live, v.shape[0] - start))
+                block[:rows] = raw[start:start + rows]
+            vt[int(table[b, j])] = block[keys].permute(1, 2, 0)
+    return vt.view(v.dtype)
 
 
 def variant_name(paged: bool, dtype: torch.dtype = torch.bfloat16,
@@ -183,7 +258,11 @@ def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=Tr
             return gate
     if paged and page_size != PAGE:
         return f"page_size {page_size}: the sm90 FMHA pages by {PAGE} tokens"
-    return cute_runtime.unavailable_reason(_variant_for(bool(paged), mode, q_dtype))
+    variant = _variant_for(bool(paged), mode, q_dtype)
+    if variant_form(variant) in V_TRANSPOSED_FORMS and not hasattr(ops, TRANSPOSE_V_OP):
+        return (f"{variant} reads V transposed by the compiled {TRANSPOSE_V_OP} op, which "
+                "this package lacks")
+    return cute_runtime.unavailable_reason(variant)
 
 
 def _variant_for(paged: bool, mode: int, dtype: torch.dtype = torch.bfloat16) -> str:
@@ -271,7 +350,18 @@ def run(call):
                             out, lse, lse, 0)
         return out, None
     name = _variant_for(call.paged, MODE_O_AND_SCORE if with_score else MODE_O_ONLY, q.dtype)
-    args = [q, k, v, out, cu_q, cu_k, kv_lens, offsets, table.contiguous()] + scalars
+    table = table.contiguous()
+    if variant_form(name) in V_TRANSPOSED_FORMS:
+        # V -> Vt once for the call; the kernel takes [2, B, W] tables: K's pages, Vt's blocks.
+        v, v_table = transpose_v(v, cu_k, kv_lens, call.page_table if call.paged else None,
+                                 plan["host_kv_lens"])
+        width = max(table.shape[1], v_table.shape[1])
+        both = torch.zeros(2, batch, width, dtype=torch.int32, device=device)
+        if call.paged:
+            both[0, :, :table.shape[1]] = table
+        both[1, :, :v_table.shape[1]] = v_table
+        table = both
+    args = [q, k, v, out, cu_q, cu_k, kv_lens, offsets, table] + scalars
     if with_score:     # max-score values are scaled by sm_scale * q_scale * k_scale
         args += [max_score, float(call.logit_scale)]
     last_variant = name

@@ -118,6 +118,11 @@ def fmha_args(variant: FmhaVariant):
     dtype = _DTYPES[variant.dtype]
     total_q, hq, hkv, batch = _dyn(), _dyn(), _dyn(), _dyn()
     kv_shape = (_dyn(), hkv, 128, 128) if variant.paged else (_dyn(), hkv, 128)
+    v_shape, table_shape = kv_shape, (_dyn(), _dyn())
+    if variant.form == "wsut":
+        # V transposed ahead: Vt [blocks, Hkv, 128 channels, 128 keys']; page_table [2, B, W]
+        # (K's pages, then each key block's Vt block).
+        v_shape, table_shape = (_dyn(), hkv, 128, 128), (2, _dyn(), _dyn())
     split = variant.form == "split"
     if split:
         splits = _dyn()
@@ -127,11 +132,11 @@ def fmha_args(variant: FmhaVariant):
         outputs = [_tensor(cutlass.BFloat16, (total_q, hq, 128))]  # o (bf16 for e4m3 q too)
     return [
         _tensor(dtype, (total_q, hq, 128)),                 # q
-        _tensor(dtype, kv_shape), _tensor(dtype, kv_shape),  # k, v
+        _tensor(dtype, kv_shape), _tensor(dtype, v_shape),   # k, v
     ] + outputs + [
         _index((_dyn(),)), _index((_dyn(),)),               # cu_seqlens_q, cu_seqlens_k
         _index((batch,)), _index((batch,)),                 # kv_lens, qo_offset
-        _index((_dyn(), _dyn())),                           # page_table
+        _index(table_shape),                                # page_table
         cutlass.Float32(1.0), cutlass.Float32(1.0),         # logit_scale_log2, output_scale
         cutlass.Int32(1), cutlass.Int32(1),                 # causal, grid_q_tiles
     ] + ([_tensor(cutlass.Float32, (hq, _dyn(), total_q)),  # max_score [Hq, tiles, total_q]

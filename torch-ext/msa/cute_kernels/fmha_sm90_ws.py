@@ -86,8 +86,11 @@ BAR_TURN = 3             # + consumer index, 256 threads
 # Forms (variant name suffixes) -> constructor options (msa._native.fmha_sm90.SERVED_WS_FORM):
 # "wsu" (uniform wgmma descriptors) serves both dtypes; "ws" is the base it builds on, "wsf"
 # FlashAttention-3's intra-warpgroup order (served e4m3 before wsu).
-FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True)}
-FP8_FORMS = ("ws", "wsf", "wsu")
+# "wsut" (e4m3 only): wsu with V transposed ahead of the kernel (fmha_transpose_v_e4m3, a
+# CUDA op): no transposer warps, the consumers get bf16's register budget.
+FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True),
+         "wsut": dict(uniform=True, v_transposed=True)}
+FP8_FORMS = ("ws", "wsf", "wsu", "wsut")
 
 
 class FmhaSm90Ws:
@@ -95,7 +98,7 @@ class FmhaSm90Ws:
     e4m3 q/k/v with V transposed by the producer warpgroup)."""
 
     def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
-                 overlap: bool = False, uniform: bool = False):
+                 overlap: bool = False, uniform: bool = False, v_transposed: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
         # uniform (form "wsu"): every tile starts on K/V stage 0 and the blocks every row
         # sees whole run in unrolled pairs (mask-free), so their stages are compile-time
@@ -118,8 +121,17 @@ class FmhaSm90Ws:
         self.out_dtype = cutlass.BFloat16
         self.kv_stages = kv_stages
         self.tile_bytes = BLOCK_N * HEAD_DIM * dtype.width // 8
-        self.producer_regs = PRODUCER_REGS_FP8 if self.fp8 else PRODUCER_REGS
-        self.mma_regs = MMA_REGS_FP8 if self.fp8 else MMA_REGS
+        # v_transposed (form "wsut", e4m3 + uniform): the v argument is Vt, V already in the
+        # Vt stages' (channel, key') order, one (128 x 128) block per (request, key block),
+        # keys past kv_len zero (fmha_transpose_v_e4m3); page_table is then [2, B, W]: K's
+        # pages, then each key block's Vt block. The producer TMA-loads Vt as it loads K, so
+        # the transposer warps (~1/3 of the e4m3 ws issue slots, half of them spinning on
+        # mbarriers, and 72 registers each) are gone and the consumers get 240 registers.
+        assert not v_transposed or (self.fp8 and uniform)
+        self.v_transposed = v_transposed
+        self.transposer = self.fp8 and not v_transposed
+        self.producer_regs = PRODUCER_REGS_FP8 if self.transposer else PRODUCER_REGS
+        self.mma_regs = MMA_REGS_FP8 if self.transposer else MMA_REGS
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor,
@@ -138,7 +150,15 @@ class FmhaSm90Ws:
         v_view = cute.make_tensor(v.iterator, cute.select(v.layout, mode=modes))
         op = cpasync.CopyBulkTensorTileG2SOp()
         tma_k, tK = cpasync.make_tiled_tma_atom(op, k_view, kv_tile, (BLOCK_N, HEAD_DIM))
-        tma_v, tV = cpasync.make_tiled_tma_atom(op, v_view, kv_tile, (BLOCK_N, HEAD_DIM))
+        if cutlass.const_expr(self.v_transposed):
+            # Vt (block, head, channel, key') -> (channel, key', head, block) boxes.
+            vt_layout, _ = self._fp8_layouts()
+            vt_view = cute.make_tensor(v.iterator, cute.select(v.layout, mode=[2, 3, 1, 0]))
+            tma_v, tV = cpasync.make_tiled_tma_atom(op, vt_view,
+                                                    cute.slice_(vt_layout, (None, None, 0)),
+                                                    (HEAD_DIM, BLOCK_N))
+        else:
+            tma_v, tV = cpasync.make_tiled_tma_atom(op, v_view, kv_tile, (BLOCK_N, HEAD_DIM))
         SharedStorage = self._shared_storage(q_layout, kv_layout)
 
         q_copy = row_copy(self.dtype, 16)
@@ -167,13 +187,14 @@ class FmhaSm90Ws:
     def _n_mbarriers(self):
         """K full / empty, V full / empty per stage, one scratch barrier; e4m3 adds the raw V
         ring's full / empty (the V full / empty pair then guards the Vt stages)."""
-        return (6 if self.fp8 else 4) * self.kv_stages + 1
+        return (6 if self.transposer else 4) * self.kv_stages + 1
 
     def _shared_storage(self, q_layout, kv_layout):
         """Q, K and V stages (e4m3: raw V, then Vt stages and O tiles), then the mbarriers
         (fields built as real annotations: this module's are strings)."""
-        fields = {"sQ": smem_tile(self.dtype, q_layout),
-                  "sK": smem_tile(self.dtype, kv_layout), "sV": smem_tile(self.dtype, kv_layout)}
+        fields = {"sQ": smem_tile(self.dtype, q_layout), "sK": smem_tile(self.dtype, kv_layout)}
+        if not self.v_transposed:
+            fields["sV"] = smem_tile(self.dtype, kv_layout)
         if self.fp8:
             vt_layout, o_layout = self._fp8_layouts()
             fields["sVt"] = smem_tile(self.dtype, vt_layout)
@@ -202,7 +223,9 @@ class FmhaSm90Ws:
         storage = smem.allocate(SharedStorage)
         sQ_wgs = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK_stages = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
-        sV_stages = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sV_stages = None
+        if cutlass.const_expr(not self.v_transposed):
+            sV_stages = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         mbar = storage.mbar.data_ptr()
         sVt_stages = None
         sO_wgs = None
@@ -216,14 +239,14 @@ class FmhaSm90Ws:
                     cute.arch.mbarrier_init(mbar + s, 1)                            # K full
                     cute.arch.mbarrier_init(mbar + self.kv_stages + s,
                                             4 * NUM_MMA_WARPGROUPS)                 # K empty
-                    if cutlass.const_expr(self.fp8):
+                    if cutlass.const_expr(self.transposer):
                         cute.arch.mbarrier_init(mbar + 2 * self.kv_stages + s,
                                                 TRANSPOSE_WARPS)                    # Vt full
                     else:
                         cute.arch.mbarrier_init(mbar + 2 * self.kv_stages + s, 1)   # V full
                     cute.arch.mbarrier_init(mbar + 3 * self.kv_stages + s,
                                             4 * NUM_MMA_WARPGROUPS)                 # V empty
-                    if cutlass.const_expr(self.fp8):
+                    if cutlass.const_expr(self.transposer):
                         cute.arch.mbarrier_init(mbar + 4 * self.kv_stages + 1 + s,
                                                 1)                                  # raw V full
                         cute.arch.mbarrier_init(mbar + 5 * self.kv_stages + 1 + s,
@@ -235,6 +258,10 @@ class FmhaSm90Ws:
         cute.arch.sync_threads()
 
         head_kv = head // (mQ.shape[1] // tK.shape[2])
+        mVtTable = None
+        if cutlass.const_expr(self.v_transposed):
+            mVtTable = mPageTable[1, None, None]             # (request, key block) -> Vt block
+            mPageTable = mPageTable[0, None, None]
         q_start, q_len, kv_len, offset, k_row0, n_q_tiles = request_bounds(
             mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable, request, tK.shape[0], self.paged)
 
@@ -242,9 +269,10 @@ class FmhaSm90Ws:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp == 0:
                 self._producer(tK, tV, mPageTable, tma_k, tma_v, zero_copy, sK_stages,
-                               sV_stages, mbar, request, head_kv, k_row0, kv_len, offset,
-                               causal, q_len, n_q_tiles, cta_x, grid_x, tidx % 32)
-            if cutlass.const_expr(self.fp8):
+                               sVt_stages if self.v_transposed else sV_stages, mbar, request,
+                               head_kv, k_row0, kv_len, offset, causal, q_len, n_q_tiles,
+                               cta_x, grid_x, tidx % 32, mVtTable)
+            if cutlass.const_expr(self.transposer):
                 if warp > 0:
                     self._transposer(sV_stages, sVt_stages, mbar, kv_len, offset, causal,
                                      q_len, n_q_tiles, cta_x, grid_x, tidx)
@@ -298,17 +326,24 @@ class FmhaSm90Ws:
     def _producer(self, tK: cute.Tensor, tV: cute.Tensor, mPageTable: cute.Tensor,
                   tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, zero_copy: cute.TiledCopy,
                   sK_stages: cute.Tensor, sV_stages: cute.Tensor, mbar, request, head_kv,
-                  k_row0, kv_len, offset, causal, q_len, n_q_tiles, cta_x, grid_x, lane):
+                  k_row0, kv_len, offset, causal, q_len, n_q_tiles, cta_x, grid_x, lane,
+                  mVtTable=None):
+        """K and V (bf16), K and raw V (e4m3 with the transposer) or K and Vt (v_transposed:
+        sV_stages are then the Vt stages) blocks of every tile into their rings."""
         S = self.kv_stages
         # (TMA, stage) smem and (TMA, block or page) gmem partitions of the K and V boxes.
+        # (Vt: (channel, key', Vt block) in either layout.)
         if cutlass.const_expr(self.paged):
             gK = tK[None, None, head_kv, None]                          # (slot, ch, page)
             gV = tV[None, None, head_kv, None]
         else:
             gK = cute.local_tile(cute.domain_offset((k_row0, 0), tK[None, None, head_kv]),
                                  (BLOCK_N, HEAD_DIM), (None, 0))       # (key, ch, block)
-            gV = cute.local_tile(cute.domain_offset((k_row0, 0), tV[None, None, head_kv]),
-                                 (BLOCK_N, HEAD_DIM), (None, 0))
+            if cutlass.const_expr(self.v_transposed):
+                gV = tV[None, None, head_kv, None]
+            else:
+                gV = cute.local_tile(cute.domain_offset((k_row0, 0), tV[None, None, head_kv]),
+                                     (BLOCK_N, HEAD_DIM), (None, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
                                            cute.group_modes(sK_stages, 0, 2),
                                            cute.group_modes(gK, 0, 2))
@@ -335,7 +370,15 @@ class FmhaSm90Ws:
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar + stage, self.tile_bytes)
                 cute.copy(tma_k, tKgK[None, src], tKsK[None, stage], tma_bar_ptr=mbar + stage)
                 # V
-                if cutlass.const_expr(self.fp8):
+                if cutlass.const_expr(self.v_transposed):
+                    # Vt of this key block (keys past kv_len already zero).
+                    cute.arch.mbarrier_wait(mbar + 3 * S + stage, free_phase)
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + 2 * S + stage,
+                                                                self.tile_bytes)
+                    cute.copy(tma_v, tVgV[None, mVtTable[request, blk]], tVsV[None, stage],
+                              tma_bar_ptr=mbar + 2 * S + stage)
+                elif cutlass.const_expr(self.fp8):
                     # Raw V ring; the transposer warps zero the keys past kv_len.
                     cute.arch.mbarrier_wait(mbar + 5 * S + 1 + stage, free_phase)
                     with cute.arch.elect_one():

@@ -88,9 +88,10 @@ class BlockMaxScoreVariant:
 # Warp-specialized FMHA forms (cute_kernels.fmha_sm90_ws.FORMS): ws (the base), wsf
 # (FlashAttention-3's intra-warpgroup order) and wsu (static K/V stages and Q tile, so the
 # wgmma descriptors stay in uniform registers; serves both dtypes); earlier 3-stage and
-# overlapped forms were measured slower and removed (docs/design-fmha.md).
+# overlapped forms were measured slower and removed (docs/design-fmha.md). e4m3 adds wsut (wsu
+# reading V transposed ahead of the kernel instead of transposing it in the producer warpgroup).
 WS_FORMS = ("ws", "wsf", "wsu")
-WS_FP8_FORMS = ("ws", "wsf", "wsu")
+WS_FP8_FORMS = ("ws", "wsf", "wsu", "wsut")
 
 
 @dataclasses.dataclass(frozen=True)

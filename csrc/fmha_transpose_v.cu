@@ -1,0 +1,98 @@
+// V -> Vt for the e4m3 dense FMHA's "wsut" form (cute_kernels/fmha_sm90_ws.py, v_transposed).
+//
+// The e4m3 P.V wgmma needs V K-major (keys contiguous per channel) and in the key order in which
+// the kernel hands P from registers (tile_utils.register_p_row_order: Vt column r holds key
+// vt_key_of_column(r)). Transposing here, once per call, instead of per query tile inside the
+// kernel, removes the transposer warps from the FMHA. One CTA per (key block, KV head, request):
+// 128 keys x 128 channels (16 KB) in, the same bytes transposed out; keys at or past kv_len and
+// rows outside the tensor or the page pool are written as zeros (the FMHA's masked P is exactly
+// 0, but 0 * NaN from an unused page slot would not be).
+#include "common.cuh"
+#include "torch_binding.h"
+
+namespace msa {
+namespace {
+
+constexpr int kBlock = 128;          // keys per block (= page size) and head dim, in bytes
+constexpr int kThreads = 256;
+constexpr int kChunks = kBlock * kBlock / 16;   // 16-byte chunks per block
+constexpr int kRowChunks = kBlock / 16 + 1;     // shared row: 8 chunks + 1 of padding
+
+// The key whose bytes Vt column r holds: r = x0 + 2 x1 + 4 t + 16 j (t < 4) holds key
+// x0 + 8 x1 + 2 t + 16 j (tile_utils.register_p_row_order; tests check the two agree).
+__device__ __forceinline__ int vt_key_of_column(int r) {
+  return (r & 0x71) | (((r >> 1) & 1) << 3) | (((r >> 2) & 3) << 1);
+}
+
+__global__ void __launch_bounds__(kThreads) transpose_v_e4m3_kernel(TransposeVArgs a) {
+  const int blk = blockIdx.x, head = blockIdx.y, request = blockIdx.z;
+  int64_t kv_len = a.kv_lens[request];
+  if (a.page_table != nullptr) {
+    kv_len = min(kv_len, static_cast<int64_t>(a.page_table_width) * kBlock);
+  }
+  const int64_t key0 = static_cast<int64_t>(blk) * kBlock;
+  if (key0 >= kv_len) return;
+  const int64_t vt_block = a.vt_table[static_cast<int64_t>(request) * a.vt_table_width + blk];
+  if (vt_block < 0 || vt_block >= a.num_vt_blocks) return;   // never for tables msa builds
+
+  // Source rows of this block: dense, token cu_seqlens_k[request] + key; paged, slot `key` of
+  // the block's page. nullptr: a zero row.
+  const uint8_t* base = nullptr;
+  int64_t row_stride = a.v_row_stride;
+  if (a.page_table != nullptr) {
+    const int64_t page = a.page_table[static_cast<int64_t>(request) * a.page_table_width + blk];
+    if (page >= 0 && page < a.num_pages) {
+      base = a.v + page * a.v_page_stride + head * a.v_head_stride;
+    }
+  } else {
+    base = a.v + (a.cu_seqlens_k[request] + key0) * a.v_row_stride + head * a.v_head_stride;
+  }
+  const int64_t tokens_left = a.page_table != nullptr
+                                  ? kBlock
+                                  : a.num_tokens - (a.cu_seqlens_k[request] + key0);
+
+  __shared__ uint4 tile[kBlock][kRowChunks];
+  for (int i = threadIdx.x; i < kChunks; i += kThreads) {
+    const int key = i >> 3, part = i & 7;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (base != nullptr && key0 + key < kv_len && key < tokens_left) {
+      val = __ldg(reinterpret_cast<const uint4*>(base + key * row_stride) + part);
+    }
+    tile[key][part] = val;
+  }
+  __syncthreads();
+
+  // Thread i writes Vt(channel i % 128, columns 16 (i / 128) .. +15): a warp reads 32
+  // consecutive channel bytes of one key row per step (one shared-memory wavefront).
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&tile[0][0]);
+  uint8_t* out = a.vt + (vt_block * a.num_kv_heads + head) * (kBlock * kBlock);
+  for (int i = threadIdx.x; i < kChunks; i += kThreads) {
+    const int ch = i & (kBlock - 1), col0 = (i >> 7) * 16;
+    uint32_t words[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int key = vt_key_of_column(col0 + 4 * w + j);
+        word |= static_cast<uint32_t>(bytes[key * (kRowChunks * 16) + ch]) << (8 * j);
+      }
+      words[w] = word;
+    }
+    *reinterpret_cast<uint4*>(out + ch * kBlock + col0) =
+        make_uint4(words[0], words[1], words[2], words[3]);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_fmha_transpose_v_e4m3(const TransposeVArgs& args, cudaStream_t stream) {
+  if (args.batch <= 0 || args.vt_table_width <= 0 || args.num_kv_heads <= 0) {
+    return cudaSuccess;
+  }
+  const dim3 grid(args.vt_table_width, args.num_kv_heads, args.batch);
+  transpose_v_e4m3_kernel<<<grid, kThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace msa
