@@ -89,9 +89,10 @@ class BlockMaxScoreVariant:
 # (FlashAttention-3's intra-warpgroup order) and wsu (static K/V stages and Q tile, so the
 # wgmma descriptors stay in uniform registers; serves both dtypes); earlier 3-stage and
 # overlapped forms were measured slower and removed (docs/design-fmha.md). e4m3 adds wsut (wsu
-# reading V transposed ahead of the kernel instead of transposing it in the producer warpgroup).
+# reading V transposed ahead of the kernel instead of transposing it in the producer warpgroup)
+# and two candidates on wsut: wsuft (wsf's order) and wsutr (tree row max / sum).
 WS_FORMS = ("ws", "wsf", "wsu")
-WS_FP8_FORMS = ("ws", "wsf", "wsu", "wsut")
+WS_FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsuft", "wsutr")
 
 
 @dataclasses.dataclass(frozen=True)
