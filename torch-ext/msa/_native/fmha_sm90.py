@@ -71,8 +71,7 @@ VALIDATED_WARP_SPECIALIZED_FP8 = True
 WARP_SPECIALIZED_FOR_TESTS: Union[None, bool, str] = None
 # Warp-specialized forms per q/k/v dtype (must match cute_kernels.variants.WS_FORMS /
 # WS_FP8_FORMS).
-WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu"),
-            "e4m3": ("ws", "wsf", "wsu", "wsut", "wsuft", "wsutr")}
+WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu"), "e4m3": ("ws", "wsf", "wsu", "wsut")}
 # "wsf" (FlashAttention-3's intra-warpgroup order: O rescaled under S(j), the softmax of block j
 # under the own P(j-1) V(j-1)): on the H200 (2026-12-01, session 8, 05edc2d) its float64,
 # quantized-model and NaN-past-kv_len cases passed in both dtypes and memcheck was clean. Timed
@@ -119,7 +118,7 @@ POISON_BUFFERS_FOR_TESTS = False
 # The FMHA artifact of the most recent run() (tests check which form served a call).
 last_variant: Optional[str] = None
 # Forms whose v argument is V transposed ahead of the kernel (transpose_v).
-V_TRANSPOSED_FORMS = ("wsut", "wsuft", "wsutr")
+V_TRANSPOSED_FORMS = ("wsut",)
 TRANSPOSE_V_OP = "fmha_transpose_v_e4m3"
 
 

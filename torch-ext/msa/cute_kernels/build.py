@@ -119,7 +119,7 @@ def fmha_args(variant: FmhaVariant):
     total_q, hq, hkv, batch = _dyn(), _dyn(), _dyn(), _dyn()
     kv_shape = (_dyn(), hkv, 128, 128) if variant.paged else (_dyn(), hkv, 128)
     v_shape, table_shape = kv_shape, (_dyn(), _dyn())
-    if WS_FORMS.get(variant.form, {}).get("v_transposed"):
+    if variant.form == "wsut":
         # V transposed ahead: Vt [blocks, Hkv, 128 channels, 128 keys']; page_table [2, B, W]
         # (K's pages, then each key block's Vt block).
         v_shape, table_shape = (_dyn(), hkv, 128, 128), (2, _dyn(), _dyn())

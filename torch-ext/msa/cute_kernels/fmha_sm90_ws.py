@@ -87,14 +87,10 @@ BAR_TURN = 3             # + consumer index, 256 threads
 # "wsu" (uniform wgmma descriptors) serves both dtypes; "ws" is the base it builds on, "wsf"
 # FlashAttention-3's intra-warpgroup order (served e4m3 before wsu).
 # "wsut" (e4m3 only): wsu with V transposed ahead of the kernel (fmha_transpose_v_e4m3, a
-# CUDA op): no transposer warps, the consumers get bf16's register budget. Candidates on it:
-# "wsuft" with wsf's intra-warpgroup order (it fits the 240 registers wsut frees), "wsutr"
-# with the softmax's row max and sum as balanced trees.
+# CUDA op): no transposer warps, the consumers get bf16's register budget.
 FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True),
-         "wsut": dict(uniform=True, v_transposed=True),
-         "wsuft": dict(uniform=True, v_transposed=True, overlap=True),
-         "wsutr": dict(uniform=True, v_transposed=True, tree=True)}
-FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsuft", "wsutr")
+         "wsut": dict(uniform=True, v_transposed=True)}
+FP8_FORMS = ("ws", "wsf", "wsu", "wsut")
 
 
 class FmhaSm90Ws:
@@ -102,8 +98,7 @@ class FmhaSm90Ws:
     e4m3 q/k/v with V transposed by the producer warpgroup)."""
 
     def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
-                 overlap: bool = False, uniform: bool = False, v_transposed: bool = False,
-                 tree: bool = False):
+                 overlap: bool = False, uniform: bool = False, v_transposed: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
         # uniform (form "wsu"): every tile starts on K/V stage 0 and the blocks every row
         # sees whole run in unrolled pairs (mask-free), so their stages are compile-time
@@ -112,9 +107,8 @@ class FmhaSm90Ws:
         # keeps them in uniform registers (ws rebuilds each in vector registers and moves it
         # with R2UR, ~12 instructions per wgmma: the longest part of a turn). Stage phases come
         # from the parity of each stage's uses (_stage_phase).
-        # (uniform with overlap: e4m3 with the transposer warps spilled a few registers in
-        # every role at 72 / 216; with V transposed ahead (240) it fits: "wsuft".)
-        assert not (uniform and (overlap and not v_transposed or kv_stages != 2))
+        # (uniform with overlap: e4m3 spills a few registers in every role; not offered.)
+        assert not (uniform and (overlap or kv_stages != 2))
         self.uniform = uniform
         self.paged = paged
         # overlap (form "wsf"): per turn, issue S(j), rescale O to max j-1 while it runs, issue
@@ -136,8 +130,6 @@ class FmhaSm90Ws:
         assert not v_transposed or (self.fp8 and uniform)
         self.v_transposed = v_transposed
         self.transposer = self.fp8 and not v_transposed
-        # tree: online_softmax's row max / sum as balanced trees (fmha_sm90.online_softmax).
-        self.tree = tree
         self.producer_regs = PRODUCER_REGS_FP8 if self.transposer else PRODUCER_REGS
         self.mma_regs = MMA_REGS_FP8 if self.transposer else MMA_REGS
 
@@ -533,7 +525,7 @@ class FmhaSm90Ws:
                 if lane == 0:
                     cute.arch.mbarrier_arrive(mbar + S + stage)                # K free
                 online_softmax(acc_s, 0, row_max, row_sum, tScS, wg_q0, kv_len, offset,
-                               causal, scale_log2, corr=corr, tree=self.tree)
+                               causal, scale_log2, corr=corr)
                 r_p.store(acc_s.load().to(self.dtype))
                 # ---- blocks 1 .. n-1: S(j) and P(j-1) V(j-1) in one turn
                 first_dynamic = 1
@@ -604,8 +596,7 @@ class FmhaSm90Ws:
         if t.lane == 0:
             cute.arch.mbarrier_arrive(t.mbar + S + stage)                  # K free
         online_softmax(t.acc_s, blk, t.row_max, t.row_sum, t.tScS, t.wg_q0, t.kv_len,
-                       t.offset, t.causal, t.scale_log2, corr=t.corr, mask=mask,
-                       tree=self.tree)
+                       t.offset, t.causal, t.scale_log2, corr=t.corr, mask=mask)
         # ws: a no-op after the wait above (kept: the validated PTX has it); wsf: P V(j-1)
         # done, so r_p may take P(j).
         warpgroup.wait_group(0)

@@ -89,10 +89,9 @@ class BlockMaxScoreVariant:
 # (FlashAttention-3's intra-warpgroup order) and wsu (static K/V stages and Q tile, so the
 # wgmma descriptors stay in uniform registers; serves both dtypes); earlier 3-stage and
 # overlapped forms were measured slower and removed (docs/design-fmha.md). e4m3 adds wsut (wsu
-# reading V transposed ahead of the kernel instead of transposing it in the producer warpgroup)
-# and two candidates on wsut: wsuft (wsf's order) and wsutr (tree row max / sum).
+# reading V transposed ahead of the kernel instead of transposing it in the producer warpgroup).
 WS_FORMS = ("ws", "wsf", "wsu")
-WS_FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsuft", "wsutr")
+WS_FP8_FORMS = ("ws", "wsf", "wsu", "wsut")
 
 
 @dataclasses.dataclass(frozen=True)
