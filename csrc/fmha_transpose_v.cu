@@ -7,6 +7,11 @@
 // 128 keys x 128 channels (16 KB) in, the same bytes transposed out; keys at or past kv_len and
 // rows outside the tensor or the page pool are written as zeros (the FMHA's masked P is exactly
 // 0, but 0 * NaN from an unused page slot would not be).
+//
+// The op also writes the FMHA's [2, B, W] table (K's pages, then each key block's Vt block):
+// request b's blocks are Vt blocks base(b) .., base(b) = the key blocks of the requests before
+// it. Computing both here leaves one launch per call (the torch ops that built the tables took
+// ~10 small launches, a few percent of a 4k-token e4m3 call).
 #include "common.cuh"
 #include "torch_binding.h"
 
@@ -24,16 +29,49 @@ __device__ __forceinline__ int vt_key_of_column(int r) {
   return (r & 0x71) | (((r >> 1) & 1) << 3) | (((r >> 2) & 3) << 1);
 }
 
+// Key blocks of request b (kv_len clamped to the page table's width in blocks when paged, as
+// the FMHA clamps it; negative lengths count as 0).
+__device__ __forceinline__ int64_t key_blocks(const TransposeVArgs& a, int b) {
+  int64_t kv_len = max(a.kv_lens[b], 0);
+  if (a.page_table != nullptr) {
+    kv_len = min(kv_len, static_cast<int64_t>(a.page_table_width) * kBlock);
+  }
+  return (kv_len + kBlock - 1) / kBlock;
+}
+
+// base(request) = key blocks of requests 0 .. request - 1: a strided sum and a block reduction.
+__device__ int64_t first_vt_block(const TransposeVArgs& a, int request) {
+  __shared__ int64_t warp_sums[kThreads / 32];
+  int64_t sum = 0;
+  for (int b = threadIdx.x; b < request; b += kThreads) sum += key_blocks(a, b);
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = sum;
+  __syncthreads();
+  int64_t total = 0;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
+  return total;
+}
+
 __global__ void __launch_bounds__(kThreads) transpose_v_e4m3_kernel(TransposeVArgs a) {
   const int blk = blockIdx.x, head = blockIdx.y, request = blockIdx.z;
-  int64_t kv_len = a.kv_lens[request];
+  const int64_t vt_block = first_vt_block(a, request) + blk;
+  if (head == 0 && threadIdx.x == 0) {
+    // The FMHA's table row: K's page (paged; 0 past the page table) and this block's Vt block.
+    const int64_t row = static_cast<int64_t>(request) * a.table_width + blk;
+    a.tables[row] = a.page_table != nullptr && blk < a.page_table_width
+                        ? a.page_table[static_cast<int64_t>(request) * a.page_table_width + blk]
+                        : 0;
+    a.tables[static_cast<int64_t>(a.batch) * a.table_width + row] =
+        static_cast<int32_t>(vt_block);
+  }
+  int64_t kv_len = max(a.kv_lens[request], 0);
   if (a.page_table != nullptr) {
     kv_len = min(kv_len, static_cast<int64_t>(a.page_table_width) * kBlock);
   }
   const int64_t key0 = static_cast<int64_t>(blk) * kBlock;
   if (key0 >= kv_len) return;
-  const int64_t vt_block = a.vt_table[static_cast<int64_t>(request) * a.vt_table_width + blk];
-  if (vt_block < 0 || vt_block >= a.num_vt_blocks) return;   // never for tables msa builds
+  if (vt_block >= a.num_vt_blocks) return;   // Vt sized from other lengths: never write past it
 
   // Source rows of this block: dense, token cu_seqlens_k[request] + key; paged, slot `key` of
   // the block's page. nullptr: a zero row.
@@ -87,10 +125,10 @@ __global__ void __launch_bounds__(kThreads) transpose_v_e4m3_kernel(TransposeVAr
 }  // namespace
 
 cudaError_t launch_fmha_transpose_v_e4m3(const TransposeVArgs& args, cudaStream_t stream) {
-  if (args.batch <= 0 || args.vt_table_width <= 0 || args.num_kv_heads <= 0) {
+  if (args.batch <= 0 || args.table_width <= 0 || args.num_kv_heads <= 0) {
     return cudaSuccess;
   }
-  const dim3 grid(args.vt_table_width, args.num_kv_heads, args.batch);
+  const dim3 grid(args.table_width, args.num_kv_heads, args.batch);
   transpose_v_e4m3_kernel<<<grid, kThreads, 0, stream>>>(args);
   return cudaGetLastError();
 }

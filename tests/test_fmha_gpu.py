@@ -462,14 +462,16 @@ def test_fmha_native_paged_pool_past_2_31_elements(form, seed, monkeypatch):
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_transpose_v_op_matches_its_reference(paged, seed):
+def test_transpose_v_op_matches_its_reference(paged, seed, monkeypatch):
     """fmha_transpose_v_e4m3 (csrc/fmha_transpose_v.cu, V -> Vt for the wsut form) against
     transpose_v_reference, byte for byte: varlen requests whose lengths are not multiples of
     128 (keys past kv_len zero), NaN bytes in every slot past kv_len and in spare pages, a page
-    id outside the pool (zeros), an output poisoned first."""
+    id outside the pool (zeros). Its table, the FMHA's page_table, against vt_table and the
+    page table (row 0; 0 when dense). Outputs poisoned first."""
     native = _native_module()
     if not hasattr(native.ops, native.TRANSPOSE_V_OP):
         pytest.fail("the compiled msa CUDA ops lack fmha_transpose_v_e4m3")
+    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
     gen = torch.Generator().manual_seed(seed)
     hkv = 3
     kv_lens = [1, 127, 128, 129, 700 + int(torch.randint(0, 128, (1,), generator=gen))]
@@ -502,9 +504,13 @@ def test_transpose_v_op_matches_its_reference(paged, seed):
     cu_k = torch.tensor([0] + list(torch.tensor(kv_lens).cumsum(0)), dtype=torch.int32,
                         device=dev)
     lens = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
-    vt, table = native.transpose_v(v, cu_k, lens, page_table, kv_lens)
+    vt, tables = native.transpose_v(v, cu_k, lens, page_table, kv_lens)
     torch.cuda.synchronize()
-    want = native.transpose_v_reference(v, cu_k, lens, page_table, table, vt.shape[0])
+    width = tables.shape[2]
+    cap = page_table.shape[1] * 128 if paged else None
+    assert torch.equal(tables[1], native.vt_table(lens, width, cap))
+    assert torch.equal(tables[0], page_table if paged else torch.zeros_like(tables[0]))
+    want = native.transpose_v_reference(v, cu_k, lens, page_table, tables[1], vt.shape[0])
     assert vt.shape == want.shape
     assert torch.equal(vt.view(torch.uint8), want.view(torch.uint8))
     assert not torch.isnan(vt.float()).any(), "a NaN past kv_len reached Vt"

@@ -210,7 +210,7 @@ void sparse_topk_select(const torch::Tensor& max_score, torch::Tensor& out, int6
 void fmha_transpose_v_e4m3(const torch::Tensor& v, const torch::Tensor& cu_seqlens_k,
                            const torch::Tensor& kv_lens,
                            const std::optional<torch::Tensor>& page_table,
-                           const torch::Tensor& vt_table, torch::Tensor& vt) {
+                           torch::Tensor& tables, torch::Tensor& vt) {
   TORCH_CHECK(v.is_cuda(), "v: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(v.device());
   const torch::Device device = v.device();
@@ -232,17 +232,17 @@ void fmha_transpose_v_e4m3(const torch::Tensor& v, const torch::Tensor& cu_seqle
   const int64_t hkv = v.size(1);
   check_cuda_tensor(cu_seqlens_k, "cu_seqlens_k", at::kInt, 1, device);
   check_cuda_tensor(kv_lens, "kv_lens", at::kInt, 1, device);
-  check_cuda_tensor(vt_table, "vt_table", at::kInt, 2, device);
+  check_cuda_tensor(tables, "tables", at::kInt, 3, device);
   check_cuda_tensor(vt, "vt", at::kFloat8_e4m3fn, 4, device);
   const int64_t batch = kv_lens.size(0);
   TORCH_CHECK(cu_seqlens_k.size(0) == batch + 1, "cu_seqlens_k: expected ", batch + 1,
               " entries, got ", cu_seqlens_k.size(0));
-  TORCH_CHECK(vt_table.size(0) == batch, "vt_table: expected ", batch, " rows, got ",
-              vt_table.size(0));
+  TORCH_CHECK(tables.size(0) == 2 && tables.size(1) == batch && tables.size(2) >= 1,
+              "tables: expected [2, ", batch, ", width >= 1], got ", tables.sizes());
   TORCH_CHECK(vt.size(1) == hkv && vt.size(2) == kBlock && vt.size(3) == kBlock,
               "vt: expected [blocks, ", hkv, ", 128, 128], got ", vt.sizes());
-  TORCH_CHECK(vt_table.size(1) < 65536 && hkv < 65536 && batch < 65536,
-              "vt_table / v / kv_lens: grid dimensions past 65535");
+  TORCH_CHECK(tables.size(2) < 65536 && hkv < 65536 && batch < 65536,
+              "tables / v / kv_lens: grid dimensions past 65535");
   msa::TransposeVArgs a{};
   a.v = static_cast<const uint8_t*>(v.data_ptr());
   a.v_row_stride = paged ? v.stride(2) : v.stride(0);
@@ -258,9 +258,11 @@ void fmha_transpose_v_e4m3(const torch::Tensor& v, const torch::Tensor& cu_seqle
                 page_table->size(0));
     a.page_table = page_table->data_ptr<int32_t>();
     a.page_table_width = static_cast<int>(page_table->size(1));
+    TORCH_CHECK(tables.size(2) == page_table->size(1), "tables: paged, expected the page "
+                "table's width ", page_table->size(1), ", got ", tables.size(2));
   }
-  a.vt_table = vt_table.data_ptr<int32_t>();
-  a.vt_table_width = static_cast<int>(vt_table.size(1));
+  a.tables = tables.data_ptr<int32_t>();
+  a.table_width = static_cast<int>(tables.size(2));
   a.vt = static_cast<uint8_t*>(vt.data_ptr());
   a.num_vt_blocks = vt.size(0);
   a.batch = static_cast<int>(batch);
@@ -421,7 +423,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("sparse_decode_attention", torch::kCUDA, &sparse_decode_attention);
   ops.def(
       "fmha_transpose_v_e4m3(Tensor v, Tensor cu_seqlens_k, Tensor kv_lens, Tensor? page_table, "
-      "Tensor vt_table, Tensor! vt) -> ()");
+      "Tensor(a!) tables, Tensor(b!) vt) -> ()");
   ops.impl("fmha_transpose_v_e4m3", torch::kCUDA, &fmha_transpose_v_e4m3);
 }
 

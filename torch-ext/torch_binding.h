@@ -134,8 +134,10 @@ struct TransposeVArgs {
   const int32_t* kv_lens;         // [batch]
   const int32_t* page_table;      // null (dense) or [batch, page_table_width]
   int page_table_width;           // paged: key lengths are clamped to width * 128, as the FMHA
-  const int32_t* vt_table;        // [batch, vt_table_width]: the Vt block of each key block
-  int vt_table_width;             // >= the longest request's key blocks
+  int32_t* tables;                // out [2, batch, table_width]: K's page (0 when dense), then
+                                  // the Vt block of each key block (the FMHA's page_table)
+  int table_width;                // >= the longest request's key blocks (paged: the page
+                                  // table's width)
   uint8_t* vt;                    // out [num_vt_blocks, hkv, 128, 128]
   int64_t num_vt_blocks;
   int batch;
@@ -171,7 +173,7 @@ void sparse_topk_select(const torch::Tensor& max_score, torch::Tensor& out, int6
 void fmha_transpose_v_e4m3(const torch::Tensor& v, const torch::Tensor& cu_seqlens_k,
                            const torch::Tensor& kv_lens,
                            const std::optional<torch::Tensor>& page_table,
-                           const torch::Tensor& vt_table, torch::Tensor& vt);
+                           torch::Tensor& tables, torch::Tensor& vt);
 
 void sparse_decode_attention(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

@@ -131,10 +131,14 @@ def vt_column_keys(block: int = PAGE):
             for r in range(block)]
 
 
-def vt_table(kv_lens: torch.Tensor, width: int) -> torch.Tensor:
+def vt_table(kv_lens: torch.Tensor, width: int, cap: Optional[int] = None) -> torch.Tensor:
     """[B, width] int32: the block of the transposed V holding key block j of request b,
-    request after request (block j < ceil(kv_len_b / 128)); device ops only, no sync."""
-    blocks = (kv_lens.to(torch.int64) + PAGE - 1) // PAGE
+    request after request (block j < ceil(kv_len_b / 128), kv_len clamped to cap tokens when
+    given). What the transpose op writes as the second half of its table (tests compare)."""
+    lens = kv_lens.to(torch.int64).clamp_min(0)
+    if cap is not None:
+        lens = lens.clamp_max(cap)
+    blocks = (lens + PAGE - 1) // PAGE
     base = torch.cumsum(blocks, 0) - blocks
     cols = torch.arange(width, device=kv_lens.device, dtype=torch.int64)
     return (base[:, None] + cols[None, :]).to(torch.int32)
@@ -142,19 +146,24 @@ def vt_table(kv_lens: torch.Tensor, width: int) -> torch.Tensor:
 
 def transpose_v(v: torch.Tensor, cu_seqlens_k: torch.Tensor, kv_lens: torch.Tensor,
                 page_table: Optional[torch.Tensor], host_kv_lens) -> tuple:
-    """e4m3 V (dense [tokens, Hkv, 128] or paged [pages, Hkv, 128, 128]) -> (Vt [blocks, Hkv,
-    128 channels, 128 keys'], vt_table [B, W]) for the wsut form: Vt[vt_table[b, j], h, c, r]
-    = V(key vt_column_keys()[r] of block j of request b, head h, channel c), zero at or past
-    kv_len (paged: kv_len clamped to the table's width * 128, as the FMHA clamps it) and for
-    rows outside the tensor or pool. One launch; sizes from the host lengths."""
+    """e4m3 V (dense [tokens, Hkv, 128] or paged [pages, Hkv, 128, 128]; page_table
+    contiguous) -> (Vt [blocks, Hkv, 128 channels, 128 keys'], tables [2, B, W]) for the wsut
+    form: Vt[tables[1, b, j], h, c, r] = V(key vt_column_keys()[r] of block j of request b,
+    head h, channel c), zero at or past kv_len (paged: kv_len clamped to the table's width *
+    128, as the FMHA clamps it) and for rows outside the tensor or pool; tables[0] = the page
+    table (paged) or 0, tables[1] = vt_table(kv_lens, W, cap) (the kernel's page_table). One
+    launch (capture-safe: sizes from the host lengths)."""
     cap = page_table.shape[1] * PAGE if page_table is not None else None
-    blocks = [-(-(n if cap is None else min(n, cap)) // PAGE) for n in host_kv_lens]
-    width = max(max(blocks, default=0), 1)
-    table = vt_table(kv_lens, width)
+    blocks = [-(-max(0, n if cap is None else min(n, cap)) // PAGE) for n in host_kv_lens]
+    width = page_table.shape[1] if page_table is not None else max(max(blocks, default=0), 1)
+    tables = torch.empty(2, kv_lens.shape[0], width, dtype=torch.int32, device=v.device)
     vt = torch.empty(max(sum(blocks), 1), v.shape[1], PAGE, PAGE, dtype=v.dtype,
                      device=v.device)
-    getattr(ops, TRANSPOSE_V_OP)(v, cu_seqlens_k, kv_lens, page_table, table, vt)
-    return vt, table
+    if POISON_BUFFERS_FOR_TESTS:
+        tables.fill_(-1)
+        vt.view(torch.uint8).fill_(0x7F)                     # e4m3 NaN
+    getattr(ops, TRANSPOSE_V_OP)(v, cu_seqlens_k, kv_lens, page_table, tables, vt)
+    return vt, tables
 
 
 def transpose_v_reference(v: torch.Tensor, cu_seqlens_k: torch.Tensor, kv_lens: torch.Tensor,
@@ -356,15 +365,10 @@ def run(call):
     name = _variant_for(call.paged, MODE_O_AND_SCORE if with_score else MODE_O_ONLY, q.dtype)
     table = table.contiguous()
     if variant_form(name) in V_TRANSPOSED_FORMS:
-        # V -> Vt once for the call; the kernel takes [2, B, W] tables: K's pages, Vt's blocks.
-        v, v_table = transpose_v(v, cu_k, kv_lens, call.page_table if call.paged else None,
-                                 plan["host_kv_lens"])
-        width = max(table.shape[1], v_table.shape[1])
-        both = torch.zeros(2, batch, width, dtype=torch.int32, device=device)
-        if call.paged:
-            both[0, :, :table.shape[1]] = table
-        both[1, :, :v_table.shape[1]] = v_table
-        table = both
+        # V -> Vt once for the call; the op also writes the kernel's [2, B, W] table (K's
+        # pages, Vt's blocks).
+        v, table = transpose_v(v, cu_k, kv_lens, table if call.paged else None,
+                               plan["host_kv_lens"])
     args = [q, k, v, out, cu_q, cu_k, kv_lens, offsets, table] + scalars
     if with_score:     # max-score values are scaled by sm_scale * q_scale * k_scale
         args += [max_score, float(call.logit_scale)]
