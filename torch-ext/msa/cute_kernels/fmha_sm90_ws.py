@@ -4,10 +4,12 @@ Same semantics, arguments and grid as FmhaSm90 (cute_kernels/fmha_sm90.py, O onl
 e4m3 q/k/v); only the way the key blocks are streamed and the two warpgroups are scheduled
 differs. e4m3: as the plain e4m3 kernel, P is rounded to e4m3 in
 registers and handed in the key order of register_p_key_order, so P V reads a key-permuted,
-K-major Vt: the producer TMA-loads raw V into its own ring and warps 1-3 of the producer
-warpgroup transpose it (tile_utils.transpose_v_words with n_keys: 32-bit words, byte permutes;
-keys past kv_len written as zeros) into Vt stages, which the consumers wait for and release as
-they do V in bf16.
+K-major Vt: in the served form "wsut" the Vt blocks come transposed ahead of the kernel (the
+fmha_transpose_v_e4m3 CUDA op) and the producer TMA-loads them as it loads K; in ws / wsf / wsu
+the producer TMA-loads raw V into its own ring and warps 1-3 of the producer warpgroup
+transpose it (tile_utils.transpose_v_words with n_keys: 32-bit words, byte permutes; keys past
+kv_len written as zeros) into Vt stages. The consumers wait for and release Vt stages as they
+do V in bf16.
 
 Roles (384 threads, one CTA per SM):
 
@@ -29,8 +31,9 @@ Roles (384 threads, one CTA per SM):
   stages, an intra-warpgroup overlap that rescaled O after the own P V, a lazy O rescale.)
   Form "wsf" (validated; slower than wsu): FlashAttention-3's order, O rescaled under S(j)
   and the softmax of block j under the own P(j-1) V(j-1) (the constructor's `overlap`).
-  Form "wsu" (serves bf16 and e4m3; the constructor's `uniform`): every tile starts on K/V
-  stage 0 (producer, e4m3 transposer and consumers), the blocks every row of the tile sees
+  Form "wsu" (serves bf16; e4m3 serves wsut, wsu on Vt transposed ahead; the constructor's
+  `uniform`): every tile starts on K/V stage 0 (producer, e4m3 transposer and consumers), the
+  blocks every row of the tile sees
   whole run in unrolled pairs (block 2i+1 on stage 1, 2i+2 on stage 0, no mask), the rest one
   by one, and the consumer body is traced once per warpgroup, so that the wgmma descriptors
   are static offsets in uniform registers.
@@ -40,9 +43,9 @@ Roles (384 threads, one CTA per SM):
   consumers take n_blocks + 1 turns per tile, so the alternation stays matched.
 
 Shared memory: bf16 Q 2 x 16 KB + 2 stages x (K 32 KB + V 32 KB) + mbarriers (160 KB); e4m3
-Q 2 x 8 KB + 2 stages x (K, raw V, Vt 16 KB each) + O 2 x 16 KB (bf16) (144 KB). Registers:
-bf16 24 (producer) / 240 (consumers); e4m3 72 / 216 (the transposer warps need more than 24:
-they use up to R70).
+Q 2 x 8 KB + 2 stages x (K, raw V, Vt 16 KB each) + O 2 x 16 KB (bf16) (144 KB; wsut: no raw
+V, 112 KB). Registers: bf16 and e4m3 wsut 24 (producer) / 240 (consumers); the other e4m3 forms
+72 / 216 (the transposer warps need more than 24: they use up to R70).
 """
 
 from __future__ import annotations
