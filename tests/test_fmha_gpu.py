@@ -131,12 +131,13 @@ def _check_form_ran(native, form):
         f"expected the {form} form, ran {ran}"
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsup"])
 @pytest.mark.parametrize("heads,causal,paged", CASES)
 def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypatch):
     """form: the kernel serving bf16 O: plain (cute_kernels/fmha_sm90.py) or the
     warp-specialized cute_kernels/fmha_sm90_ws.py (ws; wsf: FlashAttention-3's intra-warpgroup
-    order), forced through WARP_SPECIALIZED_FOR_TESTS."""
+    order; wsu: static stages; wsup: wsu on persistent CTAs walking (tile, head, request)
+    items), forced through WARP_SPECIALIZED_FOR_TESTS."""
     native = _native_serving(form, monkeypatch)
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
@@ -209,7 +210,7 @@ def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, s
     assert rel <= 1e-2, rel
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsut"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsut", "wsutp"])
 @pytest.mark.parametrize("qk_values", ["randn", "exact"])
 @pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
                                                  ((4, 4), False, False), ((64, 4), True, True)])
@@ -337,7 +338,7 @@ def test_max_score_only_pass_runs_on_the_indexer_kernel(seed, monkeypatch):
     assert rel <= 1e-2, rel
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsup"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """Paged K/V whose slots past each request's kv_len (and the spare pages) hold NaN: a masked
@@ -371,7 +372,7 @@ def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
                            f"NaN past kv_len causal={causal} form={form}")
 
 
-@pytest.mark.parametrize("form", ["ws", "wsf", "wsu", "wsut"])
+@pytest.mark.parametrize("form", ["ws", "wsf", "wsu", "wsut", "wsutp"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """e4m3 paged K/V with NaN (0x7f) in every slot past kv_len and in the spare pages: the
@@ -418,7 +419,7 @@ def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch)
     assert worst <= 1e-3
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsu"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsu", "wsup"])
 def test_fmha_native_paged_pool_past_2_31_elements(form, seed, monkeypatch):
     """Paged bf16 K/V pools of more than 2^31 elements each (2^16 pages of [2, 128, 128] below
     the boundary, NaN; ~4.3 GB apiece) whose used pages all lie past the 2^31-element boundary:

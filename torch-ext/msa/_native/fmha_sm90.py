@@ -23,6 +23,7 @@ indexer's computation and runs on the validated sm90 block max-score kernel.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Union
 
@@ -71,7 +72,8 @@ VALIDATED_WARP_SPECIALIZED_FP8 = True
 WARP_SPECIALIZED_FOR_TESTS: Union[None, bool, str] = None
 # Warp-specialized forms per q/k/v dtype (must match cute_kernels.variants.WS_FORMS /
 # WS_FP8_FORMS).
-WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu"), "e4m3": ("ws", "wsf", "wsu", "wsut")}
+WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu", "wsup"),
+            "e4m3": ("ws", "wsf", "wsu", "wsut", "wsutp")}
 # "wsf" (FlashAttention-3's intra-warpgroup order: O rescaled under S(j), the softmax of block j
 # under the own P(j-1) V(j-1)): on the H200 (2026-12-01, session 8, 05edc2d) its float64,
 # quantized-model and NaN-past-kv_len cases passed in both dtypes and memcheck was clean. Timed
@@ -98,6 +100,8 @@ WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu"), "e4m3": ("ws", "wsf", "wsu", "wsut
 # byte-exact check passed, memcheck clean (with ws / wsu / split-KV); same run, Hq 64 / Hkv 4,
 # ms: 32k causal wsu 25.71 -> wsut 21.75 (809 TFLOP/s, 1.31x our bf16 28.43, 1.38x cuDNN),
 # paged 21.70; 32k non-causal 43.36 (1.29x bf16). It serves e4m3.
+# "wsup" / "wsutp" (session 10, gated): wsu / wsut on persistent CTAs (min(items, SMs) CTAs
+# walk the (query tile, head, request) items, heaviest tiles first; run() passes the SM count).
 VALIDATED_WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu"), "e4m3": ("ws", "wsf", "wsu", "wsut")}
 SERVED_WS_FORM = {"bfloat16": "wsu", "e4m3": "wsut"}
 # Split-KV for plans with num_kv_splits > 1 (decode-like: few query tiles, long KV; variants
@@ -118,7 +122,7 @@ POISON_BUFFERS_FOR_TESTS = False
 # The FMHA artifact of the most recent run() (tests check which form served a call).
 last_variant: Optional[str] = None
 # Forms whose v argument is V transposed ahead of the kernel (transpose_v).
-V_TRANSPOSED_FORMS = ("wsut",)
+V_TRANSPOSED_FORMS = ("wsut", "wsutp")
 TRANSPOSE_V_OP = "fmha_transpose_v_e4m3"
 
 
@@ -303,6 +307,11 @@ def split_kv_count(plan, with_score: bool, paged: bool = False,
     return splits
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def check_launch_limits(call) -> None:
     """NotImplementedError for sizes the kernel cannot count in int32. q, k, v and O may hold
     2^31 elements or more (their row offsets are 64-bit: the page or token index times a 64-bit
@@ -372,6 +381,8 @@ def run(call):
     args = [q, k, v, out, cu_q, cu_k, kv_lens, offsets, table] + scalars
     if with_score:     # max-score values are scaled by sm_scale * q_scale * k_scale
         args += [max_score, float(call.logit_scale)]
+    if variant_form(name) in WS_FORMS[_DTYPE_NAMES[q.dtype]]:
+        args.append(_sm_count(device))        # the persistent forms' CTA count
     last_variant = name
     cute_runtime.launch(name, device, *args)
     return out, max_score

@@ -119,11 +119,12 @@ def fmha_args(variant: FmhaVariant):
     total_q, hq, hkv, batch = _dyn(), _dyn(), _dyn(), _dyn()
     kv_shape = (_dyn(), hkv, 128, 128) if variant.paged else (_dyn(), hkv, 128)
     v_shape, table_shape = kv_shape, (_dyn(), _dyn())
-    if variant.form == "wsut":
+    if WS_FORMS.get(variant.form, {}).get("v_transposed"):
         # V transposed ahead: Vt [blocks, Hkv, 128 channels, 128 keys']; page_table [2, B, W]
         # (K's pages, then each key block's Vt block).
         v_shape, table_shape = (_dyn(), hkv, 128, 128), (2, _dyn(), _dyn())
     split = variant.form == "split"
+    warp_specialized = variant.form in WS_FORMS
     if split:
         splits = _dyn()
         outputs = [_tensor(cutlass.Float32, (splits, total_q, hq, 128)),      # o_partial
@@ -141,7 +142,8 @@ def fmha_args(variant: FmhaVariant):
         cutlass.Int32(1), cutlass.Int32(1),                 # causal, grid_q_tiles
     ] + ([_tensor(cutlass.Float32, (hq, _dyn(), total_q)),  # max_score [Hq, tiles, total_q]
           cutlass.Float32(1.0)] if variant.max_score else []) + (
-        [cutlass.Int32(2)] if split else []) + [            # num_splits
+        [cutlass.Int32(2)] if split else []) + (            # num_splits
+        [cutlass.Int32(132)] if warp_specialized else []) + [   # num_ctas (persistent forms)
         make_fake_stream(),
     ]
 

@@ -79,6 +79,9 @@ MMA_REGS = 240           # 24 * 128 + 240 * 256 = 64512
 # e4m3: warps 1-3 of the producer warpgroup transpose V (word loads, byte permutes).
 PRODUCER_REGS_FP8 = 72   # the transposer region uses up to R70
 MMA_REGS_FP8 = 216       # 72 * 128 + 216 * 256 = 64512 (80 / 216 hung: 65536)
+# Persistent forms: the producer walks the work items too (24 spilled).
+PRODUCER_REGS_PERSISTENT = 40
+MMA_REGS_PERSISTENT = 232    # 40 * 128 + 232 * 256 = 64512
 TRANSPOSE_WARPS = 3
 # Named barriers (0 is sync_threads): a consumer warpgroup's own (Q published, O staged),
 # and each consumer's ping-pong turn.
@@ -91,9 +94,12 @@ BAR_TURN = 3             # + consumer index, 256 threads
 # FlashAttention-3's intra-warpgroup order (served e4m3 before wsu).
 # "wsut" (e4m3 only): wsu with V transposed ahead of the kernel (fmha_transpose_v_e4m3, a
 # CUDA op): no transposer warps, the consumers get bf16's register budget.
+# "wsup" / "wsutp": wsu / wsut with persistent CTAs (the constructor's `persistent`).
 FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True),
-         "wsut": dict(uniform=True, v_transposed=True)}
-FP8_FORMS = ("ws", "wsf", "wsu", "wsut")
+         "wsut": dict(uniform=True, v_transposed=True),
+         "wsup": dict(uniform=True, persistent=True),
+         "wsutp": dict(uniform=True, v_transposed=True, persistent=True)}
+FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp")
 
 
 class FmhaSm90Ws:
@@ -101,7 +107,8 @@ class FmhaSm90Ws:
     e4m3 q/k/v with V transposed by the producer warpgroup)."""
 
     def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
-                 overlap: bool = False, uniform: bool = False, v_transposed: bool = False):
+                 overlap: bool = False, uniform: bool = False, v_transposed: bool = False,
+                 persistent: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
         # uniform (form "wsu"): every tile starts on K/V stage 0 and the blocks every row
         # sees whole run in unrolled pairs (mask-free), so their stages are compile-time
@@ -133,15 +140,24 @@ class FmhaSm90Ws:
         assert not v_transposed or (self.fp8 and uniform)
         self.v_transposed = v_transposed
         self.transposer = self.fp8 and not v_transposed
+        # persistent (forms "wsup", "wsutp"): min(work items, num_ctas) CTAs walk the (query
+        # tile, head, request) items heaviest tile first, the producer running on into the
+        # next item's blocks while the consumers finish one; every CTA otherwise pays its
+        # launch, Q load, first S-only block and O store alone (~4-6 us, 10-15 % of a 4k tile).
+        assert not persistent or (uniform and not self.transposer)
+        self.persistent = persistent
         self.producer_regs = PRODUCER_REGS_FP8 if self.transposer else PRODUCER_REGS
         self.mma_regs = MMA_REGS_FP8 if self.transposer else MMA_REGS
+        if persistent:
+            self.producer_regs, self.mma_regs = PRODUCER_REGS_PERSISTENT, MMA_REGS_PERSISTENT
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor,
                  cu_seqlens_q: cute.Tensor, cu_seqlens_k: cute.Tensor, kv_lens: cute.Tensor,
                  qo_offset: cute.Tensor, page_table: cute.Tensor,
                  logit_scale_log2: cutlass.Float32, output_scale: cutlass.Float32,
-                 causal: cutlass.Int32, grid_q_tiles: cutlass.Int32, stream):
+                 causal: cutlass.Int32, grid_q_tiles: cutlass.Int32, num_ctas: cutlass.Int32,
+                 stream):
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
         q_layout = cute.tile_to_shape(atom, (WG_ROWS, HEAD_DIM, NUM_MMA_WARPGROUPS), (0, 1, 2))
         kv_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM, self.kv_stages), (0, 1, 2))
@@ -169,12 +185,16 @@ class FmhaSm90Ws:
         zero_copy = row_copy(self.dtype, 4, async_copy=False)
         mma_qk, mma_pv, stage_o_copy, store_o_copy = mmas_and_o_copies(self.dtype,
                                                                        self.out_dtype)
+        grid = (grid_q_tiles, cute.size(q.shape[1]), cute.size(cu_seqlens_q.shape[0]) - 1)
+        if cutlass.const_expr(self.persistent):
+            # num_ctas (the SM count) CTAs, fewer when there are fewer items.
+            n_items = grid_q_tiles * grid[1] * grid[2]
+            grid = (cutlass.min(n_items, num_ctas), 1, 1)
         self.kernel(q, tK, tV, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
-                    logit_scale_log2, output_scale, causal, tma_k, tma_v, q_layout, kv_layout,
-                    q_copy, zero_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy,
-                    SharedStorage).launch(
-            grid=(grid_q_tiles, cute.size(q.shape[1]), cute.size(cu_seqlens_q.shape[0]) - 1),
-            block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
+                    logit_scale_log2, output_scale, causal, grid_q_tiles, tma_k, tma_v,
+                    q_layout, kv_layout, q_copy, zero_copy, mma_qk, mma_pv, stage_o_copy,
+                    store_o_copy, SharedStorage).launch(
+            grid=grid, block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
 
     def _fp8_layouts(self):
         """e4m3: the key-permuted Vt stages (channel, key', stage) and the bf16 O tiles (the
@@ -211,7 +231,8 @@ class FmhaSm90Ws:
                mCuQ: cute.Tensor, mCuK: cute.Tensor, mKvLens: cute.Tensor,
                mOffset: cute.Tensor, mPageTable: cute.Tensor,
                scale_log2: cutlass.Float32, output_scale: cutlass.Float32,
-               causal: cutlass.Int32, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+               causal: cutlass.Int32, grid_q_tiles: cutlass.Int32, tma_k: cute.CopyAtom,
+               tma_v: cute.CopyAtom,
                q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout,
                q_copy: cute.TiledCopy, zero_copy: cute.TiledCopy, mma_qk: cute.TiledMma,
                mma_pv: cute.TiledMma, stage_o_copy: cute.TiledCopy,
@@ -260,21 +281,42 @@ class FmhaSm90Ws:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        head_kv = head // (mQ.shape[1] // tK.shape[2])
+        group = mQ.shape[1] // tK.shape[2]
+        head_kv = head // group
         mVtTable = None
         if cutlass.const_expr(self.v_transposed):
             mVtTable = mPageTable[1, None, None]             # (request, key block) -> Vt block
             mPageTable = mPageTable[0, None, None]
         q_start, q_len, kv_len, offset, k_row0, n_q_tiles = request_bounds(
             mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable, request, tK.shape[0], self.paged)
+        # Persistent: item w = (query tile rank, head, request), rank-major (every request's
+        # heaviest tile first) with the heads of one KV head adjacent (their K / V share L2).
+        n_heads = mQ.shape[1]
+        n_requests = mCuQ.shape[0] - 1
+        n_items = grid_q_tiles * n_heads * n_requests
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp == 0:
-                self._producer(tK, tV, mPageTable, tma_k, tma_v, zero_copy, sK_stages,
-                               sVt_stages if self.v_transposed else sV_stages, mbar, request,
-                               head_kv, k_row0, kv_len, offset, causal, q_len, n_q_tiles,
-                               cta_x, grid_x, tidx % 32, mVtTable)
+                sKV = (sK_stages, sVt_stages if self.v_transposed else sV_stages, mbar)
+                g = cutlass.Int32(0)
+                parity = cutlass.Int32(0)
+                scratch = cutlass.Int32(0)
+                if cutlass.const_expr(self.persistent):
+                    for w in range(cta_x, n_items, grid_x):
+                        walk, i_head, i_request = self._item(w, n_heads, n_requests)
+                        i_q_start, i_q_len, i_kv_len, i_offset, i_k_row0, i_tiles = \
+                            request_bounds(mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable,
+                                           i_request, tK.shape[0], self.paged)
+                        g, parity, scratch = self._producer(
+                            tK, tV, mPageTable, tma_k, tma_v, zero_copy, *sKV, i_request,
+                            i_head // group, i_k_row0, i_kv_len, i_offset, causal, i_q_len,
+                            i_tiles, walk, grid_q_tiles, tidx % 32, mVtTable,
+                            (g, parity, scratch))
+                else:
+                    self._producer(tK, tV, mPageTable, tma_k, tma_v, zero_copy, *sKV, request,
+                                   head_kv, k_row0, kv_len, offset, causal, q_len, n_q_tiles,
+                                   cta_x, grid_x, tidx % 32, mVtTable, (g, parity, scratch))
             if cutlass.const_expr(self.transposer):
                 if warp > 0:
                     self._transposer(sV_stages, sVt_stages, mbar, kv_len, offset, causal,
@@ -285,14 +327,42 @@ class FmhaSm90Ws:
                     grid_x, scale_log2, output_scale, tidx)
             rest = (sQ_wgs, sK_stages, sV_stages, mbar, q_copy, mma_qk, mma_pv, stage_o_copy,
                     store_o_copy, sVt_stages, sO_wgs)
-            if cutlass.const_expr(self.uniform):
+            # Consumer 0 takes the first turn.
+            if wg == 2:
+                cute.arch.barrier_arrive(barrier_id=BAR_TURN, number_of_threads=256)
+            g = cutlass.Int32(0)
+            parity = cutlass.Int32(0)
+            state = (g, parity)
+            if cutlass.const_expr(self.persistent):
+                # One trace per consumer warpgroup (static index), each walking the items.
+                for mwg in cutlass.range_constexpr(NUM_MMA_WARPGROUPS):
+                    if wg == 1 + mwg:
+                        for w in range(cta_x, n_items, grid_x):
+                            walk, i_head, i_request = self._item(w, n_heads, n_requests)
+                            i_q_start, i_q_len, i_kv_len, i_offset, _, i_tiles = \
+                                request_bounds(mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable,
+                                               i_request, tK.shape[0], self.paged)
+                            g, parity = self._consumer(
+                                mQ, mO, i_head, i_q_start, i_q_len, i_kv_len, i_offset, causal,
+                                i_tiles, walk, grid_q_tiles, scale_log2, output_scale, tidx,
+                                mwg, *rest, (g, parity))
+            elif cutlass.const_expr(self.uniform):
                 # One trace per consumer warpgroup: its index, hence its Q tile, is static.
                 if wg == 1:
-                    self._consumer(*args, 0, *rest)
+                    self._consumer(*args, 0, *rest, state)
                 else:
-                    self._consumer(*args, 1, *rest)
+                    self._consumer(*args, 1, *rest, state)
             else:
-                self._consumer(*args, wg - 1, *rest)
+                self._consumer(*args, wg - 1, *rest, state)
+
+    @staticmethod
+    def _item(w, n_heads, n_requests):
+        """Persistent work item w -> (query tile rank: 0 is the request's heaviest, head,
+        request)."""
+        per_rank = n_heads * n_requests
+        rank = w // per_rank
+        rest = w - rank * per_rank
+        return rank, rest % n_heads, rest // n_heads
 
     @cute.jit
     def _tile_blocks(self, walk, n_q_tiles, q_len, kv_len, offset, causal):
@@ -330,9 +400,11 @@ class FmhaSm90Ws:
                   tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, zero_copy: cute.TiledCopy,
                   sK_stages: cute.Tensor, sV_stages: cute.Tensor, mbar, request, head_kv,
                   k_row0, kv_len, offset, causal, q_len, n_q_tiles, cta_x, grid_x, lane,
-                  mVtTable=None):
+                  mVtTable, state):
         """K and V (bf16), K and raw V (e4m3 with the transposer) or K and Vt (v_transposed:
-        sV_stages are then the Vt stages) blocks of every tile into their rings."""
+        sV_stages are then the Vt stages) blocks of tiles cta_x, cta_x + grid_x, .. of one
+        (head, request) into their rings. state = (blocks streamed, stage parities, scratch
+        phase) before them; returns it after them (persistent CTAs carry it over items)."""
         S = self.kv_stages
         # (TMA, stage) smem and (TMA, block or page) gmem partitions of the K and V boxes.
         # (Vt: (channel, key', Vt block) in either layout.)
@@ -356,9 +428,7 @@ class FmhaSm90Ws:
         thr_zero = zero_copy.get_slice(lane)
         tZcZ = thr_zero.partition_D(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
 
-        g = cutlass.Int32(0)                  # blocks streamed so far (all tiles)
-        parity = cutlass.Int32(0)             # wsu: stage-use parities (_stage_phase)
-        scratch_phase = cutlass.Int32(0)
+        g, parity, scratch_phase = state      # blocks so far, wsu's stage-use parities
         for walk in range(cta_x, n_q_tiles, grid_x):
             q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
             for blk in range(n_blocks):
@@ -416,6 +486,7 @@ class FmhaSm90Ws:
                             cute.arch.mbarrier_arrive(mbar + 2 * S + stage)
             g = g + n_blocks
             parity = self._next_parity(parity, n_blocks)
+        return g, parity, scratch_phase
 
     # ---- e4m3 V transposer (warps 1 .. TRANSPOSE_WARPS of the producer warpgroup) ----------
     @cute.jit
@@ -459,17 +530,16 @@ class FmhaSm90Ws:
     @cute.jit
     def _consumer(self, mQ, mO, head, q_start, q_len, kv_len, offset, causal, n_q_tiles, cta_x,
                   grid_x, scale_log2, output_scale, tidx, mwg, sQ_wgs, sK_stages, sV_stages,
-                  mbar, q_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, sVt_stages=None,
-                  sO_wgs=None):
+                  mbar, q_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, sVt_stages, sO_wgs,
+                  state):
+        """Query tiles cta_x, cta_x + grid_x, .. of one (head, request) for consumer warpgroup
+        mwg. state = (blocks streamed, stage parities) before them; returns it after them."""
         S = self.kv_stages
         wg_tidx = tidx % 128
         lane = tidx % 32
         warp_in_wg = cute.arch.make_warp_uniform(wg_tidx // 32)
         turn_mine = BAR_TURN + mwg
         turn_other = BAR_TURN + 1 - mwg
-        # Consumer 0 takes the first turn.
-        if mwg == 1:
-            cute.arch.barrier_arrive(barrier_id=BAR_TURN, number_of_threads=256)
 
         if cutlass.const_expr(not self.fp8):
             sVt_stages = cute.composition(
@@ -494,8 +564,7 @@ class FmhaSm90Ws:
         row_sum = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)   # this thread's part
         corr = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
 
-        g = cutlass.Int32(0)
-        parity = cutlass.Int32(0)             # wsu: stage-use parities (_stage_phase)
+        g, parity = state                     # blocks so far, wsu's stage-use parities
         for walk in range(cta_x, n_q_tiles, grid_x):
             q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
             wg_q0 = q_lo + mwg * WG_ROWS
@@ -574,6 +643,7 @@ class FmhaSm90Ws:
                          store_o_copy, self.out_dtype)
             # The next tile reloads Q into these rows: the whole warpgroup must be done.
             cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
+        return g, parity
 
     @cute.jit
     def _turn(self, t, blk, stage, k_phase, prev, v_phase, mask: cutlass.Constexpr = True):
