@@ -353,7 +353,7 @@ def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
     assert native._variant_for(False, o) == "fmha_sm90_bfloat16_dense"
     assert native._variant_for(False, o, e4m3) == "fmha_sm90_e4m3_dense"
     monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
-    served = {torch.bfloat16: "_wsu", e4m3: "_wsut"}
+    served = {torch.bfloat16: "_wsu", e4m3: "_wsutp"}
     for paged in (False, True):
         for dtype in (torch.bfloat16, e4m3):
             name = native._variant_for(paged, o, dtype)
@@ -379,7 +379,7 @@ def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
     assert native._variant_for(True, o) == "fmha_sm90_bfloat16_paged_wsu"
     assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged"
     monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED_FP8", True)
-    assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged_wsut"
+    assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged_wsutp"
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", True)
     assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged_ws"
     # variant_form inverts variant_name (bench_fmha labels rows by the form that ran).
