@@ -1,11 +1,13 @@
 """Dense FMHA forward for Hopper (sm_90a), warp-specialized (variants
-fmha_sm90_{bfloat16,e4m3}_{dense,paged}_ws; they serve O-only calls).
-Same semantics, arguments and grid as FmhaSm90 (cute_kernels/fmha_sm90.py, O only, bf16 or
-e4m3 q/k/v); only the way the key blocks are streamed and the two warpgroups are scheduled
-differs. e4m3: as the plain e4m3 kernel, P is rounded to e4m3 in
-registers and handed in the key order of register_p_key_order, so P V reads a key-permuted,
-K-major Vt: in the served form "wsut" the Vt blocks come transposed ahead of the kernel (the
-fmha_transpose_v_e4m3 CUDA op) and the producer TMA-loads them as it loads K; in ws / wsf / wsu
+fmha_sm90_{bfloat16,e4m3}_{dense,paged}_ws*; they serve O-only calls).
+Same semantics and arguments as FmhaSm90 (cute_kernels/fmha_sm90.py, O only, bf16 or e4m3
+q/k/v) plus the SM count (num_ctas); the same grid, except the persistent forms (wsup, wsutp:
+min(items, num_ctas) CTAs walking the (query tile, head, request) items). Only the way the key
+blocks are streamed and the two warpgroups are scheduled differs. e4m3: as the plain e4m3
+kernel, P is rounded to e4m3 in registers and handed in the key order of
+register_p_key_order, so P V reads a key-permuted, K-major Vt: in the wsut forms (wsutp serves
+e4m3) the Vt blocks come transposed ahead of the kernel (the fmha_transpose_v_e4m3 CUDA op)
+and the producer TMA-loads them as it loads K; in ws / wsf / wsu
 the producer TMA-loads raw V into its own ring and warps 1-3 of the producer warpgroup
 transpose it (tile_utils.transpose_v_words with n_keys: 32-bit words, byte permutes; keys past
 kv_len written as zeros) into Vt stages. The consumers wait for and release Vt stages as they
