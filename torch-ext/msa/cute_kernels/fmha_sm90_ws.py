@@ -13,7 +13,7 @@ transpose it (tile_utils.transpose_v_words with n_keys: 32-bit words, byte permu
 kv_len written as zeros) into Vt stages. The consumers wait for and release Vt stages as they
 do V in bf16.
 
-Roles (384 threads, one CTA per SM):
+Roles (384 threads, one CTA per SM; the persistent forms walk work items, see `_item`):
 
 * warpgroup 0 is the producer (setmaxnreg down to PRODUCER_REGS); its warp 0 loads the K and V
   blocks of every tile the CTA walks with TMA into a KV_STAGES-deep ring, K and V with their own
@@ -33,12 +33,12 @@ Roles (384 threads, one CTA per SM):
   stages, an intra-warpgroup overlap that rescaled O after the own P V, a lazy O rescale.)
   Form "wsf" (validated; slower than wsu): FlashAttention-3's order, O rescaled under S(j)
   and the softmax of block j under the own P(j-1) V(j-1) (the constructor's `overlap`).
-  Form "wsu" (serves bf16; e4m3 serves wsut, wsu on Vt transposed ahead; the constructor's
-  `uniform`): every tile starts on K/V stage 0 (producer, e4m3 transposer and consumers), the
-  blocks every row of the tile sees
-  whole run in unrolled pairs (block 2i+1 on stage 1, 2i+2 on stage 0, no mask), the rest one
-  by one, and the consumer body is traced once per warpgroup, so that the wgmma descriptors
-  are static offsets in uniform registers.
+  Form "wsu" (serves bf16; e4m3 serves wsutp, wsu on Vt transposed ahead and persistent CTAs;
+  the constructor's `uniform`): every tile starts on K/V stage 0 (producer, e4m3 transposer
+  and consumers), the blocks every row of the tile sees whole run in unrolled pairs (block
+  2i+1 on stage 1, 2i+2 on stage 0, no mask), the rest one by one, and the consumer body is
+  traced once per warpgroup, so that the wgmma descriptors are static offsets in uniform
+  registers.
 * ping-pong: the two GEMM issues of a block are a turn; turns alternate between the consumers
   through two named barriers (a consumer waits on its own, then arrives on the other's), so
   one warpgroup's softmax runs under the other's GEMMs (FlashAttention-3's schedule). Both
