@@ -29,14 +29,18 @@ __device__ __forceinline__ int vt_key_of_column(int r) {
   return (r & 0x71) | (((r >> 1) & 1) << 3) | (((r >> 2) & 3) << 1);
 }
 
-// Key blocks of request b (kv_len clamped to the page table's width in blocks when paged, as
-// the FMHA clamps it; negative lengths count as 0).
-__device__ __forceinline__ int64_t key_blocks(const TransposeVArgs& a, int b) {
+// Keys of request b: kv_len clamped to the page table's width in keys when paged, as the FMHA
+// clamps it; negative lengths count as 0.
+__device__ __forceinline__ int64_t clamped_kv_len(const TransposeVArgs& a, int b) {
   int64_t kv_len = max(a.kv_lens[b], 0);
   if (a.page_table != nullptr) {
     kv_len = min(kv_len, static_cast<int64_t>(a.page_table_width) * kBlock);
   }
-  return (kv_len + kBlock - 1) / kBlock;
+  return kv_len;
+}
+
+__device__ __forceinline__ int64_t key_blocks(const TransposeVArgs& a, int b) {
+  return (clamped_kv_len(a, b) + kBlock - 1) / kBlock;
 }
 
 // base(request) = key blocks of requests 0 .. request - 1: a strided sum and a block reduction.
@@ -65,10 +69,7 @@ __global__ void __launch_bounds__(kThreads) transpose_v_e4m3_kernel(TransposeVAr
     a.tables[static_cast<int64_t>(a.batch) * a.table_width + row] =
         static_cast<int32_t>(vt_block);
   }
-  int64_t kv_len = max(a.kv_lens[request], 0);
-  if (a.page_table != nullptr) {
-    kv_len = min(kv_len, static_cast<int64_t>(a.page_table_width) * kBlock);
-  }
+  const int64_t kv_len = clamped_kv_len(a, request);
   const int64_t key0 = static_cast<int64_t>(blk) * kBlock;
   if (key0 >= kv_len) return;
   if (vt_block >= a.num_vt_blocks) return;   // Vt sized from other lengths: never write past it

@@ -380,7 +380,8 @@ def run(call):
         return out, None
     name = _variant_for(call.paged, MODE_O_AND_SCORE if with_score else MODE_O_ONLY, q.dtype)
     table = table.contiguous()
-    if variant_form(name) in V_TRANSPOSED_FORMS:
+    form = variant_form(name)
+    if form in V_TRANSPOSED_FORMS:
         # V -> Vt once for the call; the op also writes the kernel's [2, B, W] table (K's
         # pages, Vt's blocks).
         v, table = transpose_v(v, cu_k, kv_lens, table if call.paged else None,
@@ -388,7 +389,7 @@ def run(call):
     args = [q, k, v, out, cu_q, cu_k, kv_lens, offsets, table] + scalars
     if with_score:     # max-score values are scaled by sm_scale * q_scale * k_scale
         args += [max_score, float(call.logit_scale)]
-    if variant_form(name) in WS_FORMS[_DTYPE_NAMES[q.dtype]]:
+    if form in WS_FORMS[_DTYPE_NAMES[q.dtype]]:
         args.append(_sm_count(device))        # the persistent forms' CTA count
     last_variant = name
     cute_runtime.launch(name, device, *args)

@@ -334,7 +334,6 @@ class FmhaSm90Ws:
                 cute.arch.barrier_arrive(barrier_id=BAR_TURN, number_of_threads=256)
             g = cutlass.Int32(0)
             parity = cutlass.Int32(0)
-            state = (g, parity)
             if cutlass.const_expr(self.persistent):
                 # One trace per consumer warpgroup (static index), each walking the items.
                 for mwg in cutlass.range_constexpr(NUM_MMA_WARPGROUPS):
@@ -351,11 +350,11 @@ class FmhaSm90Ws:
             elif cutlass.const_expr(self.uniform):
                 # One trace per consumer warpgroup: its index, hence its Q tile, is static.
                 if wg == 1:
-                    self._consumer(*args, 0, *rest, state)
+                    self._consumer(*args, 0, *rest, (g, parity))
                 else:
-                    self._consumer(*args, 1, *rest, state)
+                    self._consumer(*args, 1, *rest, (g, parity))
             else:
-                self._consumer(*args, wg - 1, *rest, state)
+                self._consumer(*args, wg - 1, *rest, (g, parity))
 
     @staticmethod
     def _item(w, n_heads, n_requests):
