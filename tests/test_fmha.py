@@ -726,3 +726,22 @@ def test_native_dense_fmha_refuses_a_page_table_of_int32_key_count(seed):
         fmha_sm90.run(call(2 ** 24))
     assert pool.numel() > 2 ** 31
     fmha_sm90.check_launch_limits(call(2 ** 24 - 1))
+
+
+def test_native_causal_offsets_reuse_the_plans_tensor_only_when_exact():
+    """CPU: the launcher's [B] int32 causal offsets are the plan's tensor itself when its host
+    values are known and inside the kernels' +-2^30 clamp (no launches per call); otherwise a
+    clamped int32 copy (offsets past the clamp, an int64 override, unknown host values)."""
+    from msa._native.block_max_score_sm90 import causal_offsets
+    k_lens = torch.tensor([300, 7, 4096], dtype=torch.int32)
+    plan_offsets = torch.tensor([-5, 0, 2 ** 30], dtype=torch.int32)
+    assert causal_offsets(plan_offsets, None, k_lens, [-5, 0, 2 ** 30]) is plan_offsets
+    wide = torch.tensor([-2 ** 31, 3, 2 ** 30 + 1], dtype=torch.int32)
+    got = causal_offsets(wide, None, k_lens, wide.tolist())
+    assert got is not wide and got.tolist() == [-2 ** 30, 3, 2 ** 30]
+    for offsets, host in ((plan_offsets.long(), plan_offsets.tolist()), (plan_offsets, None)):
+        got = causal_offsets(offsets, None, k_lens, host)
+        assert got is not offsets and got.dtype == torch.int32
+        assert got.tolist() == [-5, 0, 2 ** 30]
+    assert causal_offsets(None, torch.tensor([1, 7, 96], dtype=torch.int32), k_lens).tolist() \
+        == [299, 0, 4000]

@@ -51,9 +51,13 @@ def main() -> int:
                     help="with --compare: variants new since the old file are listed, not failed")
     ap.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
                     help="with --compare: replace OLD by NEW in the old file's variant names")
+    ap.add_argument("--only", metavar="REGEX",
+                    help="fingerprint only the variants whose name matches (re.search)")
     args = ap.parse_args()
     prints = {}
     for variant in shipped_variants():
+        if args.only and not re.search(args.only, variant.name):
+            continue
         prints[variant.name] = fingerprint(variant)
         print(f"{variant.name:<52} {prints[variant.name]}", flush=True)
     Path(args.out).write_text(json.dumps(prints, indent=1, sort_keys=True))
@@ -64,6 +68,8 @@ def main() -> int:
             moved = {k.replace(before, after): v for k, v in old.items() if before in k}
             old = {k: v for k, v in old.items() if before not in k}
             old.update(moved)
+        if args.only:
+            old = {k: v for k, v in old.items() if re.search(args.only, k)}
         removed = sorted(set(old) - set(prints))
         added = sorted(set(prints) - set(old))
         changed = sorted(k for k in prints if k in old and old[k] != prints[k])

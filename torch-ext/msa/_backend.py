@@ -50,12 +50,20 @@ def register_native(op: str, arch: str, run: Callable,
     _registry[(op, arch)] = NativeImpl(op, arch, run, supports)
 
 
+_arch_of_index: Dict[int, Optional[str]] = {}
+
+
 def arch_family(device: torch.device) -> Optional[str]:
-    """'sm90' / 'sm100' for the device's compute capability, else None (CPU, other GPUs)."""
+    """'sm90' / 'sm100' for the device's compute capability, else None (CPU, other GPUs).
+    Cached per device index (asked on every call)."""
     if device.type != "cuda":
         return None
-    major, _minor = torch.cuda.get_device_capability(device)
-    return {9: "sm90", 10: "sm100"}.get(major)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    arch = _arch_of_index.get(index, "")
+    if arch == "":
+        major, _minor = torch.cuda.get_device_capability(index)
+        arch = _arch_of_index[index] = {9: "sm90", 10: "sm100"}.get(major)
+    return arch
 
 
 def _mode() -> str:

@@ -70,8 +70,9 @@ def has_artifact(name: str) -> bool:
 
 
 def unavailable_reason(*names: str) -> Optional[str]:
-    """None when every named variant can be loaded or compiled here, else why not."""
-    missing = [n for n in names if not has_artifact(n)]
+    """None when every named variant can be loaded or compiled here, else why not. (Asked on
+    every call: a variant already loaded answers without touching the file system.)"""
+    missing = [n for n in names if n not in _functions and not has_artifact(n)]
     if not missing:
         return None
     if importlib.util.find_spec("tvm_ffi") is None:
@@ -140,7 +141,10 @@ def get_function(name: str) -> Callable:
 
 def launch(name: str, device: torch.device, *args) -> None:
     """Run kernel variant `name` on `device`'s current stream (passed as the last argument)."""
-    fn = get_function(name)
-    with torch.cuda.device(device):
-        stream = torch.cuda.current_stream(device).cuda_stream
+    fn = _functions.get(name) or get_function(name)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    if device.index is None or device.index == torch.cuda.current_device():
         fn(*args, stream)
+    else:       # the TVM-FFI call launches on the current device
+        with torch.cuda.device(device):
+            fn(*args, stream)

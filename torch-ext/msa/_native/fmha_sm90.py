@@ -214,6 +214,7 @@ def variant_name(paged: bool, dtype: torch.dtype = torch.bfloat16,
     return f"fmha_sm90_{_DTYPE_NAMES[dtype]}_{'paged' if paged else 'dense'}{suffix}"
 
 
+@functools.lru_cache(maxsize=None)
 def variant_form(name: str) -> str:
     """The kernel form of an FMHA artifact name (variant_name's suffix): a warp-specialized
     form, "split", or "plain"."""
@@ -350,7 +351,8 @@ def run(call):
     cu_k = _to(plan["cu_seqlens_k"], device)
     kv_lens = _to(plan["kv_segment_lens"], device)
     # The fmha call always carries [B] offsets; clamped as the indexer clamps them.
-    offsets = block_max_score_sm90.causal_offsets(call.qo_offset, None, kv_lens).contiguous()
+    offsets = block_max_score_sm90.causal_offsets(call.qo_offset, None, kv_lens,
+                                                  call.host_qo_offset).contiguous()
     batch = cu_q.numel() - 1
     table = call.page_table if call.paged else kv_lens.view(batch, 1)   # unused when dense
     grid_q_tiles = max(1, -(-int(plan["max_seqlen_q"]) // TILE_M))

@@ -13,7 +13,8 @@ transpose it (tile_utils.transpose_v_words with n_keys: 32-bit words, byte permu
 kv_len written as zeros) into Vt stages. The consumers wait for and release Vt stages as they
 do V in bf16.
 
-Roles (384 threads, one CTA per SM; the persistent forms walk work items, see `_item`):
+Roles (384 threads, one CTA per SM; the persistent forms walk work items, see `_item` and
+`_snake`, and their producer loads Q too, see `_load_q`):
 
 * warpgroup 0 is the producer (setmaxnreg down to PRODUCER_REGS); its warp 0 loads the K and V
   blocks of every tile the CTA walks with TMA into a KV_STAGES-deep ring, K and V with their own
@@ -44,15 +45,17 @@ Roles (384 threads, one CTA per SM; the persistent forms walk work items, see `_
   one warpgroup's softmax runs under the other's GEMMs (FlashAttention-3's schedule). Both
   consumers take n_blocks + 1 turns per tile, so the alternation stays matched.
 
-Shared memory: bf16 Q 2 x 16 KB + 2 stages x (K 32 KB + V 32 KB) + mbarriers (160 KB); e4m3
-Q 2 x 8 KB + 2 stages x (K, raw V, Vt 16 KB each) + O 2 x 16 KB (bf16) (144 KB; wsut: no raw
-V, 112 KB). Registers: bf16 and e4m3 wsut 24 (producer) / 240 (consumers); the other e4m3 forms
-72 / 216 (the transposer warps need more than 24: they use up to R70).
+Shared memory: bf16 Q 2 x 16 KB + 2 stages x (K 32 KB + V 32 KB) + mbarriers (160 KB; wsup
+adds O 2 x 16 KB: 192 KB); e4m3 Q 2 x 8 KB + 2 stages x (K, raw V, Vt 16 KB each) + O 2 x 16
+KB (bf16) (144 KB; wsut / wsutp: no raw V, 112 KB). Registers: bf16 and e4m3 wsut 24
+(producer) / 240 (consumers); the persistent forms 40 / 232; the other e4m3 forms 72 / 216
+(the transposer warps need more than 24: they use up to R70).
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -143,11 +146,18 @@ class FmhaSm90Ws:
         self.v_transposed = v_transposed
         self.transposer = self.fp8 and not v_transposed
         # persistent (forms "wsup", "wsutp"): min(work items, num_ctas) CTAs walk the (query
-        # tile, head, request) items heaviest tile first, the producer running on into the
-        # next item's blocks while the consumers finish one; every CTA otherwise pays its
-        # launch, Q load, first S-only block and O store alone (~4-6 us, 10-15 % of a 4k tile).
+        # tile, head, request) items heaviest tile first (in boustrophedon rounds, _snake), the
+        # producer running on into the next item's Q and blocks while the consumers finish
+        # one; every CTA otherwise pays its launch, Q load, first S-only block and O store
+        # alone (~4-6 us, 10-15 % of a 4k tile).
         assert not persistent or (uniform and not self.transposer)
         self.persistent = persistent
+        # Persistent forms: the producer TMA-loads each item's Q into the Q rows as soon as
+        # both consumers have issued their last S wgmma (Q full / Q empty mbarriers), so the
+        # next item's Q lands under the last P V and the O store; O is then staged in a tile
+        # of its own (the e4m3 forms have one anyway).
+        self.q_by_producer = persistent
+        self.own_o_tile = self.fp8 or self.q_by_producer
         self.producer_regs = PRODUCER_REGS_FP8 if self.transposer else PRODUCER_REGS
         self.mma_regs = MMA_REGS_FP8 if self.transposer else MMA_REGS
         if persistent:
@@ -173,13 +183,20 @@ class FmhaSm90Ws:
         tma_k, tK = cpasync.make_tiled_tma_atom(op, k_view, kv_tile, (BLOCK_N, HEAD_DIM))
         if cutlass.const_expr(self.v_transposed):
             # Vt (block, head, channel, key') -> (channel, key', head, block) boxes.
-            vt_layout, _ = self._fp8_layouts()
+            vt_layout = self._vt_layout()
             vt_view = cute.make_tensor(v.iterator, cute.select(v.layout, mode=[2, 3, 1, 0]))
             tma_v, tV = cpasync.make_tiled_tma_atom(op, vt_view,
                                                     cute.slice_(vt_layout, (None, None, 0)),
                                                     (HEAD_DIM, BLOCK_N))
         else:
             tma_v, tV = cpasync.make_tiled_tma_atom(op, v_view, kv_tile, (BLOCK_N, HEAD_DIM))
+        tma_q, tQ = None, None
+        if cutlass.const_expr(self.q_by_producer):
+            # Q (token, channel, head) boxes of one warpgroup's 64 rows.
+            q_view = cute.make_tensor(q.iterator, cute.select(q.layout, mode=[0, 2, 1]))
+            tma_q, tQ = cpasync.make_tiled_tma_atom(op, q_view,
+                                                    cute.slice_(q_layout, (None, None, 0)),
+                                                    (WG_ROWS, HEAD_DIM))
         SharedStorage = self._shared_storage(q_layout, kv_layout)
 
         q_copy = row_copy(self.dtype, 16)
@@ -195,24 +212,31 @@ class FmhaSm90Ws:
         self.kernel(q, tK, tV, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
                     logit_scale_log2, output_scale, causal, grid_q_tiles, tma_k, tma_v,
                     q_layout, kv_layout, q_copy, zero_copy, mma_qk, mma_pv, stage_o_copy,
-                    store_o_copy, SharedStorage).launch(
+                    store_o_copy, SharedStorage, tQ, tma_q).launch(
             grid=grid, block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
 
-    def _fp8_layouts(self):
-        """e4m3: the key-permuted Vt stages (channel, key', stage) and the bf16 O tiles (the
-        e4m3 Q rows are too small to stage O in). Static; called while tracing."""
+    def _vt_layout(self):
+        """e4m3: the key-permuted Vt stages (channel, key', stage). Static (tracing)."""
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
-        vt_layout = cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N, self.kv_stages), (0, 1, 2))
+        return cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N, self.kv_stages), (0, 1, 2))
+
+    def _o_layout(self):
+        """The consumers' bf16 O tiles (own_o_tile: the e4m3 Q rows are too small to stage O
+        in, and the persistent forms' Q rows take the next item's Q meanwhile)."""
         o_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
                                                  self.out_dtype)
-        o_layout = cute.tile_to_shape(o_atom, (WG_ROWS, HEAD_DIM, NUM_MMA_WARPGROUPS),
-                                      (0, 1, 2))
-        return vt_layout, o_layout
+        return cute.tile_to_shape(o_atom, (WG_ROWS, HEAD_DIM, NUM_MMA_WARPGROUPS), (0, 1, 2))
 
     def _n_mbarriers(self):
-        """K full / empty, V full / empty per stage, one scratch barrier; e4m3 adds the raw V
-        ring's full / empty (the V full / empty pair then guards the Vt stages)."""
-        return (6 if self.transposer else 4) * self.kv_stages + 1
+        """K full / empty, V full / empty per stage, one scratch barrier; e4m3 with the
+        transposer adds the raw V ring's full / empty (the V full / empty pair then guards the
+        Vt stages), q_by_producer Q full / empty (after the scratch barrier)."""
+        return (6 if self.transposer else 4) * self.kv_stages + 1 + (
+            2 if self.q_by_producer else 0)
+
+    def _q_mbarriers(self, mbar):
+        """(Q full, Q empty) of the q_by_producer forms."""
+        return mbar + 4 * self.kv_stages + 1, mbar + 4 * self.kv_stages + 2
 
     def _shared_storage(self, q_layout, kv_layout):
         """Q, K and V stages (e4m3: raw V, then Vt stages and O tiles), then the mbarriers
@@ -221,9 +245,9 @@ class FmhaSm90Ws:
         if not self.v_transposed:
             fields["sV"] = smem_tile(self.dtype, kv_layout)
         if self.fp8:
-            vt_layout, o_layout = self._fp8_layouts()
-            fields["sVt"] = smem_tile(self.dtype, vt_layout)
-            fields["sO"] = smem_tile(self.out_dtype, o_layout)
+            fields["sVt"] = smem_tile(self.dtype, self._vt_layout())
+        if self.own_o_tile:
+            fields["sO"] = smem_tile(self.out_dtype, self._o_layout())
         fields["mbar"] = cute.struct.Align[
             cute.struct.MemRange[cutlass.Int64, self._n_mbarriers()], 8]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
@@ -238,7 +262,8 @@ class FmhaSm90Ws:
                q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout,
                q_copy: cute.TiledCopy, zero_copy: cute.TiledCopy, mma_qk: cute.TiledMma,
                mma_pv: cute.TiledMma, stage_o_copy: cute.TiledCopy,
-               store_o_copy: cute.TiledCopy, SharedStorage: cutlass.Constexpr):
+               store_o_copy: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
+               tQ: Optional[cute.Tensor], tma_q: Optional[cute.CopyAtom]):
         tidx, _, _ = cute.arch.thread_idx()
         cta_x, head, request = cute.arch.block_idx()
         grid_x, _, _ = cute.arch.grid_dim()
@@ -256,8 +281,10 @@ class FmhaSm90Ws:
         sVt_stages = None
         sO_wgs = None
         if cutlass.const_expr(self.fp8):
-            vt_layout, o_layout = self._fp8_layouts()
+            vt_layout = self._vt_layout()
             sVt_stages = storage.sVt.get_tensor(vt_layout.outer, swizzle=vt_layout.inner)
+        if cutlass.const_expr(self.own_o_tile):
+            o_layout = self._o_layout()
             sO_wgs = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)
         if warp == 0:
             with cute.arch.elect_one():
@@ -278,8 +305,14 @@ class FmhaSm90Ws:
                         cute.arch.mbarrier_init(mbar + 5 * self.kv_stages + 1 + s,
                                                 TRANSPOSE_WARPS)                    # raw V empty
                 cute.arch.mbarrier_init(mbar + 4 * self.kv_stages, 1)               # scratch
+                if cutlass.const_expr(self.q_by_producer):
+                    q_full, q_empty = self._q_mbarriers(mbar)
+                    cute.arch.mbarrier_init(q_full, 1)
+                    cute.arch.mbarrier_init(q_empty, 4 * NUM_MMA_WARPGROUPS)
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
+            if cutlass.const_expr(self.q_by_producer):
+                cpasync.prefetch_descriptor(tma_q)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -305,16 +338,24 @@ class FmhaSm90Ws:
                 parity = cutlass.Int32(0)
                 scratch = cutlass.Int32(0)
                 if cutlass.const_expr(self.persistent):
-                    for w in range(cta_x, n_items, grid_x):
-                        walk, i_head, i_request = self._item(w, n_heads, n_requests)
-                        i_q_start, i_q_len, i_kv_len, i_offset, i_k_row0, i_tiles = \
-                            request_bounds(mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable,
-                                           i_request, tK.shape[0], self.paged)
-                        g, parity, scratch = self._producer(
-                            tK, tV, mPageTable, tma_k, tma_v, zero_copy, *sKV, i_request,
-                            i_head // group, i_k_row0, i_kv_len, i_offset, causal, i_q_len,
-                            i_tiles, walk, grid_q_tiles, tidx % 32, mVtTable,
-                            (g, parity, scratch))
+                    q_uses = cutlass.Int32(0)         # items whose Q this CTA loaded
+                    for rnd in range(self._rounds(n_items, grid_x)):
+                        w = self._snake(rnd, cta_x, grid_x)
+                        if w < n_items:
+                            walk, i_head, i_request = self._item(w, n_heads, n_requests)
+                            i_q_start, i_q_len, i_kv_len, i_offset, i_k_row0, i_tiles = \
+                                request_bounds(mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable,
+                                               i_request, tK.shape[0], self.paged)
+                            if walk < i_tiles:
+                                q_lo = (i_tiles - 1 - walk) * TILE_M
+                                self._load_q(tQ, tma_q, sQ_wgs, mbar, i_q_start + q_lo, i_head,
+                                             q_uses)
+                                q_uses = q_uses + 1
+                                g, parity, scratch = self._producer(
+                                    tK, tV, mPageTable, tma_k, tma_v, zero_copy, *sKV,
+                                    i_request, i_head // group, i_k_row0, i_kv_len, i_offset,
+                                    causal, i_q_len, i_tiles, walk, grid_q_tiles, tidx % 32,
+                                    mVtTable, (g, parity, scratch))
                 else:
                     self._producer(tK, tV, mPageTable, tma_k, tma_v, zero_copy, *sKV, request,
                                    head_kv, k_row0, kv_len, offset, causal, q_len, n_q_tiles,
@@ -336,17 +377,12 @@ class FmhaSm90Ws:
             parity = cutlass.Int32(0)
             if cutlass.const_expr(self.persistent):
                 # One trace per consumer warpgroup (static index), each walking the items.
+                items = SimpleNamespace(n_items=n_items, n_heads=n_heads, n_requests=n_requests,
+                                        bounds=(mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable,
+                                                tK.shape[0]))
                 for mwg in cutlass.range_constexpr(NUM_MMA_WARPGROUPS):
                     if wg == 1 + mwg:
-                        for w in range(cta_x, n_items, grid_x):
-                            walk, i_head, i_request = self._item(w, n_heads, n_requests)
-                            i_q_start, i_q_len, i_kv_len, i_offset, _, i_tiles = \
-                                request_bounds(mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable,
-                                               i_request, tK.shape[0], self.paged)
-                            g, parity = self._consumer(
-                                mQ, mO, i_head, i_q_start, i_q_len, i_kv_len, i_offset, causal,
-                                i_tiles, walk, grid_q_tiles, scale_log2, output_scale, tidx,
-                                mwg, *rest, (g, parity))
+                        self._consumer(*args, mwg, *rest, (g, parity), items)
             elif cutlass.const_expr(self.uniform):
                 # One trace per consumer warpgroup: its index, hence its Q tile, is static.
                 if wg == 1:
@@ -366,6 +402,39 @@ class FmhaSm90Ws:
         rank = w // per_rank
         rest = w - rank * per_rank
         return rank, rest % n_heads, rest // n_heads
+
+    @staticmethod
+    def _rounds(n_items, grid_x):
+        """Persistent: rounds of grid_x items (the last one partial)."""
+        return (n_items + grid_x - 1) // grid_x
+
+    @staticmethod
+    def _snake(rnd, cta_x, grid_x):
+        """Persistent: the item CTA cta_x takes in round rnd, boustrophedon (even rounds
+        ascending, odd ones descending): with the items heaviest first, a CTA that took a
+        heavy item takes a light one next. Causal 4k with 1024 items on 132 CTAs: the busiest
+        CTA streams 1.00x the mean blocks, against 1.125x for w = cta_x + rnd * grid_x."""
+        return rnd * grid_x + cta_x + (rnd & 1) * (grid_x - 1 - 2 * cta_x)
+
+    @cute.jit
+    def _load_q(self, tQ: cute.Tensor, tma_q: cute.CopyAtom, sQ_wgs: cute.Tensor, mbar, row0,
+                head, uses):
+        """q_by_producer: once both consumers released the Q rows (Q empty, `uses` items
+        before), TMA both warpgroups' 64 rows from token row0 of `head` onto Q full. Rows past
+        the tensor are zero-filled; rows of the next request are loaded and never stored (each
+        row's softmax and O are its own)."""
+        q_full, q_empty = self._q_mbarriers(mbar)
+        gQ = cute.local_tile(cute.domain_offset((row0, 0), tQ[None, None, head]),
+                             (WG_ROWS, HEAD_DIM), (None, 0))          # (row, ch, wg tile)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
+                                           cute.group_modes(sQ_wgs, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        cute.arch.mbarrier_wait(q_empty, (uses & 1) ^ 1)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(
+                q_full, NUM_MMA_WARPGROUPS * WG_ROWS * HEAD_DIM * self.dtype.width // 8)
+        for m in cutlass.range_constexpr(NUM_MMA_WARPGROUPS):
+            cute.copy(tma_q, tQgQ[None, m], tQsQ[None, m], tma_bar_ptr=q_full)
 
     @cute.jit
     def _tile_blocks(self, walk, n_q_tiles, q_len, kv_len, offset, causal):
@@ -534,15 +603,16 @@ class FmhaSm90Ws:
     def _consumer(self, mQ, mO, head, q_start, q_len, kv_len, offset, causal, n_q_tiles, cta_x,
                   grid_x, scale_log2, output_scale, tidx, mwg, sQ_wgs, sK_stages, sV_stages,
                   mbar, q_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, sVt_stages, sO_wgs,
-                  state):
+                  state, items=None):
         """Query tiles cta_x, cta_x + grid_x, .. of one (head, request) for consumer warpgroup
-        mwg. state = (blocks streamed, stage parities) before them; returns it after them."""
+        mwg, or (persistent; `items`: the item count and request_bounds' tensors) the work
+        items of this CTA. The fragments are set up once, outside every loop (the wgmma
+        descriptors stay static offsets). state = (blocks streamed, stage parities) before
+        them; returns it after them."""
         S = self.kv_stages
         wg_tidx = tidx % 128
         lane = tidx % 32
         warp_in_wg = cute.arch.make_warp_uniform(wg_tidx // 32)
-        turn_mine = BAR_TURN + mwg
-        turn_other = BAR_TURN + 1 - mwg
 
         if cutlass.const_expr(not self.fp8):
             sVt_stages = cute.composition(
@@ -566,84 +636,142 @@ class FmhaSm90Ws:
         row_max = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)   # running, log2 units
         row_sum = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)   # this thread's part
         corr = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
+        sO_mine = sQ_mine                          # bf16: O takes the Q rows' place
+        if cutlass.const_expr(self.own_o_tile):
+            sO_mine = sO_wgs[None, None, mwg]
+        # What a tile needs (_consumer_tile and _turn are traced inline).
+        c = SimpleNamespace(
+            mQ=mQ, mO=mO, mwg=mwg, wg_tidx=wg_tidx, lane=lane, warp_in_wg=warp_in_wg,
+            q_copy=q_copy, thr_q_copy=thr_q_copy, tQsQ=tQsQ, tQcQ=tQcQ, sO_mine=sO_mine,
+            stage_o_copy=stage_o_copy, store_o_copy=store_o_copy, output_scale=output_scale,
+            mma_qk=mma_qk, mma_pv=mma_pv, acc_s=acc_s, acc_o=acc_o, o_rc=o_rc, r_p=r_p, t_p=t_p,
+            a_shape=a_shape, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tScS=tScS, n_my_rows=n_my_rows,
+            n_my_cols=n_my_cols, row_max=row_max, row_sum=row_sum, corr=corr, mbar=mbar,
+            turn_mine=BAR_TURN + mwg, turn_other=BAR_TURN + 1 - mwg, causal=causal,
+            scale_log2=scale_log2)
 
         g, parity = state                     # blocks so far, wsu's stage-use parities
-        for walk in range(cta_x, n_q_tiles, grid_x):
-            q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
-            wg_q0 = q_lo + mwg * WG_ROWS
+        if cutlass.const_expr(self.persistent):
+            q_full, _ = self._q_mbarriers(mbar)
+            q_uses = cutlass.Int32(0)
+            for rnd in range(self._rounds(items.n_items, grid_x)):
+                w = self._snake(rnd, cta_x, grid_x)
+                if w < items.n_items:
+                    walk, i_head, i_request = self._item(w, items.n_heads, items.n_requests)
+                    b = items.bounds
+                    i_q_start, i_q_len, i_kv_len, i_offset, _, i_tiles = request_bounds(
+                        b[0], b[1], b[2], b[3], b[4], b[5], i_request, b[6], self.paged)
+                    if walk < i_tiles:
+                        cute.arch.mbarrier_wait(q_full, q_uses & 1)       # this item's Q
+                        q_uses = q_uses + 1
+                        g, parity = self._consumer_tile(c, walk, i_tiles, i_head, i_q_start,
+                                                        i_q_len, i_kv_len, i_offset, g, parity)
+        else:
+            for walk in range(cta_x, n_q_tiles, grid_x):
+                g, parity = self._consumer_tile(c, walk, n_q_tiles, head, q_start, q_len,
+                                                kv_len, offset, g, parity)
+        return g, parity
+
+    @cute.jit
+    def _consumer_tile(self, c, walk, n_q_tiles, head, q_start, q_len, kv_len, offset, g,
+                       parity):
+        """One query tile of consumer warpgroup c.mwg: Q (q_by_producer: already waited for),
+        its key blocks in ping-pong turns, O normalized and stored. Returns (g, parity)
+        after it."""
+        S = self.kv_stages
+        # Locals, not c's fields, past the block loops: the DSL hands a namespace read after a
+        # dynamic loop back with its static shapes turned dynamic.
+        mbar, lane, causal, mwg = c.mbar, c.lane, c.causal, c.mwg
+        mma_qk, mma_pv, acc_s, acc_o = c.mma_qk, c.mma_pv, c.acc_s, c.acc_o
+        o_rc, r_p, t_p, a_shape = c.o_rc, c.r_p, c.t_p, c.a_shape
+        tSrQ, tSrK, tOrVt, tScS = c.tSrQ, c.tSrK, c.tOrVt, c.tScS
+        row_max, row_sum, corr, scale_log2 = c.row_max, c.row_sum, c.corr, c.scale_log2
+        turn_mine, turn_other = c.turn_mine, c.turn_other
+        n_my_rows, n_my_cols, output_scale = c.n_my_rows, c.n_my_cols, c.output_scale
+        mO, sO_mine, wg_tidx, warp_in_wg = c.mO, c.sO_mine, c.wg_tidx, c.warp_in_wg
+        stage_o_copy, store_o_copy = c.stage_o_copy, c.store_o_copy
+        q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
+        wg_q0 = q_lo + mwg * WG_ROWS
+        if cutlass.const_expr(not self.q_by_producer):
             # ---- Q rows of this warpgroup (zero past q_len), published to the async proxy
-            load_q_rows(mQ, q_copy, thr_q_copy, tQsQ, tQcQ, wg_q0, q_start, q_len, head)
+            load_q_rows(c.mQ, c.q_copy, c.thr_q_copy, c.tQsQ, c.tQcQ, wg_q0, q_start, q_len,
+                        head)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
 
-            acc_o.fill(0.0)
-            for i in cutlass.range_constexpr(n_my_rows):
-                row_max[i] = -cutlass.Float32.inf
-                row_sum[i] = 0.0
-            # What a turn needs besides its block's stages (_turn is traced inline).
-            turn = SimpleNamespace(
-                mma_qk=mma_qk, mma_pv=mma_pv, acc_s=acc_s, acc_o=acc_o, o_rc=o_rc, r_p=r_p,
-                t_p=t_p, a_shape=a_shape, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tScS=tScS,
-                row_max=row_max, row_sum=row_sum, corr=corr, mbar=mbar, lane=lane,
-                turn_mine=turn_mine, turn_other=turn_other, wg_q0=wg_q0, kv_len=kv_len,
-                offset=offset, causal=causal, scale_log2=scale_log2)
-            if n_blocks > 0:
-                # ---- block 0: S only
-                stage, phase = self._stage_phase(g, 0, parity)
-                cute.arch.mbarrier_wait(mbar + stage, phase)
-                cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
-                warpgroup_gemm_issue(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
-                cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
-                warpgroup.wait_group(0)
-                if lane == 0:
-                    cute.arch.mbarrier_arrive(mbar + S + stage)                # K free
-                online_softmax(acc_s, 0, row_max, row_sum, tScS, wg_q0, kv_len, offset,
-                               causal, scale_log2, corr=corr)
-                r_p.store(acc_s.load().to(self.dtype))
-                # ---- blocks 1 .. n-1: S(j) and P(j-1) V(j-1) in one turn
-                first_dynamic = 1
-                if cutlass.const_expr(self.uniform):
-                    # Pairs of blocks (2i+1 on stage 1, 2i+2 on stage 0): static stages; only
-                    # blocks every row of the tile sees whole (no mask), the rest below.
-                    n_whole = kv_len
-                    if causal != 0:
-                        n_whole = cutlass.min(n_whole, q_lo + offset + 1)
-                    n_whole = cutlass.min(cutlass.max(n_whole, 0) // BLOCK_N, n_blocks)
-                    n_pairs = cutlass.max(n_whole - 1, 0) // 2
-                    for i in range(n_pairs):
-                        p0 = (parity ^ i) & 1                   # stage 0, use i
-                        p1 = ((parity >> 1) ^ i) & 1            # stage 1, use i
-                        self._turn(turn, 2 * i + 1, 1, p1, 0, p0, mask=False)
-                        self._turn(turn, 2 * i + 2, 0, p0 ^ 1, 1, p1, mask=False)
-                    first_dynamic = 2 * n_pairs + 1
-                for blk in range(first_dynamic, n_blocks):
-                    stage, k_phase = self._stage_phase(g + blk, blk, parity)
-                    prev, v_phase = self._stage_phase(g + blk - 1, blk - 1, parity)
-                    self._turn(turn, blk, stage, k_phase, prev, v_phase)
-                # ---- the last P V
-                last, phase = self._stage_phase(g + n_blocks - 1, n_blocks - 1, parity)
-                cute.arch.mbarrier_wait(mbar + 2 * S + last, phase)
-                cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
-                if cutlass.const_expr(self.overlap):
-                    scale_rows(o_rc, corr)                              # to the last max
-                warpgroup_gemm_issue(mma_pv, acc_o, self._p_operand(t_p, a_shape),
-                                     tOrVt[None, None, None, last], accumulate=True)
-                cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
-                warpgroup.wait_group(0)
-                if lane == 0:
-                    cute.arch.mbarrier_arrive(mbar + 3 * S + last)             # V free
-            g = g + n_blocks
-            parity = self._next_parity(parity, n_blocks)
+        acc_o.fill(0.0)
+        for i in cutlass.range_constexpr(n_my_rows):
+            row_max[i] = -cutlass.Float32.inf
+            row_sum[i] = 0.0
+        # What a turn needs besides its block's stages (_turn is traced inline).
+        turn = SimpleNamespace(
+            mma_qk=mma_qk, mma_pv=mma_pv, acc_s=acc_s, acc_o=acc_o, o_rc=o_rc,
+            r_p=r_p, t_p=t_p, a_shape=a_shape, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt,
+            tScS=tScS, row_max=row_max, row_sum=row_sum, corr=corr, mbar=mbar,
+            lane=lane, turn_mine=turn_mine, turn_other=turn_other, wg_q0=wg_q0,
+            kv_len=kv_len, offset=offset, causal=causal, scale_log2=scale_log2)
+        if n_blocks > 0:
+            # ---- block 0: S only
+            stage, phase = self._stage_phase(g, 0, parity)
+            cute.arch.mbarrier_wait(mbar + stage, phase)
+            cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
+            warpgroup_gemm_issue(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
+            cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
+            warpgroup.wait_group(0)
+            if lane == 0:
+                cute.arch.mbarrier_arrive(mbar + S + stage)                # K free
+            online_softmax(acc_s, 0, row_max, row_sum, tScS, wg_q0, kv_len, offset,
+                           causal, scale_log2, corr=corr)
+            r_p.store(acc_s.load().to(self.dtype))
+            # ---- blocks 1 .. n-1: S(j) and P(j-1) V(j-1) in one turn
+            first_dynamic = 1
+            if cutlass.const_expr(self.uniform):
+                # Pairs of blocks (2i+1 on stage 1, 2i+2 on stage 0): static stages; only
+                # blocks every row of the tile sees whole (no mask), the rest below.
+                n_whole = kv_len
+                if causal != 0:
+                    n_whole = cutlass.min(n_whole, q_lo + offset + 1)
+                n_whole = cutlass.min(cutlass.max(n_whole, 0) // BLOCK_N, n_blocks)
+                n_pairs = cutlass.max(n_whole - 1, 0) // 2
+                for i in range(n_pairs):
+                    p0 = (parity ^ i) & 1                   # stage 0, use i
+                    p1 = ((parity >> 1) ^ i) & 1            # stage 1, use i
+                    self._turn(turn, 2 * i + 1, 1, p1, 0, p0, mask=False)
+                    self._turn(turn, 2 * i + 2, 0, p0 ^ 1, 1, p1, mask=False)
+                first_dynamic = 2 * n_pairs + 1
+            for blk in range(first_dynamic, n_blocks):
+                stage, k_phase = self._stage_phase(g + blk, blk, parity)
+                prev, v_phase = self._stage_phase(g + blk - 1, blk - 1, parity)
+                self._turn(turn, blk, stage, k_phase, prev, v_phase)
+            if cutlass.const_expr(self.q_by_producer):
+                if lane == 0:      # every S wgmma of the tile is done: Q rows free
+                    cute.arch.mbarrier_arrive(self._q_mbarriers(mbar)[1])
+            # ---- the last P V
+            last, phase = self._stage_phase(g + n_blocks - 1, n_blocks - 1, parity)
+            cute.arch.mbarrier_wait(mbar + 2 * S + last, phase)
+            cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
+            if cutlass.const_expr(self.overlap):
+                scale_rows(o_rc, corr)                              # to the last max
+            warpgroup_gemm_issue(mma_pv, acc_o, self._p_operand(t_p, a_shape),
+                                 tOrVt[None, None, None, last], accumulate=True)
+            cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
+            warpgroup.wait_group(0)
+            if lane == 0:
+                cute.arch.mbarrier_arrive(mbar + 3 * S + last)             # V free
+        else:
+            if cutlass.const_expr(self.q_by_producer):
+                if lane == 0:      # no key block: the Q rows were never read
+                    cute.arch.mbarrier_arrive(self._q_mbarriers(mbar)[1])
+        g = g + n_blocks
+        parity = self._next_parity(parity, n_blocks)
 
-            # ---- normalize, stage in this warpgroup's Q rows (e4m3: its O tile), write
-            sO_mine = sQ_mine                          # bf16: O takes the Q rows' place
-            if cutlass.const_expr(self.fp8):
-                sO_mine = sO_wgs[None, None, mwg]
-            write_o_rows(mO, o_rc, acc_o, row_sum, n_my_rows, n_my_cols, output_scale, sO_mine,
-                         wg_tidx, warp_in_wg, lane, wg_q0, q_start, q_len, head, stage_o_copy,
-                         store_o_copy, self.out_dtype)
+        # ---- normalize, stage (in this warpgroup's Q rows, or its O tile), write
+        write_o_rows(mO, o_rc, acc_o, row_sum, n_my_rows, n_my_cols, output_scale, sO_mine,
+                     wg_tidx, warp_in_wg, lane, wg_q0, q_start, q_len, head, stage_o_copy,
+                     store_o_copy, self.out_dtype)
+        if cutlass.const_expr(not self.q_by_producer):
             # The next tile reloads Q into these rows: the whole warpgroup must be done.
             cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
         return g, parity
