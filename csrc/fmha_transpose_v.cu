@@ -22,6 +22,8 @@ constexpr int kBlock = 128;          // keys per block (= page size) and head di
 constexpr int kThreads = 256;
 constexpr int kChunks = kBlock * kBlock / 16;   // 16-byte chunks per block
 constexpr int kRowChunks = kBlock / 16 + 1;     // shared row: 8 chunks + 1 of padding
+constexpr int kChunksPerThread = kChunks / kThreads;
+static_assert(kChunks % kThreads == 0, "every thread moves the same number of chunks");
 
 // The key whose bytes Vt column r holds: r = x0 + 2 x1 + 4 t + 16 j (t < 4) holds key
 // x0 + 8 x1 + 2 t + 16 j (tile_utils.register_p_row_order; tests check the two agree).
@@ -90,14 +92,21 @@ __global__ void __launch_bounds__(kThreads) transpose_v_e4m3_kernel(TransposeVAr
                                   ? kBlock
                                   : a.num_tokens - (a.cu_seqlens_k[request] + key0);
 
+  // All of a thread's loads in flight at once (a load-store loop waited for each in turn).
   __shared__ uint4 tile[kBlock][kRowChunks];
-  for (int i = threadIdx.x; i < kChunks; i += kThreads) {
-    const int key = i >> 3, part = i & 7;
-    uint4 val = make_uint4(0, 0, 0, 0);
+  uint4 vals[kChunksPerThread];
+#pragma unroll
+  for (int r = 0; r < kChunksPerThread; ++r) {
+    const int i = threadIdx.x + r * kThreads, key = i >> 3, part = i & 7;
+    vals[r] = make_uint4(0, 0, 0, 0);
     if (base != nullptr && key0 + key < kv_len && key < tokens_left) {
-      val = __ldg(reinterpret_cast<const uint4*>(base + key * row_stride) + part);
+      vals[r] = __ldg(reinterpret_cast<const uint4*>(base + key * row_stride) + part);
     }
-    tile[key][part] = val;
+  }
+#pragma unroll
+  for (int r = 0; r < kChunksPerThread; ++r) {
+    const int i = threadIdx.x + r * kThreads;
+    tile[i >> 3][i & 7] = vals[r];
   }
   __syncthreads();
 
@@ -105,8 +114,9 @@ __global__ void __launch_bounds__(kThreads) transpose_v_e4m3_kernel(TransposeVAr
   // consecutive channel bytes of one key row per step (one shared-memory wavefront).
   const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&tile[0][0]);
   uint8_t* out = a.vt + (vt_block * a.num_kv_heads + head) * (kBlock * kBlock);
-  for (int i = threadIdx.x; i < kChunks; i += kThreads) {
-    const int ch = i & (kBlock - 1), col0 = (i >> 7) * 16;
+#pragma unroll
+  for (int r = 0; r < kChunksPerThread; ++r) {
+    const int i = threadIdx.x + r * kThreads, ch = i & (kBlock - 1), col0 = (i >> 7) * 16;
     uint32_t words[4];
 #pragma unroll
     for (int w = 0; w < 4; ++w) {

@@ -353,11 +353,12 @@ def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
     assert native._variant_for(False, o) == "fmha_sm90_bfloat16_dense"
     assert native._variant_for(False, o, e4m3) == "fmha_sm90_e4m3_dense"
     monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
-    served = {torch.bfloat16: "_wsu", e4m3: "_wsutp"}
+    served = {(torch.bfloat16, False): "_wsu", (torch.bfloat16, True): "_wsup",
+              (e4m3, False): "_wsutp", (e4m3, True): "_wsutp"}
     for paged in (False, True):
-        for dtype in (torch.bfloat16, e4m3):
-            name = native._variant_for(paged, o, dtype)
-            assert name.endswith(served[dtype]) and name in names
+        for (dtype, causal), suffix in served.items():
+            name = native._variant_for(paged, o, dtype, causal)
+            assert name.endswith(suffix) and name in names
         assert not native._variant_for(paged, o_score).endswith("_ws")
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", False)
     assert native._variant_for(True, o) == "fmha_sm90_bfloat16_paged"
@@ -388,8 +389,9 @@ def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
             assert native.variant_form(native.variant_name(True, dtype, form=form)) == form
     assert native.variant_form(native.variant_name(False, max_score=True)) == "plain"
     # The served forms are validated ones; form_validated is the one gate (dispatch, benches).
-    for name, form in native.SERVED_WS_FORM.items():
-        assert form in native.VALIDATED_WS_FORMS[name] and form in native.WS_FORMS[name]
+    for served_forms in (native.SERVED_WS_FORM, native.SERVED_WS_FORM_CAUSAL):
+        for name, form in served_forms.items():
+            assert form in native.VALIDATED_WS_FORMS[name] and form in native.WS_FORMS[name]
     assert native.form_validated("wsf", e4m3) and native.form_validated("plain", e4m3)
     monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED_FP8", False)
     assert not native.form_validated("wsf", e4m3) and native.form_validated("ws")

@@ -108,9 +108,18 @@ WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu", "wsup"),
 # wsut's time (geomean 0.975; 4k causal 64/4 0.455 -> 0.407 ms), so it serves e4m3; bf16 wsup
 # 0.96-0.98x causal at 4k-8k but 1.01-1.035x non-causal, so bf16 keeps wsu (wsup validated,
 # not served).
+# Session 11 (c7f57ea): the persistent forms' producer loads each item's Q (TMA, under the
+# previous item's last P V and O store) and CTAs take items in boustrophedon rounds (the
+# busiest CTA of a causal 4k call streamed 1.125x the mean blocks, now ~1.0x). All GPU tests
+# (FMHA 117, sparse prefill, block max-score, transformers, csrc) passed, memcheck clean. Two
+# runs in opposite order, dense: e4m3 wsutp / wsut 0.83-0.85 causal at 4k, 0.92-0.94 at 8k,
+# 0.98-1.03 otherwise; bf16 wsup / wsu 0.89-0.92 causal at 4k, 0.95-0.96 at 8k, 0.985-1.016 at
+# 32k (run-to-run noise there), but 0.985-1.045 non-causal. So bf16 serves wsup for causal
+# calls and wsu otherwise (SERVED_WS_FORM_CAUSAL); e4m3 serves wsutp for both.
 VALIDATED_WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu", "wsup"),
                       "e4m3": ("ws", "wsf", "wsu", "wsut", "wsutp")}
 SERVED_WS_FORM = {"bfloat16": "wsu", "e4m3": "wsutp"}
+SERVED_WS_FORM_CAUSAL = {"bfloat16": "wsup", "e4m3": "wsutp"}
 # Split-KV for plans with num_kv_splits > 1 (decode-like: few query tiles, long KV; variants
 # fmha_sm90_*_split, FmhaSm90Split: each CTA streams one key range and writes fp32 partial rows
 # + LSE, merged by the sparse combine, one slot per split). Passed the "split" cases of
@@ -238,10 +247,11 @@ def form_validated(form: str, dtype: torch.dtype = torch.bfloat16) -> bool:
             and form in VALIDATED_WS_FORMS[_DTYPE_NAMES[dtype]])
 
 
-def warp_specialized_form(dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
+def warp_specialized_form(dtype: torch.dtype = torch.bfloat16,
+                          causal: bool = False) -> Optional[str]:
     """The warp-specialized form serving O-only calls of q/k/v `dtype`, or None (the plain
-    kernel): WARP_SPECIALIZED_FOR_TESTS when set, else SERVED_WS_FORM's once validated for the
-    dtype (or with MSA_UNVALIDATED_KERNELS=1)."""
+    kernel): WARP_SPECIALIZED_FOR_TESTS when set, else SERVED_WS_FORM_CAUSAL's (causal plans)
+    or SERVED_WS_FORM's once validated for the dtype (or with MSA_UNVALIDATED_KERNELS=1)."""
     forms = WS_FORMS[_DTYPE_NAMES[dtype]]
     forced = WARP_SPECIALIZED_FOR_TESTS
     if isinstance(forced, str):
@@ -250,7 +260,7 @@ def warp_specialized_form(dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
                              f"warp-specialized forms are {', '.join(forms)}")
         return forced
     fp8 = dtype == torch.float8_e4m3fn
-    served = SERVED_WS_FORM[_DTYPE_NAMES[dtype]]
+    served = (SERVED_WS_FORM_CAUSAL if causal else SERVED_WS_FORM)[_DTYPE_NAMES[dtype]]
     if forced is True:
         return "ws"
     enabled = _backend.form_enabled(
@@ -283,18 +293,19 @@ def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=Tr
             return gate
     if paged and page_size != PAGE:
         return f"page_size {page_size}: the sm90 FMHA pages by {PAGE} tokens"
-    variant = _variant_for(bool(paged), mode, q_dtype)
+    variant = _variant_for(bool(paged), mode, q_dtype, bool(causal))
     if variant_form(variant) in V_TRANSPOSED_FORMS and not hasattr(ops, TRANSPOSE_V_OP):
         return (f"{variant} reads V transposed by the compiled {TRANSPOSE_V_OP} op, which "
                 "this package lacks")
     return cute_runtime.unavailable_reason(variant)
 
 
-def _variant_for(paged: bool, mode: int, dtype: torch.dtype = torch.bfloat16) -> str:
+def _variant_for(paged: bool, mode: int, dtype: torch.dtype = torch.bfloat16,
+                 causal: bool = False) -> str:
     """The artifact serving mode 3 (O; bf16 or e4m3) or mode 1 (O + max-score, bf16); O runs on
-    a warp-specialized form when warp_specialized_form(dtype) names one."""
+    a warp-specialized form when warp_specialized_form(dtype, causal) names one."""
     if mode == MODE_O_ONLY:
-        form = warp_specialized_form(dtype)
+        form = warp_specialized_form(dtype, causal)
         if form is not None:
             return variant_name(paged, dtype, form=form)
     return variant_name(paged, dtype, max_score=mode == MODE_O_AND_SCORE)
@@ -380,7 +391,8 @@ def run(call):
         cute_runtime.launch(SPLIT_COMBINE, device, o_partial, lse_partial, lse_partial, counts,
                             out, lse, lse, 0)
         return out, None
-    name = _variant_for(call.paged, MODE_O_AND_SCORE if with_score else MODE_O_ONLY, q.dtype)
+    name = _variant_for(call.paged, MODE_O_AND_SCORE if with_score else MODE_O_ONLY, q.dtype,
+                        bool(plan["causal"]))
     table = table.contiguous()
     form = variant_form(name)
     if form in V_TRANSPOSED_FORMS:
