@@ -355,10 +355,15 @@ def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
     monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
     served = {(torch.bfloat16, False): "_wsu", (torch.bfloat16, True): "_wsup",
               (e4m3, False): "_wsutp", (e4m3, True): "_wsutp"}
+    long_call = native.PERSISTENT_MAX_ITEMS + 1      # more work items: non-persistent forms
     for paged in (False, True):
         for (dtype, causal), suffix in served.items():
-            name = native._variant_for(paged, o, dtype, causal)
-            assert name.endswith(suffix) and name in names
+            for items in (None, 1, native.PERSISTENT_MAX_ITEMS):
+                name = native._variant_for(paged, o, dtype, causal, items)
+                assert name.endswith(suffix) and name in names
+            name = native._variant_for(paged, o, dtype, causal, long_call)
+            assert name.endswith("_wsu" if dtype == torch.bfloat16 else "_wsut")
+            assert name in names
         assert not native._variant_for(paged, o_score).endswith("_ws")
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", False)
     assert native._variant_for(True, o) == "fmha_sm90_bfloat16_paged"
@@ -389,7 +394,8 @@ def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
             assert native.variant_form(native.variant_name(True, dtype, form=form)) == form
     assert native.variant_form(native.variant_name(False, max_score=True)) == "plain"
     # The served forms are validated ones; form_validated is the one gate (dispatch, benches).
-    for served_forms in (native.SERVED_WS_FORM, native.SERVED_WS_FORM_CAUSAL):
+    for served_forms in (native.SERVED_WS_FORM, native.SERVED_WS_FORM_CAUSAL,
+                         native.SERVED_WS_FORM_LONG):
         for name, form in served_forms.items():
             assert form in native.VALIDATED_WS_FORMS[name] and form in native.WS_FORMS[name]
     assert native.form_validated("wsf", e4m3) and native.form_validated("plain", e4m3)

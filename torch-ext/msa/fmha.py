@@ -537,7 +537,14 @@ class FmhaDenseCall:
                     page_size=self.k.shape[2] if self.paged else -1,
                     causal=self.plan["causal"], mode=self.mode,
                     qhead_per_kv=self.q.shape[1] // self.k.shape[1],
-                    num_qo_heads=self.q.shape[1], num_kv_heads=self.k.shape[1])
+                    num_qo_heads=self.q.shape[1], num_kv_heads=self.k.shape[1],
+                    work_items=self.work_items)
+
+    @property
+    def work_items(self) -> int:
+        """(128-query tile, q head, request) items of a query-outer kernel grid."""
+        tiles = -(-int(self.plan.get("max_seqlen_q", 0)) // TILE)
+        return max(tiles, 1) * self.q.shape[1] * int(self.plan.get("batch", 1))
 
 
 def fmha_sm100(q, k, v, plan_info, kv_indices=None, kv_block_indexes=None,

@@ -115,11 +115,18 @@ WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu", "wsup"),
 # runs in opposite order, dense: e4m3 wsutp / wsut 0.83-0.85 causal at 4k, 0.92-0.94 at 8k,
 # 0.98-1.03 otherwise; bf16 wsup / wsu 0.89-0.92 causal at 4k, 0.95-0.96 at 8k, 0.985-1.016 at
 # 32k (run-to-run noise there), but 0.985-1.045 non-causal. So bf16 serves wsup for causal
-# calls and wsu otherwise (SERVED_WS_FORM_CAUSAL); e4m3 serves wsutp for both.
+# calls and wsu otherwise (SERVED_WS_FORM_CAUSAL); e4m3 serves wsutp for both. The next run
+# (fbe4685, served forms) showed the persistent forms losing at 128k (bf16 wsup causal 245 / 485
+# ms against wsu's 224 / 449 at 890fb14, e4m3 wsutp 1.03-1.08x wsut): their rounds spread the
+# concurrent CTAs over every KV head, where the non-persistent grid's concurrent CTAs share one
+# head's K/V in L2. So calls of more than PERSISTENT_MAX_ITEMS work items (32k and up with 32
+# or 64 heads, where the persistent forms were at best even) serve SERVED_WS_FORM_LONG.
 VALIDATED_WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu", "wsup"),
                       "e4m3": ("ws", "wsf", "wsu", "wsut", "wsutp")}
 SERVED_WS_FORM = {"bfloat16": "wsu", "e4m3": "wsutp"}
 SERVED_WS_FORM_CAUSAL = {"bfloat16": "wsup", "e4m3": "wsutp"}
+SERVED_WS_FORM_LONG = {"bfloat16": "wsu", "e4m3": "wsut"}
+PERSISTENT_MAX_ITEMS = 4096     # (query tile, head, request) items: ~31 rounds of 132 CTAs
 # Split-KV for plans with num_kv_splits > 1 (decode-like: few query tiles, long KV; variants
 # fmha_sm90_*_split, FmhaSm90Split: each CTA streams one key range and writes fp32 partial rows
 # + LSE, merged by the sparse combine, one slot per split). Passed the "split" cases of
@@ -247,11 +254,20 @@ def form_validated(form: str, dtype: torch.dtype = torch.bfloat16) -> bool:
             and form in VALIDATED_WS_FORMS[_DTYPE_NAMES[dtype]])
 
 
-def warp_specialized_form(dtype: torch.dtype = torch.bfloat16,
-                          causal: bool = False) -> Optional[str]:
+def served_ws_form(dtype_name: str, causal: bool, work_items: Optional[int]) -> str:
+    """The validated warp-specialized form a call of `work_items` (query tile, head, request)
+    items is served by: SERVED_WS_FORM_LONG past PERSISTENT_MAX_ITEMS, else
+    SERVED_WS_FORM_CAUSAL (causal) or SERVED_WS_FORM."""
+    if work_items is not None and work_items > PERSISTENT_MAX_ITEMS:
+        return SERVED_WS_FORM_LONG[dtype_name]
+    return (SERVED_WS_FORM_CAUSAL if causal else SERVED_WS_FORM)[dtype_name]
+
+
+def warp_specialized_form(dtype: torch.dtype = torch.bfloat16, causal: bool = False,
+                          work_items: Optional[int] = None) -> Optional[str]:
     """The warp-specialized form serving O-only calls of q/k/v `dtype`, or None (the plain
-    kernel): WARP_SPECIALIZED_FOR_TESTS when set, else SERVED_WS_FORM_CAUSAL's (causal plans)
-    or SERVED_WS_FORM's once validated for the dtype (or with MSA_UNVALIDATED_KERNELS=1)."""
+    kernel): WARP_SPECIALIZED_FOR_TESTS when set, else served_ws_form's once validated for the
+    dtype (or with MSA_UNVALIDATED_KERNELS=1)."""
     forms = WS_FORMS[_DTYPE_NAMES[dtype]]
     forced = WARP_SPECIALIZED_FOR_TESTS
     if isinstance(forced, str):
@@ -260,7 +276,7 @@ def warp_specialized_form(dtype: torch.dtype = torch.bfloat16,
                              f"warp-specialized forms are {', '.join(forms)}")
         return forced
     fp8 = dtype == torch.float8_e4m3fn
-    served = (SERVED_WS_FORM_CAUSAL if causal else SERVED_WS_FORM)[_DTYPE_NAMES[dtype]]
+    served = served_ws_form(_DTYPE_NAMES[dtype], causal, work_items)
     if forced is True:
         return "ws"
     enabled = _backend.form_enabled(
@@ -270,7 +286,7 @@ def warp_specialized_form(dtype: torch.dtype = torch.bfloat16,
 
 
 def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=True, mode=None,
-             qhead_per_kv=None, **_ignored) -> Optional[str]:
+             qhead_per_kv=None, work_items=None, **_ignored) -> Optional[str]:
     """None if the native kernel serves a call with these features, else the reason."""
     gate = _backend.unvalidated_reason("the sm90 dense FMHA kernel", VALIDATED)
     if gate is not None:
@@ -293,7 +309,7 @@ def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=Tr
             return gate
     if paged and page_size != PAGE:
         return f"page_size {page_size}: the sm90 FMHA pages by {PAGE} tokens"
-    variant = _variant_for(bool(paged), mode, q_dtype, bool(causal))
+    variant = _variant_for(bool(paged), mode, q_dtype, bool(causal), work_items)
     if variant_form(variant) in V_TRANSPOSED_FORMS and not hasattr(ops, TRANSPOSE_V_OP):
         return (f"{variant} reads V transposed by the compiled {TRANSPOSE_V_OP} op, which "
                 "this package lacks")
@@ -301,11 +317,11 @@ def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=Tr
 
 
 def _variant_for(paged: bool, mode: int, dtype: torch.dtype = torch.bfloat16,
-                 causal: bool = False) -> str:
+                 causal: bool = False, work_items: Optional[int] = None) -> str:
     """The artifact serving mode 3 (O; bf16 or e4m3) or mode 1 (O + max-score, bf16); O runs on
-    a warp-specialized form when warp_specialized_form(dtype, causal) names one."""
+    a warp-specialized form when warp_specialized_form(dtype, causal, work_items) names one."""
     if mode == MODE_O_ONLY:
-        form = warp_specialized_form(dtype, causal)
+        form = warp_specialized_form(dtype, causal, work_items)
         if form is not None:
             return variant_name(paged, dtype, form=form)
     return variant_name(paged, dtype, max_score=mode == MODE_O_AND_SCORE)
@@ -392,7 +408,7 @@ def run(call):
                             out, lse, lse, 0)
         return out, None
     name = _variant_for(call.paged, MODE_O_AND_SCORE if with_score else MODE_O_ONLY, q.dtype,
-                        bool(plan["causal"]))
+                        bool(plan["causal"]), call.work_items)
     table = table.contiguous()
     form = variant_form(name)
     if form in V_TRANSPOSED_FORMS:
