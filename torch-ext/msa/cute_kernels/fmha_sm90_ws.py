@@ -5,7 +5,7 @@ q/k/v) plus the SM count (num_ctas); the same grid, except the persistent forms 
 min(items, num_ctas) CTAs walking the (query tile, head, request) items). Only the way the key
 blocks are streamed and the two warpgroups are scheduled differs. e4m3: as the plain e4m3
 kernel, P is rounded to e4m3 in registers and handed in the key order of
-register_p_key_order, so P V reads a key-permuted, K-major Vt: in the wsut forms (wsutp serves
+register_p_key_order, so P V reads a key-permuted, K-major Vt: in the wsut forms (they serve
 e4m3) the Vt blocks come transposed ahead of the kernel (the fmha_transpose_v_e4m3 CUDA op)
 and the producer TMA-loads them as it loads K; in ws / wsf / wsu
 the producer TMA-loads raw V into its own ring and warps 1-3 of the producer warpgroup
@@ -34,8 +34,8 @@ Roles (384 threads, one CTA per SM; the persistent forms walk work items, see `_
   stages, an intra-warpgroup overlap that rescaled O after the own P V, a lazy O rescale.)
   Form "wsf" (validated; slower than wsu): FlashAttention-3's order, O rescaled under S(j)
   and the softmax of block j under the own P(j-1) V(j-1) (the constructor's `overlap`).
-  Form "wsu" (serves bf16; e4m3 serves wsutp, wsu on Vt transposed ahead and persistent CTAs;
-  the constructor's `uniform`): every tile starts on K/V stage 0 (producer, e4m3 transposer
+  Form "wsu" (the constructor's `uniform`; it and its persistent / V-transposed variants
+  serve both dtypes, picked per call by msa._native.fmha_sm90.served_ws_form): every tile starts on K/V stage 0 (producer, e4m3 transposer
   and consumers), the blocks every row of the tile sees whole run in unrolled pairs (block
   2i+1 on stage 1, 2i+2 on stage 0, no mask), the rest one by one, and the consumer body is
   traced once per warpgroup, so that the wgmma descriptors are static offsets in uniform
@@ -94,12 +94,15 @@ BAR_WG = 1               # + consumer index, 128 threads
 BAR_TURN = 3             # + consumer index, 256 threads
 
 
-# Forms (variant name suffixes) -> constructor options (msa._native.fmha_sm90.SERVED_WS_FORM):
-# "wsu" (uniform wgmma descriptors) serves both dtypes; "ws" is the base it builds on, "wsf"
-# FlashAttention-3's intra-warpgroup order (served e4m3 before wsu).
+# Forms (variant name suffixes) -> constructor options (msa._native.fmha_sm90.served_ws_form
+# picks one per call): "wsu" (uniform wgmma descriptors) serves bf16 non-causal and long calls;
+# "ws" is the base it builds on, "wsf" FlashAttention-3's intra-warpgroup order (served e4m3
+# before wsu).
 # "wsut" (e4m3 only): wsu with V transposed ahead of the kernel (fmha_transpose_v_e4m3, a
 # CUDA op): no transposer warps, the consumers get bf16's register budget.
-# "wsup" / "wsutp": wsu / wsut with persistent CTAs (the constructor's `persistent`).
+# "wsup" / "wsutp": wsu / wsut with persistent CTAs (the constructor's `persistent`): they serve
+# calls of up to fmha_sm90.PERSISTENT_MAX_ITEMS work items (wsup only the causal ones); longer
+# calls serve wsu / wsut.
 FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True),
          "wsut": dict(uniform=True, v_transposed=True),
          "wsup": dict(uniform=True, persistent=True),

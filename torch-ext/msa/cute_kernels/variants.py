@@ -87,10 +87,11 @@ class BlockMaxScoreVariant:
 
 # Warp-specialized FMHA forms (cute_kernels.fmha_sm90_ws.FORMS): ws (the base), wsf
 # (FlashAttention-3's intra-warpgroup order) and wsu (static K/V stages and Q tile, so the
-# wgmma descriptors stay in uniform registers; serves bf16); earlier 3-stage and overlapped
-# forms were measured slower and removed (docs/design-fmha.md). e4m3 adds wsut (wsu reading V
-# transposed ahead of the kernel instead of transposing it in the producer warpgroup; serves
-# e4m3); wsup / wsutp are wsu / wsut on persistent CTAs.
+# wgmma descriptors stay in uniform registers); earlier 3-stage and overlapped forms were
+# measured slower and removed (docs/design-fmha.md). e4m3 adds wsut (wsu reading V transposed
+# ahead of the kernel instead of transposing it in the producer warpgroup); wsup / wsutp are
+# wsu / wsut on persistent CTAs. msa._native.fmha_sm90.served_ws_form picks the served one per
+# call (bf16 wsup / wsu, e4m3 wsutp / wsut).
 WS_FORMS = ("ws", "wsf", "wsu", "wsup")
 WS_FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp")
 
