@@ -7,15 +7,23 @@ profiler wrapped around it can sample it. One warm-up call, then --iters calls, 
     ncu --set full -k regex:fmha --launch-skip 1 --launch-count 1 -o R \\
         python benchmarks/profile_fmha.py --dtype fp8 --form wsu --n 8192 --causal 0
     ncu --import R.ncu-rep --page source --print-source sass --csv   # stall samples per SASS
+    python benchmarks/profile_fmha.py --dtype fp8 --n 4k --heads 32x8 --causal 1 --iters 20 \
+        --breakdown
 
 Prints the variant and the mean time of the calls (profiler overhead included when wrapped).
+With --breakdown it also prints each kernel's mean device time per call (torch.profiler: the
+V transpose op, the FMHA, any torch launch of the call) and the host time per call (Python and
+launches, measured with the GPU running behind): how session 11 found 180-280 us of Python per
+4k call.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +45,8 @@ def main(argv=None):
     ap.add_argument("--causal", type=int, default=0)
     ap.add_argument("--paged", action="store_true")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print per-kernel device time and host time per call")
     args = ap.parse_args(argv)
     os.environ.setdefault("MSA_UNVALIDATED_KERNELS", "1")   # gated forms may be profiled
     msa = load_msa()
@@ -73,6 +83,30 @@ def main(argv=None):
     print(f"profile_fmha: {native.last_variant} backend {msa._backend.last_backend('fmha_dense')}"
           f" n={n} heads={hq}x{hkv} causal={args.causal} paged={args.paged}: "
           f"{start.elapsed_time(end) / args.iters:.3f} ms per call")
+    if args.breakdown:
+        breakdown(lambda: msa.fmha(q, k, v, plan, output_maxscore=False, **kw), args.iters)
+
+
+def breakdown(call, iters: int) -> None:
+    """Host microseconds per call, then each kernel's mean device microseconds per call."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    host_us = (time.perf_counter() - t0) / iters * 1e6
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+    kernels = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name[:70]] += event.device_time_total
+    print(f"host {host_us:.1f} us per call (Python and launches: the calls are not waited for, "
+          "so the GPU's time does not count while its launch queue has room)")
+    for name, total in sorted(kernels.items(), key=lambda kv: -kv[1]):
+        print(f"  {total / iters:9.1f} us per call  {name}")
 
 
 if __name__ == "__main__":
