@@ -35,11 +35,11 @@ Roles (384 threads, one CTA per SM; the persistent forms walk work items, see `_
   Form "wsf" (validated; slower than wsu): FlashAttention-3's order, O rescaled under S(j)
   and the softmax of block j under the own P(j-1) V(j-1) (the constructor's `overlap`).
   Form "wsu" (the constructor's `uniform`; it and its persistent / V-transposed variants
-  serve both dtypes, picked per call by msa._native.fmha_sm90.served_ws_form): every tile starts on K/V stage 0 (producer, e4m3 transposer
-  and consumers), the blocks every row of the tile sees whole run in unrolled pairs (block
-  2i+1 on stage 1, 2i+2 on stage 0, no mask), the rest one by one, and the consumer body is
-  traced once per warpgroup, so that the wgmma descriptors are static offsets in uniform
-  registers.
+  serve both dtypes, picked per call by msa._native.fmha_sm90.served_ws_form): every tile
+  starts on K/V stage 0 (producer, e4m3 transposer and consumers), the blocks every row of the
+  tile sees whole run in unrolled pairs (block 2i+1 on stage 1, 2i+2 on stage 0, no mask), the
+  rest one by one, and the consumer body is traced once per warpgroup, so that the wgmma
+  descriptors are static offsets in uniform registers.
 * ping-pong: the two GEMM issues of a block are a turn; turns alternate between the consumers
   through two named barriers (a consumer waits on its own, then arrives on the other's), so
   one warpgroup's softmax runs under the other's GEMMs (FlashAttention-3's schedule). Both
