@@ -230,16 +230,20 @@ class FmhaSm90Ws:
                                                  self.out_dtype)
         return cute.tile_to_shape(o_atom, (WG_ROWS, HEAD_DIM, NUM_MMA_WARPGROUPS), (0, 1, 2))
 
-    def _n_mbarriers(self):
+    def _ring_mbarriers(self):
         """K full / empty, V full / empty per stage, one scratch barrier; e4m3 with the
         transposer adds the raw V ring's full / empty (the V full / empty pair then guards the
-        Vt stages), q_by_producer Q full / empty (after the scratch barrier)."""
-        return (6 if self.transposer else 4) * self.kv_stages + 1 + (
-            2 if self.q_by_producer else 0)
+        Vt stages)."""
+        return (6 if self.transposer else 4) * self.kv_stages + 1
+
+    def _n_mbarriers(self):
+        """The ring's mbarriers, then q_by_producer's Q full / empty."""
+        return self._ring_mbarriers() + (2 if self.q_by_producer else 0)
 
     def _q_mbarriers(self, mbar):
-        """(Q full, Q empty) of the q_by_producer forms."""
-        return mbar + 4 * self.kv_stages + 1, mbar + 4 * self.kv_stages + 2
+        """(Q full, Q empty) of the q_by_producer forms, after the ring's."""
+        first = mbar + self._ring_mbarriers()
+        return first, first + 1
 
     def _shared_storage(self, q_layout, kv_layout):
         """Q, K and V stages (e4m3: raw V, then Vt stages and O tiles), then the mbarriers
@@ -381,8 +385,8 @@ class FmhaSm90Ws:
             if cutlass.const_expr(self.persistent):
                 # One trace per consumer warpgroup (static index), each walking the items.
                 items = SimpleNamespace(n_items=n_items, n_heads=n_heads, n_requests=n_requests,
-                                        bounds=(mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable,
-                                                tK.shape[0]))
+                                        tensors=(mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable),
+                                        key_rows=tK.shape[0])
                 for mwg in cutlass.range_constexpr(NUM_MMA_WARPGROUPS):
                     if wg == 1 + mwg:
                         self._consumer(*args, mwg, *rest, (g, parity), items)
@@ -608,7 +612,7 @@ class FmhaSm90Ws:
                   mbar, q_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, sVt_stages, sO_wgs,
                   state, items=None):
         """Query tiles cta_x, cta_x + grid_x, .. of one (head, request) for consumer warpgroup
-        mwg, or (persistent; `items`: the item count and request_bounds' tensors) the work
+        mwg, or (persistent; `items`: the item count and request_bounds' arguments) the work
         items of this CTA. The fragments are set up once, outside every loop (the wgmma
         descriptors stay static offsets). state = (blocks streamed, stage parities) before
         them; returns it after them."""
@@ -661,9 +665,8 @@ class FmhaSm90Ws:
                 w = self._snake(rnd, cta_x, grid_x)
                 if w < items.n_items:
                     walk, i_head, i_request = self._item(w, items.n_heads, items.n_requests)
-                    b = items.bounds
                     i_q_start, i_q_len, i_kv_len, i_offset, _, i_tiles = request_bounds(
-                        b[0], b[1], b[2], b[3], b[4], b[5], i_request, b[6], self.paged)
+                        *items.tensors, i_request, items.key_rows, self.paged)
                     if walk < i_tiles:
                         cute.arch.mbarrier_wait(q_full, q_uses & 1)       # this item's Q
                         q_uses = q_uses + 1
