@@ -20,16 +20,13 @@ namespace {
 
 constexpr int kBlock = 128;          // keys per block (= page size) and head dim, in bytes
 constexpr int kThreads = 256;
-constexpr int kChunks = kBlock * kBlock / 16;   // 16-byte chunks per block
-constexpr int kRowChunks = kBlock / 16 + 1;     // shared row: 8 chunks + 1 of padding
-constexpr int kChunksPerThread = kChunks / kThreads;
-static_assert(kChunks % kThreads == 0, "every thread moves the same number of chunks");
+constexpr int kRowChunks = kBlock / 16;         // 16-byte chunks per key row
+constexpr int kChunksPerThread = kBlock * kRowChunks / kThreads;
+static_assert(kBlock * kRowChunks % kThreads == 0, "every thread moves the same number of chunks");
+static_assert(kThreads == 8 * 32, "the transpose maps 8 warps x 32 lanes onto 32 words x 8 groups");
 
-// The key whose bytes Vt column r holds: r = x0 + 2 x1 + 4 t + 16 j (t < 4) holds key
-// x0 + 8 x1 + 2 t + 16 j (tile_utils.register_p_row_order; tests check the two agree).
-__device__ __forceinline__ int vt_key_of_column(int r) {
-  return (r & 0x71) | (((r >> 1) & 1) << 3) | (((r >> 2) & 3) << 1);
-}
+// Vt column r = x0 + 2 x1 + 4 t + 16 j (t < 4) holds key x0 + 8 x1 + 2 t + 16 j
+// (tile_utils.register_p_row_order; fmha_sm90.vt_column_keys; the GPU test compares bytes).
 
 // Keys of request b: kv_len clamped to the page table's width in keys when paged, as the FMHA
 // clamps it; negative lengths count as 0.
@@ -93,6 +90,8 @@ __global__ void __launch_bounds__(kThreads) transpose_v_e4m3_kernel(TransposeVAr
                                   : a.num_tokens - (a.cu_seqlens_k[request] + key0);
 
   // All of a thread's loads in flight at once (a load-store loop waited for each in turn).
+  // Shared row `key` holds its 16-byte chunk `part` at part ^ ((key >> 4) & 7): the transpose
+  // below reads one word from each of eight 16-key groups per step, in eight distinct chunks.
   __shared__ uint4 tile[kBlock][kRowChunks];
   uint4 vals[kChunksPerThread];
 #pragma unroll
@@ -105,31 +104,42 @@ __global__ void __launch_bounds__(kThreads) transpose_v_e4m3_kernel(TransposeVAr
   }
 #pragma unroll
   for (int r = 0; r < kChunksPerThread; ++r) {
-    const int i = threadIdx.x + r * kThreads;
-    tile[i >> 3][i & 7] = vals[r];
+    const int i = threadIdx.x + r * kThreads, key = i >> 3, part = i & 7;
+    tile[key][part ^ ((key >> 4) & 7)] = vals[r];
   }
   __syncthreads();
 
-  // Thread i writes Vt(channel i % 128, columns 16 (i / 128) .. +15): a warp reads 32
-  // consecutive channel bytes of one key row per step (one shared-memory wavefront).
-  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&tile[0][0]);
+  // Thread (warp, lane) takes channels 4 c .. 4 c + 3, c = 4 warp + lane / 8, of keys 16 g ..
+  // 16 g + 15, g = lane % 8: sixteen 32-bit words, then 4 x 4 byte transposes (byte permutes)
+  // into the 16 Vt columns of each of its 4 channels. Vt columns 16 g + 4 w + j hold keys
+  // 16 g + 2 w + {0, 1, 8, 9}[j] (vt_key_of_column). A warp's store writes 4 whole 128-byte
+  // Vt rows.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int group = lane & 7, word = lane >> 3, chunk = warp ^ group;
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(&tile[0][0]);
+  uint32_t key_words[16];
+#pragma unroll
+  for (int x = 0; x < 16; ++x) {
+    key_words[x] = words[(16 * group + x) * (kBlock / 4) + 4 * chunk + word];
+  }
+  uint32_t cols[4][4];   // [channel in the word][Vt word w]
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const uint32_t k0 = key_words[2 * w], k1 = key_words[2 * w + 1];
+    const uint32_t k8 = key_words[2 * w + 8], k9 = key_words[2 * w + 9];
+    const uint32_t lo01 = __byte_perm(k0, k1, 0x5140), hi01 = __byte_perm(k0, k1, 0x7362);
+    const uint32_t lo89 = __byte_perm(k8, k9, 0x5140), hi89 = __byte_perm(k8, k9, 0x7362);
+    cols[0][w] = __byte_perm(lo01, lo89, 0x5410);
+    cols[1][w] = __byte_perm(lo01, lo89, 0x7632);
+    cols[2][w] = __byte_perm(hi01, hi89, 0x5410);
+    cols[3][w] = __byte_perm(hi01, hi89, 0x7632);
+  }
   uint8_t* out = a.vt + (vt_block * a.num_kv_heads + head) * (kBlock * kBlock);
+  const int channel0 = 4 * (4 * warp + word);
 #pragma unroll
-  for (int r = 0; r < kChunksPerThread; ++r) {
-    const int i = threadIdx.x + r * kThreads, ch = i & (kBlock - 1), col0 = (i >> 7) * 16;
-    uint32_t words[4];
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      uint32_t word = 0;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int key = vt_key_of_column(col0 + 4 * w + j);
-        word |= static_cast<uint32_t>(bytes[key * (kRowChunks * 16) + ch]) << (8 * j);
-      }
-      words[w] = word;
-    }
-    *reinterpret_cast<uint4*>(out + ch * kBlock + col0) =
-        make_uint4(words[0], words[1], words[2], words[3]);
+  for (int c = 0; c < 4; ++c) {
+    *reinterpret_cast<uint4*>(out + (channel0 + c) * kBlock + 16 * group) =
+        make_uint4(cols[c][0], cols[c][1], cols[c][2], cols[c][3]);
   }
 }
 
