@@ -72,8 +72,8 @@ VALIDATED_WARP_SPECIALIZED_FP8 = True
 WARP_SPECIALIZED_FOR_TESTS: Union[None, bool, str] = None
 # Warp-specialized forms per q/k/v dtype (must match cute_kernels.variants.WS_FORMS /
 # WS_FP8_FORMS).
-WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu", "wsup", "wsupt"),
-            "e4m3": ("ws", "wsf", "wsu", "wsut", "wsutp", "wsutpt")}
+WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu", "wsup"),
+            "e4m3": ("ws", "wsf", "wsu", "wsut", "wsutp")}
 # "wsf" (FlashAttention-3's intra-warpgroup order: O rescaled under S(j), the softmax of block j
 # under the own P(j-1) V(j-1)): on the H200 (2026-12-01, session 8, 05edc2d) its float64,
 # quantized-model and NaN-past-kv_len cases passed in both dtypes and memcheck was clean. Timed
@@ -121,7 +121,7 @@ WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu", "wsup", "wsupt"),
 # concurrent CTAs over every KV head, where the non-persistent grid's concurrent CTAs share one
 # head's K/V in L2. So calls of more than PERSISTENT_MAX_ITEMS work items (32k and up with 32
 # or 64 heads, where the persistent forms were at best even) serve SERVED_WS_FORM_LONG.
-VALIDATED_WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu", "wsup", "wsupt"),
+VALIDATED_WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu", "wsup"),
                       "e4m3": ("ws", "wsf", "wsu", "wsut", "wsutp")}
 SERVED_WS_FORM = {"bfloat16": "wsu", "e4m3": "wsutp"}
 SERVED_WS_FORM_CAUSAL = {"bfloat16": "wsup", "e4m3": "wsutp"}
@@ -145,7 +145,7 @@ POISON_BUFFERS_FOR_TESTS = False
 # The FMHA artifact of the most recent run() (tests check which form served a call).
 last_variant: Optional[str] = None
 # Forms whose v argument is V transposed ahead of the kernel (transpose_v).
-V_TRANSPOSED_FORMS = ("wsut", "wsutp", "wsutpt")
+V_TRANSPOSED_FORMS = ("wsut", "wsutp")
 TRANSPOSE_V_OP = "fmha_transpose_v_e4m3"
 
 

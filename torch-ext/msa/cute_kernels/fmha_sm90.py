@@ -42,7 +42,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import warpgroup
 
-from .tile_utils import (kv_row_iterator, mask_row_and_max, quad_max, quad_sum, tree_reduce,
+from .tile_utils import (kv_row_iterator, mask_row_and_max, quad_max, quad_sum,
                          register_p_operand, row_copy, smem_tile, transpose_v_copies,
                          transpose_v_words, warp_row_store_copy, warpgroup_gemm,
                          wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
@@ -140,14 +140,13 @@ def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
                    row_sum: cute.Tensor, tScS: cute.Tensor, wg_q0: cutlass.Int32,
                    kv_len: cutlass.Int32, offset: cutlass.Int32, causal: cutlass.Int32,
                    scale_log2: cutlass.Float32, o_rc=None, corr=None, max_score=None,
-                   mask: cutlass.Constexpr = True, tree: cutlass.Constexpr = False):
+                   mask: cutlass.Constexpr = True):
     """S of key block `blk` -> P = exp2(S * scale_log2 - new max) in place (masked keys 0); the
     running max and sum move on. The correction exp2(old max - new max) rescales the O
     accumulator rows o_rc here, or is left in corr[i] for the caller to apply (the
     warp-specialized kernel, whose previous P V may still be in flight). With max_score =
     (mMaxScore, score_scale, head, q_start, q_len, lane), each row's scaled max over the block's
-    visible keys is stored too (store_max_score). mask=False: every row sees the whole block.
-    tree: the row max and the row sum reduce a thread's columns as trees (tree_reduce)."""
+    visible keys is stored too (store_max_score). mask=False: every row sees the whole block."""
     key0 = blk * BLOCK_N
     s_rc = wgmma_rows_cols_view(acc_s)
     n_my_cols = cute.size(tScS, mode=[1])
@@ -158,8 +157,7 @@ def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
             visible_end = kv_len - key0
             if causal != 0:
                 visible_end = cutlass.min(visible_end, q_local + offset - key0 + 1)
-        blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N,
-                                            tree=tree))
+        blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N))
         if cutlass.const_expr(max_score is not None):
             mMaxScore, score_scale, head, q_start, q_len, lane = max_score
             store_max_score(mMaxScore, score_scale, blk_max, head, blk, q_start, q_local,
@@ -171,15 +169,10 @@ def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
         correction = cute.math.exp2(row_max[i] - base, fastmath=True)
         row_max[i] = new_max
         part = cutlass.Float32(0.0)
-        if cutlass.const_expr(tree):
-            for j in cutlass.range_constexpr(n_my_cols):
-                s_rc[i, j] = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
-            part = tree_reduce([s_rc[i, j] for j in range(n_my_cols)], lambda a, b: a + b)
-        else:
-            for j in cutlass.range_constexpr(n_my_cols):
-                p = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
-                part = part + p
-                s_rc[i, j] = p
+        for j in cutlass.range_constexpr(n_my_cols):
+            p = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
+            part = part + p
+            s_rc[i, j] = p
         row_sum[i] = row_sum[i] * correction + part
         if cutlass.const_expr(o_rc is not None):
             for j in cutlass.range_constexpr(n_my_cols):

@@ -106,11 +106,8 @@ BAR_TURN = 3             # + consumer index, 256 threads
 FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True),
          "wsut": dict(uniform=True, v_transposed=True),
          "wsup": dict(uniform=True, persistent=True),
-         "wsutp": dict(uniform=True, v_transposed=True, persistent=True),
-         # EXPERIMENT (session 12): wsutp / wsup with tree-shaped row max and row sum.
-         "wsutpt": dict(uniform=True, v_transposed=True, persistent=True, tree=True),
-         "wsupt": dict(uniform=True, persistent=True, tree=True)}
-FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsutpt")
+         "wsutp": dict(uniform=True, v_transposed=True, persistent=True)}
+FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp")
 
 
 class FmhaSm90Ws:
@@ -119,7 +116,7 @@ class FmhaSm90Ws:
 
     def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
                  overlap: bool = False, uniform: bool = False, v_transposed: bool = False,
-                 persistent: bool = False, tree: bool = False):
+                 persistent: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
         # uniform (form "wsu"): every tile starts on K/V stage 0 and the blocks every row
         # sees whole run in unrolled pairs (mask-free), so their stages are compile-time
@@ -158,10 +155,6 @@ class FmhaSm90Ws:
         # alone (~4-6 us, 10-15 % of a 4k tile).
         assert not persistent or (uniform and not self.transposer)
         self.persistent = persistent
-        # tree: the softmax's row max and row sum reduce a thread's 32 columns as trees (depth
-        # 5) instead of one chain each (32 dependent FMNMX / FADD on the consumer's critical
-        # path; the sum's order changes, not its terms).
-        self.tree = tree
         # Persistent forms: the producer TMA-loads each item's Q into the Q rows as soon as
         # both consumers have issued their last S wgmma (Q full / Q empty mbarriers), so the
         # next item's Q lands under the last P V and the O store; O is then staged in a tile
@@ -736,7 +729,7 @@ class FmhaSm90Ws:
             if lane == 0:
                 cute.arch.mbarrier_arrive(mbar + S + stage)                # K free
             online_softmax(acc_s, 0, row_max, row_sum, tScS, wg_q0, kv_len, offset,
-                           causal, scale_log2, corr=corr, tree=self.tree)
+                           causal, scale_log2, corr=corr)
             r_p.store(acc_s.load().to(self.dtype))
             # ---- blocks 1 .. n-1: S(j) and P(j-1) V(j-1) in one turn
             first_dynamic = 1
@@ -813,8 +806,7 @@ class FmhaSm90Ws:
         if t.lane == 0:
             cute.arch.mbarrier_arrive(t.mbar + S + stage)                  # K free
         online_softmax(t.acc_s, blk, t.row_max, t.row_sum, t.tScS, t.wg_q0, t.kv_len,
-                       t.offset, t.causal, t.scale_log2, corr=t.corr, mask=mask,
-                       tree=self.tree)
+                       t.offset, t.causal, t.scale_log2, corr=t.corr, mask=mask)
         # ws: a no-op after the wait above (kept: the validated PTX has it); wsf: P V(j-1)
         # done, so r_p may take P(j).
         warpgroup.wait_group(0)

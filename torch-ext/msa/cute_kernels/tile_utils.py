@@ -94,44 +94,23 @@ def accumulator_as_operand_a(acc_in_16bit: cute.Tensor) -> cute.Tensor:
 @cute.jit
 def mask_row_and_max(s_rc: cute.Tensor, row: cutlass.Constexpr, coords: cute.Tensor,
                      n_cols: cutlass.Constexpr, visible_end: cutlass.Int32,
-                     full_width: cutlass.Constexpr, tree: cutlass.Constexpr = False
-                     ) -> cutlass.Float32:
+                     full_width: cutlass.Constexpr) -> cutlass.Float32:
     """Set the scores of columns >= visible_end in row `row` of s_rc (a rows x cols view of an
     accumulator; `coords` the matching identity view) to -inf and return the row's max over
-    this thread's columns (tree: reduced as a tree, tree_reduce, instead of one chain). A
-    select per element, never an `if` around the element store: a dynamic `if` carries the
-    whole fragment through the branch, which ptxas turned into quadratic FSEL chains (1058 FSEL
-    per 64-element tile row pair, half the kernel's issue)."""
+    this thread's columns. A select per element, never an `if` around the element store: a
+    dynamic `if` carries the whole fragment through the branch, which ptxas turned into
+    quadratic FSEL chains (1058 FSEL per 64-element tile row pair, half the kernel's issue)."""
     row_max = -cutlass.Float32.inf
     if visible_end < full_width:
-        if cutlass.const_expr(tree):
-            for j in cutlass.range_constexpr(n_cols):
-                s_rc[row, j] = cutlass.select_(coords[0, j][1] >= visible_end,
-                                               -cutlass.Float32.inf, s_rc[row, j])
-            row_max = tree_reduce([s_rc[row, j] for j in range(n_cols)], cute.arch.fmax)
-        else:
-            for j in cutlass.range_constexpr(n_cols):
-                s = cutlass.select_(coords[0, j][1] >= visible_end, -cutlass.Float32.inf,
-                                    s_rc[row, j])
-                s_rc[row, j] = s
-                row_max = cute.arch.fmax(row_max, s)
+        for j in cutlass.range_constexpr(n_cols):
+            s = cutlass.select_(coords[0, j][1] >= visible_end, -cutlass.Float32.inf,
+                                s_rc[row, j])
+            s_rc[row, j] = s
+            row_max = cute.arch.fmax(row_max, s)
     else:
-        if cutlass.const_expr(tree):
-            row_max = tree_reduce([s_rc[row, j] for j in range(n_cols)], cute.arch.fmax)
-        else:
-            for j in cutlass.range_constexpr(n_cols):
-                row_max = cute.arch.fmax(row_max, s_rc[row, j])
+        for j in cutlass.range_constexpr(n_cols):
+            row_max = cute.arch.fmax(row_max, s_rc[row, j])
     return row_max
-
-
-def tree_reduce(values, combine):
-    """combine-fold of a list of DSL values as a balanced tree (depth log2 n, not n - 1): the
-    instructions are the same, the dependent chain is short."""
-    values = list(values)
-    while len(values) > 1:
-        values = [combine(values[i], values[i + 1]) if i + 1 < len(values) else values[i]
-                  for i in range(0, len(values), 2)]
-    return values[0]
 
 
 @cute.jit

@@ -92,8 +92,8 @@ class BlockMaxScoreVariant:
 # ahead of the kernel instead of transposing it in the producer warpgroup); wsup / wsutp are
 # wsu / wsut on persistent CTAs. msa._native.fmha_sm90.served_ws_form picks the served one per
 # call (bf16 wsup / wsu, e4m3 wsutp / wsut).
-WS_FORMS = ("ws", "wsf", "wsu", "wsup", "wsupt")
-WS_FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsutpt")
+WS_FORMS = ("ws", "wsf", "wsu", "wsup")
+WS_FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp")
 
 
 @dataclasses.dataclass(frozen=True)
