@@ -106,11 +106,8 @@ BAR_TURN = 3             # + consumer index, 256 threads
 FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True),
          "wsut": dict(uniform=True, v_transposed=True),
          "wsup": dict(uniform=True, persistent=True),
-         "wsutp": dict(uniform=True, v_transposed=True, persistent=True),
-         # EXPERIMENT (session 12): wsut / wsutp in FlashAttention-3's intra-warpgroup order.
-         "wsutf": dict(uniform=True, v_transposed=True, overlap=True),
-         "wsutpf": dict(uniform=True, v_transposed=True, persistent=True, overlap=True)}
-FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsutf", "wsutpf")
+         "wsutp": dict(uniform=True, v_transposed=True, persistent=True)}
+FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp")
 
 
 class FmhaSm90Ws:
@@ -129,7 +126,7 @@ class FmhaSm90Ws:
         # with R2UR, ~12 instructions per wgmma: the longest part of a turn). Stage phases come
         # from the parity of each stage's uses (_stage_phase).
         # (uniform with overlap: e4m3 spills a few registers in every role; not offered.)
-        assert not (uniform and (kv_stages != 2 or (overlap and not v_transposed)))
+        assert not (uniform and (overlap or kv_stages != 2))
         self.uniform = uniform
         self.paged = paged
         # overlap (form "wsf"): per turn, issue S(j), rescale O to max j-1 while it runs, issue
