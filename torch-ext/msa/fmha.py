@@ -541,10 +541,14 @@ class FmhaDenseCall:
                     work_items=self.work_items)
 
     @property
+    def q_tiles(self) -> int:
+        """128-query tiles of the longest request, at least 1 (a query-outer grid's x extent)."""
+        return max(-(-int(self.plan.get("max_seqlen_q", 0)) // TILE), 1)
+
+    @property
     def work_items(self) -> int:
         """(128-query tile, q head, request) items of a query-outer kernel grid."""
-        tiles = -(-int(self.plan.get("max_seqlen_q", 0)) // TILE)
-        return max(tiles, 1) * self.q.shape[1] * int(self.plan.get("batch", 1))
+        return self.q_tiles * self.q.shape[1] * int(self.plan.get("batch", 1))
 
 
 def fmha_sm100(q, k, v, plan_info, kv_indices=None, kv_block_indexes=None,

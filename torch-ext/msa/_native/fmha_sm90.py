@@ -38,7 +38,6 @@ except ImportError:   # source tree: no compiled extension
     ops, HAS_COMPILED_OPS = None, False
 
 PAGE = 128
-TILE_M = 128                    # queries per CTA; must match cute_kernels.fmha_sm90.TILE_M
 # tests/test_fmha_gpu.py passed on the H200 (2026-11-30, session 3): 7 tests.
 VALIDATED = True
 # O + max-score (mode 1; variants fmha_sm90_*_maxscore: each row's scaled max over a block's
@@ -382,7 +381,7 @@ def run(call):
                                                   call.host_qo_offset).contiguous()
     batch = cu_q.numel() - 1
     table = call.page_table if call.paged else kv_lens.view(batch, 1)   # unused when dense
-    grid_q_tiles = max(1, -(-int(plan["max_seqlen_q"]) // TILE_M))
+    grid_q_tiles = call.q_tiles          # 128-query tiles (cute_kernels.fmha_sm90.TILE_M)
     if POISON_BUFFERS_FOR_TESTS:
         out.fill_(float("nan"))
     scalars = [float(call.logit_scale) * math.log2(math.e), float(call.output_scale),
