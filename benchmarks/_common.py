@@ -43,6 +43,12 @@ def native_module(msa, name: str):
         return None
 
 
+def fmha_form_hook(form: str):
+    """The fmha_sm90.WARP_SPECIALIZED_FOR_TESTS value that makes msa.fmha run `form`: "served"
+    (None: the gates pick), "plain" (False: the non-warp-specialized kernel) or a form name."""
+    return {"served": None, "plain": False}.get(form, form)
+
+
 def git_commit() -> str:
     """MSA_COMMIT when set (the device machine has no .git), else the checkout's short HEAD."""
     if os.environ.get("MSA_COMMIT"):

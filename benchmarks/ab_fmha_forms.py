@@ -10,9 +10,9 @@ two numbers of one form instead of as a difference between forms.
         --problems 4096:32:8:1:fp8,8192:64:4:0:fp8
 
 A problem is tokens:Hq:Hkv:causal:dtype (one request, q = kv; dtype bf16 or fp8). A form is
-`served` or a name of fmha_sm90.WS_FORMS for that dtype (gated forms run: the script opens
-MSA_UNVALIDATED_KERNELS). Prints one line per problem: each form (the variant that ran) and
-its microseconds per call, forwards / backwards.
+`served`, `plain` or a name of fmha_sm90.WS_FORMS (forms the problem's dtype lacks are skipped;
+gated forms run: the script opens MSA_UNVALIDATED_KERNELS). Prints one line per problem: each
+form (the variant that ran) and its microseconds per call, forwards / backwards.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import load_msa, native_module  # noqa: E402
+from _common import fmha_form_hook, load_msa, native_module  # noqa: E402
 
 D = 128
 
@@ -33,7 +33,8 @@ D = 128
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--forms", required=True, help="comma-separated: served or WS_FORMS names")
+    ap.add_argument("--forms", required=True,
+                    help="comma-separated: served, plain or WS_FORMS names")
     ap.add_argument("--problems", required=True, help="tokens:Hq:Hkv:causal:dtype, comma-separated")
     ap.add_argument("--calls", type=int, default=40, help="back-to-back calls per timing")
     args = ap.parse_args(argv)
@@ -54,14 +55,12 @@ def main(argv=None):
             q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
         plan = msa.fmha_plan(torch.tensor([n]), torch.tensor([n]), hq, hkv, causal=causal,
                              device=dev)
+        dtype_forms = native.WS_FORMS["e4m3" if dtype == "fp8" else "bfloat16"]
+        mine = [f for f in forms if f in ("served", "plain") or f in dtype_forms]
         times = {}
-        for form in forms + forms[::-1]:
-            native.WARP_SPECIALIZED_FOR_TESTS = None if form == "served" else form
-            try:
-                msa.fmha(q, k, v, plan, output_maxscore=False)
-            except Exception as err:                    # a form this dtype lacks
-                print(f"skip {dtype} {form}: {err}")
-                continue
+        for form in mine + mine[::-1]:
+            native.WARP_SPECIALIZED_FOR_TESTS = fmha_form_hook(form)
+            msa.fmha(q, k, v, plan, output_maxscore=False)          # warm-up
             torch.cuda.synchronize()
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (TsvWriter, add_common_args, apply_preset, free_memory, load_msa,  # noqa: E402
-                     native_module, parse_names, parse_sizes, reference_too_slow, setup,
-                     time_ms)
+from _common import (TsvWriter, add_common_args, apply_preset, fmha_form_hook,  # noqa: E402
+                     free_memory, load_msa, native_module, parse_names, parse_sizes,
+                     reference_too_slow, setup, time_ms)
 
 D = 128
 # Warp-specialized forms per --dtypes name when the native module is absent (it says which).
@@ -130,8 +130,7 @@ def main(argv=None):
                                          else -1, device=device)
                     for dtype_name, form in runs:
                         if native is not None and hasattr(native, "WARP_SPECIALIZED_FOR_TESTS"):
-                            native.WARP_SPECIALIZED_FOR_TESTS = {"served": None,
-                                                                 "plain": False}.get(form, form)
+                            native.WARP_SPECIALIZED_FOR_TESTS = fmha_form_hook(form)
                         if dtype_name == "fp8":
                             q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k_in, v_in))
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import load_msa, native_module, parse_sizes  # noqa: E402
+from _common import fmha_form_hook, load_msa, native_module, parse_sizes  # noqa: E402
 
 D = 128
 
@@ -53,8 +53,7 @@ def main(argv=None):
     native = native_module(msa, "fmha_sm90")
     if native is None:
         raise SystemExit("profile_fmha: this build has no native fmha_sm90 module")
-    native.WARP_SPECIALIZED_FOR_TESTS = {"served": None, "plain": False}.get(args.form,
-                                                                             args.form)
+    native.WARP_SPECIALIZED_FOR_TESTS = fmha_form_hook(args.form)
     n = parse_sizes(args.n)[0]
     hq, hkv = (int(x) for x in args.heads.split("x"))
     dev = torch.device("cuda")
