@@ -231,6 +231,32 @@ def test_fp8_with_scales(q_dtype, seed):
     _assert_max_score(ms, ms_ref, atol=1e-3)
 
 
+def test_quantized_p_model_sums_the_rounded_p_when_asked(seed):
+    """The e4m3 kernels' model (dense_attention_reference with p_quant_dtype): P is rounded
+    before P.V; the normalizer sums the unrounded P, or with sum_quantized_p the rounded P (the
+    forms that sum P on the tensor core). With every key holding the same V row, the rounded-P
+    weights then sum to 1 exactly, so O is that row; the unrounded normalizer misses it by the
+    rounding; without p_quant_dtype the flag changes nothing."""
+    from msa.reference.dense_attention import dense_attention_reference, dense_token_kv
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv, q_lens, kv_lens = 4, 2, [5, 37], [300, 129]
+    q = torch.randn(sum(q_lens), hq, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(sum(kv_lens), hkv, D, generator=gen, dtype=torch.float64)
+    row = torch.randn(1, hkv, D, generator=gen, dtype=torch.float64)
+    kv = dense_token_kv(k, row.expand(sum(kv_lens), hkv, D).clone(), kv_lens)
+    common = dict(causal=False, logit_scale=D ** -0.5, compute_dtype=torch.float64,
+                  kv_step=128)
+    want = row.repeat_interleave(hq // hkv, dim=1).expand(sum(q_lens), hq, D)
+    outs = {flag: dense_attention_reference(q, kv, q_lens, kv_lens, [0, 0], p_quant_dtype=FP8,
+                                            sum_quantized_p=flag, **common)[0]
+            for flag in (False, True)}
+    assert (outs[True] - want).abs().max().item() < 1e-12
+    assert (outs[False] - want).abs().max().item() > 1e-4
+    plain = [dense_attention_reference(q, kv, q_lens, kv_lens, [0, 0], sum_quantized_p=flag,
+                                       **common)[0] for flag in (False, True)]
+    assert torch.equal(plain[0], plain[1])
+
+
 @pytest.mark.parametrize("page_size", [64, 128])
 def test_score_only_matches_fused_and_block_max_scores(page_size, seed, indexer):
     gen = torch.Generator().manual_seed(seed)

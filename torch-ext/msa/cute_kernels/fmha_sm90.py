@@ -146,7 +146,9 @@ def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
     accumulator rows o_rc here, or is left in corr[i] for the caller to apply (the
     warp-specialized kernel, whose previous P V may still be in flight). With max_score =
     (mMaxScore, score_scale, head, q_start, q_len, lane), each row's scaled max over the block's
-    visible keys is stored too (store_max_score). mask=False: every row sees the whole block."""
+    visible keys is stored too (store_max_score). mask=False: every row sees the whole block.
+    row_sum=None: the caller sums P elsewhere (the e4m3 forms that add P times a ones tile on
+    the tensor core, FmhaSm90Ws's mma_row_sum)."""
     key0 = blk * BLOCK_N
     s_rc = wgmma_rows_cols_view(acc_s)
     n_my_cols = cute.size(tScS, mode=[1])
@@ -168,12 +170,16 @@ def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
             base = 0.0                                  # nothing visible yet: p = 0
         correction = cute.math.exp2(row_max[i] - base, fastmath=True)
         row_max[i] = new_max
-        part = cutlass.Float32(0.0)
-        for j in cutlass.range_constexpr(n_my_cols):
-            p = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
-            part = part + p
-            s_rc[i, j] = p
-        row_sum[i] = row_sum[i] * correction + part
+        if cutlass.const_expr(row_sum is None):
+            for j in cutlass.range_constexpr(n_my_cols):
+                s_rc[i, j] = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
+        else:
+            part = cutlass.Float32(0.0)
+            for j in cutlass.range_constexpr(n_my_cols):
+                p = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
+                part = part + p
+                s_rc[i, j] = p
+            row_sum[i] = row_sum[i] * correction + part
         if cutlass.const_expr(o_rc is not None):
             for j in cutlass.range_constexpr(n_my_cols):
                 o_rc[i, j] = o_rc[i, j] * correction
@@ -203,13 +209,17 @@ def load_q_rows(mQ: cute.Tensor, q_copy: cute.TiledCopy, thr_q_copy, tQsQ: cute.
 @cute.jit
 def write_o_rows(mO, o_rc, acc_o, row_sum, n_my_rows: cutlass.Constexpr,
                  n_my_cols: cutlass.Constexpr, output_scale, sO_mine, wg_tidx, warp_in_wg, lane,
-                 wg_q0, q_start, q_len, head, stage_o_copy, store_o_copy, out_dtype):
+                 wg_q0, q_start, q_len, head, stage_o_copy, store_o_copy, out_dtype,
+                 row_sum_whole: cutlass.Constexpr = False):
     """A warpgroup's O rows: acc / sum * output_scale, staged (out_dtype) in sO_mine (its Q
     rows, or its own O tile for e4m3 q) and written as 16-byte row segments of mO. Warp w of
     the warpgroup holds rows 16w..16w+15, which only its own S wgmmas read. Shared by the plain
-    and the warp-specialized kernels."""
+    and the warp-specialized kernels. row_sum: this thread's part of each row's sum (summed
+    over the quad here), or with row_sum_whole the whole sum."""
     for i in cutlass.range_constexpr(n_my_rows):
-        total = quad_sum(row_sum[i])
+        total = row_sum[i]
+        if cutlass.const_expr(not row_sum_whole):
+            total = quad_sum(row_sum[i])
         inv = cutlass.Float32(0.0)
         if total > 0.0:
             inv = output_scale / total

@@ -59,6 +59,7 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .fmha_sm90 import (consumer_fragments, load_q_rows, mmas_and_o_copies, online_softmax,
@@ -88,6 +89,8 @@ MMA_REGS_FP8 = 216       # 72 * 128 + 216 * 256 = 64512 (80 / 216 hung: 65536)
 PRODUCER_REGS_PERSISTENT = 40
 MMA_REGS_PERSISTENT = 232    # 40 * 128 + 232 * 256 = 64512
 TRANSPOSE_WARPS = 3
+# mma_row_sum: P times a (key, SUM_COLS) tile of ones, the narrowest e4m3 wgmma (N = 8).
+SUM_COLS = 8
 # Named barriers (0 is sync_threads): a consumer warpgroup's own (Q published, O staged),
 # and each consumer's ping-pong turn.
 BAR_WG = 1               # + consumer index, 128 threads
@@ -103,11 +106,15 @@ BAR_TURN = 3             # + consumer index, 256 threads
 # "wsup" / "wsutp": wsu / wsut with persistent CTAs (the constructor's `persistent`): they serve
 # calls of up to fmha_sm90.PERSISTENT_MAX_ITEMS work items (wsup only the causal ones); longer
 # calls serve wsu / wsut.
+# "wsuts" / "wsutps" (e4m3 only): wsut / wsutp with the softmax's row sums on the tensor core
+# (the constructor's `mma_row_sum`).
 FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True),
          "wsut": dict(uniform=True, v_transposed=True),
          "wsup": dict(uniform=True, persistent=True),
-         "wsutp": dict(uniform=True, v_transposed=True, persistent=True)}
-FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp")
+         "wsutp": dict(uniform=True, v_transposed=True, persistent=True),
+         "wsuts": dict(uniform=True, v_transposed=True, mma_row_sum=True),
+         "wsutps": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True)}
+FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps")
 
 
 class FmhaSm90Ws:
@@ -116,7 +123,7 @@ class FmhaSm90Ws:
 
     def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
                  overlap: bool = False, uniform: bool = False, v_transposed: bool = False,
-                 persistent: bool = False):
+                 persistent: bool = False, mma_row_sum: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
         # uniform (form "wsu"): every tile starts on K/V stage 0 and the blocks every row
         # sees whole run in unrolled pairs (mask-free), so their stages are compile-time
@@ -161,6 +168,15 @@ class FmhaSm90Ws:
         # of its own (the e4m3 forms have one anyway).
         self.q_by_producer = persistent
         self.own_o_tile = self.fp8 or self.q_by_producer
+        # mma_row_sum (forms "wsuts", "wsutps"): the row sums of P come from the tensor core,
+        # P (already e4m3 in registers for P V) times a constant (key, 8) tile of ones in
+        # shared memory, 4 more wgmmas (N = 8) per block in P V's group, rescaled with O; every
+        # thread then holds its rows' whole sums. The 64 FADDs per block and thread of the
+        # softmax go (~14 % of a turn's instructions: the e4m3 loop is bound by the
+        # consumer's instruction stream, not the tensor pipe, 38 % busy). The sum is then
+        # over the e4m3-rounded P that P V uses (the quantized model's sum_quantized_p).
+        assert not mma_row_sum or (v_transposed and not overlap)
+        self.mma_row_sum = mma_row_sum
         self.producer_regs = PRODUCER_REGS_FP8 if self.transposer else PRODUCER_REGS
         self.mma_regs = MMA_REGS_FP8 if self.transposer else MMA_REGS
         if persistent:
@@ -207,6 +223,12 @@ class FmhaSm90Ws:
         zero_copy = row_copy(self.dtype, 4, async_copy=False)
         mma_qk, mma_pv, stage_o_copy, store_o_copy = mmas_and_o_copies(self.dtype,
                                                                        self.out_dtype)
+        mma_sum = None
+        if cutlass.const_expr(self.mma_row_sum):
+            mma_sum = hopper.make_trivial_tiled_mma(
+                self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
+                cute.nvgpu.OperandMajorMode.K, cutlass.Float32, (1, 1, 1), (WG_ROWS, SUM_COLS),
+                a_source=warpgroup.OperandSource.RMEM)
         grid = (grid_q_tiles, cute.size(q.shape[1]), cute.size(cu_seqlens_q.shape[0]) - 1)
         if cutlass.const_expr(self.persistent):
             # num_ctas (the SM count) CTAs, fewer when there are fewer items.
@@ -215,13 +237,19 @@ class FmhaSm90Ws:
         self.kernel(q, tK, tV, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
                     logit_scale_log2, output_scale, causal, grid_q_tiles, tma_k, tma_v,
                     q_layout, kv_layout, q_copy, zero_copy, mma_qk, mma_pv, stage_o_copy,
-                    store_o_copy, SharedStorage, tQ, tma_q).launch(
+                    store_o_copy, SharedStorage, tQ, tma_q, mma_sum).launch(
             grid=grid, block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
 
     def _vt_layout(self):
         """e4m3: the key-permuted Vt stages (channel, key', stage). Static (tracing)."""
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
         return cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N, self.kv_stages), (0, 1, 2))
+
+    def _ones_layout(self):
+        """mma_row_sum: the (SUM_COLS, key) ones tile, one 128-byte-swizzle atom of e4m3
+        (K-major B of the row-sum wgmma). Static (tracing)."""
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        return cute.tile_to_shape(atom, (SUM_COLS, BLOCK_N), (0, 1))
 
     def _o_layout(self):
         """The consumers' bf16 O tiles (own_o_tile: the e4m3 Q rows are too small to stage O
@@ -255,6 +283,8 @@ class FmhaSm90Ws:
             fields["sVt"] = smem_tile(self.dtype, self._vt_layout())
         if self.own_o_tile:
             fields["sO"] = smem_tile(self.out_dtype, self._o_layout())
+        if self.mma_row_sum:
+            fields["sOnes"] = smem_tile(self.dtype, self._ones_layout())
         fields["mbar"] = cute.struct.Align[
             cute.struct.MemRange[cutlass.Int64, self._n_mbarriers()], 8]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
@@ -270,7 +300,8 @@ class FmhaSm90Ws:
                q_copy: cute.TiledCopy, zero_copy: cute.TiledCopy, mma_qk: cute.TiledMma,
                mma_pv: cute.TiledMma, stage_o_copy: cute.TiledCopy,
                store_o_copy: cute.TiledCopy, SharedStorage: cutlass.Constexpr,
-               tQ: Optional[cute.Tensor], tma_q: Optional[cute.CopyAtom]):
+               tQ: Optional[cute.Tensor], tma_q: Optional[cute.CopyAtom],
+               mma_sum: Optional[cute.TiledMma]):
         tidx, _, _ = cute.arch.thread_idx()
         cta_x, head, request = cute.arch.block_idx()
         grid_x, _, _ = cute.arch.grid_dim()
@@ -320,6 +351,19 @@ class FmhaSm90Ws:
             cpasync.prefetch_descriptor(tma_v)
             if cutlass.const_expr(self.q_by_producer):
                 cpasync.prefetch_descriptor(tma_q)
+        sOnes = None
+        if cutlass.const_expr(self.mma_row_sum):
+            ones_layout = self._ones_layout()
+            sOnes = storage.sOnes.get_tensor(ones_layout.outer, swizzle=ones_layout.inner)
+            # e4m3 1.0 in every byte (so the swizzle does not matter): a word per thread of
+            # the consumers, published to the async proxy that the wgmmas read through.
+            n_words = SUM_COLS * BLOCK_N * self.dtype.width // 32
+            ones_words = cute.make_tensor(
+                cute.recast_ptr(storage.sOnes.data_ptr(), dtype=cutlass.Int32),
+                cute.make_layout(n_words))
+            if tidx >= NUM_THREADS - n_words:
+                ones_words[tidx - (NUM_THREADS - n_words)] = cutlass.Int32(0x38383838)
+                cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -376,7 +420,7 @@ class FmhaSm90Ws:
             args = (mQ, mO, head, q_start, q_len, kv_len, offset, causal, n_q_tiles, cta_x,
                     grid_x, scale_log2, output_scale, tidx)
             rest = (sQ_wgs, sK_stages, sV_stages, mbar, q_copy, mma_qk, mma_pv, stage_o_copy,
-                    store_o_copy, sVt_stages, sO_wgs)
+                    store_o_copy, sVt_stages, sO_wgs, mma_sum, sOnes)
             # Consumer 0 takes the first turn.
             if wg == 2:
                 cute.arch.barrier_arrive(barrier_id=BAR_TURN, number_of_threads=256)
@@ -610,7 +654,7 @@ class FmhaSm90Ws:
     def _consumer(self, mQ, mO, head, q_start, q_len, kv_len, offset, causal, n_q_tiles, cta_x,
                   grid_x, scale_log2, output_scale, tidx, mwg, sQ_wgs, sK_stages, sV_stages,
                   mbar, q_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, sVt_stages, sO_wgs,
-                  state, items=None):
+                  mma_sum, sOnes, state, items=None):
         """Query tiles cta_x, cta_x + grid_x, .. of one (head, request) for consumer warpgroup
         mwg, or (persistent; `items`: the item count and request_bounds' arguments) the work
         items of this CTA. The fragments are set up once, outside every loop (the wgmma
@@ -642,6 +686,15 @@ class FmhaSm90Ws:
             t_p = wgmma_accumulator_as_operand_a(r_p)
         row_max = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)   # running, log2 units
         row_sum = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)   # this thread's part
+        # mma_row_sum: P times the ones tile; each thread's accumulator columns all hold its
+        # rows' whole sums.
+        tSumB, acc_sum, sum_rc = None, None, None
+        if cutlass.const_expr(self.mma_row_sum):
+            thr_sum = mma_sum.get_slice(wg_tidx)
+            tSumB = thr_sum.make_fragment_B(thr_sum.partition_B(sOnes))
+            acc_sum = cute.make_rmem_tensor(thr_sum.partition_shape_C((WG_ROWS, SUM_COLS)),
+                                            cutlass.Float32)
+            sum_rc = wgmma_rows_cols_view(acc_sum)
         corr = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
         sO_mine = sQ_mine                          # bf16: O takes the Q rows' place
         if cutlass.const_expr(self.own_o_tile):
@@ -655,7 +708,7 @@ class FmhaSm90Ws:
             a_shape=a_shape, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tScS=tScS, n_my_rows=n_my_rows,
             n_my_cols=n_my_cols, row_max=row_max, row_sum=row_sum, corr=corr, mbar=mbar,
             turn_mine=BAR_TURN + mwg, turn_other=BAR_TURN + 1 - mwg, causal=causal,
-            scale_log2=scale_log2)
+            scale_log2=scale_log2, mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc)
 
         g, parity = state                     # blocks so far, wsu's stage-use parities
         if cutlass.const_expr(self.persistent):
@@ -696,6 +749,7 @@ class FmhaSm90Ws:
         n_my_rows, n_my_cols, output_scale = c.n_my_rows, c.n_my_cols, c.output_scale
         mO, sO_mine, wg_tidx, warp_in_wg = c.mO, c.sO_mine, c.wg_tidx, c.warp_in_wg
         stage_o_copy, store_o_copy = c.stage_o_copy, c.store_o_copy
+        mma_sum, tSumB, acc_sum, sum_rc = c.mma_sum, c.tSumB, c.acc_sum, c.sum_rc
         q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
         wg_q0 = q_lo + mwg * WG_ROWS
         if cutlass.const_expr(not self.q_by_producer):
@@ -708,6 +762,8 @@ class FmhaSm90Ws:
             cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
 
         acc_o.fill(0.0)
+        if cutlass.const_expr(self.mma_row_sum):
+            acc_sum.fill(0.0)
         for i in cutlass.range_constexpr(n_my_rows):
             row_max[i] = -cutlass.Float32.inf
             row_sum[i] = 0.0
@@ -717,7 +773,8 @@ class FmhaSm90Ws:
             r_p=r_p, t_p=t_p, a_shape=a_shape, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt,
             tScS=tScS, row_max=row_max, row_sum=row_sum, corr=corr, mbar=mbar,
             lane=lane, turn_mine=turn_mine, turn_other=turn_other, wg_q0=wg_q0,
-            kv_len=kv_len, offset=offset, causal=causal, scale_log2=scale_log2)
+            kv_len=kv_len, offset=offset, causal=causal, scale_log2=scale_log2,
+            mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc)
         if n_blocks > 0:
             # ---- block 0: S only
             stage, phase = self._stage_phase(g, 0, parity)
@@ -728,8 +785,8 @@ class FmhaSm90Ws:
             warpgroup.wait_group(0)
             if lane == 0:
                 cute.arch.mbarrier_arrive(mbar + S + stage)                # K free
-            online_softmax(acc_s, 0, row_max, row_sum, tScS, wg_q0, kv_len, offset,
-                           causal, scale_log2, corr=corr)
+            online_softmax(acc_s, 0, row_max, self._softmax_sum(row_sum), tScS, wg_q0, kv_len,
+                           offset, causal, scale_log2, corr=corr)
             r_p.store(acc_s.load().to(self.dtype))
             # ---- blocks 1 .. n-1: S(j) and P(j-1) V(j-1) in one turn
             first_dynamic = 1
@@ -760,8 +817,8 @@ class FmhaSm90Ws:
             cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
             if cutlass.const_expr(self.overlap):
                 scale_rows(o_rc, corr)                              # to the last max
-            warpgroup_gemm_issue(mma_pv, acc_o, self._p_operand(t_p, a_shape),
-                                 tOrVt[None, None, None, last], accumulate=True)
+            self._issue_pv(mma_pv, acc_o, self._p_operand(t_p, a_shape),
+                           tOrVt[None, None, None, last], mma_sum, acc_sum, tSumB)
             cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
             warpgroup.wait_group(0)
             if lane == 0:
@@ -774,9 +831,12 @@ class FmhaSm90Ws:
         parity = self._next_parity(parity, n_blocks)
 
         # ---- normalize, stage (in this warpgroup's Q rows, or its O tile), write
+        if cutlass.const_expr(self.mma_row_sum):
+            for i in cutlass.range_constexpr(n_my_rows):
+                row_sum[i] = sum_rc[i, 0]
         write_o_rows(mO, o_rc, acc_o, row_sum, n_my_rows, n_my_cols, output_scale, sO_mine,
                      wg_tidx, warp_in_wg, lane, wg_q0, q_start, q_len, head, stage_o_copy,
-                     store_o_copy, self.out_dtype)
+                     store_o_copy, self.out_dtype, row_sum_whole=self.mma_row_sum)
         if cutlass.const_expr(not self.q_by_producer):
             # The next tile reloads Q into these rows: the whole warpgroup must be done.
             cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
@@ -796,8 +856,8 @@ class FmhaSm90Ws:
             # O holds P V up to block j-2 (relative to max j-2): rescale it to max j-1 while
             # S(j) runs, before P(j-1) V(j-1) joins it.
             scale_rows(t.o_rc, t.corr)
-        warpgroup_gemm_issue(t.mma_pv, t.acc_o, self._p_operand(t.t_p, t.a_shape),
-                             t.tOrVt[None, None, None, prev], accumulate=True)
+        self._issue_pv(t.mma_pv, t.acc_o, self._p_operand(t.t_p, t.a_shape),
+                       t.tOrVt[None, None, None, prev], t.mma_sum, t.acc_sum, t.tSumB)
         cute.arch.barrier_arrive(barrier_id=t.turn_other, number_of_threads=256)
         if cutlass.const_expr(self.overlap):
             warpgroup.wait_group(1)                     # S(j); P V(j-1) runs on
@@ -805,8 +865,8 @@ class FmhaSm90Ws:
             warpgroup.wait_group(0)                     # S(j) and P V(j-1)
         if t.lane == 0:
             cute.arch.mbarrier_arrive(t.mbar + S + stage)                  # K free
-        online_softmax(t.acc_s, blk, t.row_max, t.row_sum, t.tScS, t.wg_q0, t.kv_len,
-                       t.offset, t.causal, t.scale_log2, corr=t.corr, mask=mask)
+        online_softmax(t.acc_s, blk, t.row_max, self._softmax_sum(t.row_sum), t.tScS, t.wg_q0,
+                       t.kv_len, t.offset, t.causal, t.scale_log2, corr=t.corr, mask=mask)
         # ws: a no-op after the wait above (kept: the validated PTX has it); wsf: P V(j-1)
         # done, so r_p may take P(j).
         warpgroup.wait_group(0)
@@ -818,6 +878,8 @@ class FmhaSm90Ws:
             pack_bf16_pairs(t.acc_s, t.r_p)
         else:
             scale_rows(t.o_rc, t.corr)
+            if cutlass.const_expr(self.mma_row_sum):
+                scale_rows(t.sum_rc, t.corr)
             if cutlass.const_expr(self.uniform and self.fp8):
                 # Pinned here: between the two turns of an unrolled pair LLVM would sink a
                 # plain conversion under the next S wgmma (64 fp32 P live: C7512).
@@ -826,6 +888,18 @@ class FmhaSm90Ws:
                 pack_bf16_pairs(t.acc_s, t.r_p)
             else:
                 t.r_p.store(t.acc_s.load().to(self.dtype))
+
+    def _softmax_sum(self, row_sum):
+        """online_softmax's row_sum argument: None when the tensor core sums P."""
+        return None if self.mma_row_sum else row_sum
+
+    def _issue_pv(self, mma_pv, acc_o, p_operand, vt, mma_sum, acc_sum, sum_b):
+        """O += P V as one wgmma group; mma_row_sum: row sums += P times the ones tile in the
+        same group (same P registers, one fence and commit)."""
+        also = None
+        if self.mma_row_sum:
+            also = (mma_sum, acc_sum, p_operand, sum_b)
+        warpgroup_gemm_issue(mma_pv, acc_o, p_operand, vt, accumulate=True, also=also)
 
     @cute.jit
     def _p_operand(self, t_p: cute.Tensor, a_shape):

@@ -155,17 +155,20 @@ def warp_sum(value: cutlass.Float32) -> cutlass.Float32:
 
 
 def warpgroup_gemm_issue(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
-                         accumulate: bool = False) -> None:
+                         accumulate: bool = False, also=None) -> None:
     """Issue acc = A B (acc += A B with accumulate) as one warpgroup-MMA chain over A's K
     slices and commit it as one group; acc must not be touched until warpgroup.wait_group. A is
-    a register or smem fragment, B an smem fragment, both (MMA, M or N, K)."""
+    a register or smem fragment, B an smem fragment, both (MMA, M or N, K). also: another
+    (tiled_mma, acc, a, b) chain issued after it in the same group (same accumulate)."""
     warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, accumulate)
-    # A plain Python loop unrolls at trace time (this helper is not preprocessed by cute.jit).
-    for kk in range(cute.size(a.shape[2])):
-        cute.gemm(atom, acc, a[None, None, kk], b[None, None, kk], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
+    for mma, c, x, y in ((tiled_mma, acc, a, b),) + ((also,) if also is not None else ()):
+        atom = cute.make_mma_atom(mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+        # A plain Python loop unrolls at trace time (this helper is not preprocessed by
+        # cute.jit).
+        for kk in range(cute.size(x.shape[2])):
+            cute.gemm(atom, c, x[None, None, kk], y[None, None, kk], c)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
 
 
@@ -187,13 +190,20 @@ def scale_rows(rows_cols: cute.Tensor, factors: cute.Tensor) -> None:
 def wgmma_rows_cols_view(acc: cute.Tensor) -> cute.Tensor:
     """Warpgroup-MMA accumulator ((2, 2, V), M, N) -> ((2, M), (2, V, N)) view: mode 0 = this
     thread's rows (lane // 4 and lane // 4 + 8 of its warp's 16), mode 1 = its columns of each
-    row (a pair per 8-column group). Same quad-shares-a-row property as m16n8k16."""
+    row (a pair per 8-column group). Same quad-shares-a-row property as m16n8k16. (An N = 8
+    accumulator is ((2, 2), M, N): one column group.)"""
     compact = cute.make_layout(acc.layout.shape)
-    regroup = cute.make_layout(
-        ((compact.shape[0][1], compact.shape[1]),
-         (compact.shape[0][0], compact.shape[0][2], compact.shape[2])),
-        stride=((compact.stride[0][1], compact.stride[1]),
-                (compact.stride[0][0], compact.stride[0][2], compact.stride[2])))
+    if len(compact.shape[0]) == 2:
+        regroup = cute.make_layout(
+            ((compact.shape[0][1], compact.shape[1]), (compact.shape[0][0], compact.shape[2])),
+            stride=((compact.stride[0][1], compact.stride[1]),
+                    (compact.stride[0][0], compact.stride[2])))
+    else:
+        regroup = cute.make_layout(
+            ((compact.shape[0][1], compact.shape[1]),
+             (compact.shape[0][0], compact.shape[0][2], compact.shape[2])),
+            stride=((compact.stride[0][1], compact.stride[1]),
+                    (compact.stride[0][0], compact.stride[0][2], compact.stride[2])))
     return cute.make_tensor(acc.iterator, cute.composition(acc.layout, regroup))
 
 

@@ -17,7 +17,8 @@ time and folds them into an online softmax (running max, normalizer and accumula
 stays bounded by one [Hkv, G, q_chunk, kv_step] score tile and the output; no N x N matrix is
 ever formed. Compute runs in ``compute_dtype`` (float32, float64 in tests). With
 ``p_quant_dtype`` (e4m3 for FP8 V) the unnormalized probabilities exp(s - running_max) are
-rounded to it before P.V, as an FP8 MMA does; the normalizer stays unrounded.
+rounded to it before P.V, as an FP8 MMA does; the normalizer stays unrounded, or with
+``sum_quantized_p`` sums the rounded P (as the e4m3 kernels that sum P on the tensor core do).
 
 Lengths, offsets and page tables are read on the host (this is a reference; it synchronizes).
 """
@@ -95,6 +96,7 @@ def dense_attention_reference(q: torch.Tensor, kv: TokenKV, q_lens: Sequence[int
                               selection: Optional[torch.Tensor] = None,
                               selection_block: int = TILE,
                               p_quant_dtype: Optional[torch.dtype] = None,
+                              sum_quantized_p: bool = False,
                               compute_dtype: torch.dtype = torch.float32,
                               q_chunk: int = 128, kv_step: int = 4 * TILE
                               ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -163,7 +165,7 @@ def dense_attention_reference(q: torch.Tensor, kv: TokenKV, q_lens: Sequence[int
                 rescale = torch.exp(run_max - safe_max)        # 0 while run_max is -inf
                 p = torch.exp(s - safe_max.unsqueeze(-1))      # 0 on masked keys
                 p_pv = p if p_quant_dtype is None else p.to(p_quant_dtype).to(compute_dtype)
-                run_sum = run_sum * rescale + p.sum(-1)
+                run_sum = run_sum * rescale + (p_pv if sum_quantized_p else p).sum(-1)
                 acc = acc * rescale.unsqueeze(-1) + torch.matmul(
                     p_pv, vb.to(compute_dtype).permute(1, 0, 2).unsqueeze(1))
                 run_max = new_max
