@@ -64,7 +64,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .fmha_sm90 import (consumer_fragments, load_q_rows, mmas_and_o_copies, online_softmax,
                         request_bounds, write_o_rows)
-from .tile_utils import (pack_bf16_pairs, pack_e4m3_quads, register_p_operand, row_copy,
+from .tile_utils import (pack_bf16_pairs, pack_e4m3_operand_a, pack_e4m3_quads,
+                         register_p_operand, row_copy,
                          scale_rows, smem_tile, transpose_v_copies, transpose_v_words,
                          warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
                          wgmma_rows_cols_view)
@@ -170,13 +171,18 @@ class FmhaSm90Ws:
         self.own_o_tile = self.fp8 or self.q_by_producer
         # mma_row_sum (forms "wsuts", "wsutps"): the row sums of P come from the tensor core,
         # P (already e4m3 in registers for P V) times a constant (key, 8) tile of ones in
-        # shared memory, 4 more wgmmas (N = 8) per block in P V's group, rescaled with O; every
-        # thread then holds its rows' whole sums. The 64 FADDs per block and thread of the
-        # softmax go (~14 % of a turn's instructions: the e4m3 loop is bound by the
-        # consumer's instruction stream, not the tensor pipe, 38 % busy). The sum is then
-        # over the e4m3-rounded P that P V uses (the quantized model's sum_quantized_p).
+        # shared memory, 4 more wgmmas (N = 8) per block in P V's group; every thread then
+        # holds its rows' whole sums of the block and adds them to an fp32 running sum (a
+        # fresh accumulator per block: FP8 wgmmas add into their accumulator with fewer bits
+        # than fp32, which over 4k keys moved hundreds of rows by more than a bf16 ulp). The
+        # 64-long FADD chains per block and thread of the softmax go: the e4m3 loop is bound
+        # by the consumer's instruction stream, not the tensor pipe (38 % busy). The sum is
+        # then over the e4m3-rounded P that P V uses (the quantized model's sum_quantized_p).
+        # These forms also round P straight into the A fragment's word order
+        # (tile_utils.pack_e4m3_operand_a: no byte moves after the conversion).
         assert not mma_row_sum or (v_transposed and not overlap)
         self.mma_row_sum = mma_row_sum
+        self.p_packed_as_operand = mma_row_sum
         self.producer_regs = PRODUCER_REGS_FP8 if self.transposer else PRODUCER_REGS
         self.mma_regs = MMA_REGS_FP8 if self.transposer else MMA_REGS
         if persistent:
@@ -681,6 +687,8 @@ class FmhaSm90Ws:
         n_my_cols = cute.size(tScS, mode=[1])
         o_rc = wgmma_rows_cols_view(acc_o)
         r_p = cute.make_fragment_like(acc_s, self.dtype)
+        if cutlass.const_expr(self.p_packed_as_operand):
+            r_p = cute.make_rmem_tensor(a_shape, self.dtype)      # P in A's register order
         t_p = r_p
         if cutlass.const_expr(not self.fp8):
             t_p = wgmma_accumulator_as_operand_a(r_p)
@@ -762,8 +770,6 @@ class FmhaSm90Ws:
             cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
 
         acc_o.fill(0.0)
-        if cutlass.const_expr(self.mma_row_sum):
-            acc_sum.fill(0.0)
         for i in cutlass.range_constexpr(n_my_rows):
             row_max[i] = -cutlass.Float32.inf
             row_sum[i] = 0.0
@@ -787,7 +793,10 @@ class FmhaSm90Ws:
                 cute.arch.mbarrier_arrive(mbar + S + stage)                # K free
             online_softmax(acc_s, 0, row_max, self._softmax_sum(row_sum), tScS, wg_q0, kv_len,
                            offset, causal, scale_log2, corr=corr)
-            r_p.store(acc_s.load().to(self.dtype))
+            if cutlass.const_expr(self.p_packed_as_operand):
+                pack_e4m3_operand_a(acc_s, r_p)
+            else:
+                r_p.store(acc_s.load().to(self.dtype))
             # ---- blocks 1 .. n-1: S(j) and P(j-1) V(j-1) in one turn
             first_dynamic = 1
             if cutlass.const_expr(self.uniform):
@@ -823,6 +832,9 @@ class FmhaSm90Ws:
             warpgroup.wait_group(0)
             if lane == 0:
                 cute.arch.mbarrier_arrive(mbar + 3 * S + last)             # V free
+            if cutlass.const_expr(self.mma_row_sum):
+                for i in cutlass.range_constexpr(n_my_rows):
+                    row_sum[i] = row_sum[i] + sum_rc[i, 0]
         else:
             if cutlass.const_expr(self.q_by_producer):
                 if lane == 0:      # no key block: the Q rows were never read
@@ -831,9 +843,6 @@ class FmhaSm90Ws:
         parity = self._next_parity(parity, n_blocks)
 
         # ---- normalize, stage (in this warpgroup's Q rows, or its O tile), write
-        if cutlass.const_expr(self.mma_row_sum):
-            for i in cutlass.range_constexpr(n_my_rows):
-                row_sum[i] = sum_rc[i, 0]
         write_o_rows(mO, o_rc, acc_o, row_sum, n_my_rows, n_my_cols, output_scale, sO_mine,
                      wg_tidx, warp_in_wg, lane, wg_q0, q_start, q_len, head, stage_o_copy,
                      store_o_copy, self.out_dtype, row_sum_whole=self.mma_row_sum)
@@ -879,8 +888,13 @@ class FmhaSm90Ws:
         else:
             scale_rows(t.o_rc, t.corr)
             if cutlass.const_expr(self.mma_row_sum):
-                scale_rows(t.sum_rc, t.corr)
-            if cutlass.const_expr(self.uniform and self.fp8):
+                # The sum of P(blk - 1) (relative to max blk - 1) joins the running sum, then
+                # both move to max blk.
+                for i in cutlass.range_constexpr(cute.size(t.row_sum)):
+                    t.row_sum[i] = (t.row_sum[i] + t.sum_rc[i, 0]) * t.corr[i]
+            if cutlass.const_expr(self.p_packed_as_operand):
+                pack_e4m3_operand_a(t.acc_s, t.r_p)
+            elif cutlass.const_expr(self.uniform and self.fp8):
                 # Pinned here: between the two turns of an unrolled pair LLVM would sink a
                 # plain conversion under the next S wgmma (64 fp32 P live: C7512).
                 pack_e4m3_quads(t.acc_s, t.r_p)
@@ -894,17 +908,17 @@ class FmhaSm90Ws:
         return None if self.mma_row_sum else row_sum
 
     def _issue_pv(self, mma_pv, acc_o, p_operand, vt, mma_sum, acc_sum, sum_b):
-        """O += P V as one wgmma group; mma_row_sum: row sums += P times the ones tile in the
-        same group (same P registers, one fence and commit)."""
+        """O += P V as one wgmma group; mma_row_sum: the block's row sums = P times the ones
+        tile in the same group (same P registers, one fence and commit)."""
         also = None
         if self.mma_row_sum:
-            also = (mma_sum, acc_sum, p_operand, sum_b)
+            also = (mma_sum, acc_sum, p_operand, sum_b, False)
         warpgroup_gemm_issue(mma_pv, acc_o, p_operand, vt, accumulate=True, also=also)
 
     @cute.jit
     def _p_operand(self, t_p: cute.Tensor, a_shape):
         """The A operand of P V: bf16, the accumulator-as-operand view of P; e4m3, P moved into
         the key order of the permuted Vt (tile_utils.register_p_operand)."""
-        if cutlass.const_expr(self.fp8):
+        if cutlass.const_expr(self.fp8 and not self.p_packed_as_operand):
             return register_p_operand(t_p, a_shape)
         return t_p

@@ -159,11 +159,12 @@ def warpgroup_gemm_issue(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Te
     """Issue acc = A B (acc += A B with accumulate) as one warpgroup-MMA chain over A's K
     slices and commit it as one group; acc must not be touched until warpgroup.wait_group. A is
     a register or smem fragment, B an smem fragment, both (MMA, M or N, K). also: another
-    (tiled_mma, acc, a, b) chain issued after it in the same group (same accumulate)."""
+    (tiled_mma, acc, a, b, accumulate) chain issued after it in the same group."""
     warpgroup.fence()
-    for mma, c, x, y in ((tiled_mma, acc, a, b),) + ((also,) if also is not None else ()):
+    chains = ((tiled_mma, acc, a, b, accumulate),) + ((also,) if also is not None else ())
+    for mma, c, x, y, acc_in in chains:
         atom = cute.make_mma_atom(mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+        atom.set(warpgroup.Field.ACCUMULATE, acc_in)
         # A plain Python loop unrolls at trace time (this helper is not preprocessed by
         # cute.jit).
         for kk in range(cute.size(x.shape[2])):
@@ -334,6 +335,29 @@ def register_p_row_key(w, x):
     """The key of row 4w + x of the row-permuted V (register_p_row_order; w < 32, x < 4): plain
     integer arithmetic, for Python ints or DSL integers."""
     return x % 2 + 8 * (x // 2) + 2 * (w % 4) + 16 * ((w // 4) % 2) + 32 * (w // 8)
+
+
+@cute.jit
+def pack_e4m3_operand_a(acc: cute.Tensor, t_a: cute.Tensor):
+    """t_a (the A fragment of the RS P.V wgmma, register_p_operand's layout) = acc rounded to
+    e4m3 (as pack_e4m3_quads), packed straight into A's words: A word h + 2 g2 + 4 kk holds
+    elements 4c + 2h, 4c + 2h + 1 (low half) and 4c + 4 + 2h, 4c + 5 + 2h (high half) of
+    acc, c = 2 g2 + 4 kk. pack_e4m3_quads then register_p_operand give the same words, but
+    their byte moves cost two PRMT per word (32 per 128-key block and thread)."""
+    words = cute.recast_tensor(t_a, cutlass.Uint32)
+    for kk in cutlass.range_constexpr(cute.size(acc) // 16):
+        for g2 in cutlass.range_constexpr(2):
+            for h in cutlass.range_constexpr(2):
+                lo = 4 * (2 * g2 + 4 * kk) + 2 * h
+                hi = lo + 4
+                words[h + 2 * g2 + 4 * kk] = cutlass.Uint32(llvm.inline_asm(
+                    T.i32(), [cutlass.Float32(acc[i]).ir_value() for i in (lo, lo + 1, hi,
+                                                                            hi + 1)],
+                    "{\n.reg .b16 lo, hi;\n"
+                    "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+                    "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+                    "mov.b32 $0, {lo, hi};\n}", "=r,f,f,f,f", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @cute.jit
