@@ -114,8 +114,10 @@ FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True),
          "wsup": dict(uniform=True, persistent=True),
          "wsutp": dict(uniform=True, v_transposed=True, persistent=True),
          "wsuts": dict(uniform=True, v_transposed=True, mma_row_sum=True),
-         "wsutps": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True)}
-FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps")
+         "wsutps": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True),
+         "wsutpc": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True,
+                        chain_items=True)}
+FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps", "wsutpc")
 
 
 class FmhaSm90Ws:
@@ -124,7 +126,8 @@ class FmhaSm90Ws:
 
     def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
                  overlap: bool = False, uniform: bool = False, v_transposed: bool = False,
-                 persistent: bool = False, mma_row_sum: bool = False):
+                 persistent: bool = False, mma_row_sum: bool = False,
+                 chain_items: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
         # uniform (form "wsu"): every tile starts on K/V stage 0 and the blocks every row
         # sees whole run in unrolled pairs (mask-free), so their stages are compile-time
@@ -183,6 +186,10 @@ class FmhaSm90Ws:
         assert not mma_row_sum or (v_transposed and not overlap)
         self.mma_row_sum = mma_row_sum
         self.p_packed_as_operand = mma_row_sum
+        # chain_items (form "wsutpc"): the persistent consumers run their items back to back
+        # (_consumer_chained): an item's last P V shares a turn with the next item's S(0).
+        assert not chain_items or (persistent and mma_row_sum)
+        self.chain_items = chain_items
         self.producer_regs = PRODUCER_REGS_FP8 if self.transposer else PRODUCER_REGS
         self.mma_regs = MMA_REGS_FP8 if self.transposer else MMA_REGS
         if persistent:
@@ -719,7 +726,9 @@ class FmhaSm90Ws:
             scale_log2=scale_log2, mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc)
 
         g, parity = state                     # blocks so far, wsu's stage-use parities
-        if cutlass.const_expr(self.persistent):
+        if cutlass.const_expr(self.chain_items):
+            g, parity = self._consumer_chained(c, items, cta_x, grid_x, g, parity)
+        elif cutlass.const_expr(self.persistent):
             q_full, _ = self._q_mbarriers(mbar)
             q_uses = cutlass.Int32(0)
             for rnd in range(self._rounds(items.n_items, grid_x)):
@@ -798,25 +807,7 @@ class FmhaSm90Ws:
             else:
                 r_p.store(acc_s.load().to(self.dtype))
             # ---- blocks 1 .. n-1: S(j) and P(j-1) V(j-1) in one turn
-            first_dynamic = 1
-            if cutlass.const_expr(self.uniform):
-                # Pairs of blocks (2i+1 on stage 1, 2i+2 on stage 0): static stages; only
-                # blocks every row of the tile sees whole (no mask), the rest below.
-                n_whole = kv_len
-                if causal != 0:
-                    n_whole = cutlass.min(n_whole, q_lo + offset + 1)
-                n_whole = cutlass.min(cutlass.max(n_whole, 0) // BLOCK_N, n_blocks)
-                n_pairs = cutlass.max(n_whole - 1, 0) // 2
-                for i in range(n_pairs):
-                    p0 = (parity ^ i) & 1                   # stage 0, use i
-                    p1 = ((parity >> 1) ^ i) & 1            # stage 1, use i
-                    self._turn(turn, 2 * i + 1, 1, p1, 0, p0, mask=False)
-                    self._turn(turn, 2 * i + 2, 0, p0 ^ 1, 1, p1, mask=False)
-                first_dynamic = 2 * n_pairs + 1
-            for blk in range(first_dynamic, n_blocks):
-                stage, k_phase = self._stage_phase(g + blk, blk, parity)
-                prev, v_phase = self._stage_phase(g + blk - 1, blk - 1, parity)
-                self._turn(turn, blk, stage, k_phase, prev, v_phase)
+            self._middle_blocks(turn, n_blocks, q_lo, kv_len, offset, causal, g, parity)
             if cutlass.const_expr(self.q_by_producer):
                 if lane == 0:      # every S wgmma of the tile is done: Q rows free
                     cute.arch.mbarrier_arrive(self._q_mbarriers(mbar)[1])
@@ -850,6 +841,180 @@ class FmhaSm90Ws:
             # The next tile reloads Q into these rows: the whole warpgroup must be done.
             cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
         return g, parity
+
+    @cute.jit
+    def _consumer_chained(self, c, items, cta_x, grid_x, g, parity):
+        """chain_items: this CTA's work items back to back. An item's last P V runs in one
+        turn with the next item's S(0), and its O epilogue under the other consumer's GEMMs
+        (an unchained item ends with a P V-only turn and starts with an S-only one, and both
+        consumers reach the epilogue at once, the tensor core idle meanwhile). Returns
+        (g, parity) after the items."""
+        S = self.kv_stages
+        mbar, lane, causal, mwg = c.mbar, c.lane, c.causal, c.mwg
+        mma_qk, mma_pv, acc_s, acc_o = c.mma_qk, c.mma_pv, c.acc_s, c.acc_o
+        o_rc, r_p, t_p, a_shape = c.o_rc, c.r_p, c.t_p, c.a_shape
+        tSrQ, tSrK, tOrVt, tScS = c.tSrQ, c.tSrK, c.tOrVt, c.tScS
+        row_max, row_sum, corr, scale_log2 = c.row_max, c.row_sum, c.corr, c.scale_log2
+        turn_mine, turn_other = c.turn_mine, c.turn_other
+        n_my_rows, n_my_cols, output_scale = c.n_my_rows, c.n_my_cols, c.output_scale
+        mO, sO_mine, wg_tidx, warp_in_wg = c.mO, c.sO_mine, c.wg_tidx, c.warp_in_wg
+        stage_o_copy, store_o_copy = c.stage_o_copy, c.store_o_copy
+        mma_sum, tSumB, acc_sum, sum_rc = c.mma_sum, c.tSumB, c.acc_sum, c.sum_rc
+        q_full, q_empty = self._q_mbarriers(mbar)
+        pv = (mma_pv, acc_o, self._p_operand(t_p, a_shape), tOrVt, mma_sum, acc_sum, tSumB)
+        out = (mO, o_rc, acc_o, n_my_rows, n_my_cols, output_scale, sO_mine, wg_tidx,
+               warp_in_wg, lane, stage_o_copy, store_o_copy)
+        # The pending item's whole row sums (its epilogue runs after the next item's softmax
+        # of block 0 has reset row_sum and freed S: fewer live registers).
+        p_sum = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
+        q_uses = cutlass.Int32(0)
+        # The pending item (its last P V and epilogue outstanding): its O rows (first token
+        # row, rows, head) and the V stage of its last block (bit 0: the phase, bit 1: the
+        # stage, bit 2: an item is pending). Few registers: the consumers run on 232.
+        p_row0 = cutlass.Int32(0)
+        p_rows = cutlass.Int32(0)
+        p_head = cutlass.Int32(0)
+        p_state = cutlass.Int32(0)
+        for rnd in range(self._rounds(items.n_items, grid_x)):
+            w = self._snake(rnd, cta_x, grid_x)
+            if w < items.n_items:
+                walk, i_head, i_request = self._item(w, items.n_heads, items.n_requests)
+                i_q_start, i_q_len, i_kv_len, i_offset, _, i_tiles = request_bounds(
+                    *items.tensors, i_request, items.key_rows, self.paged)
+                if walk < i_tiles:
+                    q_lo, n_blocks = self._tile_blocks(walk, i_tiles, i_q_len, i_kv_len,
+                                                       i_offset, causal)
+                    wg_q0 = q_lo + mwg * WG_ROWS
+                    cute.arch.mbarrier_wait(q_full, q_uses & 1)           # this item's Q
+                    q_uses = q_uses + 1
+                    if n_blocks > 0:
+                        # ---- one turn: S(0) of this item, the pending item's last P V
+                        stage, phase = self._stage_phase(g, 0, parity)
+                        if p_state < 4:
+                            # No pending item: the P V below still runs (a wgmma under a
+                            # branch serializes every wgmma of the kernel, ptxas C7515), on
+                            # this item's landed V(0) and stale P; acc_o is zeroed after it
+                            # and V(0) stays this item's (no release).
+                            p_state = stage * 2 + phase
+                        v_stage = (p_state >> 1) & 1
+                        cute.arch.mbarrier_wait(mbar + stage, phase)
+                        cute.arch.mbarrier_wait(mbar + 2 * S + v_stage, p_state & 1)
+                        cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
+                        warpgroup_gemm_issue(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
+                        self._issue_pv(mma_pv, acc_o, pv[2], tOrVt[None, None, None, v_stage],
+                                       mma_sum, acc_sum, tSumB)
+                        cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
+                        warpgroup.wait_group(0)
+                        if lane == 0:
+                            cute.arch.mbarrier_arrive(mbar + S + stage)            # K free
+                            if p_state >= 4:
+                                cute.arch.mbarrier_arrive(mbar + 3 * S + v_stage)  # V free
+                        for i in cutlass.range_constexpr(n_my_rows):
+                            p_sum[i] = row_sum[i] + sum_rc[i, 0]
+                        # ---- this item's block 0: softmax, P
+                        for i in cutlass.range_constexpr(n_my_rows):
+                            row_max[i] = -cutlass.Float32.inf
+                            row_sum[i] = 0.0
+                        online_softmax(acc_s, 0, row_max, self._softmax_sum(row_sum), tScS,
+                                       wg_q0, i_kv_len, i_offset, causal, scale_log2, corr=corr)
+                        pack_e4m3_operand_a(acc_s, r_p)
+                        # ---- the pending item's O rows, then this item's blocks 1 .. n-1
+                        if p_state >= 4:
+                            self._finish_item(out, p_sum, p_row0, p_rows, p_head)
+                        acc_o.fill(0.0)
+                        turn = SimpleNamespace(
+                            mma_qk=mma_qk, mma_pv=mma_pv, acc_s=acc_s, acc_o=acc_o, o_rc=o_rc,
+                            r_p=r_p, t_p=t_p, a_shape=a_shape, tSrQ=tSrQ, tSrK=tSrK,
+                            tOrVt=tOrVt, tScS=tScS, row_max=row_max, row_sum=row_sum,
+                            corr=corr, mbar=mbar, lane=lane, turn_mine=turn_mine,
+                            turn_other=turn_other, wg_q0=wg_q0, kv_len=i_kv_len,
+                            offset=i_offset, causal=causal, scale_log2=scale_log2,
+                            mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc)
+                        self._middle_blocks(turn, n_blocks, q_lo, i_kv_len, i_offset, causal,
+                                            g, parity)
+                        if lane == 0:      # every S wgmma of the item is done: Q rows free
+                            cute.arch.mbarrier_arrive(q_empty)
+                        last, last_phase = self._stage_phase(g + n_blocks - 1, n_blocks - 1,
+                                                             parity)
+                        p_state = 4 + last * 2 + last_phase
+                        p_row0 = i_q_start + wg_q0
+                        p_rows = i_q_len - wg_q0
+                        p_head = i_head
+                        g = g + n_blocks
+                        parity = self._next_parity(parity, n_blocks)
+                    else:
+                        # No key block: the pending item alone, then this item's zero rows.
+                        if p_state >= 4:
+                            self._last_pv_turn(mbar, turn_mine, turn_other, lane, pv,
+                                               (p_state >> 1) & 1, p_state & 1)
+                            for i in cutlass.range_constexpr(n_my_rows):
+                                p_sum[i] = row_sum[i] + sum_rc[i, 0]
+                            self._finish_item(out, p_sum, p_row0, p_rows, p_head)
+                        p_state = cutlass.Int32(0)
+                        if lane == 0:      # the Q rows were never read
+                            cute.arch.mbarrier_arrive(q_empty)
+                        acc_o.fill(0.0)
+                        for i in cutlass.range_constexpr(n_my_rows):
+                            p_sum[i] = 0.0
+                        self._finish_item(out, p_sum, i_q_start + wg_q0, i_q_len - wg_q0,
+                                          i_head)
+        if p_state >= 4:
+            self._last_pv_turn(mbar, turn_mine, turn_other, lane, pv, (p_state >> 1) & 1,
+                               p_state & 1)
+            for i in cutlass.range_constexpr(n_my_rows):
+                p_sum[i] = row_sum[i] + sum_rc[i, 0]
+            self._finish_item(out, p_sum, p_row0, p_rows, p_head)
+        return g, parity
+
+    @cute.jit
+    def _last_pv_turn(self, mbar, turn_mine, turn_other, lane, pv, stage, phase):
+        """chain_items: a turn of the pending item's last P V alone (V on `stage`, `phase`;
+        pv = _issue_pv's (mma_pv, acc_o, P operand, Vt fragments, mma_sum, acc_sum, ones)),
+        waited for."""
+        S = self.kv_stages
+        mma_pv, acc_o, p_operand, tOrVt, mma_sum, acc_sum, tSumB = pv
+        cute.arch.mbarrier_wait(mbar + 2 * S + stage, phase)
+        cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
+        self._issue_pv(mma_pv, acc_o, p_operand, tOrVt[None, None, None, stage], mma_sum,
+                       acc_sum, tSumB)
+        cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
+        warpgroup.wait_group(0)
+        if lane == 0:
+            cute.arch.mbarrier_arrive(mbar + 3 * S + stage)                 # V free
+
+    def _finish_item(self, out, row_sums, row0, rows, head):
+        """chain_items: an item's O rows once its last P V is done, normalized by its whole
+        row_sums, staged and written (write_o_rows; out: its arguments but the rows': token
+        row0 and on, `rows` of them valid, of `head`). Traced inline: straight-line code."""
+        mO, o_rc, acc_o, n_rows, n_cols, output_scale, sO_mine, wg_tidx, warp_in_wg, lane, \
+            stage_o_copy, store_o_copy = out
+        write_o_rows(mO, o_rc, acc_o, row_sums, n_rows, n_cols, output_scale, sO_mine, wg_tidx,
+                     warp_in_wg, lane, 0, row0, rows, head, stage_o_copy, store_o_copy,
+                     self.out_dtype, row_sum_whole=True)
+
+    @cute.jit
+    def _middle_blocks(self, turn, n_blocks, q_lo, kv_len, offset, causal, g, parity):
+        """Blocks 1 .. n_blocks - 1 of a tile (block 0's P in turn.r_p): S(j) and P(j-1) V(j-1)
+        in one turn each; leaves P(n_blocks - 1) in turn.r_p."""
+        first_dynamic = 1
+        if cutlass.const_expr(self.uniform):
+            # Pairs of blocks (2i+1 on stage 1, 2i+2 on stage 0): static stages; only
+            # blocks every row of the tile sees whole (no mask), the rest below.
+            n_whole = kv_len
+            if causal != 0:
+                n_whole = cutlass.min(n_whole, q_lo + offset + 1)
+            n_whole = cutlass.min(cutlass.max(n_whole, 0) // BLOCK_N, n_blocks)
+            n_pairs = cutlass.max(n_whole - 1, 0) // 2
+            for i in range(n_pairs):
+                p0 = (parity ^ i) & 1                   # stage 0, use i
+                p1 = ((parity >> 1) ^ i) & 1            # stage 1, use i
+                self._turn(turn, 2 * i + 1, 1, p1, 0, p0, mask=False)
+                self._turn(turn, 2 * i + 2, 0, p0 ^ 1, 1, p1, mask=False)
+            first_dynamic = 2 * n_pairs + 1
+        for blk in range(first_dynamic, n_blocks):
+            stage, k_phase = self._stage_phase(g + blk, blk, parity)
+            prev, v_phase = self._stage_phase(g + blk - 1, blk - 1, parity)
+            self._turn(turn, blk, stage, k_phase, prev, v_phase)
 
     @cute.jit
     def _turn(self, t, blk, stage, k_phase, prev, v_phase, mask: cutlass.Constexpr = True):
