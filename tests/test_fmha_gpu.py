@@ -211,7 +211,8 @@ def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, s
 
 
 @pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsut", "wsutp", "wsuts",
-                                  "wsutps", "wsutpc"])
+                                  "wsutps", "wsutpc",
+                                  "wsutpsn", "wsutpsfn"])
 @pytest.mark.parametrize("qk_values", ["randn", "exact"])
 @pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
                                                  ((4, 4), False, False), ((64, 4), True, True)])

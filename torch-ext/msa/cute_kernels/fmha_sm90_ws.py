@@ -116,8 +116,13 @@ FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True),
          "wsuts": dict(uniform=True, v_transposed=True, mma_row_sum=True),
          "wsutps": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True),
          "wsutpc": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True,
-                        chain_items=True)}
-FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps", "wsutpc")
+                        chain_items=True),
+         "wsutpsn": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True,
+                         pingpong=False),
+         "wsutpsfn": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True,
+                          overlap=True, pingpong=False)}
+FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps", "wsutpc", "wsutpsn",
+             "wsutpsfn")
 
 
 class FmhaSm90Ws:
@@ -127,7 +132,7 @@ class FmhaSm90Ws:
     def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
                  overlap: bool = False, uniform: bool = False, v_transposed: bool = False,
                  persistent: bool = False, mma_row_sum: bool = False,
-                 chain_items: bool = False):
+                 chain_items: bool = False, pingpong: bool = True):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
         # uniform (form "wsu"): every tile starts on K/V stage 0 and the blocks every row
         # sees whole run in unrolled pairs (mask-free), so their stages are compile-time
@@ -137,7 +142,7 @@ class FmhaSm90Ws:
         # with R2UR, ~12 instructions per wgmma: the longest part of a turn). Stage phases come
         # from the parity of each stage's uses (_stage_phase).
         # (uniform with overlap: e4m3 spills a few registers in every role; not offered.)
-        assert not (uniform and (overlap or kv_stages != 2))
+        assert not (uniform and (kv_stages != 2 or (overlap and not v_transposed)))
         self.uniform = uniform
         self.paged = paged
         # overlap (form "wsf"): per turn, issue S(j), rescale O to max j-1 while it runs, issue
@@ -183,13 +188,19 @@ class FmhaSm90Ws:
         # then over the e4m3-rounded P that P V uses (the quantized model's sum_quantized_p).
         # These forms also round P straight into the A fragment's word order
         # (tile_utils.pack_e4m3_operand_a: no byte moves after the conversion).
-        assert not mma_row_sum or (v_transposed and not overlap)
+        assert not mma_row_sum or v_transposed
         self.mma_row_sum = mma_row_sum
         self.p_packed_as_operand = mma_row_sum
         # chain_items (form "wsutpc"): the persistent consumers run their items back to back
         # (_consumer_chained): an item's last P V shares a turn with the next item's S(0).
         assert not chain_items or (persistent and mma_row_sum)
         self.chain_items = chain_items
+        # pingpong (every form but the experiment "wsutpsn" / "wsutpsfn"): the consumers take
+        # turns issuing their GEMMs (FlashAttention-3's schedule: one softmax under the other
+        # consumer's GEMMs). Without it both consumers issue as soon as their operands are
+        # ready, so the two softmaxes may overlap each other (the e4m3 GEMMs are half as long
+        # as the softmax).
+        self.pingpong = pingpong
         self.producer_regs = PRODUCER_REGS_FP8 if self.transposer else PRODUCER_REGS
         self.mma_regs = MMA_REGS_FP8 if self.transposer else MMA_REGS
         if persistent:
@@ -436,7 +447,7 @@ class FmhaSm90Ws:
                     store_o_copy, sVt_stages, sO_wgs, mma_sum, sOnes)
             # Consumer 0 takes the first turn.
             if wg == 2:
-                cute.arch.barrier_arrive(barrier_id=BAR_TURN, number_of_threads=256)
+                self._turn_pass(BAR_TURN)
             g = cutlass.Int32(0)
             parity = cutlass.Int32(0)
             if cutlass.const_expr(self.persistent):
@@ -794,9 +805,9 @@ class FmhaSm90Ws:
             # ---- block 0: S only
             stage, phase = self._stage_phase(g, 0, parity)
             cute.arch.mbarrier_wait(mbar + stage, phase)
-            cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
+            self._turn_wait(turn_mine)
             warpgroup_gemm_issue(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
-            cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
+            self._turn_pass(turn_other)
             warpgroup.wait_group(0)
             if lane == 0:
                 cute.arch.mbarrier_arrive(mbar + S + stage)                # K free
@@ -814,12 +825,12 @@ class FmhaSm90Ws:
             # ---- the last P V
             last, phase = self._stage_phase(g + n_blocks - 1, n_blocks - 1, parity)
             cute.arch.mbarrier_wait(mbar + 2 * S + last, phase)
-            cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
+            self._turn_wait(turn_mine)
             if cutlass.const_expr(self.overlap):
                 scale_rows(o_rc, corr)                              # to the last max
             self._issue_pv(mma_pv, acc_o, self._p_operand(t_p, a_shape),
                            tOrVt[None, None, None, last], mma_sum, acc_sum, tSumB)
-            cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
+            self._turn_pass(turn_other)
             warpgroup.wait_group(0)
             if lane == 0:
                 cute.arch.mbarrier_arrive(mbar + 3 * S + last)             # V free
@@ -899,11 +910,11 @@ class FmhaSm90Ws:
                         v_stage = (p_state >> 1) & 1
                         cute.arch.mbarrier_wait(mbar + stage, phase)
                         cute.arch.mbarrier_wait(mbar + 2 * S + v_stage, p_state & 1)
-                        cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
+                        self._turn_wait(turn_mine)
                         warpgroup_gemm_issue(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
                         self._issue_pv(mma_pv, acc_o, pv[2], tOrVt[None, None, None, v_stage],
                                        mma_sum, acc_sum, tSumB)
-                        cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
+                        self._turn_pass(turn_other)
                         warpgroup.wait_group(0)
                         if lane == 0:
                             cute.arch.mbarrier_arrive(mbar + S + stage)            # K free
@@ -974,10 +985,10 @@ class FmhaSm90Ws:
         S = self.kv_stages
         mma_pv, acc_o, p_operand, tOrVt, mma_sum, acc_sum, tSumB = pv
         cute.arch.mbarrier_wait(mbar + 2 * S + stage, phase)
-        cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
+        self._turn_wait(turn_mine)
         self._issue_pv(mma_pv, acc_o, p_operand, tOrVt[None, None, None, stage], mma_sum,
                        acc_sum, tSumB)
-        cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
+        self._turn_pass(turn_other)
         warpgroup.wait_group(0)
         if lane == 0:
             cute.arch.mbarrier_arrive(mbar + 3 * S + stage)                 # V free
@@ -1024,7 +1035,7 @@ class FmhaSm90Ws:
         S = self.kv_stages
         cute.arch.mbarrier_wait(t.mbar + stage, k_phase)
         cute.arch.mbarrier_wait(t.mbar + 2 * S + prev, v_phase)
-        cute.arch.barrier(barrier_id=t.turn_mine, number_of_threads=256)
+        self._turn_wait(t.turn_mine)
         warpgroup_gemm_issue(t.mma_qk, t.acc_s, t.tSrQ, t.tSrK[None, None, None, stage])
         if cutlass.const_expr(self.overlap):
             # O holds P V up to block j-2 (relative to max j-2): rescale it to max j-1 while
@@ -1032,7 +1043,7 @@ class FmhaSm90Ws:
             scale_rows(t.o_rc, t.corr)
         self._issue_pv(t.mma_pv, t.acc_o, self._p_operand(t.t_p, t.a_shape),
                        t.tOrVt[None, None, None, prev], t.mma_sum, t.acc_sum, t.tSumB)
-        cute.arch.barrier_arrive(barrier_id=t.turn_other, number_of_threads=256)
+        self._turn_pass(t.turn_other)
         if cutlass.const_expr(self.overlap):
             warpgroup.wait_group(1)                     # S(j); P V(j-1) runs on
         else:
@@ -1046,7 +1057,11 @@ class FmhaSm90Ws:
         warpgroup.wait_group(0)
         if t.lane == 0:
             cute.arch.mbarrier_arrive(t.mbar + 3 * S + prev)               # V free
-        if cutlass.const_expr(self.overlap and self.fp8):
+        if cutlass.const_expr(self.overlap and self.mma_row_sum):
+            for i in cutlass.range_constexpr(cute.size(t.row_sum)):
+                t.row_sum[i] = (t.row_sum[i] + t.sum_rc[i, 0]) * t.corr[i]
+            pack_e4m3_operand_a(t.acc_s, t.r_p)
+        elif cutlass.const_expr(self.overlap and self.fp8):
             pack_e4m3_quads(t.acc_s, t.r_p)
         elif cutlass.const_expr(self.overlap):
             pack_bf16_pairs(t.acc_s, t.r_p)
@@ -1067,6 +1082,18 @@ class FmhaSm90Ws:
                 pack_bf16_pairs(t.acc_s, t.r_p)
             else:
                 t.r_p.store(t.acc_s.load().to(self.dtype))
+
+    def _turn_wait(self, turn_mine):
+        """Start of a ping-pong turn: wait until the other consumer passed it to this one
+        (no-op without `pingpong`)."""
+        if self.pingpong:
+            cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
+
+    def _turn_pass(self, turn_other):
+        """End of a ping-pong turn: pass it to the other consumer (no-op without
+        `pingpong`)."""
+        if self.pingpong:
+            cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
 
     def _softmax_sum(self, row_sum):
         """online_softmax's row_sum argument: None when the tensor core sums P."""
