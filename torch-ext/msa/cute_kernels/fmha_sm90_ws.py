@@ -114,15 +114,8 @@ FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True),
          "wsup": dict(uniform=True, persistent=True),
          "wsutp": dict(uniform=True, v_transposed=True, persistent=True),
          "wsuts": dict(uniform=True, v_transposed=True, mma_row_sum=True),
-         "wsutps": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True),
-         "wsutpc": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True,
-                        chain_items=True),
-         "wsutpsn": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True,
-                         pingpong=False),
-         "wsutpsfn": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True,
-                          overlap=True, pingpong=False)}
-FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps", "wsutpc", "wsutpsn",
-             "wsutpsfn")
+         "wsutps": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True)}
+FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps")
 
 
 class FmhaSm90Ws:
@@ -131,8 +124,7 @@ class FmhaSm90Ws:
 
     def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
                  overlap: bool = False, uniform: bool = False, v_transposed: bool = False,
-                 persistent: bool = False, mma_row_sum: bool = False,
-                 chain_items: bool = False, pingpong: bool = True):
+                 persistent: bool = False, mma_row_sum: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
         # uniform (form "wsu"): every tile starts on K/V stage 0 and the blocks every row
         # sees whole run in unrolled pairs (mask-free), so their stages are compile-time
@@ -142,7 +134,7 @@ class FmhaSm90Ws:
         # with R2UR, ~12 instructions per wgmma: the longest part of a turn). Stage phases come
         # from the parity of each stage's uses (_stage_phase).
         # (uniform with overlap: e4m3 spills a few registers in every role; not offered.)
-        assert not (uniform and (kv_stages != 2 or (overlap and not v_transposed)))
+        assert not (uniform and (overlap or kv_stages != 2))
         self.uniform = uniform
         self.paged = paged
         # overlap (form "wsf"): per turn, issue S(j), rescale O to max j-1 while it runs, issue
@@ -188,19 +180,9 @@ class FmhaSm90Ws:
         # then over the e4m3-rounded P that P V uses (the quantized model's sum_quantized_p).
         # These forms also round P straight into the A fragment's word order
         # (tile_utils.pack_e4m3_operand_a: no byte moves after the conversion).
-        assert not mma_row_sum or v_transposed
+        assert not mma_row_sum or (v_transposed and not overlap)
         self.mma_row_sum = mma_row_sum
         self.p_packed_as_operand = mma_row_sum
-        # chain_items (form "wsutpc"): the persistent consumers run their items back to back
-        # (_consumer_chained): an item's last P V shares a turn with the next item's S(0).
-        assert not chain_items or (persistent and mma_row_sum)
-        self.chain_items = chain_items
-        # pingpong (every form but the experiment "wsutpsn" / "wsutpsfn"): the consumers take
-        # turns issuing their GEMMs (FlashAttention-3's schedule: one softmax under the other
-        # consumer's GEMMs). Without it both consumers issue as soon as their operands are
-        # ready, so the two softmaxes may overlap each other (the e4m3 GEMMs are half as long
-        # as the softmax).
-        self.pingpong = pingpong
         self.producer_regs = PRODUCER_REGS_FP8 if self.transposer else PRODUCER_REGS
         self.mma_regs = MMA_REGS_FP8 if self.transposer else MMA_REGS
         if persistent:
@@ -447,7 +429,7 @@ class FmhaSm90Ws:
                     store_o_copy, sVt_stages, sO_wgs, mma_sum, sOnes)
             # Consumer 0 takes the first turn.
             if wg == 2:
-                self._turn_pass(BAR_TURN)
+                cute.arch.barrier_arrive(barrier_id=BAR_TURN, number_of_threads=256)
             g = cutlass.Int32(0)
             parity = cutlass.Int32(0)
             if cutlass.const_expr(self.persistent):
@@ -737,9 +719,7 @@ class FmhaSm90Ws:
             scale_log2=scale_log2, mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc)
 
         g, parity = state                     # blocks so far, wsu's stage-use parities
-        if cutlass.const_expr(self.chain_items):
-            g, parity = self._consumer_chained(c, items, cta_x, grid_x, g, parity)
-        elif cutlass.const_expr(self.persistent):
+        if cutlass.const_expr(self.persistent):
             q_full, _ = self._q_mbarriers(mbar)
             q_uses = cutlass.Int32(0)
             for rnd in range(self._rounds(items.n_items, grid_x)):
@@ -805,9 +785,9 @@ class FmhaSm90Ws:
             # ---- block 0: S only
             stage, phase = self._stage_phase(g, 0, parity)
             cute.arch.mbarrier_wait(mbar + stage, phase)
-            self._turn_wait(turn_mine)
+            cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
             warpgroup_gemm_issue(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
-            self._turn_pass(turn_other)
+            cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
             warpgroup.wait_group(0)
             if lane == 0:
                 cute.arch.mbarrier_arrive(mbar + S + stage)                # K free
@@ -818,19 +798,37 @@ class FmhaSm90Ws:
             else:
                 r_p.store(acc_s.load().to(self.dtype))
             # ---- blocks 1 .. n-1: S(j) and P(j-1) V(j-1) in one turn
-            self._middle_blocks(turn, n_blocks, q_lo, kv_len, offset, causal, g, parity)
+            first_dynamic = 1
+            if cutlass.const_expr(self.uniform):
+                # Pairs of blocks (2i+1 on stage 1, 2i+2 on stage 0): static stages; only
+                # blocks every row of the tile sees whole (no mask), the rest below.
+                n_whole = kv_len
+                if causal != 0:
+                    n_whole = cutlass.min(n_whole, q_lo + offset + 1)
+                n_whole = cutlass.min(cutlass.max(n_whole, 0) // BLOCK_N, n_blocks)
+                n_pairs = cutlass.max(n_whole - 1, 0) // 2
+                for i in range(n_pairs):
+                    p0 = (parity ^ i) & 1                   # stage 0, use i
+                    p1 = ((parity >> 1) ^ i) & 1            # stage 1, use i
+                    self._turn(turn, 2 * i + 1, 1, p1, 0, p0, mask=False)
+                    self._turn(turn, 2 * i + 2, 0, p0 ^ 1, 1, p1, mask=False)
+                first_dynamic = 2 * n_pairs + 1
+            for blk in range(first_dynamic, n_blocks):
+                stage, k_phase = self._stage_phase(g + blk, blk, parity)
+                prev, v_phase = self._stage_phase(g + blk - 1, blk - 1, parity)
+                self._turn(turn, blk, stage, k_phase, prev, v_phase)
             if cutlass.const_expr(self.q_by_producer):
                 if lane == 0:      # every S wgmma of the tile is done: Q rows free
                     cute.arch.mbarrier_arrive(self._q_mbarriers(mbar)[1])
             # ---- the last P V
             last, phase = self._stage_phase(g + n_blocks - 1, n_blocks - 1, parity)
             cute.arch.mbarrier_wait(mbar + 2 * S + last, phase)
-            self._turn_wait(turn_mine)
+            cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
             if cutlass.const_expr(self.overlap):
                 scale_rows(o_rc, corr)                              # to the last max
             self._issue_pv(mma_pv, acc_o, self._p_operand(t_p, a_shape),
                            tOrVt[None, None, None, last], mma_sum, acc_sum, tSumB)
-            self._turn_pass(turn_other)
+            cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
             warpgroup.wait_group(0)
             if lane == 0:
                 cute.arch.mbarrier_arrive(mbar + 3 * S + last)             # V free
@@ -854,180 +852,6 @@ class FmhaSm90Ws:
         return g, parity
 
     @cute.jit
-    def _consumer_chained(self, c, items, cta_x, grid_x, g, parity):
-        """chain_items: this CTA's work items back to back. An item's last P V runs in one
-        turn with the next item's S(0), and its O epilogue under the other consumer's GEMMs
-        (an unchained item ends with a P V-only turn and starts with an S-only one, and both
-        consumers reach the epilogue at once, the tensor core idle meanwhile). Returns
-        (g, parity) after the items."""
-        S = self.kv_stages
-        mbar, lane, causal, mwg = c.mbar, c.lane, c.causal, c.mwg
-        mma_qk, mma_pv, acc_s, acc_o = c.mma_qk, c.mma_pv, c.acc_s, c.acc_o
-        o_rc, r_p, t_p, a_shape = c.o_rc, c.r_p, c.t_p, c.a_shape
-        tSrQ, tSrK, tOrVt, tScS = c.tSrQ, c.tSrK, c.tOrVt, c.tScS
-        row_max, row_sum, corr, scale_log2 = c.row_max, c.row_sum, c.corr, c.scale_log2
-        turn_mine, turn_other = c.turn_mine, c.turn_other
-        n_my_rows, n_my_cols, output_scale = c.n_my_rows, c.n_my_cols, c.output_scale
-        mO, sO_mine, wg_tidx, warp_in_wg = c.mO, c.sO_mine, c.wg_tidx, c.warp_in_wg
-        stage_o_copy, store_o_copy = c.stage_o_copy, c.store_o_copy
-        mma_sum, tSumB, acc_sum, sum_rc = c.mma_sum, c.tSumB, c.acc_sum, c.sum_rc
-        q_full, q_empty = self._q_mbarriers(mbar)
-        pv = (mma_pv, acc_o, self._p_operand(t_p, a_shape), tOrVt, mma_sum, acc_sum, tSumB)
-        out = (mO, o_rc, acc_o, n_my_rows, n_my_cols, output_scale, sO_mine, wg_tidx,
-               warp_in_wg, lane, stage_o_copy, store_o_copy)
-        # The pending item's whole row sums (its epilogue runs after the next item's softmax
-        # of block 0 has reset row_sum and freed S: fewer live registers).
-        p_sum = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
-        q_uses = cutlass.Int32(0)
-        # The pending item (its last P V and epilogue outstanding): its O rows (first token
-        # row, rows, head) and the V stage of its last block (bit 0: the phase, bit 1: the
-        # stage, bit 2: an item is pending). Few registers: the consumers run on 232.
-        p_row0 = cutlass.Int32(0)
-        p_rows = cutlass.Int32(0)
-        p_head = cutlass.Int32(0)
-        p_state = cutlass.Int32(0)
-        for rnd in range(self._rounds(items.n_items, grid_x)):
-            w = self._snake(rnd, cta_x, grid_x)
-            if w < items.n_items:
-                walk, i_head, i_request = self._item(w, items.n_heads, items.n_requests)
-                i_q_start, i_q_len, i_kv_len, i_offset, _, i_tiles = request_bounds(
-                    *items.tensors, i_request, items.key_rows, self.paged)
-                if walk < i_tiles:
-                    q_lo, n_blocks = self._tile_blocks(walk, i_tiles, i_q_len, i_kv_len,
-                                                       i_offset, causal)
-                    wg_q0 = q_lo + mwg * WG_ROWS
-                    cute.arch.mbarrier_wait(q_full, q_uses & 1)           # this item's Q
-                    q_uses = q_uses + 1
-                    if n_blocks > 0:
-                        # ---- one turn: S(0) of this item, the pending item's last P V
-                        stage, phase = self._stage_phase(g, 0, parity)
-                        if p_state < 4:
-                            # No pending item: the P V below still runs (a wgmma under a
-                            # branch serializes every wgmma of the kernel, ptxas C7515), on
-                            # this item's landed V(0) and stale P; acc_o is zeroed after it
-                            # and V(0) stays this item's (no release).
-                            p_state = stage * 2 + phase
-                        v_stage = (p_state >> 1) & 1
-                        cute.arch.mbarrier_wait(mbar + stage, phase)
-                        cute.arch.mbarrier_wait(mbar + 2 * S + v_stage, p_state & 1)
-                        self._turn_wait(turn_mine)
-                        warpgroup_gemm_issue(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
-                        self._issue_pv(mma_pv, acc_o, pv[2], tOrVt[None, None, None, v_stage],
-                                       mma_sum, acc_sum, tSumB)
-                        self._turn_pass(turn_other)
-                        warpgroup.wait_group(0)
-                        if lane == 0:
-                            cute.arch.mbarrier_arrive(mbar + S + stage)            # K free
-                            if p_state >= 4:
-                                cute.arch.mbarrier_arrive(mbar + 3 * S + v_stage)  # V free
-                        for i in cutlass.range_constexpr(n_my_rows):
-                            p_sum[i] = row_sum[i] + sum_rc[i, 0]
-                        # ---- this item's block 0: softmax, P
-                        for i in cutlass.range_constexpr(n_my_rows):
-                            row_max[i] = -cutlass.Float32.inf
-                            row_sum[i] = 0.0
-                        online_softmax(acc_s, 0, row_max, self._softmax_sum(row_sum), tScS,
-                                       wg_q0, i_kv_len, i_offset, causal, scale_log2, corr=corr)
-                        pack_e4m3_operand_a(acc_s, r_p)
-                        # ---- the pending item's O rows, then this item's blocks 1 .. n-1
-                        if p_state >= 4:
-                            self._finish_item(out, p_sum, p_row0, p_rows, p_head)
-                        acc_o.fill(0.0)
-                        turn = SimpleNamespace(
-                            mma_qk=mma_qk, mma_pv=mma_pv, acc_s=acc_s, acc_o=acc_o, o_rc=o_rc,
-                            r_p=r_p, t_p=t_p, a_shape=a_shape, tSrQ=tSrQ, tSrK=tSrK,
-                            tOrVt=tOrVt, tScS=tScS, row_max=row_max, row_sum=row_sum,
-                            corr=corr, mbar=mbar, lane=lane, turn_mine=turn_mine,
-                            turn_other=turn_other, wg_q0=wg_q0, kv_len=i_kv_len,
-                            offset=i_offset, causal=causal, scale_log2=scale_log2,
-                            mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc)
-                        self._middle_blocks(turn, n_blocks, q_lo, i_kv_len, i_offset, causal,
-                                            g, parity)
-                        if lane == 0:      # every S wgmma of the item is done: Q rows free
-                            cute.arch.mbarrier_arrive(q_empty)
-                        last, last_phase = self._stage_phase(g + n_blocks - 1, n_blocks - 1,
-                                                             parity)
-                        p_state = 4 + last * 2 + last_phase
-                        p_row0 = i_q_start + wg_q0
-                        p_rows = i_q_len - wg_q0
-                        p_head = i_head
-                        g = g + n_blocks
-                        parity = self._next_parity(parity, n_blocks)
-                    else:
-                        # No key block: the pending item alone, then this item's zero rows.
-                        if p_state >= 4:
-                            self._last_pv_turn(mbar, turn_mine, turn_other, lane, pv,
-                                               (p_state >> 1) & 1, p_state & 1)
-                            for i in cutlass.range_constexpr(n_my_rows):
-                                p_sum[i] = row_sum[i] + sum_rc[i, 0]
-                            self._finish_item(out, p_sum, p_row0, p_rows, p_head)
-                        p_state = cutlass.Int32(0)
-                        if lane == 0:      # the Q rows were never read
-                            cute.arch.mbarrier_arrive(q_empty)
-                        acc_o.fill(0.0)
-                        for i in cutlass.range_constexpr(n_my_rows):
-                            p_sum[i] = 0.0
-                        self._finish_item(out, p_sum, i_q_start + wg_q0, i_q_len - wg_q0,
-                                          i_head)
-        if p_state >= 4:
-            self._last_pv_turn(mbar, turn_mine, turn_other, lane, pv, (p_state >> 1) & 1,
-                               p_state & 1)
-            for i in cutlass.range_constexpr(n_my_rows):
-                p_sum[i] = row_sum[i] + sum_rc[i, 0]
-            self._finish_item(out, p_sum, p_row0, p_rows, p_head)
-        return g, parity
-
-    @cute.jit
-    def _last_pv_turn(self, mbar, turn_mine, turn_other, lane, pv, stage, phase):
-        """chain_items: a turn of the pending item's last P V alone (V on `stage`, `phase`;
-        pv = _issue_pv's (mma_pv, acc_o, P operand, Vt fragments, mma_sum, acc_sum, ones)),
-        waited for."""
-        S = self.kv_stages
-        mma_pv, acc_o, p_operand, tOrVt, mma_sum, acc_sum, tSumB = pv
-        cute.arch.mbarrier_wait(mbar + 2 * S + stage, phase)
-        self._turn_wait(turn_mine)
-        self._issue_pv(mma_pv, acc_o, p_operand, tOrVt[None, None, None, stage], mma_sum,
-                       acc_sum, tSumB)
-        self._turn_pass(turn_other)
-        warpgroup.wait_group(0)
-        if lane == 0:
-            cute.arch.mbarrier_arrive(mbar + 3 * S + stage)                 # V free
-
-    def _finish_item(self, out, row_sums, row0, rows, head):
-        """chain_items: an item's O rows once its last P V is done, normalized by its whole
-        row_sums, staged and written (write_o_rows; out: its arguments but the rows': token
-        row0 and on, `rows` of them valid, of `head`). Traced inline: straight-line code."""
-        mO, o_rc, acc_o, n_rows, n_cols, output_scale, sO_mine, wg_tidx, warp_in_wg, lane, \
-            stage_o_copy, store_o_copy = out
-        write_o_rows(mO, o_rc, acc_o, row_sums, n_rows, n_cols, output_scale, sO_mine, wg_tidx,
-                     warp_in_wg, lane, 0, row0, rows, head, stage_o_copy, store_o_copy,
-                     self.out_dtype, row_sum_whole=True)
-
-    @cute.jit
-    def _middle_blocks(self, turn, n_blocks, q_lo, kv_len, offset, causal, g, parity):
-        """Blocks 1 .. n_blocks - 1 of a tile (block 0's P in turn.r_p): S(j) and P(j-1) V(j-1)
-        in one turn each; leaves P(n_blocks - 1) in turn.r_p."""
-        first_dynamic = 1
-        if cutlass.const_expr(self.uniform):
-            # Pairs of blocks (2i+1 on stage 1, 2i+2 on stage 0): static stages; only
-            # blocks every row of the tile sees whole (no mask), the rest below.
-            n_whole = kv_len
-            if causal != 0:
-                n_whole = cutlass.min(n_whole, q_lo + offset + 1)
-            n_whole = cutlass.min(cutlass.max(n_whole, 0) // BLOCK_N, n_blocks)
-            n_pairs = cutlass.max(n_whole - 1, 0) // 2
-            for i in range(n_pairs):
-                p0 = (parity ^ i) & 1                   # stage 0, use i
-                p1 = ((parity >> 1) ^ i) & 1            # stage 1, use i
-                self._turn(turn, 2 * i + 1, 1, p1, 0, p0, mask=False)
-                self._turn(turn, 2 * i + 2, 0, p0 ^ 1, 1, p1, mask=False)
-            first_dynamic = 2 * n_pairs + 1
-        for blk in range(first_dynamic, n_blocks):
-            stage, k_phase = self._stage_phase(g + blk, blk, parity)
-            prev, v_phase = self._stage_phase(g + blk - 1, blk - 1, parity)
-            self._turn(turn, blk, stage, k_phase, prev, v_phase)
-
-    @cute.jit
     def _turn(self, t, blk, stage, k_phase, prev, v_phase, mask: cutlass.Constexpr = True):
         """Key block blk >= 1: wait for K(blk) (stage, k_phase) and V(blk - 1) (prev, v_phase),
         issue S(blk) and P(blk-1) V(blk-1) in this consumer's ping-pong turn, run the softmax
@@ -1035,7 +859,7 @@ class FmhaSm90Ws:
         S = self.kv_stages
         cute.arch.mbarrier_wait(t.mbar + stage, k_phase)
         cute.arch.mbarrier_wait(t.mbar + 2 * S + prev, v_phase)
-        self._turn_wait(t.turn_mine)
+        cute.arch.barrier(barrier_id=t.turn_mine, number_of_threads=256)
         warpgroup_gemm_issue(t.mma_qk, t.acc_s, t.tSrQ, t.tSrK[None, None, None, stage])
         if cutlass.const_expr(self.overlap):
             # O holds P V up to block j-2 (relative to max j-2): rescale it to max j-1 while
@@ -1043,7 +867,7 @@ class FmhaSm90Ws:
             scale_rows(t.o_rc, t.corr)
         self._issue_pv(t.mma_pv, t.acc_o, self._p_operand(t.t_p, t.a_shape),
                        t.tOrVt[None, None, None, prev], t.mma_sum, t.acc_sum, t.tSumB)
-        self._turn_pass(t.turn_other)
+        cute.arch.barrier_arrive(barrier_id=t.turn_other, number_of_threads=256)
         if cutlass.const_expr(self.overlap):
             warpgroup.wait_group(1)                     # S(j); P V(j-1) runs on
         else:
@@ -1057,11 +881,7 @@ class FmhaSm90Ws:
         warpgroup.wait_group(0)
         if t.lane == 0:
             cute.arch.mbarrier_arrive(t.mbar + 3 * S + prev)               # V free
-        if cutlass.const_expr(self.overlap and self.mma_row_sum):
-            for i in cutlass.range_constexpr(cute.size(t.row_sum)):
-                t.row_sum[i] = (t.row_sum[i] + t.sum_rc[i, 0]) * t.corr[i]
-            pack_e4m3_operand_a(t.acc_s, t.r_p)
-        elif cutlass.const_expr(self.overlap and self.fp8):
+        if cutlass.const_expr(self.overlap and self.fp8):
             pack_e4m3_quads(t.acc_s, t.r_p)
         elif cutlass.const_expr(self.overlap):
             pack_bf16_pairs(t.acc_s, t.r_p)
@@ -1082,18 +902,6 @@ class FmhaSm90Ws:
                 pack_bf16_pairs(t.acc_s, t.r_p)
             else:
                 t.r_p.store(t.acc_s.load().to(self.dtype))
-
-    def _turn_wait(self, turn_mine):
-        """Start of a ping-pong turn: wait until the other consumer passed it to this one
-        (no-op without `pingpong`)."""
-        if self.pingpong:
-            cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
-
-    def _turn_pass(self, turn_other):
-        """End of a ping-pong turn: pass it to the other consumer (no-op without
-        `pingpong`)."""
-        if self.pingpong:
-            cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
 
     def _softmax_sum(self, row_sum):
         """online_softmax's row_sum argument: None when the tensor core sums P."""

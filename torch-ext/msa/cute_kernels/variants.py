@@ -93,7 +93,7 @@ class BlockMaxScoreVariant:
 # wsu / wsut on persistent CTAs. msa._native.fmha_sm90.served_ws_form picks the served one per
 # call (bf16 wsup / wsu, e4m3 wsutp / wsut).
 WS_FORMS = ("ws", "wsf", "wsu", "wsup")
-WS_FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps", "wsutpc", "wsutpsn", "wsutpsfn")
+WS_FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps")
 
 
 @dataclasses.dataclass(frozen=True)
