@@ -354,7 +354,7 @@ def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
     assert native._variant_for(False, o, e4m3) == "fmha_sm90_e4m3_dense"
     monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
     served = {(torch.bfloat16, False): "_wsu", (torch.bfloat16, True): "_wsup",
-              (e4m3, False): "_wsutp", (e4m3, True): "_wsutp"}
+              (e4m3, False): "_wsutps", (e4m3, True): "_wsutps"}
     long_call = native.PERSISTENT_MAX_ITEMS + 1      # more work items: non-persistent forms
     for paged in (False, True):
         for (dtype, causal), suffix in served.items():
@@ -362,7 +362,7 @@ def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
                 name = native._variant_for(paged, o, dtype, causal, items)
                 assert name.endswith(suffix) and name in names
             name = native._variant_for(paged, o, dtype, causal, long_call)
-            assert name.endswith("_wsu" if dtype == torch.bfloat16 else "_wsut")
+            assert name.endswith("_wsu" if dtype == torch.bfloat16 else "_wsuts")
             assert name in names
         assert not native._variant_for(paged, o_score).endswith("_ws")
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", False)
@@ -385,7 +385,7 @@ def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
     assert native._variant_for(True, o) == "fmha_sm90_bfloat16_paged_wsu"
     assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged"
     monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED_FP8", True)
-    assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged_wsutp"
+    assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged_wsutps"
     monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", True)
     assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged_ws"
     # variant_form inverts variant_name (bench_fmha labels rows by the form that ran).

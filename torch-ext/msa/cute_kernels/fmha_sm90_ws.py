@@ -5,8 +5,8 @@ q/k/v) plus the SM count (num_ctas); the same grid, except the persistent forms 
 min(items, num_ctas) CTAs walking the (query tile, head, request) items). Only the way the key
 blocks are streamed and the two warpgroups are scheduled differs. e4m3: as the plain e4m3
 kernel, P is rounded to e4m3 in registers and handed in the key order of
-register_p_key_order, so P V reads a key-permuted, K-major Vt: in the wsut forms (they serve
-e4m3) the Vt blocks come transposed ahead of the kernel (the fmha_transpose_v_e4m3 CUDA op)
+register_p_key_order, so P V reads a key-permuted, K-major Vt: in the wsut forms (wsuts /
+wsutps serve e4m3) the Vt blocks come transposed ahead of the kernel (the fmha_transpose_v_e4m3 CUDA op)
 and the producer TMA-loads them as it loads K; in ws / wsf / wsu
 the producer TMA-loads raw V into its own ring and warps 1-3 of the producer warpgroup
 transpose it (tile_utils.transpose_v_words with n_keys: 32-bit words, byte permutes; keys past
@@ -108,7 +108,8 @@ BAR_TURN = 3             # + consumer index, 256 threads
 # calls of up to fmha_sm90.PERSISTENT_MAX_ITEMS work items (wsup only the causal ones); longer
 # calls serve wsu / wsut.
 # "wsuts" / "wsutps" (e4m3 only): wsut / wsutp with the softmax's row sums on the tensor core
-# (the constructor's `mma_row_sum`).
+# (the constructor's `mma_row_sum`); they serve e4m3 (wsutps up to PERSISTENT_MAX_ITEMS work
+# items, wsuts past it).
 FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True),
          "wsut": dict(uniform=True, v_transposed=True),
          "wsup": dict(uniform=True, persistent=True),

@@ -90,8 +90,9 @@ class BlockMaxScoreVariant:
 # wgmma descriptors stay in uniform registers); earlier 3-stage and overlapped forms were
 # measured slower and removed (docs/design-fmha.md). e4m3 adds wsut (wsu reading V transposed
 # ahead of the kernel instead of transposing it in the producer warpgroup); wsup / wsutp are
-# wsu / wsut on persistent CTAs. msa._native.fmha_sm90.served_ws_form picks the served one per
-# call (bf16 wsup / wsu, e4m3 wsutp / wsut).
+# wsu / wsut on persistent CTAs; wsuts / wsutps are wsut / wsutp with the softmax's row sums on
+# the tensor core. msa._native.fmha_sm90.served_ws_form picks the served one per call (bf16
+# wsup / wsu, e4m3 wsutps / wsuts).
 WS_FORMS = ("ws", "wsf", "wsu", "wsup")
 WS_FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps")
 
