@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Summarize ncu's per-SASS stall sampling of one kernel (no GPU needed).
+
+    ncu --section SourceCounters ... -o R python3 benchmarks/profile_fmha.py ...
+    ncu --import R.ncu-rep --page source --print-source sass --csv > R_sass.csv
+    python tools/ncu_stalls.py R_sass.csv
+
+Prints the stall reasons over all samples, then the opcodes holding the most samples with each
+one's top three reasons (e.g. MUFU "wait": a fixed-latency dependency; WARPGROUP "barrier":
+the DEPBAR waiting for the warp's own wgmmas; BRA "long_sb": mbarrier try-wait loops). Sessions
+12 and 13 read the e4m3 FMHA's critical path this way (docs/design-fmha.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import re
+import sys
+
+
+def _num(text: str) -> float:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(__doc__)
+        return 2
+    rows = list(csv.reader(open(argv[0])))
+    header, data = rows[1], rows[2:]
+    col = {name: i for i, name in enumerate(header)}
+    stall_cols = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
+    total = collections.Counter()
+    by_op = collections.defaultdict(collections.Counter)
+    samples = collections.Counter()
+    executed = collections.Counter()
+    for row in data:
+        if len(row) < len(header):
+            continue
+        # Opcode without predicate and modifiers ("@!P0 SYNCS.ARRIVE..." -> "SYNCS").
+        op = re.sub(r"^@!?U?P\w+\s+", "", row[col["Source"]].strip()).split(" ")[0].split(".")[0]
+        samples[op] += _num(row[col["Warp Stall Sampling (All Samples)"]])
+        executed[op] += _num(row[col["Instructions Executed"]])
+        for c in stall_cols:
+            v = _num(row[col[c]])
+            total[c] += v
+            by_op[op][c] += v
+    n = sum(samples.values()) or 1.0
+    print("total samples", n)
+    print("stall reasons:", ", ".join(f"{c[6:]} {v / n * 100:.1f}%"
+                                      for c, v in total.most_common(10)))
+    print("by opcode (samples %, top reasons):")
+    for op, s in samples.most_common(16):
+        top = ", ".join(f"{c[6:]} {v / s * 100:.0f}%" for c, v in by_op[op].most_common(3)) \
+            if s else ""
+        print(f"  {op:10s} {s / n * 100:5.1f}%  exec {executed[op]:.3g}  [{top}]")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
