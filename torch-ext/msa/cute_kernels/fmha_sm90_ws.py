@@ -6,8 +6,8 @@ min(items, num_ctas) CTAs walking the (query tile, head, request) items). Only t
 blocks are streamed and the two warpgroups are scheduled differs. e4m3: as the plain e4m3
 kernel, P is rounded to e4m3 in registers and handed in the key order of
 register_p_key_order, so P V reads a key-permuted, K-major Vt: in the wsut forms (wsuts /
-wsutps serve e4m3) the Vt blocks come transposed ahead of the kernel (the fmha_transpose_v_e4m3 CUDA op)
-and the producer TMA-loads them as it loads K; in ws / wsf / wsu
+wsutps serve e4m3) the Vt blocks come transposed ahead of the kernel (the
+fmha_transpose_v_e4m3 CUDA op) and the producer TMA-loads them as it loads K; in ws / wsf / wsu
 the producer TMA-loads raw V into its own ring and warps 1-3 of the producer warpgroup
 transpose it (tile_utils.transpose_v_words with n_keys: 32-bit words, byte permutes; keys past
 kv_len written as zeros) into Vt stages. The consumers wait for and release Vt stages as they
@@ -47,9 +47,9 @@ Roles (384 threads, one CTA per SM; the persistent forms walk work items, see `_
 
 Shared memory: bf16 Q 2 x 16 KB + 2 stages x (K 32 KB + V 32 KB) + mbarriers (160 KB; wsup
 adds O 2 x 16 KB: 192 KB); e4m3 Q 2 x 8 KB + 2 stages x (K, raw V, Vt 16 KB each) + O 2 x 16
-KB (bf16) (144 KB; wsut / wsutp: no raw V, 112 KB). Registers: bf16 and e4m3 wsut 24
-(producer) / 240 (consumers); the persistent forms 40 / 232; the other e4m3 forms 72 / 216
-(the transposer warps need more than 24: they use up to R70).
+KB (bf16) (144 KB; wsut / wsutp: no raw V, 112 KB; wsuts / wsutps add the 1 KB ones tile).
+Registers: bf16 and e4m3 wsut 24 (producer) / 240 (consumers); the persistent forms 40 / 232;
+the other e4m3 forms 72 / 216 (the transposer warps need more than 24: they use up to R70).
 """
 
 from __future__ import annotations
@@ -694,7 +694,8 @@ class FmhaSm90Ws:
         if cutlass.const_expr(not self.fp8):
             t_p = wgmma_accumulator_as_operand_a(r_p)
         row_max = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)   # running, log2 units
-        row_sum = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)   # this thread's part
+        # This thread's part of each row's sum (mma_row_sum: the whole sum).
+        row_sum = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
         # mma_row_sum: P times the ones tile; each thread's accumulator columns all hold its
         # rows' whole sums.
         tSumB, acc_sum, sum_rc = None, None, None
