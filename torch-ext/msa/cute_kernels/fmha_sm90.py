@@ -170,15 +170,13 @@ def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
             base = 0.0                                  # nothing visible yet: p = 0
         correction = cute.math.exp2(row_max[i] - base, fastmath=True)
         row_max[i] = new_max
-        if cutlass.const_expr(row_sum is None):
-            for j in cutlass.range_constexpr(n_my_cols):
-                s_rc[i, j] = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
-        else:
-            part = cutlass.Float32(0.0)
-            for j in cutlass.range_constexpr(n_my_cols):
-                p = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
+        part = cutlass.Float32(0.0)
+        for j in cutlass.range_constexpr(n_my_cols):
+            p = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
+            if cutlass.const_expr(row_sum is not None):
                 part = part + p
-                s_rc[i, j] = p
+            s_rc[i, j] = p
+        if cutlass.const_expr(row_sum is not None):
             row_sum[i] = row_sum[i] * correction + part
         if cutlass.const_expr(o_rc is not None):
             for j in cutlass.range_constexpr(n_my_cols):

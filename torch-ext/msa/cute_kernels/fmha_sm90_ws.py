@@ -687,9 +687,10 @@ class FmhaSm90Ws:
         n_my_rows = cute.size(tScS, mode=[0])
         n_my_cols = cute.size(tScS, mode=[1])
         o_rc = wgmma_rows_cols_view(acc_o)
-        r_p = cute.make_fragment_like(acc_s, self.dtype)
         if cutlass.const_expr(self.p_packed_as_operand):
             r_p = cute.make_rmem_tensor(a_shape, self.dtype)      # P in A's register order
+        else:
+            r_p = cute.make_fragment_like(acc_s, self.dtype)
         t_p = r_p
         if cutlass.const_expr(not self.fp8):
             t_p = wgmma_accumulator_as_operand_a(r_p)

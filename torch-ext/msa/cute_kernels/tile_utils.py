@@ -194,17 +194,13 @@ def wgmma_rows_cols_view(acc: cute.Tensor) -> cute.Tensor:
     row (a pair per 8-column group). Same quad-shares-a-row property as m16n8k16. (An N = 8
     accumulator is ((2, 2), M, N): one column group.)"""
     compact = cute.make_layout(acc.layout.shape)
-    if len(compact.shape[0]) == 2:
-        regroup = cute.make_layout(
-            ((compact.shape[0][1], compact.shape[1]), (compact.shape[0][0], compact.shape[2])),
-            stride=((compact.stride[0][1], compact.stride[1]),
-                    (compact.stride[0][0], compact.stride[2])))
-    else:
-        regroup = cute.make_layout(
-            ((compact.shape[0][1], compact.shape[1]),
-             (compact.shape[0][0], compact.shape[0][2], compact.shape[2])),
-            stride=((compact.stride[0][1], compact.stride[1]),
-                    (compact.stride[0][0], compact.stride[0][2], compact.stride[2])))
+    groups, group_stride = ((compact.shape[0][2], compact.stride[0][2])
+                            if len(compact.shape[0]) == 3 else (1, 0))
+    regroup = cute.make_layout(
+        ((compact.shape[0][1], compact.shape[1]),
+         (compact.shape[0][0], groups, compact.shape[2])),
+        stride=((compact.stride[0][1], compact.stride[1]),
+                (compact.stride[0][0], group_stride, compact.stride[2])))
     return cute.make_tensor(acc.iterator, cute.composition(acc.layout, regroup))
 
 
@@ -337,6 +333,19 @@ def register_p_row_key(w, x):
     return x % 2 + 8 * (x // 2) + 2 * (w % 4) + 16 * ((w // 4) % 2) + 32 * (w // 8)
 
 
+def e4m3_quad_word(values) -> cutlass.Uint32:
+    """Four fp32 values rounded to e4m3 (cvt.rn.satfinite.e4m3x2.f32, as the DSL's conversion)
+    in one 32-bit word, values[0] in the low byte; inline assembly with side effects, so that
+    it stays where it is written (pack_bf16_pairs says why). Traced inline."""
+    return cutlass.Uint32(llvm.inline_asm(
+        T.i32(), [cutlass.Float32(x).ir_value() for x in values],
+        "{\n.reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+        "mov.b32 $0, {lo, hi};\n}", "=r,f,f,f,f", has_side_effects=True,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 @cute.jit
 def pack_e4m3_operand_a(acc: cute.Tensor, t_a: cute.Tensor):
     """t_a (the A fragment of the RS P.V wgmma, register_p_operand's layout) = acc rounded to
@@ -349,29 +358,14 @@ def pack_e4m3_operand_a(acc: cute.Tensor, t_a: cute.Tensor):
         for g2 in cutlass.range_constexpr(2):
             for h in cutlass.range_constexpr(2):
                 lo = 4 * (2 * g2 + 4 * kk) + 2 * h
-                hi = lo + 4
-                words[h + 2 * g2 + 4 * kk] = cutlass.Uint32(llvm.inline_asm(
-                    T.i32(), [cutlass.Float32(acc[i]).ir_value() for i in (lo, lo + 1, hi,
-                                                                            hi + 1)],
-                    "{\n.reg .b16 lo, hi;\n"
-                    "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
-                    "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
-                    "mov.b32 $0, {lo, hi};\n}", "=r,f,f,f,f", has_side_effects=True,
-                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+                words[h + 2 * g2 + 4 * kk] = e4m3_quad_word(
+                    [acc[i] for i in (lo, lo + 1, lo + 4, lo + 5)])
 
 
 @cute.jit
 def pack_e4m3_quads(acc: cute.Tensor, r_p8: cute.Tensor):
-    """r_p8 (an e4m3 copy of the fp32 accumulator acc, same layout) = acc rounded to e4m3
-    (cvt.rn.satfinite.e4m3x2.f32, as the DSL's conversion), four elements per 32-bit word, as
-    inline assembly with side effects so that it stays where it is written (pack_bf16_pairs
-    says why)."""
+    """r_p8 (an e4m3 copy of the fp32 accumulator acc, same layout) = acc rounded to e4m3,
+    four consecutive elements per 32-bit word (e4m3_quad_word)."""
     words = cute.recast_tensor(r_p8, cutlass.Uint32)
     for w in cutlass.range_constexpr(cute.size(words)):
-        words[w] = cutlass.Uint32(llvm.inline_asm(
-            T.i32(), [cutlass.Float32(acc[4 * w + i]).ir_value() for i in range(4)],
-            "{\n.reg .b16 lo, hi;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
-            "mov.b32 $0, {lo, hi};\n}", "=r,f,f,f,f", has_side_effects=True,
-            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+        words[w] = e4m3_quad_word([acc[4 * w + i] for i in range(4)])
