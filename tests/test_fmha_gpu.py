@@ -211,7 +211,7 @@ def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, s
 
 
 @pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsut", "wsutp", "wsuts",
-                                  "wsutps", "wsutsw", "wsutpsw"])
+                                  "wsutps"])
 @pytest.mark.parametrize("qk_values", ["randn", "exact"])
 @pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
                                                  ((4, 4), False, False), ((64, 4), True, True)])
@@ -220,12 +220,11 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_v
     """e4m3 q/k/v (kernel fmha_sm90_e4m3_*; O bf16), q_scale 1.25, v_scale 1.5; form: plain or
     a warp-specialized e4m3 form: ws / wsf / wsu (V transposed by the producer warpgroup) or
     wsut (V transposed ahead of the kernel by the fmha_transpose_v_e4m3 op); wsutp persistent;
-    wsuts / wsutps sum P on the tensor core (the model then sums the rounded P); wsutsw /
-    wsutpsw do so on 192-key blocks (the model's softmax steps by 192 keys).
+    wsuts / wsutps sum P on the tensor core (the model then sums the rounded P).
 
     Contract §5.1 bound against float64 with exact P: max |O - O64| <= max(0.125, 4 bf16 floor).
     The model of what an FP8 P.V computes is the reference with P = exp(s - running max) rounded
-    to e4m3 per key step of the form (128 keys, or 192; float64 otherwise):
+    to e4m3 per 128-key step (float64 otherwise):
     - qk_values="exact" (q, k in {+-0.5, +-1}: QK^T exact at any accumulation precision): every
       (query, head) row within two bf16 ulps + 1e-3 of the model, except max(2, 0.1 %) rows (a P
       within float32 rounding of an e4m3 midpoint). A layout error (the key-permuted V^T, the
@@ -252,7 +251,7 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_v
                   compute_dtype=torch.float64)
     o64, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offs, **common)
     model, _ = dense_attention_reference(
-        q, kv, q_lens, kv_lens, offs, p_quant_dtype=e4m3, kv_step=native.form_key_block(form),
+        q, kv, q_lens, kv_lens, offs, p_quant_dtype=e4m3, kv_step=128,
         sum_quantized_p=form in native.ROW_SUM_ON_MMA_FORMS, **common)
     out = out.cpu().double()
     bf16_floor = (o64.to(torch.bfloat16).double() - o64).abs().max().item()
@@ -376,8 +375,7 @@ def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
                            f"NaN past kv_len causal={causal} form={form}")
 
 
-@pytest.mark.parametrize("form", ["ws", "wsf", "wsu", "wsut", "wsutp", "wsutps", "wsutsw",
-                                  "wsutpsw"])
+@pytest.mark.parametrize("form", ["ws", "wsf", "wsu", "wsut", "wsutp", "wsutps"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """e4m3 paged K/V with NaN (0x7f) in every slot past kv_len and in the spare pages: the

@@ -58,15 +58,15 @@ ROWS_PER_WARP = 16
 LN_2 = 0.6931471805599453
 
 
-def mmas_and_o_copies(dtype, out_dtype, block_n: int = BLOCK_N):
+def mmas_and_o_copies(dtype, out_dtype):
     """(mma_qk, mma_pv, stage_o_copy, store_o_copy) of a 64-row warpgroup tile: S = Q K^T
     (SS, both K-major), O = P V with P in registers (V stored [key, channel] is the MN-major B
     operand; e4m3: B is the K-major Vt tile), accumulator -> staged O rows (two adjacent columns
     per store), then 16-byte row segments to global memory. Shared by the plain and the
-    warp-specialized kernels; called while tracing. block_n: keys per block (S's N)."""
+    warp-specialized kernels; called while tracing."""
     mma_qk = hopper.make_trivial_tiled_mma(
         dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-        cutlass.Float32, (1, 1, 1), (WG_ROWS, block_n))
+        cutlass.Float32, (1, 1, 1), (WG_ROWS, BLOCK_N))
     mma_pv = hopper.make_trivial_tiled_mma(
         dtype, dtype, cute.nvgpu.OperandMajorMode.K,
         cute.nvgpu.OperandMajorMode.K if dtype.width == 8 else cute.nvgpu.OperandMajorMode.MN,
@@ -79,7 +79,7 @@ def mmas_and_o_copies(dtype, out_dtype, block_n: int = BLOCK_N):
 
 
 def consumer_fragments(mma_qk, mma_pv, wg_tidx, sQ: cute.Tensor, sK: cute.Tensor,
-                       sVt: cute.Tensor, block_n: int = BLOCK_N):
+                       sVt: cute.Tensor):
     """A 64-row consumer warpgroup's views of the MMAs of mmas_and_o_copies: (tSrQ, tSrK,
     tOrVt) fragments of the Q / K / Vt tiles (trailing stage modes kept), tScS the (row, col)
     coordinates of its S accumulator, the S and O accumulators (fp32) and the shape of P as
@@ -91,12 +91,12 @@ def consumer_fragments(mma_qk, mma_pv, wg_tidx, sQ: cute.Tensor, sK: cute.Tensor
     tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
     tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
     tScS = wgmma_rows_cols_view(
-        thr_qk.partition_C(cute.make_identity_tensor((WG_ROWS, block_n))))
-    acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((WG_ROWS, block_n)),
+        thr_qk.partition_C(cute.make_identity_tensor((WG_ROWS, BLOCK_N))))
+    acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((WG_ROWS, BLOCK_N)),
                                   cutlass.Float32)
     acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((WG_ROWS, HEAD_DIM)),
                                   cutlass.Float32)
-    return tSrQ, tSrK, tOrVt, tScS, acc_s, acc_o, thr_pv.partition_shape_A((WG_ROWS, block_n))
+    return tSrQ, tSrK, tOrVt, tScS, acc_s, acc_o, thr_pv.partition_shape_A((WG_ROWS, BLOCK_N))
 
 
 @cute.jit
@@ -140,8 +140,7 @@ def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
                    row_sum: cute.Tensor, tScS: cute.Tensor, wg_q0: cutlass.Int32,
                    kv_len: cutlass.Int32, offset: cutlass.Int32, causal: cutlass.Int32,
                    scale_log2: cutlass.Float32, o_rc=None, corr=None, max_score=None,
-                   mask: cutlass.Constexpr = True, block_n: cutlass.Constexpr = BLOCK_N,
-                   col_offsets=None):
+                   mask: cutlass.Constexpr = True):
     """S of key block `blk` -> P = exp2(S * scale_log2 - new max) in place (masked keys 0); the
     running max and sum move on. The correction exp2(old max - new max) rescales the O
     accumulator rows o_rc here, or is left in corr[i] for the caller to apply (the
@@ -149,20 +148,18 @@ def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
     (mMaxScore, score_scale, head, q_start, q_len, lane), each row's scaled max over the block's
     visible keys is stored too (store_max_score). mask=False: every row sees the whole block.
     row_sum=None: the caller sums P elsewhere (the e4m3 forms that add P times a ones tile on
-    the tensor core, FmhaSm90Ws's mma_row_sum). block_n: keys per block (acc_s's columns).
-    col_offsets: tile_utils.static_column_offsets of acc_s (cheaper masks; mask_row_and_max)."""
-    key0 = blk * block_n
+    the tensor core, FmhaSm90Ws's mma_row_sum)."""
+    key0 = blk * BLOCK_N
     s_rc = wgmma_rows_cols_view(acc_s)
     n_my_cols = cute.size(tScS, mode=[1])
     for i in cutlass.range_constexpr(cute.size(tScS, mode=[0])):
         q_local = wg_q0 + tScS[i, 0][0]
-        visible_end = block_n                           # block keys [0, end) visible
+        visible_end = BLOCK_N                           # block keys [0, end) visible
         if cutlass.const_expr(mask):                    # (else the caller knows: all of them)
             visible_end = kv_len - key0
             if causal != 0:
                 visible_end = cutlass.min(visible_end, q_local + offset - key0 + 1)
-        blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, block_n,
-                                            col_offsets))
+        blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N))
         if cutlass.const_expr(max_score is not None):
             mMaxScore, score_scale, head, q_start, q_len, lane = max_score
             store_max_score(mMaxScore, score_scale, blk_max, head, blk, q_start, q_local,

@@ -66,20 +66,12 @@ from .fmha_sm90 import (consumer_fragments, load_q_rows, mmas_and_o_copies, onli
                         request_bounds, write_o_rows)
 from .tile_utils import (pack_bf16_pairs, pack_e4m3_operand_a, pack_e4m3_quads,
                          register_p_operand, row_copy,
-                         scale_rows, smem_tile, static_column_offsets, transpose_v_copies,
-                         transpose_v_words, warpgroup_gemm_issue,
-                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+                         scale_rows, smem_tile, transpose_v_copies, transpose_v_words,
+                         warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
+                         wgmma_rows_cols_view)
 
 HEAD_DIM = 128
 BLOCK_N = 128            # keys per block (= page size)
-# The wide e4m3 forms (the constructor's `wide`): 192-key blocks, as FlashAttention-3 widens its
-# FP8 blocks (224 there), so that a turn's fixed cost (barriers, waits, the quad max shuffles,
-# the correction, the O rescale) is paid once per 192 keys. Such a block straddles the 128-key
-# pages and Vt blocks, so the producer loads it as three CHUNK_N-key TMA boxes, each inside
-# one page / Vt block (register_p_key_order permutes keys within 32-key groups only).
-WIDE_BLOCK_N = 192
-CHUNK_N = 64
-CHUNKS_PER_PAGE = BLOCK_N // CHUNK_N
 WG_ROWS = 64             # rows per consumer warpgroup
 NUM_MMA_WARPGROUPS = 2
 TILE_M = WG_ROWS * NUM_MMA_WARPGROUPS
@@ -118,17 +110,13 @@ BAR_TURN = 3             # + consumer index, 256 threads
 # "wsuts" / "wsutps" (e4m3 only): wsut / wsutp with the softmax's row sums on the tensor core
 # (the constructor's `mma_row_sum`); they serve e4m3 (wsutps up to PERSISTENT_MAX_ITEMS work
 # items, wsuts past it).
-# "wsutsw" / "wsutpsw" (e4m3 only): wsuts / wsutps on 192-key blocks (the constructor's `wide`).
 FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True),
          "wsut": dict(uniform=True, v_transposed=True),
          "wsup": dict(uniform=True, persistent=True),
          "wsutp": dict(uniform=True, v_transposed=True, persistent=True),
          "wsuts": dict(uniform=True, v_transposed=True, mma_row_sum=True),
-         "wsutps": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True),
-         "wsutsw": dict(uniform=True, v_transposed=True, mma_row_sum=True, wide=True),
-         "wsutpsw": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True,
-                         wide=True)}
-FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps", "wsutsw", "wsutpsw")
+         "wsutps": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True)}
+FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps")
 
 
 class FmhaSm90Ws:
@@ -137,7 +125,7 @@ class FmhaSm90Ws:
 
     def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
                  overlap: bool = False, uniform: bool = False, v_transposed: bool = False,
-                 persistent: bool = False, mma_row_sum: bool = False, wide: bool = False):
+                 persistent: bool = False, mma_row_sum: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
         # uniform (form "wsu"): every tile starts on K/V stage 0 and the blocks every row
         # sees whole run in unrolled pairs (mask-free), so their stages are compile-time
@@ -159,13 +147,7 @@ class FmhaSm90Ws:
         self.fp8 = dtype.width == 8
         self.out_dtype = cutlass.BFloat16
         self.kv_stages = kv_stages
-        # wide (forms "wsutsw", "wsutpsw"): WIDE_BLOCK_N-key blocks (S 96 registers per
-        # thread); K and Vt stages come in CHUNK_N-key TMA boxes, Vt and the ones tile use
-        # the 64-byte swizzle (192 e4m3 keys are not a whole number of 128-byte atoms).
-        assert not wide or (mma_row_sum and v_transposed)
-        self.wide = wide
-        self.block_n = WIDE_BLOCK_N if wide else BLOCK_N
-        self.tile_bytes = self.block_n * HEAD_DIM * dtype.width // 8
+        self.tile_bytes = BLOCK_N * HEAD_DIM * dtype.width // 8
         # v_transposed (form "wsut", e4m3 + uniform): the v argument is Vt, V already in the
         # Vt stages' (channel, key') order, one (128 x 128) block per (request, key block),
         # keys past kv_len zero (fmha_transpose_v_e4m3); page_table is then [2, B, W]: K's
@@ -204,8 +186,7 @@ class FmhaSm90Ws:
         self.p_packed_as_operand = mma_row_sum
         self.producer_regs = PRODUCER_REGS_FP8 if self.transposer else PRODUCER_REGS
         self.mma_regs = MMA_REGS_FP8 if self.transposer else MMA_REGS
-        if persistent or wide:
-            # (The wide producer's chunk arithmetic spills at 24 as the persistent one does.)
+        if persistent:
             self.producer_regs, self.mma_regs = PRODUCER_REGS_PERSISTENT, MMA_REGS_PERSISTENT
 
     @cute.jit
@@ -217,27 +198,22 @@ class FmhaSm90Ws:
                  stream):
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
         q_layout = cute.tile_to_shape(atom, (WG_ROWS, HEAD_DIM, NUM_MMA_WARPGROUPS), (0, 1, 2))
-        kv_layout = cute.tile_to_shape(atom, (self.block_n, HEAD_DIM, self.kv_stages), (0, 1, 2))
+        kv_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM, self.kv_stages), (0, 1, 2))
         kv_tile = cute.slice_(kv_layout, (None, None, 0))
-        box_n = BLOCK_N
-        if cutlass.const_expr(self.wide):
-            kv_tile = cute.slice_(self._chunk_layout(atom, False), (None, None, 0))
-            box_n = CHUNK_N
         # TMA views with the (key, channel) box first: dense (token, channel, head), paged
         # (slot, channel, head, page).
         modes = [2, 3, 1, 0] if cutlass.const_expr(self.paged) else [0, 2, 1]
         k_view = cute.make_tensor(k.iterator, cute.select(k.layout, mode=modes))
         v_view = cute.make_tensor(v.iterator, cute.select(v.layout, mode=modes))
         op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_k, tK = cpasync.make_tiled_tma_atom(op, k_view, kv_tile, (box_n, HEAD_DIM))
+        tma_k, tK = cpasync.make_tiled_tma_atom(op, k_view, kv_tile, (BLOCK_N, HEAD_DIM))
         if cutlass.const_expr(self.v_transposed):
             # Vt (block, head, channel, key') -> (channel, key', head, block) boxes.
-            vt_tile = cute.slice_(self._vt_layout(), (None, None, 0))
-            if cutlass.const_expr(self.wide):
-                vt_tile = cute.slice_(self._chunk_layout(self._vt_atom(), True),
-                                      (None, None, 0))
+            vt_layout = self._vt_layout()
             vt_view = cute.make_tensor(v.iterator, cute.select(v.layout, mode=[2, 3, 1, 0]))
-            tma_v, tV = cpasync.make_tiled_tma_atom(op, vt_view, vt_tile, (HEAD_DIM, box_n))
+            tma_v, tV = cpasync.make_tiled_tma_atom(op, vt_view,
+                                                    cute.slice_(vt_layout, (None, None, 0)),
+                                                    (HEAD_DIM, BLOCK_N))
         else:
             tma_v, tV = cpasync.make_tiled_tma_atom(op, v_view, kv_tile, (BLOCK_N, HEAD_DIM))
         tma_q, tQ = None, None
@@ -252,8 +228,8 @@ class FmhaSm90Ws:
         q_copy = row_copy(self.dtype, 16)
         # Zeroing the V rows past kv_len: one warp, 4 rows per step, 16-byte stores.
         zero_copy = row_copy(self.dtype, 4, async_copy=False)
-        mma_qk, mma_pv, stage_o_copy, store_o_copy = mmas_and_o_copies(
-            self.dtype, self.out_dtype, self.block_n)
+        mma_qk, mma_pv, stage_o_copy, store_o_copy = mmas_and_o_copies(self.dtype,
+                                                                       self.out_dtype)
         mma_sum = None
         if cutlass.const_expr(self.mma_row_sum):
             mma_sum = hopper.make_trivial_tiled_mma(
@@ -271,30 +247,16 @@ class FmhaSm90Ws:
                     store_o_copy, SharedStorage, tQ, tma_q, mma_sum).launch(
             grid=grid, block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
 
-    def _vt_atom(self):
-        """The K-major swizzle atom of the Vt stages and the ones tile: 128-byte, or 64-byte for
-        the wide forms (a 192-key row is 1.5 128-byte atoms). Static (tracing)."""
-        kind = (warpgroup.SmemLayoutAtomKind.K_SW64 if self.wide
-                else warpgroup.SmemLayoutAtomKind.K_SW128)
-        return warpgroup.make_smem_layout_atom(kind, self.dtype)
-
     def _vt_layout(self):
         """e4m3: the key-permuted Vt stages (channel, key', stage). Static (tracing)."""
-        return cute.tile_to_shape(self._vt_atom(), (HEAD_DIM, self.block_n, self.kv_stages),
-                                  (0, 1, 2))
-
-    def _chunk_layout(self, atom, vt: bool):
-        """wide: the K (key, channel, chunk) or Vt (channel, key', chunk) stages as CHUNK_N-key
-        TMA boxes, chunk c of stage s at 3 s + c: the same bytes as the stage layouts (both
-        tile their atoms key-outermost), so a box lands where the wgmma reads those keys."""
-        shape = (HEAD_DIM, CHUNK_N) if vt else (CHUNK_N, HEAD_DIM)
-        chunks = self.kv_stages * (self.block_n // CHUNK_N)
-        return cute.tile_to_shape(atom, (*shape, chunks), (0, 1, 2))
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        return cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N, self.kv_stages), (0, 1, 2))
 
     def _ones_layout(self):
-        """mma_row_sum: the (SUM_COLS, key) ones tile (K-major B of the row-sum wgmma), in
-        the Vt stages' swizzle atoms. Static (tracing)."""
-        return cute.tile_to_shape(self._vt_atom(), (SUM_COLS, self.block_n), (0, 1))
+        """mma_row_sum: the (SUM_COLS, key) ones tile, one 128-byte-swizzle atom of e4m3
+        (K-major B of the row-sum wgmma). Static (tracing)."""
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        return cute.tile_to_shape(atom, (SUM_COLS, BLOCK_N), (0, 1))
 
     def _o_layout(self):
         """The consumers' bf16 O tiles (own_o_tile: the e4m3 Q rows are too small to stage O
@@ -402,7 +364,7 @@ class FmhaSm90Ws:
             sOnes = storage.sOnes.get_tensor(ones_layout.outer, swizzle=ones_layout.inner)
             # e4m3 1.0 in every byte (so the swizzle does not matter): a word per thread of
             # the consumers, published to the async proxy that the wgmmas read through.
-            n_words = SUM_COLS * self.block_n * self.dtype.width // 32
+            n_words = SUM_COLS * BLOCK_N * self.dtype.width // 32
             ones_words = cute.make_tensor(
                 cute.recast_ptr(storage.sOnes.data_ptr(), dtype=cutlass.Int32),
                 cute.make_layout(n_words))
@@ -411,18 +373,6 @@ class FmhaSm90Ws:
                 cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-
-        # The producer's K and V (Vt) stages; wide: the same stages as CHUNK_N-key TMA boxes.
-        produce = self._producer
-        sKV = (sK_stages, sVt_stages if self.v_transposed else sV_stages, mbar)
-        if cutlass.const_expr(self.wide):
-            produce = self._producer_wide
-            k_chunks = self._chunk_layout(
-                warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
-                                                self.dtype), False)
-            vt_chunks = self._chunk_layout(self._vt_atom(), True)
-            sKV = (storage.sK.get_tensor(k_chunks.outer, swizzle=k_chunks.inner),
-                   storage.sVt.get_tensor(vt_chunks.outer, swizzle=vt_chunks.inner), mbar)
 
         group = mQ.shape[1] // tK.shape[2]
         head_kv = head // group
@@ -441,6 +391,7 @@ class FmhaSm90Ws:
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp == 0:
+                sKV = (sK_stages, sVt_stages if self.v_transposed else sV_stages, mbar)
                 g = cutlass.Int32(0)
                 parity = cutlass.Int32(0)
                 scratch = cutlass.Int32(0)
@@ -458,15 +409,15 @@ class FmhaSm90Ws:
                                 self._load_q(tQ, tma_q, sQ_wgs, mbar, i_q_start + q_lo, i_head,
                                              q_uses)
                                 q_uses = q_uses + 1
-                                g, parity, scratch = produce(
+                                g, parity, scratch = self._producer(
                                     tK, tV, mPageTable, tma_k, tma_v, zero_copy, *sKV,
                                     i_request, i_head // group, i_k_row0, i_kv_len, i_offset,
                                     causal, i_q_len, i_tiles, walk, grid_q_tiles, tidx % 32,
                                     mVtTable, (g, parity, scratch))
                 else:
-                    produce(tK, tV, mPageTable, tma_k, tma_v, zero_copy, *sKV, request,
-                            head_kv, k_row0, kv_len, offset, causal, q_len, n_q_tiles, cta_x,
-                            grid_x, tidx % 32, mVtTable, (g, parity, scratch))
+                    self._producer(tK, tV, mPageTable, tma_k, tma_v, zero_copy, *sKV, request,
+                                   head_kv, k_row0, kv_len, offset, causal, q_len, n_q_tiles,
+                                   cta_x, grid_x, tidx % 32, mVtTable, (g, parity, scratch))
             if cutlass.const_expr(self.transposer):
                 if warp > 0:
                     self._transposer(sV_stages, sVt_stages, mbar, kv_len, offset, causal,
@@ -551,7 +502,7 @@ class FmhaSm90Ws:
         kv_end = kv_len
         if causal != 0:
             kv_end = cutlass.min(kv_end, cutlass.min(q_lo + TILE_M, q_len) + offset)
-        return q_lo, cutlass.max((kv_end + self.block_n - 1) // self.block_n, 0)
+        return q_lo, cutlass.max((kv_end + BLOCK_N - 1) // BLOCK_N, 0)
 
     @cute.jit
     def _stage_phase(self, g_blk, blk, parity):
@@ -667,76 +618,6 @@ class FmhaSm90Ws:
             parity = self._next_parity(parity, n_blocks)
         return g, parity, scratch_phase
 
-    @cute.jit
-    def _producer_wide(self, tK: cute.Tensor, tV: cute.Tensor, mPageTable: cute.Tensor,
-                       tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, zero_copy: cute.TiledCopy,
-                       sK_chunks: cute.Tensor, sVt_chunks: cute.Tensor, mbar, request, head_kv,
-                       k_row0, kv_len, offset, causal, q_len, n_q_tiles, cta_x, grid_x, lane,
-                       mVtTable, state):
-        """_producer for the wide forms: each WIDE_BLOCK_N-key block's K and Vt as CHUNK_N-key
-        boxes (s*_chunks: the stages as (.., .., 3 stage + chunk) boxes). Dense K: a box at
-        the request's token offset (as _producer); paged K and Vt: half (chunk % 2) of the page /
-        Vt block of 128-key block chunk // 2. A chunk with no key below kv_len (the block runs
-        past the request's pages) gets a block index past the tensor: the TMA zero-fills it
-        (and counts its bytes), and Vt's zeros keep 0 * V exact. Same arguments as _producer
-        (zero_copy and lane unused: the transpose op already zeroed Vt past kv_len)."""
-        S = self.kv_stages
-        n_chunks = self.block_n // CHUNK_N
-        if cutlass.const_expr(self.paged):
-            gK = cute.flat_divide(tK[None, None, head_kv, None], (CHUNK_N, HEAD_DIM))
-        else:
-            gK = cute.flat_divide(cute.domain_offset((k_row0, 0), tK[None, None, head_kv]),
-                                  (CHUNK_N, HEAD_DIM))
-        gV = cute.flat_divide(tV[None, None, head_kv, None], (HEAD_DIM, CHUNK_N))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
-                                           cute.group_modes(sK_chunks, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1),
-                                           cute.group_modes(sVt_chunks, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
-        g, parity, scratch_phase = state
-        for walk in range(cta_x, n_q_tiles, grid_x):
-            q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
-            for blk in range(n_blocks):
-                stage, phase = self._stage_phase(g + blk, blk, parity)
-                free_phase = phase ^ 1
-                cute.arch.mbarrier_wait(mbar + S + stage, free_phase)              # K free
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + stage, self.tile_bytes)
-                for c in cutlass.range_constexpr(n_chunks):
-                    chunk = blk * n_chunks + c
-                    if cutlass.const_expr(self.paged):
-                        page = self._chunk_block(mPageTable, request, chunk, kv_len,
-                                                 tK.shape[3])
-                        cute.copy(tma_k, tKgK[None, chunk % CHUNKS_PER_PAGE, 0, page],
-                                  tKsK[None, stage * n_chunks + c], tma_bar_ptr=mbar + stage)
-                    else:
-                        cute.copy(tma_k, tKgK[None, chunk, 0], tKsK[None, stage * n_chunks + c],
-                                  tma_bar_ptr=mbar + stage)
-                cute.arch.mbarrier_wait(mbar + 3 * S + stage, free_phase)          # Vt free
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + 2 * S + stage,
-                                                            self.tile_bytes)
-                for c in cutlass.range_constexpr(n_chunks):
-                    chunk = blk * n_chunks + c
-                    vt_block = self._chunk_block(mVtTable, request, chunk, kv_len, tV.shape[3])
-                    cute.copy(tma_v, tVgV[None, 0, chunk % CHUNKS_PER_PAGE, vt_block],
-                              tVsV[None, stage * n_chunks + c], tma_bar_ptr=mbar + 2 * S + stage)
-            g = g + n_blocks
-            parity = self._next_parity(parity, n_blocks)
-        return g, parity, scratch_phase
-
-    @cute.jit
-    def _chunk_block(self, table: cute.Tensor, request, chunk, kv_len, past_the_end):
-        """wide: the page / Vt block holding CHUNK_N-key chunk `chunk` of a request (its
-        128-key block's table entry), or past_the_end (out of the TMA's bounds: zero-filled)
-        when the chunk has no key below kv_len or lies past the table row."""
-        idx = chunk // CHUNKS_PER_PAGE
-        block = past_the_end
-        if chunk * CHUNK_N < kv_len and idx < table.shape[1]:
-            block = table[request, idx]
-        return block
-
     # ---- e4m3 V transposer (warps 1 .. TRANSPOSE_WARPS of the producer warpgroup) ----------
     @cute.jit
     def _transposer(self, sV_stages: cute.Tensor, sVt_stages: cute.Tensor, mbar, kv_len,
@@ -801,7 +682,7 @@ class FmhaSm90Ws:
 
         # (.., .., K, warpgroup) Q, (.., .., K, stage) K and Vt fragments.
         tSrQ, tSrK, tOrVt, tScS, acc_s, acc_o, a_shape = consumer_fragments(
-            mma_qk, mma_pv, wg_tidx, sQ_wgs, sK_stages, sVt_stages, self.block_n)
+            mma_qk, mma_pv, wg_tidx, sQ_wgs, sK_stages, sVt_stages)
         tSrQ = tSrQ[None, None, None, mwg]
         n_my_rows = cute.size(tScS, mode=[0])
         n_my_cols = cute.size(tScS, mode=[1])
@@ -826,10 +707,6 @@ class FmhaSm90Ws:
                                             cutlass.Float32)
             sum_rc = wgmma_rows_cols_view(acc_sum)
         corr = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
-        # wide: masks compare compile-time column offsets (tile_utils.mask_row_and_max).
-        col_offsets = None
-        if cutlass.const_expr(self.wide):
-            col_offsets = static_column_offsets(mma_qk, (WG_ROWS, self.block_n))
         sO_mine = sQ_mine                          # bf16: O takes the Q rows' place
         if cutlass.const_expr(self.own_o_tile):
             sO_mine = sO_wgs[None, None, mwg]
@@ -842,8 +719,7 @@ class FmhaSm90Ws:
             a_shape=a_shape, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tScS=tScS, n_my_rows=n_my_rows,
             n_my_cols=n_my_cols, row_max=row_max, row_sum=row_sum, corr=corr, mbar=mbar,
             turn_mine=BAR_TURN + mwg, turn_other=BAR_TURN + 1 - mwg, causal=causal,
-            scale_log2=scale_log2, mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc,
-            col_offsets=col_offsets)
+            scale_log2=scale_log2, mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc)
 
         g, parity = state                     # blocks so far, wsu's stage-use parities
         if cutlass.const_expr(self.persistent):
@@ -885,7 +761,6 @@ class FmhaSm90Ws:
         mO, sO_mine, wg_tidx, warp_in_wg = c.mO, c.sO_mine, c.wg_tidx, c.warp_in_wg
         stage_o_copy, store_o_copy = c.stage_o_copy, c.store_o_copy
         mma_sum, tSumB, acc_sum, sum_rc = c.mma_sum, c.tSumB, c.acc_sum, c.sum_rc
-        col_offsets = c.col_offsets
         q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
         wg_q0 = q_lo + mwg * WG_ROWS
         if cutlass.const_expr(not self.q_by_producer):
@@ -908,7 +783,7 @@ class FmhaSm90Ws:
             tScS=tScS, row_max=row_max, row_sum=row_sum, corr=corr, mbar=mbar,
             lane=lane, turn_mine=turn_mine, turn_other=turn_other, wg_q0=wg_q0,
             kv_len=kv_len, offset=offset, causal=causal, scale_log2=scale_log2,
-            mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc, col_offsets=col_offsets)
+            mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc)
         if n_blocks > 0:
             # ---- block 0: S only
             stage, phase = self._stage_phase(g, 0, parity)
@@ -920,8 +795,7 @@ class FmhaSm90Ws:
             if lane == 0:
                 cute.arch.mbarrier_arrive(mbar + S + stage)                # K free
             online_softmax(acc_s, 0, row_max, self._softmax_sum(row_sum), tScS, wg_q0, kv_len,
-                           offset, causal, scale_log2, corr=corr, block_n=self.block_n,
-                           col_offsets=col_offsets)
+                           offset, causal, scale_log2, corr=corr)
             if cutlass.const_expr(self.p_packed_as_operand):
                 pack_e4m3_operand_a(acc_s, r_p)
             else:
@@ -934,7 +808,7 @@ class FmhaSm90Ws:
                 n_whole = kv_len
                 if causal != 0:
                     n_whole = cutlass.min(n_whole, q_lo + offset + 1)
-                n_whole = cutlass.min(cutlass.max(n_whole, 0) // self.block_n, n_blocks)
+                n_whole = cutlass.min(cutlass.max(n_whole, 0) // BLOCK_N, n_blocks)
                 n_pairs = cutlass.max(n_whole - 1, 0) // 2
                 for i in range(n_pairs):
                     p0 = (parity ^ i) & 1                   # stage 0, use i
@@ -1004,8 +878,7 @@ class FmhaSm90Ws:
         if t.lane == 0:
             cute.arch.mbarrier_arrive(t.mbar + S + stage)                  # K free
         online_softmax(t.acc_s, blk, t.row_max, self._softmax_sum(t.row_sum), t.tScS, t.wg_q0,
-                       t.kv_len, t.offset, t.causal, t.scale_log2, corr=t.corr, mask=mask,
-                       block_n=self.block_n, col_offsets=t.col_offsets)
+                       t.kv_len, t.offset, t.causal, t.scale_log2, corr=t.corr, mask=mask)
         # ws: a no-op after the wait above (kept: the validated PTX has it); wsf: P V(j-1)
         # done, so r_p may take P(j).
         warpgroup.wait_group(0)

@@ -94,47 +94,23 @@ def accumulator_as_operand_a(acc_in_16bit: cute.Tensor) -> cute.Tensor:
 @cute.jit
 def mask_row_and_max(s_rc: cute.Tensor, row: cutlass.Constexpr, coords: cute.Tensor,
                      n_cols: cutlass.Constexpr, visible_end: cutlass.Int32,
-                     full_width: cutlass.Constexpr, col_offsets=None) -> cutlass.Float32:
+                     full_width: cutlass.Constexpr) -> cutlass.Float32:
     """Set the scores of columns >= visible_end in row `row` of s_rc (a rows x cols view of an
     accumulator; `coords` the matching identity view) to -inf and return the row's max over
     this thread's columns. A select per element, never an `if` around the element store: a
     dynamic `if` carries the whole fragment through the branch, which ptxas turned into
-    quadratic FSEL chains (1058 FSEL per 64-element tile row pair, half the kernel's issue).
-    col_offsets (static_column_offsets): compare each column's compile-time offset from the
-    thread's first column against one per-row limit, a compare with an immediate per element
-    instead of building each column index first (a LOP3 per element)."""
+    quadratic FSEL chains (1058 FSEL per 64-element tile row pair, half the kernel's issue)."""
     row_max = -cutlass.Float32.inf
     if visible_end < full_width:
-        if cutlass.const_expr(col_offsets is None):
-            for j in cutlass.range_constexpr(n_cols):
-                s = cutlass.select_(coords[0, j][1] >= visible_end, -cutlass.Float32.inf,
-                                    s_rc[row, j])
-                s_rc[row, j] = s
-                row_max = cute.arch.fmax(row_max, s)
-        else:
-            limit = visible_end - coords[0, 0][1]
-            for j in cutlass.range_constexpr(n_cols):
-                s = cutlass.select_(limit <= col_offsets[j], -cutlass.Float32.inf,
-                                    s_rc[row, j])
-                s_rc[row, j] = s
-                row_max = cute.arch.fmax(row_max, s)
+        for j in cutlass.range_constexpr(n_cols):
+            s = cutlass.select_(coords[0, j][1] >= visible_end, -cutlass.Float32.inf,
+                                s_rc[row, j])
+            s_rc[row, j] = s
+            row_max = cute.arch.fmax(row_max, s)
     else:
         for j in cutlass.range_constexpr(n_cols):
             row_max = cute.arch.fmax(row_max, s_rc[row, j])
     return row_max
-
-
-def static_column_offsets(tiled_mma, tile_mn) -> tuple:
-    """Each column of a wgmma_rows_cols_view of a (tile_mn) accumulator as its offset from the
-    thread's first column: the same for every thread (the layout differs between threads only
-    by a row and column base), so these are Python ints, read off thread 0's coordinates.
-    (Called while a kernel is traced.)"""
-    coords = wgmma_rows_cols_view(
-        tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor(tile_mn)))
-    first = coords[0, 0][1]
-    offsets = tuple(coords[0, j][1] - first for j in range(cute.size(coords, mode=[1])))
-    assert all(isinstance(x, int) for x in offsets), offsets
-    return offsets
 
 
 @cute.jit

@@ -94,7 +94,7 @@ class BlockMaxScoreVariant:
 # the tensor core. msa._native.fmha_sm90.served_ws_form picks the served one per call (bf16
 # wsup / wsu, e4m3 wsutps / wsuts).
 WS_FORMS = ("ws", "wsf", "wsu", "wsup")
-WS_FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps", "wsutsw", "wsutpsw")
+WS_FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps")
 
 
 @dataclasses.dataclass(frozen=True)
