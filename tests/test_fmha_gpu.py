@@ -23,9 +23,12 @@ from test_fmha import to_pages
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 D = 128
 
-# (Hq, Hkv), q lengths (1, 7, 33, 128, 4096-class), causal, paged
+# (Hq, Hkv), q lengths (1, 7, 33, 128, 4096-class), causal, paged. causal="aligned": causal
+# with every request's offset a multiple of 128 (kv_len - q_len), so every query tile starts on
+# a key block (the static-diagonal forms' own turn; random offsets never do).
 CASES = [((8, 2), True, False), ((8, 2), True, True), ((16, 1), True, False),
-         ((4, 4), False, False), ((4, 4), False, True), ((64, 4), True, True)]
+         ((4, 4), False, False), ((4, 4), False, True), ((64, 4), True, True),
+         ((8, 2), "aligned", False), ((64, 4), "aligned", True)]
 Q_LENS = [1, 7, 33, 128, 1500]
 
 
@@ -42,17 +45,26 @@ def _exact_product_values(shape, generator):
     return torch.where(torch.rand(shape, generator=generator) < 0.5, -mag, mag)
 
 
-def _random_varlen(heads, dtype, gen, q_lens=None, max_extra_kv=700, qk_values="randn"):
+def _random_varlen(heads, dtype, gen, q_lens=None, max_extra_kv=700, qk_values="randn",
+                   aligned=False):
     """Random varlen q/k/v of `dtype` on the CPU: KV at least as long as the queries (up to
     max_extra_kv more), not multiples of 128, and a random causal offset per request, so some
-    early rows see no key. q and k are normal (qk_values="randn") or _exact_product_values
-    ("exact"). Returns (q, k, v, q_lens, kv_lens, offsets)."""
+    early rows see no key; aligned: KV longer by a multiple of 128 (0 included) and the offset
+    kv_len - q_len, so every query tile starts on a key block. q and k are normal
+    (qk_values="randn") or _exact_product_values ("exact"). Returns (q, k, v, q_lens, kv_lens,
+    offsets)."""
     hq, hkv = heads
     if q_lens is None:
         q_lens = Q_LENS if hq <= 16 else [1, 300, 2049]
-    kv_lens = [ql + int(torch.randint(0, max_extra_kv, (1,), generator=gen)) for ql in q_lens]
-    offsets = [kl - ql + int(torch.randint(-40, 40, (1,), generator=gen))
-               for ql, kl in zip(q_lens, kv_lens)]
+    if aligned:
+        kv_lens = [ql + 128 * int(torch.randint(0, max_extra_kv // 128 + 1, (1,), generator=gen))
+                   for ql in q_lens]
+        offsets = [kl - ql for ql, kl in zip(q_lens, kv_lens)]
+    else:
+        kv_lens = [ql + int(torch.randint(0, max_extra_kv, (1,), generator=gen))
+                   for ql in q_lens]
+        offsets = [kl - ql + int(torch.randint(-40, 40, (1,), generator=gen))
+                   for ql, kl in zip(q_lens, kv_lens)]
     draw = torch.randn if qk_values == "randn" else _exact_product_values
     q = draw((sum(q_lens), hq, D), generator=gen).to(dtype)
     k = draw((sum(kv_lens), hkv, D), generator=gen).to(dtype)
@@ -63,11 +75,14 @@ def _random_varlen(heads, dtype, gen, q_lens=None, max_extra_kv=700, qk_values="
 def _problem(heads, causal, paged, dtype, gen, qk_values="randn", q_lens=None,
              max_extra_kv=700, num_kv_splits=-1):
     """_random_varlen's q/k/v on the CPU, and on the GPU the K/V the kernel reads (shuffled
-    128-token pages when paged) and the plan."""
+    128-token pages when paged) and the plan. causal: True, False or "aligned" (causal, with
+    _random_varlen's aligned offsets)."""
     hq, hkv = heads
     q, k, v, q_lens, kv_lens, offsets = _random_varlen(heads, dtype, gen, q_lens=q_lens,
                                                        max_extra_kv=max_extra_kv,
-                                                       qk_values=qk_values)
+                                                       qk_values=qk_values,
+                                                       aligned=causal == "aligned")
+    causal = bool(causal)
     dev = torch.device("cuda")
     kw, k_in, v_in = {}, k, v
     if paged:
@@ -131,17 +146,19 @@ def _check_form_ran(native, form):
         f"expected the {form} form, ran {ran}"
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsup"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsup", "wsupd"])
 @pytest.mark.parametrize("heads,causal,paged", CASES)
 def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypatch):
     """form: the kernel serving bf16 O: plain (cute_kernels/fmha_sm90.py) or the
     warp-specialized cute_kernels/fmha_sm90_ws.py (ws; wsf: FlashAttention-3's intra-warpgroup
     order; wsu: static stages; wsup: wsu on persistent CTAs walking (tile, head, request)
-    items), forced through WARP_SPECIALIZED_FOR_TESTS."""
+    items; wsupd: wsup with the aligned diagonal block's mask known at compile time), forced
+    through WARP_SPECIALIZED_FOR_TESTS."""
     native = _native_serving(form, monkeypatch)
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     p = _problem(heads, causal, paged, torch.bfloat16, gen)
+    causal = bool(causal)
     q, k, v, q_lens, kv_lens, offsets = (p[n] for n in ("q", "k", "v", "q_lens", "kv_lens",
                                                          "offsets"))
     scale = 0.7 * D ** -0.5
@@ -211,16 +228,20 @@ def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, s
 
 
 @pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsut", "wsutp", "wsuts",
-                                  "wsutps"])
+                                  "wsutps", "wsutpsd"])
 @pytest.mark.parametrize("qk_values", ["randn", "exact"])
 @pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
-                                                 ((4, 4), False, False), ((64, 4), True, True)])
+                                                 ((4, 4), False, False), ((64, 4), True, True),
+                                                 ((8, 2), "aligned", True),
+                                                 ((64, 4), "aligned", False)])
 def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_values, form,
                                                       seed, monkeypatch):
     """e4m3 q/k/v (kernel fmha_sm90_e4m3_*; O bf16), q_scale 1.25, v_scale 1.5; form: plain or
     a warp-specialized e4m3 form: ws / wsf / wsu (V transposed by the producer warpgroup) or
     wsut (V transposed ahead of the kernel by the fmha_transpose_v_e4m3 op); wsutp persistent;
-    wsuts / wsutps sum P on the tensor core (the model then sums the rounded P).
+    wsuts / wsutps sum P on the tensor core (the model then sums the rounded P); wsutpsd is
+    wsutps with the aligned diagonal block's mask known at compile time (causal="aligned":
+    offsets that start every query tile on a key block).
 
     Contract §5.1 bound against float64 with exact P: max |O - O64| <= max(0.125, 4 bf16 floor).
     The model of what an FP8 P.V computes is the reference with P = exp(s - running max) rounded
@@ -238,6 +259,7 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_v
     hq, hkv = heads
     e4m3 = torch.float8_e4m3fn
     p = _problem(heads, causal, paged, e4m3, gen, qk_values=qk_values)
+    causal = bool(causal)
     q, k, v, q_lens, kv_lens, offsets = (p[n] for n in ("q", "k", "v", "q_lens", "kv_lens",
                                                          "offsets"))
     scale = 0.7 * D ** -0.5
@@ -341,7 +363,7 @@ def test_max_score_only_pass_runs_on_the_indexer_kernel(seed, monkeypatch):
     assert rel <= 1e-2, rel
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsup"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsup", "wsupd"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """Paged K/V whose slots past each request's kv_len (and the spare pages) hold NaN: a masked
@@ -375,7 +397,7 @@ def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
                            f"NaN past kv_len causal={causal} form={form}")
 
 
-@pytest.mark.parametrize("form", ["ws", "wsf", "wsu", "wsut", "wsutp", "wsutps"])
+@pytest.mark.parametrize("form", ["ws", "wsf", "wsu", "wsut", "wsutp", "wsutps", "wsutpsd"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """e4m3 paged K/V with NaN (0x7f) in every slot past kv_len and in the spare pages: the

@@ -229,9 +229,10 @@ def _fmha_split_kv_case(gen):
 def _fmha_o_cases(gen, dtype, with_max_score):
     """O-only (and, with_max_score, O + max-score) calls on dense and paged K/V; e4m3 covers
     the per-block V transpose into the key-permuted V^T (plain: by the CTA; ws forms: by the
-    producer warpgroup)."""
+    producer warpgroup). The last request's offset (256) starts its query tiles on key blocks
+    (the static-diagonal forms' own turn; its last tile holds a kv_len tail: the generic one)."""
     from test_fmha import to_pages
-    q_lens, kv_lens = [1, 130, 300], [200, 129, 900]
+    q_lens, kv_lens = [1, 130, 300, 260], [200, 129, 900, 516]
     q, k, v = _fmha_inputs(gen, q_lens, kv_lens, dtype)
     dev = torch.device("cuda")
     for paged in (False, True):
@@ -242,7 +243,7 @@ def _fmha_o_cases(gen, dtype, with_max_score):
         for max_score in (False, True) if with_max_score else (False,):
             # O + max-score (mode 1): the max-score rows of every streamed block are written.
             plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), 8, 2,
-                                 qo_offset=torch.tensor([199, -5, 600]),
+                                 qo_offset=torch.tensor([199, -5, 600, 256]),
                                  output_maxscore=max_score,
                                  page_size=128 if paged else -1, device=dev)
             msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, output_maxscore=max_score,
