@@ -30,8 +30,8 @@ from _common import (TsvWriter, add_common_args, apply_preset, fmha_form_hook,  
 
 D = 128
 # Warp-specialized forms per --dtypes name when the native module is absent (it says which).
-WS_FORMS = {"bf16": ("ws", "wsf", "wsu", "wsup", "wsupd"),
-            "fp8": ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps", "wsutpsd")}
+WS_FORMS = {"bf16": ("ws", "wsf", "wsu", "wsup"),
+            "fp8": ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps")}
 COLUMNS = ("mode", "n", "hq", "hkv", "causal", "layout", "impl", "backend", "latency_ms",
            "tflops", "speedup_vs_cudnn", "note")
 

@@ -25,7 +25,7 @@ D = 128
 
 # (Hq, Hkv), q lengths (1, 7, 33, 128, 4096-class), causal, paged. causal="aligned": causal
 # with every request's offset a multiple of 128 (kv_len - q_len), so every query tile starts on
-# a key block (the static-diagonal forms' own turn; random offsets never do).
+# a key block, as in a prefill with q_len = kv_len (random offsets almost never do).
 CASES = [((8, 2), True, False), ((8, 2), True, True), ((16, 1), True, False),
          ((4, 4), False, False), ((4, 4), False, True), ((64, 4), True, True),
          ((8, 2), "aligned", False), ((64, 4), "aligned", True)]
@@ -146,14 +146,14 @@ def _check_form_ran(native, form):
         f"expected the {form} form, ran {ran}"
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsup", "wsupd"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsup"])
 @pytest.mark.parametrize("heads,causal,paged", CASES)
 def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypatch):
     """form: the kernel serving bf16 O: plain (cute_kernels/fmha_sm90.py) or the
     warp-specialized cute_kernels/fmha_sm90_ws.py (ws; wsf: FlashAttention-3's intra-warpgroup
     order; wsu: static stages; wsup: wsu on persistent CTAs walking (tile, head, request)
-    items; wsupd: wsup with the aligned diagonal block's mask known at compile time), forced
-    through WARP_SPECIALIZED_FOR_TESTS."""
+    items), forced through WARP_SPECIALIZED_FOR_TESTS. causal="aligned": tiles that start on a
+    key block, so the diagonal block of every full tile is masked exactly as a triangle."""
     native = _native_serving(form, monkeypatch)
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
@@ -228,7 +228,7 @@ def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, s
 
 
 @pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsut", "wsutp", "wsuts",
-                                  "wsutps", "wsutpsd"])
+                                  "wsutps"])
 @pytest.mark.parametrize("qk_values", ["randn", "exact"])
 @pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
                                                  ((4, 4), False, False), ((64, 4), True, True),
@@ -239,9 +239,8 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_v
     """e4m3 q/k/v (kernel fmha_sm90_e4m3_*; O bf16), q_scale 1.25, v_scale 1.5; form: plain or
     a warp-specialized e4m3 form: ws / wsf / wsu (V transposed by the producer warpgroup) or
     wsut (V transposed ahead of the kernel by the fmha_transpose_v_e4m3 op); wsutp persistent;
-    wsuts / wsutps sum P on the tensor core (the model then sums the rounded P); wsutpsd is
-    wsutps with the aligned diagonal block's mask known at compile time (causal="aligned":
-    offsets that start every query tile on a key block).
+    wsuts / wsutps sum P on the tensor core (the model then sums the rounded P).
+    causal="aligned": offsets that start every query tile on a key block.
 
     Contract §5.1 bound against float64 with exact P: max |O - O64| <= max(0.125, 4 bf16 floor).
     The model of what an FP8 P.V computes is the reference with P = exp(s - running max) rounded
@@ -363,7 +362,7 @@ def test_max_score_only_pass_runs_on_the_indexer_kernel(seed, monkeypatch):
     assert rel <= 1e-2, rel
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsup", "wsupd"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsup"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """Paged K/V whose slots past each request's kv_len (and the spare pages) hold NaN: a masked
@@ -397,7 +396,7 @@ def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
                            f"NaN past kv_len causal={causal} form={form}")
 
 
-@pytest.mark.parametrize("form", ["ws", "wsf", "wsu", "wsut", "wsutp", "wsutps", "wsutpsd"])
+@pytest.mark.parametrize("form", ["ws", "wsf", "wsu", "wsut", "wsutp", "wsutps"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """e4m3 paged K/V with NaN (0x7f) in every slot past kv_len and in the spare pages: the

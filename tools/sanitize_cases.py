@@ -230,7 +230,7 @@ def _fmha_o_cases(gen, dtype, with_max_score):
     """O-only (and, with_max_score, O + max-score) calls on dense and paged K/V; e4m3 covers
     the per-block V transpose into the key-permuted V^T (plain: by the CTA; ws forms: by the
     producer warpgroup). The last request's offset (256) starts its query tiles on key blocks
-    (the static-diagonal forms' own turn; its last tile holds a kv_len tail: the generic one)."""
+    (its last tile's diagonal block also holds the kv_len tail)."""
     from test_fmha import to_pages
     q_lens, kv_lens = [1, 130, 300, 260], [200, 129, 900, 516]
     q, k, v = _fmha_inputs(gen, q_lens, kv_lens, dtype)

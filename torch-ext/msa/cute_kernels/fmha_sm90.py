@@ -42,8 +42,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import warpgroup
 
-from .tile_utils import (kv_row_iterator, mask_band_row_and_max, mask_row_and_max, quad_max,
-                         quad_sum,
+from .tile_utils import (kv_row_iterator, mask_row_and_max, quad_max, quad_sum,
                          register_p_operand, row_copy, smem_tile, transpose_v_copies,
                          transpose_v_words, warp_row_store_copy, warpgroup_gemm,
                          wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
@@ -141,7 +140,7 @@ def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
                    row_sum: cute.Tensor, tScS: cute.Tensor, wg_q0: cutlass.Int32,
                    kv_len: cutlass.Int32, offset: cutlass.Int32, causal: cutlass.Int32,
                    scale_log2: cutlass.Float32, o_rc=None, corr=None, max_score=None,
-                   mask: cutlass.Constexpr = True, band=None, col_offsets=None):
+                   mask: cutlass.Constexpr = True):
     """S of key block `blk` -> P = exp2(S * scale_log2 - new max) in place (masked keys 0); the
     running max and sum move on. The correction exp2(old max - new max) rescales the O
     accumulator rows o_rc here, or is left in corr[i] for the caller to apply (the
@@ -149,9 +148,7 @@ def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
     (mMaxScore, score_scale, head, q_start, q_len, lane), each row's scaled max over the block's
     visible keys is stored too (store_max_score). mask=False: every row sees the whole block.
     row_sum=None: the caller sums P elsewhere (the e4m3 forms that add P times a ones tile on
-    the tensor core, FmhaSm90Ws's mma_row_sum). band = (lo, hi) with col_offsets
-    (tile_utils.mask_band_row_and_max): columns at offsets < lo are known visible, those >= hi
-    known masked (their P is written as 0, no exp), the ones between compared."""
+    the tensor core, FmhaSm90Ws's mma_row_sum)."""
     key0 = blk * BLOCK_N
     s_rc = wgmma_rows_cols_view(acc_s)
     n_my_cols = cute.size(tScS, mode=[1])
@@ -162,12 +159,7 @@ def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
             visible_end = kv_len - key0
             if causal != 0:
                 visible_end = cutlass.min(visible_end, q_local + offset - key0 + 1)
-        if cutlass.const_expr(band is not None):
-            blk_max = quad_max(mask_band_row_and_max(s_rc, i, tScS, n_my_cols, visible_end,
-                                                     col_offsets, band))
-        else:
-            blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end,
-                                                BLOCK_N))
+        blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N))
         if cutlass.const_expr(max_score is not None):
             mMaxScore, score_scale, head, q_start, q_len, lane = max_score
             store_max_score(mMaxScore, score_scale, blk_max, head, blk, q_start, q_local,
@@ -180,13 +172,10 @@ def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
         row_max[i] = new_max
         part = cutlass.Float32(0.0)
         for j in cutlass.range_constexpr(n_my_cols):
-            if cutlass.const_expr(band is not None and col_offsets[j] >= band[1]):
-                s_rc[i, j] = 0.0                            # known masked: p = 0
-            else:
-                p = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
-                if cutlass.const_expr(row_sum is not None):
-                    part = part + p
-                s_rc[i, j] = p
+            p = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
+            if cutlass.const_expr(row_sum is not None):
+                part = part + p
+            s_rc[i, j] = p
         if cutlass.const_expr(row_sum is not None):
             row_sum[i] = row_sum[i] * correction + part
         if cutlass.const_expr(o_rc is not None):

@@ -66,9 +66,9 @@ from .fmha_sm90 import (consumer_fragments, load_q_rows, mmas_and_o_copies, onli
                         request_bounds, write_o_rows)
 from .tile_utils import (pack_bf16_pairs, pack_e4m3_operand_a, pack_e4m3_quads,
                          register_p_operand, row_copy,
-                         scale_rows, smem_tile, static_column_offsets, transpose_v_copies,
-                         transpose_v_words, warpgroup_gemm_issue,
-                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+                         scale_rows, smem_tile, transpose_v_copies, transpose_v_words,
+                         warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
+                         wgmma_rows_cols_view)
 
 HEAD_DIM = 128
 BLOCK_N = 128            # keys per block (= page size)
@@ -110,18 +110,13 @@ BAR_TURN = 3             # + consumer index, 256 threads
 # "wsuts" / "wsutps" (e4m3 only): wsut / wsutp with the softmax's row sums on the tensor core
 # (the constructor's `mma_row_sum`); they serve e4m3 (wsutps up to PERSISTENT_MAX_ITEMS work
 # items, wsuts past it).
-# "wsupd" / "wsutpsd" (experiments): wsup / wsutps with the causal diagonal block's mask known
-# at compile time when the tile starts on a key block (the constructor's `static_diagonal`).
 FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True),
          "wsut": dict(uniform=True, v_transposed=True),
          "wsup": dict(uniform=True, persistent=True),
          "wsutp": dict(uniform=True, v_transposed=True, persistent=True),
          "wsuts": dict(uniform=True, v_transposed=True, mma_row_sum=True),
-         "wsutps": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True),
-         "wsupd": dict(uniform=True, persistent=True, static_diagonal=True),
-         "wsutpsd": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True,
-                         static_diagonal=True)}
-FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps", "wsutpsd")
+         "wsutps": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True)}
+FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps")
 
 
 class FmhaSm90Ws:
@@ -130,8 +125,7 @@ class FmhaSm90Ws:
 
     def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
                  overlap: bool = False, uniform: bool = False, v_transposed: bool = False,
-                 persistent: bool = False, mma_row_sum: bool = False,
-                 static_diagonal: bool = False):
+                 persistent: bool = False, mma_row_sum: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
         # uniform (form "wsu"): every tile starts on K/V stage 0 and the blocks every row
         # sees whole run in unrolled pairs (mask-free), so their stages are compile-time
@@ -190,17 +184,6 @@ class FmhaSm90Ws:
         assert not mma_row_sum or (v_transposed and not overlap)
         self.mma_row_sum = mma_row_sum
         self.p_packed_as_operand = mma_row_sum
-        # static_diagonal (forms "wsupd", "wsutpsd"): a causal query tile whose first query
-        # sits on a key block boundary (q_lo + offset a multiple of 128; every tile of a
-        # prefill whose offset is, e.g. q_len = kv_len) and whose diagonal block holds no
-        # kv_len tail runs that block's turn with its mask known up to a 64-column band: the
-        # first consumer's rows (local 0-63) see none of columns 64-127 (their P is 0 with no
-        # exp: half of that softmax's MUFU work) and compare only columns 0-63; the second
-        # consumer's rows see all of columns 0-63 and compare 64-127. Other diagonal blocks
-        # take the generic masked turn. Both compare compile-time column offsets against a
-        # per-row limit (no column index per element).
-        assert not static_diagonal or uniform
-        self.static_diagonal = static_diagonal
         self.producer_regs = PRODUCER_REGS_FP8 if self.transposer else PRODUCER_REGS
         self.mma_regs = MMA_REGS_FP8 if self.transposer else MMA_REGS
         if persistent:
@@ -724,11 +707,6 @@ class FmhaSm90Ws:
                                             cutlass.Float32)
             sum_rc = wgmma_rows_cols_view(acc_sum)
         corr = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
-        # static_diagonal: S's column offsets and this consumer's band of the diagonal block.
-        col_offsets, band = None, None
-        if cutlass.const_expr(self.static_diagonal):
-            col_offsets = static_column_offsets(mma_qk, (WG_ROWS, BLOCK_N))
-            band = (mwg * WG_ROWS, (mwg + 1) * WG_ROWS)
         sO_mine = sQ_mine                          # bf16: O takes the Q rows' place
         if cutlass.const_expr(self.own_o_tile):
             sO_mine = sO_wgs[None, None, mwg]
@@ -741,8 +719,7 @@ class FmhaSm90Ws:
             a_shape=a_shape, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tScS=tScS, n_my_rows=n_my_rows,
             n_my_cols=n_my_cols, row_max=row_max, row_sum=row_sum, corr=corr, mbar=mbar,
             turn_mine=BAR_TURN + mwg, turn_other=BAR_TURN + 1 - mwg, causal=causal,
-            scale_log2=scale_log2, mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc,
-            col_offsets=col_offsets, band=band)
+            scale_log2=scale_log2, mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc)
 
         g, parity = state                     # blocks so far, wsu's stage-use parities
         if cutlass.const_expr(self.persistent):
@@ -784,7 +761,6 @@ class FmhaSm90Ws:
         mO, sO_mine, wg_tidx, warp_in_wg = c.mO, c.sO_mine, c.wg_tidx, c.warp_in_wg
         stage_o_copy, store_o_copy = c.stage_o_copy, c.store_o_copy
         mma_sum, tSumB, acc_sum, sum_rc = c.mma_sum, c.tSumB, c.acc_sum, c.sum_rc
-        col_offsets, band = c.col_offsets, c.band
         q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
         wg_q0 = q_lo + mwg * WG_ROWS
         if cutlass.const_expr(not self.q_by_producer):
@@ -807,8 +783,7 @@ class FmhaSm90Ws:
             tScS=tScS, row_max=row_max, row_sum=row_sum, corr=corr, mbar=mbar,
             lane=lane, turn_mine=turn_mine, turn_other=turn_other, wg_q0=wg_q0,
             kv_len=kv_len, offset=offset, causal=causal, scale_log2=scale_log2,
-            mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc, col_offsets=col_offsets,
-            band=band)
+            mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc)
         if n_blocks > 0:
             # ---- block 0: S only
             stage, phase = self._stage_phase(g, 0, parity)
@@ -841,25 +816,10 @@ class FmhaSm90Ws:
                     self._turn(turn, 2 * i + 1, 1, p1, 0, p0, mask=False)
                     self._turn(turn, 2 * i + 2, 0, p0 ^ 1, 1, p1, mask=False)
                 first_dynamic = 2 * n_pairs + 1
-            dynamic_end = n_blocks
-            if cutlass.const_expr(self.static_diagonal):
-                # The last block is the diagonal one of a tile starting on a block boundary,
-                # with no kv_len tail in it: its own turn, below.
-                if causal != 0:
-                    if n_blocks > 1:
-                        if (n_blocks - 1) * BLOCK_N == q_lo + offset:
-                            if kv_len >= n_blocks * BLOCK_N:
-                                dynamic_end = n_blocks - 1
-            for blk in range(first_dynamic, dynamic_end):
+            for blk in range(first_dynamic, n_blocks):
                 stage, k_phase = self._stage_phase(g + blk, blk, parity)
                 prev, v_phase = self._stage_phase(g + blk - 1, blk - 1, parity)
                 self._turn(turn, blk, stage, k_phase, prev, v_phase)
-            if cutlass.const_expr(self.static_diagonal):
-                if dynamic_end < n_blocks:
-                    diag = n_blocks - 1
-                    stage, k_phase = self._stage_phase(g + diag, diag, parity)
-                    prev, v_phase = self._stage_phase(g + diag - 1, diag - 1, parity)
-                    self._turn(turn, diag, stage, k_phase, prev, v_phase, diagonal=True)
             if cutlass.const_expr(self.q_by_producer):
                 if lane == 0:      # every S wgmma of the tile is done: Q rows free
                     cute.arch.mbarrier_arrive(self._q_mbarriers(mbar)[1])
@@ -895,12 +855,10 @@ class FmhaSm90Ws:
         return g, parity
 
     @cute.jit
-    def _turn(self, t, blk, stage, k_phase, prev, v_phase, mask: cutlass.Constexpr = True,
-              diagonal: cutlass.Constexpr = False):
+    def _turn(self, t, blk, stage, k_phase, prev, v_phase, mask: cutlass.Constexpr = True):
         """Key block blk >= 1: wait for K(blk) (stage, k_phase) and V(blk - 1) (prev, v_phase),
         issue S(blk) and P(blk-1) V(blk-1) in this consumer's ping-pong turn, run the softmax
-        of block blk and leave P(blk) in t.r_p (t: the consumer's fragments and state).
-        diagonal (static_diagonal): block blk is the aligned diagonal block (t.band)."""
+        of block blk and leave P(blk) in t.r_p (t: the consumer's fragments and state)."""
         S = self.kv_stages
         cute.arch.mbarrier_wait(t.mbar + stage, k_phase)
         cute.arch.mbarrier_wait(t.mbar + 2 * S + prev, v_phase)
@@ -920,8 +878,7 @@ class FmhaSm90Ws:
         if t.lane == 0:
             cute.arch.mbarrier_arrive(t.mbar + S + stage)                  # K free
         online_softmax(t.acc_s, blk, t.row_max, self._softmax_sum(t.row_sum), t.tScS, t.wg_q0,
-                       t.kv_len, t.offset, t.causal, t.scale_log2, corr=t.corr, mask=mask,
-                       band=t.band if diagonal else None, col_offsets=t.col_offsets)
+                       t.kv_len, t.offset, t.causal, t.scale_log2, corr=t.corr, mask=mask)
         # ws: a no-op after the wait above (kept: the validated PTX has it); wsf: P V(j-1)
         # done, so r_p may take P(j).
         warpgroup.wait_group(0)

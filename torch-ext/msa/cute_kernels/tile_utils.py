@@ -113,46 +113,6 @@ def mask_row_and_max(s_rc: cute.Tensor, row: cutlass.Constexpr, coords: cute.Ten
     return row_max
 
 
-def static_column_offsets(tiled_mma, tile_mn) -> tuple:
-    """Each column of a wgmma_rows_cols_view of a (tile_mn) accumulator as its offset from the
-    thread's first column: the same for every thread (threads differ only by a row and column
-    base: 2 (lane % 4) for the columns), so these are Python ints, read off thread 0's
-    coordinates. (Called while a kernel is traced.)"""
-    coords = wgmma_rows_cols_view(
-        tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor(tile_mn)))
-    first = coords[0, 0][1]
-    offsets = tuple(coords[0, j][1] - first for j in range(cute.size(coords, mode=[1])))
-    assert all(isinstance(x, int) for x in offsets), offsets
-    return offsets
-
-
-@cute.jit
-def mask_band_row_and_max(s_rc: cute.Tensor, row: cutlass.Constexpr, coords: cute.Tensor,
-                          n_cols: cutlass.Constexpr, visible_end: cutlass.Int32,
-                          col_offsets, band) -> cutlass.Float32:
-    """mask_row_and_max for a block whose mask is known up to a band: with band = (lo, hi)
-    (compile-time column offsets, multiples of 8 so that a column's side does not depend on
-    the thread's column base), columns at offsets < lo are visible, those >= hi masked (left
-    as they are: the caller writes their P as 0 without an exp), those in between compared
-    against visible_end (one compare with an immediate per element: col_offsets, as
-    static_column_offsets gives). Returns the row's max over this thread's unmasked columns.
-    (The causal diagonal block of a query tile that starts on a key block: FmhaSm90Ws's
-    static_diagonal.)"""
-    lo, hi = band
-    row_max = -cutlass.Float32.inf
-    limit = visible_end - coords[0, 0][1]
-    for j in cutlass.range_constexpr(n_cols):
-        if cutlass.const_expr(col_offsets[j] < lo):
-            row_max = cute.arch.fmax(row_max, s_rc[row, j])
-        else:
-            if cutlass.const_expr(col_offsets[j] < hi):
-                s = cutlass.select_(limit <= col_offsets[j], -cutlass.Float32.inf,
-                                    s_rc[row, j])
-                s_rc[row, j] = s
-                row_max = cute.arch.fmax(row_max, s)
-    return row_max
-
-
 @cute.jit
 def group_max(value: cutlass.Float32, lanes: cutlass.Constexpr) -> cutlass.Float32:
     """Max over each aligned group of `lanes` lanes (a power of two <= 32; every lane of the

@@ -93,8 +93,8 @@ class BlockMaxScoreVariant:
 # wsu / wsut on persistent CTAs; wsuts / wsutps are wsut / wsutp with the softmax's row sums on
 # the tensor core. msa._native.fmha_sm90.served_ws_form picks the served one per call (bf16
 # wsup / wsu, e4m3 wsutps / wsuts).
-WS_FORMS = ("ws", "wsf", "wsu", "wsup", "wsupd")
-WS_FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps", "wsutpsd")
+WS_FORMS = ("ws", "wsf", "wsu", "wsup")
+WS_FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps")
 
 
 @dataclasses.dataclass(frozen=True)
