@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from importlib import import_module
 from pathlib import Path
 
 import torch
@@ -29,9 +30,6 @@ from _common import (TsvWriter, add_common_args, apply_preset, fmha_form_hook,  
                      reference_too_slow, setup, time_ms)
 
 D = 128
-# Warp-specialized forms per --dtypes name when the native module is absent (it says which).
-WS_FORMS = {"bf16": ("ws", "wsf", "wsu", "wsup"),
-            "fp8": ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps")}
 COLUMNS = ("mode", "n", "hq", "hkv", "causal", "layout", "impl", "backend", "latency_ms",
            "tflops", "speedup_vs_cudnn", "note")
 
@@ -90,9 +88,10 @@ def main(argv=None):
     if set(dtype_names) - {"bf16", "fp8"}:
         ap.error(f"--dtypes {args.dtypes}: bf16 and fp8 are the choices")
     form_names = parse_names(args.forms)
-    ws_forms = dict(WS_FORMS)
-    if native is not None and hasattr(native, "WS_FORMS"):
-        ws_forms = {"bf16": native.WS_FORMS["bfloat16"], "fp8": native.WS_FORMS["e4m3"]}
+    # Warp-specialized forms per --dtypes name: the package's form table (plain Python, also
+    # in builds without native kernels).
+    forms = import_module(f"{msa.__name__}.cute_kernels.variants")
+    ws_forms = {"bf16": forms.fmha_ws_forms("bfloat16"), "fp8": forms.fmha_ws_forms("e4m3")}
     known = {"served", "plain", *ws_forms["bf16"], *ws_forms["fp8"]}
     if set(form_names) - known:
         ap.error(f"--forms {args.forms}: the choices are {', '.join(sorted(known))}")

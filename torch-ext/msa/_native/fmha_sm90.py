@@ -30,6 +30,8 @@ from typing import Optional, Union
 import torch
 
 from .. import _backend
+# The form table is plain Python (variants.py imports no cutlass).
+from ..cute_kernels import variants as _forms
 from . import block_max_score_sm90, cute_runtime
 
 try:
@@ -69,10 +71,8 @@ VALIDATED_WARP_SPECIALIZED_FP8 = True
 # True: "ws"; a form name: that form (WS_FORMS of the call's dtype; a name the dtype lacks is an
 # error).
 WARP_SPECIALIZED_FOR_TESTS: Union[None, bool, str] = None
-# Warp-specialized forms per q/k/v dtype (must match cute_kernels.variants.WS_FORMS /
-# WS_FP8_FORMS).
-WS_FORMS = {"bfloat16": ("ws", "wsf", "wsu", "wsup"),
-            "e4m3": ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps")}
+# Warp-specialized forms per q/k/v dtype (cute_kernels.variants.FMHA_WS_FORMS: the one table).
+WS_FORMS = {"bfloat16": _forms.WS_FORMS, "e4m3": _forms.WS_FP8_FORMS}
 # "wsf" (FlashAttention-3's intra-warpgroup order: O rescaled under S(j), the softmax of block j
 # under the own P(j-1) V(j-1)): on the H200 (2026-12-01, session 8, 05edc2d) its float64,
 # quantized-model and NaN-past-kv_len cases passed in both dtypes and memcheck was clean. Timed
@@ -152,10 +152,10 @@ POISON_BUFFERS_FOR_TESTS = False
 # The FMHA artifact of the most recent run() (tests check which form served a call).
 last_variant: Optional[str] = None
 # Forms whose v argument is V transposed ahead of the kernel (transpose_v).
-V_TRANSPOSED_FORMS = ("wsut", "wsutp", "wsuts", "wsutps")
+V_TRANSPOSED_FORMS = _forms.fmha_ws_forms_with("v_transposed")
 # Forms that sum the softmax's P on the tensor core (cute_kernels.fmha_sm90_ws `mma_row_sum`):
 # the row sum is over the e4m3-rounded P, as P V's (the quantized model's sum_quantized_p).
-ROW_SUM_ON_MMA_FORMS = ("wsuts", "wsutps")
+ROW_SUM_ON_MMA_FORMS = _forms.fmha_ws_forms_with("mma_row_sum")
 TRANSPOSE_V_OP = "fmha_transpose_v_e4m3"
 
 

@@ -69,6 +69,7 @@ from .tile_utils import (pack_bf16_pairs, pack_e4m3_operand_a, pack_e4m3_quads,
                          scale_rows, smem_tile, transpose_v_copies, transpose_v_words,
                          warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
                          wgmma_rows_cols_view)
+from .variants import FMHA_WS_FORMS, WS_FP8_FORMS
 
 HEAD_DIM = 128
 BLOCK_N = 128            # keys per block (= page size)
@@ -98,25 +99,10 @@ BAR_WG = 1               # + consumer index, 128 threads
 BAR_TURN = 3             # + consumer index, 256 threads
 
 
-# Forms (variant name suffixes) -> constructor options (msa._native.fmha_sm90.served_ws_form
-# picks one per call): "wsu" (uniform wgmma descriptors) serves bf16 non-causal and long calls;
-# "ws" is the base it builds on, "wsf" FlashAttention-3's intra-warpgroup order (served e4m3
-# before wsu).
-# "wsut" (e4m3 only): wsu with V transposed ahead of the kernel (fmha_transpose_v_e4m3, a
-# CUDA op): no transposer warps, the consumers get bf16's register budget.
-# "wsup" / "wsutp": wsu / wsut with persistent CTAs (the constructor's `persistent`): they serve
-# calls of up to fmha_sm90.PERSISTENT_MAX_ITEMS work items (wsup only the causal ones); longer
-# calls serve wsu / wsut.
-# "wsuts" / "wsutps" (e4m3 only): wsut / wsutp with the softmax's row sums on the tensor core
-# (the constructor's `mma_row_sum`); they serve e4m3 (wsutps up to PERSISTENT_MAX_ITEMS work
-# items, wsuts past it).
-FORMS = {"ws": {}, "wsf": dict(overlap=True), "wsu": dict(uniform=True),
-         "wsut": dict(uniform=True, v_transposed=True),
-         "wsup": dict(uniform=True, persistent=True),
-         "wsutp": dict(uniform=True, v_transposed=True, persistent=True),
-         "wsuts": dict(uniform=True, v_transposed=True, mma_row_sum=True),
-         "wsutps": dict(uniform=True, v_transposed=True, persistent=True, mma_row_sum=True)}
-FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps")
+# Forms (variant name suffixes) -> constructor options, from the one table of the forms
+# (variants.FMHA_WS_FORMS, which says what each is for).
+FORMS = {name: options for name, (_, options) in FMHA_WS_FORMS.items()}
+FP8_FORMS = WS_FP8_FORMS
 
 
 class FmhaSm90Ws:

@@ -85,16 +85,48 @@ class BlockMaxScoreVariant:
         return f"block_max_score_sm90_{self.dtype}_h{self.num_heads}_{layout}{suffix}"
 
 
-# Warp-specialized FMHA forms (cute_kernels.fmha_sm90_ws.FORMS): ws (the base), wsf
-# (FlashAttention-3's intra-warpgroup order) and wsu (static K/V stages and Q tile, so the
-# wgmma descriptors stay in uniform registers); earlier 3-stage and overlapped forms were
-# measured slower and removed (docs/design-fmha.md). e4m3 adds wsut (wsu reading V transposed
-# ahead of the kernel instead of transposing it in the producer warpgroup); wsup / wsutp are
-# wsu / wsut on persistent CTAs; wsuts / wsutps are wsut / wsutp with the softmax's row sums on
-# the tensor core. msa._native.fmha_sm90.served_ws_form picks the served one per call (bf16
-# wsup / wsu, e4m3 wsutps / wsuts).
-WS_FORMS = ("ws", "wsf", "wsu", "wsup")
-WS_FP8_FORMS = ("ws", "wsf", "wsu", "wsut", "wsutp", "wsuts", "wsutps")
+# Warp-specialized FMHA forms (the variant name's suffix) -> (q/k/v dtypes it is built for,
+# cute_kernels.fmha_sm90_ws.FmhaSm90Ws options): the one table the kernel module, the build,
+# the native dispatch (msa._native.fmha_sm90) and the benchmarks read. Which form serves a call
+# is msa._native.fmha_sm90.served_ws_form's choice (bf16 wsup / wsu, e4m3 wsutps / wsuts),
+# among the forms its VALIDATED_WS_FORMS lists. Earlier 3-stage, overlapped, tree-softmax,
+# chained-item, wide-block and static-diagonal forms were measured slower or even and removed
+# (docs/design-fmha.md).
+#   ws      the base: TMA producer warp, two ping-pong consumer warpgroups
+#   wsf     FlashAttention-3's intra-warpgroup order (O rescaled under S(j), the softmax of
+#           block j under the own P(j-1) V(j-1))
+#   wsu     `uniform`: static K/V stages and Q tile, so the wgmma descriptors stay in uniform
+#           registers (serves bf16 non-causal and long calls)
+#   wsut    wsu reading V transposed ahead of the kernel (the fmha_transpose_v_e4m3 CUDA op)
+#           instead of transposing it in the producer warpgroup
+#   wsup / wsutp    wsu / wsut on persistent CTAs (up to PERSISTENT_MAX_ITEMS work items)
+#   wsuts / wsutps  wsut / wsutp with the softmax's row sums on the tensor core (serve e4m3)
+FMHA_WS_FORMS = {
+    "ws": (FMHA_DTYPES, {}),
+    "wsf": (FMHA_DTYPES, dict(overlap=True)),
+    "wsu": (FMHA_DTYPES, dict(uniform=True)),
+    "wsut": (("e4m3",), dict(uniform=True, v_transposed=True)),
+    "wsup": (("bfloat16",), dict(uniform=True, persistent=True)),
+    "wsutp": (("e4m3",), dict(uniform=True, v_transposed=True, persistent=True)),
+    "wsuts": (("e4m3",), dict(uniform=True, v_transposed=True, mma_row_sum=True)),
+    "wsutps": (("e4m3",), dict(uniform=True, v_transposed=True, persistent=True,
+                               mma_row_sum=True)),
+}
+
+
+def fmha_ws_forms(dtype: str) -> tuple:
+    """The warp-specialized FMHA forms built for q/k/v `dtype` ("bfloat16" or "e4m3")."""
+    return tuple(name for name, (dtypes, _) in FMHA_WS_FORMS.items() if dtype in dtypes)
+
+
+def fmha_ws_forms_with(option: str) -> tuple:
+    """The warp-specialized FMHA forms whose FmhaSm90Ws `option` is set (e.g. "v_transposed":
+    the forms whose v argument is Vt, written ahead of the kernel)."""
+    return tuple(name for name, (_, options) in FMHA_WS_FORMS.items() if options.get(option))
+
+
+WS_FORMS = fmha_ws_forms("bfloat16")
+WS_FP8_FORMS = fmha_ws_forms("e4m3")
 
 
 @dataclasses.dataclass(frozen=True)
