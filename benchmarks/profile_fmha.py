@@ -14,7 +14,9 @@ Prints the variant and the mean time of the calls (profiler overhead included wh
 With --breakdown it also prints each kernel's mean device time per call (torch.profiler: the
 V transpose op, the FMHA, any torch launch of the call) and the host time per call (Python and
 launches, measured with the GPU running behind): how session 11 found 180-280 us of Python per
-4k call.
+4k call. With --graph it times the call as bench_fmha does (triton's do_bench: L2 flushed before
+each call, median) eagerly and as a CUDA-graph replay of one captured call: the difference is
+what host work and launch gaps add to bench_fmha's number.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--breakdown", action="store_true",
                     help="also print per-kernel device time and host time per call")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time the call eagerly and as a CUDA-graph replay (L2 flushed)")
     args = ap.parse_args(argv)
     os.environ.setdefault("MSA_UNVALIDATED_KERNELS", "1")   # gated forms may be profiled
     msa = load_msa()
@@ -84,6 +88,8 @@ def main(argv=None):
           f"{start.elapsed_time(end) / args.iters:.3f} ms per call")
     if args.breakdown:
         breakdown(lambda: msa.fmha(q, k, v, plan, output_maxscore=False, **kw), args.iters)
+    if args.graph:
+        eager_vs_graph(lambda: msa.fmha(q, k, v, plan, output_maxscore=False, **kw))
 
 
 def breakdown(call, iters: int) -> None:
@@ -106,6 +112,24 @@ def breakdown(call, iters: int) -> None:
           "so the GPU's time does not count while its launch queue has room)")
     for name, total in sorted(kernels.items(), key=lambda kv: -kv[1]):
         print(f"  {total / iters:9.1f} us per call  {name}")
+
+
+def eager_vs_graph(call) -> None:
+    """bench_fmha's timing (do_bench: L2 flushed before each call, median) of the call, then of
+    a CUDA-graph replay of one captured call (no host work between the kernels)."""
+    import triton.testing
+    eager = triton.testing.do_bench(call, warmup=25, rep=200, return_mode="median")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()                                   # warm-up on a side stream, as capture wants
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    replay = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    print(f"flushed: eager {eager * 1e3:.1f} us, graph replay {replay * 1e3:.1f} us "
+          f"(host and launch gaps {(eager - replay) * 1e3:.1f} us)")
 
 
 if __name__ == "__main__":
