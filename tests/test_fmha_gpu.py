@@ -405,7 +405,8 @@ def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch)
     NaN-free and bit-equal to the same form's O on the pool with those slots zero; and equal the
     plain e4m3 kernel's O (which zero-fills those rows) within 2 bf16 ulps + 1e-3, except for
     the forms that sum the rounded P (ROW_SUM_ON_MMA_FORMS: their normalizer differs from the
-    plain kernel's by the rounding; the quantized-model test checks their values)."""
+    plain kernel's by the rounding, so only within the contract's e4m3 bound, 0.125; the
+    quantized-model test checks their values row by row)."""
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = 8, 2
     e4m3 = torch.float8_e4m3fn
@@ -450,6 +451,10 @@ def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch)
           f"{(got - want).abs().max().item():.3e}")
     if form not in native.ROW_SUM_ON_MMA_FORMS:
         assert worst <= 1e-3
+    else:
+        # Their normalizer sums the rounded P (3e-2 from the plain kernel's on the H200); a
+        # wrong layout moves O by its own size (the 192-key experiment of session 14: 0.75-1.4).
+        assert (got - want).abs().max().item() <= 0.125, "beyond the contract's e4m3 bound"
 
 
 @pytest.mark.parametrize("form", ["plain", "ws", "wsu", "wsup"])
