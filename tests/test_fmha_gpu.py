@@ -293,6 +293,50 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_v
     assert (out[empty] == 0).all(), "rows that see no key must be 0"
 
 
+@pytest.mark.parametrize("dtype,form", [("bfloat16", "wsup"), ("e4m3", "wsutps")])
+@pytest.mark.parametrize("paged", [False, True])
+def test_fmha_native_served_forms_at_q_len_4096(dtype, form, paged, seed, monkeypatch):
+    """The forms that serve short causal prefills (wsup, wsutps) on a batch with a 4096-query
+    request (the issue's longest q length; the tests above use 1500 / 2049 to keep their
+    float64 oracles small), next to 1-, 7- and 128-query ones, random causal offsets. bf16:
+    _check_against_float64's bound. e4m3 (q_scale 1.25, v_scale 1.5): the contract's
+    max(0.125, 4 bf16 floor) against float64, and |O - O64| within twice the quantized model's
+    error + 4e-3 for all but 1e-4 of the elements (the randn rule of the quantized-model test)."""
+    native = _native_serving(form, monkeypatch)
+    gen = torch.Generator().manual_seed(seed)
+    heads = (8, 2)
+    e4m3 = torch.float8_e4m3fn
+    torch_dtype = e4m3 if dtype == "e4m3" else torch.bfloat16
+    p = _problem(heads, True, paged, torch_dtype, gen, q_lens=[4096, 1, 7, 128])
+    q, k, v, q_lens, kv_lens, offsets = (p[n] for n in ("q", "k", "v", "q_lens", "kv_lens",
+                                                         "offsets"))
+    scale = 0.7 * D ** -0.5
+    q_scale = 1.25 if dtype == "e4m3" else None
+    out, _ = _fmha_native(monkeypatch, *p["args"], sm_scale=scale, q_scale=q_scale, v_scale=1.5,
+                          output_maxscore=False, **p["kw"])
+    _check_form_ran(native, form)
+    assert not torch.isnan(out).any(), "O has NaN (rows not written)"
+    if dtype == "bfloat16":
+        _check_against_float64(out, q, k, v, q_lens, kv_lens, offsets, True, scale,
+                               f"q_len 4096 {form} paged={paged}")
+        return
+    kv = dense_token_kv(k, v, kv_lens)
+    common = dict(causal=True, logit_scale=scale * 1.25, output_scale=1.5,
+                  compute_dtype=torch.float64)
+    o64, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offsets, **common)
+    model, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offsets, p_quant_dtype=e4m3,
+                                         kv_step=128, sum_quantized_p=True, **common)
+    out = out.cpu().double()
+    bf16_floor = (o64.to(torch.bfloat16).double() - o64).abs().max().item()
+    err64 = (out - o64).abs().max().item()
+    model_bound = 2 * (model.to(torch.bfloat16).double() - o64).abs().max().item() + 4e-3
+    beyond = ((out - o64).abs() > model_bound).double().mean().item()
+    print(f"e4m3 q_len 4096 {form} paged={paged}: max|O-O64|={err64:.3e}, beyond the model "
+          f"bound {beyond:.1e}")
+    assert err64 <= max(0.125, 4 * bf16_floor)
+    assert beyond <= 1e-4, "beyond the modeled rounding error (more than rare P flips)"
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "e4m3"])
 @pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
                                                  ((16, 1), False, True), ((4, 4), False, False)])
