@@ -266,14 +266,27 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_v
                           output_maxscore=False, **p["kw"])
     _check_form_ran(native, form)
     assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
-    kv = dense_token_kv(k, v, kv_lens)
     offs = offsets if causal else [0] * len(q_lens)
+    _check_e4m3_against_the_model(out, q, k, v, q_lens, kv_lens, offs, causal, scale,
+                                  form in native.ROW_SUM_ON_MMA_FORMS, qk_values,
+                                  f"e4m3 {form} {qk_values} Hq={hq} Hkv={hkv} causal={causal} "
+                                  f"paged={paged}")
+
+
+def _check_e4m3_against_the_model(out, q, k, v, q_lens, kv_lens, offsets, causal, scale,
+                                  sum_quantized_p, qk_values, label):
+    """The checks of test_fmha_native_e4m3_matches_the_quantized_model (its docstring) on an e4m3
+    call with q_scale 1.25 and v_scale 1.5: the contract bound against float64, then the
+    quantized model (P rounded to e4m3 per 128-key step; sum_quantized_p for the forms that sum
+    the rounded P) row by row for exact products, or element-wise for qk_values="randn"; rows
+    that see no key are 0."""
+    e4m3 = torch.float8_e4m3fn
+    kv = dense_token_kv(k, v, kv_lens)
     common = dict(causal=causal, logit_scale=scale * 1.25, output_scale=1.5,
                   compute_dtype=torch.float64)
-    o64, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offs, **common)
-    model, _ = dense_attention_reference(
-        q, kv, q_lens, kv_lens, offs, p_quant_dtype=e4m3, kv_step=128,
-        sum_quantized_p=form in native.ROW_SUM_ON_MMA_FORMS, **common)
+    o64, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offsets, **common)
+    model, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offsets, p_quant_dtype=e4m3,
+                                         kv_step=128, sum_quantized_p=sum_quantized_p, **common)
     out = out.cpu().double()
     bf16_floor = (o64.to(torch.bfloat16).double() - o64).abs().max().item()
     err64 = (out - o64).abs().max().item()
@@ -281,9 +294,9 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_v
     rows_off = ((out - model).abs() > 2 * ulp + 1e-3).any(-1)
     model_bound = 2 * (model.to(torch.bfloat16).double() - o64).abs().max().item() + 4e-3
     beyond = ((out - o64).abs() > model_bound).double().mean().item()
-    print(f"e4m3 {form} {qk_values} Hq={hq} Hkv={hkv} causal={causal} paged={paged}: "
-          f"max|O-O64|={err64:.3e} max|O-model|={(out - model).abs().max().item():.3e} rows off "
-          f"the model {int(rows_off.sum())}/{rows_off.numel()}, beyond the model bound {beyond:.1e}")
+    print(f"{label}: max|O-O64|={err64:.3e} max|O-model|={(out - model).abs().max().item():.3e} "
+          f"rows off the model {int(rows_off.sum())}/{rows_off.numel()}, beyond the model bound "
+          f"{beyond:.1e}")
     assert err64 <= max(0.125, 4 * bf16_floor)
     if qk_values == "exact":
         assert int(rows_off.sum()) <= max(2, int(1e-3 * rows_off.numel()))
@@ -299,14 +312,12 @@ def test_fmha_native_served_forms_at_q_len_4096(dtype, form, paged, seed, monkey
     """The forms that serve short causal prefills (wsup, wsutps) on a batch with a 4096-query
     request (the issue's longest q length; the tests above use 1500 / 2049 to keep their
     float64 oracles small), next to 1-, 7- and 128-query ones, random causal offsets. bf16:
-    _check_against_float64's bound. e4m3 (q_scale 1.25, v_scale 1.5): the contract's
-    max(0.125, 4 bf16 floor) against float64, and |O - O64| within twice the quantized model's
-    error + 4e-3 for all but 1e-4 of the elements (the randn rule of the quantized-model test)."""
+    _check_against_float64's bound. e4m3 (q_scale 1.25, v_scale 1.5): the quantized-model
+    test's checks for random q / k (_check_e4m3_against_the_model)."""
     native = _native_serving(form, monkeypatch)
     gen = torch.Generator().manual_seed(seed)
     heads = (8, 2)
-    e4m3 = torch.float8_e4m3fn
-    torch_dtype = e4m3 if dtype == "e4m3" else torch.bfloat16
+    torch_dtype = torch.float8_e4m3fn if dtype == "e4m3" else torch.bfloat16
     p = _problem(heads, True, paged, torch_dtype, gen, q_lens=[4096, 1, 7, 128])
     q, k, v, q_lens, kv_lens, offsets = (p[n] for n in ("q", "k", "v", "q_lens", "kv_lens",
                                                          "offsets"))
@@ -316,25 +327,12 @@ def test_fmha_native_served_forms_at_q_len_4096(dtype, form, paged, seed, monkey
                           output_maxscore=False, **p["kw"])
     _check_form_ran(native, form)
     assert not torch.isnan(out).any(), "O has NaN (rows not written)"
+    label = f"{dtype} q_len 4096 {form} paged={paged}"
     if dtype == "bfloat16":
-        _check_against_float64(out, q, k, v, q_lens, kv_lens, offsets, True, scale,
-                               f"q_len 4096 {form} paged={paged}")
-        return
-    kv = dense_token_kv(k, v, kv_lens)
-    common = dict(causal=True, logit_scale=scale * 1.25, output_scale=1.5,
-                  compute_dtype=torch.float64)
-    o64, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offsets, **common)
-    model, _ = dense_attention_reference(q, kv, q_lens, kv_lens, offsets, p_quant_dtype=e4m3,
-                                         kv_step=128, sum_quantized_p=True, **common)
-    out = out.cpu().double()
-    bf16_floor = (o64.to(torch.bfloat16).double() - o64).abs().max().item()
-    err64 = (out - o64).abs().max().item()
-    model_bound = 2 * (model.to(torch.bfloat16).double() - o64).abs().max().item() + 4e-3
-    beyond = ((out - o64).abs() > model_bound).double().mean().item()
-    print(f"e4m3 q_len 4096 {form} paged={paged}: max|O-O64|={err64:.3e}, beyond the model "
-          f"bound {beyond:.1e}")
-    assert err64 <= max(0.125, 4 * bf16_floor)
-    assert beyond <= 1e-4, "beyond the modeled rounding error (more than rare P flips)"
+        _check_against_float64(out, q, k, v, q_lens, kv_lens, offsets, True, scale, label)
+    else:
+        _check_e4m3_against_the_model(out, q, k, v, q_lens, kv_lens, offsets, True, scale,
+                                      form in native.ROW_SUM_ON_MMA_FORMS, "randn", label)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "e4m3"])
