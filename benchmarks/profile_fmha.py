@@ -16,7 +16,9 @@ V transpose op, the FMHA, any torch launch of the call) and the host time per ca
 launches, measured with the GPU running behind): how session 11 found 180-280 us of Python per
 4k call. With --graph it times the call as bench_fmha does (triton's do_bench: L2 flushed before
 each call, median) eagerly and as a CUDA-graph replay of one captured call: the difference is
-what host work and launch gaps add to bench_fmha's number.
+what host work and launch gaps add to bench_fmha's number. With --timeline it prints, for calls
+made after an L2 flush as bench_fmha makes them, each kernel's median start gap and cold-L2
+duration (torch.profiler device timestamps).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,6 +54,8 @@ def main(argv=None):
                     help="also print per-kernel device time and host time per call")
     ap.add_argument("--graph", action="store_true",
                     help="also time the call eagerly and as a CUDA-graph replay (L2 flushed)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also print the device timeline of L2-flushed calls (gaps, kernels)")
     args = ap.parse_args(argv)
     os.environ.setdefault("MSA_UNVALIDATED_KERNELS", "1")   # gated forms may be profiled
     msa = load_msa()
@@ -90,6 +95,8 @@ def main(argv=None):
         breakdown(lambda: msa.fmha(q, k, v, plan, output_maxscore=False, **kw), args.iters)
     if args.graph:
         eager_vs_graph(lambda: msa.fmha(q, k, v, plan, output_maxscore=False, **kw))
+    if args.timeline:
+        timeline(lambda: msa.fmha(q, k, v, plan, output_maxscore=False, **kw), args.iters)
 
 
 def breakdown(call, iters: int) -> None:
@@ -130,6 +137,43 @@ def eager_vs_graph(call) -> None:
     replay = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
     print(f"flushed: eager {eager * 1e3:.1f} us, graph replay {replay * 1e3:.1f} us "
           f"(host and launch gaps {(eager - replay) * 1e3:.1f} us)")
+
+
+def timeline(call, iters: int) -> None:
+    """The device timeline of calls made as bench_fmha makes them (an L2 flush, then the call):
+    per kernel of the call, the median gap from the end of the kernel before it (the flush for
+    the first) to its start, and its median duration in a cold L2 (torch.profiler; us)."""
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    for _ in range(3):
+        flush.zero_()
+        call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush.zero_()
+            call()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    # Split the stream into calls at each flush (the fill kernel's name has "fill" / "zero").
+    calls, current = [], None
+    for e in kernels:
+        if "fill" in e.name.lower() or "zero" in e.name.lower():
+            current = [e]
+            calls.append(current)
+        elif current is not None:
+            current.append(e)
+    rows = collections.defaultdict(lambda: ([], []))
+    for seq in calls:
+        for before, e in zip(seq, seq[1:]):
+            gaps, durs = rows[e.name[:70]]
+            gaps.append(e.time_range.start - before.time_range.end)
+            durs.append(e.time_range.end - e.time_range.start)
+    print(f"timeline of {len(calls)} L2-flushed calls (median us: gap before the kernel, "
+          "duration)")
+    for name, (gaps, durs) in rows.items():
+        print(f"  gap {statistics.median(gaps):6.1f}  dur {statistics.median(durs):8.1f}  {name}")
 
 
 if __name__ == "__main__":

@@ -129,6 +129,11 @@ def main(argv=None) -> int:
                              "wgmmas or a setmaxnreg split the launch registers cannot hold")
     parser.add_argument("--only", action="append", default=[],
                         help="compile only variants whose name contains this (repeatable)")
+    parser.add_argument("--update", action="store_true",
+                        help="with --only: merge the compiled variants into the manifest already "
+                             "in --out (the others are kept; the digest is reset to these sources, "
+                             "so check first that the others' PTX is unchanged: "
+                             "tools/ptx_fingerprint.py)")
     parser.add_argument("--no-export", action="store_true",
                         help="compile (and check) only; write no .so / manifest")
     args = parser.parse_args(argv)
@@ -150,6 +155,15 @@ def main(argv=None) -> int:
     manifest = {"format": MANIFEST_FORMAT, "arch": TARGET_ARCH,
                 "cutlass_dsl_version": getattr(cutlass, "__version__", "unknown"),
                 "abi": "tvm-ffi", "variants": {}}
+    if args.update:
+        if not args.only or args.no_export:
+            print("--update needs --only and an export", file=sys.stderr)
+            return 1
+        old = json.loads((out_dir / "manifest.json").read_text())
+        if (old.get("format"), old.get("arch")) != (manifest["format"], manifest["arch"]):
+            print("--update: the manifest in --out has another format or arch", file=sys.stderr)
+            return 1
+        manifest["variants"] = old["variants"]
     rows, failures = [], 0
     with tempfile.TemporaryDirectory(prefix="msa_cute_") as tmp:
         for variant in variants:
@@ -191,7 +205,10 @@ def main(argv=None) -> int:
             print(f"{name:<48} {row['seconds']:>6}s regs={row['registers']} "
                   f"spill={row['spill_bytes']} {row['status']}", flush=True)
     if not args.no_export:
-        if not args.only and not failures:
+        shipped = {v.name for v in shipped_variants()}
+        manifest["variants"] = {n: e for n, e in manifest["variants"].items() if n in shipped}
+        if not failures and (not args.only or (args.update
+                                               and shipped <= set(manifest["variants"]))):
             manifest["sources_digest"] = sources_digest()
         (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
     print(f"\n{len(rows)} variants, {failures} failed"
