@@ -142,12 +142,6 @@ __global__ void __launch_bounds__(kThreads) transpose_v_e4m3_kernel(TransposeVAr
     *reinterpret_cast<uint4*>(out + (channel0 + c) * kBlock + 16 * group) =
         make_uint4(cols[c][0], cols[c][1], cols[c][2], cols[c][3]);
   }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // An FMHA launched as this op's programmatic dependent (form wsutpsl) may start once every
-  // CTA has issued its stores (it waits for the whole grid before reading Vt); a trigger at
-  // the start made persistent causal calls slower (session 12). No effect on plain launches.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 }
 
 }  // namespace

@@ -146,7 +146,7 @@ def _check_form_ran(native, form):
         f"expected the {form} form, ran {ran}"
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsup", "wsupq"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsup"])
 @pytest.mark.parametrize("heads,causal,paged", CASES)
 def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypatch):
     """form: the kernel serving bf16 O: plain (cute_kernels/fmha_sm90.py) or the
@@ -228,7 +228,7 @@ def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, s
 
 
 @pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsut", "wsutp", "wsuts",
-                                  "wsutps", "wsutpsq", "wsutpsl"])
+                                  "wsutps"])
 @pytest.mark.parametrize("qk_values", ["randn", "exact"])
 @pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
                                                  ((4, 4), False, False), ((64, 4), True, True),
@@ -306,9 +306,7 @@ def _check_e4m3_against_the_model(out, q, k, v, q_lens, kv_lens, offsets, causal
     assert (out[empty] == 0).all(), "rows that see no key must be 0"
 
 
-@pytest.mark.parametrize("dtype,form", [("bfloat16", "wsup"), ("e4m3", "wsutps"),
-                                        ("bfloat16", "wsupq"), ("e4m3", "wsutpsq"),
-                                        ("e4m3", "wsutpsl")])
+@pytest.mark.parametrize("dtype,form", [("bfloat16", "wsup"), ("e4m3", "wsutps")])
 @pytest.mark.parametrize("paged", [False, True])
 def test_fmha_native_served_forms_at_q_len_4096(dtype, form, paged, seed, monkeypatch):
     """The forms that serve short causal prefills (wsup, wsutps) on a batch with a 4096-query
@@ -406,7 +404,7 @@ def test_max_score_only_pass_runs_on_the_indexer_kernel(seed, monkeypatch):
     assert rel <= 1e-2, rel
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsup", "wsupq"])
+@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsup"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """Paged K/V whose slots past each request's kv_len (and the spare pages) hold NaN: a masked
@@ -440,8 +438,7 @@ def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
                            f"NaN past kv_len causal={causal} form={form}")
 
 
-@pytest.mark.parametrize("form", ["ws", "wsf", "wsu", "wsut", "wsutp", "wsutps", "wsutpsq",
-                                  "wsutpsl"])
+@pytest.mark.parametrize("form", ["ws", "wsf", "wsu", "wsut", "wsutp", "wsutps"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     """e4m3 paged K/V with NaN (0x7f) in every slot past kv_len and in the spare pages: the

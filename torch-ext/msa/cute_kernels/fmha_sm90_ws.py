@@ -111,8 +111,7 @@ class FmhaSm90Ws:
 
     def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
                  overlap: bool = False, uniform: bool = False, v_transposed: bool = False,
-                 persistent: bool = False, mma_row_sum: bool = False,
-                 early_q_release: bool = False, pdl: bool = False):
+                 persistent: bool = False, mma_row_sum: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
         # uniform (form "wsu"): every tile starts on K/V stage 0 and the blocks every row
         # sees whole run in unrolled pairs (mask-free), so their stages are compile-time
@@ -171,19 +170,6 @@ class FmhaSm90Ws:
         assert not mma_row_sum or (v_transposed and not overlap)
         self.mma_row_sum = mma_row_sum
         self.p_packed_as_operand = mma_row_sum
-        # early_q_release (persistent forms): each warp releases the Q rows (Q empty) right
-        # after its wait for the tile's last S wgmma, not after the last turn's softmax, so
-        # the producer's TMA of the next item's Q gets that softmax's time (~1 us) as lead
-        # too (from HBM in a cold-L2 call, it may outlast the last P V and the O store).
-        assert not early_q_release or self.q_by_producer
-        self.early_q_release = early_q_release
-        # pdl (v_transposed forms): launched as a programmatic dependent of the V transpose
-        # op, which triggers once its stores are issued; the producer warp waits for the op
-        # (griddepcontrol.wait) before reading its tables and Vt, so the launch, the CTA
-        # setup and the consumers' start overlap the op's tail. (Session 12's trigger at the
-        # op's start made persistent causal calls 10-15 % slower.)
-        assert not pdl or v_transposed
-        self.pdl = pdl
         self.producer_regs = PRODUCER_REGS_FP8 if self.transposer else PRODUCER_REGS
         self.mma_regs = MMA_REGS_FP8 if self.transposer else MMA_REGS
         if persistent:
@@ -245,8 +231,7 @@ class FmhaSm90Ws:
                     logit_scale_log2, output_scale, causal, grid_q_tiles, tma_k, tma_v,
                     q_layout, kv_layout, q_copy, zero_copy, mma_qk, mma_pv, stage_o_copy,
                     store_o_copy, SharedStorage, tQ, tma_q, mma_sum).launch(
-            grid=grid, block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1,
-            use_pdl=self.pdl)
+            grid=grid, block=(NUM_THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
 
     def _vt_layout(self):
         """e4m3: the key-permuted Vt stages (channel, key', stage). Static (tracing)."""
@@ -392,8 +377,6 @@ class FmhaSm90Ws:
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp == 0:
-                if cutlass.const_expr(self.pdl):
-                    cute.arch.griddepcontrol_wait()       # the op's tables and Vt
                 sKV = (sK_stages, sVt_stages if self.v_transposed else sV_stages, mbar)
                 g = cutlass.Int32(0)
                 parity = cutlass.Int32(0)
@@ -786,8 +769,7 @@ class FmhaSm90Ws:
             tScS=tScS, row_max=row_max, row_sum=row_sum, corr=corr, mbar=mbar,
             lane=lane, turn_mine=turn_mine, turn_other=turn_other, wg_q0=wg_q0,
             kv_len=kv_len, offset=offset, causal=causal, scale_log2=scale_log2,
-            mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc,
-            last_blk=n_blocks - 1)
+            mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc)
         if n_blocks > 0:
             # ---- block 0: S only
             stage, phase = self._stage_phase(g, 0, parity)
@@ -798,9 +780,6 @@ class FmhaSm90Ws:
             warpgroup.wait_group(0)
             if lane == 0:
                 cute.arch.mbarrier_arrive(mbar + S + stage)                # K free
-                if cutlass.const_expr(self.early_q_release):
-                    if n_blocks == 1:      # the tile's only S is done: Q rows free
-                        cute.arch.mbarrier_arrive(self._q_mbarriers(mbar)[1])
             online_softmax(acc_s, 0, row_max, self._softmax_sum(row_sum), tScS, wg_q0, kv_len,
                            offset, causal, scale_log2, corr=corr)
             if cutlass.const_expr(self.p_packed_as_operand):
@@ -827,7 +806,7 @@ class FmhaSm90Ws:
                 stage, k_phase = self._stage_phase(g + blk, blk, parity)
                 prev, v_phase = self._stage_phase(g + blk - 1, blk - 1, parity)
                 self._turn(turn, blk, stage, k_phase, prev, v_phase)
-            if cutlass.const_expr(self.q_by_producer and not self.early_q_release):
+            if cutlass.const_expr(self.q_by_producer):
                 if lane == 0:      # every S wgmma of the tile is done: Q rows free
                     cute.arch.mbarrier_arrive(self._q_mbarriers(mbar)[1])
             # ---- the last P V
@@ -884,9 +863,6 @@ class FmhaSm90Ws:
             warpgroup.wait_group(0)                     # S(j) and P V(j-1)
         if t.lane == 0:
             cute.arch.mbarrier_arrive(t.mbar + S + stage)                  # K free
-            if cutlass.const_expr(self.early_q_release):
-                if blk == t.last_blk:          # the tile's last S is done: Q rows free
-                    cute.arch.mbarrier_arrive(self._q_mbarriers(t.mbar)[1])
         online_softmax(t.acc_s, blk, t.row_max, self._softmax_sum(t.row_sum), t.tScS, t.wg_q0,
                        t.kv_len, t.offset, t.causal, t.scale_log2, corr=t.corr, mask=mask)
         # ws: a no-op after the wait above (kept: the validated PTX has it); wsf: P V(j-1)

@@ -111,13 +111,6 @@ FMHA_WS_FORMS = {
     "wsuts": (("e4m3",), dict(uniform=True, v_transposed=True, mma_row_sum=True)),
     "wsutps": (("e4m3",), dict(uniform=True, v_transposed=True, persistent=True,
                                mma_row_sum=True)),
-    # Session-15 candidates (not served): the Q rows released after the last S, not after
-    # its softmax (q); launched as a programmatic dependent of the V transpose op (l).
-    "wsupq": (("bfloat16",), dict(uniform=True, persistent=True, early_q_release=True)),
-    "wsutpsq": (("e4m3",), dict(uniform=True, v_transposed=True, persistent=True,
-                                mma_row_sum=True, early_q_release=True)),
-    "wsutpsl": (("e4m3",), dict(uniform=True, v_transposed=True, persistent=True,
-                                mma_row_sum=True, pdl=True)),
 }
 
 
