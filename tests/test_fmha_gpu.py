@@ -93,7 +93,7 @@ def _problem(heads, causal, paged, dtype, gen, qk_values="randn", q_lens=None,
                          page_size=128 if paged else -1, num_kv_splits=num_kv_splits,
                          device=dev)
     return dict(q=q, k=k, v=v, q_lens=q_lens, kv_lens=kv_lens, offsets=offsets, plan=plan,
-                args=(q.to(dev), k_in.to(dev), v_in.to(dev), plan), kw=kw)
+                causal=causal, args=(q.to(dev), k_in.to(dev), v_in.to(dev), plan), kw=kw)
 
 
 def _check_against_float64(out, q, k, v, q_lens, kv_lens, offsets, causal, scale, label):
@@ -158,9 +158,8 @@ def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypat
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     p = _problem(heads, causal, paged, torch.bfloat16, gen)
-    causal = bool(causal)
-    q, k, v, q_lens, kv_lens, offsets = (p[n] for n in ("q", "k", "v", "q_lens", "kv_lens",
-                                                         "offsets"))
+    q, k, v, q_lens, kv_lens, offsets, causal = (p[n] for n in ("q", "k", "v", "q_lens",
+                                                                 "kv_lens", "offsets", "causal"))
     scale = 0.7 * D ** -0.5
     out, ms = _fmha_native(monkeypatch, *p["args"], sm_scale=scale, v_scale=1.5,
                            output_maxscore=False, **p["kw"])
@@ -258,9 +257,8 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_v
     hq, hkv = heads
     e4m3 = torch.float8_e4m3fn
     p = _problem(heads, causal, paged, e4m3, gen, qk_values=qk_values)
-    causal = bool(causal)
-    q, k, v, q_lens, kv_lens, offsets = (p[n] for n in ("q", "k", "v", "q_lens", "kv_lens",
-                                                         "offsets"))
+    q, k, v, q_lens, kv_lens, offsets, causal = (p[n] for n in ("q", "k", "v", "q_lens",
+                                                                 "kv_lens", "offsets", "causal"))
     scale = 0.7 * D ** -0.5
     out, _ = _fmha_native(monkeypatch, *p["args"], sm_scale=scale, q_scale=1.25, v_scale=1.5,
                           output_maxscore=False, **p["kw"])

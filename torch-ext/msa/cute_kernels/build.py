@@ -21,9 +21,10 @@ from .sparse_prefill_sm90 import SparsePrefillSm90
 from .sparse_prefill_sm90_wgmma import SparsePrefillSm90Wgmma
 from .sparse_prefill_sm90_ws import WS3W, SparsePrefillSm90Ws
 from .fmha_sm90 import FmhaSm90, FmhaSm90MaxScore, FmhaSm90Split
-from .fmha_sm90_ws import FORMS as WS_FORMS, FP8_FORMS as FP8_WS_FORMS, FmhaSm90Ws
-from .variants import (FP8_MODES, SPARSE_WS_FORMS, WS_DTYPES, WS_GROUPS, AttentionVariant,
-                       BlockMaxScoreVariant, CombineVariant, FmhaVariant)
+from .fmha_sm90_ws import FmhaSm90Ws
+from .variants import (FMHA_WS_FORMS, FP8_MODES, SPARSE_WS_FORMS, WS_DTYPES, WS_GROUPS,
+                       AttentionVariant, BlockMaxScoreVariant, CombineVariant, FmhaVariant,
+                       fmha_ws_forms, fmha_ws_forms_with)
 
 TARGET_ARCH = "sm_90a"
 _DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
@@ -119,12 +120,12 @@ def fmha_args(variant: FmhaVariant):
     total_q, hq, hkv, batch = _dyn(), _dyn(), _dyn(), _dyn()
     kv_shape = (_dyn(), hkv, 128, 128) if variant.paged else (_dyn(), hkv, 128)
     v_shape, table_shape = kv_shape, (_dyn(), _dyn())
-    if WS_FORMS.get(variant.form, {}).get("v_transposed"):
+    if variant.form in fmha_ws_forms_with("v_transposed"):
         # V transposed ahead: Vt [blocks, Hkv, 128 channels, 128 keys']; page_table [2, B, W]
         # (K's pages, then each key block's Vt block).
         v_shape, table_shape = (_dyn(), hkv, 128, 128), (2, _dyn(), _dyn())
     split = variant.form == "split"
-    warp_specialized = variant.form in WS_FORMS
+    warp_specialized = variant.form in FMHA_WS_FORMS
     if split:
         splits = _dyn()
         outputs = [_tensor(cutlass.Float32, (splits, total_q, hq, 128)),      # o_partial
@@ -200,11 +201,11 @@ def compile_variant(variant, *, dump_dir: Optional[str] = None):
         if variant.form == "split":
             kernel = FmhaSm90Split(variant.paged, _DTYPES[variant.dtype])
         elif variant.form != "plain":
-            forms = FP8_WS_FORMS if variant.dtype == "e4m3" else WS_FORMS
+            forms = fmha_ws_forms(variant.dtype)
             if variant.max_score or variant.form not in forms:
                 raise NotImplementedError(f"{variant.name}: the warp-specialized FMHA forms are "
                                           f"{', '.join(forms)} ({variant.dtype}), O only")
-            kernel = FmhaSm90Ws(variant.paged, _DTYPES[variant.dtype], **WS_FORMS[variant.form])
+            kernel = FmhaSm90Ws(variant.paged, _DTYPES[variant.dtype], **FMHA_WS_FORMS[variant.form][1])
         elif variant.max_score:
             kernel = FmhaSm90MaxScore(variant.paged, _DTYPES[variant.dtype])
         else:

@@ -69,7 +69,6 @@ from .tile_utils import (pack_bf16_pairs, pack_e4m3_operand_a, pack_e4m3_quads,
                          scale_rows, smem_tile, transpose_v_copies, transpose_v_words,
                          warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
                          wgmma_rows_cols_view)
-from .variants import FMHA_WS_FORMS, WS_FP8_FORMS
 
 HEAD_DIM = 128
 BLOCK_N = 128            # keys per block (= page size)
@@ -98,11 +97,6 @@ SUM_COLS = 8
 BAR_WG = 1               # + consumer index, 128 threads
 BAR_TURN = 3             # + consumer index, 256 threads
 
-
-# Forms (variant name suffixes) -> constructor options, from the one table of the forms
-# (variants.FMHA_WS_FORMS, which says what each is for).
-FORMS = {name: options for name, (_, options) in FMHA_WS_FORMS.items()}
-FP8_FORMS = WS_FP8_FORMS
 
 
 class FmhaSm90Ws:
