@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -84,7 +85,7 @@ def parse_names(text: str) -> List[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-def add_common_args(parser: argparse.ArgumentParser, rep_ms: int) -> None:
+def add_common_args(parser: argparse.ArgumentParser, rep_ms: int, steady_ms: int = 0) -> None:
     """The flags every benchmark shares (output, subsets, device, timing, guards)."""
     parser.add_argument("--out", default=None,
                         help="TSV path (appended; the header is written when the file is new)")
@@ -94,6 +95,11 @@ def add_common_args(parser: argparse.ArgumentParser, rep_ms: int) -> None:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--rep-ms", type=int, default=rep_ms,
                         help="timing budget per measurement (do_bench rep)")
+    parser.add_argument("--steady-ms", type=int, default=steady_ms,
+                        help="before each CUDA measurement, run the call back to back (L2 "
+                             "flushed, as timed) this long, so it is timed at the clock its own "
+                             "sustained power draw settles to, not at the previous case's "
+                             f"(default {steady_ms}; see time_ms)")
     parser.add_argument("--seed", type=int, default=None, help="default: fresh per run")
     parser.add_argument("--mem-limit-gb", type=float, default=100.0,
                         help="skip configurations whose estimated device memory exceeds this")
@@ -126,14 +132,20 @@ def setup(args) -> torch.device:
 # ---------------------------------------------------------------------------------------------
 
 def time_ms(fn: Callable[[], object], device: torch.device, rep_ms: int = 200,
-            warmup_ms: int = 25) -> float:
+            warmup_ms: int = 25, steady_ms: int = 0) -> float:
     """Median milliseconds of one fn() call.
 
     CUDA: ``triton.testing.do_bench`` (warm-up, L2 flush between calls, median), or CUDA events
-    when Triton is missing. CPU: ``time.perf_counter`` around each call, 3 to 20 calls within
-    rep_ms after one warm-up call.
+    when Triton is missing; with steady_ms, first steady_ms of back-to-back flushed calls. Why:
+    the H200 caps its power at 700 W, and a bf16 FMHA at 4k drawing ~690 W drops from 1.98 to
+    1.80-1.87 GHz within ~100 ms of back-to-back calls (450 -> 505 us per call), while an e4m3
+    one at ~610-690 W keeps 1.97-1.98 GHz (session 15, docs/design-fmha.md); do_bench's own
+    warm-up (25 ms) then times a case partly at the clock the previous case left. CPU:
+    ``time.perf_counter`` around each call, 3 to 20 calls within rep_ms after one warm-up call.
     """
     if device.type == "cuda":
+        if steady_ms > 0:
+            _run_flushed_for(fn, steady_ms)
         try:
             import triton.testing
         except ImportError:
@@ -147,6 +159,55 @@ def time_ms(fn: Callable[[], object], device: torch.device, rep_ms: int = 200,
         fn()
         samples.append((time.perf_counter() - start) * 1e3)
     return statistics.median(samples)
+
+
+_FLUSH_BUFFER: Optional[torch.Tensor] = None
+
+
+def _run_flushed_for(fn, ms: int) -> None:
+    """fn() back to back for about ms milliseconds, each call after an L2 flush (256 MB
+    zeroed, as do_bench does)."""
+    global _FLUSH_BUFFER
+    if _FLUSH_BUFFER is None:
+        _FLUSH_BUFFER = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int, device="cuda")
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        for _ in range(8):
+            _FLUSH_BUFFER.zero_()
+            fn()
+        torch.cuda.synchronize()
+
+
+class ClockSampler:
+    """GPU 0's SM clock and power sampled by nvidia-smi every 50 ms while the block runs;
+    .note() is then 'sm=<median MHz>MHz <median W>W' ('' without nvidia-smi or samples)."""
+
+    def __enter__(self):
+        self._proc = None
+        if shutil.which("nvidia-smi"):
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--id=0", "--query-gpu=clocks.sm,power.draw",
+                 "--format=csv,noheader,nounits", "-lms", "50"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc):
+        self._rows = []
+        if self._proc is not None:
+            self._proc.terminate()
+            for line in self._proc.communicate()[0].splitlines():
+                try:
+                    self._rows.append(tuple(float(x) for x in line.split(",")))
+                except ValueError:
+                    pass
+        return False
+
+    def note(self) -> str:
+        if not self._rows:
+            return ""
+        mhz = statistics.median(r[0] for r in self._rows)
+        watts = statistics.median(r[1] for r in self._rows)
+        return f"sm={mhz:.0f}MHz {watts:.0f}W"
 
 
 def _time_cuda_events(fn, rep_ms: int, warmup_ms: int) -> float:
