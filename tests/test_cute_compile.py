@@ -10,6 +10,7 @@ CUDA, that supports() gates the FP8 modes until they are validated.
 """
 
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -435,3 +436,19 @@ def test_split_kv_fmha_form_follows_its_flag(monkeypatch):
     monkeypatch.delenv(_backend.UNVALIDATED_ENV)
     monkeypatch.setattr(native, "VALIDATED_SPLIT_KV", True)
     assert native.split_kv_count(plan, False) == 4
+
+
+def test_compile_update_merges_into_the_existing_manifest(tmp_path):
+    """tools/compile_cute.py --only X --update adds X's artifact to the manifest already in
+    --out and keeps the other entries; without --only it refuses; the sources digest is only
+    written when the manifest then holds every shipped variant."""
+    tools = _tools()
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    out = str(tmp_path)
+    assert tools.main(["--only", "sparse_combine_sm90_pf32", "--out", out]) == 0
+    assert tools.main(["--only", "sparse_combine_sm90_pbf16", "--update", "--out", out]) == 0
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert set(manifest["variants"]) == {"sparse_combine_sm90_pf32", "sparse_combine_sm90_pbf16"}
+    assert all((tmp_path / entry["file"]).is_file() for entry in manifest["variants"].values())
+    assert "sources_digest" not in manifest
+    assert tools.main(["--update", "--out", out]) == 1
