@@ -164,18 +164,22 @@ def time_ms(fn: Callable[[], object], device: torch.device, rep_ms: int = 200,
 _FLUSH_BUFFER: Optional[torch.Tensor] = None
 
 
-def _run_flushed_for(fn, ms: int) -> None:
-    """fn() back to back for about ms milliseconds, each call after an L2 flush (256 MB
-    zeroed, as do_bench does)."""
+def flush_l2() -> None:
+    """Evict the L2 as do_bench does before each call: zero a 256 MB buffer (allocated once)."""
     global _FLUSH_BUFFER
     if _FLUSH_BUFFER is None:
         _FLUSH_BUFFER = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int, device="cuda")
+    _FLUSH_BUFFER.zero_()
+
+
+def _run_flushed_for(fn, ms: int) -> None:
+    """fn() back to back for about ms milliseconds, each call after an L2 flush."""
     fn()                          # a first call's setup (a cuDNN plan, a compile) is not load
     torch.cuda.synchronize()
     end = time.perf_counter() + ms / 1e3
     while time.perf_counter() < end:
         for _ in range(8):
-            _FLUSH_BUFFER.zero_()
+            flush_l2()
             fn()
         torch.cuda.synchronize()
 

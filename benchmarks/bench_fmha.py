@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (ClockSampler, TsvWriter, add_common_args, apply_preset, fmha_form_hook,  # noqa: E402
-                     free_memory, load_msa, native_module, parse_names, parse_sizes,
-                     reference_too_slow, setup, time_ms)
+from _common import (ClockSampler, TsvWriter, add_common_args, apply_preset,  # noqa: E402
+                     fmha_form_hook, free_memory, load_msa, native_module, parse_names,
+                     parse_sizes, reference_too_slow, setup, time_ms)
 
 D = 128
 COLUMNS = ("mode", "n", "hq", "hkv", "causal", "layout", "impl", "backend", "latency_ms",
@@ -117,16 +117,14 @@ def main(argv=None):
                 flops = 4 * D * hq * pairs
                 peer_ms = {}
                 for peer in parse_names(args.peers):
-                    with ClockSampler() as clocks:
-                        ms = time_sdpa(peer, q, k, v, causal, device, args.rep_ms,
-                                       args.steady_ms)
-                    if ms is None:
+                    timed = time_sdpa(peer, q, k, v, causal, device, args)
+                    if timed is None:
                         continue
+                    ms, note = timed
                     peer_ms[peer] = ms
                     tsv.write(mode="o", n=n, hq=hq, hkv=hkv, causal=int(causal),
                               layout="dense", impl=f"sdpa_{peer}", backend=peer,
-                              latency_ms=ms, tflops=flops / ms / 1e9,
-                              note=timing_note(args, clocks))
+                              latency_ms=ms, tflops=flops / ms / 1e9, note=note)
                 for layout in parse_names(args.layouts):
                     kw = {}
                     k_in, v_in = k, v
@@ -159,8 +157,7 @@ def main(argv=None):
                             ran, torch.float8_e4m3fn if dtype_name == "fp8" else torch.bfloat16)
                         if backend == "sm90" and unvalidated:
                             backend = "sm90-unvalidated"
-                        with ClockSampler() as clocks:
-                            ms = time_ms(call, device, args.rep_ms, steady_ms=args.steady_ms)
+                        ms, note = time_with_clock(call, device, args)
                         cudnn = peer_ms.get("cudnn")
                         impl = "msa.fmha[e4m3]" if dtype_name == "fp8" else "msa.fmha"
                         if ran != "plain":
@@ -169,7 +166,7 @@ def main(argv=None):
                                   layout=layout, impl=impl, backend=backend, latency_ms=ms,
                                   tflops=flops / ms / 1e9,
                                   speedup_vs_cudnn=(cudnn / ms) if cudnn else None,
-                                  note=timing_note(args, clocks))
+                                  note=note)
             free_memory(device)
     if native is not None and hasattr(native, "WARP_SPECIALIZED_FOR_TESTS"):
         # Back to the served forms (the decode rows below time what the gates serve).
@@ -188,12 +185,11 @@ def main(argv=None):
         backend = msa._backend.last_backend("fmha_max_score")
         if reference_too_slow(backend, n, device, args, f"fmha max-score N={n}"):
             continue
-        with ClockSampler() as clocks:
-            ms = time_ms(score, device, args.rep_ms, steady_ms=args.steady_ms)
+        ms, note = time_with_clock(score, device, args)
         flops = 2 * D * 4 * (n * (n + 1) // 2)
         tsv.write(mode="max_score", n=n, hq=4, hkv=1, causal=1, layout="dense",
                   impl="msa.fmha", backend=backend, latency_ms=ms, tflops=flops / ms / 1e9,
-                  note=f"2*D*H*pairs {timing_note(args, clocks)}".strip())
+                  note=f"2*D*H*pairs {note}".strip())
         free_memory(device)
     if args.decode:
         bench_decode_like(msa, native, args, tsv, device)
@@ -222,30 +218,31 @@ def bench_decode_like(msa, native, args, tsv, device):
                     native.SPLIT_KV_FOR_TESTS = form == "split"
                 call = lambda: msa.fmha(q, k, v, plan, output_maxscore=False)   # noqa: E731
                 call()
-                with ClockSampler() as clocks:
-                    ms = time_ms(call, device, args.rep_ms, steady_ms=args.steady_ms)
+                ms, note = time_with_clock(call, device, args)
                 impl = "msa.fmha" + ("[e4m3]" if dtype_name == "fp8" else "")
                 impl += f"[split={splits}]" if form == "split" else "[unsplit]"
                 tsv.write(mode="decode", n=kv, hq=hq, hkv=hkv, causal=1, layout="dense",
                           impl=impl, backend=msa._backend.last_backend("fmha_dense"),
                           latency_ms=ms, tflops=4 * D * hq * pairs / ms / 1e9,
-                          note=f"B={b} q={ql} {timing_note(args, clocks)}".strip())
+                          note=f"B={b} q={ql} {note}".strip())
             if native is not None:
                 native.SPLIT_KV_FOR_TESTS = None
             free_memory(device)
 
 
-def timing_note(args, clocks) -> str:
-    """The TSV note of a timed row: the steady-state warm-up, and the SM clock and power the
-    measurement ran at (empty on the CPU)."""
-    if args.device == "cpu":
-        return ""
-    return f"steady={args.steady_ms}ms {clocks.note()}".strip()
+def time_with_clock(fn, device, args):
+    """(time_ms of fn with args' --rep-ms / --steady-ms, the row's TSV note: the steady warm-up
+    and the SM clock and power the measurement ran at; empty on the CPU)."""
+    with ClockSampler() as clocks:
+        ms = time_ms(fn, device, args.rep_ms, steady_ms=args.steady_ms)
+    if device.type != "cuda":
+        return ms, ""
+    return ms, f"steady={args.steady_ms}ms {clocks.note()}".strip()
 
 
-def time_sdpa(peer: str, q, k, v, causal: bool, device, rep_ms: int, steady_ms: int = 0):
-    """Dense SDPA with one backend (cudnn or flash) on [1, H, N, D] views (K/V expanded to Hq
-    heads); None (with a note) when the backend refuses the shape."""
+def time_sdpa(peer: str, q, k, v, causal: bool, device, args):
+    """time_with_clock of dense SDPA with one backend (cudnn or flash) on [1, H, N, D] views
+    (K/V expanded to Hq heads); None (with a note) when the backend refuses the shape."""
     if device.type != "cuda":
         return None
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -257,8 +254,7 @@ def time_sdpa(peer: str, q, k, v, causal: bool, device, rep_ms: int, steady_ms: 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     with sdpa_kernel([backend]):
         try:
-            return time_ms(lambda: sdpa(qq, kk, vv, is_causal=causal), device, rep_ms,
-                           steady_ms=steady_ms)
+            return time_with_clock(lambda: sdpa(qq, kk, vv, is_causal=causal), device, args)
         except RuntimeError as exc:
             print(f"skip sdpa {peer} N={q.shape[0]}: {str(exc).splitlines()[0]}", flush=True)
             return None

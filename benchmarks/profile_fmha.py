@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmha_form_hook, load_msa, native_module, parse_sizes  # noqa: E402
+from _common import (fmha_form_hook, flush_l2, load_msa, native_module,  # noqa: E402
+                     parse_sizes)
 
 D = 128
 
@@ -143,14 +144,13 @@ def timeline(call, iters: int) -> None:
     """The device timeline of calls made as bench_fmha makes them (an L2 flush, then the call):
     per kernel of the call, the median gap from the end of the kernel before it (the flush for
     the first) to its start, and its median duration in a cold L2 (torch.profiler; us)."""
-    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
     for _ in range(3):
-        flush.zero_()
+        flush_l2()
         call()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            flush.zero_()
+            flush_l2()
             call()
         torch.cuda.synchronize()
     kernels = sorted((e for e in prof.events()

@@ -205,7 +205,8 @@ def compile_variant(variant, *, dump_dir: Optional[str] = None):
             if variant.max_score or variant.form not in forms:
                 raise NotImplementedError(f"{variant.name}: the warp-specialized FMHA forms are "
                                           f"{', '.join(forms)} ({variant.dtype}), O only")
-            kernel = FmhaSm90Ws(variant.paged, _DTYPES[variant.dtype], **FMHA_WS_FORMS[variant.form][1])
+            _, form_options = FMHA_WS_FORMS[variant.form]
+            kernel = FmhaSm90Ws(variant.paged, _DTYPES[variant.dtype], **form_options)
         elif variant.max_score:
             kernel = FmhaSm90MaxScore(variant.paged, _DTYPES[variant.dtype])
         else:
