@@ -3,6 +3,7 @@ section of the contract and every "contract Dn" names a row of its drift table; 
 out of the repository (git-ignored; the TSV rows under benchmarks/results/ are the record), so
 no file may cite them."""
 
+import os
 import re
 from pathlib import Path
 
@@ -13,12 +14,14 @@ SKIP_DIRS = {"build", "__pycache__"}
 
 
 def _text_files():
-    for path in sorted(ROOT.rglob("*")):
-        rel = path.relative_to(ROOT)
-        if any(part.startswith(".") or part in SKIP_DIRS for part in rel.parts[:-1]):
-            continue
-        if path.is_file() and path.suffix in TEXT_SUFFIXES:
-            yield rel, path.read_text(encoding="utf-8", errors="replace")
+    """(path relative to the repository, text) of every source and doc file; hidden folders
+    (.venv, .artifacts, ...) and build outputs are not walked."""
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIP_DIRS)
+        for name in sorted(files):
+            path = Path(folder) / name
+            if path.suffix in TEXT_SUFFIXES:
+                yield path.relative_to(ROOT), path.read_text(encoding="utf-8", errors="replace")
 
 
 def _contract_sections():
