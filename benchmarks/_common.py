@@ -139,7 +139,7 @@ def time_ms(fn: Callable[[], object], device: torch.device, rep_ms: int = 200,
     when Triton is missing; with steady_ms, first steady_ms of back-to-back flushed calls. Why:
     the H200 caps its power at 700 W, and a bf16 FMHA at 4k drawing ~690 W drops from 1.98 to
     1.80-1.87 GHz within ~100 ms of back-to-back calls (450 -> 505 us per call), while an e4m3
-    one at ~610-690 W keeps 1.97-1.98 GHz (session 15, docs/design-fmha.md); do_bench's own
+    one at ~610-690 W keeps 1.97-1.98 GHz (docs/design-fmha.md); do_bench's own
     warm-up (25 ms) then times a case partly at the clock the previous case left. CPU:
     ``time.perf_counter`` around each call, 3 to 20 calls within rep_ms after one warm-up call.
     """
@@ -187,8 +187,8 @@ def _run_flushed_for(fn, ms: int) -> None:
 class ClockSampler:
     """GPU 0's SM clock and power sampled by nvidia-smi every 50 ms while the block runs;
     .note() is then 'sm=<median MHz>MHz <median W>W' over the samples drawing at least half the
-    block's peak power (the host-bound moments, a first call's setup, read as an idle GPU;
-    session 15's first cuDNN row had a 122 W median), or '' without nvidia-smi or samples."""
+    block's peak power (the host-bound moments, a first call's setup, read as an idle GPU and
+    would pull the median down to ~120 W), or '' without nvidia-smi or samples."""
 
     def __enter__(self):
         self._proc = None

@@ -1,6 +1,6 @@
 """The MSA indexer (per-block max scores) and the end-to-end MSA prefill pipeline.
 
-``block_max_scores`` is the proxy pass of the engine flow (contract §2.2, algorithm doc A1/A3):
+``block_max_scores`` is the proxy pass of the engine flow (contract §2.2, the max-score output):
 per query token, index head and 128-token KV tile, the max over the tile's causally visible keys
 of ``scale * q_idx . k_idx``. ``msa_prefill`` chains it with ``sparse_topk_select``,
 ``build_k2q_csr`` and ``sparse_atten_func`` the way M3 prefill does (the query's own block forced).
