@@ -65,7 +65,7 @@ def oracle_block_scores(idx_q, idx_k, position_ids) -> torch.Tensor:
     q, k = idx_q.double(), idx_k.double()
     scores = q @ k.transpose(-1, -2)                                        # [B, H, S_q, S_k]
     k_len = k.shape[2]
-    future = torch.arange(k_len).view(1, 1, 1, -1) > position_ids.view(
+    future = torch.arange(k_len, device=k.device).view(1, 1, 1, -1) > position_ids.view(
         position_ids.shape[0], 1, -1, 1)
     scores = scores.masked_fill(future, float("-inf"))
     blocks = -(-k_len // BLOCK)
@@ -105,8 +105,10 @@ def check_row_against_oracle(row, scores, own: int, local_blocks: int, tol: floa
     eligible.sort(key=lambda b: -float(scores[b]))
     keep = n - min(len(forced), n)
     assert len(ids) == min(n, min(len(forced), n) + len(eligible)), (row.tolist(), own)
-    assert forced <= set(ids) or len(forced) > n, (row.tolist(), forced)
-    chosen = [b for b in ids if b not in forced]
+    head = min(len(forced), n)
+    assert set(ids[:head]) <= forced and (forced <= set(ids) or len(forced) > n), (
+        row.tolist(), forced)                             # forced blocks first, all of them
+    chosen = ids[head:]
     assert all(b <= own for b in chosen), (row.tolist(), own)
     if eligible[keep:keep + 1]:
         cut = float(scores[eligible[keep - 1]]) if keep else float("inf")
@@ -120,12 +122,13 @@ def check_row_against_oracle(row, scores, own: int, local_blocks: int, tol: floa
     assert all(a >= b - tol for a, b in zip(values, values[1:])), (row.tolist(), values)
 
 
-def assert_same_selection(ours, stock, oracle, position_ids, local_blocks: int,
+def assert_same_selection(ours, stock, position_ids, local_blocks: int, row_scores,
                           max_differing: float = 0.01, tol: float = 1e-4) -> int:
     """ours == stock row by row (forced prefixes compared as sets); rows that differ must each
-    be a valid selection under the float64 oracle (a near-tie at the cut) and be at most
-    max_differing of all rows. Returns the number of differing rows."""
+    be a valid selection under the float64 scores row_scores(b, h, t) -> [blocks] (a near-tie at
+    the cut) and be at most max_differing of all rows. Returns the number of differing rows."""
     assert ours.shape == stock.shape and ours.dtype == stock.dtype == torch.int64
+    ours, stock, position_ids = ours.cpu(), stock.cpu(), position_ids.cpu()
     width = ours.shape[-1]
     forced = forced_counts(position_ids, local_blocks, width, ours.shape[1])
     differ = (canonical(ours, forced) != canonical(stock, forced)).any(-1)
@@ -133,9 +136,20 @@ def assert_same_selection(ours, stock, oracle, position_ids, local_blocks: int,
     assert count <= max_differing * differ.numel(), f"{count} of {differ.numel()} rows differ"
     own = torch.div(position_ids, BLOCK, rounding_mode="floor")
     for b, h, t in differ.nonzero().tolist():
-        check_row_against_oracle(ours[b, h, t], oracle[b, h, t], int(own[b, t]), local_blocks,
-                                 tol * max(1.0, float(oracle[b, h, t].abs().nan_to_num(0, 0, 0).max())))
+        scores = row_scores(b, h, t).cpu()
+        scale = max(1.0, float(scores.nan_to_num(0.0, 0.0, 0.0).abs().max()))
+        check_row_against_oracle(ours[b, h, t], scores, int(own[b, t]), local_blocks,
+                                 tol * scale)
     return count
+
+
+def row_oracle(idx_q, idx_k, position_ids):
+    """row_scores(b, h, t) for assert_same_selection: float64 block scores of one query row
+    (the stock index inputs, idx_q [B, H, S_q, D], idx_k [B, 1, S_k, D]), on their device."""
+    def scores(b, h, t):
+        q = idx_q[b, h, t:t + 1].unsqueeze(0).unsqueeze(0)
+        return oracle_block_scores(q, idx_k[b:b + 1], position_ids[b:b + 1, t:t + 1])[0, 0, 0]
+    return scores
 
 
 def margin(logits: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import msa
 from msa import layers
 from m3_testing import (assert_greedy_tokens_agree, assert_logits_close, assert_same_selection,
-                        m3_config, m3_model, oracle_block_scores, stock_index_inputs)
+                        m3_config, m3_model, row_oracle, stock_index_inputs)
 
 transformers = pytest.importorskip("transformers")
 modeling = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
@@ -55,11 +55,12 @@ def _run_both(indexer, hidden, position_embeddings, positions, caches=(None, Non
 
 
 def _oracle(indexer, hidden, position_embeddings, positions, history=None):
+    """(row_scores for assert_same_selection, the index keys so far)."""
     with torch.no_grad():
         idx_q, idx_k = stock_index_inputs(indexer, hidden, position_embeddings)
     if history is not None:
         idx_k = torch.cat([history, idx_k], dim=2)
-    return oracle_block_scores(idx_q, idx_k, positions), idx_k
+    return row_oracle(idx_q, idx_k, positions), idx_k
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,7 +117,7 @@ def test_indexer_matches_stock(monkeypatch, batch, q_len, local_blocks, topk_blo
     ours, stock = _run_both(indexer, hidden, pe, positions)
     assert ours.shape == (batch, 2, q_len, min(topk_blocks, -(-q_len // 128)))
     oracle, _ = _oracle(indexer, hidden, pe, positions)
-    assert_same_selection(ours, stock, oracle, positions, local_blocks)
+    assert_same_selection(ours, stock, positions, local_blocks, oracle)
 
 
 @pytest.mark.parametrize("local_blocks", [0, 1])
@@ -134,7 +135,7 @@ def test_indexer_matches_stock_with_irregular_positions(monkeypatch, local_block
                                                       positions=positions)
     ours, stock = _run_both(indexer, hidden, pe, positions)
     oracle, _ = _oracle(indexer, hidden, pe, positions)
-    assert_same_selection(ours, stock, oracle, positions, local_blocks)
+    assert_same_selection(ours, stock, positions, local_blocks, oracle)
 
 
 def test_indexer_matches_stock_through_a_kv_cache():
@@ -151,7 +152,7 @@ def test_indexer_matches_stock_through_a_kv_cache():
             pe = model.model.rotary_emb(hidden, positions)
         oracle, history = _oracle(indexer, hidden, pe, positions, history)
         ours, stock = _run_both(indexer, hidden, pe, positions, caches)
-        assert_same_selection(ours, stock, oracle, positions, 1)
+        assert_same_selection(ours, stock, positions, 1, oracle)
         assert torch.equal(caches[0].layers[1].idx_keys, caches[1].layers[1].idx_keys)
 
 

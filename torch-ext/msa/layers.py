@@ -16,8 +16,9 @@ Two layers, named after the transformers classes whose ``forward`` they replace:
     cache update, then the block-sparse attention of this package over the indexer's selection
     (``build_k2q_csr`` with its schedule, ``sparse_atten_func``), on any device and without
     transformers' SM100 gate (no ``_msa_validated`` flag, no ``attn_implementation`` string).
-    Dense layers: causal prefill without a padding mask or cache history runs this package's
-    dense FMHA (``fmha``); everything else runs the model's own forward.
+    bf16 only. Dense layers: a causal prefill without a padding mask or cache history, on a GPU
+    this build has a native FMHA for, runs this package's dense FMHA (``fmha``); everything
+    else runs the model's own forward.
 
 Semantics shared with transformers' MSA route: bottom-right causal attention over the cache
 (one request: its valid length ``position_ids[0, -1] + 1``, so a StaticCache works; several:
@@ -37,7 +38,6 @@ without ``fullgraph=True``.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Optional
 
 import torch
@@ -49,8 +49,6 @@ from .fmha import fmha, fmha_plan
 from .indexer import block_max_scores
 from .interface import build_k2q_csr, sparse_atten_func
 from .topk import sparse_topk_select
-
-logger = logging.getLogger("msa")
 
 # Scratch of one query chunk's block scores, [index heads, key blocks, B * chunk] fp32: the
 # indexer layer sizes its query chunks to stay within it (64k tokens: one chunk; 512k: 16k
