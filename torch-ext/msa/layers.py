@@ -64,7 +64,7 @@ class MiniMaxM3VLIndexer(nn.Module):
     """Drop-in forward of transformers' ``MiniMaxM3VLIndexer`` (see the module docstring).
 
     Reads from the host module: ``q_proj``, ``k_proj``, ``q_norm``, ``k_norm``, ``head_dim``,
-    ``num_heads``, ``block_size``, ``topk_blocks``, ``local_blocks``, ``layer_idx``.
+    ``block_size``, ``topk_blocks``, ``local_blocks``, ``layer_idx``.
     """
 
     can_torch_compile: bool = True
@@ -75,7 +75,6 @@ class MiniMaxM3VLIndexer(nn.Module):
     q_norm: nn.Module
     k_norm: nn.Module
     head_dim: int
-    num_heads: int
     block_size: int
     topk_blocks: int
     local_blocks: int
