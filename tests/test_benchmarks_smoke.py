@@ -115,3 +115,13 @@ def test_fmha_tiny(tmp_path):
                                                         ("max_score", "dense")}
     assert {r["causal"] for r in rows if r["mode"] == "o"} == {"0", "1"}
     assert all(t > 0 for t in latencies(rows, "latency_ms"))
+
+
+def test_transformers_m3_tiny(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "m3.tsv"
+    run_tiny("bench_transformers_m3.py", out)
+    _header, rows = read_tsv(out)
+    assert [r["impl"] for r in rows] == ["stock", "kernelized"]
+    assert all(float(r["latency_ms"]) > 0 for r in rows)
+    assert float(rows[1]["speedup_vs_stock"]) > 0 and rows[1]["note"] == "msa.layers"

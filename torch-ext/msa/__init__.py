@@ -9,6 +9,7 @@ Importing this package never initializes CUDA.
 """
 
 from . import _native  # registers the native kernels available in this build (lazy, no CUDA)
+from . import layers  # kernels layers for transformers' MiniMax-M3 (kernels.kernelize looks here)
 from .decode import SparseDecodePagedAttentionWrapper, sparse_decode_atten_func
 from .fmha import (fmha, fmha_plan, fmha_sm100, fmha_sm100_plan, sparse_fmha, sparse_fmha_plan)
 from .fp4_indexer_interface import fp4_indexer_block_scores
@@ -39,8 +40,9 @@ __all__ = [
 ]
 
 # Additive names (contract §2): the fmha plan/run API, top-k selection, the indexer and the
-# end-to-end prefill. Not in __all__, which stays exactly the upstream list.
+# end-to-end prefill, and the ``layers`` module that ``kernels.kernelize`` reads. Not in __all__,
+# which stays exactly the upstream list.
 __all_additive__ = [
     "fmha_sm100_plan", "fmha_sm100", "fmha_plan", "fmha", "sparse_topk_select",
-    "sparse_fmha_plan", "sparse_fmha", "block_max_scores", "msa_prefill",
+    "sparse_fmha_plan", "sparse_fmha", "block_max_scores", "msa_prefill", "layers",
 ]
