@@ -336,7 +336,7 @@ def weighted_row(rows, dtype_name: str) -> dict:
     for s in STAGES:
         if all(r.get(f"{s}_ms") is not None for r in rows):
             row[f"{s}_ms"] = sum(x * r[f"{s}_ms"] for x, r in zip(w, rows)) / total_w
-    attn = [r.get("attention_ms", 0) + (r.get("combine_ms") or 0) for r in rows]
+    attn = [(r.get("attention_ms") or 0) + (r.get("combine_ms") or 0) for r in rows]
     if all(a > 0 for a in attn):
         row["attention_tflops"] = flops / sum(x * a for x, a in zip(w, attn)) / 1e9
     return row
