@@ -37,7 +37,7 @@ from typing import Dict, List, Optional
 import torch
 
 from _common import (add_common_args, apply_preset, free_memory, load_msa, parse_names,
-                     random_fill, setup, synchronize, TsvWriter)
+                     random_fill, setup, split_dtype_name, synchronize, TsvWriter)
 from prefill_cases import (QUICK_CASES, PrefillCase, attention_flops, load_cases, select_cases,
                            tiny_cases)
 
@@ -53,16 +53,6 @@ COLUMNS = ("case", "batch", "total_q", "max_kv", "weight", "lengths", "dtype", "
 FORMATS = {"latency_ms": ".4f", "dense_ms": ".4f", "cv": ".3f", "gflop": ".2f",
            "eff_tflops": ".1f", "attention_tflops": ".1f", "speedup": ".2f", "peak_gb": ".1f",
            **{f"{s}_ms": ".4f" for s in STAGES}}
-
-
-def dtypes_of(name: str):
-    """(q/k/v dtype, index dtype, partial dtype) of a --dtypes entry: bf16, fp8 (e4m3 q/k/v and
-    index, bf16 partials), either with _p<partial> (e.g. fp8_pe4m3)."""
-    base, _, partial = name.partition("_p")
-    value = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[base]
-    partials = {"": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16,
-                "fp32": torch.float32, "e4m3": torch.float8_e4m3fn}
-    return value, value, partials[partial]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,7 +249,8 @@ def dense_sdpa_ms(case: PrefillCase, args, device) -> Optional[float]:
 # ---------------------------------------------------------------------------------------------
 
 def bench_case(msa, case: PrefillCase, dtype_name: str, args, device, dense_ms):
-    dtype, index_dtype, partial_dtype = dtypes_of(dtype_name)
+    dtype, partial_dtype = split_dtype_name(dtype_name)
+    index_dtype = dtype
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
