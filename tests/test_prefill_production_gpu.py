@@ -243,6 +243,17 @@ def test_run_is_capturable_in_a_cuda_graph(seed, native):
 # One 1M-token call
 # ---------------------------------------------------------------------------------------------
 
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    return t.float().double()
+
+
+def _take(t: torch.Tensor, keys: torch.Tensor, head: int) -> torch.Tensor:
+    """t[keys, head] in float64 (e4m3 rows gathered as bytes)."""
+    if t.element_size() == 1:
+        return _f64(t.view(torch.uint8)[keys, head].view(t.dtype))
+    return _f64(t[keys, head])
+
+
 def _sampled_reference(q, k, v, q_idx, k_idx, rows, q2k, topk):
     """float64 on the sampled rows of a single causal sequence: index scores against every
     key (in key chunks), the selection's validity (own block, ascending, nothing below the
@@ -251,11 +262,11 @@ def _sampled_reference(q, k, v, q_idx, k_idx, rows, q2k, topk):
     hkv, g = k.shape[1], q.shape[1] // k.shape[1]
     for t in rows:
         own = t // 128
-        qi = q_idx[t].double()                                    # [Hkv, 128]
+        qi = _f64(q_idx[t])                                       # [Hkv, 128]
         best = torch.full((hkv, own + 1), -math.inf, dtype=torch.float64, device=q.device)
         for k0 in range(0, t + 1, 1 << 18):
             k1 = min(t + 1, k0 + (1 << 18))
-            s = qi @ k_idx[k0:k1, 0].double().t()                 # [Hkv, keys]
+            s = qi @ _f64(k_idx[k0:k1, 0]).t()                    # [Hkv, keys]
             pad = (-(k1 - k0)) % 128
             s = torch.nn.functional.pad(s, (0, pad), value=-math.inf)
             best[:, k0 // 128:(k1 + pad) // 128] = s.view(hkv, -1, 128).amax(-1)
@@ -270,8 +281,8 @@ def _sampled_reference(q, k, v, q_idx, k_idx, rows, q2k, topk):
                 assert float(chosen.min()) >= float(kth) - tol, (t, h)
             keys = torch.cat([torch.arange(128 * z, min(128 * z + 128, t + 1), device=q.device)
                               for z in sel])
-            kk, vv = k[keys, h].double(), v[keys, h].double()
-            p = torch.softmax(q[t, h * g:(h + 1) * g].double() @ kk.t() * 128 ** -0.5, -1)
+            kk, vv = _take(k, keys, h), _take(v, keys, h)
+            p = torch.softmax(_f64(q[t, h * g:(h + 1) * g]) @ kk.t() * 128 ** -0.5, -1)
             yield t, h, p @ vv
 
 
@@ -306,6 +317,6 @@ def test_one_million_tokens_in_one_call(dtype, seed, native):
     assert not torch.isnan(out).any()
     rows = sorted({0, 127, 128, 5000, 65_537, n // 2 + 3, n - 129, n - 1})
     for t, h, o64 in _sampled_reference(q, k, v, q_idx, k_idx, rows, q2k, topk):
-        got = out[t, h * g:(h + 1) * g].double()
+        got = _f64(out[t, h * g:(h + 1) * g])
         atol = 2e-2 if dtype == BF16 else 0.125
         torch.testing.assert_close(got, o64, atol=atol, rtol=2e-2)

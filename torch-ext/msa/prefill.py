@@ -278,7 +278,7 @@ def _index_scores(chunk: ChunkPlan, q_idx: torch.Tensor, k_idx: torch.Tensor,
         pages = index_page_table.reshape(-1).index_select(0, split.page_index.reshape(-1))
         pages = pages.view(split.page_index.shape)
     part = block_max_scores(
-        q_idx.index_select(0, split.query_rows), k_idx, split.cu_seqlens_q,
+        _gather_rows(q_idx, split.query_rows), k_idx, split.cu_seqlens_q,
         split.cu_seqlens_k, max_seqlen_k=n * BLOCK_SIZE, qo_offset=split.qo_offset,
         page_table=pages, seqused_k=split.seqused_k, max_k_tiles=n, **common)
     heads, total_q = part.shape[0], q_idx.shape[0]
@@ -286,6 +286,13 @@ def _index_scores(chunk: ChunkPlan, q_idx: torch.Tensor, k_idx: torch.Tensor,
     scores.view(heads, splits, n, total_q).copy_(
         part.index_select(2, split.columns).view(heads, n, splits, total_q).permute(0, 2, 1, 3))
     return scores
+
+
+def _gather_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t[rows] along dim 0; 1-byte dtypes (e4m3) move as uint8 (same bits, any backend)."""
+    if t.element_size() == 1 and t.dtype != torch.uint8:
+        return t.view(torch.uint8).index_select(0, rows).view(t.dtype)
+    return t.index_select(0, rows)
 
 
 def run_chunk(chunk: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
