@@ -4,9 +4,10 @@ The cases: upstream's 66 representative production calls (benchmarks/prefill_cas
 request a cached prefix and a new chunk, weights = production call counts). Per case and dtype:
 
 * the pipeline: ``msa.MsaPrefillPagedWrapper`` over a paged cache (K/V and index-K in 128-token
-  pages, disjoint random page tables, one scratch page), planned outside the timing; the whole
-  ``run()`` captured in one CUDA graph over S input slots (each its own q, caches, page table
-  and plan), S chosen so the bytes of S - 1 slots exceed twice the L2 (upstream's rule: no call
+  pages, disjoint random page tables, one scratch page), planned outside the timing (impl
+  ``paged``; ``--impls dense`` adds ``msa.msa_prefill`` on packed K/V); the whole call
+  captured in one CUDA graph over S input slots (each its own q, caches, page table and
+  plan), S chosen so the bytes of S - 1 slots exceed twice the L2 (upstream's rule: no call
   finds its data in L2); after 5 warm-up replays, the median of >= 20 timed replays / S
   (retried up to 3 times while the replays' CV exceeds 3 %). The graph's outputs must equal
   the eager run's, bit for bit (column ``graph``).
@@ -17,7 +18,8 @@ request a cached prefix and a new chunk, weights = production call counts). Per 
 
 FLOPs = 4 * 128 * Hq * (visible selected keys), upstream's count; the benchmark checks the
 count against the selection the pipeline made on slot 0 (``note``). eff_tflops = FLOPs /
-latency; attention_tflops = FLOPs / (attention + combine). The ``weighted`` row per dtype:
+latency; attention_tflops = FLOPs / (attention + combine). The ``weighted`` row per impl and
+dtype:
 sum(w * FLOPs) / sum(w * latency), the weighted speed-up sum(w * dense) / sum(w * latency), the
 weighted means of the stages and the smallest per-case speed-up.
 
@@ -36,8 +38,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from _common import (add_common_args, apply_preset, free_memory, load_msa, parse_names,
-                     random_fill, setup, split_dtype_name, synchronize, TsvWriter)
+from _common import (add_common_args, apply_preset, cu_seqlens, free_memory, load_msa,
+                     parse_names, random_fill, setup, split_dtype_name, synchronize, TsvWriter)
 from prefill_cases import (QUICK_CASES, PrefillCase, attention_flops, load_cases, select_cases,
                            tiny_cases)
 
@@ -59,12 +61,14 @@ FORMATS = {"latency_ms": ".4f", "dense_ms": ".4f", "cv": ".3f", "gflop": ".2f",
 # Inputs
 # ---------------------------------------------------------------------------------------------
 
-class Slot:
-    """One set of inputs of a case (its own caches, page table and plan)."""
+class PagedSlot:
+    """One set of inputs of a case for the paged wrapper: its own caches (K/V and index-K in
+    128-token pages, a disjoint random page table plus one scratch page) and plan."""
+    impl = "msa_prefill_paged"
 
-    def __init__(self, msa, case: PrefillCase, args, dtype, index_dtype, partial_dtype, device):
+    def __init__(self, msa, case: PrefillCase, args, dtype, partial_dtype, device):
         pages = [-(-n // BLOCK) for n in case.kv_lens]
-        n_pages = sum(pages) + 1                       # + one scratch page past every request
+        n_pages = sum(pages) + 1
         perm = torch.randperm(n_pages, device=device).to(torch.int32)
         table = perm[-1:].repeat(case.batch, max(pages)).contiguous()
         start = 0
@@ -74,16 +78,50 @@ class Slot:
         self.page_table = table
         self.k_cache = random_fill([n_pages, args.hkv, BLOCK, HEAD_DIM], dtype, device)
         self.v_cache = random_fill([n_pages, args.hkv, BLOCK, HEAD_DIM], dtype, device)
-        self.k_idx_cache = random_fill([n_pages, 1, BLOCK, HEAD_DIM], index_dtype, device)
+        self.k_idx_cache = random_fill([n_pages, 1, BLOCK, HEAD_DIM], dtype, device)
         self.q = random_fill([case.total_q, args.hq, HEAD_DIM], dtype, device)
-        self.q_idx = random_fill([case.total_q, args.hkv, HEAD_DIM], index_dtype, device)
+        self.q_idx = random_fill([case.total_q, args.hkv, HEAD_DIM], dtype, device)
         self.wrapper = msa.MsaPrefillPagedWrapper(topk=args.topk, partial_dtype=partial_dtype)
         self.wrapper.plan(list(case.query_lens), list(case.kv_lens), self.page_table,
                           num_qo_heads=args.hq, num_kv_heads=args.hkv)
+        self.num_chunks, self.index_splits = self.wrapper.num_chunks, self.wrapper.index_splits
 
     def run(self, **kwargs):
         return self.wrapper.run(self.q, self.k_cache, self.v_cache, self.q_idx, self.k_idx_cache,
                                 **kwargs)
+
+
+class DenseSlot:
+    """One set of inputs of a case for msa.msa_prefill: dense K/V / index-K per request
+    (prefix + chunk, packed), lengths on the device; the call plans its chunks itself."""
+    impl = "msa_prefill_dense"
+
+    def __init__(self, msa, case: PrefillCase, args, dtype, partial_dtype, device):
+        total_k = sum(case.kv_lens)
+        self.msa, self.topk, self.partial_dtype = msa, args.topk, partial_dtype
+        self.k = random_fill([total_k, args.hkv, HEAD_DIM], dtype, device)
+        self.v = random_fill([total_k, args.hkv, HEAD_DIM], dtype, device)
+        self.k_idx = random_fill([total_k, 1, HEAD_DIM], dtype, device)
+        self.q = random_fill([case.total_q, args.hq, HEAD_DIM], dtype, device)
+        self.q_idx = random_fill([case.total_q, args.hkv, HEAD_DIM], dtype, device)
+        self.cu_q = cu_seqlens(case.query_lens, device)
+        self.cu_k = cu_seqlens(case.kv_lens, device)
+        self.lens = dict(max_seqlen_q=max(case.query_lens), max_seqlen_k=case.max_kv)
+        opts = msa.prefill.PrefillOptions(args.topk, 1, True, partial_dtype, None, 1.0,
+                                          args.hq // args.hkv)
+        chunks = msa.prefill.plan_dense_chunks(
+            self.cu_q, self.cu_k, total_q=case.total_q, total_k=total_k, num_qo_heads=args.hq,
+            num_kv_heads=args.hkv, opts=opts, **self.lens)
+        self.num_chunks = len(chunks)
+        self.index_splits = [1 if c.split is None else c.split.splits for c in chunks]
+
+    def run(self, return_selection=False):
+        return self.msa.msa_prefill(self.q, self.k, self.v, self.q_idx, self.k_idx, self.cu_q,
+                                    self.cu_k, topk=self.topk, partial_dtype=self.partial_dtype,
+                                    return_selection=return_selection, **self.lens)
+
+
+SLOTS = {"paged": PagedSlot, "dense": DenseSlot}
 
 
 def slot_bytes(case: PrefillCase, args, elem: int) -> int:
@@ -166,7 +204,7 @@ class StageClock:
         return out
 
 
-def stage_breakdown(msa, slots: List[Slot], args, device) -> Dict[str, float]:
+def stage_breakdown(msa, slots: list, args, device) -> Dict[str, float]:
     """Median over replays of each stage's ms per call (mean over the slots)."""
     cuda = device.type == "cuda"
     clocks = [StageClock(cuda) for _ in slots]
@@ -248,14 +286,13 @@ def dense_sdpa_ms(case: PrefillCase, args, device) -> Optional[float]:
 # One case
 # ---------------------------------------------------------------------------------------------
 
-def bench_case(msa, case: PrefillCase, dtype_name: str, args, device, dense_ms):
+def bench_case(msa, case: PrefillCase, impl: str, dtype_name: str, args, device, dense_ms):
     dtype, partial_dtype = split_dtype_name(dtype_name)
-    index_dtype = dtype
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     n_slots = slot_count(case, args, dtype.itemsize, device)
-    slots = [Slot(msa, case, args, dtype, index_dtype, partial_dtype, device)
+    slots = [SLOTS[impl](msa, case, args, dtype, partial_dtype, device)
              for _ in range(n_slots)]
     flops = attention_flops(case.selected_keys(args.topk), args.hq)
     notes = []
@@ -294,14 +331,13 @@ def bench_case(msa, case: PrefillCase, dtype_name: str, args, device, dense_ms):
             notes.append(f"no breakdown ({str(exc).splitlines()[0][:80]})")
             synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None
-    wrapper = slots[0].wrapper
     row = dict(case=case.case_id, batch=case.batch, total_q=case.total_q, max_kv=case.max_kv,
                weight=case.weight, lengths=case.source, dtype=dtype_name,
-               impl="msa_prefill_paged", latency_ms=latency, cv=cv, gflop=flops / 1e9,
+               impl=slots[0].impl, latency_ms=latency, cv=cv, gflop=flops / 1e9,
                eff_tflops=flops / latency / 1e9, dense_ms=dense_ms,
                speedup=dense_ms / latency if dense_ms else None,
-               chunks=wrapper.num_chunks,
-               index_splits="+".join(map(str, wrapper.index_splits)), slots=n_slots,
+               chunks=slots[0].num_chunks,
+               index_splits="+".join(map(str, slots[0].index_splits)), slots=n_slots,
                peak_gb=peak, graph=graph_ok, note=" ".join(notes) or None)
     for s in STAGES:
         row[f"{s}_ms"] = stages.get(s)
@@ -314,13 +350,13 @@ def bench_case(msa, case: PrefillCase, dtype_name: str, args, device, dense_ms):
 
 
 def weighted_row(rows, dtype_name: str) -> dict:
-    """Upstream's aggregate over the cases measured in this run."""
+    """Upstream's aggregate over the cases of one (impl, dtype) measured in this run."""
     w = [r["weight"] for r in rows]
     total_w = sum(w)
     lat = sum(x * r["latency_ms"] for x, r in zip(w, rows))
     flops = sum(x * r["gflop"] * 1e9 for x, r in zip(w, rows))
     row = dict(case="weighted", batch=len(rows), weight=total_w, dtype=dtype_name,
-               impl="msa_prefill_paged", latency_ms=lat / total_w, gflop=flops / total_w / 1e9,
+               impl=rows[0]["impl"], latency_ms=lat / total_w, gflop=flops / total_w / 1e9,
                eff_tflops=flops / lat / 1e9)
     dense = [r for r in rows if r.get("dense_ms")]
     if len(dense) == len(rows):
@@ -347,6 +383,9 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="bf16,fp8",
                     help="bf16, fp8 (e4m3 q/k/v and index), with _p<partial> for the partial "
                          "dtype (e.g. fp8_pe4m3); default bf16 partials")
+    ap.add_argument("--impls", default="paged",
+                    help="paged (MsaPrefillPagedWrapper, the engine layout) and/or dense "
+                         "(msa_prefill on packed K/V)")
     ap.add_argument("--hq", type=int, default=64)
     ap.add_argument("--hkv", type=int, default=4, help="KV heads = index heads")
     ap.add_argument("--topk", type=int, default=16)
@@ -368,16 +407,19 @@ def main(argv=None):
     msa = load_msa()
     cases = tiny_cases() if args.tiny else select_cases(load_cases(), args.cases)
     tsv = TsvWriter(args.out, COLUMNS, device, formats=FORMATS)
-    dtype_names = parse_names(args.dtypes)
-    results: Dict[str, List[dict]] = {d: [] for d in dtype_names}
+    runs = [(impl, d) for impl in parse_names(args.impls) for d in parse_names(args.dtypes)]
+    unknown = sorted({impl for impl, _ in runs} - set(SLOTS))
+    if unknown:
+        ap.error(f"--impls: unknown {unknown}; known {sorted(SLOTS)}")
+    results: Dict[tuple, List[dict]] = {run: [] for run in runs}
     for case in cases:
         dense_ms = dense_sdpa_ms(case, args, device) if args.dense else None
         free_memory(device)
-        for dtype_name in dtype_names:
-            row = bench_case(msa, case, dtype_name, args, device, dense_ms)
+        for impl, dtype_name in runs:
+            row = bench_case(msa, case, impl, dtype_name, args, device, dense_ms)
             tsv.write(**row)
-            results[dtype_name].append(row)
-    for dtype_name, rows in results.items():
+            results[(impl, dtype_name)].append(row)
+    for (_impl, dtype_name), rows in results.items():
         if rows:
             tsv.write(**weighted_row(rows, dtype_name))
     synchronize(device)

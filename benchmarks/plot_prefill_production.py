@@ -1,6 +1,6 @@
 """Plot bench_prefill_production.py's TSV: per case, the pipeline's speed-up over dense SDPA
-against the chunk's queries (total_q) and against its KV length, one series per dtype, marker
-area by production weight, the 4x line and each dtype's weighted speed-up in the legend.
+against the chunk's queries (total_q) and against its KV length, one series per impl and dtype,
+marker area by production weight, the 4x line and each series' weighted speed-up in the legend.
 
     python benchmarks/plot_prefill_production.py benchmarks/results/prefill_production_h200.tsv \
         [--out PNG] [--commit SHA]
@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 
 
 def load_run(path: Path, commit: Optional[str] = None) -> Tuple[str, List[dict], Dict[str, dict]]:
-    """(run label, per-case rows with a speed-up, {dtype: weighted row}) of one run."""
+    """(run label, per-case rows with a speed-up, {series: weighted row}) of one run."""
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f, delimiter="\t"))
     if not rows:
@@ -30,17 +30,22 @@ def load_run(path: Path, commit: Optional[str] = None) -> Tuple[str, List[dict],
         raise SystemExit(f"{path}: no rows of commit {commit}")
     run = [r for r in rows if r["commit"] == commit and r["date"] == date]
     cases = [r for r in run if r["case"] != "weighted" and r["speedup"]]
-    weighted = {r["dtype"]: r for r in run if r["case"] == "weighted"}
+    weighted = {series_name(r): r for r in run if r["case"] == "weighted"}
     gpu = run[-1]["gpu"]
     return f"{gpu}, {commit}, {date}", cases, weighted
 
 
+def series_name(row: dict) -> str:
+    """A series per implementation and dtype: "paged bf16", "dense fp8", ..."""
+    return f"{row['impl'].replace('msa_prefill_', '')} {row['dtype']}"
+
+
 def series(cases: List[dict]) -> Dict[str, Dict[str, list]]:
-    """{dtype: {total_q, max_kv, speedup, weight}} lists in row order."""
+    """{series: {total_q, max_kv, speedup, weight}} lists in row order."""
     out: Dict[str, Dict[str, list]] = {}
     for r in cases:
-        s = out.setdefault(r["dtype"], {"total_q": [], "max_kv": [], "speedup": [],
-                                        "weight": []})
+        s = out.setdefault(series_name(r), {"total_q": [], "max_kv": [], "speedup": [],
+                                            "weight": []})
         s["total_q"].append(int(r["total_q"]))
         s["max_kv"].append(int(r["max_kv"]))
         s["speedup"].append(float(r["speedup"]))
@@ -57,10 +62,10 @@ def draw(label: str, cases: List[dict], weighted: Dict[str, dict], out: Path) ->
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     for ax, key, xlabel in ((axes[0], "total_q", "queries of the call (total_q)"),
                             (axes[1], "max_kv", "KV length (max over requests)")):
-        for dtype, s in data.items():
-            w = weighted.get(dtype, {})
-            name = dtype + (f" (weighted {float(w['speedup']):.1f}x)" if w.get("speedup")
-                            else "")
+        for name, s in data.items():
+            w = weighted.get(name, {})
+            if w.get("speedup"):
+                name += f" (weighted {float(w['speedup']):.1f}x)"
             sizes = [12 + 120 * (x / max(s["weight"])) ** 0.5 for x in s["weight"]]
             ax.scatter(s[key], s["speedup"], s=sizes, alpha=0.6, label=name)
         ax.axhline(4.0, color="gray", linestyle="--", linewidth=1)

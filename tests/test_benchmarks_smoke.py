@@ -104,15 +104,15 @@ def test_prefill_production_tiny(tmp_path):
 
     sys.path.insert(0, str(BENCH))
     from plot_prefill_production import load_run, series
-    _label, plotted, by_dtype = load_run(out)
-    assert len(plotted) == 3 and set(by_dtype) == {"bf16"}
-    assert sorted(series(plotted)["bf16"]["total_q"]) == [40, 170, 300]
+    _label, plotted, weighted = load_run(out)
+    assert len(plotted) == 3 and set(weighted) == {"paged bf16"}
+    assert sorted(series(plotted)["paged bf16"]["total_q"]) == [40, 170, 300]
 
 
 def test_prefill_production_plot(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "prefill_production.tsv"
-    run_tiny("bench_prefill_production.py", out, "--no-breakdown")
+    run_tiny("bench_prefill_production.py", out, "--no-breakdown", "--impls", "paged,dense")
     sys.path.insert(0, str(BENCH))
     from plot_prefill_production import main as plot
     plot([str(out), "--out", str(tmp_path / "p.png")])
