@@ -204,7 +204,7 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
         tolerance).
       workspace_bytes: bound on the call's scratch memory (default 16 GiB, see
         ``msa.prefill``): a call whose workspace would exceed it runs in query chunks of
-        ``msa.prefill.chunk_tokens`` queries (same result; peak memory = inputs + O + one
+        ``msa.prefill.chunk_tokens`` queries (same result; peak memory <= inputs + O + one
         chunk's workspace).
 
     Returns O [total_q, Hq, 128] bf16, or (O, q2k [Hkv, total_q, topk] int32) with

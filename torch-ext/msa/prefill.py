@@ -23,7 +23,7 @@ SMs (about 12 us per 1k keys). With S splits, sub-request (r, s) holds r's queri
 the keys [128 n s, 128 n (s+1)) of r (n tiles per split), with the causal offset shifted by
 -128 n s; the tiles of different splits are disjoint, so one gather assembles [H, S n, T].
 
-Peak memory of a call: inputs + O [T, Hq, 128] bf16 + min(T, C) * W_q, where W_q is
+Peak memory of a call: at most inputs + O [T, Hq, 128] bf16 + min(T, C) * W_q, where W_q is
 :func:`workspace_bytes_per_query` and C = :func:`chunk_tokens` (default budget 16 GiB).
 """
 
@@ -308,6 +308,7 @@ def run_chunk(chunk: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                    force_end_blocks=opts.local_blocks,
                                    causal_end_block=chunk.own_block if opts.causal else None)
     q2k = selection.permute(1, 0, 2).contiguous()
+    del scores, selection               # the attention's partials may reuse their memory
     _stages.mark("csr")
     row_ptr, q_ids, schedule = build_k2q_csr(
         q2k, chunk.cu_seqlens_q, chunk.cu_seqlens_k, BLOCK_SIZE, total_k=chunk.total_k,
@@ -387,7 +388,7 @@ def plan_dense_chunks(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
         ctas = -(-(t1 - t0) * num_kv_heads // INDEXER_TILE_ROWS)
         splits, per_split = index_key_splits(ctas, tiles, sm_count)
         split = None
-        if splits > 1:
+        if splits > 1 and t1 > t0:
             split = index_split(cu_q, cu_k, t1 - t0, splits, per_split, causal=opts.causal,
                                 paged=False)
         chunks.append(ChunkPlan(t0, t1, cu_q, cu_k, None, mq, max_seqlen_k, total_k, None,
