@@ -306,6 +306,15 @@ def dtype_of(name: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}[name]
 
 
+def split_dtype_name(name: str):
+    """(q/k/v and index dtype, partial_dtype) of a --dtypes entry: "bf16", "fp8", or either with
+    "_p<partial>" (e.g. fp8_pe4m3: e4m3 partials; default bf16 partials)."""
+    base, _, partial = name.partition("_p")
+    partials = {"": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16,
+                "fp32": torch.float32, "e4m3": torch.float8_e4m3fn}
+    return dtype_of(base), partials[partial]
+
+
 def time_dense_sdpa(triples, causal: bool, device: torch.device, rep_ms: int):
     """(median ms, backend label) of dense SDPA over a list of (q, k, v) triples, one call each
     per timed run: cuDNN only on CUDA (None ms, with a printed note, when cuDNN cannot run the

@@ -86,6 +86,39 @@ def test_msa_prefill_e2e_stand_ins(tmp_path):
     assert "the backend is the PyTorch reference" in stdout
 
 
+def test_prefill_production_tiny(tmp_path):
+    """The production-prefill protocol's CPU parts: paged plan/run per case, the stage marks,
+    the dense lower-right peer, the weighted aggregate; then the plot script's reading."""
+    out = tmp_path / "prefill_production.tsv"
+    run_tiny("bench_prefill_production.py", out)
+    header, rows = read_tsv(out)
+    cases = [r for r in rows if r["case"] != "weighted"]
+    assert {r["case"] for r in cases} == {"tiny_short", "tiny_batch", "tiny_self"}
+    for r in cases:
+        assert float(r["latency_ms"]) > 0 and float(r["dense_ms"]) > 0 and r["speedup"]
+        assert all(r[f"{s}_ms"] for s in ("indexer", "topk", "csr", "attention"))
+        assert r["note"] == "", r["note"]            # the selection matched the FLOP count
+    (weighted,) = [r for r in rows if r["case"] == "weighted"]
+    assert weighted["weight"] == str(sum(int(r["weight"]) for r in cases))
+    assert "min_speedup=" in weighted["note"]
+
+    sys.path.insert(0, str(BENCH))
+    from plot_prefill_production import load_run, series
+    _label, plotted, weighted = load_run(out)
+    assert len(plotted) == 3 and set(weighted) == {"paged bf16"}
+    assert sorted(series(plotted)["paged bf16"]["total_q"]) == [40, 170, 300]
+
+
+def test_prefill_production_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "prefill_production.tsv"
+    run_tiny("bench_prefill_production.py", out, "--no-breakdown", "--impls", "paged,dense")
+    sys.path.insert(0, str(BENCH))
+    from plot_prefill_production import main as plot
+    plot([str(out), "--out", str(tmp_path / "p.png")])
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
 def test_decode_tiny(tmp_path):
     out = tmp_path / "decode.tsv"
     run_tiny("bench_decode.py", out)

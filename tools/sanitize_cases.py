@@ -12,7 +12,8 @@ or negative, page-table entries out of range, seqused_k larger than the table. K
 them, never touch memory outside their buffers. Unvalidated kernels are enabled here on purpose
 (MSA_UNVALIDATED_KERNELS=1): memcheck is part of their validation. MSA_BACKEND=native, so a
 silent fallback cannot hide a kernel from the sanitizer. MSA_SANITIZE_ONLY (comma-separated
-section names: sparse_prefill, topk, block_max, decode, fmha) runs a subset.
+section names: sparse_prefill, topk, block_max, decode, fmha, prefill_production) runs a
+subset.
 """
 
 from __future__ import annotations
@@ -251,13 +252,46 @@ def _fmha_o_cases(gen, dtype, with_max_score):
             expect_native("fmha_dense")
 
 
+def prefill_production_cases(gen):
+    """msa.prefill's glue around the native ops: the paged wrapper in query chunks with the
+    split-K indexer (page-table columns past each request's pages hold out-of-range ids), and
+    msa_prefill in query chunks (zero-query gap requests)."""
+    dev = torch.device("cuda")
+    draw = lambda *shape: torch.randn(*shape, generator=gen).to(torch.bfloat16).to(dev)  # noqa
+    q_lens, k_lens = (171, 5, 900), (9000, 700, 900)
+    pages = [-(-n // BLOCK) for n in k_lens]
+    n_pages = sum(pages)
+    table = torch.full((len(pages), max(pages) + 2), n_pages + 7, dtype=torch.int32)
+    perm = torch.randperm(n_pages, generator=gen).to(torch.int32)
+    start = 0
+    for b, count in enumerate(pages):
+        table[b, :count] = perm[start:start + count]
+        start += count
+    wrapper = msa.MsaPrefillPagedWrapper().plan(q_lens, k_lens, table.to(dev), num_qo_heads=64,
+                                               num_kv_heads=4, max_chunk_tokens=256)
+    assert max(wrapper.index_splits) > 1
+    wrapper.run(draw(sum(q_lens), 64, 128), draw(n_pages, 4, BLOCK, 128),
+                draw(n_pages, 4, BLOCK, 128), draw(sum(q_lens), 4, 128),
+                draw(n_pages, 1, BLOCK, 128), return_lse=True)
+    expect_native("block_max_scores")
+    expect_native("sparse_atten")
+    q_lens, k_lens = (1100, 300), (1100, 5000)
+    cu_q = torch.tensor([0, 1100, 1400], dtype=torch.int32, device=dev)
+    cu_k = torch.tensor([0, 1100, 6100], dtype=torch.int32, device=dev)
+    msa.msa_prefill(draw(1400, 64, 128), draw(6100, 4, 128), draw(6100, 4, 128),
+                    draw(1400, 4, 128), draw(6100, 1, 128), cu_q, cu_k, max_seqlen_q=1100,
+                    max_seqlen_k=5000, workspace_bytes=1)
+    expect_native("sparse_atten")
+
+
 if __name__ == "__main__":
     generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     sections = {"sparse_prefill": lambda: sparse_prefill_cases(generator),
                 "topk": lambda: topk_cases(generator),
                 "block_max": lambda: block_max_cases(generator),
                 "decode": decode_runs,
-                "fmha": lambda: fmha_cases(generator)}
+                "fmha": lambda: fmha_cases(generator),
+                "prefill_production": lambda: prefill_production_cases(generator)}
     # MSA_SANITIZE_ONLY="fmha,decode" runs those sections only (memcheck of one new kernel
     # without the ~400 s of the whole set).
     only = [name for name in os.environ.get("MSA_SANITIZE_ONLY", "").split(",") if name]

@@ -16,6 +16,7 @@ from .fp4_indexer_interface import fp4_indexer_block_scores
 from .indexer import block_max_scores, msa_prefill
 from .interface import (SparseK2qCsrBuilderSm100, build_k2q_csr, sparse_atten_func)
 from .nvfp4_attention import sparse_atten_nvfp4_kv_func
+from .prefill import MsaPrefillPagedWrapper
 from .quantize import (Nvfp4QuantizedTensor, dequantize_nvfp4_128x4_to_bf16,
                        nvfp4_global_scale_from_amax, quantize_bf16_to_nvfp4_128x4,
                        quantize_kv_bf16_to_nvfp4_128x4, swizzle_nvfp4_scale_to_128x4)
@@ -40,9 +41,10 @@ __all__ = [
 ]
 
 # Additive names (contract §2): the fmha plan/run API, top-k selection, the indexer and the
-# end-to-end prefill, and the ``layers`` module that ``kernels.kernelize`` reads. Not in __all__,
-# which stays exactly the upstream list.
+# end-to-end prefill (one call, or planned over a paged cache), and the ``layers`` module that
+# ``kernels.kernelize`` reads. Not in __all__, which stays exactly the upstream list.
 __all_additive__ = [
     "fmha_sm100_plan", "fmha_sm100", "fmha_plan", "fmha", "sparse_topk_select",
-    "sparse_fmha_plan", "sparse_fmha", "block_max_scores", "msa_prefill", "layers",
+    "sparse_fmha_plan", "sparse_fmha", "block_max_scores", "msa_prefill",
+    "MsaPrefillPagedWrapper", "layers",
 ]
