@@ -10,6 +10,8 @@ Importing this package never initializes CUDA.
 
 from . import _native  # registers the native kernels available in this build (lazy, no CUDA)
 from .decode import SparseDecodePagedAttentionWrapper, sparse_decode_atten_func
+from .decode_indexer import DecodeIndexerPlan, decode_indexer_topk, make_decode_indexer_plan
+from .decode_step import MSADecodeStepWrapper
 from .fmha import (fmha, fmha_plan, fmha_sm100, fmha_sm100_plan, sparse_fmha, sparse_fmha_plan)
 from .fp4_indexer_interface import fp4_indexer_block_scores
 from .indexer import block_max_scores, msa_prefill
@@ -38,9 +40,12 @@ __all__ = [
     "nvfp4_global_scale_from_amax",
 ]
 
-# Additive names (contract §2): the fmha plan/run API, top-k selection, the indexer and the
-# end-to-end prefill. Not in __all__, which stays exactly the upstream list.
+# Additive names (contract §2): the fmha plan/run API, top-k selection, the indexer, the
+# end-to-end prefill and the decode step (fused decode indexer + top-k, its shared plan, the
+# step wrapper). Not in __all__, which stays exactly the upstream list.
 __all_additive__ = [
     "fmha_sm100_plan", "fmha_sm100", "fmha_plan", "fmha", "sparse_topk_select",
     "sparse_fmha_plan", "sparse_fmha", "block_max_scores", "msa_prefill",
+    "decode_indexer_topk", "make_decode_indexer_plan", "DecodeIndexerPlan",
+    "MSADecodeStepWrapper",
 ]

@@ -80,12 +80,45 @@ class DecodeIndexerPlan:
         return self.partials.shape[2]
 
     def update(self) -> "DecodeIndexerPlan":
-        """Re-split the work from the live ``seqused_k`` (device side; a no-op off the native
-        path, whose reference reads the lengths itself)."""
+        """Re-split the work from the live ``seqused_k``: on the device without host sync
+        (native), else by :func:`plan_work_split` on the host (the reference path, which
+        synchronizes)."""
         _name, native = _backend.choose(PLAN_UPDATE_OP, self.seqused_k.device)
         if native is not None:
             native(self)
+            return self
+        work, requests, chunk = plan_work_split(self.seqused_k.tolist(), self.capacity)
+        self.work.copy_(work)
+        self.requests.copy_(requests)
+        self.chunk_pages.fill_(chunk)
         return self
+
+
+MIN_CHUNK_PAGES = 4
+
+
+def plan_work_split(lengths, capacity: int):
+    """The plan update's split, on the host: (work [capacity, 2], requests [B, 3], chunk_pages).
+
+    Request b has h_b = (L_b - 1) // 128 history blocks (0 when L_b <= 0). Every chunk holds
+    chunk_pages = max(4, ceil(sum h / (capacity - B))) blocks; request b gets
+    n_b = max(1, ceil(h_b / chunk_pages)) consecutive work items starting at the exclusive
+    prefix sum of n (so sum n_b <= capacity); work[w] = (request, chunk), -1 past the last item;
+    requests[b] = (first item, n_b, 0). The native update kernel computes exactly this."""
+    history = [max(int(n), 0) and (max(int(n), 0) - 1) // PAGE_SIZE for n in lengths]
+    spread = max(capacity - len(history), 1)
+    chunk = max(-(-sum(history) // spread), MIN_CHUNK_PAGES)
+    work = torch.full((capacity, 2), -1, dtype=torch.int32)
+    requests = torch.zeros(len(history), 3, dtype=torch.int32)
+    first = 0
+    for b, h in enumerate(history):
+        n = max(1, -(-h // chunk))
+        requests[b, 0], requests[b, 1] = first, n
+        for c in range(n):
+            if first + c < capacity:
+                work[first + c, 0], work[first + c, 1] = b, c
+        first += n
+    return work, requests, chunk
 
 
 def list_capacity_for(topk: int) -> int:
@@ -271,4 +304,5 @@ def _check_args(q_idx, k_idx, plan, page_table, scale, k_scale, k_global_scale, 
                              out=out, scores=scores)
 
 
-__all__ = ["DecodeIndexerPlan", "make_decode_indexer_plan", "decode_indexer_topk"]
+__all__ = ["DecodeIndexerPlan", "make_decode_indexer_plan", "decode_indexer_topk",
+           "plan_work_split"]
