@@ -281,7 +281,7 @@ void sparse_decode_attention(
     const std::optional<torch::Tensor>& o_partial, const std::optional<torch::Tensor>& lse_partial,
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
-    bool direct_fp8) {
+    bool direct_fp8, bool warpgroup) {
   TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
@@ -393,6 +393,8 @@ void sparse_decode_attention(
   a.split_keys = split_keys && seqlen_q * (hq / hkv) <= 16;
   // The direct e4m3 form (no conversion pass) serves split-keys tiles with e4m3 q and K/V.
   a.direct_fp8 = direct_fp8 && a.split_keys && a.q_fp8 && a.kv_fp8;
+  // The warpgroup (wgmma) form serves tiles of > 16 rows with q and K/V of one dtype.
+  a.warpgroup = warpgroup && seqlen_q * (hq / hkv) > 16 && a.q_fp8 == a.kv_fp8;
   check_launch(msa::launch_decode_attention(a, c10::cuda::getCurrentCUDAStream(device.index())),
                "sparse_decode_attention");
 }
@@ -561,7 +563,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor qo_tile_indices, Tensor num_splits, Tensor merge_indptr, Tensor(a!)? o_partial, "
       "Tensor(b!)? lse_partial, Tensor(c!) out, Tensor(d!)? lse, int seqlen_q, "
       "int kv_chunk_size, bool split_kv, float softmax_scale, bool split_keys=False, "
-      "bool direct_fp8=False) -> ()");
+      "bool direct_fp8=False, bool warpgroup=False) -> ()");
   ops.impl("sparse_decode_attention", torch::kCUDA, &sparse_decode_attention);
   ops.def(
       "fmha_transpose_v_e4m3(Tensor v, Tensor cu_seqlens_k, Tensor kv_lens, Tensor? page_table, "

@@ -113,6 +113,7 @@ struct DecodeAttentionArgs {
   float softmax_scale;
   bool split_keys;                // warps split each page's keys (every qo tile <= 16 rows)
   bool direct_fp8;                // with split_keys, e4m3 q and K/V: no bf16 conversion pass
+  bool warpgroup;                 // tiles of > 16 rows, q and K/V both bf16 or both e4m3: wgmma
 };
 
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
@@ -241,5 +242,5 @@ void sparse_decode_attention(
     const std::optional<torch::Tensor>& o_partial, const std::optional<torch::Tensor>& lse_partial,
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
-    bool direct_fp8);
+    bool direct_fp8, bool warpgroup);
 #endif
