@@ -42,8 +42,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from _common import (BLOCK, HEAD_DIM, add_common_args, apply_preset, dtype_of, fits,
-                     free_memory, load_msa, parse_names, random_fill, setup, synchronize,
+from _common import (BLOCK, HEAD_DIM, add_common_args, apply_preset, fits, free_memory,
+                     load_msa, native_module, parse_names, random_fill, setup, synchronize,
                      time_ms, TsvWriter)
 
 COLUMNS = ("suite", "case", "batch", "nominal_kv", "seqlen_q", "weight", "impl", "kv_dtype",
@@ -336,6 +336,10 @@ def main(argv=None):
     ap.add_argument("--hq", type=int, default=64)
     ap.add_argument("--hkv", type=int, default=4, help="KV heads (= index heads of the step)")
     ap.add_argument("--topk", type=int, default=16)
+    ap.add_argument("--attention-form", default="served", choices=("served", "rows", "warpgroup"),
+                    help="decode attention form for tiles of > 16 rows: what the gates serve, "
+                         "or forced (the row form, the wgmma form; gated forms need "
+                         "MSA_UNVALIDATED_KERNELS=1 to be served)")
     add_common_args(ap, rep_ms=50)
     args = ap.parse_args(argv)
     if args.tiny:
@@ -345,6 +349,12 @@ def main(argv=None):
 
     device = setup(args)
     msa = load_msa()
+    form_note = None
+    if args.attention_form != "served":
+        decode_cuda = native_module(msa, "decode_cuda")
+        if decode_cuda is not None:
+            decode_cuda.WARPGROUP_FOR_TESTS = args.attention_form == "warpgroup"
+        form_note = f"attention form {args.attention_form}"
     tsv = TsvWriter(args.out, COLUMNS, device,
                     formats={"latency_us": ".2f", "tb_per_s": ".3f", "speedup_vs_cudnn": ".2f",
                              "cv": ".3f"})
@@ -370,6 +380,8 @@ def main(argv=None):
                 continue
             if name == "cudnn":
                 cudnn_us = result["latency_us"]
+            if form_note and name != "cudnn":
+                result["note"] = "; ".join(n for n in (result["note"], form_note) if n)
             tsv.write(suite=suite, case=case, batch=batch, nominal_kv=nominal,
                       seqlen_q=args.seqlen_q, weight=weight, impl=name, kv_dtype=impl.kv_name,
                       index_dtype=impl.index_format,
