@@ -33,6 +33,7 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "sm80_primitives.cuh"
 #include "torch_binding.h"
 
 namespace msa {
@@ -82,60 +83,17 @@ struct __align__(16) Bf16x8 {
   __nv_bfloat162 v[4];
 };
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using sm80::cp_async_16;
+using sm80::cp_async_16_or_zero;
+using sm80::cp_async_commit;
+using sm80::e4m3x2_hi_to_f16x2;
+using sm80::e4m3x2_lo_to_f16x2;
+using sm80::mma_bf16;
+using sm80::mma_f16;
+using sm80::smem_addr;
 
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
-}
-// 16 bytes, or 16 zero bytes when !valid (src-size 0: nothing is read; src stays a valid
-// address all the same).
-__device__ __forceinline__ void cp_async_16_or_zero(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-__device__ __forceinline__ void cp_async_wait_one() {
-  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two e4m3 values of a 32-bit word -> f16x2, exact: bytes 0-1 (lo) or 2-3 (hi). Through a
-// b16 unpack, so the conversion reads the upper half itself (F2FP ... R.H1) instead of after
-// a shift.
-__device__ __forceinline__ uint32_t e4m3x2_lo_to_f16x2(uint32_t word) {
-  uint32_t r;
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n"
-      : "=r"(r) : "r"(word));
-  return r;
-}
-__device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t word) {
-  uint32_t r;
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n"
-      : "=r"(r) : "r"(word));
-  return r;
-}
+__device__ __forceinline__ void cp_async_wait_one() { sm80::cp_async_wait<1>(); }
+__device__ __forceinline__ void cp_async_wait_all() { sm80::cp_async_wait<0>(); }
 
 // (lo, hi) rounded to e4m3 (as an FP8 P.V MMA sees P), returned as the exact f16x2.
 __device__ __forceinline__ uint32_t round_e4m3x2_to_f16x2(float lo, float hi) {
@@ -544,6 +502,33 @@ __device__ __forceinline__ PageRef page_or_none(const DecodeAttentionArgs& a,
   none.logical = 0;
   none.token_mask = 0;
   return none;
+}
+
+// Writes one finished row of the warpgroup form (query token, q head): channel pairs
+// 8n + 2 (lane % 4) + {0, 1} from pair(n), n < 16, as the fp32 partial of split-KV slot `slot` or
+// as the bf16 output, and the LSE from the quad's first lane. (The older forms inline the same
+// stores; they stay as they are until they can be re-run on a GPU.)
+template <typename PairFn>
+__device__ __forceinline__ void store_row(const DecodeAttentionArgs& a, int64_t slot,
+                                          int request, int token, int qo_head, int lane,
+                                          float lse, PairFn pair) {
+  if (a.split_kv) {
+    const int64_t idx = (slot * a.seqlen_q + token) * a.num_qo_heads + qo_head;
+    float* o = a.o_partial + idx * kHeadDim + (lane & 3) * 2;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) *reinterpret_cast<float2*>(o + n * 8) = pair(n);
+    if ((lane & 3) == 0) a.lse_partial[idx] = lse;
+  } else {
+    const int64_t idx =
+        (static_cast<int64_t>(request) * a.seqlen_q + token) * a.num_qo_heads + qo_head;
+    __nv_bfloat16* o = static_cast<__nv_bfloat16*>(a.out) + idx * kHeadDim + (lane & 3) * 2;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      const float2 v = pair(n);
+      *reinterpret_cast<__nv_bfloat162*>(o + n * 8) = __floats2bfloat162_rn(v.x, v.y);
+    }
+    if ((lane & 3) == 0 && a.lse != nullptr) a.lse[idx] = lse;
+  }
 }
 
 // ---- Warpgroup form (tiles of more than 16 rows: multi-token prediction) ------------------
@@ -961,26 +946,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool empty = !(sum > 0.f);
     const float inv = empty ? 0.f : 1.f / sum;
     const float lse = empty ? -INFINITY : (rows.max[i2] * scale_log2 + log2f(sum)) * kLn2;
-    if (a.split_kv) {
-      const int64_t idx = (slot * a.seqlen_q + token) * a.num_qo_heads + qo_head;
-      float* dst = a.o_partial + idx * kHeadDim + (lane & 3) * 2;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        *reinterpret_cast<float2*>(dst + 8 * j) =
-            make_float2(o[4 * j + 2 * i2] * inv, o[4 * j + 2 * i2 + 1] * inv);
-      }
-      if ((lane & 3) == 0) a.lse_partial[idx] = lse;
-    } else {
-      const int64_t idx =
-          (static_cast<int64_t>(ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head;
-      __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(a.out) + idx * kHeadDim + (lane & 3) * 2;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
-            __floats2bfloat162_rn(o[4 * j + 2 * i2] * inv, o[4 * j + 2 * i2 + 1] * inv);
-      }
-      if ((lane & 3) == 0 && a.lse != nullptr) a.lse[idx] = lse;
-    }
+    store_row(a, slot, ctx.request, token, qo_head, lane, lse, [&](int j) {
+      return make_float2(o[4 * j + 2 * i2] * inv, o[4 * j + 2 * i2 + 1] * inv);
+    });
   }
 }
 

@@ -36,6 +36,7 @@
 
 #include "common.cuh"
 #include "sm80_primitives.cuh"
+#include "top_list.cuh"
 #include "torch_binding.h"
 
 namespace msa {
@@ -72,52 +73,6 @@ struct SmemLayout {
   static constexpr int kStagesOffset = kQBytes;
   static constexpr int kMaxOffset = kStagesOffset + kStages * PageShape<F>::kStageBytes;
   static constexpr int kBytes = kMaxOffset + 2 * kWarps * MT * 16 * 4;   // [2][warp][row]
-};
-
-// Sorted (best first) candidate list; empty slots are (-inf, -1).
-__device__ __forceinline__ bool ranks_before(float x, int xi, float y, int yi) {
-  return x > y || (x == y && xi < yi);
-}
-
-template <int KCAP>
-struct CandidateList {
-  float score[KCAP];
-  int id[KCAP];
-
-  __device__ __forceinline__ void clear() {
-#pragma unroll
-    for (int i = 0; i < KCAP; ++i) {
-      score[i] = -INFINITY;
-      id[i] = -1;
-    }
-  }
-  // Whether (x, xi) would enter: -inf and NaN never do.
-  __device__ __forceinline__ bool beats_last(float x, int xi) const {
-    return ranks_before(x, xi, score[KCAP - 1], id[KCAP - 1]);
-  }
-  __device__ __forceinline__ void offer(float x, int xi) {
-    if (!beats_last(x, xi)) return;
-#pragma unroll
-    for (int i = 0; i < KCAP; ++i) {
-      if (ranks_before(x, xi, score[i], id[i])) {
-        const float ts = score[i];
-        const int ti = id[i];
-        score[i] = x;
-        id[i] = xi;
-        x = ts;
-        xi = ti;
-      }
-    }
-  }
-  __device__ __forceinline__ void pop_front() {
-#pragma unroll
-    for (int i = 0; i + 1 < KCAP; ++i) {
-      score[i] = score[i + 1];
-      id[i] = id[i + 1];
-    }
-    score[KCAP - 1] = -INFINITY;
-    id[KCAP - 1] = -1;
-  }
 };
 
 // fp32 -> uint32 with the same order (-0 == +0), for warp-wide max reductions.
@@ -342,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
     const int pos = len - a.seqlen_q + r / a.num_heads;
     own = pos >= 0 ? pos / kPage : -1;
   }
-  CandidateList<KCAP> list;
+  TopList<KCAP> list;
   list.clear();
   const float score_mul =
       a.scale * (F == kNvfp4 ? 16384.f * (a.k_global_scale != nullptr ? __ldg(a.k_global_scale)
@@ -414,7 +369,7 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
   const int keep = a.topk - 1;
   const uint32_t empty_code = order_code(-INFINITY);
   for (int row = warp; row < rows; row += kWarps) {
-    CandidateList<KCAP> pool;
+    TopList<KCAP> pool;
     pool.clear();
     for (int c = lane; c < num_chunks; c += 32) {
       const int2* src = reinterpret_cast<const int2*>(a.partials) +
