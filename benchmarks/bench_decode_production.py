@@ -222,8 +222,15 @@ class _CudnnSlot:
         rows = args.hq // args.hkv * args.seqlen_q
         self.q = random_fill([batch, args.hkv, rows, HEAD_DIM], torch.bfloat16, device)
         self.kv_bytes = 2 * self.k.numel() * 2
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        self.call = lambda: sdpa(self.q, self.k, self.v)
+        self.call = self.cudnn if device.type == "cuda" else self.math
+
+    def cudnn(self):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):   # cuDNN only: fail rather than swap
+            return torch.nn.functional.scaled_dot_product_attention(self.q, self.k, self.v)
+
+    def math(self):
+        return torch.nn.functional.scaled_dot_product_attention(self.q, self.k, self.v)
 
 
 def _selected_kv_bytes(slot, args, per_token_head: int) -> int:
@@ -295,8 +302,8 @@ def run_impl(impl: Impl, args, device) -> Optional[Dict]:
     probe = impl.make_slot()
     try:
         probe.call()
-    except NotImplementedError as exc:
-        print(f"skip {impl.name}: {exc}", flush=True)
+    except (NotImplementedError, RuntimeError) as exc:   # a size a kernel refuses, no cuDNN
+        print(f"skip {impl.name}: {str(exc).splitlines()[0]}", flush=True)
         return None
     synchronize(device)
     bytes_read = impl.bytes_read(probe)

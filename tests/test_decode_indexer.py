@@ -248,10 +248,11 @@ def test_step_wrapper_is_indexer_then_sparse_attention(seed, fmt):
     out = step.update().run(q, k, v, inputs["q_idx"], inputs["k_idx"])
     selection = oracle(inputs, keys, seqlen_q, topk)[0]
     assert torch.equal(step.q2k_indices, selection)
-    want = msa.sparse_decode_atten_func(q, k, v, selection, page_table=inputs["page_table"],
-                                        seqused_k=inputs["seqused_k"], seqlen_q=seqlen_q,
-                                        max_seqlen_k=1000)
-    assert torch.equal(out, want)
+    attention = msa.SparseDecodePagedAttentionWrapper().plan(
+        page_table=inputs["page_table"], seqused_k=inputs["seqused_k"], seqlen_q=seqlen_q,
+        max_seqlen_k=1000, q2k_indices=selection, num_qo_heads=hkv * group, num_kv_heads=hkv,
+        enable_cuda_graph=True)
+    assert torch.equal(out, attention.run(q, k, v))
 
 
 def test_step_wrapper_shares_one_plan_and_checks_it():
