@@ -99,8 +99,8 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
     """keys="split": the kernel form where the warps split each page's keys (tiles of <= 16
     rows; for larger tiles the kernel keeps the row form, so those cases repeat "rows").
     keys="direct": the split form's direct e4m3 variant (e4m3 q and K/V only, two pages per
-    step). keys="warpgroup": the wgmma form (tiles of > 16 rows, q and K/V of one dtype)."""
-    _force_form(monkeypatch, keys, dtypes, seqlen_q * group)
+    step). keys="warpgroup": the wgmma form (q and K/V of one dtype), forced on every tile."""
+    _force_form(monkeypatch, keys, dtypes)
     q, k, v, table, seqused_k, q2k = _batch(LENS, seqlen_q, group, dtypes, sparse)
     kw = dict(fixed_split_size=1) if split == "forced" else dict(disable_split_kv=True)
     wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k, **kw)
@@ -111,15 +111,15 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
         _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 
-def _force_form(monkeypatch, keys, dtypes, tile_rows=None):
+def _force_form(monkeypatch, keys, dtypes):
     """keys: "rows" (one warp per 16 rows), "split" (warps split each page's keys, bf16
     staging), "direct" (split, e4m3 fragments read straight from the raw pages, two pages per
-    step; e4m3 q and K/V only) or "warpgroup" (wgmma, tiles of > 16 rows, q and K/V of one
-    dtype); cases a form does not serve are skipped."""
+    step; e4m3 q and K/V only) or "warpgroup" (wgmma, q and K/V of one dtype; forced, so it
+    also runs tiles of <= 16 rows); cases a form does not serve are skipped."""
     if keys == "direct" and dtypes != "fp8":
         pytest.skip("the direct form serves e4m3 q and K/V only")
-    if keys == "warpgroup" and (dtypes == "bf16q_fp8kv" or (tile_rows or 0) <= 16):
-        pytest.skip("the warpgroup form serves tiles of > 16 rows with q and K/V of one dtype")
+    if keys == "warpgroup" and dtypes == "bf16q_fp8kv":
+        pytest.skip("the warpgroup form serves q and K/V of one dtype")
     from msa._native import decode_cuda
     monkeypatch.setattr(decode_cuda, "SPLIT_KEYS_FOR_TESTS", keys in ("split", "direct"))
     monkeypatch.setattr(decode_cuda, "DIRECT_FP8_FOR_TESTS", keys == "direct")
@@ -169,10 +169,11 @@ def test_native_decode_direct_ignores_nan_bytes_past_the_keys(msa_pkg, native_on
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, dtypes, monkeypatch):
     """The warpgroup form at the production shape (8 queries x G = 16: two full warpgroups),
-    with 32-row tiles (one warpgroup idle), a long request split over many chunks, NaN bytes
-    past each request's keys (zero-filled on load), and pages shared by every token."""
-    for seqlen_q, group, poison in ((8, 16, False), (8, 4, True), (16, 16, False)):
-        _force_form(monkeypatch, "warpgroup", dtypes, seqlen_q * group)
+    with 32-row tiles (one warpgroup idle), two qo tiles (16 x 16), one query (16 rows), a
+    long request split over many chunks, NaN bytes past each request's keys (zero-filled on
+    load), and pages shared by every token."""
+    for seqlen_q, group, poison in ((8, 16, False), (8, 4, True), (16, 16, False), (1, 16, False)):
+        _force_form(monkeypatch, "warpgroup", dtypes)
         lens = [70001, 129, 3, 4096, 1000]
         q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, dtypes, sparse, topk=16)
         for b, n in enumerate(lens):

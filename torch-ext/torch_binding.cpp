@@ -393,8 +393,9 @@ void sparse_decode_attention(
   a.split_keys = split_keys && seqlen_q * (hq / hkv) <= 16;
   // The direct e4m3 form (no conversion pass) serves split-keys tiles with e4m3 q and K/V.
   a.direct_fp8 = direct_fp8 && a.split_keys && a.q_fp8 && a.kv_fp8;
-  // The warpgroup (wgmma) form serves tiles of > 16 rows with q and K/V of one dtype.
-  a.warpgroup = warpgroup && seqlen_q * (hq / hkv) > 16 && a.q_fp8 == a.kv_fp8;
+  // The warpgroup (wgmma) form serves q and K/V of one dtype (the caller asks for it on tiles
+  // of > 16 rows, or on any tile when forced).
+  a.warpgroup = warpgroup && a.q_fp8 == a.kv_fp8;
   check_launch(msa::launch_decode_attention(a, c10::cuda::getCurrentCUDAStream(device.index())),
                "sparse_decode_attention");
 }

@@ -113,7 +113,7 @@ struct DecodeAttentionArgs {
   float softmax_scale;
   bool split_keys;                // warps split each page's keys (every qo tile <= 16 rows)
   bool direct_fp8;                // with split_keys, e4m3 q and K/V: no bf16 conversion pass
-  bool warpgroup;                 // tiles of > 16 rows, q and K/V both bf16 or both e4m3: wgmma
+  bool warpgroup;                 // wgmma form (q and K/V both bf16 or both e4m3)
 };
 
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
