@@ -22,6 +22,10 @@
 // one 16-byte chunk of four V rows and interleaves them with byte permutes. P is rounded to e4m3
 // (exact in f16), scaled by exp(page max - running max) in f16 before the MMA.
 //
+// Warpgroup form (tiles of more than 16 rows, i.e. multi-token prediction; Q and K/V both bf16 or
+// both e4m3): two warpgroups of 64 rows run Q K^T and P V on wgmma m64n128 from 128-byte
+// swizzled shared memory; see the wg namespace below and docs/design-decode.md.
+//
 // Safety: every page id, q2k id, length and schedule index is range-checked on the device;
 // invalid ones are skipped (their keys are invisible). No host synchronization; every size is a
 // host argument, so the launch can be captured in a CUDA graph.
@@ -1495,9 +1499,9 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream) {
   if (args.num_work <= 0 || args.num_kv_heads <= 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(args.num_work), static_cast<unsigned>(args.num_kv_heads));
-  // Split keys across warps only when every qo tile has <= 16 rows, and the direct e4m3 form
-  // only then with e4m3 Q and K/V; the warpgroup form serves larger tiles with bf16 or e4m3
-  // Q and K/V (the binding checks all three).
+  // Split keys across warps only when every qo tile has <= 16 rows, the direct e4m3 form only
+  // then with e4m3 Q and K/V, the warpgroup form only with Q and K/V of one dtype (the binding
+  // checks all three; the caller asks for the warpgroup form on tiles of > 16 rows).
   auto launch = [&](auto kernel, int smem_bytes) -> cudaError_t {
     MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              smem_bytes));
