@@ -132,6 +132,39 @@ def test_decode_tiny(tmp_path):
     assert any(r["backend"] == "math" and r["speedup_vs_cudnn"] == "1.00" for r in rows)
 
 
+def test_decode_production_tiny(tmp_path):
+    out = tmp_path / "decode_production.tsv"
+    run_tiny("bench_decode_production.py", out)
+    _header, rows = read_tsv(out)
+    impls = {"cudnn", "dense-bf16", "dense-fp8", "step-bf16", "step-fp8", "step-fp8-nvfp4"}
+    timed = [r for r in rows if r["suite"] == "tiny"]
+    assert {r["impl"] for r in timed} == impls
+    assert all(float(r["latency_us"]) > 0 and int(r["bytes_read"]) > 0 for r in timed)
+    assert {r["index_dtype"] for r in timed if r["impl"].startswith("step")} == {
+        "bf16", "e4m3", "nvfp4"}
+    assert {r["impl"] for r in rows if r["suite"] == "aggregate"} == impls
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(BENCH))
+    from plot_decode_production import main as plot_main
+    plot_main([str(out), "--out", str(tmp_path / "plot.png")])
+    assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+def test_decode_production_cases_are_upstreams_grid():
+    sys.path.insert(0, str(BENCH))
+    from bench_decode_production import production_cases, ragged_lengths
+    cases = production_cases()
+    production = [c for c in cases if c[0] == "production"]
+    assert len(production) == 28 and sum(c[3] for c in production) == 10000
+    assert {(c[1], c[2]) for c in cases if c[0] == "low-latency"} == {
+        (b, kv) for b in (1, 2, 4) for kv in (1000, 4000, 8000, 32000)}
+    for _suite, batch, nominal, _w in cases:
+        lens = ragged_lengths(batch, nominal, 8)
+        assert len(lens) == batch and sum(lens) == batch * nominal
+        assert all(nominal - nominal // 4 <= n <= nominal + nominal // 4 for n in lens)
+        assert lens == ragged_lengths(batch, nominal, 8)      # deterministic
+
+
 @pytest.mark.parametrize("text,expected", [("32k,64k", [32768, 65536]), ("1m", [1 << 20]),
                                            ("300, 8269", [300, 8269]), ("", [])])
 def test_parse_sizes(text, expected):
