@@ -18,9 +18,10 @@ from typing import Optional, Union
 import torch
 
 from . import _backend
-from ._validation import (check_page_table, BLOCK_SIZE, FP8, SUPPORTED_TOPK, check_cu_seqlens,
-                          check_head_dim, check_positive_int, check_qhead_per_kv,
-                          check_same_device, check_scale, check_shape, check_tensor, check_topk)
+from ._validation import (check_page_table, BLOCK_SIZE, FP8, SUPPORTED_TOPK, check_block_max_values,
+                          check_cu_seqlens, check_head_dim, check_positive_int,
+                          check_qhead_per_kv, check_same_device, check_scale, check_shape,
+                          check_tensor, check_topk, value_checks_requested)
 from .interface import build_k2q_csr, sparse_atten_func
 from .reference.max_score import block_max_scores_reference
 from .topk import sparse_topk_select
@@ -61,7 +62,8 @@ def block_max_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, cu_seqlens_q: tor
                      qo_offset: Union[None, int, torch.Tensor] = None,
                      page_table: Optional[torch.Tensor] = None,
                      seqused_k: Optional[torch.Tensor] = None,
-                     max_k_tiles: Optional[int] = None) -> torch.Tensor:
+                     max_k_tiles: Optional[int] = None,
+                     check_input_valid: bool = False) -> torch.Tensor:
     """Per-128-token-block max of the index scores: the MSA indexer's pooled output.
 
     Args:
@@ -84,6 +86,13 @@ def block_max_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, cu_seqlens_q: tor
         upstream quirk; always pass seqused_k).
       max_k_tiles: width of the tile axis, default ceil(max_seqlen_k / 128). Tiles at or past it
         are not computed (pass enough).
+      check_input_valid: also check the index values (one synchronization; ValueError naming
+        the argument): cu_seqlens start at 0, rise and end at the tensors' lengths, seqused_k
+        lies within the page table, every page holding keys is a page of k_idx, and
+        max_seqlen_q / max_seqlen_k are at least the truth (a short max_seqlen_k leaves the
+        tiles past it uncomputed). MSA_CHECK_INPUTS=1 turns it on for every call; the
+        reference backend always checks. Unchecked native calls never read or write out of
+        bounds (pages outside the pool count as invisible).
 
     Returns max_score [H, max_k_tiles, total_q] float32, contiguous:
       max_score[h, beta, t] = max over visible keys j of tile beta (keys 128*beta .. 128*beta+127
@@ -98,6 +107,8 @@ def block_max_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, cu_seqlens_q: tor
                                  max_seqlen_k, scale, causal, qo_offset, page_table, seqused_k,
                                  max_k_tiles)
     _name, native = _backend.choose("block_max_scores", q_idx.device, **call.features())
+    if value_checks_requested(check_input_valid) or native is None:
+        check_block_max_values(call)
     if native is not None:
         return native(call)
     return block_max_scores_reference(
@@ -182,7 +193,7 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
                 max_seqlen_q: int, max_seqlen_k: int, topk: int = 16,
                 softmax_scale: Optional[float] = None, index_scale: float = 1.0,
                 local_blocks: int = 1, causal: bool = True, return_selection: bool = False,
-                partial_dtype: torch.dtype = torch.bfloat16):
+                partial_dtype: torch.dtype = torch.bfloat16, check_input_valid: bool = False):
     """MSA prefill: index scores -> top-k blocks per (query, KV head) -> block-sparse attention.
 
     Args:
@@ -203,6 +214,8 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
       partial_dtype: the sparse attention's per-block partial dtype (``sparse_atten_func``:
         fp32, bf16, fp16 or e4m3; e4m3 halves the partial traffic at the contract's looser fp8
         tolerance).
+      check_input_valid: check the index values in every step (see the steps' functions);
+        MSA_CHECK_INPUTS=1 does so for every call.
 
     Returns O [total_q, Hq, 128] bf16, or (O, q2k [Hkv, total_q, topk] int32) with
     return_selection (ids ascending, -1 tail, own block always present when causal).
@@ -244,8 +257,10 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
     check_same_device(q=q, k=k, v=v, q_idx=q_idx, k_idx=k_idx, cu_seqlens_q=cu_seqlens_q)
     check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
 
+    value_checks_requested(check_input_valid)        # TypeError before any launch
     scores = block_max_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                              max_seqlen_k=max_seqlen_k, scale=index_scale, causal=causal)
+                              max_seqlen_k=max_seqlen_k, scale=index_scale, causal=causal,
+                              check_input_valid=check_input_valid)
     num_valid_pages, own_block = _per_query_block_bounds(cu_seqlens_q, cu_seqlens_k, q.shape[0])
     selection = sparse_topk_select(scores, topk, num_valid_pages,
                                    force_end_blocks=local_blocks,
@@ -256,12 +271,13 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
     row_ptr, q_ids, schedule = build_k2q_csr(q2k, cu_seqlens_q, cu_seqlens_k, BLOCK_SIZE,
                                              total_k=k.shape[0], max_seqlen_k=max_seqlen_k,
                                              max_seqlen_q=max_seqlen_q,
-                                             qhead_per_kv=qhead_per_kv, return_schedule=True)
+                                             qhead_per_kv=qhead_per_kv, return_schedule=True,
+                                             check_input_valid=check_input_valid)
     out = sparse_atten_func(q, k, v, row_ptr, q_ids, topk, cu_seqlens_q=cu_seqlens_q,
                             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                             max_seqlen_k=max_seqlen_k, blk_kv=BLOCK_SIZE, causal=causal,
                             softmax_scale=softmax_scale, partial_dtype=partial_dtype,
-                            schedule=schedule)
+                            schedule=schedule, check_input_valid=check_input_valid)
     return (out, q2k) if return_selection else out
 
 
