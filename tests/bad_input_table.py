@@ -56,6 +56,9 @@ class Error:
 class Invalid:
     arg: str
     cls: type = ValueError
+    # The unchecked reference may meet the bad value in a tensor the call derives from the
+    # argument (the sparse bridge turns kv_indices into a page_table) and name that one.
+    reference_arg: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -612,8 +615,8 @@ def _edit(field, edit):
 
 def _other_csr_schedule(p):
     """A schedule built for another (valid) selection with the same CSR shapes."""
-    other = _selection(p.q_lens, p.k_lens, p.q2k.shape[0], p.topk,
-                       torch.Generator().manual_seed(int(p.q2k.sum()) + 1), p.causal)
+    other = p.q2k.clone()
+    other[:, ::2] = -1                       # every other query selects nothing
     _, _, schedule = _with_schedule(p, q2k=other.to(p.q.device))
     return dict(schedule=schedule)
 
@@ -623,6 +626,8 @@ _ATTN_VALUES = [
     ("cu_seqlens_q negative start", _cu("cu_seqlens_q", [-40, 100, 160]),
      Invalid("cu_seqlens_q")),
     ("cu_seqlens_q ends past q", _cu("cu_seqlens_q", [0, 100, 170]), Invalid("cu_seqlens_q")),
+    ("cu_seqlens_q shifted past q", _cu("cu_seqlens_q", [0, 110, 170]), Invalid("cu_seqlens_q")),
+    ("cu_seqlens_q shifted by 5", _cu("cu_seqlens_q", [5, 105, 165]), Invalid("cu_seqlens_q")),
     ("cu_seqlens_q ends far past q", _cu("cu_seqlens_q", [0, 100, 1 << 30]),
      Invalid("cu_seqlens_q")),
     ("cu_seqlens_q ends short", _cu("cu_seqlens_q", [0, 100, 150]), Invalid("cu_seqlens_q")),
@@ -712,7 +717,7 @@ _EDGE_PROBLEMS = [
     ("G = 1", dict(group=1, hkv=4)),
     ("G = 16", dict(group=16, hkv=1)),
     ("one query", dict(q_lens=(1,), k_lens=(1000,))),
-    ("topK 32", dict(topk=32, k_lens=(3000, 200))),
+    ("topK 32", dict(topk=32, k_lens=(1200, 200))),
 ]
 for _name, _problem in _EDGE_PROBLEMS:
     for _paged in (False, True):
@@ -1180,3 +1185,714 @@ for _which in ("q", "k", "v"):
          NonFinite(lse_too=_which != "v"))
 _add(f"{DECODE}: nan in k (G = 16, one token)", DECODE, ["sparse_decode_atten"],
      _decode_nonfinite_make("k", NAN, head=0, group=16, seqlen_q=1), NonFinite())
+
+
+# ---------------------------------------------------------------------------------------------
+# block_max_scores
+# ---------------------------------------------------------------------------------------------
+
+BMS = "block_max_scores"
+
+
+def _bms_make(change=None, paged=False, q_lens=(100, 1, 60), k_lens=(300, 129, 200), heads=4,
+              nonfinite=False):
+    def make(device, gen):
+        q = _randn((sum(q_lens), heads, D), gen)
+        k = _randn((sum(k_lens), 1, D), gen)
+        kw = dict(max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), scale=0.1, causal=True)
+        args = dict(q_idx=q, k_idx=k, cu_seqlens_q=cu_seqlens(q_lens),
+                    cu_seqlens_k=cu_seqlens(k_lens))
+        if paged:
+            pages_b = [-(-n // BLOCK) for n in k_lens]
+            n_pages = sum(pages_b) + 2
+            kp = _randn((n_pages, 1, BLOCK, D), gen)
+            table = torch.randint(-(1 << 20), 1 << 20, (len(k_lens), max(pages_b) + 1),
+                                  generator=gen, dtype=torch.int32)
+            perm, used, t0 = torch.randperm(n_pages, generator=gen), 0, 0
+            for b, n in enumerate(k_lens):
+                for beta in range(pages_b[b]):
+                    page = int(perm[used])
+                    used += 1
+                    table[b, beta] = page
+                    lo, hi = t0 + beta * BLOCK, min(t0 + n, t0 + (beta + 1) * BLOCK)
+                    kp[page, :, :hi - lo] = k[lo:hi].transpose(0, 1)
+                t0 += n
+            args["k_idx"] = kp
+            kw.update(page_table=table, seqused_k=torch.tensor(k_lens, dtype=torch.int32))
+        args = {n: t.to(device) for n, t in args.items()}
+        kw = {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+        clean = (lambda a=dict(args), k_=dict(kw): msa.block_max_scores(**a, **k_))
+        for name, value in (change(args, kw) if change is not None else {}).items():
+            (args if name in args else kw)[name] = value
+        made = Made(lambda: msa.block_max_scores(**args, **kw),
+                    [t for t in list(args.values()) + list(kw.values())
+                     if isinstance(t, torch.Tensor)])
+        if nonfinite:
+            # NaN in query row 5, head 2: its scores are NaN (or, natively, -inf: the index
+            # rows only rank blocks and top-k never picks either); the other rows are exact.
+            made.clean = clean
+        return made
+    return make
+
+
+def _bcu(name, values):
+    return lambda a, k: {name: _i32(values, a["q_idx"].device)}
+
+
+_BMS_HOST_ERRORS = [
+    ("q_idx fp16", lambda a, k: dict(q_idx=a["q_idx"].half()), TypeError, "q_idx"),
+    ("q_idx head dim 64", lambda a, k: dict(q_idx=a["q_idx"][..., :64].contiguous()),
+     NotImplementedError, "q_idx"),
+    ("q_idx heads not a multiple", lambda a, k: dict(k_idx=a["k_idx"].repeat(1, 3, 1)),
+     ValueError, "q_idx"),
+    ("paged k_idx without page_table", lambda a, k: dict(k_idx=a["k_idx"][:512].view(4, 1, 128,
+                                                                                     128)),
+     ValueError, "page_table"),
+    ("seqused_k with dense k_idx", lambda a, k: dict(seqused_k=_i32([1, 1, 1],
+                                                                    a["q_idx"].device)),
+     ValueError, "seqused_k"),
+    ("cu_seqlens_q int64", lambda a, k: dict(cu_seqlens_q=a["cu_seqlens_q"].long()), TypeError,
+     "cu_seqlens_q"),
+    ("cu_seqlens_k None (dense)", lambda a, k: dict(cu_seqlens_k=None), ValueError,
+     "cu_seqlens_k"),
+    ("scale 0", lambda a, k: dict(scale=0.0), ValueError, "scale"),
+    ("qo_offset without causal", lambda a, k: dict(causal=False, qo_offset=3), ValueError,
+     "qo_offset"),
+    ("qo_offset wrong length", lambda a, k: dict(qo_offset=_i32([0, 0], a["q_idx"].device)),
+     ValueError, "qo_offset"),
+    ("qo_offset float", lambda a, k: dict(qo_offset=1.5), TypeError, "qo_offset"),
+    ("max_seqlen_k 0", lambda a, k: dict(max_seqlen_k=0), ValueError, "max_seqlen_k"),
+    ("max_k_tiles 0", lambda a, k: dict(max_k_tiles=0), ValueError, "max_k_tiles"),
+    ("check_input_valid 1", lambda a, k: dict(check_input_valid=1), TypeError,
+     "check_input_valid"),
+]
+for _name, _change, _cls, _arg in _BMS_HOST_ERRORS:
+    _add(f"{BMS}: {_name}", BMS, ["block_max_scores"], _bms_make(_change), Error(_cls, _arg))
+_BMS_VALUES = [
+    ("cu_seqlens_q starts at 3", _bcu("cu_seqlens_q", [3, 100, 101, 161]),
+     Invalid("cu_seqlens_q")),
+    ("cu_seqlens_q negative start", _bcu("cu_seqlens_q", [-50, 100, 101, 161]),
+     Invalid("cu_seqlens_q")),
+    ("cu_seqlens_q ends past q", _bcu("cu_seqlens_q", [0, 100, 101, 1 << 20]),
+     Invalid("cu_seqlens_q")),
+    ("cu_seqlens_q decreasing", _bcu("cu_seqlens_q", [0, 150, 101, 161]),
+     Invalid("cu_seqlens_q")),
+    ("max_seqlen_q short", lambda a, k: dict(max_seqlen_q=7), Invalid("max_seqlen_q")),
+    ("max_seqlen_k short", lambda a, k: dict(max_seqlen_k=129), Invalid("max_seqlen_k")),
+    ("valid", lambda a, k: {}, Same()),
+    ("max_k_tiles wider", lambda a, k: dict(max_k_tiles=9), Same()),
+    ("qo_offset huge", lambda a, k: dict(qo_offset=1 << 40), Same()),
+    ("qo_offset negative tensor", lambda a, k: dict(qo_offset=_i32([-5, -(1 << 30), 7],
+                                                                   a["q_idx"].device)), Same()),
+]
+for _paged in (False, True):
+    for _name, _change, _expect in _BMS_VALUES:
+        _add(f"{BMS}: {_name}{' (paged)' if _paged else ''}", BMS, ["block_max_scores"],
+             _bms_make(_change, paged=_paged), _expect)
+for _name, _change, _expect in [
+        ("cu_seqlens_k starts at 9", _bcu("cu_seqlens_k", [9, 300, 429, 629]),
+         Invalid("cu_seqlens_k")),
+        ("cu_seqlens_k ends past k", _bcu("cu_seqlens_k", [0, 300, 429, 700]),
+         Invalid("cu_seqlens_k")),
+        ("cu_seqlens_k negative", _bcu("cu_seqlens_k", [0, -300, 429, 629]),
+         Invalid("cu_seqlens_k")),
+        ("empty request", None, Same())]:
+    _add(f"{BMS}: {_name}", BMS, ["block_max_scores"],
+         _bms_make(_change) if _change else _bms_make(q_lens=(100, 0, 60)), _expect)
+for _name, _change, _expect in [
+        ("page id past the pool", lambda a, k: dict(page_table=k["page_table"].clone().index_fill_(
+            1, torch.tensor([0], device=a["q_idx"].device), 1 << 24)), Invalid("page_table")),
+        ("seqused_k negative", lambda a, k: dict(seqused_k=k["seqused_k"].clone().fill_(-1)),
+         Invalid("seqused_k")),
+        ("seqused_k past the table", lambda a, k: dict(seqused_k=k["seqused_k"] * 100),
+         Invalid("seqused_k"))]:
+    _add(f"{BMS}: {_name} (paged)", BMS, ["block_max_scores"], _bms_make(_change, paged=True),
+         _expect)
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse_topk_select (every index value is clamped by definition: nothing to reject)
+# ---------------------------------------------------------------------------------------------
+
+TOPK = "sparse_topk_select"
+
+
+def _topk_make(change=None, heads=4, tiles=40, tokens=33):
+    def make(device, gen):
+        scores = torch.randn(heads, tiles, tokens, generator=gen).to(device)
+        args = dict(max_score=scores, topk=16)
+        for name, value in (change(args) if change is not None else {}).items():
+            args[name] = value
+        return Made(lambda: msa.sparse_topk_select(**args),
+                    [t for t in args.values() if isinstance(t, torch.Tensor)])
+    return make
+
+
+def _nan_scores(a):
+    s = a["max_score"].clone()
+    s[:, ::3, ::2] = NAN
+    s[1, 5:9] = -INF
+    return dict(max_score=s)
+
+
+_TOPK_CASES = [
+    ("max_score fp16", lambda a: dict(max_score=a["max_score"].half()), Error(TypeError,
+                                                                               "max_score")),
+    ("max_score rank 2", lambda a: dict(max_score=a["max_score"][0]), Error(ValueError,
+                                                                            "max_score")),
+    ("max_score not contiguous", lambda a: dict(max_score=a["max_score"].transpose(1, 2)
+                                                .contiguous().transpose(1, 2)),
+     Error(ValueError, "max_score")),
+    ("topk 0", lambda a: dict(topk=0), Error(ValueError, "topk")),
+    ("topk 65", lambda a: dict(topk=65), Error(ValueError, "topk")),
+    ("topk float", lambda a: dict(topk=16.0), Error(TypeError, "topk")),
+    ("num_valid_pages 0", lambda a: dict(num_valid_pages=0), Error(ValueError,
+                                                                   "num_valid_pages")),
+    ("num_valid_pages past K", lambda a: dict(num_valid_pages=41), Error(ValueError,
+                                                                         "num_valid_pages")),
+    ("num_valid_pages int64 tensor", lambda a: dict(num_valid_pages=torch.ones(
+        33, dtype=torch.int64, device=a["max_score"].device)), Error(TypeError,
+                                                                     "num_valid_pages")),
+    ("force blocks past topk", lambda a: dict(force_begin_blocks=9, force_end_blocks=8),
+     Error(ValueError, "force_begin_blocks")),
+    ("force_end_blocks negative", lambda a: dict(force_end_blocks=-1), Error(ValueError,
+                                                                             "force_end_blocks")),
+    ("causal_end_block wrong length", lambda a: dict(causal_end_block=torch.zeros(
+        7, dtype=torch.int32, device=a["max_score"].device)), Error(ValueError,
+                                                                    "causal_end_block")),
+    ("head_reduce mean", lambda a: dict(head_reduce="mean", num_out_heads=2),
+     Error(ValueError, "head_reduce")),
+    ("output int64", lambda a: dict(output=torch.empty(33, 4, 16, dtype=torch.int64,
+                                                       device=a["max_score"].device)),
+     Error(TypeError, "output")),
+    ("valid", lambda a: {}, Same()),
+    ("NaN and -inf scores", _nan_scores, Same()),
+    ("all scores NaN", lambda a: dict(max_score=torch.full_like(a["max_score"], NAN)), Same()),
+    ("num_valid_pages values outside [0, K]", lambda a: dict(num_valid_pages=torch.randint(
+        -50, 90, (33,), dtype=torch.int32).to(a["max_score"].device)), Same()),
+    ("causal_end_block garbage", lambda a: dict(causal_end_block=torch.tensor(
+        [-(1 << 31), -1, (1 << 31) - 1] * 11, dtype=torch.int32).to(a["max_score"].device),
+        force_end_blocks=2), Same()),
+    ("head reduce with NaN", lambda a: {**_nan_scores(a), "head_reduce": "sum",
+                                        "num_out_heads": 2}, Same()),
+]
+for _name, _change, _expect in _TOPK_CASES:
+    _add(f"{TOPK}: {_name}", TOPK, ["sparse_topk_select"], _topk_make(_change), _expect)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp4_indexer_block_scores (reference backend only)
+# ---------------------------------------------------------------------------------------------
+
+FP4 = "fp4_indexer_block_scores"
+
+
+def _fp4_make(change=None, q_lens=(70, 1, 40), k_lens=(300, 129, 40), hq=4, hk=2):
+    def make(device, gen):
+        g = 8
+        pages_b = [-(-n // BLOCK) for n in k_lens]
+        n_pages = sum(pages_b) + 1
+        total_q = sum(q_lens)
+        scale = lambda shape: (torch.randint(110, 130, shape, generator=gen)     # noqa: E731
+                               .to(torch.uint8).view(E4M3))
+        args = dict(q_fp4=torch.randint(0, 256, (total_q, hq, 64), generator=gen,
+                                        dtype=torch.uint8),
+                    k_fp4=torch.randint(0, 256, (n_pages, hk, 128, 64), generator=gen,
+                                        dtype=torch.uint8),
+                    q_scale=scale((total_q, hq, g)), k_scale=scale((n_pages, hk, 128, g)),
+                    cu_seqlens_q=cu_seqlens(q_lens), cu_seqlens_k=cu_seqlens(k_lens),
+                    cu_page_offsets=cu_seqlens(pages_b))
+        kw = dict(max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), fp4_format="nvfp4",
+                  causal=True, scale_layout="public",
+                  kv_indices=torch.randperm(n_pages, generator=gen)[:sum(pages_b)].to(
+                      torch.int32))
+        args = {n: t.to(device) for n, t in args.items()}
+        kw["kv_indices"] = kw["kv_indices"].to(device)
+        for name, value in (change(args, kw) if change is not None else {}).items():
+            (args if name in args else kw)[name] = value
+        return Made(lambda: msa.fp4_indexer_block_scores(**args, **kw),
+                    [t for t in list(args.values()) + list(kw.values())
+                     if isinstance(t, torch.Tensor)])
+    return make
+
+
+def _fcu(name, values):
+    return lambda a, k: {name: _i32(values, a["q_fp4"].device)}
+
+
+_FP4_CASES = [
+    ("q_fp4 fp16", lambda a, k: dict(q_fp4=a["q_fp4"].half()), Error(TypeError, "q_fp4")),
+    ("q_fp4 unpacked width", lambda a, k: dict(q_fp4=torch.cat([a["q_fp4"]] * 2, -1)),
+     Error(ValueError, "q_fp4")),
+    ("k_fp4 page 64", lambda a, k: dict(k_fp4=a["k_fp4"][:, :, :64].contiguous(),
+                                        k_scale=a["k_scale"][:, :, :64].contiguous()),
+     Error(ValueError, "k_fp4")),
+    ("format fp8", lambda a, k: dict(fp4_format="fp8"), Error(ValueError, "fp4_format")),
+    ("scale layout", lambda a, k: dict(scale_layout="nhd"), Error(ValueError, "scale_layout")),
+    ("q_scale shape", lambda a, k: dict(q_scale=a["q_scale"][:, :, :4].contiguous()),
+     Error(ValueError, "q_scale")),
+    ("k_scale float", lambda a, k: dict(k_scale=a["k_scale"].float()), Error(TypeError,
+                                                                             "k_scale")),
+    ("cu_page_offsets length", lambda a, k: dict(cu_page_offsets=a["cu_page_offsets"][:-1]),
+     Error(ValueError, "cu_page_offsets")),
+    ("kv_indices None", lambda a, k: dict(kv_indices=None), Error(ValueError, "kv_indices")),
+    ("qo_offset without causal", lambda a, k: dict(causal=False, qo_offset=_i32(
+        [0, 0, 0], a["q_fp4"].device)), Error(ValueError, "qo_offset")),
+    ("max_seqlen_k negative", lambda a, k: dict(max_seqlen_k=-1), Error(ValueError,
+                                                                        "max_seqlen_k")),
+    ("cu_seqlens_q starts at 2", _fcu("cu_seqlens_q", [2, 70, 71, 111]),
+     Invalid("cu_seqlens_q")),
+    ("cu_seqlens_q ends past q", _fcu("cu_seqlens_q", [0, 70, 71, 200]),
+     Invalid("cu_seqlens_q")),
+    ("cu_seqlens_k decreasing", _fcu("cu_seqlens_k", [0, 300, 200, 469]),
+     Invalid("cu_seqlens_k")),
+    ("cu_page_offsets short", _fcu("cu_page_offsets", [0, 2, 4, 5]), Invalid("cu_page_offsets")),
+    ("cu_page_offsets past kv_indices", _fcu("cu_page_offsets", [0, 3, 5, 60]),
+     Invalid("cu_page_offsets")),
+    ("kv_indices past the pool", lambda a, k: dict(kv_indices=k["kv_indices"] + 100),
+     Invalid("kv_indices")),
+    ("kv_indices negative", lambda a, k: dict(kv_indices=k["kv_indices"] - 100),
+     Invalid("kv_indices")),
+    ("max_seqlen_q short", lambda a, k: dict(max_seqlen_q=3), Invalid("max_seqlen_q")),
+    ("max_seqlen_k short", lambda a, k: dict(max_seqlen_k=129), Invalid("max_seqlen_k")),
+    ("valid", lambda a, k: {}, Same()),
+    ("max_seqlen_k larger", lambda a, k: dict(max_seqlen_k=2000), Same()),
+]
+for _name, _change, _expect in _FP4_CASES:
+    _add(f"{FP4}: {_name}", FP4, (), _fp4_make(_change), _expect)
+
+
+# ---------------------------------------------------------------------------------------------
+# msa_prefill (indexer -> top-k -> CSR -> attention)
+# ---------------------------------------------------------------------------------------------
+
+PREFILL = "msa_prefill"
+
+
+def _prefill_make(change=None, q_lens=(140, 40), k_lens=(300, 40), nonfinite=False):
+    def make(device, gen):
+        t, s = sum(q_lens), sum(k_lens)
+        args = dict(q=_randn((t, 8, D), gen), k=_randn((s, 2, D), gen),
+                    v=_randn((s, 2, D), gen), q_idx=_randn((t, 2, D), gen),
+                    k_idx=_randn((s, 1, D), gen), cu_seqlens_q=cu_seqlens(q_lens),
+                    cu_seqlens_k=cu_seqlens(k_lens))
+        args = {n: x.to(device) for n, x in args.items()}
+        kw = dict(max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), topk=4)
+        clean = (lambda a=dict(args): msa.msa_prefill(**a, **kw))
+        for name, value in (change(args, kw) if change is not None else {}).items():
+            (args if name in args else kw)[name] = value
+        made = Made(lambda: msa.msa_prefill(**args, **kw),
+                    [x for x in args.values() if isinstance(x, torch.Tensor)])
+        if nonfinite:
+            # Query 150 (request 1), head 3 holds a NaN; its own block is always selected, so
+            # its row is NaN, and no other row reads it (the selection reads q_idx only).
+            q = args["q"].clone()
+            q[150, 3, 0] = NAN
+            args["q"] = q
+            made.clean = clean
+            made.affected = torch.zeros(t, 8, dtype=torch.bool)
+            made.affected[150, 3] = True
+            made.unaffected = ~made.affected
+        return made
+    return make
+
+
+_PREFILL_CASES = [
+    ("topk 12", lambda a, k: dict(topk=12), Error(ValueError, "topk")),
+    ("local_blocks 5", lambda a, k: dict(local_blocks=5), Error(ValueError, "local_blocks")),
+    ("local_blocks -1", lambda a, k: dict(local_blocks=-1), Error(ValueError, "local_blocks")),
+    ("q_idx heads", lambda a, k: dict(q_idx=a["q_idx"].repeat(1, 2, 1)), Error(ValueError,
+                                                                               "q_idx")),
+    ("q_idx tokens", lambda a, k: dict(q_idx=a["q_idx"][:-1].contiguous()), Error(ValueError,
+                                                                                  "q_idx")),
+    ("k_idx tokens", lambda a, k: dict(k_idx=a["k_idx"][:-1].contiguous()), Error(ValueError,
+                                                                                  "k_idx")),
+    ("G = 3", lambda a, k: dict(q=a["q"][:, :6].contiguous()), Error(NotImplementedError, "q")),
+    ("cu_seqlens_k int64", lambda a, k: dict(cu_seqlens_k=a["cu_seqlens_k"].long()),
+     Error(TypeError, "cu_seqlens_k")),
+    ("check_input_valid string", lambda a, k: dict(check_input_valid="y"), Error(
+        TypeError, "check_input_valid")),
+    ("cu_seqlens_q starts at 4", lambda a, k: dict(cu_seqlens_q=_i32([4, 140, 180],
+                                                                     a["q"].device)),
+     Invalid("cu_seqlens_q")),
+    ("cu_seqlens_q ends past q", lambda a, k: dict(cu_seqlens_q=_i32([0, 140, 400],
+                                                                     a["q"].device)),
+     Invalid("cu_seqlens_q")),
+    ("cu_seqlens_k decreasing", lambda a, k: dict(cu_seqlens_k=_i32([0, 350, 340],
+                                                                    a["q"].device)),
+     Invalid("cu_seqlens_k")),
+    ("max_seqlen_k short", lambda a, k: dict(max_seqlen_k=100), Invalid("max_seqlen_k")),
+    ("max_seqlen_q short", lambda a, k: dict(max_seqlen_q=100), Invalid("max_seqlen_q")),
+    ("valid", lambda a, k: {}, Same()),
+    ("hints larger", lambda a, k: dict(max_seqlen_q=1 << 12, max_seqlen_k=1 << 14), Same()),
+]
+for _name, _change, _expect in _PREFILL_CASES:
+    _add(f"{PREFILL}: {_name}", PREFILL,
+         ["block_max_scores", "sparse_topk_select", "build_k2q_csr", "sparse_atten"],
+         _prefill_make(_change), _expect)
+_add(f"{PREFILL}: nan in q", PREFILL,
+     ["block_max_scores", "sparse_topk_select", "build_k2q_csr", "sparse_atten"],
+     _prefill_make(nonfinite=True), NonFinite())
+
+
+# ---------------------------------------------------------------------------------------------
+# fmha_sm100_plan / fmha_plan / fmha_sm100 / fmha / sparse_fmha_plan / sparse_fmha
+# ---------------------------------------------------------------------------------------------
+
+def _tokens_to_pages(k, v, kv_lens, gen):
+    """Dense [T, Hkv, D] -> shuffled pages [P, Hkv, 128, D] + kv_indices [sum pages] int32."""
+    hkv = k.shape[1]
+    pages_b = [-(-n // BLOCK) for n in kv_lens]
+    n_pages = sum(pages_b) + 2
+    perm = torch.randperm(n_pages, generator=gen)
+    kp = _randn((n_pages, hkv, BLOCK, D), gen, k.dtype)
+    vp = _randn((n_pages, hkv, BLOCK, D), gen, v.dtype)
+    flat, used, t0 = [], 0, 0
+    for b, n in enumerate(kv_lens):
+        for beta in range(pages_b[b]):
+            page = int(perm[used])
+            used += 1
+            flat.append(page)
+            lo, hi = t0 + beta * BLOCK, min(t0 + n, t0 + (beta + 1) * BLOCK)
+            kp[page, :, :hi - lo] = k[lo:hi].transpose(0, 1)
+            vp[page, :, :hi - lo] = v[lo:hi].transpose(0, 1)
+        t0 += n
+    return kp, vp, torch.tensor(flat, dtype=torch.int32)
+
+
+def _fmha_make(change=None, *, fn="fmha", paged=False, sparse=False, q_lens=(5, 40),
+               kv_lens=(9, 300), hq=4, hkv=2, nonfinite=None):
+    """A dense / paged / sparse (bridge: q_len > 32) fmha call; change(args, kw, plan_kw) edits
+    the run and plan arguments (plan errors raise when the call builds its plan)."""
+    def make(device, gen):
+        q = _randn((sum(q_lens), hq, D), gen)
+        k = _randn((sum(kv_lens), hkv, D), gen)
+        v = _randn((sum(kv_lens), hkv, D), gen)
+        args = dict(q=q, k=k, v=v)
+        run_kw, plan_kw = {}, dict(num_kv_heads=hkv, device=device)
+        if paged or sparse:
+            kp, vp, kvi = _tokens_to_pages(k, v, kv_lens, gen)
+            args.update(k=kp, v=vp)
+            run_kw["kv_indices"] = kvi
+            plan_kw["page_size"] = BLOCK
+        if sparse:
+            plan_kw["kv_block_num"] = 4
+            sel = torch.full((sum(q_lens), hkv, 4), -1, dtype=torch.int32)
+            row = 0
+            for ql, kl in zip(q_lens, kv_lens):
+                nblk = -(-kl // BLOCK)
+                for i in range(ql):
+                    last = min(nblk - 1, (i + kl - ql) // BLOCK)
+                    ids = torch.arange(max(last + 1, 0))[-4:]
+                    sel[row + i, :, :ids.numel()] = ids.to(torch.int32)
+                row += ql
+            run_kw["kv_block_indexes"] = sel
+        args = {n: t.to(device) for n, t in args.items()}
+        run_kw = {n: t.to(device) for n, t in run_kw.items()}
+        lens = (torch.tensor(q_lens), torch.tensor(kv_lens))
+        plan_fn = msa.sparse_fmha_plan if fn == "sparse_fmha" else msa.fmha_plan
+        if fn == "sparse_fmha":
+            plan_kw.pop("device")          # its plan takes the device of the lengths
+
+        def run(a, rk, pk):
+            plan = plan_fn(*lens, hq, **pk)
+            if fn == "sparse_fmha":
+                return msa.sparse_fmha(a["q"], a["k"], a["v"], plan, **rk)
+            return getattr(msa, fn)(a["q"], a["k"], a["v"], plan, **rk)
+        clean = (lambda a=dict(args), rk=dict(run_kw), pk=dict(plan_kw): run(a, rk, pk))
+        for name, value in (change(args, run_kw, plan_kw) if change is not None else {}).items():
+            (args if name in args else plan_kw if name.startswith("plan.") else run_kw)[
+                name.replace("plan.", "")] = value
+        made = Made(lambda: run(args, run_kw, plan_kw),
+                    [t for t in list(args.values()) + list(run_kw.values())
+                     if isinstance(t, torch.Tensor)])
+        if nonfinite is not None:
+            # NaN in q row `nonfinite` (request 1), head 1: that row is NaN, no other row reads it.
+            q = args["q"].clone()
+            q[nonfinite, 1, 3] = NAN
+            args["q"] = q
+            made.clean = clean
+            made.affected = torch.zeros(sum(q_lens), hq, dtype=torch.bool)
+            made.affected[nonfinite, 1] = True
+            made.unaffected = ~made.affected
+        return made
+    return make
+
+
+def _fmha_plan_make(plan_fn, *args, **kwargs):
+    def make(device, gen):
+        return Made(lambda: outputs_of_plan(plan_fn(*args, **kwargs)))
+    return make
+
+
+def outputs_of_plan(plan):
+    """The tensors a plan carries (plans are dicts; tests compare only what a run reads)."""
+    dicts = [p for p in plan if isinstance(p, dict)] if isinstance(plan, tuple) else [plan]
+    return [t for d in dicts for t in d.values() if isinstance(t, torch.Tensor)]
+
+
+_T = lambda *x: torch.tensor(x)          # noqa: E731
+_PLAN_ERRORS = [
+    ("float lengths", (_T(1.0), _T(2), 4), {}, TypeError, "qo_segment_lens"),
+    ("length mismatch", (_T(1, 2), _T(2), 4), {}, ValueError, "kv_segment_lens"),
+    ("negative length", (_T(1), _T(-2), 4), {}, ValueError, "kv_segment_lens"),
+    ("lengths 2-D", (_T(1).view(1, 1), _T(2), 4), {}, ValueError, "qo_segment_lens"),
+    ("heads not a multiple", (_T(1), _T(2), 6, 4), {}, ValueError, "num_qo_heads"),
+    ("num_qo_heads 0", (_T(1), _T(2), 0), {}, ValueError, "num_qo_heads"),
+    ("sparse without pages", (_T(1), _T(2), 4), dict(kv_block_num=16), ValueError,
+     "page_size"),
+    ("bad mode", (_T(1), _T(2), 4), dict(sparse_kernel_mode="fast"), ValueError,
+     "sparse_kernel_mode"),
+    ("offset count", (_T(1, 1), _T(2, 2), 4), dict(qo_offset=_T(1, 1, 1)), ValueError,
+     "qo_offset"),
+    ("offset float", (_T(1), _T(2), 4), dict(qo_offset=1.5), TypeError, "qo_offset"),
+    ("causal string", (_T(1), _T(2), 4), dict(causal="yes"), TypeError, "causal"),
+    ("usable_SM_count -3", (_T(1), _T(2), 4), dict(usable_SM_count=-3), ValueError,
+     "usable_SM_count"),
+]
+for _name, _args, _kw, _cls, _arg in _PLAN_ERRORS:
+    for _fn in ("fmha_sm100_plan", "fmha_plan"):
+        _add(f"{_fn}: {_name}", _fn, (), _fmha_plan_make(getattr(msa, _fn), *_args,
+                                                         device="cpu", **_kw),
+             Error(_cls, _arg))
+_SPARSE_PLAN_ERRORS = [
+    ("topk 5", dict(page_size=128, kv_block_num=5), ValueError, "kv_block_num"),
+    ("page size 0", dict(page_size=0, kv_block_num=4), ValueError, "page_size"),
+    ("page size 64", dict(page_size=64, kv_block_num=4), NotImplementedError, "page_size"),
+    ("max-score", dict(page_size=128, kv_block_num=4, output_maxscore=True),
+     NotImplementedError, "output_maxscore"),
+    ("non-causal", dict(page_size=128, kv_block_num=4, causal=False), NotImplementedError,
+     "causal"),
+    ("offset past kv", dict(page_size=128, kv_block_num=4, qo_offset=_T(250)), ValueError,
+     "qo_offset"),
+]
+for _name, _kw, _cls, _arg in _SPARSE_PLAN_ERRORS:
+    _add(f"sparse_fmha_plan: {_name}", "sparse_fmha_plan", (),
+         _fmha_plan_make(msa.sparse_fmha_plan, _T(40), _T(256), 4, 4, **_kw), Error(_cls, _arg))
+_add("sparse_fmha_plan: group 32", "sparse_fmha_plan", (),
+     _fmha_plan_make(msa.sparse_fmha_plan, _T(40), _T(256), 32, 1, page_size=128,
+                     kv_block_num=4), Error(NotImplementedError, "num_qo_heads"))
+for _fn in ("fmha_sm100_plan", "fmha_plan", "sparse_fmha_plan"):
+    _kw = dict(page_size=128, kv_block_num=4) if _fn == "sparse_fmha_plan" else {}
+    _add(f"{_fn}: zero-length requests", _fn, (),
+         _fmha_plan_make(getattr(msa, _fn), _T(0, 40, 1), _T(5, 0, 300), 4, 2, **_kw), Same())
+
+_FMHA_RUN_ERRORS = [
+    ("fp16 q", lambda a, r, p: dict(q=a["q"].half()), TypeError, "q"),
+    ("fp8 q bf16 kv", lambda a, r, p: dict(q=a["q"].to(E4M3)), TypeError, "k"),
+    ("head dim 64", lambda a, r, p: dict(q=a["q"][..., :64], k=a["k"][..., :64],
+                                         v=a["v"][..., :64]), NotImplementedError, "q"),
+    ("no outputs", lambda a, r, p: dict(output_o=False, output_maxscore=False), ValueError,
+     "output_o"),
+    ("page_table on a dense plan", lambda a, r, p: dict(page_table=_i32([[0]], a["q"].device)),
+     ValueError, "page_table"),
+    ("token count", lambda a, r, p: dict(q=a["q"][:-1]), ValueError, "q"),
+    ("kv count", lambda a, r, p: dict(k=a["k"][:-1], v=a["v"][:-1]), ValueError, "k"),
+    ("head count", lambda a, r, p: dict(q=a["q"][:, :2]), ValueError, "q"),
+    ("kv_indices with dense k", lambda a, r, p: dict(kv_indices=_i32([0], a["q"].device)),
+     ValueError, "kv_indices"),
+    ("blocks on a dense plan", lambda a, r, p: dict(kv_block_indexes=torch.zeros(
+        45, 2, 4, dtype=torch.int32, device=a["q"].device)), ValueError, "kv_block_indexes"),
+    ("v_scale negative", lambda a, r, p: dict(v_scale=-1.0), ValueError, "v_scale"),
+    ("sm_scale nan", lambda a, r, p: dict(sm_scale=NAN), ValueError, "sm_scale"),
+    ("check_input_valid None", lambda a, r, p: dict(check_input_valid=None), TypeError,
+     "check_input_valid"),
+]
+for _name, _change, _cls, _arg in _FMHA_RUN_ERRORS:
+    for _fn in ("fmha", "fmha_sm100"):
+        _add(f"{_fn}: {_name}", _fn, ["fmha_dense"], _fmha_make(_change, fn=_fn),
+             Error(_cls, _arg))
+
+
+def _kvi(edit):
+    def change(a, r, p):
+        t = r["kv_indices"].clone()
+        edit(t)
+        return dict(kv_indices=t)
+    return change
+
+
+for _fn in ("fmha", "fmha_sm100"):
+    _add(f"{_fn}: kv_indices past the pool", _fn, ["fmha_dense"],
+         _fmha_make(_kvi(lambda t: t[1].fill_(1 << 20)), fn=_fn, paged=True),
+         Invalid("kv_indices"))
+    _add(f"{_fn}: kv_indices negative", _fn, ["fmha_dense"],
+         _fmha_make(_kvi(lambda t: t[0].fill_(-1)), fn=_fn, paged=True), Invalid("kv_indices"))
+    for _paged in (False, True):
+        _tag = " (paged)" if _paged else ""
+        _add(f"{_fn}: valid{_tag}", _fn, ["fmha_dense"], _fmha_make(fn=_fn, paged=_paged),
+             Same())
+        _add(f"{_fn}: nan in q{_tag}", _fn, ["fmha_dense"],
+             _fmha_make(fn=_fn, paged=_paged, nonfinite=20), NonFinite(lse_too=False))
+        _add(f"{_fn}: offsets leaving rows empty{_tag}", _fn, ["fmha_dense"],
+             _fmha_make(lambda a, r, p: dict(q_offset_override=_T(-3, -30)), fn=_fn,
+                        paged=_paged), Same())
+        _add(f"{_fn}: huge offset{_tag}", _fn, ["fmha_dense"],
+             _fmha_make(lambda a, r, p: dict(q_offset_override=1 << 30), fn=_fn, paged=_paged),
+             Same())
+
+_SPARSE_RUN = [
+    ("kv_block_indexes None", lambda a, r, p: dict(kv_block_indexes=None),
+     Error(ValueError, "kv_block_indexes")),
+    ("kv_block_indexes int64", lambda a, r, p: dict(kv_block_indexes=r["kv_block_indexes"]
+                                                    .long()), Error(TypeError,
+                                                                    "kv_block_indexes")),
+    ("kv_block_indexes shape", lambda a, r, p: dict(kv_block_indexes=r["kv_block_indexes"]
+                                                    [:, :, :2].contiguous()),
+     Error(ValueError, "kv_block_indexes")),
+    ("kv_indices short", lambda a, r, p: dict(kv_indices=r["kv_indices"][:2]),
+     Error(ValueError, "kv_indices")),
+    ("kv_indices past the pool", _kvi(lambda t: t[1].fill_(1 << 20)),
+     Invalid("kv_indices", reference_arg="page_table")),
+    ("page_table page past the pool", lambda a, r, p: dict(page_table=_i32(
+        [[0, 0, 0], [1 << 20, 1, 2]], a["q"].device)), Invalid("page_table")),
+    ("kv_block_indexes descending", lambda a, r, p: dict(
+        kv_block_indexes=r["kv_block_indexes"].flip(-1).contiguous()),
+     Skip("kv_block_indexes")),
+    ("kv_block_indexes past the request", lambda a, r, p: dict(
+        kv_block_indexes=r["kv_block_indexes"].clone().index_fill_(
+            0, torch.tensor([30], device=a["q"].device), 9)), Skip("kv_block_indexes")),
+    ("kv_block_indexes -2", lambda a, r, p: dict(
+        kv_block_indexes=r["kv_block_indexes"].clone().index_fill_(
+            0, torch.tensor([7], device=a["q"].device), -2)), Skip("kv_block_indexes")),
+    ("valid", lambda a, r, p: {}, Same()),
+]
+for _fn in ("fmha", "sparse_fmha"):
+    for _name, _change, _expect in _SPARSE_RUN:
+        _add(f"{_fn}: sparse {_name}", _fn, ["build_k2q_csr", "sparse_atten"],
+             _fmha_make(_change, fn=_fn, sparse=True, q_lens=(40, 60), kv_lens=(300, 250)),
+             _expect)
+_add("sparse_fmha: nan in q", "sparse_fmha", ["build_k2q_csr", "sparse_atten"],
+     _fmha_make(fn="sparse_fmha", sparse=True, q_lens=(40, 60), kv_lens=(300, 250),
+                nonfinite=70), NonFinite(lse_too=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# NVFP4 helpers
+# ---------------------------------------------------------------------------------------------
+
+def _quant_make(call_of, *, shape=(32, 128), poison=()):
+    """call_of(x) -> the call; poison: ((row, col, value), ...) written into x (row 0, col 0 is
+    pinned to the tensor's max so the global scale does not depend on the poisoned elements)."""
+    def make(device, gen):
+        x = _randn(shape, gen).to(device)
+        x.view(-1, x.shape[-1])[0, 0] = 8.0
+        made = Made(None, [x])
+        if poison:
+            clean = x.clone()
+            made.clean = call_of(clean)
+            flat = x.clone()
+            view = flat.view(-1, x.shape[-1])
+            affected = torch.zeros(view.shape, dtype=torch.bool)
+            for r, c, value in poison:
+                view[r, c] = value
+                affected[r, (c // 16) * 16:(c // 16 + 1) * 16] = True
+            x = flat
+            made.inputs = [x]
+            made.affected = affected.view(shape)
+            made.unaffected = ~made.affected
+        made.call = call_of(x)
+        return made
+    return make
+
+
+_dq = msa.dequantize_nvfp4_128x4_to_bf16
+_QUANT = "quantize_bf16_to_nvfp4_128x4"
+_KV_QUANT = "quantize_kv_bf16_to_nvfp4_128x4"
+for _name, _call_of, _cls, _arg in [
+        ("fp32 input", lambda x: lambda: msa.quantize_bf16_to_nvfp4_128x4(x.float()), TypeError,
+         "x"),
+        ("rank 1", lambda x: lambda: msa.quantize_bf16_to_nvfp4_128x4(x[0]), ValueError, "x"),
+        ("D not a multiple of 16", lambda x: lambda: msa.quantize_bf16_to_nvfp4_128x4(
+            x[:, :120]), ValueError, "x"),
+        ("rows not a multiple of 16", lambda x: lambda: msa.quantize_bf16_to_nvfp4_128x4(
+            x[:24]), ValueError, "x"),
+        ("list input", lambda x: lambda: msa.quantize_bf16_to_nvfp4_128x4(x.tolist()),
+         TypeError, "x")]:
+    _add(f"{_QUANT}: {_name}", _QUANT, (), _quant_make(_call_of), Error(_cls, _arg))
+for _name, _call_of, _cls, _arg in [
+        ("v rows", lambda x: lambda: msa.quantize_kv_bf16_to_nvfp4_128x4(x, x[:8]), ValueError,
+         "v"),
+        ("k fp32", lambda x: lambda: msa.quantize_kv_bf16_to_nvfp4_128x4(x.float(), x),
+         TypeError, "k")]:
+    _add(f"{_KV_QUANT}: {_name}", _KV_QUANT, (), _quant_make(_call_of), Error(_cls, _arg))
+for _name, _call_of, _cls, _arg in [
+        ("not a quantized tensor", lambda x: lambda: _dq(x), TypeError, "qx"),
+        ("scale too short", lambda x: lambda: _dq(dataclasses.replace(
+            msa.quantize_bf16_to_nvfp4_128x4(x),
+            scale_128x4=msa.quantize_bf16_to_nvfp4_128x4(x).scale_128x4[:64])), ValueError,
+         "qx.scale_128x4")]:
+    _add(f"dequantize_nvfp4_128x4_to_bf16: {_name}", "dequantize_nvfp4_128x4_to_bf16", (),
+         _quant_make(_call_of), Error(_cls, _arg))
+for _name, _call_of, _cls, _arg in [
+        ("logical scale shape", lambda x: lambda: _dq(dataclasses.replace(
+            msa.quantize_bf16_to_nvfp4_128x4(x), logical_scale_shape=(3, 8))), ValueError,
+         "qx.logical_scale_shape"),
+        ("data shape", lambda x: lambda: _dq(dataclasses.replace(
+            msa.quantize_bf16_to_nvfp4_128x4(x), original_shape=(32, 256),
+            logical_scale_shape=(32, 16))), ValueError, "qx.data"),
+        ("global scale fp64", lambda x: lambda: _dq(dataclasses.replace(
+            msa.quantize_bf16_to_nvfp4_128x4(x),
+            global_scale=torch.ones(1, dtype=torch.float64, device=x.device))), TypeError,
+         "qx.global_scale")]:
+    _add(f"Nvfp4QuantizedTensor: {_name}", "Nvfp4QuantizedTensor", (), _quant_make(_call_of),
+         Error(_cls, _arg))
+for _name, _call_of, _cls, _arg in [
+        ("size mismatch", lambda x: lambda: msa.swizzle_nvfp4_scale_to_128x4(
+            torch.ones(10, 8, dtype=torch.uint8, device=x.device), rows=10, cols=4),
+         ValueError, "scale"),
+        ("fp32 scales", lambda x: lambda: msa.swizzle_nvfp4_scale_to_128x4(
+            torch.ones(10, 8, device=x.device), rows=10, cols=8), TypeError, "scale"),
+        ("rows 0", lambda x: lambda: msa.swizzle_nvfp4_scale_to_128x4(
+            torch.ones(0, dtype=torch.uint8, device=x.device), rows=0, cols=8), ValueError,
+         "rows")]:
+    _add(f"swizzle_nvfp4_scale_to_128x4: {_name}", "swizzle_nvfp4_scale_to_128x4", (),
+         _quant_make(_call_of), Error(_cls, _arg))
+for _name, _call_of, _cls, _arg in [
+        ("string", lambda x: lambda: msa.nvfp4_global_scale_from_amax("8"), TypeError, "amax"),
+        ("bool tensor", lambda x: lambda: msa.nvfp4_global_scale_from_amax(x > 0), TypeError,
+         "amax")]:
+    _add(f"nvfp4_global_scale_from_amax: {_name}", "nvfp4_global_scale_from_amax", (),
+         _quant_make(_call_of), Error(_cls, _arg))
+_add("nvfp4_global_scale_from_amax: nan and inf", "nvfp4_global_scale_from_amax", (),
+     _quant_make(lambda x: lambda: msa.nvfp4_global_scale_from_amax(
+         torch.tensor([NAN, INF, 0.0, 6.0], device=x.device))), Same())
+_add(f"{_QUANT}: all zeros", _QUANT, (),
+     _quant_make(lambda x: lambda: _dq(msa.quantize_bf16_to_nvfp4_128x4(x * 0))), Same())
+_add(f"{_QUANT}: valid 3-D", _QUANT, (),
+     _quant_make(lambda x: lambda: _dq(msa.quantize_bf16_to_nvfp4_128x4(x)), shape=(4, 16, 128)),
+     Same())
+_add("swizzle_nvfp4_scale_to_128x4: valid", "swizzle_nvfp4_scale_to_128x4", (),
+     _quant_make(lambda x: lambda: msa.swizzle_nvfp4_scale_to_128x4(
+         (x[:10, :8] * 10).to(E4M3), rows=10, cols=8)), Same())
+for _name, _poison in (("one nan", ((3, 17, NAN),)), ("one inf", ((20, 100, INF),)),
+                       ("-inf and nan", ((5, 0, -INF), (31, 127, NAN))),
+                       ("nan in the max block", ((0, 1, NAN),))):
+    _add(f"{_QUANT}: {_name}", _QUANT, (),
+         _quant_make(lambda x: lambda: _dq(msa.quantize_bf16_to_nvfp4_128x4(x)),
+                     poison=_poison), NonFinite(lse_too=False))
+    _add(f"{_KV_QUANT}: {_name}", _KV_QUANT, (),
+         _quant_make(lambda x: lambda: _dq(msa.quantize_kv_bf16_to_nvfp4_128x4(x, x)[1]),
+                     poison=_poison), NonFinite(lse_too=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors on two devices (a GPU host only)
+# ---------------------------------------------------------------------------------------------
+
+_add(f"{ATTN}: cu_seqlens_q on the CPU", ATTN, ["sparse_atten"],
+     _attn_make(lambda p: dict(cu_seqlens_q=p.cu_q.cpu(), cu_seqlens_k=p.cu_k.cpu())),
+     Error(ValueError, "cu_seqlens_q"), gpu_only=True)
+_add(f"{ATTN}: k2q_row_ptr on the CPU", ATTN, ["sparse_atten"],
+     _attn_make(lambda p: dict(k2q_row_ptr=p.row_ptr.cpu())), Error(ValueError, "k2q_row_ptr"),
+     gpu_only=True)
+_add(f"{DECODE}: page_table on the CPU", DECODE, ["sparse_decode_atten"],
+     _decode_make(lambda p: dict(page_table=p.page_table.cpu())), Error(ValueError,
+                                                                         "page_table"),
+     gpu_only=True)
+_add("build_k2q_csr: q2k on the CPU", "build_k2q_csr", ["build_k2q_csr"],
+     _csr_make(lambda p: p.update(q2k=p["q2k"].cpu()), False), Error(ValueError, "cu_seqlens_q"),
+     gpu_only=True)
+_add(f"{BMS}: k_idx on the CPU", BMS, ["block_max_scores"],
+     _bms_make(lambda a, k: dict(k_idx=a["k_idx"].cpu())), Error(ValueError, "k_idx"),
+     gpu_only=True)

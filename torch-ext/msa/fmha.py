@@ -450,7 +450,8 @@ def _bridge_plan(q_lens, kv_lens, offsets, *, num_qo_heads, num_kv_heads, num_kv
     _check_int("usable_SM_count", usable_SM_count, minimum=-1)
     _check_bool("use_fp8_kvcache", use_fp8_kvcache)
     if check_groups and num_kv_heads > 0:
-        check_qhead_per_kv(num_qo_heads, num_kv_heads)
+        check_qhead_per_kv(num_qo_heads, num_kv_heads, name="num_qo_heads",
+                           kv_name="KV heads of num_kv_heads")
     seqused = []
     for b, (q, k, o) in enumerate(zip(q_lens, kv_lens, offsets)):
         if not 0 <= q + o <= k:

@@ -58,8 +58,16 @@ class Nvfp4QuantizedTensor:
 def nvfp4_global_scale_from_amax(amax) -> torch.Tensor:
     """The NVFP4 global (decode) scale for a tensor whose max |x| is `amax`: amax / (448 * 6),
     as an fp32 tensor (a Python number gives a 0-d tensor; a tensor keeps its shape/device).
-    448 is the E4M3 maximum and 6 the E2M1 maximum, so the largest block scale fits E4M3."""
-    amax = amax if isinstance(amax, torch.Tensor) else torch.tensor(float(amax))
+    448 is the E4M3 maximum and 6 the E2M1 maximum, so the largest block scale fits E4M3.
+    A NaN / Inf amax gives a NaN / Inf scale (quantize_bf16_to_nvfp4_128x4 takes the amax of
+    the finite elements only)."""
+    if isinstance(amax, torch.Tensor):
+        if amax.dtype == torch.bool or amax.is_complex():
+            raise TypeError(f"amax: expected a real tensor, got dtype {amax.dtype}")
+    elif isinstance(amax, bool) or not isinstance(amax, (int, float)):
+        raise TypeError(f"amax: expected a number or a tensor, got {type(amax).__name__}")
+    else:
+        amax = torch.tensor(float(amax))
     return amax.to(torch.float32) / (E4M3_MAX * E2M1_MAX)
 
 
