@@ -33,7 +33,7 @@ import torch
 
 import msa
 from msa.sparse_index_utils import build_k2q_csr_torch_reference
-from msa_testing import cu_seqlens
+from msa_testing import cu_seqlens, to_paged
 
 BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn
@@ -201,29 +201,21 @@ def sparse_problem(device, gen, *, paged=False, causal=True, dtype=BF16, hkv=2, 
     p = Sparse(q=q, k=k, v=v, q2k=q2k, row_ptr=row_ptr, q_idx=q_idx, cu_q=cu_q, cu_k=cu_k,
                q_lens=q_lens, k_lens=k_lens, topk=topk, causal=causal, k_dense=k, v_dense=v)
     if paged:
-        pages_b = [-(-n // BLOCK) for n in k_lens]
-        n_pages = sum(pages_b) + 2
-        perm = torch.randperm(n_pages, generator=gen)
-        kp = _randn((n_pages, hkv, BLOCK, D), gen)
-        vp = _randn((n_pages, hkv, BLOCK, D), gen)
-        # Entries past a request's pages are junk on purpose (contract: never read).
-        table = torch.randint(-(1 << 20), 1 << 20, (len(k_lens), max(pages_b) + 1),
-                              generator=gen, dtype=torch.int32)
-        used = t0 = 0
-        for b, n in enumerate(k_lens):
-            for beta in range(pages_b[b]):
-                page = int(perm[used])
-                used += 1
-                table[b, beta] = page
-                lo, hi = t0 + beta * BLOCK, min(t0 + n, t0 + (beta + 1) * BLOCK)
-                kp[page, :, : hi - lo] = k[lo:hi].transpose(0, 1)
-                vp[page, :, : hi - lo] = v[lo:hi].transpose(0, 1)
-            t0 += n
-        p.k, p.v, p.page_table = kp, vp, table
-        p.seqused_k = torch.tensor(k_lens, dtype=torch.int32)
+        p.k, p.v, p.page_table, p.seqused_k = to_paged(k, v, k_lens, extra_pages=2,
+                                                       generator=gen)
+        _junk_past_the_keys(p.page_table, k_lens, gen)
     if dtype != BF16:
         p.q, p.k, p.v = p.q.to(dtype), p.k.to(dtype), p.v.to(dtype)
     return to_device(p, device)
+
+
+def _junk_past_the_keys(table: torch.Tensor, k_lens, gen) -> None:
+    """Page-table entries past a request's pages get random junk: the contract says they are
+    never read."""
+    for b, n in enumerate(k_lens):
+        pages = -(-n // BLOCK)
+        table[b, pages:] = torch.randint(-(1 << 20), 1 << 20, (table.shape[1] - pages,),
+                                         generator=gen, dtype=torch.int32)
 
 
 def to_device(obj, device):
@@ -381,7 +373,6 @@ _CSR_HOST_ERRORS = [
     ("schedule without max_seqlen_k", lambda p: p.update(return_schedule=True, max_seqlen_k=None),
      ValueError, "max_seqlen_k"),
     ("total_rows negative", _set(total_rows=-1), ValueError, "total_rows"),
-    ("total_rows below total_k blocks", _set(total_rows=3), ValueError, "total_rows"),
     ("qhead_per_kv 0", _set(qhead_per_kv=0), ValueError, "qhead_per_kv"),
     ("qhead_per_kv bool", _set(qhead_per_kv=True), TypeError, "qhead_per_kv"),
     ("max_seqlen_q negative", _set(max_seqlen_q=-5), ValueError, "max_seqlen_q"),
@@ -421,6 +412,7 @@ _CSR_VALUES = [
                                                                p["q2k"].device)),
      Invalid("total_k")),
     ("total_k short", _set(total_k=400), Invalid("total_k")),
+    ("total_rows below total_k blocks", _set(total_rows=3), Invalid("total_rows")),
     ("max_seqlen_q short", _set(max_seqlen_q=10), Invalid("max_seqlen_q")),
     ("max_seqlen_k short", _set(max_seqlen_k=100), Invalid("max_seqlen_k")),
     # Skip: ids outside the request are dropped (contract D4); duplicates are the caller's
@@ -506,8 +498,6 @@ _ATTN_HOST_ERRORS = [
      ValueError, "k2q_row_ptr"),
     ("k2q_row_ptr float", lambda p: dict(k2q_row_ptr=p.row_ptr.float()), TypeError,
      "k2q_row_ptr"),
-    ("k2q_row_ptr fewer rows than k's blocks", lambda p: dict(
-        k2q_row_ptr=p.row_ptr[:, :3].contiguous()), ValueError, "k2q_row_ptr"),
     ("cu_seqlens_q int64", lambda p: dict(cu_seqlens_q=p.cu_q.long()), TypeError,
      "cu_seqlens_q"),
     ("cu_seqlens length mismatch", lambda p: dict(cu_seqlens_k=torch.cat([p.cu_k, p.cu_k[-1:]])),
@@ -649,6 +639,8 @@ _ATTN_VALUES = [
      Invalid("k2q_row_ptr")),
     ("k2q_row_ptr garbage", _edit("row_ptr", lambda t: t.copy_(torch.randint_like(t, -999, 999))),
      Invalid("k2q_row_ptr")),
+    ("k2q_row_ptr fewer rows than k's blocks", lambda p: dict(
+        k2q_row_ptr=p.row_ptr[:, :3].contiguous()), Invalid("k2q_row_ptr")),
     ("schedule of another CSR", _other_csr_schedule, Invalid("schedule")),
     ("k2q_q_indices past the request", _edit("q_idx", lambda t: t[0, 0].fill_(1000)),
      Skip("k2q_q_indices")),
@@ -680,8 +672,10 @@ for _paged in (False, True):
     _tag = " (paged)" if _paged else ""
     for _name, _change, _expect in _ATTN_VALUES:
         _ops = ["sparse_atten"] + (["build_k2q_csr"] if "schedule" in _name else [])
-        if _paged and _name in ("cu_seqlens_k ends past k", "cu_seqlens_k ends short"):
-            # Paged K has no token total: cu_seqlens_k then only disagrees with the CSR rows.
+        if _name == "cu_seqlens_k ends short" or (_paged and _name == "cu_seqlens_k ends "
+                                                                   "past k"):
+            # K rows past the requests are allowed (a static cache), and paged K has no token
+            # total: such a cu_seqlens_k only disagrees with the CSR's rows.
             _expect = Invalid("k2q_row_ptr")
         _add(f"{ATTN}: {_name}{_tag}", ATTN, _ops, _attn_make(_change, paged=_paged), _expect)
 
@@ -738,6 +732,8 @@ _add(f"{ATTN}: topK smaller than the CSR (schedule)", ATTN, ["build_k2q_csr", "s
      _attn_make(lambda p: dict(zip(("k2q_row_ptr", "k2q_q_indices", "schedule"),
                                    _with_schedule(p))), topk=4, csr_topk=8, k_lens=(1200, 700)),
      Invalid("topK"))
+_add(f"{ATTN}: static cache larger than the keys", ATTN, ["sparse_atten"],
+     _attn_make(lambda p: dict(k=torch.cat([p.k] * 4), v=torch.cat([p.v] * 4))), Same())
 _add(f"{ATTN}: CSR rows dropped at build", ATTN, ["sparse_atten"],
      _attn_make(None, q_lens=(50, 50), k_lens=(192, 192), total_rows=3), Invalid("k2q_row_ptr"))
 
@@ -1203,22 +1199,10 @@ def _bms_make(change=None, paged=False, q_lens=(100, 1, 60), k_lens=(300, 129, 2
         args = dict(q_idx=q, k_idx=k, cu_seqlens_q=cu_seqlens(q_lens),
                     cu_seqlens_k=cu_seqlens(k_lens))
         if paged:
-            pages_b = [-(-n // BLOCK) for n in k_lens]
-            n_pages = sum(pages_b) + 2
-            kp = _randn((n_pages, 1, BLOCK, D), gen)
-            table = torch.randint(-(1 << 20), 1 << 20, (len(k_lens), max(pages_b) + 1),
-                                  generator=gen, dtype=torch.int32)
-            perm, used, t0 = torch.randperm(n_pages, generator=gen), 0, 0
-            for b, n in enumerate(k_lens):
-                for beta in range(pages_b[b]):
-                    page = int(perm[used])
-                    used += 1
-                    table[b, beta] = page
-                    lo, hi = t0 + beta * BLOCK, min(t0 + n, t0 + (beta + 1) * BLOCK)
-                    kp[page, :, :hi - lo] = k[lo:hi].transpose(0, 1)
-                t0 += n
+            kp, _, table, seqused = to_paged(k, k, k_lens, extra_pages=2, generator=gen)
+            _junk_past_the_keys(table, k_lens, gen)
             args["k_idx"] = kp
-            kw.update(page_table=table, seqused_k=torch.tensor(k_lens, dtype=torch.int32))
+            kw.update(page_table=table, seqused_k=seqused)
         args = {n: t.to(device) for n, t in args.items()}
         kw = {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
         clean = (lambda a=dict(args), k_=dict(kw): msa.block_max_scores(**a, **k_))
@@ -1541,23 +1525,9 @@ _add(f"{PREFILL}: nan in q", PREFILL,
 
 def _tokens_to_pages(k, v, kv_lens, gen):
     """Dense [T, Hkv, D] -> shuffled pages [P, Hkv, 128, D] + kv_indices [sum pages] int32."""
-    hkv = k.shape[1]
-    pages_b = [-(-n // BLOCK) for n in kv_lens]
-    n_pages = sum(pages_b) + 2
-    perm = torch.randperm(n_pages, generator=gen)
-    kp = _randn((n_pages, hkv, BLOCK, D), gen, k.dtype)
-    vp = _randn((n_pages, hkv, BLOCK, D), gen, v.dtype)
-    flat, used, t0 = [], 0, 0
-    for b, n in enumerate(kv_lens):
-        for beta in range(pages_b[b]):
-            page = int(perm[used])
-            used += 1
-            flat.append(page)
-            lo, hi = t0 + beta * BLOCK, min(t0 + n, t0 + (beta + 1) * BLOCK)
-            kp[page, :, :hi - lo] = k[lo:hi].transpose(0, 1)
-            vp[page, :, :hi - lo] = v[lo:hi].transpose(0, 1)
-        t0 += n
-    return kp, vp, torch.tensor(flat, dtype=torch.int32)
+    kp, vp, table, _ = to_paged(k, v, kv_lens, extra_pages=2, generator=gen)
+    flat = torch.cat([table[b, :-(-n // BLOCK)] for b, n in enumerate(kv_lens)])
+    return kp, vp, flat
 
 
 def _fmha_make(change=None, *, fn="fmha", paged=False, sparse=False, q_lens=(5, 40),

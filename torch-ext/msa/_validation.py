@@ -12,7 +12,8 @@ Two tiers:
   and unique; page ids; seqused_k; host hints at least the truth) read index tensors, so they
   synchronize once. They run on every reference call (the reference reads those values anyway)
   and on native calls only when asked: ``check_input_valid=True`` on the public function, or
-  ``MSA_CHECK_INPUTS=1`` in the environment for a whole run. Unchecked native calls never read
+  ``MSA_CHECK_INPUTS=1`` in the environment for a whole run (a debugging mode: the sync is not
+  allowed inside CUDA-graph capture). Unchecked native calls never read
   or write out of bounds whatever the values say (see :func:`device_prefix_sums`), but their
   output for invalid metadata is unspecified.
 """
@@ -170,25 +171,28 @@ def value_checks_requested(check_input_valid) -> bool:
 def host_int64(**tensors: Optional[torch.Tensor]) -> Dict[str, torch.Tensor]:
     """CPU int64 copies of the given index tensors with a single synchronization: device
     tensors are copied asynchronously into pinned memory, then the stream is waited on once."""
-    out, pending = {}, False
+    out, devices = {}, set()
     for name, t in tensors.items():
         if t is None:
             out[name] = None
         elif t.device.type == "cuda":
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host.copy_(t, non_blocking=True)
-            out[name], pending = host, True
+            out[name] = host
+            devices.add(t.device)
         else:
             out[name] = t
-    if pending:
-        torch.cuda.current_stream().synchronize()
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
     return {name: None if t is None else t.to(torch.int64) for name, t in out.items()}
 
 
 def check_prefix_sums(name: str, cu: torch.Tensor, total: Optional[int] = None,
-                      total_what: str = "") -> torch.Tensor:
+                      total_what: str = "", exact: bool = True) -> torch.Tensor:
     """Host int64 [B+1] prefix sums: cu[0] == 0, non-decreasing, and cu[-1] == total when the
-    total is known (total_what names it, e.g. "q.shape[0]"). Returns the lengths [B]."""
+    total is known (total_what names it, e.g. "q.shape[0]"), or cu[-1] <= total with
+    exact=False (K rows past the last request are never read: a static KV cache may be larger
+    than its used part). Returns the lengths [B]."""
     if int(cu[0]) != 0:
         raise ValueError(f"{name}: must start at 0, got {int(cu[0])}")
     lengths = cu[1:] - cu[:-1]
@@ -197,8 +201,9 @@ def check_prefix_sums(name: str, cu: torch.Tensor, total: Optional[int] = None,
         b = int(bad[0])
         raise ValueError(f"{name}: must be non-decreasing, but entry {b + 1} = {int(cu[b + 1])} "
                          f"< entry {b} = {int(cu[b])}")
-    if total is not None and int(cu[-1]) != total:
-        raise ValueError(f"{name}: last entry {int(cu[-1])} != {total_what} = {total}")
+    if total is not None and (int(cu[-1]) != total if exact else int(cu[-1]) > total):
+        relation = "!=" if exact else ">"
+        raise ValueError(f"{name}: last entry {int(cu[-1])} {relation} {total_what} = {total}")
     return lengths
 
 
@@ -215,6 +220,18 @@ def check_lengths_range(name: str, lengths: torch.Tensor, capacity: int, what: s
         b = int(bad[0])
         raise ValueError(f"{name}: request {b} has {int(lengths[b])} tokens, outside "
                          f"[0, {capacity}] ({what})")
+
+
+def paged_key_lengths(table: torch.Tensor, seqused_k: Optional[torch.Tensor],
+                      page_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """Host key length of every request of a paged call: seqused_k, or the table width without
+    it (upstream quirk, contract D11), checked to lie within [0, width * page_size]."""
+    capacity = table.shape[1] * page_size
+    k_lens = seqused_k if seqused_k is not None else \
+        torch.full((table.shape[0],), capacity, dtype=torch.int64)
+    check_lengths_range("seqused_k", k_lens, capacity,
+                        f"page_table holds {table.shape[1]} pages of {page_size}")
+    return k_lens
 
 
 def check_page_ids(name: str, table: torch.Tensor, k_lens: torch.Tensor, page_size: int,
@@ -340,7 +357,7 @@ def check_k2q_build_values(call, strict: bool) -> None:
 
 def check_sparse_attention_values(call, strict: bool) -> None:
     """sparse_atten_func / sparse_atten_nvfp4_kv_func (a SparseAttentionCall). Always: the
-    prefix sums (cu_seqlens_q ends at q.shape[0]; dense cu_seqlens_k at k.shape[0]), seqused_k
+    prefix sums (cu_seqlens_q ends at q.shape[0]; dense cu_seqlens_k within k), seqused_k
     within the page table, the page ids of every page that holds keys, the max_seqlen hints,
     the CSR's structure and topK (check_k2q_csr_values), and a schedule built for exactly this
     k2q_row_ptr (its values: the kernels read the schedule's own copy). strict: also the CSR's
@@ -354,16 +371,10 @@ def check_sparse_attention_values(call, strict: bool) -> None:
     q_lens = check_prefix_sums("cu_seqlens_q", host["cu_q"], total_q, "q.shape[0]")
     if call.paged:
         csr_k_lens = check_prefix_sums("cu_seqlens_k", host["cu_k"])
-        table = host["page_table"]
-        capacity = table.shape[1] * BLOCK_SIZE
-        k_lens = host["seqused_k"]
-        if k_lens is None:
-            k_lens = torch.full((table.shape[0],), capacity, dtype=torch.int64)
-        check_lengths_range("seqused_k", k_lens, capacity,
-                            f"page_table holds {table.shape[1]} pages of {BLOCK_SIZE}")
+        k_lens = paged_key_lengths(host["page_table"], host["seqused_k"])
     else:
         k_lens = csr_k_lens = check_prefix_sums("cu_seqlens_k", host["cu_k"], call.k.shape[0],
-                                                "k.shape[0]")
+                                                "k.shape[0]", exact=False)
     check_hint("max_seqlen_q", call.max_seqlen_q, _max(q_lens), "the longest request's queries")
     check_hint("max_seqlen_k", call.max_seqlen_k, _max(k_lens), "the longest request's keys")
     if call.paged:
@@ -381,10 +392,8 @@ def check_decode_values(call, strict: bool) -> None:
     q2k id is -1 or a block of its request, without duplicates in a row."""
     host = host_int64(page_table=call.page_table, seqused_k=call.seqused_k,
                       q2k=call.q2k_indices if strict else None)
-    table, lens = host["page_table"], host["seqused_k"]
-    page_size = call.k.shape[2]
-    check_lengths_range("seqused_k", lens, table.shape[1] * page_size,
-                        f"page_table holds {table.shape[1]} pages of {page_size}")
+    table, page_size = host["page_table"], call.k.shape[2]
+    lens = paged_key_lengths(table, host["seqused_k"], page_size)
     check_hint("max_seqlen_k", call.max_seqlen_k, _max(lens), "the longest request's keys")
     check_page_ids("page_table", table, lens, page_size, call.k.shape[0])
     if host["q2k"] is not None:
@@ -394,7 +403,7 @@ def check_decode_values(call, strict: bool) -> None:
 
 def check_block_max_values(call) -> None:
     """block_max_scores (a BlockMaxScoreCall): cu_seqlens_q ends at q_idx.shape[0]; dense
-    cu_seqlens_k ends at k_idx.shape[0]; paged seqused_k within the page table and its page
+    cu_seqlens_k ends within k_idx; paged seqused_k within the page table and its page
     ids; max_seqlen_q / max_seqlen_k at least the truth (a short max_seqlen_k would leave the
     tiles past it uncomputed)."""
     host = host_int64(cu_q=call.cu_seqlens_q, cu_k=call.cu_seqlens_k,
@@ -404,17 +413,12 @@ def check_block_max_values(call) -> None:
     if call.paged:
         if host["cu_k"] is not None:
             check_prefix_sums("cu_seqlens_k", host["cu_k"])
-        table = host["page_table"]
-        capacity = table.shape[1] * BLOCK_SIZE
-        k_lens = host["seqused_k"]
-        if k_lens is None:
-            k_lens = torch.full((table.shape[0],), capacity, dtype=torch.int64)
-        check_lengths_range("seqused_k", k_lens, capacity,
-                            f"page_table holds {table.shape[1]} pages of {BLOCK_SIZE}")
-        check_page_ids("page_table", table, k_lens, BLOCK_SIZE, call.k_idx.shape[0])
+        k_lens = paged_key_lengths(host["page_table"], host["seqused_k"])
+        check_page_ids("page_table", host["page_table"], k_lens, BLOCK_SIZE,
+                       call.k_idx.shape[0])
     else:
         k_lens = check_prefix_sums("cu_seqlens_k", host["cu_k"], call.k_idx.shape[0],
-                                   "k_idx.shape[0]")
+                                   "k_idx.shape[0]", exact=False)
     check_hint("max_seqlen_q", call.max_seqlen_q, _max(q_lens), "the longest request's queries")
     check_hint("max_seqlen_k", call.max_seqlen_k, _max(k_lens), "the longest request's keys")
 

@@ -307,7 +307,8 @@ def sparse_decode_atten_func(q, k, v, q2k_indices=None, *, page_table, seqused_k
       page_table: [B, max_pages] int32, logical page -> physical page of k/v.
       seqused_k: [B] int32 KV length of each request (its last seqlen_q keys are the queries').
       seqlen_q: queries per request, 1..16.
-      max_seqlen_k: host upper bound of seqused_k (sizes the default split plan).
+      max_seqlen_k: host upper bound of seqused_k (sizes the default split plan; natively a
+        request past it still attends to all its keys: its last chunk runs to seqused_k).
       blk_kv: must be 128 (= page size). causal: must be True.
       softmax_scale: default 128 ** -0.5.
       schedule: a DecodeSchedule (build_decode_schedule / the wrapper's plan); default: a plan

@@ -577,7 +577,8 @@ def fmha_sm100(q, k, v, plan_info, kv_indices=None, kv_block_indexes=None,
         output_maxscore=True, output_o=True, check_input_valid=False.
 
     O = softmax(sm_scale*q_scale*k_scale * q.k over visible keys) V * v_scale * o_scale in bf16
-    (q's dtype for bf16 q). max_score[hq, tile, t] = max over the visible keys of the 128-token
+    (q's dtype for bf16 q); a row that meets a NaN or +inf score is NaN, never the empty row's
+    0. max_score[hq, tile, t] = max over the visible keys of the 128-token
     tile of sm_scale*q_scale*k_scale * <q_t, k_j> (-inf where none is visible; contract D15):
     the same values as :func:`msa.block_max_scores` with that scale. It is produced only when
     the plan was built with output_maxscore and the plan is not sparse; otherwise it is None

@@ -94,6 +94,10 @@ def block_max_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, cu_seqlens_q: tor
         reference backend always checks. Unchecked native calls never read or write out of
         bounds (pages outside the pool count as invisible).
 
+    Non-finite data: a NaN score makes its tile's max NaN in the reference; the native kernel's
+    max may skip it (hardware fmax drops NaN operands). sparse_topk_select never selects a NaN
+    or -inf tile either way; the attention itself propagates NaN (sparse_atten_func).
+
     Returns max_score [H, max_k_tiles, total_q] float32, contiguous:
       max_score[h, beta, t] = max over visible keys j of tile beta (keys 128*beta .. 128*beta+127
       of t's request) of scale * <q_idx[t, h], k_idx[j, h // G]>, accumulated in fp32; -inf where

@@ -66,9 +66,9 @@ def build_k2q_csr(q2k_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
       total_k: required host int (k.shape[0] for dense KV, sum of KV lengths for paged).
       max_seqlen_k / max_seqlen_q: host upper bounds (required with return_schedule).
       total_rows: CSR rows to emit; default ceil((total_k + B*127)/128), a bound that is never
-        short (extra rows stay empty). Below ceil(total_k/128) it is a ValueError; otherwise a
-        short total_rows (or total_k) drops the rows past it on the native path, which only
-        the value checks can see.
+        short (extra rows stay empty). A total_rows (or total_k) below the truth drops the rows
+        past it on the native path; only the value checks can see it (the true row count needs
+        the lengths on the host; a static KV cache makes total_k no lower bound of it).
       qhead_per_kv: G, used to size schedule chunks.
       check_input_valid: also check the index values (one synchronization): cu_seqlens start
         at 0, rise and end at total_q (cu_seqlens_k at most total_k), every q2k id is -1 or a
@@ -125,10 +125,6 @@ def _check_k2q_csr_args(q2k_indices, cu_seqlens_q, cu_seqlens_k, kv_block_size, 
     if total_rows is None:
         total_rows = safe_total_rows(total_k, batch, KV_BLOCK)
     check_positive_int("total_rows", total_rows)
-    if total_rows < -(-total_k // KV_BLOCK):
-        # Sum_b ceil(k_len_b / 128) >= ceil(total_k / 128): rows would surely be dropped.
-        raise ValueError(f"total_rows: {total_rows} CSR rows cannot hold total_k = {total_k} "
-                         f"keys (at least {-(-total_k // KV_BLOCK)} 128-key blocks)")
     max_kv_blocks = -(-max(max_seqlen_k or total_k, KV_BLOCK) // KV_BLOCK)
     return K2qCsrCall(q2k_indices, cu_seqlens_q, cu_seqlens_k, int(total_rows), max_kv_blocks,
                       max_seqlen_q, qhead_per_kv, bool(return_schedule), total_k=int(total_k),
@@ -254,11 +250,12 @@ def sparse_atten_func(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seqlens_q
     s_j = softmax_scale * q.k_j (default 128**-0.5); O = softmax(s).V; LSE = ln sum exp(s_j);
     LSE_T = ln sum exp(s_j / lse_temperature_scale). Rows that see no key give O = 0 and
     LSE = -inf. Each selected block's partial output is rounded to partial_dtype before the
-    log-sum-exp combine. Non-finite data is never hidden: a NaN or +-inf score, or a
-    non-finite V row a query gives weight, makes that query's O and LSE NaN (or +-inf) on every
-    backend; only a row that sees no key gives O = 0, LSE = -inf (a score of -inf, e.g. from
-    an infinite key element against a query element of the other sign, counts as that key
-    being masked, as IEEE exp(-inf) = 0 says).
+    log-sum-exp combine. Non-finite data is never hidden, on every backend: a NaN or +inf score
+    (NaN / Inf in q or k) makes that row's O and LSE NaN (LSE may be +inf), and a NaN / Inf V
+    element the row gives weight makes its O channel non-finite; only a row that sees no key
+    gives O = 0, LSE = -inf. A score of -inf (an infinite key element against a query element
+    of the other sign) counts as that key being masked, as IEEE exp(-inf) = 0 says. Rows that
+    select a block but cannot see its non-finite V key may or may not turn NaN (0 * NaN).
 
     Dtypes: all bf16, all float8_e4m3fn, or bf16 q with e4m3 k/v. qk_dtype must equal q's dtype;
     pv_dtype defaults to v's dtype and may be bf16 with e4m3 v. No FP8 scale factors are applied.
@@ -269,7 +266,7 @@ def sparse_atten_func(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seqlens_q
 
     Index values (seen only by reading the tensors): check_input_valid=True (or
     MSA_CHECK_INPUTS=1) checks them once, with one synchronization, and raises ValueError naming
-    the argument: prefix sums that start at 0, rise and end at q.shape[0] (dense k.shape[0]),
+    the argument: prefix sums that start at 0, rise and end at q.shape[0] (dense: within k),
     seqused_k within the page table, in-range page ids for every page holding keys, the
     max_seqlen hints at least the truth, a CSR with a row per (request, block), ascending
     in-range query ids and at most topK rows per (query, KV head), and a schedule built for
@@ -372,11 +369,6 @@ def check_sparse_atten_args(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seq
                              "k/v must be [pages, Hkv, page, D]")
         if seqused_k is not None:
             raise ValueError("seqused_k: allowed only with paged k/v (page_table)")
-        if k2q_row_ptr.shape[1] - 1 < -(-k.shape[0] // KV_BLOCK):
-            # Sum_b ceil(k_len_b / 128) >= ceil(total_k / 128) rows: some were surely dropped.
-            raise ValueError(f"k2q_row_ptr: has {k2q_row_ptr.shape[1] - 1} rows, fewer than the "
-                             f"{-(-k.shape[0] // KV_BLOCK)} 128-key blocks of k (total_k or "
-                             "total_rows too small when the CSR was built)")
     check_same_device(q=q, k=k, v=v, k2q_row_ptr=k2q_row_ptr, k2q_q_indices=k2q_q_indices,
                       cu_seqlens_q=cu_seqlens_q, page_table=page_table, seqused_k=seqused_k)
     check_positive_int("max_seqlen_q", max_seqlen_q)
@@ -414,7 +406,7 @@ def check_sparse_atten_args(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seq
 def _check_schedule_matches(schedule, q, k2q_row_ptr, k2q_q_indices, batch: int) -> None:
     """A schedule must come from a builder (it records what it was built for) and match the
     call's shapes; its own row pointer is what the kernels read (see SparseAttentionSchedule),
-    and with check_input_valid its values are compared with k2q_row_ptr's."""
+    and the value checks compare it with k2q_row_ptr."""
     if not isinstance(schedule, SparseAttentionSchedule) or not schedule.complete:
         raise ValueError("schedule: incomplete; build it with build_k2q_csr(..., "
                          "return_schedule=True) or pass None")

@@ -147,7 +147,9 @@ def prepare_sparse_fwd_schedule_and_split(*, k2q_row_ptr: torch.Tensor,
                         if slot < topk:
                             qsplit[h, e] = ql | (slot << SLOT_SHIFT)
     k2q_qsplit_indices.copy_(qsplit.to(torch.int32))
-    split_counts.copy_(counts.clamp_max(topk).to(torch.int32))
+    # The full entry count (<= topk for a CSR of a topk-wide q2k): a larger one makes the
+    # combine flag the (query, head) as NaN instead of silently dropping entries past the slots.
+    split_counts.copy_(counts.clamp_max((1 << 31) - 1).to(torch.int32))
     return SparseAttentionSchedule(
         enabled=True, scheduler_metadata=meta.to(device, torch.int32),
         work_count=torch.tensor([min(n_work, capacity)], dtype=torch.int32, device=device),
