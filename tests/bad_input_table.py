@@ -26,7 +26,6 @@ tools/sanitize_cases.py replays its malformed-metadata cases under compute-sanit
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
