@@ -117,7 +117,7 @@ __device__ __forceinline__ int request_of_query(const int32_t* __restrict__ cu_q
 // entries sit in consecutive lanes of one warp.
 template <bool kWithSlots>
 __global__ void __launch_bounds__(kThreads)
-entry_keys_kernel(CsrDeviceArgs a, int max_seqlen_q, uint32_t* __restrict__ keys,
+entry_keys_kernel(CsrDeviceArgs a, uint32_t* __restrict__ keys,
                   int32_t* __restrict__ values, int32_t* __restrict__ split_counts) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool in_range = i < a.n_entries;
@@ -149,7 +149,9 @@ entry_keys_kernel(CsrDeviceArgs a, int max_seqlen_q, uint32_t* __restrict__ keys
   if constexpr (kWithSlots) {
     // The reference hands out slots walking rows in ascending order, so an entry's slot is the
     // number of its query's counted entries in smaller rows (earlier q2k position on ties).
-    const bool counted = valid && q_local < max_seqlen_q;
+    // Every valid entry counts (q_local < q_len_b by construction): max_seqlen_q, a host hint,
+    // only bounds the packing (checked by the binding) and never drops work when it is short.
+    const bool counted = valid;
     const int rank_key = counted ? row : INT_MAX;
     const int lane = threadIdx.x & 31;
     const int group_base = lane & ~(a.topk - 1);
@@ -424,10 +426,10 @@ cudaError_t launch_build_k2q_csr(const K2qCsrArgs& a, const K2qScheduleArgs* s, 
                     n_entries};
     if (s != nullptr) {
       entry_keys_kernel<true><<<grid_for(n_entries), kThreads, 0, stream>>>(
-          d, s->max_seqlen_q, ws.keys[0], ws.values[0], s->split_counts);
+          d, ws.keys[0], ws.values[0], s->split_counts);
     } else {
       entry_keys_kernel<false><<<grid_for(n_entries), kThreads, 0, stream>>>(
-          d, 0, ws.keys[0], ws.values[0], nullptr);
+          d, ws.keys[0], ws.values[0], nullptr);
     }
     MSA_RETURN_IF_ERROR(cudaGetLastError());
     cub::DoubleBuffer<uint32_t> keys(ws.keys[0], ws.keys[1]);

@@ -1423,7 +1423,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (row >= tile_rows) continue;
     const int r = ctx.qo_tile * kRowsPerCta + row;
     const int token = r / group, qo_head = ctx.head * group + r % group;
-    const bool empty = !(row_sum[i2] > 0.f);
+    // Only a zero sum means "no visible key": a NaN sum (a NaN or +inf score) gives NaN O and
+    // LSE, never the empty row's O = 0, LSE = -inf.
+    const bool empty = row_sum[i2] == 0.f;
     const float inv = empty ? 0.f : 1.f / row_sum[i2];
     const float lse = empty ? -INFINITY : (row_max[i2] + log2f(row_sum[i2])) * kLn2;
     if (a.split_kv) {
@@ -1467,7 +1469,14 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
       min(static_cast<int64_t>(__ldg(a.merge_indptr + request + 1)), a.num_partial_slots);
   auto lse_index = [&](int64_t p) { return (p * a.seqlen_q + token) * a.num_qo_heads + qo_head; };
   float max_lse = -INFINITY;
-  for (int64_t p = begin; p < end; ++p) max_lse = fmaxf(max_lse, a.lse_partial[lse_index(p)]);
+  bool nan_partial = false;
+  for (int64_t p = begin; p < end; ++p) {
+    const float lse = a.lse_partial[lse_index(p)];
+    max_lse = fmaxf(max_lse, lse);
+    nan_partial |= isnan(lse);
+  }
+  // fmaxf drops NaN: a NaN partial (non-finite data) must make the row NaN, not empty.
+  if (nan_partial) max_lse = NAN;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float weight_sum = 0.f;
   if (max_lse != -INFINITY) {
@@ -1484,13 +1493,13 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
       weight_sum += w;
     }
   }
-  const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
+  const float inv = weight_sum != 0.f ? 1.f / weight_sum : 0.f;
   const int64_t out_index = q_row * a.num_qo_heads + qo_head;
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + out_index * kHeadDim + lane * 4;
   *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
   *reinterpret_cast<__nv_bfloat162*>(out + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
   if (lane == 0 && a.lse != nullptr) {
-    a.lse[out_index] = weight_sum > 0.f ? max_lse + logf(weight_sum) : -INFINITY;
+    a.lse[out_index] = weight_sum != 0.f ? max_lse + logf(weight_sum) : -INFINITY;
   }
 }
 

@@ -508,8 +508,12 @@ def test_wrapper_rejects_bad_arguments():
         W().plan(**plan_kw, num_qo_heads=8)
     with pytest.raises(NotImplementedError, match="^head_dim"):
         W().plan(**plan_kw, num_qo_heads=8, num_kv_heads=2, head_dim=64)
-    with pytest.raises(NotImplementedError, match="^q"):
+    with pytest.raises(NotImplementedError, match="^num_qo_heads"):
         W().plan(**plan_kw, num_qo_heads=64, num_kv_heads=2)
+    with pytest.raises(NotImplementedError, match="^num_qo_heads"):   # G = 3: no q to blame
+        W().plan(**plan_kw, num_qo_heads=6, num_kv_heads=2)
+    with pytest.raises(ValueError, match="^num_qo_heads"):
+        W().plan(**plan_kw, num_qo_heads=5, num_kv_heads=2)
     with pytest.raises(ValueError, match="^q2k_indices"):
         W().plan(**plan_kw, num_qo_heads=8, num_kv_heads=2,
                  q2k_indices=torch.zeros(1, 4, 4, dtype=torch.int32))

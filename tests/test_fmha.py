@@ -650,7 +650,7 @@ BAD_PLANS = [
     ("bridge non-causal", NotImplementedError, "^causal",
      lambda: msa.sparse_fmha_plan(T([40]), T([256]), 4, 4, page_size=128, kv_block_num=4,
                                   causal=False)),
-    ("bridge group 32", NotImplementedError, "^q: 32 query heads",
+    ("bridge group 32", NotImplementedError, "^num_qo_heads: 32 query heads",
      lambda: msa.sparse_fmha_plan(T([40]), T([256]), 32, 1, page_size=128, kv_block_num=4)),
     ("bridge offset past kv", ValueError, "^qo_offset",
      lambda: msa.sparse_fmha_plan(T([40]), T([256]), 4, 4, qo_offset=T([250]), page_size=128,

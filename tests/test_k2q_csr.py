@@ -62,8 +62,12 @@ def test_default_total_rows_never_undercounts():
     ref_ptr, ref_idx = build_k2q_csr_torch_reference(q2k, cu_q, cu_k, 128)
     assert torch.equal(row_ptr[:, :5], ref_ptr)
     assert torch.equal(q_idx[:, :768], ref_idx[:, :768])
-    # An explicit short total_rows drops the rows past it, as the runtime builders do.
-    short_ptr, _ = msa.build_k2q_csr(q2k, cu_q, cu_k, 128, total_k=384, total_rows=3)
+    # An explicit short total_rows would drop the rows past it: the reference raises (the
+    # native builder only under check_input_valid; it cannot see the lengths without a sync).
+    with pytest.raises(ValueError, match="^total_rows"):
+        msa.build_k2q_csr(q2k, cu_q, cu_k, 128, total_k=384, total_rows=3)
+    # The torch reference helper still drops them (it is the runtime builders' exact model).
+    short_ptr, _ = build_k2q_csr_torch_reference(q2k, cu_q, cu_k, 128, total_rows=3)
     assert short_ptr.shape == (1, 4) and int(short_ptr[0, -1]) == 192 * 3
 
 

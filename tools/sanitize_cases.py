@@ -14,7 +14,12 @@ them, never touch memory outside their buffers. Unvalidated kernels are enabled 
 (MSA_UNVALIDATED_KERNELS=1): memcheck is part of their validation. MSA_BACKEND=native, so a
 silent fallback cannot hide a kernel from the sanitizer. MSA_SANITIZE_ONLY (comma-separated
 section names: sparse_prefill, topk, block_max, decode, decode_indexer, fmha,
-prefill_production) runs a subset.
+prefill_production, malformed) runs a subset.
+
+Section "malformed" replays tests/bad_input_table.py unchecked on the native kernels: every case
+whose expectation is Invalid (garbage cu_seqlens, row pointers, ids, page tables, seqused_k,
+short host hints), Skip (ids past their request) or NonFinite (NaN / Inf data), plus the valid
+edge cases (Same), one call each; none may touch memory outside its buffers.
 """
 
 from __future__ import annotations
@@ -310,15 +315,36 @@ def prefill_production_cases(gen):
     expect_native("sparse_atten")
 
 
+def malformed_cases(seed):
+    """The bad-input table's native cases that launch kernels, unchecked (see the docstring)."""
+    import bad_input_table as table
+    os.environ["MSA_CHECK_INPUTS"] = "0"
+    kinds = (table.Invalid, table.Skip, table.NonFinite, table.Same)
+    count = 0
+    for case in table.CASES:
+        if not case.ops or not isinstance(case.expect, kinds):
+            continue
+        made = case.make(torch.device("cuda"), torch.Generator().manual_seed(seed))
+        made.call()
+        if made.clean is not None:
+            made.clean()
+        torch.cuda.synchronize()
+        ran.extend(case.ops)
+        count += 1
+    print(f"malformed: {count} bad-input table cases ok")
+
+
 if __name__ == "__main__":
-    generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    seed = int.from_bytes(os.urandom(4), "little")
+    generator = torch.Generator().manual_seed(seed)
     sections = {"sparse_prefill": lambda: sparse_prefill_cases(generator),
                 "topk": lambda: topk_cases(generator),
                 "block_max": lambda: block_max_cases(generator),
                 "decode": decode_runs,
                 "decode_indexer": decode_indexer_runs,
                 "fmha": lambda: fmha_cases(generator),
-                "prefill_production": lambda: prefill_production_cases(generator)}
+                "prefill_production": lambda: prefill_production_cases(generator),
+                "malformed": lambda: malformed_cases(seed)}
     # MSA_SANITIZE_ONLY="fmha,decode" runs those sections only (memcheck of one new kernel
     # without the ~400 s of the whole set).
     only = [name for name in os.environ.get("MSA_SANITIZE_ONLY", "").split(",") if name]

@@ -40,7 +40,7 @@ struct K2qScheduleArgs {
   int32_t* split_counts;         // out [total_q, hkv]
   int target_q_per_cta;          // > 0
   int work_capacity;             // rows of scheduler_metadata
-  int max_seqlen_q;              // entries with q_local >= max_seqlen_q get no slot
+  int max_seqlen_q;              // host hint; checked < 2^24 (packing), drops no entry
 };
 
 // Bytes of temporary device memory launch_build_k2q_csr needs (depends on sizes only).

@@ -28,8 +28,9 @@ from typing import Optional
 import torch
 
 from . import _backend
-from ._validation import (check_page_table, FP8, HEAD_DIM, check_head_dim, check_positive_int, check_qhead_per_kv,
-                          check_same_device, check_scale, check_shape, check_tensor, check_topk)
+from ._validation import (check_page_table, FP8, HEAD_DIM, check_decode_values, check_head_dim,
+                          check_positive_int, check_qhead_per_kv, check_same_device, check_scale,
+                          check_shape, check_tensor, check_topk, value_checks_requested)
 from .reference.decode import decode_reference, split_decode_reference
 from .src.sm100.decode_schedule import DecodeSchedule, build_decode_schedule
 
@@ -63,6 +64,7 @@ class DecodeCall:
     lse_partial: Optional[torch.Tensor] = None
     out: Optional[torch.Tensor] = None
     lse: Optional[torch.Tensor] = None
+    check_values: bool = False       # check_input_valid / MSA_CHECK_INPUTS=1
 
     @property
     def batch_size(self) -> int:
@@ -134,7 +136,7 @@ def _check_kv_metadata(page_table, seqused_k, seqlen_q, max_seqlen_k, q2k_indice
 
 
 def check_decode_args(q, k, v, q2k_indices, *, page_table, seqused_k, seqlen_q, max_seqlen_k,
-                      blk_kv, causal, softmax_scale) -> DecodeCall:
+                      blk_kv, causal, softmax_scale, check_input_valid=False) -> DecodeCall:
     """Validate a decode call (contract error classes, argument named first)."""
     _check_layout_flags(blk_kv, causal)
     check_tensor("q", q, dtypes=(BF16, FP8), ndim=3, contiguous=True)
@@ -164,7 +166,8 @@ def check_decode_args(q, k, v, q2k_indices, *, page_table, seqused_k, seqlen_q, 
     scale = check_scale("softmax_scale", softmax_scale)
     return DecodeCall(q=q, k=k, v=v, q2k_indices=q2k_indices, page_table=page_table,
                       seqused_k=seqused_k, seqlen_q=seqlen_q, max_seqlen_k=int(max_seqlen_k),
-                      softmax_scale=scale if scale is not None else 1.0 / math.sqrt(HEAD_DIM))
+                      softmax_scale=scale if scale is not None else 1.0 / math.sqrt(HEAD_DIM),
+                      check_values=value_checks_requested(check_input_valid))
 
 
 def _check_schedule(schedule, call: DecodeCall) -> None:
@@ -255,7 +258,10 @@ def _capped_max_seqlen_k(max_seqlen_k: int, page_table: torch.Tensor) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def _execute(call: DecodeCall, native, want_lse: bool):
-    """Run a validated call on the chosen backend; fill/return call.out (and call.lse)."""
+    """Run a validated call on the chosen backend; fill/return call.out (and call.lse). The
+    reference always checks the index values; a native call only when asked."""
+    if native is None or call.check_values:
+        check_decode_values(call, strict=call.check_values)
     if call.out is None:
         call.out = torch.empty(call.q.shape, dtype=BF16, device=call.q.device)
     if want_lse and call.lse is None:
@@ -286,7 +292,7 @@ def decode_reference_backend(call: DecodeCall, compute_dtype=torch.float32):
 def sparse_decode_atten_func(q, k, v, q2k_indices=None, *, page_table, seqused_k, seqlen_q,
                              max_seqlen_k, blk_kv=128, causal=True, softmax_scale=None,
                              return_softmax_lse=False, schedule=None, O_partial=None,
-                             LSE_partial=None):
+                             LSE_partial=None, check_input_valid=False):
     """Paged decode attention, dense or block-sparse (contract §1.4; sparse per D6).
 
     Args:
@@ -301,7 +307,8 @@ def sparse_decode_atten_func(q, k, v, q2k_indices=None, *, page_table, seqused_k
       page_table: [B, max_pages] int32, logical page -> physical page of k/v.
       seqused_k: [B] int32 KV length of each request (its last seqlen_q keys are the queries').
       seqlen_q: queries per request, 1..16.
-      max_seqlen_k: host upper bound of seqused_k (sizes the default split plan).
+      max_seqlen_k: host upper bound of seqused_k (sizes the default split plan; natively a
+        request past it still attends to all its keys: its last chunk runs to seqused_k).
       blk_kv: must be 128 (= page size). causal: must be True.
       softmax_scale: default 128 ** -0.5.
       schedule: a DecodeSchedule (build_decode_schedule / the wrapper's plan); default: a plan
@@ -311,10 +318,19 @@ def sparse_decode_atten_func(q, k, v, q2k_indices=None, *, page_table, seqused_k
       O_partial, LSE_partial: optional fp32 split-KV workspaces,
         [>= P, seqlen_q, Hq, 128] and [>= P, seqlen_q, Hq] with P = schedule.num_partials.
 
+      check_input_valid: also check the index values (one synchronization; ValueError naming
+        the argument): seqused_k within [0, page_table width * 128] and at most max_seqlen_k,
+        in-range page ids for every page holding keys, and q2k ids that are -1 or blocks of
+        their request, without duplicates in a row. MSA_CHECK_INPUTS=1 turns it on for every
+        call. The reference backend always checks all but the q2k ids (dropped when out of
+        range, as natively). Unchecked native calls never read or write out of bounds: pages
+        outside the pool and ids outside the request are skipped.
+
     Query i of request b sees key j iff j < seqused_k[b], j <= i + seqused_k[b] - seqlen_q and
     (sparse) block j // 128 is selected. s_j = softmax_scale * q.k_j; O = softmax(s).V;
-    LSE = ln sum exp(s_j); rows that see nothing give O = 0 and LSE = -inf. With e4m3 q and K/V
-    the P.V product rounds exp(s - block max) to e4m3, as an FP8 MMA does.
+    LSE = ln sum exp(s_j); rows that see nothing give O = 0 and LSE = -inf, while a NaN or
+    +inf score (non-finite q or K) gives NaN, never the empty row. With e4m3 q and K/V the P.V
+    product rounds exp(s - block max) to e4m3, as an FP8 MMA does.
 
     Returns O [B * seqlen_q, Hq, 128] bf16, plus LSE [B * seqlen_q, Hq] fp32 when
     return_softmax_lse. The native path launches on q's device and current stream without host
@@ -322,7 +338,8 @@ def sparse_decode_atten_func(q, k, v, q2k_indices=None, *, page_table, seqused_k
     """
     call = check_decode_args(q, k, v, q2k_indices, page_table=page_table, seqused_k=seqused_k,
                              seqlen_q=seqlen_q, max_seqlen_k=max_seqlen_k, blk_kv=blk_kv,
-                             causal=causal, softmax_scale=softmax_scale)
+                             causal=causal, softmax_scale=softmax_scale,
+                             check_input_valid=check_input_valid)
     _name, native = _backend.choose(OP_NAME, q.device, **call.features())
     # The reference without a schedule runs unsplit; anything else needs a complete plan.
     if schedule is not None or native is not None or O_partial is not None \
@@ -359,10 +376,12 @@ class SparseDecodePagedAttentionWrapper:
         self._page_table = self._seqused_k = self._q2k_indices = None
         self._seqlen_q = self._max_seqlen_k = None
         self._num_qo_heads = self._num_kv_heads = None
+        self._check_input_valid = False
 
     def plan(self, *, page_table, seqused_k, seqlen_q, max_seqlen_k, q2k_indices=None,
              num_qo_heads=None, num_kv_heads=None, head_dim=128, enable_cuda_graph=False,
-             max_grid_size=None, fixed_split_size=None, disable_split_kv=False):
+             max_grid_size=None, fixed_split_size=None, disable_split_kv=False,
+             check_input_valid=False):
         """Plan a batch; returns self.
 
         page_table [B, max_pages] int32, seqused_k [B] int32, q2k_indices None or
@@ -371,7 +390,9 @@ class SparseDecodePagedAttentionWrapper:
         plan aims for (default: the SM count, 132 without a GPU); fixed_split_size (pages, or
         q2k slots when sparse) forces split-KV; disable_split_kv forbids it.
         Workspaces are sized for the plan's worst case (from max_seqlen_k with
-        enable_cuda_graph) and reused by every run.
+        enable_cuda_graph) and reused by every run. check_input_valid=True (or
+        MSA_CHECK_INPUTS=1) makes every run() check the buffers' values as
+        :func:`sparse_decode_atten_func` does (one synchronization per run).
         """
         if num_qo_heads is None or num_kv_heads is None:
             missing = "num_qo_heads" if num_qo_heads is None else "num_kv_heads"
@@ -380,7 +401,8 @@ class SparseDecodePagedAttentionWrapper:
         check_positive_int("num_kv_heads", num_kv_heads, minimum=1)
         check_positive_int("head_dim", head_dim, minimum=1)
         check_head_dim("head_dim", head_dim)
-        check_qhead_per_kv(num_qo_heads, num_kv_heads)
+        check_qhead_per_kv(num_qo_heads, num_kv_heads, name="num_qo_heads",
+                           kv_name="KV heads of num_kv_heads")
         _check_kv_metadata(page_table, seqused_k, seqlen_q, max_seqlen_k, q2k_indices,
                            num_kv_heads)
         sparse_topk = None if q2k_indices is None else q2k_indices.shape[2]
@@ -396,6 +418,7 @@ class SparseDecodePagedAttentionWrapper:
         self._page_table, self._seqused_k, self._q2k_indices = page_table, seqused_k, q2k_indices
         self._seqlen_q, self._max_seqlen_k = seqlen_q, int(max_seqlen_k)
         self._num_qo_heads, self._num_kv_heads = num_qo_heads, num_kv_heads
+        self._check_input_valid = value_checks_requested(check_input_valid)
         self.decode_schedule = schedule
         return self
 
@@ -412,7 +435,8 @@ class SparseDecodePagedAttentionWrapper:
         call = check_decode_args(q, k, v, self._q2k_indices, page_table=self._page_table,
                                  seqused_k=self._seqused_k, seqlen_q=self._seqlen_q,
                                  max_seqlen_k=self._max_seqlen_k, blk_kv=self.blk_kv,
-                                 causal=self.causal, softmax_scale=softmax_scale)
+                                 causal=self.causal, softmax_scale=softmax_scale,
+                                 check_input_valid=self._check_input_valid)
         if q.shape[1] != self._num_qo_heads:
             raise ValueError(f"q: has {q.shape[1]} heads but plan() got num_qo_heads="
                              f"{self._num_qo_heads}")

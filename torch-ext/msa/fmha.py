@@ -43,8 +43,9 @@ import torch
 
 from . import _backend
 from ._validation import (check_page_table, FP8, HEAD_DIM, SUPPORTED_QHEAD_PER_KV, SUPPORTED_TOPK, check_head_dim,
-                          check_qhead_per_kv, check_same_device, check_scale,
-                          check_shape, check_tensor, check_topk)
+                          check_page_ids, check_qhead_per_kv, check_same_device, check_scale,
+                          check_shape, check_tensor, check_topk, host_int64,
+                          value_checks_requested)
 from .interface import build_k2q_csr, sparse_atten_func
 from .reference.dense_attention import (dense_attention_reference, dense_token_kv,
                                         paged_token_kv)
@@ -449,7 +450,8 @@ def _bridge_plan(q_lens, kv_lens, offsets, *, num_qo_heads, num_kv_heads, num_kv
     _check_int("usable_SM_count", usable_SM_count, minimum=-1)
     _check_bool("use_fp8_kvcache", use_fp8_kvcache)
     if check_groups and num_kv_heads > 0:
-        check_qhead_per_kv(num_qo_heads, num_kv_heads)
+        check_qhead_per_kv(num_qo_heads, num_kv_heads, name="num_qo_heads",
+                           kv_name="KV heads of num_kv_heads")
     seqused = []
     for b, (q, k, o) in enumerate(zip(q_lens, kv_lens, offsets)):
         if not 0 <= q + o <= k:
@@ -575,15 +577,18 @@ def fmha_sm100(q, k, v, plan_info, kv_indices=None, kv_block_indexes=None,
         output_maxscore=True, output_o=True, check_input_valid=False.
 
     O = softmax(sm_scale*q_scale*k_scale * q.k over visible keys) V * v_scale * o_scale in bf16
-    (q's dtype for bf16 q). max_score[hq, tile, t] = max over the visible keys of the 128-token
+    (q's dtype for bf16 q); a row that meets a NaN or +inf score is NaN, never the empty row's
+    0. max_score[hq, tile, t] = max over the visible keys of the 128-token
     tile of sm_scale*q_scale*k_scale * <q_t, k_j> (-inf where none is visible; contract D15):
     the same values as :func:`msa.block_max_scores` with that scale. It is produced only when
     the plan was built with output_maxscore and the plan is not sparse; otherwise it is None
     and O is always produced. output_o=False with output_maxscore=False raises ValueError.
     Mixed plans run both halves and concatenate (max-score tiles beyond a half's width are
-    -inf). check_input_valid=True additionally enforces strictly ascending kv_block_indexes
-    rows with -1 only at the tail and ids below the request's page count, and in-range
-    kv_indices.
+    -inf). check_input_valid=True (or MSA_CHECK_INPUTS=1 for a whole run) additionally
+    enforces strictly ascending kv_block_indexes rows with -1 only at the tail and ids below
+    the request's page count, in-range kv_indices / page_table entries for every page holding
+    keys and, for the sparse bridge, every value build_k2q_csr and sparse_atten_func check.
+    Unchecked, the kernels skip pages outside the pool (never read out of bounds).
     """
     unknown = set(kwargs) - set(_RUN_OPTIONS)
     if unknown:
@@ -753,7 +758,7 @@ def _run_subplan(q, k, v, plan, *, kv_indices, kv_block_indexes, q_offset_overri
                          f"{plan['num_kv_heads']}")
     if hkv <= 0 or hq % hkv != 0:
         raise ValueError(f"q: {hq} query heads are not a multiple of the {hkv} KV heads of k")
-    check_input_valid = _check_bool("check_input_valid", opts["check_input_valid"])
+    check_input_valid = value_checks_requested(opts["check_input_valid"])
     logit_scale, output_scale = _scales(opts)
     qo_offset, host_offset = _override_offsets(plan, q_offset_override, device)
 
@@ -766,7 +771,8 @@ def _run_subplan(q, k, v, plan, *, kv_indices, kv_block_indexes, q_offset_overri
             page_table = _page_table_from_indices(kv_indices, plan, k.shape[2], k.shape[0],
                                                   device, check_input_valid)
         else:
-            _check_page_table(page_table, plan, k.shape[2], device)
+            _check_page_table(page_table, plan, k.shape[2], device, k.shape[0],
+                              check_input_valid)
     else:
         if kv_indices is not None:
             raise ValueError("kv_indices: given with dense k [total_k, Hkv, D]; paged K/V are "
@@ -909,11 +915,15 @@ def _page_table_from_indices(kv_indices, plan, page_size, num_pages, device,
     return table
 
 
-def _check_page_table(page_table, plan, page_size, device):
+def _check_page_table(page_table, plan, page_size, device, num_pages, check_input_valid):
     need = max(-(-n // page_size) for n in plan["host_kv_lens"])
     check_page_table(page_table, plan["batch"], min_pages=need)
     if page_table.device != device:
         raise ValueError(f"page_table: is on {page_table.device} but q is on {device}")
+    if check_input_valid:
+        check_page_ids("page_table", host_int64(t=page_table)["t"],
+                       torch.tensor(plan["host_kv_lens"], dtype=torch.int64), page_size,
+                       num_pages)
 
 
 def _kv_head_block_indexes(kv_block_indexes, plan, total_q, hq, hkv, device) -> torch.Tensor:
@@ -984,7 +994,9 @@ def sparse_fmha(q, k, v, plan_info, out=None, max_score=None, sm_scale=None, q_s
       out: optional [total_q, Hq, 128] bf16 buffer the result is copied into.
       max_score, output_maxscore, output_o: accepted for API compatibility; O is always
         computed.
-      check_input_valid: validate kv_block_indexes (ascending, -1 tail, in range).
+      check_input_valid: validate kv_block_indexes (ascending, -1 tail, in range), the pages
+        (kv_indices / page_table) and, through build_k2q_csr and sparse_atten_func, the rest;
+        MSA_CHECK_INPUTS=1 turns it on for every call.
 
     O is bf16. Visibility and math are those of fmha_sm100's sparse mode (see module doc).
     """
@@ -1014,16 +1026,18 @@ def sparse_fmha(q, k, v, plan_info, out=None, max_score=None, sm_scale=None, q_s
     logit_scale, output_scale = _scales(dict(sm_scale=sm_scale, q_scale=q_scale,
                                              k_scale=k_scale, v_scale=v_scale, o_scale=o_scale))
     selection = _kv_head_block_indexes(kv_block_indexes, plan, total_q, hq, hkv, device)
-    if _check_bool("check_input_valid", check_input_valid):
+    check_input_valid = value_checks_requested(check_input_valid)
+    if check_input_valid:
         _validate_block_indexes(selection, plan["host_qo_lens"], plan["host_kv_lens"],
                                 plan["page_size"])
     q2k = selection.permute(1, 0, 2).contiguous()                 # [Hkv, total_q, n]
 
     if page_table is not None:                                    # wins over kv_indices
-        _check_page_table(page_table, plan, plan["page_size"], device)
+        _check_page_table(page_table, plan, plan["page_size"], device, k.shape[0],
+                          check_input_valid)
     else:
         page_table = _page_table_from_indices(kv_indices, plan, plan["page_size"], k.shape[0],
-                                              device, bool(check_input_valid))
+                                              device, check_input_valid)
     seqused_k = _to(plan["seqused_k"], device)
     if q_offset_override is not None:
         offsets, host = _override_offsets(plan, q_offset_override, device)
@@ -1038,7 +1052,7 @@ def sparse_fmha(q, k, v, plan_info, out=None, max_score=None, sm_scale=None, q_s
                         max_seqlen_k=max(plan["max_seqlen_k"], 1),
                         max_seqlen_q=max(plan["max_seqlen_q"], 1),
                         total_rows=max(plan["total_rows"], 1), qhead_per_kv=group,
-                        return_schedule=usable_sm <= 0)
+                        return_schedule=usable_sm <= 0, check_input_valid=check_input_valid)
     row_ptr, q_idx = csr[0], csr[1]
     schedule = csr[2] if usable_sm <= 0 else None
     result = sparse_atten_func(q, k, v, row_ptr, q_idx, plan["kv_block_num"],
@@ -1047,7 +1061,7 @@ def sparse_fmha(q, k, v, plan_info, out=None, max_score=None, sm_scale=None, q_s
                                max_seqlen_k=max(plan["max_seqlen_k"], 1), blk_kv=TILE,
                                causal=True, softmax_scale=logit_scale, page_table=page_table,
                                seqused_k=seqused_k, schedule=schedule,
-                               usable_SM_count=usable_sm)
+                               usable_SM_count=usable_sm, check_input_valid=check_input_valid)
     if output_scale != 1.0:
         result = (result.float() * output_scale).to(BF16)
     if out is not None:

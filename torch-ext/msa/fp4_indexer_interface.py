@@ -25,7 +25,8 @@ from typing import Optional, Tuple
 import torch
 
 from . import _backend
-from ._validation import check_positive_int, check_same_device, check_tensor
+from ._validation import (check_fp4_indexer_values, check_positive_int, check_same_device,
+                          check_tensor, value_checks_requested)
 from .reference.fp4 import fp4_block_scores_reference
 from .src.sm100.fp4_indexer import (FP4_PACKED_D_BYTES, PAGE_SIZE, Fp4FormatSpec, ceil_div,
                                     normalize_fp4_format)
@@ -187,7 +188,7 @@ class Fp4IndexerCall:
 def fp4_indexer_block_scores(q_fp4, k_fp4, q_scale, k_scale, cu_seqlens_q, cu_seqlens_k,
                              cu_page_offsets, *, max_seqlen_q, max_seqlen_k, kv_indices,
                              fp4_format, causal=False, qo_offset=None,
-                             scale_layout=PREORDERED_MMA_SCALE_LAYOUT):
+                             scale_layout=PREORDERED_MMA_SCALE_LAYOUT, check_input_valid=False):
     """FP4 indexer scores: the max of raw q.k over each 128-key page (contract §1.5).
 
     Args:
@@ -207,6 +208,12 @@ def fp4_indexer_block_scores(q_fp4, k_fp4, q_scale, k_scale, cu_seqlens_q, cu_se
       causal: key j is visible to query i (batch-local) iff j <= i + offset, offset =
         qo_offset[b] ([B] int32, only with causal) or k_len - q_len.
 
+      check_input_valid: also check the index values (one synchronization; ValueError naming
+        the argument): the prefix sums start at 0, rise and cu_seqlens_q ends at total_q; each
+        request lists the pages its keys need, within kv_indices and the pool of k_fp4; the
+        max_seqlen hints are at least the truth. MSA_CHECK_INPUTS=1 turns it on for every
+        call; the reference backend always checks.
+
     Returns scores [Hq, ceil(max_seqlen_k/128), total_q] fp32: max over visible keys of the
     dequantized q.k (no softmax or global scale), -inf where no key of the page is visible or
     the page is past the request's keys.
@@ -217,6 +224,8 @@ def fp4_indexer_block_scores(q_fp4, k_fp4, q_scale, k_scale, cu_seqlens_q, cu_se
         fp4_format=fp4_format, causal=causal, qo_offset=qo_offset, scale_layout=scale_layout)
     _name, native = _backend.choose("fp4_indexer_block_scores", call.q_fp4.device,
                                     **call.features())
+    if value_checks_requested(check_input_valid) or native is None:
+        check_fp4_indexer_values(call)
     if native is not None:
         return native(call)
     return fp4_indexer_block_scores_reference(call)

@@ -18,9 +18,11 @@ from typing import Optional, Union
 import torch
 
 from . import _backend
-from ._validation import (check_page_table, BLOCK_SIZE, FP8, SUPPORTED_TOPK, check_cu_seqlens,
-                          check_head_dim, check_positive_int, check_qhead_per_kv,
-                          check_same_device, check_scale, check_shape, check_tensor, check_topk)
+from ._validation import (check_page_table, BLOCK_SIZE, FP8, SUPPORTED_TOPK, check_block_max_values,
+                          check_cu_seqlens, check_head_dim, check_hint, check_positive_int,
+                          check_prefix_sums, check_qhead_per_kv, check_same_device, check_scale,
+                          check_shape, check_tensor, check_topk, host_int64,
+                          value_checks_requested)
 from .reference.max_score import block_max_scores_reference
 
 INDEX_DTYPES = (torch.bfloat16, FP8, torch.float32)
@@ -59,7 +61,8 @@ def block_max_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, cu_seqlens_q: tor
                      qo_offset: Union[None, int, torch.Tensor] = None,
                      page_table: Optional[torch.Tensor] = None,
                      seqused_k: Optional[torch.Tensor] = None,
-                     max_k_tiles: Optional[int] = None) -> torch.Tensor:
+                     max_k_tiles: Optional[int] = None,
+                     check_input_valid: bool = False) -> torch.Tensor:
     """Per-128-token-block max of the index scores: the MSA indexer's pooled output.
 
     Args:
@@ -82,6 +85,17 @@ def block_max_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, cu_seqlens_q: tor
         upstream quirk; always pass seqused_k).
       max_k_tiles: width of the tile axis, default ceil(max_seqlen_k / 128). Tiles at or past it
         are not computed (pass enough).
+      check_input_valid: also check the index values (one synchronization; ValueError naming
+        the argument): cu_seqlens start at 0, rise and end at the tensors' lengths, seqused_k
+        lies within the page table, every page holding keys is a page of k_idx, and
+        max_seqlen_q / max_seqlen_k are at least the truth (a short max_seqlen_k leaves the
+        tiles past it uncomputed). MSA_CHECK_INPUTS=1 turns it on for every call; the
+        reference backend always checks. Unchecked native calls never read or write out of
+        bounds (pages outside the pool count as invisible).
+
+    Non-finite data: a NaN score makes its tile's max NaN in the reference; the native kernel's
+    max may skip it (hardware fmax drops NaN operands). sparse_topk_select never selects a NaN
+    or -inf tile either way; the attention itself propagates NaN (sparse_atten_func).
 
     Returns max_score [H, max_k_tiles, total_q] float32, contiguous:
       max_score[h, beta, t] = max over visible keys j of tile beta (keys 128*beta .. 128*beta+127
@@ -96,6 +110,8 @@ def block_max_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, cu_seqlens_q: tor
                                  max_seqlen_k, scale, causal, qo_offset, page_table, seqused_k,
                                  max_k_tiles)
     _name, native = _backend.choose("block_max_scores", q_idx.device, **call.features())
+    if value_checks_requested(check_input_valid) or native is None:
+        check_block_max_values(call)
     if native is not None:
         return native(call)
     return block_max_scores_reference(
@@ -181,7 +197,7 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
                 softmax_scale: Optional[float] = None, index_scale: float = 1.0,
                 local_blocks: int = 1, causal: bool = True, return_selection: bool = False,
                 partial_dtype: torch.dtype = torch.bfloat16,
-                workspace_bytes: Optional[int] = None):
+                workspace_bytes: Optional[int] = None, check_input_valid: bool = False):
     """MSA prefill: index scores -> top-k blocks per (query, KV head) -> block-sparse attention.
 
     Args:
@@ -206,6 +222,8 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
         ``msa.prefill``): a call whose workspace would exceed it runs in query chunks of
         ``msa.prefill.chunk_tokens`` queries (same result; peak memory <= inputs + O + one
         chunk's workspace).
+      check_input_valid: check the index values once before any launch (prefix sums, the
+        max_seqlen hints); MSA_CHECK_INPUTS=1 does so for every call.
 
     Returns O [total_q, Hq, 128] bf16, or (O, q2k [Hkv, total_q, topk] int32) with
     return_selection (ids ascending, -1 tail, own block always present when causal).
@@ -253,6 +271,8 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
 
     if workspace_bytes is not None:
         check_positive_int("workspace_bytes", workspace_bytes, minimum=1)
+    if value_checks_requested(check_input_valid):      # TypeError before any launch
+        _check_prefill_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     from .prefill import PrefillOptions, run_dense_prefill
     opts = PrefillOptions(topk=topk, local_blocks=local_blocks, causal=bool(causal),
                           partial_dtype=partial_dtype, softmax_scale=softmax_scale,
@@ -260,6 +280,20 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
     return run_dense_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k,
                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, opts=opts,
                              return_selection=return_selection, workspace_bytes=workspace_bytes)
+
+
+def _check_prefill_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """msa_prefill's index values (one sync): both prefix sums start at 0 and never decrease,
+    cu_seqlens_q ends at q.shape[0], cu_seqlens_k within k, and the max_seqlen hints are at least
+    the longest request. The steps inside run on metadata derived from these."""
+    host = host_int64(cu_q=cu_seqlens_q, cu_k=cu_seqlens_k)
+    q_lens = check_prefix_sums("cu_seqlens_q", host["cu_q"], q.shape[0], "q.shape[0]")
+    k_lens = check_prefix_sums("cu_seqlens_k", host["cu_k"], k.shape[0], "k.shape[0]",
+                               exact=False)
+    check_hint("max_seqlen_q", max_seqlen_q, int(q_lens.max()) if q_lens.numel() else 0,
+               "the longest request's queries")
+    check_hint("max_seqlen_k", max_seqlen_k, int(k_lens.max()) if k_lens.numel() else 0,
+               "the longest request's keys")
 
 
 def _per_query_block_bounds(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,

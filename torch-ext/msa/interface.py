@@ -15,8 +15,9 @@ import torch
 
 from . import _backend
 from ._validation import (check_page_table, FP8, HEAD_DIM, PARTIAL_DTYPES, check_cu_seqlens, check_head_dim,
-                          check_positive_int, check_qhead_per_kv, check_same_device, check_scale,
-                          check_tensor, check_topk)
+                          check_k2q_build_values, check_positive_int, check_qhead_per_kv,
+                          check_same_device, check_scale, check_sparse_attention_values,
+                          check_tensor, check_topk, value_checks_requested)
 from .reference.sparse_attention import make_kv_source, sparse_attention_csr
 from .sparse_index_utils import build_k2q_csr_torch_reference, safe_total_rows
 from .src.sm100.prepare_scheduler import (SparseAttentionSchedule,
@@ -41,6 +42,9 @@ class K2qCsrCall:
     qhead_per_kv: int
     return_schedule: bool
     usable_SM_count: int = -1
+    total_k: Optional[int] = None
+    max_seqlen_k: Optional[int] = None
+    check_values: bool = False       # check_input_valid / MSA_CHECK_INPUTS=1
 
     @property
     def topk(self) -> int:
@@ -51,7 +55,7 @@ def build_k2q_csr(q2k_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
                   cu_seqlens_k: torch.Tensor, kv_block_size: int, *, total_k: Optional[int] = None,
                   max_seqlen_k: Optional[int] = None, max_seqlen_q: Optional[int] = None,
                   total_rows: Optional[int] = None, qhead_per_kv: int = 1,
-                  return_schedule: bool = False):
+                  return_schedule: bool = False, check_input_valid: bool = False):
     """Invert a q2k block selection into the k2q CSR that the KV-outer attention consumes.
 
     Args:
@@ -62,25 +66,37 @@ def build_k2q_csr(q2k_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
       total_k: required host int (k.shape[0] for dense KV, sum of KV lengths for paged).
       max_seqlen_k / max_seqlen_q: host upper bounds (required with return_schedule).
       total_rows: CSR rows to emit; default ceil((total_k + B*127)/128), a bound that is never
-        short (extra rows stay empty). Rows past it are dropped.
+        short (extra rows stay empty). A total_rows (or total_k) below the truth drops the rows
+        past it on the native path; only the value checks can see it (the true row count needs
+        the lengths on the host; a static KV cache makes total_k no lower bound of it).
       qhead_per_kv: G, used to size schedule chunks.
+      check_input_valid: also check the index values (one synchronization): cu_seqlens start
+        at 0, rise and end at total_q (cu_seqlens_k at most total_k), every q2k id is -1 or a
+        block of its request with no duplicate in a row, and max_seqlen_q / max_seqlen_k /
+        total_rows are at least the truth (ValueError naming the argument).
+        MSA_CHECK_INPUTS=1 turns it on for every call. The reference backend always checks all
+        but the q2k ids (which it drops like the native builder, contract D4).
 
     Returns (k2q_row_ptr [Hkv, total_rows+1], k2q_q_indices [Hkv, total_q*topK]) int32, plus a
     :class:`SparseAttentionSchedule` when return_schedule. Rows are round-robin over requests
     (all block-0 rows, then all block-1 rows, ...); query ids ascend within a row. Only the first
     row_ptr[h, -1] entries of k2q_q_indices are meaningful. No device-to-host synchronization on
-    the native path.
+    the native path (unless check_input_valid). The host hints never lose work natively:
+    max_seqlen_k only sizes a lookup table, max_seqlen_q only bounds the 2^24 query-id packing.
     """
     call = _check_k2q_csr_args(q2k_indices, cu_seqlens_q, cu_seqlens_k, kv_block_size,
                                total_k=total_k, max_seqlen_k=max_seqlen_k,
                                max_seqlen_q=max_seqlen_q, total_rows=total_rows,
-                               qhead_per_kv=qhead_per_kv, return_schedule=return_schedule)
+                               qhead_per_kv=qhead_per_kv, return_schedule=return_schedule,
+                               check_input_valid=check_input_valid)
     return run_build_k2q_csr(call)
 
 
 def run_build_k2q_csr(call: K2qCsrCall):
     _name, native = _backend.choose("build_k2q_csr", call.q2k_indices.device,
                                     return_schedule=call.return_schedule)
+    if native is None or call.check_values:
+        check_k2q_build_values(call, strict=call.check_values)
     if native is not None:
         return native(call)
     return _build_k2q_csr_reference(call)
@@ -88,7 +104,7 @@ def run_build_k2q_csr(call: K2qCsrCall):
 
 def _check_k2q_csr_args(q2k_indices, cu_seqlens_q, cu_seqlens_k, kv_block_size, *, total_k,
                         max_seqlen_k, max_seqlen_q, total_rows, qhead_per_kv,
-                        return_schedule) -> K2qCsrCall:
+                        return_schedule, check_input_valid=False) -> K2qCsrCall:
     if total_k is None:
         raise ValueError("total_k: build_k2q_csr needs the host total KV token count "
                          "(k.shape[0] for dense KV)")
@@ -102,14 +118,18 @@ def _check_k2q_csr_args(q2k_indices, cu_seqlens_q, cu_seqlens_k, kv_block_size, 
     check_positive_int("max_seqlen_k", max_seqlen_k, allow_none=True)
     check_positive_int("max_seqlen_q", max_seqlen_q, allow_none=True)
     check_positive_int("qhead_per_kv", qhead_per_kv, minimum=1)
-    if return_schedule and (max_seqlen_k is None or max_seqlen_q is None):
-        raise ValueError("max_seqlen_q: return_schedule=True needs max_seqlen_q and max_seqlen_k")
+    for name, hint in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if return_schedule and hint is None:
+            raise ValueError(f"{name}: return_schedule=True needs max_seqlen_q and "
+                             "max_seqlen_k")
     if total_rows is None:
         total_rows = safe_total_rows(total_k, batch, KV_BLOCK)
     check_positive_int("total_rows", total_rows)
     max_kv_blocks = -(-max(max_seqlen_k or total_k, KV_BLOCK) // KV_BLOCK)
     return K2qCsrCall(q2k_indices, cu_seqlens_q, cu_seqlens_k, int(total_rows), max_kv_blocks,
-                      max_seqlen_q, qhead_per_kv, bool(return_schedule))
+                      max_seqlen_q, qhead_per_kv, bool(return_schedule), total_k=int(total_k),
+                      max_seqlen_k=max_seqlen_k,
+                      check_values=value_checks_requested(check_input_valid))
 
 
 def _drop_out_of_range(q2k: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor) -> torch.Tensor:
@@ -147,11 +167,12 @@ class SparseK2qCsrBuilderSm100:
 
     def __call__(self, q2k_indices, cu_seqlens_q, cu_seqlens_k, *, total_k, blk_kv=128,
                  max_seqlen_k=None, max_seqlen_q=None, total_rows=None, qhead_per_kv=1,
-                 return_schedule=False):
+                 return_schedule=False, check_input_valid=False):
         return build_k2q_csr(q2k_indices, cu_seqlens_q, cu_seqlens_k, blk_kv, total_k=total_k,
                              max_seqlen_k=max_seqlen_k, max_seqlen_q=max_seqlen_q,
                              total_rows=total_rows, qhead_per_kv=qhead_per_kv,
-                             return_schedule=return_schedule)
+                             return_schedule=return_schedule,
+                             check_input_valid=check_input_valid)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,6 +210,7 @@ class SparseAttentionCall:
     k_scale_128x4: Optional[torch.Tensor] = None
     v_scale_128x4: Optional[torch.Tensor] = None
     k_global_scale: Optional[torch.Tensor] = None
+    check_values: bool = False       # check_input_valid / MSA_CHECK_INPUTS=1
 
     @property
     def paged(self) -> bool:
@@ -214,7 +236,7 @@ def sparse_atten_func(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seqlens_q
                       lse_temperature_scale=1.0, return_temperature_lse=False,
                       partial_dtype=torch.bfloat16, return_softmax_lse=False, page_table=None,
                       seqused_k=None, schedule=None, usable_SM_count=-1, qk_dtype=None,
-                      pv_dtype=None):
+                      pv_dtype=None, check_input_valid=False):
     """Block-sparse varlen attention over the KV blocks each query selected (contract §1.2).
 
     Shapes: q [total_q, Hq, 128]; k, v dense [total_k, Hkv, 128] or paged
@@ -228,7 +250,12 @@ def sparse_atten_func(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seqlens_q
     s_j = softmax_scale * q.k_j (default 128**-0.5); O = softmax(s).V; LSE = ln sum exp(s_j);
     LSE_T = ln sum exp(s_j / lse_temperature_scale). Rows that see no key give O = 0 and
     LSE = -inf. Each selected block's partial output is rounded to partial_dtype before the
-    log-sum-exp combine.
+    log-sum-exp combine. Non-finite data is never hidden, on every backend: a NaN or +inf score
+    (NaN / Inf in q or k) makes that row's O and LSE NaN (LSE may be +inf), and a NaN / Inf V
+    element the row gives weight makes its O channel non-finite; only a row that sees no key
+    gives O = 0, LSE = -inf. A score of -inf (an infinite key element against a query element
+    of the other sign) counts as that key being masked, as IEEE exp(-inf) = 0 says. Rows that
+    select a block but cannot see its non-finite V key may or may not turn NaN (0 * NaN).
 
     Dtypes: all bf16, all float8_e4m3fn, or bf16 q with e4m3 k/v. qk_dtype must equal q's dtype;
     pv_dtype defaults to v's dtype and may be bf16 with e4m3 v. No FP8 scale factors are applied.
@@ -236,6 +263,18 @@ def sparse_atten_func(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seqlens_q
     Returns O [total_q, Hq, 128] bf16; with return_softmax_lse (O, LSE [total_q, Hq] fp32);
     with return_temperature_lse as well (O, LSE, LSE_T), where LSE_T is LSE itself when the
     temperature is 1. Launches on q's device and current stream, without host synchronization.
+
+    Index values (seen only by reading the tensors): check_input_valid=True (or
+    MSA_CHECK_INPUTS=1) checks them once, with one synchronization, and raises ValueError naming
+    the argument: prefix sums that start at 0, rise and end at q.shape[0] (dense: within k),
+    seqused_k within the page table, in-range page ids for every page holding keys, the
+    max_seqlen hints at least the truth, a CSR with a row per (request, block), ascending
+    in-range query ids and at most topK rows per (query, KV head), and a schedule built for
+    this k2q_row_ptr. The reference backend always checks all but the CSR's query ids (skipped
+    when out of range, as natively). Unchecked native calls never read or write out of bounds
+    and do not depend on max_seqlen_q / max_seqlen_k; for invalid values their output is
+    unspecified, except that a (query, KV head) in more CSR rows than combine slots comes back
+    NaN rather than silently short.
     """
     call = check_sparse_atten_args(
         q, k, v, k2q_row_ptr, k2q_q_indices, topK, cu_seqlens_q=cu_seqlens_q,
@@ -245,13 +284,15 @@ def sparse_atten_func(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seqlens_q
         return_temperature_lse=return_temperature_lse, partial_dtype=partial_dtype,
         return_softmax_lse=return_softmax_lse, page_table=page_table, seqused_k=seqused_k,
         schedule=schedule, usable_SM_count=usable_SM_count, qk_dtype=qk_dtype, pv_dtype=pv_dtype,
-        kv_dtypes=(BF16, FP8), kv_last_dim=HEAD_DIM)
+        kv_dtypes=(BF16, FP8), kv_last_dim=HEAD_DIM, check_input_valid=check_input_valid)
     return run_sparse_attention(call)
 
 
 def run_sparse_attention(call: SparseAttentionCall):
     """Dispatch a validated call and shape the result as the contract says."""
     _name, native = _backend.choose("sparse_atten", call.q.device, **call.features())
+    if native is None or call.check_values:
+        check_sparse_attention_values(call, strict=call.check_values)
     if native is not None:
         out, lse, lse_t = native(call)
     else:
@@ -284,8 +325,8 @@ def check_sparse_atten_args(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seq
                             cu_seqlens_k, max_seqlen_q, max_seqlen_k, blk_kv, causal,
                             softmax_scale, lse_temperature_scale, return_temperature_lse,
                             partial_dtype, return_softmax_lse, page_table, seqused_k, schedule,
-                            usable_SM_count, qk_dtype, pv_dtype, kv_dtypes, kv_last_dim
-                            ) -> SparseAttentionCall:
+                            usable_SM_count, qk_dtype, pv_dtype, kv_dtypes, kv_last_dim,
+                            check_input_valid=False) -> SparseAttentionCall:
     """Shared by the bf16/FP8 and the NVFP4 entry points (which pass their own K/V dtypes and
     packed last dimension)."""
     check_tensor("q", q, dtypes=(BF16, FP8), ndim=3, contiguous=True)
@@ -349,11 +390,7 @@ def check_sparse_atten_args(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seq
     elif pv_dtype not in (v_compute, BF16):
         raise TypeError(f"pv_dtype: {pv_dtype} is not supported with v of dtype {v.dtype}")
     if schedule is not None:
-        if not isinstance(schedule, SparseAttentionSchedule) or not schedule.complete:
-            raise ValueError("schedule: incomplete; build it with build_k2q_csr(..., "
-                             "return_schedule=True) or pass None")
-        if schedule.qsplit_indices.shape != k2q_q_indices.shape:
-            raise ValueError("schedule: qsplit_indices does not match k2q_q_indices")
+        _check_schedule_matches(schedule, q, k2q_row_ptr, k2q_q_indices, batch)
     return SparseAttentionCall(
         q=q, k=k, v=v, k2q_row_ptr=k2q_row_ptr, k2q_q_indices=k2q_q_indices, topk=topk,
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
@@ -362,4 +399,29 @@ def check_sparse_atten_args(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seq
         lse_temperature_scale=temperature, want_lse=bool(return_softmax_lse),
         want_temperature_lse=bool(return_temperature_lse), partial_dtype=partial_dtype,
         page_table=page_table, seqused_k=seqused_k, schedule=schedule,
-        usable_SM_count=int(usable_SM_count), pv_dtype=pv_dtype)
+        usable_SM_count=int(usable_SM_count), pv_dtype=pv_dtype,
+        check_values=value_checks_requested(check_input_valid))
+
+
+def _check_schedule_matches(schedule, q, k2q_row_ptr, k2q_q_indices, batch: int) -> None:
+    """A schedule must come from a builder (it records what it was built for) and match the
+    call's shapes; its own row pointer is what the kernels read (see SparseAttentionSchedule),
+    and the value checks compare it with k2q_row_ptr."""
+    if not isinstance(schedule, SparseAttentionSchedule) or not schedule.complete:
+        raise ValueError("schedule: incomplete; build it with build_k2q_csr(..., "
+                         "return_schedule=True) or pass None")
+    if not schedule.built_by_a_builder:
+        raise ValueError("schedule: was not made by build_k2q_csr(..., return_schedule=True) "
+                         "(it does not record the CSR it was built for); pass None")
+    if schedule.qsplit_indices.shape != k2q_q_indices.shape:
+        raise ValueError("schedule: qsplit_indices does not match k2q_q_indices")
+    if schedule.k2q_row_ptr.shape != k2q_row_ptr.shape:
+        raise ValueError(f"schedule: was built for k2q_row_ptr of shape "
+                         f"{list(schedule.k2q_row_ptr.shape)}, got {list(k2q_row_ptr.shape)}")
+    if tuple(schedule.split_counts.shape) != (q.shape[0], k2q_row_ptr.shape[0]):
+        raise ValueError(f"schedule: was built for {schedule.split_counts.shape[0]} queries, "
+                         f"q has {q.shape[0]}")
+    if schedule.batch != batch:
+        raise ValueError(f"schedule: was built for {schedule.batch} requests, cu_seqlens_q "
+                         f"has {batch}")
+    check_same_device(q=q, schedule=schedule.scheduler_metadata)

@@ -25,7 +25,7 @@ def sparse_atten_nvfp4_kv_func(q, k, v, k_scale_128x4, v_scale_128x4, k_global_s
                                softmax_scale=None, lse_temperature_scale=1.0,
                                return_temperature_lse=False, partial_dtype=torch.bfloat16,
                                return_softmax_lse=False, page_table=None, seqused_k=None,
-                               schedule=None):
+                               schedule=None, check_input_valid=False):
     """Block-sparse varlen attention with NVFP4 K/V (contract §1.3; otherwise as §1.2).
 
     Shapes: q [total_q, Hq, 128] bf16 or float8_e4m3fn. k, v uint8, dense [total_k, Hkv, 64] or
@@ -36,7 +36,9 @@ def sparse_atten_nvfp4_kv_func(q, k, v, k_scale_128x4, v_scale_128x4, k_global_s
     (p*Hkv + h)*128 + s (paged); at least round_up(rows, 128) * 8 bytes, contiguous.
     k_global_scale / v_global_scale: None or fp32 tensors with >= 1 element (element 0 is used).
     The selection (k2q_row_ptr, k2q_q_indices, topK), lengths, causal rule, temperature LSE,
-    partial_dtype, schedule and return values are those of :func:`msa.sparse_atten_func`.
+    partial_dtype, schedule, check_input_valid and return values are those of
+    :func:`msa.sparse_atten_func`; a block scale byte that decodes to NaN (0x7F / 0xFF, see
+    :func:`msa.quantize_bf16_to_nvfp4_128x4`) makes the rows that read it NaN.
 
     Dequantization: K = e2m1 * scale * k_global; V = e2m1 * scale, with v_global multiplying
     the combined output. No Transformer Engine or other dependency is needed.
@@ -52,7 +54,8 @@ def sparse_atten_nvfp4_kv_func(q, k, v, k_scale_128x4, v_scale_128x4, k_global_s
         return_temperature_lse=return_temperature_lse, partial_dtype=partial_dtype,
         return_softmax_lse=return_softmax_lse, page_table=page_table, seqused_k=seqused_k,
         schedule=schedule, usable_SM_count=-1, qk_dtype=None, pv_dtype=None,
-        kv_dtypes=(torch.uint8,), kv_last_dim=PACKED_HEAD_BYTES)
+        kv_dtypes=(torch.uint8,), kv_last_dim=PACKED_HEAD_BYTES,
+        check_input_valid=check_input_valid)
     rows = k.numel() // PACKED_HEAD_BYTES   # total_k*Hkv (dense) or pages*Hkv*128 (paged)
     _check_scale_128x4("k_scale_128x4", k_scale_128x4, rows)
     _check_scale_128x4("v_scale_128x4", v_scale_128x4, rows)

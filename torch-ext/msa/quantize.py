@@ -11,6 +11,12 @@ Upstream quantizes through Transformer Engine and raises without it; this packag
 itself (the same recipe: global scale amax/(448*6), block scales amax_block/6 relative to it in
 E4M3, round-to-nearest-even onto the E2M1 grid), so it needs no extra dependency and runs on any
 device.
+
+Non-finite input, per 16-element block: E2M1 has no Inf or NaN and a block shares one scale, so
+a block holding any NaN or +-Inf element is stored with the E4M3 NaN scale byte (0x7F) and
+zero codes: all 16 of its elements dequantize to NaN (an Inf becomes NaN). The global scale and
+every other block are computed from the finite elements only, so one bad element costs its own
+block and nothing else (a tensor with no finite non-zero element keeps global scale 1).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from .reference.fp4 import (E2M1_MAX, E4M3_MAX, decode_e4m3_bytes, dequantize_nv
 
 NVFP4_BLOCK = 16
 _INPUT_DTYPES = (torch.bfloat16, torch.float16)
+E4M3_NAN_BYTE = 0x7F
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +58,16 @@ class Nvfp4QuantizedTensor:
 def nvfp4_global_scale_from_amax(amax) -> torch.Tensor:
     """The NVFP4 global (decode) scale for a tensor whose max |x| is `amax`: amax / (448 * 6),
     as an fp32 tensor (a Python number gives a 0-d tensor; a tensor keeps its shape/device).
-    448 is the E4M3 maximum and 6 the E2M1 maximum, so the largest block scale fits E4M3."""
-    amax = amax if isinstance(amax, torch.Tensor) else torch.tensor(float(amax))
+    448 is the E4M3 maximum and 6 the E2M1 maximum, so the largest block scale fits E4M3.
+    A NaN / Inf amax gives a NaN / Inf scale (quantize_bf16_to_nvfp4_128x4 takes the amax of
+    the finite elements only)."""
+    if isinstance(amax, torch.Tensor):
+        if amax.dtype == torch.bool or amax.is_complex():
+            raise TypeError(f"amax: expected a real tensor, got dtype {amax.dtype}")
+    elif isinstance(amax, bool) or not isinstance(amax, (int, float)):
+        raise TypeError(f"amax: expected a number or a tensor, got {type(amax).__name__}")
+    else:
+        amax = torch.tensor(float(amax))
     return amax.to(torch.float32) / (E4M3_MAX * E2M1_MAX)
 
 
@@ -91,21 +106,25 @@ def _check_quantize_input(name: str, x) -> Tuple[int, int]:
 def _quantize(name: str, x: torch.Tensor) -> Nvfp4QuantizedTensor:
     rows, d = _check_quantize_input(name, x)
     xf = x.reshape(rows, d // NVFP4_BLOCK, NVFP4_BLOCK).to(torch.float32)
-    amax = xf.abs().amax()
-    # An all-zero tensor keeps global scale 1 (every block scale is then 0).
-    # No host sync here: a non-finite input simply gives NaN scales.
+    # Non-finite elements poison their own block only (module docstring); no host sync.
+    finite = torch.isfinite(xf)
+    block_finite = finite.all(dim=-1)                                   # [rows, D/16]
+    magnitude = torch.where(finite, xf.abs(), torch.zeros_like(xf))
+    amax = magnitude.amax()
+    # A tensor without a finite non-zero element keeps global scale 1 (block scales are 0).
     global_scale = torch.where(amax > 0, nvfp4_global_scale_from_amax(amax),
                                torch.ones_like(amax))
     # Block decode scale amax_b / 6, stored relative to the global scale; it is <= 448 by
     # construction (clamp guards fp32 rounding).
-    block_amax = xf.abs().amax(dim=-1)
+    block_amax = magnitude.amax(dim=-1)
     scale_f32 = (block_amax / E2M1_MAX / global_scale).clamp(max=E4M3_MAX)
-    scale_bytes = scale_f32.to(torch.float8_e4m3fn).view(torch.uint8)
+    scale_bytes = torch.where(block_finite, scale_f32.to(torch.float8_e4m3fn).view(torch.uint8),
+                              torch.full_like(block_finite, E4M3_NAN_BYTE, dtype=torch.uint8))
     # Encode with the scale as stored (rounded), so decode(encode(x)) is the nearest grid point.
     decode_scale = decode_e4m3_bytes(scale_bytes) * global_scale
-    safe = torch.where(decode_scale > 0, decode_scale, torch.ones_like(decode_scale))
-    scaled = torch.where(decode_scale.unsqueeze(-1) > 0, xf / safe.unsqueeze(-1),
-                         torch.zeros_like(xf))
+    usable = block_finite & (decode_scale > 0)
+    safe = torch.where(usable, decode_scale, torch.ones_like(decode_scale))
+    scaled = torch.where(usable.unsqueeze(-1), xf / safe.unsqueeze(-1), torch.zeros_like(xf))
     codes = e2m1_codes_from_scaled(scaled).reshape(rows, d)
     data = pack_e2m1_codes(codes).reshape(*x.shape[:-1], d // 2)
     return Nvfp4QuantizedTensor(
@@ -118,10 +137,12 @@ def quantize_bf16_to_nvfp4_128x4(x: torch.Tensor) -> Nvfp4QuantizedTensor:
     """Quantize a bf16/fp16 tensor of rank >= 2 to NVFP4 with 128x4 tiled scales.
 
     x: [..., D] with D and prod(shape[:-1]) multiples of 16 (any device; no Transformer Engine).
-    global = amax(|x|) / (448*6) (1 for an all-zero tensor); per 16-element block,
-    scale = e4m3(amax_block / 6 / global); codes = round-to-nearest-even of x / (scale*global)
-    onto {0, .5, 1, 1.5, 2, 3, 4, 6} with sign, saturating at 6. See
-    :class:`Nvfp4QuantizedTensor` for the output layout.
+    global = amax(|x|) / (448*6) over the finite elements (1 when none is non-zero); per
+    16-element block, scale = e4m3(amax_block / 6 / global); codes = round-to-nearest-even of
+    x / (scale*global) onto {0, .5, 1, 1.5, 2, 3, 4, 6} with sign, saturating at 6. A block
+    with a NaN or +-Inf element gets the NaN scale byte 0x7F and zero codes (it dequantizes to
+    NaN); the other blocks are unaffected. See :class:`Nvfp4QuantizedTensor` for the output
+    layout.
     """
     return _quantize("x", x)
 

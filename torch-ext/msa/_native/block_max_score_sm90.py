@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from .. import _backend
+from .._validation import device_prefix_sums
 from . import cute_runtime
 
 KEY_TILE = 128
@@ -140,7 +141,9 @@ def run(call) -> torch.Tensor:
     out = torch.empty(num_heads, call.max_k_tiles, total_q, dtype=torch.float32, device=device)
     if total_q == 0:
         return out
-    cu_q = call.cu_seqlens_q
+    # Prefix sums the kernel can trust whatever their values (unchanged when valid): a
+    # negative start or a decreasing entry would otherwise address rows outside q / k.
+    cu_q = device_prefix_sums(call.cu_seqlens_q, total_q)
     batch = cu_q.numel() - 1
     q_lens = cu_q[1:] - cu_q[:-1]
     if call.paged:
@@ -152,7 +155,7 @@ def run(call) -> torch.Tensor:
                                 device=device)
         cu_k = cu_q                                  # unused by the paged variant
     else:
-        cu_k = call.cu_seqlens_k
+        cu_k = device_prefix_sums(call.cu_seqlens_k, k.shape[0])
         k_lens = (cu_k[1:] - cu_k[:-1]).contiguous()
         page_table = k_lens.view(batch, 1)           # unused by the dense variant
     offsets = causal_offsets(call.qo_offset, q_lens, k_lens).contiguous()

@@ -80,7 +80,9 @@ def run(call):
         capacity, max_seqlen_q)
     schedule = SparseAttentionSchedule(enabled=True, scheduler_metadata=metadata,
                                        work_count=work_count, qsplit_indices=qsplit,
-                                       split_counts=split_counts, target_q_per_cta=target)
+                                       split_counts=split_counts, target_q_per_cta=target,
+                                       k2q_row_ptr=row_ptr,
+                                       batch=call.cu_seqlens_q.numel() - 1, topk=topk)
     return row_ptr, q_idx, schedule
 
 

@@ -16,6 +16,12 @@ kernels on q's device and current stream, with no host synchronization:
 When the call carries no schedule it is built here on the device with tensor ops
 (:func:`build_schedule_on_device`), so the path stays capture-safe.
 
+Bad metadata (no host sync can see it): the kernels get prefix sums made monotone within the
+tensors (``device_prefix_sums``) and read the CSR rows through the schedule's own row pointer,
+so no index value can make them read or write out of bounds; the host hints max_seqlen_q /
+max_seqlen_k are not used at all. A (query, KV head) with more CSR entries than combine slots
+comes back NaN (the combine flags the lost slots) instead of silently missing blocks.
+
 FP8 (contract §1.2, no scale factors): three modes are compiled (cute_kernels.variants.FP8_MODES,
 bf16, fp16 or e4m3 partials) -- ``bf16_kv_e4m3`` (bf16 q, e4m3 k/v), ``e4m3_pv_bf16`` (e4m3 q/k/v,
 pv_dtype bf16) and ``e4m3`` (e4m3 q/k/v, pv_dtype e4m3, P kept in registers). **Validation
@@ -33,9 +39,12 @@ from typing import Optional, Tuple, Union
 import torch
 
 from .. import _backend, _stages
+from .._validation import device_prefix_sums
 from ..src.sm100.prepare_scheduler import (SLOT_SHIFT, SparseAttentionSchedule,
                                           schedule_capacity, target_q_per_cta)
 from . import cute_runtime
+
+INT32_MAX = (1 << 31) - 1
 
 KV_BLOCK = 128
 # Tests set this to fill every buffer the kernels write with NaN first (catches unwritten rows).
@@ -213,14 +222,16 @@ def run(call) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tens
     if total_q == 0:
         return out, (lse if call.want_lse else None), (lse_t if want_lse_t else None)
 
+    # Prefix sums the kernels can trust (unchanged when valid; see the module docstring).
+    cu_q = device_prefix_sums(call.cu_seqlens_q, total_q)
+    cu_k = device_prefix_sums(call.cu_seqlens_k, INT32_MAX if call.paged else k.shape[0])
     schedule = call.schedule
     if schedule is None:
-        schedule = build_schedule_on_device(call)
+        schedule = build_schedule_on_device(call, cu_q, cu_k)
     mode = attention_mode(q.dtype, k.dtype, v.dtype, call.pv_dtype)
     attention_name, combine_name = _variant_names(call.qhead_per_kv, call.paged,
                                                   call.partial_dtype, mode)
     batch = call.cu_seqlens_q.numel() - 1
-    cu_k = call.cu_seqlens_k
     if call.paged:
         if call.seqused_k is not None:
             kv_lens = call.seqused_k
@@ -231,9 +242,11 @@ def run(call) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tens
     else:
         kv_lens = (cu_k[1:] - cu_k[:-1]).contiguous()
         page_table = kv_lens.view(batch, 1)          # unused by the dense variant
-    o_partial = torch.empty(call.topk, total_q, num_heads, head_dim, dtype=call.partial_dtype,
+    # A schedule from build_k2q_csr numbers up to its own topK slots per (query, KV head).
+    slots = max(call.topk, schedule.topk)
+    o_partial = torch.empty(slots, total_q, num_heads, head_dim, dtype=call.partial_dtype,
                             device=device)
-    lse_partial = torch.empty(call.topk, total_q, num_heads, dtype=torch.float32, device=device)
+    lse_partial = torch.empty(slots, total_q, num_heads, dtype=torch.float32, device=device)
     lse_t_partial = torch.empty_like(lse_partial) if want_lse_t else lse_partial
     if POISON_BUFFERS_FOR_TESTS:
         for buffer in (o_partial, lse_partial, lse_t_partial, out, lse, lse_t):
@@ -241,8 +254,8 @@ def run(call) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tens
     global last_attention_variant
     last_attention_variant = attention_name
     cute_runtime.launch(
-        attention_name, device, q, k, v, call.cu_seqlens_q, cu_k, kv_lens, page_table,
-        call.k2q_row_ptr, schedule.qsplit_indices, schedule.scheduler_metadata,
+        attention_name, device, q, k, v, cu_q, cu_k, kv_lens, page_table,
+        schedule.k2q_row_ptr, schedule.qsplit_indices, schedule.scheduler_metadata,
         schedule.work_count, o_partial, lse_partial, lse_t_partial, float(call.softmax_scale),
         1.0 / float(call.lse_temperature_scale), int(call.causal), int(want_lse_t))
     _stages.mark("combine")
@@ -252,22 +265,34 @@ def run(call) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tens
     return out, (lse if call.want_lse else None), (lse_t if want_lse_t else None)
 
 
-def build_schedule_on_device(call) -> SparseAttentionSchedule:
+def build_schedule_on_device(call, cu_seqlens_q: Optional[torch.Tensor] = None,
+                             cu_seqlens_k: Optional[torch.Tensor] = None
+                             ) -> SparseAttentionSchedule:
     """A complete schedule for the call's k2q CSR, built with tensor ops on the CSR's device
-    (no host synchronization; sizes come from host-known bounds).
+    (no host synchronization; sizes come from the tensors' shapes, never from host hints).
 
     Work items are (row, head, chunk) ordered like the reference builder: each (KV head, CSR
     row) is cut into chunks of target_q_per_cta queries. Slots number a (query, KV head)'s
     entries in CSR row order. Entries whose query id is out of range for the request get -1
-    and no slot. metadata rows past work_count are never read (the grid is the capacity and
-    CTAs past work_count exit).
+    and no slot; split_counts keeps the full entry count, so the combine can flag a (query,
+    KV head) with more entries than slots. metadata rows past work_count are never read (the
+    grid is the capacity and CTAs past work_count exit).
+
+    Whatever the index values, every gather stays in bounds: cu_seqlens_q/k (default: the
+    call's, made trustworthy with device_prefix_sums) and the row pointer are clamped monotone
+    within their tensors; the schedule keeps that clamped row pointer for the kernel.
     """
-    row_ptr = call.k2q_row_ptr
     q_idx = call.k2q_q_indices
-    device = row_ptr.device
+    device = q_idx.device
     hkv, n_entries = q_idx.shape
-    total_rows = row_ptr.shape[1] - 1
     total_q = call.q.shape[0]
+    if cu_seqlens_q is None:
+        cu_seqlens_q = device_prefix_sums(call.cu_seqlens_q, total_q)
+    if cu_seqlens_k is None:
+        cu_seqlens_k = device_prefix_sums(call.cu_seqlens_k, INT32_MAX)
+    # A monotone row pointer within k2q_q_indices (the given one when it is valid).
+    row_ptr = device_prefix_sums(call.k2q_row_ptr.t(), n_entries).t().contiguous()
+    total_rows = row_ptr.shape[1] - 1
     topk = call.topk
     target = target_q_per_cta(total_q=total_q, topk=topk, blk_kv=KV_BLOCK, head_kv=hkv,
                               qhead_per_kv=call.qhead_per_kv, device=device,
@@ -275,10 +300,12 @@ def build_schedule_on_device(call) -> SparseAttentionSchedule:
     capacity = schedule_capacity(total_rows=total_rows, total_q=total_q, topk=topk,
                                  head_kv=hkv, target_q_per_cta=target)
     i64 = torch.int64
-    cu_q = call.cu_seqlens_q.to(i64)
-    cu_k = call.cu_seqlens_k.to(i64)
+    cu_q = cu_seqlens_q.to(i64)
+    cu_k = cu_seqlens_k.to(i64)
     batch = cu_q.numel() - 1
-    max_blocks = -(-max(call.max_seqlen_k, KV_BLOCK) // KV_BLOCK)
+    # The owner block of CSR row r is at most r, so total_rows block indices cover every row
+    # whatever max_seqlen_k says (a short hint must not make rows look absent).
+    max_blocks = max(total_rows, 1)
 
     # Owner (request b, block beta) of every packed CSR row (round-robin over requests).
     rows_b = (cu_k[1:] - cu_k[:-1] + KV_BLOCK - 1) // KV_BLOCK                     # [B]
@@ -330,11 +357,12 @@ def build_schedule_on_device(call) -> SparseAttentionSchedule:
     # scatter_add, not bincount: bincount reads the max on the host (a sync).
     per_key = torch.zeros(hkv * total_q + 1, dtype=i64, device=device).scatter_add_(
         0, flat_key, torch.ones_like(flat_key))[: hkv * total_q]
-    split_counts = per_key.view(hkv, total_q).t().clamp_max(topk)
+    split_counts = per_key.view(hkv, total_q).t().clamp_max(INT32_MAX)
     return SparseAttentionSchedule(
         enabled=True, scheduler_metadata=meta.to(torch.int32).contiguous(),
         work_count=work_count, qsplit_indices=qsplit.to(torch.int32).contiguous(),
-        split_counts=split_counts.to(torch.int32).contiguous(), target_q_per_cta=target)
+        split_counts=split_counts.to(torch.int32).contiguous(), target_q_per_cta=target,
+        k2q_row_ptr=row_ptr, batch=batch, topk=topk)
 
 
 _backend.register_native("sparse_atten", "sm90", run, supports)

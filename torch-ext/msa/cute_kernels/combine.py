@@ -3,7 +3,9 @@
 For each (query q_abs, query head hq) with n = split_counts[q_abs, hq // G] slots:
   L = logsumexp_s LSE_s,   O = sum_s exp(LSE_s - L) * O_s,   (LSE_T likewise from LSE_T_s)
 written as O bf16 [total_q, Hq, 128] and LSE fp32 [total_q, Hq]. Rows with no slot, or whose
-slots are all -inf, give O = 0 and LSE = -inf.
+slots are all -inf, give O = 0 and LSE = -inf. A NaN slot LSE (non-finite data) makes the row's
+O and LSE NaN. A row whose split count exceeds the topK slots of o_partial lost work (a CSR
+with more rows per query than the call's topK): it comes back NaN too, never silently short.
 
 Each lane reads 16 bytes of a partial row per slot (4 fp32, 8 bf16/fp16 or 16 e4m3 channels),
 so a row is a group of 32 (fp32), 16 (16-bit) or 8 (e4m3) lanes and a warp combines 1, 2 or 4
@@ -59,10 +61,12 @@ class SparseCombineSm90:
     @cute.jit
     def _lse_merge(self, a: cutlass.Float32, b: cutlass.Float32,
                    s0: cutlass.Int32) -> cutlass.Float32:
-        """log(exp(a) + exp(b)); exactly b on the first pass (s0 == 0, a == -inf)."""
+        """log(exp(a) + exp(b)); exactly b on the first pass (s0 == 0, a == -inf). NaN
+        propagates (fmax drops a NaN operand, so the -inf branch adds a + b: -inf, or NaN)."""
         merged = b
         if s0 > 0:
             hi = cute.arch.fmax(a, b)
+            merged = a + b
             if hi != -cutlass.Float32.inf:
                 merged = hi + cute.math.log2(
                     cute.math.exp2((a - hi) * LOG2_E, fastmath=True)
@@ -74,7 +78,7 @@ class SparseCombineSm90:
                  hq: cutlass.Int32, lane_in_row: cutlass.Int32):
         """(max_log2, weight_sum, L): the log2-scaled max slot LSE (0 when every slot is -inf,
         so exp2 of -inf stays 0), sum_s exp2(LSE_s log2(e) - max_log2), and the merged LSE
-        (-inf for an empty row)."""
+        (-inf for an empty row, NaN when a slot LSE is NaN: != is an unordered compare)."""
         lanes = self.lanes_per_row
         lse_s = -cutlass.Float32.inf
         for s0 in range(0, n_slots, lanes):
@@ -86,7 +90,7 @@ class SparseCombineSm90:
             max_log2 = 0.0
         weight_sum = group_sum(cute.math.exp2(lse_s * LOG2_E - max_log2, fastmath=True), lanes)
         merged = -cutlass.Float32.inf
-        if weight_sum > 0.0:
+        if weight_sum != 0.0:
             merged = (max_log2 + cute.math.log2(weight_sum, fastmath=True)) * LN_2
         return max_log2, weight_sum, merged
 
@@ -105,12 +109,16 @@ class SparseCombineSm90:
         q_abs = row // num_heads
         hq = row % num_heads
         group = num_heads // mSplitCounts.shape[1]
-        n_slots = cutlass.min(mSplitCounts[q_abs, hq // group], mOPartial.shape[0])
+        n_entries = mSplitCounts[q_abs, hq // group]
+        n_slots = cutlass.min(n_entries, mOPartial.shape[0])
 
         max_log2, weight_sum, out_lse = self._row_lse(mLsePartial, n_slots, q_abs, hq,
                                                       lane_in_row)
+        if n_entries > mOPartial.shape[0]:
+            weight_sum = cutlass.Float32.nan      # entries past the slots were dropped
+            out_lse = cutlass.Float32.nan
         inv = cutlass.Float32(0.0)
-        if weight_sum > 0.0:
+        if weight_sum != 0.0:
             inv = 1.0 / weight_sum
 
         # Weighted sum of the slot rows, weights exp(LSE_s - L); self.unroll slots per step with
@@ -137,6 +145,8 @@ class SparseCombineSm90:
         out_lse_t = -cutlass.Float32.inf
         if want_t:
             _, _, out_lse_t = self._row_lse(mLseTPartial, n_slots, q_abs, hq, lane_in_row)
+            if n_entries > mOPartial.shape[0]:
+                out_lse_t = cutlass.Float32.nan
         if in_range:
             dst = cute.local_tile(mOut[q_abs, hq, None], (self.vec,), (lane_in_row,))
             dst.store(acc.load().to(mOut.element_type))

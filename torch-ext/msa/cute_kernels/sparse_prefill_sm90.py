@@ -347,7 +347,8 @@ class SparsePrefillSm90:
                       row_inv_sum: cute.Tensor):
         """Single-block softmax of this thread's rows of S (s_rc, in place: S -> unnormalized
         P = exp(S - row max)): causal / length mask, row max and sum over the quad, and per row
-        1/sum, LSE and the temperature LSE (-inf and 0 for a row that sees no key)."""
+        1/sum, LSE and the temperature LSE (-inf and 0 for a row that sees no key; NaN for a
+        row whose scores hold a NaN or +inf)."""
         for i in cutlass.range_constexpr(n_my_rows):
             r = tScS[i, 0][0]
             packed = sEntry[r // self.group, stage]
@@ -378,12 +379,14 @@ class SparsePrefillSm90:
             row_inv_sum[i] = 0.0
             row_lse[i] = -cutlass.Float32.inf
             row_lse_t[i] = -cutlass.Float32.inf
-            if row_sum > 0.0:
+            # Only a zero sum means "no visible key"; a NaN sum (a NaN or +inf score) must
+            # reach O and LSE as NaN (!= is an unordered compare: true for NaN).
+            if row_sum != 0.0:
                 row_inv_sum[i] = 1.0 / row_sum
                 row_lse[i] = (max_scaled + cute.math.log2(row_sum, fastmath=True)) * LN_2
             if want_lse_t != 0:
                 row_sum_t = quad_sum(row_sum_t)
-                if row_sum_t > 0.0:
+                if row_sum_t != 0.0:
                     row_lse_t[i] = (max_scaled * inv_temperature
                                     + cute.math.log2(row_sum_t, fastmath=True)) * LN_2
 

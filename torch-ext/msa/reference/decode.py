@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..sparse_index_utils import build_k2q_csr_torch_reference
-from .sparse_attention import make_kv_source, sparse_attention_csr
+from .sparse_attention import lse_weight, make_kv_source, seen_nothing, sparse_attention_csr
 
 # Score elements per dense tile (bounds the reference's memory, ~16 MB in fp32).
 _TILE_SCORE_ELEMENTS = 1 << 22
@@ -65,14 +65,12 @@ def _physical_pages(page_table_host: torch.Tensor, b: int, begin: int, end: int,
 
 
 def _fold(acc_o, acc_lse, o, lse):
-    """Log-sum-exp combine of two normalized partials; -inf LSE means 'no keys' (O ignored)."""
+    """Log-sum-exp combine of two normalized partials; -inf LSE means 'no keys' (O ignored),
+    a NaN / +inf LSE propagates."""
     new_lse = torch.logaddexp(acc_lse, lse)
-    finite = torch.isfinite(new_lse)
-    safe = torch.where(finite, new_lse, 0.0)
-    w_acc = torch.where(torch.isfinite(acc_lse), torch.exp(acc_lse - safe), 0.0)
-    w_new = torch.where(torch.isfinite(lse), torch.exp(lse - safe), 0.0)
-    out = acc_o * w_acc.unsqueeze(-1) + o * w_new.unsqueeze(-1)
-    return out, torch.where(finite, new_lse, float("-inf"))
+    out = (acc_o * lse_weight(acc_lse, new_lse).unsqueeze(-1)
+           + o * lse_weight(lse, new_lse).unsqueeze(-1))
+    return out, new_lse
 
 
 def dense_request_attention(q_b: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -106,20 +104,19 @@ def dense_request_attention(q_b: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         s = torch.einsum("qhgd,thkd->qhgtk", qg, kt) * softmax_scale
         s = s.masked_fill(~visible.view(seqlen_q, 1, 1, n, page_size), float("-inf"))
         page_lse = torch.logsumexp(s, dim=-1)                           # [sq, Hkv, G, n]
-        alive = torch.isfinite(page_lse)
+        empty = seen_nothing(page_lse)
         if pv_quant_dtype is None:
-            p = torch.exp(s - torch.where(alive, page_lse, 0.0).unsqueeze(-1))
+            p = torch.exp(s - torch.where(empty, 0.0, page_lse).unsqueeze(-1))
             o_page = torch.einsum("qhgtk,thkd->qhgtd", p, vt)
         else:
             # FP8 P.V: unnormalized probabilities against the page max, rounded to e4m3.
-            p = torch.exp(s - torch.where(alive, s.amax(-1), 0.0).unsqueeze(-1))
+            p = torch.exp(s - torch.where(empty, 0.0, s.amax(-1)).unsqueeze(-1))
             p_q = p.to(pv_quant_dtype).to(p.dtype)
             o_page = (torch.einsum("qhgtk,thkd->qhgtd", p_q, vt)
                       / p.sum(-1, keepdim=True).clamp_min(1e-30))
-        o_page = torch.where(alive.unsqueeze(-1), o_page, 0.0)
+        o_page = torch.where(empty.unsqueeze(-1), 0.0, o_page)
         tile_lse = torch.logsumexp(page_lse, dim=-1)
-        w = torch.where(alive, torch.exp(page_lse - torch.where(
-            torch.isfinite(tile_lse), tile_lse, 0.0).unsqueeze(-1)), 0.0)
+        w = lse_weight(page_lse, tile_lse.unsqueeze(-1))
         tile_o = torch.einsum("qhgt,qhgtd->qhgd", w, o_page)
         acc_o, acc_lse = _fold(acc_o, acc_lse, tile_o, tile_lse)
     return acc_o.view(seqlen_q, hq, d), acc_lse.view(seqlen_q, hq)
@@ -191,14 +188,13 @@ def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Combine n normalized partials: o_parts [n, ..., D], lse_parts [n, ...].
 
-    L = logsumexp_s LSE_s, O = sum_s exp(LSE_s - L) O_s; all-empty rows give O = 0, LSE = -inf.
+    L = logsumexp_s LSE_s, O = sum_s exp(LSE_s - L) O_s; all-empty rows give O = 0, LSE = -inf;
+    a NaN / +inf partial LSE makes the row NaN.
     """
     lse = torch.logsumexp(lse_parts, dim=0)
-    finite = torch.isfinite(lse)
-    w = torch.where(torch.isfinite(lse_parts),
-                    torch.exp(lse_parts - torch.where(finite, lse, 0.0)), 0.0)
+    w = lse_weight(lse_parts, lse.unsqueeze(0))
     out = (w.unsqueeze(-1) * o_parts).sum(0)
-    return out, torch.where(finite, lse, float("-inf"))
+    return out, lse
 
 
 def split_decode_reference(q, k, v, q2k, page_table, seqused_k, seqlen_q, schedule, *,

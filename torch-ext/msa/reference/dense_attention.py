@@ -9,7 +9,7 @@ For request b with q_len queries and kv_len keys, batch-local query i sees key j
                                      selection[t, h, :], t = the query's global row)
 
 Per query head hq (KV head h = hq // G): s_j = logit_scale * <q, k_j>, O = softmax(s) V times
-output_scale; a row that sees no key gives O = 0. The max-score output is, per query head,
+output_scale; a row that sees no key gives O = 0, and a NaN or +inf score makes its row NaN. The max-score output is, per query head,
 128-token KV tile and query, the max of s_j over the visible keys of the tile (-inf if none).
 
 The work is tiled: a chunk of at most ``q_chunk`` queries meets the keys ``kv_step`` tokens at a
@@ -160,8 +160,8 @@ def dense_attention_reference(q: torch.Tensor, kv: TokenKV, q_lens: Sequence[int
                     _write_tile_max(max_score, s, j0, j1, rows, hq)
                 if out is None:
                     continue
-                new_max = torch.maximum(run_max, s.amax(-1))
-                safe_max = torch.where(torch.isfinite(new_max), new_max, 0.0)
+                new_max = torch.maximum(run_max, s.amax(-1))     # NaN / +inf propagate
+                safe_max = torch.where(new_max == neg_inf, 0.0, new_max)
                 rescale = torch.exp(run_max - safe_max)        # 0 while run_max is -inf
                 p = torch.exp(s - safe_max.unsqueeze(-1))      # 0 on masked keys
                 p_pv = p if p_quant_dtype is None else p.to(p_quant_dtype).to(compute_dtype)
@@ -171,7 +171,8 @@ def dense_attention_reference(q: torch.Tensor, kv: TokenKV, q_lens: Sequence[int
                 run_max = new_max
             if out is not None:
                 o = acc / run_sum.clamp_min(torch.finfo(compute_dtype).tiny).unsqueeze(-1)
-                o = torch.where((run_sum > 0).unsqueeze(-1), o, 0.0) * output_scale
+                # Only a row that saw no key is 0; a NaN / +inf sum (non-finite data) stays.
+                o = torch.where((run_sum == 0).unsqueeze(-1), 0.0, o) * output_scale
                 out[rows] = o.permute(2, 0, 1, 3).reshape(n, hq, dv)
         row0 += q_len
     return out, max_score

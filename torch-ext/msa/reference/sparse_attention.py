@@ -8,6 +8,10 @@ worth of queries at a time, so a 32k-token sequence runs on a CPU without any N 
 
 The combine is the contract's: L = logsumexp_s LSE_s and O = sum_s exp(LSE_s - L) O_s, computed
 incrementally (the same value; only the summation order differs).
+
+"Nothing visible" is exactly LSE = -inf. A NaN or +inf LSE (a NaN or +inf score: non-finite q
+or k) is not that: it flows through the combine, so the row comes out NaN, never as the empty
+row's O = 0, LSE = -inf.
 """
 
 from __future__ import annotations
@@ -146,28 +150,37 @@ def _occurrence_passes(ids: torch.Tensor):
     return [ids[rank == k] for k in range(int(counts.max()))]
 
 
+def seen_nothing(lse: torch.Tensor) -> torch.Tensor:
+    """Where a log-sum-exp says "no visible key": exactly -inf (NaN and +inf are data)."""
+    return lse == float("-inf")
+
+
+def lse_weight(lse: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """exp(lse - total), 0 where lse is -inf (also when total is -inf, where exp(-inf - -inf)
+    would be NaN); NaN and +inf propagate."""
+    return torch.where(seen_nothing(lse), 0.0,
+                       torch.exp(lse - torch.where(seen_nothing(total), 0.0, total)))
+
+
 def _fold_block(s, vb, rows, heads, out, lse, lse_t, inv_t, partial_dtype, pv_quant_dtype):
     """Softmax of one block for a set of queries, then the running combine."""
-    neg_inf = float("-inf")
     blk_lse = torch.logsumexp(s, dim=-1)                       # [n, G], -inf if fully masked
     blk_lse_t = blk_lse if inv_t == 1.0 else torch.logsumexp(s * inv_t, dim=-1)
-    alive = torch.isfinite(blk_lse)
+    empty = seen_nothing(blk_lse)
     if pv_quant_dtype is None:
-        p = torch.exp(s - torch.where(alive, blk_lse, 0.0).unsqueeze(-1))
+        p = torch.exp(s - torch.where(empty, 0.0, blk_lse).unsqueeze(-1))
         o_blk = torch.einsum("ngk,kd->ngd", p, vb)
     else:
-        m = torch.where(alive, s.amax(-1), 0.0).unsqueeze(-1)
+        m = torch.where(empty, 0.0, s.amax(-1)).unsqueeze(-1)
         p = torch.exp(s - m)
         p_q = p.to(pv_quant_dtype).to(p.dtype)
         o_blk = torch.einsum("ngk,kd->ngd", p_q, vb) / p.sum(-1, keepdim=True).clamp_min(1e-30)
-    o_blk = _round_partial(torch.where(alive.unsqueeze(-1), o_blk, 0.0), partial_dtype)
+    o_blk = _round_partial(torch.where(empty.unsqueeze(-1), 0.0, o_blk), partial_dtype)
 
     old_lse = lse[rows, heads]
     new_lse = torch.logaddexp(old_lse, blk_lse)
-    finite = torch.isfinite(new_lse)
-    safe = torch.where(finite, new_lse, 0.0)
-    w_old = torch.where(finite, torch.exp(old_lse - safe), 0.0).unsqueeze(-1)
-    w_blk = torch.where(alive, torch.exp(blk_lse - safe), 0.0).unsqueeze(-1)
+    w_old = lse_weight(old_lse, new_lse).unsqueeze(-1)
+    w_blk = lse_weight(blk_lse, new_lse).unsqueeze(-1)
     out[rows, heads] = out[rows, heads] * w_old + o_blk * w_blk
-    lse[rows, heads] = torch.where(finite, new_lse, neg_inf)
+    lse[rows, heads] = new_lse
     lse_t[rows, heads] = torch.logaddexp(lse_t[rows, heads], blk_lse_t)

@@ -26,12 +26,21 @@ H200_SM_COUNT = 132
 
 @dataclasses.dataclass
 class SparseAttentionSchedule:
+    """The opaque schedule. Besides the contract's fields it records what it was built for:
+    ``k2q_row_ptr`` (the CSR row pointer it cuts into work items, kept by reference), the
+    request count ``batch`` and the ``topk`` its slots were numbered for. The attention checks
+    a call against them on the host and reads the CSR rows through the schedule's own
+    ``k2q_row_ptr``, so a schedule addresses only its own buffers whatever else the call
+    passes. A schedule without them was not made by a builder and is refused."""
     enabled: bool
     scheduler_metadata: Optional[torch.Tensor]
     work_count: Optional[torch.Tensor]
     qsplit_indices: Optional[torch.Tensor] = None
     split_counts: Optional[torch.Tensor] = None
     target_q_per_cta: int = 0
+    k2q_row_ptr: Optional[torch.Tensor] = None
+    batch: int = 0
+    topk: int = 0
 
     @property
     def work_capacity(self) -> int:
@@ -42,6 +51,11 @@ class SparseAttentionSchedule:
         return (self.enabled and self.scheduler_metadata is not None
                 and self.work_count is not None and self.qsplit_indices is not None
                 and self.split_counts is not None and self.target_q_per_cta > 0)
+
+    @property
+    def built_by_a_builder(self) -> bool:
+        return self.complete and self.k2q_row_ptr is not None and self.batch > 0 \
+            and self.topk > 0
 
 
 SparseSchedulePlan = SparseAttentionSchedule
@@ -85,7 +99,9 @@ def prepare_sparse_fwd_schedule_and_split(*, k2q_row_ptr: torch.Tensor,
                                           usable_SM_count: int = -1) -> SparseAttentionSchedule:
     """Reference schedule builder. Fills ``k2q_qsplit_indices`` and ``split_counts`` in place
     and returns the schedule. Work items are ordered by (row, head, chunk) and slots are given
-    in that order, so the result is deterministic."""
+    in that order, so the result is deterministic. An entry gets a slot when its query id lies
+    in [0, q_len_b) of the row's request (max_seqlen_q is only checked against the 2^24
+    packing limit), so a short max_seqlen_q hint loses no work."""
     if not enabled:
         return SparseAttentionSchedule(False, None, None)
     if k2q_qsplit_indices.shape != k2q_q_indices.shape:
@@ -122,7 +138,7 @@ def prepare_sparse_fwd_schedule_and_split(*, k2q_row_ptr: torch.Tensor,
                 n_work += 1
                 for e in range(lo + q0, lo + q0 + n):
                     ql = int(q_idx[h, e])
-                    if 0 <= ql < max_seqlen_q:
+                    if 0 <= ql < int(cu_q[b + 1] - cu_q[b]):
                         qa = int(cu_q[b]) + ql
                         if not 0 <= qa < total_q:
                             continue
@@ -131,8 +147,11 @@ def prepare_sparse_fwd_schedule_and_split(*, k2q_row_ptr: torch.Tensor,
                         if slot < topk:
                             qsplit[h, e] = ql | (slot << SLOT_SHIFT)
     k2q_qsplit_indices.copy_(qsplit.to(torch.int32))
-    split_counts.copy_(counts.clamp_max(topk).to(torch.int32))
+    # The full entry count (<= topk for a CSR of a topk-wide q2k): a larger one makes the
+    # combine flag the (query, head) as NaN instead of silently dropping entries past the slots.
+    split_counts.copy_(counts.clamp_max((1 << 31) - 1).to(torch.int32))
     return SparseAttentionSchedule(
         enabled=True, scheduler_metadata=meta.to(device, torch.int32),
         work_count=torch.tensor([min(n_work, capacity)], dtype=torch.int32, device=device),
-        qsplit_indices=k2q_qsplit_indices, split_counts=split_counts, target_q_per_cta=target)
+        qsplit_indices=k2q_qsplit_indices, split_counts=split_counts, target_q_per_cta=target,
+        k2q_row_ptr=k2q_row_ptr, batch=cu_q.numel() - 1, topk=topk)
