@@ -257,10 +257,11 @@ def _capped_max_seqlen_k(max_seqlen_k: int, page_table: torch.Tensor) -> int:
 # Execution
 # ---------------------------------------------------------------------------------------------
 
-def _execute(call: DecodeCall, native, want_lse: bool):
+def _execute(call: DecodeCall, native, want_lse: bool, values_checked: bool = False):
     """Run a validated call on the chosen backend; fill/return call.out (and call.lse). The
-    reference always checks the index values; a native call only when asked."""
-    if native is None or call.check_values:
+    reference always checks the index values; a native call only when asked (values_checked:
+    the caller already did)."""
+    if not values_checked and (native is None or call.check_values):
         check_decode_values(call, strict=call.check_values)
     if call.out is None:
         call.out = torch.empty(call.q.shape, dtype=BF16, device=call.q.device)
@@ -430,6 +431,13 @@ class SparseDecodePagedAttentionWrapper:
         fp32 [B * seqlen_q, num_qo_heads]; both are written in place and returned.
         Returns O, or (O, LSE) when return_softmax_lse.
         """
+        call, native = self._prepare_run(q, k, v, softmax_scale=softmax_scale, out=out, lse=lse)
+        # A preallocated lse is always written; it is returned only with return_softmax_lse.
+        return _execute(call, native, bool(return_softmax_lse))
+
+    def _prepare_run(self, q, k, v, *, softmax_scale=None, out=None, lse=None):
+        """run()'s validation and dispatch without the launch: (call, native run or None).
+        Callers that launch other work first (the decode step) validate everything before."""
         if self.decode_schedule is None:
             raise RuntimeError("run: called before plan(); call plan(...) first")
         call = check_decode_args(q, k, v, self._q2k_indices, page_table=self._page_table,
@@ -450,5 +458,4 @@ class SparseDecodePagedAttentionWrapper:
         _name, native = _backend.choose(OP_NAME, q.device, **call.features())
         _attach_workspaces(call, self.decode_schedule, self.O_partial, self.LSE_partial)
         call.out, call.lse = out, lse
-        # A preallocated lse is always written; it is returned only with return_softmax_lse.
-        return _execute(call, native, bool(return_softmax_lse))
+        return call, native

@@ -14,10 +14,11 @@ from typing import Optional
 import torch
 
 from . import _backend
-from ._validation import (check_page_table, FP8, HEAD_DIM, PARTIAL_DTYPES, check_cu_seqlens, check_head_dim,
-                          check_k2q_build_values, check_positive_int, check_qhead_per_kv,
-                          check_same_device, check_scale, check_sparse_attention_values,
-                          check_tensor, check_topk, value_checks_requested)
+from ._validation import (check_page_table, FP8, HEAD_DIM, check_cu_seqlens, check_head_dim,
+                          check_k2q_build_values, check_partial_dtype, check_positive_int,
+                          check_qhead_per_kv, check_same_device, check_scale,
+                          check_sparse_attention_values, check_tensor, check_topk,
+                          value_checks_requested)
 from .reference.sparse_attention import make_kv_source, sparse_attention_csr
 from .sparse_index_utils import build_k2q_csr_torch_reference, safe_total_rows
 from .src.sm100.prepare_scheduler import (SparseAttentionSchedule,
@@ -374,9 +375,7 @@ def check_sparse_atten_args(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seq
     check_positive_int("max_seqlen_q", max_seqlen_q)
     check_positive_int("max_seqlen_k", max_seqlen_k)
     check_positive_int("usable_SM_count", usable_SM_count, minimum=-1)
-    if not isinstance(partial_dtype, torch.dtype) or partial_dtype not in PARTIAL_DTYPES:
-        raise TypeError(f"partial_dtype: {partial_dtype} is not supported; expected float32, "
-                        "bfloat16, float16 or float8_e4m3fn")
+    check_partial_dtype("partial_dtype", partial_dtype)
     scale = check_scale("softmax_scale", softmax_scale)
     temperature = check_scale("lse_temperature_scale", lse_temperature_scale, allow_none=False)
     if return_temperature_lse and not return_softmax_lse:
