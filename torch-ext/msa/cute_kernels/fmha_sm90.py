@@ -256,15 +256,6 @@ class FmhaSm90:
         self.fp8 = dtype.width == 8
 
     @cute.jit
-    def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor,
-                 cu_seqlens_q: cute.Tensor, cu_seqlens_k: cute.Tensor, kv_lens: cute.Tensor,
-                 qo_offset: cute.Tensor, page_table: cute.Tensor,
-                 logit_scale_log2: cutlass.Float32, output_scale: cutlass.Float32,
-                 causal: cutlass.Int32, grid_q_tiles: cutlass.Int32, stream):
-        self._launch(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
-                     logit_scale_log2, output_scale, causal, grid_q_tiles, None, None, stream)
-
-    @cute.jit
     def _launch(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor,
                 cu_seqlens_q: cute.Tensor, cu_seqlens_k: cute.Tensor, kv_lens: cute.Tensor,
                 qo_offset: cute.Tensor, page_table: cute.Tensor,
@@ -306,31 +297,12 @@ class FmhaSm90:
                               causal, q_layout, kv_layout, q_copy, kv_copy, mma_qk, mma_pv,
                               stage_o_copy, store_o_copy, vt_layout, o_layout,
                               SharedStorage).launch(**launch)
-        elif cutlass.const_expr(max_score is None):
-            self.kernel(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
-                        logit_scale_log2, output_scale, causal, q_layout, kv_layout, q_copy,
-                        kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, vt_layout,
-                        o_layout, SharedStorage).launch(**launch)
         else:
             self.kernel_max_score(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset,
                                   page_table, logit_scale_log2, output_scale, causal, max_score,
                                   score_scale, q_layout, kv_layout, q_copy, kv_copy, mma_qk,
                                   mma_pv, stage_o_copy, store_o_copy, vt_layout, o_layout,
                                   SharedStorage).launch(**launch)
-
-    @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mCuQ: cute.Tensor, mCuK: cute.Tensor, mKvLens: cute.Tensor,
-               mOffset: cute.Tensor, mPageTable: cute.Tensor,
-               scale_log2: cutlass.Float32, output_scale: cutlass.Float32,
-               causal: cutlass.Int32, q_layout: cute.ComposedLayout,
-               kv_layout: cute.ComposedLayout, q_copy: cute.TiledCopy, kv_copy: cute.TiledCopy,
-               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, stage_o_copy: cute.TiledCopy,
-               store_o_copy: cute.TiledCopy, vt_layout, o_layout,
-               SharedStorage: cutlass.Constexpr):
-        self._cta(mQ, mK, mV, mO, mCuQ, mCuK, mKvLens, mOffset, mPageTable, scale_log2,
-                  output_scale, causal, None, None, q_layout, kv_layout, q_copy, kv_copy, mma_qk,
-                  mma_pv, stage_o_copy, store_o_copy, vt_layout, o_layout, SharedStorage)
 
     @cute.kernel
     def kernel_max_score(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,

@@ -1,20 +1,15 @@
-"""Dense FMHA forward for Hopper (sm_90a), warp-specialized (variants
-fmha_sm90_{bfloat16,e4m3}_{dense,paged}_ws*; they serve O-only calls).
-Same semantics and arguments as FmhaSm90 (cute_kernels/fmha_sm90.py, O only, bf16 or e4m3
-q/k/v) plus the SM count (num_ctas); the same grid, except the persistent forms (wsup, wsutp:
-min(items, num_ctas) CTAs walking the (query tile, head, request) items). Only the way the key
-blocks are streamed and the two warpgroups are scheduled differs. e4m3: as the plain e4m3
-kernel, P is rounded to e4m3 in registers and handed in the key order of
-register_p_key_order, so P V reads a key-permuted, K-major Vt: in the wsut forms (wsuts /
-wsutps serve e4m3) the Vt blocks come transposed ahead of the kernel (the
-fmha_transpose_v_e4m3 CUDA op) and the producer TMA-loads them as it loads K; in ws / wsf / wsu
-the producer TMA-loads raw V into its own ring and warps 1-3 of the producer warpgroup
-transpose it (tile_utils.transpose_v_words with n_keys: 32-bit words, byte permutes; keys past
-kv_len written as zeros) into Vt stages. The consumers wait for and release Vt stages as they
-do V in bf16.
+"""Dense FMHA forward for Hopper (sm_90a), warp-specialized: the O-only forms of
+cute_kernels.variants.FMHA_FORMS (bf16 wsu / wsup, e4m3 wsuts / wsutps).
 
-Roles (384 threads, one CTA per SM; the persistent forms walk work items, see `_item` and
-`_snake`, and their producer loads Q too, see `_load_q`):
+Same semantics as the plain block loop (fmha_sm90.py) and its arguments plus the SM count
+(num_ctas), O only. One CTA per query tile of a (head, request), or, persistent, min(items,
+num_ctas) CTAs walking the (query tile, head, request) items. e4m3: P is rounded to e4m3 in
+registers straight into the A fragment of P V, in the key order of fp8.register_p_key_order, so
+P V reads a key-permuted, K-major Vt: the Vt blocks come transposed ahead of the kernel (the
+fmha_transpose_v_e4m3 CUDA op) and the producer TMA-loads them as it loads K.
+
+Roles (384 threads, one CTA per SM; the persistent forms walk work items, see
+scheduling.persistent_item / snake_item, and their producer loads Q too, see `_load_q`):
 
 * warpgroup 0 is the producer (setmaxnreg down to PRODUCER_REGS); its warp 0 loads the K and V
   blocks of every tile the CTA walks with TMA into a KV_STAGES-deep ring, K and V with their own
@@ -22,34 +17,30 @@ Roles (384 threads, one CTA per SM; the persistent forms walk work items, see `_
   per consumer warp). Dense K/V: a 128-row box at the request's token offset (rows past the
   tensor are zero-filled by the TMA; rows past kv_len that belong to the next request are read
   and masked). Paged: the page from page_table (a page id outside the pool is out of the box's
-  bounds, so the TMA zero-fills it, as the cp.async kernel does). The V block holding kv_len's
-  tail goes through a scratch mbarrier instead: the producer waits for it, zeroes the rows past
-  kv_len (a masked P is exactly 0, but 0 * NaN from unused page slots or unused cache rows is
-  not) and only then arrives on the V full barrier.
+  bounds, so the TMA zero-fills it). bf16: the V block holding kv_len's tail goes through a
+  scratch mbarrier instead: the producer waits for it, zeroes the rows past kv_len (a masked P
+  is exactly 0, but 0 * NaN from unused page slots or unused cache rows is not) and only then
+  arrives on the V full barrier (e4m3 Vt blocks are zero past kv_len already).
 * warpgroups 1 and 2 are consumers (setmaxnreg up to MMA_REGS), 64 query rows each, Q loaded by
-  the warpgroup itself with cp.async (zero past q_len). Per key block j a consumer issues
-  S(j) = Q K(j)^T and O += P(j-1) V(j-1) back to back in one turn, waits for both, then runs
-  the softmax of block j and rescales O; block 0's S and the last P V are peeled so the loop
-  body issues its wgmmas unconditionally. (Measured and removed, docs/design-fmha.md: 3 K/V
-  stages, an intra-warpgroup overlap that rescaled O after the own P V, a lazy O rescale.)
-  Form "wsf" (validated; slower than wsu): FlashAttention-3's order, O rescaled under S(j)
-  and the softmax of block j under the own P(j-1) V(j-1) (the constructor's `overlap`).
-  Form "wsu" (the constructor's `uniform`; it and its persistent / V-transposed variants
-  serve both dtypes, picked per call by msa._native.fmha_sm90.served_ws_form): every tile
-  starts on K/V stage 0 (producer, e4m3 transposer and consumers), the blocks every row of the
-  tile sees whole run in unrolled pairs (block 2i+1 on stage 1, 2i+2 on stage 0, no mask), the
-  rest one by one, and the consumer body is traced once per warpgroup, so that the wgmma
-  descriptors are static offsets in uniform registers.
+  the warpgroup itself with cp.async (zero past q_len) or, persistent, by the producer. Per key
+  block j a consumer issues S(j) = Q K(j)^T and O += P(j-1) V(j-1) back to back in one turn,
+  waits for both, then runs the softmax of block j and rescales O; block 0's S and the last P V
+  are peeled so the loop body issues its wgmmas unconditionally.
+* static stages: every tile starts on K/V stage 0, the blocks every row of the tile sees whole
+  run in unrolled pairs (block 2i+1 on stage 1, 2i+2 on stage 0, no mask), the rest one by one,
+  and the consumer body is traced once per warpgroup, so that every wgmma descriptor is a
+  constant offset of the shared-memory base held in uniform registers (rebuilding them in
+  vector registers costs ~12 instructions per wgmma, the longest part of a turn). Stage phases
+  come from the parity of each stage's uses (_stage_phase).
 * ping-pong: the two GEMM issues of a block are a turn; turns alternate between the consumers
   through two named barriers (a consumer waits on its own, then arrives on the other's), so
   one warpgroup's softmax runs under the other's GEMMs (FlashAttention-3's schedule). Both
   consumers take n_blocks + 1 turns per tile, so the alternation stays matched.
 
 Shared memory: bf16 Q 2 x 16 KB + 2 stages x (K 32 KB + V 32 KB) + mbarriers (160 KB; wsup
-adds O 2 x 16 KB: 192 KB); e4m3 Q 2 x 8 KB + 2 stages x (K, raw V, Vt 16 KB each) + O 2 x 16
-KB (bf16) (144 KB; wsut / wsutp: no raw V, 112 KB; wsuts / wsutps add the 1 KB ones tile).
-Registers: bf16 and e4m3 wsut 24 (producer) / 240 (consumers); the persistent forms 40 / 232;
-the other e4m3 forms 72 / 216 (the transposer warps need more than 24: they use up to R70).
+adds O 2 x 16 KB: 192 KB); e4m3 Q 2 x 8 KB + 2 stages x (K, Vt 16 KB each) + O 2 x 16 KB (bf16)
++ the 1 KB ones tile (113 KB). Registers: 24 (producer) / 240 (consumers); the persistent forms
+40 / 232.
 """
 
 from __future__ import annotations
@@ -64,10 +55,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .fmha_sm90 import (consumer_fragments, load_q_rows, mmas_and_o_copies, online_softmax,
                         request_bounds, write_o_rows)
-from .tile_utils import (pack_bf16_pairs, pack_e4m3_operand_a, pack_e4m3_quads,
-                         register_p_operand, row_copy,
-                         scale_rows, smem_tile, transpose_v_copies, transpose_v_words,
-                         warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
+from .tile_utils import (pack_bf16_pairs, pack_e4m3_operand_a, row_copy, scale_rows,
+                         smem_tile, warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
                          wgmma_rows_cols_view)
 
 HEAD_DIM = 128
@@ -83,13 +72,9 @@ ROWS_PER_WARP = 16
 # consumers' setmaxnreg.inc waits forever (tools/compile_cute.py --check enforces it).
 PRODUCER_REGS = 24
 MMA_REGS = 240           # 24 * 128 + 240 * 256 = 64512
-# e4m3: warps 1-3 of the producer warpgroup transpose V (word loads, byte permutes).
-PRODUCER_REGS_FP8 = 72   # the transposer region uses up to R70
-MMA_REGS_FP8 = 216       # 72 * 128 + 216 * 256 = 64512 (80 / 216 hung: 65536)
 # Persistent forms: the producer walks the work items too (24 spilled).
 PRODUCER_REGS_PERSISTENT = 40
 MMA_REGS_PERSISTENT = 232    # 40 * 128 + 232 * 256 = 64512
-TRANSPOSE_WARPS = 3
 # mma_row_sum: P times a (key, SUM_COLS) tile of ones, the narrowest e4m3 wgmma (N = 8).
 SUM_COLS = 8
 # Named barriers (0 is sync_threads): a consumer warpgroup's own (Q published, O staged),
@@ -98,76 +83,47 @@ BAR_WG = 1               # + consumer index, 128 threads
 BAR_TURN = 3             # + consumer index, 256 threads
 
 
-
 class FmhaSm90Ws:
     """Compile-time configuration of one warp-specialized dense FMHA variant (O only; bf16, or
-    e4m3 q/k/v with V transposed by the producer warpgroup)."""
+    e4m3 q/k/v with V transposed ahead)."""
 
-    def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
-                 overlap: bool = False, uniform: bool = False, v_transposed: bool = False,
+    def __init__(self, paged: bool, dtype=cutlass.BFloat16, v_transposed: bool = False,
                  persistent: bool = False, mma_row_sum: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
-        # uniform (form "wsu"): every tile starts on K/V stage 0 and the blocks every row
-        # sees whole run in unrolled pairs (mask-free), so their stages are compile-time
-        # constants, and the consumer body is traced once per warpgroup, so its Q tile is too.
-        # Every wgmma descriptor is then a constant offset of the shared-memory base and ptxas
-        # keeps them in uniform registers (ws rebuilds each in vector registers and moves it
-        # with R2UR, ~12 instructions per wgmma: the longest part of a turn). Stage phases come
-        # from the parity of each stage's uses (_stage_phase).
-        # (uniform with overlap: e4m3 spills a few registers in every role; not offered.)
-        assert not (uniform and (overlap or kv_stages != 2))
-        self.uniform = uniform
         self.paged = paged
-        # overlap (form "wsf"): per turn, issue S(j), rescale O to max j-1 while it runs, issue
-        # P(j-1) V(j-1), wait for S(j) only and run the softmax of block j under the own P V;
-        # then wait for it and round P(j) (pinned inline assembly: a plain conversion is sunk
-        # into the next iteration by LLVM, and ptxas then serializes the wgmmas, C7512).
-        self.overlap = overlap
         self.dtype = dtype
         self.fp8 = dtype.width == 8
         self.out_dtype = cutlass.BFloat16
-        self.kv_stages = kv_stages
         self.tile_bytes = BLOCK_N * HEAD_DIM * dtype.width // 8
-        # v_transposed (form "wsut", e4m3 + uniform): the v argument is Vt, V already in the
-        # Vt stages' (channel, key') order, one (128 x 128) block per (request, key block),
-        # keys past kv_len zero (fmha_transpose_v_e4m3); page_table is then [2, B, W]: K's
-        # pages, then each key block's Vt block. The producer TMA-loads Vt as it loads K, so
-        # the transposer warps (~1/3 of the e4m3 ws issue slots, half of them spinning on
-        # mbarriers, and 72 registers each) are gone and the consumers get 240 registers.
-        assert not v_transposed or (self.fp8 and uniform)
+        # v_transposed (the e4m3 forms): the v argument is Vt, V already in the Vt stages'
+        # (channel, key') order, one (128 x 128) block per (request, key block), keys past
+        # kv_len zero (the fmha_transpose_v_e4m3 op); page_table is then [2, B, W]: K's pages,
+        # then each key block's Vt block. The producer TMA-loads Vt as it loads K.
+        # mma_row_sum (the e4m3 forms): the row sums of P come from the tensor core, P (already
+        # e4m3 in registers for P V) times a constant (key, 8) tile of ones in shared memory, 4
+        # more wgmmas (N = 8) per block in P V's group; every thread then holds its rows' whole
+        # sums of the block and adds them to an fp32 running sum (a fresh accumulator per block:
+        # FP8 wgmmas add into their accumulator with fewer bits than fp32). The softmax's
+        # 64-long FADD chains per block and thread go (the e4m3 loop is bound by the consumer's
+        # instruction stream, not the tensor pipe); the sum is over the e4m3-rounded P that P V
+        # uses (the quantized model's sum_quantized_p). P is rounded straight into the A
+        # fragment's word order (fp8.pack_e4m3_operand_a: no byte moves after the conversion).
+        assert v_transposed == mma_row_sum == self.fp8, "e4m3 forms read Vt and sum P on MMA"
         self.v_transposed = v_transposed
-        self.transposer = self.fp8 and not v_transposed
-        # persistent (forms "wsup", "wsutp"): min(work items, num_ctas) CTAs walk the (query
-        # tile, head, request) items heaviest tile first (in boustrophedon rounds, _snake), the
-        # producer running on into the next item's Q and blocks while the consumers finish
-        # one; every CTA otherwise pays its launch, Q load, first S-only block and O store
-        # alone (~4-6 us, 10-15 % of a 4k tile).
-        assert not persistent or (uniform and not self.transposer)
+        self.mma_row_sum = mma_row_sum
+        # persistent: min(work items, num_ctas) CTAs walk the (query tile, head, request) items
+        # heaviest tile first (in boustrophedon rounds, scheduling.snake_item), the producer
+        # running on into the next item's Q and blocks while the consumers finish one; a CTA
+        # per tile otherwise pays its launch, Q load, first S-only block and O store alone.
         self.persistent = persistent
         # Persistent forms: the producer TMA-loads each item's Q into the Q rows as soon as
         # both consumers have issued their last S wgmma (Q full / Q empty mbarriers), so the
         # next item's Q lands under the last P V and the O store; O is then staged in a tile
-        # of its own (the e4m3 forms have one anyway).
+        # of its own (the e4m3 forms have one anyway: their Q rows are too small).
         self.q_by_producer = persistent
         self.own_o_tile = self.fp8 or self.q_by_producer
-        # mma_row_sum (forms "wsuts", "wsutps"): the row sums of P come from the tensor core,
-        # P (already e4m3 in registers for P V) times a constant (key, 8) tile of ones in
-        # shared memory, 4 more wgmmas (N = 8) per block in P V's group; every thread then
-        # holds its rows' whole sums of the block and adds them to an fp32 running sum (a
-        # fresh accumulator per block: FP8 wgmmas add into their accumulator with fewer bits
-        # than fp32, which over 4k keys moved hundreds of rows by more than a bf16 ulp). The
-        # 64-long FADD chains per block and thread of the softmax go: the e4m3 loop is bound
-        # by the consumer's instruction stream, not the tensor pipe (38 % busy). The sum is
-        # then over the e4m3-rounded P that P V uses (the quantized model's sum_quantized_p).
-        # These forms also round P straight into the A fragment's word order
-        # (tile_utils.pack_e4m3_operand_a: no byte moves after the conversion).
-        assert not mma_row_sum or (v_transposed and not overlap)
-        self.mma_row_sum = mma_row_sum
-        self.p_packed_as_operand = mma_row_sum
-        self.producer_regs = PRODUCER_REGS_FP8 if self.transposer else PRODUCER_REGS
-        self.mma_regs = MMA_REGS_FP8 if self.transposer else MMA_REGS
-        if persistent:
-            self.producer_regs, self.mma_regs = PRODUCER_REGS_PERSISTENT, MMA_REGS_PERSISTENT
+        self.producer_regs, self.mma_regs = ((PRODUCER_REGS_PERSISTENT, MMA_REGS_PERSISTENT)
+                                             if persistent else (PRODUCER_REGS, MMA_REGS))
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor,
@@ -178,7 +134,7 @@ class FmhaSm90Ws:
                  stream):
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
         q_layout = cute.tile_to_shape(atom, (WG_ROWS, HEAD_DIM, NUM_MMA_WARPGROUPS), (0, 1, 2))
-        kv_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM, self.kv_stages), (0, 1, 2))
+        kv_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM, KV_STAGES), (0, 1, 2))
         kv_tile = cute.slice_(kv_layout, (None, None, 0))
         # TMA views with the (key, channel) box first: dense (token, channel, head), paged
         # (slot, channel, head, page).
@@ -230,7 +186,7 @@ class FmhaSm90Ws:
     def _vt_layout(self):
         """e4m3: the key-permuted Vt stages (channel, key', stage). Static (tracing)."""
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
-        return cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N, self.kv_stages), (0, 1, 2))
+        return cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N, KV_STAGES), (0, 1, 2))
 
     def _ones_layout(self):
         """mma_row_sum: the (SUM_COLS, key) ones tile, one 128-byte-swizzle atom of e4m3
@@ -246,10 +202,8 @@ class FmhaSm90Ws:
         return cute.tile_to_shape(o_atom, (WG_ROWS, HEAD_DIM, NUM_MMA_WARPGROUPS), (0, 1, 2))
 
     def _ring_mbarriers(self):
-        """K full / empty, V full / empty per stage, one scratch barrier; e4m3 with the
-        transposer adds the raw V ring's full / empty (the V full / empty pair then guards the
-        Vt stages)."""
-        return (6 if self.transposer else 4) * self.kv_stages + 1
+        """K full / empty, V full / empty per stage, one scratch barrier."""
+        return 4 * KV_STAGES + 1
 
     def _n_mbarriers(self):
         """The ring's mbarriers, then q_by_producer's Q full / empty."""
@@ -313,23 +267,14 @@ class FmhaSm90Ws:
             sO_wgs = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)
         if warp == 0:
             with cute.arch.elect_one():
-                for s in cutlass.range_constexpr(self.kv_stages):
+                for s in cutlass.range_constexpr(KV_STAGES):
                     cute.arch.mbarrier_init(mbar + s, 1)                            # K full
-                    cute.arch.mbarrier_init(mbar + self.kv_stages + s,
+                    cute.arch.mbarrier_init(mbar + KV_STAGES + s,
                                             4 * NUM_MMA_WARPGROUPS)                 # K empty
-                    if cutlass.const_expr(self.transposer):
-                        cute.arch.mbarrier_init(mbar + 2 * self.kv_stages + s,
-                                                TRANSPOSE_WARPS)                    # Vt full
-                    else:
-                        cute.arch.mbarrier_init(mbar + 2 * self.kv_stages + s, 1)   # V full
-                    cute.arch.mbarrier_init(mbar + 3 * self.kv_stages + s,
+                    cute.arch.mbarrier_init(mbar + 2 * KV_STAGES + s, 1)            # V full
+                    cute.arch.mbarrier_init(mbar + 3 * KV_STAGES + s,
                                             4 * NUM_MMA_WARPGROUPS)                 # V empty
-                    if cutlass.const_expr(self.transposer):
-                        cute.arch.mbarrier_init(mbar + 4 * self.kv_stages + 1 + s,
-                                                1)                                  # raw V full
-                        cute.arch.mbarrier_init(mbar + 5 * self.kv_stages + 1 + s,
-                                                TRANSPOSE_WARPS)                    # raw V empty
-                cute.arch.mbarrier_init(mbar + 4 * self.kv_stages, 1)               # scratch
+                cute.arch.mbarrier_init(mbar + 4 * KV_STAGES, 1)                    # scratch
                 if cutlass.const_expr(self.q_by_producer):
                     q_full, q_empty = self._q_mbarriers(mbar)
                     cute.arch.mbarrier_init(q_full, 1)
@@ -398,10 +343,6 @@ class FmhaSm90Ws:
                     self._producer(tK, tV, mPageTable, tma_k, tma_v, zero_copy, *sKV, request,
                                    head_kv, k_row0, kv_len, offset, causal, q_len, n_q_tiles,
                                    cta_x, grid_x, tidx % 32, mVtTable, (g, parity, scratch))
-            if cutlass.const_expr(self.transposer):
-                if warp > 0:
-                    self._transposer(sV_stages, sVt_stages, mbar, kv_len, offset, causal,
-                                     q_len, n_q_tiles, cta_x, grid_x, tidx)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             args = (mQ, mO, head, q_start, q_len, kv_len, offset, causal, n_q_tiles, cta_x,
@@ -421,14 +362,12 @@ class FmhaSm90Ws:
                 for mwg in cutlass.range_constexpr(NUM_MMA_WARPGROUPS):
                     if wg == 1 + mwg:
                         self._consumer(*args, mwg, *rest, (g, parity), items)
-            elif cutlass.const_expr(self.uniform):
+            else:
                 # One trace per consumer warpgroup: its index, hence its Q tile, is static.
                 if wg == 1:
                     self._consumer(*args, 0, *rest, (g, parity))
                 else:
                     self._consumer(*args, 1, *rest, (g, parity))
-            else:
-                self._consumer(*args, wg - 1, *rest, (g, parity))
 
     @staticmethod
     def _item(w, n_heads, n_requests):
@@ -486,21 +425,16 @@ class FmhaSm90Ws:
 
     @cute.jit
     def _stage_phase(self, g_blk, blk, parity):
-        """(K/V stage, its mbarrier phase) of a tile's key block `blk` (g_blk: blocks streamed
-        before it over all tiles). ws / wsf: a ring over all blocks; wsu: block j of every tile
-        on stage j % 2, use j // 2 of that stage in this tile (parity: bit s = the parity of
-        stage s's uses before this tile)."""
-        if cutlass.const_expr(self.uniform):
-            stage = blk % 2
-            phase = ((parity >> stage) ^ (blk // 2)) & 1
-        else:
-            stage = g_blk % self.kv_stages
-            phase = (g_blk // self.kv_stages) % 2
+        """(K/V stage, its mbarrier phase) of a tile's key block `blk`: block j of every tile on
+        stage j % 2, use j // 2 of that stage in this tile (parity: bit s = the parity of stage
+        s's uses before this tile). g_blk (blocks streamed before it over all tiles) is unused."""
+        stage = blk % 2
+        phase = ((parity >> stage) ^ (blk // 2)) & 1
         return stage, phase
 
     @staticmethod
     def _next_parity(parity, n_blocks):
-        """wsu: the stage-use parities after a tile of n_blocks (stage 0 takes the even
+        """The stage-use parities after a tile of n_blocks (stage 0 takes the even
         blocks). A single register: the producer runs on 24."""
         return parity ^ (((n_blocks + 1) // 2) & 1) ^ (((n_blocks // 2) & 1) << 1)
 
@@ -511,11 +445,10 @@ class FmhaSm90Ws:
                   sK_stages: cute.Tensor, sV_stages: cute.Tensor, mbar, request, head_kv,
                   k_row0, kv_len, offset, causal, q_len, n_q_tiles, cta_x, grid_x, lane,
                   mVtTable, state):
-        """K and V (bf16), K and raw V (e4m3 with the transposer) or K and Vt (v_transposed:
-        sV_stages are then the Vt stages) blocks of tiles cta_x, cta_x + grid_x, .. of one
+        """K and V (bf16) or K and Vt (e4m3: sV_stages are then the Vt stages) blocks of tiles cta_x, cta_x + grid_x, .. of one
         (head, request) into their rings. state = (blocks streamed, stage parities, scratch
         phase) before them; returns it after them (persistent CTAs carry it over items)."""
-        S = self.kv_stages
+        S = KV_STAGES
         # (TMA, stage) smem and (TMA, block or page) gmem partitions of the K and V boxes.
         # (Vt: (channel, key', Vt block) in either layout.)
         if cutlass.const_expr(self.paged):
@@ -538,7 +471,7 @@ class FmhaSm90Ws:
         thr_zero = zero_copy.get_slice(lane)
         tZcZ = thr_zero.partition_D(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
 
-        g, parity, scratch_phase = state      # blocks so far, wsu's stage-use parities
+        g, parity, scratch_phase = state      # blocks so far, the stage-use parities
         for walk in range(cta_x, n_q_tiles, grid_x):
             q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
             for blk in range(n_blocks):
@@ -561,14 +494,6 @@ class FmhaSm90Ws:
                                                                 self.tile_bytes)
                     cute.copy(tma_v, tVgV[None, mVtTable[request, blk]], tVsV[None, stage],
                               tma_bar_ptr=mbar + 2 * S + stage)
-                elif cutlass.const_expr(self.fp8):
-                    # Raw V ring; the transposer warps zero the keys past kv_len.
-                    cute.arch.mbarrier_wait(mbar + 5 * S + 1 + stage, free_phase)
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + 4 * S + 1 + stage,
-                                                                self.tile_bytes)
-                    cute.copy(tma_v, tVgV[None, src], tVsV[None, stage],
-                              tma_bar_ptr=mbar + 4 * S + 1 + stage)
                 else:
                     cute.arch.mbarrier_wait(mbar + 3 * S + stage, free_phase)
                     n_keys = kv_len - blk * BLOCK_N
@@ -598,44 +523,6 @@ class FmhaSm90Ws:
             parity = self._next_parity(parity, n_blocks)
         return g, parity, scratch_phase
 
-    # ---- e4m3 V transposer (warps 1 .. TRANSPOSE_WARPS of the producer warpgroup) ----------
-    @cute.jit
-    def _transposer(self, sV_stages: cute.Tensor, sVt_stages: cute.Tensor, mbar, kv_len,
-                    offset, causal, q_len, n_q_tiles, cta_x, grid_x, tidx):
-        """Per streamed block: wait for its raw V stage (TMA) and for its Vt stage to be free,
-        write Vt (channel, pi(key)) in the register-P key order (tile_utils.transpose_v_words:
-        eight 16-channel groups of 32 lanes; transposer warp t takes groups t, t + 3, t + 6, in
-        a loop that is not unrolled: unrolled, LLVM hoisted the addresses of all three groups
-        out of the block loop and the warps needed 96 registers),
-        zeroing the keys past kv_len, fence to the async proxy, then one arrival per warp on
-        Vt full and on raw V empty."""
-        S = self.kv_stages
-        load, store = transpose_v_copies(self.dtype)
-        t_warp = cute.arch.make_warp_uniform(tidx // 32) - 1
-        lane = tidx % 32
-        g = cutlass.Int32(0)
-        parity = cutlass.Int32(0)             # uniform forms: stage-use parities
-        for walk in range(cta_x, n_q_tiles, grid_x):
-            q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
-            for blk in range(n_blocks):
-                stage, phase = self._stage_phase(g + blk, blk, parity)
-                n_keys = kv_len - blk * BLOCK_N
-                cute.arch.mbarrier_wait(mbar + 4 * S + 1 + stage, phase)      # raw V landed
-                cute.arch.mbarrier_wait(mbar + 3 * S + stage, phase ^ 1)      # Vt stage free
-                for i in cutlass.range((8 + TRANSPOSE_WARPS - 1) // TRANSPOSE_WARPS, unroll=1):
-                    group = t_warp + TRANSPOSE_WARPS * i
-                    if group < 8:
-                        transpose_v_words(sV_stages[None, None, stage],
-                                          sVt_stages[None, None, stage], load, store,
-                                          group * 32 + lane, n_keys)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.sync_warp()
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive(mbar + 2 * S + stage)               # Vt full
-                    cute.arch.mbarrier_arrive(mbar + 5 * S + 1 + stage)           # raw V free
-            g = g + n_blocks
-            parity = self._next_parity(parity, n_blocks)
-
     # ---- consumers (two warpgroups) --------------------------------------------------------
     @cute.jit
     def _consumer(self, mQ, mO, head, q_start, q_len, kv_len, offset, causal, n_q_tiles, cta_x,
@@ -647,7 +534,7 @@ class FmhaSm90Ws:
         items of this CTA. The fragments are set up once, outside every loop (the wgmma
         descriptors stay static offsets). state = (blocks streamed, stage parities) before
         them; returns it after them."""
-        S = self.kv_stages
+        S = KV_STAGES
         wg_tidx = tidx % 128
         lane = tidx % 32
         warp_in_wg = cute.arch.make_warp_uniform(wg_tidx // 32)
@@ -667,7 +554,7 @@ class FmhaSm90Ws:
         n_my_rows = cute.size(tScS, mode=[0])
         n_my_cols = cute.size(tScS, mode=[1])
         o_rc = wgmma_rows_cols_view(acc_o)
-        if cutlass.const_expr(self.p_packed_as_operand):
+        if cutlass.const_expr(self.mma_row_sum):
             r_p = cute.make_rmem_tensor(a_shape, self.dtype)      # P in A's register order
         else:
             r_p = cute.make_fragment_like(acc_s, self.dtype)
@@ -696,12 +583,12 @@ class FmhaSm90Ws:
             q_copy=q_copy, thr_q_copy=thr_q_copy, tQsQ=tQsQ, tQcQ=tQcQ, sO_mine=sO_mine,
             stage_o_copy=stage_o_copy, store_o_copy=store_o_copy, output_scale=output_scale,
             mma_qk=mma_qk, mma_pv=mma_pv, acc_s=acc_s, acc_o=acc_o, o_rc=o_rc, r_p=r_p, t_p=t_p,
-            a_shape=a_shape, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tScS=tScS, n_my_rows=n_my_rows,
+            tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tScS=tScS, n_my_rows=n_my_rows,
             n_my_cols=n_my_cols, row_max=row_max, row_sum=row_sum, corr=corr, mbar=mbar,
             turn_mine=BAR_TURN + mwg, turn_other=BAR_TURN + 1 - mwg, causal=causal,
             scale_log2=scale_log2, mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc)
 
-        g, parity = state                     # blocks so far, wsu's stage-use parities
+        g, parity = state                     # blocks so far, the stage-use parities
         if cutlass.const_expr(self.persistent):
             q_full, _ = self._q_mbarriers(mbar)
             q_uses = cutlass.Int32(0)
@@ -728,12 +615,12 @@ class FmhaSm90Ws:
         """One query tile of consumer warpgroup c.mwg: Q (q_by_producer: already waited for),
         its key blocks in ping-pong turns, O normalized and stored. Returns (g, parity)
         after it."""
-        S = self.kv_stages
+        S = KV_STAGES
         # Locals, not c's fields, past the block loops: the DSL hands a namespace read after a
         # dynamic loop back with its static shapes turned dynamic.
         mbar, lane, causal, mwg = c.mbar, c.lane, c.causal, c.mwg
         mma_qk, mma_pv, acc_s, acc_o = c.mma_qk, c.mma_pv, c.acc_s, c.acc_o
-        o_rc, r_p, t_p, a_shape = c.o_rc, c.r_p, c.t_p, c.a_shape
+        o_rc, r_p, t_p = c.o_rc, c.r_p, c.t_p
         tSrQ, tSrK, tOrVt, tScS = c.tSrQ, c.tSrK, c.tOrVt, c.tScS
         row_max, row_sum, corr, scale_log2 = c.row_max, c.row_sum, c.corr, c.scale_log2
         turn_mine, turn_other = c.turn_mine, c.turn_other
@@ -759,7 +646,7 @@ class FmhaSm90Ws:
         # What a turn needs besides its block's stages (_turn is traced inline).
         turn = SimpleNamespace(
             mma_qk=mma_qk, mma_pv=mma_pv, acc_s=acc_s, acc_o=acc_o, o_rc=o_rc,
-            r_p=r_p, t_p=t_p, a_shape=a_shape, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt,
+            r_p=r_p, t_p=t_p, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt,
             tScS=tScS, row_max=row_max, row_sum=row_sum, corr=corr, mbar=mbar,
             lane=lane, turn_mine=turn_mine, turn_other=turn_other, wg_q0=wg_q0,
             kv_len=kv_len, offset=offset, causal=causal, scale_log2=scale_log2,
@@ -776,26 +663,25 @@ class FmhaSm90Ws:
                 cute.arch.mbarrier_arrive(mbar + S + stage)                # K free
             online_softmax(acc_s, 0, row_max, self._softmax_sum(row_sum), tScS, wg_q0, kv_len,
                            offset, causal, scale_log2, corr=corr)
-            if cutlass.const_expr(self.p_packed_as_operand):
+            if cutlass.const_expr(self.mma_row_sum):
                 pack_e4m3_operand_a(acc_s, r_p)
             else:
                 r_p.store(acc_s.load().to(self.dtype))
-            # ---- blocks 1 .. n-1: S(j) and P(j-1) V(j-1) in one turn
+            # ---- blocks 1 .. n-1: S(j) and P(j-1) V(j-1) in one turn. Pairs of blocks (2i+1
+            # on stage 1, 2i+2 on stage 0): static stages; only blocks every row of the tile
+            # sees whole (no mask), the rest one by one below.
             first_dynamic = 1
-            if cutlass.const_expr(self.uniform):
-                # Pairs of blocks (2i+1 on stage 1, 2i+2 on stage 0): static stages; only
-                # blocks every row of the tile sees whole (no mask), the rest below.
-                n_whole = kv_len
-                if causal != 0:
-                    n_whole = cutlass.min(n_whole, q_lo + offset + 1)
-                n_whole = cutlass.min(cutlass.max(n_whole, 0) // BLOCK_N, n_blocks)
-                n_pairs = cutlass.max(n_whole - 1, 0) // 2
-                for i in range(n_pairs):
-                    p0 = (parity ^ i) & 1                   # stage 0, use i
-                    p1 = ((parity >> 1) ^ i) & 1            # stage 1, use i
-                    self._turn(turn, 2 * i + 1, 1, p1, 0, p0, mask=False)
-                    self._turn(turn, 2 * i + 2, 0, p0 ^ 1, 1, p1, mask=False)
-                first_dynamic = 2 * n_pairs + 1
+            n_whole = kv_len
+            if causal != 0:
+                n_whole = cutlass.min(n_whole, q_lo + offset + 1)
+            n_whole = cutlass.min(cutlass.max(n_whole, 0) // BLOCK_N, n_blocks)
+            n_pairs = cutlass.max(n_whole - 1, 0) // 2
+            for i in range(n_pairs):
+                p0 = (parity ^ i) & 1                   # stage 0, use i
+                p1 = ((parity >> 1) ^ i) & 1            # stage 1, use i
+                self._turn(turn, 2 * i + 1, 1, p1, 0, p0, mask=False)
+                self._turn(turn, 2 * i + 2, 0, p0 ^ 1, 1, p1, mask=False)
+            first_dynamic = 2 * n_pairs + 1
             for blk in range(first_dynamic, n_blocks):
                 stage, k_phase = self._stage_phase(g + blk, blk, parity)
                 prev, v_phase = self._stage_phase(g + blk - 1, blk - 1, parity)
@@ -807,10 +693,7 @@ class FmhaSm90Ws:
             last, phase = self._stage_phase(g + n_blocks - 1, n_blocks - 1, parity)
             cute.arch.mbarrier_wait(mbar + 2 * S + last, phase)
             cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
-            if cutlass.const_expr(self.overlap):
-                scale_rows(o_rc, corr)                              # to the last max
-            self._issue_pv(mma_pv, acc_o, self._p_operand(t_p, a_shape),
-                           tOrVt[None, None, None, last], mma_sum, acc_sum, tSumB)
+            self._issue_pv(mma_pv, acc_o, t_p, tOrVt[None, None, None, last], mma_sum, acc_sum, tSumB)
             cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
             warpgroup.wait_group(0)
             if lane == 0:
@@ -839,52 +722,34 @@ class FmhaSm90Ws:
         """Key block blk >= 1: wait for K(blk) (stage, k_phase) and V(blk - 1) (prev, v_phase),
         issue S(blk) and P(blk-1) V(blk-1) in this consumer's ping-pong turn, run the softmax
         of block blk and leave P(blk) in t.r_p (t: the consumer's fragments and state)."""
-        S = self.kv_stages
+        S = KV_STAGES
         cute.arch.mbarrier_wait(t.mbar + stage, k_phase)
         cute.arch.mbarrier_wait(t.mbar + 2 * S + prev, v_phase)
         cute.arch.barrier(barrier_id=t.turn_mine, number_of_threads=256)
         warpgroup_gemm_issue(t.mma_qk, t.acc_s, t.tSrQ, t.tSrK[None, None, None, stage])
-        if cutlass.const_expr(self.overlap):
-            # O holds P V up to block j-2 (relative to max j-2): rescale it to max j-1 while
-            # S(j) runs, before P(j-1) V(j-1) joins it.
-            scale_rows(t.o_rc, t.corr)
-        self._issue_pv(t.mma_pv, t.acc_o, self._p_operand(t.t_p, t.a_shape),
-                       t.tOrVt[None, None, None, prev], t.mma_sum, t.acc_sum, t.tSumB)
+        self._issue_pv(t.mma_pv, t.acc_o, t.t_p, t.tOrVt[None, None, None, prev], t.mma_sum,
+                       t.acc_sum, t.tSumB)
         cute.arch.barrier_arrive(barrier_id=t.turn_other, number_of_threads=256)
-        if cutlass.const_expr(self.overlap):
-            warpgroup.wait_group(1)                     # S(j); P V(j-1) runs on
-        else:
-            warpgroup.wait_group(0)                     # S(j) and P V(j-1)
+        warpgroup.wait_group(0)                         # S(j) and P V(j-1)
         if t.lane == 0:
             cute.arch.mbarrier_arrive(t.mbar + S + stage)                  # K free
         online_softmax(t.acc_s, blk, t.row_max, self._softmax_sum(t.row_sum), t.tScS, t.wg_q0,
                        t.kv_len, t.offset, t.causal, t.scale_log2, corr=t.corr, mask=mask)
-        # ws: a no-op after the wait above (kept: the validated PTX has it); wsf: P V(j-1)
-        # done, so r_p may take P(j).
+        # A no-op after the wait above, kept because the validated PTX has it.
         warpgroup.wait_group(0)
         if t.lane == 0:
             cute.arch.mbarrier_arrive(t.mbar + 3 * S + prev)               # V free
-        if cutlass.const_expr(self.overlap and self.fp8):
-            pack_e4m3_quads(t.acc_s, t.r_p)
-        elif cutlass.const_expr(self.overlap):
-            pack_bf16_pairs(t.acc_s, t.r_p)
+        scale_rows(t.o_rc, t.corr)
+        if cutlass.const_expr(self.mma_row_sum):
+            # The sum of P(blk - 1) (relative to max blk - 1) joins the running sum, then both
+            # move to max blk; P(blk) rounded straight into the A fragment.
+            for i in cutlass.range_constexpr(cute.size(t.row_sum)):
+                t.row_sum[i] = (t.row_sum[i] + t.sum_rc[i, 0]) * t.corr[i]
+            pack_e4m3_operand_a(t.acc_s, t.r_p)
         else:
-            scale_rows(t.o_rc, t.corr)
-            if cutlass.const_expr(self.mma_row_sum):
-                # The sum of P(blk - 1) (relative to max blk - 1) joins the running sum, then
-                # both move to max blk.
-                for i in cutlass.range_constexpr(cute.size(t.row_sum)):
-                    t.row_sum[i] = (t.row_sum[i] + t.sum_rc[i, 0]) * t.corr[i]
-            if cutlass.const_expr(self.p_packed_as_operand):
-                pack_e4m3_operand_a(t.acc_s, t.r_p)
-            elif cutlass.const_expr(self.uniform and self.fp8):
-                # Pinned here: between the two turns of an unrolled pair LLVM would sink a
-                # plain conversion under the next S wgmma (64 fp32 P live: C7512).
-                pack_e4m3_quads(t.acc_s, t.r_p)
-            elif cutlass.const_expr(self.uniform):
-                pack_bf16_pairs(t.acc_s, t.r_p)
-            else:
-                t.r_p.store(t.acc_s.load().to(self.dtype))
+            # Pinned here: between the two turns of an unrolled pair LLVM would sink a plain
+            # conversion under the next S wgmma (64 fp32 P live: C7512).
+            pack_bf16_pairs(t.acc_s, t.r_p)
 
     def _softmax_sum(self, row_sum):
         """online_softmax's row_sum argument: None when the tensor core sums P."""
@@ -897,11 +762,3 @@ class FmhaSm90Ws:
         if self.mma_row_sum:
             also = (mma_sum, acc_sum, p_operand, sum_b, False)
         warpgroup_gemm_issue(mma_pv, acc_o, p_operand, vt, accumulate=True, also=also)
-
-    @cute.jit
-    def _p_operand(self, t_p: cute.Tensor, a_shape):
-        """The A operand of P V: bf16, the accumulator-as-operand view of P; e4m3, P moved into
-        the key order of the permuted Vt (tile_utils.register_p_operand)."""
-        if cutlass.const_expr(self.fp8 and not self.p_packed_as_operand):
-            return register_p_operand(t_p, a_shape)
-        return t_p

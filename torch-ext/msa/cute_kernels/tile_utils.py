@@ -142,18 +142,6 @@ def quad_sum(value: cutlass.Float32) -> cutlass.Float32:
     return group_sum(value, 4)
 
 
-@cute.jit
-def warp_max(value: cutlass.Float32) -> cutlass.Float32:
-    """Max over the 32 lanes of a warp (every lane gets the result)."""
-    return group_max(value, 32)
-
-
-@cute.jit
-def warp_sum(value: cutlass.Float32) -> cutlass.Float32:
-    """Sum over the 32 lanes of a warp (every lane gets the result)."""
-    return group_sum(value, 32)
-
-
 def warpgroup_gemm_issue(tiled_mma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
                          accumulate: bool = False, also=None) -> None:
     """Issue acc = A B (acc += A B with accumulate) as one warpgroup-MMA chain over A's K
@@ -284,12 +272,10 @@ def transpose_words_4x4(w_in: cute.Tensor, w_out: cute.Tensor, m: int):
 
 @cute.jit
 def transpose_v_words(sV_stage: cute.Tensor, sVt: cute.Tensor, load: cute.TiledCopy,
-                      store: cute.TiledCopy, tidx: cutlass.Int32, n_keys=None):
+                      store: cute.TiledCopy, tidx: cutlass.Int32):
     """e4m3 V tile (key, channel) -> Vt (channel, pi(key)) in the register-P key order, in
     words: a thread's four rows of the row-permuted V (register_p_row_order) are four keys
-    whose bytes of one channel make one Vt word; eight byte permutes per 4 x 4 block. With
-    n_keys, keys >= n_keys are written as zeros (a select per loaded word; thread (group
-    c = tidx // 32, w = tidx % 32) holds keys register_p_row_key(w, x), x = 0..3)."""
+    whose bytes of one channel make one Vt word; eight byte permutes per 4 x 4 block."""
     v_rows = cute.composition(sV_stage, register_p_row_order(cute.size(sV_stage, mode=[0]),
                                                               cute.size(sV_stage, mode=[1])))
     src = load.get_slice(tidx).partition_S(v_rows)
@@ -299,12 +285,6 @@ def transpose_v_words(sV_stage: cute.Tensor, sVt: cute.Tensor, load: cute.TiledC
     r_out = cute.make_fragment_like(dst)
     w_in = cute.recast_tensor(r_in, cutlass.Uint32)     # [row x * 4 + m]: channels 16c + 4m ..
     w_out = cute.recast_tensor(r_out, cutlass.Uint32)   # [4m + i]: channel 16c + 4m + i, rows 0..3
-    if cutlass.const_expr(n_keys is not None):
-        key_base = register_p_row_key(tidx % 32, 0)
-        for x in cutlass.range_constexpr(4):
-            keep = key_base + register_p_row_key(0, x) < n_keys
-            for m in cutlass.range_constexpr(4):
-                w_in[x * 4 + m] = cutlass.select_(keep, w_in[x * 4 + m], cutlass.Uint32(0))
     for m in cutlass.range_constexpr(4):
         transpose_words_4x4(w_in, w_out, m)
     cute.copy(store, r_out, dst)
@@ -327,12 +307,6 @@ def pack_bf16_pairs(acc: cute.Tensor, r_p: cute.Tensor):
             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
-def register_p_row_key(w, x):
-    """The key of row 4w + x of the row-permuted V (register_p_row_order; w < 32, x < 4): plain
-    integer arithmetic, for Python ints or DSL integers."""
-    return x % 2 + 8 * (x // 2) + 2 * (w % 4) + 16 * ((w // 4) % 2) + 32 * (w // 8)
-
-
 def e4m3_quad_word(values) -> cutlass.Uint32:
     """Four fp32 values rounded to e4m3 (cvt.rn.satfinite.e4m3x2.f32, as the DSL's conversion)
     in one 32-bit word, values[0] in the low byte; inline assembly with side effects, so that
@@ -349,10 +323,10 @@ def e4m3_quad_word(values) -> cutlass.Uint32:
 @cute.jit
 def pack_e4m3_operand_a(acc: cute.Tensor, t_a: cute.Tensor):
     """t_a (the A fragment of the RS P.V wgmma, register_p_operand's layout) = acc rounded to
-    e4m3 (as pack_e4m3_quads), packed straight into A's words: A word h + 2 g2 + 4 kk holds
+    e4m3 (e4m3_quad_word), packed straight into A's words: A word h + 2 g2 + 4 kk holds
     elements 4c + 2h, 4c + 2h + 1 (low half) and 4c + 4 + 2h, 4c + 5 + 2h (high half) of
-    acc, c = 2 g2 + 4 kk. pack_e4m3_quads then register_p_operand give the same words, but
-    their byte moves cost two PRMT per word (32 per 128-key block and thread)."""
+    acc, c = 2 g2 + 4 kk: register_p_operand's words without its byte moves (two PRMT per word,
+    32 per 128-key block and thread)."""
     words = cute.recast_tensor(t_a, cutlass.Uint32)
     for kk in cutlass.range_constexpr(cute.size(acc) // 16):
         for g2 in cutlass.range_constexpr(2):
@@ -360,12 +334,3 @@ def pack_e4m3_operand_a(acc: cute.Tensor, t_a: cute.Tensor):
                 lo = 4 * (2 * g2 + 4 * kk) + 2 * h
                 words[h + 2 * g2 + 4 * kk] = e4m3_quad_word(
                     [acc[i] for i in (lo, lo + 1, lo + 4, lo + 5)])
-
-
-@cute.jit
-def pack_e4m3_quads(acc: cute.Tensor, r_p8: cute.Tensor):
-    """r_p8 (an e4m3 copy of the fp32 accumulator acc, same layout) = acc rounded to e4m3,
-    four consecutive elements per 32-bit word (e4m3_quad_word)."""
-    words = cute.recast_tensor(r_p8, cutlass.Uint32)
-    for w in cutlass.range_constexpr(cute.size(words)):
-        words[w] = e4m3_quad_word([acc[4 * w + i] for i in range(4)])
