@@ -95,8 +95,8 @@ def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
 
 def test_setmaxnreg_split_must_fit_the_launch_registers():
     """setmaxnreg only moves registers within the CTA's launch allocation: a producer warpgroup
-    at .dec plus the consumer warpgroups at .inc beyond it means .inc never returns (the e4m3
-    FMHA ws forms hung so: 80 / 216 x 384 threads = 65536 > 168 x 384)."""
+    at .dec plus the consumer warpgroups at .inc beyond it means .inc never returns (e.g.
+    80 / 216 x 384 threads = 65536 > 168 x 384)."""
     tools = _tools()
 
     def ptx(dec, inc, threads=384):
@@ -112,7 +112,7 @@ def test_setmaxnreg_split_must_fit_the_launch_registers():
 
 
 def test_word_transpose_of_v_lands_in_the_register_p_key_order():
-    """tile_utils.transpose_v_words (the e4m3 FMHA's per-block V -> Vt): traced with identity
+    """fp8.transpose_v_words (the e4m3 FMHA's per-block V -> Vt): traced with identity
     tensors for every one of its 256 threads, the byte each word store writes, Vt(channel, c'),
     is the byte that thread loaded from V(pi^-1(c'), channel), where register_p_key_order maps a
     key c to its Vt column pi(c) = c'; and the 256 threads write every Vt byte exactly once."""
@@ -120,8 +120,8 @@ def test_word_transpose_of_v_lands_in_the_register_p_key_order():
     import cutlass
     import cutlass.cute as cute
     sys.path.insert(0, str(ROOT / "torch-ext"))
-    from msa.cute_kernels.tile_utils import (register_p_key_order, register_p_row_order,
-                                             transpose_v_copies)
+    from msa.cute_kernels.fp8 import (register_p_key_order, register_p_row_order,
+                                      transpose_v_copies)
     pairs, inverse, row_keys = [], [], []
 
     @cute.jit

@@ -54,7 +54,7 @@ ROW_SUM_ON_MMA_FORMS = variants.forms_with(variants.FMHA_FORMS, "mma_row_sum")
 def vt_column_keys(block: int = PAGE):
     """The key each column of a transposed V block holds: column r = x0 + 2 x1 + 4 t + 16 j
     (t < 4) holds key x0 + 8 x1 + 2 t + 16 j, the order in which the e4m3 kernels hand P from
-    registers to the P.V wgmma (cute_kernels.tile_utils.register_p_row_order; the CUDA op
+    registers to the P.V wgmma (cute_kernels.fp8.register_p_row_order; the CUDA op
     computes the same, tests check all three agree)."""
     return [(r & ~0xF) | (r & 1) | (((r >> 1) & 1) << 3) | (((r >> 2) & 3) << 1)
             for r in range(block)]
@@ -76,12 +76,12 @@ def vt_table(kv_lens: torch.Tensor, width: int, cap: Optional[int] = None) -> to
 def transpose_v(v: torch.Tensor, cu_seqlens_k: torch.Tensor, kv_lens: torch.Tensor,
                 page_table: Optional[torch.Tensor], host_kv_lens) -> tuple:
     """e4m3 V (dense [tokens, Hkv, 128] or paged [pages, Hkv, 128, 128]; page_table
-    contiguous) -> (Vt [blocks, Hkv, 128 channels, 128 keys'], tables [2, B, W]) for the wsut
-    form: Vt[tables[1, b, j], h, c, r] = V(key vt_column_keys()[r] of block j of request b,
-    head h, channel c), zero at or past kv_len (paged: kv_len clamped to the table's width *
-    128, as the FMHA clamps it) and for rows outside the tensor or pool; tables[0] = the page
-    table (paged) or 0, tables[1] = vt_table(kv_lens, W, cap) (the kernel's page_table). One
-    launch (capture-safe: sizes from the host lengths)."""
+    contiguous) -> (Vt [blocks, Hkv, 128 channels, 128 keys'], tables [2, B, W]) for the e4m3
+    forms (V_TRANSPOSED_FORMS): Vt[tables[1, b, j], h, c, r] = V(key vt_column_keys()[r] of
+    block j of request b, head h, channel c), zero at or past kv_len (paged: kv_len clamped to
+    the table's width * 128, as the FMHA clamps it) and for rows outside the tensor or pool;
+    tables[0] = the page table (paged) or 0, tables[1] = vt_table(kv_lens, W, cap) (the
+    kernel's page_table). One launch (capture-safe: sizes from the host lengths)."""
     cap = page_table.shape[1] * PAGE if page_table is not None else None
     blocks = [-(-max(0, n if cap is None else min(n, cap)) // PAGE) for n in host_kv_lens]
     width = page_table.shape[1] if page_table is not None else max(max(blocks, default=0), 1)
@@ -181,6 +181,11 @@ def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=Tr
     if kernel.v_transposed and not hasattr(ops, TRANSPOSE_V_OP):
         return (f"{kernel.variant} reads V transposed by the compiled {TRANSPOSE_V_OP} op, "
                 "which this package lacks")
+    return _served(kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _served(kernel: FmhaKernel) -> _backend.Served:
     return _backend.Served(kernel)
 
 

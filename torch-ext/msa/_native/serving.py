@@ -18,6 +18,9 @@ logger = logging.getLogger("msa")
 
 TABLES = {"fmha": variants.FMHA_FORMS, "sparse": variants.SPARSE_FORMS,
           "indexer": variants.INDEXER_FORMS}
+# Tables with a form not yet validated: only their calls read MSA_UNVALIDATED_KERNELS.
+_GATED = {name for name, table in TABLES.items()
+          if any(not form.validated for form in table.values())}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -36,9 +39,10 @@ def pick(table: str, dtype: str, artifacts: Callable[[variants.Form], Tuple[str,
     """The form of TABLES[table] serving a call (variants.serving_form over its dtype, head
     group, partial dtype, layout and features; `forced` is a debug hook's form), or the reason
     none can. A form whose artifacts (artifacts(form): variant names) can neither be loaded nor
-    compiled here is passed by for the next one, with a warning once."""
-    key = tuple(sorted(features.items()))
-    unvalidated = _backend.unvalidated_ok()
+    compiled here is passed by for the next one, with a warning once. Callers pass the features
+    in one fixed order (they key a cache)."""
+    key = tuple(features.items())
+    unvalidated = table in _GATED and _backend.unvalidated_ok()
     exclude: Tuple[str, ...] = ()
     reason = None
     while True:

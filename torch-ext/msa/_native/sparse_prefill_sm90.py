@@ -102,7 +102,13 @@ def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=F
                         group=qhead_per_kv, partial=partial, forced=debug.forced("sparse_form"))
     if isinstance(form, str):
         return form
-    return _backend.Served(sparse_kernel(mode, qhead_per_kv, paged, partial, form.name))
+    return _served(mode, qhead_per_kv, paged, partial, form.name)
+
+
+@functools.lru_cache(maxsize=None)
+def _served(mode: str, qhead_per_kv: int, paged: bool, partial: str,
+            form: str) -> _backend.Served:
+    return _backend.Served(sparse_kernel(mode, qhead_per_kv, paged, partial, form))
 
 
 def check_launch_limits(call) -> None:

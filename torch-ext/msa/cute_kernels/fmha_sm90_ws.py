@@ -53,20 +53,21 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .fmha_sm90 import (consumer_fragments, load_q_rows, mmas_and_o_copies, online_softmax,
-                        request_bounds, write_o_rows)
-from .tile_utils import (pack_bf16_pairs, pack_e4m3_operand_a, row_copy, scale_rows,
-                         smem_tile, warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
-                         wgmma_rows_cols_view)
+from .copies import load_q_rows, row_copy, smem_tile
+from .epilogue import write_o_rows
+from .fp8 import pack_e4m3_operand_a
+from .geometry import BLOCK_N, HEAD_DIM, WG_ROWS
+from .mma import (consumer_fragments, mmas_and_o_copies, pack_bf16_pairs, scale_rows,
+                  warpgroup_gemm_issue, wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+from .pipeline import MbarrierRing, NamedBarrier, next_stage_parity, static_stage_phase
+from .scheduling import (persistent_item, persistent_rounds, request_bounds, snake_item,
+                         tile_key_blocks)
+from .softmax import online_softmax
 
-HEAD_DIM = 128
-BLOCK_N = 128            # keys per block (= page size)
-WG_ROWS = 64             # rows per consumer warpgroup
 NUM_MMA_WARPGROUPS = 2
 TILE_M = WG_ROWS * NUM_MMA_WARPGROUPS
 NUM_THREADS = 128 * (1 + NUM_MMA_WARPGROUPS)
 KV_STAGES = 2
-ROWS_PER_WARP = 16
 # setmaxnreg moves registers inside the CTA's launch allocation: 384 threads launch with 168
 # each (64512, not 64K), so producer * 128 + consumer * 256 must stay <= 64512 or the
 # consumers' setmaxnreg.inc waits forever (tools/compile_cute.py --check enforces it).
@@ -81,6 +82,14 @@ SUM_COLS = 8
 # and each consumer's ping-pong turn.
 BAR_WG = 1               # + consumer index, 128 threads
 BAR_TURN = 3             # + consumer index, 256 threads
+
+
+# The kernel's mbarrier array: the K ring, the V ring (Vt for e4m3), the scratch barrier that
+# holds back the bf16 V block with kv_len's tail until its rows past kv_len are zeroed, then
+# (q_by_producer) Q full / Q empty.
+K_RING = MbarrierRing(KV_STAGES)
+V_RING = MbarrierRing(KV_STAGES, first=K_RING.count)
+SCRATCH_MBARRIER = V_RING.first + V_RING.count
 
 
 class FmhaSm90Ws:
@@ -202,8 +211,8 @@ class FmhaSm90Ws:
         return cute.tile_to_shape(o_atom, (WG_ROWS, HEAD_DIM, NUM_MMA_WARPGROUPS), (0, 1, 2))
 
     def _ring_mbarriers(self):
-        """K full / empty, V full / empty per stage, one scratch barrier."""
-        return 4 * KV_STAGES + 1
+        """K full / empty, V full / empty per stage (kv_rings), one scratch barrier."""
+        return SCRATCH_MBARRIER + 1
 
     def _n_mbarriers(self):
         """The ring's mbarriers, then q_by_producer's Q full / empty."""
@@ -268,13 +277,11 @@ class FmhaSm90Ws:
         if warp == 0:
             with cute.arch.elect_one():
                 for s in cutlass.range_constexpr(KV_STAGES):
-                    cute.arch.mbarrier_init(mbar + s, 1)                            # K full
-                    cute.arch.mbarrier_init(mbar + KV_STAGES + s,
-                                            4 * NUM_MMA_WARPGROUPS)                 # K empty
-                    cute.arch.mbarrier_init(mbar + 2 * KV_STAGES + s, 1)            # V full
-                    cute.arch.mbarrier_init(mbar + 3 * KV_STAGES + s,
-                                            4 * NUM_MMA_WARPGROUPS)                 # V empty
-                cute.arch.mbarrier_init(mbar + 4 * KV_STAGES, 1)                    # scratch
+                    cute.arch.mbarrier_init(K_RING.full(mbar, s), 1)
+                    cute.arch.mbarrier_init(K_RING.empty(mbar, s), 4 * NUM_MMA_WARPGROUPS)
+                    cute.arch.mbarrier_init(V_RING.full(mbar, s), 1)
+                    cute.arch.mbarrier_init(V_RING.empty(mbar, s), 4 * NUM_MMA_WARPGROUPS)
+                cute.arch.mbarrier_init(mbar + SCRATCH_MBARRIER, 1)
                 if cutlass.const_expr(self.q_by_producer):
                     q_full, q_empty = self._q_mbarriers(mbar)
                     cute.arch.mbarrier_init(q_full, 1)
@@ -306,7 +313,8 @@ class FmhaSm90Ws:
             mVtTable = mPageTable[1, None, None]             # (request, key block) -> Vt block
             mPageTable = mPageTable[0, None, None]
         q_start, q_len, kv_len, offset, k_row0, n_q_tiles = request_bounds(
-            mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable, request, tK.shape[0], self.paged)
+            mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable, request, tK.shape[0], self.paged,
+            TILE_M)
         # Persistent: item w = (query tile rank, head, request), rank-major (every request's
         # heaviest tile first) with the heads of one KV head adjacent (their K / V share L2).
         n_heads = mQ.shape[1]
@@ -317,32 +325,31 @@ class FmhaSm90Ws:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp == 0:
                 sKV = (sK_stages, sVt_stages if self.v_transposed else sV_stages, mbar)
-                g = cutlass.Int32(0)
                 parity = cutlass.Int32(0)
                 scratch = cutlass.Int32(0)
                 if cutlass.const_expr(self.persistent):
                     q_uses = cutlass.Int32(0)         # items whose Q this CTA loaded
-                    for rnd in range(self._rounds(n_items, grid_x)):
-                        w = self._snake(rnd, cta_x, grid_x)
+                    for rnd in range(persistent_rounds(n_items, grid_x)):
+                        w = snake_item(rnd, cta_x, grid_x)
                         if w < n_items:
-                            walk, i_head, i_request = self._item(w, n_heads, n_requests)
+                            walk, i_head, i_request = persistent_item(w, n_heads, n_requests)
                             i_q_start, i_q_len, i_kv_len, i_offset, i_k_row0, i_tiles = \
                                 request_bounds(mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable,
-                                               i_request, tK.shape[0], self.paged)
+                                               i_request, tK.shape[0], self.paged, TILE_M)
                             if walk < i_tiles:
                                 q_lo = (i_tiles - 1 - walk) * TILE_M
                                 self._load_q(tQ, tma_q, sQ_wgs, mbar, i_q_start + q_lo, i_head,
                                              q_uses)
                                 q_uses = q_uses + 1
-                                g, parity, scratch = self._producer(
+                                parity, scratch = self._producer(
                                     tK, tV, mPageTable, tma_k, tma_v, zero_copy, *sKV,
                                     i_request, i_head // group, i_k_row0, i_kv_len, i_offset,
                                     causal, i_q_len, i_tiles, walk, grid_q_tiles, tidx % 32,
-                                    mVtTable, (g, parity, scratch))
+                                    mVtTable, (parity, scratch))
                 else:
                     self._producer(tK, tV, mPageTable, tma_k, tma_v, zero_copy, *sKV, request,
                                    head_kv, k_row0, kv_len, offset, causal, q_len, n_q_tiles,
-                                   cta_x, grid_x, tidx % 32, mVtTable, (g, parity, scratch))
+                                   cta_x, grid_x, tidx % 32, mVtTable, (parity, scratch))
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             args = (mQ, mO, head, q_start, q_len, kv_len, offset, causal, n_q_tiles, cta_x,
@@ -351,8 +358,7 @@ class FmhaSm90Ws:
                     store_o_copy, sVt_stages, sO_wgs, mma_sum, sOnes)
             # Consumer 0 takes the first turn.
             if wg == 2:
-                cute.arch.barrier_arrive(barrier_id=BAR_TURN, number_of_threads=256)
-            g = cutlass.Int32(0)
+                NamedBarrier(BAR_TURN, 256).arrive()
             parity = cutlass.Int32(0)
             if cutlass.const_expr(self.persistent):
                 # One trace per consumer warpgroup (static index), each walking the items.
@@ -361,37 +367,13 @@ class FmhaSm90Ws:
                                         key_rows=tK.shape[0])
                 for mwg in cutlass.range_constexpr(NUM_MMA_WARPGROUPS):
                     if wg == 1 + mwg:
-                        self._consumer(*args, mwg, *rest, (g, parity), items)
+                        self._consumer(*args, mwg, *rest, parity, items)
             else:
                 # One trace per consumer warpgroup: its index, hence its Q tile, is static.
                 if wg == 1:
-                    self._consumer(*args, 0, *rest, (g, parity))
+                    self._consumer(*args, 0, *rest, parity)
                 else:
-                    self._consumer(*args, 1, *rest, (g, parity))
-
-    @staticmethod
-    def _item(w, n_heads, n_requests):
-        """Persistent work item w -> (query tile rank: 0 is the request's heaviest, head,
-        request), rank-major: every head's heaviest tile before any lighter one (causal 4k-8k
-        0.89-0.98x wsu / wsut's time). Rank-fastest, head-major order (the order of the
-        non-persistent grid) lost that balance: causal 1.01-1.06x (a1f6848)."""
-        per_rank = n_heads * n_requests
-        rank = w // per_rank
-        rest = w - rank * per_rank
-        return rank, rest % n_heads, rest // n_heads
-
-    @staticmethod
-    def _rounds(n_items, grid_x):
-        """Persistent: rounds of grid_x items (the last one partial)."""
-        return (n_items + grid_x - 1) // grid_x
-
-    @staticmethod
-    def _snake(rnd, cta_x, grid_x):
-        """Persistent: the item CTA cta_x takes in round rnd, boustrophedon (even rounds
-        ascending, odd ones descending): with the items heaviest first, a CTA that took a
-        heavy item takes a light one next. Causal 4k with 1024 items on 132 CTAs: the busiest
-        CTA streams 1.00x the mean blocks, against 1.125x for w = cta_x + rnd * grid_x."""
-        return rnd * grid_x + cta_x + (rnd & 1) * (grid_x - 1 - 2 * cta_x)
+                    self._consumer(*args, 1, *rest, parity)
 
     @cute.jit
     def _load_q(self, tQ: cute.Tensor, tma_q: cute.CopyAtom, sQ_wgs: cute.Tensor, mbar, row0,
@@ -413,31 +395,6 @@ class FmhaSm90Ws:
         for m in cutlass.range_constexpr(NUM_MMA_WARPGROUPS):
             cute.copy(tma_q, tQgQ[None, m], tQsQ[None, m], tma_bar_ptr=q_full)
 
-    @cute.jit
-    def _tile_blocks(self, walk, n_q_tiles, q_len, kv_len, offset, causal):
-        """(first local query, number of key blocks) of the walk-th tile of this CTA: the last
-        (heaviest) tiles first, keys [0, kv_end) visible to some query of the tile."""
-        q_lo = (n_q_tiles - 1 - walk) * TILE_M
-        kv_end = kv_len
-        if causal != 0:
-            kv_end = cutlass.min(kv_end, cutlass.min(q_lo + TILE_M, q_len) + offset)
-        return q_lo, cutlass.max((kv_end + BLOCK_N - 1) // BLOCK_N, 0)
-
-    @cute.jit
-    def _stage_phase(self, g_blk, blk, parity):
-        """(K/V stage, its mbarrier phase) of a tile's key block `blk`: block j of every tile on
-        stage j % 2, use j // 2 of that stage in this tile (parity: bit s = the parity of stage
-        s's uses before this tile). g_blk (blocks streamed before it over all tiles) is unused."""
-        stage = blk % 2
-        phase = ((parity >> stage) ^ (blk // 2)) & 1
-        return stage, phase
-
-    @staticmethod
-    def _next_parity(parity, n_blocks):
-        """The stage-use parities after a tile of n_blocks (stage 0 takes the even
-        blocks). A single register: the producer runs on 24."""
-        return parity ^ (((n_blocks + 1) // 2) & 1) ^ (((n_blocks // 2) & 1) << 1)
-
     # ---- producer (one warp) ---------------------------------------------------------------
     @cute.jit
     def _producer(self, tK: cute.Tensor, tV: cute.Tensor, mPageTable: cute.Tensor,
@@ -445,10 +402,10 @@ class FmhaSm90Ws:
                   sK_stages: cute.Tensor, sV_stages: cute.Tensor, mbar, request, head_kv,
                   k_row0, kv_len, offset, causal, q_len, n_q_tiles, cta_x, grid_x, lane,
                   mVtTable, state):
-        """K and V (bf16) or K and Vt (e4m3: sV_stages are then the Vt stages) blocks of tiles cta_x, cta_x + grid_x, .. of one
-        (head, request) into their rings. state = (blocks streamed, stage parities, scratch
-        phase) before them; returns it after them (persistent CTAs carry it over items)."""
-        S = KV_STAGES
+        """K and V (bf16) or K and Vt (e4m3: sV_stages are then the Vt stages) blocks of tiles
+        cta_x, cta_x + grid_x, .. of one (head, request) into their rings. state = (stage-use
+        parities, scratch phase) before them; returns it after them (persistent CTAs carry it
+        over items)."""
         # (TMA, stage) smem and (TMA, block or page) gmem partitions of the K and V boxes.
         # (Vt: (channel, key', Vt block) in either layout.)
         if cutlass.const_expr(self.paged):
@@ -471,45 +428,49 @@ class FmhaSm90Ws:
         thr_zero = zero_copy.get_slice(lane)
         tZcZ = thr_zero.partition_D(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
 
-        g, parity, scratch_phase = state      # blocks so far, the stage-use parities
+        parity, scratch_phase = state         # the stage-use parities, the scratch phase
         for walk in range(cta_x, n_q_tiles, grid_x):
-            q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
+            q_lo, n_blocks = tile_key_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal,
+                                             TILE_M)
             for blk in range(n_blocks):
-                stage, phase = self._stage_phase(g + blk, blk, parity)
+                stage, phase = static_stage_phase(blk, parity)
                 free_phase = phase ^ 1
                 src = blk
                 if cutlass.const_expr(self.paged):
                     src = mPageTable[request, blk]    # outside the pool: the TMA zero-fills
                 # K
-                cute.arch.mbarrier_wait(mbar + S + stage, free_phase)
+                cute.arch.mbarrier_wait(K_RING.empty(mbar, stage), free_phase)
                 with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + stage, self.tile_bytes)
-                cute.copy(tma_k, tKgK[None, src], tKsK[None, stage], tma_bar_ptr=mbar + stage)
+                    cute.arch.mbarrier_arrive_and_expect_tx(K_RING.full(mbar, stage),
+                                                            self.tile_bytes)
+                cute.copy(tma_k, tKgK[None, src], tKsK[None, stage],
+                          tma_bar_ptr=K_RING.full(mbar, stage))
                 # V
                 if cutlass.const_expr(self.v_transposed):
                     # Vt of this key block (keys past kv_len already zero).
-                    cute.arch.mbarrier_wait(mbar + 3 * S + stage, free_phase)
+                    cute.arch.mbarrier_wait(V_RING.empty(mbar, stage), free_phase)
                     with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + 2 * S + stage,
+                        cute.arch.mbarrier_arrive_and_expect_tx(V_RING.full(mbar, stage),
                                                                 self.tile_bytes)
                     cute.copy(tma_v, tVgV[None, mVtTable[request, blk]], tVsV[None, stage],
-                              tma_bar_ptr=mbar + 2 * S + stage)
+                              tma_bar_ptr=V_RING.full(mbar, stage))
                 else:
-                    cute.arch.mbarrier_wait(mbar + 3 * S + stage, free_phase)
+                    cute.arch.mbarrier_wait(V_RING.empty(mbar, stage), free_phase)
                     n_keys = kv_len - blk * BLOCK_N
                     if n_keys >= BLOCK_N:
                         with cute.arch.elect_one():
-                            cute.arch.mbarrier_arrive_and_expect_tx(mbar + 2 * S + stage,
+                            cute.arch.mbarrier_arrive_and_expect_tx(V_RING.full(mbar, stage),
                                                                     self.tile_bytes)
                         cute.copy(tma_v, tVgV[None, src], tVsV[None, stage],
-                                  tma_bar_ptr=mbar + 2 * S + stage)
+                                  tma_bar_ptr=V_RING.full(mbar, stage))
                     else:
                         # kv_len's tail block: land it, zero the rows past kv_len, then publish.
                         with cute.arch.elect_one():
-                            cute.arch.mbarrier_arrive_and_expect_tx(mbar + 4 * S, self.tile_bytes)
+                            cute.arch.mbarrier_arrive_and_expect_tx(mbar + SCRATCH_MBARRIER,
+                                                                    self.tile_bytes)
                         cute.copy(tma_v, tVgV[None, src], tVsV[None, stage],
-                                  tma_bar_ptr=mbar + 4 * S)
-                        cute.arch.mbarrier_wait(mbar + 4 * S, scratch_phase)
+                                  tma_bar_ptr=mbar + SCRATCH_MBARRIER)
+                        cute.arch.mbarrier_wait(mbar + SCRATCH_MBARRIER, scratch_phase)
                         scratch_phase = scratch_phase ^ 1
                         tZsV = thr_zero.partition_D(sV_stages[None, None, stage])
                         for m in cutlass.range_constexpr(cute.size(tZsV.shape[1])):
@@ -518,30 +479,29 @@ class FmhaSm90Ws:
                         cute.arch.fence_proxy("async.shared", space="cta")
                         cute.arch.sync_warp()
                         with cute.arch.elect_one():
-                            cute.arch.mbarrier_arrive(mbar + 2 * S + stage)
-            g = g + n_blocks
-            parity = self._next_parity(parity, n_blocks)
-        return g, parity, scratch_phase
+                            cute.arch.mbarrier_arrive(V_RING.full(mbar, stage))
+            parity = next_stage_parity(parity, n_blocks)
+        return parity, scratch_phase
 
     # ---- consumers (two warpgroups) --------------------------------------------------------
     @cute.jit
     def _consumer(self, mQ, mO, head, q_start, q_len, kv_len, offset, causal, n_q_tiles, cta_x,
                   grid_x, scale_log2, output_scale, tidx, mwg, sQ_wgs, sK_stages, sV_stages,
                   mbar, q_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, sVt_stages, sO_wgs,
-                  mma_sum, sOnes, state, items=None):
+                  mma_sum, sOnes, parity, items=None):
         """Query tiles cta_x, cta_x + grid_x, .. of one (head, request) for consumer warpgroup
         mwg, or (persistent; `items`: the item count and request_bounds' arguments) the work
         items of this CTA. The fragments are set up once, outside every loop (the wgmma
-        descriptors stay static offsets). state = (blocks streamed, stage parities) before
-        them; returns it after them."""
-        S = KV_STAGES
+        descriptors stay static offsets). parity: the stage-use parities before them; returns
+        them after them."""
         wg_tidx = tidx % 128
         lane = tidx % 32
         warp_in_wg = cute.arch.make_warp_uniform(wg_tidx // 32)
 
         if cutlass.const_expr(not self.fp8):
             sVt_stages = cute.composition(
-                sV_stages, cute.make_ordered_layout((HEAD_DIM, BLOCK_N, S), order=(1, 0, 2)))
+                sV_stages, cute.make_ordered_layout((HEAD_DIM, BLOCK_N, KV_STAGES),
+                                                    order=(1, 0, 2)))
         sQ_mine = sQ_wgs[None, None, mwg]
         thr_q_copy = q_copy.get_slice(wg_tidx)
         tQsQ = thr_q_copy.partition_D(sQ_mine)
@@ -585,37 +545,37 @@ class FmhaSm90Ws:
             mma_qk=mma_qk, mma_pv=mma_pv, acc_s=acc_s, acc_o=acc_o, o_rc=o_rc, r_p=r_p, t_p=t_p,
             tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tScS=tScS, n_my_rows=n_my_rows,
             n_my_cols=n_my_cols, row_max=row_max, row_sum=row_sum, corr=corr, mbar=mbar,
-            turn_mine=BAR_TURN + mwg, turn_other=BAR_TURN + 1 - mwg, causal=causal,
+            turn_mine=NamedBarrier(BAR_TURN + mwg, 256),
+            turn_other=NamedBarrier(BAR_TURN + 1 - mwg, 256), causal=causal,
             scale_log2=scale_log2, mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc)
 
-        g, parity = state                     # blocks so far, the stage-use parities
         if cutlass.const_expr(self.persistent):
             q_full, _ = self._q_mbarriers(mbar)
             q_uses = cutlass.Int32(0)
-            for rnd in range(self._rounds(items.n_items, grid_x)):
-                w = self._snake(rnd, cta_x, grid_x)
+            for rnd in range(persistent_rounds(items.n_items, grid_x)):
+                w = snake_item(rnd, cta_x, grid_x)
                 if w < items.n_items:
-                    walk, i_head, i_request = self._item(w, items.n_heads, items.n_requests)
+                    walk, i_head, i_request = persistent_item(w, items.n_heads,
+                                                              items.n_requests)
                     i_q_start, i_q_len, i_kv_len, i_offset, _, i_tiles = request_bounds(
-                        *items.tensors, i_request, items.key_rows, self.paged)
+                        *items.tensors, i_request, items.key_rows, self.paged, TILE_M)
                     if walk < i_tiles:
                         cute.arch.mbarrier_wait(q_full, q_uses & 1)       # this item's Q
                         q_uses = q_uses + 1
-                        g, parity = self._consumer_tile(c, walk, i_tiles, i_head, i_q_start,
-                                                        i_q_len, i_kv_len, i_offset, g, parity)
+                        parity = self._consumer_tile(c, walk, i_tiles, i_head, i_q_start,
+                                                     i_q_len, i_kv_len, i_offset, parity)
         else:
             for walk in range(cta_x, n_q_tiles, grid_x):
-                g, parity = self._consumer_tile(c, walk, n_q_tiles, head, q_start, q_len,
-                                                kv_len, offset, g, parity)
-        return g, parity
+                parity = self._consumer_tile(c, walk, n_q_tiles, head, q_start, q_len,
+                                             kv_len, offset, parity)
+        return parity
 
     @cute.jit
-    def _consumer_tile(self, c, walk, n_q_tiles, head, q_start, q_len, kv_len, offset, g,
+    def _consumer_tile(self, c, walk, n_q_tiles, head, q_start, q_len, kv_len, offset,
                        parity):
         """One query tile of consumer warpgroup c.mwg: Q (q_by_producer: already waited for),
-        its key blocks in ping-pong turns, O normalized and stored. Returns (g, parity)
-        after it."""
-        S = KV_STAGES
+        its key blocks in ping-pong turns, O normalized and stored. Returns the stage-use
+        parities after it."""
         # Locals, not c's fields, past the block loops: the DSL hands a namespace read after a
         # dynamic loop back with its static shapes turned dynamic.
         mbar, lane, causal, mwg = c.mbar, c.lane, c.causal, c.mwg
@@ -628,7 +588,7 @@ class FmhaSm90Ws:
         mO, sO_mine, wg_tidx, warp_in_wg = c.mO, c.sO_mine, c.wg_tidx, c.warp_in_wg
         stage_o_copy, store_o_copy = c.stage_o_copy, c.store_o_copy
         mma_sum, tSumB, acc_sum, sum_rc = c.mma_sum, c.tSumB, c.acc_sum, c.sum_rc
-        q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
+        q_lo, n_blocks = tile_key_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal, TILE_M)
         wg_q0 = q_lo + mwg * WG_ROWS
         if cutlass.const_expr(not self.q_by_producer):
             # ---- Q rows of this warpgroup (zero past q_len), published to the async proxy
@@ -637,7 +597,7 @@ class FmhaSm90Ws:
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
+            NamedBarrier(BAR_WG + mwg, 128).sync()
 
         acc_o.fill(0.0)
         for i in cutlass.range_constexpr(n_my_rows):
@@ -653,14 +613,14 @@ class FmhaSm90Ws:
             mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc)
         if n_blocks > 0:
             # ---- block 0: S only
-            stage, phase = self._stage_phase(g, 0, parity)
-            cute.arch.mbarrier_wait(mbar + stage, phase)
-            cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
+            stage, phase = static_stage_phase(0, parity)
+            cute.arch.mbarrier_wait(K_RING.full(mbar, stage), phase)
+            turn_mine.sync()
             warpgroup_gemm_issue(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
-            cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
+            turn_other.arrive()
             warpgroup.wait_group(0)
             if lane == 0:
-                cute.arch.mbarrier_arrive(mbar + S + stage)                # K free
+                cute.arch.mbarrier_arrive(K_RING.empty(mbar, stage))             # K free
             online_softmax(acc_s, 0, row_max, self._softmax_sum(row_sum), tScS, wg_q0, kv_len,
                            offset, causal, scale_log2, corr=corr)
             if cutlass.const_expr(self.mma_row_sum):
@@ -683,21 +643,22 @@ class FmhaSm90Ws:
                 self._turn(turn, 2 * i + 2, 0, p0 ^ 1, 1, p1, mask=False)
             first_dynamic = 2 * n_pairs + 1
             for blk in range(first_dynamic, n_blocks):
-                stage, k_phase = self._stage_phase(g + blk, blk, parity)
-                prev, v_phase = self._stage_phase(g + blk - 1, blk - 1, parity)
+                stage, k_phase = static_stage_phase(blk, parity)
+                prev, v_phase = static_stage_phase(blk - 1, parity)
                 self._turn(turn, blk, stage, k_phase, prev, v_phase)
             if cutlass.const_expr(self.q_by_producer):
                 if lane == 0:      # every S wgmma of the tile is done: Q rows free
                     cute.arch.mbarrier_arrive(self._q_mbarriers(mbar)[1])
             # ---- the last P V
-            last, phase = self._stage_phase(g + n_blocks - 1, n_blocks - 1, parity)
-            cute.arch.mbarrier_wait(mbar + 2 * S + last, phase)
-            cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
-            self._issue_pv(mma_pv, acc_o, t_p, tOrVt[None, None, None, last], mma_sum, acc_sum, tSumB)
-            cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
+            last, phase = static_stage_phase(n_blocks - 1, parity)
+            cute.arch.mbarrier_wait(V_RING.full(mbar, last), phase)
+            turn_mine.sync()
+            self._issue_pv(mma_pv, acc_o, t_p, tOrVt[None, None, None, last], mma_sum, acc_sum,
+                           tSumB)
+            turn_other.arrive()
             warpgroup.wait_group(0)
             if lane == 0:
-                cute.arch.mbarrier_arrive(mbar + 3 * S + last)             # V free
+                cute.arch.mbarrier_arrive(V_RING.empty(mbar, last))              # V free
             if cutlass.const_expr(self.mma_row_sum):
                 for i in cutlass.range_constexpr(n_my_rows):
                     row_sum[i] = row_sum[i] + sum_rc[i, 0]
@@ -705,8 +666,7 @@ class FmhaSm90Ws:
             if cutlass.const_expr(self.q_by_producer):
                 if lane == 0:      # no key block: the Q rows were never read
                     cute.arch.mbarrier_arrive(self._q_mbarriers(mbar)[1])
-        g = g + n_blocks
-        parity = self._next_parity(parity, n_blocks)
+        parity = next_stage_parity(parity, n_blocks)
 
         # ---- normalize, stage (in this warpgroup's Q rows, or its O tile), write
         write_o_rows(mO, o_rc, acc_o, row_sum, n_my_rows, n_my_cols, output_scale, sO_mine,
@@ -714,31 +674,30 @@ class FmhaSm90Ws:
                      store_o_copy, self.out_dtype, row_sum_whole=self.mma_row_sum)
         if cutlass.const_expr(not self.q_by_producer):
             # The next tile reloads Q into these rows: the whole warpgroup must be done.
-            cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
-        return g, parity
+            NamedBarrier(BAR_WG + mwg, 128).sync()
+        return parity
 
     @cute.jit
     def _turn(self, t, blk, stage, k_phase, prev, v_phase, mask: cutlass.Constexpr = True):
         """Key block blk >= 1: wait for K(blk) (stage, k_phase) and V(blk - 1) (prev, v_phase),
         issue S(blk) and P(blk-1) V(blk-1) in this consumer's ping-pong turn, run the softmax
         of block blk and leave P(blk) in t.r_p (t: the consumer's fragments and state)."""
-        S = KV_STAGES
-        cute.arch.mbarrier_wait(t.mbar + stage, k_phase)
-        cute.arch.mbarrier_wait(t.mbar + 2 * S + prev, v_phase)
-        cute.arch.barrier(barrier_id=t.turn_mine, number_of_threads=256)
+        cute.arch.mbarrier_wait(K_RING.full(t.mbar, stage), k_phase)
+        cute.arch.mbarrier_wait(V_RING.full(t.mbar, prev), v_phase)
+        t.turn_mine.sync()
         warpgroup_gemm_issue(t.mma_qk, t.acc_s, t.tSrQ, t.tSrK[None, None, None, stage])
         self._issue_pv(t.mma_pv, t.acc_o, t.t_p, t.tOrVt[None, None, None, prev], t.mma_sum,
                        t.acc_sum, t.tSumB)
-        cute.arch.barrier_arrive(barrier_id=t.turn_other, number_of_threads=256)
+        t.turn_other.arrive()
         warpgroup.wait_group(0)                         # S(j) and P V(j-1)
         if t.lane == 0:
-            cute.arch.mbarrier_arrive(t.mbar + S + stage)                  # K free
+            cute.arch.mbarrier_arrive(K_RING.empty(t.mbar, stage))                 # K free
         online_softmax(t.acc_s, blk, t.row_max, self._softmax_sum(t.row_sum), t.tScS, t.wg_q0,
                        t.kv_len, t.offset, t.causal, t.scale_log2, corr=t.corr, mask=mask)
         # A no-op after the wait above, kept because the validated PTX has it.
         warpgroup.wait_group(0)
         if t.lane == 0:
-            cute.arch.mbarrier_arrive(t.mbar + 3 * S + prev)               # V free
+            cute.arch.mbarrier_arrive(V_RING.empty(t.mbar, prev))                  # V free
         scale_rows(t.o_rc, t.corr)
         if cutlass.const_expr(self.mma_row_sum):
             # The sum of P(blk - 1) (relative to max blk - 1) joins the running sum, then both

@@ -20,8 +20,9 @@ import functools
 import itertools
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
-HEAD_DIM = 128
-KV_BLOCK = 128
+from .geometry import BLOCK_N as KV_BLOCK
+from .geometry import HEAD_DIM  # noqa: F401  (the head dim every variant is built for)
+
 LAYOUTS = ("dense", "paged")
 QHEAD_PER_KV = (1, 2, 4, 8, 16)
 SPARSE_DTYPES = ("bfloat16", "bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")     # see FP8_MODES
