@@ -22,8 +22,8 @@ Work decomposition (query-outer, FlashAttention style):
 * at the end O / sum * output_scale is staged in the warpgroup's Q rows and written as 16-byte
   row segments (split-KV: fp32 partial rows and their LSE, straight from the accumulator).
 
-Per block: a barrier, then S, the softmax and P V, each waited for (a software-pipelined loop
-measured slower: docs/design-fmha.md).
+Per block: a barrier, then S, the softmax and P V, each waited for (the max-score and split-KV
+calls it serves are few; the O-only calls run the warp-specialized forms).
 
 Shared memory: Q 2 x 16 KB + 2 stages x (K 32 KB + V 32 KB) = 160 KB, one CTA (8 warps) per SM.
 Grid (max query tiles, Hq, B) (split-KV: B x num_splits); x runs from the last (heaviest under

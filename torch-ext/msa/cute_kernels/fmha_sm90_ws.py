@@ -73,7 +73,7 @@ KV_STAGES = 2
 # consumers' setmaxnreg.inc waits forever (tools/compile_cute.py --check enforces it).
 PRODUCER_REGS = 24
 MMA_REGS = 240           # 24 * 128 + 240 * 256 = 64512
-# Persistent forms: the producer walks the work items too (24 spilled).
+# Persistent forms: the producer walks the work items too (with 24 registers it spills).
 PRODUCER_REGS_PERSISTENT = 40
 MMA_REGS_PERSISTENT = 232    # 40 * 128 + 232 * 256 = 64512
 # mma_row_sum: P times a (key, SUM_COLS) tile of ones, the narrowest e4m3 wgmma (N = 8).

@@ -114,8 +114,8 @@ def pack_bf16_pairs(acc: cute.Tensor, r_p: cute.Tensor):
     cvt.rn.bf16x2.f32 per element pair, emitted as inline assembly with side effects so that
     it stays where it is written. (A plain conversion at the end of a loop body is moved by
     LLVM past the loop's phi, to the next iteration's use: the fp32 values then stay live
-    across the loop back edge, 32 registers more, which made ptxas serialize the wgmmas of
-    the overlapped FMHA loop, C7512.)"""
+    across the loop back edge, 32 registers more, and ptxas serializes the wgmmas around
+    them, C7512.)"""
     words = cute.recast_tensor(r_p, cutlass.Uint32)
     for w in cutlass.range_constexpr(cute.size(words)):
         words[w] = cutlass.Uint32(llvm.inline_asm(
