@@ -15,6 +15,8 @@ Hooks (``forcing`` keywords):
   sparse_form        a form of SPARSE_FORMS: serves every sparse attention call it is built for
   decode_split_keys  False: the decode kernel never splits a page's keys across warps
   decode_direct_fp8  False: split-keys decode tiles with e4m3 q and K/V take the bf16-staged path
+  decode_warpgroup   True: the decode kernel's warpgroup (wgmma) form runs every tile it can
+                     (q and K/V of one dtype); False: it runs none
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Iterator, Optional
 
-HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "decode_split_keys", "decode_direct_fp8")
+HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "decode_split_keys", "decode_direct_fp8",
+         "decode_warpgroup")
 
 _forced: Dict[str, object] = {}
 _poison = [False]

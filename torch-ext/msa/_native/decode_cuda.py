@@ -9,11 +9,12 @@ Semantics are :mod:`msa.reference.decode` (dense, sparse via q2k, e4m3 P only wh
 e4m3). The launch reads only device tensors, never synchronizes and can be captured in a CUDA
 graph.
 
-Two forms of the kernel are picked inside the launch, per qo tile: tiles of at most 16 rows
-split each page's keys across all 8 warps (instead of one warp computing while seven idle),
-and such tiles with e4m3 q and K/V read them straight from a raw page ring (two pages per step,
-widened to f16 in registers, no bf16 staging pass). The debug hooks decode_split_keys and
-decode_direct_fp8 turn them off (tests cover the other path with them).
+Forms of the kernel are picked inside the launch, per qo tile: tiles of at most 16 rows split
+each page's keys across all 8 warps (instead of one warp computing while seven idle), and such
+tiles with e4m3 q and K/V read them straight from a raw page ring (two pages per step, widened
+to f16 in registers, no bf16 staging pass); tiles of more rows take the warpgroup (wgmma) form
+once it is validated (VALIDATED_WARPGROUP). The debug hooks decode_split_keys,
+decode_direct_fp8 and decode_warpgroup force them on or off (tests cover every path).
 Importing this module does not touch CUDA.
 """
 
@@ -30,6 +31,11 @@ except ImportError:   # source tree: no compiled extension
     ops, HAS_COMPILED_OPS = None, False
 
 OP_NAME = "sparse_decode_atten"
+# The warpgroup form (wgmma, served on tiles of > 16 rows, i.e. multi-token prediction, with q
+# and K/V both bf16 or both e4m3) is built but not yet proven on the H200: it runs only with
+# MSA_UNVALIDATED_KERNELS=1 (or the decode_warpgroup hook) until its cases of
+# tests/test_decode_gpu.py pass there and this flips.
+VALIDATED_WARPGROUP = False
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
@@ -64,7 +70,7 @@ def run(call) -> None:
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
         call.o_partial if split else None, call.lse_partial if split else None,
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
-        float(call.softmax_scale), _split_keys(), _direct_fp8())
+        float(call.softmax_scale), _split_keys(), _direct_fp8(), _warpgroup(call))
 
 
 def _split_keys() -> bool:
@@ -77,6 +83,17 @@ def _direct_fp8() -> bool:
     """Whether split-keys tiles with e4m3 q and K/V take the direct e4m3 form (the binding
     applies it only there); the decode_direct_fp8 hook turns it off."""
     return debug.forced("decode_direct_fp8") is not False
+
+
+def _warpgroup(call) -> bool:
+    """Whether this call uses the warpgroup (wgmma) form (the binding applies it only with q and
+    K/V of one dtype): tiles of > 16 rows once validated (or MSA_UNVALIDATED_KERNELS=1); the
+    decode_warpgroup hook forces it on any tile (True) or off (False)."""
+    forced = debug.forced("decode_warpgroup")
+    if forced is not None:
+        return forced
+    rows = call.seqlen_q * call.qhead_per_kv
+    return rows > 16 and (VALIDATED_WARPGROUP or _backend.unvalidated_ok())
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)

@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import _backend
+from .. import _backend, _stages
 from .._common import key_lengths
 from ..cute_kernels import variants
 from ..src.sm100.prepare_scheduler import (SLOT_SHIFT, SparseAttentionSchedule,
@@ -162,6 +162,7 @@ def run(call, kernel: SparseKernel
         page_table, call.k2q_row_ptr, schedule.qsplit_indices, schedule.scheduler_metadata,
         schedule.work_count, o_partial, lse_partial, lse_t_partial, float(call.softmax_scale),
         1.0 / float(call.lse_temperature_scale), int(call.causal), int(want_lse_t))
+    _stages.mark("combine")
     cute_runtime.launch(
         kernel.combine, device, o_partial, lse_partial, lse_t_partial, schedule.split_counts,
         out, lse, lse_t, int(want_lse_t))
