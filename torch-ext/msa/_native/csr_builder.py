@@ -17,10 +17,8 @@ from .. import _backend
 from ..src.sm100.prepare_scheduler import (METADATA_COLUMNS, SLOT_SHIFT, SparseAttentionSchedule,
                                            schedule_capacity, target_q_per_cta)
 
-try:
-    from .._ops import HAS_COMPILED_OPS, ops
-except ImportError:   # source tree: no compiled extension
-    ops, HAS_COMPILED_OPS = None, False
+from . import compiled_ops
+from .compiled_ops import ops
 
 OP_NAME = "build_k2q_csr"
 KV_BLOCK = 128
@@ -28,11 +26,7 @@ KV_BLOCK = 128
 
 def supports(**_features) -> Optional[str]:
     """None when the compiled ops can serve the call, else the reason they cannot."""
-    if not HAS_COMPILED_OPS or ops is None:
-        return "the compiled msa CUDA ops (_msa_cuda_*.so) are not built into this package"
-    if not hasattr(ops, "run_build_k2q_csr_with_schedule"):
-        return "the compiled msa CUDA ops lack run_build_k2q_csr"
-    return None
+    return compiled_ops.missing_reason("run_build_k2q_csr", "run_build_k2q_csr_with_schedule")
 
 
 def run(call):

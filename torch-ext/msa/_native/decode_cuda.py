@@ -20,10 +20,8 @@ from typing import Optional
 
 from .. import _backend
 
-try:
-    from .._ops import HAS_COMPILED_OPS, ops
-except ImportError:   # source tree: no compiled extension
-    ops, HAS_COMPILED_OPS = None, False
+from . import compiled_ops
+from .compiled_ops import ops
 
 OP_NAME = "sparse_decode_atten"
 # Flip to True only after tests/test_decode_gpu.py passes on the H200.
@@ -50,10 +48,9 @@ MAX_TOPK = 32
 
 def supports(*, seqlen_q=1, qhead_per_kv=1, topk=None, **_features) -> Optional[str]:
     """None when the compiled kernel can serve a call with these features, else the reason."""
-    if not HAS_COMPILED_OPS or ops is None:
-        return "the compiled msa CUDA ops (_msa_cuda_*.so) are not built into this package"
-    if not hasattr(ops, "sparse_decode_attention"):
-        return "the compiled msa CUDA ops lack sparse_decode_attention"
+    missing = compiled_ops.missing_reason("sparse_decode_attention")
+    if missing is not None:
+        return missing
     gate = _backend.unvalidated_reason("the sm90 decode kernel", VALIDATED)
     if gate is not None:
         return gate

@@ -34,10 +34,8 @@ from .. import _backend
 from ..cute_kernels import variants as _forms
 from . import block_max_score_sm90, cute_runtime
 
-try:
-    from .._ops import HAS_COMPILED_OPS, ops
-except ImportError:   # source tree: no compiled extension
-    ops, HAS_COMPILED_OPS = None, False
+from . import compiled_ops
+from .compiled_ops import ops
 
 PAGE = 128
 # tests/test_fmha_gpu.py passed on the H200 (2026-11-30, session 3): 7 tests.
@@ -320,9 +318,9 @@ def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=Tr
     if paged and page_size != PAGE:
         return f"page_size {page_size}: the sm90 FMHA pages by {PAGE} tokens"
     variant = _variant_for(bool(paged), mode, q_dtype, bool(causal), work_items)
-    if variant_form(variant) in V_TRANSPOSED_FORMS and not hasattr(ops, TRANSPOSE_V_OP):
-        return (f"{variant} reads V transposed by the compiled {TRANSPOSE_V_OP} op, which "
-                "this package lacks")
+    if variant_form(variant) in V_TRANSPOSED_FORMS and not compiled_ops.has(TRANSPOSE_V_OP):
+        return (f"{variant} reads V transposed by the compiled {TRANSPOSE_V_OP} op: "
+                + compiled_ops.missing_reason(TRANSPOSE_V_OP))
     return cute_runtime.unavailable_reason(variant)
 
 
