@@ -19,6 +19,7 @@ from .quantize import (Nvfp4QuantizedTensor, dequantize_nvfp4_128x4_to_bf16,
                        nvfp4_global_scale_from_amax, quantize_bf16_to_nvfp4_128x4,
                        quantize_kv_bf16_to_nvfp4_128x4, swizzle_nvfp4_scale_to_128x4)
 from .topk import sparse_topk_select
+from ._warmup import warmup
 
 __version__ = "0.1.1"
 
@@ -42,5 +43,5 @@ __all__ = [
 # end-to-end prefill. Not in __all__, which stays exactly the upstream list.
 __all_additive__ = [
     "fmha_sm100_plan", "fmha_sm100", "fmha_plan", "fmha", "sparse_topk_select",
-    "sparse_fmha_plan", "sparse_fmha", "block_max_scores", "msa_prefill",
+    "sparse_fmha_plan", "sparse_fmha", "block_max_scores", "msa_prefill", "warmup",
 ]
