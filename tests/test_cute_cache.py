@@ -189,3 +189,22 @@ def test_compile_cute_manifest_records_what_the_runtime_checks(fresh_runtime):
     assert cute_runtime.artifacts_mismatch(manifest) is None
     assert manifest["kernel_sources_digest"] == cute_runtime.kernel_sources_digest()
     assert manifest["variants"][SMALL[0]]["file"] == f"{SMALL[0]}.so"
+
+
+def test_bench_cute_cache_cpu_smoke(tmp_path):
+    """benchmarks/bench_cute_cache.py on the CPU: the cold process compiles the load case's
+    variant, the warm one loads it from the cache."""
+    out = tmp_path / "cute_cache.tsv"
+    env = dict(os.environ, MSA_COMMIT="smoketest", PYTHONPATH=str(ROOT / "torch-ext"))
+    env.pop("MSA_PACKAGE_DIR", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cute_cache.py"),
+                           "--device", "cpu", "--tiny", "--phases", "cold,warm",
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = out.read_text().splitlines()
+    header = lines[0].split("\t")
+    rows = [dict(zip(header, line.split("\t"))) for line in lines[1:]]
+    loads = {r["phase"]: r for r in rows if r["case"].startswith("load:")}
+    assert (loads["cold"]["compiled"], loads["cold"]["from_cache"]) == ("1", "0")
+    assert (loads["warm"]["compiled"], loads["warm"]["from_cache"]) == ("0", "1")

@@ -97,7 +97,15 @@ def block_max_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, cu_seqlens_q: tor
     call = _check_block_max_args(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, scale, causal, qo_offset, page_table, seqused_k,
                                  max_k_tiles)
-    _name, native = _backend.choose("block_max_scores", q_idx.device, **call.features())
+    return run_block_max_scores(call)
+
+
+def run_block_max_scores(call: BlockMaxScoreCall) -> torch.Tensor:
+    """A validated call on the backend _backend chooses."""
+    entry = _backend.compile_entry("block_max_scores")
+    if entry is not None:
+        return entry(call)
+    _name, native = _backend.choose("block_max_scores", call.q_idx.device, **call.features())
     if native is not None:
         return native(call)
     return block_max_scores_reference(
