@@ -109,13 +109,13 @@ def _compiled_matches_eager(fn, *args, backend="aot_eager"):
 Q_LENS, K_LENS, HKV, GROUP, TOPK = (300, 200), (300, 400), 2, 4, 4
 
 
-def _prefill_inputs(seed, dtype=BF16):
+def _prefill_inputs(seed, dtype=BF16, q_lens=Q_LENS, k_lens=K_LENS):
     gen = torch.Generator().manual_seed(seed)
     draw = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
-    tq, tk = sum(Q_LENS), sum(K_LENS)
+    tq, tk = sum(q_lens), sum(k_lens)
     return dict(q=draw(tq, HKV * GROUP, 128), k=draw(tk, HKV, 128), v=draw(tk, HKV, 128),
                 q_idx=draw(tq, HKV, 128), k_idx=draw(tk, 1, 128),
-                cu_q=cu_seqlens(Q_LENS), cu_k=cu_seqlens(K_LENS))
+                cu_q=cu_seqlens(q_lens), cu_k=cu_seqlens(k_lens))
 
 
 def _sparse_call(variant, x, schedule: bool):
@@ -224,16 +224,17 @@ def test_decode_run_compiles_fullgraph(variant, sparse):
 def test_opcheck_every_custom_op(variant, recorded, seed):
     """Each op, on arguments recorded from real calls: schema (declared mutations only),
     fake implementation vs the real one, and AOT tracing with dynamic shapes."""
-    x = _prefill_inputs(seed)
+    q_lens, k_lens = (100, 60), (100, 150)       # small: opcheck runs each op many times
+    x = _prefill_inputs(seed, q_lens=q_lens, k_lens=k_lens)
+    lens = dict(max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens))
     variant.msa_prefill(x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], x["cu_q"], x["cu_k"],
-                        max_seqlen_q=max(Q_LENS), max_seqlen_k=max(K_LENS), topk=TOPK)
+                        topk=TOPK, **lens)
     variant.block_max_scores(x["q_idx"], x["k_idx"], x["cu_q"], x["cu_k"],
-                             max_seqlen_q=max(Q_LENS), max_seqlen_k=max(K_LENS),
-                             qo_offset=torch.tensor([0, 200], dtype=torch.int32))
-    plan = variant.fmha_plan(torch.tensor(Q_LENS), torch.tensor(K_LENS), HKV * GROUP, HKV,
+                             qo_offset=torch.tensor([0, 90], dtype=torch.int32), **lens)
+    plan = variant.fmha_plan(torch.tensor(q_lens), torch.tensor(k_lens), HKV * GROUP, HKV,
                              causal=True, output_maxscore=True)
     variant.fmha(x["q"], x["k"], x["v"], plan)
-    lens = [129, 1000, 77]
+    lens = [129, 300, 77]
     q, k, v, table, seqused_k = make_batch(lens, 2, 2, 4)
     wrapper = variant.SparseDecodePagedAttentionWrapper().plan(
         page_table=table, seqused_k=seqused_k, seqlen_q=2, max_seqlen_k=max(lens),

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Lay out build/<variant>/ for the msa Hub kernel without Nix (development and CI glue).
 
-    python tools/build_variant.py [--out build] [--no-compile] [--cute-artifacts DIR]
+    python tools/build_variant.py [--out build] [--no-compile] [--cute] [--cute-artifacts DIR]
 
 Writes, as kernel-builder lays them out (flat variant directories, loadable with
 ``kernels.get_local_kernel(Path(repo))`` or ``LOCAL_KERNELS=MiniMaxAI/msa=<repo>``):
@@ -13,8 +13,11 @@ Writes, as kernel-builder lays them out (flat variant directories, loadable with
   - otherwise the noarch ``torch-cuda`` (the same package without compiled ops; every call
     runs the PyTorch reference or a CuTe-DSL kernel);
   - plus the precompiled CuTe-DSL kernels in ``_artifacts/``: from ``--cute-artifacts DIR``, or
-    compiled by tools/compile_cute.py into ``.artifacts/`` when nvidia-cutlass-dsl is installed
-    (reused while the kernel sources are unchanged; ``--no-compile`` skips this).
+    compiled by tools/compile_cute.py into ``.artifacts/`` (reused while the kernel sources are
+    unchanged) when nvidia-cutlass-dsl is installed and either this machine has an sm_90 GPU,
+    where they run, or ``--cute`` asks for them. Elsewhere they are not compiled (minutes on a
+    small CPU machine for nothing it can run): a GPU then compiles each kernel on first use
+    into its JIT cache, or all at once with ``msa.warmup()``.
 * ``torch-cpu``: the package with the PyTorch reference backend, for CPU-only machines.
 
 Earlier msa variants in the output directory are removed first, so a stale compiled variant
@@ -356,6 +359,12 @@ def copy_package(package_dir: Path, dest: Path, pyext: Sequence[str], warn) -> i
     return count
 
 
+def cute_kernels_run_here() -> bool:
+    """Whether this machine has a GPU the CuTe-DSL kernels (sm_90a) run on."""
+    import torch
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
 def cached_cute_artifacts(root: Path, warn) -> Optional[Path]:
     """<root>/.artifacts compiled from the current CuTe sources (tools/compile_cute.py), reused
     while its manifest's sources_digest matches; None when the DSL is missing or compiling fails."""
@@ -535,6 +544,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--no-compile", action="store_true",
                         help="compile nothing: no csrc (the CUDA variant is the noarch "
                              "torch-cuda) and no CuTe kernels unless --cute-artifacts is given")
+    parser.add_argument("--cute", action="store_true",
+                        help="compile the CuTe-DSL kernels for sm_90a and ship them even "
+                             "without an sm_90 GPU here (default: only where they can run)")
     parser.add_argument("--cute-artifacts", metavar="DIR",
                         help="precompiled CuTe-DSL kernels to ship in <variant>/_artifacts/ "
                              "(default: compile them into .artifacts/ when the DSL is installed, "
@@ -598,7 +610,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cpu_ops = ops_name(config.python_name, "cpu", unique_id)
 
     if artifacts_dir is None and not args.no_compile:
-        artifacts_dir = cached_cute_artifacts(root, warn)
+        if args.cute or cute_kernels_run_here():
+            artifacts_dir = cached_cute_artifacts(root, warn)
+        else:
+            print("CuTe-DSL kernels not precompiled: no sm_90 GPU here (--cute compiles them "
+                  "anyway; on a GPU they compile on first use, or with msa.warmup())")
     if args.no_compile:
         outcome = CompileOutcome(None, [], "--no-compile given")
     else:
