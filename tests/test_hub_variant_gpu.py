@@ -111,21 +111,138 @@ def test_paged_decode_native(dtype, sparse, monkeypatch):
     torch.testing.assert_close(lse, ref_lse, atol=1e-2, rtol=0)   # -inf rows equal
 
 
+def _fmha_inputs(dtype, seed, causal=True, hq=8, hkv=2):
+    """q, k, v of two requests (300 / 300 and 1000 / 1200 tokens) on the GPU, and their plan."""
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, kv_lens = [300, 1000], [300, 1200]
+    draw = lambda *s: torch.randn(*s, generator=gen).to(dtype).cuda()  # noqa: E731
+    q, k, v = draw(sum(q_lens), hq, 128), draw(sum(kv_lens), hkv, 128), \
+        draw(sum(kv_lens), hkv, 128)
+    plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), hq, hkv, causal=causal,
+                         device=q.device)
+    return q, k, v, plan
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_e4m3_fmha_native_with_the_compiled_v_transpose(causal, seed, monkeypatch):
     from msa._native import fmha_sm90
 
-    gen = torch.Generator().manual_seed(seed)
-    q_lens, kv_lens, hq, hkv = [300, 1000], [300, 1200], 8, 2
-    dev = torch.device("cuda")
-    draw = lambda *s: torch.randn(*s, generator=gen).to(E4M3).to(dev)  # noqa: E731
-    q, k, v = draw(sum(q_lens), hq, 128), draw(sum(kv_lens), hkv, 128), \
-        draw(sum(kv_lens), hkv, 128)
-    plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(kv_lens), hq, hkv, causal=causal,
-                         device=dev)
+    q, k, v, plan = _fmha_inputs(E4M3, seed, causal)
     (out, _), (ref_out, _), served = _both_backends(
         monkeypatch, lambda: msa.fmha(q, k, v, plan), ["fmha_dense"])
     assert served == {"fmha_dense": "sm90"}
     assert fmha_sm90.last_variant is not None
     assert fmha_sm90.variant_form(fmha_sm90.last_variant) in fmha_sm90.V_TRANSPOSED_FORMS
     assert (out.float() - ref_out.float()).abs().max().item() <= 0.125
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile on the native path (the CPU twin is tests/test_torch_compile.py)
+# ---------------------------------------------------------------------------------------------
+
+def _compiled_and_eager(monkeypatch, fn, ops, *args):
+    """fn compiled with fullgraph=True (Inductor) and eager, both with MSA_BACKEND=native;
+    asserts every op in `ops` ran natively in the compiled call. Returns (compiled, eager)."""
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    torch._dynamo.reset()
+    eager = fn(*args)
+    for op in ops:
+        _backend._last_backend.pop(op, None)
+    compiled = torch.compile(fn, fullgraph=True)(*args)
+    torch.cuda.synchronize()
+    served = {op: _backend.last_backend(op) for op in ops}
+    monkeypatch.delenv("MSA_BACKEND")
+    assert served == dict.fromkeys(ops, "sm90"), served
+    return compiled, eager
+
+
+def _assert_same(compiled, eager):
+    for a, b in zip(compiled if isinstance(compiled, tuple) else (compiled,),
+                    eager if isinstance(eager, tuple) else (eager,)):
+        if a is None or b is None:
+            assert a is None and b is None
+            continue
+        # The same kernels on the same inputs: selections exactly, values within bf16 rounding.
+        tol = 2e-2 if a.is_floating_point() else 0
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol, equal_nan=True)
+
+
+def test_torch_compile_msa_prefill_and_sparse_atten_native(seed, monkeypatch):
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, k_lens, hkv, group = (300, 700), (300, 900), 4, 16
+    dev = torch.device("cuda")
+    draw = lambda *s: torch.randn(*s, generator=gen).to(torch.bfloat16).to(dev)  # noqa: E731
+    tq, tk = sum(q_lens), sum(k_lens)
+    q, k, v = draw(tq, hkv * group, 128), draw(tk, hkv, 128), draw(tk, hkv, 128)
+    q_idx, k_idx = draw(tq, hkv, 128), draw(tk, 1, 128)
+    cu_q, cu_k = _cu(q_lens).to(dev), _cu(k_lens).to(dev)
+    lens = dict(max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens))
+
+    def prefill(q, k, v, q_idx, k_idx):
+        return msa.msa_prefill(q, k, v, q_idx, k_idx, cu_q, cu_k, topk=16,
+                               return_selection=True, **lens)
+
+    stages = ("block_max_scores", "sparse_topk_select", "build_k2q_csr", "sparse_atten")
+    compiled, eager = _compiled_and_eager(monkeypatch, prefill, stages, q, k, v, q_idx, k_idx)
+    _assert_same(compiled, eager)
+    q2k = eager[1]
+
+    def attention(q, k, v):
+        row_ptr, q_ids, schedule = msa.build_k2q_csr(q2k, cu_q, cu_k, 128, total_k=tk,
+                                                     qhead_per_kv=group, return_schedule=True,
+                                                     **lens)
+        return msa.sparse_atten_func(q, k, v, row_ptr, q_ids, 16, cu_seqlens_q=cu_q,
+                                     cu_seqlens_k=cu_k, causal=True, schedule=schedule,
+                                     return_softmax_lse=True, **lens)
+
+    compiled, eager = _compiled_and_eager(monkeypatch, attention,
+                                          ("build_k2q_csr", "sparse_atten"), q, k, v)
+    _assert_same(compiled, eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, E4M3], ids=["bf16", "e4m3"])
+def test_torch_compile_fmha_native(dtype, seed, monkeypatch):
+    q, k, v, plan = _fmha_inputs(dtype, seed, hq=16)
+    compiled, eager = _compiled_and_eager(monkeypatch, lambda q, k, v: msa.fmha(q, k, v, plan),
+                                          ("fmha_dense",), q, k, v)
+    _assert_same(compiled, eager)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_torch_compile_decode_run_native(sparse, monkeypatch):
+    lens, hkv, group = [129, 1000, 77], 2, 16
+    q, k, v, table, seqused_k = make_batch(lens, 1, hkv, group, device="cuda")
+    q2k = random_q2k(lens, 1, hkv, 8).cuda() if sparse else None
+    wrapper = msa.SparseDecodePagedAttentionWrapper()
+    wrapper.plan(page_table=table, seqused_k=seqused_k, seqlen_q=1, max_seqlen_k=max(lens),
+                 q2k_indices=q2k, num_qo_heads=hkv * group, num_kv_heads=hkv)
+    compiled, eager = _compiled_and_eager(
+        monkeypatch, lambda q, k, v: wrapper.run(q, k, v, return_softmax_lse=True),
+        ("sparse_decode_atten",), q, k, v)
+    _assert_same(compiled, eager)
+
+
+def test_opcheck_custom_ops_on_the_native_path(seed, monkeypatch):
+    """Each custom op on arguments recorded from native calls (schema, fake vs real, dynamic
+    AOT tracing), as tests/test_torch_compile.py does on the CPU."""
+    from op_recording import check_recorded_ops, record_custom_op_calls
+
+    calls = record_custom_op_calls(msa, monkeypatch)
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    gen = torch.Generator().manual_seed(seed)
+    dev = torch.device("cuda")
+    draw = lambda *s: torch.randn(*s, generator=gen).to(torch.bfloat16).to(dev)  # noqa: E731
+    q_lens, k_lens = (200, 300), (200, 500)
+    tq, tk = sum(q_lens), sum(k_lens)
+    cu_q, cu_k = _cu(q_lens).to(dev), _cu(k_lens).to(dev)
+    msa.msa_prefill(draw(tq, 32, 128), draw(tk, 2, 128), draw(tk, 2, 128), draw(tq, 2, 128),
+                    draw(tk, 1, 128), cu_q, cu_k, max_seqlen_q=300, max_seqlen_k=500, topk=8)
+    plan = msa.fmha_plan(torch.tensor(q_lens), torch.tensor(k_lens), 32, 2, causal=True,
+                         output_maxscore=True, device=dev)
+    msa.fmha(draw(tq, 32, 128), draw(tk, 2, 128), draw(tk, 2, 128), plan)
+    q, k, v, table, seqused_k = make_batch([129, 600], 1, 2, 16, device="cuda")
+    msa.SparseDecodePagedAttentionWrapper().plan(
+        page_table=table, seqused_k=seqused_k, seqlen_q=1, max_seqlen_k=600, num_qo_heads=32,
+        num_kv_heads=2, fixed_split_size=1).run(q, k, v, return_softmax_lse=True)
+    monkeypatch.delenv("MSA_BACKEND")
+    check_recorded_ops(msa, calls)

@@ -26,6 +26,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from msa_testing import cu_seqlens, random_q2k  # noqa: E402
+from op_recording import check_recorded_ops, record_custom_op_calls  # noqa: E402
 from test_decode import make_batch, random_q2k as decode_q2k  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,29 +54,7 @@ def _sub(module, name):
 
 @pytest.fixture
 def recorded(variant, monkeypatch):
-    """Runs the public functions eagerly through their custom ops (as compiled code does) and
-    records each op call's arguments, for opcheck."""
-    backend, entries = _sub(variant, "_backend"), _sub(variant, "_compile_entries")
-    calls, inside_op, namespace = [], [], entries.ops
-
-    class Recorder:
-        def __getattr__(self, name):
-            op = getattr(namespace, name)
-
-            def record(*args):
-                calls.append((name, op, args))
-                inside_op.append(name)
-                try:
-                    return op(*args)
-                finally:
-                    inside_op.pop()
-            return record
-
-    # As in a compiled graph at run time: the op's implementation dispatches eagerly.
-    monkeypatch.setattr(backend, "compile_entry",
-                        lambda op: None if inside_op else backend._compile_entries.get(op))
-    monkeypatch.setattr(entries, "ops", Recorder())
-    return calls
+    return record_custom_op_calls(variant, monkeypatch)
 
 
 def _same(a, b):
@@ -241,11 +220,7 @@ def test_opcheck_every_custom_op(variant, recorded, seed):
         q2k_indices=decode_q2k(lens, 2, 2, 8), num_qo_heads=8, num_kv_heads=2,
         fixed_split_size=1)
     wrapper.run(q, k, v, return_softmax_lse=True)
-    entries = _sub(variant, "_compile_entries")
-    assert {name for name, _op, _args in recorded} == set(entries.CUSTOM_OPS.values())
-    for _name, op, args in recorded:
-        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor",
-                                                    "test_aot_dispatch_dynamic"))
+    check_recorded_ops(variant, recorded)
 
 
 def test_custom_ops_live_in_the_variants_namespace(variant):

@@ -398,7 +398,7 @@ class FmhaSm90:
         q_start, q_len, kv_len, offset, k_row0, n_q_tiles = request_bounds(
             mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable, request, mK.shape[0], self.paged)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ_wgs = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK_stages = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)

@@ -168,7 +168,7 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
             entry0 = mRowPtr[head_kv, csr_row] + q_begin
             n_tiles = (q_count + self.queries_per_tile - 1) // self.queries_per_tile
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(SharedStorage)
             sQ_stages = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
             sO_wgs = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)
