@@ -19,6 +19,17 @@ TSV rows: phase, case, first_ms, second_ms, compiled / cached / artifact variant
     python benchmarks/bench_cute_cache.py --device cpu --tiny     # CPU smoke run (load case)
 
 Needs nvidia-cutlass-dsl with its compiler importable (the cold and warmup phases compile).
+On the H200 host, which has only the DSL's runtime, two device calls (the compiler bundle and
+the session's own carries do not fit one call's 64 MiB):
+
+    bash tools/dsl_compiler_bundle.sh                  # here, once: .dsl-compiler/ (~56 MB)
+    call 1, carry [".dsl-compiler"]:  true
+    call 2, carry [".gpu-runtime", ".whl"]:  mkdir -p /tmp/noart && MSA_EXTRA_TIMEOUT=480 \
+      MSA_EXTRA='bash .dsl-compiler/setup.sh && MSA_PACKAGE_DIR=$PWD/$VARIANT python3 \
+      benchmarks/bench_cute_cache.py --out $OUT/cute_cache_h200.tsv --warmup-workers 16' \
+      bash tools/gpu_session.sh /tmp/noart none
+
+(an empty artifacts directory: the variant ships no CuTe kernels, as a Hub build).
 """
 
 from __future__ import annotations

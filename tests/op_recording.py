@@ -7,38 +7,45 @@ import importlib
 import torch
 
 
-def record_custom_op_calls(package, monkeypatch):
-    """Patch `package` (a loaded msa build) so every dispatcher goes through its custom op,
-    whose implementation then dispatches eagerly; returns the list that collects
-    (op name, op, args) per call."""
-    backend = importlib.import_module(f"{package.__name__}._backend")
-    entries = importlib.import_module(f"{package.__name__}._compile_entries")
-    calls, inside_op, namespace = [], [], entries.ops
+class OpCallRecording:
+    """While active, every dispatcher of `package` (a loaded msa build) goes through its custom
+    op, whose implementation then dispatches eagerly, and each op call is kept in ``calls`` as
+    (op name, op, args). It stands in for the op namespace the compile entries call."""
 
-    class Recorder:
-        def __getattr__(self, name):
-            op = getattr(namespace, name)
+    def __init__(self, package, monkeypatch):
+        self._backend = importlib.import_module(f"{package.__name__}._backend")
+        self._entries = importlib.import_module(f"{package.__name__}._compile_entries")
+        self._namespace = self._entries.ops
+        self._original_entry = self._backend.compile_entry
+        self._monkeypatch = monkeypatch
+        self._inside = []
+        self.calls = []
+        monkeypatch.setattr(self._backend, "compile_entry", self._entry)
+        monkeypatch.setattr(self._entries, "ops", self)
 
-            def record(*args):
-                calls.append((name, op, args))
-                inside_op.append(name)
-                try:
-                    return op(*args)
-                finally:
-                    inside_op.pop()
-            return record
+    def _entry(self, op):
+        return None if self._inside else self._backend._compile_entries.get(op)
 
-    monkeypatch.setattr(backend, "compile_entry",
-                        lambda op: None if inside_op else backend._compile_entries.get(op))
-    monkeypatch.setattr(entries, "ops", Recorder())
-    return calls
+    def __getattr__(self, name):
+        op = getattr(self._namespace, name)
 
+        def record(*args):
+            self.calls.append((name, op, args))
+            self._inside.append(name)
+            try:
+                return op(*args)
+            finally:
+                self._inside.pop()
+        return record
 
-def check_recorded_ops(package, calls):
-    """Every custom op was called, and each call passes opcheck: schema (declared mutations
-    only), fake vs real outputs, AOT tracing with dynamic shapes."""
-    entries = importlib.import_module(f"{package.__name__}._compile_entries")
-    assert {name for name, _op, _args in calls} == set(entries.CUSTOM_OPS.values())
-    for _name, op, args in calls:
-        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor",
-                                                    "test_aot_dispatch_dynamic"))
+    def check(self):
+        """Stop recording, then: every custom op was called, and each call passes opcheck
+        (schema with its declared mutations only, fake vs real outputs, AOT tracing with
+        dynamic shapes)."""
+        self._monkeypatch.setattr(self._backend, "compile_entry", self._original_entry)
+        self._monkeypatch.setattr(self._entries, "ops", self._namespace)
+        assert {name for name, _op, _args in self.calls} == \
+            set(self._entries.CUSTOM_OPS.values())
+        for _name, op, args in self.calls:
+            torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor",
+                                                        "test_aot_dispatch_dynamic"))

@@ -225,9 +225,9 @@ def test_torch_compile_decode_run_native(sparse, monkeypatch):
 def test_opcheck_custom_ops_on_the_native_path(seed, monkeypatch):
     """Each custom op on arguments recorded from native calls (schema, fake vs real, dynamic
     AOT tracing), as tests/test_torch_compile.py does on the CPU."""
-    from op_recording import check_recorded_ops, record_custom_op_calls
+    from op_recording import OpCallRecording
 
-    calls = record_custom_op_calls(msa, monkeypatch)
+    recording = OpCallRecording(msa, monkeypatch)
     monkeypatch.setenv("MSA_BACKEND", "native")
     gen = torch.Generator().manual_seed(seed)
     dev = torch.device("cuda")
@@ -245,4 +245,4 @@ def test_opcheck_custom_ops_on_the_native_path(seed, monkeypatch):
         page_table=table, seqused_k=seqused_k, seqlen_q=1, max_seqlen_k=600, num_qo_heads=32,
         num_kv_heads=2, fixed_split_size=1).run(q, k, v, return_softmax_lse=True)
     monkeypatch.delenv("MSA_BACKEND")
-    check_recorded_ops(msa, calls)
+    recording.check()

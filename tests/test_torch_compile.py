@@ -26,7 +26,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from msa_testing import cu_seqlens, random_q2k  # noqa: E402
-from op_recording import check_recorded_ops, record_custom_op_calls  # noqa: E402
+from op_recording import OpCallRecording  # noqa: E402
 from test_decode import make_batch, random_q2k as decode_q2k  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def _sub(module, name):
 
 @pytest.fixture
 def recorded(variant, monkeypatch):
-    return record_custom_op_calls(variant, monkeypatch)
+    return OpCallRecording(variant, monkeypatch)
 
 
 def _same(a, b):
@@ -220,7 +220,7 @@ def test_opcheck_every_custom_op(variant, recorded, seed):
         q2k_indices=decode_q2k(lens, 2, 2, 8), num_qo_heads=8, num_kv_heads=2,
         fixed_split_size=1)
     wrapper.run(q, k, v, return_softmax_lse=True)
-    check_recorded_ops(variant, recorded)
+    recorded.check()
 
 
 def test_custom_ops_live_in_the_variants_namespace(variant):

@@ -15,9 +15,9 @@
 #                         /tmp/msa-site, the --target directory gpu_session.sh installs into),
 #                         puts $MSA_CUTE_RUNTIME where the DSL looks for its runtime, and checks
 #                         that `import cutlass.cute` works
-# Size: ~58 MB, within one device call's 64 MiB carry but not together with .gpu-runtime and
-# .whl; carry DIR alone in a first call (files outside the tracked tree persist while the machine
-# stays warm), then the others (docs/DEVELOPING.md "Measuring the CuTe JIT cache").
+# Size: ~56 MB, within one device call's 64 MiB carry but not together with .gpu-runtime and
+# .whl; carry DIR alone in a first call (git-ignored files persist while the machine stays warm),
+# then the others (the recipe: benchmarks/bench_cute_cache.py).
 set -euo pipefail
 dir=${1:-.dsl-compiler}
 pyver=${2:-3.12}
