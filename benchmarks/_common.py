@@ -139,7 +139,7 @@ def time_ms(fn: Callable[[], object], device: torch.device, rep_ms: int = 200,
     when Triton is missing; with steady_ms, first steady_ms of back-to-back flushed calls. Why:
     the H200 caps its power at 700 W, and a bf16 FMHA at 4k drawing ~690 W drops from 1.98 to
     1.80-1.87 GHz within ~100 ms of back-to-back calls (450 -> 505 us per call), while an e4m3
-    one at ~610-690 W keeps 1.97-1.98 GHz (session 15, docs/design-fmha.md); do_bench's own
+    one at ~610-690 W keeps 1.97-1.98 GHz (docs/design-fmha.md); do_bench's own
     warm-up (25 ms) then times a case partly at the clock the previous case left. CPU:
     ``time.perf_counter`` around each call, 3 to 20 calls within rep_ms after one warm-up call.
     """
@@ -187,8 +187,8 @@ def _run_flushed_for(fn, ms: int) -> None:
 class ClockSampler:
     """GPU 0's SM clock and power sampled by nvidia-smi every 50 ms while the block runs;
     .note() is then 'sm=<median MHz>MHz <median W>W' over the samples drawing at least half the
-    block's peak power (the host-bound moments, a first call's setup, read as an idle GPU;
-    session 15's first cuDNN row had a 122 W median), or '' without nvidia-smi or samples."""
+    block's peak power (the host-bound moments, a first call's setup, read as an idle GPU and
+    would pull the median down to ~120 W), or '' without nvidia-smi or samples."""
 
     def __enter__(self):
         self._proc = None
@@ -304,6 +304,15 @@ def cu_seqlens(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
 
 def dtype_of(name: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}[name]
+
+
+def split_dtype_name(name: str):
+    """(q/k/v and index dtype, partial_dtype) of a --dtypes entry: "bf16", "fp8", or either with
+    "_p<partial>" (e.g. fp8_pe4m3: e4m3 partials; default bf16 partials)."""
+    base, _, partial = name.partition("_p")
+    partials = {"": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16,
+                "fp32": torch.float32, "e4m3": torch.float8_e4m3fn}
+    return dtype_of(base), partials[partial]
 
 
 def time_dense_sdpa(triples, causal: bool, device: torch.device, rep_ms: int):

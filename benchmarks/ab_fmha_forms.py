@@ -1,7 +1,7 @@
 """Side-by-side timing of dense FMHA kernel forms in one process (a GPU diagnostic, no TSV).
 
 bench_fmha.py times each call with a flushed L2 and writes TSV rows; this script answers the
-quicker question "is form B faster than form A" the way session 12 did: for each problem,
+quicker question "is form B faster than form A": for each problem,
 every form is timed over --calls back-to-back calls (CUDA events), and the list of forms is
 timed forwards and then backwards, so a drift in clocks shows up as a difference between the
 two numbers of one form instead of as a difference between forms.

@@ -15,8 +15,8 @@ The native SM90 kernel is gated until its GPU test passes; --allow-unvalidated t
 
 Each case (peers included) first runs back to back for --steady-ms (default 1000) so that it is
 timed at the clock its own power draw settles to (the H200 power-caps a bf16 FMHA, not an e4m3
-one: docs/design-fmha.md, session 15); the note column records that warm-up and the median SM
-clock and power sampled during the measurement. --steady-ms 0 is the earlier sessions' timing.
+one: docs/design-fmha.md); the note column records that warm-up and the median SM clock and
+power sampled during the measurement. --steady-ms 0 times with do_bench's own short warm-up.
 """
 
 from __future__ import annotations

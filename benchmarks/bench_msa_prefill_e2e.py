@@ -28,9 +28,9 @@ import argparse
 import torch
 
 from _common import (BLOCK, HEAD_DIM, add_common_args, apply_preset, cu_seqlens,
-                     dtype_of, fits, free_memory, load_msa, parse_names, parse_sizes, random_fill,
-                     reference_too_slow, setup, synchronize, time_dense_sdpa, time_ms,
-                     TsvWriter)
+                     fits, free_memory, load_msa, parse_names, parse_sizes, random_fill,
+                     reference_too_slow, setup, split_dtype_name, synchronize, time_dense_sdpa,
+                     time_ms, TsvWriter)
 
 COLUMNS = ("case", "lengths", "dtype", "impl", "backend", "latency_ms", "share_of_e2e",
            "dense_equiv_tflops", "speedup_vs_cudnn", "note")
@@ -218,15 +218,6 @@ def bench_case(msa, case, lengths, args, device, tsv: TsvWriter, backends, dtype
                   f"reference", flush=True)
         del pipe
         free_memory(device)
-
-
-def split_dtype_name(name: str):
-    """(q/k/v and index dtype, partial_dtype) of a --dtypes entry: "bf16", "fp8", or either with
-    "_p<partial>" (e.g. fp8_pe4m3: e4m3 partials; default bf16 partials)."""
-    base, _, partial = name.partition("_p")
-    partials = {"": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16,
-                "fp32": torch.float32, "e4m3": torch.float8_e4m3fn}
-    return dtype_of(base), partials[partial]
 
 
 def probe_backends(msa, args, device, dtype_names):

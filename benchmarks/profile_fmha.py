@@ -13,8 +13,8 @@ profiler wrapped around it can sample it. One warm-up call, then --iters calls, 
 Prints the variant and the mean time of the calls (profiler overhead included when wrapped).
 With --breakdown it also prints each kernel's mean device time per call (torch.profiler: the
 V transpose op, the FMHA, any torch launch of the call) and the host time per call (Python and
-launches, measured with the GPU running behind): how session 11 found 180-280 us of Python per
-4k call. With --graph it times the call as bench_fmha does (triton's do_bench: L2 flushed before
+launches, measured with the GPU running behind), which shows when a short call is
+host-bound. With --graph it times the call as bench_fmha does (triton's do_bench: L2 flushed before
 each call, median) eagerly and as a CUDA-graph replay of one captured call: the difference is
 what host work and launch gaps add to bench_fmha's number. With --timeline it prints, for calls
 made after an L2 flush as bench_fmha makes them, each kernel's median start gap and cold-L2

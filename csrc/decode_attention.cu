@@ -22,6 +22,10 @@
 // one 16-byte chunk of four V rows and interleaves them with byte permutes. P is rounded to e4m3
 // (exact in f16), scaled by exp(page max - running max) in f16 before the MMA.
 //
+// Warpgroup form (tiles of more than 16 rows, i.e. multi-token prediction; Q and K/V both bf16 or
+// both e4m3): two warpgroups of 64 rows run Q K^T and P V on wgmma m64n128 from 128-byte
+// swizzled shared memory; see the wg namespace below and docs/design-decode.md.
+//
 // Safety: every page id, q2k id, length and schedule index is range-checked on the device;
 // invalid ones are skipped (their keys are invisible). No host synchronization; every size is a
 // host argument, so the launch can be captured in a CUDA graph.
@@ -33,6 +37,7 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "sm80_primitives.cuh"
 #include "torch_binding.h"
 
 namespace msa {
@@ -82,60 +87,17 @@ struct __align__(16) Bf16x8 {
   __nv_bfloat162 v[4];
 };
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using sm80::cp_async_16;
+using sm80::cp_async_16_or_zero;
+using sm80::cp_async_commit;
+using sm80::e4m3x2_hi_to_f16x2;
+using sm80::e4m3x2_lo_to_f16x2;
+using sm80::mma_bf16;
+using sm80::mma_f16;
+using sm80::smem_addr;
 
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
-}
-// 16 bytes, or 16 zero bytes when !valid (src-size 0: nothing is read; src stays a valid
-// address all the same).
-__device__ __forceinline__ void cp_async_16_or_zero(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-__device__ __forceinline__ void cp_async_wait_one() {
-  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two e4m3 values of a 32-bit word -> f16x2, exact: bytes 0-1 (lo) or 2-3 (hi). Through a
-// b16 unpack, so the conversion reads the upper half itself (F2FP ... R.H1) instead of after
-// a shift.
-__device__ __forceinline__ uint32_t e4m3x2_lo_to_f16x2(uint32_t word) {
-  uint32_t r;
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n"
-      : "=r"(r) : "r"(word));
-  return r;
-}
-__device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t word) {
-  uint32_t r;
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n"
-      : "=r"(r) : "r"(word));
-  return r;
-}
+__device__ __forceinline__ void cp_async_wait_one() { sm80::cp_async_wait<1>(); }
+__device__ __forceinline__ void cp_async_wait_all() { sm80::cp_async_wait<0>(); }
 
 // (lo, hi) rounded to e4m3 (as an FP8 P.V MMA sees P), returned as the exact f16x2.
 __device__ __forceinline__ uint32_t round_e4m3x2_to_f16x2(float lo, float hi) {
@@ -225,6 +187,34 @@ __device__ __forceinline__ PageRef resolve_page(const DecodeAttentionArgs& a,
   const bool ok = ref.physical >= 0 && ref.physical < a.num_pages;
   ref.token_mask = ok ? 0xFFFFFFFFu : 0u;
   return ref;
+}
+
+// The CTA's work item: request, KV head, chunk and qo tile from the schedule, the request's
+// length and the chunk's unit range (the request's last chunk runs to its current end). False
+// for a corrupt schedule entry: nothing the CTA could safely write.
+__device__ __forceinline__ bool make_context(const DecodeAttentionArgs& a, CtaContext& ctx,
+                                             int& chunk, int& group, int& tile_rows) {
+  const int work = blockIdx.x;
+  ctx.head = blockIdx.y;
+  ctx.request = __ldg(a.request_indices + work);
+  chunk = __ldg(a.kv_tile_indices + work);
+  ctx.qo_tile = __ldg(a.qo_tile_indices + work);
+  group = a.num_qo_heads / a.num_kv_heads;
+  const int rows_total = a.seqlen_q * group;
+  if (ctx.request < 0 || ctx.request >= a.batch || chunk < 0 || ctx.qo_tile < 0 ||
+      ctx.qo_tile * kRowsPerCta >= rows_total) {
+    return false;
+  }
+  tile_rows = min(kRowsPerCta, rows_total - ctx.qo_tile * kRowsPerCta);
+  ctx.seqlen_k = max(__ldg(a.seqused_k + ctx.request), 0);
+  ctx.num_blocks = min((ctx.seqlen_k + kPageSize - 1) / kPageSize, a.page_table_width);
+  const int units_now = a.q2k_indices != nullptr ? a.topk : ctx.num_blocks;
+  const bool last_chunk = chunk == __ldg(a.num_splits + ctx.request) - 1;
+  ctx.chunk_begin = chunk * a.kv_chunk_size;
+  ctx.chunk_end = last_chunk ? units_now : min(ctx.chunk_begin + a.kv_chunk_size, units_now);
+  ctx.chunk_end = max(ctx.chunk_end, ctx.chunk_begin);
+  if (ctx.chunk_begin >= units_now) ctx.chunk_end = ctx.chunk_begin;
+  return true;
 }
 
 // Issues the cp.async copies of one page's K and V head slice into a stage.
@@ -518,6 +508,475 @@ __device__ __forceinline__ PageRef page_or_none(const DecodeAttentionArgs& a,
   return none;
 }
 
+// Writes one finished row of the warpgroup form (query token, q head): channel pairs
+// 8n + 2 (lane % 4) + {0, 1} from pair(n), n < 16, as the fp32 partial of split-KV slot `slot` or
+// as the bf16 output, and the LSE from the quad's first lane. (The older forms inline the same
+// stores; they stay as they are until they can be re-run on a GPU.)
+template <typename PairFn>
+__device__ __forceinline__ void store_row(const DecodeAttentionArgs& a, int64_t slot,
+                                          int request, int token, int qo_head, int lane,
+                                          float lse, PairFn pair) {
+  if (a.split_kv) {
+    const int64_t idx = (slot * a.seqlen_q + token) * a.num_qo_heads + qo_head;
+    float* o = a.o_partial + idx * kHeadDim + (lane & 3) * 2;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) *reinterpret_cast<float2*>(o + n * 8) = pair(n);
+    if ((lane & 3) == 0) a.lse_partial[idx] = lse;
+  } else {
+    const int64_t idx =
+        (static_cast<int64_t>(request) * a.seqlen_q + token) * a.num_qo_heads + qo_head;
+    __nv_bfloat16* o = static_cast<__nv_bfloat16*>(a.out) + idx * kHeadDim + (lane & 3) * 2;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      const float2 v = pair(n);
+      *reinterpret_cast<__nv_bfloat162*>(o + n * 8) = __floats2bfloat162_rn(v.x, v.y);
+    }
+    if ((lane & 3) == 0 && a.lse != nullptr) a.lse[idx] = lse;
+  }
+}
+
+// ---- Warpgroup form (tiles of more than 16 rows: multi-token prediction) ------------------
+// One CTA of two warpgroups per work item; warpgroup w holds rows 64w .. 64w + 63 of the qo
+// tile. Per page: S = Q K^T with wgmma m64n128 from shared memory (bf16 k16, or e4m3 k32 with
+// both operands e4m3), masking and the page's softmax in registers, then O += P V with P as the
+// register A operand (bf16, or f16 for e4m3) and V as a transposed (MN-major) shared-memory
+// B operand. Pages (and Q) sit in shared memory in the 128-byte swizzled layout wgmma reads:
+// rows of 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8), one 128-byte column block
+// after the other (bf16 rows of 256 bytes are two blocks). Loads are cp.async into a ring of
+// stages (rows past the request's end are zero-filled, so stale NaN bytes never meet P = 0).
+// e4m3 V is widened once per page into an f16 copy (exact); P is rounded to e4m3 against the
+// page's max and scaled by exp(page max - running max) in f16, as the reference rounds it
+// (the direct form does the same), so an f16 P.V reproduces an e4m3 P.V exactly up to that
+// f16 scaling. bf16 P is rounded to bf16 (the reference keeps it unrounded; the difference is
+// within the bf16 contract). Fully visible pages of every tile token skip the mask.
+namespace wg {
+
+constexpr int kRowBytes = 128;                 // one swizzled row
+constexpr int kAtomBytes = 8 * kRowBytes;      // the 8-row swizzle atom (stride byte offset)
+constexpr int kWarpgroupRows = 64;
+
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
+}
+
+template <bool kFp8>
+struct Shape {
+  static constexpr int kColBlocks = kFp8 ? 1 : 2;            // 128-byte blocks of a 128-wide row
+  static constexpr int kQBlockBytes = kWarpgroupRows * kRowBytes;
+  static constexpr int kQBytes = kQBlockBytes * kColBlocks;  // one warpgroup's Q rows
+  static constexpr int kPageBlockBytes = kPageSize * kRowBytes;
+  static constexpr int kKBytes = kPageBlockBytes * kColBlocks;
+  static constexpr int kStages = kFp8 ? 4 : 2;
+  static constexpr int kStageBytes = 2 * kKBytes;            // K then V
+  static constexpr int kVhBytes = kFp8 ? 2 * kPageBlockBytes : 0;   // e4m3 V widened to f16
+  static constexpr int kStagesOffset = 2 * kQBytes;
+  static constexpr int kVhOffset = kStagesOffset + kStages * kStageBytes;
+  static constexpr int kListOffset = kVhOffset + kVhBytes;
+  static constexpr int kBytes = kListOffset + kListBytes + kCountsSlotBytes;
+  static constexpr int kAlloc = kBytes + 1024;               // the base is aligned to 1024 bytes
+};
+static_assert(Shape<false>::kAlloc <= 227 * 1024, "warpgroup form (bf16): shared memory");
+static_assert(Shape<true>::kAlloc <= 227 * 1024, "warpgroup form (e4m3): shared memory");
+
+// Matrix descriptor of a 128-byte swizzled operand: start address, leading byte offset (the
+// next 64-element block along MN for MN-major operands; unused for K-major ones), stride byte
+// offset (the next 8-row atom), swizzle mode 128B.
+__device__ __forceinline__ uint64_t descriptor(const void* start, uint32_t leading_bytes) {
+  return static_cast<uint64_t>((smem_addr(start) & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>(leading_bytes >> 4) << 16) |
+         (static_cast<uint64_t>(kAtomBytes >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void fence_operands() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void commit_and_wait() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Generic-proxy shared-memory writes (cp.async, stores) made visible to wgmma's async proxy.
+__device__ __forceinline__ void fence_to_async_proxy() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// The 64 accumulator registers of an m64n128 fp32 tile: asm text and operands (d[0] .. d[63]
+// are %0 .. %63).
+#define MSA_WGMMA_D_TEXT \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"   \
+  "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45," \
+  "%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
+#define MSA_WGMMA_D_OPERANDS(d)                                                               \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),       \
+      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+      "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),          \
+      "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),          \
+      "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),          \
+      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),          \
+      "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),          \
+      "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),          \
+      "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),          \
+      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),          \
+      "+f"(d[62]), "+f"(d[63])
+
+// wgmma m64n128 wrappers (one warpgroup): D (64 fp32 per thread, the m64nNk16 accumulator
+// layout) += A * B. QK: A (Q) and B (K) from shared memory, both K-major 128-byte swizzled. PV:
+// A (P) from registers (the m64k16 fragment layout), B (V) from shared memory, MN-major
+// (transposed) 128-byte swizzled. scale_d = 0 overwrites D instead of accumulating.
+__device__ __forceinline__ void wgmma_qk_bf16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                          int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      MSA_WGMMA_D_TEXT ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : MSA_WGMMA_D_OPERANDS(d)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+__device__ __forceinline__ void wgmma_qk_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                          int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      MSA_WGMMA_D_TEXT ", %64, %65, p, 1, 1;\n}\n"
+      : MSA_WGMMA_D_OPERANDS(d)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+__device__ __forceinline__ void wgmma_pv_bf16(float (&d)[64], const uint32_t (&a)[4],
+                                          uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      MSA_WGMMA_D_TEXT ", {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+      : MSA_WGMMA_D_OPERANDS(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+__device__ __forceinline__ void wgmma_pv_f16(float (&d)[64], const uint32_t (&a)[4],
+                                          uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      MSA_WGMMA_D_TEXT ", {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+      : MSA_WGMMA_D_OPERANDS(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+
+// Q rows of the tile (zero past tile_rows) into each warpgroup's swizzled block.
+template <bool kFp8>
+__device__ __forceinline__ void load_queries(const DecodeAttentionArgs& a, const CtaContext& ctx,
+                                             int group, int tile_rows, char* qs) {
+  using S = Shape<kFp8>;
+  constexpr int kChunksPerRow = 8 * S::kColBlocks;
+  for (int c = threadIdx.x; c < kRowsPerCta * kChunksPerRow; c += kThreads) {
+    const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (row < tile_rows) {
+      const int r = ctx.qo_tile * kRowsPerCta + row;
+      const int token = r / group, qo_head = ctx.head * group + r % group;
+      const int64_t bytes =
+          ((static_cast<int64_t>(ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head) *
+          kHeadDim * (kFp8 ? 1 : 2);
+      v = *reinterpret_cast<const uint4*>(static_cast<const char*>(a.q) + bytes + chunk * 16);
+    }
+    const int local = row % kWarpgroupRows;
+    *reinterpret_cast<uint4*>(qs + (row / kWarpgroupRows) * S::kQBytes +
+                              (chunk / 8) * S::kQBlockBytes + swizzled(local, chunk % 8)) = v;
+  }
+}
+
+// One page's K and V head slices into a stage, swizzled; rows >= valid_rows zero-filled.
+template <bool kFp8>
+__device__ __forceinline__ void load_page(const DecodeAttentionArgs& a, int head,
+                                          const PageRef& ref, char* stage, int valid_rows) {
+  using S = Shape<kFp8>;
+  if (ref.token_mask == 0) return;
+  constexpr int kChunksPerRow = 8 * S::kColBlocks;
+  constexpr int kChunks = kPageSize * kChunksPerRow;
+  static_assert(kChunks % kThreads == 0, "every thread issues the same number of copies");
+  const int64_t bytes = (static_cast<int64_t>(ref.physical) * a.num_kv_heads + head) *
+                        (kPageSize * kHeadDim) * (kFp8 ? 1 : 2);
+  const char* k = static_cast<const char*>(a.k) + bytes;
+  const char* v = static_cast<const char*>(a.v) + bytes;
+#pragma unroll
+  for (int i = 0; i < kChunks / kThreads; ++i) {
+    const int c = threadIdx.x + i * kThreads;
+    const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
+    const int dst = (chunk / 8) * S::kPageBlockBytes + swizzled(row, chunk % 8);
+    const bool valid = row < valid_rows;
+    const int64_t src = valid ? static_cast<int64_t>(c) * 16 : 0;
+    cp_async_16_or_zero(stage + dst, k + src, valid);
+    cp_async_16_or_zero(stage + S::kKBytes + dst, v + src, valid);
+  }
+}
+
+// e4m3 V (swizzled, one block) -> f16 V (swizzled, two blocks), exact.
+__device__ __forceinline__ void widen_v(const char* v8, char* vh) {
+  constexpr int kItems = kPageSize * 8;          // 16-byte e4m3 chunks
+  static_assert(kItems % kThreads == 0, "every thread widens the same number of chunks");
+#pragma unroll
+  for (int i = 0; i < kItems / kThreads; ++i) {
+    const int item = threadIdx.x + i * kThreads;
+    const int row = item / 8, chunk = item % 8;  // channels 16 chunk .. 16 chunk + 15
+    const uint4 raw = *reinterpret_cast<const uint4*>(v8 + swizzled(row, chunk));
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+    uint4 out[2];
+    out[0] = make_uint4(e4m3x2_lo_to_f16x2(w[0]), e4m3x2_hi_to_f16x2(w[0]),
+                        e4m3x2_lo_to_f16x2(w[1]), e4m3x2_hi_to_f16x2(w[1]));
+    out[1] = make_uint4(e4m3x2_lo_to_f16x2(w[2]), e4m3x2_hi_to_f16x2(w[2]),
+                        e4m3x2_lo_to_f16x2(w[3]), e4m3x2_hi_to_f16x2(w[3]));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c16 = 2 * chunk + h;              // f16 chunk: channels 8 c16 .. 8 c16 + 7
+      *reinterpret_cast<uint4*>(vh + (c16 / 8) * (kPageSize * kRowBytes) +
+                                swizzled(row, c16 % 8)) = out[h];
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t pack_f16_scaled_e4m3(float lo, float hi, __half2 scale) {
+  const uint32_t p = round_e4m3x2_to_f16x2(lo, hi);
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&p), scale);
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// Per-thread row state: rows lane / 4 and lane / 4 + 8 of the warp's 16 rows.
+struct Rows {
+  int token[2];
+  int last_key[2];    // the row's last visible key (-1: a padding row)
+  float max[2];       // running max of the raw scores (-inf before any visible key)
+  float sum[2];       // this thread's share of the running softmax sum
+};
+
+template <bool kFp8>
+__device__ __forceinline__ void page_step(const char* qs, const char* kst, const char* vsrc,
+                                          const PageRef& page, bool full, float scale_log2,
+                                          Rows& rows, float (&s)[64], float (&o)[64]) {
+  using S = Shape<kFp8>;
+  const int lane = threadIdx.x & 31;
+  // S = Q K^T over the page's 128 keys.
+  fence_operands();
+  if constexpr (kFp8) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      wgmma_qk_e4m3(s, descriptor(qs + 32 * kk, 16), descriptor(kst + 32 * kk, 16), kk);
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      const int block = kk / 4, within = 32 * (kk % 4);
+      wgmma_qk_bf16(s, descriptor(qs + block * S::kQBlockBytes + within, 16),
+                    descriptor(kst + block * S::kPageBlockBytes + within, 16), kk);
+    }
+  }
+  commit_and_wait();
+
+  // Mask (causal against seqused_k, the page's selection per token), page maxima per row.
+  float page_max[2] = {-INFINITY, -INFINITY};
+  if (!full) {
+    int last[2];
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+      const bool selected = (page.token_mask >> rows.token[i2]) & 1u;
+      last[i2] = selected ? rows.last_key[i2] - page.logical * kPageSize : -1;
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = 8 * j + 2 * (lane & 3) + (e & 1);
+        if (key > last[e >> 1]) s[4 * j + e] = -INFINITY;
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) page_max[e >> 1] = fmaxf(page_max[e >> 1], s[4 * j + e]);
+  }
+  float alpha[2], shift[2], beta[2];
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    page_max[i2] = fmaxf(page_max[i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[i2], 1));
+    page_max[i2] = fmaxf(page_max[i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[i2], 2));
+    const float new_max = fmaxf(rows.max[i2], page_max[i2]);
+    alpha[i2] = rows.max[i2] == -INFINITY ? 0.f : exp2f((rows.max[i2] - new_max) * scale_log2);
+    // bf16: P against the running max; e4m3: against the page max (then scaled by beta).
+    const float ref = kFp8 ? page_max[i2] : new_max;
+    shift[i2] = ref == -INFINITY ? 0.f : -ref * scale_log2;
+    beta[i2] = page_max[i2] == -INFINITY ? 0.f : exp2f((page_max[i2] - new_max) * scale_log2);
+    rows.max[i2] = new_max;
+  }
+  float page_sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float p = exp2f(fmaf(s[4 * j + e], scale_log2, shift[e >> 1]));
+      page_sum[e >> 1] += p;
+      s[4 * j + e] = p;
+    }
+  }
+  uint32_t pa[8][4];   // P as the A operand, k-step kk: keys 16 kk .. 16 kk + 15
+  const __half2 beta0 = __float2half2_rn(beta[0]), beta1 = __float2half2_rn(beta[1]);
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+#pragma unroll
+    for (int f = 0; f < 4; ++f) {   // a0: row r, a1: row r + 8, a2 / a3: the same, keys + 8
+      const float* src = s + 8 * kk + 4 * (f >> 1) + 2 * (f & 1);
+      if constexpr (kFp8) {
+        pa[kk][f] = pack_f16_scaled_e4m3(src[0], src[1], (f & 1) ? beta1 : beta0);
+      } else {
+        pa[kk][f] = pack_bf16(src[0], src[1]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    rows.sum[i2] = rows.sum[i2] * alpha[i2] + (kFp8 ? beta[i2] : 1.f) * page_sum[i2];
+  }
+  if (alpha[0] != 1.f || alpha[1] != 1.f) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      o[4 * j] *= alpha[0];
+      o[4 * j + 1] *= alpha[0];
+      o[4 * j + 2] *= alpha[1];
+      o[4 * j + 3] *= alpha[1];
+    }
+  }
+  // O += P V: V [keys][channels] as the transposed B operand, 16 keys per step.
+  fence_operands();
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    const uint64_t desc_v = descriptor(vsrc + kk * 16 * kRowBytes, kPageSize * kRowBytes);
+    if constexpr (kFp8) {
+      wgmma_pv_f16(o, pa[kk], desc_v, 1);
+    } else {
+      wgmma_pv_bf16(o, pa[kk], desc_v, 1);
+    }
+  }
+  commit_and_wait();
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_attention_wg_kernel(const DecodeAttentionArgs a) {
+  using S = Shape<kFp8>;
+  extern __shared__ __align__(1024) char smem_raw[];
+  char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  char* stages = smem + S::kStagesOffset;
+  char* vh = smem + S::kVhOffset;
+  int* cand = reinterpret_cast<int*>(smem + S::kListOffset);
+  int* list_phys = cand + kMaxCandidates;
+  int* list_logical = list_phys + kMaxCandidates;
+  uint32_t* list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
+  int* warp_counts = reinterpret_cast<int*>(list_mask + kMaxCandidates);
+  int* page_total = warp_counts + kWarps;
+
+  CtaContext ctx;
+  int chunk, group, tile_rows;
+  if (!make_context(a, ctx, chunk, group, tile_rows)) return;
+  load_queries<kFp8>(a, ctx, group, tile_rows, smem);
+  int num_pages;
+  if (a.q2k_indices != nullptr) {
+    num_pages = build_sparse_page_list(a, ctx, cand, list_phys, list_logical, list_mask,
+                                       warp_counts, page_total);
+  } else {
+    num_pages = ctx.chunk_end - ctx.chunk_begin;
+  }
+
+  const int warpgroup = threadIdx.x / 128;
+  const int lane = threadIdx.x & 31, warp_in_group = (threadIdx.x % 128) / 32;
+  const bool group_active = warpgroup * kWarpgroupRows < tile_rows;   // uniform per warpgroup
+  const char* qs = smem + warpgroup * S::kQBytes;
+  Rows rows;
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    const int row = warpgroup * kWarpgroupRows + warp_in_group * 16 + (lane >> 2) + 8 * i2;
+    rows.token[i2] = min((ctx.qo_tile * kRowsPerCta + row) / group, 31);
+    rows.last_key[i2] = row < tile_rows
+                            ? min(ctx.seqlen_k - 1, rows.token[i2] + ctx.seqlen_k - a.seqlen_q)
+                            : -1;
+    rows.max[i2] = -INFINITY;
+    rows.sum[i2] = 0.f;
+  }
+  // Tokens of the tile and the last key every one of them sees (the first token's).
+  const int first_token = ctx.qo_tile * kRowsPerCta / group;
+  const int last_token = (ctx.qo_tile * kRowsPerCta + tile_rows - 1) / group;
+  const uint32_t tile_tokens =
+      (last_token >= 31 ? 0xFFFFFFFFu : ((1u << (last_token + 1)) - 1u)) &
+      ~((1u << first_token) - 1u);
+  const int shared_last_key =
+      min(ctx.seqlen_k - 1, first_token + ctx.seqlen_k - a.seqlen_q);
+  const float scale_log2 = a.softmax_scale * kLog2e;
+
+  float s[64], o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) s[i] = o[i] = 0.f;
+
+  auto page_of = [&](int idx) {
+    return page_or_none(a, ctx, idx, num_pages, list_phys, list_logical, list_mask);
+  };
+  auto stage_of = [&](int idx) { return stages + (idx % S::kStages) * S::kStageBytes; };
+  auto issue = [&](int idx) {   // one cp.async group per page, empty past the end
+    const PageRef ref = page_of(idx);
+    const int valid_rows = min(kPageSize, max(ctx.seqlen_k - ref.logical * kPageSize, 0));
+    load_page<kFp8>(a, ctx.head, ref, stage_of(idx), valid_rows);
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int idx = 0; idx < S::kStages - 1; ++idx) issue(idx);
+
+  for (int i = 0; i < num_pages; ++i) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(S::kStages - 2) : "memory");
+    fence_to_async_proxy();
+    // Page i has landed; every thread is done with page i - 1, whose stage takes the next page.
+    __syncthreads();
+    issue(i + S::kStages - 1);
+    const PageRef page = page_of(i);
+    if (page.token_mask == 0) continue;                  // uniform: skipped (nothing loaded)
+    const char* kst = stage_of(i);
+    if constexpr (kFp8) {
+      widen_v(kst + S::kKBytes, vh);
+      fence_to_async_proxy();
+    }
+    const bool full = (page.token_mask & tile_tokens) == tile_tokens &&
+                      page.logical * kPageSize + kPageSize - 1 <= shared_last_key;
+    if constexpr (kFp8) {
+      __syncthreads();                                   // the widened V is complete
+    }
+    if (group_active) {
+      page_step<kFp8>(qs, kst, kFp8 ? vh : kst + S::kKBytes, page, full, scale_log2, rows, s, o);
+    }
+  }
+  cp_async_wait_all();
+
+  // Finalize: normalized O and LSE (natural log) per row; empty rows give O = 0, LSE = -inf.
+  if (!group_active) return;
+  const int64_t slot = a.split_kv ? static_cast<int64_t>(__ldg(a.merge_indptr + ctx.request)) + chunk
+                                  : 0;
+  if (a.split_kv && (slot < 0 || slot >= a.num_partial_slots)) return;
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    float sum = rows.sum[i2];
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+    const int row = warpgroup * kWarpgroupRows + warp_in_group * 16 + (lane >> 2) + 8 * i2;
+    if (row >= tile_rows) continue;
+    const int r = ctx.qo_tile * kRowsPerCta + row;
+    const int token = r / group, qo_head = ctx.head * group + r % group;
+    const bool empty = !(sum > 0.f);
+    const float inv = empty ? 0.f : 1.f / sum;
+    const float lse = empty ? -INFINITY : (rows.max[i2] * scale_log2 + log2f(sum)) * kLn2;
+    store_row(a, slot, ctx.request, token, qo_head, lane, lse, [&](int j) {
+      return make_float2(o[4 * j + 2 * i2] * inv, o[4 * j + 2 * i2 + 1] * inv);
+    });
+  }
+}
+
+}  // namespace wg
+
 // The direct form's whole page loop, two pages per step (split keys: warp w owns keys
 // 16w .. 16w + 15 of both pages; rows lane / 4 and lane / 4 + 8). (A 16-warp form, each warp
 // computing one page of the pair, ran 2.6-2.8 TB/s against this form's 3.4: twice the warps
@@ -699,29 +1158,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       reinterpret_cast<float*>(reinterpret_cast<char*>(warp_counts) + kCountsSlotBytes);
   static_assert(kWarps * 4 + 4 <= kCountsSlotBytes, "warp_counts and page_total fit their slot");
 
-  const int work = blockIdx.x;
   CtaContext ctx;
-  ctx.head = blockIdx.y;
-  ctx.request = __ldg(a.request_indices + work);
-  const int chunk = __ldg(a.kv_tile_indices + work);
-  ctx.qo_tile = __ldg(a.qo_tile_indices + work);
-  const int group = a.num_qo_heads / a.num_kv_heads;
-  const int rows_total = a.seqlen_q * group;
-  if (ctx.request < 0 || ctx.request >= a.batch || chunk < 0 || ctx.qo_tile < 0 ||
-      ctx.qo_tile * kRowsPerCta >= rows_total) {
-    return;   // a corrupt schedule entry: nothing this CTA could safely write
-  }
-  const int tile_rows = min(kRowsPerCta, rows_total - ctx.qo_tile * kRowsPerCta);
-  ctx.seqlen_k = max(__ldg(a.seqused_k + ctx.request), 0);
-  ctx.num_blocks = min((ctx.seqlen_k + kPageSize - 1) / kPageSize, a.page_table_width);
-
-  // The chunk's unit range; the request's last chunk runs to its current end.
-  const int units_now = a.q2k_indices != nullptr ? a.topk : ctx.num_blocks;
-  const bool last_chunk = chunk == __ldg(a.num_splits + ctx.request) - 1;
-  ctx.chunk_begin = chunk * a.kv_chunk_size;
-  ctx.chunk_end = last_chunk ? units_now : min(ctx.chunk_begin + a.kv_chunk_size, units_now);
-  ctx.chunk_end = max(ctx.chunk_end, ctx.chunk_begin);
-  if (ctx.chunk_begin >= units_now) ctx.chunk_end = ctx.chunk_begin;
+  int chunk, group, tile_rows;
+  if (!make_context(a, ctx, chunk, group, tile_rows)) return;
 
   uint32_t qf[kHeadDim / 16][4];   // direct e4m3 form: Q fragments in registers
   if constexpr (kDirectFp8) {
@@ -1060,15 +1499,22 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream) {
   if (args.num_work <= 0 || args.num_kv_heads <= 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(args.num_work), static_cast<unsigned>(args.num_kv_heads));
-  // Split keys across warps only when every qo tile has <= 16 rows, and the direct e4m3 form
-  // only then with e4m3 Q and K/V (the binding checks both).
+  // Split keys across warps only when every qo tile has <= 16 rows, the direct e4m3 form only
+  // then with e4m3 Q and K/V, the warpgroup form only with Q and K/V of one dtype (the binding
+  // checks all three; the caller asks for the warpgroup form on tiles of > 16 rows).
   auto launch = [&](auto kernel, int smem_bytes) -> cudaError_t {
     MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              smem_bytes));
     kernel<<<grid, kThreads, smem_bytes, stream>>>(args);
     return cudaSuccess;
   };
-  if (args.direct_fp8) {
+  if (args.warpgroup) {
+    if (args.q_fp8) {
+      MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<true>, wg::Shape<true>::kAlloc));
+    } else {
+      MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<false>, wg::Shape<false>::kAlloc));
+    }
+  } else if (args.direct_fp8) {
     MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, true>, kDirectSmemBytes));
   } else if (args.split_keys) {
     MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, false>, kSmemBytes));

@@ -24,6 +24,7 @@
 #include <cmath>
 
 #include "common.cuh"
+#include "top_list.cuh"
 #include "torch_binding.h"
 
 namespace msa {
@@ -83,53 +84,6 @@ __device__ __forceinline__ float block_score(const TopkSelectArgs& a, int64_t he
   }
   return v;
 }
-
-// Total order of candidates: larger score first, lower id on ties.
-__device__ __forceinline__ bool ranks_before(float x, int xi, float y, int yi) {
-  return x > y || (x == y && xi < yi);
-}
-
-// Sorted (best first) list of up to KCAP candidates; empty slots are (-inf, -1).
-template <int KCAP>
-struct TopList {
-  float score[KCAP];
-  int id[KCAP];
-
-  __device__ __forceinline__ void clear() {
-#pragma unroll
-    for (int i = 0; i < KCAP; ++i) {
-      score[i] = -INFINITY;
-      id[i] = -1;
-    }
-  }
-
-  // -inf and NaN never enter: they do not rank before an empty (-inf, -1) slot.
-  __device__ __forceinline__ void offer(float x, int xi) {
-    if (!ranks_before(x, xi, score[KCAP - 1], id[KCAP - 1])) return;
-#pragma unroll
-    for (int i = 0; i < KCAP; ++i) {
-      if (ranks_before(x, xi, score[i], id[i])) {
-        const float ts = score[i];
-        const int ti = id[i];
-        score[i] = x;
-        id[i] = xi;
-        x = ts;
-        xi = ti;
-      }
-    }
-  }
-
-  // Removes the best entry (row kernel).
-  __device__ __forceinline__ void pop_front() {
-#pragma unroll
-    for (int i = 0; i + 1 < KCAP; ++i) {
-      score[i] = score[i + 1];
-      id[i] = id[i + 1];
-    }
-    score[KCAP - 1] = -INFINITY;
-    id[KCAP - 1] = -1;
-  }
-};
 
 // Writes one output row given the selected candidate ids in ascending order (sorted_ids[i],
 // i < selected). Forced ids surround them: [0, begin_count) first, [tail_start, end) after.

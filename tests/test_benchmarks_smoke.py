@@ -86,6 +86,39 @@ def test_msa_prefill_e2e_stand_ins(tmp_path):
     assert "the backend is the PyTorch reference" in stdout
 
 
+def test_prefill_production_tiny(tmp_path):
+    """The production-prefill protocol's CPU parts: paged plan/run per case, the stage marks,
+    the dense lower-right peer, the weighted aggregate; then the plot script's reading."""
+    out = tmp_path / "prefill_production.tsv"
+    run_tiny("bench_prefill_production.py", out)
+    header, rows = read_tsv(out)
+    cases = [r for r in rows if r["case"] != "weighted"]
+    assert {r["case"] for r in cases} == {"tiny_short", "tiny_batch", "tiny_self"}
+    for r in cases:
+        assert float(r["latency_ms"]) > 0 and float(r["dense_ms"]) > 0 and r["speedup"]
+        assert all(r[f"{s}_ms"] for s in ("indexer", "topk", "csr", "attention"))
+        assert r["note"] == "", r["note"]            # the selection matched the FLOP count
+    (weighted,) = [r for r in rows if r["case"] == "weighted"]
+    assert weighted["weight"] == str(sum(int(r["weight"]) for r in cases))
+    assert "min_speedup=" in weighted["note"]
+
+    sys.path.insert(0, str(BENCH))
+    from plot_prefill_production import load_run, series
+    _label, plotted, weighted = load_run(out)
+    assert len(plotted) == 3 and set(weighted) == {"paged bf16"}
+    assert sorted(series(plotted)["paged bf16"]["total_q"]) == [40, 170, 300]
+
+
+def test_prefill_production_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "prefill_production.tsv"
+    run_tiny("bench_prefill_production.py", out, "--no-breakdown", "--impls", "paged,dense")
+    sys.path.insert(0, str(BENCH))
+    from plot_prefill_production import main as plot
+    plot([str(out), "--out", str(tmp_path / "p.png")])
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
 def test_decode_tiny(tmp_path):
     out = tmp_path / "decode.tsv"
     run_tiny("bench_decode.py", out)
@@ -97,6 +130,39 @@ def test_decode_tiny(tmp_path):
                 assert (dtype, mode, seqlen_q) in combos
     assert all(int(r["bytes_read"]) > 0 for r in rows)
     assert any(r["backend"] == "math" and r["speedup_vs_cudnn"] == "1.00" for r in rows)
+
+
+def test_decode_production_tiny(tmp_path):
+    out = tmp_path / "decode_production.tsv"
+    run_tiny("bench_decode_production.py", out)
+    _header, rows = read_tsv(out)
+    impls = {"cudnn", "dense-bf16", "dense-fp8", "step-bf16", "step-fp8", "step-fp8-nvfp4"}
+    timed = [r for r in rows if r["suite"] == "tiny"]
+    assert {r["impl"] for r in timed} == impls
+    assert all(float(r["latency_us"]) > 0 and int(r["bytes_read"]) > 0 for r in timed)
+    assert {r["index_dtype"] for r in timed if r["impl"].startswith("step")} == {
+        "bf16", "e4m3", "nvfp4"}
+    assert {r["impl"] for r in rows if r["suite"] == "aggregate"} == impls
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(BENCH))
+    from plot_decode_production import main as plot_main
+    plot_main([str(out), "--out", str(tmp_path / "plot.png")])
+    assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+def test_decode_production_cases_are_upstreams_grid():
+    sys.path.insert(0, str(BENCH))
+    from bench_decode_production import production_cases, ragged_lengths
+    cases = production_cases()
+    production = [c for c in cases if c[0] == "production"]
+    assert len(production) == 28 and sum(c[3] for c in production) == 10000
+    assert {(c[1], c[2]) for c in cases if c[0] == "low-latency"} == {
+        (b, kv) for b in (1, 2, 4) for kv in (1000, 4000, 8000, 32000)}
+    for _suite, batch, nominal, _w in cases:
+        lens = ragged_lengths(batch, nominal, 8)
+        assert len(lens) == batch and sum(lens) == batch * nominal
+        assert all(nominal - nominal // 4 <= n <= nominal + nominal // 4 for n in lens)
+        assert lens == ragged_lengths(batch, nominal, 8)      # deterministic
 
 
 @pytest.mark.parametrize("text,expected", [("32k,64k", [32768, 65536]), ("1m", [1 << 20]),
@@ -115,3 +181,13 @@ def test_fmha_tiny(tmp_path):
                                                         ("max_score", "dense")}
     assert {r["causal"] for r in rows if r["mode"] == "o"} == {"0", "1"}
     assert all(t > 0 for t in latencies(rows, "latency_ms"))
+
+
+def test_transformers_m3_tiny(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "m3.tsv"
+    run_tiny("bench_transformers_m3.py", out)
+    _header, rows = read_tsv(out)
+    assert [r["impl"] for r in rows] == ["stock", "kernelized"]
+    assert all(float(r["latency_ms"]) > 0 for r in rows)
+    assert float(rows[1]["speedup_vs_stock"]) > 0 and rows[1]["note"] == "msa.layers"

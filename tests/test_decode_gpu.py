@@ -88,7 +88,7 @@ def _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k):
 LENS = [1, 129, 1000, 256, 77]
 
 
-@pytest.mark.parametrize("keys", ["rows", "split", "direct"])
+@pytest.mark.parametrize("keys", ["rows", "split", "direct", "warpgroup"])
 @pytest.mark.parametrize("split", ["forced", "unsplit"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("dtypes", list(DTYPES))
@@ -99,7 +99,7 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
     """keys="split": the kernel form where the warps split each page's keys (tiles of <= 16
     rows; for larger tiles the kernel keeps the row form, so those cases repeat "rows").
     keys="direct": the split form's direct e4m3 variant (e4m3 q and K/V only, two pages per
-    step)."""
+    step). keys="warpgroup": the wgmma form (q and K/V of one dtype), forced on every tile."""
     _force_form(monkeypatch, keys, dtypes)
     q, k, v, table, seqused_k, q2k = _batch(LENS, seqlen_q, group, dtypes, sparse)
     kw = dict(fixed_split_size=1) if split == "forced" else dict(disable_split_kv=True)
@@ -113,13 +113,17 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
 
 def _force_form(monkeypatch, keys, dtypes):
     """keys: "rows" (one warp per 16 rows), "split" (warps split each page's keys, bf16
-    staging) or "direct" (split, e4m3 fragments read straight from the raw pages, two pages per
-    step); the direct form serves e4m3 q and K/V only (skip otherwise)."""
+    staging), "direct" (split, e4m3 fragments read straight from the raw pages, two pages per
+    step; e4m3 q and K/V only) or "warpgroup" (wgmma, q and K/V of one dtype; forced, so it
+    also runs tiles of <= 16 rows); cases a form does not serve are skipped."""
     if keys == "direct" and dtypes != "fp8":
         pytest.skip("the direct form serves e4m3 q and K/V only")
+    if keys == "warpgroup" and dtypes == "bf16q_fp8kv":
+        pytest.skip("the warpgroup form serves q and K/V of one dtype")
     from msa._native import decode_cuda
     monkeypatch.setattr(decode_cuda, "SPLIT_KEYS_FOR_TESTS", keys in ("split", "direct"))
     monkeypatch.setattr(decode_cuda, "DIRECT_FP8_FOR_TESTS", keys == "direct")
+    monkeypatch.setattr(decode_cuda, "WARPGROUP_FOR_TESTS", keys == "warpgroup")
 
 
 def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k):
@@ -159,6 +163,29 @@ def test_native_decode_direct_ignores_nan_bytes_past_the_keys(msa_pkg, native_on
     wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k)
     out, lse = _run_native(msa_pkg, wrapper, q, k, v)
     _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
+
+
+@pytest.mark.parametrize("dtypes", ["bf16", "fp8"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, dtypes, monkeypatch):
+    """The warpgroup form at the production shape (8 queries x G = 16: two full warpgroups),
+    with 32-row tiles (one warpgroup idle), two qo tiles (16 x 16), one query (16 rows), a
+    long request split over many chunks, NaN bytes past each request's keys (zero-filled on
+    load), and pages shared by every token."""
+    for seqlen_q, group, poison in ((8, 16, False), (8, 4, True), (16, 16, False), (1, 16, False)):
+        _force_form(monkeypatch, "warpgroup", dtypes)
+        lens = [70001, 129, 3, 4096, 1000]
+        q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, dtypes, sparse, topk=16)
+        for b, n in enumerate(lens):
+            if poison and n % P:
+                page = int(table[b, (n - 1) // P])
+                k.view(torch.uint8)[page, :, n % P:, :] = 0x7F if dtypes == "fp8" else 0xFF
+                v.view(torch.uint8)[page, :, n % P:, :] = 0x7F if dtypes == "fp8" else 0xFF
+        wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k)
+        out, lse = _run_native(msa_pkg, wrapper, q, k, v)
+        _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
+        if dtypes == "fp8" and not poison:   # the fp32 model multiplies the NaN rows by P = 0
+            _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 
 @pytest.mark.parametrize("keys", ["rows", "split", "direct"])

@@ -493,7 +493,7 @@ def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch)
         assert worst <= 1e-3
     else:
         # Their normalizer sums the rounded P (3e-2 from the plain kernel's on the H200); a
-        # wrong layout moves O by its own size (the 192-key experiment of session 14: 0.75-1.4).
+        # wrong layout moves O by its own size (0.75-1.4 for a mispermuted 192-key block).
         assert (got - want).abs().max().item() <= 0.125, "beyond the contract's e4m3 bound"
 
 

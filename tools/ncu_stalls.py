@@ -7,8 +7,8 @@
 
 Prints the stall reasons over all samples, then the opcodes holding the most samples with each
 one's top three reasons (e.g. MUFU "wait": a fixed-latency dependency; WARPGROUP "barrier":
-the DEPBAR waiting for the warp's own wgmmas; BRA "long_sb": mbarrier try-wait loops). Sessions
-12 and 13 read the e4m3 FMHA's critical path this way (docs/design-fmha.md).
+the DEPBAR waiting for the warp's own wgmmas; BRA "long_sb": mbarrier try-wait loops): the
+e4m3 FMHA's critical path was read this way (docs/design-fmha.md).
 """
 
 from __future__ import annotations

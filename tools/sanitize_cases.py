@@ -6,13 +6,15 @@
 Every native op runs at least once on small ragged inputs: build_k2q_csr (+ schedule), sparse
 prefill (bf16 dense/paged, fp32/bf16/fp16/e4m3 partials, G = 1 and 16, each FP8 mode, the
 combine), sparse_topk_select (forced blocks, causal end, head reduce), block max-scores
-(dense/paged) and paged decode (dense/sparse, split and unsplit); the e4m3 indexer too. Inputs
+(dense/paged), paged decode (dense/sparse, split and unsplit, every form) and the fused decode
+indexer; the e4m3 indexer too. Inputs
 include indices a caller may pass without host validation (the API never syncs to look at index values): q2k ids past the request's blocks
 or negative, page-table entries out of range, seqused_k larger than the table. Kernels must skip
 them, never touch memory outside their buffers. Unvalidated kernels are enabled here on purpose
 (MSA_UNVALIDATED_KERNELS=1): memcheck is part of their validation. MSA_BACKEND=native, so a
 silent fallback cannot hide a kernel from the sanitizer. MSA_SANITIZE_ONLY (comma-separated
-section names: sparse_prefill, topk, block_max, decode, fmha) runs a subset.
+section names: sparse_prefill, topk, block_max, decode, decode_indexer, fmha,
+prefill_production) runs a subset.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from msa_loading import import_variant_as_msa  # noqa: E402
 
 msa = import_variant_as_msa(sys.argv[1])
 from msa import _backend  # noqa: E402
-from msa._native import block_max_score_sm90, decode_cuda  # noqa: E402,F401 (registers them)
+from msa._native import (block_max_score_sm90, decode_cuda,  # noqa: E402,F401 (registers them)
+                         decode_indexer_cuda)
 
 import test_sparse_prefill_gpu as prefill_cases  # noqa: E402
 from test_block_max_score_gpu import _paginate as paginate_index_keys  # noqa: E402
@@ -173,7 +176,31 @@ def decode_runs():
     decode_run([3000, 0, 640], 16, 16, "bf16q_fp8kv", True)
     decode_run([1000, 500], 2, 4, "bf16", True, bad=True, enable_cuda_graph=True)
     decode_run([1000, 500], 2, 4, "fp8", False, bad=True, enable_cuda_graph=True)
+    # The warpgroup form (tiles of > 16 rows, q and K/V of one dtype).
+    decode_run([1, 129, 1000, 77], 8, 16, "bf16", True, fixed_split_size=1)
+    decode_run([1, 129, 1000, 77], 8, 16, "fp8", False)
+    decode_run([1000, 500], 8, 4, "fp8", True, bad=True, enable_cuda_graph=True)
     print("decode: ok")
+
+
+def decode_indexer_runs():
+    """The fused decode indexer + top-k: bf16 / e4m3 / NVFP4 (both scale layouts) keys, MTP
+    rows, a many-chunk merge, out-of-range page ids and lengths past the table."""
+    import test_decode_indexer as indexer_cases
+    for fmt, layout, seqlen_q, heads, topk, ctas in (
+            ("bf16", "128x4", 1, 4, 16, None), ("e4m3", "128x4", 8, 4, 16, 5),
+            ("nvfp4", "128x4", 16, 8, 32, None), ("nvfp4", "linear", 3, 2, 4, 600)):
+        inputs, _ = indexer_cases.make_index_batch([1, 129, 5000, 77, 300], seqlen_q, heads, fmt,
+                                                   device="cuda", layout=layout)
+        inputs["page_table"][2, 1] = 1 << 30
+        inputs["seqused_k"][3] = 1 << 30
+        plan = msa.make_decode_indexer_plan(inputs["seqused_k"], seqlen_q=seqlen_q,
+                                            num_index_heads=heads, topk=topk, max_seqlen_k=5001,
+                                            max_ctas=ctas)
+        args = {k: v for k, v in inputs.items() if k != "seqused_k"}
+        msa.decode_indexer_topk(plan=plan, return_scores=True, **args)
+        expect_native("decode_indexer_topk")
+    print("decode_indexer: ok")
 
 
 def fmha_cases(gen):
@@ -251,13 +278,47 @@ def _fmha_o_cases(gen, dtype, with_max_score):
             expect_native("fmha_dense")
 
 
+def prefill_production_cases(gen):
+    """msa.prefill's glue around the native ops: the paged wrapper in query chunks with the
+    split-K indexer (page-table columns past each request's pages hold out-of-range ids), and
+    msa_prefill in query chunks (zero-query gap requests)."""
+    dev = torch.device("cuda")
+    draw = lambda *shape: torch.randn(*shape, generator=gen).to(torch.bfloat16).to(dev)  # noqa
+    q_lens, k_lens = (171, 5, 900), (9000, 700, 900)
+    pages = [-(-n // BLOCK) for n in k_lens]
+    n_pages = sum(pages)
+    table = torch.full((len(pages), max(pages) + 2), n_pages + 7, dtype=torch.int32)
+    perm = torch.randperm(n_pages, generator=gen).to(torch.int32)
+    start = 0
+    for b, count in enumerate(pages):
+        table[b, :count] = perm[start:start + count]
+        start += count
+    wrapper = msa.MsaPrefillPagedWrapper().plan(q_lens, k_lens, table.to(dev), num_qo_heads=64,
+                                               num_kv_heads=4, max_chunk_tokens=256)
+    assert max(wrapper.index_splits) > 1
+    wrapper.run(draw(sum(q_lens), 64, 128), draw(n_pages, 4, BLOCK, 128),
+                draw(n_pages, 4, BLOCK, 128), draw(sum(q_lens), 4, 128),
+                draw(n_pages, 1, BLOCK, 128), return_lse=True)
+    expect_native("block_max_scores")
+    expect_native("sparse_atten")
+    q_lens, k_lens = (1100, 300), (1100, 5000)
+    cu_q = torch.tensor([0, 1100, 1400], dtype=torch.int32, device=dev)
+    cu_k = torch.tensor([0, 1100, 6100], dtype=torch.int32, device=dev)
+    msa.msa_prefill(draw(1400, 64, 128), draw(6100, 4, 128), draw(6100, 4, 128),
+                    draw(1400, 4, 128), draw(6100, 1, 128), cu_q, cu_k, max_seqlen_q=1100,
+                    max_seqlen_k=5000, workspace_bytes=1)
+    expect_native("sparse_atten")
+
+
 if __name__ == "__main__":
     generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     sections = {"sparse_prefill": lambda: sparse_prefill_cases(generator),
                 "topk": lambda: topk_cases(generator),
                 "block_max": lambda: block_max_cases(generator),
                 "decode": decode_runs,
-                "fmha": lambda: fmha_cases(generator)}
+                "decode_indexer": decode_indexer_runs,
+                "fmha": lambda: fmha_cases(generator),
+                "prefill_production": lambda: prefill_production_cases(generator)}
     # MSA_SANITIZE_ONLY="fmha,decode" runs those sections only (memcheck of one new kernel
     # without the ~400 s of the whole set).
     only = [name for name in os.environ.get("MSA_SANITIZE_ONLY", "").split(",") if name]

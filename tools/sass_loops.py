@@ -6,8 +6,8 @@
 
 Prints every loop (a backward branch to a label) holding at least --min-mma warpgroup MMAs
 (HGMMA / QGMMA): its address range, instruction count and most frequent opcodes. Comparing two
-forms' hot loops this way found the FSEL chains (session 2) and the R2UR / IMAD descriptor
-arithmetic that made bf16 wsup slower than wsu (session 10).
+forms' hot loops this way shows select (FSEL) chains from dynamic branches around fragment
+stores, or wgmma descriptor arithmetic (R2UR / IMAD) that a form keeps in vector registers.
 """
 
 from __future__ import annotations

@@ -281,7 +281,7 @@ void sparse_decode_attention(
     const std::optional<torch::Tensor>& o_partial, const std::optional<torch::Tensor>& lse_partial,
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
-    bool direct_fp8) {
+    bool direct_fp8, bool warpgroup) {
   TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
@@ -393,8 +393,153 @@ void sparse_decode_attention(
   a.split_keys = split_keys && seqlen_q * (hq / hkv) <= 16;
   // The direct e4m3 form (no conversion pass) serves split-keys tiles with e4m3 q and K/V.
   a.direct_fp8 = direct_fp8 && a.split_keys && a.q_fp8 && a.kv_fp8;
+  // The warpgroup (wgmma) form serves q and K/V of one dtype (the caller asks for it on tiles
+  // of > 16 rows, or on any tile when forced).
+  a.warpgroup = warpgroup && a.q_fp8 == a.kv_fp8;
   check_launch(msa::launch_decode_attention(a, c10::cuda::getCurrentCUDAStream(device.index())),
                "sparse_decode_attention");
+}
+
+void decode_indexer_plan_update(const torch::Tensor& seqused_k, torch::Tensor& work,
+                                torch::Tensor& requests, torch::Tensor& chunk_pages) {
+  TORCH_CHECK(seqused_k.is_cuda(), "seqused_k: must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(seqused_k.device());
+  const torch::Device device = seqused_k.device();
+  check_cuda_tensor(seqused_k, "seqused_k", at::kInt, 1, device);
+  check_cuda_tensor(work, "work", at::kInt, 2, device);
+  check_cuda_tensor(requests, "requests", at::kInt, 2, device);
+  check_cuda_tensor(chunk_pages, "chunk_pages", at::kInt, 1, device);
+  const int64_t batch = seqused_k.numel();
+  TORCH_CHECK(batch >= 1 && batch < INT_MAX, "seqused_k: needs 1 .. 2^31 - 2 requests");
+  TORCH_CHECK(work.size(1) == 2 && work.size(0) > batch && work.size(0) < INT_MAX,
+              "work: expected [capacity > B, 2], got ", work.sizes());
+  TORCH_CHECK(requests.size(0) == batch && requests.size(1) == 3, "requests: expected [", batch,
+              ", 3], got ", requests.sizes());
+  TORCH_CHECK(chunk_pages.numel() >= 1, "chunk_pages: expected [1]");
+  msa::DecodeIndexerPlanArgs a{};
+  a.seqused_k = seqused_k.data_ptr<int32_t>();
+  a.batch = static_cast<int>(batch);
+  a.capacity = static_cast<int>(work.size(0));
+  a.work = work.data_ptr<int32_t>();
+  a.requests = requests.data_ptr<int32_t>();
+  a.chunk_pages = chunk_pages.data_ptr<int32_t>();
+  check_launch(msa::launch_decode_indexer_plan(a, c10::cuda::getCurrentCUDAStream(device.index())),
+               "decode_indexer_plan_update");
+}
+
+void decode_indexer_topk(const torch::Tensor& q, const torch::Tensor& k,
+                         const std::optional<torch::Tensor>& k_scale, bool k_scale_linear,
+                         const std::optional<torch::Tensor>& k_global_scale,
+                         const torch::Tensor& page_table, const torch::Tensor& seqused_k,
+                         const torch::Tensor& work, torch::Tensor& requests,
+                         const torch::Tensor& chunk_pages, torch::Tensor& partials,
+                         torch::Tensor& out, const std::optional<torch::Tensor>& scores,
+                         int64_t seqlen_q, int64_t topk, double scale) {
+  TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const torch::Device device = q.device();
+  const at::ScalarType fp8 = at::kFloat8_e4m3fn;
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == fp8,
+              "q: expected bfloat16 or float8_e4m3fn, got ", q.scalar_type());
+  check_cuda_tensor(q, "q", q.scalar_type(), 3, device);
+  const bool nvfp4 = k.scalar_type() == at::kByte;
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16 || k.scalar_type() == fp8 || nvfp4,
+              "k: expected bfloat16, float8_e4m3fn or uint8 (NVFP4), got ", k.scalar_type());
+  TORCH_CHECK((q.scalar_type() == at::kBFloat16) == (k.scalar_type() == at::kBFloat16),
+              "k: bf16 keys need a bf16 q, e4m3 / NVFP4 keys an e4m3 q");
+  check_cuda_tensor(k, "k", k.scalar_type(), 4, device);
+  TORCH_CHECK(k.size(0) >= 1 && k.size(1) == 1 && k.size(2) == 128 &&
+                  k.size(3) == (nvfp4 ? 64 : 128),
+              "k: expected [pages, 1, 128, ", nvfp4 ? 64 : 128, "], got ", k.sizes());
+  check_cuda_tensor(page_table, "page_table", at::kInt, 2, device);
+  check_cuda_tensor(seqused_k, "seqused_k", at::kInt, 1, device);
+  check_cuda_tensor(work, "work", at::kInt, 2, device);
+  check_cuda_tensor(requests, "requests", at::kInt, 2, device);
+  check_cuda_tensor(chunk_pages, "chunk_pages", at::kInt, 1, device);
+  check_cuda_tensor(partials, "partials", at::kInt, 4, device);
+  check_cuda_tensor(out, "out", at::kInt, 3, device);
+  const int64_t batch = seqused_k.numel(), heads = q.size(1);
+  TORCH_CHECK(batch >= 1, "seqused_k: needs at least one request");
+  TORCH_CHECK(seqlen_q >= 1 && seqlen_q <= 16, "seqlen_q: must be in [1, 16], got ", seqlen_q);
+  TORCH_CHECK(heads >= 1 && seqlen_q * heads <= 128, "q: seqlen_q * heads must be <= 128, got ",
+              seqlen_q, " * ", heads);
+  TORCH_CHECK(q.size(0) == batch * seqlen_q && q.size(2) == 128, "q: expected [", batch * seqlen_q,
+              ", H, 128], got ", q.sizes());
+  TORCH_CHECK(topk >= 2 && topk <= 32, "topk: must be in [2, 32], got ", topk);
+  TORCH_CHECK(page_table.size(0) == batch && page_table.size(1) >= 1 &&
+                  page_table.size(1) < INT_MAX / 128,
+              "page_table: expected [", batch, ", 1 .. 2^24), got ", page_table.sizes());
+  const int64_t capacity = work.size(0);
+  TORCH_CHECK(work.size(1) == 2 && capacity > batch && capacity < INT_MAX,
+              "work: expected [capacity > B, 2], got ", work.sizes());
+  TORCH_CHECK(requests.size(0) == batch && requests.size(1) == 3, "requests: expected [", batch,
+              ", 3], got ", requests.sizes());
+  TORCH_CHECK(chunk_pages.numel() >= 1, "chunk_pages: expected [1]");
+  const int64_t list_capacity = topk <= 16 ? 16 : 32;
+  TORCH_CHECK(partials.size(0) == capacity && partials.size(1) == seqlen_q * heads &&
+                  partials.size(2) == list_capacity && partials.size(3) == 2,
+              "partials: expected [", capacity, ", ", seqlen_q * heads, ", ", list_capacity,
+              ", 2], got ", partials.sizes());
+  TORCH_CHECK(out.size(0) >= heads && out.size(0) % heads == 0 &&
+                  out.size(1) == batch * seqlen_q && out.size(2) == topk,
+              "out: expected [", heads, " * r, ", batch * seqlen_q, ", ", topk, "], got ",
+              out.sizes());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(k.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(partials.data_ptr()) % 16 == 0,
+              "q / k / partials: data must be 16-byte aligned");
+  msa::DecodeIndexerArgs a{};
+  a.q = q.data_ptr();
+  a.q_fp8 = q.scalar_type() == fp8;
+  a.k = k.data_ptr();
+  a.k_format = nvfp4 ? 2 : (k.scalar_type() == fp8 ? 1 : 0);
+  a.num_pages = k.size(0);
+  if (nvfp4) {
+    TORCH_CHECK(k_scale.has_value(), "k_scale: NVFP4 keys need their block scales");
+    const torch::Tensor& s = *k_scale;
+    TORCH_CHECK(s.is_cuda() && s.device() == device && s.is_contiguous() &&
+                    (s.scalar_type() == at::kByte || s.scalar_type() == fp8),
+                "k_scale: expected a contiguous uint8 / float8_e4m3fn CUDA tensor on ", device);
+    TORCH_CHECK(s.numel() >= k.size(0) * 1024, "k_scale: has ", s.numel(), " bytes, needs >= ",
+                k.size(0) * 1024);
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(s.data_ptr()) % 16 == 0,
+                "k_scale: data must be 16-byte aligned");
+    a.k_scale = static_cast<const uint8_t*>(s.data_ptr());
+    a.k_scale_linear = k_scale_linear;
+    if (k_global_scale.has_value()) {
+      const torch::Tensor& g = *k_global_scale;
+      TORCH_CHECK(g.is_cuda() && g.device() == device && g.scalar_type() == at::kFloat &&
+                      g.numel() >= 1,
+                  "k_global_scale: expected a float32 CUDA tensor on ", device);
+      a.k_global_scale = g.data_ptr<float>();
+    }
+  }
+  a.page_table = page_table.data_ptr<int32_t>();
+  a.page_table_width = static_cast<int>(page_table.size(1));
+  a.seqused_k = seqused_k.data_ptr<int32_t>();
+  a.batch = static_cast<int>(batch);
+  a.seqlen_q = static_cast<int>(seqlen_q);
+  a.num_heads = static_cast<int>(heads);
+  a.out_head_repeat = static_cast<int>(out.size(0) / heads);
+  a.topk = static_cast<int>(topk);
+  a.scale = static_cast<float>(scale);
+  a.work = work.data_ptr<int32_t>();
+  a.requests = requests.data_ptr<int32_t>();
+  a.chunk_pages = chunk_pages.data_ptr<int32_t>();
+  a.capacity = static_cast<int>(capacity);
+  a.partials = partials.data_ptr<int32_t>();
+  a.list_capacity = static_cast<int>(list_capacity);
+  a.out = out.data_ptr<int32_t>();
+  if (scores.has_value()) {
+    check_cuda_tensor(*scores, "scores", at::kFloat, 3, device);
+    TORCH_CHECK(scores->size(0) == heads && scores->size(1) == batch * seqlen_q &&
+                    scores->size(2) == page_table.size(1),
+                "scores: expected [", heads, ", ", batch * seqlen_q, ", ", page_table.size(1),
+                "], got ", scores->sizes());
+    a.scores = scores->data_ptr<float>();
+  }
+  check_launch(msa::launch_decode_indexer_topk(a, c10::cuda::getCurrentCUDAStream(device.index())),
+               "decode_indexer_topk");
 }
 
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
@@ -419,12 +564,22 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor qo_tile_indices, Tensor num_splits, Tensor merge_indptr, Tensor(a!)? o_partial, "
       "Tensor(b!)? lse_partial, Tensor(c!) out, Tensor(d!)? lse, int seqlen_q, "
       "int kv_chunk_size, bool split_kv, float softmax_scale, bool split_keys=False, "
-      "bool direct_fp8=False) -> ()");
+      "bool direct_fp8=False, bool warpgroup=False) -> ()");
   ops.impl("sparse_decode_attention", torch::kCUDA, &sparse_decode_attention);
   ops.def(
       "fmha_transpose_v_e4m3(Tensor v, Tensor cu_seqlens_k, Tensor kv_lens, Tensor? page_table, "
       "Tensor(a!) tables, Tensor(b!) vt) -> ()");
   ops.impl("fmha_transpose_v_e4m3", torch::kCUDA, &fmha_transpose_v_e4m3);
+  ops.def(
+      "decode_indexer_plan_update(Tensor seqused_k, Tensor(a!) work, Tensor(b!) requests, "
+      "Tensor(c!) chunk_pages) -> ()");
+  ops.impl("decode_indexer_plan_update", torch::kCUDA, &decode_indexer_plan_update);
+  ops.def(
+      "decode_indexer_topk(Tensor q, Tensor k, Tensor? k_scale, bool k_scale_linear, "
+      "Tensor? k_global_scale, Tensor page_table, Tensor seqused_k, Tensor work, "
+      "Tensor(a!) requests, Tensor chunk_pages, Tensor(b!) partials, Tensor(c!) out, "
+      "Tensor(d!)? scores, int seqlen_q, int topk, float scale) -> ()");
+  ops.impl("decode_indexer_topk", torch::kCUDA, &decode_indexer_topk);
 }
 
 REGISTER_EXTENSION(TORCH_EXTENSION_NAME)

@@ -113,9 +113,55 @@ struct DecodeAttentionArgs {
   float softmax_scale;
   bool split_keys;                // warps split each page's keys (every qo tile <= 16 rows)
   bool direct_fp8;                // with split_keys, e4m3 q and K/V: no bf16 conversion pass
+  bool warpgroup;                 // wgmma form (q and K/V both bf16 or both e4m3)
 };
 
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
+
+// ----------------------------------------------------------------------------------------------
+// Fused decode indexer + top-k over a paged index-K cache of one key head, and the per-step work
+// split it reads. Semantics: msa.reference.decode_indexer (msa.decode_indexer_topk).
+// ----------------------------------------------------------------------------------------------
+struct DecodeIndexerPlanArgs {
+  const int32_t* seqused_k;       // [batch]
+  int batch;
+  int capacity;                   // work items (the indexer's grid)
+  int32_t* work;                  // out [capacity, 2] (request, chunk), -1 = idle
+  int32_t* requests;              // out [batch, 3] (first work item, chunks, arrival counter = 0)
+  int32_t* chunk_pages;           // out [1] history blocks per chunk
+};
+
+cudaError_t launch_decode_indexer_plan(const DecodeIndexerPlanArgs& args, cudaStream_t stream);
+
+struct DecodeIndexerArgs {
+  const void* q;                  // [batch * seqlen_q, num_heads, 128] bf16 or e4m3
+  bool q_fp8;
+  const void* k;                  // [num_pages, 1, 128, 128] bf16 / e4m3, or [.., 64] NVFP4 bytes
+  int k_format;                   // 0 bf16, 1 e4m3, 2 NVFP4
+  const uint8_t* k_scale;         // NVFP4: E4M3 scales, 1 KB per page (128x4 tiles or linear)
+  bool k_scale_linear;            // [pages, 128, 8] instead of the 128x4 tiled layout
+  const float* k_global_scale;    // NVFP4: null or [>= 1]
+  int64_t num_pages;              // page ids outside [0, num_pages) are skipped
+  const int32_t* page_table;      // [batch, page_table_width]
+  int page_table_width;
+  const int32_t* seqused_k;       // [batch]
+  int batch;
+  int seqlen_q;                   // 1..16
+  int num_heads;                  // index heads; seqlen_q * num_heads <= 128
+  int out_head_repeat;            // out heads per index head
+  int topk;                       // 4..32
+  float scale;                    // score factor (> 0)
+  const int32_t* work;            // the plan's [capacity, 2]
+  int32_t* requests;              // the plan's [batch, 3] (arrival counters reset after use)
+  const int32_t* chunk_pages;     // the plan's [1]
+  int capacity;
+  int32_t* partials;              // [capacity, seqlen_q * num_heads, list_capacity, 2]
+  int list_capacity;              // 16 (topk <= 16) or 32
+  int32_t* out;                   // [num_heads * out_head_repeat, batch * seqlen_q, topk]
+  float* scores;                  // null or [num_heads, batch * seqlen_q, page_table_width]
+};
+
+cudaError_t launch_decode_indexer_topk(const DecodeIndexerArgs& args, cudaStream_t stream);
 
 // ----------------------------------------------------------------------------------------------
 // e4m3 V -> Vt for the dense FMHA's wsut form: for every (request, key block < ceil(kv_len /
@@ -170,6 +216,18 @@ void sparse_topk_select(const torch::Tensor& max_score, torch::Tensor& out, int6
                         const std::optional<torch::Tensor>& causal_end_block,
                         int64_t num_out_heads, int64_t head_reduce);
 
+void decode_indexer_plan_update(const torch::Tensor& seqused_k, torch::Tensor& work,
+                                torch::Tensor& requests, torch::Tensor& chunk_pages);
+
+void decode_indexer_topk(const torch::Tensor& q, const torch::Tensor& k,
+                         const std::optional<torch::Tensor>& k_scale, bool k_scale_linear,
+                         const std::optional<torch::Tensor>& k_global_scale,
+                         const torch::Tensor& page_table, const torch::Tensor& seqused_k,
+                         const torch::Tensor& work, torch::Tensor& requests,
+                         const torch::Tensor& chunk_pages, torch::Tensor& partials,
+                         torch::Tensor& out, const std::optional<torch::Tensor>& scores,
+                         int64_t seqlen_q, int64_t topk, double scale);
+
 void fmha_transpose_v_e4m3(const torch::Tensor& v, const torch::Tensor& cu_seqlens_k,
                            const torch::Tensor& kv_lens,
                            const std::optional<torch::Tensor>& page_table,
@@ -184,5 +242,5 @@ void sparse_decode_attention(
     const std::optional<torch::Tensor>& o_partial, const std::optional<torch::Tensor>& lse_partial,
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
-    bool direct_fp8);
+    bool direct_fp8, bool warpgroup);
 #endif

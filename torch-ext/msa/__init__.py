@@ -9,12 +9,16 @@ Importing this package never initializes CUDA.
 """
 
 from . import _native  # registers the native kernels available in this build (lazy, no CUDA)
+from . import layers  # kernels layers for transformers' MiniMax-M3 (kernels.kernelize looks here)
 from .decode import SparseDecodePagedAttentionWrapper, sparse_decode_atten_func
+from .decode_indexer import DecodeIndexerPlan, decode_indexer_topk, make_decode_indexer_plan
+from .decode_step import MSADecodeStepWrapper
 from .fmha import (fmha, fmha_plan, fmha_sm100, fmha_sm100_plan, sparse_fmha, sparse_fmha_plan)
 from .fp4_indexer_interface import fp4_indexer_block_scores
 from .indexer import block_max_scores, msa_prefill
 from .interface import (SparseK2qCsrBuilderSm100, build_k2q_csr, sparse_atten_func)
 from .nvfp4_attention import sparse_atten_nvfp4_kv_func
+from .prefill import MsaPrefillPagedWrapper
 from .quantize import (Nvfp4QuantizedTensor, dequantize_nvfp4_128x4_to_bf16,
                        nvfp4_global_scale_from_amax, quantize_bf16_to_nvfp4_128x4,
                        quantize_kv_bf16_to_nvfp4_128x4, swizzle_nvfp4_scale_to_128x4)
@@ -47,9 +51,13 @@ __all__ = [
     "nvfp4_global_scale_from_amax",
 ]
 
-# Additive names (contract §2): the fmha plan/run API, top-k selection, the indexer and the
-# end-to-end prefill. Not in __all__, which stays exactly the upstream list.
+# Additive names (contract §2): the fmha plan/run API, top-k selection, the indexer, the
+# end-to-end prefill (one call, or planned over a paged cache), the decode step (fused decode
+# indexer + top-k, its shared plan, the step wrapper), and the ``layers`` module that
+# ``kernels.kernelize`` reads. Not in __all__, which stays exactly the upstream list.
 __all_additive__ = [
     "fmha_sm100_plan", "fmha_sm100", "fmha_plan", "fmha", "sparse_topk_select",
-    "sparse_fmha_plan", "sparse_fmha", "block_max_scores", "msa_prefill", "warmup",
+    "sparse_fmha_plan", "sparse_fmha", "block_max_scores", "msa_prefill",
+    "MsaPrefillPagedWrapper", "decode_indexer_topk", "make_decode_indexer_plan",
+    "DecodeIndexerPlan", "MSADecodeStepWrapper", "layers", "warmup",
 ]

@@ -1,6 +1,6 @@
 """The MSA indexer (per-block max scores) and the end-to-end MSA prefill pipeline.
 
-``block_max_scores`` is the proxy pass of the engine flow (contract §2.2, algorithm doc A1/A3):
+``block_max_scores`` is the proxy pass of the engine flow (contract §2.2, the max-score output):
 per query token, index head and 128-token KV tile, the max over the tile's causally visible keys
 of ``scale * q_idx . k_idx``. ``msa_prefill`` chains it with ``sparse_topk_select``,
 ``build_k2q_csr`` and ``sparse_atten_func`` the way M3 prefill does (the query's own block forced).
@@ -21,9 +21,7 @@ from . import _backend
 from ._validation import (check_page_table, BLOCK_SIZE, FP8, SUPPORTED_TOPK, check_cu_seqlens,
                           check_head_dim, check_positive_int, check_qhead_per_kv,
                           check_same_device, check_scale, check_shape, check_tensor, check_topk)
-from .interface import build_k2q_csr, sparse_atten_func
 from .reference.max_score import block_max_scores_reference
-from .topk import sparse_topk_select
 
 INDEX_DTYPES = (torch.bfloat16, FP8, torch.float32)
 
@@ -190,7 +188,8 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
                 max_seqlen_q: int, max_seqlen_k: int, topk: int = 16,
                 softmax_scale: Optional[float] = None, index_scale: float = 1.0,
                 local_blocks: int = 1, causal: bool = True, return_selection: bool = False,
-                partial_dtype: torch.dtype = torch.bfloat16):
+                partial_dtype: torch.dtype = torch.bfloat16,
+                workspace_bytes: Optional[int] = None):
     """MSA prefill: index scores -> top-k blocks per (query, KV head) -> block-sparse attention.
 
     Args:
@@ -211,6 +210,10 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
       partial_dtype: the sparse attention's per-block partial dtype (``sparse_atten_func``:
         fp32, bf16, fp16 or e4m3; e4m3 halves the partial traffic at the contract's looser fp8
         tolerance).
+      workspace_bytes: bound on the call's scratch memory (default 16 GiB, see
+        ``msa.prefill``): a call whose workspace would exceed it runs in query chunks of
+        ``msa.prefill.chunk_tokens`` queries (same result; peak memory <= inputs + O + one
+        chunk's workspace).
 
     Returns O [total_q, Hq, 128] bf16, or (O, q2k [Hkv, total_q, topk] int32) with
     return_selection (ids ascending, -1 tail, own block always present when causal).
@@ -231,6 +234,10 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
       6. O = sparse_atten_func(q, k, v, row_ptr, q_ids, topk, cu_seqlens_q=..., cu_seqlens_k=...,
              max_seqlen_q=..., max_seqlen_k=..., causal=causal, softmax_scale=softmax_scale,
              partial_dtype=partial_dtype, schedule=schedule)
+    A call of few queries against many keys runs step 1 on key splits (``msa.prefill``'s split-K
+    indexer: the same scores, more CTAs); a call past ``workspace_bytes`` runs steps 1-6 per
+    query chunk. :class:`msa.MsaPrefillPagedWrapper` is the same pipeline over a paged cache
+    with the metadata planned once per batch.
     """
     check_tensor("q", q, ndim=3)
     check_tensor("k", k, ndim=3)
@@ -252,25 +259,15 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
     check_same_device(q=q, k=k, v=v, q_idx=q_idx, k_idx=k_idx, cu_seqlens_q=cu_seqlens_q)
     check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
 
-    scores = block_max_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                              max_seqlen_k=max_seqlen_k, scale=index_scale, causal=causal)
-    num_valid_pages, own_block = _per_query_block_bounds(cu_seqlens_q, cu_seqlens_k, q.shape[0])
-    selection = sparse_topk_select(scores, topk, num_valid_pages,
-                                   force_end_blocks=local_blocks,
-                                   causal_end_block=own_block if causal else None)
-    q2k = selection.permute(1, 0, 2).contiguous()
-    # The CSR builder also writes the attention's schedule (natively in one pass); left to
-    # sparse_atten_func it would be rebuilt from the CSR with tensor ops (~3 ms at 128k).
-    row_ptr, q_ids, schedule = build_k2q_csr(q2k, cu_seqlens_q, cu_seqlens_k, BLOCK_SIZE,
-                                             total_k=k.shape[0], max_seqlen_k=max_seqlen_k,
-                                             max_seqlen_q=max_seqlen_q,
-                                             qhead_per_kv=qhead_per_kv, return_schedule=True)
-    out = sparse_atten_func(q, k, v, row_ptr, q_ids, topk, cu_seqlens_q=cu_seqlens_q,
-                            cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                            max_seqlen_k=max_seqlen_k, blk_kv=BLOCK_SIZE, causal=causal,
-                            softmax_scale=softmax_scale, partial_dtype=partial_dtype,
-                            schedule=schedule)
-    return (out, q2k) if return_selection else out
+    if workspace_bytes is not None:
+        check_positive_int("workspace_bytes", workspace_bytes, minimum=1)
+    from .prefill import PrefillOptions, run_dense_prefill
+    opts = PrefillOptions(topk=topk, local_blocks=local_blocks, causal=bool(causal),
+                          partial_dtype=partial_dtype, softmax_scale=softmax_scale,
+                          index_scale=index_scale, qhead_per_kv=qhead_per_kv)
+    return run_dense_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k,
+                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, opts=opts,
+                             return_selection=return_selection, workspace_bytes=workspace_bytes)
 
 
 def _per_query_block_bounds(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,

@@ -4,4 +4,4 @@ Kernels not yet proven on hardware register too, but their ``supports`` refuses 
 through ``_backend.unvalidated_reason`` until their GPU test passes (then flip their flag)."""
 
 from . import (block_max_score_sm90, csr_builder, decode_cuda,  # noqa: F401
-               fmha_sm90, sparse_prefill_sm90, topk_cuda)
+               decode_indexer_cuda, fmha_sm90, sparse_prefill_sm90, topk_cuda)

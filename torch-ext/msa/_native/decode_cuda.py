@@ -41,6 +41,12 @@ SPLIT_KEYS_FOR_TESTS: Optional[bool] = None
 # or off.
 VALIDATED_DIRECT_FP8 = True
 DIRECT_FP8_FOR_TESTS: Optional[bool] = None
+# The warpgroup form (wgmma; served on tiles of > 16 rows, i.e. multi-token prediction, with q
+# and K/V both bf16 or both e4m3): flip after its cases of tests/test_decode_gpu.py pass on the
+# H200. WARPGROUP_FOR_TESTS forces it on (any tile, e.g. one query to compare with the
+# split-keys forms) or off.
+VALIDATED_WARPGROUP = False
+WARPGROUP_FOR_TESTS: Optional[bool] = None
 UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
@@ -78,7 +84,7 @@ def run(call) -> None:
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
         call.o_partial if split else None, call.lse_partial if split else None,
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
-        float(call.softmax_scale), _split_keys(), _direct_fp8())
+        float(call.softmax_scale), _split_keys(), _direct_fp8(), _warpgroup(call))
 
 
 def _split_keys() -> bool:
@@ -94,6 +100,16 @@ def _direct_fp8() -> bool:
     return _backend.form_enabled(DIRECT_FP8_FOR_TESTS, "the direct e4m3 decode kernel",
                                  VALIDATED_DIRECT_FP8)
 
+
+def _warpgroup(call) -> bool:
+    """Whether this call uses the warpgroup (wgmma) form (the binding applies it only with q and
+    K/V of one dtype): tiles of > 16 rows once validated (or MSA_UNVALIDATED_KERNELS=1), any
+    tile when WARPGROUP_FOR_TESTS is True, none when it is False."""
+    if WARPGROUP_FOR_TESTS is not None:
+        return WARPGROUP_FOR_TESTS
+    rows = call.seqlen_q * call.qhead_per_kv
+    return rows > 16 and _backend.form_enabled(None, "the warpgroup decode kernel",
+                                               VALIDATED_WARPGROUP)
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)

@@ -32,7 +32,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .. import _backend
+from .. import _backend, _stages
 from ..src.sm100.prepare_scheduler import (SLOT_SHIFT, SparseAttentionSchedule,
                                           schedule_capacity, target_q_per_cta)
 from . import cute_runtime
@@ -245,6 +245,7 @@ def run(call) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tens
         call.k2q_row_ptr, schedule.qsplit_indices, schedule.scheduler_metadata,
         schedule.work_count, o_partial, lse_partial, lse_t_partial, float(call.softmax_scale),
         1.0 / float(call.lse_temperature_scale), int(call.causal), int(want_lse_t))
+    _stages.mark("combine")
     cute_runtime.launch(
         combine_name, device, o_partial, lse_partial, lse_t_partial, schedule.split_counts,
         out, lse, lse_t, int(want_lse_t))

@@ -1,0 +1,513 @@
+// Fused decode indexer + top-k for Hopper (sm_90a): block scores of a paged index-K cache and the
+// per-row selection in one launch, no score matrix in memory.
+//
+// Semantics: msa.reference.decode_indexer. Row r of request b is (MTP query q = r / H, index head
+// h = r % H); its own block is (L - Q + q) / 128 and its candidates are the history blocks before
+// it (every key of such a block precedes the query, so no per-key mask). The selection is the
+// topk - 1 best candidates (score desc, ties to the lower block id, -inf / NaN never), in rank
+// order, then the own block, then -1.
+//
+// Work split (decode_indexer_plan_kernel, once per decode step, capturable): the batch's live
+// history blocks are cut into chunks of `chunk_pages` (the same for every request) over a fixed
+// grid; request b owns work items first_b .. first_b + n_b - 1. A request's last chunk runs to its
+// live end, so a plan that was not updated after the lengths grew stays correct.
+//
+// Scoring CTA (256 threads, 8 warps): the chunk's pages stream through a four-stage cp.async ring
+// (rows padded so the fragment reads hit distinct banks; NVFP4 rows of 64 bytes need no padding).
+// Warp w scores keys 16w .. 16w + 15 of each page for every row with mma.sync m16n8k16 (f16 for
+// e4m3 q with e4m3 / NVFP4 keys, bf16 for bf16 q and keys), Q in shared memory. Channels are
+// permuted inside each k-chunk (positions {2t, 2t+1, 2t+8, 2t+9} of chunk kd hold channels
+// 32t + 4kd + {0..3}) so a thread reads one contiguous span of its key row. e4m3 widens to f16
+// exactly; an NVFP4 code becomes f16 bits (sign << 15 | code << 9 = value * 2^-14, exact) times
+// its E4M3 block scale (an exact f16 product), and the 2^14 returns in the fp32 score factor.
+// Per page: the row maxima over the warps' keys meet in shared memory, and thread r (< rows)
+// offers its row's page score to a sorted candidate list held in registers.
+//
+// Merge: each CTA writes its rows' lists to the plan's workspace, then counts itself in on the
+// request's arrival counter; the last CTA of the request merges the n_b lists per row (a warp per
+// row: lanes pool chunk lists, then topk - 1 rounds of a warp-wide arg-max), writes the output
+// rows and resets the counter for the next launch.
+//
+// Safety: page ids outside [0, num_pages) are skipped (never read), lengths are clamped to the
+// page table, corrupt work items exit. No host synchronization; every size is a host argument.
+#include <cfloat>
+#include <climits>
+#include <cstdint>
+
+#include "common.cuh"
+#include "sm80_primitives.cuh"
+#include "top_list.cuh"
+#include "torch_binding.h"
+
+namespace msa {
+namespace {
+
+using sm80::cp_async_16;
+using sm80::cp_async_commit;
+using sm80::cp_async_wait;
+
+constexpr int kDim = 128;
+constexpr int kPage = 128;
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kStages = 4;
+constexpr int kQStride = kDim + 8;          // halves per Q row in shared memory (272 bytes)
+constexpr int kMinChunkPages = 4;           // fewer pages per CTA are not worth a merge entry
+constexpr int kPlanThreads = 1024;
+
+enum KFormat : int { kBf16 = 0, kE4m3 = 1, kNvfp4 = 2 };
+
+// Bytes of one key row in global memory, its padded stride in a stage, and a stage's size.
+template <int F>
+struct PageShape {
+  static constexpr int kRowBytes = F == kBf16 ? 256 : (F == kE4m3 ? 128 : 64);
+  static constexpr int kRowStride = F == kNvfp4 ? kRowBytes : kRowBytes + 16;
+  static constexpr int kScaleBytes = F == kNvfp4 ? kPage * 8 : 0;
+  static constexpr int kStageBytes = kPage * kRowStride + kScaleBytes;
+  static constexpr int kWordsPerKey = kRowBytes / 16;   // 32-bit words a thread reads per key
+};
+
+template <int F, int MT>
+struct SmemLayout {
+  static constexpr int kQBytes = MT * 16 * kQStride * 2;
+  static constexpr int kStagesOffset = kQBytes;
+  static constexpr int kMaxOffset = kStagesOffset + kStages * PageShape<F>::kStageBytes;
+  static constexpr int kBytes = kMaxOffset + 2 * kWarps * MT * 16 * 4;   // [2][warp][row]
+};
+
+// fp32 -> uint32 with the same order (-0 == +0), for warp-wide max reductions.
+__device__ __forceinline__ uint32_t order_code(float x) {
+  const uint32_t bits = __float_as_uint(x + 0.0f);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// History blocks of a request of length `len`: those before the block of its last key.
+__device__ __forceinline__ int history_pages(int len) { return len > 0 ? (len - 1) / kPage : 0; }
+
+// Eight E2M1 codes (one 32-bit word, even element in the low nibble) -> four f16x2 words holding
+// code * 2^-14 exactly: f16 bits = sign << 15 | (exponent, mantissa) << 9.
+__device__ __forceinline__ void e2m1x8_to_f16x2(uint32_t w, uint32_t (&out)[4]) {
+  const uint32_t lo = w & 0x0F0F0F0Fu;              // codes 0, 2, 4, 6 (one per byte)
+  const uint32_t hi = (w >> 4) & 0x0F0F0F0Fu;       // codes 1, 3, 5, 7
+  // Per byte: the f16's upper byte, (code & 7) << 1 | (code & 8) << 4.
+  const uint32_t lo_top = ((lo << 1) & 0x0E0E0E0Eu) | ((lo << 4) & 0x80808080u);
+  const uint32_t hi_top = ((hi << 1) & 0x0E0E0E0Eu) | ((hi << 4) & 0x80808080u);
+  const uint32_t p0 = __byte_perm(lo_top, hi_top, 0x5140);   // codes 0, 1, 2, 3
+  const uint32_t p1 = __byte_perm(lo_top, hi_top, 0x7362);   // codes 4, 5, 6, 7
+  out[0] = __byte_perm(p0, 0u, 0x1404);   // (code 0, code 1) as the upper bytes of two f16
+  out[1] = __byte_perm(p0, 0u, 0x3424);
+  out[2] = __byte_perm(p1, 0u, 0x1404);
+  out[3] = __byte_perm(p1, 0u, 0x3424);
+}
+
+__device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, __half2 b) {
+  const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), b);
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// Issues the cp.async copies of one physical index-K page (and its 1 KB of NVFP4 scales, which
+// both scale layouts keep contiguous per page of a one-head cache) into a stage.
+template <int F>
+__device__ __forceinline__ void load_page(const DecodeIndexerArgs& a, int64_t physical,
+                                          char* stage) {
+  using S = PageShape<F>;
+  constexpr int kChunksPerRow = S::kRowBytes / 16;
+  const char* src = static_cast<const char*>(a.k) + physical * (kPage * S::kRowBytes);
+#pragma unroll
+  for (int i = 0; i < kPage * kChunksPerRow / kThreads; ++i) {
+    const int c = threadIdx.x + i * kThreads;
+    const int row = c / kChunksPerRow, col = c % kChunksPerRow;
+    cp_async_16(stage + row * S::kRowStride + col * 16, src + static_cast<int64_t>(c) * 16);
+  }
+  if constexpr (F == kNvfp4) {
+    if (threadIdx.x < S::kScaleBytes / 16) {
+      cp_async_16(stage + kPage * S::kRowStride + threadIdx.x * 16,
+                  a.k_scale + physical * S::kScaleBytes + threadIdx.x * 16);
+    }
+  }
+}
+
+// Request b's Q rows (r = q * H + h) as f16 (e4m3 q) or bf16 (bf16 q), zero past `rows`.
+template <int MT>
+__device__ __forceinline__ void load_queries(const DecodeIndexerArgs& a, int b, int rows,
+                                             __half* qs) {
+  const int64_t base = static_cast<int64_t>(b) * rows * kDim;
+  for (int c = threadIdx.x; c < MT * 16 * (kDim / 8); c += kThreads) {
+    const int row = c / (kDim / 8), col = (c % (kDim / 8)) * 8;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (row < rows) {
+      const int64_t offset = base + static_cast<int64_t>(row) * kDim + col;
+      if (a.q_fp8) {
+        const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(a.q) + offset);
+        v.x = sm80::e4m3x2_lo_to_f16x2(raw.x);
+        v.y = sm80::e4m3x2_hi_to_f16x2(raw.x);
+        v.z = sm80::e4m3x2_lo_to_f16x2(raw.y);
+        v.w = sm80::e4m3x2_hi_to_f16x2(raw.y);
+      } else {
+        v = *reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.q) + offset);
+      }
+    }
+    *reinterpret_cast<uint4*>(qs + row * kQStride + col) = v;
+  }
+}
+
+// This warp's 16 keys of one page against every row: per row the max over the keys, into
+// warp_max[warp][row]. Rows lane / 4 (+8) of each m-tile; keys 16 warp + 8 n + lane / 4.
+template <int F, int MT>
+__device__ __forceinline__ void score_page(const DecodeIndexerArgs& a, const char* stage,
+                                           const __half* qs, float* warp_max) {
+  using S = PageShape<F>;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  float acc[MT][2][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int n = 0; n < 2; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.f;
+
+  // The thread's span of each of its two key rows: channels 32t .. 32t + 31.
+  uint32_t kw[2][S::kWordsPerKey];
+  __half2 sc[2][2];
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const int key = warp * 16 + n * 8 + g;
+    const uint4* row = reinterpret_cast<const uint4*>(stage + key * S::kRowStride + t * S::kRowBytes / 4);
+#pragma unroll
+    for (int i = 0; i < S::kWordsPerKey / 4; ++i) {
+      const uint4 v = row[i];
+      kw[n][4 * i] = v.x;
+      kw[n][4 * i + 1] = v.y;
+      kw[n][4 * i + 2] = v.z;
+      kw[n][4 * i + 3] = v.w;
+    }
+    if constexpr (F == kNvfp4) {
+      // Scales 2t and 2t + 1 of the key (channels 32t .. 32t + 15 and 32t + 16 .. 32t + 31).
+      const uint8_t* scales = reinterpret_cast<const uint8_t*>(stage + kPage * S::kRowStride);
+      const int offset = a.k_scale_linear
+                             ? key * 8 + 2 * t
+                             : (t >> 1) * 512 + (key & 31) * 16 + (key >> 5) * 4 + 2 * (t & 1);
+      const uint32_t two = *reinterpret_cast<const uint16_t*>(scales + offset);
+      const uint32_t f16 = sm80::e4m3x2_lo_to_f16x2(two);
+      const __half2 both = *reinterpret_cast<const __half2*>(&f16);
+      sc[n][0] = __low2half2(both);
+      sc[n][1] = __high2half2(both);
+    }
+  }
+
+#pragma unroll
+  for (int kd2 = 0; kd2 < 4; ++kd2) {
+    uint4 a_lo[MT], a_hi[MT];   // rows g and g + 8: channels 32t + 8 kd2 .. + 7
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      a_lo[m] = *reinterpret_cast<const uint4*>(qs + (16 * m + g) * kQStride + 32 * t + 8 * kd2);
+      a_hi[m] = *reinterpret_cast<const uint4*>(qs + (16 * m + g + 8) * kQStride + 32 * t + 8 * kd2);
+    }
+    uint32_t b[2][2][2];   // [n][kd - 2 kd2][b0 / b1]
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      if constexpr (F == kBf16) {
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          b[n][kk][0] = kw[n][2 * (2 * kd2 + kk)];
+          b[n][kk][1] = kw[n][2 * (2 * kd2 + kk) + 1];
+        }
+      } else if constexpr (F == kE4m3) {
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          b[n][kk][0] = sm80::e4m3x2_lo_to_f16x2(kw[n][2 * kd2 + kk]);
+          b[n][kk][1] = sm80::e4m3x2_hi_to_f16x2(kw[n][2 * kd2 + kk]);
+        }
+      } else {
+        uint32_t codes[4];
+        e2m1x8_to_f16x2(kw[n][kd2], codes);
+        const __half2 s = sc[n][kd2 >> 1];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) b[n][i >> 1][i & 1] = hmul2_u32(codes[i], s);
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        const uint32_t af[4] = {kk ? a_lo[m].z : a_lo[m].x, kk ? a_hi[m].z : a_hi[m].x,
+                                kk ? a_lo[m].w : a_lo[m].y, kk ? a_hi[m].w : a_hi[m].y};
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          if constexpr (F == kBf16) {
+            sm80::mma_bf16(acc[m][n], af, b[n][kk][0], b[n][kk][1]);
+          } else {
+            sm80::mma_f16(acc[m][n], af, b[n][kk][0], b[n][kk][1]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+      float v = fmaxf(fmaxf(acc[m][0][2 * i2], acc[m][0][2 * i2 + 1]),
+                      fmaxf(acc[m][1][2 * i2], acc[m][1][2 * i2 + 1]));
+      v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 1));
+      v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 2));
+      if (t == 0) warp_max[warp * MT * 16 + 16 * m + g + 8 * i2] = v;
+    }
+  }
+}
+
+__device__ __forceinline__ bool valid_page(const DecodeIndexerArgs& a, int b, int page,
+                                           int64_t* physical) {
+  const int64_t p = __ldg(a.page_table + static_cast<int64_t>(b) * a.page_table_width + page);
+  *physical = p;
+  return p >= 0 && p < a.num_pages;
+}
+
+template <int F, int MT, int KCAP>
+__global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16) ? 2 : 1)
+    decode_indexer_topk_kernel(const DecodeIndexerArgs a) {
+  using L = SmemLayout<F, MT>;
+  extern __shared__ __align__(128) char smem[];
+  __half* qs = reinterpret_cast<__half*>(smem);
+  char* stages = smem + L::kStagesOffset;
+  float* warp_max = reinterpret_cast<float*>(smem + L::kMaxOffset);   // [2][kWarps][MT*16]
+  __shared__ int s_last;
+
+  const int work = blockIdx.x;
+  const int b = __ldg(a.work + 2 * work);
+  const int chunk = __ldg(a.work + 2 * work + 1);
+  if (b < 0 || b >= a.batch || chunk < 0) return;
+  const int first = a.requests[3 * b];
+  const int num_chunks = a.requests[3 * b + 1];
+  const int chunk_pages = max(__ldg(a.chunk_pages), 1);
+  if (chunk >= num_chunks || first < 0 || first + num_chunks > a.capacity) return;
+
+  const int rows = a.seqlen_q * a.num_heads;
+  const int len = min(max(__ldg(a.seqused_k + b), 0), a.page_table_width * kPage);
+  const int history = history_pages(len);
+  const int64_t begin64 = static_cast<int64_t>(chunk) * chunk_pages;
+  const int begin = begin64 < history ? static_cast<int>(begin64) : history;
+  const int end = chunk == num_chunks - 1 ? history : min(begin + chunk_pages, history);
+  const int num_pages = max(end - begin, 0);
+
+  load_queries<MT>(a, b, rows, qs);
+  // Thread r < rows owns row r: its own block and its candidate list.
+  const int r = threadIdx.x;
+  int own = -1;
+  if (r < rows) {
+    const int pos = len - a.seqlen_q + r / a.num_heads;
+    own = pos >= 0 ? pos / kPage : -1;
+  }
+  TopList<KCAP> list;
+  list.clear();
+  const float score_mul =
+      a.scale * (F == kNvfp4 ? 16384.f * (a.k_global_scale != nullptr ? __ldg(a.k_global_scale)
+                                                                      : 1.f)
+                             : 1.f);
+  const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
+
+  auto stage_of = [&](int i) { return stages + (i % kStages) * PageShape<F>::kStageBytes; };
+  auto issue = [&](int i) {   // page begin + i into its stage; one cp.async group either way
+    int64_t physical;
+    if (i < num_pages && valid_page(a, b, begin + i, &physical)) {
+      load_page<F>(a, physical, stage_of(i));
+    }
+    cp_async_commit();
+  };
+  // Row r's score of page begin + i (from the warps' maxima), offered to its list.
+  auto offer = [&](int i) {
+    int64_t physical;
+    if (r >= rows || !valid_page(a, b, begin + i, &physical)) return;
+    const float* maxima = warp_max + (i & 1) * kWarps * MT * 16;
+    float m = maxima[r];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) m = fmaxf(m, maxima[w * MT * 16 + r]);
+    const int page = begin + i;
+    if (page >= own) return;
+    const float score = m * score_mul;
+    list.offer(score, page);
+    if (a.scores != nullptr) {
+      const int q = r / a.num_heads, h = r % a.num_heads;
+      a.scores[((h * total_q) + static_cast<int64_t>(b) * a.seqlen_q + q) * a.page_table_width +
+               page] = score;
+    }
+  };
+
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
+  for (int i = 0; i < num_pages; ++i) {
+    cp_async_wait<kStages - 2>();
+    // Page i has landed for every thread; every warp is done with page i - 1 (its stage and
+    // its maxima buffer).
+    __syncthreads();
+    issue(i + kStages - 1);
+    if (i > 0) offer(i - 1);
+    int64_t physical;
+    if (valid_page(a, b, begin + i, &physical)) {   // uniform over the CTA
+      score_page<F, MT>(a, stage_of(i), qs, warp_max + (i & 1) * kWarps * MT * 16);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  if (num_pages > 0) offer(num_pages - 1);
+
+  // This chunk's lists into the workspace, then count this CTA in.
+  if (r < rows) {
+    int2* dst = reinterpret_cast<int2*>(a.partials) +
+                (static_cast<int64_t>(work) * rows + r) * a.list_capacity;
+#pragma unroll
+    for (int i = 0; i < KCAP; ++i) dst[i] = make_int2(__float_as_int(list.score[i]), list.id[i]);
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(a.requests + 3 * b + 2, 1) == num_chunks - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+
+  // The last CTA of the request: per row, merge the request's chunk lists.
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int keep = a.topk - 1;
+  const uint32_t empty_code = order_code(-INFINITY);
+  for (int row = warp; row < rows; row += kWarps) {
+    TopList<KCAP> pool;
+    pool.clear();
+    for (int c = lane; c < num_chunks; c += 32) {
+      const int2* src = reinterpret_cast<const int2*>(a.partials) +
+                        (static_cast<int64_t>(first + c) * rows + row) * a.list_capacity;
+      for (int i = 0; i < KCAP; ++i) {
+        const int2 e = __ldcg(src + i);
+        const float s = __int_as_float(e.x);
+        if (!pool.beats_last(s, e.y)) break;   // the chunk's list is sorted: the rest lose too
+        pool.offer(s, e.y);
+      }
+    }
+    int chosen = -1, count = 0;
+    for (int k = 0; k < keep; ++k) {
+      const uint32_t hi = order_code(pool.score[0]);
+      const uint32_t best_hi = __reduce_max_sync(0xFFFFFFFFu, hi);
+      if (best_hi == empty_code) break;
+      const uint32_t lo = hi == best_hi ? ~static_cast<uint32_t>(pool.id[0]) : 0u;
+      const uint32_t best_lo = __reduce_max_sync(0xFFFFFFFFu, lo);
+      if (hi == best_hi && lo == best_lo) pool.pop_front();
+      if (lane == k) chosen = static_cast<int>(~best_lo);
+      count = k + 1;
+    }
+    const int q = row / a.num_heads, h = row % a.num_heads;
+    const int pos = len - a.seqlen_q + q;
+    const int row_own = pos >= 0 ? pos / kPage : -1;
+    int value = -1;
+    if (lane < count) value = chosen;
+    if (lane == count) value = row_own;
+    if (lane < a.topk) {
+      for (int rep = 0; rep < a.out_head_repeat; ++rep) {
+        const int64_t out_row = (static_cast<int64_t>(h) * a.out_head_repeat + rep) * total_q +
+                                static_cast<int64_t>(b) * a.seqlen_q + q;
+        a.out[out_row * a.topk + lane] = value;
+      }
+    }
+  }
+  if (threadIdx.x == 0) a.requests[3 * b + 2] = 0;   // for the next launch
+}
+
+// Splits the live history blocks into equal chunks over the plan's grid (one CTA).
+__global__ void __launch_bounds__(kPlanThreads) decode_indexer_plan_kernel(
+    const DecodeIndexerPlanArgs a) {
+  __shared__ long long s_total[kPlanThreads / 32];
+  __shared__ int s_scan[kPlanThreads / 32];
+  __shared__ int s_carry;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  auto history = [&](int b) { return history_pages(max(__ldg(a.seqused_k + b), 0)); };
+
+  long long local = 0;
+  for (int b = threadIdx.x; b < a.batch; b += kPlanThreads) local += history(b);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) local += __shfl_xor_sync(0xFFFFFFFFu, local, o);
+  if (lane == 0) s_total[warp] = local;
+  if (threadIdx.x == 0) s_carry = 0;
+  __syncthreads();
+  long long total = 0;
+  for (int w = 0; w < kPlanThreads / 32; ++w) total += s_total[w];
+  const long long spread = max(a.capacity - a.batch, 1);
+  long long per_cta = (total + spread - 1) / spread;
+  per_cta = per_cta < kMinChunkPages ? kMinChunkPages : per_cta;
+  const int chunk = static_cast<int>(per_cta < INT_MAX ? per_cta : INT_MAX);
+
+  for (int base = 0; base < a.batch; base += kPlanThreads) {
+    const int b = base + threadIdx.x;
+    const int h = b < a.batch ? history(b) : 0;
+    const int n = b < a.batch ? max(1, (h + chunk - 1) / chunk) : 0;
+    int incl = n;   // inclusive scan: warp, then warp totals
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    if (lane == 31) s_scan[warp] = incl;
+    __syncthreads();
+    int before = s_carry;
+    for (int w = 0; w < warp; ++w) before += s_scan[w];
+    const int first = before + incl - n;
+    if (b < a.batch) {
+      a.requests[3 * b] = first;
+      a.requests[3 * b + 1] = n;
+      a.requests[3 * b + 2] = 0;
+      for (int c = 0; c < n && first + c < a.capacity; ++c) {
+        a.work[2 * (first + c)] = b;
+        a.work[2 * (first + c) + 1] = c;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == kPlanThreads - 1) s_carry = before + incl;
+    __syncthreads();
+  }
+  for (int w = s_carry + threadIdx.x; w < a.capacity; w += kPlanThreads) {
+    a.work[2 * w] = -1;
+    a.work[2 * w + 1] = -1;
+  }
+  if (threadIdx.x == 0) *a.chunk_pages = chunk;
+}
+
+template <int F, int MT, int KCAP>
+cudaError_t launch_topk(const DecodeIndexerArgs& a, cudaStream_t stream) {
+  auto kernel = decode_indexer_topk_kernel<F, MT, KCAP>;
+  constexpr int kSmem = SmemLayout<F, MT>::kBytes;
+  MSA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  kernel<<<a.capacity, kThreads, kSmem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <int F, int KCAP>
+cudaError_t launch_by_rows(const DecodeIndexerArgs& a, cudaStream_t stream) {
+  const int tiles = (a.seqlen_q * a.num_heads + 15) / 16;
+  if (tiles <= 1) return launch_topk<F, 1, KCAP>(a, stream);
+  if (tiles <= 2) return launch_topk<F, 2, KCAP>(a, stream);
+  if (tiles <= 4) return launch_topk<F, 4, KCAP>(a, stream);
+  return launch_topk<F, 8, KCAP>(a, stream);
+}
+
+template <int F>
+cudaError_t launch_by_list(const DecodeIndexerArgs& a, cudaStream_t stream) {
+  return a.list_capacity == 16 ? launch_by_rows<F, 16>(a, stream)
+                               : launch_by_rows<F, 32>(a, stream);
+}
+
+}  // namespace
+
+cudaError_t launch_decode_indexer_plan(const DecodeIndexerPlanArgs& args, cudaStream_t stream) {
+  if (args.batch <= 0 || args.capacity <= 0) return cudaSuccess;
+  decode_indexer_plan_kernel<<<1, kPlanThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_decode_indexer_topk(const DecodeIndexerArgs& args, cudaStream_t stream) {
+  if (args.batch <= 0 || args.capacity <= 0) return cudaSuccess;
+  switch (args.k_format) {
+    case kBf16: return launch_by_list<kBf16>(args, stream);
+    case kE4m3: return launch_by_list<kE4m3>(args, stream);
+    case kNvfp4: return launch_by_list<kNvfp4>(args, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace msa

@@ -1,0 +1,278 @@
+"""The fused decode indexer + top-k (msa.decode_indexer_topk), its plan and the decode step
+wrapper, on the CPU (the reference backend) against an independent float64 oracle; NVFP4 index
+keys against the package's own quantizer and dequantizer. The GPU file
+(tests/test_decode_indexer_gpu.py) holds the native kernel to the same oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import msa
+from msa import _backend
+from msa.decode_indexer import plan_work_split
+
+P = 128
+FP8 = torch.float8_e4m3fn
+BF16 = torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and the float64 oracle (dense gather, Python ranking)
+# ---------------------------------------------------------------------------------------------
+
+def make_index_batch(lens, seqlen_q, heads, fmt, *, spare=3, device="cpu", layout="128x4"):
+    """Random index queries / keys, a shuffled page table (unused columns -1). fmt: "bf16",
+    "e4m3" or "nvfp4" (quantized from bf16 by msa.quantize). Returns a dict of inputs plus
+    "keys": the exact key values [pages, 128, 128] float64 the oracle uses."""
+    batch = len(lens)
+    width = max(max(-(-n // P) for n in lens), 1) + 1
+    pages = batch * width + spare
+    table = torch.randperm(pages)[: batch * width].view(batch, width).to(torch.int32)
+    for b, n in enumerate(lens):
+        table[b, -(-n // P):] = -1
+    raw = torch.randn(pages, 1, P, 128)
+    q = torch.randn(batch * seqlen_q, heads, 128)
+    inputs = dict(page_table=table, seqused_k=torch.tensor(lens, dtype=torch.int32))
+    if fmt == "nvfp4":
+        quant = msa.quantize_bf16_to_nvfp4_128x4(raw.to(BF16))
+        exact = msa.dequantize_nvfp4_128x4_to_bf16(quant, include_global_scale=False)
+        keys = exact.double()[:, 0] * quant.global_scale.double()
+        scale = quant.scale_128x4.reshape(-1)
+        if layout == "linear":
+            from msa.reference.decode_indexer import nvfp4_scale_offsets
+            rows = torch.arange(pages * P)
+            scale = scale[nvfp4_scale_offsets(rows, "128x4")].contiguous()   # [rows, 8]
+        inputs.update(k_idx=quant.data, k_scale=scale, k_global_scale=quant.global_scale,
+                      k_scale_layout=layout, q_idx=q.to(FP8))
+    else:
+        dtype = BF16 if fmt == "bf16" else FP8
+        inputs.update(k_idx=raw.to(dtype), q_idx=q.to(dtype))
+        keys = inputs["k_idx"].double()[:, 0]
+    inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    return inputs, keys
+
+
+def oracle(inputs, keys, seqlen_q, topk, scale=1.0):
+    """float64 selection [H, B * Q, topk] and scores {(h, row, block): score}."""
+    q = inputs["q_idx"].double().cpu()
+    table = inputs["page_table"].cpu().long()
+    lens = inputs["seqused_k"].cpu().tolist()
+    heads = q.shape[1]
+    out = torch.full((heads, q.shape[0], topk), -1, dtype=torch.int32)
+    scores = {}
+    for b, n in enumerate(lens):
+        for i in range(seqlen_q):
+            row = b * seqlen_q + i
+            pos = n - seqlen_q + i
+            own = pos // P if pos >= 0 else -1
+            for h in range(heads):
+                cand = []
+                for blk in range(max(own, 0)):
+                    s = (keys[int(table[b, blk])] @ q[row, h]).max().item() * scale
+                    scores[h, row, blk] = s
+                    cand.append((-s, blk))
+                chosen = [blk for _s, blk in sorted(cand)[: topk - 1]]
+                if own >= 0:
+                    chosen.append(own)
+                out[h, row, : len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+    return out, scores
+
+
+def run_indexer(inputs, seqlen_q, heads, topk, **kw):
+    plan = msa.make_decode_indexer_plan(inputs["seqused_k"], seqlen_q=seqlen_q,
+                                        num_index_heads=heads, topk=topk,
+                                        max_seqlen_k=int(inputs["seqused_k"].max()) + 1)
+    args = {k: v for k, v in inputs.items() if k not in ("seqused_k",)}
+    return msa.decode_indexer_topk(plan=plan, **args, **kw)
+
+
+LENS = [1, 129, 1000, 256, 77, 2050]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference vs oracle
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["bf16", "e4m3", "nvfp4"])
+@pytest.mark.parametrize("seqlen_q,heads", [(1, 4), (8, 1), (3, 2)])
+@pytest.mark.parametrize("topk", [4, 16])
+def test_selection_matches_float64_oracle(seed, fmt, seqlen_q, heads, topk):
+    inputs, keys = make_index_batch(LENS, seqlen_q, heads, fmt)
+    out, scores = run_indexer(inputs, seqlen_q, heads, topk, return_scores=True)
+    assert _backend.last_backend("decode_indexer_topk") == "reference"
+    want, want_scores = oracle(inputs, keys, seqlen_q, topk)
+    assert torch.equal(out, want)
+    got = {(h, r, blk): scores[h, r, blk].item() for (h, r, blk) in want_scores}
+    for key, value in want_scores.items():
+        assert abs(got[key] - value) <= 1e-4 * max(1.0, abs(value)), (key, got[key], value)
+    # Non-candidates stay -inf.
+    assert int(torch.isfinite(scores).sum()) == len(want_scores)
+
+
+def test_nvfp4_linear_scale_layout_gives_the_same_selection(seed):
+    lens, seqlen_q, heads, topk = [900, 3000], 2, 2, 8
+    torch.manual_seed(seed)
+    tiled, keys = make_index_batch(lens, seqlen_q, heads, "nvfp4")
+    torch.manual_seed(seed)
+    linear, _ = make_index_batch(lens, seqlen_q, heads, "nvfp4", layout="linear")
+    a = run_indexer(tiled, seqlen_q, heads, topk)
+    assert torch.equal(a, run_indexer(linear, seqlen_q, heads, topk))
+    assert torch.equal(a, oracle(tiled, keys, seqlen_q, topk)[0])
+
+
+def test_nvfp4_dequantization_is_the_package_dequantizer(seed):
+    raw = torch.randn(5, 1, P, 128).to(BF16)
+    quant = msa.quantize_bf16_to_nvfp4_128x4(raw)
+    ours = msa.reference.decode_indexer.dequantize_index_pages(
+        quant.data, torch.tensor([4, 0, 2]), k_scale=quant.scale_128x4,
+        k_global_scale=quant.global_scale, compute_dtype=torch.float64)
+    theirs = msa.dequantize_nvfp4_128x4_to_bf16(quant, include_global_scale=False).double()
+    theirs = theirs[[4, 0, 2], 0] * quant.global_scale.double()
+    assert torch.equal(ours, theirs)
+
+
+def test_contract_structure_ties_and_short_requests():
+    """Equal scores break towards the lower block id; the own block is last among the valid
+    ids; rows that see no history get only their own block; a request shorter than seqlen_q
+    has rows with no block at all."""
+    lens, seqlen_q, heads, topk = [5 * P + 3, 2], 4, 1, 4
+    inputs, _ = make_index_batch(lens, seqlen_q, heads, "bf16")
+    inputs["k_idx"].fill_(1.0)                      # every block scores the same
+    out = run_indexer(inputs, seqlen_q, heads, topk)
+    assert out[0, 0].tolist() == [0, 1, 2, 4]          # position 639: 3 lowest ids, own block 4
+    assert out[0, 1].tolist() == [0, 1, 2, 5]          # position 640: own block 5
+    assert out[0, 4].tolist() == [-1, -1, -1, -1]      # position -2: nothing
+    assert out[0, 5].tolist() == [-1, -1, -1, -1]
+    assert out[0, 6].tolist() == [0, -1, -1, -1]       # position 0: its own block only
+
+
+def test_out_head_repeat_and_preallocated_out(seed):
+    lens, seqlen_q, heads, topk = [700, 300], 2, 2, 8
+    inputs, keys = make_index_batch(lens, seqlen_q, heads, "e4m3")
+    out = torch.full((heads * 2, len(lens) * seqlen_q, topk), 7, dtype=torch.int32)
+    got = run_indexer(inputs, seqlen_q, heads, topk, out=out)
+    assert got is out
+    want = oracle(inputs, keys, seqlen_q, topk)[0].repeat_interleave(2, dim=0)
+    assert torch.equal(out, want)
+
+
+def test_bad_arguments_name_themselves():
+    inputs, _ = make_index_batch([300], 2, 1, "bf16")
+    plan = msa.make_decode_indexer_plan(inputs["seqused_k"], seqlen_q=2, num_index_heads=1,
+                                        max_seqlen_k=300)
+    base = dict(q_idx=inputs["q_idx"], k_idx=inputs["k_idx"], plan=plan,
+                page_table=inputs["page_table"])
+    with pytest.raises(TypeError, match="^plan"):
+        msa.decode_indexer_topk(**dict(base, plan=object()))
+    with pytest.raises(TypeError, match="^q_idx"):
+        msa.decode_indexer_topk(**dict(base, q_idx=base["q_idx"].half()))
+    with pytest.raises(ValueError, match="^q_idx"):
+        msa.decode_indexer_topk(**dict(base, q_idx=base["q_idx"][:1]))
+    with pytest.raises(ValueError, match="^k_idx"):
+        msa.decode_indexer_topk(**dict(base, k_idx=base["k_idx"].expand(-1, 2, -1, -1)
+                                       .contiguous()))
+    with pytest.raises(ValueError, match="^k_scale"):
+        msa.decode_indexer_topk(**dict(base, k_idx=torch.zeros(3, 1, P, 64, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match="^k_scale"):
+        msa.decode_indexer_topk(**base, k_scale=torch.zeros(8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="^out"):
+        msa.decode_indexer_topk(**base, out=torch.zeros(1, 2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="^scale"):
+        msa.decode_indexer_topk(**base, scale=0.0)
+    with pytest.raises(ValueError, match="^k_scale_layout"):
+        msa.decode_indexer_topk(**base, k_scale_layout="tiled")
+    with pytest.raises(NotImplementedError, match="^seqlen_q"):
+        msa.make_decode_indexer_plan(inputs["seqused_k"], seqlen_q=17, num_index_heads=1,
+                                     max_seqlen_k=300)
+    with pytest.raises(NotImplementedError, match="^num_index_heads"):
+        msa.make_decode_indexer_plan(inputs["seqused_k"], seqlen_q=16, num_index_heads=16,
+                                     max_seqlen_k=300)
+    with pytest.raises(ValueError, match="^topk"):
+        msa.make_decode_indexer_plan(inputs["seqused_k"], seqlen_q=1, num_index_heads=1,
+                                     max_seqlen_k=300, topk=12)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan's work split (host logic the native update kernel mirrors)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("lens,capacity", [([1, 129, 100000, 0, 257], 40), ([200000], 265),
+                                           ([4000] * 128, 392), ([1] * 7, 8)])
+def test_work_split_covers_every_history_block_once(lens, capacity):
+    work, requests, chunk = plan_work_split(lens, capacity)
+    assert chunk >= 4
+    assert int(requests[:, 1].sum()) <= capacity
+    for b, n in enumerate(lens):
+        history = (n - 1) // P if n > 0 else 0
+        first, count = int(requests[b, 0]), int(requests[b, 1])
+        assert count == max(1, -(-history // chunk))
+        assert work[first:first + count, 0].tolist() == [b] * count
+        assert work[first:first + count, 1].tolist() == list(range(count))
+        covered = []
+        for c in range(count):   # the kernel's ranges: the last chunk runs to the end
+            end = history if c == count - 1 else min((c + 1) * chunk, history)
+            covered += list(range(min(c * chunk, history), end))
+        assert covered == list(range(history))
+    assert (work[int(requests[:, 1].sum()):] == -1).all()
+
+
+def test_plan_update_follows_new_lengths():
+    lens = torch.tensor([1000, 5], dtype=torch.int32)
+    plan = msa.make_decode_indexer_plan(lens, seqlen_q=1, num_index_heads=1, max_seqlen_k=10**6,
+                                        max_ctas=16)
+    before = plan.requests.clone()
+    lens.copy_(torch.tensor([900000, 5], dtype=torch.int32))
+    plan.update()
+    work, requests, chunk = plan_work_split(lens.tolist(), plan.capacity)
+    assert torch.equal(plan.requests, requests) and torch.equal(plan.work, work)
+    assert int(plan.chunk_pages) == chunk and not torch.equal(before, plan.requests)
+
+
+# ---------------------------------------------------------------------------------------------
+# The step wrapper
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["bf16", "e4m3"])
+def test_step_wrapper_is_indexer_then_sparse_attention(seed, fmt):
+    lens, seqlen_q, hkv, group, topk = [1000, 129, 300], 2, 2, 4, 4
+    inputs, keys = make_index_batch(lens, seqlen_q, hkv, fmt)
+    dtype = BF16 if fmt == "bf16" else FP8
+    pages = inputs["k_idx"].shape[0]
+    k = torch.randn(pages, hkv, P, 128).to(dtype)
+    v = torch.randn(pages, hkv, P, 128).to(dtype)
+    q = torch.randn(len(lens) * seqlen_q, hkv * group, 128).to(dtype)
+    step = msa.MSADecodeStepWrapper().plan(
+        page_table=inputs["page_table"], seqused_k=inputs["seqused_k"], seqlen_q=seqlen_q,
+        max_seqlen_k=1000, num_qo_heads=hkv * group, num_kv_heads=hkv, topk=topk)
+    out = step.update().run(q, k, v, inputs["q_idx"], inputs["k_idx"])
+    selection = oracle(inputs, keys, seqlen_q, topk)[0]
+    assert torch.equal(step.q2k_indices, selection)
+    attention = msa.SparseDecodePagedAttentionWrapper().plan(
+        page_table=inputs["page_table"], seqused_k=inputs["seqused_k"], seqlen_q=seqlen_q,
+        max_seqlen_k=1000, q2k_indices=selection, num_qo_heads=hkv * group, num_kv_heads=hkv,
+        enable_cuda_graph=True)
+    assert torch.equal(out, attention.run(q, k, v))
+
+
+def test_step_wrapper_shares_one_plan_and_checks_it():
+    inputs, _ = make_index_batch([600, 900], 1, 1, "bf16")
+    step = msa.MSADecodeStepWrapper().plan(
+        page_table=inputs["page_table"], seqused_k=inputs["seqused_k"], seqlen_q=1,
+        max_seqlen_k=900, num_qo_heads=16, num_kv_heads=4, num_index_heads=1)
+    other = msa.MSADecodeStepWrapper().plan(
+        page_table=inputs["page_table"], seqused_k=inputs["seqused_k"], seqlen_q=1,
+        max_seqlen_k=900, num_qo_heads=16, num_kv_heads=4, num_index_heads=1,
+        indexer_plan=step.indexer_plan)
+    assert other.indexer_plan is step.indexer_plan
+    with pytest.raises(ValueError, match="^indexer_plan"):
+        msa.MSADecodeStepWrapper().plan(
+            page_table=inputs["page_table"], seqused_k=inputs["seqused_k"], seqlen_q=2,
+            max_seqlen_k=900, num_qo_heads=16, num_kv_heads=4, num_index_heads=1,
+            indexer_plan=step.indexer_plan)
+    with pytest.raises(ValueError, match="^num_index_heads"):
+        msa.MSADecodeStepWrapper().plan(
+            page_table=inputs["page_table"], seqused_k=inputs["seqused_k"], seqlen_q=1,
+            max_seqlen_k=900, num_qo_heads=16, num_kv_heads=4, num_index_heads=3)
+    with pytest.raises(RuntimeError, match="^run"):
+        msa.MSADecodeStepWrapper().run(None, None, None, None, None)

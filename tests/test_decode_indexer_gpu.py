@@ -1,0 +1,237 @@
+"""GPU tests of the native fused decode indexer + top-k (csrc/decode_indexer.cu via
+msa._native.decode_indexer_cuda) and of the decode step wrapper on it, against the float64
+oracle of tests/test_decode_indexer.py (NVFP4 keys from the package's own quantizer).
+
+Checks per call: the kernel's block scores (return_scores) match the oracle's; the kernel's
+selection is exactly the ranking of its own scores (so ties and ordering are the contract's);
+and the selection is the oracle's up to score differences below the fp32 tolerance. Outputs are
+poisoned first. Needs a built variant (MSA_TEST_PACKAGE_DIR, set by tools/gpu_session.sh); runs
+the gated kernel with MSA_UNVALIDATED_KERNELS=1 and MSA_BACKEND=native (no silent fallback).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from test_decode_indexer import P, make_index_batch, oracle
+
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
+OP_NAME = "decode_indexer_topk"
+SCORE_TOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def msa_pkg():
+    if not os.environ.get("MSA_TEST_PACKAGE_DIR"):
+        pytest.skip("set MSA_TEST_PACKAGE_DIR to a built variant (build/<variant>)")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import msa
+    from msa._native import decode_indexer_cuda
+    assert decode_indexer_cuda.compiled_ops.missing_reason("decode_indexer_topk") is None, \
+        decode_indexer_cuda.compiled_ops.missing_reason("decode_indexer_topk")
+    return msa
+
+
+@pytest.fixture
+def native_only(monkeypatch):
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    monkeypatch.setenv("MSA_BACKEND", "native")
+
+
+def _plan(msa, inputs, seqlen_q, heads, topk, **kw):
+    return msa.make_decode_indexer_plan(inputs["seqused_k"], seqlen_q=seqlen_q,
+                                        num_index_heads=heads, topk=topk,
+                                        max_seqlen_k=int(inputs["seqused_k"].max()) + 1, **kw)
+
+
+def _run(msa, inputs, plan, out_heads=None):
+    heads = inputs["q_idx"].shape[1]
+    out = torch.full((out_heads or heads, inputs["q_idx"].shape[0], plan.topk), -7,
+                     dtype=torch.int32, device="cuda")
+    args = {k: v for k, v in inputs.items() if k != "seqused_k"}
+    out, scores = msa.decode_indexer_topk(plan=plan, out=out, return_scores=True, **args)
+    assert msa._backend.last_backend(OP_NAME) == "sm90"
+    torch.cuda.synchronize()
+    return out.cpu(), scores.cpu()
+
+
+def _ranked(scores_row, own, topk):
+    """The contract's selection from one row's scores: topk - 1 best finite-or-+inf, ties to
+    the lower id, then own."""
+    cand = [(-float(s), i) for i, s in enumerate(scores_row.tolist())
+            if s == s and s != float("-inf")]
+    chosen = [i for _s, i in sorted(cand)[: topk - 1]]
+    if own >= 0:
+        chosen.append(own)
+    return chosen + [-1] * (topk - len(chosen))
+
+
+def _own_blocks(inputs, seqlen_q):
+    width = inputs["page_table"].shape[1]
+    owns = []
+    for n in inputs["seqused_k"].cpu().tolist():
+        n = min(max(n, 0), width * P)
+        owns += [(n - seqlen_q + i) // P if n - seqlen_q + i >= 0 else -1
+                 for i in range(seqlen_q)]
+    return owns
+
+
+def _check(inputs, keys, seqlen_q, topk, out, scores):
+    want, want_scores = oracle(inputs, keys, seqlen_q, topk)
+    heads, rows = want.shape[0], want.shape[1]
+    # 1. Block scores: every candidate (and nothing else) scored, within fp32 accumulation error.
+    assert int(torch.isfinite(scores).sum()) == len(want_scores)
+    for (h, r, blk), value in want_scores.items():
+        got = float(scores[h, r, blk])
+        assert abs(got - value) <= SCORE_TOL * max(1.0, abs(value)), ((h, r, blk), got, value)
+    # 2. The selection is exactly the ranking of the kernel's own scores.
+    owns = _own_blocks(inputs, seqlen_q)
+    for h in range(heads):
+        for r in range(rows):
+            assert out[h, r].tolist() == _ranked(scores[h, r], owns[r], topk), (h, r)
+    # 3. ... which is the oracle's up to near-ties.
+    for h in range(heads):
+        for r in range(rows):
+            got, exp = out[h, r], want[h, r]
+            assert int((got >= 0).sum()) == int((exp >= 0).sum()), (h, r, got, exp)
+            hist_got = got[got >= 0][:-1].tolist()
+            hist_exp = exp[exp >= 0][:-1].tolist()
+            if not hist_exp:
+                continue
+            threshold = min(want_scores[h, r, b] for b in hist_exp)
+            tol = 4 * SCORE_TOL * max(1.0, abs(threshold))
+            assert all(want_scores[h, r, b] >= threshold - tol for b in hist_got), (h, r)
+            must = [b for b in hist_exp if want_scores[h, r, b] > threshold + tol]
+            assert set(must) <= set(hist_got), (h, r)
+
+
+LENS = [1, 129, 1000, 256, 77, 40000, 128]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "e4m3", "nvfp4"])
+@pytest.mark.parametrize("seqlen_q,heads", [(1, 4), (8, 4), (16, 1), (3, 2), (16, 8)])
+@pytest.mark.parametrize("topk", [16, 32, 4])
+def test_native_indexer_matches_oracle(msa_pkg, native_only, seed, fmt, seqlen_q, heads, topk):
+    inputs, keys = make_index_batch(LENS, seqlen_q, heads, fmt, device="cuda")
+    plan = _plan(msa_pkg, inputs, seqlen_q, heads, topk)
+    out, scores = _run(msa_pkg, inputs, plan)
+    _check(inputs, keys, seqlen_q, topk, out, scores)
+
+
+def test_native_indexer_nvfp4_linear_scales(msa_pkg, native_only, seed):
+    torch.manual_seed(seed)
+    tiled, keys = make_index_batch(LENS, 8, 4, "nvfp4", device="cuda")
+    torch.manual_seed(seed)
+    linear, _ = make_index_batch(LENS, 8, 4, "nvfp4", device="cuda", layout="linear")
+    plan = _plan(msa_pkg, tiled, 8, 4, 16)
+    a, scores = _run(msa_pkg, tiled, plan)
+    b, _ = _run(msa_pkg, linear, plan)
+    assert torch.equal(a, b)
+    _check(tiled, keys, 8, 16, a, scores)
+
+
+@pytest.mark.parametrize("max_ctas", [1, 7, 600])
+def test_native_indexer_any_split(msa_pkg, native_only, seed, max_ctas):
+    """One CTA for everything, a few, and more CTAs than blocks (many one-chunk merges)."""
+    lens = [100000, 3, 5000]
+    inputs, keys = make_index_batch(lens, 8, 4, "e4m3", device="cuda")
+    plan = _plan(msa_pkg, inputs, 8, 4, 16, max_ctas=max_ctas)
+    out, scores = _run(msa_pkg, inputs, plan)
+    _check(inputs, keys, 8, 16, out, scores)
+
+
+def test_native_plan_update_matches_host_split(msa_pkg, native_only):
+    from msa.decode_indexer import plan_work_split
+    for lens, ctas in (([1, 129, 100000, 0, 257], 40), ([200000], 264), ([4000] * 128, 264),
+                       (list(range(0, 3000 * 70, 3000)), 9)):
+        seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        plan = msa_pkg.make_decode_indexer_plan(seq, seqlen_q=1, num_index_heads=1,
+                                                max_seqlen_k=max(lens) + 1, max_ctas=ctas)
+        work, requests, chunk = plan_work_split(lens, plan.capacity)
+        torch.cuda.synchronize()
+        assert torch.equal(plan.work.cpu(), work)
+        assert torch.equal(plan.requests.cpu(), requests)
+        assert int(plan.chunk_pages) == chunk
+
+
+def test_native_graph_replay_and_stale_plan(msa_pkg, native_only, seed):
+    """Capture update + indexer; new lengths, pages, keys and queries written into the same
+    buffers replay to the eager (and oracle) result. Without update() (a stale split) the
+    result still meets the contract."""
+    seqlen_q, heads, topk = 8, 4, 16
+    inputs, _ = make_index_batch([9500, 900, 9500], seqlen_q, heads, "e4m3", device="cuda")
+    inputs["seqused_k"].copy_(torch.tensor([3000, 200, 9000], dtype=torch.int32))
+    plan = _plan(msa_pkg, inputs, seqlen_q, heads, topk)
+    args = {k: v for k, v in inputs.items() if k != "seqused_k"}
+    out = torch.empty(heads, 3 * seqlen_q, topk, dtype=torch.int32, device="cuda")
+    msa_pkg.decode_indexer_topk(plan=plan, out=out, **args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.update()
+        msa_pkg.decode_indexer_topk(plan=plan, out=out, **args)
+
+    inputs["seqused_k"].copy_(torch.tensor([9100, 1, 700], dtype=torch.int32))
+    table = inputs["page_table"]
+    valid = table >= 0
+    table[valid] = table[valid][torch.randperm(int(valid.sum()), device="cuda")]
+    inputs["k_idx"].copy_(torch.randn(inputs["k_idx"].shape, device="cuda").to(torch.float8_e4m3fn))
+    inputs["q_idx"].copy_(torch.randn(inputs["q_idx"].shape, device="cuda").to(torch.float8_e4m3fn))
+    out.fill_(-7)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = out.cpu().clone()
+    keys = inputs["k_idx"].double().cpu()[:, 0]
+    eager, scores = _run(msa_pkg, inputs, plan)
+    assert torch.equal(replayed, eager)
+    _check(inputs, keys, seqlen_q, topk, eager, scores)
+    # A stale split (lengths grown again, no update): still every block, still the contract.
+    inputs["seqused_k"].copy_(torch.tensor([9500, 900, 9400], dtype=torch.int32))
+    stale, stale_scores = _run(msa_pkg, inputs, plan)
+    _check(inputs, keys, seqlen_q, topk, stale, stale_scores)
+
+
+def test_native_indexer_survives_garbage(msa_pkg, native_only, seed):
+    """Out-of-range page ids and lengths past the table never fault; every id emitted is a
+    block of its request (< the table width) or -1."""
+    inputs, _ = make_index_batch([1000, 5000], 4, 2, "bf16", device="cuda")
+    inputs["page_table"][0, 1] = 1 << 30
+    inputs["page_table"][1, 3] = -5
+    inputs["seqused_k"][0] = 1 << 30
+    plan = _plan(msa_pkg, inputs, 4, 2, 16)
+    out, _ = _run(msa_pkg, inputs, plan)
+    width = inputs["page_table"].shape[1]
+    assert ((out >= -1) & (out < width)).all()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "e4m3"])
+def test_native_step_wrapper(msa_pkg, native_only, seed, fmt, monkeypatch):
+    """MSADecodeStepWrapper on the native indexer and attention: its selection is the
+    oracle's (up to near-ties, checked via the kernel's own scores) and O is sparse decode
+    attention over that selection."""
+    from test_decode import check_against_oracle, oracle as attention_oracle
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    lens, seqlen_q, hkv, group, topk = [9000, 129, 3000], 8, 4, 16, 16
+    inputs, keys = make_index_batch(lens, seqlen_q, hkv, fmt, device="cuda")
+    dtype = inputs["k_idx"].dtype
+    pages = inputs["k_idx"].shape[0]
+    k = torch.randn(pages, hkv, P, 128, device="cuda").to(dtype)
+    v = torch.randn(pages, hkv, P, 128, device="cuda").to(dtype)
+    q = torch.randn(len(lens) * seqlen_q, hkv * group, 128, device="cuda").to(dtype)
+    step = msa_pkg.MSADecodeStepWrapper().plan(
+        page_table=inputs["page_table"], seqused_k=inputs["seqused_k"], seqlen_q=seqlen_q,
+        max_seqlen_k=9000, num_qo_heads=hkv * group, num_kv_heads=hkv, topk=topk)
+    out, lse = step.update().run(q, k, v, inputs["q_idx"], inputs["k_idx"],
+                                 return_softmax_lse=True)
+    torch.cuda.synchronize()
+    plan = _plan(msa_pkg, inputs, seqlen_q, hkv, topk)
+    sel, scores = _run(msa_pkg, inputs, plan)
+    assert torch.equal(step.q2k_indices.cpu(), sel)
+    _check(inputs, keys, seqlen_q, topk, sel, scores)
+    ref_out, ref_lse = attention_oracle(q, k, v, inputs["page_table"], inputs["seqused_k"],
+                                        seqlen_q, sel)
+    check_against_oracle(out, lse, ref_out, ref_lse, fp8_pv=fmt == "e4m3")

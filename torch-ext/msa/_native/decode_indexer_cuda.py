@@ -1,0 +1,79 @@
+"""Native fused decode indexer + top-k (csrc/decode_indexer.cu), registered as
+("decode_indexer_topk", "sm90") and ("decode_indexer_plan_update", "sm90").
+
+One launch per layer (the indexer, grid = the plan's capacity) plus one per step (the plan
+update, one CTA). Both read only device tensors, never synchronize and can be captured in a CUDA
+graph. Importing this module does not touch CUDA.
+
+Gated until its GPU test (tests/test_decode_indexer_gpu.py) passes on the H200: ``supports()``
+refuses while ``VALIDATED`` is False unless ``MSA_UNVALIDATED_KERNELS=1``. The plan update is
+gated with it (a plan without native updates is only used by the reference).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _backend
+
+from . import compiled_ops
+from .compiled_ops import ops
+
+OP_NAME = "decode_indexer_topk"
+PLAN_OP_NAME = "decode_indexer_plan_update"
+# Flip to True only after tests/test_decode_indexer_gpu.py passes on the H200.
+VALIDATED = False
+MAX_ROWS = 128
+MAX_TOPK = 32
+# q dtype each index-key format is served with (the kernel's MMA type needs an exact widening).
+_Q_DTYPE_FOR_FORMAT = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn,
+                       "nvfp4": torch.float8_e4m3fn}
+
+
+def _compiled_reason(op: str) -> Optional[str]:
+    missing = compiled_ops.missing_reason(op)
+    if missing is not None:
+        return missing
+    return _backend.unvalidated_reason("the sm90 decode indexer", VALIDATED)
+
+
+def supports(*, q_dtype=None, k_format=None, topk=16, rows=1, **_features) -> Optional[str]:
+    """None when the compiled kernel serves a call with these features, else the reason."""
+    reason = _compiled_reason(OP_NAME)
+    if reason is not None:
+        return reason
+    want = _Q_DTYPE_FOR_FORMAT.get(k_format)
+    if want is None or q_dtype != want:
+        return (f"q_idx {q_dtype} with {k_format} index keys: the kernel serves bf16 q with bf16 "
+                f"keys and e4m3 q with e4m3 or NVFP4 keys")
+    if rows > MAX_ROWS:
+        return f"{rows} rows per request exceed {MAX_ROWS}"
+    if topk > MAX_TOPK:
+        return f"topk {topk} exceeds {MAX_TOPK}"
+    return None
+
+
+def supports_plan(**_features) -> Optional[str]:
+    return _compiled_reason(PLAN_OP_NAME)
+
+
+def run(call) -> None:
+    """Fill ``call.out`` (and ``call.scores`` when not None) for one validated
+    :class:`msa.decode_indexer.DecodeIndexerCall`."""
+    plan = call.plan
+    ops.decode_indexer_topk(
+        call.q_idx, call.k_idx, call.k_scale, call.scale_layout == "linear",
+        call.k_global_scale, call.page_table, plan.seqused_k, plan.work, plan.requests,
+        plan.chunk_pages, plan.partials, call.out, call.scores, int(plan.seqlen_q),
+        int(call.topk), float(call.scale))
+
+
+def run_plan_update(plan) -> None:
+    """Re-split ``plan``'s work from its live seqused_k (device side)."""
+    ops.decode_indexer_plan_update(plan.seqused_k, plan.work, plan.requests, plan.chunk_pages)
+
+
+_backend.register_native(OP_NAME, "sm90", run, supports)
+_backend.register_native(PLAN_OP_NAME, "sm90", run_plan_update, supports_plan)

@@ -1,0 +1,625 @@
+"""Production MSA prefill: the pipeline in query chunks with bounded workspace, the split-K
+indexer for short chunks, and the plan/run wrapper over a paged KV cache.
+
+One prefill call runs index scores -> top-k (own block forced) -> k2q CSR + schedule -> sparse
+attention (docs/design-production-prefill.md). Two entry points share the machinery here:
+
+* :class:`MsaPrefillPagedWrapper` (chunked prefill as engines hold the cache): K/V and index-K
+  in 128-token pages, each request's new queries at the end of its keys. ``plan`` reads host
+  lengths once per batch and builds every index tensor on the device; ``run`` only launches
+  device work, so a CUDA graph can hold it.
+* :func:`msa.msa_prefill` (dense K/V): the same stages; a call above the workspace budget runs
+  in query chunks whose sub-batch metadata is computed on the device (no host sync).
+
+**Query chunks.** A chunk is a range [t0, t1) of the call's packed queries. Request r (q_len Q,
+k_len K) contributes its queries in the range as a sub-request; with causal masking (bottom-right:
+query i sees keys j <= i + K - Q) the sub-request's keys end at its last query in the chunk:
+k_sub = K - Q + (queries of r up to t1), so the bottom-right rule of the sub-request equals the
+call's. A chunk's workspace (scores, selection, CSR, partials) is proportional to t1 - t0.
+
+**Split-K indexer.** The prefill indexer kernel gives one CTA 256 / H_idx queries of one request
+and walks that request's key tiles serially, so a chunk of a few hundred queries runs on a few
+SMs (about 12 us per 1k keys). With S splits, sub-request (r, s) holds r's queries again and
+the keys [128 n s, 128 n (s+1)) of r (n tiles per split), with the causal offset shifted by
+-128 n s; the tiles of different splits are disjoint, so one gather assembles [H, S n, T].
+
+Peak memory of a call: at most inputs + O [T, Hq, 128] bf16 + min(T, C) * W_q, where W_q is
+:func:`workspace_bytes_per_query` and C = :func:`chunk_tokens` (default budget 16 GiB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import _stages
+from ._validation import (BLOCK_SIZE, HEAD_DIM, SUPPORTED_TOPK, check_page_table,
+                          check_positive_int, check_qhead_per_kv, check_same_device, check_shape,
+                          check_tensor, check_topk)
+from .indexer import _per_query_block_bounds, block_max_scores
+from .interface import build_k2q_csr, sparse_atten_func
+from .topk import sparse_topk_select
+
+DEFAULT_WORKSPACE_BYTES = 16 << 30
+MIN_CHUNK_TOKENS = 1024
+# (query, index head) rows per CTA of the prefill indexer kernel, and rows per request that the
+# paged decode indexer serves (it splits the keys across CTAs itself).
+INDEXER_TILE_ROWS = 256
+DECODE_INDEXER_ROWS = 64
+# A split keeps at least this many 128-key tiles (the indexer keeps three in flight).
+SPLIT_K_MIN_TILES = 4
+H200_SM_COUNT = 132
+# Bytes per (query, KV head, top-k slot) of the selection, q2k, CSR ids, qsplit ids and the
+# CSR builder's sort keys / values (double-buffered).
+_INDEX_BYTES_PER_SLOT = 40
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizing
+# ---------------------------------------------------------------------------------------------
+
+def workspace_bytes_per_query(*, num_qo_heads: int, num_kv_heads: int, topk: int,
+                              max_k_tiles: int, partial_dtype: torch.dtype,
+                              index_splits: int = 1) -> int:
+    """Device bytes one query of a chunk needs beyond the call's inputs and output: index
+    scores [Hkv, tiles, T] fp32 (twice with a split-K indexer, plus the repeated index queries),
+    O / LSE partials [topk, T, Hq, 128 | 1], the chunk's O and LSE, and the selection / CSR."""
+    partial = torch.empty((), dtype=partial_dtype).element_size()
+    scores = 4 * num_kv_heads * max_k_tiles
+    if index_splits > 1:
+        scores = 2 * scores + index_splits * num_kv_heads * HEAD_DIM * 2
+    partials = topk * num_qo_heads * (HEAD_DIM * partial + 4)
+    chunk_out = num_qo_heads * (HEAD_DIM * 2 + 4)
+    return scores + partials + chunk_out + _INDEX_BYTES_PER_SLOT * num_kv_heads * topk
+
+
+def chunk_tokens(total_q: int, bytes_per_query: int,
+                 workspace_bytes: Optional[int] = None) -> int:
+    """Queries per chunk: the whole call when it fits the budget, else the largest multiple of
+    128 within it (at least MIN_CHUNK_TOKENS, so a tiny budget still makes progress)."""
+    budget = DEFAULT_WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
+    if total_q * bytes_per_query <= budget:
+        return max(total_q, 1)
+    fit = max(budget // max(bytes_per_query, 1), MIN_CHUNK_TOKENS)
+    return max(BLOCK_SIZE, fit // BLOCK_SIZE * BLOCK_SIZE)
+
+
+def index_key_splits(indexer_ctas: int, max_k_tiles: int, sm_count: int) -> Tuple[int, int]:
+    """(S, tiles per split) for the split-K indexer: as many splits as fill the SMs once (the
+    prefill indexer runs one CTA per SM), each split at least SPLIT_K_MIN_TILES tiles; (1,
+    max_k_tiles) when one split already fills the GPU."""
+    splits = min(sm_count // max(indexer_ctas, 1), max_k_tiles // SPLIT_K_MIN_TILES)
+    if splits < 2:
+        return 1, max_k_tiles
+    per_split = -(-max_k_tiles // splits)
+    return -(-max_k_tiles // per_split), per_split
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return H200_SM_COUNT
+
+
+# ---------------------------------------------------------------------------------------------
+# Sub-call metadata (torch ops only: no host sync, any device)
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class IndexSplit:
+    """Split-K indexer metadata of one chunk: sub-request (r, s) = r's queries x r's keys
+    [128 n s, 128 n (s+1)), in (r, s) order."""
+    splits: int                          # S
+    tiles_per_split: int                 # n
+    query_rows: torch.Tensor             # [S*T_c] int64: chunk query of each repeated row
+    columns: torch.Tensor                # [S*T_c] int64: (s, q) -> column of the split scores
+    cu_seqlens_q: torch.Tensor           # [B'S+1] int32
+    cu_seqlens_k: Optional[torch.Tensor]  # dense: [B'S+1] int32 key offsets
+    seqused_k: Optional[torch.Tensor]    # paged: [B'S] int32
+    page_index: Optional[torch.Tensor]   # paged: [B'S, n] int64 flat index into the page table
+    qo_offset: Optional[torch.Tensor]    # causal: [B'S] int32
+
+    def to(self, device: torch.device) -> "IndexSplit":
+        return dataclasses.replace(self, **{
+            f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)})
+
+
+@dataclasses.dataclass
+class ChunkPlan:
+    """One query chunk [q_begin, q_end) of a prefill call, as the stages consume it."""
+    q_begin: int
+    q_end: int
+    cu_seqlens_q: torch.Tensor           # [B'+1] int32
+    cu_seqlens_k: torch.Tensor           # [B'+1] int32 (dense: key offsets; paged: prefix)
+    seqused_k: Optional[torch.Tensor]    # paged: [B'] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+    total_k: int                         # host hint of build_k2q_csr
+    total_rows: Optional[int]            # exact CSR rows when the host knows them
+    num_valid_pages: torch.Tensor        # [T_c] int32
+    own_block: torch.Tensor              # [T_c] int32
+    split: Optional[IndexSplit]
+
+    @property
+    def max_k_tiles(self) -> int:
+        if self.split is not None:
+            return self.split.splits * self.split.tiles_per_split
+        return -(-self.max_seqlen_k // BLOCK_SIZE)
+
+    def to(self, device: torch.device) -> "ChunkPlan":
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, split=None if self.split is None
+                                   else self.split.to(device), **moved)
+
+
+def _prefix(lengths: torch.Tensor) -> torch.Tensor:
+    """[n] -> [n+1] int32 exclusive prefix sums starting at 0."""
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    out[1:] = lengths.reshape(-1).cumsum(0)
+    return out.to(torch.int32)
+
+
+def chunk_lengths(cu_q: torch.Tensor, k_len: torch.Tensor, t0: int, t1: int,
+                  causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per request (int64): the queries it has in [t0, t1) and the keys they need (0 for a
+    request without queries there; causal: up to the chunk's last query, bottom-right)."""
+    cu_q = cu_q.to(torch.int64)
+    k_len = k_len.to(torch.int64)
+    q_start, q_len = cu_q[:-1], cu_q[1:] - cu_q[:-1]
+    before = (t0 - q_start).clamp(min=0).minimum(q_len)
+    upto = (t1 - q_start).clamp(min=0).minimum(q_len)
+    q_sub = upto - before
+    k_sub = (k_len - q_len + upto).clamp(min=0).minimum(k_len) if causal else k_len
+    return q_sub, torch.where(q_sub > 0, k_sub, torch.zeros_like(k_sub))
+
+
+def dense_chunk_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, t0: int, t1: int,
+                        causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(cu_seqlens_q, cu_seqlens_k) [2B+1] int32 of a dense chunk: request r becomes (r's
+    queries in the chunk, its first k_sub keys) followed by a zero-query gap request holding its
+    remaining keys, so every request keeps its key start and cu_seqlens_k stays a prefix sum."""
+    cu_k64 = cu_k.to(torch.int64)
+    q_sub, k_sub = chunk_lengths(cu_q, cu_k64[1:] - cu_k64[:-1], t0, t1, causal)
+    starts = _prefix(q_sub)
+    batch = q_sub.numel()
+    cu_q_sub = torch.empty(2 * batch + 1, dtype=torch.int32, device=cu_q.device)
+    cu_q_sub[0::2] = starts
+    cu_q_sub[1::2] = starts[1:]
+    cu_k_sub = torch.empty_like(cu_q_sub)
+    cu_k_sub[0::2] = cu_k
+    cu_k_sub[1::2] = (cu_k64[:-1] + k_sub).to(torch.int32)
+    return cu_q_sub, cu_k_sub
+
+
+def index_split(cu_q_sub: torch.Tensor, cu_k_sub: torch.Tensor, total_q: int, splits: int,
+                tiles_per_split: int, *, causal: bool, paged: bool,
+                page_table_width: int = 0) -> IndexSplit:
+    """Split-K indexer metadata for a sub-batch given by its cu_seqlens (dense: key offsets of
+    each request's consecutive keys; paged: prefix sums of its key lengths)."""
+    device = cu_q_sub.device
+    i64 = torch.int64
+    cu_q64, cu_k64 = cu_q_sub.to(i64), cu_k_sub.to(i64)
+    q_len = cu_q64[1:] - cu_q64[:-1]
+    k_len = cu_k64[1:] - cu_k64[:-1]
+    batch = q_len.numel()
+    span = BLOCK_SIZE * tiles_per_split
+    lo = (torch.arange(splits, device=device, dtype=i64) * span).view(1, -1)      # [1, S]
+    cu_q_split = _prefix(q_len.view(-1, 1).expand(batch, splits))                  # [BS+1]
+    rows_total = splits * total_q
+    # (r, s, i) rows: repeated request r -> chunk query cu_q[r] + i.
+    p = torch.arange(rows_total, device=device, dtype=i64)
+    sub = torch.searchsorted(cu_q_split[1:].to(i64), p, right=True).clamp_max(
+        max(batch * splits - 1, 0))
+    query_rows = cu_q64[sub // splits] + (p - cu_q_split.to(i64)[sub])
+    # (s, q) -> column of the split scores.
+    q = torch.arange(total_q, device=device, dtype=i64)
+    req = torch.searchsorted(cu_q64[1:], q, right=True).clamp_max(max(batch - 1, 0))
+    s = torch.arange(splits, device=device, dtype=i64).view(-1, 1)
+    columns = (cu_q_split.to(i64)[req.view(1, -1) * splits + s]
+               + (q - cu_q64[req]).view(1, -1)).reshape(-1)
+    qo_offset = None
+    if causal:
+        qo_offset = ((k_len - q_len).view(-1, 1) - lo).reshape(-1).to(torch.int32)
+    split = IndexSplit(splits, tiles_per_split, query_rows, columns, cu_q_split, None, None,
+                       None, qo_offset)
+    if paged:
+        split.seqused_k = (k_len.view(-1, 1) - lo).clamp(0, span).reshape(-1).to(torch.int32)
+        col = (torch.arange(splits, device=device, dtype=i64).view(-1, 1) * tiles_per_split
+               + torch.arange(tiles_per_split, device=device, dtype=i64).view(1, -1))
+        col = col.clamp_max(max(page_table_width - 1, 0))                         # [S, n]
+        rows = torch.arange(batch, device=device, dtype=i64).view(-1, 1, 1)
+        split.page_index = (rows * page_table_width + col.unsqueeze(0)).reshape(
+            batch * splits, tiles_per_split)
+    else:
+        starts = cu_k64[:-1].view(-1, 1) + torch.minimum(lo, k_len.view(-1, 1))     # [B, S]
+        cu_k_split = torch.empty(batch * splits + 1, dtype=torch.int32, device=device)
+        cu_k_split[:-1] = starts.reshape(-1).to(torch.int32)
+        cu_k_split[-1:] = cu_k_sub[-1:]
+        split.cu_seqlens_k = cu_k_split
+    return split
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipeline of one chunk
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class PrefillOptions:
+    topk: int
+    local_blocks: int
+    causal: bool
+    partial_dtype: torch.dtype
+    softmax_scale: Optional[float]
+    index_scale: float
+    qhead_per_kv: int
+
+
+def _index_scores(chunk: ChunkPlan, q_idx: torch.Tensor, k_idx: torch.Tensor,
+                  index_page_table: Optional[torch.Tensor], opts: PrefillOptions
+                  ) -> torch.Tensor:
+    """[Hkv, chunk.max_k_tiles, T_c] fp32 block max scores of the chunk's queries."""
+    paged = index_page_table is not None
+    common = dict(max_seqlen_q=chunk.max_seqlen_q, scale=opts.index_scale, causal=opts.causal)
+    split = chunk.split
+    if split is None:
+        return block_max_scores(
+            q_idx, k_idx, chunk.cu_seqlens_q, None if paged else chunk.cu_seqlens_k,
+            max_seqlen_k=chunk.max_seqlen_k, page_table=index_page_table,
+            seqused_k=chunk.seqused_k if paged else None, max_k_tiles=chunk.max_k_tiles,
+            **common)
+    n, splits = split.tiles_per_split, split.splits
+    pages = None
+    if paged:
+        pages = index_page_table.reshape(-1).index_select(0, split.page_index.reshape(-1))
+        pages = pages.view(split.page_index.shape)
+    part = block_max_scores(
+        _gather_rows(q_idx, split.query_rows), k_idx, split.cu_seqlens_q,
+        split.cu_seqlens_k, max_seqlen_k=n * BLOCK_SIZE, qo_offset=split.qo_offset,
+        page_table=pages, seqused_k=split.seqused_k, max_k_tiles=n, **common)
+    heads, total_q = part.shape[0], q_idx.shape[0]
+    scores = torch.empty(heads, splits * n, total_q, dtype=part.dtype, device=part.device)
+    scores.view(heads, splits, n, total_q).copy_(
+        part.index_select(2, split.columns).view(heads, n, splits, total_q).permute(0, 2, 1, 3))
+    return scores
+
+
+def _gather_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t[rows] along dim 0; 1-byte dtypes (e4m3) move as uint8 (same bits, any backend)."""
+    if t.element_size() == 1 and t.dtype != torch.uint8:
+        return t.view(torch.uint8).index_select(0, rows).view(t.dtype)
+    return t.index_select(0, rows)
+
+
+def run_chunk(chunk: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              q_idx: torch.Tensor, k_idx: torch.Tensor, opts: PrefillOptions, *,
+              page_table: Optional[torch.Tensor] = None,
+              index_page_table: Optional[torch.Tensor] = None, want_lse: bool = False):
+    """The four stages on one chunk (q, q_idx: the chunk's rows). Returns (O, LSE or None,
+    q2k [Hkv, T_c, topk])."""
+    _stages.mark("indexer")
+    scores = _index_scores(chunk, q_idx, k_idx, index_page_table, opts)
+    _stages.mark("topk")
+    selection = sparse_topk_select(scores, opts.topk, chunk.num_valid_pages,
+                                   force_end_blocks=opts.local_blocks,
+                                   causal_end_block=chunk.own_block if opts.causal else None)
+    q2k = selection.permute(1, 0, 2).contiguous()
+    del scores, selection               # the attention's partials may reuse their memory
+    _stages.mark("csr")
+    row_ptr, q_ids, schedule = build_k2q_csr(
+        q2k, chunk.cu_seqlens_q, chunk.cu_seqlens_k, BLOCK_SIZE, total_k=chunk.total_k,
+        max_seqlen_k=chunk.max_seqlen_k, max_seqlen_q=chunk.max_seqlen_q,
+        total_rows=chunk.total_rows, qhead_per_kv=opts.qhead_per_kv, return_schedule=True)
+    _stages.mark("attention")
+    result = sparse_atten_func(
+        q, k, v, row_ptr, q_ids, opts.topk, cu_seqlens_q=chunk.cu_seqlens_q,
+        cu_seqlens_k=chunk.cu_seqlens_k, max_seqlen_q=chunk.max_seqlen_q,
+        max_seqlen_k=chunk.max_seqlen_k, blk_kv=BLOCK_SIZE, causal=opts.causal,
+        softmax_scale=opts.softmax_scale, partial_dtype=opts.partial_dtype,
+        return_softmax_lse=want_lse, page_table=page_table,
+        seqused_k=chunk.seqused_k if page_table is not None else None, schedule=schedule)
+    _stages.mark("end")
+    out, lse = result if want_lse else (result, None)
+    return out, lse, q2k
+
+
+def run_chunks(chunks: Sequence[ChunkPlan], q, k, v, q_idx, k_idx, opts: PrefillOptions, *,
+               page_table=None, index_page_table=None, want_lse: bool = False,
+               want_selection: bool = False, out: Optional[torch.Tensor] = None,
+               lse: Optional[torch.Tensor] = None):
+    """Every chunk in order; a single chunk's fresh outputs are returned as they are (copied
+    into `out` / `lse` when given). Returns (O, LSE or None, q2k or None)."""
+    total_q, num_kv_heads = q.shape[0], k.shape[1]
+    q2k_all = None
+    for chunk in chunks:
+        t0, t1 = chunk.q_begin, chunk.q_end
+        o_c, lse_c, q2k_c = run_chunk(chunk, q[t0:t1], k, v, q_idx[t0:t1], k_idx, opts,
+                                      page_table=page_table, index_page_table=index_page_table,
+                                      want_lse=want_lse)
+        if len(chunks) == 1 and out is None and lse is None:
+            return o_c, lse_c, (q2k_c if want_selection else None)
+        if out is None:
+            out = torch.empty(total_q, *o_c.shape[1:], dtype=o_c.dtype, device=o_c.device)
+        out[t0:t1].copy_(o_c)
+        if want_lse:
+            if lse is None:
+                lse = torch.empty(total_q, o_c.shape[1], dtype=torch.float32, device=o_c.device)
+            lse[t0:t1].copy_(lse_c)
+        if want_selection:
+            if q2k_all is None:
+                q2k_all = torch.empty(num_kv_heads, total_q, opts.topk, dtype=torch.int32,
+                                      device=q2k_c.device)
+            q2k_all[:, t0:t1].copy_(q2k_c)
+        del o_c, lse_c, q2k_c
+    return out, (lse if want_lse else None), q2k_all
+
+
+# ---------------------------------------------------------------------------------------------
+# msa_prefill (dense K/V)
+# ---------------------------------------------------------------------------------------------
+
+def plan_dense_chunks(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *, total_q: int,
+                      total_k: int, max_seqlen_q: int, max_seqlen_k: int, num_qo_heads: int,
+                      num_kv_heads: int, opts: PrefillOptions,
+                      workspace_bytes: Optional[int] = None) -> List[ChunkPlan]:
+    """Chunks of a dense call from host bounds only (lengths stay on the device)."""
+    tiles = -(-max(max_seqlen_k, 1) // BLOCK_SIZE)
+    per_query = workspace_bytes_per_query(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                                          topk=opts.topk, max_k_tiles=tiles,
+                                          partial_dtype=opts.partial_dtype)
+    step = chunk_tokens(total_q, per_query, workspace_bytes)
+    device = cu_seqlens_q.device
+    sm_count = _sm_count(device)
+    chunks = []
+    for t0 in range(0, max(total_q, 1), step):
+        t1 = min(total_q, t0 + step)
+        if t0 == 0 and t1 == total_q:
+            cu_q, cu_k, mq = cu_seqlens_q, cu_seqlens_k, max_seqlen_q
+        else:
+            cu_q, cu_k = dense_chunk_seqlens(cu_seqlens_q, cu_seqlens_k, t0, t1, opts.causal)
+            mq = min(max_seqlen_q, t1 - t0)
+        nvp, own = _per_query_block_bounds(cu_q, cu_k, t1 - t0)
+        # The lengths are on the device: one split's CTAs counted as if the chunk were one
+        # request (a lower bound when it holds several).
+        ctas = -(-(t1 - t0) * num_kv_heads // INDEXER_TILE_ROWS)
+        splits, per_split = index_key_splits(ctas, tiles, sm_count)
+        split = None
+        if splits > 1 and t1 > t0:
+            split = index_split(cu_q, cu_k, t1 - t0, splits, per_split, causal=opts.causal,
+                                paged=False)
+        chunks.append(ChunkPlan(t0, t1, cu_q, cu_k, None, mq, max_seqlen_k, total_k, None,
+                                nvp, own, split))
+    return chunks
+
+
+def run_dense_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q,
+                      max_seqlen_k, opts: PrefillOptions, return_selection: bool,
+                      workspace_bytes: Optional[int] = None):
+    """msa_prefill after validation: plan the chunks on the device and run them."""
+    chunks = plan_dense_chunks(cu_seqlens_q, cu_seqlens_k, total_q=q.shape[0],
+                               total_k=k.shape[0], max_seqlen_q=max_seqlen_q,
+                               max_seqlen_k=max_seqlen_k, num_qo_heads=q.shape[1],
+                               num_kv_heads=k.shape[1], opts=opts,
+                               workspace_bytes=workspace_bytes)
+    out, _lse, q2k = run_chunks(chunks, q, k, v, q_idx, k_idx, opts,
+                                want_selection=return_selection)
+    return (out, q2k) if return_selection else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged plan / run
+# ---------------------------------------------------------------------------------------------
+
+def _host_lengths(name: str, values) -> List[int]:
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
+            raise ValueError(f"{name}: expected a 1-D integer tensor or a sequence of ints, got "
+                             f"{values.dtype} of shape {list(values.shape)}")
+        values = values.tolist()
+    try:
+        values = list(values)
+    except TypeError:
+        raise TypeError(f"{name}: expected a sequence of ints, got {type(values).__name__}") \
+            from None
+    for x in values:
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"{name}: expected ints, got {type(x).__name__}")
+        if x < 0:
+            raise ValueError(f"{name}: lengths must be >= 0, got {x}")
+    return values
+
+
+class MsaPrefillPagedWrapper:
+    """Plan-once, run-many MSA prefill over a paged KV cache (chunked prefill as engines run it).
+
+    Request b has ``kv_lens[b]`` keys in the paged caches, its last ``qo_lens[b]`` of them being
+    the new tokens whose queries this call computes (bottom-right causal: query i of b sees key
+    j iff j <= i + kv_lens[b] - qo_lens[b]). Pages are 128 tokens; logical block beta of b is
+    physical page ``page_table[b, beta]`` of k_cache / v_cache (and of k_idx_cache, through
+    ``index_page_table``, default the same table).
+
+    ``plan`` validates the layout, reads the host lengths, splits the call into query chunks
+    whose workspace fits ``workspace_bytes`` (default 16 GiB), and puts every index tensor of
+    every chunk on the device. ``run`` computes exactly what :func:`msa.msa_prefill` computes on
+    the same keys: index scores, top-k with the own block forced, the k2q CSR and the sparse
+    attention, without host synchronization and without host-to-device copies, so a CUDA graph
+    can capture it (plan outside the capture). ``page_table`` / ``index_page_table`` are kept by
+    reference: replays read their current contents.
+    """
+
+    def __init__(self, *, topk: int = 16, local_blocks: int = 1, causal: bool = True,
+                 partial_dtype: torch.dtype = torch.bfloat16,
+                 workspace_bytes: Optional[int] = None):
+        check_topk("topk", topk, SUPPORTED_TOPK)
+        check_positive_int("local_blocks", local_blocks)
+        if local_blocks > topk:
+            raise ValueError(f"local_blocks: {local_blocks} exceeds topk = {topk}")
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+        if workspace_bytes is not None:
+            check_positive_int("workspace_bytes", workspace_bytes, minimum=1)
+        self.topk, self.local_blocks, self.causal = topk, local_blocks, causal
+        self.partial_dtype = partial_dtype
+        self.workspace_bytes = workspace_bytes
+        self.chunks: List[ChunkPlan] = []
+        self._planned = False
+
+    def plan(self, qo_lens: Union[Sequence[int], torch.Tensor],
+             kv_lens: Union[Sequence[int], torch.Tensor], page_table: torch.Tensor, *,
+             num_qo_heads: int, num_kv_heads: int, head_dim: int = HEAD_DIM,
+             index_page_table: Optional[torch.Tensor] = None,
+             max_chunk_tokens: Optional[int] = None) -> "MsaPrefillPagedWrapper":
+        """Plan one batch; returns self.
+
+        qo_lens, kv_lens: host ints per request (sequences or CPU tensors; kv_lens counts the
+        prefix and the new tokens). page_table [B, max_pages] int32 on the device, at least
+        ceil(max(kv_lens) / 128) pages wide; index_page_table likewise for k_idx_cache.
+        max_chunk_tokens caps the queries per chunk below what the workspace budget allows.
+        """
+        qo = _host_lengths("qo_lens", qo_lens)
+        kv = _host_lengths("kv_lens", kv_lens)
+        if not qo:
+            raise ValueError("qo_lens: expected at least one request")
+        if len(kv) != len(qo):
+            raise ValueError(f"kv_lens: has {len(kv)} requests but qo_lens has {len(qo)}")
+        check_positive_int("num_qo_heads", num_qo_heads, minimum=1)
+        check_positive_int("num_kv_heads", num_kv_heads, minimum=1)
+        if head_dim != HEAD_DIM:
+            raise NotImplementedError(f"head_dim: {head_dim} is not supported; only {HEAD_DIM}")
+        g = check_qhead_per_kv(num_qo_heads, num_kv_heads)
+        if max_chunk_tokens is not None:
+            check_positive_int("max_chunk_tokens", max_chunk_tokens, minimum=1)
+        index_page_table = page_table if index_page_table is None else index_page_table
+        needed = -(-max(kv) // BLOCK_SIZE) if max(kv) > 0 else 0
+        for name, table in (("page_table", page_table), ("index_page_table", index_page_table)):
+            check_page_table(table, len(qo))
+            if table.shape[1] < max(needed, 1):
+                raise ValueError(f"{name}: {table.shape[1]} pages per request cannot hold "
+                                 f"{max(kv)} keys ({needed} pages of {BLOCK_SIZE})")
+        check_same_device(page_table=page_table, index_page_table=index_page_table)
+
+        total_q, max_kv = sum(qo), max(kv)
+        tiles = max(-(-max_kv // BLOCK_SIZE), 1)
+        per_query = workspace_bytes_per_query(num_qo_heads=num_qo_heads,
+                                              num_kv_heads=num_kv_heads, topk=self.topk,
+                                              max_k_tiles=tiles,
+                                              partial_dtype=self.partial_dtype)
+        step = chunk_tokens(total_q, per_query, self.workspace_bytes)
+        if max_chunk_tokens is not None:
+            step = min(step, max_chunk_tokens)
+        device = page_table.device
+        sm_count = _sm_count(device)
+        cu_q = _prefix(torch.tensor(qo, dtype=torch.int64))
+        kv_cpu = torch.tensor(kv, dtype=torch.int64)
+        chunks = []
+        for t0 in range(0, total_q, step):
+            t1 = min(total_q, t0 + step)
+            q_sub, k_sub = chunk_lengths(cu_q, kv_cpu, t0, t1, self.causal)
+            cu_q_sub, cu_k_sub = _prefix(q_sub), _prefix(k_sub)
+            nvp, own = _per_query_block_bounds(cu_q_sub, cu_k_sub, t1 - t0)
+            max_q, max_k = int(q_sub.max()), max(int(k_sub.max()), 1)
+            chunk_tiles = -(-max_k // BLOCK_SIZE)
+            split = None
+            # The paged decode indexer splits the keys itself for <= 64 rows per request.
+            if max_q * num_kv_heads > DECODE_INDEXER_ROWS:
+                ctas = sum(-(-int(n) * num_kv_heads // INDEXER_TILE_ROWS) for n in q_sub)
+                splits, per_split = index_key_splits(ctas, chunk_tiles, sm_count)
+                if splits > 1:
+                    split = index_split(cu_q_sub, cu_k_sub, t1 - t0, splits, per_split,
+                                        causal=self.causal, paged=True,
+                                        page_table_width=index_page_table.shape[1])
+            chunks.append(ChunkPlan(
+                t0, t1, cu_q_sub, cu_k_sub, k_sub.to(torch.int32), max(max_q, 1), max_k,
+                max(int(k_sub.sum()), 1), max(int(((k_sub + BLOCK_SIZE - 1)
+                                                   // BLOCK_SIZE).sum()), 1),
+                nvp, own, split).to(device))
+        self.chunks = chunks
+        self._qo, self._kv = qo, kv
+        self._page_table, self._index_page_table = page_table, index_page_table
+        self._num_qo_heads, self._num_kv_heads, self._qhead_per_kv = num_qo_heads, num_kv_heads, g
+        self._total_q = total_q
+        self._planned = True
+        return self
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def index_splits(self) -> List[int]:
+        """Split-K factor of each chunk's indexer (1: unsplit)."""
+        return [1 if c.split is None else c.split.splits for c in self.chunks]
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            q_idx: torch.Tensor, k_idx_cache: torch.Tensor, *,
+            softmax_scale: Optional[float] = None, index_scale: float = 1.0,
+            return_lse: bool = False, return_selection: bool = False,
+            out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None):
+        """MSA prefill of the planned batch.
+
+        q [T, Hq, 128] (T = sum(qo_lens), requests in order), k_cache / v_cache
+        [pages, Hkv, 128, 128] (all bf16, all e4m3, or bf16 q with e4m3 K/V), q_idx
+        [T, Hkv, 128] index queries (one index head per KV head), k_idx_cache
+        [index pages, 1, 128, 128] (q_idx's dtype). softmax_scale default 128**-0.5;
+        index_scale scales the index scores (> 0; it does not change the selection). out
+        (bf16 [T, Hq, 128]) and lse (fp32 [T, Hq]) are written in place when given.
+
+        Returns O [T, Hq, 128] bf16, then LSE [T, Hq] fp32 with return_lse and q2k
+        [Hkv, T, topk] int32 with return_selection (ids ascending, -1 tail).
+        """
+        if not self._planned:
+            raise RuntimeError("run: called before plan(); call plan(...) first")
+        check_tensor("q", q, ndim=3)
+        check_tensor("q_idx", q_idx, ndim=3)
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k_idx_cache", k_idx_cache)):
+            check_tensor(name, t, ndim=4)
+        if q.shape[0] != self._total_q:
+            raise ValueError(f"q: has {q.shape[0]} rows but plan() got sum(qo_lens) = "
+                             f"{self._total_q}")
+        if q.shape[1] != self._num_qo_heads:
+            raise ValueError(f"q: has {q.shape[1]} heads but plan() got num_qo_heads="
+                             f"{self._num_qo_heads}")
+        if k_cache.shape[1] != self._num_kv_heads:
+            raise ValueError(f"k_cache: has {k_cache.shape[1]} heads but plan() got "
+                             f"num_kv_heads={self._num_kv_heads}")
+        check_shape("q_idx", q_idx, (self._total_q, self._num_kv_heads, None))
+        if k_idx_cache.shape[1] != 1:
+            raise ValueError(f"k_idx_cache: expected one shared index-key head, got "
+                             f"{k_idx_cache.shape[1]}")
+        check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, q_idx=q_idx,
+                          k_idx_cache=k_idx_cache, page_table=self._page_table)
+        if out is not None:
+            check_tensor("out", out, dtypes=(torch.bfloat16,), contiguous=True)
+            check_shape("out", out, tuple(q.shape))
+        if lse is not None:
+            check_tensor("lse", lse, dtypes=(torch.float32,), contiguous=True)
+            check_shape("lse", lse, tuple(q.shape[:2]))
+        opts = PrefillOptions(self.topk, self.local_blocks, self.causal, self.partial_dtype,
+                              softmax_scale, index_scale, self._qhead_per_kv)
+        if self._total_q == 0:
+            o = out if out is not None else torch.empty(q.shape, dtype=torch.bfloat16,
+                                                        device=q.device)
+            lse_out = lse if lse is not None else torch.full(
+                q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+            sel = torch.empty(self._num_kv_heads, 0, self.topk, dtype=torch.int32,
+                              device=q.device)
+            return _shape_result(o, lse_out, sel, return_lse, return_selection)
+        o, lse_out, q2k = run_chunks(self.chunks, q, k_cache, v_cache, q_idx, k_idx_cache, opts,
+                                     page_table=self._page_table,
+                                     index_page_table=self._index_page_table,
+                                     want_lse=return_lse or lse is not None,
+                                     want_selection=return_selection, out=out, lse=lse)
+        return _shape_result(o, lse_out, q2k, return_lse, return_selection)
+
+
+def _shape_result(out, lse, q2k, return_lse: bool, return_selection: bool):
+    result = (out,) + ((lse,) if return_lse else ()) + ((q2k,) if return_selection else ())
+    return result[0] if len(result) == 1 else result
+
+
+__all__ = ["MsaPrefillPagedWrapper", "workspace_bytes_per_query", "chunk_tokens",
+           "index_key_splits"]
