@@ -5,7 +5,7 @@
 #   bash tools/gpu_session.sh [ARTIFACTS_DIR] [tests|bench|all|none] [extra benchmark args...]
 #   MSA_GPU_TESTS="files"  MSA_PYTEST_ARGS="-x ..." (split on spaces)
 #   MSA_PYTEST_K="a or b" (one -k expression)  MSA_SANITIZE=1 (memcheck stage; MSA_SANITIZE_ONLY
-#   and MSA_SANITIZE_FMHA_FORMS pick its sections and FMHA forms, see tools/sanitize_cases.py)
+#   picks its sections, see tools/sanitize_cases.py)
 #   MSA_BENCH_IF_GREEN=1 (skip the benchmarks when a test failed)  MSA_EXTRA="cmd"
 #   MSA_BENCH_ARGS_<name>="..." (arguments of benchmarks/bench_<name>.py alone)
 #   MSA_BENCH_UNVALIDATED=1 (the benchmarks may run gated kernels: with MSA_BENCH_IF_GREEN, a
@@ -38,6 +38,13 @@ python3 tools/build_variant.py --require-compiled --cuda-capabilities 9.0a --cut
 tail -3 "$OUT/build.log"
 VARIANT=$(ls -d build/torch*-cu*-x86_64-linux | head -1)
 echo "variant: $VARIANT"
+if ls .whl/kernel_abi_check-*.whl > /dev/null 2>&1; then
+  # kernel-builder's ABI policy (informative here: a local build uses the host toolchain).
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/msa-site \
+    .whl/kernel_abi_check-*.whl
+  python3 tools/abi_check.py "$VARIANT" >> "$OUT/build.log" 2>&1
+  tail -1 "$OUT/build.log"
+fi
 status=0
 
 if [ -n "${MSA_SANITIZE:-}" ]; then

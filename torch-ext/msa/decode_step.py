@@ -16,9 +16,10 @@ from typing import Optional
 
 import torch
 
+from . import _backend
 from ._validation import (check_decode_values, check_positive_int, check_qhead_per_kv,
                           check_tensor, check_topk, value_checks_requested)
-from .decode import SparseDecodePagedAttentionWrapper, _check_seqlen_q, _execute
+from .decode import SparseDecodePagedAttentionWrapper, _check_seqlen_q, run_decode
 from .decode_indexer import (DecodeIndexerPlan, check_indexer_args, make_decode_indexer_plan,
                              run_indexer_call)
 
@@ -124,13 +125,15 @@ class MSADecodeStepWrapper:
             q_idx, k_idx, self.indexer_plan, self._page_table, index_scale, k_idx_scale,
             k_idx_global_scale, k_idx_scale_layout, self.q2k_indices, False,
             self._check_input_valid, names=_INDEXER_NAMES)
-        call, native = self.attention._prepare_run(q, k, v, softmax_scale=softmax_scale,
-                                                   out=out, lse=lse)
-        if native is None or call.check_values:
+        attention = self.attention
+        call = attention._prepare_run(q, k, v, softmax_scale=softmax_scale, out=out, lse=lse)
+        if call.check_values or _backend.reference_only(q.device):
             # Lengths and pages before any launch; the selection is the indexer's own output.
             check_decode_values(call, strict=False)
+            call.check_values = False
         run_indexer_call(index_call)
-        return _execute(call, native, bool(return_softmax_lse), values_checked=True)
+        return run_decode(call, attention.decode_schedule, attention.O_partial,
+                          attention.LSE_partial, bool(return_softmax_lse))
 
     def _require_plan(self):
         if self.attention is None:
