@@ -2820,6 +2820,23 @@ _add("layers.dense_causal_attention: keys of another length", "layers.dense_caus
          key=a["key"][:, :, :-1], value=a["value"][:, :, :-1])), Error(ValueError, "key"))
 
 
+
+# ---------------------------------------------------------------------------------------------
+# warmup (compiles CuTe kernels into the JIT cache: argument errors only, nothing compiles)
+# ---------------------------------------------------------------------------------------------
+
+for _name, _kw, _cls, _arg in [
+        ("arch sm_100a", dict(arch="sm_100a"), ValueError, "arch"),
+        ("arch an int", dict(arch=90), TypeError, "arch"),
+        ("workers 0", dict(workers=0), ValueError, "workers"),
+        ("workers float", dict(workers=2.0), TypeError, "workers"),
+        ("only an int", dict(only=5), TypeError, "only"),
+        ("only holds an int", dict(only=["fmha", 3]), TypeError, "only")]:
+    _add(f"warmup: {_name}", "warmup", (),
+         lambda device, gen, kw=_kw: Made(lambda: msa.warmup(progress=False, **kw)),
+         Error(_cls, _arg))
+
+
 # ---------------------------------------------------------------------------------------------
 # Tensors on two devices (a GPU host only)
 # ---------------------------------------------------------------------------------------------
