@@ -1945,7 +1945,8 @@ def _inputs(a: Dict[str, Any]) -> List[torch.Tensor]:
     return [x for n, x in a.items() if isinstance(x, torch.Tensor) and n not in ("out", "lse")]
 
 
-def _ptable(name, edit):
+def _arg_edit(name, edit):
+    """Overrides with a clone of argument `name` edited in place."""
     def change(a):
         t = a[name].clone()
         edit(t)
@@ -2034,16 +2035,16 @@ _add(f"{PAGED_PREFILL}: run before plan", PAGED_PREFILL, (), _paged_prefill_run_
      Error(RuntimeError, "run"))
 
 _PAGED_PREFILL_VALUES = [
-    ("page id past the pool", _ptable("page_table", lambda t: t[0, 2].fill_(1 << 24)),
+    ("page id past the pool", _arg_edit("page_table", lambda t: t[0, 2].fill_(1 << 24)),
      Invalid("page_table"), {}),
-    ("page id negative", _ptable("page_table", lambda t: t[1, 0].fill_(-3)),
+    ("page id negative", _arg_edit("page_table", lambda t: t[1, 0].fill_(-3)),
      Invalid("page_table"), {}),
     ("index-K pool smaller than the shared table's ids", lambda a: dict(
         k_idx_cache=a["k_idx_cache"][:3].contiguous()), Invalid("page_table"), {}),
-    ("index page id past the index pool", _ptable("index_page_table",
+    ("index page id past the index pool", _arg_edit("index_page_table",
                                                   lambda t: t[0, 5].fill_(1 << 20)),
      Invalid("index_page_table"), dict(separate_index=True)),
-    ("index page id INT32_MIN", _ptable("index_page_table", lambda t: t[1, 0].fill_(-(1 << 31))),
+    ("index page id INT32_MIN", _arg_edit("index_page_table", lambda t: t[1, 0].fill_(-(1 << 31))),
      Invalid("index_page_table"), dict(separate_index=True)),
     ("valid", None, Same(), {}),
     ("separate index page table", None, Same(), dict(separate_index=True)),
@@ -2156,14 +2157,6 @@ def _indexer_make(change=None, *, lens=(300, 129, 1000), seqlen_q=2, heads=2, fm
     return make
 
 
-def _iedit(name, edit):
-    def change(a):
-        t = a[name].clone()
-        edit(t)
-        return {name: t}
-    return change
-
-
 _INDEXER_ERRORS = [
     ("plan not a plan", lambda a: dict(plan=object()), TypeError, "plan"),
     ("plan of another batch", lambda a: dict(plan=msa.make_decode_indexer_plan(
@@ -2268,20 +2261,20 @@ def _poison_scale(a):
 
 
 _INDEXER_VALUES = [
-    ("history page id past the pool", _iedit("page_table", _fill((2, 3), 1 << 24)),
+    ("history page id past the pool", _arg_edit("page_table", _fill((2, 3), 1 << 24)),
      Invalid("page_table"), {}),
-    ("page id negative", _iedit("page_table", _fill((0, 0), -1)), Invalid("page_table"), {}),
-    ("own block page id past the pool", _iedit("page_table", _fill((0, 2), 1 << 24)),
+    ("page id negative", _arg_edit("page_table", _fill((0, 0), -1)), Invalid("page_table"), {}),
+    ("own block page id past the pool", _arg_edit("page_table", _fill((0, 2), 1 << 24)),
      Invalid("page_table"), {}),
-    ("seqused_k negative", _iedit("seqused_k", _fill(1, -5)), Invalid("seqused_k"), {}),
-    ("seqused_k past the page table", _iedit("seqused_k", _fill(0, 1 << 30)),
+    ("seqused_k negative", _arg_edit("seqused_k", _fill(1, -5)), Invalid("seqused_k"), {}),
+    ("seqused_k past the page table", _arg_edit("seqused_k", _fill(0, 1 << 30)),
      Invalid("seqused_k"), {}),
-    ("seqused_k INT32_MIN", _iedit("seqused_k", _fill(2, INT32_MIN)), Invalid("seqused_k"), {}),
-    ("seqused_k past max_seqlen_k", _iedit("seqused_k", _fill(1, 1100)),
+    ("seqused_k INT32_MIN", _arg_edit("seqused_k", _fill(2, INT32_MIN)), Invalid("seqused_k"), {}),
+    ("seqused_k past max_seqlen_k", _arg_edit("seqused_k", _fill(1, 1100)),
      Invalid("max_seqlen_k"), {}),
     ("valid", None, Same(), {}),
-    ("seqused_k 0", _iedit("seqused_k", _fill(1, 0)), Same(), {}),
-    ("seqused_k below seqlen_q", _iedit("seqused_k", _fill(1, 1)), Same(), {}),
+    ("seqused_k 0", _arg_edit("seqused_k", _fill(1, 0)), Same(), {}),
+    ("seqused_k below seqlen_q", _arg_edit("seqused_k", _fill(1, 1)), Same(), {}),
     ("max_seqlen_k larger", lambda a: dict(max_seqlen_k=1 << 20), Same(), {}),
     ("topk 4", None, Same(), dict(topk=4)),
     ("topk 16", None, Same(), dict(topk=16)),
@@ -2299,8 +2292,8 @@ _INDEXER_VALUES = [
     ("nvfp4 linear scales", None, Same(), dict(fmt="nvfp4", layout="linear")),
     ("nvfp4 without a global scale", lambda a: dict(k_global_scale=None), Same(),
      dict(fmt="nvfp4")),
-    ("nan in q_idx", _iedit("q_idx", _fill((1, 0, 5), NAN)), Same(), {}),
-    ("-inf in q_idx", _iedit("q_idx", _fill((4, 1, 9), -INF)), Same(), {}),
+    ("nan in q_idx", _arg_edit("q_idx", _fill((1, 0, 5), NAN)), Same(), {}),
+    ("-inf in q_idx", _arg_edit("q_idx", _fill((4, 1, 9), -INF)), Same(), {}),
     ("nan in a key", _poison_key(NAN), Same(), {}),
     ("inf in a key", _poison_key(INF), Same(), {}),
     ("nan in every key of a block", lambda a: _poison_key(NAN, slot=slice(None),
@@ -2497,17 +2490,17 @@ def _shared_plan(a):
 
 
 _STEP_VALUES = [
-    ("page id past the pool", _iedit("page_table", _fill((2, 3), 1 << 24)),
+    ("page id past the pool", _arg_edit("page_table", _fill((2, 3), 1 << 24)),
      Invalid("page_table"), {}),
-    ("page id negative", _iedit("page_table", _fill((0, 0), -1)), Invalid("page_table"), {}),
+    ("page id negative", _arg_edit("page_table", _fill((0, 0), -1)), Invalid("page_table"), {}),
     ("index-K pool smaller than the table's ids", lambda a: dict(
         k_idx=a["k_idx"][:3].contiguous()), Invalid("page_table"), {}),
     ("K/V pool smaller than the table's ids", lambda a: dict(
         k=a["k"][:3].contiguous(), v=a["v"][:3].contiguous()), Invalid("page_table"), {}),
-    ("seqused_k negative", _iedit("seqused_k", _fill(1, -5)), Invalid("seqused_k"), {}),
-    ("seqused_k past the page table", _iedit("seqused_k", _fill(0, 1 << 30)),
+    ("seqused_k negative", _arg_edit("seqused_k", _fill(1, -5)), Invalid("seqused_k"), {}),
+    ("seqused_k past the page table", _arg_edit("seqused_k", _fill(0, 1 << 30)),
      Invalid("seqused_k"), {}),
-    ("seqused_k past max_seqlen_k", _iedit("seqused_k", _fill(1, 1100)),
+    ("seqused_k past max_seqlen_k", _arg_edit("seqused_k", _fill(1, 1100)),
      Invalid("max_seqlen_k"), {}),
     ("valid", None, Same(), {}),
     ("one index head for two KV heads", None, Same(), dict(index_heads=1)),
@@ -2517,8 +2510,8 @@ _STEP_VALUES = [
     ("G = 16", None, Same(), dict(group=16)),
     ("e4m3", None, Same(), dict(dtype=E4M3, fmt="e4m3")),
     ("nvfp4 index keys", None, Same(), dict(fmt="nvfp4")),
-    ("seqused_k 0", _iedit("seqused_k", _fill(1, 0)), Same(), {}),
-    ("seqused_k below seqlen_q", _iedit("seqused_k", _fill(1, 1)), Same(), {}),
+    ("seqused_k 0", _arg_edit("seqused_k", _fill(1, 0)), Same(), {}),
+    ("seqused_k below seqlen_q", _arg_edit("seqused_k", _fill(1, 1)), Same(), {}),
     ("lengths grew after the plan", lambda a: dict(max_seqlen_k=1200), Same(),
      dict(stale=lambda t: t.add_(_i32([80, 120, 24], t.device)))),
     ("shared indexer plan", _shared_plan, Same(), {}),
@@ -2527,7 +2520,7 @@ _STEP_VALUES = [
     ("preallocated out and lse", lambda a: dict(
         out=torch.empty(a["q"].shape, dtype=BF16, device=a["q"].device),
         lse=torch.empty(a["q"].shape[:2], device=a["q"].device)), Same(), {}),
-    ("nan in q_idx", _iedit("q_idx", _fill((4, 1, 7), NAN)), Same(), {}),
+    ("nan in q_idx", _arg_edit("q_idx", _fill((4, 1, 7), NAN)), Same(), {}),
 ]
 for _name, _change, _expect, _problem in _STEP_VALUES:
     _add(f"{STEP}: {_name}", STEP, _STEP_OPS, _step_make(_change, **_problem), _expect)
