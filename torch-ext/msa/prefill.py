@@ -626,7 +626,6 @@ class MsaPrefillPagedWrapper:
                                      want_selection=return_selection, out=out, lse=lse)
         return _shape_result(o, lse_out, q2k, return_lse, return_selection)
 
-
     def _check_page_ids(self, num_pages: int, num_index_pages: int) -> None:
         """The pages holding each request's keys lie in the K/V pool and the index-K pool (one
         synchronization)."""
