@@ -9,6 +9,7 @@ configuration on the CPU (timed with ``time.perf_counter``) so CI exercises ever
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import shutil
@@ -44,10 +45,24 @@ def native_module(msa, name: str):
         return None
 
 
-def fmha_form_hook(form: str):
-    """The fmha_sm90.WARP_SPECIALIZED_FOR_TESTS value that makes msa.fmha run `form`: "served"
-    (None: the gates pick), "plain" (False: the non-warp-specialized kernel) or a form name."""
-    return {"served": None, "plain": False}.get(form, form)
+def forcing(msa, **hooks):
+    """msa._native.debug.forcing(**hooks): e.g. forcing(msa, fmha_form="wsu") makes msa.fmha
+    run that form where it is built; a value "served" sets no hook (the serving tables pick);
+    a build without native kernels gets a no-op context."""
+    debug = native_module(msa, "debug")
+    hooks = {name: None if value == "served" else value for name, value in hooks.items()}
+    return debug.forcing(**hooks) if debug is not None else contextlib.nullcontext()
+
+
+def ran_form(msa, op: str) -> Optional[str]:
+    """The serving-table form of the last native launch of `op` ("fmha_dense",
+    "sparse_atten", ...), None when none ran (a reference call, or no native kernels)."""
+    debug = native_module(msa, "debug")
+    name = debug.last_variant(op) if debug is not None else None
+    if name is None:
+        return None
+    from importlib import import_module
+    return import_module(f"{msa.__name__}.cute_kernels.variants").form_of(name)
 
 
 def git_commit() -> str:

@@ -37,13 +37,14 @@ last rows per implementation are weighted aggregates over the production cases
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 from typing import Dict, List, Optional
 
 import torch
 
-from _common import (BLOCK, HEAD_DIM, add_common_args, apply_preset, fits, free_memory,
-                     load_msa, native_module, parse_names, random_fill, setup, synchronize,
+from _common import (BLOCK, HEAD_DIM, add_common_args, apply_preset, fits, forcing,
+                     free_memory, load_msa, parse_names, random_fill, setup, synchronize,
                      time_ms, TsvWriter)
 
 COLUMNS = ("suite", "case", "batch", "nominal_kv", "seqlen_q", "weight", "impl", "kv_dtype",
@@ -358,9 +359,9 @@ def main(argv=None):
     msa = load_msa()
     form_note = None
     if args.attention_form != "served":
-        decode_cuda = native_module(msa, "decode_cuda")
-        if decode_cuda is not None:
-            decode_cuda.WARPGROUP_FOR_TESTS = args.attention_form == "warpgroup"
+        # The decode_warpgroup hook, for the rest of this process.
+        contextlib.ExitStack().enter_context(
+            forcing(msa, decode_warpgroup=args.attention_form == "warpgroup"))
         form_note = f"attention form {args.attention_form}"
     tsv = TsvWriter(args.out, COLUMNS, device,
                     formats={"latency_us": ".2f", "tb_per_s": ".3f", "speedup_vs_cudnn": ".2f",

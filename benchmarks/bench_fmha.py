@@ -10,8 +10,8 @@ time, with N^2 / 2 pairs for causal and N^2 otherwise.
 
     python benchmarks/bench_fmha.py --out benchmarks/results/fmha_h200.tsv [--allow-unvalidated]
 
-The native SM90 kernel is gated until its GPU test passes; --allow-unvalidated times it anyway
-(the backend column then says "sm90-unvalidated").
+A kernel form not yet validated on hardware (validated=False in the serving table) is passed
+by; --allow-unvalidated times it anyway (the backend column then says "sm90-unvalidated").
 
 Each case (peers included) first runs back to back for --steady-ms (default 1000) so that it is
 timed at the clock its own power draw settles to (the H200 power-caps a bf16 FMHA, not an e4m3
@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (ClockSampler, TsvWriter, add_common_args, apply_preset,  # noqa: E402
-                     fmha_form_hook, free_memory, load_msa, native_module, parse_names,
-                     parse_sizes, reference_too_slow, setup, time_ms)
+                     forcing, free_memory, load_msa, parse_names, parse_sizes, ran_form,
+                     reference_too_slow, setup, time_ms)
 
 D = 128
 COLUMNS = ("mode", "n", "hq", "hkv", "causal", "layout", "impl", "backend", "latency_ms",
@@ -67,11 +67,10 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="bf16",
                     help="q/k/v dtypes: bf16, fp8 (e4m3 q/k/v, bf16 O; impl msa.fmha[e4m3])")
     ap.add_argument("--forms", default="served",
-                    help="kernel forms to time side by side: served (what the gates pick for "
-                         "the call), plain and the warp-specialized forms (ws, wsf, wsu); impl "
-                         "msa.fmha[<form that ran>]; "
-                         "a (dtype, form) pair that does not exist is skipped; the form hook is "
-                         "set per row")
+                    help="kernel forms to time side by side: served (what the serving table "
+                         "picks for the call) and the O-only forms of FMHA_FORMS (wsu, wsup, "
+                         "wsuts, wsutps); impl msa.fmha[<form that ran>]; a (dtype, form) pair "
+                         "that does not exist is skipped; the fmha_form hook is set per row")
     ap.add_argument("--allow-unvalidated", action="store_true",
                     help="time the gated native kernel (backend column says so)")
     ap.add_argument("--decode", default="",
@@ -88,21 +87,21 @@ def main(argv=None):
         os.environ["MSA_UNVALIDATED_KERNELS"] = "1"
     device = setup(args)
     msa = load_msa()
-    native = native_module(msa, "fmha_sm90")     # None in a build without native kernels
     dtype_names = parse_names(args.dtypes)
     if set(dtype_names) - {"bf16", "fp8"}:
         ap.error(f"--dtypes {args.dtypes}: bf16 and fp8 are the choices")
     form_names = parse_names(args.forms)
-    # Warp-specialized forms per --dtypes name: the package's form table (plain Python, also
-    # in builds without native kernels).
-    forms = import_module(f"{msa.__name__}.cute_kernels.variants")
-    ws_forms = {"bf16": forms.fmha_ws_forms("bfloat16"), "fp8": forms.fmha_ws_forms("e4m3")}
-    known = {"served", "plain", *ws_forms["bf16"], *ws_forms["fp8"]}
+    # O-only forms per --dtypes name: the package's serving table (plain Python, also in builds
+    # without native kernels).
+    table = import_module(f"{msa.__name__}.cute_kernels.variants").FMHA_FORMS
+    o_forms = {name: [f for f, form in table.items() if dtype in form.dtypes
+                      and form.kernel == "FmhaSm90Ws"]
+               for name, dtype in (("bf16", "bfloat16"), ("fp8", "e4m3"))}
+    known = {"served", *o_forms["bf16"], *o_forms["fp8"]}
     if set(form_names) - known:
         ap.error(f"--forms {args.forms}: the choices are {', '.join(sorted(known))}")
     # (dtype, form) rows for the forms each dtype has.
-    runs = [(d, f) for d in dtype_names for f in form_names
-            if f in ("served", "plain") or f in ws_forms[d]]
+    runs = [(d, f) for d in dtype_names for f in form_names if f == "served" or f in o_forms[d]]
     tsv = TsvWriter(args.out, COLUMNS, device, formats={"tflops": ".1f",
                                                          "speedup_vs_cudnn": ".2f"})
     gen = torch.Generator(device="cpu").manual_seed(torch.initial_seed() % (1 << 62))
@@ -135,8 +134,6 @@ def main(argv=None):
                                          causal=causal, page_size=128 if layout == "paged"
                                          else -1, device=device)
                     for dtype_name, form in runs:
-                        if native is not None and hasattr(native, "WARP_SPECIALIZED_FOR_TESTS"):
-                            native.WARP_SPECIALIZED_FOR_TESTS = fmha_form_hook(form)
                         if dtype_name == "fp8":
                             q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k_in, v_in))
 
@@ -146,21 +143,19 @@ def main(argv=None):
                             def call():
                                 return msa.fmha(q, k_in, v_in, plan, output_maxscore=False,
                                                 **kw)
-                        call()
-                        backend = msa._backend.last_backend("fmha_dense")
-                        if reference_too_slow(backend, n, device, args, f"fmha {layout} N={n}"):
-                            continue
-                        ran = form
-                        if native is not None and form == "served":
-                            ran = native.variant_form(native.last_variant or "")
-                        unvalidated = native is not None and not native.form_validated(
-                            ran, torch.float8_e4m3fn if dtype_name == "fp8" else torch.bfloat16)
-                        if backend == "sm90" and unvalidated:
-                            backend = "sm90-unvalidated"
-                        ms, note = time_with_clock(call, device, args)
+                        with forcing(msa, fmha_form=form):
+                            call()
+                            backend = msa._backend.last_backend("fmha_dense")
+                            if reference_too_slow(backend, n, device, args,
+                                                  f"fmha {layout} N={n}"):
+                                continue
+                            ran = ran_form(msa, "fmha_dense") if backend == "sm90" else None
+                            if ran is not None and not table[ran].validated:
+                                backend = "sm90-unvalidated"
+                            ms, note = time_with_clock(call, device, args)
                         cudnn = peer_ms.get("cudnn")
                         impl = "msa.fmha[e4m3]" if dtype_name == "fp8" else "msa.fmha"
-                        if ran != "plain":
+                        if ran is not None:
                             impl += f"[{ran}]"
                         tsv.write(mode="o", n=n, hq=hq, hkv=hkv, causal=int(causal),
                                   layout=layout, impl=impl, backend=backend, latency_ms=ms,
@@ -168,9 +163,6 @@ def main(argv=None):
                                   speedup_vs_cudnn=(cudnn / ms) if cudnn else None,
                                   note=note)
             free_memory(device)
-    if native is not None and hasattr(native, "WARP_SPECIALIZED_FOR_TESTS"):
-        # Back to the served forms (the decode rows below time what the gates serve).
-        native.WARP_SPECIALIZED_FOR_TESTS = None
 
     # The max-score-only proxy pass: 4 index heads against one shared key head.
     for n in parse_sizes(args.max_score_seqs):
@@ -192,10 +184,10 @@ def main(argv=None):
                   note=f"2*D*H*pairs {note}".strip())
         free_memory(device)
     if args.decode:
-        bench_decode_like(msa, native, args, tsv, device)
+        bench_decode_like(msa, args, tsv, device)
 
 
-def bench_decode_like(msa, native, args, tsv, device):
+def bench_decode_like(msa, args, tsv, device):
     """--decode "BxQxKV,...": one row per dtype for the unsplit kernel and one for the split-KV
     form with the planner's split count (rows only when the planner splits)."""
     for spec in parse_names(args.decode):
@@ -214,19 +206,16 @@ def bench_decode_like(msa, native, args, tsv, device):
                 print(f"skip decode {spec} {dtype_name}: the planner does not split", flush=True)
                 continue
             for form in ("unsplit", "split"):
-                if native is not None:
-                    native.SPLIT_KV_FOR_TESTS = form == "split"
                 call = lambda: msa.fmha(q, k, v, plan, output_maxscore=False)   # noqa: E731
-                call()
-                ms, note = time_with_clock(call, device, args)
+                with forcing(msa, fmha_split_kv=None if form == "split" else False):
+                    call()
+                    ms, note = time_with_clock(call, device, args)
                 impl = "msa.fmha" + ("[e4m3]" if dtype_name == "fp8" else "")
                 impl += f"[split={splits}]" if form == "split" else "[unsplit]"
                 tsv.write(mode="decode", n=kv, hq=hq, hkv=hkv, causal=1, layout="dense",
                           impl=impl, backend=msa._backend.last_backend("fmha_dense"),
                           latency_ms=ms, tflops=4 * D * hq * pairs / ms / 1e9,
                           note=f"B={b} q={ql} {note}".strip())
-            if native is not None:
-                native.SPLIT_KV_FOR_TESTS = None
             free_memory(device)
 
 

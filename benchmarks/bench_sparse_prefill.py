@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TsvWriter, load_msa, native_module  # noqa: E402
+from _common import TsvWriter, forcing, load_msa, ran_form  # noqa: E402
 HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
 COLUMNS = ("case", "lengths", "pattern", "dtype", "impl", "backend", "latency_ms", "eff_tflops",
            "visible_pairs", "speedup_vs_flex")
@@ -75,18 +75,12 @@ DTYPE_MODES = {   # name -> (q, k, v) -> (q, k, v, pv_dtype)
 # --partials name -> partial_dtype of sparse_atten_func (rows of other than bf16 are labelled
 # "<dtype>_p<name>").
 PARTIALS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "e4m3": E4M3}
-# --forms name -> msa._native.sparse_prefill_sm90.WARP_SPECIALIZED_FOR_TESTS
-FORM_HOOKS = {"served": None, "wgmma": False, "ws": "ws", "ws3w": "ws3w"}
 
 
-def unvalidated_mode(msa, q, k, v, pv_dtype, partial_dtype, form) -> bool:
-    """True when the native FP8 mode, partial dtype or kernel form (that ran) of this call is
-    still gated (run only because --allow-unvalidated set MSA_UNVALIDATED_KERNELS)."""
-    native = native_module(msa, "sparse_prefill_sm90")
-    mode = native.attention_mode(q.dtype, k.dtype, v.dtype, pv_dtype)
-    return ((mode not in ("bfloat16", None) and mode not in native.VALIDATED_FP8_MODES)
-            or partial_dtype not in native.VALIDATED_PARTIAL_DTYPES
-            or (form is not None and not native.form_validated(form, mode, partial_dtype)))
+def sparse_forms(msa):
+    """The package's sparse serving table (cute_kernels.variants.SPARSE_FORMS)."""
+    from importlib import import_module
+    return import_module(f"{msa.__name__}.cute_kernels.variants").SPARSE_FORMS
 
 
 def visible_pairs(q2k: torch.Tensor) -> int:
@@ -164,9 +158,9 @@ def main():
     ap.add_argument("--partials", default="bf16",
                     help="partial_dtype of each msa run: bf16, fp16, fp32, e4m3 (comma list)")
     ap.add_argument("--forms", default="served",
-                    help="attention kernel forms to time side by side: served (what the gates "
-                         "pick), wgmma, ws (warp-specialized; G 8/16, bf16 or fp8 only), "
-                         "ws3w (ws with three consumer warpgroups); impl "
+                    help="attention kernel forms to time side by side: served (what the serving "
+                         "table picks) or a form of SPARSE_FORMS (mma, wgmma, ws, ws3w; the "
+                         "sparse_form debug hook); impl "
                          "msa_attention[<form>] unless served; a form that does not run the "
                          "call is skipped")
     ap.add_argument("--impls", default="attention,csr+attention",
@@ -219,10 +213,7 @@ def main():
             msa_runs = [(dtype, partial, form) for dtype in args.dtypes.split(",")
                         for partial in args.partials.split(",")
                         for form in args.forms.split(",")]
-            native = native_module(msa, "sparse_prefill_sm90")
             for dtype, partial, form in msa_runs:
-                if native is not None:
-                    native.WARP_SPECIALIZED_FOR_TESTS = FORM_HOOKS[form]
                 qq, kk, vv, pv_dtype = DTYPE_MODES[dtype](q, k, v)
                 kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
                           max_seqlen_k=max(lens), causal=True, pv_dtype=pv_dtype,
@@ -231,38 +222,37 @@ def main():
                 row_ptr, q_idx, sched = msa.build_k2q_csr(
                     q2k, cu, cu, 128, total_k=total, max_seqlen_k=max(lens),
                     max_seqlen_q=max(lens), qhead_per_kv=HQ // HKV, return_schedule=True)
-                msa.sparse_atten_func(qq, kk, vv, row_ptr, q_idx, TOPK, schedule=sched, **kw)
+                with forcing(msa, sparse_form=form):
+                    msa.sparse_atten_func(qq, kk, vv, row_ptr, q_idx, TOPK, schedule=sched,
+                                          **kw)
                 backend = msa._backend.last_backend("sparse_atten")
-                ran = (native.variant_form(native.last_attention_variant)
-                       if native is not None and backend == "sm90" else None)
+                ran = ran_form(msa, "sparse_atten") if backend == "sm90" else None
                 if form != "served" and ran != form:
                     print(f"skip msa {label} [{form}]: that form does not serve it", flush=True)
                     continue
-                if backend != "reference" and unvalidated_mode(msa, qq, kk, vv, pv_dtype,
-                                                               PARTIALS[partial], ran):
+                if ran is not None and not sparse_forms(msa)[ran].validated:
                     backend += "-unvalidated"
                 if backend == "reference" and total > 8192:
                     print(f"skip msa {label} {case} {lens}: reference backend only", flush=True)
                     continue
                 timed = []
-                if "attention" in args.impls.split(","):
-                    timed.append(("msa_attention", bench(
-                        lambda: msa.sparse_atten_func(qq, kk, vv, row_ptr, q_idx, TOPK,
-                                                      schedule=sched, **kw), args.rep_ms)))
 
                 def full_call():
                     rp, qi = msa.build_k2q_csr(q2k, cu, cu, 128, total_k=total,
                                                max_seqlen_k=max(lens), max_seqlen_q=max(lens),
                                                qhead_per_kv=HQ // HKV)
                     return msa.sparse_atten_func(qq, kk, vv, rp, qi, TOPK, **kw)
-                if "csr+attention" in args.impls.split(","):
-                    timed.append(("msa_csr+attention", bench(full_call, args.rep_ms)))
+                with forcing(msa, sparse_form=form):
+                    if "attention" in args.impls.split(","):
+                        timed.append(("msa_attention", bench(
+                            lambda: msa.sparse_atten_func(qq, kk, vv, row_ptr, q_idx, TOPK,
+                                                          schedule=sched, **kw), args.rep_ms)))
+                    if "csr+attention" in args.impls.split(","):
+                        timed.append(("msa_csr+attention", bench(full_call, args.rep_ms)))
                 suffix = "" if form == "served" else f"[{form}]"
                 for impl, ms in timed:
                     row(case, lens, pattern, label, impl + suffix, backend, ms,
                         flops / ms / 1e9, pairs, (flex_ms / ms) if flex_ms else None)
-            if native is not None:
-                native.WARP_SPECIALIZED_FOR_TESTS = None
         if "cudnn" in args.peers:
             from torch.nn.attention import SDPBackend, sdpa_kernel
             ms_total = 0.0

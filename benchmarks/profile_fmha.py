@@ -5,7 +5,7 @@ profiler wrapped around it can sample it. One warm-up call, then --iters calls, 
 `ncu --launch-skip 1 --launch-count 1 -k regex:fmha` profiles a warm launch.
 
     ncu --set full -k regex:fmha --launch-skip 1 --launch-count 1 -o R \\
-        python benchmarks/profile_fmha.py --dtype fp8 --form wsu --n 8192 --causal 0
+        python benchmarks/profile_fmha.py --dtype fp8 --form wsuts --n 8192 --causal 0
     ncu --import R.ncu-rep --page source --print-source sass --csv   # stall samples per SASS
     python benchmarks/profile_fmha.py --dtype fp8 --n 4k --heads 32x8 --causal 1 --iters 20 \
         --breakdown
@@ -34,8 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (fmha_form_hook, flush_l2, load_msa, native_module,  # noqa: E402
-                     parse_sizes)
+from _common import flush_l2, forcing, load_msa, parse_sizes  # noqa: E402
 
 D = 128
 
@@ -45,7 +44,8 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     ap.add_argument("--form", default="served",
-                    help="served, plain, or a warp-specialized form of fmha_sm90.WS_FORMS")
+                    help="served, or a form of cute_kernels.variants.FMHA_FORMS (the fmha_form "
+                         "debug hook)")
     ap.add_argument("--n", default="8k", help="tokens (one request, q = kv)")
     ap.add_argument("--heads", default="64x4", help="Hq x Hkv")
     ap.add_argument("--causal", type=int, default=0)
@@ -58,12 +58,16 @@ def main(argv=None):
     ap.add_argument("--timeline", action="store_true",
                     help="also print the device timeline of L2-flushed calls (gaps, kernels)")
     args = ap.parse_args(argv)
-    os.environ.setdefault("MSA_UNVALIDATED_KERNELS", "1")   # gated forms may be profiled
+    os.environ.setdefault("MSA_UNVALIDATED_KERNELS", "1")   # unvalidated forms may be profiled
     msa = load_msa()
-    native = native_module(msa, "fmha_sm90")
-    if native is None:
-        raise SystemExit("profile_fmha: this build has no native fmha_sm90 module")
-    native.WARP_SPECIALIZED_FOR_TESTS = fmha_form_hook(args.form)
+    if not hasattr(msa, "_native"):
+        raise SystemExit("profile_fmha: this build has no native kernels")
+    with forcing(msa, fmha_form=args.form):
+        profile(msa, args)
+
+
+def profile(msa, args):
+    """The runs main() asks for, with the form hook set."""
     n = parse_sizes(args.n)[0]
     hq, hkv = (int(x) for x in args.heads.split("x"))
     dev = torch.device("cuda")
@@ -89,7 +93,8 @@ def main(argv=None):
         msa.fmha(q, k, v, plan, output_maxscore=False, **kw)
     end.record()
     torch.cuda.synchronize()
-    print(f"profile_fmha: {native.last_variant} backend {msa._backend.last_backend('fmha_dense')}"
+    print(f"profile_fmha: {msa._native.debug.last_variant('fmha_dense')} "
+          f"backend {msa._backend.last_backend('fmha_dense')}"
           f" n={n} heads={hq}x{hkv} causal={args.causal} paged={args.paged}: "
           f"{start.elapsed_time(end) / args.iters:.3f} ms per call")
     if args.breakdown:

@@ -2,9 +2,11 @@
 folder when MSA_TEST_PACKAGE_DIR points at one (build/<variant>, imported as ``msa``); GPU-marked
 tests skip cleanly without CUDA."""
 
+import contextlib
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,3 +38,16 @@ def seed():
     torch.manual_seed(s)
     print(f"seed={s}")
     return s
+
+
+@pytest.fixture
+def native_hooks():
+    """msa._native.debug's hooks for the rest of one test, undone after it:
+    native_hooks.force(fmha_form="wsup", ...), native_hooks.poison() (NaN-filled outputs),
+    native_hooks.last_variant(op)."""
+    from msa._native import debug
+    with contextlib.ExitStack() as stack:
+        yield SimpleNamespace(
+            force=lambda **hooks: stack.enter_context(debug.forcing(**hooks)),
+            poison=lambda: stack.enter_context(debug.poisoned_outputs()),
+            last_variant=debug.last_variant)

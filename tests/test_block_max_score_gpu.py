@@ -1,8 +1,7 @@
 """Native SM90 indexer block max-scores (CuTe-DSL wgmma kernel) against a float64 reference.
 
-The native module is imported explicitly here (which registers it with msa._backend): it is not
-in msa._native.__init__ until it has passed on hardware. Every case runs with
-MSA_BACKEND=native (a fallback raises) and checks msa._backend.last_backend == "sm90".
+Every case runs with MSA_BACKEND=native (a fallback raises) and checks
+msa._backend.last_backend == "sm90".
 
 Checks per case, on fresh random varlen inputs (lengths not multiples of 128, requests with
 q_len > k_len whose early rows see nothing, an empty request, rows past cu_seqlens_q[-1] that no
@@ -125,9 +124,10 @@ CASES = [(h, paged, causal) for h in (1, 2, 4, 8) for paged in (False, True)
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("num_heads,paged,causal", CASES)
-def test_block_max_scores_native_matches_float64(num_heads, paged, causal, seed, monkeypatch):
+def test_block_max_scores_native_matches_float64(num_heads, paged, causal, seed, monkeypatch,
+                                                native_hooks):
     native = _native_module()
-    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    native_hooks.poison()
     case = CASES.index((num_heads, paged, causal))
     gen = torch.Generator().manual_seed(seed)
     device = torch.device("cuda")
@@ -156,7 +156,6 @@ def test_block_max_scores_native_matches_float64(num_heads, paged, causal, seed,
         args = (q_dev, k_in, cu_q, cu_k)
 
     monkeypatch.setenv("MSA_BACKEND", "native")
-    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")   # the kernel is gated until this passes       # raise instead of falling back
     got = msa.block_max_scores(*args, **kwargs)
     torch.cuda.synchronize()
     monkeypatch.delenv("MSA_BACKEND")
@@ -174,11 +173,12 @@ def test_block_max_scores_native_matches_float64(num_heads, paged, causal, seed,
 @pytest.mark.gpu
 @pytest.mark.sm90
 @pytest.mark.parametrize("num_heads", (1, 8))
-def test_block_max_scores_native_long_request_and_small_grid(num_heads, seed, monkeypatch):
+def test_block_max_scores_native_long_request_and_small_grid(num_heads, seed, monkeypatch,
+                                                            native_hooks):
     """One long request with max_seqlen_q understated (1): the kernel's grid-stride loop over
     query tiles must still cover every row; plus a second request of one token."""
     native = _native_module()
-    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    native_hooks.poison()
     gen = torch.Generator().manual_seed(seed)
     device = torch.device("cuda")
     q_lens, k_lens = [3001, 1], [3001 + 77, 300]
@@ -188,7 +188,6 @@ def test_block_max_scores_native_long_request_and_small_grid(num_heads, seed, mo
     cu_q, cu_k = cu_seqlens(q_lens, device), cu_seqlens(k_lens, device)
     tiles = -(-max(k_lens) // BLOCK)
     monkeypatch.setenv("MSA_BACKEND", "native")
-    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")   # the kernel is gated until this passes
     got = msa.block_max_scores(q, k, cu_q, cu_k, max_seqlen_q=1, max_seqlen_k=max(k_lens),
                                scale=1.0, causal=True, max_k_tiles=tiles)
     torch.cuda.synchronize()
@@ -207,11 +206,11 @@ E4M3_CASES = [(h, paged, causal) for h in (1, 4, 8) for paged in (False, True)
 @pytest.mark.sm90
 @pytest.mark.parametrize("num_heads,paged,causal", E4M3_CASES)
 def test_block_max_scores_e4m3_native_matches_float64(num_heads, paged, causal, seed,
-                                                      monkeypatch):
+                                                      monkeypatch, native_hooks):
     """e4m3 q_idx / k_idx (the fp8 indexer): the reference computes on the same e4m3 values in
     float64, so only the kernel's fp32 accumulation differs; same bound as bf16."""
     native = _native_module()
-    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    native_hooks.poison()
     case = E4M3_CASES.index((num_heads, paged, causal))
     gen = torch.Generator().manual_seed(seed)
     device = torch.device("cuda")
@@ -232,7 +231,6 @@ def test_block_max_scores_e4m3_native_matches_float64(num_heads, paged, causal, 
         k_in = k.to(e4m3).to(device)
     q_dev = q.to(device)
     monkeypatch.setenv("MSA_BACKEND", "native")
-    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")   # e4m3 is gated until this passes
     got = msa.block_max_scores(q_dev, k_in, cu_q, cu_k, **kwargs)
     torch.cuda.synchronize()
     monkeypatch.delenv("MSA_BACKEND")
@@ -253,12 +251,12 @@ DECODE_CASES = [(h, seqlen_q, dtype) for h in (1, 4, 8) for seqlen_q in (1, 4, 8
 @pytest.mark.sm90
 @pytest.mark.parametrize("num_heads,seqlen_q,dtype", DECODE_CASES)
 def test_block_max_scores_decode_native_matches_float64(num_heads, seqlen_q, dtype, seed,
-                                                        monkeypatch):
+                                                        monkeypatch, native_hooks):
     """The decode indexer: 1-8 new tokens per request against a paged index-K cache (ragged
     lengths up to ~20k, shuffled pages, an empty request), bottom-right causal. Runs the decode
     variant (one warpgroup, K tiles split across CTAs) and checks that it was the one launched."""
     native = _native_module()
-    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    native_hooks.poison()
     launched = _record_launches(native, monkeypatch)
     gen = torch.Generator().manual_seed(seed)
     device = torch.device("cuda")
@@ -273,7 +271,6 @@ def test_block_max_scores_decode_native_matches_float64(num_heads, seqlen_q, dty
     seqused = torch.tensor(k_lens, dtype=torch.int32, device=device)
     tiles = -(-max(k_lens) // BLOCK)
     monkeypatch.setenv("MSA_BACKEND", "native")
-    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")   # the decode variant is gated
     got = msa.block_max_scores(q, pages, cu_q, cu_k, max_seqlen_q=seqlen_q,
                                max_seqlen_k=max(k_lens), scale=HEAD_DIM ** -0.5, causal=True,
                                page_table=table, seqused_k=seqused, max_k_tiles=tiles)
@@ -298,7 +295,7 @@ ELEMENTS_2_31 = 2 ** 31
 @pytest.mark.sm90
 @pytest.mark.parametrize("num_heads,decode_q", [(4, None), (8, 2)])
 def test_block_max_scores_paged_pool_past_2_31_elements(num_heads, decode_q, seed,
-                                                        monkeypatch):
+                                                        monkeypatch, native_hooks):
     """e4m3 index-K pool of more than 2^31 elements (2^17 pages of [1, 128, 128] below the
     boundary, ~2.1 GB, NaN) whose used pages all lie past the 2^31-element boundary (the decode
     benchmark's B = 32 x 512k cache has exactly 2^31 elements): the page offset must be 64-bit
@@ -306,7 +303,7 @@ def test_block_max_scores_paged_pool_past_2_31_elements(num_heads, decode_q, see
     decode variant (H = 8, 2 new tokens). The output must equal the same kernel's output on a
     compact pool of the used pages exactly, and the float64 reference on those pages."""
     native = _native_module()
-    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    native_hooks.poison()
     launched = _record_launches(native, monkeypatch)
     gen = torch.Generator().manual_seed(seed)
     device = torch.device("cuda")
@@ -331,7 +328,6 @@ def test_block_max_scores_paged_pool_past_2_31_elements(num_heads, decode_q, see
                   causal=True, seqused_k=torch.tensor(k_lens, dtype=torch.int32, device=device),
                   max_k_tiles=-(-max(k_lens) // BLOCK))
     monkeypatch.setenv("MSA_BACKEND", "native")
-    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")   # as the other cases of this file
     got = msa.block_max_scores(q, pool, cu_q, cu_k, page_table=pool_table, **kwargs)
     torch.cuda.synchronize()
     del pool
@@ -351,7 +347,8 @@ def test_block_max_scores_paged_pool_past_2_31_elements(num_heads, decode_q, see
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-def test_block_max_scores_dense_rows_and_output_past_2_31_elements(seed, monkeypatch):
+def test_block_max_scores_dense_rows_and_output_past_2_31_elements(seed, monkeypatch,
+                                                                  native_hooks):
     """Dense e4m3 q_idx [total_q, 8, 128] and k_idx [total_k, 1, 128] of more than 2^31
     elements each (~2.1 GB apiece) and an output of more than 2^31 elements (~10.7 GB): request
     0 owns the first 2^21 query rows but no key, request 1 the first 2^24 keys but no query
@@ -361,7 +358,7 @@ def test_block_max_scores_dense_rows_and_output_past_2_31_elements(seed, monkeyp
     key: all -inf. The rest must equal the kernel's output on compact inputs exactly and the
     float64 reference."""
     native = _native_module()
-    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    native_hooks.poison()
     gen = torch.Generator().manual_seed(seed)
     device = torch.device("cuda")
     e4m3 = torch.float8_e4m3fn
@@ -378,7 +375,6 @@ def test_block_max_scores_dense_rows_and_output_past_2_31_elements(seed, monkeyp
     scale = HEAD_DIM ** -0.5
     common = dict(scale=scale, causal=True, max_k_tiles=tiles)
     monkeypatch.setenv("MSA_BACKEND", "native")
-    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")   # as the other cases of this file
     got = msa.block_max_scores(q, k, cu_seqlens([lead_q, 0] + q_lens, device),
                                cu_seqlens([0, lead_k] + k_lens, device), max_seqlen_q=lead_q,
                                max_seqlen_k=lead_k, **common)
@@ -414,7 +410,7 @@ def test_variant_names_match_the_manifest_names():
     native = _native_module()
     assert names == ({native.variant_name(h, paged, dtype) for h in native.SUPPORTED_HEADS
                       for paged in (False, True) for dtype in native._DTYPE_NAMES}
-                     | {native.variant_name(h, True, dtype, decode=True)
+                     | {native.variant_name(h, True, dtype, form="decode")
                         for h in native.SUPPORTED_HEADS for dtype in native._DTYPE_NAMES})
 
 
@@ -550,4 +546,5 @@ def test_launch_limits_refuse_int32_counts_not_tensor_sizes():
     with pytest.raises(NotImplementedError, match=r"^page_table: .* = 2147483648 does not fit"):
         native.run(call(2, 2 ** 24, None))
     assert k.numel() > 2 ** 31
-    native.check_launch_limits(call(2 ** 23 - 1, 2 ** 24, seqused))   # all counts fit: served
+    served = call(2 ** 23 - 1, 2 ** 24, seqused)                       # all counts fit: served
+    native.check_launch_limits(served.max_k_tiles, served.page_table, served.seqused_k)

@@ -1,12 +1,12 @@
-"""CPU-only: the sm_90a CuTe-DSL sparse prefill kernel compiles without register spills.
+"""CPU-only: the sm_90a CuTe-DSL sparse prefill kernels compile without register spills.
 
-Compiles two bf16 attention variants (G=16, dense: fp32 partials -> warp-level mma.sync kernel,
-bf16 partials -> warpgroup wgmma kernel), two FP8 variants (all-e4m3 with e4m3 P.V, G=16 dense;
-e4m3 QK^T with bf16 P.V, G=4 paged), two of the warp-specialized TMA form (bf16 G=16 dense,
-e4m3 G=8 paged with e4m3 partials) and the fp32 combine for sm_90a with fake tensors (no GPU
-needed) and runs ptxas -v on the kept PTX. Skips when nvidia-cutlass-dsl or ptxas is missing.
-The full variant list is checked by `python tools/compile_cute.py --check`. Also checks, without
-CUDA, that supports() gates the FP8 modes until they are validated.
+Compiles two bf16 attention variants (fp32 partials -> warp-level mma.sync kernel, G=16; bf16
+partials -> warpgroup wgmma kernel, G=4), two FP8 variants of the wgmma kernel (all-e4m3 with
+e4m3 P.V, G=4 dense; e4m3 QK^T with bf16 P.V, G=4 paged), three of the warp-specialized TMA
+forms (bf16 G=16 dense ws, e4m3 G=8 paged ws3w with e4m3 partials, bf16 G=8 paged ws3w) and the
+fp32 combine for sm_90a with fake tensors (no GPU needed) and runs ptxas -v on the kept PTX.
+Skips when nvidia-cutlass-dsl or ptxas is missing. The full variant list is checked by
+`python tools/compile_cute.py --check`; which variant serves which call, by test_serving.py.
 """
 
 import importlib.util
@@ -32,13 +32,13 @@ def _tools():
 
 
 @pytest.mark.parametrize("name", ["sparse_prefill_sm90_bfloat16_g16_dense_pf32",
-                                  "sparse_prefill_sm90_bfloat16_g16_dense_pbf16",
-                                  "sparse_prefill_sm90_e4m3_g16_dense_pbf16",
+                                  "sparse_prefill_sm90_bfloat16_g4_dense_pbf16",
+                                  "sparse_prefill_sm90_e4m3_g4_dense_pbf16",
                                   "sparse_prefill_sm90_e4m3_pv_bf16_g4_paged_pbf16",
                                   "sparse_combine_sm90_pf32",
-                                  "sparse_prefill_sm90_bfloat16_g16_dense_pbf16_ws",
-                                  "sparse_prefill_sm90_e4m3_g8_paged_pe4m3_ws",
-                                  "sparse_prefill_sm90_bfloat16_g8_paged_pf16_ws3w"])
+                                  "sparse_prefill_sm90_bfloat16_g16_dense_pf16_ws",
+                                  "sparse_prefill_sm90_e4m3_g8_paged_pe4m3_ws3w",
+                                  "sparse_prefill_sm90_bfloat16_g8_paged_pbf16_ws3w"])
 def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
     tools = _tools()
     try:
@@ -82,7 +82,7 @@ def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
         # (8 k-steps of k16).
         assert text.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 8
         assert text.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 8
-    elif name.endswith("_pbf16") and os.environ.get("MSA_CUTE_MMA", "wgmma") != "warp":
+    elif name.endswith("_pbf16"):
         # S = QK^T (SS, two issue sites) and O = PV (RS, V^T MN-major): 8 k-steps each of
         # m64n128k16.
         assert text.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 24
@@ -95,8 +95,8 @@ def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
 
 def test_setmaxnreg_split_must_fit_the_launch_registers():
     """setmaxnreg only moves registers within the CTA's launch allocation: a producer warpgroup
-    at .dec plus the consumer warpgroups at .inc beyond it means .inc never returns (the e4m3
-    FMHA ws forms hung so: 80 / 216 x 384 threads = 65536 > 168 x 384)."""
+    at .dec plus the consumer warpgroups at .inc beyond it means .inc never returns (e.g.
+    80 / 216 x 384 threads = 65536 > 168 x 384)."""
     tools = _tools()
 
     def ptx(dec, inc, threads=384):
@@ -111,182 +111,8 @@ def test_setmaxnreg_split_must_fit_the_launch_registers():
     assert tools.register_split_excess(".entry k()\n.reqntid 256, 1, 1\n{}", 168) == 0
 
 
-def test_shipped_variant_names_match_the_runtime():
-    """The loader names artifacts without importing cutlass; both sides must agree."""
-    sys.path.insert(0, str(ROOT / "torch-ext"))
-    from cute_kernels.variants import FP8_MODES, shipped_variants
-    from msa._native.sparse_prefill_sm90 import _variant_names, attention_mode
-    import torch
-    names = {v.name for v in shipped_variants()}
-    partials = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
-    for g in (1, 2, 4, 8, 16):
-        for paged in (False, True):
-            for partial in partials:   # every contract partial_dtype
-                assert set(_variant_names(g, paged, partial)) <= names
-                if partial != torch.float32:   # FP8 modes: every partial but fp32
-                    for mode in FP8_MODES:
-                        assert set(_variant_names(g, paged, partial, mode)) <= names
-    # The warp-specialized form wherever it applies (forced on; the gate is tested below).
-    from msa._native import sparse_prefill_sm90 as native
-    forced = native.WARP_SPECIALIZED_FOR_TESTS
-    try:
-        for form in native.WS_FORMS:
-            native.WARP_SPECIALIZED_FOR_TESTS = form
-            for g in (8, 16):
-                for paged in (False, True):
-                    for partial in partials[1:]:
-                        for mode in native.WS_MODES:
-                            attention, _ = _variant_names(g, paged, partial, mode)
-                            assert native.variant_form(attention) == form
-                            assert attention in names
-            assert native.variant_form(_variant_names(4, False, torch.bfloat16)[0]) == "wgmma"
-            assert native.variant_form(_variant_names(16, False, torch.float32)[0]) == "wgmma"
-    finally:
-        native.WARP_SPECIALIZED_FOR_TESTS = forced
-    bf16, e4m3 = torch.bfloat16, torch.float8_e4m3fn
-    # Every compiled FP8 family serves a dtype mode.
-    served = {attention_mode(bf16, e4m3, e4m3, None), attention_mode(e4m3, e4m3, e4m3, bf16),
-              attention_mode(e4m3, e4m3, e4m3, None)}
-    assert served == set(FP8_MODES)
-
-
-def test_fp8_modes_are_gated_until_validated(monkeypatch):
-    """supports() refuses an FP8 mode unless it is in VALIDATED_FP8_MODES or
-    MSA_UNVALIDATED_KERNELS=1 (no CUDA needed: the gate comes before any artifact lookup)."""
-    sys.path.insert(0, str(ROOT / "torch-ext"))
-    import torch
-    from msa._native import sparse_prefill_sm90 as native
-    e4m3 = torch.float8_e4m3fn
-    features = dict(q_dtype=e4m3, k_dtype=e4m3, v_dtype=e4m3, pv_dtype=e4m3, paged=False,
-                    qhead_per_kv=16, topk=16, partial_dtype=torch.bfloat16)
-    monkeypatch.delenv(native.UNVALIDATED_ENV, raising=False)
-    monkeypatch.setattr(native, "VALIDATED_FP8_MODES", set())
-    reason = native.supports(**features)
-    assert reason is not None and "not validated" in reason
-    monkeypatch.setenv(native.UNVALIDATED_ENV, "1")
-    reason = native.supports(**features)
-    assert reason is None or "not validated" not in reason
-    reason = native.supports(**dict(features, partial_dtype=torch.float32))
-    assert reason is not None and "partial" in reason
-
-
-def test_new_partial_dtypes_are_gated_until_validated(monkeypatch):
-    """fp16 / e4m3 partials run natively only once in VALIDATED_PARTIAL_DTYPES, or with
-    MSA_UNVALIDATED_KERNELS=1; bf16 / fp32 partials are validated. No CUDA needed."""
-    sys.path.insert(0, str(ROOT / "torch-ext"))
-    import torch
-    from msa._native import sparse_prefill_sm90 as native
-    bf16 = torch.bfloat16
-    features = dict(q_dtype=bf16, k_dtype=bf16, v_dtype=bf16, pv_dtype=None, paged=True,
-                    qhead_per_kv=8, topk=16)
-    monkeypatch.delenv(native.UNVALIDATED_ENV, raising=False)
-    monkeypatch.setattr(native, "VALIDATED_PARTIAL_DTYPES", {torch.float32, bf16})
-    for partial in (torch.float16, torch.float8_e4m3fn):
-        reason = native.supports(**features, partial_dtype=partial)
-        assert reason is not None and "not validated" in reason and str(partial) in reason
-    for partial in (torch.float32, bf16):
-        reason = native.supports(**features, partial_dtype=partial)
-        assert reason is None or "not validated" not in reason
-    monkeypatch.setenv(native.UNVALIDATED_ENV, "1")
-    reason = native.supports(**features, partial_dtype=torch.float8_e4m3fn)
-    assert reason is None or "not validated" not in reason
-
-
-def test_gated_kernel_forms_follow_their_flags(monkeypatch):
-    """A kernel form (the direct e4m3 decode form) runs only when validated, forced by a test
-    hook, or opted into with MSA_UNVALIDATED_KERNELS=1; otherwise its validated counterpart
-    runs. No CUDA needed."""
-    sys.path.insert(0, str(ROOT / "torch-ext"))
-    from msa import _backend
-    from msa._native import decode_cuda
-    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
-    monkeypatch.setattr(decode_cuda, "VALIDATED_DIRECT_FP8", False)
-    monkeypatch.setattr(decode_cuda, "DIRECT_FP8_FOR_TESTS", None)
-    assert not decode_cuda._direct_fp8()
-    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
-    assert decode_cuda._direct_fp8()
-    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
-    monkeypatch.setattr(decode_cuda, "VALIDATED_DIRECT_FP8", True)
-    assert decode_cuda._direct_fp8()
-    monkeypatch.setattr(decode_cuda, "DIRECT_FP8_FOR_TESTS", False)
-    assert not decode_cuda._direct_fp8()
-
-
-def test_warp_specialized_sparse_form_follows_its_flag(monkeypatch):
-    """The warp-specialized sparse attention serves G 8 / 16 bf16 or all-e4m3 calls with 16-bit
-    or e4m3 partials only when validated, forced, or with MSA_UNVALIDATED_KERNELS=1; never
-    elsewhere. No CUDA needed."""
-    sys.path.insert(0, str(ROOT / "torch-ext"))
-    import torch
-    from msa import _backend
-    from msa._native import sparse_prefill_sm90 as native
-    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
-    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", False)
-    bf16 = torch.bfloat16
-    assert not native.warp_specialized(16, bf16, "bfloat16")
-    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
-    assert native.warp_specialized(16, bf16, "bfloat16")
-    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
-    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", True)
-    assert native.warp_specialized(8, torch.float8_e4m3fn, "e4m3")
-    for g, partial, mode in ((4, bf16, "bfloat16"), (16, torch.float32, "bfloat16"),
-                             (16, bf16, "e4m3_pv_bf16"), (16, bf16, "bf16_kv_e4m3")):
-        assert not native.warp_specialized(g, partial, mode)
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", False)
-    assert not native.warp_specialized(16, bf16, "bfloat16")
-
-
-def test_three_warpgroup_sparse_form_follows_its_flag(monkeypatch):
-    """Where the warp-specialized form runs, "ws3w" replaces "ws" only for the (dtype mode,
-    partial dtype) pairs in VALIDATED_WS3W, with MSA_UNVALIDATED_KERNELS=1, or named by
-    WARP_SPECIALIZED_FOR_TESTS (a name pins that form; an unknown name is an error). Every
-    chosen name is a shipped variant. No CUDA needed."""
-    sys.path.insert(0, str(ROOT / "torch-ext"))
-    import torch
-    from msa import _backend
-    from msa._native import sparse_prefill_sm90 as native
-    from cute_kernels.variants import shipped_variants
-    names = {v.name for v in shipped_variants()}
-    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
-    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", True)
-    monkeypatch.setattr(native, "VALIDATED_WS3W", set())
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
-
-    def served(g=16, partial=torch.bfloat16, mode="bfloat16"):
-        attention, combine = native._variant_names(g, True, partial, mode)
-        assert attention in names and combine in names
-        return native.variant_form(attention)
-    assert served() == "ws"
-    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
-    assert served() == "ws3w" and served(8, torch.float8_e4m3fn, "e4m3") == "ws3w"
-    assert served(4) == "wgmma"
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "ws")
-    assert served() == "ws"
-    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "ws3w")
-    assert served(8, torch.float16, "e4m3") == "ws3w"
-    assert served(16, torch.float32) == "wgmma"
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
-    monkeypatch.setattr(native, "VALIDATED_WS3W", {("bfloat16", torch.bfloat16)})
-    assert served() == "ws3w"
-    assert served(16, torch.float8_e4m3fn) == "ws"
-    assert served(8, torch.bfloat16, "e4m3") == "ws"
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "bogus")
-    with pytest.raises(ValueError, match="warp-specialized forms"):
-        served()
-    # form_validated (what benchmarks label "-unvalidated") follows the same per-pair gate.
-    assert native.form_validated("ws3w", "bfloat16", torch.bfloat16)
-    assert not native.form_validated("ws3w", "bfloat16", torch.float8_e4m3fn)
-    assert native.form_validated("ws", "bfloat16", torch.float8_e4m3fn)
-    assert native.form_validated("wgmma", "e4m3", torch.float16)
-    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", False)
-    assert not native.form_validated("ws", "bfloat16", torch.bfloat16)
-    assert not native.form_validated("ws3w", "bfloat16", torch.bfloat16)
-
-
 def test_word_transpose_of_v_lands_in_the_register_p_key_order():
-    """tile_utils.transpose_v_words (the e4m3 FMHA's per-block V -> Vt): traced with identity
+    """fp8.transpose_v_words (the e4m3 FMHA's per-block V -> Vt): traced with identity
     tensors for every one of its 256 threads, the byte each word store writes, Vt(channel, c'),
     is the byte that thread loaded from V(pi^-1(c'), channel), where register_p_key_order maps a
     key c to its Vt column pi(c) = c'; and the 256 threads write every Vt byte exactly once."""
@@ -294,8 +120,8 @@ def test_word_transpose_of_v_lands_in_the_register_p_key_order():
     import cutlass
     import cutlass.cute as cute
     sys.path.insert(0, str(ROOT / "torch-ext"))
-    from msa.cute_kernels.tile_utils import (register_p_key_order, register_p_row_order,
-                                             transpose_v_copies)
+    from msa.cute_kernels.fp8 import (register_p_key_order, register_p_row_order,
+                                      transpose_v_copies)
     pairs, inverse, row_keys = [], [], []
 
     @cute.jit
@@ -315,127 +141,17 @@ def test_word_transpose_of_v_lands_in_the_register_p_key_order():
                     c_dst, r_dst = dst[ch * 4 + x]
                     pairs.append(((int(r), int(c_src)), (int(r_dst), int(c_dst))))
     trace()
-    # The masked transpose (the e4m3 ws form) zeroes the rows of keys register_p_row_key(w, x).
-    from msa.cute_kernels.tile_utils import register_p_row_key
-    for tidx in range(256):
+    for tidx in range(256):          # thread (c, w) loads rows 4w .. 4w + 3 of the permuted V
         for x in range(4):
             (r, _), _ = pairs[tidx * 64 + x * 16]
             assert r == 4 * (tidx % 32) + x
-            assert row_keys[r] == register_p_row_key(tidx % 32, x)
     assert all(key == back for key, back in inverse), "the row order inverts the key order"
-    # The V transpose op of the wsut form (csrc/fmha_transpose_v.cu) writes the same order.
+    # The V transpose op of the e4m3 forms (csrc/fmha_transpose_v.cu) writes the same order.
     from msa._native.fmha_sm90 import vt_column_keys
     assert row_keys == vt_column_keys(), "Vt column keys differ from register_p_row_order"
     assert len(pairs) == 256 * 64
     assert all(loaded == written for loaded, written in pairs)
     assert len({written for _, written in pairs}) == 128 * 128
-
-
-def test_warp_specialized_fmha_form_follows_its_flag(monkeypatch):
-    """O-only FMHA calls run on the ws variants only when validated for their dtype
-    (VALIDATED_WARP_SPECIALIZED bf16, VALIDATED_WARP_SPECIALIZED_FP8 e4m3), forced by
-    WARP_SPECIALIZED_FOR_TESTS (True: ws; a form name: that form), or opted into with
-    MSA_UNVALIDATED_KERNELS=1; mode 1 never does. Every chosen name is a shipped variant. No
-    CUDA needed."""
-    sys.path.insert(0, str(ROOT / "torch-ext"))
-    import pytest
-    import torch
-    from msa import _backend
-    from msa._native import fmha_sm90 as native
-    from cute_kernels.variants import WS_FORMS, WS_FP8_FORMS, shipped_variants
-    names = {v.name for v in shipped_variants()}
-    e4m3 = torch.float8_e4m3fn
-    assert native.WS_FORMS == {"bfloat16": WS_FORMS, "e4m3": WS_FP8_FORMS}
-    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
-    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", False)
-    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED_FP8", False)
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
-    o, o_score = native.MODE_O_ONLY, native.MODE_O_AND_SCORE
-    assert native._variant_for(False, o) == "fmha_sm90_bfloat16_dense"
-    assert native._variant_for(False, o, e4m3) == "fmha_sm90_e4m3_dense"
-    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
-    served = {(torch.bfloat16, False): "_wsu", (torch.bfloat16, True): "_wsup",
-              (e4m3, False): "_wsutps", (e4m3, True): "_wsutps"}
-    long_call = native.PERSISTENT_MAX_ITEMS + 1      # more work items: non-persistent forms
-    for paged in (False, True):
-        for (dtype, causal), suffix in served.items():
-            for items in (None, 1, native.PERSISTENT_MAX_ITEMS):
-                name = native._variant_for(paged, o, dtype, causal, items)
-                assert name.endswith(suffix) and name in names
-            name = native._variant_for(paged, o, dtype, causal, long_call)
-            assert name.endswith("_wsu" if dtype == torch.bfloat16 else "_wsuts")
-            assert name in names
-        assert not native._variant_for(paged, o_score).endswith("_ws")
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", False)
-    assert native._variant_for(True, o) == "fmha_sm90_bfloat16_paged"
-    assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged"
-    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
-    for dtype, forms in ((torch.bfloat16, WS_FORMS), (e4m3, WS_FP8_FORMS)):
-        for form in forms:
-            monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", form)
-            for paged in (False, True):
-                name = native._variant_for(paged, o, dtype)
-                assert name.endswith("_" + form) and name in names
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "bogus")
-    with pytest.raises(ValueError, match="e4m3 warp-specialized forms"):
-        native._variant_for(False, o, e4m3)
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", "ws")
-    assert native._variant_for(False, o_score) == "fmha_sm90_bfloat16_dense_maxscore"
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", None)
-    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED", True)
-    assert native._variant_for(True, o) == "fmha_sm90_bfloat16_paged_wsu"
-    assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged"
-    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED_FP8", True)
-    assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged_wsutps"
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", True)
-    assert native._variant_for(True, o, e4m3) == "fmha_sm90_e4m3_paged_ws"
-    # variant_form inverts variant_name (bench_fmha labels rows by the form that ran).
-    for dtype, forms in ((torch.bfloat16, WS_FORMS), (e4m3, WS_FP8_FORMS)):
-        for form in (*forms, "split", "plain"):
-            assert native.variant_form(native.variant_name(True, dtype, form=form)) == form
-    assert native.variant_form(native.variant_name(False, max_score=True)) == "plain"
-    # The served forms are validated ones; form_validated is the one gate (dispatch, benches).
-    for served_forms in (native.SERVED_WS_FORM, native.SERVED_WS_FORM_CAUSAL,
-                         native.SERVED_WS_FORM_LONG):
-        for name, form in served_forms.items():
-            assert form in native.VALIDATED_WS_FORMS[name] and form in native.WS_FORMS[name]
-    assert native.form_validated("wsf", e4m3) and native.form_validated("plain", e4m3)
-    monkeypatch.setattr(native, "VALIDATED_WARP_SPECIALIZED_FP8", False)
-    assert not native.form_validated("wsf", e4m3) and native.form_validated("ws")
-    monkeypatch.setattr(native, "VALIDATED_WS_FORMS", {"bfloat16": ("ws",), "e4m3": ()})
-    assert not native.form_validated("wsf") and native.form_validated("ws")
-
-
-def test_split_kv_fmha_form_follows_its_flag(monkeypatch):
-    """Plans with num_kv_splits > 1 run the split-KV variants (shipped, both dtypes and
-    layouts) only when VALIDATED_SPLIT_KV, forced by SPLIT_KV_FOR_TESTS, or opted into with
-    MSA_UNVALIDATED_KERNELS=1, and never with the max-score output. No CUDA needed."""
-    sys.path.insert(0, str(ROOT / "torch-ext"))
-    import torch
-    from cute_kernels.variants import shipped_variants
-    from msa import _backend
-    from msa._native import fmha_sm90 as native
-    names = {v.name for v in shipped_variants()}
-    for paged in (False, True):
-        for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            assert native.variant_name(paged, dtype, form="split") in names
-    assert native.SPLIT_COMBINE in names
-    monkeypatch.setattr(native.cute_runtime, "unavailable_reason", lambda *names: None)
-    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
-    monkeypatch.setattr(native, "VALIDATED_SPLIT_KV", False)
-    monkeypatch.setattr(native, "SPLIT_KV_FOR_TESTS", None)
-    plan = {"num_kv_splits": 4}
-    assert native.split_kv_count(plan, False) == 1
-    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
-    assert native.split_kv_count(plan, False) == 4
-    assert native.split_kv_count(plan, True) == 1            # max-score output: unsplit
-    assert native.split_kv_count({"num_kv_splits": 1}, False) == 1
-    monkeypatch.setattr(native, "SPLIT_KV_FOR_TESTS", False)
-    assert native.split_kv_count(plan, False) == 1
-    monkeypatch.setattr(native, "SPLIT_KV_FOR_TESTS", None)
-    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
-    monkeypatch.setattr(native, "VALIDATED_SPLIT_KV", True)
-    assert native.split_kv_count(plan, False) == 4
 
 
 def test_compile_update_merges_into_the_existing_manifest(tmp_path):

@@ -2,9 +2,8 @@
 msa._native.decode_cuda) against the independent float64 oracle of tests/test_decode.py.
 
 They need a built variant: ``MSA_TEST_PACKAGE_DIR=$PWD/build/<variant> python -m pytest -q
-tests/test_decode_gpu.py`` (tools/gpu_session.sh sets it). The kernel is not in the default
-dispatch until validated, so this module sets MSA_UNVALIDATED_KERNELS=1 and imports
-``msa._native.decode_cuda`` itself; every call runs with MSA_BACKEND=native (no silent fallback).
+tests/test_decode_gpu.py`` (tools/gpu_session.sh sets it). Every call runs with
+MSA_BACKEND=native (no silent fallback).
 Outputs, LSE and split workspaces are poisoned with NaN before each run.
 """
 
@@ -39,9 +38,8 @@ def msa_pkg():
 
 @pytest.fixture
 def native_only(monkeypatch):
-    """Enable the not-yet-validated kernel for this test only, and make dispatch pick it
-    (MSA_BACKEND=native raises instead of falling back to the reference)."""
-    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    """Make dispatch pick the native kernel (MSA_BACKEND=native raises instead of falling back
+    to the reference)."""
     monkeypatch.setenv("MSA_BACKEND", "native")
     from msa._native import decode_cuda
     assert decode_cuda.supports(seqlen_q=1, qhead_per_kv=1) is None, decode_cuda.supports()
@@ -95,12 +93,12 @@ LENS = [1, 129, 1000, 256, 77]
 @pytest.mark.parametrize("group", [1, 4, 16])
 @pytest.mark.parametrize("seqlen_q", [1, 4, 8])
 def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, group, dtypes,
-                                      sparse, split, keys, monkeypatch):
+                                      sparse, split, keys, native_hooks):
     """keys="split": the kernel form where the warps split each page's keys (tiles of <= 16
     rows; for larger tiles the kernel keeps the row form, so those cases repeat "rows").
     keys="direct": the split form's direct e4m3 variant (e4m3 q and K/V only, two pages per
     step). keys="warpgroup": the wgmma form (q and K/V of one dtype), forced on every tile."""
-    _force_form(monkeypatch, keys, dtypes)
+    _force_form(native_hooks, keys, dtypes)
     q, k, v, table, seqused_k, q2k = _batch(LENS, seqlen_q, group, dtypes, sparse)
     kw = dict(fixed_split_size=1) if split == "forced" else dict(disable_split_kv=True)
     wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k, **kw)
@@ -111,7 +109,7 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
         _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 
-def _force_form(monkeypatch, keys, dtypes):
+def _force_form(native_hooks, keys, dtypes):
     """keys: "rows" (one warp per 16 rows), "split" (warps split each page's keys, bf16
     staging), "direct" (split, e4m3 fragments read straight from the raw pages, two pages per
     step; e4m3 q and K/V only) or "warpgroup" (wgmma, q and K/V of one dtype; forced, so it
@@ -120,10 +118,8 @@ def _force_form(monkeypatch, keys, dtypes):
         pytest.skip("the direct form serves e4m3 q and K/V only")
     if keys == "warpgroup" and dtypes == "bf16q_fp8kv":
         pytest.skip("the warpgroup form serves q and K/V of one dtype")
-    from msa._native import decode_cuda
-    monkeypatch.setattr(decode_cuda, "SPLIT_KEYS_FOR_TESTS", keys in ("split", "direct"))
-    monkeypatch.setattr(decode_cuda, "DIRECT_FP8_FOR_TESTS", keys == "direct")
-    monkeypatch.setattr(decode_cuda, "WARPGROUP_FOR_TESTS", keys == "warpgroup")
+    native_hooks.force(decode_split_keys=keys in ("split", "direct"),
+                       decode_direct_fp8=keys == "direct", decode_warpgroup=keys == "warpgroup")
 
 
 def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k):
@@ -147,12 +143,12 @@ def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_native_decode_direct_ignores_nan_bytes_past_the_keys(msa_pkg, native_only, seed,
-                                                             sparse, monkeypatch):
+                                                             sparse, native_hooks):
     """The direct e4m3 form zero-fills key rows past a request's end when it loads the page, so
     NaN bytes there (an uninitialized cache pool) cannot reach O through 0 x NaN. (The bf16
     staging forms read whole pages: the pool must hold finite values past the keys; see
     docs/design-decode.md.)"""
-    _force_form(monkeypatch, "direct", "fp8")
+    _force_form(native_hooks, "direct", "fp8")
     lens, seqlen_q, group = [1, 129, 1000, 77, 300], 1, 16
     q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, "fp8", sparse)
     for b, n in enumerate(lens):
@@ -167,13 +163,13 @@ def test_native_decode_direct_ignores_nan_bytes_past_the_keys(msa_pkg, native_on
 
 @pytest.mark.parametrize("dtypes", ["bf16", "fp8"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, dtypes, monkeypatch):
+def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, dtypes, native_hooks):
     """The warpgroup form at the production shape (8 queries x G = 16: two full warpgroups),
     with 32-row tiles (one warpgroup idle), two qo tiles (16 x 16), one query (16 rows), a
     long request split over many chunks, NaN bytes past each request's keys (zero-filled on
     load), and pages shared by every token."""
     for seqlen_q, group, poison in ((8, 16, False), (8, 4, True), (16, 16, False), (1, 16, False)):
-        _force_form(monkeypatch, "warpgroup", dtypes)
+        _force_form(native_hooks, "warpgroup", dtypes)
         lens = [70001, 129, 3, 4096, 1000]
         q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, dtypes, sparse, topk=16)
         for b, n in enumerate(lens):
@@ -190,10 +186,10 @@ def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, dtypes,
 
 @pytest.mark.parametrize("keys", ["rows", "split", "direct"])
 @pytest.mark.parametrize("dtypes", ["bf16", "fp8"])
-def test_native_decode_512k_context(msa_pkg, native_only, seed, dtypes, keys, monkeypatch):
+def test_native_decode_512k_context(msa_pkg, native_only, seed, dtypes, keys, native_hooks):
     """A 512k-token request next to tiny and odd-length ones (G = 16, one query token, the
     M3 decode shape), dense and sparse, pages shuffled, the planner's own split."""
-    _force_form(monkeypatch, keys, dtypes)
+    _force_form(native_hooks, keys, dtypes)
     lens, seqlen_q, group = [524288, 3, 70001], 1, 16
     for sparse in (False, True):
         q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, dtypes, sparse, topk=16)

@@ -702,32 +702,20 @@ def test_native_max_score_pass_serves_only_the_indexer_shape():
     assert reason is not None and "index heads" in reason
 
 
-def test_native_dense_fmha_is_gated_and_names_what_it_does_not_serve(monkeypatch):
-    """CPU: the sm90 dense FMHA refuses every call until validated (mode 1, O + max-score, and
-    e4m3 have their own gates); with the opt-in it still refuses mixed dtypes, e4m3 with
-    max-score, the max-score-only mode (that one is fmha_max_score's) and pages other than 128,
-    naming them."""
-    from msa import _backend
+def test_native_dense_fmha_names_what_it_does_not_serve():
+    """CPU: the sm90 dense FMHA refuses mixed dtypes, e4m3 with max-score, the max-score-only
+    mode (that one is fmha_max_score's) and pages other than 128, naming them; mode 1 runs the
+    max-score form."""
     from msa._native import fmha_sm90
     base = dict(q_dtype=torch.bfloat16, k_dtype=torch.bfloat16, paged=False, page_size=-1,
-                causal=True, mode=3, qhead_per_kv=4)
-    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
-    if not fmha_sm90.VALIDATED:
-        assert "not validated" in fmha_sm90.supports(**base)
-    if not fmha_sm90.VALIDATED_MAX_SCORE:
-        assert "not validated" in fmha_sm90.supports(**dict(base, mode=1))
-    if not fmha_sm90.VALIDATED_FP8:
-        assert "not validated" in fmha_sm90.supports(
-            **dict(base, q_dtype=torch.float8_e4m3fn, k_dtype=torch.float8_e4m3fn))
-    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
+                causal=True, mode=3, qhead_per_kv=4, work_items=8)
     assert "one dtype" in fmha_sm90.supports(**dict(base, q_dtype=torch.float8_e4m3fn))
     fp8 = dict(base, q_dtype=torch.float8_e4m3fn, k_dtype=torch.float8_e4m3fn)
     assert "O only" in fmha_sm90.supports(**dict(fp8, mode=1))
-    monkeypatch.setattr(fmha_sm90, "WARP_SPECIALIZED_FOR_TESTS", False)   # the plain kernel
-    assert fmha_sm90._variant_for(False, 3, torch.float8_e4m3fn) == "fmha_sm90_e4m3_dense"
     assert "mode 2" in fmha_sm90.supports(**dict(base, mode=2))
     assert "page_size 64" in fmha_sm90.supports(**dict(base, paged=True, page_size=64))
-    assert fmha_sm90._variant_for(True, 1) == "fmha_sm90_bfloat16_paged_maxscore"
+    assert fmha_sm90.fmha_kernel("bfloat16", True, "maxscore").variant == \
+        "fmha_sm90_bfloat16_paged_maxscore"
 
 
 def test_native_dense_fmha_refuses_a_page_table_of_int32_key_count(seed):
@@ -749,7 +737,7 @@ def test_native_dense_fmha_refuses_a_page_table_of_int32_key_count(seed):
                              out_dtype=torch.bfloat16)
 
     with pytest.raises(NotImplementedError, match=r"^page_table: .* = 2147483648 does not fit"):
-        fmha_sm90.run(call(2 ** 24))
+        fmha_sm90.run(call(2 ** 24), kernel=fmha_sm90.fmha_kernel("bfloat16", True, "wsu"))
     assert pool.numel() > 2 ** 31
     fmha_sm90.check_launch_limits(call(2 ** 24 - 1))
 
@@ -758,7 +746,7 @@ def test_native_causal_offsets_reuse_the_plans_tensor_only_when_exact():
     """CPU: the launcher's [B] int32 causal offsets are the plan's tensor itself when its host
     values are known and inside the kernels' +-2^30 clamp (no launches per call); otherwise a
     clamped int32 copy (offsets past the clamp, an int64 override, unknown host values)."""
-    from msa._native.block_max_score_sm90 import causal_offsets
+    from msa._common import causal_offsets
     k_lens = torch.tensor([300, 7, 4096], dtype=torch.int32)
     plan_offsets = torch.tensor([-5, 0, 2 ** 30], dtype=torch.int32)
     assert causal_offsets(plan_offsets, None, k_lens, [-5, 0, 2 ** 30]) is plan_offsets

@@ -7,8 +7,8 @@ where O_model is the PyTorch reference computed the way the kernel does it (fp32
 over 128-key blocks, unnormalized P rounded to bf16 before P.V, output rounded to bf16); 2e-3 is
 the rounding term. Rows that see no key must be exactly 0.
 
-The kernel is gated (msa._native.fmha_sm90.VALIDATED) until this passes on an H200; the test sets
-MSA_UNVALIDATED_KERNELS=1 and MSA_BACKEND=native (a fallback raises).
+Every native call runs with MSA_BACKEND=native (a fallback raises) and checks, through
+msa._native.debug, which form of cute_kernels.variants.FMHA_FORMS ran it.
 """
 
 import pytest
@@ -124,37 +124,32 @@ def _fmha_native(monkeypatch, *args, **kwargs):
     return result
 
 
-def _native_serving(form, monkeypatch):
-    """The native module, set to serve O-only calls with `form` (gates opened, outputs poisoned):
-    plain, or a warp-specialized form name (ws, wsf, wsu; bf16 and e4m3) forced
-    through WARP_SPECIALIZED_FOR_TESTS. Split-KV is pinned off: the planner splits the key range
-    of these small problems, and the split form (tested on its own below) would then serve the
-    call instead of `form`, rounding e4m3 P against each split's running max."""
-    native = _native_module()
-    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
-    monkeypatch.setattr(native, "WARP_SPECIALIZED_FOR_TESTS", False if form == "plain" else form)
-    monkeypatch.setattr(native, "SPLIT_KV_FOR_TESTS", False)
-    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
-    return native
+def _serving(form, native_hooks):
+    """The native module, set to serve O-only calls with `form` (a served form of FMHA_FORMS:
+    bf16 wsu / wsup, e4m3 wsuts / wsutps), outputs poisoned. Split-KV is pinned off: the
+    planner splits the key range of these small problems, and the split form (tested on its
+    own below) would then serve the call instead of `form`, rounding e4m3 P against each
+    split's running max."""
+    native_hooks.force(fmha_form=form, fmha_split_kv=False)
+    native_hooks.poison()
+    return _native_module()
 
 
-def _check_form_ran(native, form):
-    """The O-only call just made ran `form` (plain: no form suffix)."""
-    ran = native.last_variant
-    suffix = ran.rsplit("_", 1)[-1]
-    assert (suffix == form) if form != "plain" else suffix in ("dense", "paged"), \
-        f"expected the {form} form, ran {ran}"
+def _check_form_ran(native_hooks, form):
+    """The fmha call just made ran `form`."""
+    ran = native_hooks.last_variant("fmha_dense")
+    assert ran.rsplit("_", 1)[-1] == form, f"expected the {form} form, ran {ran}"
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsup"])
+@pytest.mark.parametrize("form", ["wsu", "wsup"])
 @pytest.mark.parametrize("heads,causal,paged", CASES)
-def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypatch):
-    """form: the kernel serving bf16 O: plain (cute_kernels/fmha_sm90.py) or the
-    warp-specialized cute_kernels/fmha_sm90_ws.py (ws; wsf: FlashAttention-3's intra-warpgroup
-    order; wsu: static stages; wsup: wsu on persistent CTAs walking (tile, head, request)
-    items), forced through WARP_SPECIALIZED_FOR_TESTS. causal="aligned": tiles that start on a
-    key block, so the diagonal block of every full tile is masked exactly as a triangle."""
-    native = _native_serving(form, monkeypatch)
+def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypatch,
+                                     native_hooks):
+    """form: the bf16 O-only form (cute_kernels/fmha_sm90_ws.py): wsu (a CTA per query tile)
+    or wsup (persistent CTAs walking (tile, head, request) items), forced through the
+    fmha_form hook. causal="aligned": tiles that start on a key block, so the diagonal block of
+    every full tile is masked exactly as a triangle."""
+    _serving(form, native_hooks)
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     p = _problem(heads, causal, paged, torch.bfloat16, gen)
@@ -163,7 +158,7 @@ def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypat
     scale = 0.7 * D ** -0.5
     out, ms = _fmha_native(monkeypatch, *p["args"], sm_scale=scale, v_scale=1.5,
                            output_maxscore=False, **p["kw"])
-    _check_form_ran(native, form)
+    _check_form_ran(native_hooks, form)
     assert ms is None and out.dtype == torch.bfloat16
     assert not torch.isnan(out).any(), "O has NaN (rows not written)"
 
@@ -177,14 +172,12 @@ def test_fmha_native_matches_float64(heads, causal, paged, form, seed, monkeypat
 @pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
                                                  ((4, 4), False, True), ((16, 1), True, False)])
 def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, seed,
-                                                         monkeypatch):
+                                                         monkeypatch, native_hooks):
     """Mode 1 (O and max-score, kernel fmha_sm90_*_maxscore): O against float64 as the
     O-only test checks it; max_score [Hq, max_k_tiles, total_q] against the reference backend:
     the same -inf pattern (tiles a row cannot see, rows no request owns) and 1e-2 relative
     elsewhere, values scaled by sm_scale * q_scale * k_scale."""
-    native = _native_module()
-    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
-    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    native_hooks.poison()
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     q, k, v, q_lens, kv_lens, offsets = _random_varlen(heads, torch.bfloat16, gen,
@@ -211,6 +204,7 @@ def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, s
 
     out, ms = run("cuda", "native")
     assert _backend.last_backend("fmha_dense") == "sm90"
+    _check_form_ran(native_hooks, "maxscore")
     assert out.dtype == torch.bfloat16 and ms.dtype == torch.float32
     assert not torch.isnan(out).any() and not torch.isnan(ms).any()
     offs = offsets if causal else [0] * len(q_lens)
@@ -226,20 +220,18 @@ def test_fmha_native_o_and_max_score_match_the_reference(heads, causal, paged, s
     assert rel <= 1e-2, rel
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsut", "wsutp", "wsuts",
-                                  "wsutps"])
+@pytest.mark.parametrize("form", ["wsuts", "wsutps"])
 @pytest.mark.parametrize("qk_values", ["randn", "exact"])
 @pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
                                                  ((4, 4), False, False), ((64, 4), True, True),
                                                  ((8, 2), "aligned", True),
                                                  ((64, 4), "aligned", False)])
 def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_values, form,
-                                                      seed, monkeypatch):
-    """e4m3 q/k/v (kernel fmha_sm90_e4m3_*; O bf16), q_scale 1.25, v_scale 1.5; form: plain or
-    a warp-specialized e4m3 form: ws / wsf / wsu (V transposed by the producer warpgroup) or
-    wsut (V transposed ahead of the kernel by the fmha_transpose_v_e4m3 op); wsutp persistent;
-    wsuts / wsutps sum P on the tensor core (the model then sums the rounded P).
-    causal="aligned": offsets that start every query tile on a key block.
+                                                      seed, monkeypatch, native_hooks):
+    """e4m3 q/k/v (O bf16), q_scale 1.25, v_scale 1.5; form: an e4m3 O-only form, wsuts (a CTA
+    per query tile) or wsutps (persistent): V transposed ahead of the kernel by the
+    fmha_transpose_v_e4m3 op, P's row sums on the tensor core (the model then sums the rounded
+    P). causal="aligned": offsets that start every query tile on a key block.
 
     Contract §5.1 bound against float64 with exact P: max |O - O64| <= max(0.125, 4 bf16 floor).
     The model of what an FP8 P.V computes is the reference with P = exp(s - running max) rounded
@@ -252,7 +244,7 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_v
       QK^T, so ~1e-4 relative noise in s flips the e4m3 rounding of P in many rows (measured on
       the H200: 12-14 % of rows, none with exact products). Then, as the sparse prefill's FP8
       test: |O - O64| <= 2 max|bf16(model) - O64| + 4e-3 for all but 1e-4 of the elements."""
-    native = _native_serving(form, monkeypatch)
+    native = _serving(form, native_hooks)
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     e4m3 = torch.float8_e4m3fn
@@ -262,7 +254,7 @@ def test_fmha_native_e4m3_matches_the_quantized_model(heads, causal, paged, qk_v
     scale = 0.7 * D ** -0.5
     out, _ = _fmha_native(monkeypatch, *p["args"], sm_scale=scale, q_scale=1.25, v_scale=1.5,
                           output_maxscore=False, **p["kw"])
-    _check_form_ran(native, form)
+    _check_form_ran(native_hooks, form)
     assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
     offs = offsets if causal else [0] * len(q_lens)
     _check_e4m3_against_the_model(out, q, k, v, q_lens, kv_lens, offs, causal, scale,
@@ -306,13 +298,14 @@ def _check_e4m3_against_the_model(out, q, k, v, q_lens, kv_lens, offsets, causal
 
 @pytest.mark.parametrize("dtype,form", [("bfloat16", "wsup"), ("e4m3", "wsutps")])
 @pytest.mark.parametrize("paged", [False, True])
-def test_fmha_native_served_forms_at_q_len_4096(dtype, form, paged, seed, monkeypatch):
+def test_fmha_native_served_forms_at_q_len_4096(dtype, form, paged, seed, monkeypatch,
+                                                native_hooks):
     """The forms that serve short causal prefills (wsup, wsutps) on a batch with a 4096-query
     request (the issue's longest q length; the tests above use 1500 / 2049 to keep their
     float64 oracles small), next to 1-, 7- and 128-query ones, random causal offsets. bf16:
     _check_against_float64's bound. e4m3 (q_scale 1.25, v_scale 1.5): the quantized-model
     test's checks for random q / k (_check_e4m3_against_the_model)."""
-    native = _native_serving(form, monkeypatch)
+    native = _serving(form, native_hooks)
     gen = torch.Generator().manual_seed(seed)
     heads = (8, 2)
     torch_dtype = torch.float8_e4m3fn if dtype == "e4m3" else torch.bfloat16
@@ -323,7 +316,7 @@ def test_fmha_native_served_forms_at_q_len_4096(dtype, form, paged, seed, monkey
     q_scale = 1.25 if dtype == "e4m3" else None
     out, _ = _fmha_native(monkeypatch, *p["args"], sm_scale=scale, q_scale=q_scale, v_scale=1.5,
                           output_maxscore=False, **p["kw"])
-    _check_form_ran(native, form)
+    _check_form_ran(native_hooks, form)
     assert not torch.isnan(out).any(), "O has NaN (rows not written)"
     label = f"{dtype} q_len 4096 {form} paged={paged}"
     if dtype == "bfloat16":
@@ -336,29 +329,27 @@ def test_fmha_native_served_forms_at_q_len_4096(dtype, form, paged, seed, monkey
 @pytest.mark.parametrize("dtype", ["bfloat16", "e4m3"])
 @pytest.mark.parametrize("heads,causal,paged", [((8, 2), True, False), ((8, 2), True, True),
                                                  ((16, 1), False, True), ((4, 4), False, False)])
-def test_fmha_native_split_kv_matches_float64(heads, causal, paged, dtype, seed, monkeypatch):
+def test_fmha_native_split_kv_matches_float64(heads, causal, paged, dtype, seed, monkeypatch,
+                                              native_hooks):
     """Decode-like plans (q lengths 1, 7, 33, 128 against 1-3k keys) forced to num_kv_splits=3
     on the split-KV form (fp32 partial rows + LSE per key range, then the combine). bf16: the
     bound of test_fmha_native_matches_float64 (twice the modelled bf16 error + 2e-3). e4m3:
     the contract's max(0.125, 4 bf16 floor) (P is rounded against each split's own running max,
     so the unsplit e4m3 model does not apply row for row)."""
-    native = _native_module()
-    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
-    monkeypatch.setattr(native, "SPLIT_KV_FOR_TESTS", True)
-    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    native_hooks.poison()
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = heads
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float8_e4m3fn
     p = _problem(heads, causal, paged, torch_dtype, gen, q_lens=[1, 7, 33, 128],
                  max_extra_kv=3000, num_kv_splits=3)
     plan = p["plan"][3] if isinstance(p["plan"], tuple) else p["plan"]
-    assert native.split_kv_count(plan, False, paged, torch_dtype) == 3, "the split-KV form must run"
+    assert plan["num_kv_splits"] == 3
     q, k, v, q_lens, kv_lens, offsets = (p[n] for n in ("q", "k", "v", "q_lens", "kv_lens",
                                                          "offsets"))
     scale = 0.7 * D ** -0.5
     out, _ = _fmha_native(monkeypatch, *p["args"], sm_scale=scale, v_scale=1.5,
                           output_maxscore=False, **p["kw"])
-    _check_form_ran(native, "split")
+    _check_form_ran(native_hooks, "split")
     assert out.dtype == torch.bfloat16 and not torch.isnan(out).any(), "O has NaN"
     offs = offsets if causal else [0] * len(q_lens)
     label = f"split-KV {dtype} Hq={hq} Hkv={hkv} causal={causal} paged={paged}"
@@ -402,14 +393,14 @@ def test_max_score_only_pass_runs_on_the_indexer_kernel(seed, monkeypatch):
     assert rel <= 1e-2, rel
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsf", "wsu", "wsup"])
+@pytest.mark.parametrize("form", ["wsu", "wsup"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
+def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch, native_hooks):
     """Paged K/V whose slots past each request's kv_len (and the spare pages) hold NaN: a masked
-    P is exactly 0, but 0 * NaN is NaN, so those V rows must never reach P V (the plain kernel
-    zero-fills them; the ws form's TMA reads whole pages and zeroes the tail rows of V in shared
-    memory before publishing the block)."""
-    native = _native_serving(form, monkeypatch)
+    P is exactly 0, but 0 * NaN is NaN, so those V rows must never reach P V (the TMA reads
+    whole pages; the producer zeroes the tail rows of V in shared memory before publishing the
+    block)."""
+    _serving(form, native_hooks)
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = 8, 2
     q, k, v, q_lens, kv_lens, offsets = _random_varlen((hq, hkv), torch.bfloat16, gen,
@@ -429,24 +420,21 @@ def test_fmha_native_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
     out, _ = _fmha_native(monkeypatch, q.to(dev), k_pages.to(dev), v_pages.to(dev), plan,
                           sm_scale=scale, v_scale=1.5, output_maxscore=False,
                           kv_indices=kv_indices.to(dev))
-    _check_form_ran(native, form)
+    _check_form_ran(native_hooks, form)
     assert not torch.isnan(out).any(), "O has NaN (a slot past kv_len reached P V)"
     offs = offsets if causal else [0] * len(q_lens)
     _check_against_float64(out, q, k, v, q_lens, kv_lens, offs, causal, scale,
                            f"NaN past kv_len causal={causal} form={form}")
 
 
-@pytest.mark.parametrize("form", ["ws", "wsf", "wsu", "wsut", "wsutp", "wsutps"])
+@pytest.mark.parametrize("form", ["wsuts", "wsutps"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch):
-    """e4m3 paged K/V with NaN (0x7f) in every slot past kv_len and in the spare pages: the
-    warp-specialized e4m3 form's TMA reads whole pages and its transposer warps (wsut: the
-    transpose op ahead of the kernel) must write the keys past kv_len of Vt as zeros. O must be
-    NaN-free and bit-equal to the same form's O on the pool with those slots zero; and equal the
-    plain e4m3 kernel's O (which zero-fills those rows) within 2 bf16 ulps + 1e-3, except for
-    the forms that sum the rounded P (ROW_SUM_ON_MMA_FORMS: their normalizer differs from the
-    plain kernel's by the rounding, so only within the contract's e4m3 bound, 0.125; the
-    quantized-model test checks their values row by row)."""
+def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch, native_hooks):
+    """e4m3 paged K/V with NaN (0x7f) in every slot past kv_len and in the spare pages: the TMA
+    reads whole K pages and the transpose op ahead of the kernel must write the keys past
+    kv_len of Vt as zeros. O must be NaN-free, bit-equal to the same form's O on the pool with
+    those slots zero, and on the quantized model (random q / k:
+    _check_e4m3_against_the_model)."""
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = 8, 2
     e4m3 = torch.float8_e4m3fn
@@ -469,41 +457,29 @@ def test_fmha_native_e4m3_paged_nan_past_kv_len(causal, form, seed, monkeypatch)
     for pages in zeroed:
         pages.view(torch.uint8)[unused] = 0
     pools = {"nan": (k_pages.to(dev), v_pages.to(dev)), "zero": tuple(x.to(dev) for x in zeroed)}
-    kw = dict(sm_scale=0.7 * D ** -0.5, q_scale=1.25, v_scale=1.5, output_maxscore=False,
+    scale = 0.7 * D ** -0.5
+    kw = dict(sm_scale=scale, q_scale=1.25, v_scale=1.5, output_maxscore=False,
               kv_indices=kv_indices.to(dev))
+    native = _serving(form, native_hooks)
     outs = {}
-    monkeypatch.setenv("MSA_BACKEND", "native")
-    for run, pool in (("plain", "nan"), (form, "nan"), (form, "zero")):
-        native = _native_serving(run, monkeypatch)
-        outs[run, pool], _ = msa.fmha(q.to(dev), *pools[pool], plan, **kw)
-        torch.cuda.synchronize()
-        assert _backend.last_backend("fmha_dense") == "sm90"
-        _check_form_ran(native, run)
-    monkeypatch.delenv("MSA_BACKEND")
-    want, got = outs["plain", "nan"].cpu().double(), outs[form, "nan"].cpu().double()
-    assert not torch.isnan(want).any()
-    assert not torch.isnan(got).any(), "O has NaN (a slot past kv_len reached P V)"
-    assert torch.equal(outs[form, "nan"], outs[form, "zero"]), \
-        "O depends on the slots past kv_len"
-    ulp = torch.finfo(torch.bfloat16).eps * want.abs()
-    worst = ((got - want).abs() - 2 * ulp).max().item()
-    print(f"e4m3 NaN past kv_len causal={causal} form={form}: max|O-O_plain|="
-          f"{(got - want).abs().max().item():.3e}")
-    if form not in native.ROW_SUM_ON_MMA_FORMS:
-        assert worst <= 1e-3
-    else:
-        # Their normalizer sums the rounded P (3e-2 from the plain kernel's on the H200); a
-        # wrong layout moves O by its own size (0.75-1.4 for a mispermuted 192-key block).
-        assert (got - want).abs().max().item() <= 0.125, "beyond the contract's e4m3 bound"
+    for pool in ("nan", "zero"):
+        outs[pool], _ = _fmha_native(monkeypatch, q.to(dev), *pools[pool], plan, **kw)
+        _check_form_ran(native_hooks, form)
+    assert not torch.isnan(outs["nan"]).any(), "O has NaN (a slot past kv_len reached P V)"
+    assert torch.equal(outs["nan"], outs["zero"]), "O depends on the slots past kv_len"
+    offs = offsets if causal else [0] * len(q_lens)
+    _check_e4m3_against_the_model(outs["nan"], q, k, v, q_lens, kv_lens, offs, causal, scale,
+                                  form in native.ROW_SUM_ON_MMA_FORMS, "randn",
+                                  f"e4m3 NaN past kv_len causal={causal} form={form}")
 
 
-@pytest.mark.parametrize("form", ["plain", "ws", "wsu", "wsup"])
-def test_fmha_native_paged_pool_past_2_31_elements(form, seed, monkeypatch):
+@pytest.mark.parametrize("form", ["wsu", "wsup"])
+def test_fmha_native_paged_pool_past_2_31_elements(form, seed, monkeypatch, native_hooks):
     """Paged bf16 K/V pools of more than 2^31 elements each (2^16 pages of [2, 128, 128] below
     the boundary, NaN; ~4.3 GB apiece) whose used pages all lie past the 2^31-element boundary:
     the kernel's K/V row addresses must be 64-bit. O must equal the kernel's O on a compact pool
     of the used pages exactly, and the float64 reference within the bound of the test above."""
-    native = _native_serving(form, monkeypatch)
+    _serving(form, native_hooks)
     gen = torch.Generator().manual_seed(seed)
     hq, hkv = 8, 2
     q, k, v, q_lens, kv_lens, offsets = _random_varlen((hq, hkv), torch.bfloat16, gen,
@@ -526,7 +502,7 @@ def test_fmha_native_paged_pool_past_2_31_elements(form, seed, monkeypatch):
     def native_call(k_in, v_in, indices):
         out, _ = _fmha_native(monkeypatch, q_dev, k_in, v_in, plan, sm_scale=scale,
                               v_scale=1.5, output_maxscore=False, kv_indices=indices)
-        _check_form_ran(native, form)
+        _check_form_ran(native_hooks, form)
         return out
 
     out = native_call(pools[0], pools[1], kv_indices + boundary)
@@ -541,8 +517,8 @@ def test_fmha_native_paged_pool_past_2_31_elements(form, seed, monkeypatch):
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_transpose_v_op_matches_its_reference(paged, seed, monkeypatch):
-    """fmha_transpose_v_e4m3 (csrc/fmha_transpose_v.cu, V -> Vt for the wsut form) against
+def test_transpose_v_op_matches_its_reference(paged, seed, native_hooks):
+    """fmha_transpose_v_e4m3 (csrc/fmha_transpose_v.cu, V -> Vt for the e4m3 forms) against
     transpose_v_reference, byte for byte: varlen requests whose lengths are not multiples of
     128 (keys past kv_len zero), NaN bytes in every slot past kv_len and in spare pages, a page
     id outside the pool (zeros). Its table, the FMHA's page_table, against vt_table and the
@@ -550,7 +526,7 @@ def test_transpose_v_op_matches_its_reference(paged, seed, monkeypatch):
     native = _native_module()
     if not hasattr(native.ops, native.TRANSPOSE_V_OP):
         pytest.fail("the compiled msa CUDA ops lack fmha_transpose_v_e4m3")
-    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
+    native_hooks.poison()
     gen = torch.Generator().manual_seed(seed)
     hkv = 3
     kv_lens = [1, 127, 128, 129, 700 + int(torch.randint(0, 128, (1,), generator=gen))]

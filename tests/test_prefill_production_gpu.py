@@ -33,11 +33,9 @@ DEV = torch.device("cuda")
 
 
 @pytest.fixture
-def native(monkeypatch):
-    from msa._native import block_max_score_sm90, sparse_prefill_sm90
+def native(monkeypatch, native_hooks):
     monkeypatch.setenv("MSA_BACKEND", "native")
-    monkeypatch.setattr(sparse_prefill_sm90, "POISON_BUFFERS_FOR_TESTS", True)
-    monkeypatch.setattr(block_max_score_sm90, "POISON_BUFFERS_FOR_TESTS", True)
+    native_hooks.poison()
     yield
     monkeypatch.delenv("MSA_BACKEND")
 

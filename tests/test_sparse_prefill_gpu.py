@@ -10,14 +10,16 @@ half-ulps at |O| < 0.5). LSE / LSE_T: equal -inf pattern, |diff| <= 1e-3 + 1e-3 
 e4m3 partials (contract: 0.5 with fp8 partials): max|O_native - O64| <= 0.5, and the bound above
 for all but 1e-4 of the elements: a partial within float32 rounding of an e4m3 midpoint rounds
 one e4m3 ulp (2^-4 relative) apart in kernel and model, the P flips of the FP8 test below.
-Every buffer the kernels write is poisoned with NaN first (the kernel allocates; the wrapper's
-POISON_BUFFERS_FOR_TESTS hook fills them).
+Every buffer the kernels write is poisoned with NaN first (the kernel allocates; the
+msa._native.debug poisoned_outputs hook fills them). Each case runs on the form the serving table
+(cute_kernels.variants.SPARSE_FORMS) picks for it, and checks that this form ran.
 
 FP8 (test_sparse_prefill_fp8_native_matches_reference): the three compiled FP8 modes (bf16 q +
 e4m3 k/v; e4m3 q/k/v with pv_dtype bf16; e4m3 q/k/v with pv_dtype e4m3), every G, dense and
 paged, bf16 partials; fp16 and e4m3 partials on G = 2 and 16 (with e4m3 partials the contract
-bound is 0.5 and the model bound holds for all but 1e-4 of the elements). They are gated in msa._native.sparse_prefill_sm90 (VALIDATED_FP8_MODES);
-the test sets MSA_UNVALIDATED_KERNELS=1 to run them. Tolerance (contract §5.1, fp8):
+bound is 0.5 and the model bound holds for all but 1e-4 of the elements); the all-e4m3 mode
+on G 8 / 16 with every partial dtype (the warp-specialized forms). Tolerance (contract §5.1,
+fp8):
 max|O - O_ref| <= max(0.125, 4 * bf16_floor), O_ref the reference backend (MSA_BACKEND=reference)
 on the same fp8 inputs, bf16_floor = max|bf16(O64) - O64| for the float64 model O64 (same P
 rounding); LSE / LSE_T within 2e-3 (abs + rel) of the reference backend's. Because 0.125 is
@@ -162,39 +164,30 @@ CASES = [(g, paged, causal, partial)
          for partial in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)]
 
 
-# Every case on the wgmma (or warp-MMA) kernel, and again on each warp-specialized form where it
-# exists (G 8 / 16, bf16 or all-e4m3 q/k/v, 16-bit or e4m3 partials): "ws" and "ws3w" (three
-# consumer warpgroups).
-WS_GROUPS = (8, 16)
-WS_FORMS = ("ws", "ws3w")
-FORMS_OF_CASE = [(case, "wgmma") for case in CASES] + [
-    (case, form) for form in WS_FORMS for case in CASES
-    if case[0] in WS_GROUPS and case[3] != torch.float32]
+_PARTIAL_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
+                  torch.float16: "float16", torch.float8_e4m3fn: "e4m3"}
 
 
-def _select_form(native_module, monkeypatch, form):
-    """Pin the attention kernel form (the warp-specialized ones are gated until validated)."""
-    monkeypatch.setattr(native_module, "WARP_SPECIALIZED_FOR_TESTS",
-                        form if form in WS_FORMS else False)
+def _served_attention(mode, g, paged, partial_dtype):
+    """(form, attention artifact) the serving table picks for a call of these properties."""
+    from msa.cute_kernels import variants
+    partial = _PARTIAL_NAMES[partial_dtype]
+    form = variants.serving_form(variants.SPARSE_FORMS, mode, group=g, partial=partial).name
+    return form, _native_module().sparse_kernel(mode, g, paged, partial, form).attention
 
 
-def _check_form_ran(native_module, form):
-    ran = native_module.last_attention_variant
-    assert native_module.variant_form(ran) == form, f"expected the {form} form, ran {ran}"
+def _check_served_form_ran(native_hooks, mode, g, paged, partial_dtype):
+    form, want = _served_attention(mode, g, paged, partial_dtype)
+    ran = native_hooks.last_variant("sparse_atten")
+    assert ran == want, f"expected {want} (form {form}), ran {ran}"
 
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.parametrize("case,form", FORMS_OF_CASE,
-                         ids=lambda v: v if isinstance(v, str) else
-                         "-".join(str(_case_id(x) or x) for x in v))
-def test_sparse_prefill_native_matches_float64(case, form, seed, monkeypatch):
+@pytest.mark.parametrize("case", CASES, ids=lambda v: "-".join(str(_case_id(x) or x) for x in v))
+def test_sparse_prefill_native_matches_float64(case, seed, monkeypatch, native_hooks):
     g, paged, causal, partial_dtype = case
-    native_module = _native_module()
-    monkeypatch.setattr(native_module, "POISON_BUFFERS_FOR_TESTS", True)
-    _select_form(native_module, monkeypatch, form)
-    if partial_dtype not in native_module.VALIDATED_PARTIAL_DTYPES:
-        monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    native_hooks.poison()
     case = CASES.index((g, paged, causal, partial_dtype))
     topk = (4, 8, 16, 32)[case % 4]
     temperature = 2.0 if case % 3 else 1.0
@@ -218,7 +211,7 @@ def test_sparse_prefill_native_matches_float64(case, form, seed, monkeypatch):
     torch.cuda.synchronize()
     monkeypatch.delenv("MSA_BACKEND")
     assert _backend.last_backend("sparse_atten") == "sm90"
-    _check_form_ran(native_module, form)
+    _check_served_form_ran(native_hooks, "bfloat16", g, paged, partial_dtype)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     if temperature == 1.0:
         assert lse_t is lse
@@ -268,26 +261,21 @@ def _check_lse_fp8(name, got, want):
     assert bool((diff <= bound).all()), f"{name}: max diff {diff.max().item():.3e}"
 
 
-# The all-e4m3 mode on the warp-specialized form: both layouts, every partial dtype, G 8 / 16.
-FP8_WS_CASES = [("e4m3", g, paged, partial) for g in WS_GROUPS for paged in (False, True)
+# The all-e4m3 mode on the warp-specialized forms: both layouts, every partial dtype, G 8 / 16.
+FP8_WS_CASES = [("e4m3", g, paged, partial) for g in (8, 16) for paged in (False, True)
                 for partial in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)]
-FP8_FORMS_OF_CASE = [(case, "wgmma") for case in FP8_CASES] + [
-    (case, form) for form in WS_FORMS for case in FP8_WS_CASES]
+ALL_FP8_CASES = FP8_CASES + [c for c in FP8_WS_CASES if c not in FP8_CASES]
 
 
 @pytest.mark.gpu
 @pytest.mark.sm90
-@pytest.mark.parametrize("case,form", FP8_FORMS_OF_CASE,
-                         ids=lambda v: v if isinstance(v, str) else
-                         "-".join(str(_case_id(x) or x) for x in v))
-def test_sparse_prefill_fp8_native_matches_reference(case, form, seed, monkeypatch):
+@pytest.mark.parametrize("case", ALL_FP8_CASES,
+                         ids=lambda v: "-".join(str(_case_id(x) or x) for x in v))
+def test_sparse_prefill_fp8_native_matches_reference(case, seed, monkeypatch, native_hooks):
     mode, g, paged, partial_dtype = case
     native_module = _native_module()
-    monkeypatch.setattr(native_module, "POISON_BUFFERS_FOR_TESTS", True)
-    _select_form(native_module, monkeypatch, form)
-    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")    # the FP8 modes are gated until proven
-    all_cases = FP8_CASES + [c for c in FP8_WS_CASES if c not in FP8_CASES]
-    case = all_cases.index((mode, g, paged, partial_dtype))
+    native_hooks.poison()
+    case = ALL_FP8_CASES.index((mode, g, paged, partial_dtype))
     topk = (4, 8, 16, 32)[case % 4]
     causal = case % 3 != 1
     temperature = 2.0 if case % 2 else 1.0
@@ -322,7 +310,7 @@ def test_sparse_prefill_fp8_native_matches_reference(case, form, seed, monkeypat
 
     out, lse, lse_t = call("native")                   # raises instead of falling back
     assert _backend.last_backend("sparse_atten") == "sm90"
-    _check_form_ran(native_module, form)
+    _check_served_form_ran(native_hooks, mode, g, paged, partial_dtype)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     ref_out, ref_lse, ref_lse_t = call("reference")
     assert _backend.last_backend("sparse_atten") != "sm90"
@@ -378,7 +366,7 @@ LARGE_POOL_CASES = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bflo
 @pytest.mark.sm90
 @pytest.mark.parametrize("partial_dtype,kv_dtype", LARGE_POOL_CASES)
 def test_sparse_prefill_paged_pool_past_2_31_elements(partial_dtype, kv_dtype, seed,
-                                                      monkeypatch):
+                                                      monkeypatch, native_hooks):
     """Paged K/V pools of more than 2^31 elements each (2^16 pages of [2, 128, 128] below the
     boundary, NaN; ~4.3 GB apiece in bf16) whose used pages all lie past the 2^31-element
     boundary: every K/V row address of the attention kernels must be 64-bit. Cases: bf16 K/V
@@ -386,10 +374,7 @@ def test_sparse_prefill_paged_pool_past_2_31_elements(partial_dtype, kv_dtype, s
     bf16_kv_e4m3: rows loaded through registers and converted). The output must equal the same
     kernels' output on a compact pool of the used pages exactly, and the float64 reference
     within the bound of the bf16 test (e4m3: the modeled-error bound of the FP8 test)."""
-    native = _native_module()
-    monkeypatch.setattr(native, "POISON_BUFFERS_FOR_TESTS", True)
-    if kv_dtype != torch.bfloat16:
-        monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")   # as the FP8 test
+    native_hooks.poison()
     g, topk, causal = 4, 8, True
     gen = torch.Generator().manual_seed(seed)
     device = torch.device("cuda")
@@ -502,10 +487,10 @@ def test_launch_limits_refuse_int32_counts(seed):
     # 2^24 queries x 256 heads without the memory (a broadcast view; run() refuses first).
     huge_q = p["q"][:1, :1].expand(2 ** 24, 256, 128)
     with pytest.raises(NotImplementedError, match=r"^q: total_q \* Hq .* = 4294967296"):
-        native.run(dataclasses.replace(call, q=huge_q))
+        native.run(dataclasses.replace(call, q=huge_q), kernel=None)
     wide = torch.randint(0, 8, (call.page_table.shape[0], 2 ** 24), dtype=torch.int32)
     with pytest.raises(NotImplementedError, match=r"^page_table: .* = 2147483648 does not fit"):
-        native.run(dataclasses.replace(call, page_table=wide, seqused_k=None))
+        native.run(dataclasses.replace(call, page_table=wide, seqused_k=None), kernel=None)
     # A pool of 2^31 elements or more is no limit, nor is a wide table with seqused_k.
     big_k = p["k"][:1].expand(2 ** 16 + 1, HKV, BLOCK, 128)
     assert big_k.numel() > 2 ** 31

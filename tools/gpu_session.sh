@@ -5,7 +5,7 @@
 #   bash tools/gpu_session.sh [ARTIFACTS_DIR] [tests|bench|all|none] [extra benchmark args...]
 #   MSA_GPU_TESTS="files"  MSA_PYTEST_ARGS="-x ..." (split on spaces)
 #   MSA_PYTEST_K="a or b" (one -k expression)  MSA_SANITIZE=1 (memcheck stage; MSA_SANITIZE_ONLY
-#   and MSA_SANITIZE_FMHA_FORMS pick its sections and FMHA forms, see tools/sanitize_cases.py)
+#   picks its sections, see tools/sanitize_cases.py)
 #   MSA_BENCH_IF_GREEN=1 (skip the benchmarks when a test failed)  MSA_EXTRA="cmd"
 #   MSA_BENCH_ARGS_<name>="..." (arguments of benchmarks/bench_<name>.py alone)
 #   MSA_BENCH_UNVALIDATED=1 (the benchmarks may run gated kernels: with MSA_BENCH_IF_GREEN, a

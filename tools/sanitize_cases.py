@@ -10,8 +10,9 @@ combine), sparse_topk_select (forced blocks, causal end, head reduce), block max
 indexer; the e4m3 indexer too. Inputs
 include indices a caller may pass without host validation (the API never syncs to look at index values): q2k ids past the request's blocks
 or negative, page-table entries out of range, seqused_k larger than the table. Kernels must skip
-them, never touch memory outside their buffers. Unvalidated kernels are enabled here on purpose
-(MSA_UNVALIDATED_KERNELS=1): memcheck is part of their validation. MSA_BACKEND=native, so a
+them, never touch memory outside their buffers. Kernel forms not yet validated are enabled here
+on purpose (MSA_UNVALIDATED_KERNELS=1): memcheck is part of their validation. MSA_BACKEND=native,
+so a
 silent fallback cannot hide a kernel from the sanitizer. MSA_SANITIZE_ONLY (comma-separated
 section names: sparse_prefill, topk, block_max, decode, decode_indexer, fmha,
 prefill_production, malformed) runs a subset.
@@ -59,25 +60,23 @@ def expect_native(op):
 
 
 def sparse_prefill_cases(gen):
-    """Each kernel form explicitly: "wgmma" (the wgmma / warp-MMA kernels), "ws" (the
-    warp-specialized TMA form, G 8 / 16) and "ws3w" (its three-warpgroup form)."""
-    from msa._native import sparse_prefill_sm90
+    """Every form of the sparse serving table on the calls it serves: "mma" (fp32 partials),
+    "wgmma" (G 1-4, the bf16-Q FP8 modes), "ws" and "ws3w" (the warp-specialized TMA forms,
+    G 8 / 16)."""
+    from msa._native import debug
+    forms = set()
     for g, paged, causal, partial, mode, form in (
-            (16, False, True, torch.bfloat16, "bf16", "wgmma"),
-            (16, True, True, torch.float32, "bf16", "wgmma"),
-            (1, False, False, torch.float32, "bf16", "wgmma"),
+            (16, True, True, torch.float32, "bf16", "mma"),
+            (1, False, False, torch.float32, "bf16", "mma"),
             (1, True, False, torch.bfloat16, "bf16", "wgmma"),
             (4, False, True, torch.bfloat16, "bf16_kv_e4m3", "wgmma"),
             (8, True, True, torch.bfloat16, "e4m3_pv_bf16", "wgmma"),
             (2, False, False, torch.bfloat16, "e4m3", "wgmma"),
-            (16, True, True, E4M3, "bf16", "wgmma"),
-            (8, False, True, torch.float16, "e4m3", "wgmma"),
-            (16, False, True, E4M3, "e4m3", "wgmma"),
-            (16, False, True, torch.bfloat16, "bf16", "ws"), (8, True, False, E4M3, "bf16", "ws"),
-            (16, True, True, E4M3, "e4m3", "ws"), (8, False, True, torch.float16, "e4m3", "ws"),
+            (4, True, True, E4M3, "bf16", "wgmma"),
+            (16, True, True, E4M3, "bf16", "ws"), (8, False, True, torch.float16, "e4m3", "ws"),
+            (8, True, False, torch.float16, "bf16", "ws"),
             (16, False, True, torch.bfloat16, "bf16", "ws3w"),
-            (8, True, True, E4M3, "e4m3", "ws3w")):
-        sparse_prefill_sm90.WARP_SPECIALIZED_FOR_TESTS = False if form == "wgmma" else form
+            (16, False, True, E4M3, "e4m3", "ws3w"), (8, True, True, E4M3, "e4m3", "ws3w")):
         topk = 8
         p = prefill_cases._make_problem(g, topk, paged, causal, gen, torch.device("cuda"))
         q2k = p["q2k"]
@@ -103,11 +102,15 @@ def sparse_prefill_cases(gen):
             page_table=p["page_table"], seqused_k=p["seqused_k"], schedule=built[2],
             pv_dtype=pv_dtype)
         expect_native("sparse_atten")
-        assert sparse_prefill_sm90.variant_form(sparse_prefill_sm90.last_attention_variant) == form
+        ran = debug.last_variant("sparse_atten")
+        assert ran.endswith(f"_{form}") or (form in ("mma", "wgmma") and
+                                            not ran.endswith(("_ws", "_ws3w"))), (form, ran)
+        forms.add(form)
         assert not torch.isnan(out).any()
         print(f"sparse prefill [{form}] {mode} G={g} paged={paged} causal={causal} "
               f"partial={partial}: ok")
-    sparse_prefill_sm90.WARP_SPECIALIZED_FOR_TESTS = None
+    from msa.cute_kernels.variants import SPARSE_FORMS
+    assert forms == set(SPARSE_FORMS), "a sparse form is missing from the memcheck cases"
 
 
 def topk_cases(gen):
@@ -210,27 +213,19 @@ def decode_indexer_runs():
 
 def fmha_cases(gen):
     """Dense FMHA: dense and paged K/V, causal with an offset that leaves early rows empty;
-    O-only calls once per kernel form: plain and "ws", plus the warp-specialized forms named in
-    MSA_SANITIZE_FMHA_FORMS (comma-separated, "all" for every one; each form adds ~20 s of
-    memcheck per dtype), forced through WARP_SPECIALIZED_FOR_TESTS; bf16 O + max-score; a
-    split-KV plan."""
-    from msa._native import fmha_sm90
-    wanted = os.environ.get("MSA_SANITIZE_FMHA_FORMS", "")
-    forms = {dtype: ["plain"] + [f for f in names if f == "ws" or wanted == "all"
-                                 or f in wanted.split(",")]
-             for dtype, names in fmha_sm90.WS_FORMS.items()}
-    try:
-        # Split-KV pinned off: the planner would split these small plans, and the split form
-        # (its own case below) would then run instead of the form named here.
-        fmha_sm90.SPLIT_KV_FOR_TESTS = False
-        for dtype_name, dtype in (("bfloat16", torch.bfloat16), ("e4m3", torch.float8_e4m3fn)):
-            for form in forms[dtype_name]:
-                fmha_sm90.WARP_SPECIALIZED_FOR_TESTS = False if form == "plain" else form
-                _fmha_o_cases(gen, dtype, with_max_score=form == "plain" and
-                              dtype == torch.bfloat16)
-    finally:
-        fmha_sm90.WARP_SPECIALIZED_FOR_TESTS = None
-        fmha_sm90.SPLIT_KV_FOR_TESTS = None
+    O-only calls once per O-only form of the serving table (bf16 wsu / wsup, e4m3 wsuts /
+    wsutps), forced through the fmha_form debug hook; bf16 O + max-score; a split-KV plan."""
+    from msa._native import debug
+    from msa.cute_kernels.variants import FMHA_FORMS
+    forms = {dtype: [name for name, form in FMHA_FORMS.items() if dtype in form.dtypes
+                     and form.kernel == "FmhaSm90Ws"] for dtype in ("bfloat16", "e4m3")}
+    for dtype_name, dtype in (("bfloat16", torch.bfloat16), ("e4m3", torch.float8_e4m3fn)):
+        for form in forms[dtype_name]:
+            # Split-KV pinned off: the planner would split these small plans, and the split
+            # form (its own case below) would then run instead of the form named here.
+            with debug.forcing(fmha_form=form, fmha_split_kv=False):
+                _fmha_o_cases(gen, dtype, with_max_score=form == forms[dtype_name][0]
+                              and dtype == torch.bfloat16)
     _fmha_split_kv_case(gen)
     listed = ", ".join(f"{d}: {'/'.join(f)}" for d, f in forms.items())
     print(f"fmha: ok (forms {listed}; split-KV)")
@@ -254,14 +249,13 @@ def _fmha_split_kv_case(gen):
     msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, output_maxscore=False,
              kv_indices=kv_indices.to(dev))
     expect_native("fmha_dense")
-    from msa._native import fmha_sm90
-    assert fmha_sm90.last_variant.endswith("_split"), fmha_sm90.last_variant
+    from msa._native import debug
+    assert debug.last_variant("fmha_dense").endswith("_split"), debug.last_variant("fmha_dense")
 
 
 def _fmha_o_cases(gen, dtype, with_max_score):
     """O-only (and, with_max_score, O + max-score) calls on dense and paged K/V; e4m3 covers
-    the per-block V transpose into the key-permuted V^T (plain: by the CTA; ws forms: by the
-    producer warpgroup). The last request's offset (256) starts its query tiles on key blocks
+    the V transpose op into the key-permuted V^T ahead of the kernel. The last request's offset (256) starts its query tiles on key blocks
     (its last tile's diagonal block also holds the kv_len tail)."""
     from test_fmha import to_pages
     q_lens, kv_lens = [1, 130, 300, 260], [200, 129, 900, 516]

@@ -1,12 +1,15 @@
 """The one place that decides, per call, whether a native kernel or the PyTorch reference runs.
 
 Native implementations register themselves with :func:`register_native` under an op name and a
-GPU architecture family ("sm90", "sm100"). Each registration carries a ``supports(**call)``
-predicate that returns ``None`` when the kernel can serve the call, or a short reason when it
-cannot (a dtype it lacks, an artifact that is not built, ...).
+GPU architecture family ("sm90", "sm100"). Each registration carries a ``supports(**features)``
+function that answers a short reason (a str) when the native side cannot serve the call (a dtype
+it lacks, an artifact that is not built, ...), and otherwise either ``None`` or a
+:class:`Served` naming the kernel it picked; the choice is made there, once per call, and
+``run(call, kernel=...)`` receives it.
 
-Kernels that are built but not yet proven on hardware stay refused by their ``supports`` through
-:func:`unvalidated_reason` until their GPU test passes (``MSA_UNVALIDATED_KERNELS=1`` opts in).
+Kernels that are built but not yet proven on hardware stay refused (or passed by, for a kernel
+form in a serving table) until their GPU test passes: :func:`unvalidated_reason` and
+:func:`unvalidated_ok` are that gate (``MSA_UNVALIDATED_KERNELS=1`` opts in).
 
 ``MSA_BACKEND`` forces a choice: ``reference`` always runs the reference; ``native`` raises
 instead of falling back (useful in GPU tests); ``auto`` (default) picks native when it can.
@@ -19,10 +22,11 @@ import time: the device capability is read only when a call arrives with a CUDA 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -32,11 +36,27 @@ REFERENCE = "reference"
 
 
 @dataclasses.dataclass(frozen=True)
+class Served:
+    """What a native ``supports`` answers for a call it serves with a kernel of its choosing:
+    ``kernel`` (hashable, usually cached per call shape) is handed to ``run`` as ``kernel=``."""
+    kernel: Any
+
+
+# A supports() answer: None (served), a str (refused, and why) or Served (served by a kernel).
+Verdict = Union[None, str, Served]
+
+
+@dataclasses.dataclass(frozen=True)
 class NativeImpl:
     op: str
     arch: str                                  # "sm90" or "sm100"
     run: Callable
-    supports: Callable[..., Optional[str]]     # returns None if supported, else a reason
+    supports: Callable[..., Verdict]           # a reason (str) when it cannot serve the call
+
+    @functools.lru_cache(maxsize=None)
+    def runner(self, kernel) -> Callable:
+        """run with `kernel` bound (one partial per kernel, reused by every later call)."""
+        return functools.partial(self.run, kernel=kernel)
 
 
 _registry: Dict[Tuple[str, str], NativeImpl] = {}
@@ -46,8 +66,13 @@ _last_backend: Dict[str, str] = {}
 
 
 def register_native(op: str, arch: str, run: Callable,
-                    supports: Callable[..., Optional[str]] = lambda **_: None) -> None:
+                    supports: Callable[..., Verdict] = lambda **_: None) -> None:
     _registry[(op, arch)] = NativeImpl(op, arch, run, supports)
+
+
+def refusal(verdict: Verdict) -> Optional[str]:
+    """The reason in a supports() answer, None when it serves the call."""
+    return verdict if isinstance(verdict, str) else None
 
 
 _arch_of_index: Dict[int, Optional[str]] = {}
@@ -98,11 +123,12 @@ def choose(op: str, device: torch.device, **call) -> Tuple[str, Optional[Callabl
         reason = (f"no native {op} kernel for compute capability "
                   f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
     else:
-        reason = impl.supports(**call)
+        verdict = impl.supports(**call)
+        reason = refusal(verdict)
         if reason is None:
             _log_once(op, arch, "native kernel", device)
             _last_backend[op] = arch
-            return arch, impl.run
+            return arch, (impl.run if verdict is None else impl.runner(verdict.kernel))
     if mode == "native":
         raise NotImplementedError(f"msa.{op}: MSA_BACKEND=native but no native kernel can run "
                                   f"this call: {reason}")
@@ -114,22 +140,20 @@ def choose(op: str, device: torch.device, **call) -> Tuple[str, Optional[Callabl
 UNVALIDATED_ENV = "MSA_UNVALIDATED_KERNELS"
 
 
+def unvalidated_ok() -> bool:
+    """Whether kernels not yet validated on hardware may serve calls (MSA_UNVALIDATED_KERNELS=1,
+    as the GPU tests that validate them set)."""
+    return os.environ.get(UNVALIDATED_ENV) == "1"
+
+
 def unvalidated_reason(what: str, validated: bool) -> Optional[str]:
     """The gate every compiled-but-not-yet-hardware-validated kernel passes through: None when
-    the kernel may serve calls (validated, or MSA_UNVALIDATED_KERNELS=1 as the GPU tests set),
-    else the reason it may not. A kernel is marked validated only after its GPU test passed."""
-    if validated or os.environ.get(UNVALIDATED_ENV) == "1":
+    the kernel may serve calls (validated, or unvalidated_ok()), else the reason it may not. A
+    kernel is marked validated only after its GPU test passed on an H200."""
+    if validated or unvalidated_ok():
         return None
     return (f"{what} is compiled but not validated on hardware yet "
             f"({UNVALIDATED_ENV}=1 serves it)")
-
-
-def form_enabled(forced: Optional[bool], what: str, validated: bool) -> bool:
-    """Whether a gated alternative form of a native kernel runs: `forced` (a tests/benchmarks
-    hook) when not None, else the unvalidated_reason gate."""
-    if forced is not None:
-        return forced
-    return unvalidated_reason(what, validated) is None
 
 
 def last_backend(op: str) -> Optional[str]:

@@ -42,6 +42,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _backend
+from ._common import sm_count
+from ._common import to_device as _to
 from ._validation import (check_page_table, FP8, HEAD_DIM, SUPPORTED_QHEAD_PER_KV, SUPPORTED_TOPK, check_head_dim,
                           check_page_ids, check_qhead_per_kv, check_same_device, check_scale,
                           check_shape, check_tensor, check_topk, host_int64,
@@ -58,7 +60,6 @@ SPARSE_PREFILL_MIN_Q = 32          # sparse plans: q_len above this is "prefill"
 DENSE_PREFILL_MIN_Q = 128          # dense plans: q_len above this is "prefill"
 MAX_SCORE_ELEMENT_LIMIT = 1 << 31
 SPARSE_KERNEL_MODES = ("auto", "prefill", "decode")
-H200_SM_COUNT = 132
 MAX_KV_SPLITS = 64
 
 _PLAN_OPTIONS = dict(num_kv_heads=-1, num_kv_splits=-1, page_size=-1, output_maxscore=False,
@@ -143,16 +144,6 @@ def _resolve_device(device, lengths) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _sm_count(device: torch.device, usable_SM_count: int) -> int:
-    n = (torch.cuda.get_device_properties(device).multi_processor_count
-         if device.type == "cuda" else H200_SM_COUNT)
-    return min(n, usable_SM_count) if usable_SM_count > 0 else n
-
-
-def _to(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
-    return t if t is None or t.device == device else t.to(device)
 
 
 def _check_bool(name: str, value) -> bool:
@@ -339,7 +330,7 @@ def _plan_part(q_lens, kv_lens, offsets, *, num_qo_heads, num_kv_heads, num_kv_s
     cu_q, cu_k = _cumsum(q_lens), _cumsum(kv_lens)
     cu_q_t, cu_k_t = _i32(cu_q, device), _i32(cu_k, device)
     splits, speedup = _split_kv_estimate(q_lens, kv_lens, offsets, causal, num_qo_heads,
-                                         _sm_count(device, usable_SM_count), num_kv_splits)
+                                         sm_count(device, usable_SM_count), num_kv_splits)
     plan = {
         "MM-SA-Nv": False,
         "mode": "sparse_decode" if sparse else "dense",
@@ -540,7 +531,8 @@ class FmhaDenseCall:
                     causal=self.plan["causal"], mode=self.mode,
                     qhead_per_kv=self.q.shape[1] // self.k.shape[1],
                     num_qo_heads=self.q.shape[1], num_kv_heads=self.k.shape[1],
-                    work_items=self.work_items)
+                    work_items=self.work_items,
+                    kv_splits=int(self.plan.get("num_kv_splits", 1) or 1))
 
     @property
     def q_tiles(self) -> int:

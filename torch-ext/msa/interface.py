@@ -95,7 +95,8 @@ def build_k2q_csr(q2k_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
 
 def run_build_k2q_csr(call: K2qCsrCall):
     _name, native = _backend.choose("build_k2q_csr", call.q2k_indices.device,
-                                    return_schedule=call.return_schedule)
+                                    return_schedule=call.return_schedule,
+                                    total_q=call.q2k_indices.shape[1])
     if native is None or call.check_values:
         check_k2q_build_values(call, strict=call.check_values)
     if native is not None:

@@ -1,7 +1,9 @@
 """Native kernels of this build. Each submodule registers its ops with ``msa._backend`` at
 import; registration must not initialize CUDA or import the CuTe DSL (artifacts load lazily).
-Kernels not yet proven on hardware register too, but their ``supports`` refuses every call
-through ``_backend.unvalidated_reason`` until their GPU test passes (then flip their flag)."""
+Which kernel form serves a call comes from the serving tables in cute_kernels/variants.py
+(_native/serving.py picks it once, in the op's ``supports``); a form not yet proven on hardware
+is marked ``validated=False`` there and passed by unless ``MSA_UNVALIDATED_KERNELS=1``. Test and
+benchmark hooks live in ``debug`` (context managers)."""
 
 from . import (block_max_score_sm90, csr_builder, decode_cuda,  # noqa: F401
                decode_indexer_cuda, fmha_sm90, sparse_prefill_sm90, topk_cuda)

@@ -1,10 +1,13 @@
 """Native k2q CSR builder (csrc/build_k2q_csr.cu), registered as ("build_k2q_csr", sm90/sm100).
 
 The CUDA ops ``run_build_k2q_csr`` and ``run_build_k2q_csr_with_schedule`` produce outputs
-bit-identical to :func:`msa.interface._build_k2q_csr_reference` (CSR) and
+bit-identical to the reference CSR builder (msa.sparse_index_utils.build_k2q_csr_torch_reference
+behind msa.build_k2q_csr) and
 :func:`msa.src.sm100.prepare_scheduler.prepare_sparse_fwd_schedule_and_split` (schedule). They
 take every size from host hints, so a call never synchronizes and can be captured in a CUDA
-graph. Importing this module does not touch CUDA.
+graph. A schedule for 2^24 - 1 or more query tokens is refused by ``supports`` (the kernel packs
+the local query id and the slot into one int32 while sorting), so msa._backend runs the
+reference for it and logs that. Importing this module does not touch CUDA.
 """
 
 from __future__ import annotations
@@ -26,12 +29,19 @@ OP_NAME = "build_k2q_csr"
 KV_BLOCK = 128
 
 
-def supports(**_features) -> Optional[str]:
+# Queries a schedule build packs with their slot into one int32 (24 bits of local query id).
+MAX_SCHEDULE_QUERIES = (1 << SLOT_SHIFT) - 1
+
+
+def supports(*, return_schedule: bool = False, total_q: int = 0, **_features) -> Optional[str]:
     """None when the compiled ops can serve the call, else the reason they cannot."""
     if not HAS_COMPILED_OPS or ops is None:
         return "the compiled msa CUDA ops (_msa_cuda_*.so) are not built into this package"
     if not hasattr(ops, "run_build_k2q_csr_with_schedule"):
         return "the compiled msa CUDA ops lack run_build_k2q_csr"
+    if return_schedule and total_q >= MAX_SCHEDULE_QUERIES:
+        return (f"total_q {total_q}: the native schedule build packs query ids in "
+                f"{SLOT_SHIFT} bits (< {MAX_SCHEDULE_QUERIES} queries)")
     return None
 
 
@@ -60,11 +70,9 @@ def run(call):
     max_seqlen_q = int(call.max_seqlen_q)
     if max_seqlen_q >= 1 << SLOT_SHIFT:   # the reference's error, same class and message
         raise ValueError(f"max_seqlen_q: packed query ids need < 2^24, got {max_seqlen_q}")
-    if total_q >= (1 << SLOT_SHIFT) - 1:
-        # The kernel packs q_local and the slot into one int32 while sorting; this size is far
-        # beyond any prefill, so the (slow, synchronizing) reference serves it.
-        from ..interface import _build_k2q_csr_reference
-        return _build_k2q_csr_reference(call)
+    if total_q >= MAX_SCHEDULE_QUERIES:   # supports() refused it: the reference serves it
+        raise NotImplementedError(f"q2k_indices: {total_q} queries; the native schedule build "
+                                  f"packs query ids in {SLOT_SHIFT} bits")
     target = target_q_per_cta(total_q=total_q, topk=topk, blk_kv=KV_BLOCK, head_kv=hkv,
                               qhead_per_kv=call.qhead_per_kv, device=device,
                               usable_SM_count=call.usable_SM_count)

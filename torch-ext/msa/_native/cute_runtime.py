@@ -89,7 +89,7 @@ INT32_MAX = 2 ** 31 - 1
 def check_int32_count(name: str, value: int, what: str) -> None:
     """Contract-style NotImplementedError (argument first) when a count the CuTe kernels keep
     in 32-bit registers (tokens, 128-token tiles, rows) exceeds int32. Element offsets into
-    q / k / v / outputs are computed in 64 bits (cute_kernels.tile_utils.kv_row_iterator /
+    q / k / v / outputs are computed in 64 bits (cute_kernels.copies.kv_row_iterator /
     row_iterator, or 64-bit dynamic strides), so tensor sizes alone are not limited."""
     if value > INT32_MAX:
         raise NotImplementedError(f"{name}: {what} = {value} does not fit int32; the sm90 "

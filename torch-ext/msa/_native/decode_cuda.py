@@ -9,8 +9,12 @@ Semantics are :mod:`msa.reference.decode` (dense, sparse via q2k, e4m3 P only wh
 e4m3). The launch reads only device tensors, never synchronizes and can be captured in a CUDA
 graph.
 
-Gated until its GPU test (tests/test_decode_gpu.py) passes on the H200: ``supports()`` refuses
-while ``VALIDATED`` is False unless ``MSA_UNVALIDATED_KERNELS=1``.
+Forms of the kernel are picked inside the launch, per qo tile: tiles of at most 16 rows split
+each page's keys across all 8 warps (instead of one warp computing while seven idle), and such
+tiles with e4m3 q and K/V read them straight from a raw page ring (two pages per step, widened
+to f16 in registers, no bf16 staging pass); tiles of more rows take the warpgroup (wgmma) form
+once it is validated (VALIDATED_WARPGROUP). The debug hooks decode_split_keys,
+decode_direct_fp8 and decode_warpgroup force them on or off (tests cover every path).
 Importing this module does not touch CUDA.
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import _backend
+from . import debug
 
 try:
     from .._ops import HAS_COMPILED_OPS, ops
@@ -26,30 +31,11 @@ except ImportError:   # source tree: no compiled extension
     ops, HAS_COMPILED_OPS = None, False
 
 OP_NAME = "sparse_decode_atten"
-# Flip to True only after tests/test_decode_gpu.py passes on the H200.
-# tests/test_decode_gpu.py passed on the H200 (2026-11-30): 118 cases, dense + sparse, graph replay.
-VALIDATED = True
-# The split-keys form (all 8 warps share the <= 16 rows of a decode tile and split each page's
-# keys, instead of one warp computing while seven idle): its "split" cases of
-# tests/test_decode_gpu.py passed on the H200 (2026-11-30, session 3; 226 cases in all). Tests
-# force it on or off through SPLIT_KEYS_FOR_TESTS (None: the gate decides).
-VALIDATED_SPLIT_KEYS = True
-SPLIT_KEYS_FOR_TESTS: Optional[bool] = None
-# The direct e4m3 form of the split-keys kernel (e4m3 q and K/V read straight from a six-stage
-# raw page ring, two pages per step, widened to f16 in registers; no bf16 conversion pass): its
-# cases of tests/test_decode_gpu.py passed on the H200 (2026-11-30, session 4: the page-pair
-# loop, 39 cases incl. NaN bytes past the keys; memcheck clean). It read 3.20-3.39 TB/s at
-# B >= 32 where the one-page loop it replaced read 2.99-3.11. DIRECT_FP8_FOR_TESTS forces it on
-# or off.
-VALIDATED_DIRECT_FP8 = True
-DIRECT_FP8_FOR_TESTS: Optional[bool] = None
-# The warpgroup form (wgmma; served on tiles of > 16 rows, i.e. multi-token prediction, with q
-# and K/V both bf16 or both e4m3): flip after its cases of tests/test_decode_gpu.py pass on the
-# H200. WARPGROUP_FOR_TESTS forces it on (any tile, e.g. one query to compare with the
-# split-keys forms) or off.
+# The warpgroup form (wgmma, served on tiles of > 16 rows, i.e. multi-token prediction, with q
+# and K/V both bf16 or both e4m3) is built but not yet proven on the H200: it runs only with
+# MSA_UNVALIDATED_KERNELS=1 (or the decode_warpgroup hook) until its cases of
+# tests/test_decode_gpu.py pass there and this flips.
 VALIDATED_WARPGROUP = False
-WARPGROUP_FOR_TESTS: Optional[bool] = None
-UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
@@ -60,9 +46,6 @@ def supports(*, seqlen_q=1, qhead_per_kv=1, topk=None, **_features) -> Optional[
         return "the compiled msa CUDA ops (_msa_cuda_*.so) are not built into this package"
     if not hasattr(ops, "sparse_decode_attention"):
         return "the compiled msa CUDA ops lack sparse_decode_attention"
-    gate = _backend.unvalidated_reason("the sm90 decode kernel", VALIDATED)
-    if gate is not None:
-        return gate
     if seqlen_q * qhead_per_kv > MAX_ROWS_PER_KV_HEAD:
         return f"seqlen_q * G = {seqlen_q * qhead_per_kv} rows exceeds {MAX_ROWS_PER_KV_HEAD}"
     if topk is not None and topk > MAX_TOPK:
@@ -91,28 +74,26 @@ def run(call) -> None:
 
 
 def _split_keys() -> bool:
-    """Whether to let the kernel split page keys across warps (it does so only for tiles of
-    <= 16 rows): forced by tests, else once validated (or MSA_UNVALIDATED_KERNELS=1)."""
-    return _backend.form_enabled(SPLIT_KEYS_FOR_TESTS, "the split-keys decode kernel",
-                                 VALIDATED_SPLIT_KEYS)
+    """Whether the kernel may split page keys across warps (it does so only for tiles of <= 16
+    rows); the decode_split_keys hook turns it off."""
+    return debug.forced("decode_split_keys") is not False
 
 
 def _direct_fp8() -> bool:
-    """Whether split-keys tiles with e4m3 q and K/V may use the direct e4m3 form (the binding
-    applies it only there): forced by tests, else once validated (or MSA_UNVALIDATED_KERNELS=1)."""
-    return _backend.form_enabled(DIRECT_FP8_FOR_TESTS, "the direct e4m3 decode kernel",
-                                 VALIDATED_DIRECT_FP8)
+    """Whether split-keys tiles with e4m3 q and K/V take the direct e4m3 form (the binding
+    applies it only there); the decode_direct_fp8 hook turns it off."""
+    return debug.forced("decode_direct_fp8") is not False
 
 
 def _warpgroup(call) -> bool:
     """Whether this call uses the warpgroup (wgmma) form (the binding applies it only with q and
-    K/V of one dtype): tiles of > 16 rows once validated (or MSA_UNVALIDATED_KERNELS=1), any
-    tile when WARPGROUP_FOR_TESTS is True, none when it is False."""
-    if WARPGROUP_FOR_TESTS is not None:
-        return WARPGROUP_FOR_TESTS
+    K/V of one dtype): tiles of > 16 rows once validated (or MSA_UNVALIDATED_KERNELS=1); the
+    decode_warpgroup hook forces it on any tile (True) or off (False)."""
+    forced = debug.forced("decode_warpgroup")
+    if forced is not None:
+        return forced
     rows = call.seqlen_q * call.qhead_per_kv
-    return rows > 16 and _backend.form_enabled(None, "the warpgroup decode kernel",
-                                               VALIDATED_WARPGROUP)
+    return rows > 16 and (VALIDATED_WARPGROUP or _backend.unvalidated_ok())
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)

@@ -1,15 +1,14 @@
-"""Native SM90 sparse prefill: the CuTe-DSL KV-outer attention kernel plus its combine.
+"""Native SM90 sparse prefill: the CuTe-DSL KV-outer attention kernels plus their combine.
 
-``run(call)`` takes a validated :class:`msa.interface.SparseAttentionCall` and launches two
-kernels on q's device and current stream, with no host synchronization:
+``supports`` picks the attention form of a call from cute_kernels.variants.SPARSE_FORMS (the
+serving table: the TMA warp-specialized forms ws3w / ws for G 8 / 16 with bf16 or all-e4m3 q/k/v
+and 16-bit or e4m3 partials, the wgmma kernel for the other 16-bit / e4m3-partial calls, the
+warp-MMA kernel for fp32 partials) and ``run(call, kernel)`` launches two kernels on q's device
+and current stream, with no host synchronization:
 
-1. attention (cute_kernels/sparse_prefill_sm90_ws.py, warp-specialized with TMA, for G 8 / 16
-   with bf16 or all-e4m3 q/k/v and 16-bit or e4m3 partials; cute_kernels/sparse_prefill_sm90_
-   wgmma.py, warpgroup MMA, for the other 16-bit / e4m3-partial calls;
-   cute_kernels/sparse_prefill_sm90.py for fp32 partials): one CTA per schedule
-   work item writes the per-block partials O_partial [topK, total_q, Hq, 128] (partial_dtype)
-   and LSE_partial [topK, total_q, Hq] (plus LSE_T_partial when a temperature LSE is
-   requested);
+1. attention: one CTA per schedule work item writes the per-block partials
+   O_partial [topK, total_q, Hq, 128] (partial_dtype) and LSE_partial [topK, total_q, Hq] (plus
+   LSE_T_partial when a temperature LSE is requested);
 2. combine (cute_kernels/combine.py): log-sum-exp merge into O bf16 [total_q, Hq, 128] and
    LSE fp32 [total_q, Hq].
 
@@ -22,78 +21,33 @@ so no index value can make them read or write out of bounds; the host hints max_
 max_seqlen_k are not used at all. A (query, KV head) with more CSR entries than combine slots
 comes back NaN (the combine flags the lost slots) instead of silently missing blocks.
 
-FP8 (contract §1.2, no scale factors): three modes are compiled (cute_kernels.variants.FP8_MODES,
-bf16, fp16 or e4m3 partials) -- ``bf16_kv_e4m3`` (bf16 q, e4m3 k/v), ``e4m3_pv_bf16`` (e4m3 q/k/v,
-pv_dtype bf16) and ``e4m3`` (e4m3 q/k/v, pv_dtype e4m3, P kept in registers). **Validation
-gate:** supports() serves an FP8 mode only when it is listed in :data:`VALIDATED_FP8_MODES` (add
-a mode there only after its GPU test in tests/test_sparse_prefill_gpu.py passed on an H200), or
-when the environment sets ``MSA_UNVALIDATED_KERNELS=1`` (the GPU tests do, to validate them).
-Otherwise the reference runs (or MSA_BACKEND=native raises with the reason).
+FP8 (contract §1.2, no scale factors): three dtype modes (cute_kernels.variants.FP8_MODES, bf16,
+fp16 or e4m3 partials): ``bf16_kv_e4m3`` (bf16 q, e4m3 k/v), ``e4m3_pv_bf16`` (e4m3 q/k/v,
+pv_dtype bf16) and ``e4m3`` (e4m3 q/k/v, pv_dtype e4m3, P kept in registers).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
-
+import dataclasses
+import functools
+from typing import Optional, Tuple
 
 import torch
 
 from .. import _backend, _stages
+from .._common import key_lengths
 from .._validation import device_prefix_sums
+from ..cute_kernels import variants
 from ..src.sm100.prepare_scheduler import (SLOT_SHIFT, SparseAttentionSchedule,
                                           schedule_capacity, target_q_per_cta)
-from . import cute_runtime
+from . import cute_runtime, debug, serving
 
 INT32_MAX = (1 << 31) - 1
-
-KV_BLOCK = 128
-# Tests set this to fill every buffer the kernels write with NaN first (catches unwritten rows).
-POISON_BUFFERS_FOR_TESTS = False
-_SUPPORTED_G = (1, 2, 4, 8, 16)
+KV_BLOCK = variants.KV_BLOCK
 _FP8 = torch.float8_e4m3fn
-# partial_dtype -> (variant dtype name, short name in artifact names); every contract dtype.
-_PARTIALS = {torch.float32: ("float32", "f32"), torch.bfloat16: ("bfloat16", "bf16"),
-             torch.float16: ("float16", "f16"), _FP8: ("e4m3", "e4m3")}
-# Partial dtypes proven on an H200 (tests/test_sparse_prefill_gpu.py). fp16 and e4m3 partials
-# (wgmma kernel: O staged in 16 bits, e4m3 rows converted as they are written; combine reading
-# them) passed every bf16 case and G = 2, 16 of each FP8 mode on 2026-11-30 (session 5),
-# memcheck clean.
-VALIDATED_PARTIAL_DTYPES: set = {torch.float32, torch.bfloat16, torch.float16, _FP8}
-# FP8 modes proven correct on hardware (GPU test passed on an H200); a mode missing here is
-# compiled and shipped but refused by supports() unless MSA_UNVALIDATED_KERNELS=1.
-# Passed tests/test_sparse_prefill_gpu.py on the H200 (2026-11-30, session 2): every G, dense
-# and paged. "e4m3" (P rounded to e4m3) matches the quantized model except for isolated one-ulp
-# P flips at e4m3 midpoints (diagnosed: the error vector of such a row is parallel to one V row).
-# Its kernel now keeps P in registers; that form passed the same test on the H200 (2026-11-30)
-# and replaced the shared-memory-P form.
-VALIDATED_FP8_MODES: set = {"bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3"}
-UNVALIDATED_ENV = _backend.UNVALIDATED_ENV
-# The warp-specialized form (variants sparse_prefill_sm90_{bfloat16,e4m3}_g{8,16}_*_ws,
-# cute_kernels/sparse_prefill_sm90_ws.py: a TMA producer warp gathers each query's G x 128 Q
-# rows, two consumer warpgroups take tiles alternately and TMA-store each query's partial rows):
-# for G in WS_GROUPS, bf16 or all-e4m3 Q/K/V, 16-bit or e4m3 partials. Compiled for sm_90a (no
-# spills). On the H200 (2026-12-01, session 6) its 36 cases in tests/test_sparse_prefill_gpu.py
-# passed, then the whole file (163 cases, both forms), tests/test_msa_prefill_gpu.py, the
-# transformers MiniMax-M3 test and memcheck of its cases: 1.17x (bf16) to 1.29x (e4m3 with e4m3
-# partials) faster than the wgmma kernel at 32k. It serves those calls; the wgmma kernel keeps
-# the other G and dtype modes.
-VALIDATED_WARP_SPECIALIZED = True
-# None: the gate decides; False: the wgmma kernel; True: the served warp-specialized form
-# wherever it exists; a form name ("ws", "ws3w"): that form (tests and benchmarks).
-WARP_SPECIALIZED_FOR_TESTS: Union[None, bool, str] = None
-# The three-consumer-warpgroup form (variants ..._ws3w, 6 Q stages; consumers within 130
-# registers, no spills). On the H200 (2026-12-01, session 7, 7861e3d) its 36 cases passed (every
-# mode / partial dtype / G / layout of ws) and memcheck of its cases ran clean. Timed against ws
-# (32k / 128k random, ms): e4m3 with bf16 partials 6.68 -> 6.16 / 28.25 -> 25.76, e4m3 with e4m3
-# partials 5.61 -> 5.45 / 22.67 -> 20.87, bf16 with bf16 partials 7.64 -> 7.04 / 31.56 -> 29.67,
-# but bf16 with e4m3 partials 6.47 -> 7.36 / 27.68 -> 25.20 (mixed) and fp16 partials not
-# timed. It serves the (dtype mode, partial dtype) pairs measured faster at both lengths.
-VALIDATED_WS3W: set = {("e4m3", torch.bfloat16), ("e4m3", _FP8), ("bfloat16", torch.bfloat16)}
-WS_FORMS = ("ws", "ws3w")
-WS_GROUPS = (8, 16)
-WS_MODES = ("bfloat16", "e4m3")
-# The attention artifact of the most recent run() (tests and benchmarks check the form).
-last_attention_variant: Optional[str] = None
+# partial_dtype -> its name in the serving table (every contract partial dtype).
+_PARTIALS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+             _FP8: "e4m3"}
 
 
 def attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype) -> Optional[str]:
@@ -112,86 +66,57 @@ def attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype) -> Optional[str]:
     return None
 
 
-def warp_specialized(qhead_per_kv: int, partial_dtype: torch.dtype, mode: str) -> bool:
-    """Whether the warp-specialized form runs this call: it exists for the head group, dtype
-    mode and partial dtype, and the gate (or WARP_SPECIALIZED_FOR_TESTS) allows it."""
-    if (qhead_per_kv not in WS_GROUPS or mode not in WS_MODES
-            or partial_dtype == torch.float32):
-        return False
-    forced = WARP_SPECIALIZED_FOR_TESTS
-    return _backend.form_enabled(True if isinstance(forced, str) else forced,
-                                 "the warp-specialized sm90 sparse attention",
-                                 VALIDATED_WARP_SPECIALIZED)
+@dataclasses.dataclass(frozen=True)
+class SparseKernel:
+    """The kernels supports() picked for a call, as run() launches them."""
+    form: str                  # a name of cute_kernels.variants.SPARSE_FORMS
+    attention: str             # the attention artifact
+    combine: str               # the combine artifact (by partial dtype)
 
 
-def form_validated(form: str, mode: str, partial_dtype: torch.dtype) -> bool:
-    """Whether kernel `form` ("wgmma", "ws", "ws3w") is validated for this dtype mode and
-    partial dtype (ws3w per (mode, partial) pair: VALIDATED_WS3W)."""
-    if form == "wgmma":
-        return True
-    if not VALIDATED_WARP_SPECIALIZED:
-        return False
-    return form == "ws" or (mode, partial_dtype) in VALIDATED_WS3W
-
-
-def variant_form(attention_name: str) -> str:
-    """The kernel form of an attention artifact name: "ws", "ws3w" or "wgmma" (the wgmma and
-    warp-MMA kernels)."""
-    for form in WS_FORMS:
-        if attention_name.endswith("_" + form):
-            return form
-    return "wgmma"
-
-
-def _variant_names(qhead_per_kv: int, paged: bool, partial_dtype: torch.dtype,
-                   mode: str = "bfloat16") -> Tuple[str, str]:
-    """(attention, combine) artifact names of the form that serves the call; must match
-    cute_kernels.variants."""
-    short = _PARTIALS[partial_dtype][1]
-    layout = "paged" if paged else "dense"
-    form = ""
-    if warp_specialized(qhead_per_kv, partial_dtype, mode):
-        forced = WARP_SPECIALIZED_FOR_TESTS
-        if isinstance(forced, str):
-            if forced not in WS_FORMS:
-                raise ValueError(f"WARP_SPECIALIZED_FOR_TESTS={forced!r}: the warp-specialized "
-                                 f"forms are {', '.join(WS_FORMS)}")
-            form = "_" + forced
-        else:
-            form = "_ws3w" if _backend.form_enabled(
-                None, "the three-warpgroup sm90 sparse attention",
-                form_validated("ws3w", mode, partial_dtype)) else "_ws"
-    return (f"sparse_prefill_sm90_{mode}_g{qhead_per_kv}_{layout}_p{short}{form}",
-            f"sparse_combine_sm90_p{short}")
+@functools.lru_cache(maxsize=None)
+def sparse_kernel(mode: str, qhead_per_kv: int, paged: bool, partial: str,
+                  form: str) -> SparseKernel:
+    """The SparseKernel of `form` for a dtype mode, head group, layout and partial dtype."""
+    return SparseKernel(
+        form=form,
+        attention=variants.AttentionVariant(qhead_per_kv, paged, partial, mode, form).name,
+        combine=variants.CombineVariant(partial).name)
 
 
 def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=False,
              causal=False, qhead_per_kv=None, topk=None, partial_dtype=None, nvfp4=False,
-             **_ignored) -> Optional[str]:
-    """None if the native kernel serves a call with these features, else the reason."""
+             **_ignored) -> _backend.Verdict:
+    """The kernels serving a call with these features (_backend.Served), else the reason none
+    can. debug hook: sparse_form (a form to run wherever it is built)."""
     if nvfp4:
         return "NVFP4 K/V is not native on sm90 yet"
     mode = attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype)
     if mode is None:
         return (f"q/k/v dtypes {q_dtype}/{k_dtype}/{v_dtype} with pv_dtype {pv_dtype}: "
                 "not native on sm90")
-    if mode != "bfloat16":
-        gate = _backend.unvalidated_reason(f"FP8 mode {mode}", mode in VALIDATED_FP8_MODES)
-        if gate is not None:
-            return gate
-        if partial_dtype == torch.float32:
-            return ("partial_dtype torch.float32: FP8 modes are native with bfloat16, float16 "
-                    "and e4m3 partials")
     if partial_dtype not in _PARTIALS:
         return f"partial_dtype {partial_dtype} is not native on sm90"
-    gate = _backend.unvalidated_reason(f"partial_dtype {partial_dtype}",
-                                       partial_dtype in VALIDATED_PARTIAL_DTYPES)
-    if gate is not None:
-        return gate
-    if qhead_per_kv not in _SUPPORTED_G:
+    if mode != "bfloat16" and partial_dtype == torch.float32:
+        return ("partial_dtype torch.float32: FP8 modes are native with bfloat16, float16 "
+                "and e4m3 partials")
+    if qhead_per_kv not in variants.QHEAD_PER_KV:
         return f"qhead_per_kv {qhead_per_kv} is not native"
-    return cute_runtime.unavailable_reason(*_variant_names(qhead_per_kv, bool(paged),
-                                                           partial_dtype, mode))
+    partial, paged = _PARTIALS[partial_dtype], bool(paged)
+    form = serving.pick("sparse", mode,
+                        lambda f: (sparse_kernel(mode, qhead_per_kv, paged, partial,
+                                                 f.name).attention,
+                                   variants.CombineVariant(partial).name),
+                        group=qhead_per_kv, partial=partial, forced=debug.forced("sparse_form"))
+    if isinstance(form, str):
+        return form
+    return _served(mode, qhead_per_kv, paged, partial, form.name)
+
+
+@functools.lru_cache(maxsize=None)
+def _served(mode: str, qhead_per_kv: int, paged: bool, partial: str,
+            form: str) -> _backend.Served:
+    return _backend.Served(sparse_kernel(mode, qhead_per_kv, paged, partial, form))
 
 
 def check_launch_limits(call) -> None:
@@ -208,7 +133,8 @@ def check_launch_limits(call) -> None:
                                        f"seqused_k)")
 
 
-def run(call) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+def run(call, kernel: SparseKernel
+        ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Returns (O bf16 [total_q, Hq, 128], LSE fp32 [total_q, Hq] or None, LSE_T or None);
     every output is freshly allocated."""
     q, k, v = call.q, call.k, call.v
@@ -228,39 +154,30 @@ def run(call) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tens
     schedule = call.schedule
     if schedule is None:
         schedule = build_schedule_on_device(call, cu_q, cu_k)
-    mode = attention_mode(q.dtype, k.dtype, v.dtype, call.pv_dtype)
-    attention_name, combine_name = _variant_names(call.qhead_per_kv, call.paged,
-                                                  call.partial_dtype, mode)
     batch = call.cu_seqlens_q.numel() - 1
-    if call.paged:
-        if call.seqused_k is not None:
-            kv_lens = call.seqused_k
-        else:  # upstream quirk D11: the whole table width counts as the length
-            kv_lens = torch.full((batch,), call.page_table.shape[1] * KV_BLOCK,
-                                 dtype=torch.int32, device=device)
-        page_table = call.page_table.contiguous()
-    else:
-        kv_lens = (cu_k[1:] - cu_k[:-1]).contiguous()
-        page_table = kv_lens.view(batch, 1)          # unused by the dense variant
+    kv_lens = key_lengths(batch, device, cu_seqlens_k=cu_k,
+                          page_table=call.page_table if call.paged else None,
+                          seqused_k=call.seqused_k if call.paged else None)
+    page_table = (call.page_table.contiguous() if call.paged
+                  else kv_lens.view(batch, 1))        # unused by the dense variants
     # A schedule from build_k2q_csr numbers up to its own topK slots per (query, KV head).
     slots = max(call.topk, schedule.topk)
     o_partial = torch.empty(slots, total_q, num_heads, head_dim, dtype=call.partial_dtype,
                             device=device)
     lse_partial = torch.empty(slots, total_q, num_heads, dtype=torch.float32, device=device)
     lse_t_partial = torch.empty_like(lse_partial) if want_lse_t else lse_partial
-    if POISON_BUFFERS_FOR_TESTS:
+    if debug.poison():
         for buffer in (o_partial, lse_partial, lse_t_partial, out, lse, lse_t):
             buffer.fill_(float("nan"))
-    global last_attention_variant
-    last_attention_variant = attention_name
+    debug.record("sparse_atten", kernel.attention)
     cute_runtime.launch(
-        attention_name, device, q, k, v, cu_q, cu_k, kv_lens, page_table,
+        kernel.attention, device, q, k, v, cu_q, cu_k, kv_lens, page_table,
         schedule.k2q_row_ptr, schedule.qsplit_indices, schedule.scheduler_metadata,
         schedule.work_count, o_partial, lse_partial, lse_t_partial, float(call.softmax_scale),
         1.0 / float(call.lse_temperature_scale), int(call.causal), int(want_lse_t))
     _stages.mark("combine")
     cute_runtime.launch(
-        combine_name, device, o_partial, lse_partial, lse_t_partial, schedule.split_counts,
+        kernel.combine, device, o_partial, lse_partial, lse_t_partial, schedule.split_counts,
         out, lse, lse_t, int(want_lse_t))
     return out, (lse if call.want_lse else None), (lse_t if want_lse_t else None)
 

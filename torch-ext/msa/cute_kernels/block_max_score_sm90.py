@@ -55,7 +55,7 @@ Tensors (dynamic sizes are runtime values):
   out          [H, max_k_tiles, total_q] fp32
   scale: fp32 (> 0); causal: int32 flag; the launch grid x is a host-known int32.
 q, k and out may hold 2^31 elements or more: their row addresses are 64-bit (q and k rows through
-tile_utils.row_iterator / kv_row_iterator, which matter here because H and Hk = 1 make every stride
+copies.row_iterator / kv_row_iterator, which matter here because H and Hk = 1 make every stride
 of q and k static; out's strides are dynamic 64-bit). Counts (tokens, tiles, pages) are Int32.
 """
 
@@ -66,12 +66,11 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import warpgroup
 
-from .tile_utils import (kv_row_iterator, quad_max, row_copy, row_iterator, warpgroup_gemm,
-                         wgmma_rows_cols_view)
+from .copies import kv_row_iterator, row_copy, row_iterator
+from .geometry import BLOCK_N, HEAD_DIM, WG_ROWS
+from .mma import warpgroup_gemm, wgmma_rows_cols_view
+from .softmax import quad_max
 
-HEAD_DIM = 128
-BLOCK_N = 128            # keys per tile (= page size)
-WG_ROWS = 64             # rows per warpgroup MMA (m64)
 NUM_WARPGROUPS = 4
 TILE_M = WG_ROWS * NUM_WARPGROUPS
 NUM_THREADS = 128 * NUM_WARPGROUPS

@@ -17,16 +17,19 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .block_max_score_sm90 import BlockMaxScoreSm90
 from .combine import SparseCombineSm90
+from .fmha_sm90 import FmhaSm90MaxScore, FmhaSm90Split
+from .fmha_sm90_ws import FmhaSm90Ws
 from .sparse_prefill_sm90 import SparsePrefillSm90
 from .sparse_prefill_sm90_wgmma import SparsePrefillSm90Wgmma
-from .sparse_prefill_sm90_ws import WS3W, SparsePrefillSm90Ws
-from .fmha_sm90 import FmhaSm90, FmhaSm90MaxScore, FmhaSm90Split
-from .fmha_sm90_ws import FmhaSm90Ws
-from .variants import (FMHA_WS_FORMS, FP8_MODES, SPARSE_WS_FORMS, WS_DTYPES, WS_GROUPS,
-                       AttentionVariant, BlockMaxScoreVariant, CombineVariant, FmhaVariant,
-                       fmha_ws_forms, fmha_ws_forms_with)
+from .sparse_prefill_sm90_ws import SparsePrefillSm90Ws
+from .variants import (FMHA_FORMS, INDEXER_FORMS, SPARSE_FORMS, AttentionVariant,
+                       BlockMaxScoreVariant, CombineVariant, FmhaVariant)
 
 TARGET_ARCH = "sm_90a"
+# The kernel classes the serving tables' Form.kernel names.
+KERNELS = {cls.__name__: cls for cls in (
+    BlockMaxScoreSm90, FmhaSm90MaxScore, FmhaSm90Split, FmhaSm90Ws, SparsePrefillSm90,
+    SparsePrefillSm90Wgmma, SparsePrefillSm90Ws)}
 _DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
            "e4m3": cutlass.Float8E4M3FN}
 # q_idx / k_idx element types of the indexer (see variants.INDEX_DTYPES).
@@ -120,12 +123,14 @@ def fmha_args(variant: FmhaVariant):
     total_q, hq, hkv, batch = _dyn(), _dyn(), _dyn(), _dyn()
     kv_shape = (_dyn(), hkv, 128, 128) if variant.paged else (_dyn(), hkv, 128)
     v_shape, table_shape = kv_shape, (_dyn(), _dyn())
-    if variant.form in fmha_ws_forms_with("v_transposed"):
+    form = FMHA_FORMS[variant.form]
+    if form.options.get("v_transposed"):
         # V transposed ahead: Vt [blocks, Hkv, 128 channels, 128 keys']; page_table [2, B, W]
         # (K's pages, then each key block's Vt block).
         v_shape, table_shape = (_dyn(), hkv, 128, 128), (2, _dyn(), _dyn())
-    split = variant.form == "split"
-    warp_specialized = variant.form in FMHA_WS_FORMS
+    split = form.kernel == "FmhaSm90Split"
+    max_score = form.kernel == "FmhaSm90MaxScore"
+    warp_specialized = form.kernel == "FmhaSm90Ws"
     if split:
         splits = _dyn()
         outputs = [_tensor(cutlass.Float32, (splits, total_q, hq, 128)),      # o_partial
@@ -142,7 +147,7 @@ def fmha_args(variant: FmhaVariant):
         cutlass.Float32(1.0), cutlass.Float32(1.0),         # logit_scale_log2, output_scale
         cutlass.Int32(1), cutlass.Int32(1),                 # causal, grid_q_tiles
     ] + ([_tensor(cutlass.Float32, (hq, _dyn(), total_q)),  # max_score [Hq, tiles, total_q]
-          cutlass.Float32(1.0)] if variant.max_score else []) + (
+          cutlass.Float32(1.0)] if max_score else []) + (
         [cutlass.Int32(2)] if split else []) + (            # num_splits
         [cutlass.Int32(132)] if warp_specialized else []) + [   # num_ctas (persistent forms)
         make_fake_stream(),
@@ -150,30 +155,17 @@ def fmha_args(variant: FmhaVariant):
 
 
 def attention_kernel(variant: AttentionVariant):
-    """The kernel object of an attention variant: warpgroup MMA (wgmma) for bf16, fp16 and
-    e4m3 partials, warp MMA for fp32 partials. MSA_CUTE_MMA=warp forces the warp-MMA kernel for
-    bf16 Q/K/V with 16-bit partials; the FP8 modes exist only on the wgmma kernel."""
+    """The kernel object of a sparse attention variant: its form's kernel class
+    (variants.SPARSE_FORMS) with the form's options."""
+    form = SPARSE_FORMS[variant.form]
     partial = _DTYPES[variant.partial_dtype]
-    if variant.form in SPARSE_WS_FORMS:
-        if (variant.qhead_per_kv not in WS_GROUPS or variant.dtype not in WS_DTYPES
-                or partial.width == 32):
-            raise NotImplementedError(f"{variant.name}: the warp-specialized form exists for "
-                                      f"G in {WS_GROUPS}, {'/'.join(WS_DTYPES)} Q/K/V and "
-                                      "16-bit or e4m3 partials")
-        return SparsePrefillSm90Ws(variant.qhead_per_kv, variant.paged, partial,
-                                   mode="bf16" if variant.dtype == "bfloat16" else "e4m3",
-                                   **(WS3W if variant.form == "ws3w" else {}))
-    if variant.form:
-        raise NotImplementedError(f"{variant.name}: unknown attention form {variant.form!r}")
-    if variant.dtype in FP8_MODES:
-        if partial.width == 32:
-            raise NotImplementedError(f"{variant.name}: FP8 modes have no fp32 partials")
-        return SparsePrefillSm90Wgmma(variant.qhead_per_kv, variant.paged, partial,
-                                      mode=variant.dtype)
-    use_wgmma = partial.width == 8 or (
-        partial.width == 16 and os.environ.get("MSA_CUTE_MMA", "wgmma") != "warp")
-    cls = SparsePrefillSm90Wgmma if use_wgmma else SparsePrefillSm90
-    return cls(variant.qhead_per_kv, variant.paged, partial)
+    if not form.builds(variant.dtype, variant.qhead_per_kv, variant.partial_dtype):
+        raise NotImplementedError(f"{variant.name}: form {form.name} is not built for it")
+    cls = KERNELS[form.kernel]
+    if cls is SparsePrefillSm90:
+        return cls(variant.qhead_per_kv, variant.paged, partial)
+    mode = "bf16" if variant.dtype == "bfloat16" else variant.dtype
+    return cls(variant.qhead_per_kv, variant.paged, partial, mode=mode, **form.options)
 
 
 def compile_variant(variant, *, dump_dir: Optional[str] = None):
@@ -185,31 +177,21 @@ def compile_variant(variant, *, dump_dir: Optional[str] = None):
         os.makedirs(dump_dir, exist_ok=True)
         options += f" --keep-ptx --dump-dir={os.path.abspath(dump_dir)}"
     if isinstance(variant, AttentionVariant):
-        if variant.dtype not in _QKV_DTYPES:
-            raise NotImplementedError(f"{variant.name}: Q/K/V dtype {variant.dtype} is not "
-                                      "implemented")
         kernel = attention_kernel(variant)
         return cute.compile(kernel, *attention_args(variant), options=options)
     if isinstance(variant, CombineVariant):
         kernel = SparseCombineSm90(_DTYPES[variant.partial_dtype])
         return cute.compile(kernel, *combine_args(variant), options=options)
     if isinstance(variant, BlockMaxScoreVariant):
-        kernel = BlockMaxScoreSm90(variant.num_heads, variant.paged,
-                                   _INDEX_DTYPES[variant.dtype], split_keys=variant.decode)
+        form = INDEXER_FORMS[variant.form]
+        kernel = KERNELS[form.kernel](variant.num_heads, variant.paged,
+                                      _INDEX_DTYPES[variant.dtype], **form.options)
         return cute.compile(kernel, *block_max_score_args(variant), options=options)
     if isinstance(variant, FmhaVariant):
-        if variant.form == "split":
-            kernel = FmhaSm90Split(variant.paged, _DTYPES[variant.dtype])
-        elif variant.form != "plain":
-            forms = fmha_ws_forms(variant.dtype)
-            if variant.max_score or variant.form not in forms:
-                raise NotImplementedError(f"{variant.name}: the warp-specialized FMHA forms are "
-                                          f"{', '.join(forms)} ({variant.dtype}), O only")
-            _, form_options = FMHA_WS_FORMS[variant.form]
-            kernel = FmhaSm90Ws(variant.paged, _DTYPES[variant.dtype], **form_options)
-        elif variant.max_score:
-            kernel = FmhaSm90MaxScore(variant.paged, _DTYPES[variant.dtype])
-        else:
-            kernel = FmhaSm90(variant.paged, _DTYPES[variant.dtype])
+        form = FMHA_FORMS[variant.form]
+        if variant.dtype not in form.dtypes:
+            raise NotImplementedError(f"{variant.name}: form {form.name} is built for "
+                                      f"{', '.join(form.dtypes)}")
+        kernel = KERNELS[form.kernel](variant.paged, _DTYPES[variant.dtype], **form.options)
         return cute.compile(kernel, *fmha_args(variant), options=options)
     raise TypeError(f"variant: unknown kind {type(variant).__name__}")

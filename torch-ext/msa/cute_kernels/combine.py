@@ -27,13 +27,11 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
-from .tile_utils import group_max, group_sum
+from .geometry import HEAD_DIM, LN_2, LOG2_E
+from .softmax import group_max, group_sum
 
-HEAD_DIM = 128
 WARPS_PER_CTA = 4
 UNROLL = 8             # slots whose partial rows are loaded together (4 for fp32 partials)
-LOG2_E = 1.4426950408889634
-LN_2 = 0.6931471805599453
 
 
 class SparseCombineSm90:

@@ -1,4 +1,7 @@
-"""Dense FMHA forward for Hopper (sm_90a), in the CuTe DSL: the native `fmha_dense` backend.
+"""Dense FMHA forward for Hopper (sm_90a), the plain block loop: the max-score form (O and the
+per-block max-score output, fmha mode 1) and the split-KV form of
+cute_kernels.variants.FMHA_FORMS. (O-only calls run on the warp-specialized forms,
+fmha_sm90_ws.py.)
 
 Semantics (contract §2.2, msa.reference.dense_attention): for request b, batch-local query i and
 q head h (KV head h // G), key j is visible iff j < kv_len[b] and, when causal,
@@ -14,22 +17,22 @@ Work decomposition (query-outer, FlashAttention style):
   up in page_table when paged), shared by both warpgroups;
 * per block each warpgroup runs S = Q K^T (SS wgmma m64n128k16 x 8), the online softmax
   (running row max and sum, accumulator rescaled when the max grows, masking only in rows that
-  do not see the whole block), and O += P V with P in registers (RS wgmma, V MN-major);
+  do not see the whole block), and O += P V with P in registers (RS wgmma, V MN-major; e4m3:
+  P rounded to e4m3, V transposed per block into a key-permuted Vt);
 * at the end O / sum * output_scale is staged in the warpgroup's Q rows and written as 16-byte
-  row segments.
+  row segments (split-KV: fp32 partial rows and their LSE, straight from the accumulator).
 
-The block loop is plain: per block a barrier, then S, the softmax and P V, each waited for.
-(A pipelined loop, S(j+1) and P(j) V(j) in flight together, measured 3-9 % slower on the H200
-and was removed: docs/design-fmha.md.)
+Per block: a barrier, then S, the softmax and P V, each waited for (the max-score and split-KV
+calls it serves are few; the O-only calls run the warp-specialized forms).
 
 Shared memory: Q 2 x 16 KB + 2 stages x (K 32 KB + V 32 KB) = 160 KB, one CTA (8 warps) per SM.
-Grid (max query tiles, Hq, B); x runs from the last (heaviest under causal masking) tile. Every
-index read from a tensor (lengths, offsets, pages) is clamped to the tensor it addresses: a
-request's rows past the tensors are neither read nor written.
+Grid (max query tiles, Hq, B) (split-KV: B x num_splits); x runs from the last (heaviest under
+causal masking) tile. Every index read from a tensor (lengths, offsets, pages) is clamped to the
+tensor it addresses: a request's rows past the tensors are neither read nor written.
 
 Tensors (dynamic sizes are runtime values):
-  q            [total_q, Hq, 128] bf16          o  [total_q, Hq, 128] bf16
-  k, v         dense [total_k, Hkv, 128] or paged [pages, Hkv, 128, 128] bf16
+  q            [total_q, Hq, 128] bf16 / e4m3   o  [total_q, Hq, 128] bf16
+  k, v         dense [total_k, Hkv, 128] or paged [pages, Hkv, 128, 128], q's dtype
   cu_seqlens_q [B+1] int32; cu_seqlens_k [B+1] int32 (dense token offsets; unused when paged)
   kv_lens      [B] int32;  qo_offset [B] int32;  page_table [B, max_pages] int32 (paged)
   logit_scale_log2, output_scale: fp32; causal: int32 flag.
@@ -39,212 +42,26 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import warpgroup
 
-from .tile_utils import (kv_row_iterator, mask_row_and_max, quad_max, quad_sum,
-                         register_p_operand, row_copy, smem_tile, transpose_v_copies,
-                         transpose_v_words, warp_row_store_copy, warpgroup_gemm,
-                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+from .copies import copy_kv_rows, load_q_rows, row_copy, smem_tile
+from .epilogue import write_o_rows
+from .fp8 import register_p_operand, transpose_v_copies, transpose_v_words
+from .geometry import BLOCK_N, HEAD_DIM, LN_2, WG_ROWS
+from .mma import (mmas_and_o_copies, warpgroup_gemm, wgmma_accumulator_as_operand_a,
+                  wgmma_rows_cols_view)
+from .scheduling import request_bounds, tile_key_blocks
+from .softmax import online_softmax, quad_sum
 
-HEAD_DIM = 128
-BLOCK_N = 128            # keys per block (= page size)
-WG_ROWS = 64             # rows per warpgroup MMA (m64)
 NUM_WARPGROUPS = 2
 TILE_M = WG_ROWS * NUM_WARPGROUPS
 NUM_THREADS = 128 * NUM_WARPGROUPS
 KV_STAGES = 2
-ROWS_PER_WARP = 16
-LN_2 = 0.6931471805599453
-
-
-def mmas_and_o_copies(dtype, out_dtype):
-    """(mma_qk, mma_pv, stage_o_copy, store_o_copy) of a 64-row warpgroup tile: S = Q K^T
-    (SS, both K-major), O = P V with P in registers (V stored [key, channel] is the MN-major B
-    operand; e4m3: B is the K-major Vt tile), accumulator -> staged O rows (two adjacent columns
-    per store), then 16-byte row segments to global memory. Shared by the plain and the
-    warp-specialized kernels; called while tracing."""
-    mma_qk = hopper.make_trivial_tiled_mma(
-        dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-        cutlass.Float32, (1, 1, 1), (WG_ROWS, BLOCK_N))
-    mma_pv = hopper.make_trivial_tiled_mma(
-        dtype, dtype, cute.nvgpu.OperandMajorMode.K,
-        cute.nvgpu.OperandMajorMode.K if dtype.width == 8 else cute.nvgpu.OperandMajorMode.MN,
-        cutlass.Float32, (1, 1, 1), (WG_ROWS, HEAD_DIM),
-        a_source=warpgroup.OperandSource.RMEM)
-    stage_o_copy = cute.make_tiled_copy_C(
-        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype,
-                            num_bits_per_copy=2 * out_dtype.width), mma_pv)
-    return mma_qk, mma_pv, stage_o_copy, warp_row_store_copy(out_dtype, HEAD_DIM)
-
-
-def consumer_fragments(mma_qk, mma_pv, wg_tidx, sQ: cute.Tensor, sK: cute.Tensor,
-                       sVt: cute.Tensor):
-    """A 64-row consumer warpgroup's views of the MMAs of mmas_and_o_copies: (tSrQ, tSrK,
-    tOrVt) fragments of the Q / K / Vt tiles (trailing stage modes kept), tScS the (row, col)
-    coordinates of its S accumulator, the S and O accumulators (fp32) and the shape of P as
-    the A operand of P V. Shared by the warp-specialized FMHA and sparse kernels; called while
-    tracing."""
-    thr_qk = mma_qk.get_slice(wg_tidx)
-    thr_pv = mma_pv.get_slice(wg_tidx)
-    tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-    tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
-    tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
-    tScS = wgmma_rows_cols_view(
-        thr_qk.partition_C(cute.make_identity_tensor((WG_ROWS, BLOCK_N))))
-    acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((WG_ROWS, BLOCK_N)),
-                                  cutlass.Float32)
-    acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((WG_ROWS, HEAD_DIM)),
-                                  cutlass.Float32)
-    return tSrQ, tSrK, tOrVt, tScS, acc_s, acc_o, thr_pv.partition_shape_A((WG_ROWS, BLOCK_N))
-
-
-@cute.jit
-def request_bounds(mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable, request, key_rows,
-                   paged: cutlass.Constexpr):
-    """(q_start, q_len, kv_len, offset, k_row0, n_q_tiles) of one request, every index clamped
-    to the tensor it addresses: query rows to q, dense key rows to the key_rows of k, paged key
-    lengths to the page table's width."""
-    total_q = mQ.shape[0]
-    q_start = cutlass.max(cutlass.min(mCuQ[request], total_q), 0)
-    q_len = cutlass.min(mCuQ[request + 1], total_q) - q_start
-    kv_len = mKvLens[request]
-    offset = mOffset[request]
-    k_row0 = cutlass.Int32(0)
-    if cutlass.const_expr(not paged):
-        k_row0 = cutlass.max(mCuK[request], 0)
-        kv_len = cutlass.min(kv_len, key_rows - k_row0)
-    else:
-        kv_len = cutlass.min(kv_len, mPageTable.shape[1] * BLOCK_N)
-    n_q_tiles = (q_len + TILE_M - 1) // TILE_M
-    return q_start, q_len, kv_len, offset, k_row0, n_q_tiles
-
-
-@cute.jit
-def store_max_score(mMaxScore: cute.Tensor, score_scale: cutlass.Float32,
-                    blk_max: cutlass.Float32, head: cutlass.Int32, blk: cutlass.Int32,
-                    q_start: cutlass.Int32, q_local: cutlass.Int32, q_len: cutlass.Int32,
-                    lane: cutlass.Int32):
-    """max_score[head, blk, query] = score_scale * (the row's max over the block's visible
-    keys), -inf where none is visible; one lane of the quad that shares the row writes.
-    Blocks the tile never streams keep the caller's -inf fill."""
-    if lane % 4 == 0 and q_local < q_len and blk < mMaxScore.shape[1]:
-        value = blk_max * score_scale
-        if blk_max == -cutlass.Float32.inf:
-            value = -cutlass.Float32.inf
-        mMaxScore[head, blk, q_start + q_local] = value
-
-
-@cute.jit
-def online_softmax(acc_s: cute.Tensor, blk: cutlass.Int32, row_max: cute.Tensor,
-                   row_sum: cute.Tensor, tScS: cute.Tensor, wg_q0: cutlass.Int32,
-                   kv_len: cutlass.Int32, offset: cutlass.Int32, causal: cutlass.Int32,
-                   scale_log2: cutlass.Float32, o_rc=None, corr=None, max_score=None,
-                   mask: cutlass.Constexpr = True):
-    """S of key block `blk` -> P = exp2(S * scale_log2 - new max) in place (masked keys 0); the
-    running max and sum move on. The correction exp2(old max - new max) rescales the O
-    accumulator rows o_rc here, or is left in corr[i] for the caller to apply (the
-    warp-specialized kernel, whose previous P V may still be in flight). With max_score =
-    (mMaxScore, score_scale, head, q_start, q_len, lane), each row's scaled max over the block's
-    visible keys is stored too (store_max_score). mask=False: every row sees the whole block.
-    row_sum=None: the caller sums P elsewhere (the e4m3 forms that add P times a ones tile on
-    the tensor core, FmhaSm90Ws's mma_row_sum)."""
-    key0 = blk * BLOCK_N
-    s_rc = wgmma_rows_cols_view(acc_s)
-    n_my_cols = cute.size(tScS, mode=[1])
-    for i in cutlass.range_constexpr(cute.size(tScS, mode=[0])):
-        q_local = wg_q0 + tScS[i, 0][0]
-        visible_end = BLOCK_N                           # block keys [0, end) visible
-        if cutlass.const_expr(mask):                    # (else the caller knows: all of them)
-            visible_end = kv_len - key0
-            if causal != 0:
-                visible_end = cutlass.min(visible_end, q_local + offset - key0 + 1)
-        blk_max = quad_max(mask_row_and_max(s_rc, i, tScS, n_my_cols, visible_end, BLOCK_N))
-        if cutlass.const_expr(max_score is not None):
-            mMaxScore, score_scale, head, q_start, q_len, lane = max_score
-            store_max_score(mMaxScore, score_scale, blk_max, head, blk, q_start, q_local,
-                            q_len, lane)
-        new_max = cute.arch.fmax(row_max[i], blk_max * scale_log2)
-        base = new_max
-        if new_max == -cutlass.Float32.inf:
-            base = 0.0                                  # nothing visible yet: p = 0
-        correction = cute.math.exp2(row_max[i] - base, fastmath=True)
-        row_max[i] = new_max
-        part = cutlass.Float32(0.0)
-        for j in cutlass.range_constexpr(n_my_cols):
-            p = cute.math.exp2(s_rc[i, j] * scale_log2 - base, fastmath=True)
-            if cutlass.const_expr(row_sum is not None):
-                part = part + p
-            s_rc[i, j] = p
-        if cutlass.const_expr(row_sum is not None):
-            row_sum[i] = row_sum[i] * correction + part
-        if cutlass.const_expr(o_rc is not None):
-            for j in cutlass.range_constexpr(n_my_cols):
-                o_rc[i, j] = o_rc[i, j] * correction
-        else:
-            corr[i] = correction
-
-
-@cute.jit
-def load_q_rows(mQ: cute.Tensor, q_copy: cute.TiledCopy, thr_q_copy, tQsQ: cute.Tensor,
-                tQcQ: cute.Tensor, wg_q0: cutlass.Int32, q_start: cutlass.Int32,
-                q_len: cutlass.Int32, head: cutlass.Int32):
-    """cp.async a warpgroup's Q rows (tQsQ: its partition of the warpgroup's Q tile, tQcQ the
-    matching coordinates; row r is query wg_q0 + r of the request, head `head`); rows past
-    q_len are zero-filled, never read. The caller commits the copy group. Shared by the plain
-    and the warp-specialized kernels."""
-    row_stride0 = cute.make_layout((WG_ROWS, HEAD_DIM), stride=(0, 1))
-    for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
-        q_local = wg_q0 + tQcQ[0, m, 0][0]
-        if q_local < q_len:
-            q_row = mQ[q_start + q_local, head, None]
-            gQ = thr_q_copy.partition_S(cute.make_tensor(q_row.iterator, row_stride0))
-            cute.copy(q_copy, gQ[None, m, None], tQsQ[None, m, None])
-        else:
-            tQsQ[None, m, None].fill(0)
-
-
-@cute.jit
-def write_o_rows(mO, o_rc, acc_o, row_sum, n_my_rows: cutlass.Constexpr,
-                 n_my_cols: cutlass.Constexpr, output_scale, sO_mine, wg_tidx, warp_in_wg, lane,
-                 wg_q0, q_start, q_len, head, stage_o_copy, store_o_copy, out_dtype,
-                 row_sum_whole: cutlass.Constexpr = False):
-    """A warpgroup's O rows: acc / sum * output_scale, staged (out_dtype) in sO_mine (its Q
-    rows, or its own O tile for e4m3 q) and written as 16-byte row segments of mO. Warp w of
-    the warpgroup holds rows 16w..16w+15, which only its own S wgmmas read. Shared by the plain
-    and the warp-specialized kernels. row_sum: this thread's part of each row's sum (summed
-    over the quad here), or with row_sum_whole the whole sum."""
-    for i in cutlass.range_constexpr(n_my_rows):
-        total = row_sum[i]
-        if cutlass.const_expr(not row_sum_whole):
-            total = quad_sum(row_sum[i])
-        inv = cutlass.Float32(0.0)
-        if total > 0.0:
-            inv = output_scale / total
-        for j in cutlass.range_constexpr(n_my_cols):
-            o_rc[i, j] = o_rc[i, j] * inv
-    r_o = cute.make_fragment_like(acc_o, out_dtype)
-    r_o.store(acc_o.load().to(out_dtype))
-    thr_stage_o = stage_o_copy.get_slice(wg_tidx)
-    cute.copy(stage_o_copy, thr_stage_o.retile(r_o), thr_stage_o.partition_D(sO_mine))
-    cute.arch.sync_warp()
-    thr_store_o = store_o_copy.get_slice(lane)
-    tWsO = thr_store_o.partition_S(
-        cute.local_tile(sO_mine, (ROWS_PER_WARP, HEAD_DIM), (warp_in_wg, 0)))
-    tWcO = thr_store_o.partition_S(cute.make_identity_tensor((ROWS_PER_WARP, HEAD_DIM)))
-    r_out = cute.make_fragment_like(tWsO)
-    r_out.store(tWsO.load())
-    warp_row_stride0 = cute.make_layout((ROWS_PER_WARP, HEAD_DIM), stride=(0, 1))
-    for m in cutlass.range_constexpr(cute.size(tWsO.shape[1])):
-        q_local = wg_q0 + warp_in_wg * ROWS_PER_WARP + tWcO[0, m, 0][0]
-        if q_local < q_len:
-            o_row = mO[q_start + q_local, head, None]
-            gO = thr_store_o.partition_D(cute.make_tensor(o_row.iterator, warp_row_stride0))
-            cute.copy(store_o_copy, r_out[None, m, None], gO[None, m, None])
 
 
 class FmhaSm90:
-    """Compile-time configuration of one dense FMHA variant (see cute_kernels.variants)."""
+    """The plain block loop, configured at compile time (dense or paged K/V, bf16 or e4m3);
+    FmhaSm90MaxScore and FmhaSm90Split are the compiled forms."""
 
     def __init__(self, paged: bool, dtype=cutlass.BFloat16):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
@@ -254,15 +71,6 @@ class FmhaSm90:
         # e4m3: QK^T on e4m3 wgmma; P rounded to e4m3 and kept in registers; V transposed per
         # block into a key-permuted Vt tile (the e4m3 B operand must be K-major).
         self.fp8 = dtype.width == 8
-
-    @cute.jit
-    def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor,
-                 cu_seqlens_q: cute.Tensor, cu_seqlens_k: cute.Tensor, kv_lens: cute.Tensor,
-                 qo_offset: cute.Tensor, page_table: cute.Tensor,
-                 logit_scale_log2: cutlass.Float32, output_scale: cutlass.Float32,
-                 causal: cutlass.Int32, grid_q_tiles: cutlass.Int32, stream):
-        self._launch(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
-                     logit_scale_log2, output_scale, causal, grid_q_tiles, None, None, stream)
 
     @cute.jit
     def _launch(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor,
@@ -306,31 +114,12 @@ class FmhaSm90:
                               causal, q_layout, kv_layout, q_copy, kv_copy, mma_qk, mma_pv,
                               stage_o_copy, store_o_copy, vt_layout, o_layout,
                               SharedStorage).launch(**launch)
-        elif cutlass.const_expr(max_score is None):
-            self.kernel(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset, page_table,
-                        logit_scale_log2, output_scale, causal, q_layout, kv_layout, q_copy,
-                        kv_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, vt_layout,
-                        o_layout, SharedStorage).launch(**launch)
         else:
             self.kernel_max_score(q, k, v, o, cu_seqlens_q, cu_seqlens_k, kv_lens, qo_offset,
                                   page_table, logit_scale_log2, output_scale, causal, max_score,
                                   score_scale, q_layout, kv_layout, q_copy, kv_copy, mma_qk,
                                   mma_pv, stage_o_copy, store_o_copy, vt_layout, o_layout,
                                   SharedStorage).launch(**launch)
-
-    @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mCuQ: cute.Tensor, mCuK: cute.Tensor, mKvLens: cute.Tensor,
-               mOffset: cute.Tensor, mPageTable: cute.Tensor,
-               scale_log2: cutlass.Float32, output_scale: cutlass.Float32,
-               causal: cutlass.Int32, q_layout: cute.ComposedLayout,
-               kv_layout: cute.ComposedLayout, q_copy: cute.TiledCopy, kv_copy: cute.TiledCopy,
-               mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, stage_o_copy: cute.TiledCopy,
-               store_o_copy: cute.TiledCopy, vt_layout, o_layout,
-               SharedStorage: cutlass.Constexpr):
-        self._cta(mQ, mK, mV, mO, mCuQ, mCuK, mKvLens, mOffset, mPageTable, scale_log2,
-                  output_scale, causal, None, None, q_layout, kv_layout, q_copy, kv_copy, mma_qk,
-                  mma_pv, stage_o_copy, store_o_copy, vt_layout, o_layout, SharedStorage)
 
     @cute.kernel
     def kernel_max_score(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
@@ -396,7 +185,8 @@ class FmhaSm90:
 
         head_kv = head // (mQ.shape[1] // mK.shape[1])
         q_start, q_len, kv_len, offset, k_row0, n_q_tiles = request_bounds(
-            mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable, request, mK.shape[0], self.paged)
+            mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable, request, mK.shape[0], self.paged,
+            TILE_M)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -411,13 +201,8 @@ class FmhaSm90:
 
         # The last (heaviest) tiles first; x strides when the grid is smaller than the tiles.
         for walk in range(cta_x, n_q_tiles, grid_x):
-            q_tile = n_q_tiles - 1 - walk
-            q_lo = q_tile * TILE_M                         # first local query of the tile
-            # Keys [0, kv_end) are visible to some query of the tile.
-            kv_end = kv_len
-            if causal != 0:
-                kv_end = cutlass.min(kv_end, cutlass.min(q_lo + TILE_M, q_len) + offset)
-            n_blocks = cutlass.max((kv_end + BLOCK_N - 1) // BLOCK_N, 0)
+            q_lo, n_blocks = tile_key_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal,
+                                             TILE_M)
             if cutlass.const_expr(num_splits is None):
                 self._tile(mQ, mK, mV, mO, mPageTable, request, head, head_kv, q_start, q_len,
                            q_lo, kv_len, k_row0, offset, causal, n_blocks, scale_log2,
@@ -593,18 +378,8 @@ class FmhaSm90:
                 base = 0
         tKsK = thr_kv_copy.partition_D(sK_stages[None, None, stage])
         tVsV = thr_kv_copy.partition_D(sV_stages[None, None, stage])
-        for m in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
-            key = tKVcKV[0, m, 0][0]
-            if key < n_keys:
-                k_ptr = kv_row_iterator(mK, self.paged, base, head_kv, key)
-                v_ptr = kv_row_iterator(mV, self.paged, base, head_kv, key)
-                gK = thr_kv_copy.partition_S(cute.make_tensor(k_ptr, kv_row_stride0))
-                gV = thr_kv_copy.partition_S(cute.make_tensor(v_ptr, kv_row_stride0))
-                cute.copy(kv_copy, gK[None, m, None], tKsK[None, m, None])
-                cute.copy(kv_copy, gV[None, m, None], tVsV[None, m, None])
-            else:
-                tKsK[None, m, None].fill(0)
-                tVsV[None, m, None].fill(0)
+        copy_kv_rows(mK, mV, self.paged, base, head_kv, n_keys, kv_copy, thr_kv_copy, tKsK, tVsV,
+                     tKVcKV, kv_row_stride0)
 
     def _shared_storage(self, q_layout, kv_layout, vt_layout, o_layout):
         """Shared-memory struct: Q, K and V stages; e4m3 adds the key-permuted Vt tile and a
@@ -619,7 +394,7 @@ class FmhaSm90:
     @cute.jit
     def _transpose_v(self, sV_stage: cute.Tensor, sVt: cute.Tensor, tidx: cutlass.Int32):
         """e4m3: the V rows of a stage (key, channel) into Vt (channel, pi(key)), the key order
-        register_p_operand hands P in, a 4-byte word per store (tile_utils.transpose_v_words)."""
+        register_p_operand hands P in, a 4-byte word per store (fp8.transpose_v_words)."""
         load, store = transpose_v_copies(self.dtype)
         transpose_v_words(sV_stage, sVt, load, store, tidx)
 

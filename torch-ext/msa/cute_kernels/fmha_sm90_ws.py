@@ -1,20 +1,15 @@
-"""Dense FMHA forward for Hopper (sm_90a), warp-specialized (variants
-fmha_sm90_{bfloat16,e4m3}_{dense,paged}_ws*; they serve O-only calls).
-Same semantics and arguments as FmhaSm90 (cute_kernels/fmha_sm90.py, O only, bf16 or e4m3
-q/k/v) plus the SM count (num_ctas); the same grid, except the persistent forms (wsup, wsutp:
-min(items, num_ctas) CTAs walking the (query tile, head, request) items). Only the way the key
-blocks are streamed and the two warpgroups are scheduled differs. e4m3: as the plain e4m3
-kernel, P is rounded to e4m3 in registers and handed in the key order of
-register_p_key_order, so P V reads a key-permuted, K-major Vt: in the wsut forms (wsuts /
-wsutps serve e4m3) the Vt blocks come transposed ahead of the kernel (the
-fmha_transpose_v_e4m3 CUDA op) and the producer TMA-loads them as it loads K; in ws / wsf / wsu
-the producer TMA-loads raw V into its own ring and warps 1-3 of the producer warpgroup
-transpose it (tile_utils.transpose_v_words with n_keys: 32-bit words, byte permutes; keys past
-kv_len written as zeros) into Vt stages. The consumers wait for and release Vt stages as they
-do V in bf16.
+"""Dense FMHA forward for Hopper (sm_90a), warp-specialized: the O-only forms of
+cute_kernels.variants.FMHA_FORMS (bf16 wsu / wsup, e4m3 wsuts / wsutps).
 
-Roles (384 threads, one CTA per SM; the persistent forms walk work items, see `_item` and
-`_snake`, and their producer loads Q too, see `_load_q`):
+Same semantics as the plain block loop (fmha_sm90.py) and its arguments plus the SM count
+(num_ctas), O only. One CTA per query tile of a (head, request), or, persistent, min(items,
+num_ctas) CTAs walking the (query tile, head, request) items. e4m3: P is rounded to e4m3 in
+registers straight into the A fragment of P V, in the key order of fp8.register_p_key_order, so
+P V reads a key-permuted, K-major Vt: the Vt blocks come transposed ahead of the kernel (the
+fmha_transpose_v_e4m3 CUDA op) and the producer TMA-loads them as it loads K.
+
+Roles (384 threads, one CTA per SM; the persistent forms walk work items, see
+scheduling.persistent_item / snake_item, and their producer loads Q too, see `_load_q`):
 
 * warpgroup 0 is the producer (setmaxnreg down to PRODUCER_REGS); its warp 0 loads the K and V
   blocks of every tile the CTA walks with TMA into a KV_STAGES-deep ring, K and V with their own
@@ -22,34 +17,30 @@ Roles (384 threads, one CTA per SM; the persistent forms walk work items, see `_
   per consumer warp). Dense K/V: a 128-row box at the request's token offset (rows past the
   tensor are zero-filled by the TMA; rows past kv_len that belong to the next request are read
   and masked). Paged: the page from page_table (a page id outside the pool is out of the box's
-  bounds, so the TMA zero-fills it, as the cp.async kernel does). The V block holding kv_len's
-  tail goes through a scratch mbarrier instead: the producer waits for it, zeroes the rows past
-  kv_len (a masked P is exactly 0, but 0 * NaN from unused page slots or unused cache rows is
-  not) and only then arrives on the V full barrier.
+  bounds, so the TMA zero-fills it). bf16: the V block holding kv_len's tail goes through a
+  scratch mbarrier instead: the producer waits for it, zeroes the rows past kv_len (a masked P
+  is exactly 0, but 0 * NaN from unused page slots or unused cache rows is not) and only then
+  arrives on the V full barrier (e4m3 Vt blocks are zero past kv_len already).
 * warpgroups 1 and 2 are consumers (setmaxnreg up to MMA_REGS), 64 query rows each, Q loaded by
-  the warpgroup itself with cp.async (zero past q_len). Per key block j a consumer issues
-  S(j) = Q K(j)^T and O += P(j-1) V(j-1) back to back in one turn, waits for both, then runs
-  the softmax of block j and rescales O; block 0's S and the last P V are peeled so the loop
-  body issues its wgmmas unconditionally. (Measured and removed, docs/design-fmha.md: 3 K/V
-  stages, an intra-warpgroup overlap that rescaled O after the own P V, a lazy O rescale.)
-  Form "wsf" (validated; slower than wsu): FlashAttention-3's order, O rescaled under S(j)
-  and the softmax of block j under the own P(j-1) V(j-1) (the constructor's `overlap`).
-  Form "wsu" (the constructor's `uniform`; it and its persistent / V-transposed variants
-  serve both dtypes, picked per call by msa._native.fmha_sm90.served_ws_form): every tile
-  starts on K/V stage 0 (producer, e4m3 transposer and consumers), the blocks every row of the
-  tile sees whole run in unrolled pairs (block 2i+1 on stage 1, 2i+2 on stage 0, no mask), the
-  rest one by one, and the consumer body is traced once per warpgroup, so that the wgmma
-  descriptors are static offsets in uniform registers.
+  the warpgroup itself with cp.async (zero past q_len) or, persistent, by the producer. Per key
+  block j a consumer issues S(j) = Q K(j)^T and O += P(j-1) V(j-1) back to back in one turn,
+  waits for both, then runs the softmax of block j and rescales O; block 0's S and the last P V
+  are peeled so the loop body issues its wgmmas unconditionally.
+* static stages: every tile starts on K/V stage 0, the blocks every row of the tile sees whole
+  run in unrolled pairs (block 2i+1 on stage 1, 2i+2 on stage 0, no mask), the rest one by one,
+  and the consumer body is traced once per warpgroup, so that every wgmma descriptor is a
+  constant offset of the shared-memory base held in uniform registers (rebuilding them in
+  vector registers costs ~12 instructions per wgmma, the longest part of a turn). Stage phases
+  come from the parity of each stage's uses (_stage_phase).
 * ping-pong: the two GEMM issues of a block are a turn; turns alternate between the consumers
   through two named barriers (a consumer waits on its own, then arrives on the other's), so
   one warpgroup's softmax runs under the other's GEMMs (FlashAttention-3's schedule). Both
   consumers take n_blocks + 1 turns per tile, so the alternation stays matched.
 
 Shared memory: bf16 Q 2 x 16 KB + 2 stages x (K 32 KB + V 32 KB) + mbarriers (160 KB; wsup
-adds O 2 x 16 KB: 192 KB); e4m3 Q 2 x 8 KB + 2 stages x (K, raw V, Vt 16 KB each) + O 2 x 16
-KB (bf16) (144 KB; wsut / wsutp: no raw V, 112 KB; wsuts / wsutps add the 1 KB ones tile).
-Registers: bf16 and e4m3 wsut 24 (producer) / 240 (consumers); the persistent forms 40 / 232;
-the other e4m3 forms 72 / 216 (the transposer warps need more than 24: they use up to R70).
+adds O 2 x 16 KB: 192 KB); e4m3 Q 2 x 8 KB + 2 stages x (K, Vt 16 KB each) + O 2 x 16 KB (bf16)
++ the 1 KB ones tile (113 KB). Registers: 24 (producer) / 240 (consumers); the persistent forms
+40 / 232.
 """
 
 from __future__ import annotations
@@ -62,34 +53,29 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .fmha_sm90 import (consumer_fragments, load_q_rows, mmas_and_o_copies, online_softmax,
-                        request_bounds, write_o_rows)
-from .tile_utils import (pack_bf16_pairs, pack_e4m3_operand_a, pack_e4m3_quads,
-                         register_p_operand, row_copy,
-                         scale_rows, smem_tile, transpose_v_copies, transpose_v_words,
-                         warpgroup_gemm_issue, wgmma_accumulator_as_operand_a,
-                         wgmma_rows_cols_view)
+from .copies import load_q_rows, row_copy, smem_tile
+from .epilogue import write_o_rows
+from .fp8 import pack_e4m3_operand_a
+from .geometry import BLOCK_N, HEAD_DIM, WG_ROWS
+from .mma import (consumer_fragments, mmas_and_o_copies, pack_bf16_pairs, scale_rows,
+                  warpgroup_gemm_issue, wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+from .pipeline import MbarrierRing, NamedBarrier, next_stage_parity, static_stage_phase
+from .scheduling import (persistent_item, persistent_rounds, request_bounds, snake_item,
+                         tile_key_blocks)
+from .softmax import online_softmax
 
-HEAD_DIM = 128
-BLOCK_N = 128            # keys per block (= page size)
-WG_ROWS = 64             # rows per consumer warpgroup
 NUM_MMA_WARPGROUPS = 2
 TILE_M = WG_ROWS * NUM_MMA_WARPGROUPS
 NUM_THREADS = 128 * (1 + NUM_MMA_WARPGROUPS)
 KV_STAGES = 2
-ROWS_PER_WARP = 16
 # setmaxnreg moves registers inside the CTA's launch allocation: 384 threads launch with 168
 # each (64512, not 64K), so producer * 128 + consumer * 256 must stay <= 64512 or the
 # consumers' setmaxnreg.inc waits forever (tools/compile_cute.py --check enforces it).
 PRODUCER_REGS = 24
 MMA_REGS = 240           # 24 * 128 + 240 * 256 = 64512
-# e4m3: warps 1-3 of the producer warpgroup transpose V (word loads, byte permutes).
-PRODUCER_REGS_FP8 = 72   # the transposer region uses up to R70
-MMA_REGS_FP8 = 216       # 72 * 128 + 216 * 256 = 64512 (80 / 216 hung: 65536)
-# Persistent forms: the producer walks the work items too (24 spilled).
+# Persistent forms: the producer walks the work items too (with 24 registers it spills).
 PRODUCER_REGS_PERSISTENT = 40
 MMA_REGS_PERSISTENT = 232    # 40 * 128 + 232 * 256 = 64512
-TRANSPOSE_WARPS = 3
 # mma_row_sum: P times a (key, SUM_COLS) tile of ones, the narrowest e4m3 wgmma (N = 8).
 SUM_COLS = 8
 # Named barriers (0 is sync_threads): a consumer warpgroup's own (Q published, O staged),
@@ -98,76 +84,55 @@ BAR_WG = 1               # + consumer index, 128 threads
 BAR_TURN = 3             # + consumer index, 256 threads
 
 
+# The kernel's mbarrier array: the K ring, the V ring (Vt for e4m3), the scratch barrier that
+# holds back the bf16 V block with kv_len's tail until its rows past kv_len are zeroed, then
+# (q_by_producer) Q full / Q empty.
+K_RING = MbarrierRing(KV_STAGES)
+V_RING = MbarrierRing(KV_STAGES, first=K_RING.count)
+SCRATCH_MBARRIER = V_RING.first + V_RING.count
+
 
 class FmhaSm90Ws:
     """Compile-time configuration of one warp-specialized dense FMHA variant (O only; bf16, or
-    e4m3 q/k/v with V transposed by the producer warpgroup)."""
+    e4m3 q/k/v with V transposed ahead)."""
 
-    def __init__(self, paged: bool, dtype=cutlass.BFloat16, kv_stages: int = KV_STAGES,
-                 overlap: bool = False, uniform: bool = False, v_transposed: bool = False,
+    def __init__(self, paged: bool, dtype=cutlass.BFloat16, v_transposed: bool = False,
                  persistent: bool = False, mma_row_sum: bool = False):
         assert dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN), dtype
-        # uniform (form "wsu"): every tile starts on K/V stage 0 and the blocks every row
-        # sees whole run in unrolled pairs (mask-free), so their stages are compile-time
-        # constants, and the consumer body is traced once per warpgroup, so its Q tile is too.
-        # Every wgmma descriptor is then a constant offset of the shared-memory base and ptxas
-        # keeps them in uniform registers (ws rebuilds each in vector registers and moves it
-        # with R2UR, ~12 instructions per wgmma: the longest part of a turn). Stage phases come
-        # from the parity of each stage's uses (_stage_phase).
-        # (uniform with overlap: e4m3 spills a few registers in every role; not offered.)
-        assert not (uniform and (overlap or kv_stages != 2))
-        self.uniform = uniform
         self.paged = paged
-        # overlap (form "wsf"): per turn, issue S(j), rescale O to max j-1 while it runs, issue
-        # P(j-1) V(j-1), wait for S(j) only and run the softmax of block j under the own P V;
-        # then wait for it and round P(j) (pinned inline assembly: a plain conversion is sunk
-        # into the next iteration by LLVM, and ptxas then serializes the wgmmas, C7512).
-        self.overlap = overlap
         self.dtype = dtype
         self.fp8 = dtype.width == 8
         self.out_dtype = cutlass.BFloat16
-        self.kv_stages = kv_stages
         self.tile_bytes = BLOCK_N * HEAD_DIM * dtype.width // 8
-        # v_transposed (form "wsut", e4m3 + uniform): the v argument is Vt, V already in the
-        # Vt stages' (channel, key') order, one (128 x 128) block per (request, key block),
-        # keys past kv_len zero (fmha_transpose_v_e4m3); page_table is then [2, B, W]: K's
-        # pages, then each key block's Vt block. The producer TMA-loads Vt as it loads K, so
-        # the transposer warps (~1/3 of the e4m3 ws issue slots, half of them spinning on
-        # mbarriers, and 72 registers each) are gone and the consumers get 240 registers.
-        assert not v_transposed or (self.fp8 and uniform)
+        # v_transposed (the e4m3 forms): the v argument is Vt, V already in the Vt stages'
+        # (channel, key') order, one (128 x 128) block per (request, key block), keys past
+        # kv_len zero (the fmha_transpose_v_e4m3 op); page_table is then [2, B, W]: K's pages,
+        # then each key block's Vt block. The producer TMA-loads Vt as it loads K.
+        # mma_row_sum (the e4m3 forms): the row sums of P come from the tensor core, P (already
+        # e4m3 in registers for P V) times a constant (key, 8) tile of ones in shared memory, 4
+        # more wgmmas (N = 8) per block in P V's group; every thread then holds its rows' whole
+        # sums of the block and adds them to an fp32 running sum (a fresh accumulator per block:
+        # FP8 wgmmas add into their accumulator with fewer bits than fp32). The softmax's
+        # 64-long FADD chains per block and thread go (the e4m3 loop is bound by the consumer's
+        # instruction stream, not the tensor pipe); the sum is over the e4m3-rounded P that P V
+        # uses (the quantized model's sum_quantized_p). P is rounded straight into the A
+        # fragment's word order (fp8.pack_e4m3_operand_a: no byte moves after the conversion).
+        assert v_transposed == mma_row_sum == self.fp8, "e4m3 forms read Vt and sum P on MMA"
         self.v_transposed = v_transposed
-        self.transposer = self.fp8 and not v_transposed
-        # persistent (forms "wsup", "wsutp"): min(work items, num_ctas) CTAs walk the (query
-        # tile, head, request) items heaviest tile first (in boustrophedon rounds, _snake), the
-        # producer running on into the next item's Q and blocks while the consumers finish
-        # one; every CTA otherwise pays its launch, Q load, first S-only block and O store
-        # alone (~4-6 us, 10-15 % of a 4k tile).
-        assert not persistent or (uniform and not self.transposer)
+        self.mma_row_sum = mma_row_sum
+        # persistent: min(work items, num_ctas) CTAs walk the (query tile, head, request) items
+        # heaviest tile first (in boustrophedon rounds, scheduling.snake_item), the producer
+        # running on into the next item's Q and blocks while the consumers finish one; a CTA
+        # per tile otherwise pays its launch, Q load, first S-only block and O store alone.
         self.persistent = persistent
         # Persistent forms: the producer TMA-loads each item's Q into the Q rows as soon as
         # both consumers have issued their last S wgmma (Q full / Q empty mbarriers), so the
         # next item's Q lands under the last P V and the O store; O is then staged in a tile
-        # of its own (the e4m3 forms have one anyway).
+        # of its own (the e4m3 forms have one anyway: their Q rows are too small).
         self.q_by_producer = persistent
         self.own_o_tile = self.fp8 or self.q_by_producer
-        # mma_row_sum (forms "wsuts", "wsutps"): the row sums of P come from the tensor core,
-        # P (already e4m3 in registers for P V) times a constant (key, 8) tile of ones in
-        # shared memory, 4 more wgmmas (N = 8) per block in P V's group; every thread then
-        # holds its rows' whole sums of the block and adds them to an fp32 running sum (a
-        # fresh accumulator per block: FP8 wgmmas add into their accumulator with fewer bits
-        # than fp32, which over 4k keys moved hundreds of rows by more than a bf16 ulp). The
-        # 64-long FADD chains per block and thread of the softmax go: the e4m3 loop is bound
-        # by the consumer's instruction stream, not the tensor pipe (38 % busy). The sum is
-        # then over the e4m3-rounded P that P V uses (the quantized model's sum_quantized_p).
-        # These forms also round P straight into the A fragment's word order
-        # (tile_utils.pack_e4m3_operand_a: no byte moves after the conversion).
-        assert not mma_row_sum or (v_transposed and not overlap)
-        self.mma_row_sum = mma_row_sum
-        self.p_packed_as_operand = mma_row_sum
-        self.producer_regs = PRODUCER_REGS_FP8 if self.transposer else PRODUCER_REGS
-        self.mma_regs = MMA_REGS_FP8 if self.transposer else MMA_REGS
-        if persistent:
-            self.producer_regs, self.mma_regs = PRODUCER_REGS_PERSISTENT, MMA_REGS_PERSISTENT
+        self.producer_regs, self.mma_regs = ((PRODUCER_REGS_PERSISTENT, MMA_REGS_PERSISTENT)
+                                             if persistent else (PRODUCER_REGS, MMA_REGS))
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor,
@@ -178,7 +143,7 @@ class FmhaSm90Ws:
                  stream):
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
         q_layout = cute.tile_to_shape(atom, (WG_ROWS, HEAD_DIM, NUM_MMA_WARPGROUPS), (0, 1, 2))
-        kv_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM, self.kv_stages), (0, 1, 2))
+        kv_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM, KV_STAGES), (0, 1, 2))
         kv_tile = cute.slice_(kv_layout, (None, None, 0))
         # TMA views with the (key, channel) box first: dense (token, channel, head), paged
         # (slot, channel, head, page).
@@ -230,7 +195,7 @@ class FmhaSm90Ws:
     def _vt_layout(self):
         """e4m3: the key-permuted Vt stages (channel, key', stage). Static (tracing)."""
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
-        return cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N, self.kv_stages), (0, 1, 2))
+        return cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N, KV_STAGES), (0, 1, 2))
 
     def _ones_layout(self):
         """mma_row_sum: the (SUM_COLS, key) ones tile, one 128-byte-swizzle atom of e4m3
@@ -246,10 +211,8 @@ class FmhaSm90Ws:
         return cute.tile_to_shape(o_atom, (WG_ROWS, HEAD_DIM, NUM_MMA_WARPGROUPS), (0, 1, 2))
 
     def _ring_mbarriers(self):
-        """K full / empty, V full / empty per stage, one scratch barrier; e4m3 with the
-        transposer adds the raw V ring's full / empty (the V full / empty pair then guards the
-        Vt stages)."""
-        return (6 if self.transposer else 4) * self.kv_stages + 1
+        """K full / empty, V full / empty per stage (kv_rings), one scratch barrier."""
+        return SCRATCH_MBARRIER + 1
 
     def _n_mbarriers(self):
         """The ring's mbarriers, then q_by_producer's Q full / empty."""
@@ -313,23 +276,12 @@ class FmhaSm90Ws:
             sO_wgs = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)
         if warp == 0:
             with cute.arch.elect_one():
-                for s in cutlass.range_constexpr(self.kv_stages):
-                    cute.arch.mbarrier_init(mbar + s, 1)                            # K full
-                    cute.arch.mbarrier_init(mbar + self.kv_stages + s,
-                                            4 * NUM_MMA_WARPGROUPS)                 # K empty
-                    if cutlass.const_expr(self.transposer):
-                        cute.arch.mbarrier_init(mbar + 2 * self.kv_stages + s,
-                                                TRANSPOSE_WARPS)                    # Vt full
-                    else:
-                        cute.arch.mbarrier_init(mbar + 2 * self.kv_stages + s, 1)   # V full
-                    cute.arch.mbarrier_init(mbar + 3 * self.kv_stages + s,
-                                            4 * NUM_MMA_WARPGROUPS)                 # V empty
-                    if cutlass.const_expr(self.transposer):
-                        cute.arch.mbarrier_init(mbar + 4 * self.kv_stages + 1 + s,
-                                                1)                                  # raw V full
-                        cute.arch.mbarrier_init(mbar + 5 * self.kv_stages + 1 + s,
-                                                TRANSPOSE_WARPS)                    # raw V empty
-                cute.arch.mbarrier_init(mbar + 4 * self.kv_stages, 1)               # scratch
+                for s in cutlass.range_constexpr(KV_STAGES):
+                    cute.arch.mbarrier_init(K_RING.full(mbar, s), 1)
+                    cute.arch.mbarrier_init(K_RING.empty(mbar, s), 4 * NUM_MMA_WARPGROUPS)
+                    cute.arch.mbarrier_init(V_RING.full(mbar, s), 1)
+                    cute.arch.mbarrier_init(V_RING.empty(mbar, s), 4 * NUM_MMA_WARPGROUPS)
+                cute.arch.mbarrier_init(mbar + SCRATCH_MBARRIER, 1)
                 if cutlass.const_expr(self.q_by_producer):
                     q_full, q_empty = self._q_mbarriers(mbar)
                     cute.arch.mbarrier_init(q_full, 1)
@@ -361,7 +313,8 @@ class FmhaSm90Ws:
             mVtTable = mPageTable[1, None, None]             # (request, key block) -> Vt block
             mPageTable = mPageTable[0, None, None]
         q_start, q_len, kv_len, offset, k_row0, n_q_tiles = request_bounds(
-            mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable, request, tK.shape[0], self.paged)
+            mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable, request, tK.shape[0], self.paged,
+            TILE_M)
         # Persistent: item w = (query tile rank, head, request), rank-major (every request's
         # heaviest tile first) with the heads of one KV head adjacent (their K / V share L2).
         n_heads = mQ.shape[1]
@@ -372,36 +325,31 @@ class FmhaSm90Ws:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp == 0:
                 sKV = (sK_stages, sVt_stages if self.v_transposed else sV_stages, mbar)
-                g = cutlass.Int32(0)
                 parity = cutlass.Int32(0)
                 scratch = cutlass.Int32(0)
                 if cutlass.const_expr(self.persistent):
                     q_uses = cutlass.Int32(0)         # items whose Q this CTA loaded
-                    for rnd in range(self._rounds(n_items, grid_x)):
-                        w = self._snake(rnd, cta_x, grid_x)
+                    for rnd in range(persistent_rounds(n_items, grid_x)):
+                        w = snake_item(rnd, cta_x, grid_x)
                         if w < n_items:
-                            walk, i_head, i_request = self._item(w, n_heads, n_requests)
+                            walk, i_head, i_request = persistent_item(w, n_heads, n_requests)
                             i_q_start, i_q_len, i_kv_len, i_offset, i_k_row0, i_tiles = \
                                 request_bounds(mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable,
-                                               i_request, tK.shape[0], self.paged)
+                                               i_request, tK.shape[0], self.paged, TILE_M)
                             if walk < i_tiles:
                                 q_lo = (i_tiles - 1 - walk) * TILE_M
                                 self._load_q(tQ, tma_q, sQ_wgs, mbar, i_q_start + q_lo, i_head,
                                              q_uses)
                                 q_uses = q_uses + 1
-                                g, parity, scratch = self._producer(
+                                parity, scratch = self._producer(
                                     tK, tV, mPageTable, tma_k, tma_v, zero_copy, *sKV,
                                     i_request, i_head // group, i_k_row0, i_kv_len, i_offset,
                                     causal, i_q_len, i_tiles, walk, grid_q_tiles, tidx % 32,
-                                    mVtTable, (g, parity, scratch))
+                                    mVtTable, (parity, scratch))
                 else:
                     self._producer(tK, tV, mPageTable, tma_k, tma_v, zero_copy, *sKV, request,
                                    head_kv, k_row0, kv_len, offset, causal, q_len, n_q_tiles,
-                                   cta_x, grid_x, tidx % 32, mVtTable, (g, parity, scratch))
-            if cutlass.const_expr(self.transposer):
-                if warp > 0:
-                    self._transposer(sV_stages, sVt_stages, mbar, kv_len, offset, causal,
-                                     q_len, n_q_tiles, cta_x, grid_x, tidx)
+                                   cta_x, grid_x, tidx % 32, mVtTable, (parity, scratch))
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             args = (mQ, mO, head, q_start, q_len, kv_len, offset, causal, n_q_tiles, cta_x,
@@ -410,8 +358,7 @@ class FmhaSm90Ws:
                     store_o_copy, sVt_stages, sO_wgs, mma_sum, sOnes)
             # Consumer 0 takes the first turn.
             if wg == 2:
-                cute.arch.barrier_arrive(barrier_id=BAR_TURN, number_of_threads=256)
-            g = cutlass.Int32(0)
+                NamedBarrier(BAR_TURN, 256).arrive()
             parity = cutlass.Int32(0)
             if cutlass.const_expr(self.persistent):
                 # One trace per consumer warpgroup (static index), each walking the items.
@@ -420,39 +367,13 @@ class FmhaSm90Ws:
                                         key_rows=tK.shape[0])
                 for mwg in cutlass.range_constexpr(NUM_MMA_WARPGROUPS):
                     if wg == 1 + mwg:
-                        self._consumer(*args, mwg, *rest, (g, parity), items)
-            elif cutlass.const_expr(self.uniform):
+                        self._consumer(*args, mwg, *rest, parity, items)
+            else:
                 # One trace per consumer warpgroup: its index, hence its Q tile, is static.
                 if wg == 1:
-                    self._consumer(*args, 0, *rest, (g, parity))
+                    self._consumer(*args, 0, *rest, parity)
                 else:
-                    self._consumer(*args, 1, *rest, (g, parity))
-            else:
-                self._consumer(*args, wg - 1, *rest, (g, parity))
-
-    @staticmethod
-    def _item(w, n_heads, n_requests):
-        """Persistent work item w -> (query tile rank: 0 is the request's heaviest, head,
-        request), rank-major: every head's heaviest tile before any lighter one (causal 4k-8k
-        0.89-0.98x wsu / wsut's time). Rank-fastest, head-major order (the order of the
-        non-persistent grid) lost that balance: causal 1.01-1.06x (a1f6848)."""
-        per_rank = n_heads * n_requests
-        rank = w // per_rank
-        rest = w - rank * per_rank
-        return rank, rest % n_heads, rest // n_heads
-
-    @staticmethod
-    def _rounds(n_items, grid_x):
-        """Persistent: rounds of grid_x items (the last one partial)."""
-        return (n_items + grid_x - 1) // grid_x
-
-    @staticmethod
-    def _snake(rnd, cta_x, grid_x):
-        """Persistent: the item CTA cta_x takes in round rnd, boustrophedon (even rounds
-        ascending, odd ones descending): with the items heaviest first, a CTA that took a
-        heavy item takes a light one next. Causal 4k with 1024 items on 132 CTAs: the busiest
-        CTA streams 1.00x the mean blocks, against 1.125x for w = cta_x + rnd * grid_x."""
-        return rnd * grid_x + cta_x + (rnd & 1) * (grid_x - 1 - 2 * cta_x)
+                    self._consumer(*args, 1, *rest, parity)
 
     @cute.jit
     def _load_q(self, tQ: cute.Tensor, tma_q: cute.CopyAtom, sQ_wgs: cute.Tensor, mbar, row0,
@@ -474,36 +395,6 @@ class FmhaSm90Ws:
         for m in cutlass.range_constexpr(NUM_MMA_WARPGROUPS):
             cute.copy(tma_q, tQgQ[None, m], tQsQ[None, m], tma_bar_ptr=q_full)
 
-    @cute.jit
-    def _tile_blocks(self, walk, n_q_tiles, q_len, kv_len, offset, causal):
-        """(first local query, number of key blocks) of the walk-th tile of this CTA: the last
-        (heaviest) tiles first, keys [0, kv_end) visible to some query of the tile."""
-        q_lo = (n_q_tiles - 1 - walk) * TILE_M
-        kv_end = kv_len
-        if causal != 0:
-            kv_end = cutlass.min(kv_end, cutlass.min(q_lo + TILE_M, q_len) + offset)
-        return q_lo, cutlass.max((kv_end + BLOCK_N - 1) // BLOCK_N, 0)
-
-    @cute.jit
-    def _stage_phase(self, g_blk, blk, parity):
-        """(K/V stage, its mbarrier phase) of a tile's key block `blk` (g_blk: blocks streamed
-        before it over all tiles). ws / wsf: a ring over all blocks; wsu: block j of every tile
-        on stage j % 2, use j // 2 of that stage in this tile (parity: bit s = the parity of
-        stage s's uses before this tile)."""
-        if cutlass.const_expr(self.uniform):
-            stage = blk % 2
-            phase = ((parity >> stage) ^ (blk // 2)) & 1
-        else:
-            stage = g_blk % self.kv_stages
-            phase = (g_blk // self.kv_stages) % 2
-        return stage, phase
-
-    @staticmethod
-    def _next_parity(parity, n_blocks):
-        """wsu: the stage-use parities after a tile of n_blocks (stage 0 takes the even
-        blocks). A single register: the producer runs on 24."""
-        return parity ^ (((n_blocks + 1) // 2) & 1) ^ (((n_blocks // 2) & 1) << 1)
-
     # ---- producer (one warp) ---------------------------------------------------------------
     @cute.jit
     def _producer(self, tK: cute.Tensor, tV: cute.Tensor, mPageTable: cute.Tensor,
@@ -511,11 +402,10 @@ class FmhaSm90Ws:
                   sK_stages: cute.Tensor, sV_stages: cute.Tensor, mbar, request, head_kv,
                   k_row0, kv_len, offset, causal, q_len, n_q_tiles, cta_x, grid_x, lane,
                   mVtTable, state):
-        """K and V (bf16), K and raw V (e4m3 with the transposer) or K and Vt (v_transposed:
-        sV_stages are then the Vt stages) blocks of tiles cta_x, cta_x + grid_x, .. of one
-        (head, request) into their rings. state = (blocks streamed, stage parities, scratch
-        phase) before them; returns it after them (persistent CTAs carry it over items)."""
-        S = self.kv_stages
+        """K and V (bf16) or K and Vt (e4m3: sV_stages are then the Vt stages) blocks of tiles
+        cta_x, cta_x + grid_x, .. of one (head, request) into their rings. state = (stage-use
+        parities, scratch phase) before them; returns it after them (persistent CTAs carry it
+        over items)."""
         # (TMA, stage) smem and (TMA, block or page) gmem partitions of the K and V boxes.
         # (Vt: (channel, key', Vt block) in either layout.)
         if cutlass.const_expr(self.paged):
@@ -538,53 +428,49 @@ class FmhaSm90Ws:
         thr_zero = zero_copy.get_slice(lane)
         tZcZ = thr_zero.partition_D(cute.make_identity_tensor((BLOCK_N, HEAD_DIM)))
 
-        g, parity, scratch_phase = state      # blocks so far, wsu's stage-use parities
+        parity, scratch_phase = state         # the stage-use parities, the scratch phase
         for walk in range(cta_x, n_q_tiles, grid_x):
-            q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
+            q_lo, n_blocks = tile_key_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal,
+                                             TILE_M)
             for blk in range(n_blocks):
-                stage, phase = self._stage_phase(g + blk, blk, parity)
+                stage, phase = static_stage_phase(blk, parity)
                 free_phase = phase ^ 1
                 src = blk
                 if cutlass.const_expr(self.paged):
                     src = mPageTable[request, blk]    # outside the pool: the TMA zero-fills
                 # K
-                cute.arch.mbarrier_wait(mbar + S + stage, free_phase)
+                cute.arch.mbarrier_wait(K_RING.empty(mbar, stage), free_phase)
                 with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + stage, self.tile_bytes)
-                cute.copy(tma_k, tKgK[None, src], tKsK[None, stage], tma_bar_ptr=mbar + stage)
+                    cute.arch.mbarrier_arrive_and_expect_tx(K_RING.full(mbar, stage),
+                                                            self.tile_bytes)
+                cute.copy(tma_k, tKgK[None, src], tKsK[None, stage],
+                          tma_bar_ptr=K_RING.full(mbar, stage))
                 # V
                 if cutlass.const_expr(self.v_transposed):
                     # Vt of this key block (keys past kv_len already zero).
-                    cute.arch.mbarrier_wait(mbar + 3 * S + stage, free_phase)
+                    cute.arch.mbarrier_wait(V_RING.empty(mbar, stage), free_phase)
                     with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + 2 * S + stage,
+                        cute.arch.mbarrier_arrive_and_expect_tx(V_RING.full(mbar, stage),
                                                                 self.tile_bytes)
                     cute.copy(tma_v, tVgV[None, mVtTable[request, blk]], tVsV[None, stage],
-                              tma_bar_ptr=mbar + 2 * S + stage)
-                elif cutlass.const_expr(self.fp8):
-                    # Raw V ring; the transposer warps zero the keys past kv_len.
-                    cute.arch.mbarrier_wait(mbar + 5 * S + 1 + stage, free_phase)
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar + 4 * S + 1 + stage,
-                                                                self.tile_bytes)
-                    cute.copy(tma_v, tVgV[None, src], tVsV[None, stage],
-                              tma_bar_ptr=mbar + 4 * S + 1 + stage)
+                              tma_bar_ptr=V_RING.full(mbar, stage))
                 else:
-                    cute.arch.mbarrier_wait(mbar + 3 * S + stage, free_phase)
+                    cute.arch.mbarrier_wait(V_RING.empty(mbar, stage), free_phase)
                     n_keys = kv_len - blk * BLOCK_N
                     if n_keys >= BLOCK_N:
                         with cute.arch.elect_one():
-                            cute.arch.mbarrier_arrive_and_expect_tx(mbar + 2 * S + stage,
+                            cute.arch.mbarrier_arrive_and_expect_tx(V_RING.full(mbar, stage),
                                                                     self.tile_bytes)
                         cute.copy(tma_v, tVgV[None, src], tVsV[None, stage],
-                                  tma_bar_ptr=mbar + 2 * S + stage)
+                                  tma_bar_ptr=V_RING.full(mbar, stage))
                     else:
                         # kv_len's tail block: land it, zero the rows past kv_len, then publish.
                         with cute.arch.elect_one():
-                            cute.arch.mbarrier_arrive_and_expect_tx(mbar + 4 * S, self.tile_bytes)
+                            cute.arch.mbarrier_arrive_and_expect_tx(mbar + SCRATCH_MBARRIER,
+                                                                    self.tile_bytes)
                         cute.copy(tma_v, tVgV[None, src], tVsV[None, stage],
-                                  tma_bar_ptr=mbar + 4 * S)
-                        cute.arch.mbarrier_wait(mbar + 4 * S, scratch_phase)
+                                  tma_bar_ptr=mbar + SCRATCH_MBARRIER)
+                        cute.arch.mbarrier_wait(mbar + SCRATCH_MBARRIER, scratch_phase)
                         scratch_phase = scratch_phase ^ 1
                         tZsV = thr_zero.partition_D(sV_stages[None, None, stage])
                         for m in cutlass.range_constexpr(cute.size(tZsV.shape[1])):
@@ -593,68 +479,29 @@ class FmhaSm90Ws:
                         cute.arch.fence_proxy("async.shared", space="cta")
                         cute.arch.sync_warp()
                         with cute.arch.elect_one():
-                            cute.arch.mbarrier_arrive(mbar + 2 * S + stage)
-            g = g + n_blocks
-            parity = self._next_parity(parity, n_blocks)
-        return g, parity, scratch_phase
-
-    # ---- e4m3 V transposer (warps 1 .. TRANSPOSE_WARPS of the producer warpgroup) ----------
-    @cute.jit
-    def _transposer(self, sV_stages: cute.Tensor, sVt_stages: cute.Tensor, mbar, kv_len,
-                    offset, causal, q_len, n_q_tiles, cta_x, grid_x, tidx):
-        """Per streamed block: wait for its raw V stage (TMA) and for its Vt stage to be free,
-        write Vt (channel, pi(key)) in the register-P key order (tile_utils.transpose_v_words:
-        eight 16-channel groups of 32 lanes; transposer warp t takes groups t, t + 3, t + 6, in
-        a loop that is not unrolled: unrolled, LLVM hoisted the addresses of all three groups
-        out of the block loop and the warps needed 96 registers),
-        zeroing the keys past kv_len, fence to the async proxy, then one arrival per warp on
-        Vt full and on raw V empty."""
-        S = self.kv_stages
-        load, store = transpose_v_copies(self.dtype)
-        t_warp = cute.arch.make_warp_uniform(tidx // 32) - 1
-        lane = tidx % 32
-        g = cutlass.Int32(0)
-        parity = cutlass.Int32(0)             # uniform forms: stage-use parities
-        for walk in range(cta_x, n_q_tiles, grid_x):
-            q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
-            for blk in range(n_blocks):
-                stage, phase = self._stage_phase(g + blk, blk, parity)
-                n_keys = kv_len - blk * BLOCK_N
-                cute.arch.mbarrier_wait(mbar + 4 * S + 1 + stage, phase)      # raw V landed
-                cute.arch.mbarrier_wait(mbar + 3 * S + stage, phase ^ 1)      # Vt stage free
-                for i in cutlass.range((8 + TRANSPOSE_WARPS - 1) // TRANSPOSE_WARPS, unroll=1):
-                    group = t_warp + TRANSPOSE_WARPS * i
-                    if group < 8:
-                        transpose_v_words(sV_stages[None, None, stage],
-                                          sVt_stages[None, None, stage], load, store,
-                                          group * 32 + lane, n_keys)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.sync_warp()
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive(mbar + 2 * S + stage)               # Vt full
-                    cute.arch.mbarrier_arrive(mbar + 5 * S + 1 + stage)           # raw V free
-            g = g + n_blocks
-            parity = self._next_parity(parity, n_blocks)
+                            cute.arch.mbarrier_arrive(V_RING.full(mbar, stage))
+            parity = next_stage_parity(parity, n_blocks)
+        return parity, scratch_phase
 
     # ---- consumers (two warpgroups) --------------------------------------------------------
     @cute.jit
     def _consumer(self, mQ, mO, head, q_start, q_len, kv_len, offset, causal, n_q_tiles, cta_x,
                   grid_x, scale_log2, output_scale, tidx, mwg, sQ_wgs, sK_stages, sV_stages,
                   mbar, q_copy, mma_qk, mma_pv, stage_o_copy, store_o_copy, sVt_stages, sO_wgs,
-                  mma_sum, sOnes, state, items=None):
+                  mma_sum, sOnes, parity, items=None):
         """Query tiles cta_x, cta_x + grid_x, .. of one (head, request) for consumer warpgroup
         mwg, or (persistent; `items`: the item count and request_bounds' arguments) the work
         items of this CTA. The fragments are set up once, outside every loop (the wgmma
-        descriptors stay static offsets). state = (blocks streamed, stage parities) before
-        them; returns it after them."""
-        S = self.kv_stages
+        descriptors stay static offsets). parity: the stage-use parities before them; returns
+        them after them."""
         wg_tidx = tidx % 128
         lane = tidx % 32
         warp_in_wg = cute.arch.make_warp_uniform(wg_tidx // 32)
 
         if cutlass.const_expr(not self.fp8):
             sVt_stages = cute.composition(
-                sV_stages, cute.make_ordered_layout((HEAD_DIM, BLOCK_N, S), order=(1, 0, 2)))
+                sV_stages, cute.make_ordered_layout((HEAD_DIM, BLOCK_N, KV_STAGES),
+                                                    order=(1, 0, 2)))
         sQ_mine = sQ_wgs[None, None, mwg]
         thr_q_copy = q_copy.get_slice(wg_tidx)
         tQsQ = thr_q_copy.partition_D(sQ_mine)
@@ -667,7 +514,7 @@ class FmhaSm90Ws:
         n_my_rows = cute.size(tScS, mode=[0])
         n_my_cols = cute.size(tScS, mode=[1])
         o_rc = wgmma_rows_cols_view(acc_o)
-        if cutlass.const_expr(self.p_packed_as_operand):
+        if cutlass.const_expr(self.mma_row_sum):
             r_p = cute.make_rmem_tensor(a_shape, self.dtype)      # P in A's register order
         else:
             r_p = cute.make_fragment_like(acc_s, self.dtype)
@@ -696,44 +543,44 @@ class FmhaSm90Ws:
             q_copy=q_copy, thr_q_copy=thr_q_copy, tQsQ=tQsQ, tQcQ=tQcQ, sO_mine=sO_mine,
             stage_o_copy=stage_o_copy, store_o_copy=store_o_copy, output_scale=output_scale,
             mma_qk=mma_qk, mma_pv=mma_pv, acc_s=acc_s, acc_o=acc_o, o_rc=o_rc, r_p=r_p, t_p=t_p,
-            a_shape=a_shape, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tScS=tScS, n_my_rows=n_my_rows,
+            tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tScS=tScS, n_my_rows=n_my_rows,
             n_my_cols=n_my_cols, row_max=row_max, row_sum=row_sum, corr=corr, mbar=mbar,
-            turn_mine=BAR_TURN + mwg, turn_other=BAR_TURN + 1 - mwg, causal=causal,
+            turn_mine=NamedBarrier(BAR_TURN + mwg, 256),
+            turn_other=NamedBarrier(BAR_TURN + 1 - mwg, 256), causal=causal,
             scale_log2=scale_log2, mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc)
 
-        g, parity = state                     # blocks so far, wsu's stage-use parities
         if cutlass.const_expr(self.persistent):
             q_full, _ = self._q_mbarriers(mbar)
             q_uses = cutlass.Int32(0)
-            for rnd in range(self._rounds(items.n_items, grid_x)):
-                w = self._snake(rnd, cta_x, grid_x)
+            for rnd in range(persistent_rounds(items.n_items, grid_x)):
+                w = snake_item(rnd, cta_x, grid_x)
                 if w < items.n_items:
-                    walk, i_head, i_request = self._item(w, items.n_heads, items.n_requests)
+                    walk, i_head, i_request = persistent_item(w, items.n_heads,
+                                                              items.n_requests)
                     i_q_start, i_q_len, i_kv_len, i_offset, _, i_tiles = request_bounds(
-                        *items.tensors, i_request, items.key_rows, self.paged)
+                        *items.tensors, i_request, items.key_rows, self.paged, TILE_M)
                     if walk < i_tiles:
                         cute.arch.mbarrier_wait(q_full, q_uses & 1)       # this item's Q
                         q_uses = q_uses + 1
-                        g, parity = self._consumer_tile(c, walk, i_tiles, i_head, i_q_start,
-                                                        i_q_len, i_kv_len, i_offset, g, parity)
+                        parity = self._consumer_tile(c, walk, i_tiles, i_head, i_q_start,
+                                                     i_q_len, i_kv_len, i_offset, parity)
         else:
             for walk in range(cta_x, n_q_tiles, grid_x):
-                g, parity = self._consumer_tile(c, walk, n_q_tiles, head, q_start, q_len,
-                                                kv_len, offset, g, parity)
-        return g, parity
+                parity = self._consumer_tile(c, walk, n_q_tiles, head, q_start, q_len,
+                                             kv_len, offset, parity)
+        return parity
 
     @cute.jit
-    def _consumer_tile(self, c, walk, n_q_tiles, head, q_start, q_len, kv_len, offset, g,
+    def _consumer_tile(self, c, walk, n_q_tiles, head, q_start, q_len, kv_len, offset,
                        parity):
         """One query tile of consumer warpgroup c.mwg: Q (q_by_producer: already waited for),
-        its key blocks in ping-pong turns, O normalized and stored. Returns (g, parity)
-        after it."""
-        S = self.kv_stages
+        its key blocks in ping-pong turns, O normalized and stored. Returns the stage-use
+        parities after it."""
         # Locals, not c's fields, past the block loops: the DSL hands a namespace read after a
         # dynamic loop back with its static shapes turned dynamic.
         mbar, lane, causal, mwg = c.mbar, c.lane, c.causal, c.mwg
         mma_qk, mma_pv, acc_s, acc_o = c.mma_qk, c.mma_pv, c.acc_s, c.acc_o
-        o_rc, r_p, t_p, a_shape = c.o_rc, c.r_p, c.t_p, c.a_shape
+        o_rc, r_p, t_p = c.o_rc, c.r_p, c.t_p
         tSrQ, tSrK, tOrVt, tScS = c.tSrQ, c.tSrK, c.tOrVt, c.tScS
         row_max, row_sum, corr, scale_log2 = c.row_max, c.row_sum, c.corr, c.scale_log2
         turn_mine, turn_other = c.turn_mine, c.turn_other
@@ -741,7 +588,7 @@ class FmhaSm90Ws:
         mO, sO_mine, wg_tidx, warp_in_wg = c.mO, c.sO_mine, c.wg_tidx, c.warp_in_wg
         stage_o_copy, store_o_copy = c.stage_o_copy, c.store_o_copy
         mma_sum, tSumB, acc_sum, sum_rc = c.mma_sum, c.tSumB, c.acc_sum, c.sum_rc
-        q_lo, n_blocks = self._tile_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal)
+        q_lo, n_blocks = tile_key_blocks(walk, n_q_tiles, q_len, kv_len, offset, causal, TILE_M)
         wg_q0 = q_lo + mwg * WG_ROWS
         if cutlass.const_expr(not self.q_by_producer):
             # ---- Q rows of this warpgroup (zero past q_len), published to the async proxy
@@ -750,7 +597,7 @@ class FmhaSm90Ws:
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
+            NamedBarrier(BAR_WG + mwg, 128).sync()
 
         acc_o.fill(0.0)
         for i in cutlass.range_constexpr(n_my_rows):
@@ -759,62 +606,59 @@ class FmhaSm90Ws:
         # What a turn needs besides its block's stages (_turn is traced inline).
         turn = SimpleNamespace(
             mma_qk=mma_qk, mma_pv=mma_pv, acc_s=acc_s, acc_o=acc_o, o_rc=o_rc,
-            r_p=r_p, t_p=t_p, a_shape=a_shape, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt,
+            r_p=r_p, t_p=t_p, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt,
             tScS=tScS, row_max=row_max, row_sum=row_sum, corr=corr, mbar=mbar,
             lane=lane, turn_mine=turn_mine, turn_other=turn_other, wg_q0=wg_q0,
             kv_len=kv_len, offset=offset, causal=causal, scale_log2=scale_log2,
             mma_sum=mma_sum, tSumB=tSumB, acc_sum=acc_sum, sum_rc=sum_rc)
         if n_blocks > 0:
             # ---- block 0: S only
-            stage, phase = self._stage_phase(g, 0, parity)
-            cute.arch.mbarrier_wait(mbar + stage, phase)
-            cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
+            stage, phase = static_stage_phase(0, parity)
+            cute.arch.mbarrier_wait(K_RING.full(mbar, stage), phase)
+            turn_mine.sync()
             warpgroup_gemm_issue(mma_qk, acc_s, tSrQ, tSrK[None, None, None, stage])
-            cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
+            turn_other.arrive()
             warpgroup.wait_group(0)
             if lane == 0:
-                cute.arch.mbarrier_arrive(mbar + S + stage)                # K free
+                cute.arch.mbarrier_arrive(K_RING.empty(mbar, stage))             # K free
             online_softmax(acc_s, 0, row_max, self._softmax_sum(row_sum), tScS, wg_q0, kv_len,
                            offset, causal, scale_log2, corr=corr)
-            if cutlass.const_expr(self.p_packed_as_operand):
+            if cutlass.const_expr(self.mma_row_sum):
                 pack_e4m3_operand_a(acc_s, r_p)
             else:
                 r_p.store(acc_s.load().to(self.dtype))
-            # ---- blocks 1 .. n-1: S(j) and P(j-1) V(j-1) in one turn
+            # ---- blocks 1 .. n-1: S(j) and P(j-1) V(j-1) in one turn. Pairs of blocks (2i+1
+            # on stage 1, 2i+2 on stage 0): static stages; only blocks every row of the tile
+            # sees whole (no mask), the rest one by one below.
             first_dynamic = 1
-            if cutlass.const_expr(self.uniform):
-                # Pairs of blocks (2i+1 on stage 1, 2i+2 on stage 0): static stages; only
-                # blocks every row of the tile sees whole (no mask), the rest below.
-                n_whole = kv_len
-                if causal != 0:
-                    n_whole = cutlass.min(n_whole, q_lo + offset + 1)
-                n_whole = cutlass.min(cutlass.max(n_whole, 0) // BLOCK_N, n_blocks)
-                n_pairs = cutlass.max(n_whole - 1, 0) // 2
-                for i in range(n_pairs):
-                    p0 = (parity ^ i) & 1                   # stage 0, use i
-                    p1 = ((parity >> 1) ^ i) & 1            # stage 1, use i
-                    self._turn(turn, 2 * i + 1, 1, p1, 0, p0, mask=False)
-                    self._turn(turn, 2 * i + 2, 0, p0 ^ 1, 1, p1, mask=False)
-                first_dynamic = 2 * n_pairs + 1
+            n_whole = kv_len
+            if causal != 0:
+                n_whole = cutlass.min(n_whole, q_lo + offset + 1)
+            n_whole = cutlass.min(cutlass.max(n_whole, 0) // BLOCK_N, n_blocks)
+            n_pairs = cutlass.max(n_whole - 1, 0) // 2
+            for i in range(n_pairs):
+                p0 = (parity ^ i) & 1                   # stage 0, use i
+                p1 = ((parity >> 1) ^ i) & 1            # stage 1, use i
+                self._turn(turn, 2 * i + 1, 1, p1, 0, p0, mask=False)
+                self._turn(turn, 2 * i + 2, 0, p0 ^ 1, 1, p1, mask=False)
+            first_dynamic = 2 * n_pairs + 1
             for blk in range(first_dynamic, n_blocks):
-                stage, k_phase = self._stage_phase(g + blk, blk, parity)
-                prev, v_phase = self._stage_phase(g + blk - 1, blk - 1, parity)
+                stage, k_phase = static_stage_phase(blk, parity)
+                prev, v_phase = static_stage_phase(blk - 1, parity)
                 self._turn(turn, blk, stage, k_phase, prev, v_phase)
             if cutlass.const_expr(self.q_by_producer):
                 if lane == 0:      # every S wgmma of the tile is done: Q rows free
                     cute.arch.mbarrier_arrive(self._q_mbarriers(mbar)[1])
             # ---- the last P V
-            last, phase = self._stage_phase(g + n_blocks - 1, n_blocks - 1, parity)
-            cute.arch.mbarrier_wait(mbar + 2 * S + last, phase)
-            cute.arch.barrier(barrier_id=turn_mine, number_of_threads=256)
-            if cutlass.const_expr(self.overlap):
-                scale_rows(o_rc, corr)                              # to the last max
-            self._issue_pv(mma_pv, acc_o, self._p_operand(t_p, a_shape),
-                           tOrVt[None, None, None, last], mma_sum, acc_sum, tSumB)
-            cute.arch.barrier_arrive(barrier_id=turn_other, number_of_threads=256)
+            last, phase = static_stage_phase(n_blocks - 1, parity)
+            cute.arch.mbarrier_wait(V_RING.full(mbar, last), phase)
+            turn_mine.sync()
+            self._issue_pv(mma_pv, acc_o, t_p, tOrVt[None, None, None, last], mma_sum, acc_sum,
+                           tSumB)
+            turn_other.arrive()
             warpgroup.wait_group(0)
             if lane == 0:
-                cute.arch.mbarrier_arrive(mbar + 3 * S + last)             # V free
+                cute.arch.mbarrier_arrive(V_RING.empty(mbar, last))              # V free
             if cutlass.const_expr(self.mma_row_sum):
                 for i in cutlass.range_constexpr(n_my_rows):
                     row_sum[i] = row_sum[i] + sum_rc[i, 0]
@@ -822,8 +666,7 @@ class FmhaSm90Ws:
             if cutlass.const_expr(self.q_by_producer):
                 if lane == 0:      # no key block: the Q rows were never read
                     cute.arch.mbarrier_arrive(self._q_mbarriers(mbar)[1])
-        g = g + n_blocks
-        parity = self._next_parity(parity, n_blocks)
+        parity = next_stage_parity(parity, n_blocks)
 
         # ---- normalize, stage (in this warpgroup's Q rows, or its O tile), write
         write_o_rows(mO, o_rc, acc_o, row_sum, n_my_rows, n_my_cols, output_scale, sO_mine,
@@ -831,60 +674,41 @@ class FmhaSm90Ws:
                      store_o_copy, self.out_dtype, row_sum_whole=self.mma_row_sum)
         if cutlass.const_expr(not self.q_by_producer):
             # The next tile reloads Q into these rows: the whole warpgroup must be done.
-            cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
-        return g, parity
+            NamedBarrier(BAR_WG + mwg, 128).sync()
+        return parity
 
     @cute.jit
     def _turn(self, t, blk, stage, k_phase, prev, v_phase, mask: cutlass.Constexpr = True):
         """Key block blk >= 1: wait for K(blk) (stage, k_phase) and V(blk - 1) (prev, v_phase),
         issue S(blk) and P(blk-1) V(blk-1) in this consumer's ping-pong turn, run the softmax
         of block blk and leave P(blk) in t.r_p (t: the consumer's fragments and state)."""
-        S = self.kv_stages
-        cute.arch.mbarrier_wait(t.mbar + stage, k_phase)
-        cute.arch.mbarrier_wait(t.mbar + 2 * S + prev, v_phase)
-        cute.arch.barrier(barrier_id=t.turn_mine, number_of_threads=256)
+        cute.arch.mbarrier_wait(K_RING.full(t.mbar, stage), k_phase)
+        cute.arch.mbarrier_wait(V_RING.full(t.mbar, prev), v_phase)
+        t.turn_mine.sync()
         warpgroup_gemm_issue(t.mma_qk, t.acc_s, t.tSrQ, t.tSrK[None, None, None, stage])
-        if cutlass.const_expr(self.overlap):
-            # O holds P V up to block j-2 (relative to max j-2): rescale it to max j-1 while
-            # S(j) runs, before P(j-1) V(j-1) joins it.
-            scale_rows(t.o_rc, t.corr)
-        self._issue_pv(t.mma_pv, t.acc_o, self._p_operand(t.t_p, t.a_shape),
-                       t.tOrVt[None, None, None, prev], t.mma_sum, t.acc_sum, t.tSumB)
-        cute.arch.barrier_arrive(barrier_id=t.turn_other, number_of_threads=256)
-        if cutlass.const_expr(self.overlap):
-            warpgroup.wait_group(1)                     # S(j); P V(j-1) runs on
-        else:
-            warpgroup.wait_group(0)                     # S(j) and P V(j-1)
+        self._issue_pv(t.mma_pv, t.acc_o, t.t_p, t.tOrVt[None, None, None, prev], t.mma_sum,
+                       t.acc_sum, t.tSumB)
+        t.turn_other.arrive()
+        warpgroup.wait_group(0)                         # S(j) and P V(j-1)
         if t.lane == 0:
-            cute.arch.mbarrier_arrive(t.mbar + S + stage)                  # K free
+            cute.arch.mbarrier_arrive(K_RING.empty(t.mbar, stage))                 # K free
         online_softmax(t.acc_s, blk, t.row_max, self._softmax_sum(t.row_sum), t.tScS, t.wg_q0,
                        t.kv_len, t.offset, t.causal, t.scale_log2, corr=t.corr, mask=mask)
-        # ws: a no-op after the wait above (kept: the validated PTX has it); wsf: P V(j-1)
-        # done, so r_p may take P(j).
+        # A no-op after the wait above, kept because the validated PTX has it.
         warpgroup.wait_group(0)
         if t.lane == 0:
-            cute.arch.mbarrier_arrive(t.mbar + 3 * S + prev)               # V free
-        if cutlass.const_expr(self.overlap and self.fp8):
-            pack_e4m3_quads(t.acc_s, t.r_p)
-        elif cutlass.const_expr(self.overlap):
-            pack_bf16_pairs(t.acc_s, t.r_p)
+            cute.arch.mbarrier_arrive(V_RING.empty(t.mbar, prev))                  # V free
+        scale_rows(t.o_rc, t.corr)
+        if cutlass.const_expr(self.mma_row_sum):
+            # The sum of P(blk - 1) (relative to max blk - 1) joins the running sum, then both
+            # move to max blk; P(blk) rounded straight into the A fragment.
+            for i in cutlass.range_constexpr(cute.size(t.row_sum)):
+                t.row_sum[i] = (t.row_sum[i] + t.sum_rc[i, 0]) * t.corr[i]
+            pack_e4m3_operand_a(t.acc_s, t.r_p)
         else:
-            scale_rows(t.o_rc, t.corr)
-            if cutlass.const_expr(self.mma_row_sum):
-                # The sum of P(blk - 1) (relative to max blk - 1) joins the running sum, then
-                # both move to max blk.
-                for i in cutlass.range_constexpr(cute.size(t.row_sum)):
-                    t.row_sum[i] = (t.row_sum[i] + t.sum_rc[i, 0]) * t.corr[i]
-            if cutlass.const_expr(self.p_packed_as_operand):
-                pack_e4m3_operand_a(t.acc_s, t.r_p)
-            elif cutlass.const_expr(self.uniform and self.fp8):
-                # Pinned here: between the two turns of an unrolled pair LLVM would sink a
-                # plain conversion under the next S wgmma (64 fp32 P live: C7512).
-                pack_e4m3_quads(t.acc_s, t.r_p)
-            elif cutlass.const_expr(self.uniform):
-                pack_bf16_pairs(t.acc_s, t.r_p)
-            else:
-                t.r_p.store(t.acc_s.load().to(self.dtype))
+            # Pinned here: between the two turns of an unrolled pair LLVM would sink a plain
+            # conversion under the next S wgmma (64 fp32 P live: C7512).
+            pack_bf16_pairs(t.acc_s, t.r_p)
 
     def _softmax_sum(self, row_sum):
         """online_softmax's row_sum argument: None when the tensor core sums P."""
@@ -897,11 +721,3 @@ class FmhaSm90Ws:
         if self.mma_row_sum:
             also = (mma_sum, acc_sum, p_operand, sum_b, False)
         warpgroup_gemm_issue(mma_pv, acc_o, p_operand, vt, accumulate=True, also=also)
-
-    @cute.jit
-    def _p_operand(self, t_p: cute.Tensor, a_shape):
-        """The A operand of P V: bf16, the accumulator-as-operand view of P; e4m3, P moved into
-        the key order of the permuted Vt (tile_utils.register_p_operand)."""
-        if cutlass.const_expr(self.fp8 and not self.p_packed_as_operand):
-            return register_p_operand(t_p, a_shape)
-        return t_p

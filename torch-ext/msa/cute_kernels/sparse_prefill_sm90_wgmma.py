@@ -1,7 +1,9 @@
-"""Block-sparse prefill attention, KV-outer, on Hopper warpgroup MMA (wgmma), bf16 partials.
+"""Block-sparse prefill attention, KV-outer, on Hopper warpgroup MMA (wgmma): form "wgmma" of
+cute_kernels.variants.SPARSE_FORMS (16-bit or e4m3 partials, every dtype mode; the G 8 / 16
+bf16 and all-e4m3 calls run on the TMA forms, sparse_prefill_sm90_ws.py).
 
-Same work decomposition and semantics as sparse_prefill_sm90.SparsePrefillSm90 (read its module
-docstring for the work item, the tile, the masking and the softmax). What differs is the MMA:
+Same work decomposition and semantics as the warp-MMA kernel (sparse_common.py: the work item,
+the tile, the masking and the softmax). What differs is the MMA:
 
 * one warpgroup (4 warps, 128 threads) per CTA and 64-row M tiles (64 / G queries x G heads);
 * S = Q K^T is one SS wgmma chain m64n128k16 x 8 reading Q and K straight from shared memory,
@@ -44,18 +46,20 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as hopper
 from cutlass.cute.nvgpu import warpgroup
 
-from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, Q_STAGES,
-                                  ROWS_PER_WARP, SparsePrefillSm90)
-from .tile_utils import (kv_row_iterator, register_p_key_order, register_p_operand, row_copy,
-                         smem_tile, warp_row_store_copy, warpgroup_gemm, warpgroup_gemm_issue,
-                         wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+from .copies import copy_kv_rows, row_copy, smem_tile, warp_row_store_copy
+from .fp8 import register_p_key_order, register_p_operand
+from .geometry import BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, ROWS_PER_WARP, WG_ROWS
+from .mma import (scale_rows, warpgroup_gemm, warpgroup_gemm_issue,
+                  wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+from .sparse_common import SparsePrefillBase
 
-TILE_M = 64            # one warpgroup MMA row block
+TILE_M = WG_ROWS       # one warpgroup MMA row block
 NUM_THREADS = 128
+Q_STAGES = 2           # Q tile double buffer
 MODES = ("bf16", "bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
 
 
-class SparsePrefillSm90Wgmma(SparsePrefillSm90):
+class SparsePrefillSm90Wgmma(SparsePrefillBase):
     """wgmma variant; bf16, fp16 or e4m3 partials (fp32 partials use the warp-MMA kernel).
 
     mode (see the module docstring) fixes the element types: qk_dtype (Q and K tiles, S MMA),
@@ -210,18 +214,8 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
             row_stride0 = cute.make_layout((TILE_M, HEAD_DIM), stride=(0, 1))
 
             if cutlass.const_expr(self.mode == "bf16"):
-                for m in cutlass.range_constexpr(cute.size(tXsK.shape[1])):
-                    key = tXcKV[0, m, 0][0]
-                    if key < n_keys:
-                        k_ptr = kv_row_iterator(mK, self.paged, kv_row0, head_kv, key)
-                        v_ptr = kv_row_iterator(mV, self.paged, kv_row0, head_kv, key)
-                        gK = thr_copy.partition_S(cute.make_tensor(k_ptr, kv_row_stride0))
-                        gV = thr_copy.partition_S(cute.make_tensor(v_ptr, kv_row_stride0))
-                        cute.copy(gather_copy, gK[None, m, None], tXsK[None, m, None])
-                        cute.copy(gather_copy, gV[None, m, None], tXsV[None, m, None])
-                    else:
-                        tXsK[None, m, None].fill(0)
-                        tXsV[None, m, None].fill(0)
+                copy_kv_rows(mK, mV, self.paged, kv_row0, head_kv, n_keys, gather_copy,
+                             thr_copy, tXsK, tXsV, tXcKV, kv_row_stride0)
             else:
                 # FP8 modes: K by cp.async when its tile keeps e4m3, else converted; V always
                 # goes through registers (converted to bf16, or transposed for e4m3 P.V).
@@ -246,24 +240,13 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
             n_my_rows = cute.size(tScS, mode=[0])
             n_my_cols = cute.size(tScS, mode=[1])
 
-            thr_stage_o = stage_o_copy.get_slice(tidx)
-            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            lane = tidx % 32
-            thr_store_o = store_o_copy.get_slice(lane)
-            tWcO = thr_store_o.partition_S(cute.make_identity_tensor((ROWS_PER_WARP, HEAD_DIM)))
-            warp_row_stride0 = cute.make_layout((ROWS_PER_WARP, HEAD_DIM), stride=(0, 1))
+            (thr_stage_o, warp_idx, lane, thr_store_o, tWcO,
+             warp_row_stride0) = self._epilogue_partitions(stage_o_copy, store_o_copy, tidx)
 
-            entry0 = mRowPtr[head_kv, csr_row] + q_begin
-            n_tiles = (q_count + self.queries_per_tile - 1) // self.queries_per_tile
-            n_gather_rows = cute.size(tXcX.shape[1])
-            gather_entries = cute.make_rmem_tensor((n_gather_rows,), cutlass.Int32)
-            self._load_gather_entries(gather_entries, mQsplit, head_kv, entry0, 0, q_count,
-                                      tXcX)
-            self._gather_q_tile(gather_entries, sQ_stages, sEntry, 0, thr_copy, gather_copy,
-                                tXcX, mQ, q_start, q_len, head_kv, row_stride0, tidx)
-            cute.arch.cp_async_commit_group()
-            self._load_gather_entries(gather_entries, mQsplit, head_kv, entry0,
-                                      self.queries_per_tile, q_count, tXcX)
+            entry0, n_tiles = self._tile_span(mRowPtr, head_kv, csr_row, q_begin, q_count)
+            gather_entries = self._start_q_gather(tXcX, mQsplit, head_kv, entry0, q_count,
+                                                  sQ_stages, sEntry, thr_copy, gather_copy, mQ,
+                                                  q_start, q_len, row_stride0, tidx)
             # L2 prefetch two tiles ahead (no shared memory): thread t owns one 128-byte line
             # of tile row t // lines_per_row. Its entry is loaded a tile before it is used, so
             # the prefetch address never waits on a global load.
@@ -293,12 +276,9 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
 
                 # ---- mask + single-block softmax ---------------------------------------------
                 s_rc = wgmma_rows_cols_view(acc_s)
-                row_lse = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
-                row_lse_t = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
-                row_inv_sum = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
-                self._softmax_rows(s_rc, tScS, n_my_rows, n_my_cols, sEntry, stage, n_keys,
-                                   causal, causal_shift, scale_log2, inv_temperature, want_lse_t,
-                                   row_lse, row_lse_t, row_inv_sum)
+                row_lse, row_lse_t, row_inv_sum = self._tile_softmax(
+                    s_rc, tScS, n_my_rows, n_my_cols, sEntry, stage, n_keys, causal,
+                    causal_shift, scale_log2, inv_temperature, want_lse_t)
 
                 if cutlass.const_expr(self.transpose_v):
                     # ---- O = P V, e4m3 (RS wgmma): P rounded to e4m3, regrouped in registers -
@@ -324,10 +304,7 @@ class SparsePrefillSm90Wgmma(SparsePrefillSm90):
                                          tSrK)
 
                 # ---- normalize, stage in this warp's Q rows, write whole partial rows ----------
-                o_rc = wgmma_rows_cols_view(acc_o)
-                for i in cutlass.range_constexpr(n_my_rows):
-                    for j in cutlass.range_constexpr(n_my_cols):
-                        o_rc[i, j] = o_rc[i, j] * row_inv_sum[i]
+                scale_rows(wgmma_rows_cols_view(acc_o), row_inv_sum)
                 r_o = cute.make_fragment_like(acc_o, self.stage_dtype)
                 if cutlass.const_expr(self.stage_dtype is self.partial_dtype):
                     r_o.store(acc_o.load().to(self.partial_dtype))

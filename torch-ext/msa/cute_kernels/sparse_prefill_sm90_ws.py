@@ -1,8 +1,9 @@
 """Block-sparse prefill attention, KV-outer, warp-specialized with TMA (Hopper, sm_90a), for
 head groups G = 8 and 16 (the MSA configuration, Hq = 64 over Hkv = 4, is G = 16).
 
-Same work items, masking, softmax and outputs as sparse_prefill_sm90_wgmma (read its docstring
-and sparse_prefill_sm90's); what differs is who moves the bytes. In the wgmma kernel every
+Forms "ws" and "ws3w" of cute_kernels.variants.SPARSE_FORMS. Same work items, masking, softmax
+and outputs as the wgmma kernel (sparse_common.py, sparse_prefill_sm90_wgmma.py); what differs
+is who moves the bytes. In the wgmma kernel every
 thread computes cp.async gather addresses for its Q rows and 16-byte store addresses for its
 partial-O rows, about 40 % of the instructions per tile. Here a query's G heads are one
 contiguous G x 128 run of q (and of a slot of o_partial), so one TMA box of G rows x 128 bytes
@@ -23,7 +24,8 @@ moves it:
   warpgroup waits for its previous stores to have read the O tile before refilling it, and
   releases the Q stage (and the entries) after its last read.
 
-Form "ws3w" (WS3W): three consumer warpgroups taking tiles round-robin and 6 Q stages; the
+Form "ws3w" (the table's options consumers=3, q_stages=6): three consumer warpgroups taking
+tiles round-robin and 6 Q stages, for more tiles in flight (the path is latency-bound); the
 first two still zero the Q ring and load K and V.
 
 Shared memory (bf16, bf16 partials): Q 4 x 16 KB + K 32 KB + V 32 KB + O 2 x 16 KB = 160 KB
@@ -38,32 +40,30 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .fmha_sm90 import consumer_fragments, mmas_and_o_copies
-from .sparse_prefill_sm90 import (BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, SLOT_SHIFT,
-                                  SparsePrefillSm90)
-from .tile_utils import (register_p_key_order, register_p_operand, row_copy, smem_tile,
-                         warpgroup_gemm, wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
-from .variants import WS_GROUPS   # G with a query's rows filling whole 1 KB swizzle atoms
+from .copies import row_copy, smem_tile
+from .fp8 import register_p_key_order, register_p_operand
+from .geometry import BLOCK_N, HEAD_DIM, LOCAL_QUERY_MASK, LOG2_E, SLOT_SHIFT, WG_ROWS
+from .mma import (consumer_fragments, mmas_and_o_copies, scale_rows, warpgroup_gemm,
+                  wgmma_accumulator_as_operand_a, wgmma_rows_cols_view)
+from .pipeline import MbarrierRing, NamedBarrier
+from .sparse_common import SparsePrefillBase
 
 WS_MODES = ("bf16", "e4m3")
-WG_ROWS = 64                # rows per tile (one consumer warpgroup's wgmma M)
+# Head groups whose queries' rows fill whole 1 KB swizzle atoms (one TMA box per query).
+WS_GROUPS = (8, 16)
 NUM_MMA_WARPGROUPS = 2
 Q_STAGES = 4
 PRODUCER_REGS = 40
 MMA_REGS = 232              # 40 * 128 + 232 * 256 = 64512 = 168 * 384 (launch allocation)
-# Form "ws3w": three consumer warpgroups (512 threads launch with 128 registers each:
-# 40 * 128 + 152 * 384 = 63488; ptxas fits the consumers in 130) and 6 Q stages, for more
-# tiles in flight: the path is latency-bound (~2 us per tile per warpgroup, of which the GEMMs
-# take ~0.4 us). 3-10 % faster than ws on the H200 for most dtype / partial pairs
-# (msa._native.sparse_prefill_sm90.VALIDATED_WS3W lists where it serves).
-WS3W = dict(consumers=3, q_stages=6, mma_regs=152)
+# Three consumers (form ws3w) launch 512 threads with 128 registers each and take
+# mma_regs=152: 40 * 128 + 152 * 384 = 63488 (ptxas fits the consumers in 130).
 # Named barriers (0 is sync_threads): both consumer warpgroups (K/V landed), and each consumer
 # warpgroup's own (its O tile free / written).
 BAR_CONSUMERS = 1
 BAR_WG = 2                  # + consumer index
 
 
-class SparsePrefillSm90Ws(SparsePrefillSm90):
+class SparsePrefillSm90Ws(SparsePrefillBase):
     """Warp-specialized TMA variant; mode "bf16" (bf16 Q/K/V) or "e4m3" (e4m3 Q/K/V and P.V),
     bf16, fp16 or e4m3 partials, G in WS_GROUPS."""
 
@@ -74,6 +74,8 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
         assert consumers in (2, 3), consumers
         self.consumers = consumers
         self.q_stages = q_stages
+        # The Q ring's full (producer TMA) / empty (one arrival per consumer warp) mbarriers.
+        self.q_ring = MbarrierRing(q_stages)
         self.mma_regs = mma_regs
         assert qhead_per_kv in WS_GROUPS, qhead_per_kv
         assert partial_dtype.width == 16 or partial_dtype is cutlass.Float8E4M3FN, partial_dtype
@@ -97,7 +99,7 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
                   "sEntry": cute.struct.Align[cute.struct.MemRange[
                       cutlass.Int32, self.queries_per_tile * self.q_stages], 16],
                   "mbar": cute.struct.Align[cute.struct.MemRange[cutlass.Int64,
-                                                                 2 * self.q_stages],
+                                                                 self.q_ring.count],
                                             8]}
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
@@ -165,8 +167,7 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
         if work < mWorkCount[0]:
             (head_kv, csr_row, q_begin, q_count, batch, kv_block, q_start,
              q_len) = self._work_item(mMeta, mCuQ, work)
-            entry0 = mRowPtr[head_kv, csr_row] + q_begin
-            n_tiles = (q_count + self.queries_per_tile - 1) // self.queries_per_tile
+            entry0, n_tiles = self._tile_span(mRowPtr, head_kv, csr_row, q_begin, q_count)
 
             smem = cutlass.utils.SmemAllocator()
             storage = smem.allocate(SharedStorage)
@@ -180,8 +181,8 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
             if warp == 0:
                 with cute.arch.elect_one():
                     for s in cutlass.range_constexpr(self.q_stages):
-                        cute.arch.mbarrier_init(mbar + s, 1)                     # Q full
-                        cute.arch.mbarrier_init(mbar + self.q_stages + s, 4)     # Q empty
+                        cute.arch.mbarrier_init(self.q_ring.full(mbar, s), 1)
+                        cute.arch.mbarrier_init(self.q_ring.empty(mbar, s), 4)
                 cpasync.prefetch_descriptor(tma_q)
                 cpasync.prefetch_descriptor(tma_o)
             zeroing = wg > 0
@@ -229,7 +230,7 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
         tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), sQ_boxes, gQ_boxes)
         for tile in range(n_tiles):
             stage = tile % self.q_stages
-            cute.arch.mbarrier_wait(mbar + self.q_stages + stage,
+            cute.arch.mbarrier_wait(self.q_ring.empty(mbar, stage),
                                     ((tile // self.q_stages) % 2) ^ 1)
             n_valid = cutlass.min(qpt, q_count - tile * qpt)
             packed = cutlass.Int32(-1)
@@ -239,7 +240,7 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
                 sEntry[lane, stage] = packed
             cute.arch.sync_warp()
             with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar + stage,
+                cute.arch.mbarrier_arrive_and_expect_tx(self.q_ring.full(mbar, stage),
                                                         n_valid * self.q_query_bytes)
             for i in cutlass.range_constexpr(qpt):
                 packed_i = cute.arch.shuffle_sync(packed, i)
@@ -248,7 +249,8 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
                     token = q_start + (packed_i & LOCAL_QUERY_MASK)
                     for h in cutlass.range_constexpr(HEAD_DIM // self.q_box_cols):
                         cute.copy(tma_q, tQgQ[None, head_kv, h, token],
-                                  tQsQ[None, i, h, stage], tma_bar_ptr=mbar + stage)
+                                  tQsQ[None, i, h, stage],
+                                  tma_bar_ptr=self.q_ring.full(mbar, stage))
 
     @cute.jit
     def _load_v_rows(self, gather_copy, convert_load, wg_tidx, mV, kv_row0, head_kv, n_keys,
@@ -299,7 +301,7 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=128 * self.consumers)
+        NamedBarrier(BAR_CONSUMERS, 128 * self.consumers).sync()
 
         # (.., .., K, stage) Q fragments.
         tSrQ, tSrK, tOrVt, tScS, acc_s, acc_o, a_shape = consumer_fragments(
@@ -316,16 +318,13 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
 
         for tile in range(mwg, n_tiles, self.consumers):
             stage = tile % self.q_stages
-            cute.arch.mbarrier_wait(mbar + stage, (tile // self.q_stages) % 2)
+            cute.arch.mbarrier_wait(self.q_ring.full(mbar, stage), (tile // self.q_stages) % 2)
             warpgroup_gemm(mma_qk, acc_s, tSrQ[None, None, None, stage], tSrK)
 
             s_rc = wgmma_rows_cols_view(acc_s)
-            row_lse = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
-            row_lse_t = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
-            row_inv_sum = cute.make_rmem_tensor((n_my_rows,), cutlass.Float32)
-            self._softmax_rows(s_rc, tScS, n_my_rows, n_my_cols, sEntry, stage, n_keys, causal,
-                               causal_shift, scale_log2, inv_temperature, want_lse_t, row_lse,
-                               row_lse_t, row_inv_sum)
+            row_lse, row_lse_t, row_inv_sum = self._tile_softmax(
+                s_rc, tScS, n_my_rows, n_my_cols, sEntry, stage, n_keys, causal, causal_shift,
+                scale_log2, inv_temperature, want_lse_t)
             r_p = cute.make_fragment_like(acc_s, self.pv_dtype)
             r_p.store(acc_s.load().to(self.pv_dtype))
             if cutlass.const_expr(self.transpose_v):
@@ -334,18 +333,15 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
                 t_p = wgmma_accumulator_as_operand_a(r_p)
             warpgroup_gemm(mma_pv, acc_o, t_p, tOrVt)
 
-            o_rc = wgmma_rows_cols_view(acc_o)
-            for i in cutlass.range_constexpr(n_my_rows):
-                for j in cutlass.range_constexpr(n_my_cols):
-                    o_rc[i, j] = o_rc[i, j] * row_inv_sum[i]
+            scale_rows(wgmma_rows_cols_view(acc_o), row_inv_sum)
             r_o = cute.make_fragment_like(acc_o, self.partial_dtype)
             r_o.store(acc_o.load().to(self.partial_dtype))
             # The O tile is free once this warpgroup's previous stores have read it.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
+            NamedBarrier(BAR_WG + mwg, 128).sync()
             cute.copy(stage_o_copy, thr_stage_o.retile(r_o), tOsO_mine)
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=BAR_WG + mwg, number_of_threads=128)
+            NamedBarrier(BAR_WG + mwg, 128).sync()
             # Warp w stores queries w, w + 4: G rows x 128 channels into the query's slot.
             for i in cutlass.range_constexpr((self.queries_per_tile + 3) // 4):
                 query = warp_in_wg + 4 * i
@@ -363,6 +359,6 @@ class SparsePrefillSm90Ws(SparsePrefillSm90):
             # Last reads of this stage's entries are done: hand the Q stage back.
             cute.arch.sync_warp()
             if lane == 0:
-                cute.arch.mbarrier_arrive(mbar + self.q_stages + stage)
+                cute.arch.mbarrier_arrive(self.q_ring.empty(mbar, stage))
         # The O tile must outlive the stores reading it.
         cute.arch.cp_async_bulk_wait_group(0, read=True)

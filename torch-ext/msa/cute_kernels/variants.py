@@ -1,62 +1,216 @@
-"""Names of the precompiled CuTe-DSL kernel variants (pure Python: no cutlass import).
+"""The serving tables of the CuTe-DSL op families and the variants a build ships (pure Python:
+no cutlass import).
 
-Shared by tools/compile_cute.py (which builds one TVM-FFI shared object per variant), the runtime
-loader (msa._native.cute_runtime, which finds them by name in a manifest) and the JIT fallback.
-Every dynamic size (tokens, pages, work items, batch) is a runtime value, so a variant is fixed
-only by what changes the generated code: head group G, KV layout, element dtypes.
+One table per op family lists its kernel forms: what each is compiled for (dtypes, head groups,
+partial dtypes, KV layouts), its kernel class and constructor options, and when dispatch picks
+it (in words, and as a predicate over the call's features). Everything else reads these tables:
+shipped_variants() (what tools/compile_cute.py compiles), build.py (the kernel object of a
+variant), the native dispatch (msa._native.*: the form a call runs, through serving_form), the
+runtime loader (artifact names), tests and benchmarks (the forms to exercise).
+
+A variant is fixed only by what changes the generated code (head group, KV layout, element
+dtypes, form); every size (tokens, pages, work items, batch) is a runtime value. Artifact names
+are built only by the variant classes' ``name``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import List
+import functools
+import itertools
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
-HEAD_DIM = 128
-KV_BLOCK = 128
+from .geometry import BLOCK_N as KV_BLOCK
+from .geometry import HEAD_DIM  # noqa: F401  (the head dim every variant is built for)
+
+LAYOUTS = ("dense", "paged")
 QHEAD_PER_KV = (1, 2, 4, 8, 16)
-PARTIAL_DTYPES = ("float32", "bfloat16", "float16", "e4m3")   # contract §1.2, all native
-# Partial dtypes of the wgmma kernel (every dtype mode); fp32 partials use the warp-MMA kernel
-# and exist for bf16 Q/K/V only.
-WGMMA_PARTIAL_DTYPES = ("bfloat16", "float16", "e4m3")
-INPUT_DTYPES = ("bfloat16",)                 # Q/K/V element types compiled so far
-# FP8 attention modes (wgmma kernel: bf16, fp16 or e4m3 partials; no scale factors, contract
-# §1.2):
+SPARSE_DTYPES = ("bfloat16", "bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")     # see FP8_MODES
+PARTIAL_DTYPES = ("float32", "bfloat16", "float16", "e4m3")     # every contract partial dtype
+# The sparse kernels' Q/K/V dtype modes (no scale factors):
+#   bfloat16      bf16 q/k/v
 #   bf16_kv_e4m3  bf16 q, e4m3 k/v (staged to bf16 in shared memory), bf16 P.V
 #   e4m3_pv_bf16  e4m3 q/k/v, e4m3 QK^T, V staged to bf16, bf16 P.V (pv_dtype=bf16)
 #   e4m3          e4m3 q/k/v, e4m3 QK^T, P rounded to e4m3 in registers, e4m3 P.V
-#                 (pv_dtype=e4m3)
-# They are compiled and shipped, but msa._native.sparse_prefill_sm90 serves a mode only once it
-# is listed in its VALIDATED_FP8_MODES (proven on an H200).
 FP8_MODES = ("bf16_kv_e4m3", "e4m3_pv_bf16", "e4m3")
-# The warp-specialized sparse attention form (AttentionVariant.form "ws"): head groups whose
-# query rows fill whole 1 KB swizzle atoms, bf16 or all-e4m3 Q/K/V.
+WGMMA_PARTIAL_DTYPES = ("bfloat16", "float16", "e4m3")
+# Head groups whose query rows fill whole 1 KB swizzle atoms (the sparse TMA forms' Q boxes).
 WS_GROUPS = (8, 16)
-WS_DTYPES = ("bfloat16", "e4m3")
-SPARSE_WS_FORMS = ("ws", "ws3w")
 INDEX_HEADS = (1, 2, 4, 8)                   # index query heads H of block_max_scores
-INDEX_DTYPES = ("bfloat16", "e4m3")          # q_idx / k_idx element types (same for both)
-FMHA_DTYPES = ("bfloat16", "e4m3")          # dense FMHA q/k/v element types (output O)
+INDEX_DTYPES = ("bfloat16", "e4m3")          # q_idx / k_idx element types (the same for both)
+FMHA_DTYPES = ("bfloat16", "e4m3")           # dense FMHA q/k/v element types (O is bf16)
+# Dense FMHA: calls of more (query tile, head, request) work items than this run on the
+# non-persistent forms, whose concurrent CTAs share one KV head's K / V in L2.
+PERSISTENT_MAX_ITEMS = 4096
+# (dtype mode, partial dtype) pairs the three-consumer sparse form serves: measured faster than
+# the two-consumer form at 32k and 128k keys.
+WS3W_PAIRS = frozenset({("e4m3", "bfloat16"), ("e4m3", "e4m3"), ("bfloat16", "bfloat16")})
+# The indexer's decode form holds this many (query, head) rows per request (one warpgroup).
+INDEXER_DECODE_ROWS = 64
+
+
+def _always(**_features) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Form:
+    """One compiled kernel form of an op family (a row of a serving table)."""
+    name: str                            # how tests, benchmarks and debug.forcing name it
+    kernel: str                          # the kernel class (build.py) that compiles it
+    dtypes: Tuple[str, ...]              # q/k/v dtypes or dtype modes it is compiled for
+    serves: str                          # when dispatch picks it, in words
+    # The same as a predicate over the call's dtype, group, partial, layout and features.
+    when: Callable[..., bool] = _always
+    options: Mapping[str, object] = dataclasses.field(default_factory=dict)   # kernel options
+    groups: Tuple[int, ...] = ()         # head groups G it exists for (() = every G)
+    partials: Tuple[str, ...] = ()       # partial dtypes it exists for (() = not applicable)
+    layouts: Tuple[str, ...] = LAYOUTS
+    suffix: Optional[str] = None         # the artifact name's suffix (default "_" + name)
+    # False: built but not yet proven on an H200; dispatch passes it by unless
+    # MSA_UNVALIDATED_KERNELS=1 (msa._backend.unvalidated_ok), and benchmarks label it. It
+    # ships where it would serve, so its GPU tests can run it.
+    validated: bool = True
+
+    @property
+    def name_suffix(self) -> str:
+        return f"_{self.name}" if self.suffix is None else self.suffix
+
+    def builds(self, dtype: str, group: Optional[int] = None,
+               partial: Optional[str] = None, layout: Optional[str] = None) -> bool:
+        """Whether this form is compiled for the given dtype (and head group, partial dtype,
+        layout where given)."""
+        return (dtype in self.dtypes
+                and (group is None or not self.groups or group in self.groups)
+                and (partial is None or not self.partials or partial in self.partials)
+                and (layout is None or layout in self.layouts))
+
+
+def serving_form(table: Mapping[str, Form], dtype: str, *, group: Optional[int] = None,
+                 partial: Optional[str] = None, layout: Optional[str] = None,
+                 unvalidated_ok: bool = False, forced: Optional[str] = None,
+                 exclude: Tuple[str, ...] = (), **features) -> Optional[Form]:
+    """The form of `table` that serves a call: `forced` (a test / benchmark hook) when it is
+    built for the call, else the first form in table order that is built for it, serves its
+    features (Form.when) and is validated (or unvalidated_ok); None when no form does. Forms
+    named in `exclude` are passed by (e.g. one whose artifact is missing)."""
+    if forced is not None:
+        if forced not in table:
+            raise ValueError(f"forced form {forced!r}: the forms are {', '.join(table)}")
+        if forced not in exclude and table[forced].builds(dtype, group, partial, layout):
+            return table[forced]
+    for form in table.values():
+        if (form.name not in exclude and form.builds(dtype, group, partial, layout)
+                and (form.validated or unvalidated_ok)
+                and form.when(dtype=dtype, group=group, partial=partial, layout=layout,
+                              **features)):
+            return form
+    return None
+
+
+def forms_with(table: Mapping[str, Form], option: str) -> Tuple[str, ...]:
+    """The names of the forms whose kernel `option` is set."""
+    return tuple(name for name, form in table.items() if form.options.get(option))
+
+
+def _table(*forms: Form) -> Dict[str, Form]:
+    return {form.name: form for form in forms}
+
+
+# ---- dense FMHA (op "fmha_dense"; features: with_score, kv_splits, causal, work_items) --------
+# FMHA_CALLS: values of the run-time features that reach every choice of FMHA_FORMS (what
+# shipped_variants() asks the table about); likewise SPARSE_CALLS, INDEXER_CALLS.
+FMHA_CALLS = dict(with_score=(False, True), kv_splits=(1, 2), causal=(False, True),
+                  work_items=(1, PERSISTENT_MAX_ITEMS + 1))
+FMHA_FORMS = _table(
+    Form("maxscore", "FmhaSm90MaxScore", ("bfloat16",),
+         "O and the max-score output (mode 1): the plain block loop (two warpgroups, a "
+         "two-stage cp.async K/V ring), writing each row's scaled max per key block",
+         when=lambda with_score, **_: with_score),
+    Form("split", "FmhaSm90Split", FMHA_DTYPES,
+         "O-only plans the planner splits (num_kv_splits > 1: few query tiles, long keys): the "
+         "plain block loop over one key range per CTA, fp32 partial rows + LSE, then the fp32 "
+         "combine",
+         when=lambda with_score, kv_splits, **_: not with_score and kv_splits > 1),
+    Form("wsup", "FmhaSm90Ws", ("bfloat16",),
+         "bf16 causal O-only calls of at most PERSISTENT_MAX_ITEMS work items: the "
+         "warp-specialized kernel on persistent CTAs (min(items, SMs) CTAs walk the items, the "
+         "producer loads Q by TMA)",
+         when=lambda with_score, causal, work_items, **_: (
+             not with_score and causal and work_items <= PERSISTENT_MAX_ITEMS),
+         options=dict(persistent=True)),
+    Form("wsu", "FmhaSm90Ws", ("bfloat16",),
+         "every other bf16 O-only call: the warp-specialized kernel (TMA producer warp, two "
+         "ping-pong consumer warpgroups, static K/V stages), one CTA per query tile",
+         when=lambda with_score, **_: not with_score),
+    Form("wsutps", "FmhaSm90Ws", ("e4m3",),
+         "e4m3 O-only calls of at most PERSISTENT_MAX_ITEMS work items: wsup's persistent CTAs, "
+         "V transposed ahead by the fmha_transpose_v_e4m3 op, P's row sums on the tensor core",
+         when=lambda with_score, work_items, **_: (
+             not with_score and work_items <= PERSISTENT_MAX_ITEMS),
+         options=dict(v_transposed=True, mma_row_sum=True, persistent=True)),
+    Form("wsuts", "FmhaSm90Ws", ("e4m3",),
+         "every other e4m3 O-only call: wsu with V transposed ahead and P's row sums on the "
+         "tensor core",
+         when=lambda with_score, **_: not with_score,
+         options=dict(v_transposed=True, mma_row_sum=True)),
+)
+
+# ---- sparse prefill attention (op "sparse_atten"; dtype: the dtype mode) ----------------------
+SPARSE_CALLS: Dict[str, tuple] = {}
+SPARSE_FORMS = _table(
+    Form("ws3w", "SparsePrefillSm90Ws", ("bfloat16", "e4m3"),
+         "G 8 / 16, bf16 or all-e4m3 q/k/v, the (dtype, partial dtype) pairs of WS3W_PAIRS: the "
+         "TMA warp-specialized kernel with three consumer warpgroups and 6 Q stages",
+         when=lambda dtype, partial, **_: (dtype, partial) in WS3W_PAIRS,
+         options=dict(consumers=3, q_stages=6, mma_regs=152),
+         groups=WS_GROUPS, partials=WGMMA_PARTIAL_DTYPES),
+    Form("ws", "SparsePrefillSm90Ws", ("bfloat16", "e4m3"),
+         "the other G 8 / 16 calls with bf16 or all-e4m3 q/k/v and 16-bit or e4m3 partials: "
+         "the TMA warp-specialized kernel, two consumer warpgroups",
+         groups=WS_GROUPS, partials=WGMMA_PARTIAL_DTYPES),
+    Form("wgmma", "SparsePrefillSm90Wgmma", ("bfloat16",) + FP8_MODES,
+         "every other call with 16-bit or e4m3 partials: one warpgroup, wgmma from shared "
+         "memory, two CTAs per SM",
+         partials=WGMMA_PARTIAL_DTYPES, suffix=""),
+    Form("mma", "SparsePrefillSm90", ("bfloat16",),
+         "bf16 q/k/v with fp32 partials: warp-level mma.sync, 128-row tiles",
+         partials=("float32",), suffix=""),
+)
+
+# ---- indexer block max-scores (op "block_max_scores"; feature: rows_per_request) --------------
+INDEXER_CALLS = dict(rows_per_request=(1, INDEXER_DECODE_ROWS + 1))
+INDEXER_FORMS = _table(
+    Form("decode", "BlockMaxScoreSm90", INDEX_DTYPES,
+         "paged index keys and at most INDEXER_DECODE_ROWS (query, head) rows per request: one "
+         "warpgroup per CTA, each request's key tiles split over CTAs",
+         when=lambda rows_per_request, **_: rows_per_request <= INDEXER_DECODE_ROWS,
+         options=dict(split_keys=True), layouts=("paged",)),
+    Form("prefill", "BlockMaxScoreSm90", INDEX_DTYPES,
+         "every other call: 256 (query, head) rows per CTA, four warpgroups",
+         suffix=""),
+)
+
+
+def _short(dtype: str) -> str:
+    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(dtype, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionVariant:
-    """One compiled attention kernel: S = QK^T, single-block softmax, P.V per work item.
-    dtype is "bfloat16" (bf16 q/k/v) or one of FP8_MODES (which also fixes pv_dtype)."""
+    """One compiled sparse attention kernel: S = QK^T, single-block softmax, P.V per work
+    item. dtype is "bfloat16" or one of FP8_MODES; form a name of SPARSE_FORMS."""
     qhead_per_kv: int
     paged: bool
     partial_dtype: str = "float32"
     dtype: str = "bfloat16"
-    # "" (the wgmma / warp-MMA kernels), "ws" (cute_kernels.sparse_prefill_sm90_ws: TMA Q
-    # gathers and partial stores, warp-specialized; WS_GROUPS x WS_DTYPES, wgmma partials) or
-    # "ws3w" (the same with three consumer warpgroups)
-    form: str = ""
+    form: str = "mma"
 
     @property
     def name(self) -> str:
         layout = "paged" if self.paged else "dense"
-        suffix = f"_{self.form}" if self.form else ""
         return (f"sparse_prefill_sm90_{self.dtype}_g{self.qhead_per_kv}_{layout}"
-                f"_p{_short(self.partial_dtype)}{suffix}")
+                f"_p{_short(self.partial_dtype)}{SPARSE_FORMS[self.form].name_suffix}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,122 +226,64 @@ class CombineVariant:
 @dataclasses.dataclass(frozen=True)
 class BlockMaxScoreVariant:
     """One compiled indexer kernel: per (query, index head, 128-key tile) max of scale * q.k,
-    H index heads against one shared index-key head (Hk = 1), dense or paged index keys."""
+    H index heads against one shared index-key head (Hk = 1); form a name of INDEXER_FORMS."""
     num_heads: int
     paged: bool
     dtype: str = "bfloat16"
-    decode: bool = False     # 1-16 query rows per request, K tiles split across CTAs
+    form: str = "prefill"
 
     @property
     def name(self) -> str:
         layout = "paged" if self.paged else "dense"
-        suffix = "_decode" if self.decode else ""
-        return f"block_max_score_sm90_{self.dtype}_h{self.num_heads}_{layout}{suffix}"
-
-
-# Warp-specialized FMHA forms (the variant name's suffix) -> (q/k/v dtypes it is built for,
-# cute_kernels.fmha_sm90_ws.FmhaSm90Ws options): the one table the kernel module, the build,
-# the native dispatch (msa._native.fmha_sm90) and the benchmarks read. Which form serves a call
-# is msa._native.fmha_sm90.served_ws_form's choice (bf16 wsup / wsu, e4m3 wsutps / wsuts),
-# among the forms its VALIDATED_WS_FORMS lists. Earlier 3-stage, overlapped, tree-softmax,
-# chained-item, wide-block and static-diagonal forms were measured slower or even and removed
-# (docs/design-fmha.md).
-#   ws      the base: TMA producer warp, two ping-pong consumer warpgroups
-#   wsf     FlashAttention-3's intra-warpgroup order (O rescaled under S(j), the softmax of
-#           block j under the own P(j-1) V(j-1))
-#   wsu     `uniform`: static K/V stages and Q tile, so the wgmma descriptors stay in uniform
-#           registers (serves bf16 non-causal and long calls)
-#   wsut    wsu reading V transposed ahead of the kernel (the fmha_transpose_v_e4m3 CUDA op)
-#           instead of transposing it in the producer warpgroup
-#   wsup / wsutp    wsu / wsut on persistent CTAs (up to PERSISTENT_MAX_ITEMS work items)
-#   wsuts / wsutps  wsut / wsutp with the softmax's row sums on the tensor core (serve e4m3)
-FMHA_WS_FORMS = {
-    "ws": (FMHA_DTYPES, {}),
-    "wsf": (FMHA_DTYPES, dict(overlap=True)),
-    "wsu": (FMHA_DTYPES, dict(uniform=True)),
-    "wsut": (("e4m3",), dict(uniform=True, v_transposed=True)),
-    "wsup": (("bfloat16",), dict(uniform=True, persistent=True)),
-    "wsutp": (("e4m3",), dict(uniform=True, v_transposed=True, persistent=True)),
-    "wsuts": (("e4m3",), dict(uniform=True, v_transposed=True, mma_row_sum=True)),
-    "wsutps": (("e4m3",), dict(uniform=True, v_transposed=True, persistent=True,
-                               mma_row_sum=True)),
-}
-
-
-def fmha_ws_forms(dtype: str) -> tuple:
-    """The warp-specialized FMHA forms built for q/k/v `dtype` ("bfloat16" or "e4m3")."""
-    return tuple(name for name, (dtypes, _) in FMHA_WS_FORMS.items() if dtype in dtypes)
-
-
-def fmha_ws_forms_with(option: str) -> tuple:
-    """The warp-specialized FMHA forms whose FmhaSm90Ws `option` is set (e.g. "v_transposed":
-    the forms whose v argument is Vt, written ahead of the kernel)."""
-    return tuple(name for name, (_, options) in FMHA_WS_FORMS.items() if options.get(option))
-
-
-WS_FORMS = fmha_ws_forms("bfloat16")
-WS_FP8_FORMS = fmha_ws_forms("e4m3")
+        return (f"block_max_score_sm90_{self.dtype}_h{self.num_heads}_{layout}"
+                f"{INDEXER_FORMS[self.form].name_suffix}")
 
 
 @dataclasses.dataclass(frozen=True)
 class FmhaVariant:
     """One compiled dense FMHA forward kernel (the native fmha_dense backend): any GQA group and
-    causality at run time, dense or paged (page size 128) K/V."""
+    causality at run time, dense or paged (page size 128) K/V; form a name of FMHA_FORMS."""
     paged: bool
     dtype: str = "bfloat16"
-    max_score: bool = False      # also writes the max-score output (mode 1)
-    # "plain" (cute_kernels.fmha_sm90), a warp-specialized form of cute_kernels.fmha_sm90_ws
-    # (TMA producer warp, ping-pong consumer warpgroups; O only): WS_FORMS for bf16,
-    # WS_FP8_FORMS for e4m3; or "split" (fmha_sm90.FmhaSm90Split: the plain loop over one of
-    # num_splits key ranges, fp32 partial rows + LSE; O only)
-    form: str = "plain"
+    form: str = "wsu"
 
     @property
     def name(self) -> str:
-        suffix = "_maxscore" if self.max_score else ""
-        if self.form != "plain":
-            suffix += f"_{self.form}"
-        return f"fmha_sm90_{self.dtype}_{'paged' if self.paged else 'dense'}{suffix}"
+        layout = "paged" if self.paged else "dense"
+        return f"fmha_sm90_{self.dtype}_{layout}{FMHA_FORMS[self.form].name_suffix}"
 
 
-def _short(dtype: str) -> str:
-    return {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(dtype, dtype)
+def served_forms(table: Mapping[str, Form], calls: Mapping[str, tuple], dtype: str,
+                 group: Optional[int] = None, partial: Optional[str] = None,
+                 layout: Optional[str] = None) -> List[str]:
+    """The names of the forms of `table` that serve some call of these compile-time properties
+    (one per combination of the run-time feature values in `calls`), unvalidated forms
+    included."""
+    names: List[str] = []
+    for values in itertools.product(*calls.values()):
+        form = serving_form(table, dtype, group=group, partial=partial, layout=layout,
+                            unvalidated_ok=True, **dict(zip(calls, values)))
+        if form is not None and form.name not in names:
+            names.append(form.name)
+    return names
 
 
 def shipped_variants() -> List[object]:
-    """Every variant a build ships (tools/compile_cute.py compiles exactly this list)."""
+    """Every variant a build ships: exactly the forms the serving tables pick for some call
+    (tools/compile_cute.py compiles this list; a form that no call reaches is not shipped)."""
     out: List[object] = []
-    for dtype in INPUT_DTYPES:
-        for paged in (False, True):
-            for g in QHEAD_PER_KV:
-                for partial in PARTIAL_DTYPES:
-                    out.append(AttentionVariant(g, paged, partial, dtype))
-    for mode in FP8_MODES:
-        for paged in (False, True):
-            for g in QHEAD_PER_KV:
-                for partial in WGMMA_PARTIAL_DTYPES:
-                    out.append(AttentionVariant(g, paged, partial, mode))
-    for form in SPARSE_WS_FORMS:
-        for dtype in WS_DTYPES:
-            for paged in (False, True):
-                for g in WS_GROUPS:
-                    for partial in WGMMA_PARTIAL_DTYPES:
-                        out.append(AttentionVariant(g, paged, partial, dtype, form=form))
+    for dtype, layout, g, partial in itertools.product(SPARSE_DTYPES, LAYOUTS, QHEAD_PER_KV,
+                                                       PARTIAL_DTYPES):
+        out.extend(AttentionVariant(g, layout == "paged", partial, dtype, form)
+                   for form in served_forms(SPARSE_FORMS, SPARSE_CALLS, dtype, g, partial,
+                                            layout))
     out.extend(CombineVariant(p) for p in PARTIAL_DTYPES)
-    for dtype in INDEX_DTYPES:
-        for paged in (False, True):
-            out.extend(BlockMaxScoreVariant(h, paged, dtype) for h in INDEX_HEADS)
-        # The decode indexer reads a paged index-K cache.
-        out.extend(BlockMaxScoreVariant(h, True, dtype, decode=True) for h in INDEX_HEADS)
-    for paged in (False, True):
-        out.extend(FmhaVariant(paged, dtype) for dtype in FMHA_DTYPES)
-        # The O + max-score output exists for bf16 only.
-        out.append(FmhaVariant(paged, "bfloat16", max_score=True))
-        # The warp-specialized forms (O only).
-        out.extend(FmhaVariant(paged, "bfloat16", form=f) for f in WS_FORMS)
-        out.extend(FmhaVariant(paged, "e4m3", form=f) for f in WS_FP8_FORMS)
-        # Split-KV for decode-like plans (O only).
-        out.extend(FmhaVariant(paged, dtype, form="split") for dtype in FMHA_DTYPES)
+    for dtype, layout, heads in itertools.product(INDEX_DTYPES, LAYOUTS, INDEX_HEADS):
+        out.extend(BlockMaxScoreVariant(heads, layout == "paged", dtype, form)
+                   for form in served_forms(INDEXER_FORMS, INDEXER_CALLS, dtype, layout=layout))
+    for dtype, layout in itertools.product(FMHA_DTYPES, LAYOUTS):
+        out.extend(FmhaVariant(layout == "paged", dtype, form)
+                   for form in served_forms(FMHA_FORMS, FMHA_CALLS, dtype, layout=layout))
     return out
 
 
@@ -196,3 +292,13 @@ def by_name(name: str):
         if variant.name == name:
             return variant
     raise KeyError(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _forms_by_name() -> Dict[str, str]:
+    return {variant.name: getattr(variant, "form", "") for variant in shipped_variants()}
+
+
+def form_of(name: str) -> Optional[str]:
+    """The serving-table form of a shipped variant's artifact name (None for other names)."""
+    return _forms_by_name().get(name)

@@ -17,11 +17,11 @@ from typing import Optional
 
 import torch
 
+from ..._common import sm_count
 from ...sparse_index_utils import packed_row_owner, rows_per_request
 
 METADATA_COLUMNS = 6
 SLOT_SHIFT = 24
-H200_SM_COUNT = 132
 
 
 @dataclasses.dataclass
@@ -61,12 +61,6 @@ class SparseAttentionSchedule:
 SparseSchedulePlan = SparseAttentionSchedule
 
 
-def _sm_count(device: torch.device, usable_SM_count: int) -> int:
-    n = (torch.cuda.get_device_properties(device).multi_processor_count
-         if device.type == "cuda" else H200_SM_COUNT)
-    return min(n, usable_SM_count) if usable_SM_count > 0 else n
-
-
 def target_q_per_cta(*, total_q: int, topk: int, blk_kv: int, head_kv: int, qhead_per_kv: int,
                      device: torch.device, usable_SM_count: int = -1) -> int:
     """Queries per work item: enough items for two waves of CTAs, but hot rows (sink, local
@@ -74,7 +68,7 @@ def target_q_per_cta(*, total_q: int, topk: int, blk_kv: int, head_kv: int, qhea
     fills whole 128-row MMA tiles."""
     group = max(1, 128 // qhead_per_kv)
     refs = max(total_q * topk * head_kv, 1)
-    items = 2 * _sm_count(device, usable_SM_count)
+    items = 2 * sm_count(device, usable_SM_count)
     occupancy = -(-refs // items)
     cap = max(group, 2 * topk * blk_kv)
     target = min(max(occupancy, group), cap)

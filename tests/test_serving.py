@@ -1,0 +1,233 @@
+"""CPU: the serving tables (msa.cute_kernels.variants) decide which kernel form serves a call,
+and every shipped variant is one the dispatch serves. No CUDA and no cutlass needed: the tables
+and the native ``supports`` functions are plain Python (artifact lookups answer "available"
+here, as with the DSL installed for a JIT compile)."""
+
+import itertools
+
+import pytest
+import torch
+
+from msa import _backend
+from msa._native import (block_max_score_sm90, csr_builder, debug, decode_cuda, fmha_sm90,
+                         serving, sparse_prefill_sm90)
+from msa.cute_kernels import variants
+
+BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
+TORCH_DTYPES = {"bfloat16": BF16, "e4m3": E4M3}
+MAX_ITEMS = variants.PERSISTENT_MAX_ITEMS
+
+
+@pytest.fixture(autouse=True)
+def every_artifact_available(monkeypatch):
+    """Artifact lookups say yes (the tables are under test, not this machine's files)."""
+    monkeypatch.setattr(serving.cute_runtime, "unavailable_reason", lambda *names: None)
+    monkeypatch.setattr(fmha_sm90, "ops", type("Ops", (), {fmha_sm90.TRANSPOSE_V_OP: None})())
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
+
+
+def _fmha_kernel(dtype="bfloat16", mode=3, paged=False, causal=True, work_items=8,
+                 kv_splits=1):
+    verdict = fmha_sm90.supports(q_dtype=TORCH_DTYPES[dtype], k_dtype=TORCH_DTYPES[dtype],
+                                 paged=paged, page_size=128 if paged else -1, causal=causal,
+                                 mode=mode, work_items=work_items, kv_splits=kv_splits)
+    assert isinstance(verdict, _backend.Served), verdict
+    return verdict.kernel
+
+
+def _sparse_kernel(mode="bfloat16", g=16, partial=BF16, paged=False):
+    q, kv, pv = {"bfloat16": (BF16, BF16, None), "bf16_kv_e4m3": (BF16, E4M3, None),
+                 "e4m3_pv_bf16": (E4M3, E4M3, BF16), "e4m3": (E4M3, E4M3, None)}[mode]
+    verdict = sparse_prefill_sm90.supports(q_dtype=q, k_dtype=kv, v_dtype=kv, pv_dtype=pv,
+                                           paged=paged, qhead_per_kv=g, topk=16,
+                                           partial_dtype=partial)
+    assert isinstance(verdict, _backend.Served), verdict
+    return verdict.kernel
+
+
+def _indexer_form(dtype="bfloat16", paged=True, rows=1):
+    return variants.serving_form(variants.INDEXER_FORMS, dtype,
+                                 layout="paged" if paged else "dense",
+                                 rows_per_request=rows).name
+
+
+def test_shipped_variants_are_exactly_what_dispatch_serves():
+    """Every shipped variant is chosen by the dispatch for some call, and every choice is a
+    shipped variant: the build ships no form the dispatch cannot serve."""
+    shipped = {v.name for v in variants.shipped_variants()}
+    served = set()
+    for dtype, paged, causal, items, splits in itertools.product(
+            ("bfloat16", "e4m3"), (False, True), (False, True), (1, MAX_ITEMS, MAX_ITEMS + 1),
+            (1, 3)):
+        for mode in (3, 1) if dtype == "bfloat16" else (3,):
+            kernel = _fmha_kernel(dtype, mode, paged, causal, items, splits)
+            served.update(kernel.artifacts)
+    for mode, g, partial, paged in itertools.product(
+            ("bfloat16",) + variants.FP8_MODES, variants.QHEAD_PER_KV,
+            (torch.float32, BF16, torch.float16, E4M3), (False, True)):
+        if mode != "bfloat16" and partial == torch.float32:
+            continue
+        kernel = _sparse_kernel(mode, g, partial, paged)
+        served.update((kernel.attention, kernel.combine))
+    for dtype, heads, paged, rows in itertools.product(
+            variants.INDEX_DTYPES, variants.INDEX_HEADS, (False, True),
+            (1, variants.INDEXER_DECODE_ROWS, variants.INDEXER_DECODE_ROWS + 1)):
+        served.add(block_max_score_sm90.variant_name(heads, paged, TORCH_DTYPES[dtype],
+                                                     _indexer_form(dtype, paged, rows)))
+    assert served == shipped, (sorted(shipped - served), sorted(served - shipped))
+    assert len(shipped) == len(variants.shipped_variants())
+
+
+def test_fmha_serving_table_rules():
+    """bf16 O: wsup for causal calls of at most PERSISTENT_MAX_ITEMS work items, wsu otherwise;
+    e4m3 O: wsutps up to PERSISTENT_MAX_ITEMS items, wsuts past it; mode 1 (bf16 only): the
+    max-score form; plans split by the planner: the split form (O only), its combine too."""
+    assert _fmha_kernel("bfloat16", causal=True, work_items=MAX_ITEMS).form == "wsup"
+    assert _fmha_kernel("bfloat16", causal=True, work_items=MAX_ITEMS + 1).form == "wsu"
+    assert _fmha_kernel("bfloat16", causal=False, work_items=1).form == "wsu"
+    for causal in (False, True):
+        assert _fmha_kernel("e4m3", causal=causal, work_items=MAX_ITEMS).form == "wsutps"
+        assert _fmha_kernel("e4m3", causal=causal, work_items=MAX_ITEMS + 1).form == "wsuts"
+    kernel = _fmha_kernel("bfloat16", mode=1, paged=True, kv_splits=4)
+    assert (kernel.form, kernel.variant, kernel.with_score) == \
+        ("maxscore", "fmha_sm90_bfloat16_paged_maxscore", True)
+    kernel = _fmha_kernel("e4m3", kv_splits=4)
+    assert kernel.split and kernel.artifacts == ("fmha_sm90_e4m3_dense_split",
+                                                 "sparse_combine_sm90_pf32")
+    kernel = _fmha_kernel("e4m3", paged=True)
+    assert kernel.v_transposed and kernel.num_ctas_arg and not kernel.split
+    assert kernel.form in fmha_sm90.V_TRANSPOSED_FORMS and \
+        kernel.form in fmha_sm90.ROW_SUM_ON_MMA_FORMS
+    # The choice is cached: the same call shape gets the same kernel object back.
+    assert _fmha_kernel("bfloat16") is _fmha_kernel("bfloat16")
+
+
+def test_fmha_passes_a_form_whose_artifact_is_missing(monkeypatch):
+    """A split plan whose split artifact (or combine) cannot be loaded runs unsplit; a call
+    with no loadable form is refused with the loader's reason (the reference then runs)."""
+    missing = {"fmha_sm90_bfloat16_dense_split"}
+
+    def unavailable(*names):
+        gone = [n for n in names if n in missing]
+        return f"no precompiled CuTe kernel {gone[0]}" if gone else None
+    monkeypatch.setattr(serving.cute_runtime, "unavailable_reason", unavailable)
+    assert _fmha_kernel("bfloat16", causal=False, kv_splits=4).form == "wsu"
+    missing.add("fmha_sm90_bfloat16_dense_wsu")
+    reason = fmha_sm90.supports(q_dtype=BF16, k_dtype=BF16, paged=False, causal=False, mode=3,
+                                work_items=8, kv_splits=4)
+    assert isinstance(reason, str) and "fmha_sm90_bfloat16_dense_wsu" in reason
+
+
+def test_sparse_serving_table_rules():
+    """fp32 partials: the warp-MMA form; G 8 / 16 with bf16 or all-e4m3 q/k/v and 16-bit or
+    e4m3 partials: ws3w for the WS3W_PAIRS, ws otherwise; every other call: wgmma."""
+    assert _sparse_kernel("bfloat16", 16, torch.float32).form == "mma"
+    assert _sparse_kernel("bfloat16", 16, BF16).form == "ws3w"
+    assert _sparse_kernel("bfloat16", 8, torch.float16).form == "ws"
+    assert _sparse_kernel("bfloat16", 8, E4M3).form == "ws"
+    assert _sparse_kernel("e4m3", 16, BF16).form == "ws3w"
+    assert _sparse_kernel("e4m3", 8, E4M3).form == "ws3w"
+    assert _sparse_kernel("e4m3", 16, torch.float16).form == "ws"
+    assert _sparse_kernel("bfloat16", 4, BF16).form == "wgmma"
+    assert _sparse_kernel("bf16_kv_e4m3", 16, BF16).form == "wgmma"
+    kernel = _sparse_kernel("e4m3_pv_bf16", 2, torch.float16, paged=True)
+    assert (kernel.attention, kernel.combine) == (
+        "sparse_prefill_sm90_e4m3_pv_bf16_g2_paged_pf16", "sparse_combine_sm90_pf16")
+    reason = sparse_prefill_sm90.supports(q_dtype=E4M3, k_dtype=E4M3, v_dtype=E4M3,
+                                          pv_dtype=None, qhead_per_kv=16, topk=16,
+                                          partial_dtype=torch.float32)
+    assert "partial_dtype torch.float32" in reason
+
+
+def test_indexer_serving_table_rules():
+    """Paged keys with at most INDEXER_DECODE_ROWS (query, head) rows per request: the decode
+    form; everything else the prefill form."""
+    rows = variants.INDEXER_DECODE_ROWS
+    assert _indexer_form(paged=True, rows=rows) == "decode"
+    assert _indexer_form(paged=True, rows=rows + 1) == "prefill"
+    assert _indexer_form(paged=False, rows=1) == "prefill"
+    assert block_max_score_sm90.variant_name(4, True, E4M3, "decode") == \
+        "block_max_score_sm90_e4m3_h4_paged_decode"
+
+
+def test_debug_hooks_force_forms_only_inside_their_block():
+    """debug.forcing pins a form for the calls it is built for (others keep their served
+    form), only inside the block; unknown hooks and forms are errors."""
+    with debug.forcing(fmha_form="wsu", sparse_form="ws"):
+        assert _fmha_kernel("bfloat16", causal=True).form == "wsu"
+        assert _fmha_kernel("e4m3").form == "wsutps"            # wsu is not built for e4m3
+        assert _fmha_kernel("bfloat16", kv_splits=4).form == "wsu"      # forced beats split
+        assert _fmha_kernel("bfloat16", mode=1).form == "maxscore"      # O-only calls only
+        assert _sparse_kernel("bfloat16", 16, BF16).form == "ws"
+        assert _sparse_kernel("bfloat16", 4, BF16).form == "wgmma"
+        assert _sparse_kernel("bfloat16", 16, torch.float32).form == "mma"
+    assert _fmha_kernel("bfloat16", causal=True).form == "wsup"
+    assert _sparse_kernel("bfloat16", 16, BF16).form == "ws3w"
+    with debug.forcing(fmha_split_kv=False):
+        assert _fmha_kernel("e4m3", kv_splits=4).form == "wsutps"
+    with debug.forcing(sparse_form="wgmma"):
+        assert _sparse_kernel("e4m3", 16, E4M3).form == "wgmma"
+    with debug.forcing(fmha_form="bogus"), pytest.raises(ValueError, match="forced form"):
+        _fmha_kernel()
+    with debug.forcing(fmha_form="maxscore"), pytest.raises(ValueError, match="O-only"):
+        _fmha_kernel()
+    with pytest.raises(TypeError, match="unknown hooks"):
+        with debug.forcing(warp_specialized=True):
+            pass
+    assert debug.forced("fmha_form") is None and not debug.poison()
+    with debug.poisoned_outputs():
+        assert debug.poison()
+    assert not debug.poison()
+
+
+def test_decode_forms_follow_their_hooks():
+    """The decode kernel splits page keys across warps and reads e4m3 directly unless a
+    debug hook turns either off."""
+    assert decode_cuda._split_keys() and decode_cuda._direct_fp8()
+    with debug.forcing(decode_split_keys=False, decode_direct_fp8=False):
+        assert not decode_cuda._split_keys() and not decode_cuda._direct_fp8()
+    assert decode_cuda._split_keys() and decode_cuda._direct_fp8()
+
+
+def test_unvalidated_forms_are_passed_by_until_opted_in(monkeypatch):
+    """A table form marked validated=False is passed by for the next form unless
+    MSA_UNVALIDATED_KERNELS=1 (the GPU tests that validate it set it); a forced form runs
+    regardless."""
+    new = variants.Form("new", "FmhaSm90Ws", ("bfloat16",), "a candidate", validated=False)
+    table = {"new": new, "wsu": variants.FMHA_FORMS["wsu"]}
+    pick = dict(with_score=False, kv_splits=1, causal=True, work_items=1)
+    assert variants.serving_form(table, "bfloat16", **pick).name == "wsu"
+    assert variants.serving_form(table, "bfloat16", unvalidated_ok=True, **pick) is new
+    assert variants.serving_form(table, "bfloat16", forced="new", **pick) is new
+    assert not _backend.unvalidated_ok()
+    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
+    assert _backend.unvalidated_ok() and _backend.unvalidated_reason("x", False) is None
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
+    assert "not validated" in _backend.unvalidated_reason("x", False)
+
+
+def test_backend_hands_the_chosen_kernel_to_run():
+    """A supports() that answers Served(kernel) gets run(call, kernel=kernel) through one
+    cached partial per kernel."""
+    calls = []
+    impl = _backend.NativeImpl("op", "sm90", lambda call, kernel: calls.append((call, kernel)),
+                               lambda **_: _backend.Served("k1"))
+    runner = impl.runner("k1")
+    assert runner is impl.runner("k1")
+    runner("call")
+    assert calls == [("call", "k1")]
+    assert _backend.refusal(_backend.Served("k1")) is None
+    assert _backend.refusal(None) is None and _backend.refusal("why") == "why"
+
+
+def test_csr_schedule_past_24_bit_query_ids_is_refused_for_the_reference(monkeypatch):
+    """The native schedule build packs local query ids in 24 bits: a call with that many
+    queries is refused by supports() (so _backend logs the fallback and the reference runs)
+    instead of the native run calling the reference itself."""
+    monkeypatch.setattr(csr_builder, "HAS_COMPILED_OPS", True)
+    monkeypatch.setattr(csr_builder, "ops", type("Ops", (), {
+        "run_build_k2q_csr": None, "run_build_k2q_csr_with_schedule": None})())
+    assert csr_builder.supports(return_schedule=True, total_q=1000) is None
+    big = csr_builder.MAX_SCHEDULE_QUERIES
+    assert "24 bits" in csr_builder.supports(return_schedule=True, total_q=big)
+    assert csr_builder.supports(return_schedule=False, total_q=big) is None

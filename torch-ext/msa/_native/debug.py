@@ -1,0 +1,80 @@
+"""Test and benchmark hooks of the native glue, as context managers.
+
+Production code only reads them: with no ``forcing`` / ``poisoned_outputs`` block open, every
+call runs what the serving tables pick and nothing is filled before a launch.
+
+    from msa._native import debug
+    with debug.forcing(fmha_form="wsup", fmha_split_kv=False), debug.poisoned_outputs():
+        msa.fmha(...)
+    debug.last_variant("fmha_dense")          # the artifact the last fmha call launched
+
+Hooks (``forcing`` keywords):
+  fmha_form          a form of cute_kernels.variants.FMHA_FORMS: serves every O-only fmha call
+                     it is built for (others run their served form)
+  fmha_split_kv      False: plans with num_kv_splits > 1 run unsplit
+  sparse_form        a form of SPARSE_FORMS: serves every sparse attention call it is built for
+  decode_split_keys  False: the decode kernel never splits a page's keys across warps
+  decode_direct_fp8  False: split-keys decode tiles with e4m3 q and K/V take the bf16-staged path
+  decode_warpgroup   True: the decode kernel's warpgroup (wgmma) form runs every tile it can
+                     (q and K/V of one dtype); False: it runs none
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator, Optional
+
+HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "decode_split_keys", "decode_direct_fp8",
+         "decode_warpgroup")
+
+_forced: Dict[str, object] = {}
+_poison = [False]
+_last_variant: Dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def forcing(**hooks) -> Iterator[None]:
+    """Set the named hooks (see the module docstring) for the block; None leaves one unset."""
+    unknown = set(hooks) - set(HOOKS)
+    if unknown:
+        raise TypeError(f"forcing: unknown hooks {sorted(unknown)}; the hooks are "
+                        f"{', '.join(HOOKS)}")
+    saved = dict(_forced)
+    _forced.update({name: value for name, value in hooks.items() if value is not None})
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(saved)
+
+
+def forced(name: str) -> Optional[object]:
+    """The value a `forcing` block set for hook `name`, else None."""
+    return _forced.get(name)
+
+
+@contextlib.contextmanager
+def poisoned_outputs() -> Iterator[None]:
+    """Native launches fill their outputs and workspaces with NaN first (a row the kernel does
+    not write then shows)."""
+    saved = _poison[0]
+    _poison[0] = True
+    try:
+        yield
+    finally:
+        _poison[0] = saved
+
+
+def poison() -> bool:
+    """Whether a `poisoned_outputs` block is open."""
+    return _poison[0]
+
+
+def record(op: str, variant: str) -> None:
+    """Note the artifact a native launch of `op` ran (last_variant reads it)."""
+    _last_variant[op] = variant
+
+
+def last_variant(op: str) -> Optional[str]:
+    """The artifact name of the most recent native launch of `op` in this process."""
+    return _last_variant.get(op)
