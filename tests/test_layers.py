@@ -371,3 +371,8 @@ def test_attention_layer_rejects_what_it_cannot_serve(seed):
     layers.kernelize_minimax_m3(model)
     with torch.no_grad(), pytest.raises(ValueError, match="index_topk_blocks"):
         model(torch.randint(3, 128, (1, 33 * 128 + 5)))     # 34 blocks: 40 -> 34 > 32
+    query = torch.randn(1, 200, 8, 128).to(torch.bfloat16)
+    key = torch.randn(1, 2, 200, 128).to(torch.bfloat16)
+    three_heads = torch.zeros(1, 3, 200, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="index_n_heads: .* one index head per KV head"):
+        layers.sparse_attention(query, key, key, three_heads, torch.arange(200)[None], 0.1)

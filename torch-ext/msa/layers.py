@@ -14,11 +14,14 @@ Two layers, named after the transformers classes whose ``forward`` they replace:
 ``MiniMaxM3VLAttention``
     Sparse layers (those with an indexer): the stock projections, norms, rotary embedding and
     cache update, then the block-sparse attention of this package over the indexer's selection
-    (``build_k2q_csr`` with its schedule, ``sparse_atten_func``), on any device and without
+    (``msa.prefill.sparse_atten_from_selection``: ``build_k2q_csr`` and ``sparse_atten_func``
+    in query chunks whose scratch fits ATTENTION_WORKSPACE_BYTES), on any device and without
     transformers' SM100 gate (no ``_msa_validated`` flag, no ``attn_implementation`` string).
     bf16 only. Dense layers: a causal prefill without a padding mask or cache history, on a GPU
     this build has a native FMHA for, runs this package's dense FMHA (``fmha``); everything
     else runs the model's own forward.
+
+Memory is linear in the sequence length; the peak formula is in docs/transformers.md.
 
 Semantics shared with transformers' MSA route: bottom-right causal attention over the cache
 (one request: its valid length ``position_ids[0, -1] + 1``, so a StaticCache works; several:
