@@ -11,7 +11,7 @@ from msa_testing import CONTRACT_ALL
 ADDITIVE = ["fmha_sm100_plan", "fmha_sm100", "fmha_plan", "fmha", "sparse_topk_select",
             "sparse_fmha_plan", "sparse_fmha", "block_max_scores", "msa_prefill",
             "decode_indexer_topk", "make_decode_indexer_plan", "DecodeIndexerPlan",
-            "MSADecodeStepWrapper"]
+            "MSADecodeStepWrapper", "warmup"]
 SUBMODULE_NAMES = {
     "msa.interface": ["sparse_atten_func", "build_k2q_csr", "SparseK2qCsrBuilderSm100"],
     "msa.sparse_index_utils": ["build_k2q_csr_torch_reference", "q2k_to_k2q", "k2q_to_q2k"],

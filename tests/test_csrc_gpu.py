@@ -35,7 +35,6 @@ def msa_pkg():
         pytest.skip("set MSA_TEST_PACKAGE_DIR to a built variant (build/<variant>)")
     import msa
     from msa._native import csr_builder, topk_cuda
-    assert csr_builder.HAS_COMPILED_OPS, "the built variant has no compiled _msa_cuda ops"
     assert csr_builder.supports() is None, csr_builder.supports()
     assert topk_cuda.supports(topk=16) is None
     return msa

@@ -31,8 +31,8 @@ def msa_pkg():
         pytest.skip("needs a CUDA device")
     import msa
     from msa._native import decode_cuda
-    assert decode_cuda.HAS_COMPILED_OPS, "the built variant has no compiled _msa_cuda ops"
-    assert hasattr(decode_cuda.ops, "sparse_decode_attention"), "op not compiled in"
+    assert decode_cuda.compiled_ops.missing_reason("sparse_decode_attention") is None, \
+        decode_cuda.compiled_ops.missing_reason("sparse_decode_attention")
     return msa
 
 

@@ -31,8 +31,8 @@ def msa_pkg():
         pytest.skip("needs a CUDA device")
     import msa
     from msa._native import decode_indexer_cuda
-    assert decode_indexer_cuda.HAS_COMPILED_OPS, "the built variant has no compiled _msa_cuda ops"
-    assert hasattr(decode_indexer_cuda.ops, "decode_indexer_topk"), "op not compiled in"
+    assert decode_indexer_cuda.compiled_ops.missing_reason("decode_indexer_topk") is None, \
+        decode_indexer_cuda.compiled_ops.missing_reason("decode_indexer_topk")
     return msa
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -216,18 +218,61 @@ def test_gencode_flags_for_arch_specific_capabilities():
         "-gencode=arch=compute_120,code=[sm_120,compute_120]"]
 
 
-def test_compiled_ops_module_imports_the_library_and_exposes_the_contract():
+# sha256 of kernel-builder's kernel-builder/src/pyproject/templates/torch/_ops.py.in
+# (huggingface/kernels 8ac69fc), the file CMake configures into every compiled variant.
+KERNEL_BUILDER_OPS_TEMPLATE_SHA256 = (
+    "933e544bcbad82151547591748831765cc21b6d55564055989859ccbe905a0d7")
+
+
+def test_compiled_variant_ops_module_is_kernel_builders_template_verbatim():
+    import hashlib
+
+    template = build_variant.KERNEL_BUILDER_OPS_TEMPLATE
+    assert hashlib.sha256(template.encode()).hexdigest() == KERNEL_BUILDER_OPS_TEMPLATE_SHA256
     source = build_variant.ops_module_source("_msa_cuda_1a2b3c4", compiled=True)
+    assert source == template.replace("@OPS_NAME@", "_msa_cuda_1a2b3c4")
+    # Nothing but ops and add_op_namespace_prefix: the package may rely on nothing else.
     tree = ast.parse(source)
-    imports = [n for n in tree.body if isinstance(n, ast.ImportFrom)]
-    assert any(n.level == 1 and [a.name for a in n.names] == ["_msa_cuda_1a2b3c4"]
-               for n in imports)
-    assert "ops = torch.ops._msa_cuda_1a2b3c4" in source
-    assert "HAS_COMPILED_OPS = True" in source
+    defined = {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets}
+    defined |= {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert defined == {"ops", "add_op_namespace_prefix"}
+    noarch = build_variant.ops_module_source("_msa_cpu_1a2b3c4", compiled=False)
+    assert noarch == template.replace("@OPS_NAME@", "_msa_cpu_1a2b3c4").replace(
+        "from . import _msa_cpu_1a2b3c4\n", "")
     namespace = {}
-    exec(compile(source.replace("from . import _msa_cuda_1a2b3c4", "pass"), "_ops", "exec"),
-         namespace)
-    assert namespace["add_op_namespace_prefix"]("f") == "_msa_cuda_1a2b3c4::f"
+    exec(compile(noarch, "_ops", "exec"), namespace)
+    assert namespace["add_op_namespace_prefix"]("f") == "_msa_cpu_1a2b3c4::f"
+    assert namespace["ops"] is getattr(torch.ops, "_msa_cpu_1a2b3c4")
+
+
+def test_package_reads_nothing_from_ops_but_the_template_names():
+    """The package imports only ``ops`` / ``add_op_namespace_prefix`` from _ops, and every
+    compiled op it calls is one csrc defines (torch_binding.cpp) and compiled_ops lists."""
+    binding = (ROOT / "torch-ext" / "torch_binding.cpp").read_text()
+    defined = re.findall(r'ops\.def\(\s*"(\w+)\(', binding)
+    compiled_ops = _source_module("_native.compiled_ops")
+    assert sorted(defined) == sorted(compiled_ops.CSRC_OPS)
+    imported, called = set(), set()
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        # compiled_ops inspects the namespace itself; _compile_entries calls the package's own
+        # custom ops there (tests/test_torch_compile.py checks those).
+        if path.name in ("compiled_ops.py", "_compile_entries.py"):
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("_ops") \
+                    and node.level > 0:
+                imported |= {a.name for a in node.names}
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id == "ops"):
+                called.add(node.attr)
+    assert imported <= {"ops", "add_op_namespace_prefix"}, imported
+    assert called and called <= set(defined), called - set(defined)
+
+
+def _source_module(name):
+    """A submodule of the source-tree package (imported as tests/conftest.py set it up)."""
+    return importlib.import_module(f"msa.{name}")
 
 
 def test_missing_csrc_files_give_a_clear_error(tmp_path):
@@ -298,8 +343,7 @@ def test_variant_layout_and_metadata(built_repo, variant, backend):
     shipped = {p.relative_to(path) for p in path.rglob("*.py") if "__pycache__" not in p.parts}
     assert shipped == sources | {Path("_ops.py")}
     assert not list(path.glob("*.so"))
-    ops_source = (path / "_ops.py").read_text()
-    assert f'OPS_NAMESPACE = "{ops}"' in ops_source and "HAS_COMPILED_OPS = False" in ops_source
+    assert (path / "_ops.py").read_text() == build_variant.ops_module_source(ops, compiled=False)
 
     kernels_rust = pytest.importorskip("kernels._rust")
     parsed = kernels_rust.Metadata.read_from_file(path / "metadata.json")
@@ -314,9 +358,48 @@ def test_get_local_kernel_loads_the_package(built_repo, loaded_kernel):
     for name in CONTRACT_ALL:
         assert hasattr(module, name), name
     ops_module = importlib.import_module(f"{module.__name__}._ops")
-    assert ops_module.HAS_COMPILED_OPS is False and ops_module.ops is None
-    assert ops_module.add_op_namespace_prefix("f") == f"{ops_module.OPS_NAMESPACE}::f"
-    assert ops_module.OPS_NAMESPACE == module.__name__
+    assert ops_module.add_op_namespace_prefix("f") == f"{module.__name__}::f"
+    compiled_ops = importlib.import_module(f"{module.__name__}._native.compiled_ops")
+    assert compiled_ops.ops is ops_module.ops
+    reason = compiled_ops.missing_reason(*compiled_ops.CSRC_OPS)
+    assert reason is not None and "run_build_k2q_csr" in reason and module.__name__ in reason
+
+
+def _stand_in_library(ops: str) -> str:
+    """Python source that registers, under `ops`, every op torch_binding.cpp defines with the
+    same schema (no kernels): what importing _msa_cuda_<id>.abi3.so does, minus the CUDA."""
+    binding = (ROOT / "torch-ext" / "torch_binding.cpp").read_text()
+    schemas = []
+    for call in re.findall(r'ops\.def\(((?:\s*"[^"]*")+)\s*\)', binding):
+        schemas.append("".join(re.findall(r'"([^"]*)"', call)))
+    return ("import torch\n"
+            f"_lib = torch.library.Library({ops!r}, 'DEF')\n"
+            + "".join(f"_lib.define({schema!r})\n" for schema in schemas))
+
+
+def test_compiled_template_variant_serves_every_csrc_op(tmp_path):
+    """A variant whose _ops.py is kernel-builder's compiled template, verbatim: the package
+    finds every compiled op through ``ops`` and each native csrc op's ``supports`` accepts (on
+    a CPU torch the library is a stand-in registering the same schemas)."""
+    build_id = fresh_id()
+    proc = run_build("--out", str(tmp_path / "build"), "--no-compile", "--id", build_id)
+    assert proc.returncode == 0, proc.stderr
+    variant = tmp_path / "build" / "torch-cuda"
+    ops = f"_msa_cuda_{build_id}"
+    (variant / "_ops.py").write_text(build_variant.ops_module_source(ops, compiled=True))
+    (variant / f"{ops}.py").write_text(_stand_in_library(ops))
+    # As kernels' importer does (the loader itself refuses a CUDA variant's dependencies on a
+    # CPU torch): the package under its metadata id.
+    spec = importlib.util.spec_from_file_location(ops, variant / "__init__.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[ops] = module
+    spec.loader.exec_module(module)
+    native = importlib.import_module(f"{ops}._native")
+    assert native.compiled_ops.missing_reason(*native.compiled_ops.CSRC_OPS) is None
+    assert native.csr_builder.supports() is None
+    assert native.topk_cuda.supports(topk=16) is None
+    assert native.decode_cuda.supports(seqlen_q=1, qhead_per_kv=16) is None
+    assert native.compiled_ops.has(native.fmha_sm90.TRANSPOSE_V_OP)
 
 
 def test_local_kernels_override_with_get_kernel(built_repo, loaded_kernel, monkeypatch):
@@ -369,7 +452,9 @@ def test_compiled_variant_builds_and_loads(tmp_path):
         "m = importlib.util.module_from_spec(spec); sys.modules[name] = m\n"
         "spec.loader.exec_module(m)\n"
         "o = importlib.import_module(name + '._ops')\n"
-        "print(json.dumps({'cuda': torch.cuda.is_initialized(), 'compiled': o.HAS_COMPILED_OPS,\n"
+        "c = importlib.import_module(name + '._native.compiled_ops')\n"
+        "print(json.dumps({'cuda': torch.cuda.is_initialized(),\n"
+        "  'compiled': c.missing_reason(*c.CSRC_OPS) is None,\n"
         "  'ops': sorted(n for n in torch._C._dispatch_get_all_op_names()\n"
         "                if n.startswith(name + '::'))}))\n")
     loaded = subprocess.run([sys.executable, "-c", code, ops, str(variant)],
@@ -377,8 +462,9 @@ def test_compiled_variant_builds_and_loads(tmp_path):
     assert loaded.returncode == 0, loaded.stderr
     result = json.loads(loaded.stdout.strip().splitlines()[-1])
     assert result["cuda"] is False and result["compiled"] is True
-    assert {f"{ops}::run_build_k2q_csr", f"{ops}::run_build_k2q_csr_with_schedule",
-            f"{ops}::sparse_topk_select"} <= set(result["ops"])
+    assert {f"{ops}::{name}" for name in _source_module("_native.compiled_ops").CSRC_OPS} \
+        <= set(result["ops"])
+    assert (variant / "_ops.py").read_text() == build_variant.ops_module_source(ops, True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ warpgroup MMAs serialized by ptxas or asks setmaxnreg for more registers than it
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import re
@@ -33,14 +32,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 MANIFEST_FORMAT = 1
-
-
-def preload_runtime() -> None:
-    """export_to_c resolves CUDA runtime symbols while dumping the object: load the DSL runtime
-    libraries globally first (otherwise 'Symbols not found: _cudaLibraryLoadData ...')."""
-    import cutlass.cute as cute
-    for path in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
-        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 
 
 def find_ptxas() -> str:
@@ -101,13 +92,6 @@ def register_split_excess(ptx_text: str, launch_registers: int) -> int:
     return max(0, need - launch_registers * threads)
 
 
-def link_shared_object(obj: Path, out: Path) -> None:
-    import cutlass.cute as cute
-    libs = cute.runtime.find_runtime_libraries(enable_tvm_ffi=True)
-    cc = shutil.which("gcc") or shutil.which("cc") or "gcc"
-    subprocess.run([cc, "-shared", "-o", str(out), str(obj), *libs], check=True)
-
-
 def sources_digest() -> str:
     """sha256 over the CuTe kernel sources, this script and the DSL version: a manifest whose
     digest matches was compiled from exactly these sources (tools/build_variant.py reuses it)."""
@@ -139,9 +123,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "torch-ext"))
     import cutlass
     from cute_kernels.build import TARGET_ARCH, compile_variant
     from cute_kernels.variants import shipped_variants
+    from msa._native import cute_runtime
 
     variants = [v for v in shipped_variants()
                 if not args.only or any(s in v.name for s in args.only)]
@@ -151,17 +137,22 @@ def main(argv=None) -> int:
     out_dir = Path(args.out)
     if not args.no_export:
         out_dir.mkdir(parents=True, exist_ok=True)
-        preload_runtime()
+    # The runtime loads these binaries only where arch, platform, DSL version and kernel
+    # sources match (msa._native.cute_runtime.artifacts_mismatch).
     manifest = {"format": MANIFEST_FORMAT, "arch": TARGET_ARCH,
+                "platform": cute_runtime.host_platform(),
                 "cutlass_dsl_version": getattr(cutlass, "__version__", "unknown"),
+                "kernel_sources_digest": cute_runtime.kernel_sources_digest(),
                 "abi": "tvm-ffi", "variants": {}}
     if args.update:
         if not args.only or args.no_export:
             print("--update needs --only and an export", file=sys.stderr)
             return 1
         old = json.loads((out_dir / "manifest.json").read_text())
-        if (old.get("format"), old.get("arch")) != (manifest["format"], manifest["arch"]):
-            print("--update: the manifest in --out has another format or arch", file=sys.stderr)
+        identity = ("format", "arch", "platform", "cutlass_dsl_version")
+        if any(old.get(key, manifest[key]) != manifest[key] for key in identity):
+            print("--update: the manifest in --out was built for another format, arch, "
+                  "platform or DSL version", file=sys.stderr)
             return 1
         manifest["variants"] = old["variants"]
     rows, failures = [], 0
@@ -191,11 +182,10 @@ def main(argv=None) -> int:
                         row["status"] = "WGMMA-SERIALIZED (ptxas C7514)"
                         failures += 1
                 if not args.no_export:
-                    obj = Path(tmp) / f"{name}.o"
-                    compiled.export_to_c(str(obj), function_name=name)
-                    link_shared_object(obj, out_dir / f"{name}.so")
+                    shipped = cute_runtime.export_variant(compiled, name, out_dir,
+                                                          require_shared=True)
                     manifest["variants"][name] = {
-                        "file": f"{name}.so", "function": name,
+                        "file": shipped.name, "function": name,
                         "kind": type(variant).__name__, **variant.__dict__}
             except Exception as exc:  # report every variant, fail at the end
                 row["status"] = f"ERROR: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"

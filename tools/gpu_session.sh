@@ -38,6 +38,13 @@ python3 tools/build_variant.py --require-compiled --cuda-capabilities 9.0a --cut
 tail -3 "$OUT/build.log"
 VARIANT=$(ls -d build/torch*-cu*-x86_64-linux | head -1)
 echo "variant: $VARIANT"
+if ls .whl/kernel_abi_check-*.whl > /dev/null 2>&1; then
+  # kernel-builder's ABI policy (informative here: a local build uses the host toolchain).
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/msa-site \
+    .whl/kernel_abi_check-*.whl
+  python3 tools/abi_check.py "$VARIANT" >> "$OUT/build.log" 2>&1
+  tail -1 "$OUT/build.log"
+fi
 status=0
 
 if [ -n "${MSA_SANITIZE:-}" ]; then

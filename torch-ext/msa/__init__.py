@@ -23,6 +23,15 @@ from .quantize import (Nvfp4QuantizedTensor, dequantize_nvfp4_128x4_to_bf16,
                        nvfp4_global_scale_from_amax, quantize_bf16_to_nvfp4_128x4,
                        quantize_kv_bf16_to_nvfp4_128x4, swizzle_nvfp4_scale_to_128x4)
 from .topk import sparse_topk_select
+from ._warmup import warmup
+from ._native import compiled_ops as _compiled_ops
+
+if _compiled_ops.ops is not None:
+    # A built variant (it has _ops.py): torch.compile sees the native calls as custom ops. A
+    # second copy of the same build in one process reuses the ops the first copy defined.
+    if not hasattr(_compiled_ops.ops, "sparse_atten_func"):
+        from . import _custom_ops  # noqa: F401
+    from . import _compile_entries  # noqa: F401
 
 __version__ = "0.1.1"
 
@@ -50,5 +59,5 @@ __all_additive__ = [
     "fmha_sm100_plan", "fmha_sm100", "fmha_plan", "fmha", "sparse_topk_select",
     "sparse_fmha_plan", "sparse_fmha", "block_max_scores", "msa_prefill",
     "MsaPrefillPagedWrapper", "decode_indexer_topk", "make_decode_indexer_plan",
-    "DecodeIndexerPlan", "MSADecodeStepWrapper", "layers",
+    "DecodeIndexerPlan", "MSADecodeStepWrapper", "layers", "warmup",
 ]

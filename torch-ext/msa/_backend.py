@@ -156,6 +156,24 @@ def unvalidated_reason(what: str, validated: bool) -> Optional[str]:
             f"({UNVALIDATED_ENV}=1 serves it)")
 
 
+# Under torch.compile a dispatcher hands its validated call to the op's torch custom op instead
+# of choosing here (this module's logging and locks are not traceable, and the native kernels
+# are opaque to the compiler): msa._compile_entries registers, per op, the function that does.
+_compile_entries: Dict[str, Callable] = {}
+
+
+def register_compile_entry(op: str, entry: Callable) -> None:
+    _compile_entries[op] = entry
+
+
+def compile_entry(op: str) -> Optional[Callable]:
+    """While torch.compile traces: the function running `op`'s validated call through its
+    custom op (None in eager mode, the hot path, and in a build without an op namespace)."""
+    if torch.compiler.is_compiling():
+        return _compile_entries.get(op)
+    return None
+
+
 def last_backend(op: str) -> Optional[str]:
     """The backend that ran the most recent call of `op` in this process (for tests and logs)."""
     return _last_backend.get(op)

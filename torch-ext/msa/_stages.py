@@ -19,12 +19,17 @@ import contextlib
 import contextvars
 from typing import Callable, Iterator, Optional
 
+import torch
+
 _recorder: "contextvars.ContextVar[Optional[Callable[[str], None]]]" = contextvars.ContextVar(
     "msa_stage_recorder", default=None)
 
 
 def mark(name: str) -> None:
-    """Stage `name` begins here (a no-op without a recorder)."""
+    """Stage `name` begins here (a no-op without a recorder, and in code torch.compile traces:
+    a compiled graph has no host-side stage boundaries)."""
+    if torch.compiler.is_compiling():
+        return
     recorder = _recorder.get()
     if recorder is not None:
         recorder(name)

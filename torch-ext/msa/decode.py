@@ -340,13 +340,23 @@ def sparse_decode_atten_func(q, k, v, q2k_indices=None, *, page_table, seqused_k
                              seqlen_q=seqlen_q, max_seqlen_k=max_seqlen_k, blk_kv=blk_kv,
                              causal=causal, softmax_scale=softmax_scale,
                              check_input_valid=check_input_valid)
-    _name, native = _backend.choose(OP_NAME, q.device, **call.features())
+    return run_decode(call, schedule, O_partial, LSE_partial, bool(return_softmax_lse))
+
+
+def run_decode(call: DecodeCall, schedule: Optional[DecodeSchedule], o_partial, lse_partial,
+               want_lse: bool):
+    """A validated call (call.out / call.lse: optional output buffers) on the backend _backend
+    chooses; returns O, or (O, LSE) when want_lse."""
+    entry = _backend.compile_entry(OP_NAME)
+    if entry is not None:
+        return entry(call, schedule, o_partial, lse_partial, want_lse)
+    _name, native = _backend.choose(OP_NAME, call.q.device, **call.features())
     # The reference without a schedule runs unsplit; anything else needs a complete plan.
-    if schedule is not None or native is not None or O_partial is not None \
-            or LSE_partial is not None:
+    if schedule is not None or native is not None or o_partial is not None \
+            or lse_partial is not None:
         _attach_workspaces(call, schedule if schedule is not None else _default_schedule(call),
-                           O_partial, LSE_partial)
-    return _execute(call, native, bool(return_softmax_lse))
+                           o_partial, lse_partial)
+    return _execute(call, native, want_lse)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,8 +457,7 @@ class SparseDecodePagedAttentionWrapper:
             _check_output("out", out, BF16, tuple(q.shape), q.device)
         if lse is not None:
             _check_output("lse", lse, torch.float32, tuple(q.shape[:2]), q.device)
-        _name, native = _backend.choose(OP_NAME, q.device, **call.features())
-        _attach_workspaces(call, self.decode_schedule, self.O_partial, self.LSE_partial)
         call.out, call.lse = out, lse
         # A preallocated lse is always written; it is returned only with return_softmax_lse.
-        return _execute(call, native, bool(return_softmax_lse))
+        return run_decode(call, self.decode_schedule, self.O_partial, self.LSE_partial,
+                          bool(return_softmax_lse))

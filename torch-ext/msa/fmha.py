@@ -813,12 +813,7 @@ def _run_subplan(q, k, v, plan, *, kv_indices, kv_block_indexes, q_offset_overri
                          kv_block_indexes=kv_block_indexes if plan["sparse"] else None,
                          logit_scale=logit_scale, output_scale=output_scale, want_o=want_o,
                          max_k_tiles=max_k_tiles, out_dtype=out_dtype)
-    if want_o:
-        _name, native = _backend.choose("fmha_dense", device, **call.features())
-        o, ms = native(call) if native is not None else fmha_dense_reference(call)
-    else:
-        _name, native = _backend.choose("fmha_max_score", device, **call.features())
-        o, ms = None, (native(call) if native is not None else _max_score_via_indexer(call))
+    o, ms = run_fmha_dense(call)
     if o is not None and out is not None:
         out.copy_(o)
         o = out
@@ -826,6 +821,18 @@ def _run_subplan(q, k, v, plan, *, kv_indices, kv_block_indexes, q_offset_overri
         max_score.copy_(ms)
         ms = max_score
     return o, ms
+
+
+def run_fmha_dense(call: FmhaDenseCall):
+    """(O or None, max-score or None) of a validated call on the backend _backend chooses."""
+    entry = _backend.compile_entry("fmha_dense")
+    if entry is not None:
+        return entry(call)
+    if call.want_o:
+        _name, native = _backend.choose("fmha_dense", call.q.device, **call.features())
+        return native(call) if native is not None else fmha_dense_reference(call)
+    _name, native = _backend.choose("fmha_max_score", call.q.device, **call.features())
+    return None, (native(call) if native is not None else _max_score_via_indexer(call))
 
 
 def fmha_dense_reference(call: FmhaDenseCall, compute_dtype=torch.float32):

@@ -43,6 +43,7 @@ class BlockMaxScoreCall:
     qo_offset: Union[None, int, torch.Tensor]   # None, int, or [B] int32/int64
     page_table: Optional[torch.Tensor]       # [B, max_pages] int32
     seqused_k: Optional[torch.Tensor]        # [B] int32
+    check_values: bool = False               # check_input_valid / MSA_CHECK_INPUTS=1
 
     @property
     def paged(self) -> bool:
@@ -109,8 +110,17 @@ def block_max_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, cu_seqlens_q: tor
     call = _check_block_max_args(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, scale, causal, qo_offset, page_table, seqused_k,
                                  max_k_tiles)
-    _name, native = _backend.choose("block_max_scores", q_idx.device, **call.features())
-    if value_checks_requested(check_input_valid) or native is None:
+    call.check_values = value_checks_requested(check_input_valid)
+    return run_block_max_scores(call)
+
+
+def run_block_max_scores(call: BlockMaxScoreCall) -> torch.Tensor:
+    """A validated call on the backend _backend chooses."""
+    entry = _backend.compile_entry("block_max_scores")
+    if entry is not None:
+        return entry(call)
+    _name, native = _backend.choose("block_max_scores", call.q_idx.device, **call.features())
+    if call.check_values or native is None:
         check_block_max_values(call)
     if native is not None:
         return native(call)

@@ -94,6 +94,9 @@ def build_k2q_csr(q2k_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
 
 
 def run_build_k2q_csr(call: K2qCsrCall):
+    entry = _backend.compile_entry("build_k2q_csr")
+    if entry is not None:
+        return entry(call)
     _name, native = _backend.choose("build_k2q_csr", call.q2k_indices.device,
                                     return_schedule=call.return_schedule,
                                     total_q=call.q2k_indices.shape[1])
@@ -292,19 +295,25 @@ def sparse_atten_func(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seqlens_q
 
 def run_sparse_attention(call: SparseAttentionCall):
     """Dispatch a validated call and shape the result as the contract says."""
-    _name, native = _backend.choose("sparse_atten", call.q.device, **call.features())
-    if native is None or call.check_values:
-        check_sparse_attention_values(call, strict=call.check_values)
-    if native is not None:
-        out, lse, lse_t = native(call)
-    else:
-        out, lse, lse_t = sparse_attention_reference(call)
-        out, lse, lse_t = out.to(BF16), lse.float(), lse_t.float()
+    entry = _backend.compile_entry("sparse_atten") if call.k_dequant is None else None
+    out, lse, lse_t = entry(call) if entry is not None else sparse_attention_outputs(call)
     if not call.want_lse:
         return out
     if not call.want_temperature_lse:
         return out, lse
     return out, lse, (lse if call.temperature_is_one else lse_t)
+
+
+def sparse_attention_outputs(call: SparseAttentionCall):
+    """(O bf16, LSE, LSE_T) of a validated call on the backend _backend chooses (the LSEs
+    may be None when the call does not want them)."""
+    _name, native = _backend.choose("sparse_atten", call.q.device, **call.features())
+    if native is None or call.check_values:
+        check_sparse_attention_values(call, strict=call.check_values)
+    if native is not None:
+        return native(call)
+    out, lse, lse_t = sparse_attention_reference(call)
+    return out.to(BF16), lse.float(), lse_t.float()
 
 
 def sparse_attention_reference(call: SparseAttentionCall, compute_dtype=torch.float32):

@@ -100,7 +100,16 @@ def sparse_topk_select(max_score: torch.Tensor, topk: int, num_valid_pages=None,
     """
     call = _check_topk_args(max_score, topk, num_valid_pages, output, force_begin_blocks,
                             force_end_blocks, causal_end_block, head_reduce, num_out_heads)
-    _name, native = _backend.choose("sparse_topk_select", max_score.device, **call.features())
+    return run_topk_select(call)
+
+
+def run_topk_select(call: TopkSelectCall) -> torch.Tensor:
+    """A validated call on the backend _backend chooses; fills and returns call.output."""
+    entry = _backend.compile_entry("sparse_topk_select")
+    if entry is not None:
+        return entry(call)
+    _name, native = _backend.choose("sparse_topk_select", call.max_score.device,
+                                    **call.features())
     if native is not None:
         return native(call)
     return sparse_topk_select_reference(

@@ -20,10 +20,8 @@ from .. import _backend
 from ..src.sm100.prepare_scheduler import (METADATA_COLUMNS, SLOT_SHIFT, SparseAttentionSchedule,
                                            schedule_capacity, target_q_per_cta)
 
-try:
-    from .._ops import HAS_COMPILED_OPS, ops
-except ImportError:   # source tree: no compiled extension
-    ops, HAS_COMPILED_OPS = None, False
+from . import compiled_ops
+from .compiled_ops import ops
 
 OP_NAME = "build_k2q_csr"
 KV_BLOCK = 128
@@ -35,10 +33,9 @@ MAX_SCHEDULE_QUERIES = (1 << SLOT_SHIFT) - 1
 
 def supports(*, return_schedule: bool = False, total_q: int = 0, **_features) -> Optional[str]:
     """None when the compiled ops can serve the call, else the reason they cannot."""
-    if not HAS_COMPILED_OPS or ops is None:
-        return "the compiled msa CUDA ops (_msa_cuda_*.so) are not built into this package"
-    if not hasattr(ops, "run_build_k2q_csr_with_schedule"):
-        return "the compiled msa CUDA ops lack run_build_k2q_csr"
+    missing = compiled_ops.missing_reason("run_build_k2q_csr", "run_build_k2q_csr_with_schedule")
+    if missing is not None:
+        return missing
     if return_schedule and total_q >= MAX_SCHEDULE_QUERIES:
         return (f"total_q {total_q}: the native schedule build packs query ids in "
                 f"{SLOT_SHIFT} bits (< {MAX_SCHEDULE_QUERIES} queries)")

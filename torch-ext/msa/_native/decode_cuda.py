@@ -25,10 +25,8 @@ from typing import Optional
 from .. import _backend
 from . import debug
 
-try:
-    from .._ops import HAS_COMPILED_OPS, ops
-except ImportError:   # source tree: no compiled extension
-    ops, HAS_COMPILED_OPS = None, False
+from . import compiled_ops
+from .compiled_ops import ops
 
 OP_NAME = "sparse_decode_atten"
 # The warpgroup form (wgmma, served on tiles of > 16 rows, i.e. multi-token prediction, with q
@@ -42,10 +40,9 @@ MAX_TOPK = 32
 
 def supports(*, seqlen_q=1, qhead_per_kv=1, topk=None, **_features) -> Optional[str]:
     """None when the compiled kernel can serve a call with these features, else the reason."""
-    if not HAS_COMPILED_OPS or ops is None:
-        return "the compiled msa CUDA ops (_msa_cuda_*.so) are not built into this package"
-    if not hasattr(ops, "sparse_decode_attention"):
-        return "the compiled msa CUDA ops lack sparse_decode_attention"
+    missing = compiled_ops.missing_reason("sparse_decode_attention")
+    if missing is not None:
+        return missing
     if seqlen_q * qhead_per_kv > MAX_ROWS_PER_KV_HEAD:
         return f"seqlen_q * G = {seqlen_q * qhead_per_kv} rows exceeds {MAX_ROWS_PER_KV_HEAD}"
     if topk is not None and topk > MAX_TOPK:

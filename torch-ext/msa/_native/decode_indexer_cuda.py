@@ -18,10 +18,8 @@ import torch
 
 from .. import _backend
 
-try:
-    from .._ops import HAS_COMPILED_OPS, ops
-except ImportError:   # source tree: no compiled extension
-    ops, HAS_COMPILED_OPS = None, False
+from . import compiled_ops
+from .compiled_ops import ops
 
 OP_NAME = "decode_indexer_topk"
 PLAN_OP_NAME = "decode_indexer_plan_update"
@@ -35,10 +33,9 @@ _Q_DTYPE_FOR_FORMAT = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn,
 
 
 def _compiled_reason(op: str) -> Optional[str]:
-    if not HAS_COMPILED_OPS or ops is None:
-        return "the compiled msa CUDA ops (_msa_cuda_*.so) are not built into this package"
-    if not hasattr(ops, op):
-        return f"the compiled msa CUDA ops lack {op}"
+    missing = compiled_ops.missing_reason(op)
+    if missing is not None:
+        return missing
     return _backend.unvalidated_reason("the sm90 decode indexer", VALIDATED)
 
 

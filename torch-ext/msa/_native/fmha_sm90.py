@@ -33,10 +33,8 @@ from .._common import causal_offsets, sm_count, to_device
 from ..cute_kernels import variants
 from . import block_max_score_sm90, cute_runtime, debug, serving
 
-try:
-    from .._ops import HAS_COMPILED_OPS, ops
-except ImportError:   # source tree: no compiled extension
-    ops, HAS_COMPILED_OPS = None, False
+from . import compiled_ops
+from .compiled_ops import ops
 
 PAGE = variants.KV_BLOCK
 MODE_O_ONLY = 3
@@ -178,9 +176,9 @@ def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=Tr
     if isinstance(form, str):
         return form
     kernel = fmha_kernel(dtype_name, paged, form.name)
-    if kernel.v_transposed and not hasattr(ops, TRANSPOSE_V_OP):
-        return (f"{kernel.variant} reads V transposed by the compiled {TRANSPOSE_V_OP} op, "
-                "which this package lacks")
+    if kernel.v_transposed and not compiled_ops.has(TRANSPOSE_V_OP):
+        return (f"{kernel.variant} reads V transposed by the compiled {TRANSPOSE_V_OP} op: "
+                + compiled_ops.missing_reason(TRANSPOSE_V_OP))
     return _served(kernel)
 
 

@@ -13,10 +13,8 @@ import torch
 
 from .. import _backend
 
-try:
-    from .._ops import HAS_COMPILED_OPS, ops
-except ImportError:   # source tree: no compiled extension
-    ops, HAS_COMPILED_OPS = None, False
+from . import compiled_ops
+from .compiled_ops import ops
 
 OP_NAME = "sparse_topk_select"
 MAX_TOPK = 64
@@ -28,10 +26,9 @@ _INT32_MAX = (1 << 31) - 1
 def supports(*, topk: int = 1, num_tiles: int = 1, head_reduce: Optional[str] = None,
              **_features) -> Optional[str]:
     """None when the compiled kernel serves the call (features from TopkSelectCall.features())."""
-    if not HAS_COMPILED_OPS or ops is None:
-        return "the compiled msa CUDA ops (_msa_cuda_*.so) are not built into this package"
-    if not hasattr(ops, "sparse_topk_select"):
-        return "the compiled msa CUDA ops lack sparse_topk_select"
+    missing = compiled_ops.missing_reason("sparse_topk_select")
+    if missing is not None:
+        return missing
     if not 1 <= topk <= MAX_TOPK:
         return f"topk {topk} is outside [1, {MAX_TOPK}]"
     if head_reduce not in HEAD_REDUCE_CODES:

@@ -159,7 +159,7 @@ class BlockMaxScoreSm90:
         # Never trust the lengths to fit the tensors.
         q_len = cutlass.min(q_len, total_q - q_start)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ_wgs = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK_stages = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)

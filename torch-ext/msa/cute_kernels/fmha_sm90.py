@@ -188,7 +188,7 @@ class FmhaSm90:
             mQ, mCuQ, mCuK, mKvLens, mOffset, mPageTable, request, mK.shape[0], self.paged,
             TILE_M)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ_wgs = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK_stages = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)

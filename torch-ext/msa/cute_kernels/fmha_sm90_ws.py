@@ -258,7 +258,7 @@ class FmhaSm90Ws:
         wg = cute.arch.make_warp_uniform(tidx // 128)
         warp = cute.arch.make_warp_uniform(tidx // 32)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ_wgs = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK_stages = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)

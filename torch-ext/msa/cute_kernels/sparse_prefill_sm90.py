@@ -133,7 +133,7 @@ class SparsePrefillSm90(SparsePrefillBase):
             kv_row0, n_keys, causal_shift = self._kv_block_bounds(
                 mK, mCuK, mKvLens, mPageTable, batch, kv_block, q_len)
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(SharedStorage)
             sQ_stages = storage.sQ.get_tensor(q_layout)
             sK = storage.sK.get_tensor(tile_layout)

@@ -169,7 +169,7 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
              q_len) = self._work_item(mMeta, mCuQ, work)
             entry0, n_tiles = self._tile_span(mRowPtr, head_kv, csr_row, q_begin, q_count)
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(SharedStorage)
             sQ_stages = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
             sO_wgs = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)

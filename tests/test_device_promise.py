@@ -1,0 +1,113 @@
+"""What a user on each kind of device gets (README / CARD.md "What runs where"), checked as far as
+a CPU machine can: the `kernels` loader's architecture check on this build's archs, the
+dispatcher's choice per compute capability (the native kernels are registered for SM90, the
+csrc CSR builder and top-k also for SM100), and CARD.md rendered as kernel-builder renders it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from msa import _backend
+from msa_testing import CONTRACT_ALL
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import build_variant  # noqa: E402
+
+# compute capability -> whether get_kernel loads the CUDA variant (kernels' ArchValidator)
+LOADS = {(9, 0): True, (10, 0): True, (8, 0): False, (8, 6): False, (8, 9): False,
+         (10, 3): False, (12, 0): False}
+
+
+@pytest.fixture
+def gpu_of_capability(monkeypatch):
+    """Pretend a CUDA device of a given capability is present (no CUDA call is made)."""
+    def set_capability(capability):
+        monkeypatch.setattr(torch.version, "cuda", torch.version.cuda or "13.0")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: capability)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(_backend, "_arch_of_index", {})
+    return set_capability
+
+
+@pytest.mark.parametrize("capability,loads", sorted(LOADS.items()))
+def test_get_kernel_architecture_check(tmp_path, gpu_of_capability, capability, loads):
+    kernels_rust = pytest.importorskip("kernels._rust")
+    from kernels.validate import ArchValidator
+
+    config = build_variant.load_config(ROOT)
+    metadata = build_variant.variant_metadata(config, "_msa_cuda_0000000", "cuda",
+                                              config.cuda_capabilities)
+    path = tmp_path / "metadata.json"
+    path.write_text(json.dumps(metadata))
+    parsed = kernels_rust.Metadata.read_from_file(path)
+    gpu_of_capability(capability)
+    variant = "torch213-cxx11-cu130-x86_64-linux"
+    if loads:
+        ArchValidator().validate_metadata(metadata=parsed, variant=variant)
+    else:
+        with pytest.raises(RuntimeError, match="check_arch=False"):
+            ArchValidator().validate_metadata(metadata=parsed, variant=variant)
+
+
+def _sparse_features():
+    return dict(q_dtype=torch.bfloat16, k_dtype=torch.bfloat16, v_dtype=torch.bfloat16,
+                pv_dtype=torch.bfloat16, paged=False, causal=True, qhead_per_kv=16, topk=16,
+                partial_dtype=torch.bfloat16, nvfp4=False)
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (12, 0)])
+def test_other_gpus_run_the_reference_with_a_warning(gpu_of_capability, monkeypatch, caplog,
+                                                     capability):
+    gpu_of_capability(capability)
+    monkeypatch.setattr(_backend, "_logged", set())
+    monkeypatch.delenv("MSA_BACKEND", raising=False)
+    device = torch.device("cuda", 0)
+    with caplog.at_level(logging.WARNING, logger="msa"):
+        assert _backend.choose("sparse_atten", device, **_sparse_features()) == \
+            (_backend.REFERENCE, None)
+    text = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "PyTorch reference" in text and f"{capability[0]}.{capability[1]}" in text
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    with pytest.raises(NotImplementedError, match="MSA_BACKEND=native"):
+        _backend.choose("sparse_atten", device, **_sparse_features())
+
+
+def test_native_registrations_per_architecture():
+    """SM90: every native family; SM100: the csrc CSR builder and top-k only (the CuTe and
+    decode kernels target sm_90a)."""
+    registered = set(_backend.registered())
+    for op in ("sparse_atten", "block_max_scores", "build_k2q_csr", "sparse_topk_select",
+               "sparse_decode_atten", "fmha_dense", "fmha_max_score"):
+        assert (op, "sm90") in registered, op
+    assert {op for op, arch in registered if arch == "sm100"} == {"build_k2q_csr",
+                                                                  "sparse_topk_select"}
+
+
+def test_card_renders_as_kernel_builder_fills_it():
+    """kernel-builder's fill-card renders CARD.md (minijinja, trim_blocks) with the repo id,
+    version, license, upstream and the package's __all__; the result is the Hub README."""
+    jinja2 = pytest.importorskip("jinja2")
+    import tomllib
+
+    config = tomllib.loads((ROOT / "build.toml").read_text())
+    general = config["general"]
+    template = jinja2.Environment(trim_blocks=True, undefined=jinja2.StrictUndefined)
+    card = template.from_string((ROOT / "CARD.md").read_text()).render(
+        repo_id=general["hub"]["repo-id"], version=general["version"], functions=CONTRACT_ALL,
+        layers=None, has_benchmark=False, upstream=general["upstream"], source=None,
+        license=general["license"].lower())
+    assert card.startswith("---\nlibrary_name: kernels\nlicense: mit\n")
+    assert 'get_kernel("MiniMaxAI/msa", version=0, trust_remote_code=True)' in card
+    for name in CONTRACT_ALL:
+        assert f"- `{name}`" in card
+    assert "{{" not in card and "{%" not in card
+    for device in ("H100 / H200", "B200", "A100", "CPU-only torch"):
+        assert device in card
