@@ -4,6 +4,7 @@ and the native ``supports`` functions are plain Python (artifact lookups answer 
 here, as with the DSL installed for a JIT compile)."""
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -187,6 +188,32 @@ def test_decode_forms_follow_their_hooks():
     with debug.forcing(decode_split_keys=False, decode_direct_fp8=False):
         assert not decode_cuda._split_keys() and not decode_cuda._direct_fp8()
     assert decode_cuda._split_keys() and decode_cuda._direct_fp8()
+
+
+def test_decode_warpgroup_form_is_served_per_validated_dtype(monkeypatch):
+    """The warpgroup decode form serves tiles of > 16 rows (multi-token prediction) of the
+    dtypes in VALIDATED_WARPGROUP ("bf16": bf16 q and K/V; "e4m3": e4m3 q and K/V), every dtype
+    with MSA_UNVALIDATED_KERNELS=1, never tiles of <= 16 rows; the decode_warpgroup hook forces
+    it on or off."""
+    def call(seqlen_q, group, e4m3):
+        return SimpleNamespace(seqlen_q=seqlen_q, qhead_per_kv=group,
+                               pv_quant_dtype=E4M3 if e4m3 else None)
+
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
+    monkeypatch.setattr(decode_cuda, "VALIDATED_WARPGROUP", frozenset({"bf16"}))
+    assert decode_cuda._warpgroup(call(8, 16, e4m3=False))
+    assert not decode_cuda._warpgroup(call(8, 16, e4m3=True))
+    assert not decode_cuda._warpgroup(call(1, 16, e4m3=False))     # 16 rows: split-keys forms
+    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
+    assert decode_cuda._warpgroup(call(8, 16, e4m3=True))
+    assert not decode_cuda._warpgroup(call(4, 4, e4m3=True))
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
+    monkeypatch.setattr(decode_cuda, "VALIDATED_WARPGROUP", frozenset({"bf16", "e4m3"}))
+    assert decode_cuda._warpgroup(call(2, 16, e4m3=True))
+    with debug.forcing(decode_warpgroup=False):
+        assert not decode_cuda._warpgroup(call(8, 16, e4m3=False))
+    with debug.forcing(decode_warpgroup=True):
+        assert decode_cuda._warpgroup(call(1, 1, e4m3=True))
 
 
 def test_unvalidated_forms_are_passed_by_until_opted_in(monkeypatch):
