@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from msa import _backend
-from msa._native import (block_max_score_sm90, csr_builder, debug, decode_cuda, fmha_sm90,
-                         serving, sparse_prefill_sm90)
+from msa._native import (block_max_score_sm90, compiled_ops, csr_builder, debug, decode_cuda,
+                         fmha_sm90, serving, sparse_prefill_sm90)
 from msa.cute_kernels import variants
 
 BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
@@ -23,7 +23,9 @@ MAX_ITEMS = variants.PERSISTENT_MAX_ITEMS
 def every_artifact_available(monkeypatch):
     """Artifact lookups say yes (the tables are under test, not this machine's files)."""
     monkeypatch.setattr(serving.cute_runtime, "unavailable_reason", lambda *names: None)
-    monkeypatch.setattr(fmha_sm90, "ops", type("Ops", (), {fmha_sm90.TRANSPOSE_V_OP: None})())
+    # ... and so do the compiled csrc ops (the FMHA's V transpose, the CSR builder, decode).
+    monkeypatch.setattr(compiled_ops, "has", lambda name: True)
+    monkeypatch.setattr(compiled_ops, "missing_reason", lambda *names: None)
     monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
 
 
@@ -251,9 +253,6 @@ def test_csr_schedule_past_24_bit_query_ids_is_refused_for_the_reference(monkeyp
     """The native schedule build packs local query ids in 24 bits: a call with that many
     queries is refused by supports() (so _backend logs the fallback and the reference runs)
     instead of the native run calling the reference itself."""
-    monkeypatch.setattr(csr_builder, "HAS_COMPILED_OPS", True)
-    monkeypatch.setattr(csr_builder, "ops", type("Ops", (), {
-        "run_build_k2q_csr": None, "run_build_k2q_csr_with_schedule": None})())
     assert csr_builder.supports(return_schedule=True, total_q=1000) is None
     big = csr_builder.MAX_SCHEDULE_QUERIES
     assert "24 bits" in csr_builder.supports(return_schedule=True, total_q=big)
