@@ -128,6 +128,12 @@ def check_page_table(page_table: torch.Tensor, batch: int, *, seqused_k=None,
         check_shape("seqused_k", seqused_k, (batch,))
 
 
+def check_partial_dtype(partial_dtype) -> None:
+    if not isinstance(partial_dtype, torch.dtype) or partial_dtype not in PARTIAL_DTYPES:
+        raise TypeError(f"partial_dtype: {partial_dtype} is not supported; expected float32, "
+                        "bfloat16, float16 or float8_e4m3fn")
+
+
 def check_positive_int(name: str, value, *, allow_none: bool = False, minimum: int = 0):
     if value is None and allow_none:
         return None
