@@ -23,8 +23,9 @@
 // (exact in f16), scaled by exp(page max - running max) in f16 before the MMA.
 //
 // Warpgroup form (tiles of more than 16 rows, i.e. multi-token prediction; Q and K/V both bf16 or
-// both e4m3): two warpgroups of 64 rows run Q K^T and P V on wgmma m64n128 from 128-byte
-// swizzled shared memory; see the wg namespace below and docs/design-decode.md.
+// both e4m3): two warpgroups of 64 rows run Q K^T and P V on 16-bit wgmma m64n128 (e4m3 widened
+// to f16 in shared memory) from 128-byte swizzled shared memory; see the wg namespace below and
+// docs/design-decode.md.
 //
 // Safety: every page id, q2k id, length and schedule index is range-checked on the device;
 // invalid ones are skipped (their keys are invisible). No host synchronization; every size is a
@@ -537,18 +538,22 @@ __device__ __forceinline__ void store_row(const DecodeAttentionArgs& a, int64_t 
 
 // ---- Warpgroup form (tiles of more than 16 rows: multi-token prediction) ------------------
 // One CTA of two warpgroups per work item; warpgroup w holds rows 64w .. 64w + 63 of the qo
-// tile. Per page: S = Q K^T with wgmma m64n128 from shared memory (bf16 k16, or e4m3 k32 with
-// both operands e4m3), masking and the page's softmax in registers, then O += P V with P as the
-// register A operand (bf16, or f16 for e4m3) and V as a transposed (MN-major) shared-memory
-// B operand. Pages (and Q) sit in shared memory in the 128-byte swizzled layout wgmma reads:
-// rows of 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8), one 128-byte column block
-// after the other (bf16 rows of 256 bytes are two blocks). Loads are cp.async into a ring of
-// stages (rows past the request's end are zero-filled, so stale NaN bytes never meet P = 0).
-// e4m3 V is widened once per page into an f16 copy (exact); P is rounded to e4m3 against the
-// page's max and scaled by exp(page max - running max) in f16, as the reference rounds it
-// (the direct form does the same), so an f16 P.V reproduces an e4m3 P.V exactly up to that
-// f16 scaling. bf16 P is rounded to bf16 (the reference keeps it unrounded; the difference is
-// within the bf16 contract). Fully visible pages of every tile token skip the mask.
+// tile. Per page: S = Q K^T with wgmma m64n128k16 from shared memory, masking and the page's
+// softmax in registers, then O += P V with P as the register A operand and V as a transposed
+// (MN-major) shared-memory B operand. Every operand wgmma reads is 16-bit: bf16, or f16
+// widened (exactly) from e4m3. An e4m3 wgmma would read the raw pages, but its accumulator
+// keeps ~13 mantissa bits: S = Q K^T then moves by ~1e-4 of its magnitude, enough to flip
+// P's e4m3 rounding (the reference computes S in fp32) in up to a third of the output rows;
+// f16 wgmma accumulates in fp32. Operands sit in shared memory in the 128-byte swizzled layout wgmma
+// reads: rows of 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8), one 128-byte column
+// block after the other (16-bit rows of 256 bytes are two blocks). Loads are cp.async into a
+// ring of stages (rows past the request's end are zero-filled, so stale NaN bytes never meet
+// P = 0); an e4m3 stage is widened once per page into an f16 K and V copy. e4m3: P is rounded
+// to e4m3 against the page's max and scaled by exp(page max - running max) in f16, as the
+// reference rounds it (the direct form does the same), so the f16 P.V reproduces an e4m3 P.V
+// up to that f16 scaling. bf16 P is rounded to bf16 (the reference keeps it unrounded; the
+// difference is within the bf16 contract). Fully visible pages of every tile token skip the
+// mask.
 namespace wg {
 
 constexpr int kRowBytes = 128;                 // one swizzled row
@@ -561,17 +566,19 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
 
 template <bool kFp8>
 struct Shape {
-  static constexpr int kColBlocks = kFp8 ? 1 : 2;            // 128-byte blocks of a 128-wide row
+  // Q and the K / V pages wgmma reads are 16-bit (bf16, or f16 widened from e4m3): rows of
+  // 256 bytes as two 128-byte column blocks.
   static constexpr int kQBlockBytes = kWarpgroupRows * kRowBytes;
-  static constexpr int kQBytes = kQBlockBytes * kColBlocks;  // one warpgroup's Q rows
+  static constexpr int kQBytes = 2 * kQBlockBytes;           // one warpgroup's Q rows
   static constexpr int kPageBlockBytes = kPageSize * kRowBytes;
-  static constexpr int kKBytes = kPageBlockBytes * kColBlocks;
-  static constexpr int kStages = kFp8 ? 4 : 2;
+  static constexpr int kWideBytes = 2 * kPageBlockBytes;     // a 16-bit K or V page
+  static constexpr int kKBytes = kFp8 ? kPageBlockBytes : kWideBytes;   // K as loaded
+  static constexpr int kStages = kFp8 ? 3 : 2;
   static constexpr int kStageBytes = 2 * kKBytes;            // K then V
-  static constexpr int kVhBytes = kFp8 ? 2 * kPageBlockBytes : 0;   // e4m3 V widened to f16
+  static constexpr int kWidenedBytes = kFp8 ? 2 * kWideBytes : 0;   // e4m3 K, V widened to f16
   static constexpr int kStagesOffset = 2 * kQBytes;
-  static constexpr int kVhOffset = kStagesOffset + kStages * kStageBytes;
-  static constexpr int kListOffset = kVhOffset + kVhBytes;
+  static constexpr int kWidenedOffset = kStagesOffset + kStages * kStageBytes;
+  static constexpr int kListOffset = kWidenedOffset + kWidenedBytes;
   static constexpr int kBytes = kListOffset + kListBytes + kCountsSlotBytes;
   static constexpr int kAlloc = kBytes + 1024;               // the base is aligned to 1024 bytes
 };
@@ -632,12 +639,12 @@ __device__ __forceinline__ void wgmma_qk_bf16(float (&d)[64], uint64_t desc_a, u
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
-__device__ __forceinline__ void wgmma_qk_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
-                                          int scale_d) {
+__device__ __forceinline__ void wgmma_qk_f16(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                         int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-      MSA_WGMMA_D_TEXT ", %64, %65, p, 1, 1;\n}\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      MSA_WGMMA_D_TEXT ", %64, %65, p, 1, 1, 0, 0;\n}\n"
       : MSA_WGMMA_D_OPERANDS(d)
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
@@ -663,12 +670,30 @@ __device__ __forceinline__ void wgmma_pv_f16(float (&d)[64], const uint32_t (&a)
 }
 
 
-// Q rows of the tile (zero past tile_rows) into each warpgroup's swizzled block.
+// 16 e4m3 values (channels 16 c .. 16 c + 15 of `row`) widened to f16 (exact) into a 16-bit
+// swizzled tile of two column blocks (`block_bytes` apart): its chunks 2 c and 2 c + 1. The
+// chunk stored first alternates with c / 4, so the eight threads of one row (chunks 0 .. 7)
+// store to eight distinct 16-byte bank groups at a time.
+__device__ __forceinline__ void store_widened(const uint4& raw, int row, int c, char* tile,
+                                              int block_bytes) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  const uint4 lo = make_uint4(e4m3x2_lo_to_f16x2(w[0]), e4m3x2_hi_to_f16x2(w[0]),
+                             e4m3x2_lo_to_f16x2(w[1]), e4m3x2_hi_to_f16x2(w[1]));
+  const uint4 hi = make_uint4(e4m3x2_lo_to_f16x2(w[2]), e4m3x2_hi_to_f16x2(w[2]),
+                             e4m3x2_lo_to_f16x2(w[3]), e4m3x2_hi_to_f16x2(w[3]));
+  const bool hi_first = (c >> 2) & 1;
+  char* block = tile + (c / 4) * block_bytes;    // f16 chunks 2 c, 2 c + 1: in-block 2 (c % 4) + h
+  *reinterpret_cast<uint4*>(block + swizzled(row, 2 * (c % 4) + hi_first)) = hi_first ? hi : lo;
+  *reinterpret_cast<uint4*>(block + swizzled(row, 2 * (c % 4) + !hi_first)) = hi_first ? lo : hi;
+}
+
+// Q rows of the tile (zero past tile_rows) into each warpgroup's swizzled 16-bit block (e4m3 Q
+// widened to f16).
 template <bool kFp8>
 __device__ __forceinline__ void load_queries(const DecodeAttentionArgs& a, const CtaContext& ctx,
                                              int group, int tile_rows, char* qs) {
   using S = Shape<kFp8>;
-  constexpr int kChunksPerRow = 8 * S::kColBlocks;
+  constexpr int kChunksPerRow = kFp8 ? 8 : 16;   // 16-byte chunks of a row as stored in q
   for (int c = threadIdx.x; c < kRowsPerCta * kChunksPerRow; c += kThreads) {
     const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
@@ -681,18 +706,24 @@ __device__ __forceinline__ void load_queries(const DecodeAttentionArgs& a, const
       v = *reinterpret_cast<const uint4*>(static_cast<const char*>(a.q) + bytes + chunk * 16);
     }
     const int local = row % kWarpgroupRows;
-    *reinterpret_cast<uint4*>(qs + (row / kWarpgroupRows) * S::kQBytes +
-                              (chunk / 8) * S::kQBlockBytes + swizzled(local, chunk % 8)) = v;
+    char* q_rows = qs + (row / kWarpgroupRows) * S::kQBytes;
+    if constexpr (kFp8) {
+      store_widened(v, local, chunk, q_rows, S::kQBlockBytes);
+    } else {
+      *reinterpret_cast<uint4*>(q_rows + (chunk / 8) * S::kQBlockBytes +
+                                swizzled(local, chunk % 8)) = v;
+    }
   }
 }
 
-// One page's K and V head slices into a stage, swizzled; rows >= valid_rows zero-filled.
+// One page's K and V head slices into a stage, swizzled (bf16: two column blocks, e4m3: one);
+// rows >= valid_rows zero-filled.
 template <bool kFp8>
 __device__ __forceinline__ void load_page(const DecodeAttentionArgs& a, int head,
                                           const PageRef& ref, char* stage, int valid_rows) {
   using S = Shape<kFp8>;
   if (ref.token_mask == 0) return;
-  constexpr int kChunksPerRow = 8 * S::kColBlocks;
+  constexpr int kChunksPerRow = kFp8 ? 8 : 16;
   constexpr int kChunks = kPageSize * kChunksPerRow;
   static_assert(kChunks % kThreads == 0, "every thread issues the same number of copies");
   const int64_t bytes = (static_cast<int64_t>(ref.physical) * a.num_kv_heads + head) *
@@ -711,27 +742,19 @@ __device__ __forceinline__ void load_page(const DecodeAttentionArgs& a, int head
   }
 }
 
-// e4m3 V (swizzled, one block) -> f16 V (swizzled, two blocks), exact.
-__device__ __forceinline__ void widen_v(const char* v8, char* vh) {
-  constexpr int kItems = kPageSize * 8;          // 16-byte e4m3 chunks
+// e4m3 K and V of a stage (swizzled, one column block each) -> f16 K then V (swizzled, two
+// blocks each), exact.
+__device__ __forceinline__ void widen_page(const char* stage, char* widened) {
+  using S = Shape<true>;
+  constexpr int kItems = 2 * kPageSize * 8;      // 16-byte e4m3 chunks of K and V
   static_assert(kItems % kThreads == 0, "every thread widens the same number of chunks");
-#pragma unroll
+#pragma unroll 4   // fully unrolled, the hoisted loads cost ~40 more registers
   for (int i = 0; i < kItems / kThreads; ++i) {
     const int item = threadIdx.x + i * kThreads;
-    const int row = item / 8, chunk = item % 8;  // channels 16 chunk .. 16 chunk + 15
-    const uint4 raw = *reinterpret_cast<const uint4*>(v8 + swizzled(row, chunk));
-    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-    uint4 out[2];
-    out[0] = make_uint4(e4m3x2_lo_to_f16x2(w[0]), e4m3x2_hi_to_f16x2(w[0]),
-                        e4m3x2_lo_to_f16x2(w[1]), e4m3x2_hi_to_f16x2(w[1]));
-    out[1] = make_uint4(e4m3x2_lo_to_f16x2(w[2]), e4m3x2_hi_to_f16x2(w[2]),
-                        e4m3x2_lo_to_f16x2(w[3]), e4m3x2_hi_to_f16x2(w[3]));
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int c16 = 2 * chunk + h;              // f16 chunk: channels 8 c16 .. 8 c16 + 7
-      *reinterpret_cast<uint4*>(vh + (c16 / 8) * (kPageSize * kRowBytes) +
-                                swizzled(row, c16 % 8)) = out[h];
-    }
+    const int tensor = item / (kPageSize * 8), row = (item / 8) % kPageSize, chunk = item % 8;
+    const uint4 raw =
+        *reinterpret_cast<const uint4*>(stage + tensor * S::kKBytes + swizzled(row, chunk));
+    store_widened(raw, row, chunk, widened + tensor * S::kWideBytes, S::kPageBlockBytes);
   }
 }
 
@@ -749,25 +772,25 @@ struct Rows {
   float sum[2];       // this thread's share of the running softmax sum
 };
 
+// One page of one warpgroup: Q (qs) and K (ks) are 16-bit swizzled tiles, bf16 or f16 (e4m3
+// widened); V (vs) likewise.
 template <bool kFp8>
-__device__ __forceinline__ void page_step(const char* qs, const char* kst, const char* vsrc,
+__device__ __forceinline__ void page_step(const char* qs, const char* ks, const char* vs,
                                           const PageRef& page, bool full, float scale_log2,
                                           Rows& rows, float (&s)[64], float (&o)[64]) {
   using S = Shape<kFp8>;
   const int lane = threadIdx.x & 31;
   // S = Q K^T over the page's 128 keys.
   fence_operands();
-  if constexpr (kFp8) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      wgmma_qk_e4m3(s, descriptor(qs + 32 * kk, 16), descriptor(kst + 32 * kk, 16), kk);
-    }
-  } else {
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-      const int block = kk / 4, within = 32 * (kk % 4);
-      wgmma_qk_bf16(s, descriptor(qs + block * S::kQBlockBytes + within, 16),
-                    descriptor(kst + block * S::kPageBlockBytes + within, 16), kk);
+  for (int kk = 0; kk < 8; ++kk) {
+    const int block = kk / 4, within = 32 * (kk % 4);
+    const uint64_t desc_q = descriptor(qs + block * S::kQBlockBytes + within, 16);
+    const uint64_t desc_k = descriptor(ks + block * S::kPageBlockBytes + within, 16);
+    if constexpr (kFp8) {
+      wgmma_qk_f16(s, desc_q, desc_k, kk);
+    } else {
+      wgmma_qk_bf16(s, desc_q, desc_k, kk);
     }
   }
   commit_and_wait();
@@ -849,7 +872,7 @@ __device__ __forceinline__ void page_step(const char* qs, const char* kst, const
   fence_operands();
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
-    const uint64_t desc_v = descriptor(vsrc + kk * 16 * kRowBytes, kPageSize * kRowBytes);
+    const uint64_t desc_v = descriptor(vs + kk * 16 * kRowBytes, kPageSize * kRowBytes);
     if constexpr (kFp8) {
       wgmma_pv_f16(o, pa[kk], desc_v, 1);
     } else {
@@ -866,7 +889,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   char* stages = smem + S::kStagesOffset;
-  char* vh = smem + S::kVhOffset;
+  char* widened = smem + S::kWidenedOffset;   // e4m3: the page's f16 K, then V
   int* cand = reinterpret_cast<int*>(smem + S::kListOffset);
   int* list_phys = cand + kMaxCandidates;
   int* list_logical = list_phys + kMaxCandidates;
@@ -938,16 +961,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (page.token_mask == 0) continue;                  // uniform: skipped (nothing loaded)
     const char* kst = stage_of(i);
     if constexpr (kFp8) {
-      widen_v(kst + S::kKBytes, vh);
+      widen_page(kst, widened);
       fence_to_async_proxy();
     }
     const bool full = (page.token_mask & tile_tokens) == tile_tokens &&
                       page.logical * kPageSize + kPageSize - 1 <= shared_last_key;
     if constexpr (kFp8) {
-      __syncthreads();                                   // the widened V is complete
+      __syncthreads();                                   // the widened K and V are complete
     }
     if (group_active) {
-      page_step<kFp8>(qs, kst, kFp8 ? vh : kst + S::kKBytes, page, full, scale_log2, rows, s, o);
+      const char* ks = kFp8 ? widened : kst;
+      page_step<kFp8>(qs, ks, ks + (kFp8 ? S::kWideBytes : S::kKBytes), page, full, scale_log2,
+                      rows, s, o);
     }
   }
   cp_async_wait_all();

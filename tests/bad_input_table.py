@@ -2798,6 +2798,8 @@ for _name, _change, _expect in [
         ("block_indices float", lambda a: dict(block_indices=a["block_indices"].float()),
          Error(TypeError, "block_indices")),
         ("block_indices heads", lambda a: dict(block_indices=a["block_indices"][:, :1]),
+         Error(ValueError, "index_n_heads")),
+        ("block_indices queries", lambda a: dict(block_indices=a["block_indices"][:, :, :-1]),
          Error(ValueError, "block_indices")),
         ("40 blocks per query", lambda a: dict(block_indices=a["block_indices"].repeat(
             1, 1, 1, 14)[..., :40]), Error(ValueError, "index_topk_blocks")),

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 import msa
-from msa import layers
+from msa import layers, prefill
 from m3_testing import (assert_greedy_tokens_agree, assert_logits_close, assert_same_selection,
                         m3_config, m3_model, row_oracle, stock_index_inputs)
+from test_indexer import dense_attention_from_selection
 
 transformers = pytest.importorskip("transformers")
 modeling = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
@@ -218,6 +219,100 @@ def test_kernelized_model_batch_and_dense_fmha_path(monkeypatch, seed):
     assert served == [(2, 300, 8, 128)]
 
 
+def _random_block_indices(batch, hkv, q_len, valid, width, gen):
+    """[B, Hkv, S_q, width] int64 like the indexer's output: per (request, head, query at
+    position valid - S_q + t) its own block first, then distinct earlier blocks, -1 tail."""
+    own = (torch.arange(q_len) + valid - q_len) // 128
+    blocks = -(-valid // 128)
+    score = torch.rand(batch, hkv, q_len, blocks, generator=gen)
+    score = score.masked_fill(torch.arange(blocks) > own.view(-1, 1), -1.0)
+    score.scatter_(3, own.view(1, 1, -1, 1).expand(batch, hkv, -1, 1), 2.0)
+    value, ids = score.topk(min(width, blocks), dim=3)
+    ids = ids.masked_fill(value < 0, -1)
+    return torch.nn.functional.pad(ids, (0, width - ids.shape[3]), value=-1)
+
+
+def _layer_oracle(query, key, value, block_indices, valid, scale):
+    """float64 [B, S_q, Hq, 128]: each request's queries on its first `valid` keys."""
+    batch, q_len, num_heads, _ = query.shape
+    outs = []
+    for b in range(batch):
+        q2k = block_indices[b].to(torch.int32)                         # [Hkv, S_q, n]
+        outs.append(dense_attention_from_selection(
+            query[b], key[b, :, :valid].transpose(0, 1), value[b, :, :valid].transpose(0, 1),
+            q2k, [q_len], [valid], scale))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("batch,q_len,k_len,valid,heads_as_requests", [
+    (1, 600, 600, 600, False),      # self prefill: K/V copied token-major
+    (2, 300, 300, 300, False),
+    (1, 300, 1000, 700, False),     # a StaticCache's unwritten tail (keys past 700 unused)
+    (1, 200, 2000, 2000, True),     # a short chunk on a long cache: the cache read in place
+    (1, 130, 1000, 800, True),
+    (1, 1, 700, 700, True),         # decode
+    (2, 3, 500, 500, True),
+])
+def test_sparse_attention_in_query_chunks_equals_one_call(monkeypatch, seed, batch, q_len,
+                                                          k_len, valid, heads_as_requests):
+    """The attention layer's sparse path in chunks of 128 query rows equals one call, on both
+    packings of the cache, and matches the float64 masked attention on the selection."""
+    gen = torch.Generator().manual_seed(seed)
+    hkv, hq, width = 2, 8, 5                                        # topK 8, three slots -1
+    draw = lambda *shape: torch.randn(*shape, generator=gen).to(torch.bfloat16)  # noqa: E731
+    query, key, value = draw(batch, q_len, hq, 128), draw(batch, hkv, k_len, 128), \
+        draw(batch, hkv, k_len, 128)
+    block_indices = _random_block_indices(batch, hkv, q_len, valid, width, gen)
+    positions = torch.arange(valid - q_len, valid).expand(batch, -1)
+    packed = []
+    real = layers.sparse_atten_from_selection
+
+    def spy(q, k, v, q2k, **kwargs):
+        packed.append((k.shape[1], kwargs["workspace_bytes"]))
+        return real(q, k, v, q2k, **kwargs)
+    monkeypatch.setattr(layers, "sparse_atten_from_selection", spy)
+    whole = layers.sparse_attention(query, key, value, block_indices, positions, 0.1)
+    monkeypatch.setattr(layers, "ATTENTION_WORKSPACE_BYTES", 1)
+    monkeypatch.setattr(prefill, "MIN_CHUNK_TOKENS", 128)
+    chunked = layers.sparse_attention(query, key, value, block_indices, positions, 0.1)
+    assert packed == [(1 if heads_as_requests else hkv, layers.DEFAULT_WORKSPACE_BYTES),
+                      (1 if heads_as_requests else hkv, 1)]
+    assert chunked.shape == (batch, q_len, hq, 128) and chunked.dtype == torch.bfloat16
+    torch.testing.assert_close(chunked, whole, atol=1e-3, rtol=8e-3)
+    ref = _layer_oracle(query, key, value, block_indices, valid, 0.1)
+    torch.testing.assert_close(chunked.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_kernelized_model_in_attention_chunks_matches_stock(monkeypatch, seed):
+    """Tiny attention chunks (128 query rows) and projection steps (256 tokens) through the
+    whole model: logits and greedy tokens of the stock SDPA model; decode steps read the cache
+    in place (one KV head per request)."""
+    stock, ours = _stock_and_kernelized(seed)
+    monkeypatch.setattr(layers, "ATTENTION_WORKSPACE_BYTES", 1)
+    monkeypatch.setattr(prefill, "MIN_CHUNK_TOKENS", 128)
+    monkeypatch.setattr(layers, "PROJECTION_CHUNK_TOKENS", 256)
+    calls = []
+    real = layers.sparse_atten_from_selection
+
+    def spy(q, k, v, q2k, **kwargs):
+        calls.append((q.shape[0], k.shape[1]))
+        return real(q, k, v, q2k, **kwargs)
+    monkeypatch.setattr(layers, "sparse_atten_from_selection", spy)
+    chunks = []
+    real_chunk = prefill.run_chunk
+    monkeypatch.setattr(prefill, "run_chunk",
+                        lambda chunk, *a, **k: chunks.append(chunk) or real_chunk(chunk, *a, **k))
+    ids = torch.randint(3, 128, (1, 600))
+    with torch.no_grad():
+        assert_logits_close(ours(ids).logits, stock(ids).logits)
+        assert calls == [(600, 2)] * 2 and len(chunks) == 2 * 5        # two sparse layers
+        gen = [m.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True) for m in (ours, stock)]
+    # generate: the prompt, then 5 decode steps x 2 layers of 2 (request, KV head) rows.
+    assert calls[2:] == [(600, 2)] * 2 + [(2, 1)] * 2 * 5
+    print("identical greedy tokens:", assert_greedy_tokens_agree(gen[0], gen[1], ids.shape[1]))
+
+
 def test_kernelize_with_a_local_layer_repository(tmp_path, seed):
     """The documented kernels flow on a built variant: replace_kernel_forward_from_hub on the
     transformers classes, then kernelize with LocalLayerRepository mappings."""
@@ -276,3 +371,8 @@ def test_attention_layer_rejects_what_it_cannot_serve(seed):
     layers.kernelize_minimax_m3(model)
     with torch.no_grad(), pytest.raises(ValueError, match="index_topk_blocks"):
         model(torch.randint(3, 128, (1, 33 * 128 + 5)))     # 34 blocks: 40 -> 34 > 32
+    query = torch.randn(1, 200, 8, 128).to(torch.bfloat16)
+    key = torch.randn(1, 2, 200, 128).to(torch.bfloat16)
+    three_heads = torch.zeros(1, 3, 200, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="index_n_heads: .* one index head per KV head"):
+        layers.sparse_attention(query, key, key, three_heads, torch.arange(200)[None], 0.1)

@@ -265,3 +265,134 @@ def test_paged_wrapper_rejects_bad_plans_and_runs():
     with pytest.raises(ValueError, match="q_idx"):
         w.run(torch.zeros(3, 16, 128, dtype=BF16), kc, kc, torch.zeros(3, 2, 128, dtype=BF16),
               kc)
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse_atten_from_selection: a caller's selection in query chunks
+# ---------------------------------------------------------------------------------------------
+
+def _random_selection(q_lens, k_lens, hkv, topk, gen, causal=True):
+    """[Hkv, T, topk] int32: per (KV head, query) random distinct blocks the query may see (up to
+    its own block when causal), the own block always in, -1 holes anywhere in the row."""
+    rows = []
+    for ql, kl in zip(q_lens, k_lens):
+        blocks = -(-kl // 128)
+        own = (torch.arange(ql) + kl - ql) // 128 if causal else torch.full((ql,), blocks - 1)
+        score = torch.rand(hkv, ql, blocks, generator=gen)
+        score = score.masked_fill(torch.arange(blocks).view(1, 1, -1) > own.view(1, -1, 1), -1.0)
+        score.scatter_(2, own.clamp(min=0).view(1, -1, 1).expand(hkv, -1, 1), 2.0)
+        value, ids = score.topk(min(topk, blocks), dim=2)
+        ids = ids.masked_fill((value < 0) | (own < 0).view(1, -1, 1), -1)
+        ids = ids.masked_fill(torch.rand(ids.shape, generator=gen) < 0.15, -1)
+        rows.append(torch.nn.functional.pad(ids, (0, topk - ids.shape[2]), value=-1))
+    perm = torch.randperm(topk, generator=gen)                       # -1 not only at the tail
+    return torch.cat(rows, dim=1)[:, :, perm].to(torch.int32).contiguous()
+
+
+def _one_csr_call(x, q2k, cu_q, cu_k, max_q, max_k, causal, **kw):
+    """The selection through build_k2q_csr + sparse_atten_func in one call."""
+    g = x["q"].shape[1] // x["k"].shape[1]
+    lens = dict(max_seqlen_q=max_q, max_seqlen_k=max_k)
+    row_ptr, q_ids = msa.build_k2q_csr(q2k, cu_q, cu_k, 128, total_k=x["k"].shape[0],
+                                       qhead_per_kv=g, **lens)
+    return msa.sparse_atten_func(x["q"], x["k"], x["v"], row_ptr, q_ids, q2k.shape[2],
+                                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal, **lens,
+                                 **kw)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_sparse_atten_from_selection_in_chunks_equals_one_call(seed, monkeypatch, causal):
+    """Prefix + chunk, self prefill, a short chunk, and key rows past the last request (a static
+    cache): chunks of 128 queries give what one build_k2q_csr + sparse_atten_func call gives,
+    which matches the float64 masked attention on the selection; the caller's q2k is kept."""
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, k_lens = (150, 230, 40), (700, 230, 900)
+    x = _inputs(q_lens, k_lens, 2, 4, gen)
+    x["k"] = torch.cat([x["k"], torch.randn(77, 2, 128, generator=gen).to(BF16)])
+    x["v"] = torch.cat([x["v"], torch.randn(77, 2, 128, generator=gen).to(BF16)])
+    q2k = _random_selection(q_lens, k_lens, 2, 8, gen, causal)
+    cu_q, cu_k = cu(q_lens), cu(k_lens)
+    want_out, want_lse = _one_csr_call(x, q2k, cu_q, cu_k, 230, 900, causal,
+                                       return_softmax_lse=True)
+    monkeypatch.setattr(prefill, "MIN_CHUNK_TOKENS", 128)
+    chunks = prefill.plan_dense_chunks(
+        cu_q, cu_k, total_q=sum(q_lens), total_k=x["k"].shape[0], max_seqlen_q=230,
+        max_seqlen_k=900, num_qo_heads=8, num_kv_heads=2,
+        opts=prefill.PrefillOptions(8, 0, causal, BF16, None, 1.0, 4), workspace_bytes=1,
+        index_stage=False)
+    assert [(c.q_begin, c.q_end) for c in chunks] == [(0, 128), (128, 256), (256, 384),
+                                                       (384, 420)]
+    assert all(c.split is None and c.own_block is None for c in chunks)
+    q2k_before = q2k.clone()
+    out, lse = prefill.sparse_atten_from_selection(
+        x["q"], x["k"], x["v"], q2k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=230,
+        max_seqlen_k=900, causal=causal, return_softmax_lse=True, workspace_bytes=1,
+        check_input_valid=True)
+    assert torch.equal(q2k, q2k_before)
+    # The same per-(query, block) work; the fp32 reference's sums may round differently when
+    # the batch changes (one bf16 ulp of O at most).
+    torch.testing.assert_close(out, want_out, atol=1e-3, rtol=8e-3)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    if causal:
+        ref = dense_attention_from_selection(x["q"], x["k"], x["v"], q2k, q_lens, k_lens,
+                                             128 ** -0.5)
+        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    # One chunk when it fits: the same call as above.
+    whole = prefill.sparse_atten_from_selection(
+        x["q"], x["k"], x["v"], q2k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=230,
+        max_seqlen_k=900, causal=causal)
+    torch.testing.assert_close(whole, want_out, atol=1e-3, rtol=8e-3)
+
+
+def test_sparse_atten_from_selection_chunk_size_follows_the_attention_workspace():
+    """Without the index stage a query costs the partials, the chunk's O / LSE and the CSR:
+    M3 at 512k tokens needs ~139 GiB unchunked and runs in 16 GiB chunks of ~60k queries."""
+    t, hq, hkv = 512 * 1024, 64, 4
+    per_query = prefill.workspace_bytes_per_query(num_qo_heads=hq, num_kv_heads=hkv, topk=16,
+                                                  max_k_tiles=0, partial_dtype=BF16)
+    assert per_query == 16 * hq * (128 * 2 + 4) + hq * (128 * 2 + 4) + 40 * hkv * 16
+    assert t * per_query > 130 * 2 ** 30
+    chunks = prefill.plan_dense_chunks(
+        cu([t]), cu([t]), total_q=t, total_k=t, max_seqlen_q=t, max_seqlen_k=t,
+        num_qo_heads=hq, num_kv_heads=hkv,
+        opts=prefill.PrefillOptions(16, 0, True, BF16, None, 1.0, hq // hkv),
+        index_stage=False)
+    step = chunks[0].q_end
+    assert step == prefill.chunk_tokens(t, per_query) and step % 128 == 0
+    assert step * per_query <= prefill.DEFAULT_WORKSPACE_BYTES
+    assert len(chunks) == -(-t // step) == 9
+
+
+def test_sparse_atten_from_selection_rejects_bad_arguments():
+    gen = torch.Generator().manual_seed(0)
+    q_lens, k_lens = (40, 20), (300, 20)
+    x = _inputs(q_lens, k_lens, 2, 4, gen)
+    q2k = _random_selection(q_lens, k_lens, 2, 4, gen)
+    good = dict(cu_seqlens_q=cu(q_lens), cu_seqlens_k=cu(k_lens), max_seqlen_q=40,
+                max_seqlen_k=300)
+    call = lambda q2k=q2k, k=x["k"], v=x["v"], **kw: prefill.sparse_atten_from_selection(  # noqa
+        x["q"], k, v, q2k, **{**good, **kw})
+    with pytest.raises(ValueError, match="q2k_indices: expected shape"):
+        call(q2k=q2k[:, :30].contiguous())
+    with pytest.raises(ValueError, match="q2k_indices: expected shape"):
+        call(q2k=q2k[:1].contiguous())
+    with pytest.raises(TypeError, match="q2k_indices"):
+        call(q2k=q2k.long())
+    with pytest.raises(ValueError, match="q2k_indices.*topK"):
+        call(q2k=q2k[:, :, :3].contiguous())
+    with pytest.raises(ValueError, match="k: expected dense"):
+        call(k=x["k"][:256].reshape(2, 2, 128, 128), v=x["v"][:256].reshape(2, 2, 128, 128))
+    with pytest.raises(TypeError, match="v: dtype"):
+        call(v=x["v"].float())
+    with pytest.raises(TypeError, match="partial_dtype"):
+        call(partial_dtype=torch.int8)
+    with pytest.raises(ValueError, match="workspace_bytes"):
+        call(workspace_bytes=0)
+    with pytest.raises(TypeError, match="causal"):
+        call(causal=1)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        call(check_input_valid=True, max_seqlen_q=39)
+    bad = q2k.clone()
+    bad[0, 45, 0] = 1                                   # request 1 has one block
+    with pytest.raises(ValueError, match="q2k_indices"):
+        call(q2k=bad, check_input_valid=True)

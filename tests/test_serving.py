@@ -4,13 +4,14 @@ and the native ``supports`` functions are plain Python (artifact lookups answer 
 here, as with the DSL installed for a JIT compile)."""
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from msa import _backend
-from msa._native import (block_max_score_sm90, csr_builder, debug, decode_cuda, fmha_sm90,
-                         serving, sparse_prefill_sm90)
+from msa._native import (block_max_score_sm90, compiled_ops, csr_builder, debug, decode_cuda,
+                         fmha_sm90, serving, sparse_prefill_sm90)
 from msa.cute_kernels import variants
 
 BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
@@ -22,7 +23,9 @@ MAX_ITEMS = variants.PERSISTENT_MAX_ITEMS
 def every_artifact_available(monkeypatch):
     """Artifact lookups say yes (the tables are under test, not this machine's files)."""
     monkeypatch.setattr(serving.cute_runtime, "unavailable_reason", lambda *names: None)
-    monkeypatch.setattr(fmha_sm90, "ops", type("Ops", (), {fmha_sm90.TRANSPOSE_V_OP: None})())
+    # ... and so do the compiled csrc ops (the FMHA's V transpose, the CSR builder, decode).
+    monkeypatch.setattr(compiled_ops, "has", lambda name: True)
+    monkeypatch.setattr(compiled_ops, "missing_reason", lambda *names: None)
     monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
 
 
@@ -189,6 +192,32 @@ def test_decode_forms_follow_their_hooks():
     assert decode_cuda._split_keys() and decode_cuda._direct_fp8()
 
 
+def test_decode_warpgroup_form_is_served_per_validated_dtype(monkeypatch):
+    """The warpgroup decode form serves tiles of > 16 rows (multi-token prediction) of the
+    dtypes in VALIDATED_WARPGROUP ("bf16": bf16 q and K/V; "e4m3": e4m3 q and K/V), every dtype
+    with MSA_UNVALIDATED_KERNELS=1, never tiles of <= 16 rows; the decode_warpgroup hook forces
+    it on or off."""
+    def call(seqlen_q, group, e4m3):
+        return SimpleNamespace(seqlen_q=seqlen_q, qhead_per_kv=group,
+                               pv_quant_dtype=E4M3 if e4m3 else None)
+
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
+    monkeypatch.setattr(decode_cuda, "VALIDATED_WARPGROUP", frozenset({"bf16"}))
+    assert decode_cuda._warpgroup(call(8, 16, e4m3=False))
+    assert not decode_cuda._warpgroup(call(8, 16, e4m3=True))
+    assert not decode_cuda._warpgroup(call(1, 16, e4m3=False))     # 16 rows: split-keys forms
+    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
+    assert decode_cuda._warpgroup(call(8, 16, e4m3=True))
+    assert not decode_cuda._warpgroup(call(4, 4, e4m3=True))
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
+    monkeypatch.setattr(decode_cuda, "VALIDATED_WARPGROUP", frozenset({"bf16", "e4m3"}))
+    assert decode_cuda._warpgroup(call(2, 16, e4m3=True))
+    with debug.forcing(decode_warpgroup=False):
+        assert not decode_cuda._warpgroup(call(8, 16, e4m3=False))
+    with debug.forcing(decode_warpgroup=True):
+        assert decode_cuda._warpgroup(call(1, 1, e4m3=True))
+
+
 def test_unvalidated_forms_are_passed_by_until_opted_in(monkeypatch):
     """A table form marked validated=False is passed by for the next form unless
     MSA_UNVALIDATED_KERNELS=1 (the GPU tests that validate it set it); a forced form runs
@@ -224,9 +253,6 @@ def test_csr_schedule_past_24_bit_query_ids_is_refused_for_the_reference(monkeyp
     """The native schedule build packs local query ids in 24 bits: a call with that many
     queries is refused by supports() (so _backend logs the fallback and the reference runs)
     instead of the native run calling the reference itself."""
-    monkeypatch.setattr(csr_builder, "HAS_COMPILED_OPS", True)
-    monkeypatch.setattr(csr_builder, "ops", type("Ops", (), {
-        "run_build_k2q_csr": None, "run_build_k2q_csr_with_schedule": None})())
     assert csr_builder.supports(return_schedule=True, total_q=1000) is None
     big = csr_builder.MAX_SCHEDULE_QUERIES
     assert "24 bits" in csr_builder.supports(return_schedule=True, total_q=big)

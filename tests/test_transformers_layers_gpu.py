@@ -9,7 +9,11 @@ forced), one full-attention layer then three sparse layers, bf16.
   SM100 gate lifted with _msa_validated, stock indexer): the first sparse layer's selection on
   identical inputs, logits, and 32 greedy tokens. Peak memory and time of both are printed.
 * 128k-512k (MSA_M3_LONG): the kernelized model alone (the stock indexer would need 256 GB at
-  128k): finite logits, the selection's invariants, peak memory and time printed.
+  128k): finite logits, the selection's invariants, peak memory (within docs/transformers.md's
+  formula) and time printed.
+* The sparse attention layer in query chunks (a tiny ATTENTION_WORKSPACE_BYTES) against one
+  chunk and float64, on both packings of the cache (token-major K/V; the cache read in place
+  for decode and short chunks on a long cache).
 * torch.compile: the whole kernelized model at 8k against eager; the decoder layers compiled
   one by one (transformers traces a dense [S, S] SDPA mask when the mask creation itself is
   compiled) at MSA_M3_COMPILE_LONG (128k).
@@ -164,6 +168,24 @@ def _check_selection(selection, positions):
     assert bool(((ordered[..., 1:] != ordered[..., :-1]) | (ordered[..., 1:] < 0)).all())
 
 
+def _peak_estimate_gib(msa, model, length):
+    """docs/transformers.md's peak formula for one sequence through this model (the cache and
+    the model's activations, then the largest layer: a sparse layer's Q, O, token-major K/V
+    copies, selection and one attention chunk's workspace)."""
+    config = model.config
+    t, hq, hkv, d = length, config.num_attention_heads, config.num_key_value_heads, 128
+    n = config.index_topk_blocks
+    sparse = sum(kind == "minimax_m3_sparse" for kind in config.layer_types)
+    per_query = msa.prefill.workspace_bytes_per_query(
+        num_qo_heads=hq, num_kv_heads=hkv, topk=n, max_k_tiles=0, partial_dtype=torch.bfloat16)
+    chunk = msa.prefill.chunk_tokens(t, per_query, msa.layers.ATTENTION_WORKSPACE_BYTES)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    cache = len(config.layer_types) * 4 * t * hkv * d + sparse * 2 * t * d
+    activations = 3 * t * config.hidden_size * 2 + 2 * t * d * 2
+    layer = 4 * t * hq * d + 4 * t * hkv * d + 16 * t * hkv * n + min(t, chunk) * per_query
+    return (weights + cache + activations + layer) / 2 ** 30
+
+
 @pytest.mark.parametrize("length", LONG)
 def test_kernelized_long_context(modules, length):
     msa, _ = modules
@@ -172,7 +194,12 @@ def test_kernelized_long_context(modules, length):
     captured = _capture_first_indexer(model)
     ids = torch.randint(3, 1024, (1, length), device="cuda")
     logits, seconds, peak = _timed(lambda: model(ids).logits)
-    print(f"{length} tokens: {seconds:.2f} s (first call), {peak:.1f} GiB peak allocated")
+    estimate = _peak_estimate_gib(msa, model, length)
+    print(f"{length} tokens: {seconds:.2f} s (first call), {peak:.1f} GiB peak allocated "
+          f"(formula: {estimate:.1f} GiB)")
+    # Bounded: the attention's partials alone would be ~266 KB per token unchunked (139 GB at
+    # 512k); the formula holds within allocator and transformers slack.
+    assert peak <= 1.2 * estimate + 2, (peak, estimate)
     _expect_native(msa, ["block_max_scores", "sparse_topk_select", "build_k2q_csr",
                          "sparse_atten", "fmha_dense"])
     assert logits.shape == (1, length, 1024)
@@ -180,6 +207,76 @@ def test_kernelized_long_context(modules, length):
     _check_selection(captured["output"], captured["args"][3])
     _, seconds, _ = _timed(lambda: model(ids).logits)
     print(f"{length} tokens: {seconds:.2f} s (second call)")
+
+
+def _sampled_oracle(query, key, value, block_indices, valid, scale, rows):
+    """float64 [len(rows), Hq, 128] for (request, query) rows: the query's selected blocks of
+    its request's first `valid` keys, bottom-right causal."""
+    _, q_len, num_heads, dim = query.shape
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    slots = torch.arange(valid, device=query.device)
+    out = []
+    for b, t in rows:
+        heads = []
+        for h in range(num_kv_heads):
+            sel = block_indices[b, h, t]
+            mask = (slots // BLOCK).unsqueeze(1).eq(sel[sel >= 0].unsqueeze(0)).any(1)
+            mask &= slots <= t + valid - q_len
+            q = query[b, t, h * group:(h + 1) * group].double()               # [G, D]
+            s = (q @ key[b, h, :valid].double().T) * scale                      # [G, valid]
+            p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0)
+            heads.append(p @ value[b, h, :valid].double())
+        out.append(torch.cat(heads))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("batch,q_len,k_len,valid,heads_as_requests", [
+    (1, 16384, 16384, 16384, False),     # self prefill: K/V copied token-major
+    (2, 4096, 4096, 4096, False),
+    (1, 2048, 65536, 61000, True),       # a chunk on a long static cache: read in place
+    (2, 1, 32768, 32768, True),          # decode
+])
+def test_sparse_attention_layer_chunks_and_packings(modules, monkeypatch, native_hooks, batch,
+                                                    q_len, k_len, valid, heads_as_requests):
+    """The layer's sparse attention with a tiny workspace (chunks of 1024 query rows) equals
+    the one-chunk call, and both match float64 on sampled rows; M3 heads, random selections
+    with the own block first, native kernels, outputs poisoned."""
+    msa, _ = modules
+    native_hooks.poison()
+    gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    hq, hkv, width = 64, 4, 16
+    draw = lambda *shape: torch.randn(*shape, generator=gen, device="cuda").to(  # noqa: E731
+        torch.bfloat16)
+    query, key, value = draw(batch, q_len, hq, 128), draw(batch, hkv, k_len, 128), \
+        draw(batch, hkv, k_len, 128)
+    own = (torch.arange(q_len, device="cuda") + valid - q_len) // BLOCK
+    blocks = -(-valid // BLOCK)
+    score = torch.rand(batch, hkv, q_len, blocks, generator=gen, device="cuda")
+    score = score.masked_fill(torch.arange(blocks, device="cuda") > own.view(-1, 1), -1.0)
+    score.scatter_(3, own.view(1, 1, -1, 1).expand(batch, hkv, -1, 1), 2.0)
+    value_top, block_indices = score.topk(min(width, blocks), dim=3)
+    block_indices = block_indices.masked_fill(value_top < 0, -1)
+    del score
+    positions = torch.arange(valid - q_len, valid, device="cuda").expand(batch, -1)
+    packed = []
+    real = msa.layers.sparse_atten_from_selection
+
+    def spy(q, k, v, q2k, **kwargs):
+        packed.append(k.shape[1])
+        return real(q, k, v, q2k, **kwargs)
+    monkeypatch.setattr(msa.layers, "sparse_atten_from_selection", spy)
+    whole = msa.layers.sparse_attention(query, key, value, block_indices, positions, 0.088)
+    _expect_native(msa, ["build_k2q_csr", "sparse_atten"])
+    monkeypatch.setattr(msa.layers, "ATTENTION_WORKSPACE_BYTES", 1)
+    chunked = msa.layers.sparse_attention(query, key, value, block_indices, positions, 0.088)
+    assert packed == [1 if heads_as_requests else hkv] * 2
+    torch.testing.assert_close(chunked, whole, atol=1e-3, rtol=8e-3)
+    rows = [(b, t) for b in range(batch) for t in {0, q_len - 1, *torch.randint(
+        q_len, (6,), generator=gen, device="cuda").tolist()}]
+    ref = _sampled_oracle(query, key, value, block_indices, valid, 0.088, rows)
+    got = torch.stack([chunked[b, t] for b, t in rows]).double()
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
 
 
 def test_kernelized_torch_compile(modules):

@@ -128,6 +128,12 @@ def check_page_table(page_table: torch.Tensor, batch: int, *, seqused_k=None,
         check_shape("seqused_k", seqused_k, (batch,))
 
 
+def check_partial_dtype(partial_dtype) -> None:
+    if not isinstance(partial_dtype, torch.dtype) or partial_dtype not in PARTIAL_DTYPES:
+        raise TypeError(f"partial_dtype: {partial_dtype} is not supported; expected float32, "
+                        "bfloat16, float16 or float8_e4m3fn")
+
+
 def check_positive_int(name: str, value, *, allow_none: bool = False, minimum: int = 0):
     if value is None and allow_none:
         return None
@@ -136,14 +142,6 @@ def check_positive_int(name: str, value, *, allow_none: bool = False, minimum: i
     if value < minimum:
         raise ValueError(f"{name}: must be >= {minimum}, got {value}")
     return value
-
-
-def check_partial_dtype(name: str, dtype) -> torch.dtype:
-    """A per-block partial dtype of the sparse attention (float32, bfloat16, float16, e4m3)."""
-    if not isinstance(dtype, torch.dtype) or dtype not in PARTIAL_DTYPES:
-        raise TypeError(f"{name}: {dtype} is not supported; expected float32, bfloat16, float16 "
-                        "or float8_e4m3fn")
-    return dtype
 
 
 def check_scale(name: str, value, *, allow_none: bool = True) -> Optional[float]:

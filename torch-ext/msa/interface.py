@@ -332,14 +332,10 @@ def sparse_attention_reference(call: SparseAttentionCall, compute_dtype=torch.fl
     return out, lse, lse_t
 
 
-def check_sparse_atten_args(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seqlens_q,
-                            cu_seqlens_k, max_seqlen_q, max_seqlen_k, blk_kv, causal,
-                            softmax_scale, lse_temperature_scale, return_temperature_lse,
-                            partial_dtype, return_softmax_lse, page_table, seqused_k, schedule,
-                            usable_SM_count, qk_dtype, pv_dtype, kv_dtypes, kv_last_dim,
-                            check_input_valid=False) -> SparseAttentionCall:
-    """Shared by the bf16/FP8 and the NVFP4 entry points (which pass their own K/V dtypes and
-    packed last dimension)."""
+def check_attention_operands(q, k, v, *, kv_dtypes=(BF16, FP8), kv_last_dim=HEAD_DIM) -> int:
+    """q [total_q, Hq, 128] and k / v (dense [total_k, Hkv, last] or paged [pages, Hkv, 128,
+    last]) as sparse_atten_func takes them: dtypes, ranks, contiguity, head counts. Returns
+    Hq / Hkv."""
     check_tensor("q", q, dtypes=(BF16, FP8), ndim=3, contiguous=True)
     check_head_dim("q", q.shape[2])
     check_tensor("k", k, dtypes=kv_dtypes, ndim=(3, 4), contiguous=True)
@@ -354,8 +350,19 @@ def check_sparse_atten_args(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seq
         if kv_last_dim == HEAD_DIM:
             check_head_dim("k", k.shape[-1])
         raise ValueError(f"k: last dimension must be {kv_last_dim} (packed), got {k.shape[-1]}")
+    return check_qhead_per_kv(q.shape[1], k.shape[1])
+
+
+def check_sparse_atten_args(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seqlens_q,
+                            cu_seqlens_k, max_seqlen_q, max_seqlen_k, blk_kv, causal,
+                            softmax_scale, lse_temperature_scale, return_temperature_lse,
+                            partial_dtype, return_softmax_lse, page_table, seqused_k, schedule,
+                            usable_SM_count, qk_dtype, pv_dtype, kv_dtypes, kv_last_dim,
+                            check_input_valid=False) -> SparseAttentionCall:
+    """Shared by the bf16/FP8 and the NVFP4 entry points (which pass their own K/V dtypes and
+    packed last dimension)."""
+    check_attention_operands(q, k, v, kv_dtypes=kv_dtypes, kv_last_dim=kv_last_dim)
     hkv = k.shape[1]
-    check_qhead_per_kv(q.shape[1], hkv)
     if blk_kv != KV_BLOCK:
         raise ValueError(f"blk_kv: only {KV_BLOCK} is supported, got {blk_kv}")
     topk = check_topk("topK", topK)
@@ -385,7 +392,7 @@ def check_sparse_atten_args(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seq
     check_positive_int("max_seqlen_q", max_seqlen_q)
     check_positive_int("max_seqlen_k", max_seqlen_k)
     check_positive_int("usable_SM_count", usable_SM_count, minimum=-1)
-    check_partial_dtype("partial_dtype", partial_dtype)
+    check_partial_dtype(partial_dtype)
     scale = check_scale("softmax_scale", softmax_scale)
     temperature = check_scale("lse_temperature_scale", lse_temperature_scale, allow_none=False)
     if return_temperature_lse and not return_softmax_lse:

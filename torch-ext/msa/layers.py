@@ -14,11 +14,14 @@ Two layers, named after the transformers classes whose ``forward`` they replace:
 ``MiniMaxM3VLAttention``
     Sparse layers (those with an indexer): the stock projections, norms, rotary embedding and
     cache update, then the block-sparse attention of this package over the indexer's selection
-    (``build_k2q_csr`` with its schedule, ``sparse_atten_func``), on any device and without
+    (``msa.prefill.sparse_atten_from_selection``: ``build_k2q_csr`` and ``sparse_atten_func``
+    in query chunks whose scratch fits ATTENTION_WORKSPACE_BYTES), on any device and without
     transformers' SM100 gate (no ``_msa_validated`` flag, no ``attn_implementation`` string).
     bf16 only. Dense layers: a causal prefill without a padding mask or cache history, on a GPU
     this build has a native FMHA for, runs this package's dense FMHA (``fmha``); everything
     else runs the model's own forward.
+
+Memory is linear in the sequence length; the peak formula is in docs/transformers.md.
 
 Semantics shared with transformers' MSA route: bottom-right causal attention over the cache
 (one request: its valid length ``position_ids[0, -1] + 1``, so a StaticCache works; several:
@@ -48,14 +51,17 @@ from ._validation import (BLOCK_SIZE, HEAD_DIM, SUPPORTED_TOPK, check_head_dim,
                           check_positive_int, check_shape, check_tensor)
 from .fmha import fmha, fmha_plan
 from .indexer import INDEX_DTYPES, block_max_scores
-from .interface import build_k2q_csr, sparse_atten_func
+from .prefill import DEFAULT_WORKSPACE_BYTES, sparse_atten_from_selection
 from .topk import sparse_topk_select
 
 # Scratch of one query chunk's block scores, [index heads, key blocks, B * chunk] fp32: the
 # indexer layer sizes its query chunks to stay within it (64k tokens: one chunk; 512k: 16k
 # queries per chunk).
 SCORE_CHUNK_BYTES = 1 << 30
-# Tokens per step of the attention layer's query projection, norm and rotary embedding.
+# Scratch of one query chunk of the sparse attention (CSR, schedule, per-block partials, the
+# chunk's output): msa.prefill's chunking (512k M3 tokens: ~60k queries per chunk).
+ATTENTION_WORKSPACE_BYTES = DEFAULT_WORKSPACE_BYTES
+# Tokens per step of the query / key projections, norms and rotary embedding.
 PROJECTION_CHUNK_TOKENS = 16384
 # Query rows per step when recomputing own-block scores exactly (index_local_blocks == 0 only).
 _OWN_BLOCK_ROWS = 1024
@@ -83,15 +89,13 @@ class MiniMaxM3VLIndexer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings, past_key_values,
                 position_ids: torch.Tensor) -> torch.Tensor:
-        batch, q_len, _ = hidden_states.shape
         # [B, S, H, D] throughout (the stock module transposes to [B, H, S, D]; the per-row norm
         # and the element-wise rotation give the same values in either layout).
-        idx_q = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim))
-        idx_k = self.k_norm(self.k_proj(hidden_states).view(batch, q_len, 1, self.head_dim))
         cos, sin = position_embeddings
         cos = cos[..., :self.head_dim].unsqueeze(2)
         sin = sin[..., :self.head_dim].unsqueeze(2)
-        idx_q, idx_k = _rotate(idx_q, cos, sin), _rotate(idx_k, cos, sin)
+        idx_q = _project(self.q_proj, self.q_norm, hidden_states, cos, sin, self.head_dim)
+        idx_k = _project(self.k_proj, self.k_norm, hidden_states, cos, sin, self.head_dim)
         idx_k = idx_k.transpose(1, 2)                                 # [B, 1, S, D]: the cache's
         if past_key_values is not None:
             idx_k = past_key_values.layers[self.layer_idx].update_index(idx_k)
@@ -138,8 +142,8 @@ class MiniMaxM3VLAttention(nn.Module):
         shape = (batch, q_len, -1, self.head_dim)
         cos, sin = position_embeddings
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-        query = _queries(self.q_proj, self.q_norm, hidden_states, cos, sin, self.head_dim)
-        key = _rotate(self.k_norm(self.k_proj(hidden_states).view(shape)), cos, sin)
+        query = _project(self.q_proj, self.q_norm, hidden_states, cos, sin, self.head_dim)
+        key = _project(self.k_proj, self.k_norm, hidden_states, cos, sin, self.head_dim)
         value = self.v_proj(hidden_states).view(shape)
         key, value = key.transpose(1, 2), value.transpose(1, 2)            # [B, Hkv, S, D]
         if past_key_values is not None:
@@ -252,8 +256,9 @@ def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """Block-sparse causal attention over an M3 indexer selection.
 
     Args:
-      query: [B, S_q, Hq, 128] (contiguous); key, value: [B, Hkv, S_k, 128] (the cache).
-      block_indices: [B, Hkv, S_q, n] block ids, -1 = empty slot (the indexer's output).
+      query: [B, S_q, Hq, 128]; key, value: [B, Hkv, S_k, 128] (the cache).
+      block_indices: [B, Hkv, S_q, n] block ids, -1 = empty slot (the indexer's output: one
+        index head per KV head).
       position_ids: [B, S_q]; with B == 1 the keys past position_ids[0, -1] are not attended
         (a StaticCache's unwritten tail).
       softmax_scale: logit scale.
@@ -261,6 +266,12 @@ def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     Returns [B, S_q, Hq, 128] in query's dtype (bf16). Query i of request b sees key j of a
     selected block when j <= i + k_len_b - S_q (bottom-right), k_len_b = S_k, or the valid
     length above for one request.
+
+    Runs ``msa.prefill.sparse_atten_from_selection`` (query chunks within
+    ATTENTION_WORKSPACE_BYTES) on one of two packings, whichever copies less: queries as they
+    are and K/V copied token-major ([B*S_k, Hkv, 128], a prefill), or each (request, KV head) as
+    a request of Hq/Hkv query heads against one KV head, reading the cache's [B, Hkv, S_k, 128]
+    memory in place and copying the queries instead (decode and short chunks on a long cache).
     """
     _check_attention_args(query, key, value)
     batch, q_len, num_heads, dim = query.shape
@@ -268,6 +279,9 @@ def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     check_tensor("block_indices", block_indices, ndim=4)
     if block_indices.is_floating_point() or block_indices.dtype == torch.bool:
         raise TypeError(f"block_indices: expected integer block ids, got {block_indices.dtype}")
+    if block_indices.shape[1] != num_kv_heads:
+        raise ValueError(f"index_n_heads: the sparse attention takes one index head per KV head "
+                         f"({num_kv_heads}), the indexer gave {block_indices.shape[1]}")
     check_shape("block_indices", block_indices, (batch, num_kv_heads, q_len, None))
     _check_position_ids(position_ids, batch, q_len)
     position_ids = position_ids.view(-1, q_len)
@@ -276,29 +290,37 @@ def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if topk is None:
         raise ValueError(f"index_topk_blocks: the sparse attention takes at most "
                          f"{SUPPORTED_TOPK[-1]} blocks per query, the indexer gave {width}")
-    q2k = block_indices.to(torch.int32)
+    q2k = block_indices.to(torch.int32)                                   # [B, Hkv, S_q, n]
     if topk != width:
         q2k = torch.nn.functional.pad(q2k, (0, topk - width), value=-1)
-    q2k = q2k.permute(1, 0, 2, 3).reshape(num_kv_heads, batch * q_len, topk).contiguous()
-    q = query.reshape(batch * q_len, num_heads, dim)
-    if not q.is_contiguous():
-        q = q.contiguous()
-    k = key.transpose(1, 2).reshape(batch * k_len, num_kv_heads, dim).contiguous()
-    v = value.transpose(1, 2).reshape(batch * k_len, num_kv_heads, dim).contiguous()
-    device = query.device
-    cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=device)
-    if batch == 1:
-        valid = (position_ids[0, -1:] + 1).clamp(1, k_len).to(torch.int32)
-        cu_k = torch.cat([torch.zeros(1, dtype=torch.int32, device=device), valid])
+    # One request: the keys past its last position are a StaticCache's unwritten tail.
+    valid = (position_ids[0, -1:] + 1).clamp(1, k_len).to(torch.int32) if batch == 1 else None
+    group = num_heads // num_kv_heads
+    heads_as_requests = (q_len * num_heads < k_len * num_kv_heads and key.is_contiguous()
+                         and value.is_contiguous())
+    if heads_as_requests:
+        requests = batch * num_kv_heads
+        q = query.reshape(batch, q_len, num_kv_heads, group, dim).transpose(1, 2)
+        q = q.reshape(requests * q_len, group, dim)
+        k = key.view(requests * k_len, 1, dim)
+        v = value.view(requests * k_len, 1, dim)
+        q2k = q2k.reshape(1, requests * q_len, topk).contiguous()
     else:
-        cu_k = torch.arange(0, (batch + 1) * k_len, k_len, dtype=torch.int32, device=device)
-    row_ptr, q_ids, schedule = build_k2q_csr(
-        q2k, cu_q, cu_k, BLOCK_SIZE, total_k=batch * k_len, max_seqlen_k=k_len,
-        max_seqlen_q=q_len, qhead_per_kv=num_heads // num_kv_heads, return_schedule=True)
-    out = sparse_atten_func(q, k, v, row_ptr, q_ids, topk, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                            max_seqlen_q=q_len, max_seqlen_k=k_len, blk_kv=BLOCK_SIZE,
-                            causal=True, softmax_scale=softmax_scale, schedule=schedule)
-    return out.view(batch, q_len, num_heads, dim)
+        requests = batch
+        q = query.reshape(batch * q_len, num_heads, dim)
+        if not q.is_contiguous():
+            q = q.contiguous()
+        k = key.transpose(1, 2).reshape(batch * k_len, num_kv_heads, dim).contiguous()
+        v = value.transpose(1, 2).reshape(batch * k_len, num_kv_heads, dim).contiguous()
+        q2k = q2k.permute(1, 0, 2, 3).reshape(num_kv_heads, batch * q_len, topk).contiguous()
+    cu_q, cu_k = _strided_seqlens(requests, q_len, k_len, valid, query.device)
+    out = sparse_atten_from_selection(q, k, v, q2k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      max_seqlen_q=q_len, max_seqlen_k=k_len, causal=True,
+                                      softmax_scale=softmax_scale,
+                                      workspace_bytes=ATTENTION_WORKSPACE_BYTES)
+    if heads_as_requests:
+        out = out.view(batch, num_kv_heads, q_len, group, dim).transpose(1, 2)
+    return out.reshape(batch, q_len, num_heads, dim)
 
 
 def dense_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -353,24 +375,44 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat(((x_rot * cos) + (rotated * sin), x_pass), dim=-1)
 
 
-def _queries(q_proj: nn.Module, q_norm: nn.Module, hidden_states: torch.Tensor,
+def _project(proj: nn.Module, norm: nn.Module, hidden_states: torch.Tensor,
              cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """q_norm(q_proj(hidden_states)) with the rotary embedding: [B, S, Hq, D] in the model's
-    dtype. Long inputs go through in token chunks: the norm computes in fp32, and at 512k tokens
-    with 64 heads one piece would need ~50 GB of temporaries."""
+    """norm(proj(hidden_states)) per head with the rotary embedding (cos / sin [B, S, 1, r]):
+    [B, S, H, D] in the model's dtype. Long inputs go through in token chunks: the norm
+    computes in fp32, and at 512k tokens with 64 heads one piece would need ~50 GB of
+    temporaries (4 heads: ~3 GB)."""
     batch, q_len, _ = hidden_states.shape
     step = max(1, PROJECTION_CHUNK_TOKENS // max(batch, 1))
     out = None
     for start in range(0, q_len, step):
         part = hidden_states[:, start:start + step]
-        q = q_norm(q_proj(part).view(batch, part.shape[1], -1, head_dim))
-        q = _rotate(q, cos[:, start:start + step], sin[:, start:start + step])
+        x = norm(proj(part).view(batch, part.shape[1], -1, head_dim))
+        x = _rotate(x, cos[:, start:start + step], sin[:, start:start + step])
         if step >= q_len:
-            return q
+            return x
         if out is None:
-            out = torch.empty(batch, q_len, q.shape[2], head_dim, dtype=q.dtype, device=q.device)
-        out[:, start:start + step] = q
+            out = torch.empty(batch, q_len, x.shape[2], head_dim, dtype=x.dtype, device=x.device)
+        out[:, start:start + step] = x
     return out
+
+
+def _strided_seqlens(requests: int, q_len: int, k_len: int, valid: Optional[torch.Tensor],
+                     device: torch.device):
+    """(cu_seqlens_q, cu_seqlens_k) int32 of `requests` requests of q_len queries whose keys
+    start every k_len rows. valid ([1] int32 on the device, or None for all k_len): the keys
+    each request uses; a zero-query request after each then holds its unused rows, so
+    cu_seqlens_k stays a prefix sum with every request at its own start (no host sync)."""
+    cu_q = torch.arange(0, (requests + 1) * q_len, q_len, dtype=torch.int32, device=device)
+    cu_k = torch.arange(0, (requests + 1) * k_len, k_len, dtype=torch.int32, device=device)
+    if valid is None:
+        return cu_q, cu_k
+    cu_q_gap = torch.empty(2 * requests + 1, dtype=torch.int32, device=device)
+    cu_q_gap[0::2] = cu_q
+    cu_q_gap[1::2] = cu_q[1:]
+    cu_k_gap = torch.empty_like(cu_q_gap)
+    cu_k_gap[0::2] = cu_k
+    cu_k_gap[1::2] = cu_k[:-1] + valid
+    return cu_q_gap, cu_k_gap
 
 
 # Errors about values the model config sets name the config field (index_block_size, ...).

@@ -37,12 +37,13 @@ import torch
 
 from . import _backend, _stages
 from ._validation import (BLOCK_SIZE, FP8, HEAD_DIM, SUPPORTED_TOPK, check_head_dim,
-                          check_page_ids, check_page_table, check_partial_dtype,
-                          check_positive_int, check_qhead_per_kv, check_same_device, check_scale,
-                          check_shape, check_tensor, check_topk, host_int64,
-                          value_checks_requested)
+                          check_k2q_build_values, check_page_ids, check_page_table,
+                          check_partial_dtype, check_positive_int, check_qhead_per_kv,
+                          check_same_device, check_scale, check_shape, check_tensor, check_topk,
+                          host_int64, value_checks_requested)
 from .indexer import INDEX_DTYPES, _per_query_block_bounds, block_max_scores
-from .interface import build_k2q_csr, sparse_atten_func
+from .interface import (_check_k2q_csr_args, build_k2q_csr, check_attention_operands,
+                        sparse_atten_func)
 from .topk import sparse_topk_select
 
 DEFAULT_WORKSPACE_BYTES = 16 << 30
@@ -68,10 +69,11 @@ def workspace_bytes_per_query(*, num_qo_heads: int, num_kv_heads: int, topk: int
                               index_splits: int = 1) -> int:
     """Device bytes one query of a chunk needs beyond the call's inputs and output: index
     scores [Hkv, tiles, T] fp32 (twice with a split-K indexer, plus the repeated index queries),
-    O / LSE partials [topk, T, Hq, 128 | 1], the chunk's O and LSE, and the selection / CSR."""
+    O / LSE partials [topk, T, Hq, 128 | 1], the chunk's O and LSE, and the selection / CSR.
+    max_k_tiles=0: a chunk without the index stage (:func:`sparse_atten_from_selection`)."""
     partial = torch.empty((), dtype=partial_dtype).element_size()
     scores = 4 * num_kv_heads * max_k_tiles
-    if index_splits > 1:
+    if index_splits > 1 and max_k_tiles > 0:
         scores = 2 * scores + index_splits * num_kv_heads * HEAD_DIM * 2
     partials = topk * num_qo_heads * (HEAD_DIM * partial + 4)
     chunk_out = num_qo_heads * (HEAD_DIM * 2 + 4)
@@ -142,8 +144,8 @@ class ChunkPlan:
     max_seqlen_k: int
     total_k: int                         # host hint of build_k2q_csr
     total_rows: Optional[int]            # exact CSR rows when the host knows them
-    num_valid_pages: torch.Tensor        # [T_c] int32
-    own_block: torch.Tensor              # [T_c] int32
+    num_valid_pages: Optional[torch.Tensor]  # [T_c] int32 (None: no index stage)
+    own_block: Optional[torch.Tensor]        # [T_c] int32 (None: no index stage)
     split: Optional[IndexSplit]
 
     @property
@@ -300,17 +302,20 @@ def _gather_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def run_chunk(chunk: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               q_idx: torch.Tensor, k_idx: torch.Tensor, opts: PrefillOptions, *,
               page_table: Optional[torch.Tensor] = None,
-              index_page_table: Optional[torch.Tensor] = None, want_lse: bool = False):
-    """The four stages on one chunk (q, q_idx: the chunk's rows). Returns (O, LSE or None,
-    q2k [Hkv, T_c, topk])."""
-    _stages.mark("indexer")
-    scores = _index_scores(chunk, q_idx, k_idx, index_page_table, opts)
-    _stages.mark("topk")
-    selection = sparse_topk_select(scores, opts.topk, chunk.num_valid_pages,
-                                   force_end_blocks=opts.local_blocks,
-                                   causal_end_block=chunk.own_block if opts.causal else None)
-    q2k = selection.permute(1, 0, 2).contiguous()
-    del scores, selection               # the attention's partials may reuse their memory
+              index_page_table: Optional[torch.Tensor] = None, want_lse: bool = False,
+              q2k: Optional[torch.Tensor] = None):
+    """The four stages on one chunk (q, q_idx: the chunk's rows); given the chunk's selection
+    q2k [Hkv, T_c, topk] (contiguous), only the CSR and the attention. Returns (O, LSE or None,
+    q2k)."""
+    if q2k is None:
+        _stages.mark("indexer")
+        scores = _index_scores(chunk, q_idx, k_idx, index_page_table, opts)
+        _stages.mark("topk")
+        selection = sparse_topk_select(scores, opts.topk, chunk.num_valid_pages,
+                                       force_end_blocks=opts.local_blocks,
+                                       causal_end_block=chunk.own_block if opts.causal else None)
+        q2k = selection.permute(1, 0, 2).contiguous()
+        del scores, selection           # the attention's partials may reuse their memory
     _stages.mark("csr")
     row_ptr, q_ids, schedule = build_k2q_csr(
         q2k, chunk.cu_seqlens_q, chunk.cu_seqlens_k, BLOCK_SIZE, total_k=chunk.total_k,
@@ -332,16 +337,19 @@ def run_chunk(chunk: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 def run_chunks(chunks: Sequence[ChunkPlan], q, k, v, q_idx, k_idx, opts: PrefillOptions, *,
                page_table=None, index_page_table=None, want_lse: bool = False,
                want_selection: bool = False, out: Optional[torch.Tensor] = None,
-               lse: Optional[torch.Tensor] = None):
+               lse: Optional[torch.Tensor] = None, selection: Optional[torch.Tensor] = None):
     """Every chunk in order; a single chunk's fresh outputs are returned as they are (copied
-    into `out` / `lse` when given). Returns (O, LSE or None, q2k or None)."""
+    into `out` / `lse` when given). With `selection` (the call's q2k [Hkv, T, topk]) the chunks
+    skip the index stages and attend over its rows (copied per chunk when Hkv > 1, where a
+    chunk's rows are not contiguous). Returns (O, LSE or None, q2k or None)."""
     total_q, num_kv_heads = q.shape[0], k.shape[1]
     q2k_all = None
     for chunk in chunks:
         t0, t1 = chunk.q_begin, chunk.q_end
-        o_c, lse_c, q2k_c = run_chunk(chunk, q[t0:t1], k, v, q_idx[t0:t1], k_idx, opts,
-                                      page_table=page_table, index_page_table=index_page_table,
-                                      want_lse=want_lse)
+        o_c, lse_c, q2k_c = run_chunk(
+            chunk, q[t0:t1], k, v, None if q_idx is None else q_idx[t0:t1], k_idx, opts,
+            page_table=page_table, index_page_table=index_page_table, want_lse=want_lse,
+            q2k=None if selection is None else selection[:, t0:t1].contiguous())
         if len(chunks) == 1 and out is None and lse is None:
             return o_c, lse_c, (q2k_c if want_selection else None)
         if out is None:
@@ -367,11 +375,14 @@ def run_chunks(chunks: Sequence[ChunkPlan], q, k, v, q_idx, k_idx, opts: Prefill
 def plan_dense_chunks(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *, total_q: int,
                       total_k: int, max_seqlen_q: int, max_seqlen_k: int, num_qo_heads: int,
                       num_kv_heads: int, opts: PrefillOptions,
-                      workspace_bytes: Optional[int] = None) -> List[ChunkPlan]:
-    """Chunks of a dense call from host bounds only (lengths stay on the device)."""
+                      workspace_bytes: Optional[int] = None,
+                      index_stage: bool = True) -> List[ChunkPlan]:
+    """Chunks of a dense call from host bounds only (lengths stay on the device).
+    index_stage=False: chunks for a given selection (no index scores, no top-k metadata)."""
     tiles = -(-max(max_seqlen_k, 1) // BLOCK_SIZE)
     per_query = workspace_bytes_per_query(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                                          topk=opts.topk, max_k_tiles=tiles,
+                                          topk=opts.topk,
+                                          max_k_tiles=tiles if index_stage else 0,
                                           partial_dtype=opts.partial_dtype)
     step = chunk_tokens(total_q, per_query, workspace_bytes)
     device = cu_seqlens_q.device
@@ -384,6 +395,10 @@ def plan_dense_chunks(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
         else:
             cu_q, cu_k = dense_chunk_seqlens(cu_seqlens_q, cu_seqlens_k, t0, t1, opts.causal)
             mq = min(max_seqlen_q, t1 - t0)
+        if not index_stage:
+            chunks.append(ChunkPlan(t0, t1, cu_q, cu_k, None, mq, max_seqlen_k, total_k, None,
+                                    None, None, None))
+            continue
         nvp, own = _per_query_block_bounds(cu_q, cu_k, t1 - t0)
         # The lengths are on the device: one split's CTAs counted as if the chunk were one
         # request (a lower bound when it holds several).
@@ -410,6 +425,73 @@ def run_dense_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, *, max_
     out, _lse, q2k = run_chunks(chunks, q, k, v, q_idx, k_idx, opts,
                                 want_selection=return_selection)
     return (out, q2k) if return_selection else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse attention over a given selection (dense K/V)
+# ---------------------------------------------------------------------------------------------
+
+def sparse_atten_from_selection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                q2k_indices: torch.Tensor, *, cu_seqlens_q: torch.Tensor,
+                                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                causal: bool = True, softmax_scale: Optional[float] = None,
+                                partial_dtype: torch.dtype = torch.bfloat16,
+                                return_softmax_lse: bool = False,
+                                workspace_bytes: Optional[int] = None,
+                                check_input_valid: bool = False):
+    """``build_k2q_csr`` + ``sparse_atten_func`` on a q2k selection, in query chunks whose
+    workspace fits ``workspace_bytes`` (default 16 GiB): for a caller that selects its blocks
+    itself (a model's own indexer) and whose call may be long (the partials alone are
+    topK * Hq * 260 bytes per query with bf16 partials: 139 GB for 512k M3 queries).
+
+    Args:
+      q: [total_q, Hq, 128]; k, v: dense [total_k, Hkv, 128] (dtypes as ``sparse_atten_func``).
+      q2k_indices: [Hkv, total_q, topK] int32, contiguous, batch-local block ids, -1 = empty
+        slot (``build_k2q_csr``'s input); topK in {4, 8, 16, 32}.
+      cu_seqlens_q, cu_seqlens_k: [B+1] int32 prefix sums (cu_seqlens_k[-1] <= total_k).
+      max_seqlen_q, max_seqlen_k: host upper bounds on the lengths.
+      causal, softmax_scale, partial_dtype, return_softmax_lse: as ``sparse_atten_func``.
+      workspace_bytes: bound on the scratch of one chunk (CSR, schedule, partials, the chunk's
+        O and LSE): chunks of :func:`chunk_tokens` queries for
+        ``workspace_bytes_per_query(max_k_tiles=0)`` bytes each.
+      check_input_valid: check the index values once before any launch (the prefix sums, the
+        hints, every q2k id a block of its request); MSA_CHECK_INPUTS=1 does so for every call.
+
+    Returns O [total_q, Hq, 128] bf16, or (O, LSE [total_q, Hq] fp32) with return_softmax_lse:
+    what ``sparse_atten_func`` returns on the CSR of the whole selection (chunk c's queries
+    attend, bottom-right causal, to their request's keys up to the chunk's last query, which is
+    all a causal query of the chunk can see). No host synchronization; a chunk copies its own
+    rows of q2k_indices (when Hkv > 1), never the whole selection.
+    """
+    qhead_per_kv = check_attention_operands(q, k, v)
+    if k.dim() != 3:
+        raise ValueError(f"k: expected dense [total_k, Hkv, 128], got {list(k.shape)} (a paged "
+                         "cache goes through msa.MsaPrefillPagedWrapper)")
+    csr_call = _check_k2q_csr_args(
+        q2k_indices, cu_seqlens_q, cu_seqlens_k, BLOCK_SIZE, total_k=k.shape[0],
+        max_seqlen_k=max_seqlen_k, max_seqlen_q=max_seqlen_q, total_rows=None,
+        qhead_per_kv=qhead_per_kv, return_schedule=True, check_input_valid=check_input_valid)
+    check_shape("q2k_indices", q2k_indices, (k.shape[1], q.shape[0], None))
+    check_same_device(q=q, k=k, v=v, q2k_indices=q2k_indices, cu_seqlens_q=cu_seqlens_q)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    check_partial_dtype(partial_dtype)
+    check_scale("softmax_scale", softmax_scale)
+    if workspace_bytes is not None:
+        check_positive_int("workspace_bytes", workspace_bytes, minimum=1)
+    if csr_call.check_values:
+        check_k2q_build_values(csr_call, strict=True)
+    opts = PrefillOptions(topk=q2k_indices.shape[2], local_blocks=0, causal=causal,
+                          partial_dtype=partial_dtype, softmax_scale=softmax_scale,
+                          index_scale=1.0, qhead_per_kv=qhead_per_kv)
+    chunks = plan_dense_chunks(cu_seqlens_q, cu_seqlens_k, total_q=q.shape[0],
+                               total_k=k.shape[0], max_seqlen_q=max_seqlen_q,
+                               max_seqlen_k=max_seqlen_k, num_qo_heads=q.shape[1],
+                               num_kv_heads=k.shape[1], opts=opts,
+                               workspace_bytes=workspace_bytes, index_stage=False)
+    out, lse, _ = run_chunks(chunks, q, k, v, None, None, opts, want_lse=return_softmax_lse,
+                             selection=q2k_indices)
+    return (out, lse) if return_softmax_lse else out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,7 +544,7 @@ class MsaPrefillPagedWrapper:
             raise ValueError(f"local_blocks: {local_blocks} exceeds topk = {topk}")
         if not isinstance(causal, bool):
             raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-        check_partial_dtype("partial_dtype", partial_dtype)
+        check_partial_dtype(partial_dtype)
         if workspace_bytes is not None:
             check_positive_int("workspace_bytes", workspace_bytes, minimum=1)
         self.topk, self.local_blocks, self.causal = topk, local_blocks, causal
@@ -666,5 +748,5 @@ def _shape_result(out, lse, q2k, return_lse: bool, return_selection: bool):
     return result[0] if len(result) == 1 else result
 
 
-__all__ = ["MsaPrefillPagedWrapper", "workspace_bytes_per_query", "chunk_tokens",
-           "index_key_splits"]
+__all__ = ["MsaPrefillPagedWrapper", "sparse_atten_from_selection", "workspace_bytes_per_query",
+           "chunk_tokens", "index_key_splits"]

@@ -13,8 +13,9 @@ Forms of the kernel are picked inside the launch, per qo tile: tiles of at most 
 each page's keys across all 8 warps (instead of one warp computing while seven idle), and such
 tiles with e4m3 q and K/V read them straight from a raw page ring (two pages per step, widened
 to f16 in registers, no bf16 staging pass); tiles of more rows take the warpgroup (wgmma) form
-once it is validated (VALIDATED_WARPGROUP). The debug hooks decode_split_keys,
-decode_direct_fp8 and decode_warpgroup force them on or off (tests cover every path).
+when it is validated for the call's dtype (VALIDATED_WARPGROUP). The debug hooks
+decode_split_keys, decode_direct_fp8 and decode_warpgroup force them on or off (tests cover
+every path).
 Importing this module does not touch CUDA.
 """
 
@@ -30,10 +31,11 @@ from .compiled_ops import ops
 
 OP_NAME = "sparse_decode_atten"
 # The warpgroup form (wgmma, served on tiles of > 16 rows, i.e. multi-token prediction, with q
-# and K/V both bf16 or both e4m3) is built but not yet proven on the H200: it runs only with
-# MSA_UNVALIDATED_KERNELS=1 (or the decode_warpgroup hook) until its cases of
-# tests/test_decode_gpu.py pass there and this flips.
-VALIDATED_WARPGROUP = False
+# and K/V both bf16 or both e4m3), validated per dtype: "bf16" (bf16 q and K/V) passed its cases
+# of tests/test_decode_gpu.py on the H200 (the matrix, multi-token prediction, NaN bytes past
+# the keys; memcheck clean). "e4m3" joins when its cases pass there; until then e4m3 tiles run
+# it only with MSA_UNVALIDATED_KERNELS=1 (or the decode_warpgroup hook).
+VALIDATED_WARPGROUP = frozenset({"bf16"})
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
@@ -84,13 +86,15 @@ def _direct_fp8() -> bool:
 
 def _warpgroup(call) -> bool:
     """Whether this call uses the warpgroup (wgmma) form (the binding applies it only with q and
-    K/V of one dtype): tiles of > 16 rows once validated (or MSA_UNVALIDATED_KERNELS=1); the
-    decode_warpgroup hook forces it on any tile (True) or off (False)."""
+    K/V of one dtype): tiles of > 16 rows when validated for the call's dtype (or with
+    MSA_UNVALIDATED_KERNELS=1); the decode_warpgroup hook forces it on any tile (True) or off
+    (False)."""
     forced = debug.forced("decode_warpgroup")
     if forced is not None:
         return forced
     rows = call.seqlen_q * call.qhead_per_kv
-    return rows > 16 and (VALIDATED_WARPGROUP or _backend.unvalidated_ok())
+    dtype = "bf16" if call.pv_quant_dtype is None else "e4m3"     # e4m3: e4m3 q and K/V
+    return rows > 16 and (dtype in VALIDATED_WARPGROUP or _backend.unvalidated_ok())
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
