@@ -435,7 +435,8 @@ __global__ void __launch_bounds__(kPlanThreads) decode_indexer_plan_kernel(
   for (int base = 0; base < a.batch; base += kPlanThreads) {
     const int b = base + threadIdx.x;
     const int h = b < a.batch ? history(b) : 0;
-    const int n = b < a.batch ? max(1, (h + chunk - 1) / chunk) : 0;
+    // 64-bit: garbage lengths may push chunk towards INT_MAX.
+    const int n = b < a.batch ? static_cast<int>(max(1LL, (h + chunk - 1LL) / chunk)) : 0;
     int incl = n;   // inclusive scan: warp, then warp totals
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {

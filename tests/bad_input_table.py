@@ -91,7 +91,7 @@ class Made:
 @dataclasses.dataclass(frozen=True)
 class Case:
     id: str
-    fn: str                                   # the public function
+    fn: str                                   # the public name ("module.name" in a module)
     ops: Tuple[str, ...]                      # native ops it reaches ((): reference only)
     make: Callable[[torch.device, torch.Generator], Made]
     expect: Any
@@ -110,7 +110,10 @@ def outputs_of(result) -> List[torch.Tensor]:
         return [result.work_count, result.split_counts, result.qsplit_indices]
     if isinstance(result, msa.Nvfp4QuantizedTensor):
         return [result.data, result.scale_128x4, result.global_scale]
-    if isinstance(result, msa.SparseDecodePagedAttentionWrapper):
+    if isinstance(result, msa.DecodeIndexerPlan):
+        return [result.work, result.requests, result.chunk_pages]
+    if isinstance(result, (msa.SparseDecodePagedAttentionWrapper, msa.MsaPrefillPagedWrapper,
+                           msa.MSADecodeStepWrapper)):
         return []
     raise TypeError(f"unexpected result type {type(result).__name__}")
 
@@ -1846,6 +1849,990 @@ for _name, _poison in (("one nan", ((3, 17, NAN),)), ("one inf", ((20, 100, INF)
 
 
 # ---------------------------------------------------------------------------------------------
+# MsaPrefillPagedWrapper (plan from host lengths, run over paged K/V and index-K caches)
+# ---------------------------------------------------------------------------------------------
+
+PAGED_PREFILL = "MsaPrefillPagedWrapper"
+_PREFILL_STAGES = ("block_max_scores", "sparse_topk_select", "build_k2q_csr", "sparse_atten")
+_CTOR_ARGS = ("topk", "local_blocks", "causal", "partial_dtype", "workspace_bytes")
+_PLAN_ARGS = ("qo_lens", "kv_lens", "page_table", "num_qo_heads", "num_kv_heads", "head_dim",
+              "index_page_table", "max_chunk_tokens", "check_input_valid")
+
+
+def page_table_for(lens, gen, *, spare=2, extra_width=1) -> Tuple[torch.Tensor, int]:
+    """(page_table [B, max_pages + extra_width] int32, pool size): each request's pages at
+    random distinct ids of a pool with `spare` unused pages; the entries past a request's pages
+    are random junk (never read)."""
+    pages_b = [-(-n // BLOCK) for n in lens]
+    num_pages = sum(pages_b) + spare
+    perm = torch.randperm(num_pages, generator=gen).to(torch.int32)
+    table = torch.randint(-(1 << 20), 1 << 20, (len(lens), max(max(pages_b), 1) + extra_width),
+                          generator=gen, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages_b):
+        table[b, :n] = perm[used:used + n]
+        used += n
+    return table, num_pages
+
+
+def _paged_prefill_make(change=None, *, qo=(140, 40), kv=(700, 40), hq=8, hkv=2, dtype=BF16,
+                        kv_dtype=None, separate_index=False, poison=None):
+    """A valid MsaPrefillPagedWrapper(topk=4) plan + run (O, LSE); change(a) -> overrides of
+    constructor, plan or run arguments (routed by name). poison: (argument, value) written into
+    query row 30 (q, q_idx) or the last key of request 0 (k_cache, v_cache)."""
+    def make(device, gen):
+        table, num_pages = page_table_for(kv, gen)
+        a = dict(qo_lens=list(qo), kv_lens=list(kv), page_table=table,
+                 num_qo_heads=hq, num_kv_heads=hkv, topk=4,
+                 q=_randn((sum(qo), hq, D), gen, dtype),
+                 k_cache=_randn((num_pages, hkv, BLOCK, D), gen, kv_dtype or dtype),
+                 v_cache=_randn((num_pages, hkv, BLOCK, D), gen, kv_dtype or dtype),
+                 q_idx=_randn((sum(qo), hkv, D), gen, dtype),
+                 k_idx_cache=_randn((num_pages, 1, BLOCK, D), gen, dtype), return_lse=True)
+        if separate_index:
+            a["index_page_table"], index_pages = page_table_for(kv, gen, spare=5)
+            a["k_idx_cache"] = _randn((index_pages, 1, BLOCK, D), gen, dtype)
+        a = {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in a.items()}
+
+        def call_of(a):
+            def call():
+                ctor = {n: a[n] for n in _CTOR_ARGS if n in a}
+                plan = {n: a[n] for n in _PLAN_ARGS if n in a}
+                run = {n: x for n, x in a.items() if n not in _CTOR_ARGS and n not in _PLAN_ARGS}
+                return msa.MsaPrefillPagedWrapper(**ctor).plan(
+                    plan.pop("qo_lens"), plan.pop("kv_lens"), plan.pop("page_table"),
+                    **plan).run(**run)
+            return call
+        clean = call_of(dict(a))
+        a.update(change(a) if change is not None else {})
+        made = Made(None)
+        if poison is not None:
+            which, value = poison
+            made.clean = clean
+            t = a[which].clone()
+            affected = torch.zeros(sum(qo), hq, dtype=torch.bool)
+            unaffected = torch.ones_like(affected)
+            group = slice(hkv // 2 * (hq // hkv), (hkv // 2 + 1) * (hq // hkv))  # KV head hkv//2
+            if which in ("q", "q_idx"):
+                t[30, 1, 3] = value
+                if which == "q":
+                    affected[30, 1] = True
+                    unaffected[30, 1] = False
+            else:
+                # The last key of request 0: only its last query sees it (its own block, always
+                # selected); queries whose own block is earlier never select that block.
+                j = kv[0] - 1
+                t[int(table[0, j // BLOCK]), hkv // 2, j % BLOCK, 5] = value
+                last = qo[0] - 1
+                affected[last, group] = True
+                if which == "k_cache":
+                    unaffected[last, group] = False
+                else:
+                    own_block_rows = torch.arange(qo[0]) + kv[0] - qo[0] >= j // BLOCK * BLOCK
+                    unaffected[:qo[0], group] = ~own_block_rows.view(-1, 1)
+                    made.channels = [5]
+            a[which] = t
+            if which != "q_idx":
+                made.affected, made.unaffected = affected, unaffected
+        made.call = call_of(a)
+        made.inputs = _inputs(a)
+        return made
+    return make
+
+
+def _inputs(a: Dict[str, Any]) -> List[torch.Tensor]:
+    """The call's input tensors (not the preallocated outputs it writes)."""
+    return [x for n, x in a.items() if isinstance(x, torch.Tensor) and n not in ("out", "lse")]
+
+
+def _arg_edit(name, edit):
+    """Overrides with a clone of argument `name` edited in place."""
+    def change(a):
+        t = a[name].clone()
+        edit(t)
+        return {name: t}
+    return change
+
+
+_PAGED_PREFILL_ERRORS = [
+    ("topk 12", lambda a: dict(topk=12), ValueError, "topk"),
+    ("topk float", lambda a: dict(topk=4.0), TypeError, "topk"),
+    ("local_blocks past topk", lambda a: dict(local_blocks=5), ValueError, "local_blocks"),
+    ("local_blocks -1", lambda a: dict(local_blocks=-1), ValueError, "local_blocks"),
+    ("causal string", lambda a: dict(causal="yes"), TypeError, "causal"),
+    ("partial fp64", lambda a: dict(partial_dtype=torch.float64), TypeError, "partial_dtype"),
+    ("workspace_bytes 0", lambda a: dict(workspace_bytes=0), ValueError, "workspace_bytes"),
+    ("plan qo_lens empty", lambda a: dict(qo_lens=[], kv_lens=[]), ValueError, "qo_lens"),
+    ("plan kv_lens short", lambda a: dict(kv_lens=a["kv_lens"][:1]), ValueError, "kv_lens"),
+    ("plan qo_lens negative", lambda a: dict(qo_lens=[140, -1]), ValueError, "qo_lens"),
+    ("plan qo_lens float", lambda a: dict(qo_lens=[140.0, 40]), TypeError, "qo_lens"),
+    ("plan kv_lens 2-D tensor", lambda a: dict(kv_lens=torch.tensor([[700, 40]])), ValueError,
+     "kv_lens"),
+    ("plan kv_lens not a sequence", lambda a: dict(kv_lens=700), TypeError, "kv_lens"),
+    ("plan page_table int64", lambda a: dict(page_table=a["page_table"].long()), TypeError,
+     "page_table"),
+    ("plan page_table rows", lambda a: dict(page_table=a["page_table"][:1]), ValueError,
+     "page_table"),
+    ("plan page_table narrow", lambda a: dict(page_table=a["page_table"][:, :3]), ValueError,
+     "page_table"),
+    ("plan page_table a list", lambda a: dict(page_table=a["page_table"].tolist()), TypeError,
+     "page_table"),
+    ("plan index_page_table narrow", lambda a: dict(index_page_table=a["page_table"][:, :2]),
+     ValueError, "index_page_table"),
+    ("plan G = 3", lambda a: dict(num_qo_heads=6), NotImplementedError, "num_qo_heads"),
+    ("plan heads not a multiple", lambda a: dict(num_qo_heads=5), ValueError, "num_qo_heads"),
+    ("plan num_kv_heads 0", lambda a: dict(num_kv_heads=0), ValueError, "num_kv_heads"),
+    ("plan head_dim 64", lambda a: dict(head_dim=64), NotImplementedError, "head_dim"),
+    ("plan max_chunk_tokens 0", lambda a: dict(max_chunk_tokens=0), ValueError,
+     "max_chunk_tokens"),
+    ("plan check_input_valid string", lambda a: dict(check_input_valid="yes"), TypeError,
+     "check_input_valid"),
+    ("run q fp16", lambda a: dict(q=a["q"].half()), TypeError, "q"),
+    ("run q rows", lambda a: dict(q=a["q"][:-1]), ValueError, "q"),
+    ("run q heads", lambda a: dict(q=a["q"][:, :4].contiguous()), ValueError, "q"),
+    ("run q head dim 64", lambda a: dict(q=a["q"][..., :64].contiguous()), NotImplementedError,
+     "q"),
+    ("run q not contiguous", lambda a: dict(q=a["q"].transpose(0, 1).contiguous()
+                                           .transpose(0, 1)), ValueError, "q"),
+    ("run fp8 q with bf16 caches", lambda a: dict(q=a["q"].to(E4M3)), TypeError, "k_cache"),
+    ("run v_cache dtype", lambda a: dict(v_cache=a["v_cache"].to(E4M3)), TypeError, "v_cache"),
+    ("run v_cache pages", lambda a: dict(v_cache=a["v_cache"][:-1]), ValueError, "v_cache"),
+    ("run k_cache heads", lambda a: dict(k_cache=a["k_cache"][:, :1].contiguous(),
+                                         v_cache=a["v_cache"][:, :1].contiguous()), ValueError,
+     "k_cache"),
+    ("run k_cache page 64", lambda a: dict(k_cache=a["k_cache"][:, :, :64].contiguous(),
+                                           v_cache=a["v_cache"][:, :, :64].contiguous()),
+     ValueError, "k_cache"),
+    ("run k_cache dense", lambda a: dict(k_cache=a["k_cache"][:, :, 0], v_cache=a["v_cache"]
+                                         [:, :, 0]), ValueError, "k_cache"),
+    ("run q_idx heads", lambda a: dict(q_idx=a["q_idx"][:, :1].contiguous()), ValueError,
+     "q_idx"),
+    ("run q_idx fp16", lambda a: dict(q_idx=a["q_idx"].half()), TypeError, "q_idx"),
+    ("run k_idx_cache dtype", lambda a: dict(k_idx_cache=a["k_idx_cache"].to(E4M3)), TypeError,
+     "k_idx_cache"),
+    ("run k_idx_cache two heads", lambda a: dict(k_idx_cache=a["k_idx_cache"].repeat(
+        1, 2, 1, 1)), ValueError, "k_idx_cache"),
+    ("run softmax_scale negative", lambda a: dict(softmax_scale=-1.0), ValueError,
+     "softmax_scale"),
+    ("run index_scale 0", lambda a: dict(index_scale=0.0), ValueError, "index_scale"),
+    ("run index_scale nan", lambda a: dict(index_scale=NAN), ValueError, "index_scale"),
+    ("run out fp32", lambda a: dict(out=torch.empty(a["q"].shape, device=a["q"].device)),
+     TypeError, "out"),
+    ("run lse shape", lambda a: dict(lse=torch.empty(3, device=a["q"].device)), ValueError,
+     "lse"),
+]
+for _name, _change, _cls, _arg in _PAGED_PREFILL_ERRORS:
+    _add(f"{PAGED_PREFILL}: {_name}", PAGED_PREFILL, _PREFILL_STAGES,
+         _paged_prefill_make(_change), Error(_cls, _arg))
+
+
+def _paged_prefill_run_before_plan(device, gen):
+    q = _randn((4, 8, D), gen).to(device)
+    return Made(lambda: msa.MsaPrefillPagedWrapper().run(q, q, q, q, q), [q])
+
+
+_add(f"{PAGED_PREFILL}: run before plan", PAGED_PREFILL, (), _paged_prefill_run_before_plan,
+     Error(RuntimeError, "run"))
+
+_PAGED_PREFILL_VALUES = [
+    ("page id past the pool", _arg_edit("page_table", lambda t: t[0, 2].fill_(1 << 24)),
+     Invalid("page_table"), {}),
+    ("page id negative", _arg_edit("page_table", lambda t: t[1, 0].fill_(-3)),
+     Invalid("page_table"), {}),
+    ("index-K pool smaller than the shared table's ids", lambda a: dict(
+        k_idx_cache=a["k_idx_cache"][:3].contiguous()), Invalid("page_table"), {}),
+    ("index page id past the index pool", _arg_edit("index_page_table",
+                                                  lambda t: t[0, 5].fill_(1 << 20)),
+     Invalid("index_page_table"), dict(separate_index=True)),
+    ("index page id INT32_MIN", _arg_edit("index_page_table", lambda t: t[1, 0].fill_(-(1 << 31))),
+     Invalid("index_page_table"), dict(separate_index=True)),
+    ("valid", None, Same(), {}),
+    ("separate index page table", None, Same(), dict(separate_index=True)),
+    ("query chunks of 64", lambda a: dict(max_chunk_tokens=64), Same(), {}),
+    ("split-K indexer", None, Same(), dict(qo=(40,), kv=(1200,))),
+    ("more queries than keys", None, Same(), dict(qo=(50, 10), kv=(20, 10))),
+    ("request without queries", None, Same(), dict(qo=(140, 0, 40), kv=(700, 300, 40))),
+    ("request without keys", None, Same(), dict(qo=(140, 0), kv=(700, 0))),
+    ("e4m3", None, Same(), dict(dtype=E4M3)),
+    ("bf16 q with e4m3 caches", None, Same(), dict(kv_dtype=E4M3)),
+    ("partial fp32", lambda a: dict(partial_dtype=torch.float32), Same(), {}),
+    ("topk 16, local_blocks 2", lambda a: dict(topk=16, local_blocks=2), Same(), {}),
+    ("non-causal", lambda a: dict(causal=False), Same(), {}),
+    ("G = 16", None, Same(), dict(hq=32)),
+    ("G = 1", None, Same(), dict(hq=2)),
+    ("scales", lambda a: dict(softmax_scale=0.05, index_scale=2.0), Same(), {}),
+    ("preallocated out and lse", lambda a: dict(
+        out=torch.empty(a["q"].shape, dtype=BF16, device=a["q"].device),
+        lse=torch.empty(a["q"].shape[:2], device=a["q"].device)), Same(), {}),
+]
+for _name, _change, _expect, _problem in _PAGED_PREFILL_VALUES:
+    _add(f"{PAGED_PREFILL}: {_name}", PAGED_PREFILL, _PREFILL_STAGES,
+         _paged_prefill_make(_change, **_problem), _expect)
+_add(f"{PAGED_PREFILL}: no queries at all", PAGED_PREFILL, (),           # no stage runs
+     _paged_prefill_make(qo=(0, 0), kv=(700, 40)), Same())
+for _which in ("q", "k", "v"):
+    _add(f"{PAGED_PREFILL}: nan in {_which}", PAGED_PREFILL, _PREFILL_STAGES,
+         _paged_prefill_make(poison=(_which if _which == "q" else f"{_which}_cache", NAN)),
+         NonFinite(lse_too=_which != "v"))
+# NaN index data only changes which blocks a row selects (never NaN ones): the same selection
+# and output on every backend.
+_add(f"{PAGED_PREFILL}: nan in q_idx", PAGED_PREFILL, _PREFILL_STAGES,
+     _paged_prefill_make(poison=("q_idx", NAN)), Same())
+
+
+# ---------------------------------------------------------------------------------------------
+# decode_indexer_topk / make_decode_indexer_plan / DecodeIndexerPlan
+# ---------------------------------------------------------------------------------------------
+
+INDEXER = "decode_indexer_topk"
+MAKE_PLAN = "make_decode_indexer_plan"
+INDEXER_PLAN = "DecodeIndexerPlan"
+_UPDATE_OP = "decode_indexer_plan_update"
+_INDEXER_OPS = (_UPDATE_OP, INDEXER)
+_INDEX_PLAN_ARGS = ("seqused_k", "seqlen_q", "num_index_heads", "max_seqlen_k", "topk",
+                    "max_ctas")
+# E4M3 bytes of the NVFP4 block scales 0.5, 1 and 2, and a NaN byte.
+_E4M3_SCALES = torch.tensor([0x30, 0x38, 0x40], dtype=torch.uint8)
+_E4M3_NAN = 0x7F
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def _integers(shape, gen, bound, dtype):
+    """Integer-valued data in [-bound, bound]: every index score is exact in fp32 on every
+    backend (the selection then cannot differ by rounding)."""
+    return torch.randint(-bound, bound + 1, shape, generator=gen).to(dtype)
+
+
+def index_data(num_pages, rows, heads, fmt, gen, layout="128x4") -> Dict[str, Any]:
+    """q_idx [rows, heads, 128] and a one-head paged index-K cache of `num_pages` pages: bf16,
+    e4m3, or NVFP4 (random E2M1 codes, block scales 0.5 / 1 / 2, global scale 2) with e4m3
+    queries."""
+    if fmt == "bf16":
+        return dict(q_idx=_integers((rows, heads, D), gen, 64, BF16),
+                    k_idx=_integers((num_pages, 1, BLOCK, D), gen, 64, BF16))
+    data = dict(q_idx=_integers((rows, heads, D), gen, 16, E4M3))
+    if fmt == "e4m3":
+        data["k_idx"] = _integers((num_pages, 1, BLOCK, D), gen, 16, E4M3)
+        return data
+    scales = _E4M3_SCALES[torch.randint(0, 3, (num_pages * BLOCK * 8,), generator=gen)]
+    data.update(k_idx=torch.randint(0, 256, (num_pages, 1, BLOCK, D // 2), generator=gen,
+                                    dtype=torch.uint8),
+                k_scale=scales.view(num_pages, 1, BLOCK, 8) if layout == "linear" else scales,
+                k_global_scale=torch.tensor([2.0]), k_scale_layout=layout)
+    return data
+
+
+def _indexer_make(change=None, *, lens=(300, 129, 1000), seqlen_q=2, heads=2, fmt="bf16",
+                  layout="128x4", topk=8, planned_lens=None, plan_only=False):
+    """A valid make_decode_indexer_plan + decode_indexer_topk call returning (selection,
+    scores); change(a) -> overrides (plan or indexer arguments, by name; "plan" replaces the
+    plan). planned_lens: the plan is made (and updated) for these lengths, then its seqused_k
+    takes the real ones without an update. plan_only: the call returns the plan."""
+    def make(device, gen):
+        table, num_pages = page_table_for(lens, gen)
+        a = dict(seqused_k=torch.tensor(lens, dtype=torch.int32), seqlen_q=seqlen_q,
+                 num_index_heads=heads, max_seqlen_k=max(max(lens), 1), topk=topk,
+                 page_table=table, return_scores=True,
+                 **index_data(num_pages, len(lens) * seqlen_q, heads, fmt, gen, layout))
+        a = {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in a.items()}
+        a.update(change(a) if change is not None else {})
+
+        def call():
+            plan = a.get("plan")
+            if plan is None:
+                kw = {n: a[n] for n in _INDEX_PLAN_ARGS if n in a}
+                lens_t = kw.pop("seqused_k")
+                if planned_lens is None:
+                    # The plan keeps its lengths: a copy, so the call does not write its input.
+                    plan = msa.make_decode_indexer_plan(
+                        lens_t.clone() if isinstance(lens_t, torch.Tensor) else lens_t, **kw)
+                else:
+                    plan = msa.make_decode_indexer_plan(_i32(planned_lens, lens_t.device), **kw)
+                    plan.seqused_k.copy_(lens_t)
+            if plan_only:
+                return plan
+            kw = {n: x for n, x in a.items() if n not in _INDEX_PLAN_ARGS and n != "plan"}
+            return msa.decode_indexer_topk(plan=plan, **kw)
+        return Made(call, _inputs(a))
+    return make
+
+
+_INDEXER_ERRORS = [
+    ("plan not a plan", lambda a: dict(plan=object()), TypeError, "plan"),
+    ("plan of another batch", lambda a: dict(plan=msa.make_decode_indexer_plan(
+        a["seqused_k"][:2], seqlen_q=2, num_index_heads=2, max_seqlen_k=1000, topk=8)),
+     ValueError, "q_idx"),
+    ("q_idx fp16", lambda a: dict(q_idx=a["q_idx"].half()), TypeError, "q_idx"),
+    ("q_idx rows", lambda a: dict(q_idx=a["q_idx"][:-1]), ValueError, "q_idx"),
+    ("q_idx heads", lambda a: dict(q_idx=a["q_idx"][:, :1].contiguous()), ValueError, "q_idx"),
+    ("q_idx head dim 64", lambda a: dict(q_idx=a["q_idx"][..., :64].contiguous()), ValueError,
+     "q_idx"),
+    ("q_idx not contiguous", lambda a: dict(q_idx=a["q_idx"].transpose(0, 1).contiguous()
+                                            .transpose(0, 1)), ValueError, "q_idx"),
+    ("k_idx two heads", lambda a: dict(k_idx=a["k_idx"].repeat(1, 2, 1, 1)), ValueError,
+     "k_idx"),
+    ("k_idx fp32", lambda a: dict(k_idx=a["k_idx"].float()), TypeError, "k_idx"),
+    ("k_idx page 64", lambda a: dict(k_idx=a["k_idx"][:, :, :64].contiguous()), ValueError,
+     "k_idx"),
+    ("k_idx no pages", lambda a: dict(k_idx=a["k_idx"][:0]), ValueError, "k_idx"),
+    ("k_idx rank 3", lambda a: dict(k_idx=a["k_idx"][:, 0]), ValueError, "k_idx"),
+    ("k_scale_layout tiled", lambda a: dict(k_scale_layout="tiled"), ValueError,
+     "k_scale_layout"),
+    ("k_scale with bf16 keys", lambda a: dict(k_scale=torch.zeros(
+        a["k_idx"].shape[0] * 1024, dtype=torch.uint8, device=a["k_idx"].device)), ValueError,
+     "k_scale"),
+    ("k_global_scale with bf16 keys", lambda a: dict(k_global_scale=torch.ones(
+        1, device=a["k_idx"].device)), ValueError, "k_global_scale"),
+    ("page_table int64", lambda a: dict(page_table=a["page_table"].long()), TypeError,
+     "page_table"),
+    ("page_table rows", lambda a: dict(page_table=a["page_table"][:1]), ValueError,
+     "page_table"),
+    ("page_table without columns", lambda a: dict(page_table=a["page_table"][:, :0]),
+     ValueError, "page_table"),
+    ("scale 0", lambda a: dict(scale=0.0), ValueError, "scale"),
+    ("scale nan", lambda a: dict(scale=NAN), ValueError, "scale"),
+    ("scale tensor", lambda a: dict(scale=torch.tensor(1.0)), TypeError, "scale"),
+    ("out int64", lambda a: dict(out=torch.zeros(2, 6, 8, dtype=torch.int64,
+                                                 device=a["q_idx"].device)), TypeError, "out"),
+    ("out topk 4", lambda a: dict(out=torch.zeros(2, 6, 4, dtype=torch.int32,
+                                                  device=a["q_idx"].device)), ValueError, "out"),
+    ("out heads not a multiple", lambda a: dict(out=torch.zeros(
+        3, 6, 8, dtype=torch.int32, device=a["q_idx"].device)), ValueError, "out"),
+    ("check_input_valid string", lambda a: dict(check_input_valid="yes"), TypeError,
+     "check_input_valid"),
+]
+for _name, _change, _cls, _arg in _INDEXER_ERRORS:
+    _add(f"{INDEXER}: {_name}", INDEXER, _INDEXER_OPS, _indexer_make(_change),
+         Error(_cls, _arg))
+for _name, _change, _cls, _arg in [
+        ("nvfp4 without k_scale", lambda a: dict(k_scale=None), ValueError, "k_scale"),
+        ("k_scale short", lambda a: dict(k_scale=a["k_scale"][:-1]), ValueError, "k_scale"),
+        ("k_scale fp32", lambda a: dict(k_scale=a["k_scale"].float()), TypeError, "k_scale"),
+        ("k_global_scale fp64", lambda a: dict(k_global_scale=a["k_global_scale"].double()),
+         TypeError, "k_global_scale"),
+        ("k_global_scale empty", lambda a: dict(k_global_scale=a["k_global_scale"][:0]),
+         ValueError, "k_global_scale")]:
+    _add(f"{INDEXER}: {_name}", INDEXER, _INDEXER_OPS, _indexer_make(_change, fmt="nvfp4"),
+         Error(_cls, _arg))
+
+_MAKE_PLAN_ERRORS = [
+    ("seqused_k int64", lambda a: dict(seqused_k=a["seqused_k"].long()), TypeError,
+     "seqused_k"),
+    ("seqused_k 2-D", lambda a: dict(seqused_k=a["seqused_k"].view(1, -1)), ValueError,
+     "seqused_k"),
+    ("seqused_k empty", lambda a: dict(seqused_k=a["seqused_k"][:0]), ValueError, "seqused_k"),
+    ("seqused_k a list", lambda a: dict(seqused_k=[300, 129, 1000]), TypeError, "seqused_k"),
+    ("seqlen_q 17", lambda a: dict(seqlen_q=17), NotImplementedError, "seqlen_q"),
+    ("seqlen_q 0", lambda a: dict(seqlen_q=0), ValueError, "seqlen_q"),
+    ("seqlen_q float", lambda a: dict(seqlen_q=2.0), TypeError, "seqlen_q"),
+    ("num_index_heads 0", lambda a: dict(num_index_heads=0), ValueError, "num_index_heads"),
+    ("rows past 128", lambda a: dict(seqlen_q=16, num_index_heads=16), NotImplementedError,
+     "num_index_heads"),
+    ("max_seqlen_k 0", lambda a: dict(max_seqlen_k=0), ValueError, "max_seqlen_k"),
+    ("max_seqlen_k None", lambda a: dict(max_seqlen_k=None), TypeError, "max_seqlen_k"),
+    ("topk 12", lambda a: dict(topk=12), ValueError, "topk"),
+    ("topk bool", lambda a: dict(topk=True), TypeError, "topk"),
+    ("max_ctas 0", lambda a: dict(max_ctas=0), ValueError, "max_ctas"),
+    ("max_ctas float", lambda a: dict(max_ctas=1.5), TypeError, "max_ctas"),
+]
+for _name, _change, _cls, _arg in _MAKE_PLAN_ERRORS:
+    _add(f"{MAKE_PLAN}: {_name}", MAKE_PLAN, (_UPDATE_OP,),
+         _indexer_make(_change, plan_only=True), Error(_cls, _arg))
+
+
+def _fill(index, value):
+    return lambda t: t.__setitem__(index, value)
+
+
+def _poison_key(value, *, block=1, slot=17, channel=3):
+    """`value` into one key of request 2's history block `block` (bf16 / e4m3 keys)."""
+    def change(a):
+        k = a["k_idx"].clone()
+        k[int(a["page_table"][2, block]), 0, slot, channel] = value
+        return dict(k_idx=k)
+    return change
+
+
+def _poison_scale(a):
+    """A NaN E4M3 block scale in request 2's history block 1 (16 channels of one key)."""
+    s = a["k_scale"].clone()
+    s.view(-1)[int(a["page_table"][2, 1]) * 1024 + 37] = _E4M3_NAN
+    return dict(k_scale=s)
+
+
+_INDEXER_VALUES = [
+    ("history page id past the pool", _arg_edit("page_table", _fill((2, 3), 1 << 24)),
+     Invalid("page_table"), {}),
+    ("page id negative", _arg_edit("page_table", _fill((0, 0), -1)), Invalid("page_table"), {}),
+    ("own block page id past the pool", _arg_edit("page_table", _fill((0, 2), 1 << 24)),
+     Invalid("page_table"), {}),
+    ("seqused_k negative", _arg_edit("seqused_k", _fill(1, -5)), Invalid("seqused_k"), {}),
+    ("seqused_k past the page table", _arg_edit("seqused_k", _fill(0, 1 << 30)),
+     Invalid("seqused_k"), {}),
+    ("seqused_k INT32_MIN", _arg_edit("seqused_k", _fill(2, INT32_MIN)), Invalid("seqused_k"), {}),
+    ("seqused_k past max_seqlen_k", _arg_edit("seqused_k", _fill(1, 1100)),
+     Invalid("max_seqlen_k"), {}),
+    ("valid", None, Same(), {}),
+    ("seqused_k 0", _arg_edit("seqused_k", _fill(1, 0)), Same(), {}),
+    ("seqused_k below seqlen_q", _arg_edit("seqused_k", _fill(1, 1)), Same(), {}),
+    ("max_seqlen_k larger", lambda a: dict(max_seqlen_k=1 << 20), Same(), {}),
+    ("topk 4", None, Same(), dict(topk=4)),
+    ("topk 16", None, Same(), dict(topk=16)),
+    ("topk 32", None, Same(), dict(topk=32, lens=(300, 129, 5000))),
+    ("one query, 4 heads", None, Same(), dict(seqlen_q=1, heads=4)),
+    ("MTP 16 x 8 heads", None, Same(), dict(seqlen_q=16, heads=8)),
+    ("out shared by 2 heads", lambda a: dict(out=torch.full(
+        (4, 6, 8), 7, dtype=torch.int32, device=a["q_idx"].device)), Same(), {}),
+    ("scale 0.5", lambda a: dict(scale=0.5), Same(), {}),
+    ("one CTA", lambda a: dict(max_ctas=1), Same(), {}),
+    ("600 CTAs (a many-chunk merge)", lambda a: dict(max_ctas=600), Same(),
+     dict(lens=(300, 129, 9000))),
+    ("e4m3", None, Same(), dict(fmt="e4m3")),
+    ("nvfp4", None, Same(), dict(fmt="nvfp4")),
+    ("nvfp4 linear scales", None, Same(), dict(fmt="nvfp4", layout="linear")),
+    ("nvfp4 without a global scale", lambda a: dict(k_global_scale=None), Same(),
+     dict(fmt="nvfp4")),
+    ("nan in q_idx", _arg_edit("q_idx", _fill((1, 0, 5), NAN)), Same(), {}),
+    ("-inf in q_idx", _arg_edit("q_idx", _fill((4, 1, 9), -INF)), Same(), {}),
+    ("nan in a key", _poison_key(NAN), Same(), {}),
+    ("inf in a key", _poison_key(INF), Same(), {}),
+    ("nan in every key of a block", lambda a: _poison_key(NAN, slot=slice(None),
+                                                          channel=0)(a), Same(), {}),
+    ("nan in an e4m3 key", _poison_key(NAN), Same(), dict(fmt="e4m3")),
+    ("nan block scale", _poison_scale, Same(), dict(fmt="nvfp4")),
+    ("nan global scale", lambda a: dict(k_global_scale=torch.full_like(a["k_global_scale"],
+                                                                       NAN)), Same(),
+     dict(fmt="nvfp4")),
+]
+for _name, _change, _expect, _problem in _INDEXER_VALUES:
+    _add(f"{INDEXER}: {_name}", INDEXER, _INDEXER_OPS, _indexer_make(_change, **_problem),
+         _expect)
+# Pairs the kernel does not serve run the reference on every device.
+_add(f"{INDEXER}: bf16 q with nvfp4 keys", INDEXER, (),
+     _indexer_make(lambda a: dict(q_idx=a["q_idx"].to(BF16)), fmt="nvfp4"), Same())
+_add(f"{INDEXER}: e4m3 q with bf16 keys", INDEXER, (),
+     _indexer_make(lambda a: dict(q_idx=a["q_idx"].clamp(-16, 16).to(E4M3)), fmt="bf16"),
+     Same())
+
+# The plan: its work split (native update kernel vs the host split) for any lengths, and a plan
+# that was not updated after the lengths changed (still a correct selection).
+_add(f"{INDEXER_PLAN}: split of garbage lengths", INDEXER_PLAN, (_UPDATE_OP,),
+     _indexer_make(lambda a: dict(seqused_k=_i32([-5, 1 << 30, 129, INT32_MIN, INT32_MAX],
+                                                 a["q_idx"].device), max_ctas=7),
+                   plan_only=True), Same())
+_add(f"{INDEXER_PLAN}: split of 130 requests at INT32_MAX", INDEXER_PLAN, (_UPDATE_OP,),
+     _indexer_make(lambda a: dict(seqused_k=torch.full((130,), INT32_MAX, dtype=torch.int32,
+                                                       device=a["q_idx"].device), max_ctas=1),
+                   plan_only=True), Same())
+
+
+def _update_after(edit):
+    def make(device, gen):
+        lens = _i32([300, 129, 1000], device)
+
+        def call():
+            plan = msa.make_decode_indexer_plan(lens.clone(), seqlen_q=2, num_index_heads=2,
+                                                max_seqlen_k=1 << 20, max_ctas=5)
+            edit(plan.seqused_k)
+            return plan.update()
+        return Made(call, [lens])
+    return make
+
+
+_add(f"{INDEXER_PLAN}: update after the lengths grew", INDEXER_PLAN, (_UPDATE_OP,),
+     _update_after(lambda t: t.add_(70000)), Same())
+_add(f"{INDEXER_PLAN}: update after garbage lengths", INDEXER_PLAN, (_UPDATE_OP,),
+     _update_after(lambda t: t.copy_(_i32([INT32_MIN, INT32_MAX, -1], t.device))), Same())
+for _name, _planned in (("lengths grew", (100, 129, 130)), ("lengths shrank", (300, 0, 9000)),
+                        ("garbage planned lengths", (INT32_MIN, INT32_MAX, -7))):
+    _add(f"{INDEXER_PLAN}: not updated after the {_name}", INDEXER_PLAN, _INDEXER_OPS,
+         _indexer_make(planned_lens=_planned), Same())
+
+
+# ---------------------------------------------------------------------------------------------
+# MSADecodeStepWrapper (decode indexer -> sparse paged decode attention)
+# ---------------------------------------------------------------------------------------------
+
+STEP = "MSADecodeStepWrapper"
+_STEP_OPS = (_UPDATE_OP, INDEXER, "sparse_decode_atten")
+_STEP_PLAN_ARGS = ("page_table", "seqused_k", "seqlen_q", "max_seqlen_k", "num_qo_heads",
+                   "num_kv_heads", "num_index_heads", "topk", "max_ctas", "indexer_plan",
+                   "check_input_valid")
+
+
+def _step_make(change=None, *, lens=(300, 129, 1000), seqlen_q=2, hkv=2, group=4,
+               index_heads=2, topk=8, dtype=BF16, fmt="bf16", stale=None, poison=None):
+    """plan -> update -> run of a valid MSADecodeStepWrapper, returning (O, LSE, selection).
+    change(a) -> plan or run argument overrides; stale(seqused_k) edits the planned lengths
+    before the step; poison: (argument, value) in q (request 2's first query, head 1) or in
+    K / V (request 2's last key, KV head 1)."""
+    def make(device, gen):
+        table, num_pages = page_table_for(lens, gen)
+        batch, hq = len(lens), hkv * group
+        index = index_data(num_pages, batch * seqlen_q, index_heads, fmt, gen)
+        renamed = dict(k_scale="k_idx_scale", k_global_scale="k_idx_global_scale",
+                       k_scale_layout="k_idx_scale_layout")
+        a = dict(page_table=table, seqused_k=torch.tensor(lens, dtype=torch.int32),
+                 seqlen_q=seqlen_q, max_seqlen_k=max(lens), num_qo_heads=hq, num_kv_heads=hkv,
+                 num_index_heads=index_heads, topk=topk,
+                 q=_randn((batch * seqlen_q, hq, D), gen, dtype),
+                 k=_randn((num_pages, hkv, BLOCK, D), gen, dtype),
+                 v=_randn((num_pages, hkv, BLOCK, D), gen, dtype), return_softmax_lse=True,
+                 **{renamed.get(n, n): x for n, x in index.items()})
+        a = {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in a.items()}
+
+        def call_of(a):
+            def call():
+                plan = {n: a[n] for n in _STEP_PLAN_ARGS if n in a}
+                if "indexer_plan" not in plan:                    # the step keeps (and the
+                    plan["seqused_k"] = plan["seqused_k"].clone()  # stale edit changes) it
+                step = msa.MSADecodeStepWrapper().plan(**plan)
+                if stale is not None:
+                    stale(step.indexer_plan.seqused_k)
+                run = {n: x for n, x in a.items() if n not in _STEP_PLAN_ARGS}
+                out, lse = step.update().run(**run)
+                return out, lse, step.q2k_indices
+            return call
+        made = Made(None)
+        if poison is not None:
+            made.clean = call_of(dict(a))
+            which, value = poison
+            t = a[which].clone()
+            affected = torch.zeros(batch * seqlen_q, hq, dtype=torch.bool)
+            unaffected = torch.ones_like(affected)
+            first, last = 2 * seqlen_q, 3 * seqlen_q - 1
+            group_1 = slice(group, 2 * group)
+            if which == "q":
+                t[first, 1, 4] = value
+                affected[first, 1] = True
+                unaffected[first, 1] = False
+            else:
+                # Only request 2's last query sees its last key (in its own block, always
+                # selected); the queries whose own block is that block too may read it as P = 0.
+                j = lens[2] - 1
+                t[int(table[2, j // BLOCK]), 1, j % BLOCK, 9] = value
+                affected[last, group_1] = True
+                if which == "k":
+                    unaffected[last, group_1] = False
+                else:
+                    own = (torch.arange(seqlen_q) + lens[2] - seqlen_q) // BLOCK == j // BLOCK
+                    unaffected[first:last + 1, group_1] = ~own.view(-1, 1)
+                    made.channels = [9]
+            a[which] = t
+            made.affected, made.unaffected = affected, unaffected
+        a.update(change(a) if change is not None else {})
+        made.call = call_of(a)
+        made.inputs = _inputs(a)
+        return made
+    return make
+
+
+_STEP_ERRORS = [
+    ("plan num_kv_heads 0", lambda a: dict(num_kv_heads=0), ValueError, "num_kv_heads"),
+    ("plan G = 3", lambda a: dict(num_qo_heads=6), NotImplementedError, "num_qo_heads"),
+    ("plan index heads do not divide", lambda a: dict(num_kv_heads=2, num_index_heads=3),
+     ValueError, "num_index_heads"),
+    ("plan topk 12", lambda a: dict(topk=12), ValueError, "topk"),
+    ("plan seqused_k int64", lambda a: dict(seqused_k=a["seqused_k"].long()), TypeError,
+     "seqused_k"),
+    ("plan seqlen_q 17", lambda a: dict(seqlen_q=17), NotImplementedError, "seqlen_q"),
+    ("plan seqlen_q 0", lambda a: dict(seqlen_q=0), ValueError, "seqlen_q"),
+    ("plan max_seqlen_k 0", lambda a: dict(max_seqlen_k=0), ValueError, "max_seqlen_k"),
+    ("plan page_table int64", lambda a: dict(page_table=a["page_table"].long()), TypeError,
+     "page_table"),
+    ("plan page_table rows", lambda a: dict(page_table=a["page_table"][:2]), ValueError,
+     "page_table"),
+    ("plan max_ctas 0", lambda a: dict(max_ctas=0), ValueError, "max_ctas"),
+    ("plan indexer_plan not a plan", lambda a: dict(indexer_plan=object()), TypeError,
+     "indexer_plan"),
+    ("plan indexer_plan of another seqlen_q", lambda a: dict(
+        indexer_plan=msa.make_decode_indexer_plan(a["seqused_k"], seqlen_q=1, num_index_heads=2,
+                                                  max_seqlen_k=1000, topk=8)), ValueError,
+     "indexer_plan"),
+    ("plan check_input_valid string", lambda a: dict(check_input_valid="on"), TypeError,
+     "check_input_valid"),
+    ("run q heads", lambda a: dict(q=a["q"][:, :4].contiguous()), ValueError, "q"),
+    ("run q rows", lambda a: dict(q=a["q"][:-1]), ValueError, "q"),
+    ("run k fp16", lambda a: dict(k=a["k"].half(), v=a["v"].half()), TypeError, "k"),
+    ("run v pages", lambda a: dict(v=a["v"][:-1]), ValueError, "v"),
+    ("run q_idx heads", lambda a: dict(q_idx=a["q_idx"][:, :1].contiguous()), ValueError,
+     "q_idx"),
+    ("run q_idx fp16", lambda a: dict(q_idx=a["q_idx"].half()), TypeError, "q_idx"),
+    ("run k_idx two heads", lambda a: dict(k_idx=a["k_idx"].repeat(1, 2, 1, 1)), ValueError,
+     "k_idx"),
+    ("run index_scale 0", lambda a: dict(index_scale=0.0), ValueError, "index_scale"),
+    ("run softmax_scale 0", lambda a: dict(softmax_scale=0.0), ValueError, "softmax_scale"),
+    ("run k_idx_scale with bf16 keys", lambda a: dict(k_idx_scale=torch.zeros(
+        1 << 16, dtype=torch.uint8, device=a["q"].device)), ValueError, "k_idx_scale"),
+    ("run k_idx_scale_layout tiled", lambda a: dict(k_idx_scale_layout="tiled"), ValueError,
+     "k_idx_scale_layout"),
+    ("run out fp32", lambda a: dict(out=torch.empty(a["q"].shape, device=a["q"].device)),
+     TypeError, "out"),
+    ("run lse shape", lambda a: dict(lse=torch.empty(3, 3, device=a["q"].device)), ValueError,
+     "lse"),
+]
+for _name, _change, _cls, _arg in _STEP_ERRORS:
+    _add(f"{STEP}: {_name}", STEP, _STEP_OPS, _step_make(_change), Error(_cls, _arg))
+
+
+def _step_run_before_plan(device, gen):
+    q = _randn((4, 8, D), gen).to(device)
+    return Made(lambda: msa.MSADecodeStepWrapper().run(q, q, q, q, q), [q])
+
+
+_add(f"{STEP}: run before plan", STEP, (), _step_run_before_plan, Error(RuntimeError, "run"))
+
+
+def _shared_plan(a):
+    return dict(indexer_plan=msa.make_decode_indexer_plan(
+        a["seqused_k"], seqlen_q=a["seqlen_q"], num_index_heads=a["num_index_heads"],
+        max_seqlen_k=a["max_seqlen_k"], topk=a["topk"]))
+
+
+_STEP_VALUES = [
+    ("page id past the pool", _arg_edit("page_table", _fill((2, 3), 1 << 24)),
+     Invalid("page_table"), {}),
+    ("page id negative", _arg_edit("page_table", _fill((0, 0), -1)), Invalid("page_table"), {}),
+    ("index-K pool smaller than the table's ids", lambda a: dict(
+        k_idx=a["k_idx"][:3].contiguous()), Invalid("page_table"), {}),
+    ("K/V pool smaller than the table's ids", lambda a: dict(
+        k=a["k"][:3].contiguous(), v=a["v"][:3].contiguous()), Invalid("page_table"), {}),
+    ("seqused_k negative", _arg_edit("seqused_k", _fill(1, -5)), Invalid("seqused_k"), {}),
+    ("seqused_k past the page table", _arg_edit("seqused_k", _fill(0, 1 << 30)),
+     Invalid("seqused_k"), {}),
+    ("seqused_k past max_seqlen_k", _arg_edit("seqused_k", _fill(1, 1100)),
+     Invalid("max_seqlen_k"), {}),
+    ("valid", None, Same(), {}),
+    ("one index head for two KV heads", None, Same(), dict(index_heads=1)),
+    ("topk 4", None, Same(), dict(topk=4)),
+    ("topk 16", None, Same(), dict(topk=16, lens=(300, 129, 3000))),
+    ("MTP 8", None, Same(), dict(seqlen_q=8)),
+    ("G = 16", None, Same(), dict(group=16)),
+    ("e4m3", None, Same(), dict(dtype=E4M3, fmt="e4m3")),
+    ("nvfp4 index keys", None, Same(), dict(fmt="nvfp4")),
+    ("seqused_k 0", _arg_edit("seqused_k", _fill(1, 0)), Same(), {}),
+    ("seqused_k below seqlen_q", _arg_edit("seqused_k", _fill(1, 1)), Same(), {}),
+    ("lengths grew after the plan", lambda a: dict(max_seqlen_k=1200), Same(),
+     dict(stale=lambda t: t.add_(_i32([80, 120, 24], t.device)))),
+    ("shared indexer plan", _shared_plan, Same(), {}),
+    ("max_ctas 1", lambda a: dict(max_ctas=1), Same(), {}),
+    ("scales", lambda a: dict(index_scale=2.0, softmax_scale=0.05), Same(), {}),
+    ("preallocated out and lse", lambda a: dict(
+        out=torch.empty(a["q"].shape, dtype=BF16, device=a["q"].device),
+        lse=torch.empty(a["q"].shape[:2], device=a["q"].device)), Same(), {}),
+    ("nan in q_idx", _arg_edit("q_idx", _fill((4, 1, 7), NAN)), Same(), {}),
+]
+for _name, _change, _expect, _problem in _STEP_VALUES:
+    _add(f"{STEP}: {_name}", STEP, _STEP_OPS, _step_make(_change, **_problem), _expect)
+for _which in ("q", "k", "v"):
+    _add(f"{STEP}: nan in {_which}", STEP, _STEP_OPS, _step_make(poison=(_which, NAN)),
+         NonFinite(lse_too=_which != "v"))
+
+
+# ---------------------------------------------------------------------------------------------
+# layers: the M3 layer forwards (on host modules standing in for transformers' classes), their
+# package calls (select_blocks, sparse_attention, dense_causal_attention) and the one-call swap
+# ---------------------------------------------------------------------------------------------
+
+_SPARSE_OPS = ("build_k2q_csr", "sparse_atten")
+_SELECT_OPS = ("block_max_scores", "sparse_topk_select")
+_HIDDEN = 64
+
+
+def _init_weights(module: torch.nn.Module, gen: torch.Generator, dtype) -> torch.nn.Module:
+    """Seeded weights (the table builds every call twice and compares): N(0, 0.2), norms
+    around 1."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            base = 1.0 if "norm" in name else 0.0
+            p.copy_(base + 0.2 * torch.randn(p.shape, generator=gen))
+    return module.to(dtype).eval()
+
+
+class MiniMaxM3VLIndexer(torch.nn.Module):
+    """A stand-in for transformers' MiniMaxM3VLIndexer (same name and attributes): kernelize
+    swaps msa.layers' forward into it; its own forward is the layer's (the stock semantics)."""
+
+    def __init__(self, heads=2, topk_blocks=2, local_blocks=1):
+        super().__init__()
+        self.q_proj = torch.nn.Linear(_HIDDEN, heads * D, bias=False)
+        self.k_proj = torch.nn.Linear(_HIDDEN, D, bias=False)
+        self.q_norm, self.k_norm = torch.nn.RMSNorm(D), torch.nn.RMSNorm(D)
+        self.head_dim, self.block_size = D, BLOCK
+        self.topk_blocks, self.local_blocks, self.layer_idx = topk_blocks, local_blocks, 0
+
+    def forward(self, hidden_states, position_embeddings, past_key_values, position_ids):
+        return msa.layers.MiniMaxM3VLIndexer.forward(self, hidden_states, position_embeddings,
+                                                     past_key_values, position_ids)
+
+
+class MiniMaxM3VLAttention(torch.nn.Module):
+    """A stand-in for transformers' MiniMaxM3VLAttention; its own forward is a dense causal
+    SDPA (what the layer falls back to on dense layers it does not serve)."""
+
+    def __init__(self, hq=8, hkv=2, sparse=True):
+        super().__init__()
+        self.q_proj = torch.nn.Linear(_HIDDEN, hq * D, bias=False)
+        self.k_proj = torch.nn.Linear(_HIDDEN, hkv * D, bias=False)
+        self.v_proj = torch.nn.Linear(_HIDDEN, hkv * D, bias=False)
+        self.o_proj = torch.nn.Linear(hq * D, _HIDDEN, bias=False)
+        self.q_norm, self.k_norm = torch.nn.RMSNorm(D), torch.nn.RMSNorm(D)
+        self.indexer = MiniMaxM3VLIndexer(heads=hkv) if sparse else None
+        self.head_dim, self.scaling, self.layer_idx = D, D ** -0.5, 0
+        self.attention_dropout = 0.0
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
+                **kwargs):
+        batch, q_len, _ = hidden_states.shape
+        cos, sin = (x.unsqueeze(2) for x in position_embeddings)
+        shape = (batch, q_len, -1, D)
+        q = msa.layers._rotate(self.q_norm(self.q_proj(hidden_states).view(shape)), cos, sin)
+        k = msa.layers._rotate(self.k_norm(self.k_proj(hidden_states).view(shape)), cos, sin)
+        v = self.v_proj(hidden_states).view(shape)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            scale=self.scaling, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1)), None
+
+
+def _rotary(positions: torch.Tensor, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device=positions.device).float() / D))
+    freqs = positions.float().unsqueeze(-1) * inv
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _layer_make(which, change=None, *, batch=1, seq=300, sparse=True, dtype=BF16):
+    """A forward of msa.layers' MiniMaxM3VLIndexer / MiniMaxM3VLAttention on a host module, or
+    kernelize_minimax_m3 on a model of host modules then its attention's forward;
+    change(host, a) edits the host module and returns argument overrides."""
+    def make(device, gen):
+        attention = _init_weights(MiniMaxM3VLAttention(sparse=sparse), gen, dtype).to(device)
+        hidden = _randn((batch, seq, _HIDDEN), gen, dtype).to(device)
+        positions = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
+        a = dict(hidden_states=hidden, position_embeddings=_rotary(positions, dtype),
+                 position_ids=positions)
+        host = attention.indexer if which == "MiniMaxM3VLIndexer" else attention
+        a.update(change(host, a) if change is not None else {})
+
+        def call():
+            if which == "MiniMaxM3VLIndexer":
+                return msa.layers.MiniMaxM3VLIndexer.forward(
+                    host, a["hidden_states"], a["position_embeddings"], None, a["position_ids"])
+            if which == "kernelize_minimax_m3":
+                model = torch.nn.ModuleDict(dict(attn=attention))
+                msa.layers.kernelize_minimax_m3(model, device=device.type)
+                module = model["attn"]
+            else:
+                module = None
+            forward = (module.forward if module is not None else
+                       lambda *args, **kw: msa.layers.MiniMaxM3VLAttention.forward(host, *args,
+                                                                                   **kw))
+            out, _ = forward(a["hidden_states"], a["position_embeddings"], None,
+                             position_ids=a["position_ids"])
+            return out
+        return Made(call, [hidden, positions])
+    return make
+
+
+def _set_attr(**values):
+    def change(host, a):
+        for name, value in values.items():
+            setattr(host, name, value)
+        return {}
+    return change
+
+
+_LAYER_CASES = [
+    ("MiniMaxM3VLIndexer", "valid", None, Same(), _SELECT_OPS, {}),
+    ("MiniMaxM3VLIndexer", "two requests", None, Same(), _SELECT_OPS, dict(batch=2)),
+    ("MiniMaxM3VLIndexer", "position_ids float", lambda h, a: dict(
+        position_ids=a["position_ids"].float()), Error(TypeError, "position_ids"), _SELECT_OPS,
+     {}),
+    ("MiniMaxM3VLIndexer", "position_ids short", lambda h, a: dict(
+        position_ids=a["position_ids"][:, :10]), Error(ValueError, "position_ids"), _SELECT_OPS,
+     {}),
+    ("MiniMaxM3VLIndexer", "index_block_size 64", _set_attr(block_size=64),
+     Error(ValueError, "index_block_size"), _SELECT_OPS, {}),
+    ("MiniMaxM3VLIndexer", "index_topk_blocks 0", _set_attr(topk_blocks=0),
+     Error(ValueError, "index_topk_blocks"), _SELECT_OPS, {}),
+    ("MiniMaxM3VLAttention", "sparse layer", None, Same(),
+     _SELECT_OPS + _SPARSE_OPS, {}),
+    ("MiniMaxM3VLAttention", "dropout while training", lambda h, a: (
+        h.train(), setattr(h, "attention_dropout", 0.1), {})[-1],
+     Error(ValueError, "attention_dropout"), _SELECT_OPS + _SPARSE_OPS, {}),
+    ("kernelize_minimax_m3", "kernelized sparse layer", None, Same(),
+     _SELECT_OPS + _SPARSE_OPS, {}),
+]
+for _layer, _name, _change, _expect, _ops, _problem in _LAYER_CASES:
+    _add(f"layers.{_layer}: {_name}", f"layers.{_layer}", _ops,
+         _layer_make(_layer, _change, **_problem), _expect)
+# A dense layer: the dense FMHA on a GPU with a native one (reference or native backend), the
+# host module's own forward elsewhere.
+_add("layers.MiniMaxM3VLAttention: dense layer", "layers.MiniMaxM3VLAttention", ("fmha_dense",),
+     _layer_make("MiniMaxM3VLAttention", sparse=False), Same())
+
+
+def _model_without_indexer(device, gen):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    return Made(lambda: msa.layers.kernelize_minimax_m3(model))
+
+
+_add("layers.kernelize_minimax_m3: a model without an indexer", "layers.kernelize_minimax_m3",
+     (), _model_without_indexer, Error(ValueError, "model"))
+
+
+def _select_make(change=None, *, batch=1, q_len=100, k_len=700, heads=2, dtype=BF16,
+                 topk_blocks=4, local_blocks=1, nonfinite=False):
+    """select_blocks over index queries of the last q_len positions of k_len keys."""
+    def make(device, gen):
+        a = dict(idx_q=_randn((batch, q_len, heads, D), gen, dtype),
+                 idx_k=_randn((batch, 1, k_len, D), gen, dtype),
+                 position_ids=torch.arange(k_len - q_len, k_len).unsqueeze(0).expand(batch, -1)
+                 .contiguous(), topk_blocks=topk_blocks, local_blocks=local_blocks)
+        a = {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in a.items()}
+        if nonfinite:
+            a["idx_q"] = a["idx_q"].clone()
+            a["idx_q"][0, 20, 1, 3] = NAN
+        a.update(change(a) if change is not None else {})
+        return Made(lambda: msa.layers.select_blocks(**a),
+                    [x for x in a.values() if isinstance(x, torch.Tensor)])
+    return make
+
+
+SELECT = "layers.select_blocks"
+_SELECT_CASES = [
+    ("idx_q fp16", lambda a: dict(idx_q=a["idx_q"].half()), Error(TypeError, "idx_q")),
+    ("idx_q rank 3", lambda a: dict(idx_q=a["idx_q"][0]), Error(ValueError, "idx_q")),
+    ("idx_k dtype differs", lambda a: dict(idx_k=a["idx_k"].float()), Error(TypeError, "idx_k")),
+    ("idx_k two heads", lambda a: dict(idx_k=a["idx_k"].repeat(1, 2, 1, 1)),
+     Error(ValueError, "idx_k")),
+    ("idx_k batch", lambda a: dict(idx_k=torch.cat([a["idx_k"]] * 2)), Error(ValueError,
+                                                                             "idx_k")),
+    ("head dim 64", lambda a: dict(idx_q=a["idx_q"][..., :64], idx_k=a["idx_k"][..., :64]),
+     Error(ValueError, "index_head_dim")),
+    ("block_size 64", lambda a: dict(block_size=64), Error(ValueError, "index_block_size")),
+    ("topk_blocks 0", lambda a: dict(topk_blocks=0), Error(ValueError, "index_topk_blocks")),
+    ("topk_blocks 65", lambda a: dict(topk_blocks=65), Error(ValueError, "index_topk_blocks")),
+    ("topk_blocks float", lambda a: dict(topk_blocks=4.0), Error(TypeError,
+                                                                 "index_topk_blocks")),
+    ("local_blocks -1", lambda a: dict(local_blocks=-1), Error(ValueError,
+                                                               "index_local_blocks")),
+    ("position_ids float", lambda a: dict(position_ids=a["position_ids"].float()),
+     Error(TypeError, "position_ids")),
+    ("position_ids short", lambda a: dict(position_ids=a["position_ids"][:, :5]),
+     Error(ValueError, "position_ids")),
+    ("position_ids of 3 requests", lambda a: dict(position_ids=a["position_ids"].expand(3, -1)),
+     Error(ValueError, "position_ids")),
+    ("valid", None, Same()),
+    ("local_blocks 0 (own block rescored)", lambda a: dict(local_blocks=0), Same()),
+    ("local_blocks 2", lambda a: dict(local_blocks=2), Same()),
+    ("topk_blocks past the blocks", lambda a: dict(topk_blocks=16), Same()),
+    ("1-D position_ids", lambda a: dict(position_ids=a["position_ids"][0]), Same()),
+    ("position_ids past the keys", lambda a: dict(position_ids=a["position_ids"] + 5000),
+     Same()),
+    ("position_ids negative", lambda a: dict(position_ids=a["position_ids"] - 5000), Same()),
+]
+for _name, _change, _expect in _SELECT_CASES:
+    _add(f"{SELECT}: {_name}", SELECT, _SELECT_OPS, _select_make(_change), _expect)
+_add(f"{SELECT}: two requests", SELECT, _SELECT_OPS, _select_make(batch=2), Same())
+# NaN index queries only drop blocks from the row's selection (never NaN ones).
+_add(f"{SELECT}: nan in idx_q", SELECT, _SELECT_OPS, _select_make(nonfinite=True), Same())
+_add(f"{SELECT}: fp32 (reference)", SELECT, (), _select_make(dtype=torch.float32), Same())
+
+
+def _attention_make(fn, change=None, *, batch=1, q_len=200, k_len=700, hq=8, hkv=2, width=3,
+                    nonfinite=False):
+    """layers.sparse_attention over a causal selection (own block + random earlier blocks,
+    -1 slots) or layers.dense_causal_attention (k_len = q_len); NaN in query (0, 50, head 1)."""
+    def make(device, gen):
+        kl = k_len if fn == "sparse_attention" else q_len
+        a = dict(query=_randn((batch, q_len, hq, D), gen), key=_randn((batch, hkv, kl, D), gen),
+                 value=_randn((batch, hkv, kl, D), gen))
+        if fn == "sparse_attention":
+            sel = _selection([q_len] * batch, [kl] * batch, hkv, width, gen)   # [Hkv, B*S, n]
+            a.update(block_indices=sel.view(hkv, batch, q_len, width).permute(1, 0, 2, 3)
+                     .long().contiguous(),
+                     position_ids=torch.arange(kl - q_len, kl).unsqueeze(0).expand(batch, -1)
+                     .contiguous(), softmax_scale=0.1)
+        else:
+            a["softmax_scale"] = 0.1
+        a = {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in a.items()}
+        made = Made(None)
+        call_of = lambda a: lambda: getattr(msa.layers, fn)(**a)      # noqa: E731
+        if nonfinite:
+            made.clean = call_of(dict(a))
+            a["query"] = a["query"].clone()
+            a["query"][0, 50, 1, 7] = NAN
+            made.affected = torch.zeros(batch, q_len, hq, dtype=torch.bool)
+            made.affected[0, 50, 1] = True
+            made.unaffected = ~made.affected
+        a.update(change(a) if change is not None else {})
+        made.call = call_of(a)
+        made.inputs = [x for x in a.values() if isinstance(x, torch.Tensor)]
+        return made
+    return make
+
+
+_ATTENTION_ERRORS = [
+    ("query fp32", lambda a: dict(query=a["query"].float()), TypeError, "query"),
+    ("query rank 3", lambda a: dict(query=a["query"][0]), ValueError, "query"),
+    ("query head dim 64", lambda a: dict(query=a["query"][..., :64]), NotImplementedError,
+     "query"),
+    ("key fp16", lambda a: dict(key=a["key"].half()), TypeError, "key"),
+    ("key batch", lambda a: dict(key=torch.cat([a["key"]] * 2), value=torch.cat(
+        [a["value"]] * 2)), ValueError, "key"),
+    ("value shape", lambda a: dict(value=a["value"][:, :, :-1]), ValueError, "value"),
+]
+for _fn in ("sparse_attention", "dense_causal_attention"):
+    _ops = _SPARSE_OPS if _fn == "sparse_attention" else ("fmha_dense",)
+    for _name, _change, _cls, _arg in _ATTENTION_ERRORS:
+        _add(f"layers.{_fn}: {_name}", f"layers.{_fn}", _ops, _attention_make(_fn, _change),
+             Error(_cls, _arg))
+    _add(f"layers.{_fn}: valid", f"layers.{_fn}", _ops, _attention_make(_fn), Same())
+    _add(f"layers.{_fn}: two requests", f"layers.{_fn}", _ops, _attention_make(_fn, batch=2),
+         Same())
+    _add(f"layers.{_fn}: nan in query", f"layers.{_fn}", _ops,
+         _attention_make(_fn, nonfinite=True), NonFinite(lse_too=False))
+for _name, _change, _expect in [
+        ("block_indices float", lambda a: dict(block_indices=a["block_indices"].float()),
+         Error(TypeError, "block_indices")),
+        ("block_indices heads", lambda a: dict(block_indices=a["block_indices"][:, :1]),
+         Error(ValueError, "index_n_heads")),
+        ("block_indices queries", lambda a: dict(block_indices=a["block_indices"][:, :, :-1]),
+         Error(ValueError, "block_indices")),
+        ("40 blocks per query", lambda a: dict(block_indices=a["block_indices"].repeat(
+            1, 1, 1, 14)[..., :40]), Error(ValueError, "index_topk_blocks")),
+        ("position_ids float", lambda a: dict(position_ids=a["position_ids"].float()),
+         Error(TypeError, "position_ids")),
+        ("position_ids past the cache", lambda a: dict(position_ids=a["position_ids"] + 5000),
+         Same()),
+        ("1-D position_ids", lambda a: dict(position_ids=a["position_ids"][0]), Same())]:
+    _add(f"layers.sparse_attention: {_name}", "layers.sparse_attention", _SPARSE_OPS,
+         _attention_make("sparse_attention", _change), _expect)
+_add("layers.dense_causal_attention: keys of another length", "layers.dense_causal_attention",
+     ("fmha_dense",), _attention_make("dense_causal_attention", lambda a: dict(
+         key=a["key"][:, :, :-1], value=a["value"][:, :, :-1])), Error(ValueError, "key"))
+
+
+
+# ---------------------------------------------------------------------------------------------
+# warmup (compiles CuTe kernels into the JIT cache: argument errors only, nothing compiles)
+# ---------------------------------------------------------------------------------------------
+
+for _name, _kw, _cls, _arg in [
+        ("arch sm_100a", dict(arch="sm_100a"), ValueError, "arch"),
+        ("arch an int", dict(arch=90), TypeError, "arch"),
+        ("workers 0", dict(workers=0), ValueError, "workers"),
+        ("workers float", dict(workers=2.0), TypeError, "workers"),
+        ("only an int", dict(only=5), TypeError, "only"),
+        ("only holds an int", dict(only=["fmha", 3]), TypeError, "only")]:
+    _add(f"warmup: {_name}", "warmup", (),
+         lambda device, gen, kw=_kw: Made(lambda: msa.warmup(progress=False, **kw)),
+         Error(_cls, _arg))
+
+
+# ---------------------------------------------------------------------------------------------
 # Tensors on two devices (a GPU host only)
 # ---------------------------------------------------------------------------------------------
 
@@ -1864,4 +2851,16 @@ _add("build_k2q_csr: q2k on the CPU", "build_k2q_csr", ["build_k2q_csr"],
      gpu_only=True)
 _add(f"{BMS}: k_idx on the CPU", BMS, ["block_max_scores"],
      _bms_make(lambda a, k: dict(k_idx=a["k_idx"].cpu())), Error(ValueError, "k_idx"),
+     gpu_only=True)
+_add(f"{PAGED_PREFILL}: page_table on the CPU", PAGED_PREFILL, _PREFILL_STAGES,
+     _paged_prefill_make(lambda a: dict(page_table=a["page_table"].cpu())),
+     Error(ValueError, "page_table"), gpu_only=True)
+_add(f"{INDEXER}: page_table on the CPU", INDEXER, _INDEXER_OPS,
+     _indexer_make(lambda a: dict(page_table=a["page_table"].cpu())),
+     Error(ValueError, "page_table"), gpu_only=True)
+_add(f"{STEP}: page_table on the CPU", STEP, _STEP_OPS,
+     _step_make(lambda a: dict(page_table=a["page_table"].cpu())),
+     Error(ValueError, "page_table"), gpu_only=True)
+_add(f"{STEP}: q_idx on the CPU", STEP, _STEP_OPS,
+     _step_make(lambda a: dict(q_idx=a["q_idx"].cpu())), Error(ValueError, "q_idx"),
      gpu_only=True)

@@ -253,7 +253,7 @@ def test_paged_wrapper_rejects_bad_plans_and_runs():
         w.plan([1.5, 2], [300, 200], table, num_qo_heads=16, num_kv_heads=1)
     with pytest.raises(ValueError, match="qo_lens"):
         w.plan([-1, 2], [300, 200], table, num_qo_heads=16, num_kv_heads=1)
-    with pytest.raises(NotImplementedError, match="q: 3 query heads"):
+    with pytest.raises(NotImplementedError, match="num_qo_heads: 3 query heads"):
         w.plan([1, 2], [300, 200], table, num_qo_heads=12, num_kv_heads=4)
     with pytest.raises(ValueError, match="local_blocks"):
         msa.MsaPrefillPagedWrapper(topk=4, local_blocks=5)

@@ -21,6 +21,8 @@ Section "malformed" replays tests/bad_input_table.py unchecked on the native ker
 whose expectation is Invalid (garbage cu_seqlens, row pointers, ids, page tables, seqused_k,
 short host hints), Skip (ids past their request) or NonFinite (NaN / Inf data), plus the valid
 edge cases (Same), one call each; none may touch memory outside its buffers.
+MSA_SANITIZE_FNS (comma-separated public names, e.g. "decode_indexer_topk,layers") limits it
+to the cases of those functions (a name matches itself and "name.*").
 """
 
 from __future__ import annotations
@@ -314,9 +316,12 @@ def malformed_cases(seed):
     import bad_input_table as table
     os.environ["MSA_CHECK_INPUTS"] = "0"
     kinds = (table.Invalid, table.Skip, table.NonFinite, table.Same)
+    fns = [f for f in os.environ.get("MSA_SANITIZE_FNS", "").split(",") if f]
     count = 0
     for case in table.CASES:
         if not case.ops or not isinstance(case.expect, kinds):
+            continue
+        if fns and not any(case.fn == f or case.fn.startswith(f + ".") for f in fns):
             continue
         made = case.make(torch.device("cuda"), torch.Generator().manual_seed(seed))
         made.call()

@@ -110,6 +110,13 @@ def _log_once(op: str, backend: str, reason: str, device: torch.device) -> None:
         logger.info("msa.%s: backend %s on %s (%s)", op, backend, device, reason)
 
 
+def reference_only(device: torch.device) -> bool:
+    """Whether every op on `device` runs the reference (MSA_BACKEND=reference, or no native
+    kernel family for the device): composite calls then check index values up front, where the
+    argument names are theirs."""
+    return _mode() == "reference" or arch_family(device) is None
+
+
 def choose(op: str, device: torch.device, **call) -> Tuple[str, Optional[Callable]]:
     """Returns (backend name, native run function or None for the reference)."""
     mode = _mode()

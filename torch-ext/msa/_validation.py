@@ -392,19 +392,37 @@ def check_sparse_attention_values(call, strict: bool) -> None:
         raise ValueError("schedule: was built for a different k2q_row_ptr")
 
 
+def check_paged_cache_values(table: torch.Tensor, seqused_k: torch.Tensor, max_seqlen_k: int,
+                             num_pages: int, page_size: int = BLOCK_SIZE) -> torch.Tensor:
+    """Host page_table [B, max_pages] and seqused_k [B] of a paged cache: seqused_k within the
+    table and at most max_seqlen_k, the page ids of every page that holds keys in the pool of
+    num_pages. Returns the lengths."""
+    lens = paged_key_lengths(table, seqused_k, page_size)
+    check_hint("max_seqlen_k", max_seqlen_k, _max(lens), "the longest request's keys")
+    check_page_ids("page_table", table, lens, page_size, num_pages)
+    return lens
+
+
 def check_decode_values(call, strict: bool) -> None:
     """sparse_decode_atten_func / the wrapper (a DecodeCall). Always: seqused_k within the page
     table and at most max_seqlen_k, the page ids of every page that holds keys. strict: every
     q2k id is -1 or a block of its request, without duplicates in a row."""
     host = host_int64(page_table=call.page_table, seqused_k=call.seqused_k,
                       q2k=call.q2k_indices if strict else None)
-    table, page_size = host["page_table"], call.k.shape[2]
-    lens = paged_key_lengths(table, host["seqused_k"], page_size)
-    check_hint("max_seqlen_k", call.max_seqlen_k, _max(lens), "the longest request's keys")
-    check_page_ids("page_table", table, lens, page_size, call.k.shape[0])
+    page_size = call.k.shape[2]
+    lens = check_paged_cache_values(host["page_table"], host["seqused_k"], call.max_seqlen_k,
+                                    call.k.shape[0], page_size)
     if host["q2k"] is not None:
         limit = torch.repeat_interleave(_rows_per_request(lens, page_size), call.seqlen_q)
         check_block_ids("q2k_indices", host["q2k"], limit)
+
+
+def check_decode_indexer_values(call) -> None:
+    """decode_indexer_topk (a DecodeIndexerCall): the plan's seqused_k within the page table and
+    at most the plan's max_seqlen_k, the page ids of every page that holds keys within k_idx."""
+    host = host_int64(page_table=call.page_table, seqused_k=call.plan.seqused_k)
+    check_paged_cache_values(host["page_table"], host["seqused_k"], call.plan.max_seqlen_k,
+                             call.k_idx.shape[0])
 
 
 def check_block_max_values(call) -> None:

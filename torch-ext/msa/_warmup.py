@@ -75,7 +75,7 @@ def warmup(only: Optional[Sequence[str]] = None, *, arch: Optional[str] = None,
     """Compile every CuTe kernel variant the current GPU runs into the JIT cache.
 
     Args:
-      only: compile only variants whose name contains one of these strings.
+      only: compile only variants whose name contains one of these strings (or this string).
       arch: the target to compile for ("sm_90a"); default: the current CUDA device's (nothing
         to do on a GPU without native CuTe kernels).
       workers: parallel compile processes (default: one per CPU core, at most one per variant).
@@ -88,6 +88,7 @@ def warmup(only: Optional[Sequence[str]] = None, *, arch: Optional[str] = None,
     RuntimeError when nothing can be compiled here (no DSL installed, or the cache is off)
     and ValueError for an arch the kernels do not target.
     """
+    only, workers = _check_warmup_args(only, arch, workers)
     start = time.perf_counter()
     target = arch if arch is not None else device_arch()
     summary: Dict[str, object] = {"compiled": [], "cached": [], "shipped": [], "failed": {},
@@ -123,6 +124,25 @@ def warmup(only: Optional[Sequence[str]] = None, *, arch: Optional[str] = None,
     say(f"done in {summary['seconds']} s: {len(summary['compiled'])} compiled, "
         f"{len(failed)} failed" + (f" ({', '.join(sorted(failed))})" if failed else ""))
     return summary
+
+
+def _check_warmup_args(only, arch, workers):
+    """(only as a list of patterns or None, workers), or TypeError / ValueError naming the
+    argument, before anything is compiled."""
+    if isinstance(only, str):
+        only = [only]
+    if only is not None:
+        if not isinstance(only, (list, tuple)) or not all(isinstance(p, str) for p in only):
+            raise TypeError(f"only: expected a string or a sequence of strings, got {only!r}")
+        only = list(only)
+    if arch is not None and not isinstance(arch, str):
+        raise TypeError(f"arch: expected a string such as {cute_runtime.TARGET_ARCH!r}, got "
+                        f"{type(arch).__name__}")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)):
+        raise TypeError(f"workers: expected an int, got {type(workers).__name__}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers: must be >= 1, got {workers}")
+    return only, workers
 
 
 def cache_dir_or_raise() -> Path:

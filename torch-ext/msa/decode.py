@@ -440,6 +440,14 @@ class SparseDecodePagedAttentionWrapper:
         fp32 [B * seqlen_q, num_qo_heads]; both are written in place and returned.
         Returns O, or (O, LSE) when return_softmax_lse.
         """
+        call = self._prepare_run(q, k, v, softmax_scale=softmax_scale, out=out, lse=lse)
+        # A preallocated lse is always written; it is returned only with return_softmax_lse.
+        return run_decode(call, self.decode_schedule, self.O_partial, self.LSE_partial,
+                          bool(return_softmax_lse))
+
+    def _prepare_run(self, q, k, v, *, softmax_scale=None, out=None, lse=None):
+        """run()'s validation, no launch: the call for :func:`run_decode`. Callers that launch
+        other work first (the decode step) validate everything before."""
         if self.decode_schedule is None:
             raise RuntimeError("run: called before plan(); call plan(...) first")
         call = check_decode_args(q, k, v, self._q2k_indices, page_table=self._page_table,
@@ -458,6 +466,4 @@ class SparseDecodePagedAttentionWrapper:
         if lse is not None:
             _check_output("lse", lse, torch.float32, tuple(q.shape[:2]), q.device)
         call.out, call.lse = out, lse
-        # A preallocated lse is always written; it is returned only with return_softmax_lse.
-        return run_decode(call, self.decode_schedule, self.O_partial, self.LSE_partial,
-                          bool(return_softmax_lse))
+        return call

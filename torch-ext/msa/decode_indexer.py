@@ -26,15 +26,16 @@ from typing import Optional
 import torch
 
 from . import _backend
-from ._validation import (FP8, HEAD_DIM, check_page_table, check_positive_int, check_same_device,
-                          check_scale, check_shape, check_tensor, check_topk)
+from ._validation import (FP8, HEAD_DIM, check_decode_indexer_values, check_page_table,
+                          check_positive_int, check_same_device, check_scale, check_shape,
+                          check_tensor, check_topk, value_checks_requested)
+from .decode import _check_seqlen_q
 from .reference.decode_indexer import decode_indexer_reference
 from .src.sm100.decode_schedule import default_max_grid_size
 
 BF16 = torch.bfloat16
 PAGE_SIZE = 128
 OP_NAME = "decode_indexer_topk"
-MAX_SEQLEN_Q = 16
 MAX_ROWS = 128                 # seqlen_q * index heads per request
 NVFP4_BYTES = HEAD_DIM // 2
 NVFP4_SCALES = HEAD_DIM // 16
@@ -95,6 +96,7 @@ class DecodeIndexerPlan:
 
 
 MIN_CHUNK_PAGES = 4
+INT32_MAX = (1 << 31) - 1
 
 
 def plan_work_split(lengths, capacity: int):
@@ -107,7 +109,8 @@ def plan_work_split(lengths, capacity: int):
     requests[b] = (first item, n_b, 0). The native update kernel computes exactly this."""
     history = [max(int(n), 0) and (max(int(n), 0) - 1) // PAGE_SIZE for n in lengths]
     spread = max(capacity - len(history), 1)
-    chunk = max(-(-sum(history) // spread), MIN_CHUNK_PAGES)
+    # Capped at INT32_MAX as the kernel does (garbage lengths must not overflow the int32 plan).
+    chunk = min(max(-(-sum(history) // spread), MIN_CHUNK_PAGES), INT32_MAX)
     work = torch.full((capacity, 2), -1, dtype=torch.int32)
     requests = torch.zeros(len(history), 3, dtype=torch.int32)
     first = 0
@@ -163,15 +166,6 @@ def make_decode_indexer_plan(seqused_k: torch.Tensor, *, seqlen_q: int, num_inde
     return plan.update()
 
 
-def _check_seqlen_q(seqlen_q) -> int:
-    if isinstance(seqlen_q, bool) or not isinstance(seqlen_q, int):
-        raise TypeError(f"seqlen_q: expected an int, got {type(seqlen_q).__name__}")
-    if not 1 <= seqlen_q <= MAX_SEQLEN_Q:
-        raise NotImplementedError(f"seqlen_q: {seqlen_q} queries per request is not supported; "
-                                  f"expected 1..{MAX_SEQLEN_Q}")
-    return seqlen_q
-
-
 @dataclasses.dataclass
 class DecodeIndexerCall:
     """One validated ``decode_indexer_topk`` call, as every backend receives it."""
@@ -186,6 +180,7 @@ class DecodeIndexerCall:
     scale: float
     out: torch.Tensor                   # [H * repeat, B * Q, topk] int32
     scores: Optional[torch.Tensor]      # [H, B * Q, max_pages] fp32 or None
+    check_values: bool = False          # check_input_valid / MSA_CHECK_INPUTS=1
 
     @property
     def k_format(self) -> str:
@@ -206,7 +201,7 @@ def decode_indexer_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, *, plan: Decod
                         k_scale: Optional[torch.Tensor] = None,
                         k_global_scale: Optional[torch.Tensor] = None,
                         k_scale_layout: str = "128x4", out: Optional[torch.Tensor] = None,
-                        return_scores: bool = False):
+                        return_scores: bool = False, check_input_valid: bool = False):
     """Top-k KV blocks per decode query row from a paged index-K cache, top-k fused.
 
     Args:
@@ -226,82 +221,113 @@ def decode_indexer_topk(q_idx: torch.Tensor, k_idx: torch.Tensor, *, plan: Decod
         h*r .. h*r + r - 1, e.g. one index head shared by r KV heads); written in place.
       return_scores: also return the block scores [H, B * Q, max_pages] fp32 (-inf where a
         block is not a candidate of the row); for tests and diagnostics.
+      check_input_valid: also check the index values (one synchronization; ValueError naming
+        the argument): the plan's seqused_k within [0, page_table width * 128] and at most its
+        max_seqlen_k, and in-range page ids for every page holding keys. MSA_CHECK_INPUTS=1
+        turns it on for every call; the reference backend always checks. Unchecked native
+        calls never read or write out of bounds: pages outside k_idx are skipped and lengths
+        are clamped to the page table.
 
     Returns out (and the scores when requested). The selection of row (b, q, h): the plan's
     topk - 1 best history blocks (blocks before the row's own block (L - Q + q) // 128, by score,
     ties to the lower id, non-finite-low scores never), in rank order, then the own block, then
-    -1. Launches on q_idx's device and current stream without host synchronization.
+    -1. A block's score is the max over its keys' finite-or-infinite scores (a key whose score
+    is NaN is passed over, as the hardware max does; a block of NaN keys only is NaN). Launches
+    on q_idx's device and current stream without host synchronization.
     """
-    call = _check_args(q_idx, k_idx, plan, page_table, scale, k_scale, k_global_scale,
-                       k_scale_layout, out, return_scores)
-    _name, native = _backend.choose(OP_NAME, q_idx.device, **call.features())
-    if native is not None:
-        native(call)
-    else:
-        selection, scores = decode_indexer_reference(
-            call.q_idx, call.k_idx, call.page_table, plan.seqused_k, plan.seqlen_q, call.topk,
-            scale=call.scale, k_scale=call.k_scale, k_global_scale=call.k_global_scale,
-            scale_layout=call.scale_layout, out_head_repeat=call.out_head_repeat)
-        call.out.copy_(selection)
-        if call.scores is not None:
-            call.scores.copy_(scores)
+    call = check_indexer_args(q_idx, k_idx, plan, page_table, scale, k_scale, k_global_scale,
+                              k_scale_layout, out, return_scores, check_input_valid)
+    run_indexer_call(call)
     return (call.out, call.scores) if return_scores else call.out
 
 
-def _check_args(q_idx, k_idx, plan, page_table, scale, k_scale, k_global_scale, layout, out,
-                return_scores) -> DecodeIndexerCall:
+def run_indexer_call(call: DecodeIndexerCall) -> None:
+    """Dispatch and run a validated call: the reference always checks the index values, a
+    native call only when asked."""
+    _name, native = _backend.choose(OP_NAME, call.q_idx.device, **call.features())
+    if native is None or call.check_values:
+        check_decode_indexer_values(call)
+    if native is not None:
+        native(call)
+        return
+    plan = call.plan
+    selection, scores = decode_indexer_reference(
+        call.q_idx, call.k_idx, call.page_table, plan.seqused_k, plan.seqlen_q, call.topk,
+        scale=call.scale, k_scale=call.k_scale, k_global_scale=call.k_global_scale,
+        scale_layout=call.scale_layout, out_head_repeat=call.out_head_repeat)
+    call.out.copy_(selection)
+    if call.scores is not None:
+        call.scores.copy_(scores)
+
+
+# The decode step wrapper names some arguments differently (k_idx_scale, index_scale, ...).
+_ARG_NAMES = ("q_idx", "k_idx", "plan", "page_table", "scale", "k_scale", "k_global_scale",
+              "k_scale_layout", "out")
+
+
+def check_indexer_args(q_idx, k_idx, plan, page_table, scale, k_scale, k_global_scale, layout,
+                       out, return_scores, check_input_valid=False, names=None
+                       ) -> DecodeIndexerCall:
+    """Validate a decode_indexer_topk call from metadata only (no launch, no sync). names maps
+    this function's argument names to the caller's (errors name the caller's argument)."""
+    n = dict(zip(_ARG_NAMES, _ARG_NAMES))
+    n.update(names or {})
     if not isinstance(plan, DecodeIndexerPlan):
-        raise TypeError(f"plan: expected a DecodeIndexerPlan (make_decode_indexer_plan), got "
-                        f"{type(plan).__name__}")
-    check_tensor("q_idx", q_idx, dtypes=(BF16, FP8), ndim=3, contiguous=True)
+        raise TypeError(f"{n['plan']}: expected a DecodeIndexerPlan (make_decode_indexer_plan), "
+                        f"got {type(plan).__name__}")
+    check_values = value_checks_requested(check_input_valid)
+    check_tensor(n["q_idx"], q_idx, dtypes=(BF16, FP8), ndim=3, contiguous=True)
     batch, heads = plan.batch_size, plan.num_index_heads
     total_q = batch * plan.seqlen_q
-    check_shape("q_idx", q_idx, (total_q, heads, HEAD_DIM))
-    check_tensor("k_idx", k_idx, dtypes=(BF16, FP8, torch.uint8), ndim=4, contiguous=True)
+    check_shape(n["q_idx"], q_idx, (total_q, heads, HEAD_DIM))
+    check_tensor(n["k_idx"], k_idx, dtypes=(BF16, FP8, torch.uint8), ndim=4, contiguous=True)
     width = NVFP4_BYTES if k_idx.dtype == torch.uint8 else HEAD_DIM
     if k_idx.shape[1] != 1 or k_idx.shape[2] != PAGE_SIZE or k_idx.shape[3] != width:
-        raise ValueError(f"k_idx: expected [pages, 1, {PAGE_SIZE}, {width}] (one shared index "
-                         f"key head), got {list(k_idx.shape)}")
+        raise ValueError(f"{n['k_idx']}: expected [pages, 1, {PAGE_SIZE}, {width}] (one shared "
+                         f"index key head), got {list(k_idx.shape)}")
     if k_idx.shape[0] < 1:
-        raise ValueError("k_idx: needs at least one page")
+        raise ValueError(f"{n['k_idx']}: needs at least one page")
     if layout not in SCALE_LAYOUTS:
-        raise ValueError(f"k_scale_layout: expected one of {SCALE_LAYOUTS}, got {layout!r}")
+        raise ValueError(f"{n['k_scale_layout']}: expected one of {SCALE_LAYOUTS}, got "
+                         f"{layout!r}")
     if k_idx.dtype == torch.uint8:
         if k_scale is None:
-            raise ValueError("k_scale: NVFP4 index keys (uint8 k_idx) need their block scales")
-        check_tensor("k_scale", k_scale, dtypes=(torch.uint8, FP8), contiguous=True)
+            raise ValueError(f"{n['k_scale']}: NVFP4 index keys (uint8 {n['k_idx']}) need their "
+                             "block scales")
+        check_tensor(n["k_scale"], k_scale, dtypes=(torch.uint8, FP8), contiguous=True)
         need = k_idx.shape[0] * PAGE_SIZE * NVFP4_SCALES
         if k_scale.numel() < need:
-            raise ValueError(f"k_scale: has {k_scale.numel()} bytes, needs >= {need} for "
+            raise ValueError(f"{n['k_scale']}: has {k_scale.numel()} bytes, needs >= {need} for "
                              f"{k_idx.shape[0]} pages")
         k_scale = k_scale.view(torch.uint8)
         if k_global_scale is not None:
-            check_tensor("k_global_scale", k_global_scale, dtypes=(torch.float32,))
+            check_tensor(n["k_global_scale"], k_global_scale, dtypes=(torch.float32,))
             if k_global_scale.numel() < 1:
-                raise ValueError("k_global_scale: must hold at least one element")
+                raise ValueError(f"{n['k_global_scale']}: must hold at least one element")
     elif k_scale is not None or k_global_scale is not None:
-        raise ValueError("k_scale: block scales are only for NVFP4 (uint8) index keys")
+        which = n["k_scale"] if k_scale is not None else n["k_global_scale"]
+        raise ValueError(f"{which}: block scales are only for NVFP4 (uint8) index keys")
     check_page_table(page_table, batch, min_pages=1)
-    scale = check_scale("scale", scale, allow_none=False)
+    scale = check_scale(n["scale"], scale, allow_none=False)
     if out is None:
         out = torch.empty(heads, total_q, plan.topk, dtype=torch.int32, device=q_idx.device)
     else:
-        check_tensor("out", out, dtypes=(torch.int32,), ndim=3, contiguous=True)
+        check_tensor(n["out"], out, dtypes=(torch.int32,), ndim=3, contiguous=True)
         if out.shape[0] % heads or out.shape[0] < heads or tuple(out.shape[1:]) != (
                 total_q, plan.topk):
-            raise ValueError(f"out: expected [{heads} * r, {total_q}, {plan.topk}], got "
+            raise ValueError(f"{n['out']}: expected [{heads} * r, {total_q}, {plan.topk}], got "
                              f"{list(out.shape)}")
+    check_same_device(**{n["q_idx"]: q_idx, n["k_idx"]: k_idx, n["page_table"]: page_table,
+                         "seqused_k": plan.seqused_k, n["k_scale"]: k_scale,
+                         n["k_global_scale"]: k_global_scale, n["out"]: out})
     scores = None
     if return_scores:
         scores = torch.full((heads, total_q, page_table.shape[1]), float("-inf"),
                             dtype=torch.float32, device=q_idx.device)
-    check_same_device(q_idx=q_idx, k_idx=k_idx, page_table=page_table,
-                      seqused_k=plan.seqused_k, k_scale=k_scale, k_global_scale=k_global_scale,
-                      out=out)
     return DecodeIndexerCall(q_idx=q_idx, k_idx=k_idx, k_scale=k_scale,
                              k_global_scale=k_global_scale, scale_layout=layout,
                              page_table=page_table, plan=plan, topk=plan.topk, scale=scale,
-                             out=out, scores=scores)
+                             out=out, scores=scores, check_values=check_values)
 
 
 __all__ = ["DecodeIndexerPlan", "make_decode_indexer_plan", "decode_indexer_topk",

@@ -16,9 +16,16 @@ from typing import Optional
 
 import torch
 
-from ._validation import check_positive_int, check_tensor, check_topk
-from .decode import SparseDecodePagedAttentionWrapper
-from .decode_indexer import DecodeIndexerPlan, decode_indexer_topk, make_decode_indexer_plan
+from . import _backend
+from ._validation import (check_decode_values, check_positive_int, check_qhead_per_kv,
+                          check_tensor, check_topk, value_checks_requested)
+from .decode import SparseDecodePagedAttentionWrapper, _check_seqlen_q, run_decode
+from .decode_indexer import (DecodeIndexerPlan, check_indexer_args, make_decode_indexer_plan,
+                             run_indexer_call)
+
+# run()'s names for the arguments it hands decode_indexer_topk (its errors name these).
+_INDEXER_NAMES = dict(scale="index_scale", k_scale="k_idx_scale",
+                      k_global_scale="k_idx_global_scale", k_scale_layout="k_idx_scale_layout")
 
 
 class MSADecodeStepWrapper:
@@ -35,10 +42,11 @@ class MSADecodeStepWrapper:
         self.attention: Optional[SparseDecodePagedAttentionWrapper] = None
         self.q2k_indices: Optional[torch.Tensor] = None
         self._page_table = None
+        self._check_input_valid = False
 
     def plan(self, *, page_table, seqused_k, seqlen_q, max_seqlen_k, num_qo_heads, num_kv_heads,
              num_index_heads=None, topk=16, max_ctas=None,
-             indexer_plan: Optional[DecodeIndexerPlan] = None):
+             indexer_plan: Optional[DecodeIndexerPlan] = None, check_input_valid=False):
         """Plan a batch; returns self.
 
         page_table [B, max_pages] int32 and seqused_k [B] int32 are kept by reference (write
@@ -47,8 +55,15 @@ class MSADecodeStepWrapper:
         it). topk in {4, 8, 16, 32}. max_ctas: the indexer's CTA budget (default two per SM).
         indexer_plan: a :class:`DecodeIndexerPlan` of this batch to share with other layers'
         wrappers (its seqlen_q, heads and topk must match); by default the wrapper makes one.
+        check_input_valid=True (or MSA_CHECK_INPUTS=1) makes every run() check the lengths and
+        page ids as :func:`msa.decode_indexer_topk` and :func:`msa.sparse_decode_atten_func` do
+        (one synchronization per run). Everything is validated before the indexer plan's first
+        launch.
         """
+        check_positive_int("num_qo_heads", num_qo_heads, minimum=1)
         check_positive_int("num_kv_heads", num_kv_heads, minimum=1)
+        check_qhead_per_kv(num_qo_heads, num_kv_heads, name="num_qo_heads",
+                           kv_name="KV heads of num_kv_heads")
         if num_index_heads is None:
             num_index_heads = num_kv_heads
         check_positive_int("num_index_heads", num_index_heads, minimum=1)
@@ -57,26 +72,32 @@ class MSADecodeStepWrapper:
                              f"{num_kv_heads}")
         check_topk("topk", topk)
         check_tensor("seqused_k", seqused_k, dtypes=(torch.int32,), ndim=1, contiguous=True)
+        check_values = value_checks_requested(check_input_valid)
+        if indexer_plan is not None:
+            if not isinstance(indexer_plan, DecodeIndexerPlan):
+                raise TypeError(f"indexer_plan: expected a DecodeIndexerPlan, got "
+                                f"{type(indexer_plan).__name__}")
+            if (indexer_plan.seqused_k is not seqused_k or indexer_plan.seqlen_q != seqlen_q
+                    or indexer_plan.num_index_heads != num_index_heads
+                    or indexer_plan.topk != topk):
+                raise ValueError("indexer_plan: was made for other lengths, seqlen_q, index "
+                                 "heads or topk than this plan call")
+        _check_seqlen_q(seqlen_q)
+        q2k = torch.full((num_kv_heads, seqused_k.numel() * seqlen_q, topk), -1,
+                         dtype=torch.int32, device=seqused_k.device)
+        # The attention plan validates the layout (no launch); the indexer plan launches its
+        # first update, so it comes last.
+        attention = SparseDecodePagedAttentionWrapper().plan(
+            page_table=page_table, seqused_k=seqused_k, seqlen_q=seqlen_q,
+            max_seqlen_k=max_seqlen_k, q2k_indices=q2k, num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads, enable_cuda_graph=True, check_input_valid=check_values)
         if indexer_plan is None:
             indexer_plan = make_decode_indexer_plan(
                 seqused_k, seqlen_q=seqlen_q, num_index_heads=num_index_heads,
                 max_seqlen_k=max_seqlen_k, topk=topk, max_ctas=max_ctas)
-        elif not isinstance(indexer_plan, DecodeIndexerPlan):
-            raise TypeError(f"indexer_plan: expected a DecodeIndexerPlan, got "
-                            f"{type(indexer_plan).__name__}")
-        elif (indexer_plan.seqused_k is not seqused_k or indexer_plan.seqlen_q != seqlen_q
-              or indexer_plan.num_index_heads != num_index_heads or indexer_plan.topk != topk):
-            raise ValueError("indexer_plan: was made for other lengths, seqlen_q, index heads or "
-                             "topk than this plan call")
-        batch = seqused_k.numel()
-        q2k = torch.full((num_kv_heads, batch * seqlen_q, topk), -1, dtype=torch.int32,
-                         device=seqused_k.device)
-        attention = SparseDecodePagedAttentionWrapper().plan(
-            page_table=page_table, seqused_k=seqused_k, seqlen_q=seqlen_q,
-            max_seqlen_k=max_seqlen_k, q2k_indices=q2k, num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads, enable_cuda_graph=True)
         self.indexer_plan, self.attention, self.q2k_indices = indexer_plan, attention, q2k
         self._page_table = page_table
+        self._check_input_valid = check_values
         return self
 
     def update(self) -> "MSADecodeStepWrapper":
@@ -96,15 +117,23 @@ class MSADecodeStepWrapper:
         NVFP4) as in :func:`msa.decode_indexer_topk`; index_scale scales the index scores.
         out / lse: optional preallocated bf16 [B * seqlen_q, Hq, 128] / fp32 [B * seqlen_q, Hq].
         Returns O, or (O, LSE) with return_softmax_lse. The selection stays in
-        ``self.q2k_indices`` [Hkv, B * seqlen_q, topk] until the next run.
+        ``self.q2k_indices`` [Hkv, B * seqlen_q, topk] until the next run. Every argument is
+        validated before the indexer launches.
         """
         self._require_plan()
-        decode_indexer_topk(q_idx, k_idx, plan=self.indexer_plan, page_table=self._page_table,
-                            scale=index_scale, k_scale=k_idx_scale,
-                            k_global_scale=k_idx_global_scale,
-                            k_scale_layout=k_idx_scale_layout, out=self.q2k_indices)
-        return self.attention.run(q, k, v, softmax_scale=softmax_scale,
-                                  return_softmax_lse=return_softmax_lse, out=out, lse=lse)
+        index_call = check_indexer_args(
+            q_idx, k_idx, self.indexer_plan, self._page_table, index_scale, k_idx_scale,
+            k_idx_global_scale, k_idx_scale_layout, self.q2k_indices, False,
+            self._check_input_valid, names=_INDEXER_NAMES)
+        attention = self.attention
+        call = attention._prepare_run(q, k, v, softmax_scale=softmax_scale, out=out, lse=lse)
+        if call.check_values or _backend.reference_only(q.device):
+            # Lengths and pages before any launch; the selection is the indexer's own output.
+            check_decode_values(call, strict=False)
+            call.check_values = False
+        run_indexer_call(index_call)
+        return run_decode(call, attention.decode_schedule, attention.O_partial,
+                          attention.LSE_partial, bool(return_softmax_lse))
 
     def _require_plan(self):
         if self.attention is None:

@@ -47,9 +47,10 @@ import torch
 from torch import nn
 
 from . import _backend
-from ._validation import BLOCK_SIZE, HEAD_DIM, SUPPORTED_TOPK
+from ._validation import (BLOCK_SIZE, HEAD_DIM, SUPPORTED_TOPK, check_head_dim,
+                          check_positive_int, check_shape, check_tensor)
 from .fmha import fmha, fmha_plan
-from .indexer import block_max_scores
+from .indexer import INDEX_DTYPES, block_max_scores
 from .prefill import DEFAULT_WORKSPACE_BYTES, sparse_atten_from_selection
 from .topk import sparse_topk_select
 
@@ -272,14 +273,18 @@ def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     a request of Hq/Hkv query heads against one KV head, reading the cache's [B, Hkv, S_k, 128]
     memory in place and copying the queries instead (decode and short chunks on a long cache).
     """
-    if query.dtype != torch.bfloat16:
-        raise TypeError(f"query: the msa sparse attention serves bf16 models, got {query.dtype} "
-                        "(load the model with dtype=torch.bfloat16)")
+    _check_attention_args(query, key, value)
     batch, q_len, num_heads, dim = query.shape
     num_kv_heads, k_len = key.shape[1], key.shape[2]
+    check_tensor("block_indices", block_indices, ndim=4)
+    if block_indices.is_floating_point() or block_indices.dtype == torch.bool:
+        raise TypeError(f"block_indices: expected integer block ids, got {block_indices.dtype}")
     if block_indices.shape[1] != num_kv_heads:
         raise ValueError(f"index_n_heads: the sparse attention takes one index head per KV head "
                          f"({num_kv_heads}), the indexer gave {block_indices.shape[1]}")
+    check_shape("block_indices", block_indices, (batch, num_kv_heads, q_len, None))
+    _check_position_ids(position_ids, batch, q_len)
+    position_ids = position_ids.view(-1, q_len)
     width = block_indices.shape[-1]
     topk = next((t for t in SUPPORTED_TOPK if t >= width), None)
     if topk is None:
@@ -324,8 +329,12 @@ def dense_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
 
     query [B, S, Hq, 128]; key, value [B, Hkv, S, 128]; bf16. Returns [B, S, Hq, 128] bf16.
     """
+    _check_attention_args(query, key, value)
     batch, q_len, num_heads, dim = query.shape
     num_kv_heads = key.shape[1]
+    if key.shape[2] != q_len:
+        raise ValueError(f"key: has {key.shape[2]} keys per request, the prefill without history "
+                         f"needs S_k = S_q = {q_len}")
     lengths = torch.full((batch,), q_len, dtype=torch.int32)
     plan = fmha_plan(lengths, lengths, num_heads, num_kv_heads, causal=True, device=query.device)
     q = query.reshape(batch * q_len, num_heads, dim)
@@ -406,27 +415,51 @@ def _strided_seqlens(requests: int, q_len: int, k_len: int, valid: Optional[torc
     return cu_q_gap, cu_k_gap
 
 
+# Errors about values the model config sets name the config field (index_block_size, ...).
+
 def _check_selection_args(idx_q, idx_k, position_ids, topk_blocks, local_blocks, block_size):
     if block_size != BLOCK_SIZE:
         raise ValueError(f"index_block_size: only {BLOCK_SIZE} is supported, got {block_size}")
-    if idx_q.dim() != 4 or idx_k.dim() != 4 or idx_k.shape[1] != 1:
-        raise ValueError(f"idx_q / idx_k: expected [B, S_q, H, D] and [B, 1, S_k, D], got "
-                         f"{list(idx_q.shape)} and {list(idx_k.shape)}")
+    check_tensor("idx_q", idx_q, dtypes=INDEX_DTYPES, ndim=4)
+    check_tensor("idx_k", idx_k, dtypes=(idx_q.dtype,), ndim=4)
     if idx_q.shape[-1] != HEAD_DIM or idx_k.shape[-1] != HEAD_DIM:
         raise ValueError(f"index_head_dim: only {HEAD_DIM} is supported, got "
-                         f"{idx_q.shape[-1]}")
-    if idx_k.shape[0] != idx_q.shape[0] or idx_k.shape[2] < 1:
+                         f"{idx_q.shape[-1]} (idx_q) and {idx_k.shape[-1]} (idx_k)")
+    if idx_k.shape[0] != idx_q.shape[0] or idx_k.shape[1] != 1 or idx_k.shape[2] < 1:
         raise ValueError(f"idx_k: expected [B = {idx_q.shape[0]}, 1, S_k >= 1, D], got "
                          f"{list(idx_k.shape)}")
-    if not 1 <= int(topk_blocks) <= 64:
+    check_positive_int("index_topk_blocks", topk_blocks, minimum=1)
+    if topk_blocks > 64:
         raise ValueError(f"index_topk_blocks: must be in [1, 64], got {topk_blocks}")
-    if int(local_blocks) < 0:
-        raise ValueError(f"index_local_blocks: must be >= 0, got {local_blocks}")
-    if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point():
+    check_positive_int("index_local_blocks", local_blocks)
+    _check_position_ids(position_ids, idx_q.shape[0], idx_q.shape[1])
+
+
+def _check_position_ids(position_ids, batch: int, q_len: int) -> None:
+    if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point() \
+            or position_ids.dtype == torch.bool:
         raise TypeError("position_ids: expected an integer tensor")
-    if position_ids.shape[-1] != idx_q.shape[1] or position_ids.dim() not in (1, 2):
-        raise ValueError(f"position_ids: expected [B, S_q = {idx_q.shape[1]}], got "
+    if position_ids.dim() not in (1, 2) or position_ids.shape[-1] != q_len or (
+            position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch)):
+        raise ValueError(f"position_ids: expected [B = {batch}, S_q = {q_len}], got "
                          f"{list(position_ids.shape)}")
+
+
+def _check_attention_args(query, key, value) -> None:
+    """query [B, S_q, Hq, 128] bf16; key, value [B, Hkv, S_k, 128] of query's dtype."""
+    if isinstance(query, torch.Tensor) and query.dtype != torch.bfloat16:
+        raise TypeError(f"query: the msa attention layers serve bf16 models, got {query.dtype} "
+                        "(load the model with dtype=torch.bfloat16)")
+    check_tensor("query", query, ndim=4)
+    check_head_dim("query", query.shape[-1])
+    for name, t in (("key", key), ("value", value)):
+        check_tensor(name, t, dtypes=(torch.bfloat16,), ndim=4)
+        if t.shape[0] != query.shape[0] or t.shape[-1] != query.shape[-1]:
+            raise ValueError(f"{name}: expected [B = {query.shape[0]}, Hkv, S_k, "
+                             f"{query.shape[-1]}], got {list(t.shape)}")
+    if value.shape != key.shape:
+        raise ValueError(f"value: shape {list(value.shape)} differs from key's "
+                         f"{list(key.shape)}")
 
 
 def _query_chunk(num_heads: int, num_blocks: int, batch: int, q_len: int) -> int:

@@ -35,12 +35,13 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _stages
-from ._validation import (BLOCK_SIZE, HEAD_DIM, SUPPORTED_TOPK, check_k2q_build_values,
-                          check_page_table, check_partial_dtype, check_positive_int,
-                          check_qhead_per_kv, check_same_device, check_scale, check_shape,
-                          check_tensor, check_topk)
-from .indexer import _per_query_block_bounds, block_max_scores
+from . import _backend, _stages
+from ._validation import (BLOCK_SIZE, FP8, HEAD_DIM, SUPPORTED_TOPK, check_head_dim,
+                          check_k2q_build_values, check_page_ids, check_page_table,
+                          check_partial_dtype, check_positive_int, check_qhead_per_kv,
+                          check_same_device, check_scale, check_shape, check_tensor, check_topk,
+                          host_int64, value_checks_requested)
+from .indexer import INDEX_DTYPES, _per_query_block_bounds, block_max_scores
 from .interface import (_check_k2q_csr_args, build_k2q_csr, check_attention_operands,
                         sparse_atten_func)
 from .topk import sparse_topk_select
@@ -543,6 +544,7 @@ class MsaPrefillPagedWrapper:
             raise ValueError(f"local_blocks: {local_blocks} exceeds topk = {topk}")
         if not isinstance(causal, bool):
             raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+        check_partial_dtype(partial_dtype)
         if workspace_bytes is not None:
             check_positive_int("workspace_bytes", workspace_bytes, minimum=1)
         self.topk, self.local_blocks, self.causal = topk, local_blocks, causal
@@ -555,13 +557,18 @@ class MsaPrefillPagedWrapper:
              kv_lens: Union[Sequence[int], torch.Tensor], page_table: torch.Tensor, *,
              num_qo_heads: int, num_kv_heads: int, head_dim: int = HEAD_DIM,
              index_page_table: Optional[torch.Tensor] = None,
-             max_chunk_tokens: Optional[int] = None) -> "MsaPrefillPagedWrapper":
+             max_chunk_tokens: Optional[int] = None,
+             check_input_valid: bool = False) -> "MsaPrefillPagedWrapper":
         """Plan one batch; returns self.
 
         qo_lens, kv_lens: host ints per request (sequences or CPU tensors; kv_lens counts the
-        prefix and the new tokens). page_table [B, max_pages] int32 on the device, at least
+        prefix and the new tokens; a request with more queries than keys has early queries
+        that see nothing). page_table [B, max_pages] int32 on the device, at least
         ceil(max(kv_lens) / 128) pages wide; index_page_table likewise for k_idx_cache.
         max_chunk_tokens caps the queries per chunk below what the workspace budget allows.
+        check_input_valid=True (or MSA_CHECK_INPUTS=1) makes every run() check the page ids of
+        every page holding keys against k_cache / k_idx_cache (one synchronization per run; the
+        reference backend always checks). Unchecked native runs skip pages outside the pools.
         """
         qo = _host_lengths("qo_lens", qo_lens)
         kv = _host_lengths("kv_lens", kv_lens)
@@ -573,9 +580,12 @@ class MsaPrefillPagedWrapper:
         check_positive_int("num_kv_heads", num_kv_heads, minimum=1)
         if head_dim != HEAD_DIM:
             raise NotImplementedError(f"head_dim: {head_dim} is not supported; only {HEAD_DIM}")
-        g = check_qhead_per_kv(num_qo_heads, num_kv_heads)
+        g = check_qhead_per_kv(num_qo_heads, num_kv_heads, name="num_qo_heads",
+                               kv_name="KV heads of num_kv_heads")
         if max_chunk_tokens is not None:
             check_positive_int("max_chunk_tokens", max_chunk_tokens, minimum=1)
+        check_values = value_checks_requested(check_input_valid)
+        self._index_table_name = "page_table" if index_page_table is None else "index_page_table"
         index_page_table = page_table if index_page_table is None else index_page_table
         needed = -(-max(kv) // BLOCK_SIZE) if max(kv) > 0 else 0
         for name, table in (("page_table", page_table), ("index_page_table", index_page_table)):
@@ -625,6 +635,7 @@ class MsaPrefillPagedWrapper:
         self._page_table, self._index_page_table = page_table, index_page_table
         self._num_qo_heads, self._num_kv_heads, self._qhead_per_kv = num_qo_heads, num_kv_heads, g
         self._total_q = total_q
+        self._check_values = check_values
         self._planned = True
         return self
 
@@ -649,17 +660,17 @@ class MsaPrefillPagedWrapper:
         [T, Hkv, 128] index queries (one index head per KV head), k_idx_cache
         [index pages, 1, 128, 128] (q_idx's dtype). softmax_scale default 128**-0.5;
         index_scale scales the index scores (> 0; it does not change the selection). out
-        (bf16 [T, Hq, 128]) and lse (fp32 [T, Hq]) are written in place when given.
+        (bf16 [T, Hq, 128]) and lse (fp32 [T, Hq]) are written in place when given. Every
+        argument is checked before the first launch.
 
         Returns O [T, Hq, 128] bf16, then LSE [T, Hq] fp32 with return_lse and q2k
         [Hkv, T, topk] int32 with return_selection (ids ascending, -1 tail).
         """
         if not self._planned:
             raise RuntimeError("run: called before plan(); call plan(...) first")
-        check_tensor("q", q, ndim=3)
-        check_tensor("q_idx", q_idx, ndim=3)
-        for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k_idx_cache", k_idx_cache)):
-            check_tensor(name, t, ndim=4)
+        _check_paged_prefill_tensors(q, k_cache, v_cache, q_idx, k_idx_cache)
+        softmax_scale = check_scale("softmax_scale", softmax_scale)
+        index_scale = check_scale("index_scale", index_scale, allow_none=False)
         if q.shape[0] != self._total_q:
             raise ValueError(f"q: has {q.shape[0]} rows but plan() got sum(qo_lens) = "
                              f"{self._total_q}")
@@ -670,9 +681,6 @@ class MsaPrefillPagedWrapper:
             raise ValueError(f"k_cache: has {k_cache.shape[1]} heads but plan() got "
                              f"num_kv_heads={self._num_kv_heads}")
         check_shape("q_idx", q_idx, (self._total_q, self._num_kv_heads, None))
-        if k_idx_cache.shape[1] != 1:
-            raise ValueError(f"k_idx_cache: expected one shared index-key head, got "
-                             f"{k_idx_cache.shape[1]}")
         check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, q_idx=q_idx,
                           k_idx_cache=k_idx_cache, page_table=self._page_table)
         if out is not None:
@@ -681,6 +689,8 @@ class MsaPrefillPagedWrapper:
         if lse is not None:
             check_tensor("lse", lse, dtypes=(torch.float32,), contiguous=True)
             check_shape("lse", lse, tuple(q.shape[:2]))
+        if self._check_values or _backend.reference_only(q.device):
+            self._check_page_ids(k_cache.shape[0], k_idx_cache.shape[0])
         opts = PrefillOptions(self.topk, self.local_blocks, self.causal, self.partial_dtype,
                               softmax_scale, index_scale, self._qhead_per_kv)
         if self._total_q == 0:
@@ -697,6 +707,40 @@ class MsaPrefillPagedWrapper:
                                      want_lse=return_lse or lse is not None,
                                      want_selection=return_selection, out=out, lse=lse)
         return _shape_result(o, lse_out, q2k, return_lse, return_selection)
+
+    def _check_page_ids(self, num_pages: int, num_index_pages: int) -> None:
+        """The pages holding each request's keys lie in the K/V pool and the index-K pool (one
+        synchronization)."""
+        host = host_int64(page_table=self._page_table, index_page_table=self._index_page_table)
+        lens = torch.tensor(self._kv, dtype=torch.int64)
+        check_page_ids("page_table", host["page_table"], lens, BLOCK_SIZE, num_pages)
+        check_page_ids(self._index_table_name, host["index_page_table"], lens, BLOCK_SIZE,
+                       num_index_pages)
+
+
+def _check_paged_prefill_tensors(q, k_cache, v_cache, q_idx, k_idx_cache) -> None:
+    """dtypes, ranks, page size and head dims of a paged prefill run (metadata only)."""
+    check_tensor("q", q, dtypes=(torch.bfloat16, FP8), ndim=3, contiguous=True)
+    check_head_dim("q", q.shape[2])
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, t, dtypes=(torch.bfloat16, FP8), ndim=4, contiguous=True)
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache: dtype {v_cache.dtype} differs from k_cache's {k_cache.dtype}")
+    if q.dtype == FP8 and k_cache.dtype != FP8:
+        raise TypeError("k_cache: bf16 K/V needs a bf16 q; e4m3 q needs e4m3 K/V")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache: shape {list(v_cache.shape)} differs from k_cache's "
+                         f"{list(k_cache.shape)}")
+    if k_cache.shape[2] != BLOCK_SIZE:
+        raise ValueError(f"k_cache: page size {k_cache.shape[2]} is not supported; only "
+                         f"{BLOCK_SIZE}")
+    check_head_dim("k_cache", k_cache.shape[3])
+    check_tensor("q_idx", q_idx, dtypes=INDEX_DTYPES, ndim=3, contiguous=True)
+    check_head_dim("q_idx", q_idx.shape[2])
+    check_tensor("k_idx_cache", k_idx_cache, dtypes=(q_idx.dtype,), ndim=4, contiguous=True)
+    if tuple(k_idx_cache.shape[1:]) != (1, BLOCK_SIZE, HEAD_DIM):
+        raise ValueError(f"k_idx_cache: expected [pages, 1, {BLOCK_SIZE}, {HEAD_DIM}] (one shared "
+                         f"index-key head), got {list(k_idx_cache.shape)}")
 
 
 def _shape_result(out, lse, q2k, return_lse: bool, return_selection: bool):

@@ -3,16 +3,18 @@
 Per request b (KV length L = seqused_k[b], seqlen_q = Q queries) and index head h, query q sits
 at key position pos = L - Q + q; its own (local) block is pos // 128 (none when pos < 0). Its
 candidates are the history blocks p < own block: every key of such a block lies before the
-query, so the block score is the plain max over the block's 128 keys of
-``scale * <q_idx[row, h], k_idx[key]>`` (fp32 accumulation). The selection (upstream msa_v1
-contract: local block forced, last among the valid entries):
+query, so the block score is the max over the block's 128 keys of
+``scale * <q_idx[row, h], k_idx[key]>`` (fp32 accumulation), passing over keys whose score is
+NaN as the kernel's hardware max does (a block of NaN scores only scores NaN). The selection
+(upstream msa_v1 contract: local block forced, last among the valid entries):
 
   * the ``topk - 1`` best candidates by score, ties to the lower block id (non-finite-low scores,
     -inf and NaN, are never taken), in that rank order;
   * then the own block;
   * then -1 up to ``topk``.
 
-Lengths are clamped to the page table (``seqused_k[b] <= max_pages * 128``).
+The public function checks the lengths and page ids first; lengths are clamped to the page
+table here as in the kernel (``seqused_k[b] <= max_pages * 128``).
 
 Index keys: bf16 or e4m3 [pages, 1, 128, 128], or NVFP4 [pages, 1, 128, 64] uint8 (two E2M1
 codes per byte, even element in the low nibble) with one E4M3 scale per 16 elements, in the
@@ -65,6 +67,14 @@ def dequantize_index_pages(k_idx: torch.Tensor, pages: torch.Tensor, *, k_scale=
     return values
 
 
+def block_max(key_scores: torch.Tensor) -> torch.Tensor:
+    """Max over the last dimension (a block's keys) passing over NaN, as the hardware max does:
+    NaN only when every key's score is NaN."""
+    nan = torch.isnan(key_scores)
+    best = key_scores.masked_fill(nan, float("-inf")).amax(-1)
+    return torch.where(nan.all(-1), torch.full_like(best, float("nan")), best)
+
+
 def _rank_keys(scores: torch.Tensor) -> torch.Tensor:
     """int64 rank keys of [rows, n] scores (larger = better; ties to the lower column); -inf and
     NaN get -1 (never taken)."""
@@ -108,7 +118,7 @@ def decode_indexer_reference(q_idx: torch.Tensor, k_idx: torch.Tensor, page_tabl
             keys = dequantize_index_pages(k_idx, ids.to(device), k_scale=k_scale,
                                           k_global_scale=k_global_scale,
                                           scale_layout=scale_layout, compute_dtype=compute_dtype)
-            s = torch.einsum("qhd,pkd->hqpk", q, keys).amax(-1) * scale      # [H, Q, n]
+            s = block_max(torch.einsum("qhd,pkd->hqpk", q, keys)) * scale     # [H, Q, n]
             scores[:, rows, p0:p0 + ids.numel()] = s.float()
         block = torch.arange(width, device=device).view(1, 1, -1)
         eligible = block < own.to(device).view(1, -1, 1)
