@@ -124,15 +124,17 @@ def _fmha_inputs(dtype, seed, causal=True, hq=8, hkv=2):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_e4m3_fmha_native_with_the_compiled_v_transpose(causal, seed, monkeypatch):
+def test_e4m3_fmha_native_with_the_compiled_v_transpose(causal, seed, monkeypatch,
+                                                        native_hooks):
     from msa._native import fmha_sm90
 
     q, k, v, plan = _fmha_inputs(E4M3, seed, causal)
     (out, _), (ref_out, _), served = _both_backends(
         monkeypatch, lambda: msa.fmha(q, k, v, plan), ["fmha_dense"])
     assert served == {"fmha_dense": "sm90"}
-    assert fmha_sm90.last_variant is not None
-    assert fmha_sm90.variant_form(fmha_sm90.last_variant) in fmha_sm90.V_TRANSPOSED_FORMS
+    variant = native_hooks.last_variant("fmha_dense")
+    assert variant is not None
+    assert variant.rsplit("_", 1)[1] in fmha_sm90.V_TRANSPOSED_FORMS, variant
     assert (out.float() - ref_out.float()).abs().max().item() <= 0.125
 
 

@@ -346,8 +346,10 @@ def run_chunks(chunks: Sequence[ChunkPlan], q, k, v, q_idx, k_idx, opts: Prefill
     q2k_all = None
     for chunk in chunks:
         t0, t1 = chunk.q_begin, chunk.q_end
+        whole = t0 == 0 and t1 == total_q      # no view of the inputs when the chunk is the call
+        rows = (lambda t: t) if whole else (lambda t: t[t0:t1])
         o_c, lse_c, q2k_c = run_chunk(
-            chunk, q[t0:t1], k, v, None if q_idx is None else q_idx[t0:t1], k_idx, opts,
+            chunk, rows(q), k, v, None if q_idx is None else rows(q_idx), k_idx, opts,
             page_table=page_table, index_page_table=index_page_table, want_lse=want_lse,
             q2k=None if selection is None else selection[:, t0:t1].contiguous())
         if len(chunks) == 1 and out is None and lse is None:

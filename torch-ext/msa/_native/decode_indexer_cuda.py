@@ -5,9 +5,9 @@ One launch per layer (the indexer, grid = the plan's capacity) plus one per step
 update, one CTA). Both read only device tensors, never synchronize and can be captured in a CUDA
 graph. Importing this module does not touch CUDA.
 
-Gated until its GPU test (tests/test_decode_indexer_gpu.py) passes on the H200: ``supports()``
-refuses while ``VALIDATED`` is False unless ``MSA_UNVALIDATED_KERNELS=1``. The plan update is
-gated with it (a plan without native updates is only used by the reference).
+Validated on the H200 (tests/test_decode_indexer_gpu.py against float64, memcheck including
+garbage page ids and lengths); ``VALIDATED`` is the gate a rewrite would close again (then
+``supports()`` refuses unless ``MSA_UNVALIDATED_KERNELS=1``). The plan update shares the gate.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from .compiled_ops import ops
 
 OP_NAME = "decode_indexer_topk"
 PLAN_OP_NAME = "decode_indexer_plan_update"
-# Flip to True only after tests/test_decode_indexer_gpu.py passes on the H200.
-VALIDATED = False
+VALIDATED = True
 MAX_ROWS = 128
 MAX_TOPK = 32
 # q dtype each index-key format is served with (the kernel's MMA type needs an exact widening).
