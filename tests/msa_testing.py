@@ -131,3 +131,19 @@ def nan_tensor(shape, dtype: torch.dtype, device) -> torch.Tensor:
     bits = {torch.float8_e4m3fn: (torch.uint8, 0x7F), torch.bfloat16: (torch.int16, 0x7FC0)}
     int_dtype, nan = bits[dtype]
     return torch.full(shape, nan, dtype=int_dtype, device=device).view(dtype)
+
+
+def compiled_variant_with(op: str):
+    """The msa package of the built variant the GPU tests run against (MSA_TEST_PACKAGE_DIR),
+    asserting its compiled op `op` is present; skips without a variant or a CUDA device."""
+    import os
+
+    import pytest
+    if not os.environ.get("MSA_TEST_PACKAGE_DIR"):
+        pytest.skip("set MSA_TEST_PACKAGE_DIR to a built variant (build/<variant>)")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import msa
+    from msa._native import compiled_ops
+    assert compiled_ops.missing_reason(op) is None, compiled_ops.missing_reason(op)
+    return msa

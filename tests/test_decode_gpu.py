@@ -9,11 +9,10 @@ Outputs, LSE and split workspaces are poisoned with NaN before each run.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from msa_testing import compiled_variant_with
 from test_decode import DTYPES, FP8, P, check_against_oracle, make_batch, oracle, random_q2k
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
@@ -25,15 +24,7 @@ HKV = 2
 
 @pytest.fixture(scope="module")
 def msa_pkg():
-    if not os.environ.get("MSA_TEST_PACKAGE_DIR"):
-        pytest.skip("set MSA_TEST_PACKAGE_DIR to a built variant (build/<variant>)")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    import msa
-    from msa._native import decode_cuda
-    assert decode_cuda.compiled_ops.missing_reason("sparse_decode_attention") is None, \
-        decode_cuda.compiled_ops.missing_reason("sparse_decode_attention")
-    return msa
+    return compiled_variant_with("sparse_decode_attention")
 
 
 @pytest.fixture

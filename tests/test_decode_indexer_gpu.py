@@ -11,11 +11,10 @@ the gated kernel with MSA_UNVALIDATED_KERNELS=1 and MSA_BACKEND=native (no silen
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from msa_testing import compiled_variant_with
 from test_decode_indexer import P, make_index_batch, oracle
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
@@ -25,15 +24,7 @@ SCORE_TOL = 2e-4
 
 @pytest.fixture(scope="module")
 def msa_pkg():
-    if not os.environ.get("MSA_TEST_PACKAGE_DIR"):
-        pytest.skip("set MSA_TEST_PACKAGE_DIR to a built variant (build/<variant>)")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    import msa
-    from msa._native import decode_indexer_cuda
-    assert decode_indexer_cuda.compiled_ops.missing_reason("decode_indexer_topk") is None, \
-        decode_indexer_cuda.compiled_ops.missing_reason("decode_indexer_topk")
-    return msa
+    return compiled_variant_with("decode_indexer_topk")
 
 
 @pytest.fixture
