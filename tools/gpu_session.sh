@@ -3,7 +3,8 @@
 # precompiled CuTe kernels), run the GPU tests against that build, then the benchmarks.
 #
 #   bash tools/gpu_session.sh [ARTIFACTS_DIR] [tests|bench|all|none] [extra benchmark args...]
-#   MSA_GPU_TESTS="files"  MSA_PYTEST_ARGS="-x ..." (split on spaces)
+#   MSA_GPU_TESTS="files or node ids"  MSA_PYTEST_ARGS="-x ..." (split on spaces; replaces the
+#   default -q, so "-v -rf" lists every test's outcome as it runs)
 #   MSA_PYTEST_K="a or b" (one -k expression)  MSA_SANITIZE=1 (memcheck stage; MSA_SANITIZE_ONLY
 #   picks its sections, see tools/sanitize_cases.py)
 #   MSA_BENCH_IF_GREEN=1 (skip the benchmarks when a test failed)  MSA_EXTRA="cmd"
@@ -66,7 +67,7 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
       tests/test_csrc_gpu.py tests/test_packaging.py}; do
     log=/tmp/msa-tests-$(basename "$file" .py).log
     MSA_TEST_PACKAGE_DIR=$PWD/$VARIANT MSA_EXPECT_NATIVE=1 timeout ${MSA_TEST_TIMEOUT:-420} \
-      python3 -m pytest -q -p no:cacheprovider "$file" ${MSA_PYTEST_ARGS:-} \
+      python3 -m pytest -p no:cacheprovider "$file" ${MSA_PYTEST_ARGS:--q} \
       ${MSA_PYTEST_K:+-k "$MSA_PYTEST_K"} -s > "$log" 2>&1 &
     pids+=($!)
   done
