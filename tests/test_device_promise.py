@@ -1,7 +1,9 @@
 """What a user on each kind of device gets (README / CARD.md "What runs where"), checked as far as
 a CPU machine can: the `kernels` loader's architecture check on this build's archs, the
 dispatcher's choice per compute capability (the native kernels are registered for SM90, the
-csrc CSR builder and top-k also for SM100), and CARD.md rendered as kernel-builder renders it."""
+csrc CSR builder and top-k also for SM100, the gated portable tier for SM100 and every other
+capability >= 8.0; docs/design-portable.md), and CARD.md rendered as kernel-builder renders
+it."""
 
 from __future__ import annotations
 
@@ -75,20 +77,83 @@ def test_other_gpus_run_the_reference_with_a_warning(gpu_of_capability, monkeypa
             (_backend.REFERENCE, None)
     text = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "PyTorch reference" in text and f"{capability[0]}.{capability[1]}" in text
+    assert "portable tier" in text
     monkeypatch.setenv("MSA_BACKEND", "native")
     with pytest.raises(NotImplementedError, match="MSA_BACKEND=native"):
         _backend.choose("sparse_atten", device, **_sparse_features())
 
 
 def test_native_registrations_per_architecture():
-    """SM90: every native family; SM100: the csrc CSR builder and top-k only (the CuTe and
-    decode kernels target sm_90a)."""
+    """SM90: every native family; SM100: the csrc CSR builder and top-k, and the portable sparse
+    prefill; every other capability >= 8.0: the portable sparse prefill (the CuTe kernels and
+    the decode warpgroup form target sm_90a)."""
     registered = set(_backend.registered())
     for op in ("sparse_atten", "block_max_scores", "build_k2q_csr", "sparse_topk_select",
                "sparse_decode_atten", "fmha_dense", "fmha_max_score"):
         assert (op, "sm90") in registered, op
-    assert {op for op, arch in registered if arch == "sm100"} == {"build_k2q_csr",
-                                                                  "sparse_topk_select"}
+    assert {op for op, arch in registered if arch == "sm100"} == {
+        "build_k2q_csr", "sparse_topk_select", "sparse_atten"}
+    assert {op for op, arch in registered if arch == "portable"} == {"sparse_atten"}
+
+
+@pytest.mark.parametrize("capability,family", [((9, 0), "sm90"), ((10, 0), "sm100"),
+                                               ((8, 0), "portable"), ((8, 6), "portable"),
+                                               ((12, 1), "portable"), ((7, 5), None)])
+def test_arch_families(gpu_of_capability, monkeypatch, capability, family):
+    gpu_of_capability(capability)
+    monkeypatch.delenv("MSA_NATIVE_TIER", raising=False)
+    device = torch.device("cuda", 0)
+    assert _backend.arch_family(device) == family
+    monkeypatch.setenv("MSA_NATIVE_TIER", "portable")   # the proxy switch: any capability >= 8.0
+    assert _backend.arch_family(device) == (None if family is None else "portable")
+    monkeypatch.setenv("MSA_NATIVE_TIER", "hopper")
+    with pytest.raises(ValueError, match="MSA_NATIVE_TIER"):
+        _backend.arch_family(device)
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 9)])
+def test_portable_tier_is_gated_and_logged(gpu_of_capability, monkeypatch, caplog, capability):
+    """The portable sparse prefill, forced on SM90 or chosen on another GPU: refused while it is
+    not validated (a WARNING naming the tier and the gate), served with MSA_UNVALIDATED_KERNELS=1
+    (an INFO line naming the tier, the capability and that it has not run on hardware)."""
+    from msa._native import compiled_ops, sparse_prefill_portable
+    gpu_of_capability(capability)
+    monkeypatch.setattr(_backend, "_logged", set())
+    monkeypatch.setattr(compiled_ops, "missing_reason", lambda *names: None)
+    monkeypatch.delenv("MSA_BACKEND", raising=False)
+    monkeypatch.delenv("MSA_UNVALIDATED_KERNELS", raising=False)
+    monkeypatch.setenv("MSA_NATIVE_TIER", "portable")
+    device = torch.device("cuda", 0)
+    with caplog.at_level(logging.INFO, logger="msa"):
+        assert _backend.choose("sparse_atten", device, **_sparse_features()) == \
+            (_backend.REFERENCE, None)
+        assert _backend.reference_only(device)
+        monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+        backend, run = _backend.choose("sparse_atten", device, **_sparse_features())
+        assert (backend, run) == ("portable", sparse_prefill_portable.run)
+        assert not _backend.reference_only(device)
+    warning, info = (" ".join(r.getMessage() for r in caplog.records if r.levelno == level)
+                     for level in (logging.WARNING, logging.INFO))
+    cc = f"{capability[0]}.{capability[1]}"
+    assert f"portable tier on compute capability {cc}" in warning
+    assert "MSA_UNVALIDATED_KERNELS=1" in warning
+    assert f"portable tier (warp-MMA csrc kernels) on compute capability {cc}" in info
+    assert "not validated on hardware yet" in info
+
+
+def test_portable_tier_serves_bf16_only():
+    """What the portable sparse prefill refuses (the reference serves it), before its gate."""
+    from msa._native import sparse_prefill_portable
+    e4m3 = torch.float8_e4m3fn
+    features = _sparse_features()
+    for change, why in ((dict(k_dtype=e4m3, v_dtype=e4m3), "serves bf16"),
+                        (dict(partial_dtype=e4m3), "partial_dtype"),
+                        (dict(qhead_per_kv=3), "qhead_per_kv 3"),
+                        (dict(nvfp4=True), "NVFP4")):
+        reason = sparse_prefill_portable.supports(**{**features, **change})
+        assert isinstance(reason, str), change
+        if "compiled msa CUDA op" not in reason:      # a compiled build reaches the check
+            assert why in reason, reason
 
 
 def test_card_renders_as_kernel_builder_fills_it():

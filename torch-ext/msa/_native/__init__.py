@@ -6,4 +6,5 @@ is marked ``validated=False`` there and passed by unless ``MSA_UNVALIDATED_KERNE
 benchmark hooks live in ``debug`` (context managers)."""
 
 from . import (block_max_score_sm90, csr_builder, decode_cuda,  # noqa: F401
-               decode_indexer_cuda, fmha_sm90, sparse_prefill_sm90, topk_cuda)
+               decode_indexer_cuda, fmha_sm90, sparse_prefill_portable,
+               sparse_prefill_sm90, topk_cuda)
