@@ -298,6 +298,32 @@ msa::PartialType partial_type(const torch::Tensor& t, const char* name) {
   return msa::PartialType::kFloat32;
 }
 
+// The per-slot partials both portable sparse prefill ops take: O [slots, total_q, Hq, 128]
+// (fp32 / bf16 / fp16), LSE and the optional LSE_T [slots, total_q, Hq] fp32. Returns the
+// partial type; *lse_t_ptr is the LSE_T pointer or null.
+msa::PartialType check_partials(const torch::Tensor& o_partial, const torch::Tensor& lse_partial,
+                                const std::optional<torch::Tensor>& lse_t_partial,
+                                const torch::Device& device, float** lse_t_ptr) {
+  const msa::PartialType partial = partial_type(o_partial, "o_partial");
+  check_cuda_tensor(o_partial, "o_partial", o_partial.scalar_type(), 4, device);
+  TORCH_CHECK(o_partial.size(0) >= 1 && o_partial.size(0) < 128 && o_partial.size(3) == 128,
+              "o_partial: expected [slots in [1, 127], total_q, Hq, 128], got ",
+              o_partial.sizes());
+  check_cuda_tensor(lse_partial, "lse_partial", at::kFloat, 3, device);
+  TORCH_CHECK(lse_partial.sizes() == o_partial.sizes().slice(0, 3), "lse_partial: expected ",
+              o_partial.sizes().slice(0, 3), ", got ", lse_partial.sizes());
+  TORCH_CHECK(o_partial.size(1) * o_partial.size(2) < INT_MAX,
+              "o_partial: total_q * Hq must be < 2^31");
+  *lse_t_ptr = nullptr;
+  if (lse_t_partial.has_value()) {
+    check_cuda_tensor(*lse_t_partial, "lse_t_partial", at::kFloat, 3, device);
+    TORCH_CHECK(lse_t_partial->sizes() == lse_partial.sizes(),
+                "lse_t_partial: must have the shape of lse_partial");
+    *lse_t_ptr = lse_t_partial->data_ptr<float>();
+  }
+  return partial;
+}
+
 void sparse_prefill_portable(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
@@ -342,17 +368,10 @@ void sparse_prefill_portable(
               "scheduler_metadata: expected [capacity, 6], got ", scheduler_metadata.sizes());
   check_cuda_tensor(work_count, "work_count", at::kInt, 1, device);
   TORCH_CHECK(work_count.numel() == 1, "work_count: expected one element");
-  const msa::PartialType partial = partial_type(o_partial, "o_partial");
-  check_cuda_tensor(o_partial, "o_partial", o_partial.scalar_type(), 4, device);
-  const int64_t slots = o_partial.size(0);
-  TORCH_CHECK(o_partial.size(1) == total_q && o_partial.size(2) == hq && o_partial.size(3) == 128,
-              "o_partial: expected [slots, ", total_q, ", ", hq, ", 128], got ", o_partial.sizes());
-  TORCH_CHECK(slots >= 1 && slots < 128, "o_partial: slots must be in [1, 127], got ", slots);
-  check_cuda_tensor(lse_partial, "lse_partial", at::kFloat, 3, device);
-  TORCH_CHECK(lse_partial.sizes() == o_partial.sizes().slice(0, 3), "lse_partial: expected ",
-              o_partial.sizes().slice(0, 3), ", got ", lse_partial.sizes());
-  TORCH_CHECK(total_q < INT_MAX, "q: total_q must be < 2^31");
   msa::SparsePrefillArgs a{};
+  a.partial = check_partials(o_partial, lse_partial, lse_t_partial, device, &a.lse_t_partial);
+  TORCH_CHECK(o_partial.size(1) == total_q && o_partial.size(2) == hq,
+              "o_partial: expected [slots, ", total_q, ", ", hq, ", 128], got ", o_partial.sizes());
   a.q = q.data_ptr();
   a.k = k.data_ptr();
   a.v = v.data_ptr();
@@ -386,15 +405,8 @@ void sparse_prefill_portable(
   a.work_capacity = static_cast<int>(scheduler_metadata.size(0));
   a.o_partial = o_partial.data_ptr();
   a.lse_partial = lse_partial.data_ptr<float>();
-  a.want_lse_t = lse_t_partial.has_value();
-  if (a.want_lse_t) {
-    check_cuda_tensor(*lse_t_partial, "lse_t_partial", at::kFloat, 3, device);
-    TORCH_CHECK(lse_t_partial->sizes() == lse_partial.sizes(),
-                "lse_t_partial: must have the shape of lse_partial");
-    a.lse_t_partial = lse_t_partial->data_ptr<float>();
-  }
-  a.partial = partial;
-  a.slots = static_cast<int>(slots);
+  a.want_lse_t = a.lse_t_partial != nullptr;
+  a.slots = static_cast<int>(o_partial.size(0));
   a.total_q = static_cast<int>(total_q);
   a.batch = static_cast<int>(batch);
   a.hkv = static_cast<int>(hkv);
@@ -414,14 +426,10 @@ void sparse_combine_portable(const torch::Tensor& o_partial, const torch::Tensor
   TORCH_CHECK(o_partial.is_cuda(), "o_partial: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(o_partial.device());
   const torch::Device device = o_partial.device();
-  const msa::PartialType partial = partial_type(o_partial, "o_partial");
-  check_cuda_tensor(o_partial, "o_partial", o_partial.scalar_type(), 4, device);
-  const int64_t slots = o_partial.size(0), total_q = o_partial.size(1), hq = o_partial.size(2);
-  TORCH_CHECK(o_partial.size(3) == 128 && slots >= 1, "o_partial: expected [slots >= 1, total_q, "
-              "Hq, 128], got ", o_partial.sizes());
-  check_cuda_tensor(lse_partial, "lse_partial", at::kFloat, 3, device);
-  TORCH_CHECK(lse_partial.sizes() == o_partial.sizes().slice(0, 3), "lse_partial: expected ",
-              o_partial.sizes().slice(0, 3), ", got ", lse_partial.sizes());
+  msa::SparseCombineArgs a{};
+  float* lse_t_partial_ptr = nullptr;
+  a.partial = check_partials(o_partial, lse_partial, lse_t_partial, device, &lse_t_partial_ptr);
+  const int64_t total_q = o_partial.size(1), hq = o_partial.size(2);
   check_cuda_tensor(split_counts, "split_counts", at::kInt, 2, device);
   const int64_t hkv = split_counts.size(1);
   TORCH_CHECK(split_counts.size(0) == total_q && hkv >= 1 && hq % hkv == 0,
@@ -435,8 +443,6 @@ void sparse_combine_portable(const torch::Tensor& o_partial, const torch::Tensor
               o_partial.sizes().slice(1, 2), ", got ", lse.sizes());
   TORCH_CHECK(lse_t_partial.has_value() == lse_t.has_value(),
               "lse_t_partial / lse_t: give both or neither");
-  TORCH_CHECK(total_q * hq < INT_MAX, "o_partial: total_q * Hq must be < 2^31");
-  msa::SparseCombineArgs a{};
   a.o_partial = o_partial.data_ptr();
   a.lse_partial = lse_partial.data_ptr<float>();
   a.split_counts = split_counts.data_ptr<int32_t>();
@@ -444,16 +450,12 @@ void sparse_combine_portable(const torch::Tensor& o_partial, const torch::Tensor
   a.lse = lse.data_ptr<float>();
   a.want_lse_t = lse_t.has_value();
   if (a.want_lse_t) {
-    check_cuda_tensor(*lse_t_partial, "lse_t_partial", at::kFloat, 3, device);
-    TORCH_CHECK(lse_t_partial->sizes() == lse_partial.sizes(),
-                "lse_t_partial: must have the shape of lse_partial");
     check_cuda_tensor(*lse_t, "lse_t", at::kFloat, 2, device);
     TORCH_CHECK(lse_t->sizes() == lse.sizes(), "lse_t: must have the shape of lse");
-    a.lse_t_partial = lse_t_partial->data_ptr<float>();
+    a.lse_t_partial = lse_t_partial_ptr;
     a.lse_t = lse_t->data_ptr<float>();
   }
-  a.partial = partial;
-  a.slots = static_cast<int>(slots);
+  a.slots = static_cast<int>(o_partial.size(0));
   a.total_q = static_cast<int>(total_q);
   a.num_heads = static_cast<int>(hq);
   a.hkv = static_cast<int>(hkv);
