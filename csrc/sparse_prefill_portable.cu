@@ -25,6 +25,7 @@
 #include <cmath>
 
 #include "common.cuh"
+#include "portable_tiles.cuh"
 #include "sm80_primitives.cuh"
 #include "torch_binding.h"
 
@@ -33,26 +34,14 @@ namespace {
 
 using namespace sm80;
 
-constexpr int kHeadDim = 128;
-constexpr int kBlockKeys = 128;           // keys of one KV block
-constexpr int kRowBytes = kHeadDim * 2;   // one bf16 row: 16 chunks of 16 bytes
-constexpr int kChunks = kRowBytes / 16;
+using namespace portable;
+
+constexpr int kBlockKeys = kTileKeys;     // keys of one KV block
 constexpr int kSlotShift = 24;            // qsplit entry = q_local | slot << 24
 constexpr int kLocalMask = (1 << kSlotShift) - 1;
 constexpr int kMetaColumns = 6;
 constexpr float kLn2 = 0.69314718055994530942f;
 constexpr float kLog2e = 1.44269504088896340736f;
-
-// Byte offset of 16-byte chunk `chunk` of row `row` in a [rows, 128] bf16 tile: the chunk index is
-// XORed with row % 8, so the 8 rows an ldmatrix reads at one chunk hit 8 distinct bank groups.
-__device__ __forceinline__ int swizzled(int row, int chunk) {
-  return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 
 template <PartialType kPartial>
 struct Partial;
@@ -86,7 +75,7 @@ struct AttentionSmem {
   static constexpr int kRows = 16 * kWarps;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStages = 2;
-  static constexpr int kKvBytes = kBlockKeys * kRowBytes;
+  static constexpr int kKvBytes = kTileBytes;
   static constexpr int kQBytes = kRows * kRowBytes;
   static constexpr int kK = 0;
   static constexpr int kV = kK + kKvBytes;
@@ -248,21 +237,7 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
 
     // ---- S = Q K^T: 16 rows x 128 keys per warp -----------------------------------------------
     float s[16][4];
-#pragma unroll
-    for (int n = 0; n < 16; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      uint32_t qa[4];
-      ldmatrix_x4(qa, sQ + swizzled(warp * 16 + lane % 16, 2 * kk + lane / 16));
-#pragma unroll
-      for (int n2 = 0; n2 < 8; ++n2) {      // keys 16 n2 .. 16 n2 + 15: two n-tiles
-        uint32_t kb[4];
-        ldmatrix_x4(kb, sK + swizzled(16 * n2 + lane % 8 + (lane / 16) * 8,
-                                      2 * kk + (lane / 8) % 2));
-        mma_bf16(s[2 * n2], qa, kb[0], kb[1]);
-        mma_bf16(s[2 * n2 + 1], qa, kb[2], kb[3]);
-      }
-    }
+    warp_qk(s, sQ, sK, warp * 16, lane);
 
     // ---- mask + single-block softmax of rows g (i = 0) and g + 8 (i = 1) ----------------------
     float inv_sum[2], lse[2], lse_t[2];

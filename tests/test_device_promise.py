@@ -84,16 +84,17 @@ def test_other_gpus_run_the_reference_with_a_warning(gpu_of_capability, monkeypa
 
 
 def test_native_registrations_per_architecture():
-    """SM90: every native family; SM100: the csrc CSR builder and top-k, and the portable sparse
-    prefill; every other capability >= 8.0: the portable sparse prefill (the CuTe kernels and
-    the decode warpgroup form target sm_90a)."""
+    """SM90: every native family; SM100: the csrc CSR builder and top-k, and the portable tier
+    (sparse prefill, indexer); every other capability >= 8.0: the portable tier (the CuTe
+    kernels and the decode warpgroup form target sm_90a)."""
     registered = set(_backend.registered())
     for op in ("sparse_atten", "block_max_scores", "build_k2q_csr", "sparse_topk_select",
                "sparse_decode_atten", "fmha_dense", "fmha_max_score"):
         assert (op, "sm90") in registered, op
+    portable = {"sparse_atten", "block_max_scores"}
     assert {op for op, arch in registered if arch == "sm100"} == {
-        "build_k2q_csr", "sparse_topk_select", "sparse_atten"}
-    assert {op for op, arch in registered if arch == "portable"} == {"sparse_atten"}
+        "build_k2q_csr", "sparse_topk_select"} | portable
+    assert {op for op, arch in registered if arch == "portable"} == portable
 
 
 @pytest.mark.parametrize("capability,family", [((9, 0), "sm90"), ((10, 0), "sm100"),
@@ -141,19 +142,40 @@ def test_portable_tier_is_gated_and_logged(gpu_of_capability, monkeypatch, caplo
     assert "not validated on hardware yet" in info
 
 
-def test_portable_tier_serves_bf16_only():
+def test_portable_indexer_serves_bf16_with_one_key_head(monkeypatch):
+    """What the portable indexer refuses (the reference serves it); a served call reaches the
+    gate."""
+    from msa._native import block_max_score_portable, compiled_ops
+    monkeypatch.setattr(compiled_ops, "missing_reason", lambda *names: None)
+    monkeypatch.delenv("MSA_UNVALIDATED_KERNELS", raising=False)
+    features = dict(q_dtype=torch.bfloat16, k_dtype=torch.bfloat16, paged=False, causal=True,
+                    num_heads=4, num_k_heads=1, max_k_tiles=8, qo_offset=False, batch=2)
+    e4m3 = torch.float8_e4m3fn
+    for change, why in ((dict(q_dtype=e4m3, k_dtype=e4m3), "serves bf16/bf16"),
+                        (dict(num_k_heads=2), "one shared key head"),
+                        (dict(num_heads=16), "16 index heads"),
+                        (dict(batch=70000), "70000 requests")):
+        assert why in block_max_score_portable.supports(**{**features, **change})
+    assert "MSA_UNVALIDATED_KERNELS=1" in block_max_score_portable.supports(**features)
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    assert block_max_score_portable.supports(**features) is None
+
+
+def test_portable_tier_serves_bf16_only(monkeypatch):
     """What the portable sparse prefill refuses (the reference serves it), before its gate."""
-    from msa._native import sparse_prefill_portable
+    from msa._native import compiled_ops, sparse_prefill_portable
+    monkeypatch.setattr(compiled_ops, "missing_reason", lambda *names: None)
+    monkeypatch.delenv("MSA_UNVALIDATED_KERNELS", raising=False)
     e4m3 = torch.float8_e4m3fn
     features = _sparse_features()
     for change, why in ((dict(k_dtype=e4m3, v_dtype=e4m3), "serves bf16"),
                         (dict(partial_dtype=e4m3), "partial_dtype"),
                         (dict(qhead_per_kv=3), "qhead_per_kv 3"),
                         (dict(nvfp4=True), "NVFP4")):
-        reason = sparse_prefill_portable.supports(**{**features, **change})
-        assert isinstance(reason, str), change
-        if "compiled msa CUDA op" not in reason:      # a compiled build reaches the check
-            assert why in reason, reason
+        assert why in sparse_prefill_portable.supports(**{**features, **change})
+    for partial in (torch.float32, torch.bfloat16, torch.float16):
+        assert "MSA_UNVALIDATED_KERNELS=1" in sparse_prefill_portable.supports(
+            **{**features, "partial_dtype": partial})
 
 
 def test_card_renders_as_kernel_builder_fills_it():

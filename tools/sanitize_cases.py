@@ -14,8 +14,8 @@ them, never touch memory outside their buffers. Kernel forms not yet validated a
 on purpose (MSA_UNVALIDATED_KERNELS=1): memcheck is part of their validation. MSA_BACKEND=native,
 so a
 silent fallback cannot hide a kernel from the sanitizer. MSA_SANITIZE_ONLY (comma-separated
-section names: sparse_prefill, sparse_prefill_portable, topk, block_max, decode,
-decode_indexer, fmha, prefill_production, malformed) runs a subset.
+section names: sparse_prefill, sparse_prefill_portable, topk, block_max, block_max_portable,
+decode, decode_indexer, fmha, prefill_production, malformed) runs a subset.
 
 Section "malformed" replays tests/bad_input_table.py unchecked on the native kernels: every case
 whose expectation is Invalid (garbage cu_seqlens, row pointers, ids, page tables, seqused_k,
@@ -27,6 +27,7 @@ to the cases of those functions (a name matches itself and "name.*").
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -128,15 +129,39 @@ def topk_cases(gen):
     print("sparse_topk_select: ok")
 
 
-def block_max_cases(gen):
+@contextlib.contextmanager
+def portable_tier():
+    """Dispatch to the portable tier for the block (MSA_NATIVE_TIER=portable)."""
+    os.environ["MSA_NATIVE_TIER"] = "portable"
+    try:
+        yield
+    finally:
+        del os.environ["MSA_NATIVE_TIER"]
+
+
+def block_max_cases(gen, family="sm90"):
+    """The indexer on dense and paged keys (a page past the pool), rows past cu_seqlens_q[-1];
+    family "portable": the portable tier's kernel (bf16) under MSA_NATIVE_TIER=portable, with
+    an understated max_seqlen_q (its grid-stride loop)."""
+    if family == "portable":
+        with portable_tier():
+            return _block_max_cases(gen, family)
+    return _block_max_cases(gen, family)
+
+
+def _block_max_cases(gen, family):
     q_lens, k_lens = [700, 1, 333], [900, 129, 333]
     for heads, paged, dtype in ((4, False, torch.bfloat16), (4, True, torch.bfloat16),
-                                (1, True, torch.bfloat16), (4, False, E4M3), (8, True, E4M3)):
-        q = torch.randn(sum(q_lens), heads, 128, generator=gen).to(dtype).cuda()
+                                (1, True, torch.bfloat16), (8, False, torch.bfloat16),
+                                (4, False, E4M3), (8, True, E4M3)):
+        if family == "portable" and dtype == E4M3:
+            continue
+        q = torch.randn(sum(q_lens) + 3, heads, 128, generator=gen).to(dtype).cuda()
         k = torch.randn(sum(k_lens), 1, 128, generator=gen).to(torch.bfloat16)
         cu_q = torch.tensor([0, 700, 701, 1034], dtype=torch.int32).cuda()
         cu_k = torch.tensor([0, 900, 1029, 1362], dtype=torch.int32).cuda()
-        kw = dict(max_seqlen_q=700, max_seqlen_k=900, scale=0.1, causal=True)
+        kw = dict(max_seqlen_q=700 if family == "sm90" else 5, max_seqlen_k=900, scale=0.1,
+                  causal=True)
         if paged:
             pages, table = paginate_index_keys(k, k_lens, gen, torch.device("cuda"))
             table[0, -1] = 1 << 20                 # past the pool (the other junk is negative)
@@ -144,7 +169,7 @@ def block_max_cases(gen):
                                  seqused_k=torch.tensor(k_lens, dtype=torch.int32).cuda(), **kw)
         else:
             msa.block_max_scores(q, k.to(dtype).cuda(), cu_q, cu_k, **kw)
-        expect_native("block_max_scores")
+        expect_native("block_max_scores", family)
     # Decode-shaped (the decode variant: 1-4 rows per request, K tiles split across CTAs).
     k_lens = [3000, 1, 700]
     pages, table = paginate_index_keys(
@@ -155,8 +180,8 @@ def block_max_cases(gen):
     msa.block_max_scores(q, pages, cu_q, cu_q, max_seqlen_q=4, max_seqlen_k=3000, scale=0.1,
                          causal=True, page_table=table,
                          seqused_k=torch.tensor(k_lens, dtype=torch.int32).cuda())
-    expect_native("block_max_scores")
-    print("block_max_scores: ok")
+    expect_native("block_max_scores", family)
+    print(f"block_max_scores [{family}]: ok")
 
 
 def decode_run(lens, seqlen_q, group, dtypes, sparse, bad=False, **plan_kw):
@@ -348,8 +373,7 @@ def sparse_prefill_portable_cases(gen):
         bad.qsplit_indices[0, :4] = 5 | (100 << 24)    # slots past the partials
         bad.qsplit_indices[-1, :4] = (1 << 24) - 1     # query past every request
         for sched in (schedule, bad):
-            os.environ["MSA_NATIVE_TIER"] = "portable"
-            try:
+            with portable_tier():
                 out, lse = msa.sparse_atten_func(
                     p["q"], p["k"], p["v"], built[0], built[1], topk, cu_seqlens_q=p["cu_q"],
                     cu_seqlens_k=p["cu_k"], max_seqlen_q=p["max_q"], max_seqlen_k=p["max_k"],
@@ -357,8 +381,6 @@ def sparse_prefill_portable_cases(gen):
                     return_softmax_lse=True, page_table=p["page_table"],
                     seqused_k=p["seqused_k"], schedule=sched)
                 expect_native("sparse_atten", "portable")
-            finally:
-                del os.environ["MSA_NATIVE_TIER"]
             assert debug.last_variant("sparse_atten") == "sparse_prefill_portable"
             if sched is schedule:
                 assert not torch.isnan(out).any()
@@ -395,6 +417,7 @@ if __name__ == "__main__":
                 "sparse_prefill_portable": lambda: sparse_prefill_portable_cases(generator),
                 "topk": lambda: topk_cases(generator),
                 "block_max": lambda: block_max_cases(generator),
+                "block_max_portable": lambda: block_max_cases(generator, "portable"),
                 "decode": decode_runs,
                 "decode_indexer": decode_indexer_runs,
                 "fmha": lambda: fmha_cases(generator),

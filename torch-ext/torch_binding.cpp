@@ -464,6 +464,74 @@ void sparse_combine_portable(const torch::Tensor& o_partial, const torch::Tensor
                "sparse_combine_portable");
 }
 
+void block_max_score_portable(const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& cu_seqlens_q,
+                              const std::optional<torch::Tensor>& cu_seqlens_k,
+                              const torch::Tensor& k_lens, const torch::Tensor& offsets,
+                              const std::optional<torch::Tensor>& page_table, torch::Tensor& out,
+                              double scale, bool causal, int64_t grid_x) {
+  TORCH_CHECK(q.is_cuda(), "q_idx: must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const torch::Device device = q.device();
+  const bool paged = page_table.has_value();
+  check_rows_16b(q, "q_idx", 3, device);
+  check_rows_16b(k, "k_idx", paged ? 4 : 3, device);
+  TORCH_CHECK(k.size(1) == 1, "k_idx: the portable kernel serves one shared key head, got ",
+              k.sizes());
+  TORCH_CHECK(!paged || k.size(2) == 128, "k_idx: pages must hold 128 keys, got ", k.sizes());
+  const int64_t total_q = q.size(0), heads = q.size(1);
+  TORCH_CHECK(heads == 1 || heads == 2 || heads == 4 || heads == 8,
+              "q_idx: 1, 2, 4 or 8 index heads, got ", heads);
+  check_cuda_tensor(cu_seqlens_q, "cu_seqlens_q", at::kInt, 1, device);
+  const int64_t batch = cu_seqlens_q.numel() - 1;
+  TORCH_CHECK(batch >= 1 && batch < 65535, "cu_seqlens_q: 1 to 65534 requests, got ", batch);
+  check_cuda_tensor(k_lens, "k_lens", at::kInt, 1, device);
+  check_cuda_tensor(offsets, "offsets", at::kInt, 1, device);
+  TORCH_CHECK(k_lens.numel() == batch && offsets.numel() == batch,
+              "k_lens / offsets: expected ", batch, " entries");
+  check_cuda_tensor(out, "out", at::kFloat, 3, device);
+  TORCH_CHECK(out.size(0) == heads && out.size(2) == total_q && out.size(1) < INT_MAX,
+              "out: expected [", heads, ", max_k_tiles, ", total_q, "], got ", out.sizes());
+  TORCH_CHECK(grid_x >= 1 && grid_x <= INT_MAX, "grid_x: must be in [1, 2^31), got ", grid_x);
+  msa::BlockMaxScoreArgs a{};
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.q_stride_token = q.stride(0);
+  a.q_stride_head = q.stride(1);
+  a.k_stride_unit = k.stride(0);
+  a.k_stride_key = paged ? k.stride(2) : 0;
+  a.k_units = k.size(0);
+  a.paged = paged;
+  a.cu_seqlens_q = cu_seqlens_q.data_ptr<int32_t>();
+  if (paged) {
+    check_cuda_tensor(*page_table, "page_table", at::kInt, 2, device);
+    TORCH_CHECK(page_table->size(0) == batch && page_table->size(1) < INT_MAX,
+                "page_table: expected [", batch, ", max_pages], got ", page_table->sizes());
+    a.page_table = page_table->data_ptr<int32_t>();
+    a.page_table_stride = page_table->stride(0);
+    a.page_table_cols = static_cast<int>(page_table->size(1));
+  } else {
+    TORCH_CHECK(cu_seqlens_k.has_value(), "cu_seqlens_k: required for dense keys");
+    check_cuda_tensor(*cu_seqlens_k, "cu_seqlens_k", at::kInt, 1, device);
+    TORCH_CHECK(cu_seqlens_k->numel() == batch + 1, "cu_seqlens_k: expected ", batch + 1,
+                " entries, got ", cu_seqlens_k->numel());
+    a.cu_seqlens_k = cu_seqlens_k->data_ptr<int32_t>();
+  }
+  a.k_lens = k_lens.data_ptr<int32_t>();
+  a.offsets = offsets.data_ptr<int32_t>();
+  a.out = out.data_ptr<float>();
+  a.total_q = total_q;
+  a.num_heads = static_cast<int>(heads);
+  a.max_k_tiles = static_cast<int>(out.size(1));
+  a.batch = static_cast<int>(batch);
+  a.grid_x = static_cast<int>(grid_x);
+  a.scale = static_cast<float>(scale);
+  a.causal = causal;
+  check_launch(msa::launch_block_max_score_portable(
+                   a, c10::cuda::getCurrentCUDAStream(device.index())),
+               "block_max_score_portable");
+}
+
 void sparse_decode_attention(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     const std::optional<torch::Tensor>& q2k_indices, const torch::Tensor& page_table,
@@ -769,6 +837,11 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "sparse_combine_portable(Tensor o_partial, Tensor lse_partial, Tensor? lse_t_partial, "
       "Tensor split_counts, Tensor(a!) out, Tensor(b!) lse, Tensor(c!)? lse_t) -> ()");
   ops.impl("sparse_combine_portable", torch::kCUDA, &sparse_combine_portable);
+  ops.def(
+      "block_max_score_portable(Tensor q, Tensor k, Tensor cu_seqlens_q, Tensor? cu_seqlens_k, "
+      "Tensor k_lens, Tensor offsets, Tensor? page_table, Tensor(a!) out, float scale, "
+      "bool causal, int grid_x) -> ()");
+  ops.impl("block_max_score_portable", torch::kCUDA, &block_max_score_portable);
   ops.def(
       "fmha_transpose_v_e4m3(Tensor v, Tensor cu_seqlens_k, Tensor kv_lens, Tensor? page_table, "
       "Tensor(a!) tables, Tensor(b!) vt) -> ()");

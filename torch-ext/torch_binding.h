@@ -255,6 +255,35 @@ struct SparseCombineArgs {
   bool want_lse_t;
 };
 
+// Portable indexer block max-scores (bf16, one shared index-key head). Semantics:
+// msa.reference.max_score.block_max_scores_reference; the Hopper kernel's bounds rules.
+struct BlockMaxScoreArgs {
+  const void* q;                 // [total_q, H, 128] bf16, channels contiguous
+  const void* k;                 // dense [total_k, 1, 128] or paged [pages, 1, 128, 128] bf16
+  int64_t q_stride_token, q_stride_head;
+  int64_t k_stride_unit;         // per token (dense) or page (paged)
+  int64_t k_stride_key;          // per token inside a page (paged only)
+  int64_t k_units;               // k.shape[0]
+  bool paged;
+  const int32_t* cu_seqlens_q;   // [batch + 1], monotone within total_q
+  const int32_t* cu_seqlens_k;   // [batch + 1] dense token offsets (dense only)
+  const int32_t* k_lens;         // [batch]
+  const int32_t* offsets;        // [batch] causal offsets
+  const int32_t* page_table;     // [batch, page_table_cols] (paged only)
+  int64_t page_table_stride;
+  int page_table_cols;
+  float* out;                    // out [H, max_k_tiles, total_q] fp32, every element written
+  int64_t total_q;
+  int num_heads;                 // 1, 2, 4 or 8
+  int max_k_tiles;
+  int batch;                     // < 65535 (grid y = batch + 1)
+  int grid_x;                    // CTAs per request along its query tiles (>= 1; they stride)
+  float scale;
+  bool causal;
+};
+
+cudaError_t launch_block_max_score_portable(const BlockMaxScoreArgs& args, cudaStream_t stream);
+
 // The attention launch picks its tile (128 or 64 rows) from the device's shared memory per
 // block; cudaErrorNotSupported on a device with less than ~97 KB.
 cudaError_t launch_sparse_prefill_portable(const SparsePrefillArgs& args, cudaStream_t stream);
@@ -315,6 +344,13 @@ void sparse_combine_portable(const torch::Tensor& o_partial, const torch::Tensor
                              const std::optional<torch::Tensor>& lse_t_partial,
                              const torch::Tensor& split_counts, torch::Tensor& out,
                              torch::Tensor& lse, const std::optional<torch::Tensor>& lse_t);
+
+void block_max_score_portable(const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& cu_seqlens_q,
+                              const std::optional<torch::Tensor>& cu_seqlens_k,
+                              const torch::Tensor& k_lens, const torch::Tensor& offsets,
+                              const std::optional<torch::Tensor>& page_table, torch::Tensor& out,
+                              double scale, bool causal, int64_t grid_x);
 
 void sparse_decode_attention(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
