@@ -59,6 +59,21 @@ def test_get_kernel_architecture_check(tmp_path, gpu_of_capability, capability, 
             ArchValidator().validate_metadata(metadata=parsed, variant=variant)
 
 
+# The cuda-capabilities build.toml takes with the portable tier once it is validated
+# (docs/design-portable.md, "Build and the loader's arch check").
+PORTABLE_TIER_CAPABILITIES = ["8.0+PTX", "8.9", "9.0a", "10.0a", "12.0"]
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0),
+                                        (10, 3), (11, 0), (12, 0), (12, 1)])
+def test_portable_tier_capabilities_load_on_every_tier_gpu(capability):
+    """The design note's claim about the kernels loader: that list loads on every capability
+    >= 8.0 (compute_80 PTX covers the ones without their own SASS), and not below."""
+    archs = pytest.importorskip("kernels.archs")
+    assert archs._supports_cuda_capability(PORTABLE_TIER_CAPABILITIES, capability)
+    assert not archs._supports_cuda_capability(PORTABLE_TIER_CAPABILITIES, (7, 5))
+
+
 def _sparse_features():
     return dict(q_dtype=torch.bfloat16, k_dtype=torch.bfloat16, v_dtype=torch.bfloat16,
                 pv_dtype=torch.bfloat16, paged=False, causal=True, qhead_per_kv=16, topk=16,

@@ -298,6 +298,17 @@ msa::PartialType partial_type(const torch::Tensor& t, const char* name) {
   return msa::PartialType::kFloat32;
 }
 
+// The page table of a portable kernel's paged K/V: [batch, max_pages] int32, contiguous.
+void check_page_table(const torch::Tensor& table, int64_t batch, const torch::Device& device,
+                      const int32_t** data, int64_t* stride, int* cols) {
+  check_cuda_tensor(table, "page_table", at::kInt, 2, device);
+  TORCH_CHECK(table.size(0) == batch && table.size(1) < INT_MAX,
+              "page_table: expected [", batch, ", max_pages], got ", table.sizes());
+  *data = table.data_ptr<int32_t>();
+  *stride = table.stride(0);
+  *cols = static_cast<int>(table.size(1));
+}
+
 // The per-slot partials both portable sparse prefill ops take: O [slots, total_q, Hq, 128]
 // (fp32 / bf16 / fp16), LSE and the optional LSE_T [slots, total_q, Hq] fp32. Returns the
 // partial type; *lse_t_ptr is the LSE_T pointer or null.
@@ -361,8 +372,8 @@ void sparse_prefill_portable(
   check_cuda_tensor(qsplit_indices, "qsplit_indices", at::kInt, 2, device);
   TORCH_CHECK(k2q_row_ptr.size(0) == hkv && qsplit_indices.size(0) == hkv &&
                   k2q_row_ptr.size(1) >= 1,
-              "k2q_row_ptr / qsplit_indices: expected [", hkv, ", ...], got ", k2q_row_ptr.sizes(),
-              " and ", qsplit_indices.sizes());
+              "k2q_row_ptr / qsplit_indices: expected [", hkv, ", ...], got ",
+              k2q_row_ptr.sizes(), " and ", qsplit_indices.sizes());
   check_cuda_tensor(scheduler_metadata, "scheduler_metadata", at::kInt, 2, device);
   TORCH_CHECK(scheduler_metadata.size(1) == 6 && scheduler_metadata.size(0) < INT_MAX,
               "scheduler_metadata: expected [capacity, 6], got ", scheduler_metadata.sizes());
@@ -371,7 +382,8 @@ void sparse_prefill_portable(
   msa::SparsePrefillArgs a{};
   a.partial = check_partials(o_partial, lse_partial, lse_t_partial, device, &a.lse_t_partial);
   TORCH_CHECK(o_partial.size(1) == total_q && o_partial.size(2) == hq,
-              "o_partial: expected [slots, ", total_q, ", ", hq, ", 128], got ", o_partial.sizes());
+              "o_partial: expected [slots, ", total_q, ", ", hq, ", 128], got ",
+              o_partial.sizes());
   a.q = q.data_ptr();
   a.k = k.data_ptr();
   a.v = v.data_ptr();
@@ -386,12 +398,8 @@ void sparse_prefill_portable(
   a.cu_seqlens_k = cu_seqlens_k.data_ptr<int32_t>();
   a.kv_lens = kv_lens.data_ptr<int32_t>();
   if (paged) {
-    check_cuda_tensor(*page_table, "page_table", at::kInt, 2, device);
-    TORCH_CHECK(page_table->size(0) == batch && page_table->size(1) < INT_MAX,
-                "page_table: expected [", batch, ", max_pages], got ", page_table->sizes());
-    a.page_table = page_table->data_ptr<int32_t>();
-    a.page_table_stride = page_table->stride(0);
-    a.page_table_cols = static_cast<int>(page_table->size(1));
+    check_page_table(*page_table, batch, device, &a.page_table, &a.page_table_stride,
+                     &a.page_table_cols);
   }
   a.row_ptr = k2q_row_ptr.data_ptr<int32_t>();
   a.row_ptr_stride = k2q_row_ptr.stride(0);
@@ -468,8 +476,8 @@ void block_max_score_portable(const torch::Tensor& q, const torch::Tensor& k,
                               const torch::Tensor& cu_seqlens_q,
                               const std::optional<torch::Tensor>& cu_seqlens_k,
                               const torch::Tensor& k_lens, const torch::Tensor& offsets,
-                              const std::optional<torch::Tensor>& page_table, torch::Tensor& out,
-                              double scale, bool causal, int64_t grid_x) {
+                              const std::optional<torch::Tensor>& page_table,
+                              torch::Tensor& out, double scale, bool causal, int64_t grid_x) {
   TORCH_CHECK(q.is_cuda(), "q_idx: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
@@ -504,12 +512,8 @@ void block_max_score_portable(const torch::Tensor& q, const torch::Tensor& k,
   a.paged = paged;
   a.cu_seqlens_q = cu_seqlens_q.data_ptr<int32_t>();
   if (paged) {
-    check_cuda_tensor(*page_table, "page_table", at::kInt, 2, device);
-    TORCH_CHECK(page_table->size(0) == batch && page_table->size(1) < INT_MAX,
-                "page_table: expected [", batch, ", max_pages], got ", page_table->sizes());
-    a.page_table = page_table->data_ptr<int32_t>();
-    a.page_table_stride = page_table->stride(0);
-    a.page_table_cols = static_cast<int>(page_table->size(1));
+    check_page_table(*page_table, batch, device, &a.page_table, &a.page_table_stride,
+                     &a.page_table_cols);
   } else {
     TORCH_CHECK(cu_seqlens_k.has_value(), "cu_seqlens_k: required for dense keys");
     check_cuda_tensor(*cu_seqlens_k, "cu_seqlens_k", at::kInt, 1, device);

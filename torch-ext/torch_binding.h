@@ -349,8 +349,8 @@ void block_max_score_portable(const torch::Tensor& q, const torch::Tensor& k,
                               const torch::Tensor& cu_seqlens_q,
                               const std::optional<torch::Tensor>& cu_seqlens_k,
                               const torch::Tensor& k_lens, const torch::Tensor& offsets,
-                              const std::optional<torch::Tensor>& page_table, torch::Tensor& out,
-                              double scale, bool causal, int64_t grid_x);
+                              const std::optional<torch::Tensor>& page_table,
+                              torch::Tensor& out, double scale, bool causal, int64_t grid_x);
 
 void sparse_decode_attention(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

@@ -4,8 +4,8 @@ Native implementations register themselves with :func:`register_native` under an
 GPU architecture family: "sm90" (Hopper: the CuTe-DSL and csrc kernels), "sm100" (Blackwell
 datacenter) and "portable" (every other capability >= 8.0: the warp-MMA csrc kernels of
 docs/design-portable.md, which also register for "sm100"). ``MSA_NATIVE_TIER=portable`` makes
-every capability >= 8.0 the "portable" family (the H200 validates that tier this way). Each registration carries a ``supports(**features)``
-function that answers a short reason (a str) when the native side cannot serve the call (a dtype
+every capability >= 8.0 the "portable" family (the H200 validates that tier this way). Each
+registration carries a ``supports(**features)`` function that answers a short reason (a str) when the native side cannot serve the call (a dtype
 it lacks, an artifact that is not built, ...), and otherwise either ``None`` or a
 :class:`Served` naming the kernel it picked; the choice is made there, once per call, and
 ``run(call, kernel=...)`` receives it.
