@@ -4,8 +4,9 @@ Layers, top to bottom; a module imports only its own layer or the layers below i
   0  msa (the package __init__), msa.layers*         what users import
   1  the public API modules (msa.fmha, msa.interface, msa.indexer, ...)
   2  msa._native.*                                   glue: dispatch choices, launches
-  3  msa._backend, msa._validation, msa._common, msa._stages, msa._ops, msa.reference.*,
-     msa.sparse_index_utils, msa.src.*               shared host code and references
+  3  msa._backend, msa._validation, msa._common, msa._stages, msa._ops, msa._fp4_format,
+     msa.reference.*, msa.schedules.*, msa.sparse_index_utils,
+     msa.src.* (upstream's paths, re-exports)        shared host code and references
   4  msa.cute_kernels.*                              kernel sources and their serving tables
 The import-time module graph has no cycles (a function-level import may close one: it runs after
 both modules exist). Inside cute_kernels, a kernel module (one that defines a
@@ -23,7 +24,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "torch-ext" / "msa"
 LOWER_LAYERS = {
     2: ("msa._native",),
     3: ("msa._backend", "msa._validation", "msa._common", "msa._stages", "msa._ops",
-        "msa.reference", "msa.sparse_index_utils", "msa.src"),
+        "msa._fp4_format", "msa.reference", "msa.schedules", "msa.sparse_index_utils", "msa.src"),
     4: ("msa.cute_kernels",),
 }
 ARTIFACT_PREFIXES = ("fmha_sm90_", "sparse_prefill_sm90_", "sparse_combine_sm90_",
