@@ -26,6 +26,7 @@ tools/sanitize_cases.py replays its malformed-metadata cases under compute-sanit
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -999,9 +1000,21 @@ def _decode_nonfinite_make(which, value, *, b=2, j=700, head=1, channel=9, wrapp
     def make(device, gen):
         p = decode_problem(device, gen, **problem)
         kw = dict(run_kw or {})
-        clean = p.call(wrapper=wrapper, **kw)
         total_q, hq = p.q.shape[:2]
         g = hq // p.k.shape[1]
+        if which == "k" and math.isinf(value) and g * p.seqlen_q > 1:
+            # An infinite key is +inf for rows whose q channel has the key's sign and -inf (the
+            # key drops out) for the others: fix one row of each kind so the case always covers
+            # both, whatever the seed.
+            q = p.q.clone()
+            first = b * p.seqlen_q
+            second = first + 1 if p.seqlen_q > 1 else first
+            heads = (head * g, head * g + (1 if p.seqlen_q == 1 else 0))
+            magnitude = max(abs(float(q[first, heads[0], channel])), 0.25)
+            q[first, heads[0], channel] = magnitude
+            q[second, heads[1], channel] = -magnitude
+            p.q = q
+        clean = p.call(wrapper=wrapper, **kw)
         vis = _decode_visibility(p)
         affected = torch.zeros(total_q, hq, dtype=torch.bool)
         unaffected = torch.ones_like(affected)

@@ -3,7 +3,8 @@
 This module sits below both: it imports only torch and the standard library, never a public API
 module or a native module, and touches no CUDA at import. What lives here is what both sides
 compute the same way: moving index tensors to the call's device, the SM count, the key length
-of a request (the D11 quirk included) and the clamped per-request causal offsets.
+of a request (the D11 quirk included), the request that owns a token and the clamped
+per-request causal offsets.
 """
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ def key_lengths(batch: int, device: torch.device, *, cu_seqlens_k: Optional[torc
         return torch.full((batch,), page_table.shape[1] * KV_BLOCK, dtype=torch.int32,
                           device=device)
     return (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).contiguous()
+
+
+def owning_segment(offsets: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """int64 index b of the segment [offsets[b], offsets[b+1]) that holds each position, clamped
+    to [0, len(offsets) - 2]. The search runs over the whole prefix-sum tensor, not offsets[1:]:
+    Inductor (torch 2.11) cannot lower a searchsorted whose boundaries are a slice view."""
+    found = torch.searchsorted(offsets.to(torch.int64), positions, right=True) - 1
+    return found.clamp(0, max(offsets.numel() - 2, 0))
 
 
 def causal_offsets(offset: Union[None, int, torch.Tensor], q_lens: Optional[torch.Tensor],

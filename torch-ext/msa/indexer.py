@@ -18,6 +18,7 @@ from typing import Optional, Union
 import torch
 
 from . import _backend
+from ._common import owning_segment
 from ._validation import (check_page_table, BLOCK_SIZE, FP8, SUPPORTED_TOPK, check_block_max_values,
                           check_cu_seqlens, check_head_dim, check_hint, check_positive_int,
                           check_prefix_sums, check_qhead_per_kv, check_same_device, check_scale,
@@ -315,7 +316,7 @@ def _per_query_block_bounds(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tens
     token = torch.arange(total_q, device=device, dtype=torch.int64)
     cu_q = cu_seqlens_q.to(torch.int64)
     cu_k = cu_seqlens_k.to(torch.int64)
-    request = torch.searchsorted(cu_q[1:], token, right=True).clamp_max(cu_q.numel() - 2)
+    request = owning_segment(cu_q, token)
     q_len = cu_q[request + 1] - cu_q[request]
     k_len = cu_k[request + 1] - cu_k[request]
     local = token - cu_q[request]

@@ -36,6 +36,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _backend, _stages
+from ._common import owning_segment
 from ._validation import (BLOCK_SIZE, FP8, HEAD_DIM, SUPPORTED_TOPK, check_head_dim,
                           check_k2q_build_values, check_page_ids, check_page_table,
                           check_partial_dtype, check_positive_int, check_qhead_per_kv,
@@ -217,12 +218,11 @@ def index_split(cu_q_sub: torch.Tensor, cu_k_sub: torch.Tensor, total_q: int, sp
     rows_total = splits * total_q
     # (r, s, i) rows: repeated request r -> chunk query cu_q[r] + i.
     p = torch.arange(rows_total, device=device, dtype=i64)
-    sub = torch.searchsorted(cu_q_split[1:].to(i64), p, right=True).clamp_max(
-        max(batch * splits - 1, 0))
+    sub = owning_segment(cu_q_split, p)
     query_rows = cu_q64[sub // splits] + (p - cu_q_split.to(i64)[sub])
     # (s, q) -> column of the split scores.
     q = torch.arange(total_q, device=device, dtype=i64)
-    req = torch.searchsorted(cu_q64[1:], q, right=True).clamp_max(max(batch - 1, 0))
+    req = owning_segment(cu_q64, q)
     s = torch.arange(splits, device=device, dtype=i64).view(-1, 1)
     columns = (cu_q_split.to(i64)[req.view(1, -1) * splits + s]
                + (q - cu_q64[req]).view(1, -1)).reshape(-1)
