@@ -24,7 +24,8 @@ from . import decode as _decode
 from . import indexer as _indexer
 from . import interface as _interface
 from . import topk as _topk
-from .fmha import FmhaDenseCall, run_fmha_dense
+from .fmha.call import FmhaDenseCall
+from .fmha.run import run_fmha_dense
 from ._compile_entries import (DECODE_BOOL_FIELDS, DECODE_INT_FIELDS, DECODE_TENSOR_FIELDS,
                                FMHA_PLAN_TENSORS, FMHA_PLAN_VALUES)
 from ._ops import add_op_namespace_prefix
