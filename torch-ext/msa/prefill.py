@@ -36,6 +36,7 @@ import torch
 
 from . import _backend, _stages
 from ._common import owning_segment
+from ._common import sm_count as _sm_count
 from ._validation import (BLOCK_SIZE, FP8, HEAD_DIM, SUPPORTED_TOPK, check_cu_seqlens,
                           check_head_dim, check_hint, check_k2q_build_values, check_page_ids,
                           check_page_table, check_partial_dtype, check_positive_int,
@@ -55,7 +56,6 @@ INDEXER_TILE_ROWS = 256
 DECODE_INDEXER_ROWS = 64
 # A split keeps at least this many 128-key tiles (the indexer keeps three in flight).
 SPLIT_K_MIN_TILES = 4
-H200_SM_COUNT = 132
 # Bytes per (query, KV head, top-k slot) of the selection, q2k, CSR ids, qsplit ids and the
 # CSR builder's sort keys / values (double-buffered).
 _INDEX_BYTES_PER_SLOT = 40
@@ -101,12 +101,6 @@ def index_key_splits(indexer_ctas: int, max_k_tiles: int, sm_count: int) -> Tupl
         return 1, max_k_tiles
     per_split = -(-max_k_tiles // splits)
     return -(-max_k_tiles // per_split), per_split
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return H200_SM_COUNT
 
 
 # ---------------------------------------------------------------------------------------------
