@@ -51,20 +51,20 @@ def sparse_fmha_plan(qo_segment_lens, kv_segment_lens, num_qo_heads, num_kv_head
         raise ValueError(f"kv_segment_lens: has {len(kv_lens)} requests, qo_segment_lens "
                          f"{len(q_lens)}")
     offsets = host_offsets("qo_offset", qo_offset, len(q_lens),
-                            [k - q for q, k in zip(q_lens, kv_lens)])
+                           [k - q for q, k in zip(q_lens, kv_lens)])
     device = qo_segment_lens.device if isinstance(qo_segment_lens, torch.Tensor) else \
         torch.device("cpu")
     return bridge_plan(q_lens, kv_lens, offsets, num_qo_heads=num_qo_heads,
-                        num_kv_heads=num_kv_heads, num_kv_splits=num_kv_splits,
-                        page_size=page_size, output_maxscore=output_maxscore,
-                        kv_block_num=kv_block_num, causal=causal,
-                        usable_SM_count=usable_SM_count, use_fp8_kvcache=use_fp8_kvcache,
-                        device=device)
+                       num_kv_heads=num_kv_heads, num_kv_splits=num_kv_splits,
+                       page_size=page_size, output_maxscore=output_maxscore,
+                       kv_block_num=kv_block_num, causal=causal,
+                       usable_SM_count=usable_SM_count, use_fp8_kvcache=use_fp8_kvcache,
+                       device=device)
 
 
 def bridge_plan(q_lens, kv_lens, offsets, *, num_qo_heads, num_kv_heads, num_kv_splits,
-                 page_size, output_maxscore, kv_block_num, causal, usable_SM_count,
-                 use_fp8_kvcache, device, check_groups: bool = True) -> dict:
+                page_size, output_maxscore, kv_block_num, causal, usable_SM_count,
+                use_fp8_kvcache, device, check_groups: bool = True) -> dict:
     num_qo_heads, num_kv_heads = check_heads(num_qo_heads, num_kv_heads)
     check_topk("kv_block_num", kv_block_num)
     check_int("page_size", page_size)
@@ -183,20 +183,20 @@ def sparse_fmha(q, k, v, plan_info, out=None, max_score=None, sm_scale=None, q_s
         raise ValueError(f"k: page size {k.shape[2]} differs from the plan's "
                          f"{plan['page_size']}")
     logit_scale, output_scale = call_scales(dict(sm_scale=sm_scale, q_scale=q_scale,
-                                             k_scale=k_scale, v_scale=v_scale, o_scale=o_scale))
+                                                 k_scale=k_scale, v_scale=v_scale, o_scale=o_scale))
     selection = kv_head_block_indexes(kv_block_indexes, plan, total_q, hq, hkv, device)
     check_input_valid = value_checks_requested(check_input_valid)
     if check_input_valid:
         check_block_index_values(selection, plan["host_qo_lens"], plan["host_kv_lens"],
-                                plan["page_size"])
+                                 plan["page_size"])
     q2k = selection.permute(1, 0, 2).contiguous()                 # [Hkv, total_q, n]
 
     if page_table is not None:                                    # wins over kv_indices
         check_plan_page_table(page_table, plan, plan["page_size"], device, k.shape[0],
-                          check_input_valid)
+                              check_input_valid)
     else:
         page_table = page_table_from_indices(kv_indices, plan, plan["page_size"], k.shape[0],
-                                              device, check_input_valid)
+                                             device, check_input_valid)
     seqused_k = _to(plan["seqused_k"], device)
     if q_offset_override is not None:
         offsets, host = override_offsets(plan, q_offset_override, device)

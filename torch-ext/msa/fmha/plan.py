@@ -100,7 +100,7 @@ def fmha_sm100_plan(qo_segment_lens, kv_segment_lens, *args, qo_offset: IntOrTen
         raise ValueError(f"kv_segment_lens: has {len(kv_lens)} requests, qo_segment_lens "
                          f"{batch}")
     offsets = host_offsets("qo_offset", qo_offset, batch,
-                            [k - q for q, k in zip(q_lens, kv_lens)])
+                           [k - q for q, k in zip(q_lens, kv_lens)])
     device = _resolve_device(opts["device"], qo_segment_lens)
     common = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                   num_kv_splits=num_kv_splits, page_size=page_size,
@@ -127,11 +127,11 @@ def _plan_part(q_lens, kv_lens, offsets, *, num_qo_heads, num_kv_heads, num_kv_s
     if sparse and (sparse_kernel_mode == "prefill" or
                    (sparse_kernel_mode == "auto" and max_q > SPARSE_PREFILL_MIN_Q)):
         return bridge_plan(q_lens, kv_lens, offsets, num_qo_heads=num_qo_heads,
-                            num_kv_heads=num_kv_heads, num_kv_splits=num_kv_splits,
-                            page_size=page_size, output_maxscore=output_maxscore,
-                            kv_block_num=kv_block_num, causal=causal,
-                            usable_SM_count=usable_SM_count, use_fp8_kvcache=use_fp8_kvcache,
-                            device=device)
+                           num_kv_heads=num_kv_heads, num_kv_splits=num_kv_splits,
+                           page_size=page_size, output_maxscore=output_maxscore,
+                           kv_block_num=kv_block_num, causal=causal,
+                           usable_SM_count=usable_SM_count, use_fp8_kvcache=use_fp8_kvcache,
+                           device=device)
     total_q, max_kv = sum(q_lens), max(kv_lens)
     max_k_tiles = _max_k_tiles(max_kv) if output_maxscore else -1
     if output_maxscore and num_qo_heads * max_k_tiles * total_q > MAX_SCORE_ELEMENT_LIMIT:

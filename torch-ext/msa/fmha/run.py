@@ -185,10 +185,10 @@ def _run_subplan(q, k, v, plan, *, kv_indices, kv_block_indexes, q_offset_overri
                              f"{plan['page_size']}")
         if page_table is None:
             page_table = page_table_from_indices(kv_indices, plan, k.shape[2], k.shape[0],
-                                                  device, check_input_valid)
+                                                 device, check_input_valid)
         else:
             check_plan_page_table(page_table, plan, k.shape[2], device, k.shape[0],
-                              check_input_valid)
+                                  check_input_valid)
     else:
         if kv_indices is not None:
             raise ValueError("kv_indices: given with dense k [total_k, Hkv, D]; paged K/V are "
@@ -204,10 +204,10 @@ def _run_subplan(q, k, v, plan, *, kv_indices, kv_block_indexes, q_offset_overri
         if k.dim() != 4:
             raise ValueError("k: sparse mode needs paged K/V [pages, Hkv, page_size, D]")
         kv_block_indexes = kv_head_block_indexes(kv_block_indexes, plan, total_q, hq, hkv,
-                                                  device)
+                                                 device)
         if check_input_valid:
             check_block_index_values(kv_block_indexes, plan["host_qo_lens"],
-                                    plan["host_kv_lens"], k.shape[2])
+                                     plan["host_kv_lens"], k.shape[2])
         bridge = plan.get("sparse_bridge")
         if bridge is not None and hq // hkv in SUPPORTED_QHEAD_PER_KV and \
                 offsets_fit_bridge(plan, host_offset):

@@ -162,7 +162,7 @@ def override_offsets(plan, q_offset_override, device
 
 
 def page_table_from_indices(kv_indices, plan, page_size, num_pages, device,
-                             check_input_valid) -> torch.Tensor:
+                            check_input_valid) -> torch.Tensor:
     """Flat kv_indices (request after request) -> [B, max_pages] int32 page table on device.
     Unused slots hold 0 (never read: they lie past the request's length)."""
     if kv_indices is None:
