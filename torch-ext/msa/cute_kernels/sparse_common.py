@@ -4,7 +4,7 @@ gather of a Q tile (each query's G heads are G * 128 contiguous elements of q), 
 softmax of a tile's rows, and the epilogue that writes each query's partial rows and LSE to its
 slot.
 
-A work item of the k2q schedule (msa.schedules.sparse) is (KV head h, CSR row,
+A work item of the k2q schedule (msa.src.sm100.prepare_scheduler) is (KV head h, CSR row,
 q_begin, q_count, request b, KV block beta): one 128x128 K and V block of (b, beta, h) against
 the item's queries, in tiles of tile_m rows = (tile_m / G queries) x (G query heads of h). The
 softmax covers one block only (no online rescale): LSE_blk = m + ln sum exp(s - m), and rows
