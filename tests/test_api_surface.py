@@ -19,6 +19,7 @@ SUBMODULE_NAMES = {
                                         "SparseAttentionSchedule"],
     "msa.fp4_indexer_interface": ["fp4_indexer_block_scores"],
     "msa.src.sm100.fp4_indexer": ["normalize_fp4_format"],
+    "msa.src.sm100.decode_schedule": ["build_decode_schedule", "DecodeSchedule"],
     "msa.quantize": ["quantize_bf16_to_nvfp4_128x4", "Nvfp4QuantizedTensor"],
 }
 

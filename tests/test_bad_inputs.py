@@ -128,7 +128,7 @@ def _check_launch_invariants(call):
     """Replays sparse_prefill_sm90.run's preparation on the CPU and checks every index the
     kernels read from it: an out-of-range torch gather raises IndexError here, where the GPU
     raised a device-side assert."""
-    from msa._native.sparse_prefill_sm90 import INT32_MAX, build_schedule_on_device
+    from msa.schedules.sparse import INT32_MAX, build_schedule_on_device
     from msa._validation import device_prefix_sums
     total_q = call.q.shape[0]
     cu_q = device_prefix_sums(call.cu_seqlens_q, total_q)

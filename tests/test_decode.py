@@ -10,7 +10,7 @@ import torch
 import msa
 from msa import _backend
 from msa.decode import check_decode_args, decode_reference_backend
-from msa.src.sm100.decode_schedule import QO_TILE_ROWS, DecodeSchedule, build_decode_schedule
+from msa.schedules.decode import QO_TILE_ROWS, DecodeSchedule, build_decode_schedule
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 P = 128

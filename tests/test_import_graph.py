@@ -4,11 +4,12 @@ Layers, top to bottom; a module imports only its own layer or the layers below i
   0  msa (the package __init__), msa.layers*         what users import
   1  the public API modules (msa.fmha, msa.interface, msa.indexer, ...)
   2  msa._native.*                                   glue: dispatch choices, launches
-  3  msa._backend, msa._validation, msa._common, msa._stages, msa._ops, msa.reference.*,
-     msa.sparse_index_utils, msa.src.*               shared host code and references
+  3  msa._backend, msa._validation, msa._common, msa._stages, msa._ops, msa._fp4_format,
+     msa.reference.*, msa.schedules.*, msa.sparse_index_utils,
+     msa.src.* (upstream's paths, re-exports)        shared host code and references
   4  msa.cute_kernels.*                              kernel sources and their serving tables
-The import-time module graph has no cycles (a function-level import may close one: it runs after
-both modules exist). Inside cute_kernels, a kernel module (one that defines a
+The module graph has no cycles, function-level (lazy) imports included: a module that needs a
+name from a module importing it takes it from a lower module both share. Inside cute_kernels, a kernel module (one that defines a
 @cute.kernel) imports no other kernel module: shared building blocks live in helper modules,
 and only build.py gathers the kernels. Artifact names are built only by
 cute_kernels/variants.py.
@@ -23,7 +24,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "torch-ext" / "msa"
 LOWER_LAYERS = {
     2: ("msa._native",),
     3: ("msa._backend", "msa._validation", "msa._common", "msa._stages", "msa._ops",
-        "msa.reference", "msa.sparse_index_utils", "msa.src"),
+        "msa._fp4_format", "msa.reference", "msa.schedules", "msa.sparse_index_utils", "msa.src"),
     4: ("msa.cute_kernels",),
 }
 ARTIFACT_PREFIXES = ("fmha_sm90_", "sparse_prefill_sm90_", "sparse_combine_sm90_",
@@ -47,26 +48,13 @@ def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
     return node.module or ""
 
 
-def _import_time_nodes(tree):
-    """The statements a module runs when imported (not the bodies of its functions)."""
-    stack = list(tree.body)
-    while stack:
-        node = stack.pop()
-        yield node
-        if isinstance(node, (ast.If, ast.Try, ast.With)):
-            stack.extend(ast.iter_child_nodes(node))
-        elif isinstance(node, ast.ExceptHandler):
-            stack.extend(node.body)
-
-
-def _imports(modules, import_time_only=False):
-    """module -> {(imported msa module, names imported from it)}; every import, or only those
-    that run when the module is imported."""
+def _imports(modules):
+    """module -> {(imported msa module, names imported from it)}, every import statement of the
+    module (at module level or inside a function)."""
     graph = {}
     for module, path in modules.items():
         edges = set()
-        tree = ast.parse(path.read_text())
-        for node in (_import_time_nodes(tree) if import_time_only else ast.walk(tree)):
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 target = _resolve(module, path, node)
                 if not target.startswith("msa"):
@@ -107,9 +95,8 @@ def test_native_glue_imports_no_private_name_of_the_public_api():
     assert not private, "\n".join(private)
 
 
-def test_the_import_time_module_graph_has_no_cycles():
-    graph = {m: {t for t, _ in edges}
-             for m, edges in _imports(_modules(), import_time_only=True).items()}
+def test_the_module_graph_has_no_cycles_lazy_imports_included():
+    graph = {m: {t for t, _ in edges} for m, edges in _imports(_modules()).items()}
     # A package's __init__ is imported with any of its submodules: walk its edges too, but not
     # the implicit parent edge (a submodule "importing" its own package is not a cycle).
     state, stack = {}, []

@@ -254,7 +254,7 @@ def test_msa_prefill_short_requests_and_softmax_scale(seed):
 
 
 def test_per_query_bounds_need_no_host_data():
-    from msa.indexer import _per_query_block_bounds
+    from msa.prefill import _per_query_block_bounds
     nvp, own = _per_query_block_bounds(cu((3, 130)), cu((1, 300)), 133)
     assert nvp.tolist() == [1] * 3 + [3] * 130
     # request 0: k_len < q_len, so the first two rows see nothing (negative own block)

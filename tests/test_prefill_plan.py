@@ -156,7 +156,7 @@ def test_split_k_scores_equal_the_unsplit_scores(seed):
     cu_q, cu_k = cu(q_lens), cu(k_lens)
     want = msa.block_max_scores(x["q_idx"], x["k_idx"], cu_q, cu_k, max_seqlen_q=40,
                                 max_seqlen_k=1100)
-    nvp, own = msa.indexer._per_query_block_bounds(cu_q, cu_k, sum(q_lens))
+    nvp, own = msa.prefill._per_query_block_bounds(cu_q, cu_k, sum(q_lens))
     split = prefill.index_split(cu_q, cu_k, sum(q_lens), 3, 3, causal=True, paged=False)
     chunk = prefill.ChunkPlan(0, sum(q_lens), cu_q, cu_k, None, 40, 1100, sum(k_lens), None,
                               nvp, own, split)

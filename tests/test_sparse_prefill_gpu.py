@@ -51,6 +51,7 @@ import msa
 from msa import _backend
 from msa.interface import check_sparse_atten_args
 from msa.reference.sparse_attention import make_kv_source, sparse_attention_csr
+from msa.schedules.sparse import build_schedule_on_device
 from msa_testing import compiled_variant_with, nan_tensor, use_tier
 
 BLOCK = 128
@@ -473,7 +474,7 @@ def test_device_schedule_matches_reference_builder(seed):
             return_softmax_lse=False, page_table=None, seqused_k=None, schedule=None,
             usable_SM_count=-1, qk_dtype=None, pv_dtype=None, kv_dtypes=(torch.bfloat16,),
             kv_last_dim=128)
-        mine = _native_module().build_schedule_on_device(call)
+        mine = build_schedule_on_device(call)
         n = int(ref.work_count[0])
         assert int(mine.work_count[0]) == n
         assert mine.target_q_per_cta == ref.target_q_per_cta
@@ -554,7 +555,7 @@ def _bench(seq=32768, hq=64, hkv=4, topk=16, iters=10):
                   pv_dtype=None, kv_dtypes=(torch.bfloat16,), kv_last_dim=128)
     torch.cuda.synchronize()
     t0 = time.time()
-    sched = _native_module().build_schedule_on_device(full)
+    sched = build_schedule_on_device(full)
     torch.cuda.synchronize()
     print(f"N={seq}: device schedule build {1e3 * (time.time() - t0):.2f} ms")
     pairs = int((q2k[0] >= 0).sum()) * BLOCK - seq * (BLOCK - 1) // 2   # approx visible pairs

@@ -280,8 +280,8 @@ def test_fmha_op_carries_every_plan_entry_the_backends_read(variant):
     entries = _sub(variant, "_compile_entries")
     carried = set(entries.FMHA_PLAN_TENSORS) | set(entries.FMHA_PLAN_VALUES)
     native = _plan_keys_read(PACKAGE_DIR / "_native" / "fmha_sm90.py")
-    reference = _plan_keys_read(PACKAGE_DIR / "fmha.py", {
-        "FmhaDenseCall", "run_fmha_dense", "fmha_dense_reference", "_token_kv",
-        "_max_score_via_indexer"})
+    fmha = PACKAGE_DIR / "fmha"
+    reference = (_plan_keys_read(fmha / "call.py") | _plan_keys_read(fmha / "reference.py")
+                 | _plan_keys_read(fmha / "run.py", {"run_fmha_dense"}))
     assert native and reference
     assert (native | reference) <= carried, (native | reference) - carried

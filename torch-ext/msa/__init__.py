@@ -15,10 +15,10 @@ from .decode_indexer import DecodeIndexerPlan, decode_indexer_topk, make_decode_
 from .decode_step import MSADecodeStepWrapper
 from .fmha import (fmha, fmha_plan, fmha_sm100, fmha_sm100_plan, sparse_fmha, sparse_fmha_plan)
 from .fp4_indexer_interface import fp4_indexer_block_scores
-from .indexer import block_max_scores, msa_prefill
+from .indexer import block_max_scores
 from .interface import (SparseK2qCsrBuilderSm100, build_k2q_csr, sparse_atten_func)
 from .nvfp4_attention import sparse_atten_nvfp4_kv_func
-from .prefill import MsaPrefillPagedWrapper
+from .prefill import MsaPrefillPagedWrapper, msa_prefill
 from .quantize import (Nvfp4QuantizedTensor, dequantize_nvfp4_128x4_to_bf16,
                        nvfp4_global_scale_from_amax, quantize_bf16_to_nvfp4_128x4,
                        quantize_kv_bf16_to_nvfp4_128x4, swizzle_nvfp4_scale_to_128x4)

@@ -10,10 +10,8 @@ import torch
 
 from . import _backend
 from ._native.compiled_ops import ops
-from .src.sm100.prepare_scheduler import (SparseAttentionSchedule, schedule_capacity,
-                                          target_q_per_cta)
+from .schedules.sparse import SparseAttentionSchedule, schedule_size
 
-KV_BLOCK = 128
 # DecodeSchedule fields as the decode op carries them (the rest is planned_units, a list).
 DECODE_TENSOR_FIELDS = ("num_splits_host", "merge_indptr_host", "request_indices_host",
                         "kv_tile_indices_host", "qo_tile_indices_host", "num_splits",
@@ -51,12 +49,11 @@ def build_k2q_csr(call):
     hkv, total_q, topk = call.q2k_indices.shape
     target = capacity = 0
     if call.return_schedule:     # the schedule's size, as both backends compute it
-        target = target_q_per_cta(total_q=total_q, topk=topk, blk_kv=KV_BLOCK, head_kv=hkv,
-                                  qhead_per_kv=call.qhead_per_kv,
-                                  device=call.q2k_indices.device,
-                                  usable_SM_count=call.usable_SM_count)
-        capacity = schedule_capacity(total_rows=call.total_rows, total_q=total_q, topk=topk,
-                                     head_kv=hkv, target_q_per_cta=target)
+        target, capacity = schedule_size(total_rows=call.total_rows, total_q=total_q,
+                                         topk=topk, head_kv=hkv,
+                                         qhead_per_kv=call.qhead_per_kv,
+                                         device=call.q2k_indices.device,
+                                         usable_SM_count=call.usable_SM_count)
     row_ptr, q_idx, metadata, work_count, qsplit, counts = ops.build_k2q_csr(
         call.q2k_indices, call.cu_seqlens_q, call.cu_seqlens_k, call.total_rows,
         call.max_kv_blocks, call.max_seqlen_q, call.qhead_per_kv, call.return_schedule,

@@ -24,12 +24,13 @@ from . import decode as _decode
 from . import indexer as _indexer
 from . import interface as _interface
 from . import topk as _topk
-from .fmha import FmhaDenseCall, run_fmha_dense
+from .fmha.call import FmhaDenseCall
+from .fmha.run import run_fmha_dense
 from ._compile_entries import (DECODE_BOOL_FIELDS, DECODE_INT_FIELDS, DECODE_TENSOR_FIELDS,
                                FMHA_PLAN_TENSORS, FMHA_PLAN_VALUES)
 from ._ops import add_op_namespace_prefix
-from .src.sm100.decode_schedule import DecodeSchedule
-from .src.sm100.prepare_scheduler import METADATA_COLUMNS, SparseAttentionSchedule
+from .schedules.decode import DecodeSchedule
+from .schedules.sparse import METADATA_COLUMNS, SparseAttentionSchedule
 
 Tensor = torch.Tensor
 

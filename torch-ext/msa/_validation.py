@@ -25,6 +25,8 @@ from typing import Dict, Iterable, Optional, Sequence
 
 import torch
 
+from .schedules.csr_rows import packed_row_owner
+
 HEAD_DIM = 128
 BLOCK_SIZE = 128
 SUPPORTED_TOPK = (4, 8, 16, 32)
@@ -279,7 +281,6 @@ def check_k2q_csr_values(row_ptr: torch.Tensor, q_idx: torch.Tensor, q_lens: tor
     (request, 128-key block) and nothing past them; no (query, KV head) sits in more than topK
     rows. strict (check_input_valid): also every query id of a row lies in [0, q_len_b) and the
     ids of a row ascend strictly (out-of-range ids are otherwise skipped, contract D4)."""
-    from .sparse_index_utils import packed_row_owner     # lazy: that module imports this one
     hkv, width = row_ptr.shape[0], q_idx.shape[1]
     exact_rows = int(rows_b.sum())
     if row_ptr.shape[1] - 1 < exact_rows:

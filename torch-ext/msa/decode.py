@@ -6,7 +6,7 @@ request against that request's paged KV cache, bottom-right causal against ``seq
 ``q2k_indices`` each (query, KV head) attends only to the KV blocks it selected (sparse decode);
 without, to every key of the request (dense decode).
 
-Work is split FlashInfer-style (see :mod:`msa.src.sm100.decode_schedule`): the plan cuts each
+Work is split FlashInfer-style (see :mod:`msa.schedules.decode`): the plan cuts each
 request's KV range into chunks so the grid fills the GPU; chunks write normalized partials
 (O_partial, LSE_partial, fp32) that a merge pass combines by log-sum-exp. The wrapper plans once
 (host side, reading ``seqused_k``) and runs many times without host synchronization; it keeps
@@ -32,7 +32,7 @@ from ._validation import (check_page_table, FP8, HEAD_DIM, check_decode_values, 
                           check_positive_int, check_qhead_per_kv, check_same_device, check_scale,
                           check_shape, check_tensor, check_topk, value_checks_requested)
 from .reference.decode import decode_reference, split_decode_reference
-from .src.sm100.decode_schedule import DecodeSchedule, build_decode_schedule
+from .schedules.decode import DecodeSchedule, build_decode_schedule
 
 BF16 = torch.bfloat16
 PAGE_SIZE = 128

@@ -26,12 +26,12 @@ from typing import Optional
 import torch
 
 from . import _backend
+from ._common import sm_count
 from ._validation import (FP8, HEAD_DIM, check_decode_indexer_values, check_page_table,
                           check_positive_int, check_same_device, check_scale, check_shape,
                           check_tensor, check_topk, value_checks_requested)
 from .decode import _check_seqlen_q
 from .reference.decode_indexer import decode_indexer_reference
-from .src.sm100.decode_schedule import default_max_grid_size
 
 BF16 = torch.bfloat16
 PAGE_SIZE = 128
@@ -153,7 +153,7 @@ def make_decode_indexer_plan(seqused_k: torch.Tensor, *, seqlen_q: int, num_inde
     check_positive_int("max_ctas", max_ctas, allow_none=True, minimum=1)
     device = seqused_k.device
     if max_ctas is None:
-        max_ctas = 2 * default_max_grid_size(device)
+        max_ctas = 2 * sm_count(device)
     capacity = max_ctas + batch
     i32 = dict(dtype=torch.int32, device=device)
     plan = DecodeIndexerPlan(

@@ -28,8 +28,8 @@ from . import _backend
 from ._validation import (check_fp4_indexer_values, check_positive_int, check_same_device,
                           check_tensor, value_checks_requested)
 from .reference.fp4 import fp4_block_scores_reference
-from .src.sm100.fp4_indexer import (FP4_PACKED_D_BYTES, PAGE_SIZE, Fp4FormatSpec, ceil_div,
-                                    normalize_fp4_format)
+from ._fp4_format import (FP4_PACKED_D_BYTES, PAGE_SIZE, Fp4FormatSpec, ceil_div,
+                          normalize_fp4_format)
 
 PUBLIC_SCALE_LAYOUT = "public"
 PREORDERED_MMA_SCALE_LAYOUT = "preordered_mma"

@@ -20,9 +20,9 @@ from ._validation import (check_page_table, FP8, HEAD_DIM, check_cu_seqlens, che
                           check_sparse_attention_values, check_tensor, check_topk,
                           value_checks_requested)
 from .reference.sparse_attention import make_kv_source, sparse_attention_csr
-from .sparse_index_utils import build_k2q_csr_torch_reference, safe_total_rows
-from .src.sm100.prepare_scheduler import (SparseAttentionSchedule,
-                                          prepare_sparse_fwd_schedule_and_split)
+from .schedules.csr_rows import safe_total_rows
+from .schedules.sparse import SparseAttentionSchedule, prepare_sparse_fwd_schedule_and_split
+from .sparse_index_utils import build_k2q_csr_torch_reference
 
 BF16 = torch.bfloat16
 KV_BLOCK = 128

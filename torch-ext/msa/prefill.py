@@ -30,19 +30,20 @@ Peak memory of a call: at most inputs + O [T, Hq, 128] bf16 + min(T, C) * W_q, w
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import _backend, _stages
 from ._common import owning_segment
-from ._validation import (BLOCK_SIZE, FP8, HEAD_DIM, SUPPORTED_TOPK, check_head_dim,
-                          check_k2q_build_values, check_page_ids, check_page_table,
-                          check_partial_dtype, check_positive_int, check_qhead_per_kv,
-                          check_same_device, check_scale, check_shape, check_tensor, check_topk,
-                          host_int64, value_checks_requested)
-from .indexer import INDEX_DTYPES, _per_query_block_bounds, block_max_scores
+from ._common import sm_count as _sm_count
+from ._validation import (BLOCK_SIZE, FP8, HEAD_DIM, SUPPORTED_TOPK, check_cu_seqlens,
+                          check_head_dim, check_hint, check_k2q_build_values, check_page_ids,
+                          check_page_table, check_partial_dtype, check_positive_int,
+                          check_prefix_sums, check_qhead_per_kv, check_same_device, check_scale,
+                          check_shape, check_tensor, check_topk, host_int64,
+                          value_checks_requested)
+from .indexer import INDEX_DTYPES, block_max_scores
 from .interface import (_check_k2q_csr_args, build_k2q_csr, check_attention_operands,
                         sparse_atten_func)
 from .topk import sparse_topk_select
@@ -55,7 +56,6 @@ INDEXER_TILE_ROWS = 256
 DECODE_INDEXER_ROWS = 64
 # A split keeps at least this many 128-key tiles (the indexer keeps three in flight).
 SPLIT_K_MIN_TILES = 4
-H200_SM_COUNT = 132
 # Bytes per (query, KV head, top-k slot) of the selection, q2k, CSR ids, qsplit ids and the
 # CSR builder's sort keys / values (double-buffered).
 _INDEX_BYTES_PER_SLOT = 40
@@ -101,12 +101,6 @@ def index_key_splits(indexer_ctas: int, max_k_tiles: int, sm_count: int) -> Tupl
         return 1, max_k_tiles
     per_split = -(-max_k_tiles // splits)
     return -(-max_k_tiles // per_split), per_split
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return H200_SM_COUNT
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,6 +427,128 @@ def run_dense_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, *, max_
 # Sparse attention over a given selection (dense K/V)
 # ---------------------------------------------------------------------------------------------
 
+def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.Tensor,
+                k_idx: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
+                max_seqlen_q: int, max_seqlen_k: int, topk: int = 16,
+                softmax_scale: Optional[float] = None, index_scale: float = 1.0,
+                local_blocks: int = 1, causal: bool = True, return_selection: bool = False,
+                partial_dtype: torch.dtype = torch.bfloat16,
+                workspace_bytes: Optional[int] = None, check_input_valid: bool = False):
+    """MSA prefill: index scores -> top-k blocks per (query, KV head) -> block-sparse attention.
+
+    Args:
+      q: [total_q, Hq, 128]; k, v: dense [total_k, Hkv, 128] (dtypes as ``sparse_atten_func``:
+        all bf16, all e4m3, or bf16 q with e4m3 k/v); Hq / Hkv in {1, 2, 4, 8, 16}.
+      q_idx: [total_q, Hkv, 128] index queries, one index head per KV head group (M3: 4).
+      k_idx: [total_k, Hk, 128] index keys with Hkv % Hk == 0 (M3: Hk = 1, a shared index key).
+      cu_seqlens_q, cu_seqlens_k: [B+1] int32; cu_seqlens_q[-1] == total_q.
+      max_seqlen_q, max_seqlen_k: host upper bounds on the lengths.
+      topk: blocks per (query, KV head), in {4, 8, 16, 32} (M3: 16).
+      softmax_scale: attention logit scale, default 128**-0.5.
+      index_scale: index score scale (M3: 1.0; it does not change the selection).
+      local_blocks: how many blocks ending at the query's own block are forced (M3: 1), 0..topk.
+      causal: bottom-right causal attention and causal index scores. With causal=False every
+        key of the request is visible, and the forced window is the request's last
+        local_blocks blocks instead.
+      return_selection: also return the selection.
+      partial_dtype: the sparse attention's per-block partial dtype (``sparse_atten_func``:
+        fp32, bf16, fp16 or e4m3; e4m3 halves the partial traffic at the contract's looser fp8
+        tolerance).
+      workspace_bytes: bound on the call's scratch memory (default 16 GiB, see
+        ``msa.prefill``): a call whose workspace would exceed it runs in query chunks of
+        ``msa.prefill.chunk_tokens`` queries (same result; peak memory <= inputs + O + one
+        chunk's workspace).
+      check_input_valid: check the index values once before any launch (prefix sums, the
+        max_seqlen hints); MSA_CHECK_INPUTS=1 does so for every call.
+
+    Returns O [total_q, Hq, 128] bf16, or (O, q2k [Hkv, total_q, topk] int32) with
+    return_selection (ids ascending, -1 tail, own block always present when causal).
+
+    Call sequence (engines can replicate it step by step; none of it syncs the host here):
+      1. scores = block_max_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k,
+             max_seqlen_q=..., max_seqlen_k=..., scale=index_scale, causal=causal)
+             -> [Hkv, ceil(max_seqlen_k/128), total_q]
+      2. per query t of request b at local position i, on the device:
+             num_valid_pages[t] = ceil(k_len_b / 128)
+             causal_end_block[t] = (i + k_len_b - q_len_b) // 128       (its own block)
+      3. sel = sparse_topk_select(scores, topk, num_valid_pages, force_end_blocks=local_blocks,
+             causal_end_block=causal_end_block)                     -> [total_q, Hkv, topk]
+      4. q2k = sel.permute(1, 0, 2).contiguous()                    -> [Hkv, total_q, topk]
+      5. row_ptr, q_ids, schedule = build_k2q_csr(q2k, cu_seqlens_q, cu_seqlens_k, 128,
+             total_k=k.shape[0], max_seqlen_k=..., max_seqlen_q=..., qhead_per_kv=Hq // Hkv,
+             return_schedule=True)
+      6. O = sparse_atten_func(q, k, v, row_ptr, q_ids, topk, cu_seqlens_q=..., cu_seqlens_k=...,
+             max_seqlen_q=..., max_seqlen_k=..., causal=causal, softmax_scale=softmax_scale,
+             partial_dtype=partial_dtype, schedule=schedule)
+    A call of few queries against many keys runs step 1 on key splits (the split-K
+    indexer: the same scores, more CTAs); a call past ``workspace_bytes`` runs steps 1-6 per
+    query chunk. :class:`msa.MsaPrefillPagedWrapper` is the same pipeline over a paged cache
+    with the metadata planned once per batch.
+    """
+    check_tensor("q", q, ndim=3)
+    check_tensor("k", k, ndim=3)
+    check_tensor("q_idx", q_idx, ndim=3)
+    check_tensor("k_idx", k_idx, ndim=3)
+    num_kv_heads = k.shape[1]
+    qhead_per_kv = check_qhead_per_kv(q.shape[1], num_kv_heads)
+    check_topk("topk", topk, SUPPORTED_TOPK)
+    check_positive_int("local_blocks", local_blocks)
+    if local_blocks > topk:
+        raise ValueError(f"local_blocks: {local_blocks} exceeds topk = {topk}")
+    if q_idx.shape[0] != q.shape[0]:
+        raise ValueError(f"q_idx: has {q_idx.shape[0]} tokens but q has {q.shape[0]}")
+    if q_idx.shape[1] != num_kv_heads:
+        raise ValueError(f"q_idx: expected {num_kv_heads} index heads (one per KV head), got "
+                         f"{q_idx.shape[1]}")
+    if k_idx.shape[0] != k.shape[0]:
+        raise ValueError(f"k_idx: has {k_idx.shape[0]} tokens but k has {k.shape[0]}")
+    check_same_device(q=q, k=k, v=v, q_idx=q_idx, k_idx=k_idx, cu_seqlens_q=cu_seqlens_q)
+    check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
+
+    if workspace_bytes is not None:
+        check_positive_int("workspace_bytes", workspace_bytes, minimum=1)
+    if value_checks_requested(check_input_valid):      # TypeError before any launch
+        _check_prefill_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    opts = PrefillOptions(topk=topk, local_blocks=local_blocks, causal=bool(causal),
+                          partial_dtype=partial_dtype, softmax_scale=softmax_scale,
+                          index_scale=index_scale, qhead_per_kv=qhead_per_kv)
+    return run_dense_prefill(q, k, v, q_idx, k_idx, cu_seqlens_q, cu_seqlens_k,
+                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, opts=opts,
+                             return_selection=return_selection, workspace_bytes=workspace_bytes)
+
+
+def _check_prefill_values(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """msa_prefill's index values (one sync): both prefix sums start at 0 and never decrease,
+    cu_seqlens_q ends at q.shape[0], cu_seqlens_k within k, and the max_seqlen hints are at least
+    the longest request. The steps inside run on metadata derived from these."""
+    host = host_int64(cu_q=cu_seqlens_q, cu_k=cu_seqlens_k)
+    q_lens = check_prefix_sums("cu_seqlens_q", host["cu_q"], q.shape[0], "q.shape[0]")
+    k_lens = check_prefix_sums("cu_seqlens_k", host["cu_k"], k.shape[0], "k.shape[0]",
+                               exact=False)
+    check_hint("max_seqlen_q", max_seqlen_q, int(q_lens.max()) if q_lens.numel() else 0,
+               "the longest request's queries")
+    check_hint("max_seqlen_k", max_seqlen_k, int(k_lens.max()) if k_lens.numel() else 0,
+               "the longest request's keys")
+
+
+def _per_query_block_bounds(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                            total_q: int):
+    """Per query token, on the device and without a host sync: (num_valid_pages [total_q],
+    own block (i + k_len - q_len) // 128 [total_q]), both int32. Floor division keeps a query
+    that sees no key (k_len < q_len, early rows) at a negative own block: it selects nothing."""
+    device = cu_seqlens_q.device
+    token = torch.arange(total_q, device=device, dtype=torch.int64)
+    cu_q = cu_seqlens_q.to(torch.int64)
+    cu_k = cu_seqlens_k.to(torch.int64)
+    request = owning_segment(cu_q, token)
+    q_len = cu_q[request + 1] - cu_q[request]
+    k_len = cu_k[request + 1] - cu_k[request]
+    local = token - cu_q[request]
+    num_valid_pages = torch.div(k_len + BLOCK_SIZE - 1, BLOCK_SIZE, rounding_mode="floor")
+    own_block = torch.div(local + k_len - q_len, BLOCK_SIZE, rounding_mode="floor")
+    return num_valid_pages.to(torch.int32), own_block.to(torch.int32)
+
+
 def sparse_atten_from_selection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 q2k_indices: torch.Tensor, *, cu_seqlens_q: torch.Tensor,
                                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
@@ -750,5 +866,5 @@ def _shape_result(out, lse, q2k, return_lse: bool, return_selection: bool):
     return result[0] if len(result) == 1 else result
 
 
-__all__ = ["MsaPrefillPagedWrapper", "sparse_atten_from_selection", "workspace_bytes_per_query",
-           "chunk_tokens", "index_key_splits"]
+__all__ = ["msa_prefill", "MsaPrefillPagedWrapper", "sparse_atten_from_selection",
+           "workspace_bytes_per_query", "chunk_tokens", "index_key_splits"]

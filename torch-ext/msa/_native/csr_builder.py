@@ -3,7 +3,7 @@
 The CUDA ops ``run_build_k2q_csr`` and ``run_build_k2q_csr_with_schedule`` produce outputs
 bit-identical to the reference CSR builder (msa.sparse_index_utils.build_k2q_csr_torch_reference
 behind msa.build_k2q_csr) and
-:func:`msa.src.sm100.prepare_scheduler.prepare_sparse_fwd_schedule_and_split` (schedule). They
+:func:`msa.schedules.sparse.prepare_sparse_fwd_schedule_and_split` (schedule). They
 take every size from host hints, so a call never synchronizes and can be captured in a CUDA
 graph. A schedule for 2^24 - 1 or more query tokens is refused by ``supports`` (the kernel packs
 the local query id and the slot into one int32 while sorting), so msa._backend runs the
@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 
 from .. import _backend
-from ..src.sm100.prepare_scheduler import (METADATA_COLUMNS, SLOT_SHIFT, SparseAttentionSchedule,
-                                           schedule_capacity, target_q_per_cta)
+from ..schedules.sparse import (METADATA_COLUMNS, SLOT_SHIFT, SparseAttentionSchedule,
+                                schedule_size)
 
 from . import compiled_ops
 from .compiled_ops import ops
@@ -70,11 +70,9 @@ def run(call):
     if total_q >= MAX_SCHEDULE_QUERIES:   # supports() refused it: the reference serves it
         raise NotImplementedError(f"q2k_indices: {total_q} queries; the native schedule build "
                                   f"packs query ids in {SLOT_SHIFT} bits")
-    target = target_q_per_cta(total_q=total_q, topk=topk, blk_kv=KV_BLOCK, head_kv=hkv,
-                              qhead_per_kv=call.qhead_per_kv, device=device,
-                              usable_SM_count=call.usable_SM_count)
-    capacity = schedule_capacity(total_rows=call.total_rows, total_q=total_q, topk=topk,
-                                 head_kv=hkv, target_q_per_cta=target)
+    target, capacity = schedule_size(total_rows=call.total_rows, total_q=total_q, topk=topk,
+                                     head_kv=hkv, qhead_per_kv=call.qhead_per_kv,
+                                     device=device, usable_SM_count=call.usable_SM_count)
     metadata = torch.empty(capacity, METADATA_COLUMNS, dtype=torch.int32, device=device)
     work_count = torch.empty(1, dtype=torch.int32, device=device)
     qsplit = torch.empty_like(q_idx)

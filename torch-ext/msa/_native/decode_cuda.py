@@ -2,7 +2,7 @@
 ("sparse_decode_atten", "sm90").
 
 One CUDA launch per call (plus a merge launch when the schedule splits KV): a CTA per
-(work item of the :class:`~msa.src.sm100.decode_schedule.DecodeSchedule`, KV head) streams its
+(work item of the :class:`~msa.schedules.decode.DecodeSchedule`, KV head) streams its
 chunk's K/V pages once and serves every query row of that KV head (up to 128 rows per qo tile),
 with mma.sync bf16 tensor-core math; the merge pass combines the fp32 partials by log-sum-exp.
 Semantics are :mod:`msa.reference.decode` (dense, sparse via q2k, e4m3 P only when Q and K/V are

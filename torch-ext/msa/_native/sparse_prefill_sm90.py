@@ -12,8 +12,8 @@ and current stream, with no host synchronization:
 2. combine (cute_kernels/combine.py): log-sum-exp merge into O bf16 [total_q, Hq, 128] and
    LSE fp32 [total_q, Hq].
 
-When the call carries no schedule it is built here on the device with tensor ops
-(:func:`build_schedule_on_device`), so the path stays capture-safe.
+When the call carries no schedule it is built on the device with tensor ops
+(:func:`msa.schedules.sparse.build_schedule_on_device`), so the path stays capture-safe.
 
 Bad metadata (no host sync can see it): the kernels get prefix sums made monotone within the
 tensors (``device_prefix_sums``) and read the CSR rows through the schedule's own row pointer,
@@ -38,11 +38,9 @@ from .. import _backend, _stages
 from .._common import key_lengths
 from .._validation import device_prefix_sums
 from ..cute_kernels import variants
-from ..src.sm100.prepare_scheduler import (SLOT_SHIFT, SparseAttentionSchedule,
-                                          schedule_capacity, target_q_per_cta)
+from ..schedules.sparse import INT32_MAX, SparseAttentionSchedule, build_schedule_on_device
 from . import cute_runtime, debug, serving
 
-INT32_MAX = (1 << 31) - 1
 KV_BLOCK = variants.KV_BLOCK
 _FP8 = torch.float8_e4m3fn
 # partial_dtype -> its name in the serving table (every contract partial dtype).
@@ -220,106 +218,6 @@ def run(call, kernel: SparseKernel
         kernel.combine, device, launch.o_partial, launch.lse_partial, launch.lse_t_partial,
         schedule.split_counts, launch.out, launch.lse, launch.lse_t, int(launch.want_lse_t))
     return launch.results(call)
-
-
-def build_schedule_on_device(call, cu_seqlens_q: Optional[torch.Tensor] = None,
-                             cu_seqlens_k: Optional[torch.Tensor] = None
-                             ) -> SparseAttentionSchedule:
-    """A complete schedule for the call's k2q CSR, built with tensor ops on the CSR's device
-    (no host synchronization; sizes come from the tensors' shapes, never from host hints).
-
-    Work items are (row, head, chunk) ordered like the reference builder: each (KV head, CSR
-    row) is cut into chunks of target_q_per_cta queries. Slots number a (query, KV head)'s
-    entries in CSR row order. Entries whose query id is out of range for the request get -1
-    and no slot; split_counts keeps the full entry count, so the combine can flag a (query,
-    KV head) with more entries than slots. metadata rows past work_count are never read (the
-    grid is the capacity and CTAs past work_count exit).
-
-    Whatever the index values, every gather stays in bounds: cu_seqlens_q/k (default: the
-    call's, made trustworthy with device_prefix_sums) and the row pointer are clamped monotone
-    within their tensors; the schedule keeps that clamped row pointer for the kernel.
-    """
-    q_idx = call.k2q_q_indices
-    device = q_idx.device
-    hkv, n_entries = q_idx.shape
-    total_q = call.q.shape[0]
-    if cu_seqlens_q is None:
-        cu_seqlens_q = device_prefix_sums(call.cu_seqlens_q, total_q)
-    if cu_seqlens_k is None:
-        cu_seqlens_k = device_prefix_sums(call.cu_seqlens_k, INT32_MAX)
-    # A monotone row pointer within k2q_q_indices (the given one when it is valid).
-    row_ptr = device_prefix_sums(call.k2q_row_ptr.t(), n_entries).t().contiguous()
-    total_rows = row_ptr.shape[1] - 1
-    topk = call.topk
-    target = target_q_per_cta(total_q=total_q, topk=topk, blk_kv=KV_BLOCK, head_kv=hkv,
-                              qhead_per_kv=call.qhead_per_kv, device=device,
-                              usable_SM_count=call.usable_SM_count)
-    capacity = schedule_capacity(total_rows=total_rows, total_q=total_q, topk=topk,
-                                 head_kv=hkv, target_q_per_cta=target)
-    i64 = torch.int64
-    cu_q = cu_seqlens_q.to(i64)
-    cu_k = cu_seqlens_k.to(i64)
-    batch = cu_q.numel() - 1
-    # The owner block of CSR row r is at most r, so total_rows block indices cover every row
-    # whatever max_seqlen_k says (a short hint must not make rows look absent).
-    max_blocks = max(total_rows, 1)
-
-    # Owner (request b, block beta) of every packed CSR row (round-robin over requests).
-    rows_b = (cu_k[1:] - cu_k[:-1] + KV_BLOCK - 1) // KV_BLOCK                     # [B]
-    betas = torch.arange(max_blocks + 1, device=device, dtype=i64)
-    rows_before = torch.minimum(rows_b.view(1, -1), betas.view(-1, 1)).sum(1)      # [beta+1]
-    r_all = torch.arange(total_rows, device=device, dtype=i64)
-    row_beta = (torch.searchsorted(rows_before, r_all, right=True) - 1).clamp(0, max_blocks - 1)
-    rank = r_all - rows_before[row_beta]
-    has_block = (rows_b.view(1, -1) > betas[:max_blocks].view(-1, 1)).to(i64)      # [beta, B]
-    nth = has_block.cumsum(1)[row_beta]                                            # [rows, B]
-    row_batch = (nth <= rank.view(-1, 1)).sum(1).clamp_max(max(batch - 1, 0))
-    row_exists = r_all < rows_before[-1]
-
-    # Work items: chunks of each (row, head), flattened in (row, head) order.
-    counts = (row_ptr[:, 1:] - row_ptr[:, :-1]).to(i64).clamp_min(0)               # [H, rows]
-    counts = torch.where(row_exists.view(1, -1), counts, torch.zeros_like(counts))
-    chunks = ((counts + target - 1) // target).t().reshape(-1)                     # [rows*H]
-    chunk_end = chunks.cumsum(0)
-    w = torch.arange(capacity, device=device, dtype=i64)
-    pair = torch.searchsorted(chunk_end, w, right=True).clamp_max(max(chunks.numel() - 1, 0))
-    chunk_in_pair = w - (chunk_end[pair] - chunks[pair])
-    w_row, w_head = pair // hkv, pair % hkv
-    q_begin = chunk_in_pair * target
-    q_count = (counts[w_head, w_row] - q_begin).clamp(0, target)
-    meta = torch.stack([w_head, w_row, q_begin, q_count, row_batch[w_row], row_beta[w_row]], 1)
-    work_count = chunk_end[-1:].clamp_max(capacity).to(torch.int32) if chunks.numel() else \
-        torch.zeros(1, dtype=torch.int32, device=device)
-
-    # Slots: rank of each entry among the entries of its (KV head, query) in CSR order.
-    e = torch.arange(n_entries, device=device, dtype=i64).view(1, -1).expand(hkv, -1)
-    e_row = torch.searchsorted(row_ptr.to(i64).contiguous(), e.contiguous(), right=True) - 1
-    e_row = e_row.clamp(0, max(total_rows - 1, 0))
-    e_batch = row_batch[e_row]
-    q_local = q_idx.to(i64)
-    q_len = (cu_q[1:] - cu_q[:-1])[e_batch]
-    valid = ((e < row_ptr[:, -1:].to(i64)) & row_exists[e_row] & (q_local >= 0)
-             & (q_local < q_len))
-    q_abs = torch.where(valid, cu_q[e_batch] + q_local, torch.zeros_like(q_local))
-    heads = torch.arange(hkv, device=device, dtype=i64).view(-1, 1)
-    key = torch.where(valid, heads * total_q + q_abs, torch.full_like(q_abs, hkv * total_q))
-    flat_key = key.reshape(-1)
-    order = torch.sort(flat_key, stable=True).indices
-    sorted_key = flat_key[order]
-    group_start = torch.searchsorted(sorted_key, sorted_key, right=False)
-    slot_sorted = torch.arange(flat_key.numel(), device=device, dtype=i64) - group_start
-    slot = torch.empty_like(slot_sorted).scatter_(0, order, slot_sorted).view(hkv, n_entries)
-    valid = valid & (slot < topk)
-    qsplit = torch.where(valid, q_local | (slot << SLOT_SHIFT), torch.full_like(q_local, -1))
-    # scatter_add, not bincount: bincount reads the max on the host (a sync).
-    per_key = torch.zeros(hkv * total_q + 1, dtype=i64, device=device).scatter_add_(
-        0, flat_key, torch.ones_like(flat_key))[: hkv * total_q]
-    split_counts = per_key.view(hkv, total_q).t().clamp_max(INT32_MAX)
-    return SparseAttentionSchedule(
-        enabled=True, scheduler_metadata=meta.to(torch.int32).contiguous(),
-        work_count=work_count, qsplit_indices=qsplit.to(torch.int32).contiguous(),
-        split_counts=split_counts.to(torch.int32).contiguous(), target_q_per_cta=target,
-        k2q_row_ptr=row_ptr, batch=batch, topk=topk)
 
 
 _backend.register_native("sparse_atten", "sm90", run, supports)

@@ -17,7 +17,7 @@ unrounded), so dense decode equals sparse decode with every block selected, up t
   of seqused_k) walked by :func:`sparse_attention_csr`.
 
 The split-KV variant computes one (O, LSE) partial per (request, chunk) of a
-:class:`~msa.src.sm100.decode_schedule.DecodeSchedule`, stores it in the fp32 workspaces and
+:class:`~msa.schedules.decode.DecodeSchedule`, stores it in the fp32 workspaces and
 merges them, exactly as the native split-KV kernel plus merge pass would. These functions read
 device tensors on the host (they are references).
 """

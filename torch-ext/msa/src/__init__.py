@@ -1,1 +1,1 @@
-"""Kernel-side modules, grouped by the upstream architecture names clients import."""
+"""Upstream's module paths (``msa.src.sm100.*``), kept for clients as re-exports."""

@@ -2,7 +2,7 @@
 """The loops of a kernel's SASS and their instruction mix (no GPU needed).
 
     ptxas -arch=sm_90a kernel.ptx -o k.cubin && nvdisasm -c k.cubin > k.sass
-    python tools/sass_loops.py k.sass [--min-mma 16]
+    python tools/lab/sass_loops.py k.sass [--min-mma 16]
 
 Prints every loop (a backward branch to a label) holding at least --min-mma warpgroup MMAs
 (HGMMA / QGMMA): its address range, instruction count and most frequent opcodes. Comparing two

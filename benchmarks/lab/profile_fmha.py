@@ -5,9 +5,9 @@ profiler wrapped around it can sample it. One warm-up call, then --iters calls, 
 `ncu --launch-skip 1 --launch-count 1 -k regex:fmha` profiles a warm launch.
 
     ncu --set full -k regex:fmha --launch-skip 1 --launch-count 1 -o R \\
-        python benchmarks/profile_fmha.py --dtype fp8 --form wsuts --n 8192 --causal 0
+        python benchmarks/lab/profile_fmha.py --dtype fp8 --form wsuts --n 8192 --causal 0
     ncu --import R.ncu-rep --page source --print-source sass --csv   # stall samples per SASS
-    python benchmarks/profile_fmha.py --dtype fp8 --n 4k --heads 32x8 --causal 1 --iters 20 \
+    python benchmarks/lab/profile_fmha.py --dtype fp8 --n 4k --heads 32x8 --causal 1 --iters 20 \
         --breakdown
 
 Prints the variant and the mean time of the calls (profiler overhead included when wrapped).
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/_common.py
 from _common import flush_l2, forcing, load_msa, parse_sizes  # noqa: E402
 
 D = 128

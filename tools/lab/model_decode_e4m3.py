@@ -16,9 +16,9 @@ checked without a GPU:
   step) or "e4m3-wgmma-per-page" (each page's e4m3 P.V in a fresh accumulator, then scaled and
   added in fp32).
 
-    python tools/model_decode_e4m3.py                       # the kernel (fp32 S, f16 P.V)
-    python tools/model_decode_e4m3.py --s e4m3-wgmma        # S on FP8 wgmma
-    python tools/model_decode_e4m3.py --pv e4m3-wgmma-per-page --seeds 0 1 2
+    python tools/lab/model_decode_e4m3.py                       # the kernel (fp32 S, f16 P.V)
+    python tools/lab/model_decode_e4m3.py --s e4m3-wgmma        # S on FP8 wgmma
+    python tools/lab/model_decode_e4m3.py --pv e4m3-wgmma-per-page --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "torch-ext"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "torch-ext"))
 from msa.reference.decode import decode_reference  # noqa: E402
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16

@@ -4,7 +4,7 @@
 // 16-lane-per-clock pipe (then the e4m3 loop's 64 exps + 32 conversions per thread and block
 // cost ~1.5x what the exps alone would), or do they overlap?
 //
-//   nvcc -arch=sm_90a -O3 -o /tmp/pipe_rates benchmarks/sm90_pipe_rates.cu && /tmp/pipe_rates
+//   nvcc -arch=sm_90a -O3 -o /tmp/pipe_rates benchmarks/lab/sm90_pipe_rates.cu && /tmp/pipe_rates
 //
 // Each thread runs kChains independent chains, 1024 threads per CTA, two CTAs per SM (the
 // 8-chain kernels fit two per SM; the 16-chain ones need over 32 registers and run in two

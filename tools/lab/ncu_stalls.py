@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Summarize ncu's per-SASS stall sampling of one kernel (no GPU needed).
 
-    ncu --section SourceCounters ... -o R python3 benchmarks/profile_fmha.py ...
+    ncu --section SourceCounters ... -o R python3 benchmarks/lab/profile_fmha.py ...
     ncu --import R.ncu-rep --page source --print-source sass --csv > R_sass.csv
-    python tools/ncu_stalls.py R_sass.csv
+    python tools/lab/ncu_stalls.py R_sass.csv
 
 Prints the stall reasons over all samples, then the opcodes holding the most samples with each
 one's top three reasons (e.g. MUFU "wait": a fixed-latency dependency; WARPGROUP "barrier":
@@ -32,6 +32,9 @@ def main(argv=None) -> int:
         print(__doc__)
         return 2
     rows = list(csv.reader(open(argv[0])))
+    if len(rows) < 2:
+        print(f"{argv[0]}: not an ncu source page CSV (no header row)", file=sys.stderr)
+        return 1
     header, data = rows[1], rows[2:]
     col = {name: i for i, name in enumerate(header)}
     stall_cols = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]

@@ -6,7 +6,7 @@ quicker question "is form B faster than form A": for each problem, every form is
 backwards, so a drift in clocks shows up as a difference between the two numbers of one form
 instead of as a difference between forms.
 
-    python benchmarks/ab_fmha_forms.py --forms wsutps,wsuts \\
+    python benchmarks/lab/ab_fmha_forms.py --forms wsutps,wsuts \\
         --problems 4096:32:8:1:fp8,8192:64:4:0:fp8
 
 A problem is tokens:Hq:Hkv:causal:dtype (one request, q = kv; dtype bf16 or fp8). A form is
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/_common.py
 from _common import forcing, load_msa, ran_form  # noqa: E402
 
 D = 128

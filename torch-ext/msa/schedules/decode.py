@@ -1,0 +1,236 @@
+"""Split-KV schedule of paged decode (host-side planner, in the style of FlashInfer's decode plan).
+
+A decode step has few query rows per request (``seqlen_q * G`` <= 256 per KV head), so one CTA per
+(request, KV head) leaves most SMs idle when the batch is small and the context long. Split-KV
+cuts each request's KV range into chunks of ``kv_chunk_size`` units; every (request, chunk,
+qo tile) is one work item, run for each KV head (grid = ``[num_work, num_kv_heads]``). Each work
+item writes a normalized partial output and its log-sum-exp into the workspaces; a merge pass
+combines the partials of request b, found at ``merge_indptr[b] .. merge_indptr[b+1]``, with
+``L = logsumexp_s LSE_s`` and ``O = sum_s exp(LSE_s - L) * O_s``.
+
+Units of the KV range:
+  * dense decode: KV pages of ``page_size`` tokens (logical page ids of the request);
+  * sparse decode: slots of the ``q2k`` row (each query's selected blocks), ``topK`` per request.
+
+Chunk s of a request covers units ``[s * kv_chunk_size, (s + 1) * kv_chunk_size)``, except the
+request's last chunk, which runs to the request's end as the kernel sees it on the device
+(``ceil(seqused_k[b] / page_size)`` pages, or ``topK`` slots). Hence a schedule stays correct
+when the lengths grow after planning (as under CUDA-graph replays): the tail just lands in the
+last chunk, and chunks past a shorter request's end are empty (O = 0, LSE = -inf).
+
+The planner runs on the host. With ``enable_cuda_graph`` it sizes everything from
+``max_seqlen_k`` (it never reads ``seqused_k``), so the grid and workspaces stay fixed across
+replays; otherwise it reads ``seqused_k`` on the host (planning happens outside any capture).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+import torch
+
+from .._common import sm_count
+from .._validation import check_positive_int, check_tensor
+
+# Query rows one CTA of the decode kernel covers for one KV head: two 64-row warpgroup MMA
+# tiles. seqlen_q * G > 128 (e.g. MTP 16 x G 16) takes several qo tiles.
+QO_TILE_ROWS = 128
+
+
+@dataclasses.dataclass
+class DecodeSchedule:
+    """The plan of one paged decode call. Index tensors live on the device of ``seqused_k``;
+    the ``*_host`` twins are CPU copies for references and tests. Native kernels read only the
+    device tensors, so a plan is launch-ready without any device-to-host copy."""
+
+    batch_size: int
+    seqlen_q: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    sparse_topk: Optional[int]          # topK of the q2k rows for sparse decode, None when dense
+    enable_cuda_graph: bool
+    max_grid_size: int                  # CTA budget the split size was chosen for
+    split_kv: bool                      # partials + merge (True) or direct output (False)
+    kv_chunk_size: int                  # units (pages, or q2k slots when sparse) per chunk
+    num_qo_tiles: int                   # ceil(seqlen_q * G / QO_TILE_ROWS)
+    planned_units: List[int]            # per request: pages (dense) or topK (sparse) planned for
+    num_splits_host: torch.Tensor       # [B] int32: chunks of each request
+    merge_indptr_host: torch.Tensor     # [B+1] int32: exclusive prefix of num_splits
+    request_indices_host: torch.Tensor  # [num_work] int32: work item -> request
+    kv_tile_indices_host: torch.Tensor  # [num_work] int32: work item -> chunk within request
+    qo_tile_indices_host: torch.Tensor  # [num_work] int32: work item -> qo tile
+    num_splits: torch.Tensor            # device copies of the above
+    merge_indptr: torch.Tensor
+    request_indices: torch.Tensor
+    kv_tile_indices: torch.Tensor
+    qo_tile_indices: torch.Tensor
+
+    @property
+    def sparse(self) -> bool:
+        return self.sparse_topk is not None
+
+    @property
+    def qhead_per_kv(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def num_work(self) -> int:
+        return int(self.request_indices_host.numel())
+
+    @property
+    def grid(self):
+        """(work items, KV heads): the launch grid of the attention pass."""
+        return (self.num_work, self.num_kv_heads)
+
+    @property
+    def num_partials(self) -> int:
+        """Partial-output slots per query row: one per (request, chunk) when split, else 0."""
+        return int(self.merge_indptr_host[-1]) if self.split_kv else 0
+
+    @property
+    def kv_chunk_size_tokens(self) -> Optional[int]:
+        """Chunk length in KV tokens (dense decode only)."""
+        return None if self.sparse else self.kv_chunk_size * self.page_size
+
+    def workspace_shapes(self):
+        """(O_partial shape, LSE_partial shape), both float32:
+        O_partial [num_partials, seqlen_q, Hq, D], LSE_partial [num_partials, seqlen_q, Hq];
+        partial slot p = merge_indptr[b] + chunk holds rows of request b."""
+        p = self.num_partials
+        return ((p, self.seqlen_q, self.num_qo_heads, self.head_dim),
+                (p, self.seqlen_q, self.num_qo_heads))
+
+    def chunk_range(self, request: int, chunk: int, units_now: int):
+        """[begin, end) units of one chunk given the request's current unit count (pages from
+        today's seqused_k, or topK): the last chunk absorbs any growth since planning."""
+        begin = chunk * self.kv_chunk_size
+        last = chunk == int(self.num_splits_host[request]) - 1
+        end = units_now if last else min(begin + self.kv_chunk_size, units_now)
+        return begin, max(begin, end)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _chunks_needed(units: List[int], chunk: int) -> int:
+    # Every request keeps at least one chunk: an empty request still writes O = 0, LSE = -inf.
+    return sum(max(1, _ceil_div(u, chunk)) for u in units)
+
+
+def choose_kv_chunk_size(units: List[int], ctas_per_chunk: int, max_grid_size: int) -> int:
+    """The smallest chunk (in units) whose work fits one wave of ``max_grid_size`` CTAs.
+
+    Total CTAs for chunk c are ``ctas_per_chunk * sum_b ceil(units_b / c)``, non-increasing in c,
+    so a binary search finds the smallest c that fits; smaller chunks mean more parallelism.
+    If even c = max(units) (no split) does not fit, splitting cannot help and max(units) wins.
+    """
+    longest = max(units, default=0)
+    if longest <= 1:
+        return max(longest, 1)
+    budget = max(1, max_grid_size // max(ctas_per_chunk, 1))
+    if _chunks_needed(units, longest) >= budget:
+        return longest
+    lo, hi = 1, longest
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _chunks_needed(units, mid) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int,
+                          num_qo_heads: int, num_kv_heads: int, head_dim: int, max_seqlen_k: int,
+                          enable_cuda_graph: bool = False, max_grid_size: Optional[int] = None,
+                          fixed_split_size: Optional[int] = None, disable_split_kv: bool = False,
+                          *, sparse_topk: Optional[int] = None) -> DecodeSchedule:
+    """Plan the split-KV decode of a batch (host-side; see the module docstring).
+
+    Args:
+      seqused_k: [B] int32 KV lengths. Read on the host unless ``enable_cuda_graph`` or sparse
+        (neither needs the lengths), so call this outside CUDA-graph capture.
+      page_size: tokens per KV page (128).
+      seqlen_q: queries per request (uniform; 1 for plain decode, >1 for MTP).
+      num_qo_heads, num_kv_heads, head_dim: head layout (Hq a multiple of Hkv).
+      max_seqlen_k: upper bound of any request's KV length; sizes the CUDA-graph plan.
+      enable_cuda_graph: size the plan from ``max_seqlen_k`` for every request, so one plan
+        serves every replay whatever the lengths are.
+      max_grid_size: CTA budget (default: the device's SM count, 132 without a GPU).
+      fixed_split_size: chunk size in units (pages; slots when sparse); forces split-KV.
+      disable_split_kv: one chunk per request, direct output, no workspaces.
+      sparse_topk: topK of the q2k rows for sparse decode (units are then q2k slots).
+
+    Returns a :class:`DecodeSchedule` with index tensors on ``seqused_k``'s device.
+    """
+    check_tensor("seqused_k", seqused_k, dtypes=(torch.int32,), ndim=1)
+    check_positive_int("page_size", page_size, minimum=1)
+    check_positive_int("seqlen_q", seqlen_q, minimum=1)
+    check_positive_int("num_qo_heads", num_qo_heads, minimum=1)
+    check_positive_int("num_kv_heads", num_kv_heads, minimum=1)
+    check_positive_int("head_dim", head_dim, minimum=1)
+    check_positive_int("max_seqlen_k", max_seqlen_k)
+    check_positive_int("max_grid_size", max_grid_size, allow_none=True, minimum=1)
+    check_positive_int("fixed_split_size", fixed_split_size, allow_none=True, minimum=1)
+    check_positive_int("sparse_topk", sparse_topk, allow_none=True, minimum=1)
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads "
+                         f"{num_kv_heads}")
+    if fixed_split_size is not None and disable_split_kv:
+        raise ValueError("fixed_split_size: forces split-KV, which disable_split_kv=True forbids")
+    batch = seqused_k.numel()
+    device = seqused_k.device
+    if max_grid_size is None:
+        max_grid_size = sm_count(device)
+
+    if sparse_topk is not None:
+        units = [sparse_topk] * batch
+    elif enable_cuda_graph:
+        units = [_ceil_div(max_seqlen_k, page_size)] * batch
+    else:
+        lens = seqused_k.to("cpu", torch.int64).clamp_min(0)
+        units = [_ceil_div(int(n), page_size) for n in lens.tolist()]
+
+    group = num_qo_heads // num_kv_heads
+    num_qo_tiles = _ceil_div(seqlen_q * group, QO_TILE_ROWS)
+    ctas_per_chunk = num_qo_tiles * num_kv_heads
+    longest = max(max(units, default=0), 1)
+    if disable_split_kv:
+        chunk, split_kv = longest, False
+    elif fixed_split_size is not None:
+        chunk, split_kv = fixed_split_size, True
+    else:
+        chunk = choose_kv_chunk_size(units, ctas_per_chunk, max_grid_size)
+        split_kv = any(u > chunk for u in units)
+    if not split_kv:
+        chunk = longest  # one chunk per request: the last (only) chunk runs to the end anyway
+
+    num_splits = [max(1, _ceil_div(u, chunk)) for u in units]
+    request_idx, kv_tile_idx, qo_tile_idx = [], [], []
+    for b, n in enumerate(num_splits):
+        for s in range(n):
+            for t in range(num_qo_tiles):
+                request_idx.append(b)
+                kv_tile_idx.append(s)
+                qo_tile_idx.append(t)
+    i32 = dict(dtype=torch.int32)
+    num_splits_host = torch.tensor(num_splits, **i32)
+    merge_indptr_host = torch.zeros(batch + 1, **i32)
+    merge_indptr_host[1:] = torch.cumsum(num_splits_host, 0)
+    host = dict(request=torch.tensor(request_idx, **i32), kv=torch.tensor(kv_tile_idx, **i32),
+                qo=torch.tensor(qo_tile_idx, **i32))
+    return DecodeSchedule(
+        batch_size=batch, seqlen_q=seqlen_q, num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+        sparse_topk=sparse_topk, enable_cuda_graph=bool(enable_cuda_graph),
+        max_grid_size=int(max_grid_size), split_kv=bool(split_kv), kv_chunk_size=int(chunk),
+        num_qo_tiles=num_qo_tiles, planned_units=units, num_splits_host=num_splits_host,
+        merge_indptr_host=merge_indptr_host, request_indices_host=host["request"],
+        kv_tile_indices_host=host["kv"], qo_tile_indices_host=host["qo"],
+        num_splits=num_splits_host.to(device), merge_indptr=merge_indptr_host.to(device),
+        request_indices=host["request"].to(device), kv_tile_indices=host["kv"].to(device),
+        qo_tile_indices=host["qo"].to(device))
