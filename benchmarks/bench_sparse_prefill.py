@@ -16,6 +16,7 @@ causal TFLOP/s = 4 * D * Hq * N^2 / 2 / time. Peers are measured in the same run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -81,6 +82,26 @@ def sparse_forms(msa):
     """The package's sparse serving table (cute_kernels.variants.SPARSE_FORMS)."""
     from importlib import import_module
     return import_module(f"{msa.__name__}.cute_kernels.variants").SPARSE_FORMS
+
+
+@contextlib.contextmanager
+def native_tier(tier: str):
+    """Dispatch to `tier` for the block: "portable" sets MSA_NATIVE_TIER=portable and opens the
+    gate of its not yet validated kernels; "hopper" changes nothing."""
+    if tier not in ("hopper", "portable"):
+        raise SystemExit(f"--tiers: expected hopper or portable, got {tier!r}")
+    saved = {name: os.environ.get(name) for name in ("MSA_NATIVE_TIER",
+                                                      "MSA_UNVALIDATED_KERNELS")}
+    if tier == "portable":
+        os.environ.update(MSA_NATIVE_TIER="portable", MSA_UNVALIDATED_KERNELS="1")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def visible_pairs(q2k: torch.Tensor) -> int:
@@ -165,6 +186,12 @@ def main():
                          "call is skipped")
     ap.add_argument("--impls", default="attention,csr+attention",
                     help="msa rows: attention (prebuilt CSR and schedule), csr+attention")
+    ap.add_argument("--tiers", default="hopper",
+                    help="native tiers to time side by side: hopper (what the GPU's family "
+                         "serves) and portable (the csrc warp-MMA tier, MSA_NATIVE_TIER=portable "
+                         "with its gate open; docs/design-portable.md): impl "
+                         "msa_attention[portable], attention only (the CSR and schedule are "
+                         "built by the served tier)")
     ap.add_argument("--allow-unvalidated", action="store_true",
                     help="also time kernels still gated as unvalidated (backend column says so)")
     ap.add_argument("--peers", default="flex,cudnn")
@@ -210,10 +237,11 @@ def main():
                 flex_ms = bench(lambda: [r() for r in runs], args.rep_ms)
                 row(case, lens, pattern, "bf16", "flex_attention", "triton", flex_ms,
                     flops / flex_ms / 1e9, pairs, 1.0)
-            msa_runs = [(dtype, partial, form) for dtype in args.dtypes.split(",")
+            msa_runs = [(dtype, partial, form, tier) for tier in args.tiers.split(",")
+                        for dtype in args.dtypes.split(",")
                         for partial in args.partials.split(",")
-                        for form in args.forms.split(",")]
-            for dtype, partial, form in msa_runs:
+                        for form in (args.forms.split(",") if tier == "hopper" else ["served"])]
+            for dtype, partial, form, tier in msa_runs:
                 qq, kk, vv, pv_dtype = DTYPE_MODES[dtype](q, k, v)
                 kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
                           max_seqlen_k=max(lens), causal=True, pv_dtype=pv_dtype,
@@ -222,10 +250,16 @@ def main():
                 row_ptr, q_idx, sched = msa.build_k2q_csr(
                     q2k, cu, cu, 128, total_k=total, max_seqlen_k=max(lens),
                     max_seqlen_q=max(lens), qhead_per_kv=HQ // HKV, return_schedule=True)
-                with forcing(msa, sparse_form=form):
+                with forcing(msa, sparse_form=form), native_tier(tier):
                     msa.sparse_atten_func(qq, kk, vv, row_ptr, q_idx, TOPK, schedule=sched,
                                           **kw)
                 backend = msa._backend.last_backend("sparse_atten")
+                if tier == "portable" and backend != "portable":
+                    print(f"skip msa {label} [portable]: the portable tier does not serve it",
+                          flush=True)
+                    continue
+                if backend == "portable" and not msa._backend.PORTABLE_VALIDATED:
+                    backend += "-unvalidated"
                 ran = ran_form(msa, "sparse_atten") if backend == "sm90" else None
                 if form != "served" and ran != form:
                     print(f"skip msa {label} [{form}]: that form does not serve it", flush=True)
@@ -242,14 +276,16 @@ def main():
                                                max_seqlen_k=max(lens), max_seqlen_q=max(lens),
                                                qhead_per_kv=HQ // HKV)
                     return msa.sparse_atten_func(qq, kk, vv, rp, qi, TOPK, **kw)
-                with forcing(msa, sparse_form=form):
+                with forcing(msa, sparse_form=form), native_tier(tier):
                     if "attention" in args.impls.split(","):
                         timed.append(("msa_attention", bench(
                             lambda: msa.sparse_atten_func(qq, kk, vv, row_ptr, q_idx, TOPK,
                                                           schedule=sched, **kw), args.rep_ms)))
-                    if "csr+attention" in args.impls.split(","):
+                    if "csr+attention" in args.impls.split(",") and tier == "hopper":
                         timed.append(("msa_csr+attention", bench(full_call, args.rep_ms)))
                 suffix = "" if form == "served" else f"[{form}]"
+                if tier != "hopper":
+                    suffix = f"[{tier}]"
                 for impl, ms in timed:
                     row(case, lens, pattern, label, impl + suffix, backend, ms,
                         flops / ms / 1e9, pairs, (flex_ms / ms) if flex_ms else None)

@@ -1,4 +1,5 @@
-// Paged decode attention for Hopper (sm_90a): dense or block-sparse, split-KV + merge.
+// Paged decode attention: dense or block-sparse, split-KV + merge. Built for every csrc arch;
+// the warpgroup form below is sm_90a code (elsewhere its launch is refused).
 //
 // Semantics: msa.reference.decode (contract §1.4, sparse decode D6). One CTA per work item of the
 // split-KV schedule (msa.src.sm100.decode_schedule) and KV head: it streams the K/V pages of one
@@ -557,12 +558,7 @@ __device__ __forceinline__ void store_row(const DecodeAttentionArgs& a, int64_t 
 namespace wg {
 
 constexpr int kRowBytes = 128;                 // one swizzled row
-constexpr int kAtomBytes = 8 * kRowBytes;      // the 8-row swizzle atom (stride byte offset)
 constexpr int kWarpgroupRows = 64;
-
-__device__ __forceinline__ int swizzled(int row, int chunk) {
-  return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
-}
 
 template <bool kFp8>
 struct Shape {
@@ -584,6 +580,15 @@ struct Shape {
 };
 static_assert(Shape<false>::kAlloc <= 227 * 1024, "warpgroup form (bf16): shared memory");
 static_assert(Shape<true>::kAlloc <= 227 * 1024, "warpgroup form (e4m3): shared memory");
+
+// wgmma is sm_90a only: other archs compile just the kernel's entry point (a trap).
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+constexpr int kAtomBytes = 8 * kRowBytes;      // the 8-row swizzle atom (stride byte offset)
+
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
+}
 
 // Matrix descriptor of a 128-byte swizzled operand: start address, leading byte offset (the
 // next 64-element block along MN for MN-major operands; unused for K-major ones), stride byte
@@ -1000,6 +1005,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+#else   // device code of any arch but sm_90a: the form's entry point only, never launched
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_attention_wg_kernel(const DecodeAttentionArgs) {
+  __trap();
+}
+
+#endif  // sm_90a
 }  // namespace wg
 
 // The direct form's whole page loop, two pages per step (split keys: warp w owns keys
@@ -1543,6 +1557,11 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
     return cudaSuccess;
   };
   if (args.warpgroup) {
+    // The form's body exists in the sm_90a code only (wgmma); elsewhere (another arch, or
+    // compute_80 PTX JIT-compiled on an SM90) it would trap, so the launch is refused.
+    cudaFuncAttributes attr{};
+    MSA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, wg::decode_attention_wg_kernel<false>));
+    if (attr.ptxVersion != 90 || attr.binaryVersion != 90) return cudaErrorNotSupported;
     if (args.q_fp8) {
       MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<true>, wg::Shape<true>::kAlloc));
     } else {

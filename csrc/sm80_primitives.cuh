@@ -1,6 +1,6 @@
-// Warp-level primitives shared by the decode kernels (sm_80+ instructions, used on sm_90a):
-// cp.async copies, mma.sync m16n8k16 (bf16 / f16 in, fp32 accumulate) and exact e4m3 -> f16
-// widening of register pairs.
+// Warp-level primitives shared by the csrc kernels (sm_80+ instructions; every csrc arch):
+// cp.async copies, ldmatrix, mma.sync m16n8k16 (bf16 / f16 in, fp32 accumulate) and exact
+// e4m3 -> f16 widening of register pairs.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,6 +31,18 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// Four 8x8 b16 matrices from shared memory: lanes 8i..8i+7 address the rows of matrix i; lane l
+// receives elements (l / 4, 2 (l % 4) + {0, 1}) of each, or with .trans elements
+// (2 (l % 4) + {0, 1}, l / 4).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(row)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(row)));
+}
+
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
   asm volatile(
@@ -49,8 +61,23 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two e4m3 values of a 32-bit word -> f16x2, exact: bytes 0-1 (lo) or 2-3 (hi). Through a b16
-// unpack, so the conversion reads the upper half itself instead of after a shift.
+// Two e4m3 values of a 32-bit word -> f16x2, exact: bytes 0-1 (lo) or 2-3 (hi). sm_89+ has the
+// conversion instruction; read through a b16 unpack, so it takes the upper half itself instead
+// of after a shift. sm_80 / sm_86 / sm_87 (no FP8 conversions) go through cuda_fp8.h's exact
+// integer path.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two),
+                                                   __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+__device__ __forceinline__ uint32_t e4m3x2_lo_to_f16x2(uint32_t word) {
+  return e4m3x2_to_f16x2(static_cast<uint16_t>(word & 0xFFFFu));
+}
+__device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t word) {
+  return e4m3x2_to_f16x2(static_cast<uint16_t>(word >> 16));
+}
+#else
 __device__ __forceinline__ uint32_t e4m3x2_lo_to_f16x2(uint32_t word) {
   uint32_t r;
   asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n"
@@ -63,6 +90,7 @@ __device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t word) {
       : "=r"(r) : "r"(word));
   return r;
 }
+#endif
 
 }  // namespace sm80
 }  // namespace msa

@@ -147,3 +147,19 @@ def compiled_variant_with(op: str):
     from msa._native import compiled_ops
     assert compiled_ops.missing_reason(op) is None, compiled_ops.missing_reason(op)
     return msa
+
+
+# Native tiers a GPU test can run a kernel family on: the Hopper kernels (what SM90 serves) and
+# the portable tier (docs/design-portable.md), forced on any GPU >= 8.0.
+TIERS = ("hopper", "portable")
+
+
+def use_tier(tier: str, monkeypatch) -> str:
+    """Make the rest of the test dispatch to `tier` and return the _backend family it reports:
+    "portable" forces MSA_NATIVE_TIER=portable and opens the gate of its not yet validated
+    kernels (MSA_UNVALIDATED_KERNELS=1)."""
+    if tier == "portable":
+        monkeypatch.setenv("MSA_NATIVE_TIER", "portable")
+        monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+        return "portable"
+    return "sm90"

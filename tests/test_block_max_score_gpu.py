@@ -1,7 +1,8 @@
-"""Native SM90 indexer block max-scores (CuTe-DSL wgmma kernel) against a float64 reference.
+"""Native indexer block max-scores against a float64 reference: the SM90 CuTe-DSL wgmma kernel,
+and (the cases with a `tier` parameter) the portable tier's csrc kernel, forced on any GPU.
 
 Every case runs with MSA_BACKEND=native (a fallback raises) and checks
-msa._backend.last_backend == "sm90".
+msa._backend.last_backend ("sm90", or "portable").
 
 Checks per case, on fresh random varlen inputs (lengths not multiples of 128, requests with
 q_len > k_len whose early rows see nothing, an empty request, rows past cu_seqlens_q[-1] that no
@@ -29,7 +30,7 @@ if __name__ == "__main__":   # benchmark mode: import the package from the sourc
 import msa
 from msa import _backend
 from msa.reference.max_score import block_max_scores_reference
-from msa_testing import cu_seqlens, nan_tensor
+from msa_testing import compiled_variant_with, cu_seqlens, nan_tensor, use_tier
 
 BLOCK = 128
 HEAD_DIM = 128
@@ -121,12 +122,26 @@ CASES = [(h, paged, causal) for h in (1, 2, 4, 8) for paged in (False, True)
          for causal in (False, True)]
 
 
+# The Hopper kernel on SM90; the portable tier (csrc warp-MMA kernel, bf16) on any GPU, forced
+# on SM90 (MSA_NATIVE_TIER=portable), where it is validated by proxy.
+TIER_PARAMS = [pytest.param("hopper", marks=pytest.mark.sm90), "portable"]
+
+
+def _use_tier(tier, monkeypatch):
+    """The _backend family the test's native calls must report (see msa_testing.use_tier)."""
+    if tier == "portable":
+        compiled_variant_with("block_max_score_portable")
+    else:
+        _native_module()
+    return use_tier(tier, monkeypatch)
+
+
 @pytest.mark.gpu
-@pytest.mark.sm90
+@pytest.mark.parametrize("tier", TIER_PARAMS)
 @pytest.mark.parametrize("num_heads,paged,causal", CASES)
-def test_block_max_scores_native_matches_float64(num_heads, paged, causal, seed, monkeypatch,
-                                                native_hooks):
-    native = _native_module()
+def test_block_max_scores_native_matches_float64(num_heads, paged, causal, tier, seed,
+                                                monkeypatch, native_hooks):
+    family = _use_tier(tier, monkeypatch)
     native_hooks.poison()
     case = CASES.index((num_heads, paged, causal))
     gen = torch.Generator().manual_seed(seed)
@@ -159,7 +174,7 @@ def test_block_max_scores_native_matches_float64(num_heads, paged, causal, seed,
     got = msa.block_max_scores(*args, **kwargs)
     torch.cuda.synchronize()
     monkeypatch.delenv("MSA_BACKEND")
-    assert _backend.last_backend("block_max_scores") == "sm90"
+    assert _backend.last_backend("block_max_scores") == family
 
     want = block_max_scores_reference(
         q_dev, k_in, cu_q, cu_k, max_k_tiles=max_k_tiles, scale=scale, causal=causal,
@@ -171,13 +186,13 @@ def test_block_max_scores_native_matches_float64(num_heads, paged, causal, seed,
 
 
 @pytest.mark.gpu
-@pytest.mark.sm90
+@pytest.mark.parametrize("tier", TIER_PARAMS)
 @pytest.mark.parametrize("num_heads", (1, 8))
-def test_block_max_scores_native_long_request_and_small_grid(num_heads, seed, monkeypatch,
-                                                            native_hooks):
+def test_block_max_scores_native_long_request_and_small_grid(num_heads, tier, seed,
+                                                            monkeypatch, native_hooks):
     """One long request with max_seqlen_q understated (1): the kernel's grid-stride loop over
     query tiles must still cover every row; plus a second request of one token."""
-    native = _native_module()
+    family = _use_tier(tier, monkeypatch)
     native_hooks.poison()
     gen = torch.Generator().manual_seed(seed)
     device = torch.device("cuda")
@@ -192,7 +207,7 @@ def test_block_max_scores_native_long_request_and_small_grid(num_heads, seed, mo
                                scale=1.0, causal=True, max_k_tiles=tiles)
     torch.cuda.synchronize()
     monkeypatch.delenv("MSA_BACKEND")
-    assert _backend.last_backend("block_max_scores") == "sm90"
+    assert _backend.last_backend("block_max_scores") == family
     want = block_max_scores_reference(q, k, cu_q, cu_k, max_k_tiles=tiles, scale=1.0,
                                       causal=True, compute_dtype=torch.float64)
     _check(got, want, 1.0)

@@ -1,7 +1,9 @@
 """What a user on each kind of device gets (README / CARD.md "What runs where"), checked as far as
 a CPU machine can: the `kernels` loader's architecture check on this build's archs, the
 dispatcher's choice per compute capability (the native kernels are registered for SM90, the
-csrc CSR builder and top-k also for SM100), and CARD.md rendered as kernel-builder renders it."""
+csrc CSR builder and top-k also for SM100, the gated portable tier for SM100 and every other
+capability >= 8.0; docs/design-portable.md), and CARD.md rendered as kernel-builder renders
+it."""
 
 from __future__ import annotations
 
@@ -57,6 +59,21 @@ def test_get_kernel_architecture_check(tmp_path, gpu_of_capability, capability, 
             ArchValidator().validate_metadata(metadata=parsed, variant=variant)
 
 
+# The cuda-capabilities build.toml takes with the portable tier once it is validated
+# (docs/design-portable.md, "Build and the loader's arch check").
+PORTABLE_TIER_CAPABILITIES = ["8.0+PTX", "8.9", "9.0a", "10.0a", "12.0"]
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0),
+                                        (10, 3), (11, 0), (12, 0), (12, 1)])
+def test_portable_tier_capabilities_load_on_every_tier_gpu(capability):
+    """The design note's claim about the kernels loader: that list loads on every capability
+    >= 8.0 (compute_80 PTX covers the ones without their own SASS), and not below."""
+    archs = pytest.importorskip("kernels.archs")
+    assert archs._supports_cuda_capability(PORTABLE_TIER_CAPABILITIES, capability)
+    assert not archs._supports_cuda_capability(PORTABLE_TIER_CAPABILITIES, (7, 5))
+
+
 def _sparse_features():
     return dict(q_dtype=torch.bfloat16, k_dtype=torch.bfloat16, v_dtype=torch.bfloat16,
                 pv_dtype=torch.bfloat16, paged=False, causal=True, qhead_per_kv=16, topk=16,
@@ -75,20 +92,105 @@ def test_other_gpus_run_the_reference_with_a_warning(gpu_of_capability, monkeypa
             (_backend.REFERENCE, None)
     text = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "PyTorch reference" in text and f"{capability[0]}.{capability[1]}" in text
+    assert "portable tier" in text
     monkeypatch.setenv("MSA_BACKEND", "native")
     with pytest.raises(NotImplementedError, match="MSA_BACKEND=native"):
         _backend.choose("sparse_atten", device, **_sparse_features())
 
 
 def test_native_registrations_per_architecture():
-    """SM90: every native family; SM100: the csrc CSR builder and top-k only (the CuTe and
-    decode kernels target sm_90a)."""
+    """SM90: every native family; SM100: the csrc CSR builder and top-k, and the portable tier
+    (sparse prefill, indexer); every other capability >= 8.0: the portable tier (the CuTe
+    kernels and the decode warpgroup form target sm_90a)."""
     registered = set(_backend.registered())
     for op in ("sparse_atten", "block_max_scores", "build_k2q_csr", "sparse_topk_select",
                "sparse_decode_atten", "fmha_dense", "fmha_max_score"):
         assert (op, "sm90") in registered, op
-    assert {op for op, arch in registered if arch == "sm100"} == {"build_k2q_csr",
-                                                                  "sparse_topk_select"}
+    portable = {"sparse_atten", "block_max_scores"}
+    assert {op for op, arch in registered if arch == "sm100"} == {
+        "build_k2q_csr", "sparse_topk_select"} | portable
+    assert {op for op, arch in registered if arch == "portable"} == portable
+
+
+@pytest.mark.parametrize("capability,family", [((9, 0), "sm90"), ((10, 0), "sm100"),
+                                               ((8, 0), "portable"), ((8, 6), "portable"),
+                                               ((12, 1), "portable"), ((7, 5), None)])
+def test_arch_families(gpu_of_capability, monkeypatch, capability, family):
+    gpu_of_capability(capability)
+    monkeypatch.delenv("MSA_NATIVE_TIER", raising=False)
+    device = torch.device("cuda", 0)
+    assert _backend.arch_family(device) == family
+    monkeypatch.setenv("MSA_NATIVE_TIER", "portable")   # the proxy switch: any capability >= 8.0
+    assert _backend.arch_family(device) == (None if family is None else "portable")
+    monkeypatch.setenv("MSA_NATIVE_TIER", "hopper")
+    with pytest.raises(ValueError, match="MSA_NATIVE_TIER"):
+        _backend.arch_family(device)
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 9)])
+def test_portable_tier_is_gated_and_logged(gpu_of_capability, monkeypatch, caplog, capability):
+    """The portable sparse prefill, forced on SM90 or chosen on another GPU: refused while it is
+    not validated (a WARNING naming the tier and the gate), served with MSA_UNVALIDATED_KERNELS=1
+    (an INFO line naming the tier, the capability and that it has not run on hardware)."""
+    from msa._native import compiled_ops, sparse_prefill_portable
+    gpu_of_capability(capability)
+    monkeypatch.setattr(_backend, "_logged", set())
+    monkeypatch.setattr(compiled_ops, "missing_reason", lambda *names: None)
+    monkeypatch.delenv("MSA_BACKEND", raising=False)
+    monkeypatch.delenv("MSA_UNVALIDATED_KERNELS", raising=False)
+    monkeypatch.setenv("MSA_NATIVE_TIER", "portable")
+    device = torch.device("cuda", 0)
+    with caplog.at_level(logging.INFO, logger="msa"):
+        assert _backend.choose("sparse_atten", device, **_sparse_features()) == \
+            (_backend.REFERENCE, None)
+        assert _backend.reference_only(device)
+        monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+        backend, run = _backend.choose("sparse_atten", device, **_sparse_features())
+        assert (backend, run) == ("portable", sparse_prefill_portable.run)
+        assert not _backend.reference_only(device)
+    warning, info = (" ".join(r.getMessage() for r in caplog.records if r.levelno == level)
+                     for level in (logging.WARNING, logging.INFO))
+    cc = f"{capability[0]}.{capability[1]}"
+    assert f"portable tier on compute capability {cc}" in warning
+    assert "MSA_UNVALIDATED_KERNELS=1" in warning
+    assert f"portable tier (warp-MMA csrc kernels) on compute capability {cc}" in info
+    assert "not validated on hardware yet" in info
+
+
+def test_portable_indexer_serves_bf16_with_one_key_head(monkeypatch):
+    """What the portable indexer refuses (the reference serves it); a served call reaches the
+    gate."""
+    from msa._native import block_max_score_portable, compiled_ops
+    monkeypatch.setattr(compiled_ops, "missing_reason", lambda *names: None)
+    monkeypatch.delenv("MSA_UNVALIDATED_KERNELS", raising=False)
+    features = dict(q_dtype=torch.bfloat16, k_dtype=torch.bfloat16, paged=False, causal=True,
+                    num_heads=4, num_k_heads=1, max_k_tiles=8, qo_offset=False, batch=2)
+    e4m3 = torch.float8_e4m3fn
+    for change, why in ((dict(q_dtype=e4m3, k_dtype=e4m3), "serves bf16/bf16"),
+                        (dict(num_k_heads=2), "one shared key head"),
+                        (dict(num_heads=16), "16 index heads"),
+                        (dict(batch=70000), "70000 requests")):
+        assert why in block_max_score_portable.supports(**{**features, **change})
+    assert "MSA_UNVALIDATED_KERNELS=1" in block_max_score_portable.supports(**features)
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    assert block_max_score_portable.supports(**features) is None
+
+
+def test_portable_tier_serves_bf16_only(monkeypatch):
+    """What the portable sparse prefill refuses (the reference serves it), before its gate."""
+    from msa._native import compiled_ops, sparse_prefill_portable
+    monkeypatch.setattr(compiled_ops, "missing_reason", lambda *names: None)
+    monkeypatch.delenv("MSA_UNVALIDATED_KERNELS", raising=False)
+    e4m3 = torch.float8_e4m3fn
+    features = _sparse_features()
+    for change, why in ((dict(k_dtype=e4m3, v_dtype=e4m3), "serves bf16"),
+                        (dict(partial_dtype=e4m3), "partial_dtype"),
+                        (dict(qhead_per_kv=3), "qhead_per_kv 3"),
+                        (dict(nvfp4=True), "NVFP4")):
+        assert why in sparse_prefill_portable.supports(**{**features, **change})
+    for partial in (torch.float32, torch.bfloat16, torch.float16):
+        assert "MSA_UNVALIDATED_KERNELS=1" in sparse_prefill_portable.supports(
+            **{**features, "partial_dtype": partial})
 
 
 def test_card_renders_as_kernel_builder_fills_it():

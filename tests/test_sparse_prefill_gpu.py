@@ -52,7 +52,7 @@ from msa import _backend
 from msa.interface import check_sparse_atten_args
 from msa.reference.sparse_attention import make_kv_source, sparse_attention_csr
 from msa.schedules.sparse import build_schedule_on_device
-from msa_testing import nan_tensor
+from msa_testing import compiled_variant_with, nan_tensor, use_tier
 
 BLOCK = 128
 HKV = 2
@@ -183,11 +183,21 @@ def _check_served_form_ran(native_hooks, mode, g, paged, partial_dtype):
     assert ran == want, f"expected {want} (form {form}), ran {ran}"
 
 
+# The Hopper kernels on SM90; the portable tier (csrc warp-MMA kernel + combine) on any GPU,
+# forced on SM90 (MSA_NATIVE_TIER=portable), where it is validated by proxy.
+TIER_PARAMS = [pytest.param("hopper", marks=pytest.mark.sm90), "portable"]
+
+
 @pytest.mark.gpu
-@pytest.mark.sm90
+@pytest.mark.parametrize("tier", TIER_PARAMS)
 @pytest.mark.parametrize("case", CASES, ids=lambda v: "-".join(str(_case_id(x) or x) for x in v))
-def test_sparse_prefill_native_matches_float64(case, seed, monkeypatch, native_hooks):
+def test_sparse_prefill_native_matches_float64(case, tier, seed, monkeypatch, native_hooks):
     g, paged, causal, partial_dtype = case
+    if tier == "portable":
+        if partial_dtype == torch.float8_e4m3fn:
+            pytest.skip("e4m3 partials are not in the portable tier")
+        compiled_variant_with("sparse_prefill_portable")
+    family = use_tier(tier, monkeypatch)
     native_hooks.poison()
     case = CASES.index((g, paged, causal, partial_dtype))
     topk = (4, 8, 16, 32)[case % 4]
@@ -211,8 +221,11 @@ def test_sparse_prefill_native_matches_float64(case, seed, monkeypatch, native_h
         page_table=p["page_table"], seqused_k=p["seqused_k"], schedule=schedule)
     torch.cuda.synchronize()
     monkeypatch.delenv("MSA_BACKEND")
-    assert _backend.last_backend("sparse_atten") == "sm90"
-    _check_served_form_ran(native_hooks, "bfloat16", g, paged, partial_dtype)
+    assert _backend.last_backend("sparse_atten") == family
+    if tier == "portable":
+        assert native_hooks.last_variant("sparse_atten") == "sparse_prefill_portable"
+    else:
+        _check_served_form_ran(native_hooks, "bfloat16", g, paged, partial_dtype)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     if temperature == 1.0:
         assert lse_t is lse
@@ -359,14 +372,18 @@ def test_sparse_prefill_fp8_native_matches_reference(case, seed, monkeypatch, na
     _check_lse_fp8("LSE_T", lse_t, ref_lse_t)
 
 
-LARGE_POOL_CASES = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
-                    (torch.bfloat16, torch.float8_e4m3fn)]
+LARGE_POOL_CASES = [pytest.param(partial, kv, tier, marks=marks)
+                    for partial, kv, tier, marks in (
+                        (torch.float32, torch.bfloat16, "hopper", pytest.mark.sm90),
+                        (torch.bfloat16, torch.bfloat16, "hopper", pytest.mark.sm90),
+                        (torch.bfloat16, torch.float8_e4m3fn, "hopper", pytest.mark.sm90),
+                        (torch.float32, torch.bfloat16, "portable", ()),
+                        (torch.bfloat16, torch.bfloat16, "portable", ()))]
 
 
 @pytest.mark.gpu
-@pytest.mark.sm90
-@pytest.mark.parametrize("partial_dtype,kv_dtype", LARGE_POOL_CASES)
-def test_sparse_prefill_paged_pool_past_2_31_elements(partial_dtype, kv_dtype, seed,
+@pytest.mark.parametrize("partial_dtype,kv_dtype,tier", LARGE_POOL_CASES)
+def test_sparse_prefill_paged_pool_past_2_31_elements(partial_dtype, kv_dtype, tier, seed,
                                                       monkeypatch, native_hooks):
     """Paged K/V pools of more than 2^31 elements each (2^16 pages of [2, 128, 128] below the
     boundary, NaN; ~4.3 GB apiece in bf16) whose used pages all lie past the 2^31-element
@@ -374,7 +391,11 @@ def test_sparse_prefill_paged_pool_past_2_31_elements(partial_dtype, kv_dtype, s
     with fp32 partials (warp-MMA kernel) and bf16 partials (wgmma kernel), and e4m3 K/V (mode
     bf16_kv_e4m3: rows loaded through registers and converted). The output must equal the same
     kernels' output on a compact pool of the used pages exactly, and the float64 reference
-    within the bound of the bf16 test (e4m3: the modeled-error bound of the FP8 test)."""
+    within the bound of the bf16 test (e4m3: the modeled-error bound of the FP8 test). The
+    portable tier runs the bf16 cases."""
+    if tier == "portable":
+        compiled_variant_with("sparse_prefill_portable")
+    family = use_tier(tier, monkeypatch)
     native_hooks.poison()
     g, topk, causal = 4, 8, True
     gen = torch.Generator().manual_seed(seed)
@@ -395,7 +416,7 @@ def test_sparse_prefill_paged_pool_past_2_31_elements(partial_dtype, kv_dtype, s
             page_table=page_table, seqused_k=p["seqused_k"])
         torch.cuda.synchronize()
         monkeypatch.delenv("MSA_BACKEND")
-        assert _backend.last_backend("sparse_atten") == "sm90"
+        assert _backend.last_backend("sparse_atten") == family
         return result[0], result[1]
 
     boundary = 2 ** 31 // (HKV * BLOCK * 128)                # first page at element 2^31

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Compile every csrc/*.cu for Hopper (sm_90a) into an object file, without torch, and print the
-# ptxas resource usage (registers, spills, shared memory). Fails on the first compile error.
+# Compile every csrc/*.cu for every arch the package declares (the portable tier's sm_80, sm_89,
+# sm_100a, sm_120a and Hopper's sm_90a; docs/design-portable.md) into an object file, without
+# torch, and print the ptxas resource usage (registers, spills, shared memory) per arch. Fails on
+# any compile error or warning.
 #
-#   tools/check_csrc.sh                 # sm_90a
-#   MSA_CHECK_ARCHS="90a 100a" tools/check_csrc.sh
+#   tools/check_csrc.sh                         # 80 89 90a 100a 120a
+#   MSA_CHECK_ARCHS="90a" tools/check_csrc.sh   # one arch (faster)
+#   MSA_CHECK_THREADS=4                         # archs nvcc compiles in parallel (default 2)
 #
 # The .cu files must not include torch headers (only torch-ext/torch_binding.cpp does); this
 # check enforces that. Skips with exit 0 when nvcc is not installed (CPU-only CI images).
@@ -19,7 +22,8 @@ if [[ -z "${NVCC}" ]]; then
   exit 0
 fi
 
-ARCHS="${MSA_CHECK_ARCHS:-90a}"
+ARCHS="${MSA_CHECK_ARCHS:-80 89 90a 100a 120a}"
+THREADS="${MSA_CHECK_THREADS:-2}"
 OUT_DIR="$(mktemp -d)"
 trap 'rm -rf "${OUT_DIR}"' EXIT
 
@@ -38,7 +42,7 @@ for src in "${ROOT}"/csrc/*.cu; do
   name="$(basename "${src}" .cu)"
   echo "== ${name}.cu (${ARCHS})"
   log="${OUT_DIR}/${name}.log"
-  if ! "${NVCC}" -std=c++17 -O3 -lineinfo -Xptxas -v -Werror all-warnings \
+  if ! "${NVCC}" -std=c++17 -O3 -lineinfo -Xptxas -v -Werror all-warnings --threads "${THREADS}" \
       -I"${ROOT}/csrc" -I"${ROOT}/torch-ext" "${gencode[@]}" \
       -c "${src}" -o "${OUT_DIR}/${name}.o" >"${log}" 2>&1; then
     cat "${log}" >&2
@@ -46,12 +50,15 @@ for src in "${ROOT}"/csrc/*.cu; do
     status=1
     continue
   fi
-  # One line per kernel: demangled name, registers, shared memory, spills.
+  # One line per kernel and arch: demangled name, arch, registers, shared memory, spills.
   awk '
-    /Compiling entry function/ { match($0, /\047[^\047]+\047/); fn = substr($0, RSTART + 1, RLENGTH - 2) }
+    /Compiling entry function/ {
+      match($0, /\047[^\047]+\047/); fn = substr($0, RSTART + 1, RLENGTH - 2)
+      arch = ""; if (match($0, /for \047sm_[0-9a-z]+\047/)) arch = substr($0, RSTART + 5, RLENGTH - 6)
+    }
     /bytes spill stores/ { spill = $0; sub(/^ +/, "", spill) }
-    /Used [0-9]+ registers/ { sub(/^ptxas info +: +/, ""); printf "%s\t%s | %s\n", fn, $0, spill }
-  ' "${log}" | c++filt -p | awk -F'\t' '{ printf "  %-60.60s %s\n", $1, $2 }'
+    /Used [0-9]+ registers/ { sub(/^ptxas info +: +/, ""); printf "%s\t%s\t%s | %s\n", fn, arch, $0, spill }
+  ' "${log}" | c++filt -p | awk -F'\t' '{ printf "  %-52.52s %-8s %s\n", $1, $2, $3 }'
   if grep -qE '[1-9][0-9]* bytes spill (stores|loads)' "${log}"; then
     echo "  note: register spills above" >&2
   fi

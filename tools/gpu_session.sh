@@ -11,6 +11,8 @@
 #   MSA_BENCH_ARGS_<name>="..." (arguments of benchmarks/bench_<name>.py alone)
 #   MSA_BENCH_UNVALIDATED=1 (the benchmarks may run gated kernels: with MSA_BENCH_IF_GREEN, a
 #   kernel whose test just passed on this host is timed in the same call)
+#   MSA_CUDA_CAPS=8.0+PTX (csrc built as sm_80 SASS + compute_80 PTX, which the H200 JIT-compiles:
+#   the portable tier's proxy build; default 9.0a)
 #
 # Expects, carried from the dev machine (all git-ignored): .gpu-runtime/ (made by
 # shared/tools/gpu-runtime-bundle.sh: the CuTe-DSL runtime + apache-tvm-ffi), ARTIFACTS_DIR
@@ -34,7 +36,8 @@ export PYTHONPATH="/tmp/msa-site:/tmp/msa-site/nvidia_cutlass_dsl/dsl_packages:$
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 
 echo "== build"
-python3 tools/build_variant.py --require-compiled --cuda-capabilities 9.0a --cute-artifacts "$ART" \
+python3 tools/build_variant.py --require-compiled --cuda-capabilities "${MSA_CUDA_CAPS:-9.0a}" \
+  --cute-artifacts "$ART" \
   > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 tail -3 "$OUT/build.log"
 VARIANT=$(ls -d build/torch*-cu*-x86_64-linux | head -1)

@@ -14,8 +14,8 @@ them, never touch memory outside their buffers. Kernel forms not yet validated a
 on purpose (MSA_UNVALIDATED_KERNELS=1): memcheck is part of their validation. MSA_BACKEND=native,
 so a
 silent fallback cannot hide a kernel from the sanitizer. MSA_SANITIZE_ONLY (comma-separated
-section names: sparse_prefill, topk, block_max, decode, decode_indexer, fmha,
-prefill_production, malformed) runs a subset.
+section names: sparse_prefill, sparse_prefill_portable, topk, block_max, block_max_portable,
+decode, decode_indexer, fmha, prefill_production, malformed) runs a subset.
 
 Section "malformed" replays tests/bad_input_table.py unchecked on the native kernels: every case
 whose expectation is Invalid (garbage cu_seqlens, row pointers, ids, page tables, seqused_k,
@@ -27,6 +27,8 @@ to the cases of those functions (a name matches itself and "name.*").
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -54,11 +56,11 @@ E4M3 = torch.float8_e4m3fn
 ran = []
 
 
-def expect_native(op):
+def expect_native(op, family="sm90"):
     torch.cuda.synchronize()
     backend = _backend.last_backend(op)
-    assert backend == "sm90", f"{op} ran on {backend}"
-    ran.append(op)
+    assert backend == family, f"{op} ran on {backend}"
+    ran.append(op if family == "sm90" else f"{op}[{family}]")
 
 
 def sparse_prefill_cases(gen):
@@ -127,15 +129,39 @@ def topk_cases(gen):
     print("sparse_topk_select: ok")
 
 
-def block_max_cases(gen):
+@contextlib.contextmanager
+def portable_tier():
+    """Dispatch to the portable tier for the block (MSA_NATIVE_TIER=portable)."""
+    os.environ["MSA_NATIVE_TIER"] = "portable"
+    try:
+        yield
+    finally:
+        del os.environ["MSA_NATIVE_TIER"]
+
+
+def block_max_cases(gen, family="sm90"):
+    """The indexer on dense and paged keys (a page past the pool), rows past cu_seqlens_q[-1];
+    family "portable": the portable tier's kernel (bf16) under MSA_NATIVE_TIER=portable, with
+    an understated max_seqlen_q (its grid-stride loop)."""
+    if family == "portable":
+        with portable_tier():
+            return _block_max_cases(gen, family)
+    return _block_max_cases(gen, family)
+
+
+def _block_max_cases(gen, family):
     q_lens, k_lens = [700, 1, 333], [900, 129, 333]
     for heads, paged, dtype in ((4, False, torch.bfloat16), (4, True, torch.bfloat16),
-                                (1, True, torch.bfloat16), (4, False, E4M3), (8, True, E4M3)):
-        q = torch.randn(sum(q_lens), heads, 128, generator=gen).to(dtype).cuda()
+                                (1, True, torch.bfloat16), (8, False, torch.bfloat16),
+                                (4, False, E4M3), (8, True, E4M3)):
+        if family == "portable" and dtype == E4M3:
+            continue
+        q = torch.randn(sum(q_lens) + 3, heads, 128, generator=gen).to(dtype).cuda()
         k = torch.randn(sum(k_lens), 1, 128, generator=gen).to(torch.bfloat16)
         cu_q = torch.tensor([0, 700, 701, 1034], dtype=torch.int32).cuda()
         cu_k = torch.tensor([0, 900, 1029, 1362], dtype=torch.int32).cuda()
-        kw = dict(max_seqlen_q=700, max_seqlen_k=900, scale=0.1, causal=True)
+        kw = dict(max_seqlen_q=700 if family == "sm90" else 5, max_seqlen_k=900, scale=0.1,
+                  causal=True)
         if paged:
             pages, table = paginate_index_keys(k, k_lens, gen, torch.device("cuda"))
             table[0, -1] = 1 << 20                 # past the pool (the other junk is negative)
@@ -143,7 +169,7 @@ def block_max_cases(gen):
                                  seqused_k=torch.tensor(k_lens, dtype=torch.int32).cuda(), **kw)
         else:
             msa.block_max_scores(q, k.to(dtype).cuda(), cu_q, cu_k, **kw)
-        expect_native("block_max_scores")
+        expect_native("block_max_scores", family)
     # Decode-shaped (the decode variant: 1-4 rows per request, K tiles split across CTAs).
     k_lens = [3000, 1, 700]
     pages, table = paginate_index_keys(
@@ -154,8 +180,8 @@ def block_max_cases(gen):
     msa.block_max_scores(q, pages, cu_q, cu_q, max_seqlen_q=4, max_seqlen_k=3000, scale=0.1,
                          causal=True, page_table=table,
                          seqused_k=torch.tensor(k_lens, dtype=torch.int32).cuda())
-    expect_native("block_max_scores")
-    print("block_max_scores: ok")
+    expect_native("block_max_scores", family)
+    print(f"block_max_scores [{family}]: ok")
 
 
 def decode_run(lens, seqlen_q, group, dtypes, sparse, bad=False, **plan_kw):
@@ -311,6 +337,57 @@ def prefill_production_cases(gen):
     expect_native("sparse_atten")
 
 
+def sparse_prefill_portable_cases(gen):
+    """The portable tier's sparse prefill (docs/design-portable.md), forced with
+    MSA_NATIVE_TIER=portable: bf16, dense / paged, both tiles' head groups, fp32 / bf16 / fp16
+    partials, the garbage ids and pages of sparse_prefill_cases, then a schedule whose every
+    index is out of range (heads, rows, requests, entries past the CSR, slots past the
+    partials, a q_count of 2^30): the kernels must skip all of it."""
+    from msa._native import debug
+    for g, paged, causal, partial in ((16, True, True, torch.float32),
+                                      (1, False, False, torch.bfloat16),
+                                      (4, True, False, torch.float16),
+                                      (8, False, True, torch.bfloat16)):
+        topk = 8
+        p = prefill_cases._make_problem(g, topk, paged, causal, gen, torch.device("cuda"))
+        p["q2k"][0, 0, -1] = 1 << 20
+        p["q2k"][-1, -1, 0] = -9
+        if paged:
+            p["page_table"][0, -1] = 1 << 24
+        built = msa.build_k2q_csr(p["q2k"], p["cu_q"], p["cu_k"], BLOCK, total_k=p["total_k"],
+                                  max_seqlen_k=p["max_k"], max_seqlen_q=p["max_q"],
+                                  qhead_per_kv=g, return_schedule=True)
+        expect_native("build_k2q_csr")
+        schedule = built[2]
+        bad = dataclasses.replace(
+            schedule, scheduler_metadata=schedule.scheduler_metadata.clone(),
+            qsplit_indices=schedule.qsplit_indices.clone())
+        meta = bad.scheduler_metadata
+        if meta.shape[0] >= 6:
+            meta[0, 0] = 1 << 20                       # KV head
+            meta[1, 1] = -3                            # CSR row
+            meta[2, 4] = 77                            # request
+            meta[3, 2] = 1 << 29                       # q_begin past the entries
+            meta[4, 3] = 1 << 30                       # q_count
+            meta[5, 5] = -1                            # KV block
+        bad.qsplit_indices[0, :4] = 5 | (100 << 24)    # slots past the partials
+        bad.qsplit_indices[-1, :4] = (1 << 24) - 1     # query past every request
+        for sched in (schedule, bad):
+            with portable_tier():
+                out, lse = msa.sparse_atten_func(
+                    p["q"], p["k"], p["v"], built[0], built[1], topk, cu_seqlens_q=p["cu_q"],
+                    cu_seqlens_k=p["cu_k"], max_seqlen_q=p["max_q"], max_seqlen_k=p["max_k"],
+                    causal=causal, softmax_scale=0.1, partial_dtype=partial,
+                    return_softmax_lse=True, page_table=p["page_table"],
+                    seqused_k=p["seqused_k"], schedule=sched)
+                expect_native("sparse_atten", "portable")
+            assert debug.last_variant("sparse_atten") == "sparse_prefill_portable"
+            if sched is schedule:
+                assert not torch.isnan(out).any()
+        print(f"sparse prefill [portable] G={g} paged={paged} causal={causal} "
+              f"partial={partial}: ok (and a garbage schedule)")
+
+
 def malformed_cases(seed):
     """The bad-input table's native cases that launch kernels, unchecked (see the docstring)."""
     import bad_input_table as table
@@ -337,8 +414,10 @@ if __name__ == "__main__":
     seed = int.from_bytes(os.urandom(4), "little")
     generator = torch.Generator().manual_seed(seed)
     sections = {"sparse_prefill": lambda: sparse_prefill_cases(generator),
+                "sparse_prefill_portable": lambda: sparse_prefill_portable_cases(generator),
                 "topk": lambda: topk_cases(generator),
                 "block_max": lambda: block_max_cases(generator),
+                "block_max_portable": lambda: block_max_cases(generator, "portable"),
                 "decode": decode_runs,
                 "decode_indexer": decode_indexer_runs,
                 "fmha": lambda: fmha_cases(generator),

@@ -272,6 +272,270 @@ void fmha_transpose_v_e4m3(const torch::Tensor& v, const torch::Tensor& cu_seqle
                "fmha_transpose_v_e4m3");
 }
 
+// q / k / v of the portable sparse prefill: bf16, channels contiguous, every row 16-byte aligned
+// (the kernel copies 16-byte chunks), strides free otherwise.
+void check_rows_16b(const torch::Tensor& t, const char* name, int64_t dim,
+                    const torch::Device& device) {
+  TORCH_CHECK(t.is_cuda() && t.device() == device, name, ": must be on ", device);
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, ": expected bfloat16, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == dim && t.size(-1) == 128, name, ": expected rank ", dim,
+              " with head_dim 128, got shape ", t.sizes());
+  TORCH_CHECK(t.stride(-1) == 1, name, ": the head dimension must be contiguous");
+  bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int64_t d = 0; d + 1 < dim; ++d) aligned = aligned && t.stride(d) % 8 == 0;
+  TORCH_CHECK(aligned, name, ": rows must be 16-byte aligned (strides multiples of 8)");
+}
+
+msa::PartialType partial_type(const torch::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return msa::PartialType::kFloat32;
+    case at::kBFloat16: return msa::PartialType::kBFloat16;
+    case at::kHalf: return msa::PartialType::kFloat16;
+    default: TORCH_CHECK(false, name, ": expected float32, bfloat16 or float16, got ",
+                         t.scalar_type());
+  }
+  return msa::PartialType::kFloat32;
+}
+
+// The page table of a portable kernel's paged K/V: [batch, max_pages] int32, contiguous.
+void check_page_table(const torch::Tensor& table, int64_t batch, const torch::Device& device,
+                      const int32_t** data, int64_t* stride, int* cols) {
+  check_cuda_tensor(table, "page_table", at::kInt, 2, device);
+  TORCH_CHECK(table.size(0) == batch && table.size(1) < INT_MAX,
+              "page_table: expected [", batch, ", max_pages], got ", table.sizes());
+  *data = table.data_ptr<int32_t>();
+  *stride = table.stride(0);
+  *cols = static_cast<int>(table.size(1));
+}
+
+// The per-slot partials both portable sparse prefill ops take: O [slots, total_q, Hq, 128]
+// (fp32 / bf16 / fp16), LSE and the optional LSE_T [slots, total_q, Hq] fp32. Returns the
+// partial type; *lse_t_ptr is the LSE_T pointer or null.
+msa::PartialType check_partials(const torch::Tensor& o_partial, const torch::Tensor& lse_partial,
+                                const std::optional<torch::Tensor>& lse_t_partial,
+                                const torch::Device& device, float** lse_t_ptr) {
+  const msa::PartialType partial = partial_type(o_partial, "o_partial");
+  check_cuda_tensor(o_partial, "o_partial", o_partial.scalar_type(), 4, device);
+  TORCH_CHECK(o_partial.size(0) >= 1 && o_partial.size(0) < 128 && o_partial.size(3) == 128,
+              "o_partial: expected [slots in [1, 127], total_q, Hq, 128], got ",
+              o_partial.sizes());
+  check_cuda_tensor(lse_partial, "lse_partial", at::kFloat, 3, device);
+  TORCH_CHECK(lse_partial.sizes() == o_partial.sizes().slice(0, 3), "lse_partial: expected ",
+              o_partial.sizes().slice(0, 3), ", got ", lse_partial.sizes());
+  TORCH_CHECK(o_partial.size(1) * o_partial.size(2) < INT_MAX,
+              "o_partial: total_q * Hq must be < 2^31");
+  *lse_t_ptr = nullptr;
+  if (lse_t_partial.has_value()) {
+    check_cuda_tensor(*lse_t_partial, "lse_t_partial", at::kFloat, 3, device);
+    TORCH_CHECK(lse_t_partial->sizes() == lse_partial.sizes(),
+                "lse_t_partial: must have the shape of lse_partial");
+    *lse_t_ptr = lse_t_partial->data_ptr<float>();
+  }
+  return partial;
+}
+
+void sparse_prefill_portable(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
+    const torch::Tensor& kv_lens, const std::optional<torch::Tensor>& page_table,
+    const torch::Tensor& k2q_row_ptr, const torch::Tensor& qsplit_indices,
+    const torch::Tensor& scheduler_metadata, const torch::Tensor& work_count,
+    torch::Tensor& o_partial, torch::Tensor& lse_partial,
+    const std::optional<torch::Tensor>& lse_t_partial, double softmax_scale,
+    double inv_temperature, bool causal) {
+  TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const torch::Device device = q.device();
+  const bool paged = page_table.has_value();
+  check_rows_16b(q, "q", 3, device);
+  check_rows_16b(k, "k", paged ? 4 : 3, device);
+  check_rows_16b(v, "v", paged ? 4 : 3, device);
+  TORCH_CHECK(v.sizes() == k.sizes() && v.strides() == k.strides(),
+              "v: must have the shape and strides of k, got ", v.sizes(), " and ", k.sizes());
+  const int64_t total_q = q.size(0), hq = q.size(1), hkv = k.size(1);
+  TORCH_CHECK(!paged || k.size(2) == 128, "k: paged K/V need 128-token pages, got ", k.sizes());
+  TORCH_CHECK(hkv >= 1 && hq % hkv == 0, "q: ", hq, " heads are not a multiple of the ", hkv,
+              " KV heads");
+  const int64_t group = hq / hkv;
+  TORCH_CHECK(group == 1 || group == 2 || group == 4 || group == 8 || group == 16,
+              "q: heads per KV head must be 1, 2, 4, 8 or 16, got ", group);
+  check_cuda_tensor(cu_seqlens_q, "cu_seqlens_q", at::kInt, 1, device);
+  check_cuda_tensor(cu_seqlens_k, "cu_seqlens_k", at::kInt, 1, device);
+  const int64_t batch = cu_seqlens_q.numel() - 1;
+  TORCH_CHECK(batch >= 1 && cu_seqlens_k.numel() == batch + 1,
+              "cu_seqlens_k: expected ", batch + 1, " entries, got ", cu_seqlens_k.numel());
+  check_cuda_tensor(kv_lens, "kv_lens", at::kInt, 1, device);
+  TORCH_CHECK(kv_lens.numel() == batch, "kv_lens: expected ", batch, " entries, got ",
+              kv_lens.numel());
+  check_cuda_tensor(k2q_row_ptr, "k2q_row_ptr", at::kInt, 2, device);
+  check_cuda_tensor(qsplit_indices, "qsplit_indices", at::kInt, 2, device);
+  TORCH_CHECK(k2q_row_ptr.size(0) == hkv && qsplit_indices.size(0) == hkv &&
+                  k2q_row_ptr.size(1) >= 1,
+              "k2q_row_ptr / qsplit_indices: expected [", hkv, ", ...], got ",
+              k2q_row_ptr.sizes(), " and ", qsplit_indices.sizes());
+  check_cuda_tensor(scheduler_metadata, "scheduler_metadata", at::kInt, 2, device);
+  TORCH_CHECK(scheduler_metadata.size(1) == 6 && scheduler_metadata.size(0) < INT_MAX,
+              "scheduler_metadata: expected [capacity, 6], got ", scheduler_metadata.sizes());
+  check_cuda_tensor(work_count, "work_count", at::kInt, 1, device);
+  TORCH_CHECK(work_count.numel() == 1, "work_count: expected one element");
+  msa::SparsePrefillArgs a{};
+  a.partial = check_partials(o_partial, lse_partial, lse_t_partial, device, &a.lse_t_partial);
+  TORCH_CHECK(o_partial.size(1) == total_q && o_partial.size(2) == hq,
+              "o_partial: expected [slots, ", total_q, ", ", hq, ", 128], got ",
+              o_partial.sizes());
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.q_stride_token = q.stride(0);
+  a.q_stride_head = q.stride(1);
+  a.kv_stride_unit = k.stride(0);
+  a.kv_stride_head = k.stride(1);
+  a.kv_stride_key = paged ? k.stride(2) : 0;
+  a.kv_units = k.size(0);
+  a.paged = paged;
+  a.cu_seqlens_q = cu_seqlens_q.data_ptr<int32_t>();
+  a.cu_seqlens_k = cu_seqlens_k.data_ptr<int32_t>();
+  a.kv_lens = kv_lens.data_ptr<int32_t>();
+  if (paged) {
+    check_page_table(*page_table, batch, device, &a.page_table, &a.page_table_stride,
+                     &a.page_table_cols);
+  }
+  a.row_ptr = k2q_row_ptr.data_ptr<int32_t>();
+  a.row_ptr_stride = k2q_row_ptr.stride(0);
+  TORCH_CHECK(k2q_row_ptr.size(1) - 1 < INT_MAX, "k2q_row_ptr: too many rows");
+  a.rows = static_cast<int>(k2q_row_ptr.size(1) - 1);
+  a.qsplit = qsplit_indices.data_ptr<int32_t>();
+  a.qsplit_stride = qsplit_indices.stride(0);
+  a.entries = qsplit_indices.size(1);
+  a.metadata = scheduler_metadata.data_ptr<int32_t>();
+  a.work_count = work_count.data_ptr<int32_t>();
+  a.work_capacity = static_cast<int>(scheduler_metadata.size(0));
+  a.o_partial = o_partial.data_ptr();
+  a.lse_partial = lse_partial.data_ptr<float>();
+  a.want_lse_t = a.lse_t_partial != nullptr;
+  a.slots = static_cast<int>(o_partial.size(0));
+  a.total_q = static_cast<int>(total_q);
+  a.batch = static_cast<int>(batch);
+  a.hkv = static_cast<int>(hkv);
+  a.group = static_cast<int>(group);
+  a.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
+  a.inv_temperature = static_cast<float>(inv_temperature);
+  a.causal = causal;
+  check_launch(msa::launch_sparse_prefill_portable(
+                   a, c10::cuda::getCurrentCUDAStream(device.index())),
+               "sparse_prefill_portable");
+}
+
+void sparse_combine_portable(const torch::Tensor& o_partial, const torch::Tensor& lse_partial,
+                             const std::optional<torch::Tensor>& lse_t_partial,
+                             const torch::Tensor& split_counts, torch::Tensor& out,
+                             torch::Tensor& lse, const std::optional<torch::Tensor>& lse_t) {
+  TORCH_CHECK(o_partial.is_cuda(), "o_partial: must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(o_partial.device());
+  const torch::Device device = o_partial.device();
+  msa::SparseCombineArgs a{};
+  float* lse_t_partial_ptr = nullptr;
+  a.partial = check_partials(o_partial, lse_partial, lse_t_partial, device, &lse_t_partial_ptr);
+  const int64_t total_q = o_partial.size(1), hq = o_partial.size(2);
+  check_cuda_tensor(split_counts, "split_counts", at::kInt, 2, device);
+  const int64_t hkv = split_counts.size(1);
+  TORCH_CHECK(split_counts.size(0) == total_q && hkv >= 1 && hq % hkv == 0,
+              "split_counts: expected [", total_q, ", Hkv] with Hkv dividing ", hq, ", got ",
+              split_counts.sizes());
+  check_cuda_tensor(out, "out", at::kBFloat16, 3, device);
+  TORCH_CHECK(out.sizes() == o_partial.sizes().slice(1, 3), "out: expected ",
+              o_partial.sizes().slice(1, 3), ", got ", out.sizes());
+  check_cuda_tensor(lse, "lse", at::kFloat, 2, device);
+  TORCH_CHECK(lse.sizes() == o_partial.sizes().slice(1, 2), "lse: expected ",
+              o_partial.sizes().slice(1, 2), ", got ", lse.sizes());
+  TORCH_CHECK(lse_t_partial.has_value() == lse_t.has_value(),
+              "lse_t_partial / lse_t: give both or neither");
+  a.o_partial = o_partial.data_ptr();
+  a.lse_partial = lse_partial.data_ptr<float>();
+  a.split_counts = split_counts.data_ptr<int32_t>();
+  a.out = out.data_ptr();
+  a.lse = lse.data_ptr<float>();
+  a.want_lse_t = lse_t.has_value();
+  if (a.want_lse_t) {
+    check_cuda_tensor(*lse_t, "lse_t", at::kFloat, 2, device);
+    TORCH_CHECK(lse_t->sizes() == lse.sizes(), "lse_t: must have the shape of lse");
+    a.lse_t_partial = lse_t_partial_ptr;
+    a.lse_t = lse_t->data_ptr<float>();
+  }
+  a.slots = static_cast<int>(o_partial.size(0));
+  a.total_q = static_cast<int>(total_q);
+  a.num_heads = static_cast<int>(hq);
+  a.hkv = static_cast<int>(hkv);
+  check_launch(msa::launch_sparse_combine_portable(
+                   a, c10::cuda::getCurrentCUDAStream(device.index())),
+               "sparse_combine_portable");
+}
+
+void block_max_score_portable(const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& cu_seqlens_q,
+                              const std::optional<torch::Tensor>& cu_seqlens_k,
+                              const torch::Tensor& k_lens, const torch::Tensor& offsets,
+                              const std::optional<torch::Tensor>& page_table,
+                              torch::Tensor& out, double scale, bool causal, int64_t grid_x) {
+  TORCH_CHECK(q.is_cuda(), "q_idx: must be a CUDA tensor");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const torch::Device device = q.device();
+  const bool paged = page_table.has_value();
+  check_rows_16b(q, "q_idx", 3, device);
+  check_rows_16b(k, "k_idx", paged ? 4 : 3, device);
+  TORCH_CHECK(k.size(1) == 1, "k_idx: the portable kernel serves one shared key head, got ",
+              k.sizes());
+  TORCH_CHECK(!paged || k.size(2) == 128, "k_idx: pages must hold 128 keys, got ", k.sizes());
+  const int64_t total_q = q.size(0), heads = q.size(1);
+  TORCH_CHECK(heads == 1 || heads == 2 || heads == 4 || heads == 8,
+              "q_idx: 1, 2, 4 or 8 index heads, got ", heads);
+  check_cuda_tensor(cu_seqlens_q, "cu_seqlens_q", at::kInt, 1, device);
+  const int64_t batch = cu_seqlens_q.numel() - 1;
+  TORCH_CHECK(batch >= 1 && batch < 65535, "cu_seqlens_q: 1 to 65534 requests, got ", batch);
+  check_cuda_tensor(k_lens, "k_lens", at::kInt, 1, device);
+  check_cuda_tensor(offsets, "offsets", at::kInt, 1, device);
+  TORCH_CHECK(k_lens.numel() == batch && offsets.numel() == batch,
+              "k_lens / offsets: expected ", batch, " entries");
+  check_cuda_tensor(out, "out", at::kFloat, 3, device);
+  TORCH_CHECK(out.size(0) == heads && out.size(2) == total_q && out.size(1) < INT_MAX,
+              "out: expected [", heads, ", max_k_tiles, ", total_q, "], got ", out.sizes());
+  TORCH_CHECK(grid_x >= 1 && grid_x <= INT_MAX, "grid_x: must be in [1, 2^31), got ", grid_x);
+  msa::BlockMaxScoreArgs a{};
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.q_stride_token = q.stride(0);
+  a.q_stride_head = q.stride(1);
+  a.k_stride_unit = k.stride(0);
+  a.k_stride_key = paged ? k.stride(2) : 0;
+  a.k_units = k.size(0);
+  a.paged = paged;
+  a.cu_seqlens_q = cu_seqlens_q.data_ptr<int32_t>();
+  if (paged) {
+    check_page_table(*page_table, batch, device, &a.page_table, &a.page_table_stride,
+                     &a.page_table_cols);
+  } else {
+    TORCH_CHECK(cu_seqlens_k.has_value(), "cu_seqlens_k: required for dense keys");
+    check_cuda_tensor(*cu_seqlens_k, "cu_seqlens_k", at::kInt, 1, device);
+    TORCH_CHECK(cu_seqlens_k->numel() == batch + 1, "cu_seqlens_k: expected ", batch + 1,
+                " entries, got ", cu_seqlens_k->numel());
+    a.cu_seqlens_k = cu_seqlens_k->data_ptr<int32_t>();
+  }
+  a.k_lens = k_lens.data_ptr<int32_t>();
+  a.offsets = offsets.data_ptr<int32_t>();
+  a.out = out.data_ptr<float>();
+  a.total_q = total_q;
+  a.num_heads = static_cast<int>(heads);
+  a.max_k_tiles = static_cast<int>(out.size(1));
+  a.batch = static_cast<int>(batch);
+  a.grid_x = static_cast<int>(grid_x);
+  a.scale = static_cast<float>(scale);
+  a.causal = causal;
+  check_launch(msa::launch_block_max_score_portable(
+                   a, c10::cuda::getCurrentCUDAStream(device.index())),
+               "block_max_score_portable");
+}
+
 void sparse_decode_attention(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     const std::optional<torch::Tensor>& q2k_indices, const torch::Tensor& page_table,
@@ -566,6 +830,22 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "int kv_chunk_size, bool split_kv, float softmax_scale, bool split_keys=False, "
       "bool direct_fp8=False, bool warpgroup=False) -> ()");
   ops.impl("sparse_decode_attention", torch::kCUDA, &sparse_decode_attention);
+  ops.def(
+      "sparse_prefill_portable(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+      "Tensor cu_seqlens_k, Tensor kv_lens, Tensor? page_table, Tensor k2q_row_ptr, "
+      "Tensor qsplit_indices, Tensor scheduler_metadata, Tensor work_count, "
+      "Tensor(a!) o_partial, Tensor(b!) lse_partial, Tensor(c!)? lse_t_partial, "
+      "float softmax_scale, float inv_temperature, bool causal) -> ()");
+  ops.impl("sparse_prefill_portable", torch::kCUDA, &sparse_prefill_portable);
+  ops.def(
+      "sparse_combine_portable(Tensor o_partial, Tensor lse_partial, Tensor? lse_t_partial, "
+      "Tensor split_counts, Tensor(a!) out, Tensor(b!) lse, Tensor(c!)? lse_t) -> ()");
+  ops.impl("sparse_combine_portable", torch::kCUDA, &sparse_combine_portable);
+  ops.def(
+      "block_max_score_portable(Tensor q, Tensor k, Tensor cu_seqlens_q, Tensor? cu_seqlens_k, "
+      "Tensor k_lens, Tensor offsets, Tensor? page_table, Tensor(a!) out, float scale, "
+      "bool causal, int grid_x) -> ()");
+  ops.impl("block_max_score_portable", torch::kCUDA, &block_max_score_portable);
   ops.def(
       "fmha_transpose_v_e4m3(Tensor v, Tensor cu_seqlens_k, Tensor kv_lens, Tensor? page_table, "
       "Tensor(a!) tables, Tensor(b!) vt) -> ()");

@@ -192,6 +192,103 @@ struct TransposeVArgs {
 
 cudaError_t launch_fmha_transpose_v_e4m3(const TransposeVArgs& args, cudaStream_t stream);
 
+// ----------------------------------------------------------------------------------------------
+// Portable sparse prefill (sm_80+, mma.sync; docs/design-portable.md): bf16 q/k/v attention over
+// the k2q schedule into per-slot partials, then their combine. Semantics: contract §1.2, the same
+// partials and combine as the Hopper kernels (msa/_native/sparse_prefill_sm90.py).
+// ----------------------------------------------------------------------------------------------
+enum class PartialType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+struct SparsePrefillArgs {
+  const void* q;                 // [total_q, Hq, 128] bf16, channels contiguous
+  const void* k;                 // dense [total_k, Hkv, 128] or paged [pages, Hkv, 128, 128] bf16
+  const void* v;                 // same layout and strides as k
+  int64_t q_stride_token, q_stride_head;
+  int64_t kv_stride_unit;        // per token (dense) or page (paged)
+  int64_t kv_stride_head;
+  int64_t kv_stride_key;         // per token inside a page (paged only)
+  int64_t kv_units;              // k.shape[0]: tokens (dense) or pages (paged)
+  bool paged;
+  const int32_t* cu_seqlens_q;   // [batch + 1], monotone within total_q
+  const int32_t* cu_seqlens_k;   // [batch + 1] (dense token offsets)
+  const int32_t* kv_lens;        // [batch]
+  const int32_t* page_table;     // [batch, page_table_cols] (paged only)
+  int64_t page_table_stride;
+  int page_table_cols;
+  const int32_t* row_ptr;        // [hkv, rows + 1]
+  int64_t row_ptr_stride;
+  int rows;
+  const int32_t* qsplit;         // [hkv, entries] q_local | slot << 24, -1 = none
+  int64_t qsplit_stride;
+  int64_t entries;
+  const int32_t* metadata;       // [work_capacity, 6] (head, row, q_begin, q_count, batch, block)
+  const int32_t* work_count;     // [1]
+  int work_capacity;
+  void* o_partial;               // out [slots, total_q, Hq, 128] partial dtype
+  float* lse_partial;            // out [slots, total_q, Hq]
+  float* lse_t_partial;          // out, same shape (want_lse_t only)
+  PartialType partial;
+  int slots;
+  int total_q;
+  int batch;
+  int hkv;
+  int group;                     // query heads per KV head: 1, 2, 4, 8 or 16
+  float scale_log2;              // softmax_scale * log2(e)
+  float inv_temperature;         // 1 / lse_temperature_scale
+  bool causal;
+  bool want_lse_t;
+};
+
+struct SparseCombineArgs {
+  const void* o_partial;         // [slots, total_q, Hq, 128] partial dtype
+  const float* lse_partial;      // [slots, total_q, Hq]
+  const float* lse_t_partial;    // same shape (want_lse_t only)
+  const int32_t* split_counts;   // [total_q, hkv] entries per (query, KV head)
+  void* out;                     // out [total_q, Hq, 128] bf16
+  float* lse;                    // out [total_q, Hq]
+  float* lse_t;                  // out [total_q, Hq] (want_lse_t only)
+  PartialType partial;
+  int slots;
+  int total_q;
+  int num_heads;
+  int hkv;
+  bool want_lse_t;
+};
+
+// Portable indexer block max-scores (bf16, one shared index-key head). Semantics:
+// msa.reference.max_score.block_max_scores_reference; the Hopper kernel's bounds rules.
+struct BlockMaxScoreArgs {
+  const void* q;                 // [total_q, H, 128] bf16, channels contiguous
+  const void* k;                 // dense [total_k, 1, 128] or paged [pages, 1, 128, 128] bf16
+  int64_t q_stride_token, q_stride_head;
+  int64_t k_stride_unit;         // per token (dense) or page (paged)
+  int64_t k_stride_key;          // per token inside a page (paged only)
+  int64_t k_units;               // k.shape[0]
+  bool paged;
+  const int32_t* cu_seqlens_q;   // [batch + 1], monotone within total_q
+  const int32_t* cu_seqlens_k;   // [batch + 1] dense token offsets (dense only)
+  const int32_t* k_lens;         // [batch]
+  const int32_t* offsets;        // [batch] causal offsets
+  const int32_t* page_table;     // [batch, page_table_cols] (paged only)
+  int64_t page_table_stride;
+  int page_table_cols;
+  float* out;                    // out [H, max_k_tiles, total_q] fp32, every element written
+  int64_t total_q;
+  int num_heads;                 // 1, 2, 4 or 8
+  int max_k_tiles;
+  int batch;                     // < 65535 (grid y = batch + 1)
+  int grid_x;                    // CTAs per request along its query tiles (>= 1; they stride)
+  float scale;
+  bool causal;
+};
+
+cudaError_t launch_block_max_score_portable(const BlockMaxScoreArgs& args, cudaStream_t stream);
+
+// The attention launch picks its tile (128 or 64 rows) from the device's shared memory per
+// block; cudaErrorNotSupported on a device with less than ~97 KB.
+cudaError_t launch_sparse_prefill_portable(const SparsePrefillArgs& args, cudaStream_t stream);
+cudaError_t launch_sparse_combine_portable(const SparseCombineArgs& args, cudaStream_t stream);
+
 }  // namespace msa
 
 // Torch op functions (defined in torch_binding.cpp; only that file includes torch headers).
@@ -232,6 +329,28 @@ void fmha_transpose_v_e4m3(const torch::Tensor& v, const torch::Tensor& cu_seqle
                            const torch::Tensor& kv_lens,
                            const std::optional<torch::Tensor>& page_table,
                            torch::Tensor& tables, torch::Tensor& vt);
+
+void sparse_prefill_portable(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const torch::Tensor& cu_seqlens_q, const torch::Tensor& cu_seqlens_k,
+    const torch::Tensor& kv_lens, const std::optional<torch::Tensor>& page_table,
+    const torch::Tensor& k2q_row_ptr, const torch::Tensor& qsplit_indices,
+    const torch::Tensor& scheduler_metadata, const torch::Tensor& work_count,
+    torch::Tensor& o_partial, torch::Tensor& lse_partial,
+    const std::optional<torch::Tensor>& lse_t_partial, double softmax_scale,
+    double inv_temperature, bool causal);
+
+void sparse_combine_portable(const torch::Tensor& o_partial, const torch::Tensor& lse_partial,
+                             const std::optional<torch::Tensor>& lse_t_partial,
+                             const torch::Tensor& split_counts, torch::Tensor& out,
+                             torch::Tensor& lse, const std::optional<torch::Tensor>& lse_t);
+
+void block_max_score_portable(const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& cu_seqlens_q,
+                              const std::optional<torch::Tensor>& cu_seqlens_k,
+                              const torch::Tensor& k_lens, const torch::Tensor& offsets,
+                              const std::optional<torch::Tensor>& page_table,
+                              torch::Tensor& out, double scale, bool causal, int64_t grid_x);
 
 void sparse_decode_attention(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

@@ -1,8 +1,11 @@
 """The one place that decides, per call, whether a native kernel or the PyTorch reference runs.
 
 Native implementations register themselves with :func:`register_native` under an op name and a
-GPU architecture family ("sm90", "sm100"). Each registration carries a ``supports(**features)``
-function that answers a short reason (a str) when the native side cannot serve the call (a dtype
+GPU architecture family: "sm90" (Hopper: the CuTe-DSL and csrc kernels), "sm100" (Blackwell
+datacenter) and "portable" (every other capability >= 8.0: the warp-MMA csrc kernels of
+docs/design-portable.md, which also register for "sm100"). ``MSA_NATIVE_TIER=portable`` makes
+every capability >= 8.0 the "portable" family (the H200 validates that tier this way). Each
+registration carries a ``supports(**features)`` function that answers a short reason (a str) when the native side cannot serve the call (a dtype
 it lacks, an artifact that is not built, ...), and otherwise either ``None`` or a
 :class:`Served` naming the kernel it picked; the choice is made there, once per call, and
 ``run(call, kernel=...)`` receives it.
@@ -49,9 +52,10 @@ Verdict = Union[None, str, Served]
 @dataclasses.dataclass(frozen=True)
 class NativeImpl:
     op: str
-    arch: str                                  # "sm90" or "sm100"
+    arch: str                                  # "sm90", "sm100" or "portable"
     run: Callable
     supports: Callable[..., Verdict]           # a reason (str) when it cannot serve the call
+    tier: Optional[str] = None                 # "portable" for the portable tier's kernels
 
     @functools.lru_cache(maxsize=None)
     def runner(self, kernel) -> Callable:
@@ -66,8 +70,9 @@ _last_backend: Dict[str, str] = {}
 
 
 def register_native(op: str, arch: str, run: Callable,
-                    supports: Callable[..., Verdict] = lambda **_: None) -> None:
-    _registry[(op, arch)] = NativeImpl(op, arch, run, supports)
+                    supports: Callable[..., Verdict] = lambda **_: None,
+                    tier: Optional[str] = None) -> None:
+    _registry[(op, arch)] = NativeImpl(op, arch, run, supports, tier)
 
 
 def refusal(verdict: Verdict) -> Optional[str]:
@@ -77,18 +82,57 @@ def refusal(verdict: Verdict) -> Optional[str]:
 
 _arch_of_index: Dict[int, Optional[str]] = {}
 
+TIER_ENV = "MSA_NATIVE_TIER"
+PORTABLE = "portable"
+# Whether the portable tier's kernels passed their GPU tests and memcheck (by proxy on the
+# H200): until then they are gated like any unvalidated kernel (unvalidated_reason).
+PORTABLE_VALIDATED = False
+# Compute capabilities on which the portable tier's GPU tests have passed on that hardware
+# itself (the README's matrix); elsewhere its log line says it was validated by proxy only.
+PORTABLE_RUN_ON_HARDWARE: frozenset = frozenset()
+
+
+def _tier() -> str:
+    tier = os.environ.get(TIER_ENV, "auto").strip().lower()
+    if tier not in ("auto", PORTABLE):
+        raise ValueError(f"{TIER_ENV}: expected auto or portable, got {tier!r}")
+    return tier
+
 
 def arch_family(device: torch.device) -> Optional[str]:
-    """'sm90' / 'sm100' for the device's compute capability, else None (CPU, other GPUs).
-    Cached per device index (asked on every call)."""
+    """'sm90' / 'sm100' / 'portable' for the device's compute capability (portable: every other
+    capability >= 8.0, or any >= 8.0 under MSA_NATIVE_TIER=portable), else None (CPU, older
+    GPUs). Cached per device index (asked on every call)."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     arch = _arch_of_index.get(index, "")
     if arch == "":
         major, _minor = torch.cuda.get_device_capability(index)
-        arch = _arch_of_index[index] = {9: "sm90", 10: "sm100"}.get(major)
+        arch = _arch_of_index[index] = ({9: "sm90", 10: "sm100"}.get(major)
+                                         or (PORTABLE if major >= 8 else None))
+    if _tier() == PORTABLE and arch is not None:
+        return PORTABLE
     return arch
+
+
+def _capability(device: torch.device) -> str:
+    return ".".join(map(str, torch.cuda.get_device_capability(device)))
+
+
+def tier_note(impl: NativeImpl, device: torch.device) -> str:
+    """The log reason of a native choice: which tier runs and, for the portable tier, whether
+    its kernels have run on hardware of this compute capability."""
+    if impl.tier != PORTABLE:
+        return "native kernel"
+    capability = _capability(device)
+    if tuple(torch.cuda.get_device_capability(device)) in PORTABLE_RUN_ON_HARDWARE:
+        status = "run on this hardware"
+    elif PORTABLE_VALIDATED:
+        status = "not run on hardware of this capability, validated by proxy on the H200"
+    else:
+        status = "not validated on hardware yet"
+    return f"portable tier (warp-MMA csrc kernels) on compute capability {capability}: {status}"
 
 
 def _mode() -> str:
@@ -111,10 +155,12 @@ def _log_once(op: str, backend: str, reason: str, device: torch.device) -> None:
 
 
 def reference_only(device: torch.device) -> bool:
-    """Whether every op on `device` runs the reference (MSA_BACKEND=reference, or no native
-    kernel family for the device): composite calls then check index values up front, where the
-    argument names are theirs."""
-    return _mode() == "reference" or arch_family(device) is None
+    """Whether every op on `device` runs the reference (MSA_BACKEND=reference, no native
+    kernel family for the device, or the portable family while its kernels are gated):
+    composite calls then check index values up front, where the argument names are theirs."""
+    arch = arch_family(device)
+    return (_mode() == "reference" or arch is None
+            or (arch == PORTABLE and unvalidated_reason("", PORTABLE_VALIDATED) is not None))
 
 
 def choose(op: str, device: torch.device, **call) -> Tuple[str, Optional[Callable]]:
@@ -127,13 +173,16 @@ def choose(op: str, device: torch.device, **call) -> Tuple[str, Optional[Callabl
     elif device.type != "cuda":
         reason = f"no native kernel for device type {device.type}"
     elif impl is None:
-        reason = (f"no native {op} kernel for compute capability "
-                  f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+        reason = f"no native {op} kernel for compute capability {_capability(device)}"
+        if arch == PORTABLE:
+            reason += " in the portable tier"
     else:
         verdict = impl.supports(**call)
         reason = refusal(verdict)
+        if reason is not None and impl.tier == PORTABLE:
+            reason = f"portable tier on compute capability {_capability(device)}: {reason}"
         if reason is None:
-            _log_once(op, arch, "native kernel", device)
+            _log_once(op, arch, tier_note(impl, device), device)
             _last_backend[op] = arch
             return arch, (impl.run if verdict is None else impl.runner(verdict.kernel))
     if mode == "native":

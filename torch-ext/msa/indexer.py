@@ -52,7 +52,7 @@ class BlockMaxScoreCall:
         return dict(q_dtype=self.q_idx.dtype, k_dtype=self.k_idx.dtype, paged=self.paged,
                     causal=self.causal, num_heads=self.q_idx.shape[1],
                     num_k_heads=self.k_idx.shape[1], max_k_tiles=self.max_k_tiles,
-                    qo_offset=self.qo_offset is not None)
+                    qo_offset=self.qo_offset is not None, batch=self.cu_seqlens_q.numel() - 1)
 
 
 def block_max_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, cu_seqlens_q: torch.Tensor,

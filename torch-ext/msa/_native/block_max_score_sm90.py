@@ -20,6 +20,7 @@ and few rows per request, else the prefill form) is picked once, in ``max_scores
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Union
 
 import torch
@@ -87,6 +88,33 @@ def run(call) -> torch.Tensor:
                       page_table=call.page_table, seqused_k=call.seqused_k)
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelInputs:
+    """What an indexer kernel reads besides q, k and out, safe whatever the index values say."""
+    batch: int
+    cu_q: torch.Tensor                   # [B+1] int32, monotone within total_q
+    cu_k: Optional[torch.Tensor]         # [B+1] int32, monotone within k (dense; else None)
+    k_lens: torch.Tensor                 # [B] int32
+    offsets: torch.Tensor                # [B] int32 causal offsets (contiguous)
+    page_table: Optional[torch.Tensor]   # contiguous (paged; else None)
+
+
+def kernel_inputs(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset, page_table,
+                  seqused_k) -> KernelInputs:
+    """Prefix sums the kernels can trust whatever their values (unchanged when valid: a negative
+    start or a decreasing entry would otherwise address rows outside q / k), key lengths and
+    causal offsets; no host synchronization (every native tier's indexer shares this)."""
+    cu_q = device_prefix_sums(cu_seqlens_q, q.shape[0])
+    batch = cu_q.numel() - 1
+    paged = page_table is not None
+    cu_k = None if paged else device_prefix_sums(cu_seqlens_k, k.shape[0])
+    k_lens = key_lengths(batch, q.device, cu_seqlens_k=cu_k, page_table=page_table,
+                         seqused_k=seqused_k)
+    offsets = causal_offsets(qo_offset, cu_q[1:] - cu_q[:-1], k_lens).contiguous()
+    return KernelInputs(batch=batch, cu_q=cu_q, cu_k=cu_k, k_lens=k_lens, offsets=offsets,
+                        page_table=page_table.contiguous() if paged else None)
+
+
 def max_scores(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: Optional[torch.Tensor], *, max_seqlen_q: int, max_k_tiles: int,
                scale: float, causal: bool, qo_offset: Union[None, int, torch.Tensor],
@@ -103,23 +131,12 @@ def max_scores(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
     out = torch.empty(num_heads, max_k_tiles, total_q, dtype=torch.float32, device=device)
     if total_q == 0:
         return out
-    # Prefix sums the kernel can trust whatever their values (unchanged when valid): a
-    # negative start or a decreasing entry would otherwise address rows outside q / k.
-    cu_q = device_prefix_sums(cu_seqlens_q, total_q)
-    batch = cu_q.numel() - 1
-    q_lens = cu_q[1:] - cu_q[:-1]
+    inputs = kernel_inputs(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset, page_table, seqused_k)
+    batch, k_lens, offsets = inputs.batch, inputs.k_lens, inputs.offsets
     paged = page_table is not None
-    if not paged:
-        cu_seqlens_k = device_prefix_sums(cu_seqlens_k, k.shape[0])
-    k_lens = key_lengths(batch, device, cu_seqlens_k=cu_seqlens_k, page_table=page_table,
-                         seqused_k=seqused_k)
-    if paged:
-        page_table = page_table.contiguous()
-        cu_k = cu_q                                  # unused by the paged variant
-    else:
-        cu_k = cu_seqlens_k
-        page_table = k_lens.view(batch, 1)           # unused by the dense variant
-    offsets = causal_offsets(qo_offset, q_lens, k_lens).contiguous()
+    cu_q = inputs.cu_q
+    cu_k = cu_q if paged else inputs.cu_k                     # unused by the paged variant
+    page_table = inputs.page_table if paged else k_lens.view(batch, 1)   # unused when dense
     dtype_name = _DTYPE_NAMES[q.dtype]
     form = serving.pick("indexer", dtype_name,
                         lambda f: (variant_name(num_heads, paged, q.dtype, f.name),),

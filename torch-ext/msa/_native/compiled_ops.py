@@ -34,7 +34,8 @@ ops = ops_module.ops if ops_module is not None else None
 # Every op csrc/ defines (torch_binding.cpp); tests check the two lists agree.
 CSRC_OPS = ("run_build_k2q_csr", "run_build_k2q_csr_with_schedule", "sparse_topk_select",
             "sparse_decode_attention", "fmha_transpose_v_e4m3", "decode_indexer_topk",
-            "decode_indexer_plan_update")
+            "decode_indexer_plan_update", "sparse_prefill_portable", "sparse_combine_portable",
+            "block_max_score_portable")
 _present: Dict[str, bool] = {}
 
 

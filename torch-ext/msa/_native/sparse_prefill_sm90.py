@@ -38,7 +38,7 @@ from .. import _backend, _stages
 from .._common import key_lengths
 from .._validation import device_prefix_sums
 from ..cute_kernels import variants
-from ..schedules.sparse import INT32_MAX, build_schedule_on_device
+from ..schedules.sparse import INT32_MAX, SparseAttentionSchedule, build_schedule_on_device
 from . import cute_runtime, debug, serving
 
 KV_BLOCK = variants.KV_BLOCK
@@ -131,11 +131,33 @@ def check_launch_limits(call) -> None:
                                        f"seqused_k)")
 
 
-def run(call, kernel: SparseKernel
-        ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Returns (O bf16 [total_q, Hq, 128], LSE fp32 [total_q, Hq] or None, LSE_T or None);
-    every output is freshly allocated."""
-    q, k, v = call.q, call.k, call.v
+@dataclasses.dataclass
+class Launch:
+    """What both kernels of a sparse prefill call read and write (prepare_launch): the outputs,
+    prefix sums the kernels can trust, the key lengths, the schedule and the partials."""
+    out: torch.Tensor
+    lse: torch.Tensor
+    lse_t: torch.Tensor                # lse itself when no temperature LSE is asked
+    want_lse_t: bool
+    cu_q: Optional[torch.Tensor] = None
+    cu_k: Optional[torch.Tensor] = None
+    kv_lens: Optional[torch.Tensor] = None
+    page_table: Optional[torch.Tensor] = None
+    schedule: Optional[SparseAttentionSchedule] = None
+    o_partial: Optional[torch.Tensor] = None
+    lse_partial: Optional[torch.Tensor] = None
+    lse_t_partial: Optional[torch.Tensor] = None
+
+    def results(self, call):
+        """(O, LSE or None, LSE_T or None) as sparse_atten_func returns them."""
+        return (self.out, (self.lse if call.want_lse else None),
+                (self.lse_t if self.want_lse_t else None))
+
+
+def prepare_launch(call) -> Launch:
+    """Allocate the outputs and, unless total_q is 0, everything the attention and combine
+    kernels take (every native tier's sparse prefill shares this); no host synchronization."""
+    q, k = call.q, call.k
     device = q.device
     total_q, num_heads, head_dim = q.shape
     check_launch_limits(call)
@@ -143,41 +165,59 @@ def run(call, kernel: SparseKernel
     out = torch.empty(total_q, num_heads, head_dim, dtype=torch.bfloat16, device=device)
     lse = torch.empty(total_q, num_heads, dtype=torch.float32, device=device)
     lse_t = torch.empty_like(lse) if want_lse_t else lse
+    launch = Launch(out=out, lse=lse, lse_t=lse_t, want_lse_t=want_lse_t)
     if total_q == 0:
-        return out, (lse if call.want_lse else None), (lse_t if want_lse_t else None)
+        return launch
 
     # Prefix sums the kernels can trust (unchanged when valid; see the module docstring).
-    cu_q = device_prefix_sums(call.cu_seqlens_q, total_q)
-    cu_k = device_prefix_sums(call.cu_seqlens_k, INT32_MAX if call.paged else k.shape[0])
+    launch.cu_q = device_prefix_sums(call.cu_seqlens_q, total_q)
+    launch.cu_k = device_prefix_sums(call.cu_seqlens_k, INT32_MAX if call.paged else k.shape[0])
     schedule = call.schedule
     if schedule is None:
-        schedule = build_schedule_on_device(call, cu_q, cu_k)
+        schedule = build_schedule_on_device(call, launch.cu_q, launch.cu_k)
+    launch.schedule = schedule
     batch = call.cu_seqlens_q.numel() - 1
-    kv_lens = key_lengths(batch, device, cu_seqlens_k=cu_k,
-                          page_table=call.page_table if call.paged else None,
-                          seqused_k=call.seqused_k if call.paged else None)
-    page_table = (call.page_table.contiguous() if call.paged
-                  else kv_lens.view(batch, 1))        # unused by the dense variants
+    launch.kv_lens = key_lengths(batch, device, cu_seqlens_k=launch.cu_k,
+                                 page_table=call.page_table if call.paged else None,
+                                 seqused_k=call.seqused_k if call.paged else None)
+    launch.page_table = (call.page_table.contiguous() if call.paged
+                         else launch.kv_lens.view(batch, 1))    # unused by the dense variants
     # A schedule from build_k2q_csr numbers up to its own topK slots per (query, KV head).
     slots = max(call.topk, schedule.topk)
-    o_partial = torch.empty(slots, total_q, num_heads, head_dim, dtype=call.partial_dtype,
-                            device=device)
-    lse_partial = torch.empty(slots, total_q, num_heads, dtype=torch.float32, device=device)
-    lse_t_partial = torch.empty_like(lse_partial) if want_lse_t else lse_partial
+    launch.o_partial = torch.empty(slots, total_q, num_heads, head_dim,
+                                   dtype=call.partial_dtype, device=device)
+    launch.lse_partial = torch.empty(slots, total_q, num_heads, dtype=torch.float32,
+                                     device=device)
+    launch.lse_t_partial = (torch.empty_like(launch.lse_partial) if want_lse_t
+                            else launch.lse_partial)
     if debug.poison():
-        for buffer in (o_partial, lse_partial, lse_t_partial, out, lse, lse_t):
+        for buffer in (launch.o_partial, launch.lse_partial, launch.lse_t_partial, out, lse,
+                       lse_t):
             buffer.fill_(float("nan"))
+    return launch
+
+
+def run(call, kernel: SparseKernel
+        ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Returns (O bf16 [total_q, Hq, 128], LSE fp32 [total_q, Hq] or None, LSE_T or None);
+    every output is freshly allocated."""
+    launch = prepare_launch(call)
+    if call.q.shape[0] == 0:
+        return launch.results(call)
+    device = call.q.device
+    schedule = launch.schedule
     debug.record("sparse_atten", kernel.attention)
     cute_runtime.launch(
-        kernel.attention, device, q, k, v, cu_q, cu_k, kv_lens, page_table,
-        schedule.k2q_row_ptr, schedule.qsplit_indices, schedule.scheduler_metadata,
-        schedule.work_count, o_partial, lse_partial, lse_t_partial, float(call.softmax_scale),
-        1.0 / float(call.lse_temperature_scale), int(call.causal), int(want_lse_t))
+        kernel.attention, device, call.q, call.k, call.v, launch.cu_q, launch.cu_k,
+        launch.kv_lens, launch.page_table, schedule.k2q_row_ptr, schedule.qsplit_indices,
+        schedule.scheduler_metadata, schedule.work_count, launch.o_partial, launch.lse_partial,
+        launch.lse_t_partial, float(call.softmax_scale), 1.0 / float(call.lse_temperature_scale),
+        int(call.causal), int(launch.want_lse_t))
     _stages.mark("combine")
     cute_runtime.launch(
-        kernel.combine, device, o_partial, lse_partial, lse_t_partial, schedule.split_counts,
-        out, lse, lse_t, int(want_lse_t))
-    return out, (lse if call.want_lse else None), (lse_t if want_lse_t else None)
+        kernel.combine, device, launch.o_partial, launch.lse_partial, launch.lse_t_partial,
+        schedule.split_counts, launch.out, launch.lse, launch.lse_t, int(launch.want_lse_t))
+    return launch.results(call)
 
 
 _backend.register_native("sparse_atten", "sm90", run, supports)
