@@ -35,6 +35,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <atomic>
 #include <cfloat>
 #include <cstdint>
 
@@ -1544,6 +1545,26 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
 
 }  // namespace
 
+// The warpgroup form's body exists in the sm_90a code only (wgmma); elsewhere (another arch,
+// or compute_80 PTX JIT-compiled on an SM90) it would trap, so its launch is refused. The
+// answer depends on the image the current device loaded: asked once per device.
+static bool warpgroup_form_loaded() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> state[kMaxDevices];      // 0 not asked, 1 loaded, 2 absent
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
+  int known = state[device].load(std::memory_order_relaxed);
+  if (known == 0) {
+    cudaFuncAttributes attr{};
+    const bool loaded =
+        cudaFuncGetAttributes(&attr, wg::decode_attention_wg_kernel<false>) == cudaSuccess &&
+        attr.ptxVersion == 90 && attr.binaryVersion == 90;
+    known = loaded ? 1 : 2;
+    state[device].store(known, std::memory_order_relaxed);
+  }
+  return known == 1;
+}
+
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream) {
   if (args.num_work <= 0 || args.num_kv_heads <= 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(args.num_work), static_cast<unsigned>(args.num_kv_heads));
@@ -1557,11 +1578,7 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
     return cudaSuccess;
   };
   if (args.warpgroup) {
-    // The form's body exists in the sm_90a code only (wgmma); elsewhere (another arch, or
-    // compute_80 PTX JIT-compiled on an SM90) it would trap, so the launch is refused.
-    cudaFuncAttributes attr{};
-    MSA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, wg::decode_attention_wg_kernel<false>));
-    if (attr.ptxVersion != 90 || attr.binaryVersion != 90) return cudaErrorNotSupported;
+    if (!warpgroup_form_loaded()) return cudaErrorNotSupported;
     if (args.q_fp8) {
       MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<true>, wg::Shape<true>::kAlloc));
     } else {
