@@ -4,10 +4,10 @@ benchmarks: per-request query and prefix lengths, production weights, and the wo
 The table is benchmarks/prefill_cases_v1.json (numbers derived from MiniMax-AI/MSA, MIT; see its
 "provenance"). A case is one prefill call: request r has prefix_lens[r] cached keys (a multiple
 of 128) and query_lens[r] new tokens, so kv_len = prefix + q_len and query i sits at position
-prefix + i (bottom-right causal). Batch-1 cases are exact. Multi-request cases whose lengths are
-not in the table get a deterministic split of (total_q, max_final_kv) seeded by the case id
-(source "synthetic"), shaped like upstream's rows (query lengths ascending, one request holding
-max_final_kv, prefixes 128-aligned).
+prefix + i (bottom-right causal). Every case carries upstream's exact lengths: a batch-1 row's
+follow from (total_q, max_final_kv); a multi-request row's are listed under "request_lengths",
+transcribed from upstream's manifest. Upstream names a case by the SHA-256 of its lengths
+(``upstream_case_id``), so loading checks each case's lengths against its id.
 
     python benchmarks/prefill_cases.py          # prints the table with the work counts
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import random
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -32,7 +31,7 @@ class PrefillCase:
     weight: int
     query_lens: tuple
     prefix_lens: tuple
-    source: str                 # "upstream" (exact lengths) or "synthetic"
+    source: str                 # "upstream" (the table) or "synthetic" (tiny_cases)
 
     @property
     def batch(self) -> int:
@@ -74,37 +73,18 @@ def attention_flops(keys: int, num_qo_heads: int, head_dim: int = 128) -> int:
     return 4 * head_dim * num_qo_heads * keys
 
 
-def synthetic_split(case_id: str, batch: int, total_q: int, max_kv: int):
-    """(query_lens, prefix_lens) of `batch` requests with the case's total_q and max_final_kv,
-    deterministic in the case id: skewed query shares (ascending, each >= 1), one request at
-    max_final_kv, the others' final lengths drawn in [q, max_kv], every prefix a multiple of 128."""
-    rng = random.Random(int.from_bytes(hashlib.sha256(case_id.encode()).digest()[:8], "little"))
-    shares = [rng.expovariate(1.0) ** 2 + 1e-3 for _ in range(batch)]
-    q = [max(1, int(total_q * s / sum(shares))) for s in shares]
-    q[q.index(max(q))] += total_q - sum(q)
-    q.sort()
-    top = rng.randrange(batch)
-    # Request `top` ends exactly at max_kv: its prefix max_kv - q must be a multiple of 128;
-    # move the remainder to or from another request.
-    if batch > 1:
-        other = max((i for i in range(batch) if i != top), key=lambda i: q[i])
-        r = (max_kv - q[top]) % BLOCK              # q[top] + r or q[top] - (128 - r) fits
-        if q[other] > r:
-            q[top] += r
-            q[other] -= r
-        elif r and q[top] > BLOCK - r:
-            q[top] -= BLOCK - r
-            q[other] += BLOCK - r
-    prefix = []
-    for i, n in enumerate(q):
-        room = max(max_kv - n, 0) // BLOCK
-        blocks = room if i == top else int(room * rng.uniform(0.25, 1.0))
-        prefix.append(blocks * BLOCK)
-    return tuple(q), tuple(prefix)
+def upstream_case_id(query_lens: Sequence[int], prefix_lens: Sequence[int]) -> str:
+    """Upstream's case id: 'prefill_' + the first 20 hex digits of the SHA-256 of the case's
+    canonical shape (sorted-key, separator-free JSON of batch_size, prefix_lens, query_lens)."""
+    shape = {"batch_size": len(query_lens), "prefix_lens": list(prefix_lens),
+             "query_lens": list(query_lens)}
+    text = json.dumps(shape, separators=(",", ":"), sort_keys=True)
+    return "prefill_" + hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 def load_cases(path: Optional[Path] = None) -> List[PrefillCase]:
-    """The 66 representative cases in table order."""
+    """The 66 representative cases in table order, each checked against its row and its
+    upstream case id."""
     data = json.loads(Path(path or TABLE).read_text())
     columns = data["columns"]
     exact = data.get("request_lengths", {})
@@ -114,17 +94,20 @@ def load_cases(path: Optional[Path] = None) -> List[PrefillCase]:
         cid, batch = row["case_id"], row["batch_size"]
         total_q, max_kv = row["total_q"], row["max_final_kv"]
         if batch == 1:
-            lens, source = ((total_q,), (max_kv - total_q,)), "upstream"
+            query_lens, prefix_lens = (total_q,), (max_kv - total_q,)
         elif cid in exact:
-            lens, source = (tuple(exact[cid]["query_lens"]),
-                            tuple(exact[cid]["prefix_lens"])), "upstream"
+            query_lens = tuple(exact[cid]["query_lens"])
+            prefix_lens = tuple(exact[cid]["prefix_lens"])
         else:
-            lens, source = synthetic_split(cid, batch, total_q, max_kv), "synthetic"
-        case = PrefillCase(cid, int(row["weight"]), lens[0], lens[1], source)
-        if case.total_q != total_q or case.batch != batch or any(p % BLOCK for p in lens[1]):
-            raise ValueError(f"{cid}: lengths {lens} do not match the table row {values}")
-        if source == "upstream" and case.max_kv != max_kv:
-            raise ValueError(f"{cid}: max_final_kv {case.max_kv} != {max_kv}")
+            raise ValueError(f"{cid}: a {batch}-request case without request_lengths")
+        case = PrefillCase(cid, int(row["weight"]), query_lens, prefix_lens, "upstream")
+        if (case.batch, case.total_q, case.max_kv) != (batch, total_q, max_kv) \
+                or len(prefix_lens) != batch or any(p % BLOCK for p in prefix_lens):
+            raise ValueError(f"{cid}: lengths {query_lens} / {prefix_lens} do not match the "
+                             f"table row {values}")
+        if upstream_case_id(query_lens, prefix_lens) != cid:
+            raise ValueError(f"{cid}: lengths {query_lens} / {prefix_lens} hash to "
+                             f"{upstream_case_id(query_lens, prefix_lens)}")
         cases.append(case)
     return cases
 

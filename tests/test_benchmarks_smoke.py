@@ -7,6 +7,7 @@ bench_sparse_prefill.py is not run: it needs CUDA (a CUDA generator, torch.cuda.
 and FlexAttention/cuDNN, and has no CPU mode.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -163,6 +164,50 @@ def test_decode_production_cases_are_upstreams_grid():
         assert len(lens) == batch and sum(lens) == batch * nominal
         assert all(nominal - nominal // 4 <= n <= nominal + nominal // 4 for n in lens)
         assert lens == ragged_lengths(batch, nominal, 8)      # deterministic
+
+
+def test_prefill_cases_are_upstreams_lengths():
+    """Each of upstream's 66 representative prefill cases carries upstream's own per-request
+    lengths: they match the table row (batch, total_q, max_final_kv), prefixes are whole 128-key
+    blocks, requests come in ascending query length (upstream's order), and the lengths hash to
+    the case's upstream id."""
+    sys.path.insert(0, str(BENCH))
+    from prefill_cases import TABLE, load_cases, upstream_case_id
+    table = json.loads(TABLE.read_text())
+    rows = [dict(zip(table["columns"], values)) for values in table["cases"]]
+    cases = load_cases()
+    assert len(cases) == len(rows) == 66
+    assert sum(c.weight for c in cases) == 14805          # upstream's represented calls
+    multi = {c.case_id for c in cases if c.batch > 1}
+    assert len(multi) == 50 and set(table["request_lengths"]) == multi
+    for case, row in zip(cases, rows):
+        assert case.case_id == row["case_id"] and case.source == "upstream"
+        assert (case.batch, case.total_q, case.max_kv) == (
+            row["batch_size"], row["total_q"], row["max_final_kv"])
+        assert len(case.prefix_lens) == case.batch and min(case.query_lens) >= 1
+        assert all(p % 128 == 0 for p in case.prefix_lens)
+        assert list(case.query_lens) == sorted(case.query_lens)
+        assert upstream_case_id(case.query_lens, case.prefix_lens) == case.case_id
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda t, cid: t["request_lengths"].pop(cid), "without request_lengths"),
+    (lambda t, cid: t["request_lengths"][cid]["query_lens"].__setitem__(0, 63),
+     "do not match the table row"),
+    (lambda t, cid: t["request_lengths"][cid]["prefix_lens"].__setitem__(0, 45312), "hash to"),
+])
+def test_prefill_cases_reject_wrong_lengths(tmp_path, change, message):
+    """A table whose lengths disagree with a row, or with the row's upstream id, or that lacks
+    a multi-request case's lengths, fails to load, naming the case."""
+    sys.path.insert(0, str(BENCH))
+    from prefill_cases import TABLE, load_cases
+    table = json.loads(TABLE.read_text())
+    cid = "prefill_d6866ca6a9a8e6365f9e"           # 3 requests: q 62, 160, 176
+    change(table, cid)
+    path = tmp_path / "cases.json"
+    path.write_text(json.dumps(table))
+    with pytest.raises(ValueError, match=f"{cid}.*{message}"):
+        load_cases(path)
 
 
 @pytest.mark.parametrize("text,expected", [("32k,64k", [32768, 65536]), ("1m", [1 << 20]),
