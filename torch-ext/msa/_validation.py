@@ -146,6 +146,12 @@ def check_positive_int(name: str, value, *, allow_none: bool = False, minimum: i
     return value
 
 
+def check_planned(name: str, got: int, what: str, planned_as: str, planned: int) -> None:
+    """A wrapper's run() argument against what plan() was given: ValueError naming both."""
+    if got != planned:
+        raise ValueError(f"{name}: has {got} {what} but plan() got {planned_as}={planned}")
+
+
 def check_scale(name: str, value, *, allow_none: bool = True) -> Optional[float]:
     if value is None and allow_none:
         return None

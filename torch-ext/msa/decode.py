@@ -29,8 +29,9 @@ import torch
 
 from . import _backend
 from ._validation import (check_page_table, FP8, HEAD_DIM, check_decode_values, check_head_dim,
-                          check_positive_int, check_qhead_per_kv, check_same_device, check_scale,
-                          check_shape, check_tensor, check_topk, value_checks_requested)
+                          check_planned, check_positive_int, check_qhead_per_kv,
+                          check_same_device, check_scale, check_shape, check_tensor, check_topk,
+                          value_checks_requested)
 from .reference.decode import decode_reference, split_decode_reference
 from .schedules.decode import DecodeSchedule, build_decode_schedule
 
@@ -455,12 +456,8 @@ class SparseDecodePagedAttentionWrapper:
                                  max_seqlen_k=self._max_seqlen_k, blk_kv=self.blk_kv,
                                  causal=self.causal, softmax_scale=softmax_scale,
                                  check_input_valid=self._check_input_valid)
-        if q.shape[1] != self._num_qo_heads:
-            raise ValueError(f"q: has {q.shape[1]} heads but plan() got num_qo_heads="
-                             f"{self._num_qo_heads}")
-        if k.shape[1] != self._num_kv_heads:
-            raise ValueError(f"k: has {k.shape[1]} heads but plan() got num_kv_heads="
-                             f"{self._num_kv_heads}")
+        check_planned("q", q.shape[1], "heads", "num_qo_heads", self._num_qo_heads)
+        check_planned("k", k.shape[1], "heads", "num_kv_heads", self._num_kv_heads)
         if out is not None:
             _check_output("out", out, BF16, tuple(q.shape), q.device)
         if lse is not None:

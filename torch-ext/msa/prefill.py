@@ -39,10 +39,10 @@ from ._common import owning_segment
 from ._common import sm_count as _sm_count
 from ._validation import (BLOCK_SIZE, FP8, HEAD_DIM, SUPPORTED_TOPK, check_cu_seqlens,
                           check_head_dim, check_hint, check_k2q_build_values, check_page_ids,
-                          check_page_table, check_partial_dtype, check_positive_int,
-                          check_prefix_sums, check_qhead_per_kv, check_same_device, check_scale,
-                          check_shape, check_tensor, check_topk, host_int64,
-                          value_checks_requested)
+                          check_page_table, check_partial_dtype, check_planned,
+                          check_positive_int, check_prefix_sums, check_qhead_per_kv,
+                          check_same_device, check_scale, check_shape, check_tensor, check_topk,
+                          host_int64, value_checks_requested)
 from .indexer import INDEX_DTYPES, block_max_scores
 from .interface import (_check_k2q_csr_args, build_k2q_csr, check_attention_operands,
                         sparse_atten_func)
@@ -789,15 +789,9 @@ class MsaPrefillPagedWrapper:
         _check_paged_prefill_tensors(q, k_cache, v_cache, q_idx, k_idx_cache)
         softmax_scale = check_scale("softmax_scale", softmax_scale)
         index_scale = check_scale("index_scale", index_scale, allow_none=False)
-        if q.shape[0] != self._total_q:
-            raise ValueError(f"q: has {q.shape[0]} rows but plan() got sum(qo_lens) = "
-                             f"{self._total_q}")
-        if q.shape[1] != self._num_qo_heads:
-            raise ValueError(f"q: has {q.shape[1]} heads but plan() got num_qo_heads="
-                             f"{self._num_qo_heads}")
-        if k_cache.shape[1] != self._num_kv_heads:
-            raise ValueError(f"k_cache: has {k_cache.shape[1]} heads but plan() got "
-                             f"num_kv_heads={self._num_kv_heads}")
+        check_planned("q", q.shape[0], "rows", "sum(qo_lens)", self._total_q)
+        check_planned("q", q.shape[1], "heads", "num_qo_heads", self._num_qo_heads)
+        check_planned("k_cache", k_cache.shape[1], "heads", "num_kv_heads", self._num_kv_heads)
         check_shape("q_idx", q_idx, (self._total_q, self._num_kv_heads, None))
         check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, q_idx=q_idx,
                           k_idx_cache=k_idx_cache, page_table=self._page_table)
