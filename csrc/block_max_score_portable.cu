@@ -202,6 +202,10 @@ __global__ void __launch_bounds__(kThreads, 1) block_max_score_portable_kernel(
 
 }  // namespace
 
+cudaError_t block_max_score_portable_image(cudaFuncAttributes* attr) {
+  return cudaFuncGetAttributes(attr, block_max_score_portable_kernel);
+}
+
 cudaError_t launch_block_max_score_portable(const BlockMaxScoreArgs& a, cudaStream_t stream) {
   if (a.total_q == 0 || a.max_k_tiles == 0) return cudaSuccess;
   if (a.num_heads != 1 && a.num_heads != 2 && a.num_heads != 4 && a.num_heads != 8) {

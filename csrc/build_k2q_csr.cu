@@ -388,6 +388,10 @@ cudaError_t plan_workspace(const K2qCsrArgs& a, const K2qScheduleArgs* s, void* 
 
 }  // namespace
 
+cudaError_t build_k2q_csr_image(cudaFuncAttributes* attr) {
+  return cudaFuncGetAttributes(attr, request_rows_kernel);
+}
+
 size_t build_k2q_csr_workspace_bytes(const K2qCsrArgs& args, const K2qScheduleArgs* schedule) {
   CsrWorkspace ws;
   if (plan_workspace(args, schedule, nullptr, &ws) != cudaSuccess) return 0;

@@ -1545,6 +1545,10 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
 
 }  // namespace
 
+cudaError_t decode_attention_image(cudaFuncAttributes* attr) {
+  return cudaFuncGetAttributes(attr, decode_merge_kernel);
+}
+
 // The warpgroup form's body exists in the sm_90a code only (wgmma); elsewhere (another arch,
 // or compute_80 PTX JIT-compiled on an SM90) it would trap, so its launch is refused. The
 // answer depends on the image the current device loaded: asked once per device.

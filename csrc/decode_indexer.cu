@@ -495,6 +495,10 @@ cudaError_t launch_by_list(const DecodeIndexerArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
+cudaError_t decode_indexer_image(cudaFuncAttributes* attr) {
+  return cudaFuncGetAttributes(attr, decode_indexer_plan_kernel);
+}
+
 cudaError_t launch_decode_indexer_plan(const DecodeIndexerPlanArgs& args, cudaStream_t stream) {
   if (args.batch <= 0 || args.capacity <= 0) return cudaSuccess;
   decode_indexer_plan_kernel<<<1, kPlanThreads, 0, stream>>>(args);

@@ -146,6 +146,10 @@ __global__ void __launch_bounds__(kThreads) transpose_v_e4m3_kernel(TransposeVAr
 
 }  // namespace
 
+cudaError_t fmha_transpose_v_image(cudaFuncAttributes* attr) {
+  return cudaFuncGetAttributes(attr, transpose_v_e4m3_kernel);
+}
+
 cudaError_t launch_fmha_transpose_v_e4m3(const TransposeVArgs& args, cudaStream_t stream) {
   if (args.batch <= 0 || args.table_width <= 0 || args.num_kv_heads <= 0) {
     return cudaSuccess;

@@ -534,6 +534,10 @@ cudaError_t launch_attention_for(const SparsePrefillArgs& a, cudaStream_t stream
 
 }  // namespace
 
+cudaError_t sparse_prefill_portable_image(cudaFuncAttributes* attr) {
+  return cudaFuncGetAttributes(attr, sparse_combine_portable_kernel<PartialType::kFloat32>);
+}
+
 cudaError_t launch_sparse_prefill_portable(const SparsePrefillArgs& a, cudaStream_t stream) {
   if (a.work_capacity <= 0) return cudaSuccess;
   if (a.group != 1 && a.group != 2 && a.group != 4 && a.group != 8 && a.group != 16) {

@@ -302,6 +302,10 @@ cudaError_t launch_mode(const TopkSelectArgs& a, int heads_per_group, cudaStream
 
 }  // namespace
 
+cudaError_t sparse_topk_select_image(cudaFuncAttributes* attr) {
+  return cudaFuncGetAttributes(attr, topk_row_kernel<16, static_cast<int>(HeadReduce::kNone)>);
+}
+
 cudaError_t launch_sparse_topk_select(const TopkSelectArgs& a, cudaStream_t stream) {
   if (a.topk < 1 || a.topk > 64 || a.num_heads < 1 || a.num_out_heads < 1 || a.num_tiles < 0 ||
       a.total_q < 0 || a.force_begin_blocks < 0 || a.force_end_blocks < 0) {

@@ -163,3 +163,12 @@ def use_tier(tier: str, monkeypatch) -> str:
         monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
         return "portable"
     return "sm90"
+
+
+def native_families() -> tuple:
+    """The _backend families a native call may report in the running test: the portable tier
+    under use_tier("portable"), else the Hopper / SM100 families."""
+    import os
+    if os.environ.get("MSA_NATIVE_TIER") == "portable":
+        return ("portable",)
+    return ("sm90", "sm100")

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from msa_testing import TIERS, native_families, use_tier
+
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
 KV_BLOCK = 128
@@ -181,6 +183,34 @@ def _check_csr(msa, call, *, schedule_check="model"):
 # build_k2q_csr
 # ---------------------------------------------------------------------------------------------
 
+@pytest.fixture(params=TIERS)
+def tier(request, monkeypatch):
+    """Each tier's registration of the csrc ops (the same kernels): the Hopper family, and the
+    portable tier forced (MSA_NATIVE_TIER=portable) behind its device image check."""
+    return use_tier(request.param, monkeypatch)
+
+
+def test_csrc_images_for_this_device(msa_pkg):
+    """The loaded module has an image of every csrc unit for this GPU: its own SASS (binary
+    version = the capability) or compute_80 PTX the driver JIT-compiled (PTX version 80, binary
+    version = the capability); the image check answers None, and the query leaves no pending
+    CUDA error behind. Bad arguments are refused by name."""
+    from msa._native import compiled_ops
+    device = torch.device("cuda", torch.cuda.current_device())
+    major, minor = torch.cuda.get_device_capability(device)
+    for unit in sorted(set(compiled_ops.UNIT_OF_OP.values())):
+        binary, ptx, error = compiled_ops.ops.csrc_image(unit, device.index)
+        print(f"csrc/{unit}.cu: binary sm_{binary}, ptx compute_{ptx}")
+        assert error == "" and binary == 10 * major + minor and ptx in (80, binary), unit
+    assert compiled_ops.image_reason(device, *compiled_ops.UNIT_OF_OP) is None
+    with pytest.raises(RuntimeError, match="unit"):
+        compiled_ops.ops.csrc_image("no_such_unit", device.index)
+    with pytest.raises(RuntimeError, match="device"):
+        compiled_ops.ops.csrc_image("decode_attention", 1 << 20)
+    torch.ones(4, device=device).add_(1)
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("topk", [4, 8, 16, 32])
 @pytest.mark.parametrize("s_q,s_kv", LENGTH_PAIRS)
@@ -194,7 +224,7 @@ def test_k2q_csr_matches_reference(msa_pkg, native_only, seed, batch, topk, s_q,
     # The public entry point dispatches to the same kernel (MSA_BACKEND=native).
     row_ptr, q_idx = msa_pkg.build_k2q_csr(q2k, cu_q, cu_k, KV_BLOCK, total_k=sum(k_lens),
                                            max_seqlen_k=s_kv, max_seqlen_q=s_q)
-    assert msa_pkg._backend.last_backend("build_k2q_csr") in ("sm90", "sm100")
+    assert msa_pkg._backend.last_backend("build_k2q_csr") in native_families()
     ref_row_ptr, _ = msa_pkg.interface._build_k2q_csr_reference(
         _make_call(msa_pkg, q2k, cu_q, cu_k, q_lens, k_lens, return_schedule=False))
     _assert_equal("k2q_row_ptr (public)", row_ptr, ref_row_ptr)
@@ -273,7 +303,7 @@ def test_k2q_csr_empty_workload(msa_pkg, native_only):
     _check_csr(msa_pkg, call, schedule_check="reference")
 
 
-def test_k2q_csr_no_host_sync(msa_pkg, native_only, seed):
+def test_k2q_csr_no_host_sync(msa_pkg, native_only, seed, tier):
     device = torch.device("cuda")
     q_lens, k_lens = [1000, 3000], [4000, 9000]
     cu_q, cu_k = _cu(q_lens, device), _cu(k_lens, device)
@@ -287,6 +317,7 @@ def test_k2q_csr_no_host_sync(msa_pkg, native_only, seed):
         out2 = msa_pkg.build_k2q_csr(q2k, cu_q, cu_k, KV_BLOCK, total_k=sum(k_lens))
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    assert msa_pkg._backend.last_backend("build_k2q_csr") == tier
     checked = _check_csr(msa_pkg, _make_call(msa_pkg, q2k, cu_q, cu_k, q_lens, k_lens,
                                              qhead_per_kv=8))   # native == reference
     for a, b in zip(out[:2], checked[:2]):
@@ -356,7 +387,7 @@ def test_k2q_csr_128k_timing(msa_pkg, native_only, seed):
 def _topk_both(msa, max_score, topk, **kw):
     from msa.reference.topk import sparse_topk_select_reference
     got = msa.topk.sparse_topk_select(max_score, topk, **kw)
-    assert msa._backend.last_backend("sparse_topk_select") in ("sm90", "sm100")
+    assert msa._backend.last_backend("sparse_topk_select") in native_families()
     ref_kw = dict(kw)
     nvp = ref_kw.pop("num_valid_pages", None)
     ref_kw.pop("output", None)
@@ -406,7 +437,7 @@ def test_topk_long_rows(msa_pkg, native_only, seed, k, t):
 
 @pytest.mark.parametrize("t", [9, 130])
 @pytest.mark.parametrize("fb,fe", [(0, 0), (3, 2), (1, 0), (0, 5), (8, 8), (16, 0)])
-def test_topk_forced_and_bounds(msa_pkg, native_only, seed, t, fb, fe):
+def test_topk_forced_and_bounds(msa_pkg, native_only, seed, tier, t, fb, fe):
     device = torch.device("cuda")
     k, topk = 256, 16
     s = _scores(4, k, t, device)
@@ -441,7 +472,7 @@ def test_topk_head_reduce(msa_pkg, native_only, seed, head_reduce, t):
         _topk_both(msa_pkg, s, 64, head_reduce=head_reduce, num_out_heads=1)
 
 
-def test_topk_output_buffer_no_sync_and_graph(msa_pkg, native_only, seed):
+def test_topk_output_buffer_no_sync_and_graph(msa_pkg, native_only, seed, tier):
     device = torch.device("cuda")
     h, k, t, topk = 4, 1024, 333, 16
     s = _scores(h, k, t, device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from msa_testing import compiled_variant_with
+from msa_testing import compiled_variant_with, native_families, use_tier
 from test_decode import DTYPES, FP8, P, check_against_oracle, make_batch, oracle, random_q2k
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
@@ -63,7 +63,7 @@ def _plan(msa, table, seqused_k, seqlen_q, hq, q2k, **kw):
 def _run_native(msa, wrapper, q, k, v):
     out, lse = _poisoned_outputs(q)
     wrapper.run(q, k, v, return_softmax_lse=True, out=out, lse=lse)
-    assert msa._backend.last_backend(OP_NAME) == "sm90"
+    assert msa._backend.last_backend(OP_NAME) in native_families()
     torch.cuda.synchronize()
     return out, lse
 
@@ -130,6 +130,25 @@ def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k
     loose_rows = (err > 2 * ulp + 1e-4).any(dim=-1)
     allowed = max(2, int(0.02 * loose_rows.numel()))
     assert int(loose_rows.sum()) <= allowed, (int(loose_rows.sum()), allowed, err.max().item())
+
+
+@pytest.mark.parametrize("keys", ["rows", "split", "direct", "warpgroup"])
+@pytest.mark.parametrize("dtypes", list(DTYPES))
+@pytest.mark.parametrize("seqlen_q,group", [(1, 16), (4, 4), (8, 16), (16, 16)])
+def test_portable_tier_decode_matches_oracle(msa_pkg, native_only, seed, monkeypatch,
+                                             native_hooks, seqlen_q, group, dtypes, keys):
+    """The portable tier's decode (forced: MSA_NATIVE_TIER=portable): the split-keys, direct
+    e4m3 and row forms, dense and sparse, split and unsplit, one and two qo tiles. The
+    warpgroup hook does not reach it: its tiles of > 16 rows take the row form."""
+    use_tier("portable", monkeypatch)
+    _force_form(native_hooks, keys, dtypes)
+    for sparse in (False, True):
+        q, k, v, table, seqused_k, q2k = _batch(LENS, seqlen_q, group, dtypes, sparse)
+        for kw in (dict(fixed_split_size=1), dict(disable_split_kv=True)):
+            wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k, **kw)
+            out, lse = _run_native(msa_pkg, wrapper, q, k, v)
+            assert msa_pkg._backend.last_backend(OP_NAME) == "portable"
+            _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
@@ -210,7 +229,7 @@ def test_native_function_path(msa_pkg, native_only, seed, dtypes):
     out, lse = msa_pkg.sparse_decode_atten_func(q, k, v, page_table=table, seqused_k=seqused_k,
                                                 seqlen_q=seqlen_q, max_seqlen_k=5000,
                                                 return_softmax_lse=True)
-    assert msa_pkg._backend.last_backend(OP_NAME) == "sm90"
+    assert msa_pkg._backend.last_backend(OP_NAME) in native_families()
     _check(out, lse, q, k, v, table, seqused_k, seqlen_q, None)
 
 
@@ -257,9 +276,11 @@ def test_native_cuda_graph_replay_equals_eager(msa_pkg, native_only, seed, spars
     _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 
-def test_native_decode_survives_garbage_indices(msa_pkg, native_only, seed):
+@pytest.mark.parametrize("tier", ["hopper", "portable"])
+def test_native_decode_survives_garbage_indices(msa_pkg, native_only, seed, monkeypatch, tier):
     """Out-of-range page ids, q2k ids and lengths past the table never fault (they are skipped);
     rows that only see valid pages still match the oracle on the valid part."""
+    use_tier(tier, monkeypatch)
     lens, seqlen_q, group = [1000, 500], 2, 4
     q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, "bf16", sparse=True)
     q2k[0, 0, 0] = 1 << 30

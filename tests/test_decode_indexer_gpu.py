@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from msa_testing import compiled_variant_with
+from msa_testing import TIERS, compiled_variant_with, native_families, use_tier
 from test_decode_indexer import P, make_index_batch, oracle
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
@@ -33,6 +33,13 @@ def native_only(monkeypatch):
     monkeypatch.setenv("MSA_BACKEND", "native")
 
 
+@pytest.fixture(params=TIERS)
+def tier(request, monkeypatch):
+    """The Hopper family's registration, and the portable tier's forced (the same kernels,
+    behind the tier's device image check)."""
+    return use_tier(request.param, monkeypatch)
+
+
 def _plan(msa, inputs, seqlen_q, heads, topk, **kw):
     return msa.make_decode_indexer_plan(inputs["seqused_k"], seqlen_q=seqlen_q,
                                         num_index_heads=heads, topk=topk,
@@ -45,7 +52,7 @@ def _run(msa, inputs, plan, out_heads=None):
                      dtype=torch.int32, device="cuda")
     args = {k: v for k, v in inputs.items() if k != "seqused_k"}
     out, scores = msa.decode_indexer_topk(plan=plan, out=out, return_scores=True, **args)
-    assert msa._backend.last_backend(OP_NAME) == "sm90"
+    assert msa._backend.last_backend(OP_NAME) in native_families()
     torch.cuda.synchronize()
     return out.cpu(), scores.cpu()
 
@@ -113,6 +120,21 @@ def test_native_indexer_matches_oracle(msa_pkg, native_only, seed, fmt, seqlen_q
     _check(inputs, keys, seqlen_q, topk, out, scores)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "e4m3", "nvfp4"])
+@pytest.mark.parametrize("seqlen_q,heads", [(1, 4), (3, 2), (16, 8)])
+def test_portable_tier_indexer_matches_oracle(msa_pkg, native_only, seed, monkeypatch, fmt,
+                                              seqlen_q, heads):
+    """The portable tier's decode indexer and plan update (forced: MSA_NATIVE_TIER=portable)."""
+    use_tier("portable", monkeypatch)
+    inputs, keys = make_index_batch(LENS, seqlen_q, heads, fmt, device="cuda")
+    plan = _plan(msa_pkg, inputs, seqlen_q, heads, 16)
+    plan.update()
+    assert msa_pkg._backend.last_backend("decode_indexer_plan_update") == "portable"
+    out, scores = _run(msa_pkg, inputs, plan)
+    assert msa_pkg._backend.last_backend(OP_NAME) == "portable"
+    _check(inputs, keys, seqlen_q, 16, out, scores)
+
+
 def test_native_indexer_nvfp4_linear_scales(msa_pkg, native_only, seed):
     torch.manual_seed(seed)
     tiled, keys = make_index_batch(LENS, 8, 4, "nvfp4", device="cuda")
@@ -126,7 +148,7 @@ def test_native_indexer_nvfp4_linear_scales(msa_pkg, native_only, seed):
 
 
 @pytest.mark.parametrize("max_ctas", [1, 7, 600])
-def test_native_indexer_any_split(msa_pkg, native_only, seed, max_ctas):
+def test_native_indexer_any_split(msa_pkg, native_only, seed, tier, max_ctas):
     """One CTA for everything, a few, and more CTAs than blocks (many one-chunk merges)."""
     lens = [100000, 3, 5000]
     inputs, keys = make_index_batch(lens, 8, 4, "e4m3", device="cuda")
@@ -135,7 +157,7 @@ def test_native_indexer_any_split(msa_pkg, native_only, seed, max_ctas):
     _check(inputs, keys, 8, 16, out, scores)
 
 
-def test_native_plan_update_matches_host_split(msa_pkg, native_only):
+def test_native_plan_update_matches_host_split(msa_pkg, native_only, tier):
     from msa.decode_indexer import plan_work_split
     for lens, ctas in (([1, 129, 100000, 0, 257], 40), ([200000], 264), ([4000] * 128, 264),
                        (list(range(0, 3000 * 70, 3000)), 9)):
@@ -144,12 +166,13 @@ def test_native_plan_update_matches_host_split(msa_pkg, native_only):
                                                 max_seqlen_k=max(lens) + 1, max_ctas=ctas)
         work, requests, chunk = plan_work_split(lens, plan.capacity)
         torch.cuda.synchronize()
+        assert msa_pkg._backend.last_backend("decode_indexer_plan_update") == tier
         assert torch.equal(plan.work.cpu(), work)
         assert torch.equal(plan.requests.cpu(), requests)
         assert int(plan.chunk_pages) == chunk
 
 
-def test_native_graph_replay_and_stale_plan(msa_pkg, native_only, seed):
+def test_native_graph_replay_and_stale_plan(msa_pkg, native_only, seed, tier):
     """Capture update + indexer; new lengths, pages, keys and queries written into the same
     buffers replay to the eager (and oracle) result. Without update() (a stale split) the
     result still meets the contract."""
@@ -186,7 +209,7 @@ def test_native_graph_replay_and_stale_plan(msa_pkg, native_only, seed):
     _check(inputs, keys, seqlen_q, topk, stale, stale_scores)
 
 
-def test_native_indexer_survives_garbage(msa_pkg, native_only, seed):
+def test_native_indexer_survives_garbage(msa_pkg, native_only, seed, tier):
     """Out-of-range page ids and lengths past the table never fault; every id emitted is a
     block of its request (< the table width) or -1."""
     inputs, _ = make_index_batch([1000, 5000], 4, 2, "bf16", device="cuda")
@@ -200,7 +223,7 @@ def test_native_indexer_survives_garbage(msa_pkg, native_only, seed):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "e4m3"])
-def test_native_step_wrapper(msa_pkg, native_only, seed, fmt, monkeypatch):
+def test_native_step_wrapper(msa_pkg, native_only, seed, fmt, monkeypatch, tier):
     """MSADecodeStepWrapper on the native indexer and attention: its selection is the
     oracle's (up to near-ties, checked via the kernel's own scores) and O is sparse decode
     attention over that selection."""
@@ -219,6 +242,7 @@ def test_native_step_wrapper(msa_pkg, native_only, seed, fmt, monkeypatch):
     out, lse = step.update().run(q, k, v, inputs["q_idx"], inputs["k_idx"],
                                  return_softmax_lse=True)
     torch.cuda.synchronize()
+    assert msa_pkg._backend.last_backend("sparse_decode_atten") == tier
     plan = _plan(msa_pkg, inputs, seqlen_q, hkv, topk)
     sel, scores = _run(msa_pkg, inputs, plan)
     assert torch.equal(step.q2k_indices.cpu(), sel)

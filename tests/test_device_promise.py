@@ -2,8 +2,8 @@
 a CPU machine can: the `kernels` loader's architecture check on this build's archs, the
 dispatcher's choice per compute capability (the native kernels are registered for SM90, the
 csrc CSR builder and top-k also for SM100, the gated portable tier for SM100 and every other
-capability >= 8.0; docs/design-portable.md), and CARD.md rendered as kernel-builder renders
-it."""
+capability >= 8.0, each csrc op there behind the check that the build has an image of its code
+for the device; docs/design-portable.md), and CARD.md rendered as kernel-builder renders it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -98,18 +99,28 @@ def test_other_gpus_run_the_reference_with_a_warning(gpu_of_capability, monkeypa
         _backend.choose("sparse_atten", device, **_sparse_features())
 
 
+# The ops of the portable tier: the csrc kernels (docs/design-portable.md, "Per op").
+PORTABLE_OPS = {"sparse_atten", "block_max_scores", "build_k2q_csr", "sparse_topk_select",
+                "sparse_decode_atten", "decode_indexer_topk", "decode_indexer_plan_update"}
+
+
 def test_native_registrations_per_architecture():
-    """SM90: every native family; SM100: the csrc CSR builder and top-k, and the portable tier
-    (sparse prefill, indexer); every other capability >= 8.0: the portable tier (the CuTe
-    kernels and the decode warpgroup form target sm_90a)."""
+    """SM90: every native family; SM100 and every other capability >= 8.0: the portable tier
+    (the csrc kernels; the CuTe kernels and the decode warpgroup form target sm_90a). Every
+    registration off SM90 asks first whether the build has an image for the device."""
     registered = set(_backend.registered())
-    for op in ("sparse_atten", "block_max_scores", "build_k2q_csr", "sparse_topk_select",
-               "sparse_decode_atten", "fmha_dense", "fmha_max_score"):
+    for op in PORTABLE_OPS | {"fmha_dense", "fmha_max_score"}:
         assert (op, "sm90") in registered, op
-    portable = {"sparse_atten", "block_max_scores"}
-    assert {op for op, arch in registered if arch == "sm100"} == {
-        "build_k2q_csr", "sparse_topk_select"} | portable
-    assert {op for op, arch in registered if arch == "portable"} == portable
+    for arch in ("sm100", "portable"):
+        assert {op for op, family in registered if family == arch} == PORTABLE_OPS, arch
+        for op in PORTABLE_OPS:
+            impl = _backend._registry[(op, arch)]
+            assert impl.device_check is not None, (op, arch)
+            # The CSR builder and top-k serve SM100 as Hopper kernels do (ungated).
+            assert impl.tier == (None if arch == "sm100" and op in (
+                "build_k2q_csr", "sparse_topk_select") else "portable"), (op, arch)
+    for op in PORTABLE_OPS:
+        assert _backend._registry[(op, "sm90")].device_check is None, op
 
 
 @pytest.mark.parametrize("capability,family", [((9, 0), "sm90"), ((10, 0), "sm100"),
@@ -136,6 +147,7 @@ def test_portable_tier_is_gated_and_logged(gpu_of_capability, monkeypatch, caplo
     gpu_of_capability(capability)
     monkeypatch.setattr(_backend, "_logged", set())
     monkeypatch.setattr(compiled_ops, "missing_reason", lambda *names: None)
+    monkeypatch.setattr(compiled_ops, "image_reason", lambda device, *names: None)
     monkeypatch.delenv("MSA_BACKEND", raising=False)
     monkeypatch.delenv("MSA_UNVALIDATED_KERNELS", raising=False)
     monkeypatch.setenv("MSA_NATIVE_TIER", "portable")
@@ -155,6 +167,155 @@ def test_portable_tier_is_gated_and_logged(gpu_of_capability, monkeypatch, caplo
     assert "MSA_UNVALIDATED_KERNELS=1" in warning
     assert f"portable tier (warp-MMA csrc kernels) on compute capability {cc}" in info
     assert "not validated on hardware yet" in info
+
+
+# One served call per portable op: (op, supports() features, the run function's module and name).
+PORTABLE_CALLS = {
+    "build_k2q_csr": (dict(return_schedule=True, total_q=4096), "csr_builder", "run"),
+    "sparse_topk_select": (dict(topk=16, num_tiles=64, head_reduce=None), "topk_cuda", "run"),
+    "sparse_decode_atten": (dict(q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+                                 qhead_per_kv=16, seqlen_q=4, sparse=True, topk=16),
+                            "decode_cuda", "run_portable"),
+    "decode_indexer_topk": (dict(q_dtype=torch.float8_e4m3fn, k_format="e4m3", topk=16, rows=4),
+                            "decode_indexer_cuda", "run"),
+    "decode_indexer_plan_update": ({}, "decode_indexer_cuda", "run_plan_update"),
+}
+
+
+@pytest.mark.parametrize("op", sorted(PORTABLE_CALLS))
+@pytest.mark.parametrize("capability", [(8, 6), (9, 0), (12, 0)])
+def test_portable_csrc_ops_are_gated_and_logged(gpu_of_capability, monkeypatch, caplog,
+                                                capability, op):
+    """The CSR builder, top-k, decode and decode indexer on the portable tier (chosen on a GPU
+    other than SM90, forced on SM90): refused with a WARNING naming the tier and the gate while
+    the tier is not validated, served by the tier's run function with MSA_UNVALIDATED_KERNELS=1
+    (an INFO line naming the tier and the capability), then by PORTABLE_VALIDATED alone."""
+    import importlib
+    from msa._native import compiled_ops
+    features, module, run_name = PORTABLE_CALLS[op]
+    run = getattr(importlib.import_module(f"msa._native.{module}"), run_name)
+    gpu_of_capability(capability)
+    monkeypatch.setattr(_backend, "_logged", set())
+    monkeypatch.setattr(compiled_ops, "missing_reason", lambda *names: None)
+    monkeypatch.setattr(compiled_ops, "image_reason", lambda device, *names: None)
+    for name in ("MSA_BACKEND", "MSA_UNVALIDATED_KERNELS"):
+        monkeypatch.delenv(name, raising=False)
+    if capability == (9, 0):
+        monkeypatch.setenv("MSA_NATIVE_TIER", "portable")
+    device = torch.device("cuda", 0)
+    with caplog.at_level(logging.INFO, logger="msa"):
+        assert _backend.choose(op, device, **features) == (_backend.REFERENCE, None)
+        monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+        assert _backend.choose(op, device, **features) == ("portable", run)
+        monkeypatch.delenv("MSA_UNVALIDATED_KERNELS")
+        monkeypatch.setattr(_backend, "PORTABLE_VALIDATED", True)
+        assert _backend.choose(op, device, **features) == ("portable", run)
+    warning, info = (" ".join(r.getMessage() for r in caplog.records if r.levelno == level)
+                     for level in (logging.WARNING, logging.INFO))
+    cc = f"{capability[0]}.{capability[1]}"
+    assert f"msa.{op}: running the PyTorch reference" in warning
+    assert f"portable tier on compute capability {cc}" in warning
+    assert "not validated on hardware yet (MSA_UNVALIDATED_KERNELS=1 serves it)" in warning
+    assert f"portable tier (warp-MMA csrc kernels) on compute capability {cc}" in info
+    assert "validated by proxy on the H200" in info
+
+
+class _FakeImages:
+    """ops.csrc_image as the driver would answer for one device: (binaryVersion, ptxVersion,
+    error) per csrc unit; counts the questions."""
+
+    def __init__(self, answers):
+        self.answers, self.asked = answers, []
+
+    def csrc_image(self, unit, device):
+        self.asked.append((unit, device))
+        return self.answers.get(unit, (0, 0, "cudaErrorNoKernelImageForDevice: no kernel "
+                                              "image is available for execution on the device"))
+
+
+@pytest.fixture
+def driver_images(monkeypatch):
+    """Answer ops.csrc_image from a table (compiled_ops sees every op as built)."""
+    from msa._native import compiled_ops
+
+    def install(answers):
+        fake = _FakeImages(answers)
+        monkeypatch.setattr(compiled_ops, "ops", fake)
+        monkeypatch.setattr(compiled_ops, "missing_reason", lambda *names: None)
+        monkeypatch.setattr(compiled_ops, "_image", {})
+        return fake
+    return install
+
+
+@pytest.mark.parametrize("capability,answer,runs", [
+    ((8, 6), (80, 80, ""), True),           # sm_80 SASS runs on 8.6
+    ((12, 1), (121, 80, ""), True),         # compute_80 PTX, JIT-compiled by the driver
+    ((9, 0), (90, 90, ""), True),           # sm_90a
+    ((8, 6), (89, 89, ""), False),          # SASS of a later minor: not runnable (never picked)
+    ((10, 0), (90, 90, ""), False),         # another major's SASS
+    ((8, 9), None, False),                  # the driver found nothing
+])
+def test_image_check_reads_the_drivers_answer_once_per_device(gpu_of_capability, driver_images,
+                                                              capability, answer, runs):
+    from msa._native import compiled_ops
+    gpu_of_capability(capability)
+    fake = driver_images({} if answer is None else {"decode_attention": answer})
+    device = torch.device("cuda", 0)
+    for _ in range(3):
+        reason = compiled_ops.image_reason(device, "sparse_decode_attention")
+        assert (reason is None) == runs, reason
+    assert fake.asked == [("decode_attention", 0)]
+    if not runs:
+        cc = f"{capability[0]}.{capability[1]}"
+        assert f"no image of csrc/decode_attention.cu that compute capability {cc} runs" in reason
+        assert f"cuda-capabilities must cover {cc}" in reason
+        assert ("cudaErrorNoKernelImageForDevice" in reason) == (answer is None)
+
+
+def test_portable_op_without_an_image_runs_the_reference_with_a_warning(
+        gpu_of_capability, driver_images, monkeypatch, caplog):
+    """A build whose cuda-capabilities lack the device's arch: the portable tier's csrc ops are
+    refused before any launch (the reference runs, a WARNING says why), and with
+    MSA_BACKEND=native the call raises; units the build does cover still serve."""
+    from msa._native import topk_cuda
+    gpu_of_capability((8, 6))
+    fake = driver_images({"sparse_topk_select": (80, 80, "")})
+    monkeypatch.setattr(_backend, "_logged", set())
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    monkeypatch.delenv("MSA_BACKEND", raising=False)
+    device = torch.device("cuda", 0)
+    features = PORTABLE_CALLS["build_k2q_csr"][0]
+    with caplog.at_level(logging.WARNING, logger="msa"):
+        assert _backend.choose("build_k2q_csr", device, **features) == (_backend.REFERENCE, None)
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "portable tier on compute capability 8.6: this build has no image of " \
+        "csrc/build_k2q_csr.cu" in text
+    topk_features = PORTABLE_CALLS["sparse_topk_select"][0]
+    assert _backend.choose("sparse_topk_select", device, **topk_features) == \
+        ("portable", topk_cuda.run)
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    with pytest.raises(NotImplementedError, match="no image of csrc/build_k2q_csr.cu"):
+        _backend.choose("build_k2q_csr", device, **features)
+    assert sorted(fake.asked) == [("build_k2q_csr", 0), ("sparse_topk_select", 0)]
+
+
+def test_portable_decode_never_launches_the_warpgroup_form(monkeypatch, native_hooks):
+    """The decode warpgroup form (wgmma) is sm_90a code: the portable tier's run passes
+    warpgroup=False even when the hook forces the form; the Hopper run honours the hook."""
+    from msa._native import decode_cuda
+    launched = []
+    monkeypatch.setattr(decode_cuda, "ops", SimpleNamespace(
+        sparse_decode_attention=lambda *args: launched.append(args[-1])))
+    schedule = SimpleNamespace(split_kv=False, request_indices=None, kv_tile_indices=None,
+                               qo_tile_indices=None, num_splits=None, merge_indptr=None,
+                               kv_chunk_size=1)
+    call = SimpleNamespace(q=None, k=None, v=None, q2k_indices=None, page_table=None,
+                           seqused_k=None, schedule=schedule, out=None, lse=None, seqlen_q=8,
+                           qhead_per_kv=16, pv_quant_dtype=None, softmax_scale=1.0)
+    native_hooks.force(decode_warpgroup=True)
+    decode_cuda.run_portable(call)
+    decode_cuda.run(call)
+    assert launched == [False, True]
 
 
 def test_portable_indexer_serves_bf16_with_one_key_head(monkeypatch):

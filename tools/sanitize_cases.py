@@ -15,7 +15,9 @@ on purpose (MSA_UNVALIDATED_KERNELS=1): memcheck is part of their validation. MS
 so a
 silent fallback cannot hide a kernel from the sanitizer. MSA_SANITIZE_ONLY (comma-separated
 section names: sparse_prefill, sparse_prefill_portable, topk, block_max, block_max_portable,
-decode, decode_indexer, fmha, prefill_production, malformed) runs a subset.
+decode, decode_indexer, csrc_portable, fmha, prefill_production, malformed) runs a subset.
+Section "csrc_portable" runs the CSR builder, top-k, decode and decode indexer cases on the
+portable tier (MSA_NATIVE_TIER=portable: decode without its warpgroup form).
 
 Section "malformed" replays tests/bad_input_table.py unchecked on the native kernels: every case
 whose expectation is Invalid (garbage cu_seqlens, row pointers, ids, page tables, seqused_k,
@@ -117,7 +119,7 @@ def sparse_prefill_cases(gen):
     assert forms == set(SPARSE_FORMS), "a sparse form is missing from the memcheck cases"
 
 
-def topk_cases(gen):
+def topk_cases(gen, family="sm90"):
     h, tiles, rows = 4, 300, 777
     scores = torch.randn(h, tiles, rows, generator=gen).cuda()
     scores[:, 200:, :5] = -float("inf")
@@ -125,8 +127,8 @@ def topk_cases(gen):
     for kw in (dict(), dict(force_begin_blocks=1, force_end_blocks=2, causal_end_block=end),
                dict(head_reduce="max", num_out_heads=1)):
         msa.sparse_topk_select(scores, 16, **kw)
-        expect_native("sparse_topk_select")
-    print("sparse_topk_select: ok")
+        expect_native("sparse_topk_select", family)
+    print(f"sparse_topk_select [{family}]: ok")
 
 
 @contextlib.contextmanager
@@ -184,7 +186,7 @@ def _block_max_cases(gen, family):
     print(f"block_max_scores [{family}]: ok")
 
 
-def decode_run(lens, seqlen_q, group, dtypes, sparse, bad=False, **plan_kw):
+def decode_run(lens, seqlen_q, group, dtypes, sparse, bad=False, family="sm90", **plan_kw):
     hkv = 2
     q_dtype, kv_dtype = decode_cases.DTYPES[dtypes]
     q, k, v, table, seqused_k = decode_cases.make_batch(lens, seqlen_q, hkv, group, q_dtype,
@@ -203,23 +205,24 @@ def decode_run(lens, seqlen_q, group, dtypes, sparse, bad=False, **plan_kw):
                  max_seqlen_k=plan_kw.pop("max_seqlen_k", int(seqused_k.max()) + 1),
                  q2k_indices=q2k, num_qo_heads=hkv * group, num_kv_heads=hkv, **plan_kw)
     wrapper.run(q, k, v, return_softmax_lse=True)
-    expect_native("sparse_decode_atten")
+    expect_native("sparse_decode_atten", family)
 
 
-def decode_runs():
-    decode_run([1, 129, 1000, 77], 1, 16, "fp8", False, fixed_split_size=1)
-    decode_run([1, 129, 1000, 77], 4, 4, "bf16", True, disable_split_kv=True)
-    decode_run([3000, 0, 640], 16, 16, "bf16q_fp8kv", True)
-    decode_run([1000, 500], 2, 4, "bf16", True, bad=True, enable_cuda_graph=True)
-    decode_run([1000, 500], 2, 4, "fp8", False, bad=True, enable_cuda_graph=True)
-    # The warpgroup form (tiles of > 16 rows, q and K/V of one dtype).
-    decode_run([1, 129, 1000, 77], 8, 16, "bf16", True, fixed_split_size=1)
-    decode_run([1, 129, 1000, 77], 8, 16, "fp8", False)
-    decode_run([1000, 500], 8, 4, "fp8", True, bad=True, enable_cuda_graph=True)
-    print("decode: ok")
+def decode_runs(family="sm90"):
+    f = dict(family=family)
+    decode_run([1, 129, 1000, 77], 1, 16, "fp8", False, fixed_split_size=1, **f)
+    decode_run([1, 129, 1000, 77], 4, 4, "bf16", True, disable_split_kv=True, **f)
+    decode_run([3000, 0, 640], 16, 16, "bf16q_fp8kv", True, **f)
+    decode_run([1000, 500], 2, 4, "bf16", True, bad=True, enable_cuda_graph=True, **f)
+    decode_run([1000, 500], 2, 4, "fp8", False, bad=True, enable_cuda_graph=True, **f)
+    # Tiles of > 16 rows: the warpgroup form on SM90, the row form on the portable tier.
+    decode_run([1, 129, 1000, 77], 8, 16, "bf16", True, fixed_split_size=1, **f)
+    decode_run([1, 129, 1000, 77], 8, 16, "fp8", False, **f)
+    decode_run([1000, 500], 8, 4, "fp8", True, bad=True, enable_cuda_graph=True, **f)
+    print(f"decode [{family}]: ok")
 
 
-def decode_indexer_runs():
+def decode_indexer_runs(family="sm90"):
     """The fused decode indexer + top-k: bf16 / e4m3 / NVFP4 (both scale layouts) keys, MTP
     rows, a many-chunk merge, out-of-range page ids and lengths past the table."""
     import test_decode_indexer as indexer_cases
@@ -235,8 +238,27 @@ def decode_indexer_runs():
                                             max_ctas=ctas)
         args = {k: v for k, v in inputs.items() if k != "seqused_k"}
         msa.decode_indexer_topk(plan=plan, return_scores=True, **args)
-        expect_native("decode_indexer_topk")
-    print("decode_indexer: ok")
+        expect_native("decode_indexer_topk", family)
+        expect_native("decode_indexer_plan_update", family)
+    print(f"decode_indexer [{family}]: ok")
+
+
+def csrc_portable_cases(gen):
+    """The csrc ops the portable tier shares with SM90, forced onto it (MSA_NATIVE_TIER=
+    portable): a CSR + schedule build over garbage ids, then the top-k, decode and decode
+    indexer cases above."""
+    with portable_tier():
+        p = prefill_cases._make_problem(16, 8, True, True, gen, torch.device("cuda"))
+        p["q2k"][0, 0, -1] = 1 << 20
+        p["q2k"][-1, -1, 0] = -9
+        for schedule in (True, False):
+            msa.build_k2q_csr(p["q2k"], p["cu_q"], p["cu_k"], BLOCK, total_k=p["total_k"],
+                              max_seqlen_k=p["max_k"], max_seqlen_q=p["max_q"], qhead_per_kv=16,
+                              return_schedule=schedule)
+            expect_native("build_k2q_csr", "portable")
+        topk_cases(gen, "portable")
+        decode_runs("portable")
+        decode_indexer_runs("portable")
 
 
 def fmha_cases(gen):
@@ -420,6 +442,7 @@ if __name__ == "__main__":
                 "block_max_portable": lambda: block_max_cases(generator, "portable"),
                 "decode": decode_runs,
                 "decode_indexer": decode_indexer_runs,
+                "csrc_portable": lambda: csrc_portable_cases(generator),
                 "fmha": lambda: fmha_cases(generator),
                 "prefill_production": lambda: prefill_production_cases(generator),
                 "malformed": lambda: malformed_cases(seed)}

@@ -13,6 +13,9 @@
 
 #include <climits>
 #include <cstdint>
+#include <string>
+#include <tuple>
+#include <utility>
 
 #include "registration.h"
 
@@ -806,6 +809,35 @@ void decode_indexer_topk(const torch::Tensor& q, const torch::Tensor& k,
                "decode_indexer_topk");
 }
 
+std::tuple<int64_t, int64_t, std::string> csrc_image(const std::string& unit, int64_t device) {
+  using Query = cudaError_t (*)(cudaFuncAttributes*);
+  static const std::pair<const char*, Query> kUnits[] = {
+      {"build_k2q_csr", msa::build_k2q_csr_image},
+      {"sparse_topk_select", msa::sparse_topk_select_image},
+      {"decode_attention", msa::decode_attention_image},
+      {"decode_indexer", msa::decode_indexer_image},
+      {"fmha_transpose_v", msa::fmha_transpose_v_image},
+      {"sparse_prefill_portable", msa::sparse_prefill_portable_image},
+      {"block_max_score_portable", msa::block_max_score_portable_image},
+  };
+  Query query = nullptr;
+  for (const auto& [name, fn] : kUnits) {
+    if (unit == name) query = fn;
+  }
+  TORCH_CHECK(query != nullptr, "unit: no csrc translation unit named '", unit, "'");
+  int count = 0;
+  TORCH_CHECK(cudaGetDeviceCount(&count) == cudaSuccess && device >= 0 && device < count,
+              "device: no CUDA device ", device, " (", count, " present)");
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  cudaFuncAttributes attr{};
+  const cudaError_t err = query(&attr);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();   // not sticky: keep it from surfacing at the next launch check
+    return {0, 0, std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err)};
+  }
+  return {attr.binaryVersion, attr.ptxVersion, std::string()};
+}
+
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "run_build_k2q_csr(Tensor q2k, Tensor cu_q, Tensor cu_k, Tensor! row_ptr, Tensor! q_idx, "
@@ -860,6 +892,9 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor(a!) requests, Tensor chunk_pages, Tensor(b!) partials, Tensor(c!) out, "
       "Tensor(d!)? scores, int seqlen_q, int topk, float scale) -> ()");
   ops.impl("decode_indexer_topk", torch::kCUDA, &decode_indexer_topk);
+  ops.def("csrc_image(str unit, int device) -> (int, int, str)");
+  // No tensor argument, so no dispatch key to register under: a catch-all kernel.
+  ops.impl("csrc_image", &csrc_image);
 }
 
 REGISTER_EXTENSION(TORCH_EXTENSION_NAME)

@@ -289,11 +289,30 @@ cudaError_t launch_block_max_score_portable(const BlockMaxScoreArgs& args, cudaS
 cudaError_t launch_sparse_prefill_portable(const SparsePrefillArgs& args, cudaStream_t stream);
 cudaError_t launch_sparse_combine_portable(const SparseCombineArgs& args, cudaStream_t stream);
 
+// ----------------------------------------------------------------------------------------------
+// The image of one csrc translation unit (csrc/<unit>.cu) the loaded module runs on the current
+// device: cudaFuncGetAttributes of one of its kernels (a unit's kernels share one fatbinary).
+// binaryVersion is the SASS arch that runs (the device's own when the driver JIT-compiled PTX),
+// ptxVersion the virtual arch the code was compiled for. An error (no kernel image for the
+// device, PTX newer than the driver, ...) means the build cannot run that unit here. The query's
+// error is not sticky; callers clear it (cudaGetLastError).
+// ----------------------------------------------------------------------------------------------
+cudaError_t build_k2q_csr_image(cudaFuncAttributes* attr);
+cudaError_t sparse_topk_select_image(cudaFuncAttributes* attr);
+cudaError_t decode_attention_image(cudaFuncAttributes* attr);
+cudaError_t decode_indexer_image(cudaFuncAttributes* attr);
+cudaError_t fmha_transpose_v_image(cudaFuncAttributes* attr);
+cudaError_t sparse_prefill_portable_image(cudaFuncAttributes* attr);
+cudaError_t block_max_score_portable_image(cudaFuncAttributes* attr);
+
 }  // namespace msa
 
 // Torch op functions (defined in torch_binding.cpp; only that file includes torch headers).
 #ifdef MSA_TORCH_BINDING
 #include <torch/all.h>
+
+#include <string>
+#include <tuple>
 
 void run_build_k2q_csr(const torch::Tensor& q2k, const torch::Tensor& cu_q,
                        const torch::Tensor& cu_k, torch::Tensor& row_ptr, torch::Tensor& q_idx,
@@ -362,4 +381,6 @@ void sparse_decode_attention(
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
     bool direct_fp8, bool warpgroup);
+
+std::tuple<int64_t, int64_t, std::string> csrc_image(const std::string& unit, int64_t device);
 #endif

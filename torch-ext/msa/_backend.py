@@ -8,7 +8,9 @@ every capability >= 8.0 the "portable" family (the H200 validates that tier this
 registration carries a ``supports(**features)`` function that answers a short reason (a str) when the native side cannot serve the call (a dtype
 it lacks, an artifact that is not built, ...), and otherwise either ``None`` or a
 :class:`Served` naming the kernel it picked; the choice is made there, once per call, and
-``run(call, kernel=...)`` receives it.
+``run(call, kernel=...)`` receives it. A registration may also carry a ``device_check(device)``,
+asked first: a reason when this build cannot run its kernels on the device at all (no image for
+the device's arch among the build's ``cuda-capabilities``).
 
 Kernels that are built but not yet proven on hardware stay refused (or passed by, for a kernel
 form in a serving table) until their GPU test passes: :func:`unvalidated_reason` and
@@ -56,6 +58,9 @@ class NativeImpl:
     run: Callable
     supports: Callable[..., Verdict]           # a reason (str) when it cannot serve the call
     tier: Optional[str] = None                 # "portable" for the portable tier's kernels
+    # A reason (str) when the device cannot run this build's kernels at all (the build has no
+    # image for its arch), asked before supports().
+    device_check: Optional[Callable[[torch.device], Optional[str]]] = None
 
     @functools.lru_cache(maxsize=None)
     def runner(self, kernel) -> Callable:
@@ -71,8 +76,10 @@ _last_backend: Dict[str, str] = {}
 
 def register_native(op: str, arch: str, run: Callable,
                     supports: Callable[..., Verdict] = lambda **_: None,
-                    tier: Optional[str] = None) -> None:
-    _registry[(op, arch)] = NativeImpl(op, arch, run, supports, tier)
+                    tier: Optional[str] = None,
+                    device_check: Optional[Callable[[torch.device], Optional[str]]] = None
+                    ) -> None:
+    _registry[(op, arch)] = NativeImpl(op, arch, run, supports, tier, device_check)
 
 
 def refusal(verdict: Verdict) -> Optional[str]:
@@ -177,7 +184,8 @@ def choose(op: str, device: torch.device, **call) -> Tuple[str, Optional[Callabl
         if arch == PORTABLE:
             reason += " in the portable tier"
     else:
-        verdict = impl.supports(**call)
+        reason = impl.device_check(device) if impl.device_check is not None else None
+        verdict = impl.supports(**call) if reason is None else reason
         reason = refusal(verdict)
         if reason is not None and impl.tier == PORTABLE:
             reason = f"portable tier on compute capability {_capability(device)}: {reason}"
@@ -210,6 +218,17 @@ def unvalidated_reason(what: str, validated: bool) -> Optional[str]:
         return None
     return (f"{what} is compiled but not validated on hardware yet "
             f"({UNVALIDATED_ENV}=1 serves it)")
+
+
+def portable_supports(supports: Callable[..., Verdict], what: str) -> Callable[..., Verdict]:
+    """`supports` of a kernel the Hopper family serves too, for its portable-tier registration:
+    the same answers, then the tier's gate (PORTABLE_VALIDATED) on the calls it would serve."""
+    def gated(**features) -> Verdict:
+        verdict = supports(**features)
+        if refusal(verdict) is not None:
+            return verdict
+        return unvalidated_reason(what, PORTABLE_VALIDATED) or verdict
+    return gated
 
 
 # Under torch.compile a dispatcher hands its validated call to the op's torch custom op instead

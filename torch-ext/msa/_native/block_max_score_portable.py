@@ -85,4 +85,5 @@ def run(call) -> torch.Tensor:
 
 
 for _arch in ("sm100", _backend.PORTABLE):
-    _backend.register_native("block_max_scores", _arch, run, supports, tier=_backend.PORTABLE)
+    _backend.register_native("block_max_scores", _arch, run, supports, tier=_backend.PORTABLE,
+                             device_check=compiled_ops.image_check(OP))

@@ -1,4 +1,5 @@
-"""Native k2q CSR builder (csrc/build_k2q_csr.cu), registered as ("build_k2q_csr", sm90/sm100).
+"""Native k2q CSR builder (csrc/build_k2q_csr.cu), registered as ("build_k2q_csr", sm90/sm100)
+and, gated like the rest of the tier, for the portable tier.
 
 The CUDA ops ``run_build_k2q_csr`` and ``run_build_k2q_csr_with_schedule`` produce outputs
 bit-identical to the reference CSR builder (msa.sparse_index_utils.build_k2q_csr_torch_reference
@@ -33,7 +34,7 @@ MAX_SCHEDULE_QUERIES = (1 << SLOT_SHIFT) - 1
 
 def supports(*, return_schedule: bool = False, total_q: int = 0, **_features) -> Optional[str]:
     """None when the compiled ops can serve the call, else the reason they cannot."""
-    missing = compiled_ops.missing_reason("run_build_k2q_csr", "run_build_k2q_csr_with_schedule")
+    missing = compiled_ops.missing_reason(*OPS)
     if missing is not None:
         return missing
     if return_schedule and total_q >= MAX_SCHEDULE_QUERIES:
@@ -89,5 +90,10 @@ def run(call):
     return row_ptr, q_idx, schedule
 
 
-for _arch in ("sm90", "sm100"):
-    _backend.register_native(OP_NAME, _arch, run, supports)
+OPS = ("run_build_k2q_csr", "run_build_k2q_csr_with_schedule")
+_backend.register_native(OP_NAME, "sm90", run, supports)
+_backend.register_native(OP_NAME, "sm100", run, supports,
+                         device_check=compiled_ops.image_check(*OPS))
+_backend.register_native(OP_NAME, _backend.PORTABLE, run,
+                         _backend.portable_supports(supports, "the portable tier's CSR builder"),
+                         tier=_backend.PORTABLE, device_check=compiled_ops.image_check(*OPS))

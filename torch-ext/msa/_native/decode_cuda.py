@@ -1,5 +1,6 @@
 """Native paged decode attention (csrc/decode_attention.cu), registered as
-("sparse_decode_atten", "sm90").
+("sparse_decode_atten", "sm90") and, without its warpgroup form and gated like the rest of the
+tier, for the portable tier (SM100 and every other capability >= 8.0).
 
 One CUDA launch per call (plus a merge launch when the schedule splits KV): a CTA per
 (work item of the :class:`~msa.schedules.decode.DecodeSchedule`, KV head) streams its
@@ -15,7 +16,8 @@ tiles with e4m3 q and K/V read them straight from a raw page ring (two pages per
 to f16 in registers, no bf16 staging pass); tiles of more rows take the warpgroup (wgmma) form
 when it is validated for the call's dtype (VALIDATED_WARPGROUP). The debug hooks
 decode_split_keys, decode_direct_fp8 and decode_warpgroup force them on or off (tests cover
-every path).
+every path). The portable tier never runs the warpgroup form (its wgmma body is sm_90a code;
+the launch refuses it elsewhere): its tiles of > 16 rows take the row form, whatever the hook says.
 Importing this module does not touch CUDA.
 """
 
@@ -60,6 +62,15 @@ def run(call) -> None:
     [B * seqlen_q, Hq, 128] bf16 and, when not None, ``call.lse`` [B * seqlen_q, Hq] fp32 in
     place; rows that see no key get O = 0 and LSE = -inf.
     """
+    _launch(call, _warpgroup(call))
+
+
+def run_portable(call) -> None:
+    """:func:`run` on the portable tier: split-keys, direct e4m3 and row forms only."""
+    _launch(call, False)
+
+
+def _launch(call, warpgroup: bool) -> None:
     s = call.schedule
     if s is None:
         raise ValueError("schedule: the native decode kernel needs a DecodeSchedule")
@@ -69,7 +80,7 @@ def run(call) -> None:
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
         call.o_partial if split else None, call.lse_partial if split else None,
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
-        float(call.softmax_scale), _split_keys(), _direct_fp8(), _warpgroup(call))
+        float(call.softmax_scale), _split_keys(), _direct_fp8(), warpgroup)
 
 
 def _split_keys() -> bool:
@@ -98,3 +109,8 @@ def _warpgroup(call) -> bool:
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
+for _arch in ("sm100", _backend.PORTABLE):
+    _backend.register_native(OP_NAME, _arch, run_portable,
+                             _backend.portable_supports(supports, "the portable tier's decode"),
+                             tier=_backend.PORTABLE,
+                             device_check=compiled_ops.image_check("sparse_decode_attention"))

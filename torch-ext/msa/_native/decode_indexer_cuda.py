@@ -1,5 +1,6 @@
 """Native fused decode indexer + top-k (csrc/decode_indexer.cu), registered as
-("decode_indexer_topk", "sm90") and ("decode_indexer_plan_update", "sm90").
+("decode_indexer_topk", "sm90") and ("decode_indexer_plan_update", "sm90"), and for the portable
+tier (SM100 and every other capability >= 8.0; it is mma.sync code) behind the tier's gate too.
 
 One launch per layer (the indexer, grid = the plan's capacity) plus one per step (the plan
 update, one CTA). Both read only device tensors, never synchronize and can be captured in a CUDA
@@ -76,3 +77,10 @@ def run_plan_update(plan) -> None:
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
 _backend.register_native(PLAN_OP_NAME, "sm90", run_plan_update, supports_plan)
+for _arch in ("sm100", _backend.PORTABLE):
+    for _op, _run, _supports in ((OP_NAME, run, supports),
+                                 (PLAN_OP_NAME, run_plan_update, supports_plan)):
+        _backend.register_native(
+            _op, _arch, _run,
+            _backend.portable_supports(_supports, "the portable tier's decode indexer"),
+            tier=_backend.PORTABLE, device_check=compiled_ops.image_check(_op))

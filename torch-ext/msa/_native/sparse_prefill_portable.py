@@ -90,4 +90,5 @@ def run(call) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tens
 
 
 for _arch in ("sm100", _backend.PORTABLE):
-    _backend.register_native("sparse_atten", _arch, run, supports, tier=_backend.PORTABLE)
+    _backend.register_native("sparse_atten", _arch, run, supports, tier=_backend.PORTABLE,
+                             device_check=compiled_ops.image_check(*OPS))

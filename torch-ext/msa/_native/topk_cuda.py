@@ -1,4 +1,5 @@
-"""Native ``sparse_topk_select`` (csrc/sparse_topk_select.cu), registered for sm90 and sm100.
+"""Native ``sparse_topk_select`` (csrc/sparse_topk_select.cu), registered for sm90 and sm100
+and, gated like the rest of the tier, for the portable tier.
 
 Exact to :func:`msa.reference.topk.sparse_topk_select_reference`: same ids, same order, ties to
 the lower id. One launch, no host synchronization, capturable in a CUDA graph. Importing this
@@ -58,5 +59,10 @@ def run(call) -> torch.Tensor:
     return call.output
 
 
-for _arch in ("sm90", "sm100"):
-    _backend.register_native(OP_NAME, _arch, run, supports)
+_backend.register_native(OP_NAME, "sm90", run, supports)
+_backend.register_native(OP_NAME, "sm100", run, supports,
+                         device_check=compiled_ops.image_check("sparse_topk_select"))
+_backend.register_native(OP_NAME, _backend.PORTABLE, run,
+                         _backend.portable_supports(supports, "the portable tier's top-k"),
+                         tier=_backend.PORTABLE,
+                         device_check=compiled_ops.image_check("sparse_topk_select"))
