@@ -202,3 +202,18 @@ def test_native_sparse_glue_stays_in_bounds(case, seed, monkeypatch):
         assert isinstance(case.expect, Invalid) and case.ops.index("sparse_atten") > 0
         return
     assert seen, "the call never reached the native glue"
+
+
+def test_device_mismatch_names_the_tensor_off_the_shared_device():
+    """The tensor on another device than the rest is the one named, wherever it comes in the
+    argument list; with two tensors, the later one."""
+    from msa._validation import check_same_device
+    cpu, meta = torch.empty(1), torch.empty(1, device="meta")
+    with pytest.raises(ValueError, match=r"^a: is on meta but b, c are on cpu"):
+        check_same_device(a=meta, b=cpu, c=cpu)
+    with pytest.raises(ValueError, match=r"^c: is on meta but a, b are on cpu"):
+        check_same_device(a=cpu, b=cpu, c=meta)
+    with pytest.raises(ValueError, match=r"^b: is on meta but a is on cpu"):
+        check_same_device(a=cpu, b=meta, c=None)
+    assert check_same_device(a=cpu, b=None, c=cpu) == torch.device("cpu")
+    assert check_same_device(a=None) is None

@@ -194,7 +194,7 @@ def test_csrc_images_for_this_device(msa_pkg):
     """The loaded module has an image of every csrc unit for this GPU: its own SASS (binary
     version = the capability) or compute_80 PTX the driver JIT-compiled (PTX version 80, binary
     version = the capability); the image check answers None, and the query leaves no pending
-    CUDA error behind. Bad arguments are refused by name."""
+    CUDA error behind. Bad arguments come back as an error naming them (the op never throws)."""
     from msa._native import compiled_ops
     device = torch.device("cuda", torch.cuda.current_device())
     major, minor = torch.cuda.get_device_capability(device)
@@ -203,10 +203,9 @@ def test_csrc_images_for_this_device(msa_pkg):
         print(f"csrc/{unit}.cu: binary sm_{binary}, ptx compute_{ptx}")
         assert error == "" and binary == 10 * major + minor and ptx in (80, binary), unit
     assert compiled_ops.image_reason(device, *compiled_ops.UNIT_OF_OP) is None
-    with pytest.raises(RuntimeError, match="unit"):
-        compiled_ops.ops.csrc_image("no_such_unit", device.index)
-    with pytest.raises(RuntimeError, match="device"):
-        compiled_ops.ops.csrc_image("decode_attention", 1 << 20)
+    assert compiled_ops.ops.csrc_image("no_such_unit", device.index)[2].startswith("unit: ")
+    for bad in (-1, torch.cuda.device_count(), 1 << 20):
+        assert compiled_ops.ops.csrc_image("decode_attention", bad)[2].startswith("device: ")
     torch.ones(4, device=device).add_(1)
     torch.cuda.synchronize()
 

@@ -820,14 +820,22 @@ std::tuple<int64_t, int64_t, std::string> csrc_image(const std::string& unit, in
       {"sparse_prefill_portable", msa::sparse_prefill_portable_image},
       {"block_max_score_portable", msa::block_max_score_portable_image},
   };
+  // Never throws: a bad argument comes back as the error string (naming the argument), like
+  // a unit the device cannot run, so that callers handle one outcome.
   Query query = nullptr;
   for (const auto& [name, fn] : kUnits) {
     if (unit == name) query = fn;
   }
-  TORCH_CHECK(query != nullptr, "unit: no csrc translation unit named '", unit, "'");
+  if (query == nullptr) return {0, 0, "unit: no csrc translation unit named '" + unit + "'"};
   int count = 0;
-  TORCH_CHECK(cudaGetDeviceCount(&count) == cudaSuccess && device >= 0 && device < count,
-              "device: no CUDA device ", device, " (", count, " present)");
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    count = 0;
+  }
+  if (device < 0 || device >= count) {
+    return {0, 0, "device: no CUDA device " + std::to_string(device) + " (" +
+                      std::to_string(count) + " present)"};
+  }
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   cudaFuncAttributes attr{};
   const cudaError_t err = query(&attr);

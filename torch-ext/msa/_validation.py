@@ -59,15 +59,21 @@ def check_tensor(name: str, t, *, dtypes: Optional[Sequence[torch.dtype]] = None
 
 
 def check_same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
-    device = None
-    first = None
-    for name, t in tensors.items():
-        if t is None:
-            continue
-        if device is None:
-            device, first = t.device, name
-        elif t.device != device:
-            raise ValueError(f"{name}: is on {t.device} but {first} is on {device}; all tensors "
+    """The one device of the given tensors (None skipped). Otherwise the error names a tensor off
+    the device most of them share (the later one on a tie): the argument the caller moved."""
+    present = {name: t.device for name, t in tensors.items() if t is not None}
+    if not present:
+        return None
+    devices = list(present.values())
+    counts = {d: devices.count(d) for d in devices}
+    # Most tensors' device; on a tie the first tensor's (so the later one is blamed).
+    device = max(counts, key=lambda d: (counts[d], d == devices[0]))
+    for name, d in present.items():
+        if d != device:
+            on = [n for n, other in present.items() if other == device]
+            where = on[0] if len(on) == 1 else ", ".join(on[:3]) + (" ..." if len(on) > 3 else "")
+            verb = "is" if len(on) == 1 else "are"
+            raise ValueError(f"{name}: is on {d} but {where} {verb} on {device}; all tensors "
                              "must be on one device")
     return device
 
