@@ -300,9 +300,14 @@ def slot_count(bytes_per_call: int, device, args) -> int:
 def run_impl(impl: Impl, args, device) -> Optional[Dict]:
     """Build the slots of one implementation and time it; None (with a note) when it does not
     fit the memory limit or cannot run."""
-    probe = impl.make_slot()
+    free_memory(device)                       # the last implementation's slots
     try:
+        probe = impl.make_slot()
         probe.call()
+    except torch.cuda.OutOfMemoryError as exc:
+        free_memory(device)
+        print(f"skip {impl.name}: out of memory", flush=True)
+        return dict(note=f"out of memory: {str(exc).splitlines()[0][:120]}")
     except (NotImplementedError, RuntimeError) as exc:   # a size a kernel refuses, no cuDNN
         print(f"skip {impl.name}: {str(exc).splitlines()[0]}", flush=True)
         return None
@@ -311,10 +316,15 @@ def run_impl(impl: Impl, args, device) -> Optional[Dict]:
     backend = _backend_of(impl)
     slots_wanted = slot_count(bytes_read, device, args)
     limit = int(args.mem_limit_gb * 1e9 // max(impl.footprint(), 1))
-    slots = [probe] + [impl.make_slot() for _ in range(max(0, min(slots_wanted, limit) - 1))]
+    slots = [probe]
     note = None
+    try:
+        while len(slots) < min(slots_wanted, limit):
+            slots.append(impl.make_slot())
+    except torch.cuda.OutOfMemoryError:
+        free_memory(device)                   # time the slots that fit
     if len(slots) < slots_wanted:
-        note = f"only {len(slots)} of {slots_wanted} L2-rotation slots fit --mem-limit-gb"
+        note = f"only {len(slots)} of {slots_wanted} L2-rotation slots fit in memory"
     us, cv, calls = time_slots(slots, device, args)
     num_slots = len(slots)
     del slots, probe
@@ -385,6 +395,11 @@ def main(argv=None):
                 continue
             result = run_impl(impl, args, device)
             if result is None:
+                continue
+            if "latency_us" not in result:         # out of memory: a row that says so
+                tsv.write(suite=suite, case=case, batch=batch, nominal_kv=nominal,
+                          seqlen_q=args.seqlen_q, weight=weight, impl=name,
+                          kv_dtype=impl.kv_name, index_dtype=impl.index_format, **result)
                 continue
             if name == "cudnn":
                 cudnn_us = result["latency_us"]
