@@ -3,7 +3,8 @@
 # precompiled CuTe kernels), run the GPU tests against that build, then the benchmarks.
 #
 #   bash tools/gpu_session.sh [ARTIFACTS_DIR] [tests|bench|all|none] [extra benchmark args...]
-#   MSA_GPU_TESTS="files or node ids"  MSA_PYTEST_ARGS="-x ..." (split on spaces; replaces the
+#   MSA_GPU_TESTS="files or node ids" ("file@N": N pytest-xdist workers for that file)
+#   MSA_PYTEST_ARGS="-x ..." (split on spaces; replaces the
 #   default -q, so "-v -rf" lists every test's outcome as it runs)
 #   MSA_PYTEST_K="a or b" (one -k expression)  MSA_SANITIZE=1 (memcheck stage; MSA_SANITIZE_ONLY
 #   picks its sections, see tools/sanitize_cases.py)
@@ -36,10 +37,20 @@ export PYTHONPATH="/tmp/msa-site:/tmp/msa-site/nvidia_cutlass_dsl/dsl_packages:$
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 
 echo "== build"
-python3 tools/build_variant.py --require-compiled --cuda-capabilities "${MSA_CUDA_CAPS:-9.0a}" \
-  --cute-artifacts "$ART" \
-  > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-tail -3 "$OUT/build.log"
+# A warm machine keeps build/ between calls: rebuild only when the sources, the artifacts or the
+# capabilities changed.
+stamp=$( { echo "${MSA_CUDA_CAPS:-9.0a}"; find csrc torch-ext tools/build_variant.py build.toml \
+  "$ART" -type f 2>/dev/null | sort | xargs sha1sum; } | sha1sum | cut -d' ' -f1)
+if [ -f build/.gpu-session-stamp ] && [ "$(cat build/.gpu-session-stamp)" = "$stamp" ]; then
+  echo "build: unchanged since the last call on this machine, reused"
+else
+  rm -f build/.gpu-session-stamp
+  python3 tools/build_variant.py --require-compiled --cuda-capabilities "${MSA_CUDA_CAPS:-9.0a}" \
+    --cute-artifacts "$ART" \
+    > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  tail -3 "$OUT/build.log"
+  echo "$stamp" > build/.gpu-session-stamp
+fi
 VARIANT=$(ls -d build/torch*-cu*-x86_64-linux | head -1)
 echo "variant: $VARIANT"
 if ls .whl/kernel_abi_check-*.whl > /dev/null 2>&1; then
@@ -65,12 +76,17 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   # One pytest process per test file, all at once: the float64 oracles are CPU-bound and the
   # host has 16 cores, so files run side by side; their logs are joined into tests.log.
   echo "== GPU tests against $VARIANT"
+  rm -f /tmp/msa-tests-*.log                # a warm machine keeps the last call's logs
   pids=()
-  for file in ${MSA_GPU_TESTS:-tests/test_sparse_prefill_gpu.py tests/test_transformers_gpu.py \
+  for entry in ${MSA_GPU_TESTS:-tests/test_sparse_prefill_gpu.py tests/test_transformers_gpu.py \
       tests/test_csrc_gpu.py tests/test_packaging.py}; do
-    log=/tmp/msa-tests-$(basename "$file" .py).log
+    # "file@N": N pytest-xdist workers for that file (its float64 oracles are CPU-bound).
+    file=${entry%@*}
+    workers=()
+    [ "$file" != "$entry" ] && workers=(-n "${entry##*@}")
+    log=/tmp/msa-tests-$(echo "${file#tests/}" | sed 's/\.py//; s/[^A-Za-z0-9_.-]/_/g').log
     MSA_TEST_PACKAGE_DIR=$PWD/$VARIANT MSA_EXPECT_NATIVE=1 timeout ${MSA_TEST_TIMEOUT:-420} \
-      python3 -m pytest -p no:cacheprovider "$file" ${MSA_PYTEST_ARGS:--q} \
+      python3 -m pytest -p no:cacheprovider "$file" "${workers[@]}" ${MSA_PYTEST_ARGS:--q} \
       ${MSA_PYTEST_K:+-k "$MSA_PYTEST_K"} -s > "$log" 2>&1 &
     pids+=($!)
   done
