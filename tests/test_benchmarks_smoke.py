@@ -236,3 +236,30 @@ def test_transformers_m3_tiny(tmp_path):
     assert [r["impl"] for r in rows] == ["stock", "kernelized"]
     assert all(float(r["latency_ms"]) > 0 for r in rows)
     assert float(rows[1]["speedup_vs_stock"]) > 0 and rows[1]["note"] == "msa.layers"
+
+
+def test_compare_runs_flags_a_slower_case(tmp_path):
+    """compare_runs.py matches cases by their settings (not their figures or notes) and flags
+    the ones slower than their last earlier row beyond the tolerance."""
+    header = "gpu\tcommit\tdate\tcase\tdtype\tlatency_ms\ttflops\tnote\n"
+    rows = ["H200\taaa\td1\t32k\tbf16\t10.0\t100\t\n",
+            "H200\tbbb\td2\t32k\tbf16\t8.0\t125\t\n",        # the last row before the new run
+            "H200\tbbb\td2\t32k\tfp8\t5.0\t200\t\n",
+            "H200\tccc\td3\t32k\tbf16\t8.2\t122\tpower capped\n",
+            "H200\tccc\td3\t32k\tfp8\t6.0\t167\t\n",
+            "H200\tccc\td3\t64k\tfp8\t9.0\t300\t\n"]
+    tsv = tmp_path / "x_h200.tsv"
+    tsv.write_text(header + "".join(rows))
+    proc = subprocess.run([sys.executable, str(BENCH / "compare_runs.py"), str(tsv)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = {tuple(line.split("\t")[:2]): line.split("\t") for line in proc.stdout.splitlines()}
+    assert lines[("32k", "bf16")][-1] == "within (vs bbb)" and lines[("32k", "bf16")][2] == "8"
+    assert lines[("32k", "fp8")][-1] == "slower (vs bbb)"
+    assert lines[("64k", "fp8")][-1] == "new"
+    assert "2 cases compared, 1 slower" in proc.stderr
+    new = tmp_path / "new.tsv"
+    new.write_text(header + rows[3])
+    proc = subprocess.run([sys.executable, str(BENCH / "compare_runs.py"), str(new),
+                           "--baseline", str(tsv)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "within (vs ccc)" in proc.stdout, proc.stdout + proc.stderr

@@ -131,6 +131,12 @@ elif [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
       python3 benchmarks/bench_$bench.py --out "$OUT/${bench}_h200.tsv" "${args[@]}" \
       > "$OUT/bench_$bench.tmp" 2>&1 || status=1
     tail -15 "$OUT/bench_$bench.tmp"
+    if [ -s "$OUT/${bench}_h200.tsv" ] && [ -f "benchmarks/results/${bench}_h200.tsv" ]; then
+      # Each case against its last committed row (slower by > 5 % is flagged, not failed).
+      python3 benchmarks/compare_runs.py "$OUT/${bench}_h200.tsv" \
+        --baseline "benchmarks/results/${bench}_h200.tsv" >> "$OUT/bench_$bench.tmp" 2>&1
+      tail -1 "$OUT/bench_$bench.tmp"
+    fi
     cat "$OUT/bench_$bench.tmp" >> "$OUT/bench.log" && rm -f "$OUT/bench_$bench.tmp"
   done
 fi
