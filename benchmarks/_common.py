@@ -55,6 +55,27 @@ def forcing(msa, **hooks):
     return debug.forcing(**hooks) if debug is not None else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def native_tier(tier: str):
+    """Dispatch to `tier` for the block (the benchmarks' --tiers): "portable" sets
+    MSA_NATIVE_TIER=portable and opens the gate of its not yet validated kernels; "hopper"
+    changes nothing."""
+    if tier not in ("hopper", "portable"):
+        raise SystemExit(f"--tiers: expected hopper or portable, got {tier!r}")
+    saved = {name: os.environ.get(name) for name in ("MSA_NATIVE_TIER",
+                                                      "MSA_UNVALIDATED_KERNELS")}
+    if tier == "portable":
+        os.environ.update(MSA_NATIVE_TIER="portable", MSA_UNVALIDATED_KERNELS="1")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def ran_form(msa, op: str) -> Optional[str]:
     """The serving-table form of the last native launch of `op` ("fmha_dense",
     "sparse_atten", ...), None when none ran (a reference call, or no native kernels)."""

@@ -20,6 +20,10 @@ x seqlen_q query rows folded into one head (no causal tail; at most 3 keys diffe
 the same run. Combinations whose memory would exceed --mem-limit-gb are skipped, and so are
 large ones whose backend is the slow PyTorch reference; each skip prints a note.
 
+--tiers hopper,portable times every point once per native tier: what the GPU's family serves,
+and the portable tier (MSA_NATIVE_TIER=portable with its gate opened: the split-keys, direct
+and row forms, never the warpgroup form); the backend column says which ran.
+
     python benchmarks/bench_decode.py --out benchmarks/results/decode_h200.tsv
 """
 
@@ -29,7 +33,7 @@ import argparse
 
 import torch
 
-from _common import (BLOCK, HEAD_DIM, add_common_args, apply_preset, dtype_of, fits,
+from _common import (BLOCK, HEAD_DIM, add_common_args, apply_preset, dtype_of, fits, native_tier,
                      free_memory, load_msa, parse_names, parse_sizes,
                      probe_backend, random_fill, reference_too_slow, setup, synchronize,
                      time_dense_sdpa, time_ms, TsvWriter)
@@ -277,6 +281,8 @@ def main(argv=None):
     ap.add_argument("--hkv", type=int, default=4, help="KV heads (= index heads of the step)")
     ap.add_argument("--topk", type=int, default=16)
     ap.add_argument("--peers", default="cudnn", help="'cudnn' or '' (no dense peer)")
+    ap.add_argument("--tiers", default="hopper",
+                    help="native tiers: hopper (what the GPU's family serves), portable")
     add_common_args(ap, rep_ms=100)
     args = ap.parse_args(argv)
     if args.tiny:
@@ -290,15 +296,21 @@ def main(argv=None):
                     formats={"latency_us": ".2f", "tb_per_s": ".3f", "speedup_vs_cudnn": ".2f"})
     dtype_names = parse_names(args.dtypes)
     seqlen_qs = [int(s) for s in parse_names(args.seqlen_q)]
-    backends = probe_backends(msa, args, device, dtype_names, seqlen_qs)
+    tiers = parse_names(args.tiers)
+    backends = {}
+    for tier in tiers:
+        with native_tier(tier):
+            backends[tier] = probe_backends(msa, args, device, dtype_names, seqlen_qs)
     for context in parse_sizes(args.contexts):
         for batch in [int(b) for b in parse_names(args.batches)]:
             cudnn_us = {}
             if "cudnn" in args.peers:
                 cudnn_us = bench_cudnn(batch, context, seqlen_qs, args, device, tsv)
             for dtype_name in dtype_names:
-                bench_point(msa, batch, context, seqlen_qs, dtype_name, args, device, tsv,
-                            backends, cudnn_us)
+                for tier in tiers:
+                    with native_tier(tier):
+                        bench_point(msa, batch, context, seqlen_qs, dtype_name, args, device,
+                                    tsv, backends[tier], cudnn_us)
     synchronize(device)
     print(f"{tsv.rows} rows", flush=True)
 

@@ -9,6 +9,10 @@ topk     rows = H_idx * N, cols = N/128 fp32 scores (-inf past each query's own 
          with the query's own block forced (force_end_blocks=1 through causal_end_block), against
          torch.topk over the same values laid out contiguous as [H_idx * N, N/128].
 
+--tiers hopper,portable times the package's kernels once per native tier: what the GPU's family
+serves, and the portable tier (csrc warp-MMA kernels, MSA_NATIVE_TIER=portable, its gate
+opened) where it serves the call; the backend column says which ran.
+
 Peers are measured in the same run. Timing: triton.testing.do_bench median on CUDA,
 time.perf_counter on the CPU (--device cpu --tiny is the CI smoke mode).
 
@@ -22,8 +26,8 @@ import argparse
 import torch
 
 from _common import (BLOCK, HEAD_DIM, add_common_args, apply_preset, cu_seqlens, dtype_of, fits,
-                     free_memory, load_msa, parse_names, parse_sizes, probe_backend, random_fill,
-                     reference_too_slow, setup, synchronize, time_ms, TsvWriter)
+                     free_memory, load_msa, native_tier, parse_names, parse_sizes, probe_backend,
+                     random_fill, reference_too_slow, setup, synchronize, time_ms, TsvWriter)
 
 COLUMNS = ("op", "case", "lengths", "dtype", "impl", "backend", "latency_ms", "tflops",
            "speedup_vs_torch", "note")
@@ -66,13 +70,22 @@ def bench_indexer(msa, args, device, tsv: TsvWriter, cases):
                                     max_seqlen_k=max(lens), scale=args.scale, causal=True)
 
     backends = {}
+    runs = []          # (dtype, tier) pairs whose tier serves the dtype
     for dtype_name in parse_names(args.dtypes):
         small = [4 * BLOCK]
         q_small, k_small = (random_fill([small[0], heads, HEAD_DIM], dtype_of(dtype_name), device)
                             for heads in (args.h_idx, 1))
-        backends[dtype_name] = probe_backend(msa, "block_max_scores",
-                                             lambda: block_max(q_small, k_small, small,
-                                                               cu_seqlens(small, device)))
+        for tier in parse_names(args.tiers):
+            with native_tier(tier):
+                backend = probe_backend(msa, "block_max_scores",
+                                        lambda: block_max(q_small, k_small, small,
+                                                          cu_seqlens(small, device)))
+            if tier != "hopper" and backend != tier:
+                print(f"skip msa indexer {dtype_name} [{tier}]: the tier does not serve it "
+                      f"(ran: {backend})", flush=True)
+                continue
+            backends[dtype_name, tier] = backend
+            runs.append((dtype_name, tier))
     for case, lens in cases:
         row = dict(op="indexer", case=case, lengths=lens)
         cu = cu_seqlens(lens, device)   # made once: no host-to-device copy inside the timing
@@ -82,18 +95,19 @@ def bench_indexer(msa, args, device, tsv: TsvWriter, cases):
         naive_ms, check = None, None
         if "torch" in args.peers:
             naive_ms, check = _bench_naive(q_idx, k_idx, lens, flops, row, args, device, tsv)
-        for dtype_name in parse_names(args.dtypes):
-            if reference_too_slow(backends[dtype_name], sum(lens), device, args,
+        for dtype_name, tier in runs:
+            if reference_too_slow(backends[dtype_name, tier], sum(lens), device, args,
                                   f"msa indexer {case} {lens} {dtype_name}"):
                 continue
             dtype = dtype_of(dtype_name)
             q_cast, k_cast = q_idx.to(dtype), k_idx.to(dtype)
-            scores = block_max(q_cast, k_cast, lens, cu)
-            backend = msa._backend.last_backend("block_max_scores")
-            # Sanity check against the naive scores (bf16 inputs only: fp8 rounds the inputs).
-            note = check(scores) if check is not None and dtype == torch.bfloat16 else None
-            del scores
-            ms = time_ms(lambda: block_max(q_cast, k_cast, lens, cu), device, args.rep_ms)
+            with native_tier(tier):
+                scores = block_max(q_cast, k_cast, lens, cu)
+                backend = msa._backend.last_backend("block_max_scores")
+                # Sanity check against the naive scores (bf16 inputs only: fp8 rounds them).
+                note = check(scores) if check is not None and dtype == torch.bfloat16 else None
+                del scores
+                ms = time_ms(lambda: block_max(q_cast, k_cast, lens, cu), device, args.rep_ms)
             tsv.write(**row, dtype=dtype_name, impl="msa.block_max_scores", backend=backend,
                       latency_ms=ms, tflops=flops / ms / 1e9,
                       speedup_vs_torch=naive_ms / ms if naive_ms else None, note=note)
@@ -153,13 +167,22 @@ def bench_topk(msa, args, device, tsv: TsvWriter, sizes):
         return msa.sparse_topk_select(scores, args.topk, scores.shape[1], force_end_blocks=1,
                                       causal_end_block=own)
     small_scores, small_own = topk_scores(4 * BLOCK, args.h_idx, device)
-    backend = probe_backend(msa, "sparse_topk_select", lambda: select(small_scores, small_own))
+    backends = {}
+    for tier in parse_names(args.tiers):
+        with native_tier(tier):
+            backend = probe_backend(msa, "sparse_topk_select",
+                                    lambda: select(small_scores, small_own))
+        if tier != "hopper" and backend != tier:
+            print(f"skip msa top-k [{tier}]: the tier does not serve it (ran: {backend})",
+                  flush=True)
+            continue
+        backends[tier] = backend
     for n in sizes:
-        _bench_topk_size(msa, n, select, backend, args, device, tsv)
+        _bench_topk_size(msa, n, select, backends, args, device, tsv)
         free_memory(device)
 
 
-def _bench_topk_size(msa, n, select, backend, args, device, tsv):
+def _bench_topk_size(msa, n, select, backends, args, device, tsv):
     scores, own = topk_scores(n, args.h_idx, device)
     tiles = scores.shape[1]
     row = dict(op="topk", case="single", lengths=[n], dtype="fp32")
@@ -171,14 +194,16 @@ def _bench_topk_size(msa, n, select, backend, args, device, tsv):
         torch_ms = time_ms(lambda: torch.topk(rows, k, dim=-1), device, args.rep_ms)
         tsv.write(**row, impl="torch.topk", backend="torch", latency_ms=torch_ms,
                   speedup_vs_torch=1.0, note=f"[{args.h_idx * n}, {tiles}] contiguous, k={k}")
-    if reference_too_slow(backend, n, device, args, f"msa top-k {n}"):
-        return
-    select(scores, own)
-    ms = time_ms(lambda: select(scores, own), device, args.rep_ms)
-    tsv.write(**row, impl="msa.sparse_topk_select",
-              backend=msa._backend.last_backend("sparse_topk_select"), latency_ms=ms,
-              speedup_vs_torch=torch_ms / ms if torch_ms else None,
-              note=f"[{args.h_idx}, {tiles}, {n}], own block forced")
+    for tier, backend in backends.items():
+        if reference_too_slow(backend, n, device, args, f"msa top-k {n}"):
+            continue
+        with native_tier(tier):
+            select(scores, own)
+            ms = time_ms(lambda: select(scores, own), device, args.rep_ms)
+            backend = msa._backend.last_backend("sparse_topk_select")
+        tsv.write(**row, impl="msa.sparse_topk_select", backend=backend, latency_ms=ms,
+                  speedup_vs_torch=torch_ms / ms if torch_ms else None,
+                  note=f"[{args.h_idx}, {tiles}, {n}], own block forced")
 
 
 def main(argv=None):
@@ -194,6 +219,8 @@ def main(argv=None):
     ap.add_argument("--topk", type=int, default=16)
     ap.add_argument("--scale", type=float, default=1.0, help="index score scale (M3: 1.0)")
     ap.add_argument("--peers", default="torch", help="'torch' or '' (no naive peers)")
+    ap.add_argument("--tiers", default="hopper",
+                    help="native tiers: hopper (what the GPU's family serves), portable")
     add_common_args(ap, rep_ms=200)
     args = ap.parse_args(argv)
     if args.tiny:

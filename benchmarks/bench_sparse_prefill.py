@@ -16,7 +16,6 @@ causal TFLOP/s = 4 * D * Hq * N^2 / 2 / time. Peers are measured in the same run
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TsvWriter, forcing, load_msa, ran_form  # noqa: E402
+from _common import TsvWriter, forcing, load_msa, native_tier, ran_form  # noqa: E402
 HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
 COLUMNS = ("case", "lengths", "pattern", "dtype", "impl", "backend", "latency_ms", "eff_tflops",
            "visible_pairs", "speedup_vs_flex")
@@ -82,26 +81,6 @@ def sparse_forms(msa):
     """The package's sparse serving table (cute_kernels.variants.SPARSE_FORMS)."""
     from importlib import import_module
     return import_module(f"{msa.__name__}.cute_kernels.variants").SPARSE_FORMS
-
-
-@contextlib.contextmanager
-def native_tier(tier: str):
-    """Dispatch to `tier` for the block: "portable" sets MSA_NATIVE_TIER=portable and opens the
-    gate of its not yet validated kernels; "hopper" changes nothing."""
-    if tier not in ("hopper", "portable"):
-        raise SystemExit(f"--tiers: expected hopper or portable, got {tier!r}")
-    saved = {name: os.environ.get(name) for name in ("MSA_NATIVE_TIER",
-                                                      "MSA_UNVALIDATED_KERNELS")}
-    if tier == "portable":
-        os.environ.update(MSA_NATIVE_TIER="portable", MSA_UNVALIDATED_KERNELS="1")
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def visible_pairs(q2k: torch.Tensor) -> int:
