@@ -398,6 +398,14 @@ class TsvWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if not self.path.exists() or self.path.stat().st_size == 0:
                 self.path.write_text(header + "\n")
+            else:
+                with open(self.path) as f:
+                    existing = f.readline().rstrip("\n")
+                if existing != header:
+                    # Appending would misalign every new row under the old columns.
+                    raise SystemExit(f"--out {self.path}: its columns differ from this "
+                                     f"benchmark's ({existing!r} vs {header!r}); write to a "
+                                     "new file")
         print(header, flush=True)
 
     def _cell(self, column: str, value) -> str:

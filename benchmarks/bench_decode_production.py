@@ -27,7 +27,9 @@ with its coefficient of variation. bytes_read = bytes the call must read: K+V of
 (dense, cudnn), the index-K history blocks plus K+V of the union of each (request, KV head)'s
 selected blocks (step), plus the queries. Rows go to --out (TSV: gpu, commit, date first); the
 last rows per implementation are weighted aggregates over the production cases
-(sum w * latency, and the weighted speedup sum w * t_cudnn / sum w * t).
+(sum w * latency, and the weighted speedup sum w * t_cudnn / sum w * t). attention_us (step
+rows): the step's sparse attention alone, replayed the same way over the selection the step
+left in its q2k buffer; latency_us - attention_us is the plan update, indexer and top-k.
 
     python benchmarks/bench_decode_production.py --out benchmarks/results/decode_production_h200.tsv
     python benchmarks/bench_decode_production.py --quick        # a few cases, a smoke test
@@ -48,8 +50,8 @@ from _common import (BLOCK, HEAD_DIM, add_common_args, apply_preset, fits, forci
                      time_ms, TsvWriter)
 
 COLUMNS = ("suite", "case", "batch", "nominal_kv", "seqlen_q", "weight", "impl", "kv_dtype",
-           "index_dtype", "backend", "latency_us", "bytes_read", "tb_per_s", "speedup_vs_cudnn",
-           "slots", "calls", "cv", "note")
+           "index_dtype", "backend", "latency_us", "attention_us", "bytes_read", "tb_per_s",
+           "speedup_vs_cudnn", "slots", "calls", "cv", "note")
 PRODUCTION_BATCHES = (8, 32, 64, 128)
 PRODUCTION_KV = (1000, 4000, 5000, 10000, 50000, 100000, 200000)
 # Upstream's traffic weights per (nominal KV, batch index); they sum to 10000.
@@ -326,11 +328,29 @@ def run_impl(impl: Impl, args, device) -> Optional[Dict]:
     if len(slots) < slots_wanted:
         note = f"only {len(slots)} of {slots_wanted} L2-rotation slots fit in memory"
     us, cv, calls = time_slots(slots, device, args)
+    attention_us = None
+    if impl.kind == "step":
+        # The sparse attention alone, over the selection the step just wrote.
+        attention = [_AttentionOnly(s) for s in slots]
+        attention_us = time_slots(attention, device, args)[0]
+        del attention
     num_slots = len(slots)
     del slots, probe
     free_memory(device)
-    return dict(latency_us=us, bytes_read=bytes_read, tb_per_s=bytes_read / us / 1e6,
-                backend=backend, slots=num_slots, calls=calls, cv=cv, note=note)
+    return dict(latency_us=us, attention_us=attention_us, bytes_read=bytes_read,
+                tb_per_s=bytes_read / us / 1e6, backend=backend, slots=num_slots, calls=calls,
+                cv=cv, note=note)
+
+
+class _AttentionOnly:
+    """A step slot's attention stage as a slot of its own (time_slots calls .call())."""
+
+    def __init__(self, slot):
+        self.slot = slot
+
+    def call(self):
+        s = self.slot
+        return s.wrapper.attention.run(s.q, s.k, s.v, out=s.out)
 
 
 def _backend_of(impl: Impl) -> str:
@@ -374,8 +394,8 @@ def main(argv=None):
             forcing(msa, decode_warpgroup=args.attention_form == "warpgroup"))
         form_note = f"attention form {args.attention_form}"
     tsv = TsvWriter(args.out, COLUMNS, device,
-                    formats={"latency_us": ".2f", "tb_per_s": ".3f", "speedup_vs_cudnn": ".2f",
-                             "cv": ".3f"})
+                    formats={"latency_us": ".2f", "attention_us": ".2f", "tb_per_s": ".3f",
+                             "speedup_vs_cudnn": ".2f", "cv": ".3f"})
     suites = parse_names(args.suites)
     cases = [("tiny", 2, 300, 1)] if "tiny" in suites else [
         c for c in production_cases() if c[0] in suites]
