@@ -39,7 +39,6 @@ left in its q2k buffer; latency_us - attention_us is the plan update, indexer an
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 from typing import Dict, List, Optional
 
@@ -63,6 +62,10 @@ LOW_LATENCY_BATCHES = (1, 2, 4)
 LOW_LATENCY_KV = (1000, 4000, 8000, 32000)
 IMPLS = ("cudnn", "dense-bf16", "dense-fp8", "step-bf16", "step-fp8", "step-fp8-nvfp4")
 CASE_SEED = 1701
+# --attention-forms: the decode debug hooks of each (forced forms run whatever the gates say).
+ATTENTION_FORMS = {"served": {}, "rows": dict(decode_warpgroup=False),
+                   "warpgroup": dict(decode_warpgroup=True, decode_deep_ring=False),
+                   "warpgroup-deep": dict(decode_warpgroup=True, decode_deep_ring=True)}
 WARMUP_REPLAYS = 5
 GRAPH_TARGET_US = 2000.0
 MAX_CALLS = 120
@@ -374,10 +377,11 @@ def main(argv=None):
     ap.add_argument("--hq", type=int, default=64)
     ap.add_argument("--hkv", type=int, default=4, help="KV heads (= index heads of the step)")
     ap.add_argument("--topk", type=int, default=16)
-    ap.add_argument("--attention-form", default="served", choices=("served", "rows", "warpgroup"),
-                    help="decode attention form for tiles of > 16 rows: what the gates serve, "
-                         "or forced (the row form, the wgmma form; gated forms need "
-                         "MSA_UNVALIDATED_KERNELS=1 to be served)")
+    ap.add_argument("--attention-forms", default="served",
+                    help="decode attention forms for tiles of > 16 rows, each timed in turn "
+                         "(comma-separated): served (what the gates serve), rows, warpgroup "
+                         "(its two-stage ring), warpgroup-deep (its bf16 deep ring); a forced "
+                         "form's rows name it in impl, e.g. dense-bf16[warpgroup-deep]")
     add_common_args(ap, rep_ms=50)
     args = ap.parse_args(argv)
     if args.tiny:
@@ -387,12 +391,11 @@ def main(argv=None):
 
     device = setup(args)
     msa = load_msa()
-    form_note = None
-    if args.attention_form != "served":
-        # The decode_warpgroup hook, for the rest of this process.
-        contextlib.ExitStack().enter_context(
-            forcing(msa, decode_warpgroup=args.attention_form == "warpgroup"))
-        form_note = f"attention form {args.attention_form}"
+    forms = parse_names(args.attention_forms)
+    unknown = set(forms) - set(ATTENTION_FORMS)
+    if unknown:
+        raise SystemExit(f"--attention-forms: unknown {sorted(unknown)}; known "
+                         f"{list(ATTENTION_FORMS)}")
     tsv = TsvWriter(args.out, COLUMNS, device,
                     formats={"latency_us": ".2f", "attention_us": ".2f", "tb_per_s": ".3f",
                              "speedup_vs_cudnn": ".2f", "cv": ".3f"})
@@ -409,11 +412,15 @@ def main(argv=None):
         lens = ragged_lengths(batch, nominal, args.seqlen_q)
         case = f"b{batch}_s{nominal}_q{args.seqlen_q}"
         cudnn_us = None
-        for name in impls:
-            impl = Impl(name, msa, lens, nominal, args, device)
+        runs = [(name, form) for name in impls
+                for form in (["served"] if name == "cudnn" else forms)]
+        for base, form in runs:
+            name = base if form == "served" else f"{base}[{form}]"
+            impl = Impl(base, msa, lens, nominal, args, device)
             if not fits(impl.footprint(), args, f"{name} {case}"):
                 continue
-            result = run_impl(impl, args, device)
+            with forcing(msa, **ATTENTION_FORMS[form]):
+                result = run_impl(impl, args, device)
             if result is None:
                 continue
             if "latency_us" not in result:         # out of memory: a row that says so
@@ -423,8 +430,6 @@ def main(argv=None):
                 continue
             if name == "cudnn":
                 cudnn_us = result["latency_us"]
-            if form_note and name != "cudnn":
-                result["note"] = "; ".join(n for n in (result["note"], form_note) if n)
             tsv.write(suite=suite, case=case, batch=batch, nominal_kv=nominal,
                       seqlen_q=args.seqlen_q, weight=weight, impl=name, kv_dtype=impl.kv_name,
                       index_dtype=impl.index_format,

@@ -582,6 +582,22 @@ struct Shape {
 static_assert(Shape<false>::kAlloc <= 227 * 1024, "warpgroup form (bf16): shared memory");
 static_assert(Shape<true>::kAlloc <= 227 * 1024, "warpgroup form (e4m3): shared memory");
 
+// The bf16 form's deep ring: K in a ring of three pages and V in a ring of two, loaded as
+// separate cp.async groups, so that while a page computes K of the next two pages and V of the
+// next are in flight (96 KB, against one whole page, 64 KB, in the two-stage ring: with one page
+// in flight per SM the loads, not the MMAs, set the pace). Q stays in shared memory.
+struct DeepRing {
+  using S = Shape<false>;
+  static constexpr int kKStages = 3;
+  static constexpr int kVStages = 2;
+  static constexpr int kKOffset = S::kStagesOffset;
+  static constexpr int kVOffset = kKOffset + kKStages * S::kWideBytes;
+  static constexpr int kListOffset = kVOffset + kVStages * S::kWideBytes;
+  static constexpr int kBytes = kListOffset + kListBytes + kCountsSlotBytes;
+  static constexpr int kAlloc = kBytes + 1024;
+};
+static_assert(DeepRing::kAlloc <= 227 * 1024, "warpgroup form (bf16, deep ring): shared memory");
+
 // wgmma is sm_90a only: other archs compile just the kernel's entry point (a trap).
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -748,6 +764,29 @@ __device__ __forceinline__ void load_page(const DecodeAttentionArgs& a, int head
   }
 }
 
+// One page's K or V head slice (bf16, `tensor` = a.k or a.v) into a swizzled 16-bit tile of
+// two column blocks; rows >= valid_rows zero-filled.
+__device__ __forceinline__ void load_page_tensor(const DecodeAttentionArgs& a, int head,
+                                                 const PageRef& ref, const void* tensor,
+                                                 char* tile, int valid_rows) {
+  using S = Shape<false>;
+  if (ref.token_mask == 0) return;
+  constexpr int kChunksPerRow = 16;
+  constexpr int kChunks = kPageSize * kChunksPerRow;
+  static_assert(kChunks % kThreads == 0, "every thread issues the same number of copies");
+  const char* src = static_cast<const char*>(tensor) +
+                    (static_cast<int64_t>(ref.physical) * a.num_kv_heads + head) *
+                        (kPageSize * kHeadDim) * 2;
+#pragma unroll
+  for (int i = 0; i < kChunks / kThreads; ++i) {
+    const int c = threadIdx.x + i * kThreads;
+    const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
+    const bool valid = row < valid_rows;
+    cp_async_16_or_zero(tile + (chunk / 8) * S::kPageBlockBytes + swizzled(row, chunk % 8),
+                        src + (valid ? static_cast<int64_t>(c) * 16 : 0), valid);
+  }
+}
+
 // e4m3 K and V of a stage (swizzled, one column block each) -> f16 K then V (swizzled, two
 // blocks each), exact.
 __device__ __forceinline__ void widen_page(const char* stage, char* widened) {
@@ -888,15 +927,16 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
   commit_and_wait();
 }
 
-template <bool kFp8>
+template <bool kFp8, bool kDeepRing>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_wg_kernel(const DecodeAttentionArgs a) {
+  static_assert(!(kFp8 && kDeepRing), "the deep ring is a bf16 layout");
   using S = Shape<kFp8>;
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   char* stages = smem + S::kStagesOffset;
   char* widened = smem + S::kWidenedOffset;   // e4m3: the page's f16 K, then V
-  int* cand = reinterpret_cast<int*>(smem + S::kListOffset);
+  int* cand = reinterpret_cast<int*>(smem + (kDeepRing ? DeepRing::kListOffset : S::kListOffset));
   int* list_phys = cand + kMaxCandidates;
   int* list_logical = list_phys + kMaxCandidates;
   uint32_t* list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
@@ -947,17 +987,57 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto page_of = [&](int idx) {
     return page_or_none(a, ctx, idx, num_pages, list_phys, list_logical, list_mask);
   };
+  auto valid_rows_of = [&](const PageRef& ref) {
+    return min(kPageSize, max(ctx.seqlen_k - ref.logical * kPageSize, 0));
+  };
+  if constexpr (kDeepRing) {
+    auto k_slot = [&](int idx) {
+      return smem + DeepRing::kKOffset + (idx % DeepRing::kKStages) * S::kWideBytes;
+    };
+    auto v_slot = [&](int idx) {
+      return smem + DeepRing::kVOffset + (idx % DeepRing::kVStages) * S::kWideBytes;
+    };
+    // One cp.async group per tensor and page (empty past the end), committed in the order
+    // K0, V0, K1, then V(i + 1), K(i + 2) at page i: when page i starts, the newest group is
+    // K(i + 1) and every older one holds K(i) or V(i) or earlier pages.
+    auto issue = [&](int idx, bool is_k) {
+      const PageRef ref = page_of(idx);
+      load_page_tensor(a, ctx.head, ref, is_k ? a.k : a.v, is_k ? k_slot(idx) : v_slot(idx),
+                       valid_rows_of(ref));
+      cp_async_commit();
+    };
+    issue(0, true);
+    issue(0, false);
+    issue(1, true);
+    for (int i = 0; i < num_pages; ++i) {
+      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+      fence_to_async_proxy();
+      // K(i) and V(i) have landed; every thread is done with page i - 1, whose V slot takes
+      // V(i + 1) and whose K slot takes K(i + 2).
+      __syncthreads();
+      issue(i + 1, false);
+      issue(i + 2, true);
+      const PageRef page = page_of(i);
+      if (page.token_mask == 0) continue;                // uniform: skipped (nothing loaded)
+      const bool full = (page.token_mask & tile_tokens) == tile_tokens &&
+                        page.logical * kPageSize + kPageSize - 1 <= shared_last_key;
+      if (group_active) {
+        page_step<false>(qs, k_slot(i), v_slot(i), page, full, scale_log2, rows, s, o);
+      }
+    }
+  }
   auto stage_of = [&](int idx) { return stages + (idx % S::kStages) * S::kStageBytes; };
   auto issue = [&](int idx) {   // one cp.async group per page, empty past the end
     const PageRef ref = page_of(idx);
-    const int valid_rows = min(kPageSize, max(ctx.seqlen_k - ref.logical * kPageSize, 0));
-    load_page<kFp8>(a, ctx.head, ref, stage_of(idx), valid_rows);
+    load_page<kFp8>(a, ctx.head, ref, stage_of(idx), valid_rows_of(ref));
     cp_async_commit();
   };
+  if constexpr (!kDeepRing) {
 #pragma unroll
-  for (int idx = 0; idx < S::kStages - 1; ++idx) issue(idx);
+    for (int idx = 0; idx < S::kStages - 1; ++idx) issue(idx);
+  }
 
-  for (int i = 0; i < num_pages; ++i) {
+  for (int i = 0; i < (kDeepRing ? 0 : num_pages); ++i) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(S::kStages - 2) : "memory");
     fence_to_async_proxy();
     // Page i has landed; every thread is done with page i - 1, whose stage takes the next page.
@@ -1008,7 +1088,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 #else   // device code of any arch but sm_90a: the form's entry point only, never launched
 
-template <bool kFp8>
+template <bool kFp8, bool kDeepRing>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_wg_kernel(const DecodeAttentionArgs) {
   __trap();
@@ -1561,7 +1641,8 @@ static bool warpgroup_form_loaded() {
   if (known == 0) {
     cudaFuncAttributes attr{};
     const bool loaded =
-        cudaFuncGetAttributes(&attr, wg::decode_attention_wg_kernel<false>) == cudaSuccess &&
+        cudaFuncGetAttributes(&attr, wg::decode_attention_wg_kernel<false, false>) ==
+            cudaSuccess &&
         attr.ptxVersion == 90 && attr.binaryVersion == 90;
     known = loaded ? 1 : 2;
     state[device].store(known, std::memory_order_relaxed);
@@ -1584,9 +1665,14 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   if (args.warpgroup) {
     if (!warpgroup_form_loaded()) return cudaErrorNotSupported;
     if (args.q_fp8) {
-      MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<true>, wg::Shape<true>::kAlloc));
+      MSA_RETURN_IF_ERROR(
+          launch(wg::decode_attention_wg_kernel<true, false>, wg::Shape<true>::kAlloc));
+    } else if (args.warpgroup_deep_ring) {
+      MSA_RETURN_IF_ERROR(
+          launch(wg::decode_attention_wg_kernel<false, true>, wg::DeepRing::kAlloc));
     } else {
-      MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<false>, wg::Shape<false>::kAlloc));
+      MSA_RETURN_IF_ERROR(
+          launch(wg::decode_attention_wg_kernel<false, false>, wg::Shape<false>::kAlloc));
     }
   } else if (args.direct_fp8) {
     MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, true>, kDirectSmemBytes));

@@ -218,6 +218,21 @@ def test_decode_warpgroup_form_is_served_per_validated_dtype(monkeypatch):
         assert decode_cuda._warpgroup(call(1, 1, e4m3=True))
 
 
+def test_decode_deep_ring_is_gated(monkeypatch):
+    """The bf16 warpgroup form's deep ring runs once VALIDATED_DEEP_RING is set (or with
+    MSA_UNVALIDATED_KERNELS=1); the decode_deep_ring hook forces it either way."""
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
+    monkeypatch.setattr(decode_cuda, "VALIDATED_DEEP_RING", False)
+    assert not decode_cuda._deep_ring()
+    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
+    assert decode_cuda._deep_ring()
+    with debug.forcing(decode_deep_ring=False):
+        assert not decode_cuda._deep_ring()
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
+    monkeypatch.setattr(decode_cuda, "VALIDATED_DEEP_RING", True)
+    assert decode_cuda._deep_ring()
+
+
 def test_unvalidated_forms_are_passed_by_until_opted_in(monkeypatch):
     """A table form marked validated=False is passed by for the next form unless
     MSA_UNVALIDATED_KERNELS=1 (the GPU tests that validate it set it); a forced form runs
