@@ -303,9 +303,9 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
                          static_cast<int64_t>(w.head * group + r % group) * a.q_stride_head) *
                             kQElemBytes +
                         gather_chunk * 16;
-      char* dst = In::kQFp8
-                      ? smem + Smem::kRawQ + stage * Smem::kRawQBytes + swizzled_raw(r, gather_chunk)
-                      : smem + Smem::kQ + stage * Smem::kQBytes + swizzled(r, gather_chunk);
+      char* dst = In::kQFp8 ? smem + Smem::kRawQ + stage * Smem::kRawQBytes +
+                                  swizzled_raw(r, gather_chunk)
+                            : smem + Smem::kQ + stage * Smem::kQBytes + swizzled(r, gather_chunk);
       cp_async_16_or_zero(dst, valid ? src : a.q, valid);
       if (gather_chunk == 0) sEntry[stage * kRows + r] = packed;
     }
