@@ -1,4 +1,4 @@
-// Portable indexer block max-scores (bf16): the Hopper indexer's computation
+// Portable indexer block max-scores (bf16 or e4m3): the Hopper indexer's computation
 // (cute_kernels/block_max_score_sm90.py) with sm_80 instructions only (docs/design-portable.md).
 //
 // For query t of request b (local position i), index head h and 128-key tile beta:
@@ -17,9 +17,15 @@
 // the rows [cu_seqlens_q[B], total_q) no request owns, which only get -inf. Every element of out
 // is written exactly once; Q rows past a request, K rows past the tensor and pages outside the
 // pool are never read.
+//
+// e4m3 q and k are widened exactly to f16 and the MMAs run in f16: Q through registers once per
+// query tile, each K tile raw through the cp.async ring (16 KB a stage) and then by all threads
+// into one f16 tile the warps read; the shared memory is the bf16 form's.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "common.cuh"
 #include "portable_tiles.cuh"
@@ -37,9 +43,11 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kRows = 16 * kWarps;         // (query, head) rows per CTA
 constexpr int kStages = 2;                 // K tiles in flight
 constexpr int kQ = 0;
-constexpr int kK = kQ + kRows * kRowBytes;
+constexpr int kK = kQ + kRows * kRowBytes;    // bf16: the K stages; e4m3: the f16 K tile
+constexpr int kKRaw = kK + kTileBytes;        // e4m3: the raw K stages
 constexpr int kMax = kK + kStages * kTileBytes;
 constexpr int kSmemBytes = kMax + kRows * 4;   // 96.5 KB: fits every arch of the tier
+static_assert(kKRaw + kStages * kRawTileBytes <= kMax, "e4m3 K stages overlap the row maxima");
 
 // The K tile `tile` of request b: first token (dense) or page (paged), and how many of its keys
 // may be read (0 for a page outside the table or the pool; never past the K tensor).
@@ -66,15 +74,19 @@ __device__ __forceinline__ KeyTile key_tile(const BlockMaxScoreArgs& a, int b, i
   return t;
 }
 
+// K tile t into dst (a 16-bit tile, or raw e4m3 rows when kFp8), keys past n_keys zero.
+template <bool kFp8>
 __device__ __forceinline__ void load_key_tile(const BlockMaxScoreArgs& a, const KeyTile& t,
                                               char* dst, int tid) {
-  const int chunk = tid % kChunks;
-  for (int key = tid / kChunks; key < kTileKeys; key += kThreads / kChunks) {
+  constexpr int kRowChunks = kFp8 ? kRawChunks : kChunks;
+  const int chunk = tid % kRowChunks;
+  for (int key = tid / kRowChunks; key < kTileKeys; key += kThreads / kRowChunks) {
     const bool valid = key < t.n_keys;
     const int64_t elem = a.paged ? t.row0 * a.k_stride_unit + (valid ? key : 0) * a.k_stride_key
                                  : (t.row0 + (valid ? key : 0)) * a.k_stride_unit;
-    const char* src = static_cast<const char*>(a.k) + elem * 2 + chunk * 16;
-    cp_async_16_or_zero(dst + swizzled(key, chunk), valid ? src : a.k, valid);
+    const char* src = static_cast<const char*>(a.k) + elem * (kFp8 ? 1 : 2) + chunk * 16;
+    cp_async_16_or_zero(dst + (kFp8 ? swizzled_raw(key, chunk) : swizzled(key, chunk)),
+                        valid ? src : a.k, valid);
   }
 }
 
@@ -93,8 +105,10 @@ __device__ __forceinline__ void fill_minus_inf(const BlockMaxScoreArgs& a, int64
   }
 }
 
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) block_max_score_portable_kernel(
     const BlockMaxScoreArgs a) {
+  using T = std::conditional_t<kFp8, __half, __nv_bfloat16>;   // the MMA's operand type
   extern __shared__ __align__(128) char smem[];
   char* sQ = smem + kQ;
   float* sMax = reinterpret_cast<float*>(smem + kMax);
@@ -131,20 +145,40 @@ __global__ void __launch_bounds__(kThreads, 1) block_max_score_portable_kernel(
     if (a.paged) n_tiles = min(n_tiles, a.page_table_cols);
 
     __syncthreads();           // the previous query tile's readers of sQ / sK / sMax are done
-    {                          // Q rows (zero past the request's queries)
+    // Address of chunk `chunk` of Q row r (query r / H, head r % H), or null past the queries.
+    auto q_chunk = [&](int r, int chunk) -> const char* {
+      const int qi = r / heads;
+      if (qi >= n_q) return nullptr;
+      const int64_t elem = (static_cast<int64_t>(q_start) + q_lo + qi) * a.q_stride_token +
+                           (r % heads) * a.q_stride_head;
+      return static_cast<const char*>(a.q) + elem * (kFp8 ? 1 : 2) + chunk * 16;
+    };
+    if constexpr (!kFp8) {     // Q rows (zero past the request's queries)
       const int chunk = tid % kChunks;
       for (int r = tid / kChunks; r < kRows; r += kThreads / kChunks) {
-        const int qi = r / heads;
-        const bool valid = qi < n_q;
-        const int64_t elem = (static_cast<int64_t>(q_start) + q_lo + (valid ? qi : 0)) *
-                                 a.q_stride_token + (r % heads) * a.q_stride_head;
-        const char* src = static_cast<const char*>(a.q) + elem * 2 + chunk * 16;
-        cp_async_16_or_zero(sQ + swizzled(r, chunk), valid ? src : a.q, valid);
+        const char* src = q_chunk(r, chunk);
+        cp_async_16_or_zero(sQ + swizzled(r, chunk), src != nullptr ? src : a.q, src != nullptr);
       }
     }
     KeyTile next = n_tiles > 0 ? key_tile(a, b, k_len, 0) : KeyTile{0, 0};
-    if (n_tiles > 0) load_key_tile(a, next, smem + kK, tid);
+    if (n_tiles > 0) load_key_tile<kFp8>(a, next, smem + (kFp8 ? kKRaw : kK), tid);
     cp_async_commit();
+    if constexpr (kFp8) {      // e4m3 Q rows widened through registers while K tile 0 lands
+      constexpr int kPerThread = kRows * kRawChunks / kThreads;
+      uint4 in[kPerThread];
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) {
+        const int u = tid + i * kThreads;
+        const char* src = q_chunk(u / kRawChunks, u % kRawChunks);
+        in[i] = src != nullptr ? __ldg(reinterpret_cast<const uint4*>(src))
+                               : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) {
+        const int u = tid + i * kThreads;
+        store_widened<T>(sQ, u / kRawChunks, u % kRawChunks, in[i]);
+      }
+    }
 
     // This thread's accumulator rows: r_i = 16 warp + lane / 4 + 8 i, query r_i / H.
     int last_visible[2];       // keys of the request up to this one are causally visible
@@ -162,12 +196,20 @@ __global__ void __launch_bounds__(kThreads, 1) block_max_score_portable_kernel(
       __syncthreads();         // tile `tile` landed; every warp is done with the other stage
       if (tile + 1 < n_tiles) {
         next = key_tile(a, b, k_len, tile + 1);
-        load_key_tile(a, next, smem + kK + ((tile + 1) % kStages) * kTileBytes, tid);
+        load_key_tile<kFp8>(a, next,
+                            kFp8 ? smem + kKRaw + ((tile + 1) % kStages) * kRawTileBytes
+                                 : smem + kK + ((tile + 1) % kStages) * kTileBytes,
+                            tid);
       }
       cp_async_commit();
+      if constexpr (kFp8) {    // the raw tile -> the one f16 tile every warp reads
+        widen_rows<T, kTileKeys>(smem + kKRaw + (tile % kStages) * kRawTileBytes, smem + kK, 0,
+                                 tid, kThreads);
+        __syncthreads();
+      }
 
       float s[16][4];
-      warp_qk(s, sQ, smem + kK + (tile % kStages) * kTileBytes, warp * 16, lane);
+      warp_qk<T>(s, sQ, smem + kK + (kFp8 ? 0 : (tile % kStages) * kTileBytes), warp * 16, lane);
       const int key0 = tile * kTileKeys;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
@@ -203,7 +245,7 @@ __global__ void __launch_bounds__(kThreads, 1) block_max_score_portable_kernel(
 }  // namespace
 
 cudaError_t block_max_score_portable_image(cudaFuncAttributes* attr) {
-  return cudaFuncGetAttributes(attr, block_max_score_portable_kernel);
+  return cudaFuncGetAttributes(attr, block_max_score_portable_kernel<false>);
 }
 
 cudaError_t launch_block_max_score_portable(const BlockMaxScoreArgs& a, cudaStream_t stream) {
@@ -211,11 +253,12 @@ cudaError_t launch_block_max_score_portable(const BlockMaxScoreArgs& a, cudaStre
   if (a.num_heads != 1 && a.num_heads != 2 && a.num_heads != 4 && a.num_heads != 8) {
     return cudaErrorInvalidValue;
   }
-  MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(block_max_score_portable_kernel,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           kSmemBytes));
+  auto kernel = a.fp8 ? block_max_score_portable_kernel<true>
+                      : block_max_score_portable_kernel<false>;
+  MSA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const dim3 grid(static_cast<unsigned>(a.grid_x), static_cast<unsigned>(a.batch + 1));
-  block_max_score_portable_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(a);
   return cudaGetLastError();
 }
 

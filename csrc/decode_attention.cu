@@ -95,19 +95,14 @@ using sm80::cp_async_16_or_zero;
 using sm80::cp_async_commit;
 using sm80::e4m3x2_hi_to_f16x2;
 using sm80::e4m3x2_lo_to_f16x2;
+using sm80::e4m3x2_to_float2;
 using sm80::mma_bf16;
 using sm80::mma_f16;
+using sm80::round_e4m3x2_to_f16x2;
 using sm80::smem_addr;
 
 __device__ __forceinline__ void cp_async_wait_one() { sm80::cp_async_wait<1>(); }
 __device__ __forceinline__ void cp_async_wait_all() { sm80::cp_async_wait<0>(); }
-
-// (lo, hi) rounded to e4m3 (as an FP8 P.V MMA sees P), returned as the exact f16x2.
-__device__ __forceinline__ uint32_t round_e4m3x2_to_f16x2(float lo, float hi) {
-  const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(
-      __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3), __NV_E4M3);
-  return static_cast<uint32_t>(raw.x) | (static_cast<uint32_t>(raw.y) << 16);
-}
 
 // 32-bit word w (0..7) of two 16-byte chunks.
 __device__ __forceinline__ uint32_t word_of(const uint4 (&v)[2], int w) {
@@ -128,12 +123,6 @@ __device__ __forceinline__ uint4 swizzled_chunk(const char* tile, int row, int c
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
-}
-
-__device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t bits) {
-  const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits),
-                                                      __NV_E4M3);
-  return __half22float2(__half2(raw));
 }
 
 // Rounds a probability to e4m3 and back, as an FP8 P.V MMA would see it.

@@ -1,6 +1,6 @@
 // Warp-level primitives shared by the csrc kernels (sm_80+ instructions; every csrc arch):
-// cp.async copies, ldmatrix, mma.sync m16n8k16 (bf16 / f16 in, fp32 accumulate) and exact
-// e4m3 -> f16 widening of register pairs.
+// cp.async copies, ldmatrix, mma.sync m16n8k16 (bf16 / f16 in, fp32 accumulate), exact
+// e4m3 -> f16 / fp32 widening of register pairs and fp32 -> e4m3 rounding.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -91,6 +91,20 @@ __device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t word) {
   return r;
 }
 #endif
+
+// Two e4m3 values (bits 0-7 and 8-15) -> float2, exact.
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t bits) {
+  const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits),
+                                                      __NV_E4M3);
+  return __half22float2(__half2(raw));
+}
+
+// (lo, hi) rounded to e4m3 (as an FP8 P.V MMA sees P), returned as the exact f16x2.
+__device__ __forceinline__ uint32_t round_e4m3x2_to_f16x2(float lo, float hi) {
+  const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(
+      __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3), __NV_E4M3);
+  return static_cast<uint32_t>(raw.x) | (static_cast<uint32_t>(raw.y) << 16);
+}
 
 }  // namespace sm80
 }  // namespace msa

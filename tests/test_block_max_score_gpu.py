@@ -122,7 +122,7 @@ CASES = [(h, paged, causal) for h in (1, 2, 4, 8) for paged in (False, True)
          for causal in (False, True)]
 
 
-# The Hopper kernel on SM90; the portable tier (csrc warp-MMA kernel, bf16) on any GPU, forced
+# The Hopper kernel on SM90; the portable tier (csrc warp-MMA kernel) on any GPU, forced
 # on SM90 (MSA_NATIVE_TIER=portable), where it is validated by proxy.
 TIER_PARAMS = [pytest.param("hopper", marks=pytest.mark.sm90), "portable"]
 
@@ -218,13 +218,14 @@ E4M3_CASES = [(h, paged, causal) for h in (1, 4, 8) for paged in (False, True)
 
 
 @pytest.mark.gpu
-@pytest.mark.sm90
+@pytest.mark.parametrize("tier", TIER_PARAMS)
 @pytest.mark.parametrize("num_heads,paged,causal", E4M3_CASES)
-def test_block_max_scores_e4m3_native_matches_float64(num_heads, paged, causal, seed,
+def test_block_max_scores_e4m3_native_matches_float64(num_heads, paged, causal, tier, seed,
                                                       monkeypatch, native_hooks):
     """e4m3 q_idx / k_idx (the fp8 indexer): the reference computes on the same e4m3 values in
-    float64, so only the kernel's fp32 accumulation differs; same bound as bf16."""
-    native = _native_module()
+    float64, so only the kernel's fp32 accumulation differs (the portable tier widens e4m3 to
+    f16 exactly); same bound as bf16."""
+    family = _use_tier(tier, monkeypatch)
     native_hooks.poison()
     case = E4M3_CASES.index((num_heads, paged, causal))
     gen = torch.Generator().manual_seed(seed)
@@ -249,7 +250,7 @@ def test_block_max_scores_e4m3_native_matches_float64(num_heads, paged, causal, 
     got = msa.block_max_scores(q_dev, k_in, cu_q, cu_k, **kwargs)
     torch.cuda.synchronize()
     monkeypatch.delenv("MSA_BACKEND")
-    assert _backend.last_backend("block_max_scores") == "sm90"
+    assert _backend.last_backend("block_max_scores") == family
     want = block_max_scores_reference(
         q_dev, k_in, cu_q, cu_k, max_k_tiles=kwargs["max_k_tiles"], scale=scale, causal=causal,
         page_table=kwargs.get("page_table"), seqused_k=kwargs.get("seqused_k"),

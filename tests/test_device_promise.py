@@ -220,6 +220,77 @@ def test_portable_csrc_ops_are_gated_and_logged(gpu_of_capability, monkeypatch, 
     assert "validated by proxy on the H200" in info
 
 
+E4M3 = torch.float8_e4m3fn
+BF16 = torch.bfloat16
+# The portable sparse prefill's e4m3 calls (the Hopper tier's dtype modes), served or refused:
+# (q, k/v, pv_dtype, partial dtype) -> None (served) or a phrase of the reason.
+PORTABLE_SPARSE_E4M3 = [
+    ((BF16, E4M3, BF16, BF16), None),             # bf16 q with an FP8 KV cache
+    ((E4M3, E4M3, BF16, torch.float16), None),    # mixed FP8 QKV (P.V in 16 bits)
+    ((E4M3, E4M3, E4M3, E4M3), None),             # all e4m3: P rounded to e4m3, e4m3 partials
+    ((BF16, BF16, BF16, E4M3), None),             # bf16 with e4m3 partials
+    ((E4M3, E4M3, E4M3, torch.float32), "FP8 modes are native with bfloat16, float16 and e4m3"),
+    ((BF16, E4M3, E4M3, BF16), "not native in the portable tier"),   # no pv e4m3 with bf16 q
+]
+
+
+@pytest.mark.parametrize("dtypes,refusal", PORTABLE_SPARSE_E4M3,
+                         ids=lambda v: "-".join(str(d).replace("torch.", "") for d in v)
+                         if isinstance(v, tuple) else str(v))
+def test_portable_sparse_prefill_serves_the_e4m3_modes(gpu_of_capability, monkeypatch, dtypes,
+                                                       refusal):
+    """The portable sparse prefill serves the Hopper tier's FP8 modes (e4m3 widened exactly on
+    load) behind the tier's gate, and refuses the rest with the reason; on an SM90 or SM100
+    device as on any other capability >= 8.0."""
+    from msa._native import compiled_ops, sparse_prefill_portable
+    q, kv, pv, partial = dtypes
+    monkeypatch.setattr(compiled_ops, "missing_reason", lambda *names: None)
+    monkeypatch.setattr(compiled_ops, "image_reason", lambda device, *names: None)
+    for name in ("MSA_BACKEND", "MSA_UNVALIDATED_KERNELS"):
+        monkeypatch.delenv(name, raising=False)
+    features = dict(_sparse_features(), q_dtype=q, k_dtype=kv, v_dtype=kv, pv_dtype=pv,
+                    partial_dtype=partial)
+    verdict = sparse_prefill_portable.supports(**features)
+    if refusal is not None:
+        assert refusal in verdict
+        return
+    assert "MSA_UNVALIDATED_KERNELS=1" in verdict        # the tier's gate, nothing else
+    gpu_of_capability((8, 9))
+    monkeypatch.setattr(_backend, "_logged", set())
+    device = torch.device("cuda", 0)
+    assert _backend.choose("sparse_atten", device, **features) == (_backend.REFERENCE, None)
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    assert sparse_prefill_portable.supports(**features) is None
+    assert _backend.choose("sparse_atten", device, **features) == \
+        ("portable", sparse_prefill_portable.run)
+
+
+@pytest.mark.parametrize("q_dtype,k_dtype,served", [(E4M3, E4M3, True), (BF16, BF16, True),
+                                                    (E4M3, BF16, False), (BF16, E4M3, False),
+                                                    (torch.float16, torch.float16, False)])
+def test_portable_indexer_serves_bf16_and_e4m3(gpu_of_capability, monkeypatch, q_dtype, k_dtype,
+                                               served):
+    """The portable indexer serves bf16/bf16 and e4m3/e4m3 (widened exactly to f16) behind the
+    tier's gate; mixed and other dtypes run the reference, with the reason naming them."""
+    from msa._native import block_max_score_portable, compiled_ops
+    monkeypatch.setattr(compiled_ops, "missing_reason", lambda *names: None)
+    monkeypatch.setattr(compiled_ops, "image_reason", lambda device, *names: None)
+    monkeypatch.delenv("MSA_BACKEND", raising=False)
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    gpu_of_capability((12, 0))
+    monkeypatch.setattr(_backend, "_logged", set())
+    features = dict(q_dtype=q_dtype, k_dtype=k_dtype, paged=True, causal=True, num_heads=4,
+                    num_k_heads=1, batch=3)
+    verdict = block_max_score_portable.supports(**features)
+    chosen = _backend.choose("block_max_scores", torch.device("cuda", 0), **features)
+    if served:
+        assert verdict is None
+        assert chosen == ("portable", block_max_score_portable.run)
+    else:
+        assert f"q_idx/k_idx dtypes {q_dtype}/{k_dtype}" in verdict
+        assert chosen == (_backend.REFERENCE, None)
+
+
 class _FakeImages:
     """ops.csrc_image as the driver would answer for one device: (binaryVersion, ptxVersion,
     error) per csrc unit; counts the questions."""
@@ -318,17 +389,15 @@ def test_portable_decode_never_launches_the_warpgroup_form(monkeypatch, native_h
     assert launched == [(False, False), (True, True)]
 
 
-def test_portable_indexer_serves_bf16_with_one_key_head(monkeypatch):
-    """What the portable indexer refuses (the reference serves it); a served call reaches the
-    gate."""
+def test_portable_indexer_serves_one_key_head(monkeypatch):
+    """What the portable indexer refuses besides dtypes (the reference serves it); a served
+    call reaches the gate."""
     from msa._native import block_max_score_portable, compiled_ops
     monkeypatch.setattr(compiled_ops, "missing_reason", lambda *names: None)
     monkeypatch.delenv("MSA_UNVALIDATED_KERNELS", raising=False)
     features = dict(q_dtype=torch.bfloat16, k_dtype=torch.bfloat16, paged=False, causal=True,
                     num_heads=4, num_k_heads=1, max_k_tiles=8, qo_offset=False, batch=2)
-    e4m3 = torch.float8_e4m3fn
-    for change, why in ((dict(q_dtype=e4m3, k_dtype=e4m3), "serves bf16/bf16"),
-                        (dict(num_k_heads=2), "one shared key head"),
+    for change, why in ((dict(num_k_heads=2), "one shared key head"),
                         (dict(num_heads=16), "16 index heads"),
                         (dict(batch=70000), "70000 requests")):
         assert why in block_max_score_portable.supports(**{**features, **change})
@@ -337,19 +406,19 @@ def test_portable_indexer_serves_bf16_with_one_key_head(monkeypatch):
     assert block_max_score_portable.supports(**features) is None
 
 
-def test_portable_tier_serves_bf16_only(monkeypatch):
-    """What the portable sparse prefill refuses (the reference serves it), before its gate."""
+def test_portable_sparse_prefill_refusals(monkeypatch):
+    """What the portable sparse prefill refuses besides dtypes (the reference serves it), before
+    its gate; every partial dtype of a bf16 call reaches the gate."""
     from msa._native import compiled_ops, sparse_prefill_portable
     monkeypatch.setattr(compiled_ops, "missing_reason", lambda *names: None)
     monkeypatch.delenv("MSA_UNVALIDATED_KERNELS", raising=False)
-    e4m3 = torch.float8_e4m3fn
     features = _sparse_features()
-    for change, why in ((dict(k_dtype=e4m3, v_dtype=e4m3), "serves bf16"),
-                        (dict(partial_dtype=e4m3), "partial_dtype"),
-                        (dict(qhead_per_kv=3), "qhead_per_kv 3"),
-                        (dict(nvfp4=True), "NVFP4")):
+    for change, why in ((dict(qhead_per_kv=3), "qhead_per_kv 3"),
+                        (dict(nvfp4=True), "NVFP4"),
+                        (dict(q_dtype=torch.float16, k_dtype=torch.float16,
+                              v_dtype=torch.float16), "not native in the portable tier")):
         assert why in sparse_prefill_portable.supports(**{**features, **change})
-    for partial in (torch.float32, torch.bfloat16, torch.float16):
+    for partial in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
         assert "MSA_UNVALIDATED_KERNELS=1" in sparse_prefill_portable.supports(
             **{**features, "partial_dtype": partial})
 

@@ -65,6 +65,17 @@ def expect_native(op, family="sm90"):
     ran.append(op if family == "sm90" else f"{op}[{family}]")
 
 
+def to_dtype_mode(p, mode):
+    """Convert the problem's q / k / v to a sparse prefill dtype mode ("bf16" or a name of
+    cute_kernels.variants.FP8_MODES); returns the call's pv_dtype."""
+    if mode != "bf16":
+        p["k"], p["v"] = p["k"].to(E4M3), p["v"].to(E4M3)
+    if mode in ("e4m3_pv_bf16", "e4m3"):
+        p["q"] = p["q"].to(E4M3)
+        return torch.bfloat16 if mode == "e4m3_pv_bf16" else E4M3
+    return None
+
+
 def sparse_prefill_cases(gen):
     """Every form of the sparse serving table on the calls it serves: "mma" (fp32 partials),
     "wgmma" (G 1-4, the bf16-Q FP8 modes), "ws" and "ws3w" (the warp-specialized TMA forms,
@@ -89,12 +100,7 @@ def sparse_prefill_cases(gen):
         # Garbage the API cannot see without a sync: ids past the request and negative ids.
         q2k[0, 0, -1] = 1 << 20
         q2k[-1, -1, 0] = -9
-        pv_dtype = None
-        if mode != "bf16":
-            p["k"], p["v"] = p["k"].to(E4M3), p["v"].to(E4M3)
-        if mode in ("e4m3_pv_bf16", "e4m3"):
-            p["q"] = p["q"].to(E4M3)
-            pv_dtype = torch.bfloat16 if mode == "e4m3_pv_bf16" else E4M3
+        pv_dtype = to_dtype_mode(p, mode)
         if paged:
             p["page_table"][0, -1] = 1 << 24          # past the pool, beyond seqused_k's pages
         built = msa.build_k2q_csr(q2k, p["cu_q"], p["cu_k"], BLOCK, total_k=p["total_k"],
@@ -143,8 +149,8 @@ def portable_tier():
 
 def block_max_cases(gen, family="sm90"):
     """The indexer on dense and paged keys (a page past the pool), rows past cu_seqlens_q[-1];
-    family "portable": the portable tier's kernel (bf16) under MSA_NATIVE_TIER=portable, with
-    an understated max_seqlen_q (its grid-stride loop)."""
+    family "portable": the portable tier's kernel (bf16 and e4m3) under MSA_NATIVE_TIER=portable,
+    with an understated max_seqlen_q (its grid-stride loop)."""
     if family == "portable":
         with portable_tier():
             return _block_max_cases(gen, family)
@@ -156,8 +162,6 @@ def _block_max_cases(gen, family):
     for heads, paged, dtype in ((4, False, torch.bfloat16), (4, True, torch.bfloat16),
                                 (1, True, torch.bfloat16), (8, False, torch.bfloat16),
                                 (4, False, E4M3), (8, True, E4M3)):
-        if family == "portable" and dtype == E4M3:
-            continue
         q = torch.randn(sum(q_lens) + 3, heads, 128, generator=gen).to(dtype).cuda()
         k = torch.randn(sum(k_lens), 1, 128, generator=gen).to(torch.bfloat16)
         cu_q = torch.tensor([0, 700, 701, 1034], dtype=torch.int32).cuda()
@@ -366,17 +370,24 @@ def prefill_production_cases(gen):
 
 def sparse_prefill_portable_cases(gen):
     """The portable tier's sparse prefill (docs/design-portable.md), forced with
-    MSA_NATIVE_TIER=portable: bf16, dense / paged, both tiles' head groups, fp32 / bf16 / fp16
+    MSA_NATIVE_TIER=portable: bf16 and the three FP8 modes (e4m3 K / V through registers, e4m3
+    Q tiles widened per warp), dense / paged, both tiles' head groups, fp32 / bf16 / fp16 / e4m3
     partials, the garbage ids and pages of sparse_prefill_cases, then a schedule whose every
     index is out of range (heads, rows, requests, entries past the CSR, slots past the
     partials, a q_count of 2^30): the kernels must skip all of it."""
     from msa._native import debug
-    for g, paged, causal, partial in ((16, True, True, torch.float32),
-                                      (1, False, False, torch.bfloat16),
-                                      (4, True, False, torch.float16),
-                                      (8, False, True, torch.bfloat16)):
+    for g, paged, causal, partial, mode in ((16, True, True, torch.float32, "bf16"),
+                                            (1, False, False, torch.bfloat16, "bf16"),
+                                            (4, True, False, torch.float16, "bf16"),
+                                            (8, False, True, torch.bfloat16, "bf16"),
+                                            (2, True, True, E4M3, "bf16"),
+                                            (4, True, True, torch.bfloat16, "bf16_kv_e4m3"),
+                                            (16, False, False, torch.float16, "e4m3_pv_bf16"),
+                                            (8, True, False, E4M3, "e4m3"),
+                                            (1, False, True, torch.bfloat16, "e4m3")):
         topk = 8
         p = prefill_cases._make_problem(g, topk, paged, causal, gen, torch.device("cuda"))
+        pv_dtype = to_dtype_mode(p, mode)
         p["q2k"][0, 0, -1] = 1 << 20
         p["q2k"][-1, -1, 0] = -9
         if paged:
@@ -406,12 +417,12 @@ def sparse_prefill_portable_cases(gen):
                     cu_seqlens_k=p["cu_k"], max_seqlen_q=p["max_q"], max_seqlen_k=p["max_k"],
                     causal=causal, softmax_scale=0.1, partial_dtype=partial,
                     return_softmax_lse=True, page_table=p["page_table"],
-                    seqused_k=p["seqused_k"], schedule=sched)
+                    seqused_k=p["seqused_k"], schedule=sched, pv_dtype=pv_dtype)
                 expect_native("sparse_atten", "portable")
             assert debug.last_variant("sparse_atten") == "sparse_prefill_portable"
             if sched is schedule:
                 assert not torch.isnan(out).any()
-        print(f"sparse prefill [portable] G={g} paged={paged} causal={causal} "
+        print(f"sparse prefill [portable] {mode} G={g} paged={paged} causal={causal} "
               f"partial={partial}: ok (and a garbage schedule)")
 
 

@@ -275,19 +275,23 @@ void fmha_transpose_v_e4m3(const torch::Tensor& v, const torch::Tensor& cu_seqle
                "fmha_transpose_v_e4m3");
 }
 
-// q / k / v of the portable sparse prefill: bf16, channels contiguous, every row 16-byte aligned
-// (the kernel copies 16-byte chunks), strides free otherwise.
-void check_rows_16b(const torch::Tensor& t, const char* name, int64_t dim,
+// q / k / v of the portable kernels: bf16 or e4m3, channels contiguous, every row 16-byte
+// aligned (the kernels copy 16-byte chunks), strides free otherwise. Returns whether t is e4m3.
+bool check_rows_16b(const torch::Tensor& t, const char* name, int64_t dim,
                     const torch::Device& device) {
   TORCH_CHECK(t.is_cuda() && t.device() == device, name, ": must be on ", device);
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, ": expected bfloat16, got ",
-              t.scalar_type());
+  const bool fp8 = t.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 || t.scalar_type() == at::kBFloat16, name,
+              ": expected bfloat16 or float8_e4m3fn, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == dim && t.size(-1) == 128, name, ": expected rank ", dim,
               " with head_dim 128, got shape ", t.sizes());
   TORCH_CHECK(t.stride(-1) == 1, name, ": the head dimension must be contiguous");
+  const int64_t per_16b = fp8 ? 16 : 8;       // elements per 16 bytes
   bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  for (int64_t d = 0; d + 1 < dim; ++d) aligned = aligned && t.stride(d) % 8 == 0;
-  TORCH_CHECK(aligned, name, ": rows must be 16-byte aligned (strides multiples of 8)");
+  for (int64_t d = 0; d + 1 < dim; ++d) aligned = aligned && t.stride(d) % per_16b == 0;
+  TORCH_CHECK(aligned, name, ": rows must be 16-byte aligned (strides multiples of ", per_16b,
+              ")");
+  return fp8;
 }
 
 msa::PartialType partial_type(const torch::Tensor& t, const char* name) {
@@ -295,8 +299,9 @@ msa::PartialType partial_type(const torch::Tensor& t, const char* name) {
     case at::kFloat: return msa::PartialType::kFloat32;
     case at::kBFloat16: return msa::PartialType::kBFloat16;
     case at::kHalf: return msa::PartialType::kFloat16;
-    default: TORCH_CHECK(false, name, ": expected float32, bfloat16 or float16, got ",
-                         t.scalar_type());
+    case at::kFloat8_e4m3fn: return msa::PartialType::kE4m3;
+    default: TORCH_CHECK(false, name, ": expected float32, bfloat16, float16 or float8_e4m3fn, "
+                         "got ", t.scalar_type());
   }
   return msa::PartialType::kFloat32;
 }
@@ -313,7 +318,7 @@ void check_page_table(const torch::Tensor& table, int64_t batch, const torch::De
 }
 
 // The per-slot partials both portable sparse prefill ops take: O [slots, total_q, Hq, 128]
-// (fp32 / bf16 / fp16), LSE and the optional LSE_T [slots, total_q, Hq] fp32. Returns the
+// (fp32 / bf16 / fp16 / e4m3), LSE and the optional LSE_T [slots, total_q, Hq] fp32. Returns the
 // partial type; *lse_t_ptr is the LSE_T pointer or null.
 msa::PartialType check_partials(const torch::Tensor& o_partial, const torch::Tensor& lse_partial,
                                 const std::optional<torch::Tensor>& lse_t_partial,
@@ -346,16 +351,21 @@ void sparse_prefill_portable(
     const torch::Tensor& scheduler_metadata, const torch::Tensor& work_count,
     torch::Tensor& o_partial, torch::Tensor& lse_partial,
     const std::optional<torch::Tensor>& lse_t_partial, double softmax_scale,
-    double inv_temperature, bool causal) {
+    double inv_temperature, bool causal, bool pv_e4m3) {
   TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
   const bool paged = page_table.has_value();
-  check_rows_16b(q, "q", 3, device);
-  check_rows_16b(k, "k", paged ? 4 : 3, device);
+  const bool q_fp8 = check_rows_16b(q, "q", 3, device);
+  const bool kv_fp8 = check_rows_16b(k, "k", paged ? 4 : 3, device);
   check_rows_16b(v, "v", paged ? 4 : 3, device);
-  TORCH_CHECK(v.sizes() == k.sizes() && v.strides() == k.strides(),
-              "v: must have the shape and strides of k, got ", v.sizes(), " and ", k.sizes());
+  TORCH_CHECK(v.sizes() == k.sizes() && v.strides() == k.strides() &&
+                  v.scalar_type() == k.scalar_type(),
+              "v: must have the shape, strides and dtype of k, got ", v.sizes(), " ",
+              v.scalar_type(), " and ", k.sizes(), " ", k.scalar_type());
+  TORCH_CHECK(!q_fp8 || kv_fp8, "k: e4m3 q needs e4m3 k / v, got ", k.scalar_type());
+  TORCH_CHECK(!pv_e4m3 || q_fp8, "pv_e4m3: P in e4m3 needs e4m3 q / k / v, got q ",
+              q.scalar_type());
   const int64_t total_q = q.size(0), hq = q.size(1), hkv = k.size(1);
   TORCH_CHECK(!paged || k.size(2) == 128, "k: paged K/V need 128-token pages, got ", k.sizes());
   TORCH_CHECK(hkv >= 1 && hq % hkv == 0, "q: ", hq, " heads are not a multiple of the ", hkv,
@@ -387,9 +397,14 @@ void sparse_prefill_portable(
   TORCH_CHECK(o_partial.size(1) == total_q && o_partial.size(2) == hq,
               "o_partial: expected [slots, ", total_q, ", ", hq, ", 128], got ",
               o_partial.sizes());
+  TORCH_CHECK(!kv_fp8 || a.partial != msa::PartialType::kFloat32,
+              "o_partial: e4m3 K / V take bfloat16, float16 or float8_e4m3fn partials");
   a.q = q.data_ptr();
   a.k = k.data_ptr();
   a.v = v.data_ptr();
+  a.q_fp8 = q_fp8;
+  a.kv_fp8 = kv_fp8;
+  a.pv_fp8 = pv_e4m3;
   a.q_stride_token = q.stride(0);
   a.q_stride_head = q.stride(1);
   a.kv_stride_unit = k.stride(0);
@@ -485,8 +500,10 @@ void block_max_score_portable(const torch::Tensor& q, const torch::Tensor& k,
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
   const bool paged = page_table.has_value();
-  check_rows_16b(q, "q_idx", 3, device);
+  const bool fp8 = check_rows_16b(q, "q_idx", 3, device);
   check_rows_16b(k, "k_idx", paged ? 4 : 3, device);
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "k_idx: expected q_idx's dtype ",
+              q.scalar_type(), ", got ", k.scalar_type());
   TORCH_CHECK(k.size(1) == 1, "k_idx: the portable kernel serves one shared key head, got ",
               k.sizes());
   TORCH_CHECK(!paged || k.size(2) == 128, "k_idx: pages must hold 128 keys, got ", k.sizes());
@@ -507,6 +524,7 @@ void block_max_score_portable(const torch::Tensor& q, const torch::Tensor& k,
   msa::BlockMaxScoreArgs a{};
   a.q = q.data_ptr();
   a.k = k.data_ptr();
+  a.fp8 = fp8;
   a.q_stride_token = q.stride(0);
   a.q_stride_head = q.stride(1);
   a.k_stride_unit = k.stride(0);
@@ -876,7 +894,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor cu_seqlens_k, Tensor kv_lens, Tensor? page_table, Tensor k2q_row_ptr, "
       "Tensor qsplit_indices, Tensor scheduler_metadata, Tensor work_count, "
       "Tensor(a!) o_partial, Tensor(b!) lse_partial, Tensor(c!)? lse_t_partial, "
-      "float softmax_scale, float inv_temperature, bool causal) -> ()");
+      "float softmax_scale, float inv_temperature, bool causal, bool pv_e4m3=False) -> ()");
   ops.impl("sparse_prefill_portable", torch::kCUDA, &sparse_prefill_portable);
   ops.def(
       "sparse_combine_portable(Tensor o_partial, Tensor lse_partial, Tensor? lse_t_partial, "

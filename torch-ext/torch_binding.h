@@ -194,16 +194,20 @@ struct TransposeVArgs {
 cudaError_t launch_fmha_transpose_v_e4m3(const TransposeVArgs& args, cudaStream_t stream);
 
 // ----------------------------------------------------------------------------------------------
-// Portable sparse prefill (sm_80+, mma.sync; docs/design-portable.md): bf16 q/k/v attention over
-// the k2q schedule into per-slot partials, then their combine. Semantics: contract §1.2, the same
-// partials and combine as the Hopper kernels (msa/_native/sparse_prefill_sm90.py).
+// Portable sparse prefill (sm_80+, mma.sync; docs/design-portable.md): bf16 or e4m3 q/k/v
+// attention over the k2q schedule into per-slot partials, then their combine. Semantics: contract
+// §1.2, the same partials and combine as the Hopper kernels (msa/_native/sparse_prefill_sm90.py).
 // ----------------------------------------------------------------------------------------------
-enum class PartialType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+enum class PartialType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kE4m3 = 3 };
 
 struct SparsePrefillArgs {
-  const void* q;                 // [total_q, Hq, 128] bf16, channels contiguous
-  const void* k;                 // dense [total_k, Hkv, 128] or paged [pages, Hkv, 128, 128] bf16
-  const void* v;                 // same layout and strides as k
+  const void* q;                 // [total_q, Hq, 128] bf16 or e4m3, channels contiguous
+  const void* k;                 // dense [total_k, Hkv, 128] or paged [pages, Hkv, 128, 128],
+                                 // bf16 or e4m3 (e4m3 q needs e4m3 k / v)
+  const void* v;                 // same layout, strides and dtype as k
+  bool q_fp8;                    // q is e4m3 (then the MMAs run in f16, widened exactly)
+  bool kv_fp8;                   // k / v are e4m3
+  bool pv_fp8;                   // (e4m3 q) P is rounded to e4m3 before P V, as an FP8 MMA sees it
   int64_t q_stride_token, q_stride_head;
   int64_t kv_stride_unit;        // per token (dense) or page (paged)
   int64_t kv_stride_head;
@@ -256,11 +260,12 @@ struct SparseCombineArgs {
   bool want_lse_t;
 };
 
-// Portable indexer block max-scores (bf16, one shared index-key head). Semantics:
+// Portable indexer block max-scores (bf16 or e4m3, one shared index-key head). Semantics:
 // msa.reference.max_score.block_max_scores_reference; the Hopper kernel's bounds rules.
 struct BlockMaxScoreArgs {
-  const void* q;                 // [total_q, H, 128] bf16, channels contiguous
-  const void* k;                 // dense [total_k, 1, 128] or paged [pages, 1, 128, 128] bf16
+  const void* q;                 // [total_q, H, 128] bf16 or e4m3, channels contiguous
+  const void* k;                 // dense [total_k, 1, 128] or paged [pages, 1, 128, 128], q's dtype
+  bool fp8;                      // q and k are e4m3 (widened exactly to f16)
   int64_t q_stride_token, q_stride_head;
   int64_t k_stride_unit;         // per token (dense) or page (paged)
   int64_t k_stride_key;          // per token inside a page (paged only)
@@ -358,7 +363,7 @@ void sparse_prefill_portable(
     const torch::Tensor& scheduler_metadata, const torch::Tensor& work_count,
     torch::Tensor& o_partial, torch::Tensor& lse_partial,
     const std::optional<torch::Tensor>& lse_t_partial, double softmax_scale,
-    double inv_temperature, bool causal);
+    double inv_temperature, bool causal, bool pv_e4m3);
 
 void sparse_combine_portable(const torch::Tensor& o_partial, const torch::Tensor& lse_partial,
                              const std::optional<torch::Tensor>& lse_t_partial,

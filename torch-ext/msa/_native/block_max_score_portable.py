@@ -1,5 +1,5 @@
-"""Portable native indexer block max-scores (csrc/block_max_score_portable.cu): bf16, the
-portable tier of docs/design-portable.md, registered for the "portable" and "sm100" families.
+"""Portable native indexer block max-scores (csrc/block_max_score_portable.cu): bf16 or e4m3,
+the portable tier of docs/design-portable.md, registered for the "portable" and "sm100" families.
 
 One launch on q_idx's device and current stream, no host synchronization: per (query, index
 head, 128-key tile) the max of ``scale * q.k`` over the causally visible keys, -inf where none
@@ -7,9 +7,10 @@ is, into a fresh ``[H, max_k_tiles, total_q]`` fp32 tensor whose every element t
 writes. Host preparation (trusted prefix sums, key lengths, causal offsets) is the Hopper
 path's (block_max_score_sm90.kernel_inputs).
 
-Served: bf16 q_idx and k_idx, H in {1, 2, 4, 8} index heads against one shared key head, dense
-or paged keys, causal or not, any qo_offset. e4m3 and the rest run the reference. Gated like
-the whole tier (``_backend.PORTABLE_VALIDATED``; ``MSA_UNVALIDATED_KERNELS=1`` serves it).
+Served: bf16 or e4m3 q_idx and k_idx (the same dtype; e4m3 is widened exactly to f16 on load,
+the MMAs stay 16-bit), H in {1, 2, 4, 8} index heads against one shared key head, dense or
+paged keys, causal or not, any qo_offset. Mixed dtypes and the rest run the reference. Gated
+like the whole tier (``_backend.PORTABLE_VALIDATED``; ``MSA_UNVALIDATED_KERNELS=1`` serves it).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from .. import _backend
 from . import compiled_ops, debug
 from .block_max_score_sm90 import check_launch_limits, kernel_inputs
 from .compiled_ops import ops
+from .sparse_prefill_portable import reads_in_place
 
 OP = "block_max_score_portable"
 HEADS = (1, 2, 4, 8)
+DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 ROWS_PER_CTA = 128          # (query, head) rows of one CTA: must match the kernel's kRows
 MAX_REQUESTS = 65534        # the grid's y is requests + 1
 
@@ -35,8 +38,9 @@ def supports(*, q_dtype=None, k_dtype=None, num_heads=None, num_k_heads=None, ba
     missing = compiled_ops.missing_reason(OP)
     if missing is not None:
         return missing
-    if q_dtype != torch.bfloat16 or k_dtype != torch.bfloat16:
-        return f"q_idx/k_idx dtypes {q_dtype}/{k_dtype}: the portable tier serves bf16/bf16"
+    if q_dtype != k_dtype or q_dtype not in DTYPES:
+        return (f"q_idx/k_idx dtypes {q_dtype}/{k_dtype}: the portable tier serves bf16/bf16 "
+                "and e4m3/e4m3")
     if num_k_heads != 1:
         return f"{num_k_heads} index-key heads: the portable kernel serves one shared key head"
     if num_heads not in HEADS:
@@ -50,10 +54,7 @@ def supports(*, q_dtype=None, k_dtype=None, num_heads=None, num_k_heads=None, ba
 def _in_place(x: torch.Tensor) -> torch.Tensor:
     """x when the kernel reads it as it is (channels contiguous, rows 16-byte aligned), else a
     contiguous copy."""
-    if (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
-            and all(s % 8 == 0 for s in x.stride()[:-1])):
-        return x
-    return x.contiguous()
+    return x if reads_in_place(x) else x.contiguous()
 
 
 def run(call) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Portable native sparse prefill (csrc/sparse_prefill_portable.cu): bf16 q/k/v, the portable
-tier of docs/design-portable.md, registered for the "portable" and "sm100" families.
+"""Portable native sparse prefill (csrc/sparse_prefill_portable.cu): bf16 or e4m3 q/k/v, the
+portable tier of docs/design-portable.md, registered for the "portable" and "sm100" families.
 
 The same two launches as the Hopper path (sparse_prefill_sm90.py), with the same schedule,
 partials and host preparation (``prepare_launch``): the warp-MMA attention kernel writes the
@@ -7,8 +7,12 @@ per-slot partials and LSE, the csrc combine merges them. No host synchronization
 
 Gated: until its GPU tests and memcheck pass (by proxy on the H200, ``MSA_NATIVE_TIER=portable``)
 ``supports`` refuses unless ``MSA_UNVALIDATED_KERNELS=1`` (``_backend.PORTABLE_VALIDATED``).
-Served: bf16 q/k/v (pv_dtype bf16), dense or paged K/V, G in {1, 2, 4, 8, 16}, fp32 / bf16 /
-fp16 partials. Not yet: FP8 inputs, e4m3 partials and NVFP4 K/V (the reference serves them).
+Served: the Hopper tier's dtype modes (contract §1.2, no scale factors): bf16 q/k/v; bf16 q
+with e4m3 K/V; e4m3 q/k/v with pv_dtype bf16 or e4m3 (P rounded to e4m3 before P.V, as the
+reference defines it). Dense or paged K/V, G in {1, 2, 4, 8, 16}; bf16 / fp16 / e4m3 partials,
+and fp32 partials with bf16 inputs (FP8 modes take 16-bit or e4m3 partials, as on Hopper).
+e4m3 is widened exactly on load, so the kernel's MMAs are 16-bit on every arch. Not native:
+NVFP4 K/V (the reference serves it).
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ import torch
 from .. import _backend, _stages
 from . import compiled_ops, debug
 from .compiled_ops import ops
-from .sparse_prefill_sm90 import prepare_launch
+from .sparse_prefill_sm90 import attention_mode, prepare_launch
 
 OPS = ("sparse_prefill_portable", "sparse_combine_portable")
-PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 GROUPS = (1, 2, 4, 8, 16)
 # The name debug.last_variant("sparse_atten") reports for this kernel.
 VARIANT = "sparse_prefill_portable"
@@ -37,30 +41,35 @@ def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, qhead_p
         return missing
     if nvfp4:
         return "NVFP4 K/V is not native in the portable tier"
-    bf16 = torch.bfloat16
-    if (q_dtype, k_dtype, v_dtype) != (bf16, bf16, bf16) or pv_dtype not in (None, bf16):
-        return (f"q/k/v dtypes {q_dtype}/{k_dtype}/{v_dtype} with pv_dtype {pv_dtype}: the "
-                "portable tier serves bf16")
+    mode = attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype)
+    if mode is None:
+        return (f"q/k/v dtypes {q_dtype}/{k_dtype}/{v_dtype} with pv_dtype {pv_dtype}: not "
+                "native in the portable tier")
     if partial_dtype not in PARTIAL_DTYPES:
         return f"partial_dtype {partial_dtype} is not native in the portable tier"
+    if mode != "bfloat16" and partial_dtype == torch.float32:
+        return ("partial_dtype torch.float32: FP8 modes are native with bfloat16, float16 "
+                "and e4m3 partials")
     if qhead_per_kv not in GROUPS:
         return f"qhead_per_kv {qhead_per_kv} is not native"
     return _backend.unvalidated_reason("the portable sparse prefill kernel",
                                        _backend.PORTABLE_VALIDATED)
 
 
-def _in_place(x: torch.Tensor) -> bool:
-    """Whether the kernel reads x as it is: channels contiguous, every row 16-byte aligned."""
+def reads_in_place(x: torch.Tensor) -> bool:
+    """Whether a portable kernel reads x (bf16 or e4m3) as it is: channels contiguous, every
+    row 16-byte aligned."""
+    per_16_bytes = 16 // x.element_size()
     return (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
-            and all(s % 8 == 0 for s in x.stride()[:-1]))
+            and all(s % per_16_bytes == 0 for s in x.stride()[:-1]))
 
 
 def _kernel_inputs(call) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v as the kernel reads them (contiguous copies where a layout does not suit it; k
     and v share one layout)."""
-    q = call.q if _in_place(call.q) else call.q.contiguous()
+    q = call.q if reads_in_place(call.q) else call.q.contiguous()
     k, v = call.k, call.v
-    if not (_in_place(k) and _in_place(v) and k.stride() == v.stride()):
+    if not (reads_in_place(k) and reads_in_place(v) and k.stride() == v.stride()):
         k, v = k.contiguous(), v.contiguous()
     return q, k, v
 
@@ -80,7 +89,8 @@ def run(call) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tens
         schedule.k2q_row_ptr.contiguous(), schedule.qsplit_indices.contiguous(),
         schedule.scheduler_metadata.contiguous(), schedule.work_count.contiguous(),
         launch.o_partial, launch.lse_partial, lse_t_partial, float(call.softmax_scale),
-        1.0 / float(call.lse_temperature_scale), bool(call.causal))
+        1.0 / float(call.lse_temperature_scale), bool(call.causal),
+        call.pv_dtype == torch.float8_e4m3fn)
     _stages.mark("combine")
     ops.sparse_combine_portable(
         launch.o_partial, launch.lse_partial, lse_t_partial, schedule.split_counts.contiguous(),
