@@ -217,3 +217,13 @@ def test_device_mismatch_names_the_tensor_off_the_shared_device():
         check_same_device(a=cpu, b=meta, c=None)
     assert check_same_device(a=cpu, b=None, c=cpu) == torch.device("cpu")
     assert check_same_device(a=None) is None
+
+
+def test_step_names_the_index_query_on_another_device():
+    """The decode step with q_idx alone on another device names q_idx (the meta device stands
+    in for the GPU-only case 'MSADecodeStepWrapper: q_idx on the CPU')."""
+    import bad_input_table as table
+    make = table._step_make(lambda a: dict(q_idx=a["q_idx"].to("meta")))
+    made = make(torch.device("cpu"), torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"^q_idx: is on meta but k_idx, page_table"):
+        made.call()
