@@ -380,9 +380,10 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="", help="case ids, id prefixes or table indices "
                                                 "(default: all 66)")
-    ap.add_argument("--dtypes", default="bf16,fp8",
+    ap.add_argument("--dtypes", default="bf16,fp8,fp8_pe4m3",
                     help="bf16, fp8 (e4m3 q/k/v and index), with _p<partial> for the partial "
-                         "dtype (e.g. fp8_pe4m3); default bf16 partials")
+                         "dtype (fp8_pe4m3: the contract's e4m3 partials, half the partial "
+                         "bytes); default bf16 partials")
     ap.add_argument("--impls", default="paged",
                     help="paged (MsaPrefillPagedWrapper, the engine layout) and/or dense "
                          "(msa_prefill on packed K/V)")
