@@ -571,10 +571,19 @@ struct Shape {
 static_assert(Shape<false>::kAlloc <= 227 * 1024, "warpgroup form (bf16): shared memory");
 static_assert(Shape<true>::kAlloc <= 227 * 1024, "warpgroup form (e4m3): shared memory");
 
-// The bf16 form's deep ring: K in a ring of three pages and V in a ring of two, loaded as
-// separate cp.async groups, so that while a page computes K of the next two pages and V of the
-// next are in flight (96 KB, against one whole page, 64 KB, in the two-stage ring: with one page
-// in flight per SM the loads, not the MMAs, set the pace). Q stays in shared memory.
+// How the bf16 form streams pages (DecodeAttentionArgs::warpgroup_ring). With one page in flight
+// per SM (the two-stage ring of whole pages, 64 KB) the loads, not the MMAs, set the pace:
+//   kRingTwoStage  two stages of whole pages (K and V), Q in shared memory (the e4m3 form's
+//                  layout too: three stages of e4m3 pages plus their f16 copy);
+//   kRingDeep      K in a ring of three pages and V in a ring of two, separate cp.async groups:
+//                  while page i computes, K(i + 1), K(i + 2) and V(i + 1) are in flight (96 KB);
+//   kRingQRegs     Q moved into registers (the QK wgmma's A operand) after it is loaded, which
+//                  frees its 32 KB for a third stage of whole pages: pages i + 1 and i + 2 in
+//                  flight (128 KB).
+constexpr int kRingTwoStage = 0;
+constexpr int kRingDeep = 1;
+constexpr int kRingQRegs = 2;
+
 struct DeepRing {
   using S = Shape<false>;
   static constexpr int kKStages = 3;
@@ -586,6 +595,18 @@ struct DeepRing {
   static constexpr int kAlloc = kBytes + 1024;
 };
 static_assert(DeepRing::kAlloc <= 227 * 1024, "warpgroup form (bf16, deep ring): shared memory");
+
+struct QRegsRing {
+  using S = Shape<false>;
+  static constexpr int kStages = 3;
+  static constexpr int kQOffset = 2 * S::kStageBytes;   // Q lands in the third stage first
+  static constexpr int kListOffset = kStages * S::kStageBytes;
+  static constexpr int kBytes = kListOffset + kListBytes + kCountsSlotBytes;
+  static constexpr int kAlloc = kBytes + 1024;
+};
+static_assert(QRegsRing::kQOffset + 2 * Shape<false>::kQBytes <= QRegsRing::kListOffset,
+              "Q lands inside the third stage");
+static_assert(QRegsRing::kAlloc <= 227 * 1024, "warpgroup form (bf16, Q in registers): shared memory");
 
 // wgmma is sm_90a only: other archs compile just the kernel's entry point (a trap).
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -658,6 +679,17 @@ __device__ __forceinline__ void wgmma_qk_f16(float (&d)[64], uint64_t desc_a, ui
       MSA_WGMMA_D_TEXT ", %64, %65, p, 1, 1, 0, 0;\n}\n"
       : MSA_WGMMA_D_OPERANDS(d)
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// S += Q K^T with Q as the register A operand (the m64k16 fragment layout), K K-major.
+__device__ __forceinline__ void wgmma_qk_bf16_rs(float (&d)[64], const uint32_t (&a)[4],
+                                             uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      MSA_WGMMA_D_TEXT ", {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+      : MSA_WGMMA_D_OPERANDS(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
 __device__ __forceinline__ void wgmma_pv_bf16(float (&d)[64], const uint32_t (&a)[4],
@@ -808,8 +840,9 @@ struct Rows {
 
 // One page of one warpgroup: Q (qs) and K (ks) are 16-bit swizzled tiles, bf16 or f16 (e4m3
 // widened); V (vs) likewise.
-template <bool kFp8>
-__device__ __forceinline__ void page_step(const char* qs, const char* ks, const char* vs,
+template <bool kFp8, bool kQRegs = false>
+__device__ __forceinline__ void page_step(const char* qs, const uint32_t (&qa)[8][4],
+                                          const char* ks, const char* vs,
                                           const PageRef& page, bool full, float scale_log2,
                                           Rows& rows, float (&s)[64], float (&o)[64]) {
   using S = Shape<kFp8>;
@@ -819,12 +852,13 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
     const int block = kk / 4, within = 32 * (kk % 4);
-    const uint64_t desc_q = descriptor(qs + block * S::kQBlockBytes + within, 16);
     const uint64_t desc_k = descriptor(ks + block * S::kPageBlockBytes + within, 16);
-    if constexpr (kFp8) {
-      wgmma_qk_f16(s, desc_q, desc_k, kk);
+    if constexpr (kQRegs) {
+      wgmma_qk_bf16_rs(s, qa[kk], desc_k, kk);
+    } else if constexpr (kFp8) {
+      wgmma_qk_f16(s, descriptor(qs + block * S::kQBlockBytes + within, 16), desc_k, kk);
     } else {
-      wgmma_qk_bf16(s, desc_q, desc_k, kk);
+      wgmma_qk_bf16(s, descriptor(qs + block * S::kQBlockBytes + within, 16), desc_k, kk);
     }
   }
   commit_and_wait();
@@ -916,16 +950,42 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
   commit_and_wait();
 }
 
-template <bool kFp8, bool kDeepRing>
+// This thread's A fragments of its warpgroup's 64 Q rows (a 16-bit swizzled tile of two column
+// blocks): k-step kk holds rows r and r + 8 (r = 16 x warp + lane / 4), channels 16 kk + 2 (lane
+// % 4) + {0, 1} and the same + 8, in the order a0 (r), a1 (r + 8), a2 (r, + 8), a3 (r + 8, + 8).
+__device__ __forceinline__ void load_q_fragments(const char* q_tile, uint32_t (&qa)[8][4]) {
+  using S = Shape<false>;
+  const int lane = threadIdx.x & 31, warp_in_group = (threadIdx.x % 128) / 32;
+  const int r = warp_in_group * 16 + (lane >> 2);
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+#pragma unroll
+    for (int f = 0; f < 4; ++f) {
+      const int row = r + 8 * (f & 1);
+      const int channel = 16 * kk + 2 * (lane & 3) + 8 * (f >> 1);
+      const char* block = q_tile + (channel / 64) * S::kQBlockBytes;
+      qa[kk][f] = *reinterpret_cast<const uint32_t*>(
+          block + swizzled(row, (channel % 64) / 8) + (channel % 8) * 2);
+    }
+  }
+}
+
+template <bool kFp8, int kRing>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_wg_kernel(const DecodeAttentionArgs a) {
-  static_assert(!(kFp8 && kDeepRing), "the deep ring is a bf16 layout");
+  static_assert(!kFp8 || kRing == kRingTwoStage, "the e4m3 form has one layout");
   using S = Shape<kFp8>;
+  constexpr bool kDeepRing = kRing == kRingDeep;
+  constexpr bool kQRegs = kRing == kRingQRegs;
+  constexpr int kStages = kQRegs ? QRegsRing::kStages : S::kStages;   // whole-page stages
+  constexpr int kListOffset =
+      kDeepRing ? DeepRing::kListOffset : (kQRegs ? QRegsRing::kListOffset : S::kListOffset);
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  char* stages = smem + S::kStagesOffset;
+  char* stages = smem + (kQRegs ? 0 : S::kStagesOffset);
+  char* q_smem = smem + (kQRegs ? QRegsRing::kQOffset : 0);
   char* widened = smem + S::kWidenedOffset;   // e4m3: the page's f16 K, then V
-  int* cand = reinterpret_cast<int*>(smem + (kDeepRing ? DeepRing::kListOffset : S::kListOffset));
+  int* cand = reinterpret_cast<int*>(smem + kListOffset);
   int* list_phys = cand + kMaxCandidates;
   int* list_logical = list_phys + kMaxCandidates;
   uint32_t* list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
@@ -935,7 +995,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   CtaContext ctx;
   int chunk, group, tile_rows;
   if (!make_context(a, ctx, chunk, group, tile_rows)) return;
-  load_queries<kFp8>(a, ctx, group, tile_rows, smem);
+  load_queries<kFp8>(a, ctx, group, tile_rows, q_smem);
   int num_pages;
   if (a.q2k_indices != nullptr) {
     num_pages = build_sparse_page_list(a, ctx, cand, list_phys, list_logical, list_mask,
@@ -947,7 +1007,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   const int lane = threadIdx.x & 31, warp_in_group = (threadIdx.x % 128) / 32;
   const bool group_active = warpgroup * kWarpgroupRows < tile_rows;   // uniform per warpgroup
-  const char* qs = smem + warpgroup * S::kQBytes;
+  const char* qs = q_smem + warpgroup * S::kQBytes;
+  uint32_t qa[8][4];   // kQRegs: Q as the QK wgmma's register operand
+  if constexpr (kQRegs) {
+    __syncthreads();   // every warp's Q rows are in shared memory (the first stage reuses it)
+    load_q_fragments(qs, qa);
+  }
   Rows rows;
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
@@ -1011,11 +1076,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool full = (page.token_mask & tile_tokens) == tile_tokens &&
                         page.logical * kPageSize + kPageSize - 1 <= shared_last_key;
       if (group_active) {
-        page_step<false>(qs, k_slot(i), v_slot(i), page, full, scale_log2, rows, s, o);
+        page_step<false>(qs, qa, k_slot(i), v_slot(i), page, full, scale_log2, rows, s, o);
       }
     }
   }
-  auto stage_of = [&](int idx) { return stages + (idx % S::kStages) * S::kStageBytes; };
+  auto stage_of = [&](int idx) { return stages + (idx % kStages) * S::kStageBytes; };
   auto issue = [&](int idx) {   // one cp.async group per page, empty past the end
     const PageRef ref = page_of(idx);
     load_page<kFp8>(a, ctx.head, ref, stage_of(idx), valid_rows_of(ref));
@@ -1023,15 +1088,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   if constexpr (!kDeepRing) {
 #pragma unroll
-    for (int idx = 0; idx < S::kStages - 1; ++idx) issue(idx);
+    for (int idx = 0; idx < kStages - 1; ++idx) issue(idx);
   }
 
   for (int i = 0; i < (kDeepRing ? 0 : num_pages); ++i) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(S::kStages - 2) : "memory");
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
     fence_to_async_proxy();
     // Page i has landed; every thread is done with page i - 1, whose stage takes the next page.
     __syncthreads();
-    issue(i + S::kStages - 1);
+    issue(i + kStages - 1);
     const PageRef page = page_of(i);
     if (page.token_mask == 0) continue;                  // uniform: skipped (nothing loaded)
     const char* kst = stage_of(i);
@@ -1046,7 +1111,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (group_active) {
       const char* ks = kFp8 ? widened : kst;
-      page_step<kFp8>(qs, ks, ks + (kFp8 ? S::kWideBytes : S::kKBytes), page, full, scale_log2,
+      page_step<kFp8, kQRegs>(qs, qa, ks, ks + (kFp8 ? S::kWideBytes : S::kKBytes), page, full,
+                              scale_log2,
                       rows, s, o);
     }
   }
@@ -1077,7 +1143,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 #else   // device code of any arch but sm_90a: the form's entry point only, never launched
 
-template <bool kFp8, bool kDeepRing>
+template <bool kFp8, int kRing>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_wg_kernel(const DecodeAttentionArgs) {
   __trap();
@@ -1630,7 +1696,7 @@ static bool warpgroup_form_loaded() {
   if (known == 0) {
     cudaFuncAttributes attr{};
     const bool loaded =
-        cudaFuncGetAttributes(&attr, wg::decode_attention_wg_kernel<false, false>) ==
+        cudaFuncGetAttributes(&attr, wg::decode_attention_wg_kernel<false, wg::kRingTwoStage>) ==
             cudaSuccess &&
         attr.ptxVersion == 90 && attr.binaryVersion == 90;
     known = loaded ? 1 : 2;
@@ -1654,14 +1720,17 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   if (args.warpgroup) {
     if (!warpgroup_form_loaded()) return cudaErrorNotSupported;
     if (args.q_fp8) {
+      MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<true, wg::kRingTwoStage>,
+                                 wg::Shape<true>::kAlloc));
+    } else if (args.warpgroup_ring == wg::kRingDeep) {
       MSA_RETURN_IF_ERROR(
-          launch(wg::decode_attention_wg_kernel<true, false>, wg::Shape<true>::kAlloc));
-    } else if (args.warpgroup_deep_ring) {
+          launch(wg::decode_attention_wg_kernel<false, wg::kRingDeep>, wg::DeepRing::kAlloc));
+    } else if (args.warpgroup_ring == wg::kRingQRegs) {
       MSA_RETURN_IF_ERROR(
-          launch(wg::decode_attention_wg_kernel<false, true>, wg::DeepRing::kAlloc));
+          launch(wg::decode_attention_wg_kernel<false, wg::kRingQRegs>, wg::QRegsRing::kAlloc));
     } else {
-      MSA_RETURN_IF_ERROR(
-          launch(wg::decode_attention_wg_kernel<false, false>, wg::Shape<false>::kAlloc));
+      MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<false, wg::kRingTwoStage>,
+                                 wg::Shape<false>::kAlloc));
     }
   } else if (args.direct_fp8) {
     MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, true>, kDirectSmemBytes));

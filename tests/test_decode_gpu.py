@@ -77,7 +77,8 @@ def _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k):
 LENS = [1, 129, 1000, 256, 77]
 
 
-@pytest.mark.parametrize("keys", ["rows", "split", "direct", "warpgroup", "warpgroup-deep"])
+@pytest.mark.parametrize("keys", ["rows", "split", "direct", "warpgroup", "warpgroup-deep",
+                                  "warpgroup-qregs"])
 @pytest.mark.parametrize("split", ["forced", "unsplit"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("dtypes", list(DTYPES))
@@ -89,7 +90,7 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
     rows; for larger tiles the kernel keeps the row form, so those cases repeat "rows").
     keys="direct": the split form's direct e4m3 variant (e4m3 q and K/V only, two pages per
     step). keys="warpgroup": the wgmma form (q and K/V of one dtype), forced on every tile;
-    "warpgroup-deep": the same through its deep ring (bf16)."""
+    "warpgroup-deep" / "warpgroup-qregs": the same through its other page rings (bf16)."""
     _force_form(native_hooks, keys, dtypes)
     q, k, v, table, seqused_k, q2k = _batch(LENS, seqlen_q, group, dtypes, sparse)
     kw = dict(fixed_split_size=1) if split == "forced" else dict(disable_split_kv=True)
@@ -101,22 +102,28 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
         _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 
+# The warpgroup form's test keys and the page ring each forces (decode_cuda.WARPGROUP_RINGS).
+WARPGROUP_RINGS = {"warpgroup": "two-stage", "warpgroup-deep": "deep",
+                   "warpgroup-qregs": "q-registers"}
+
+
 def _force_form(native_hooks, keys, dtypes):
     """keys: "rows" (one warp per 16 rows), "split" (warps split each page's keys, bf16
     staging), "direct" (split, e4m3 fragments read straight from the raw pages, two pages per
     step; e4m3 q and K/V only), "warpgroup" (wgmma, q and K/V of one dtype; forced, so it
-    also runs tiles of <= 16 rows; its two-stage ring) or "warpgroup-deep" (the same, bf16,
-    through its deep ring); cases a form does not serve are skipped."""
+    also runs tiles of <= 16 rows; its two-stage ring), "warpgroup-deep" or "warpgroup-qregs"
+    (the same, bf16, through the deep ring or the Q-in-registers ring); cases a form does not
+    serve are skipped."""
     if keys == "direct" and dtypes != "fp8":
         pytest.skip("the direct form serves e4m3 q and K/V only")
     if keys == "warpgroup" and dtypes == "bf16q_fp8kv":
         pytest.skip("the warpgroup form serves q and K/V of one dtype")
-    if keys == "warpgroup-deep" and dtypes != "bf16":
-        pytest.skip("the deep ring is the bf16 warpgroup form's")
+    ring = WARPGROUP_RINGS.get(keys)
+    if ring != "two-stage" and ring is not None and dtypes != "bf16":
+        pytest.skip("the other page rings are the bf16 warpgroup form's")
     native_hooks.force(decode_split_keys=keys in ("split", "direct"),
                        decode_direct_fp8=keys == "direct",
-                       decode_warpgroup=keys.startswith("warpgroup"),
-                       decode_deep_ring=keys == "warpgroup-deep")
+                       decode_warpgroup=ring is not None, decode_ring=ring)
 
 
 def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k):
@@ -178,11 +185,12 @@ def test_native_decode_direct_ignores_nan_bytes_past_the_keys(msa_pkg, native_on
 
 
 @pytest.mark.parametrize("dtypes,form", [("bf16", "warpgroup"), ("fp8", "warpgroup"),
-                                         ("bf16", "warpgroup-deep")])
+                                         ("bf16", "warpgroup-deep"),
+                                         ("bf16", "warpgroup-qregs")])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, dtypes, form,
                                      native_hooks):
-    """The warpgroup form (and its bf16 deep ring) at the production shape (8 queries x G = 16:
+    """The warpgroup form (and its other bf16 page rings) at the production shape (8 queries x G = 16:
     two full warpgroups), with 32-row tiles (one warpgroup idle), two qo tiles (16 x 16), one
     query (16 rows), a long request split over many chunks, NaN bytes past each request's keys
     (zero-filled on load), and pages shared by every token."""

@@ -374,7 +374,7 @@ def test_portable_decode_never_launches_the_warpgroup_form(monkeypatch, native_h
     """The decode warpgroup form (wgmma) is sm_90a code: the portable tier's run passes
     warpgroup=False even when the hook forces the form; the Hopper run honours the hook."""
     from msa._native import decode_cuda
-    launched = []                          # (warpgroup, warpgroup_deep_ring) per launch
+    launched = []                          # (warpgroup, warpgroup_ring) per launch
     monkeypatch.setattr(decode_cuda, "ops", SimpleNamespace(
         sparse_decode_attention=lambda *args: launched.append(args[-2:])))
     schedule = SimpleNamespace(split_kv=False, request_indices=None, kv_tile_indices=None,
@@ -383,10 +383,10 @@ def test_portable_decode_never_launches_the_warpgroup_form(monkeypatch, native_h
     call = SimpleNamespace(q=None, k=None, v=None, q2k_indices=None, page_table=None,
                            seqused_k=None, schedule=schedule, out=None, lse=None, seqlen_q=8,
                            qhead_per_kv=16, pv_quant_dtype=None, softmax_scale=1.0)
-    native_hooks.force(decode_warpgroup=True, decode_deep_ring=True)
+    native_hooks.force(decode_warpgroup=True, decode_ring="deep")
     decode_cuda.run_portable(call)
     decode_cuda.run(call)
-    assert launched == [(False, False), (True, True)]
+    assert launched == [(False, 0), (True, 1)]
 
 
 def test_portable_indexer_serves_one_key_head(monkeypatch):

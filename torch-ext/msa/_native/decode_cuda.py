@@ -38,11 +38,14 @@ OP_NAME = "sparse_decode_atten"
 # the keys; memcheck clean). "e4m3" joins when its cases pass there; until then e4m3 tiles run
 # it only with MSA_UNVALIDATED_KERNELS=1 (or the decode_warpgroup hook).
 VALIDATED_WARPGROUP = frozenset({"bf16"})
-# The bf16 warpgroup form's deep ring (K in a ring of three pages, V of two: more bytes in flight
-# per SM than the two-stage ring of whole pages); serves once its cases pass on the H200 and it
-# beats the two-stage ring there (bench_decode_production.py --attention-forms
-# warpgroup,warpgroup-deep).
-VALIDATED_DEEP_RING = False
+# How the bf16 warpgroup form streams pages (csrc/decode_attention.cu, kRing*): "two-stage"
+# (whole pages, one in flight per SM), "deep" (K three pages and V two in flight) and
+# "q-registers" (Q in registers, three stages of whole pages). SERVED_RING is the one whose H200
+# cases passed; another serves once its cases pass there and
+# `bench_decode_production.py --attention-forms warpgroup,warpgroup-deep,warpgroup-qregs`
+# shows it faster (the decode_ring hook runs any of them).
+WARPGROUP_RINGS = {"two-stage": 0, "deep": 1, "q-registers": 2}
+SERVED_RING = "two-stage"
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
@@ -67,15 +70,15 @@ def run(call) -> None:
     [B * seqlen_q, Hq, 128] bf16 and, when not None, ``call.lse`` [B * seqlen_q, Hq] fp32 in
     place; rows that see no key get O = 0 and LSE = -inf.
     """
-    _launch(call, _warpgroup(call), _deep_ring())
+    _launch(call, _warpgroup(call), _ring())
 
 
 def run_portable(call) -> None:
     """:func:`run` on the portable tier: split-keys, direct e4m3 and row forms only."""
-    _launch(call, False, False)
+    _launch(call, False, WARPGROUP_RINGS["two-stage"])
 
 
-def _launch(call, warpgroup: bool, deep_ring: bool) -> None:
+def _launch(call, warpgroup: bool, ring: int) -> None:
     s = call.schedule
     if s is None:
         raise ValueError("schedule: the native decode kernel needs a DecodeSchedule")
@@ -85,7 +88,7 @@ def _launch(call, warpgroup: bool, deep_ring: bool) -> None:
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
         call.o_partial if split else None, call.lse_partial if split else None,
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
-        float(call.softmax_scale), _split_keys(), _direct_fp8(), warpgroup, deep_ring)
+        float(call.softmax_scale), _split_keys(), _direct_fp8(), warpgroup, ring)
 
 
 def _split_keys() -> bool:
@@ -100,14 +103,13 @@ def _direct_fp8() -> bool:
     return debug.forced("decode_direct_fp8") is not False
 
 
-def _deep_ring() -> bool:
-    """Whether the bf16 warpgroup form loads through its deep ring (the binding applies it to
-    that form only): when validated (or with MSA_UNVALIDATED_KERNELS=1); the decode_deep_ring
-    hook forces it either way."""
-    forced = debug.forced("decode_deep_ring")
-    if forced is not None:
-        return bool(forced)
-    return VALIDATED_DEEP_RING or _backend.unvalidated_ok()
+def _ring() -> int:
+    """The page ring of the bf16 warpgroup form (the binding applies it to that form only):
+    SERVED_RING, or the one the decode_ring hook names."""
+    name = debug.forced("decode_ring") or SERVED_RING
+    if name not in WARPGROUP_RINGS:
+        raise ValueError(f"decode_ring: expected one of {list(WARPGROUP_RINGS)}, got {name!r}")
+    return WARPGROUP_RINGS[name]
 
 
 def _warpgroup(call) -> bool:
