@@ -24,11 +24,9 @@ import torch
 from .. import _backend, _stages
 from . import compiled_ops, debug
 from .compiled_ops import ops
-from .sparse_prefill_sm90 import attention_mode, prepare_launch
+from .sparse_prefill_sm90 import attention_mode, prepare_launch, refusal
 
 OPS = ("sparse_prefill_portable", "sparse_combine_portable")
-PARTIAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
-GROUPS = (1, 2, 4, 8, 16)
 # The name debug.last_variant("sparse_atten") reports for this kernel.
 VARIANT = "sparse_prefill_portable"
 
@@ -39,19 +37,11 @@ def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, qhead_p
     missing = compiled_ops.missing_reason(*OPS)
     if missing is not None:
         return missing
-    if nvfp4:
-        return "NVFP4 K/V is not native in the portable tier"
-    mode = attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype)
-    if mode is None:
-        return (f"q/k/v dtypes {q_dtype}/{k_dtype}/{v_dtype} with pv_dtype {pv_dtype}: not "
-                "native in the portable tier")
-    if partial_dtype not in PARTIAL_DTYPES:
-        return f"partial_dtype {partial_dtype} is not native in the portable tier"
-    if mode != "bfloat16" and partial_dtype == torch.float32:
-        return ("partial_dtype torch.float32: FP8 modes are native with bfloat16, float16 "
-                "and e4m3 partials")
-    if qhead_per_kv not in GROUPS:
-        return f"qhead_per_kv {qhead_per_kv} is not native"
+    why = refusal("in the portable tier", attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype),
+                  q_dtype=q_dtype, k_dtype=k_dtype, v_dtype=v_dtype, pv_dtype=pv_dtype,
+                  partial_dtype=partial_dtype, qhead_per_kv=qhead_per_kv, nvfp4=nvfp4)
+    if why is not None:
+        return why
     return _backend.unvalidated_reason("the portable sparse prefill kernel",
                                        _backend.PORTABLE_VALIDATED)
 

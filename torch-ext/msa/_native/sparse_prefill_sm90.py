@@ -64,6 +64,26 @@ def attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype) -> Optional[str]:
     return None
 
 
+def refusal(where: str, mode: Optional[str], *, q_dtype=None, k_dtype=None, v_dtype=None,
+            pv_dtype=None, partial_dtype=None, qhead_per_kv=None, nvfp4=False) -> Optional[str]:
+    """Why no sparse attention kernel `where` ("on sm90", "in the portable tier": both tiers
+    build the same dtype modes, partials and groups) serves these features, or None. `mode` is
+    attention_mode() of the dtypes."""
+    if nvfp4:
+        return f"NVFP4 K/V is not native {where}"
+    if mode is None:
+        return (f"q/k/v dtypes {q_dtype}/{k_dtype}/{v_dtype} with pv_dtype {pv_dtype}: not "
+                f"native {where}")
+    if partial_dtype not in _PARTIALS:
+        return f"partial_dtype {partial_dtype} is not native {where}"
+    if mode != "bfloat16" and partial_dtype == torch.float32:
+        return ("partial_dtype torch.float32: FP8 modes are native with bfloat16, float16 "
+                "and e4m3 partials")
+    if qhead_per_kv not in variants.QHEAD_PER_KV:
+        return f"qhead_per_kv {qhead_per_kv} is not native"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseKernel:
     """The kernels supports() picked for a call, as run() launches them."""
@@ -87,19 +107,12 @@ def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=F
              **_ignored) -> _backend.Verdict:
     """The kernels serving a call with these features (_backend.Served), else the reason none
     can. debug hook: sparse_form (a form to run wherever it is built)."""
-    if nvfp4:
-        return "NVFP4 K/V is not native on sm90 yet"
     mode = attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype)
-    if mode is None:
-        return (f"q/k/v dtypes {q_dtype}/{k_dtype}/{v_dtype} with pv_dtype {pv_dtype}: "
-                "not native on sm90")
-    if partial_dtype not in _PARTIALS:
-        return f"partial_dtype {partial_dtype} is not native on sm90"
-    if mode != "bfloat16" and partial_dtype == torch.float32:
-        return ("partial_dtype torch.float32: FP8 modes are native with bfloat16, float16 "
-                "and e4m3 partials")
-    if qhead_per_kv not in variants.QHEAD_PER_KV:
-        return f"qhead_per_kv {qhead_per_kv} is not native"
+    why = refusal("on sm90", mode, q_dtype=q_dtype, k_dtype=k_dtype, v_dtype=v_dtype,
+                  pv_dtype=pv_dtype, partial_dtype=partial_dtype, qhead_per_kv=qhead_per_kv,
+                  nvfp4=nvfp4)
+    if why is not None:
+        return why
     partial, paged = _PARTIALS[partial_dtype], bool(paged)
     form = serving.pick("sparse", mode,
                         lambda f: (sparse_kernel(mode, qhead_per_kv, paged, partial,
