@@ -1044,6 +1044,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto valid_rows_of = [&](const PageRef& ref) {
     return min(kPageSize, max(ctx.seqlen_k - ref.logical * kPageSize, 0));
   };
+  // Every token of the tile sees every key of the page: the page skips the mask.
+  auto fully_visible = [&](const PageRef& page) {
+    return (page.token_mask & tile_tokens) == tile_tokens &&
+           page.logical * kPageSize + kPageSize - 1 <= shared_last_key;
+  };
   if constexpr (kDeepRing) {
     auto k_slot = [&](int idx) {
       return smem + DeepRing::kKOffset + (idx % DeepRing::kKStages) * S::kWideBytes;
@@ -1073,47 +1078,44 @@ __global__ void __launch_bounds__(kThreads, 1)
       issue(i + 2, true);
       const PageRef page = page_of(i);
       if (page.token_mask == 0) continue;                // uniform: skipped (nothing loaded)
-      const bool full = (page.token_mask & tile_tokens) == tile_tokens &&
-                        page.logical * kPageSize + kPageSize - 1 <= shared_last_key;
       if (group_active) {
-        page_step<false>(qs, qa, k_slot(i), v_slot(i), page, full, scale_log2, rows, s, o);
+        page_step<false>(qs, qa, k_slot(i), v_slot(i), page, fully_visible(page), scale_log2,
+                         rows, s, o);
       }
     }
-  }
-  auto stage_of = [&](int idx) { return stages + (idx % kStages) * S::kStageBytes; };
-  auto issue = [&](int idx) {   // one cp.async group per page, empty past the end
-    const PageRef ref = page_of(idx);
-    load_page<kFp8>(a, ctx.head, ref, stage_of(idx), valid_rows_of(ref));
-    cp_async_commit();
-  };
-  if constexpr (!kDeepRing) {
+  } else {
+    auto stage_of = [&](int idx) { return stages + (idx % kStages) * S::kStageBytes; };
+    auto issue = [&](int idx) {   // one cp.async group per page, empty past the end
+      const PageRef ref = page_of(idx);
+      load_page<kFp8>(a, ctx.head, ref, stage_of(idx), valid_rows_of(ref));
+      cp_async_commit();
+    };
 #pragma unroll
     for (int idx = 0; idx < kStages - 1; ++idx) issue(idx);
-  }
 
-  for (int i = 0; i < (kDeepRing ? 0 : num_pages); ++i) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
-    fence_to_async_proxy();
-    // Page i has landed; every thread is done with page i - 1, whose stage takes the next page.
-    __syncthreads();
-    issue(i + kStages - 1);
-    const PageRef page = page_of(i);
-    if (page.token_mask == 0) continue;                  // uniform: skipped (nothing loaded)
-    const char* kst = stage_of(i);
-    if constexpr (kFp8) {
-      widen_page(kst, widened);
+    for (int i = 0; i < num_pages; ++i) {
+      asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
       fence_to_async_proxy();
-    }
-    const bool full = (page.token_mask & tile_tokens) == tile_tokens &&
-                      page.logical * kPageSize + kPageSize - 1 <= shared_last_key;
-    if constexpr (kFp8) {
-      __syncthreads();                                   // the widened K and V are complete
-    }
-    if (group_active) {
-      const char* ks = kFp8 ? widened : kst;
-      page_step<kFp8, kQRegs>(qs, qa, ks, ks + (kFp8 ? S::kWideBytes : S::kKBytes), page, full,
-                              scale_log2,
-                      rows, s, o);
+      // Page i has landed; every thread is done with page i - 1, whose stage takes the next
+      // page.
+      __syncthreads();
+      issue(i + kStages - 1);
+      const PageRef page = page_of(i);
+      if (page.token_mask == 0) continue;                // uniform: skipped (nothing loaded)
+      const char* kst = stage_of(i);
+      if constexpr (kFp8) {
+        widen_page(kst, widened);
+        fence_to_async_proxy();
+      }
+      const bool full = fully_visible(page);
+      if constexpr (kFp8) {
+        __syncthreads();                                 // the widened K and V are complete
+      }
+      if (group_active) {
+        const char* ks = kFp8 ? widened : kst;
+        page_step<kFp8, kQRegs>(qs, qa, ks, ks + (kFp8 ? S::kWideBytes : S::kKBytes), page,
+                                full, scale_log2, rows, s, o);
+      }
     }
   }
   cp_async_wait_all();
