@@ -76,6 +76,18 @@ def native_tier(tier: str):
                 os.environ[name] = value
 
 
+def tier_backend(msa, op: str, probe: Callable[[], object], tier: str, what: str
+                 ) -> Optional[str]:
+    """The backend `tier` runs `op` on (probe(): a small call of it), or None, with a printed
+    skip, when a tier other than hopper does not serve it."""
+    with native_tier(tier):
+        backend = probe_backend(msa, op, probe)
+    if tier != "hopper" and backend != tier:
+        print(f"skip {what} [{tier}]: the tier does not serve it (ran: {backend})", flush=True)
+        return None
+    return backend
+
+
 def ran_form(msa, op: str) -> Optional[str]:
     """The serving-table form of the last native launch of `op` ("fmha_dense",
     "sparse_atten", ...), None when none ran (a reference call, or no native kernels)."""

@@ -306,11 +306,12 @@ def slot_count(bytes_per_call: int, device, args) -> int:
 def run_impl(impl: Impl, args, device) -> Optional[Dict]:
     """Build the slots of one implementation and time it; None (with a note) when it does not
     fit the memory limit or cannot run."""
-    free_memory(device)                       # the last implementation's slots
+    probe = None
     try:
         probe = impl.make_slot()
         probe.call()
     except torch.cuda.OutOfMemoryError as exc:
+        probe = None
         free_memory(device)
         print(f"skip {impl.name}: out of memory", flush=True)
         return dict(note=f"out of memory: {str(exc).splitlines()[0][:120]}")

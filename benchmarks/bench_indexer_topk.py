@@ -26,8 +26,9 @@ import argparse
 import torch
 
 from _common import (BLOCK, HEAD_DIM, add_common_args, apply_preset, cu_seqlens, dtype_of, fits,
-                     free_memory, load_msa, native_tier, parse_names, parse_sizes, probe_backend,
-                     random_fill, reference_too_slow, setup, synchronize, time_ms, TsvWriter)
+                     free_memory, load_msa, native_tier, parse_names, parse_sizes,
+                     random_fill, reference_too_slow, setup, synchronize, tier_backend, time_ms,
+                     TsvWriter)
 
 COLUMNS = ("op", "case", "lengths", "dtype", "impl", "backend", "latency_ms", "tflops",
            "speedup_vs_torch", "note")
@@ -76,16 +77,13 @@ def bench_indexer(msa, args, device, tsv: TsvWriter, cases):
         q_small, k_small = (random_fill([small[0], heads, HEAD_DIM], dtype_of(dtype_name), device)
                             for heads in (args.h_idx, 1))
         for tier in parse_names(args.tiers):
-            with native_tier(tier):
-                backend = probe_backend(msa, "block_max_scores",
-                                        lambda: block_max(q_small, k_small, small,
-                                                          cu_seqlens(small, device)))
-            if tier != "hopper" and backend != tier:
-                print(f"skip msa indexer {dtype_name} [{tier}]: the tier does not serve it "
-                      f"(ran: {backend})", flush=True)
-                continue
-            backends[dtype_name, tier] = backend
-            runs.append((dtype_name, tier))
+            backend = tier_backend(msa, "block_max_scores",
+                                   lambda: block_max(q_small, k_small, small,
+                                                     cu_seqlens(small, device)),
+                                   tier, f"msa indexer {dtype_name}")
+            if backend is not None:
+                backends[dtype_name, tier] = backend
+                runs.append((dtype_name, tier))
     for case, lens in cases:
         row = dict(op="indexer", case=case, lengths=lens)
         cu = cu_seqlens(lens, device)   # made once: no host-to-device copy inside the timing
@@ -169,14 +167,10 @@ def bench_topk(msa, args, device, tsv: TsvWriter, sizes):
     small_scores, small_own = topk_scores(4 * BLOCK, args.h_idx, device)
     backends = {}
     for tier in parse_names(args.tiers):
-        with native_tier(tier):
-            backend = probe_backend(msa, "sparse_topk_select",
-                                    lambda: select(small_scores, small_own))
-        if tier != "hopper" and backend != tier:
-            print(f"skip msa top-k [{tier}]: the tier does not serve it (ran: {backend})",
-                  flush=True)
-            continue
-        backends[tier] = backend
+        backend = tier_backend(msa, "sparse_topk_select", lambda: select(small_scores, small_own),
+                               tier, "msa top-k")
+        if backend is not None:
+            backends[tier] = backend
     for n in sizes:
         _bench_topk_size(msa, n, select, backends, args, device, tsv)
         free_memory(device)

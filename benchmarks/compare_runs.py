@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         newest = max(order, key=order.get)
         new_rows = [r for r in rows if r["commit"] == newest]
         baseline = [r for r in rows if order[r["commit"]] < order[newest]]
-    keys = [k for k in key_columns(columns)]
+    keys = key_columns(columns)
     time = time_column(columns)
     lines, slower = compare(new_rows, baseline, keys, time, args.tolerance)
     shown = [k for k in keys if k != "gpu"]

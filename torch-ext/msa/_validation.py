@@ -20,6 +20,7 @@ Two tiers:
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Dict, Iterable, Optional, Sequence
 
@@ -58,16 +59,16 @@ def check_tensor(name: str, t, *, dtypes: Optional[Sequence[torch.dtype]] = None
     return t
 
 
-def check_same_device(**tensors: Optional[torch.Tensor]) -> torch.device:
+def check_same_device(**tensors: Optional[torch.Tensor]) -> Optional[torch.device]:
     """The one device of the given tensors (None skipped). Otherwise the error names a tensor off
     the device most of them share (the later one on a tie): the argument the caller moved."""
     present = {name: t.device for name, t in tensors.items() if t is not None}
-    if not present:
-        return None
-    devices = list(present.values())
-    counts = {d: devices.count(d) for d in devices}
+    counts = collections.Counter(present.values())
+    if len(counts) <= 1:
+        return next(iter(counts), None)
     # Most tensors' device; on a tie the first tensor's (so the later one is blamed).
-    device = max(counts, key=lambda d: (counts[d], d == devices[0]))
+    first = next(iter(present.values()))
+    device = max(counts, key=lambda d: (counts[d], d == first))
     for name, d in present.items():
         if d != device:
             on = [n for n, other in present.items() if other == device]
