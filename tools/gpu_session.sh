@@ -77,15 +77,28 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   # host has 16 cores, so files run side by side; their logs are joined into tests.log.
   echo "== GPU tests against $VARIANT"
   rm -f /tmp/msa-tests-*.log                # a warm machine keeps the last call's logs
+  entries=(${MSA_GPU_TESTS:-tests/test_sparse_prefill_gpu.py tests/test_transformers_gpu.py \
+    tests/test_csrc_gpu.py tests/test_packaging.py})
+  # Share the cores: every pytest process (each xdist worker, the sanitizer) would otherwise
+  # start one torch thread per core, and 14 processes x 16 OpenMP threads on 16 cores stalled
+  # the float64 oracles of every file past its timeout.
+  processes=0
+  [ -n "${MSA_SANITIZE:-}" ] && processes=1
+  for entry in "${entries[@]}"; do
+    if [ "${entry%@*}" != "$entry" ]; then processes=$(( processes + ${entry##*@} ))
+    else processes=$(( processes + 1 )); fi
+  done
+  threads=$(( $(nproc) / processes )); [ "$threads" -lt 1 ] && threads=1
+  echo "$processes test processes, $threads torch threads each"
   pids=()
-  for entry in ${MSA_GPU_TESTS:-tests/test_sparse_prefill_gpu.py tests/test_transformers_gpu.py \
-      tests/test_csrc_gpu.py tests/test_packaging.py}; do
+  for entry in "${entries[@]}"; do
     # "file@N": N pytest-xdist workers for that file (its float64 oracles are CPU-bound).
     file=${entry%@*}
     workers=()
     [ "$file" != "$entry" ] && workers=(-n "${entry##*@}")
     log=/tmp/msa-tests-$(echo "${file#tests/}" | sed 's/\.py//; s/[^A-Za-z0-9_.-]/_/g').log
-    MSA_TEST_PACKAGE_DIR=$PWD/$VARIANT MSA_EXPECT_NATIVE=1 timeout ${MSA_TEST_TIMEOUT:-420} \
+    OMP_NUM_THREADS=$threads MSA_TEST_PACKAGE_DIR=$PWD/$VARIANT MSA_EXPECT_NATIVE=1 \
+      timeout ${MSA_TEST_TIMEOUT:-420} \
       python3 -m pytest -p no:cacheprovider "$file" "${workers[@]}" ${MSA_PYTEST_ARGS:--q} \
       ${MSA_PYTEST_K:+-k "$MSA_PYTEST_K"} -s > "$log" 2>&1 &
     pids+=($!)
