@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import build_variant  # noqa: E402
 
-# compute capability -> whether get_kernel loads the CUDA variant (kernels' ArchValidator)
-LOADS = {(9, 0): True, (10, 0): True, (8, 0): False, (8, 6): False, (8, 9): False,
-         (10, 3): False, (12, 0): False}
+# compute capability -> whether get_kernel loads the CUDA variant (kernels' ArchValidator): every
+# capability >= 8.0 (the portable tier's compute_80 PTX covers those without their own SASS).
+LOADS = {(7, 5): False, (8, 0): True, (8, 6): True, (8, 7): True, (8, 9): True, (9, 0): True,
+         (10, 0): True, (10, 3): True, (11, 0): True, (12, 0): True, (12, 1): True}
 
 
 @pytest.fixture
@@ -38,6 +39,13 @@ def gpu_of_capability(monkeypatch):
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(_backend, "_arch_of_index", {})
     return set_capability
+
+
+@pytest.fixture
+def closed_portable_gate(monkeypatch):
+    """The portable tier's gate as it stands until a tier has passed on the H200: the gate's
+    refusals and MSA_UNVALIDATED_KERNELS=1 are what these tests check."""
+    monkeypatch.setattr(_backend, "PORTABLE_VALIDATED", False)
 
 
 @pytest.mark.parametrize("capability,loads", sorted(LOADS.items()))
@@ -60,21 +68,6 @@ def test_get_kernel_architecture_check(tmp_path, gpu_of_capability, capability, 
             ArchValidator().validate_metadata(metadata=parsed, variant=variant)
 
 
-# The cuda-capabilities build.toml takes with the portable tier once it is validated
-# (docs/design-portable.md, "Build and the loader's arch check").
-PORTABLE_TIER_CAPABILITIES = ["8.0+PTX", "8.9", "9.0a", "10.0a", "12.0"]
-
-
-@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0),
-                                        (10, 3), (11, 0), (12, 0), (12, 1)])
-def test_portable_tier_capabilities_load_on_every_tier_gpu(capability):
-    """The design note's claim about the kernels loader: that list loads on every capability
-    >= 8.0 (compute_80 PTX covers the ones without their own SASS), and not below."""
-    archs = pytest.importorskip("kernels.archs")
-    assert archs._supports_cuda_capability(PORTABLE_TIER_CAPABILITIES, capability)
-    assert not archs._supports_cuda_capability(PORTABLE_TIER_CAPABILITIES, (7, 5))
-
-
 def _sparse_features():
     return dict(q_dtype=torch.bfloat16, k_dtype=torch.bfloat16, v_dtype=torch.bfloat16,
                 pv_dtype=torch.bfloat16, paged=False, causal=True, qhead_per_kv=16, topk=16,
@@ -82,8 +75,11 @@ def _sparse_features():
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9), (12, 0)])
-def test_other_gpus_run_the_reference_with_a_warning(gpu_of_capability, monkeypatch, caplog,
-                                                     capability):
+def test_other_gpus_without_the_compiled_ops_run_the_reference_with_a_warning(
+        gpu_of_capability, monkeypatch, caplog, capability):
+    """A package without the compiled ops (the source tree here) on a portable-tier GPU: the
+    reference runs with a WARNING naming the tier, the capability and the missing op;
+    MSA_BACKEND=native refuses instead."""
     gpu_of_capability(capability)
     monkeypatch.setattr(_backend, "_logged", set())
     monkeypatch.delenv("MSA_BACKEND", raising=False)
@@ -93,7 +89,7 @@ def test_other_gpus_run_the_reference_with_a_warning(gpu_of_capability, monkeypa
             (_backend.REFERENCE, None)
     text = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "PyTorch reference" in text and f"{capability[0]}.{capability[1]}" in text
-    assert "portable tier" in text
+    assert "portable tier" in text and "sparse_prefill_portable is not built" in text
     monkeypatch.setenv("MSA_BACKEND", "native")
     with pytest.raises(NotImplementedError, match="MSA_BACKEND=native"):
         _backend.choose("sparse_atten", device, **_sparse_features())
@@ -139,10 +135,12 @@ def test_arch_families(gpu_of_capability, monkeypatch, capability, family):
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 9)])
-def test_portable_tier_is_gated_and_logged(gpu_of_capability, monkeypatch, caplog, capability):
-    """The portable sparse prefill, forced on SM90 or chosen on another GPU: refused while it is
-    not validated (a WARNING naming the tier and the gate), served with MSA_UNVALIDATED_KERNELS=1
-    (an INFO line naming the tier, the capability and that it has not run on hardware)."""
+def test_portable_tier_is_gated_and_logged(gpu_of_capability, monkeypatch, caplog, capability,
+                                           closed_portable_gate):
+    """The portable sparse prefill, forced on SM90 or chosen on another GPU: with the tier's gate
+    closed (PORTABLE_VALIDATED False), refused (a WARNING naming the tier and the gate) and served
+    with MSA_UNVALIDATED_KERNELS=1 (an INFO line: not validated yet); with the gate open, served
+    (an INFO line naming the tier, the capability and the proxy validation)."""
     from msa._native import compiled_ops, sparse_prefill_portable
     gpu_of_capability(capability)
     monkeypatch.setattr(_backend, "_logged", set())
@@ -168,6 +166,18 @@ def test_portable_tier_is_gated_and_logged(gpu_of_capability, monkeypatch, caplo
     assert f"portable tier (warp-MMA csrc kernels) on compute capability {cc}" in info
     assert "not validated on hardware yet" in info
 
+    caplog.clear()
+    monkeypatch.setattr(_backend, "_logged", set())
+    monkeypatch.delenv("MSA_UNVALIDATED_KERNELS")
+    monkeypatch.setattr(_backend, "PORTABLE_VALIDATED", True)
+    with caplog.at_level(logging.INFO, logger="msa"):
+        assert _backend.choose("sparse_atten", device, **_sparse_features()) == \
+            ("portable", sparse_prefill_portable.run)
+        assert not _backend.reference_only(device)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "not run on hardware of this capability, validated by proxy on the H200" in \
+        " ".join(r.getMessage() for r in caplog.records)
+
 
 # One served call per portable op: (op, supports() features, the run function's module and name).
 PORTABLE_CALLS = {
@@ -185,7 +195,7 @@ PORTABLE_CALLS = {
 @pytest.mark.parametrize("op", sorted(PORTABLE_CALLS))
 @pytest.mark.parametrize("capability", [(8, 6), (9, 0), (12, 0)])
 def test_portable_csrc_ops_are_gated_and_logged(gpu_of_capability, monkeypatch, caplog,
-                                                capability, op):
+                                                capability, op, closed_portable_gate):
     """The CSR builder, top-k, decode and decode indexer on the portable tier (chosen on a GPU
     other than SM90, forced on SM90): refused with a WARNING naming the tier and the gate while
     the tier is not validated, served by the tier's run function with MSA_UNVALIDATED_KERNELS=1
@@ -238,7 +248,7 @@ PORTABLE_SPARSE_E4M3 = [
                          ids=lambda v: "-".join(str(d).replace("torch.", "") for d in v)
                          if isinstance(v, tuple) else str(v))
 def test_portable_sparse_prefill_serves_the_e4m3_modes(gpu_of_capability, monkeypatch, dtypes,
-                                                       refusal):
+                                                       refusal, closed_portable_gate):
     """The portable sparse prefill serves the Hopper tier's FP8 modes (e4m3 widened exactly on
     load) behind the tier's gate, and refuses the rest with the reason; on an SM90 or SM100
     device as on any other capability >= 8.0."""
@@ -261,6 +271,10 @@ def test_portable_sparse_prefill_serves_the_e4m3_modes(gpu_of_capability, monkey
     assert _backend.choose("sparse_atten", device, **features) == (_backend.REFERENCE, None)
     monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     assert sparse_prefill_portable.supports(**features) is None
+    assert _backend.choose("sparse_atten", device, **features) == \
+        ("portable", sparse_prefill_portable.run)
+    monkeypatch.delenv("MSA_UNVALIDATED_KERNELS")
+    monkeypatch.setattr(_backend, "PORTABLE_VALIDATED", True)     # the gate open: served
     assert _backend.choose("sparse_atten", device, **features) == \
         ("portable", sparse_prefill_portable.run)
 
@@ -389,7 +403,7 @@ def test_portable_decode_never_launches_the_warpgroup_form(monkeypatch, native_h
     assert launched == [(False, 0), (True, 1)]
 
 
-def test_portable_indexer_serves_one_key_head(monkeypatch):
+def test_portable_indexer_serves_one_key_head(monkeypatch, closed_portable_gate):
     """What the portable indexer refuses besides dtypes (the reference serves it); a served
     call reaches the gate."""
     from msa._native import block_max_score_portable, compiled_ops
@@ -406,7 +420,7 @@ def test_portable_indexer_serves_one_key_head(monkeypatch):
     assert block_max_score_portable.supports(**features) is None
 
 
-def test_portable_sparse_prefill_refusals(monkeypatch):
+def test_portable_sparse_prefill_refusals(monkeypatch, closed_portable_gate):
     """What the portable sparse prefill refuses besides dtypes (the reference serves it), before
     its gate; every partial dtype of a bf16 call reaches the gate."""
     from msa._native import compiled_ops, sparse_prefill_portable

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Compile every csrc/*.cu for every arch the package declares (the portable tier's sm_80, sm_89,
-# sm_100a, sm_120a and Hopper's sm_90a; docs/design-portable.md) into an object file, without
+# Compile every csrc/*.cu for every arch the package declares (build.toml cuda-capabilities: the
+# portable tier's sm_80, sm_89, sm_100a, sm_120 and Hopper's sm_90a) into an object file, without
 # torch, and print the ptxas resource usage (registers, spills, shared memory) per arch. Fails on
 # any compile error or warning.
 #
-#   tools/check_csrc.sh                         # 80 89 90a 100a 120a
+#   tools/check_csrc.sh                         # 80 89 90a 100a 120
 #   MSA_CHECK_ARCHS="90a" tools/check_csrc.sh   # one arch (faster)
 #   MSA_CHECK_THREADS=4                         # archs nvcc compiles in parallel (default 2)
 #
@@ -22,7 +22,7 @@ if [[ -z "${NVCC}" ]]; then
   exit 0
 fi
 
-ARCHS="${MSA_CHECK_ARCHS:-80 89 90a 100a 120a}"
+ARCHS="${MSA_CHECK_ARCHS:-80 89 90a 100a 120}"
 THREADS="${MSA_CHECK_THREADS:-2}"
 OUT_DIR="$(mktemp -d)"
 trap 'rm -rf "${OUT_DIR}"' EXIT

@@ -93,7 +93,7 @@ TIER_ENV = "MSA_NATIVE_TIER"
 PORTABLE = "portable"
 # Whether the portable tier's kernels passed their GPU tests and memcheck (by proxy on the
 # H200): until then they are gated like any unvalidated kernel (unvalidated_reason).
-PORTABLE_VALIDATED = False
+PORTABLE_VALIDATED = True
 # Compute capabilities on which the portable tier's GPU tests have passed on that hardware
 # itself (the README's matrix); elsewhere its log line says it was validated by proxy only.
 PORTABLE_RUN_ON_HARDWARE: frozenset = frozenset()
