@@ -35,8 +35,9 @@ OP_NAME = "sparse_decode_atten"
 # The warpgroup form (wgmma, served on tiles of > 16 rows, i.e. multi-token prediction, with q
 # and K/V both bf16 or both e4m3), validated per dtype: "bf16" (bf16 q and K/V) passed its cases
 # of tests/test_decode_gpu.py on the H200 (the matrix, multi-token prediction, NaN bytes past
-# the keys; memcheck clean). "e4m3" joins when its cases pass there; until then e4m3 tiles run
-# it only with MSA_UNVALIDATED_KERNELS=1 (or the decode_warpgroup hook).
+# the keys; memcheck clean) and beat the row form. "e4m3" passes the same cases and joins once
+# the production decode benchmark times it against the row form; until then e4m3 tiles run it
+# only with MSA_UNVALIDATED_KERNELS=1 (or the decode_warpgroup hook).
 VALIDATED_WARPGROUP = frozenset({"bf16"})
 # How the bf16 warpgroup form streams pages (csrc/decode_attention.cu, kRing*): "two-stage"
 # (whole pages, one in flight per SM), "deep" (K three pages and V two in flight) and
