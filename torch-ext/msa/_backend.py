@@ -92,7 +92,7 @@ _arch_of_index: Dict[int, Optional[str]] = {}
 TIER_ENV = "MSA_NATIVE_TIER"
 PORTABLE = "portable"
 # Whether the portable tier's kernels passed their GPU tests and memcheck (by proxy on the
-# H200): until then they are gated like any unvalidated kernel (unvalidated_reason).
+# H200, docs/design-portable.md); False gates them like any unvalidated kernel.
 PORTABLE_VALIDATED = True
 # Compute capabilities on which the portable tier's GPU tests have passed on that hardware
 # itself (the README's matrix); elsewhere its log line says it was validated by proxy only.

@@ -9,8 +9,8 @@ path's (block_max_score_sm90.kernel_inputs).
 
 Served: bf16 or e4m3 q_idx and k_idx (the same dtype; e4m3 is widened exactly to f16 on load,
 the MMAs stay 16-bit), H in {1, 2, 4, 8} index heads against one shared key head, dense or
-paged keys, causal or not, any qo_offset. Mixed dtypes and the rest run the reference. Gated
-like the whole tier (``_backend.PORTABLE_VALIDATED``; ``MSA_UNVALIDATED_KERNELS=1`` serves it).
+paged keys, causal or not, any qo_offset. Mixed dtypes and the rest run the reference. Behind
+the whole tier's gate (``_backend.PORTABLE_VALIDATED``, open since the H200 proxy validation).
 """
 
 from __future__ import annotations

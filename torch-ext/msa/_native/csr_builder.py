@@ -1,5 +1,5 @@
 """Native k2q CSR builder (csrc/build_k2q_csr.cu), registered as ("build_k2q_csr", sm90/sm100)
-and, gated like the rest of the tier, for the portable tier.
+and, behind the tier's gate like the rest of it, for the portable tier.
 
 The CUDA ops ``run_build_k2q_csr`` and ``run_build_k2q_csr_with_schedule`` produce outputs
 bit-identical to the reference CSR builder (msa.sparse_index_utils.build_k2q_csr_torch_reference

@@ -5,8 +5,8 @@ The same two launches as the Hopper path (sparse_prefill_sm90.py), with the same
 partials and host preparation (``prepare_launch``): the warp-MMA attention kernel writes the
 per-slot partials and LSE, the csrc combine merges them. No host synchronization.
 
-Gated: until its GPU tests and memcheck pass (by proxy on the H200, ``MSA_NATIVE_TIER=portable``)
-``supports`` refuses unless ``MSA_UNVALIDATED_KERNELS=1`` (``_backend.PORTABLE_VALIDATED``).
+Validated by proxy on the H200 (its GPU tests and memcheck, built as compute_80 PTX); the tier's
+gate ``_backend.PORTABLE_VALIDATED`` would refuse it again (``MSA_UNVALIDATED_KERNELS=1`` serves).
 Served: the Hopper tier's dtype modes (contract §1.2, no scale factors): bf16 q/k/v; bf16 q
 with e4m3 K/V; e4m3 q/k/v with pv_dtype bf16 or e4m3 (P rounded to e4m3 before P.V, as the
 reference defines it). Dense or paged K/V, G in {1, 2, 4, 8, 16}; bf16 / fp16 / e4m3 partials,

@@ -1,5 +1,5 @@
 """Native ``sparse_topk_select`` (csrc/sparse_topk_select.cu), registered for sm90 and sm100
-and, gated like the rest of the tier, for the portable tier.
+and, behind the tier's gate like the rest of it, for the portable tier.
 
 Exact to :func:`msa.reference.topk.sparse_topk_select_reference`: same ids, same order, ties to
 the lower id. One launch, no host synchronization, capturable in a CUDA graph. Importing this
