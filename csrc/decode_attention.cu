@@ -864,8 +864,10 @@ __device__ __forceinline__ void page_step(const char* qs, const uint32_t (&qa)[8
   commit_and_wait();
 
   // Mask (causal against seqused_k, the page's selection per token), page maxima per row.
+  // kQRegs: no branch between the two wgmma chains (the mask always, the rescale always):
+  // with one, ptxas (nvcc 13.0) puts P's fragments in the registers that hold Q across pages.
   float page_max[2] = {-INFINITY, -INFINITY};
-  if (!full) {
+  if (kQRegs || !full) {
     int last[2];
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {
@@ -927,7 +929,7 @@ __device__ __forceinline__ void page_step(const char* qs, const uint32_t (&qa)[8
   for (int i2 = 0; i2 < 2; ++i2) {
     rows.sum[i2] = rows.sum[i2] * alpha[i2] + (kFp8 ? beta[i2] : 1.f) * page_sum[i2];
   }
-  if (alpha[0] != 1.f || alpha[1] != 1.f) {
+  if (kQRegs || alpha[0] != 1.f || alpha[1] != 1.f) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       o[4 * j] *= alpha[0];
