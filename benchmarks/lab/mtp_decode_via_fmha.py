@@ -24,14 +24,14 @@ table). Prints microseconds per call and TB/s over the K/V bytes (+ q).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/_common.py
-from _common import forcing, free_memory, load_msa, parse_names, random_fill  # noqa: E402
+from _common import (forcing, free_memory, graph_us, load_msa, parse_names,  # noqa: E402
+                     random_fill)
 
 D, PAGE = 128, 128
 
@@ -70,41 +70,6 @@ class Slot:
         self.out_folded = torch.empty(self.q_folded.shape, dtype=torch.bfloat16, device=device)
         self.kv_bytes = 2 * sum(lens) * args.hkv * D * dtype.itemsize
         self.q_bytes = self.q.numel() * dtype.itemsize
-
-
-def graph_us(calls, device, replays: int) -> float:
-    """Median microseconds per call of a CUDA graph of the calls, repeated to ~2 ms."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for call in calls:
-        call()
-    end.record()
-    torch.cuda.synchronize(device)
-    once = max(start.elapsed_time(end) * 1e3 / len(calls), 1.0)
-    repeat = max(1, int(2000 / (once * len(calls))))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            for call in calls:
-                call()
-    graph.replay()
-    torch.cuda.synchronize(device)
-    samples = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (repeat * len(calls)))
-    del graph
-    return statistics.median(samples)
 
 
 def main(argv=None):
