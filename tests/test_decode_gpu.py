@@ -210,6 +210,39 @@ def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, dtypes,
             _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 
+@pytest.mark.parametrize("ring", ["warpgroup-deep", "warpgroup-qregs"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_warpgroup_rings_agree_with_the_served_ring(msa_pkg, native_only, seed, sparse, ring,
+                                                   native_hooks):
+    """The other bf16 page rings against the served two-stage ring on the same inputs (8 queries
+    x G = 16, many pages per CTA, unsplit): repeated runs of a ring are identical bit for bit
+    (a race shows up as a run that differs), the deep ring (the same page step on other
+    stages) equals the served ring bit for bit, the q-registers ring (Q.K^T with Q from
+    registers) within two bf16 ulps."""
+    lens, seqlen_q, group = [5000, 1000, 129, 3000], 8, 16
+    q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, "bf16", sparse, topk=16)
+    wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k,
+                    disable_split_kv=True)
+
+    def run(form):
+        _force_form(native_hooks, form, "bf16")
+        return _run_native(msa_pkg, wrapper, q, k, v)
+
+    served, served_lse = run("warpgroup")
+    first, first_lse = run(ring)
+    for _ in range(8):
+        again, again_lse = run(ring)
+        assert torch.equal(again, first) and torch.equal(again_lse, first_lse), \
+            f"{ring}: two runs on the same inputs differ"
+    if ring == "warpgroup-deep":
+        assert torch.equal(first, served) and torch.equal(first_lse, served_lse)
+    else:
+        ulp = torch.finfo(BF16).eps * served.float().abs().clamp_min(1e-30)
+        assert ((first.float() - served.float()).abs() <= 2 * ulp + 1e-4).all()
+        torch.testing.assert_close(first_lse, served_lse, atol=1e-4, rtol=1e-5)
+    _check(first, first_lse, q, k, v, table, seqused_k, seqlen_q, q2k)
+
+
 @pytest.mark.parametrize("keys", ["rows", "split", "direct"])
 @pytest.mark.parametrize("dtypes", ["bf16", "fp8"])
 def test_native_decode_512k_context(msa_pkg, native_only, seed, dtypes, keys, native_hooks):
