@@ -3,7 +3,8 @@
 # precompiled CuTe kernels), run the GPU tests against that build, then the benchmarks.
 #
 #   bash tools/gpu_session.sh [ARTIFACTS_DIR] [tests|bench|all|none] [extra benchmark args...]
-#   MSA_GPU_TESTS="files or node ids" ("file@N": N pytest-xdist workers for that file)
+#   MSA_GPU_TESTS="files or node ids" ("file@N": N pytest-xdist workers for that file;
+#   "file~EXPR" or "file@N~EXPR": -k EXPR, one word, for that file alone)
 #   MSA_PYTEST_ARGS="-x ..." (split on spaces; replaces the
 #   default -q, so "-v -rf" lists every test's outcome as it runs)
 #   MSA_PYTEST_K="a or b" (one -k expression)  MSA_SANITIZE=1 (memcheck stage; MSA_SANITIZE_ONLY
@@ -85,6 +86,7 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   processes=0
   [ -n "${MSA_SANITIZE:-}" ] && processes=1
   for entry in "${entries[@]}"; do
+    entry=${entry%%~*}
     if [ "${entry%@*}" != "$entry" ]; then processes=$(( processes + ${entry##*@} ))
     else processes=$(( processes + 1 )); fi
   done
@@ -92,7 +94,10 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   echo "$processes test processes, $threads torch threads each"
   pids=()
   for entry in "${entries[@]}"; do
-    # "file@N": N pytest-xdist workers for that file (its float64 oracles are CPU-bound).
+    # "file@N~EXPR": N pytest-xdist workers for that file (its float64 oracles are CPU-bound),
+    # and -k EXPR (one word) for it alone in place of MSA_PYTEST_K.
+    select=${MSA_PYTEST_K:-}
+    if [ "${entry%%~*}" != "$entry" ]; then select=${entry#*~}; entry=${entry%%~*}; fi
     file=${entry%@*}
     workers=()
     [ "$file" != "$entry" ] && workers=(-n "${entry##*@}")
@@ -100,7 +105,7 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
     OMP_NUM_THREADS=$threads MSA_TEST_PACKAGE_DIR=$PWD/$VARIANT MSA_EXPECT_NATIVE=1 \
       timeout ${MSA_TEST_TIMEOUT:-420} \
       python3 -m pytest -p no:cacheprovider "$file" "${workers[@]}" ${MSA_PYTEST_ARGS:--q} \
-      ${MSA_PYTEST_K:+-k "$MSA_PYTEST_K"} -s > "$log" 2>&1 &
+      ${select:+-k "$select"} -s > "$log" 2>&1 &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || status=1; done
