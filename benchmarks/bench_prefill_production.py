@@ -5,7 +5,9 @@ request a cached prefix and a new chunk, weights = production call counts). Per 
 
 * the pipeline: ``msa.MsaPrefillPagedWrapper`` over a paged cache (K/V and index-K in 128-token
   pages, disjoint random page tables, one scratch page), planned outside the timing (impl
-  ``paged``; ``--impls dense`` adds ``msa.msa_prefill`` on packed K/V); the whole call
+  ``paged``, its default ``attention_route="auto"``; ``--impls paged-sparse`` adds the same
+  with every chunk on the sparse route, ``--impls dense`` ``msa.msa_prefill`` on packed K/V);
+  the whole call
   captured in one CUDA graph over S input slots (each its own q, caches, page table and
   plan), S chosen so the bytes of S - 1 slots exceed twice the L2 (upstream's rule: no call
   finds its data in L2); after 5 warm-up replays, the median of >= 20 timed replays / S
@@ -65,6 +67,7 @@ class PagedSlot:
     """One set of inputs of a case for the paged wrapper: its own caches (K/V and index-K in
     128-token pages, a disjoint random page table plus one scratch page) and plan."""
     impl = "msa_prefill_paged"
+    attention_route = "auto"
 
     def __init__(self, msa, case: PrefillCase, args, dtype, partial_dtype, device):
         pages = [-(-n // BLOCK) for n in case.kv_lens]
@@ -81,7 +84,8 @@ class PagedSlot:
         self.k_idx_cache = random_fill([n_pages, 1, BLOCK, HEAD_DIM], dtype, device)
         self.q = random_fill([case.total_q, args.hq, HEAD_DIM], dtype, device)
         self.q_idx = random_fill([case.total_q, args.hkv, HEAD_DIM], dtype, device)
-        self.wrapper = msa.MsaPrefillPagedWrapper(topk=args.topk, partial_dtype=partial_dtype)
+        self.wrapper = msa.MsaPrefillPagedWrapper(topk=args.topk, partial_dtype=partial_dtype,
+                                                  attention_route=self.attention_route)
         self.wrapper.plan(list(case.query_lens), list(case.kv_lens), self.page_table,
                           num_qo_heads=args.hq, num_kv_heads=args.hkv)
         self.num_chunks, self.index_splits = self.wrapper.num_chunks, self.wrapper.index_splits
@@ -89,6 +93,13 @@ class PagedSlot:
     def run(self, **kwargs):
         return self.wrapper.run(self.q, self.k_cache, self.v_cache, self.q_idx, self.k_idx_cache,
                                 **kwargs)
+
+
+class PagedSparseRouteSlot(PagedSlot):
+    """The paged wrapper with every chunk on the sparse route (CSR + sparse attention +
+    combine): the A/B of "auto"'s decode route for short e4m3 chunks."""
+    impl = "msa_prefill_paged[sparse]"
+    attention_route = "sparse"
 
 
 class DenseSlot:
@@ -121,7 +132,7 @@ class DenseSlot:
                                     return_selection=return_selection, **self.lens)
 
 
-SLOTS = {"paged": PagedSlot, "dense": DenseSlot}
+SLOTS = {"paged": PagedSlot, "paged-sparse": PagedSparseRouteSlot, "dense": DenseSlot}
 
 
 def slot_bytes(case: PrefillCase, args, elem: int) -> int:
@@ -385,7 +396,8 @@ def main(argv=None):
                          "dtype (fp8_pe4m3: the contract's e4m3 partials, half the partial "
                          "bytes); default bf16 partials")
     ap.add_argument("--impls", default="paged",
-                    help="paged (MsaPrefillPagedWrapper, the engine layout) and/or dense "
+                    help="paged (MsaPrefillPagedWrapper, the engine layout), paged-sparse (the "
+                         "same with attention_route='sparse') and/or dense "
                          "(msa_prefill on packed K/V)")
     ap.add_argument("--hq", type=int, default=64)
     ap.add_argument("--hkv", type=int, default=4, help="KV heads = index heads")

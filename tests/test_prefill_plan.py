@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import msa
-from msa import prefill
+from msa import _stages, prefill
 from msa_testing import to_paged
 from test_indexer import cu, dense_attention_from_selection
 
@@ -238,6 +238,70 @@ def test_paged_wrapper_non_causal_sees_every_key(seed):
                            caches["k_idx_cache"], return_selection=True)
     assert torch.equal(q2k, want_q2k)
     torch.testing.assert_close(out, want_out, atol=1e-2, rtol=1e-2)
+
+
+E4M3 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
+def test_decode_route_computes_what_the_sparse_route_computes(seed, dtype, causal):
+    """attention_route="decode" (each query one decode request over the chunk's selection)
+    against "sparse" (CSR + sparse attention + combine) on the same paged call, in chunks: the
+    same selection, O within bf16 rounding, the same LSE; the decode route marks no CSR."""
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, k_lens = (70, 300, 5, 130, 1), (650, 300, 900, 1000, 2000)
+    x, caches, table, itable = _paged_case(q_lens, k_lens, 2, 4, gen)
+    x = {name: t.to(dtype) for name, t in x.items()}
+    caches = {name: t.to(dtype) for name, t in caches.items()}
+    got = {}
+    for route in ("sparse", "decode"):
+        wrapper = msa.MsaPrefillPagedWrapper(topk=4, causal=causal, attention_route=route).plan(
+            q_lens, k_lens, table, num_qo_heads=8, num_kv_heads=2, index_page_table=itable,
+            max_chunk_tokens=256)
+        assert wrapper.decode_routes == [route == "decode"] * 2
+        marks = []
+        with _stages.recording(marks.append):
+            got[route] = wrapper.run(x["q"], caches["k_cache"], caches["v_cache"], x["q_idx"],
+                                     caches["k_idx_cache"], return_lse=True,
+                                     return_selection=True)
+        assert ("csr" in marks) == (route == "sparse"), marks
+    (o_s, lse_s, q2k_s), (o_d, lse_d, q2k_d) = got["sparse"], got["decode"]
+    assert torch.equal(q2k_d, q2k_s)
+    torch.testing.assert_close(o_d, o_s, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse_d, lse_s, atol=1e-4, rtol=1e-5)
+
+
+def test_auto_route_takes_short_e4m3_chunks_against_long_prefixes(seed):
+    """"auto" plans the decode route for chunks of <= DECODE_ROUTE_MAX_QUERIES queries with at
+    least DECODE_ROUTE_MIN_KEYS_PER_QUERY keys per query, and runs it for e4m3 q and K/V only;
+    no route plans one for a chunk where a query sees no key."""
+    per_query = prefill.DECODE_ROUTE_MIN_KEYS_PER_QUERY
+    assert prefill.takes_decode_route("auto", 171, 171 * per_query)
+    assert not prefill.takes_decode_route("auto", 171, 171 * per_query - 1)
+    assert not prefill.takes_decode_route("auto", prefill.DECODE_ROUTE_MAX_QUERIES + 1, 10 ** 7)
+    assert not prefill.takes_decode_route("sparse", 1, 10 ** 6)
+    assert prefill.takes_decode_route("decode", 10 ** 5, 1)
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, k_lens = (3, 5), (900, 1000)
+    x, caches, table, itable = _paged_case(q_lens, k_lens, 1, 4, gen)
+    wrapper = msa.MsaPrefillPagedWrapper(topk=4).plan(q_lens, k_lens, table, num_qo_heads=4,
+                                                      num_kv_heads=1, index_page_table=itable)
+    assert wrapper.decode_routes == [True]
+    for dtype, decode in ((BF16, False), (E4M3, True)):
+        marks = []
+        with _stages.recording(marks.append):
+            wrapper.run(*(t.to(dtype) for t in (x["q"], caches["k_cache"], caches["v_cache"],
+                                                x["q_idx"], caches["k_idx_cache"])))
+        assert ("csr" not in marks) == decode, (dtype, marks)
+    # 200 queries on 150 keys: the first 50 see nothing (packed queries 100-149), so the two
+    # chunks holding them keep the sparse route.
+    w = msa.MsaPrefillPagedWrapper(topk=4, attention_route="decode").plan(
+        (100, 200), (900, 150), torch.zeros(2, 8, dtype=torch.int32), num_qo_heads=4,
+        num_kv_heads=1, max_chunk_tokens=128)
+    assert w.decode_routes == [False, False, True]
+    with pytest.raises(ValueError, match="attention_route"):
+        msa.MsaPrefillPagedWrapper(attention_route="csr")
 
 
 def test_paged_wrapper_rejects_bad_plans_and_runs():

@@ -11,6 +11,8 @@ write poisoned with NaN first, MSA_BACKEND=native so nothing falls back silently
   split scores equal the unsplit kernel's; a chunk of <= 16 queries takes the decode indexer;
 - query chunks and index splits change nothing: the same selection, O within 2e-3;
 - run() is capturable: a graph replayed on new inputs equals the eager run bit for bit;
+- the decode route (attention_route="decode", and "auto" on a short e4m3 chunk, in a graph):
+  the native decode kernel serves it and O matches the same oracles;
 - msa_prefill on one 1M-token sequence (bf16 and e4m3) fits one H200 and matches a float64
   reference on sampled rows (selection checked against float64 index scores, ties allowed).
 """
@@ -235,6 +237,67 @@ def test_run_is_capturable_in_a_cuda_graph(seed, native):
     e_out, e_q2k = run()
     assert torch.equal(g_q2k, e_q2k) and torch.equal(g_out, e_out)
     _check_selection(fresh, e_q2k.cpu(), q_lens, k_lens, 16)
+
+
+@pytest.mark.parametrize("dtype", [BF16, E4M3], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("max_chunk", [None, 256], ids=["one-chunk", "chunks"])
+def test_decode_route_on_a_paged_multi_request_batch(dtype, max_chunk, seed, native):
+    """attention_route="decode": each chunk's attention is one native decode call (a request
+    per query); the selection is the brute-force top-k, O matches the oracles as on the sparse
+    route."""
+    gen = torch.Generator().manual_seed(seed)
+    topk = 8
+    q_lens, k_lens = Q_LENS[:-1], K_LENS[:-1]            # every query sees a key
+    x, paged, table, itable = _case(q_lens, k_lens, dtype, gen)
+    wrapper = msa.MsaPrefillPagedWrapper(topk=topk, attention_route="decode").plan(
+        q_lens, k_lens, table, num_qo_heads=64, num_kv_heads=4, index_page_table=itable,
+        max_chunk_tokens=max_chunk)
+    assert all(wrapper.decode_routes)
+    out = torch.full((sum(q_lens), 64, 128), float("nan"), dtype=BF16, device=DEV)
+    lse = torch.full((sum(q_lens), 64), float("nan"), device=DEV)
+    _, q2k = _run(wrapper, x, paged, out=out, lse=lse, return_selection=True)
+    torch.cuda.synchronize()
+    for op in ("block_max_scores", "sparse_topk_select", "sparse_decode_atten"):
+        assert _backend.last_backend(op) == "sm90", f"{op} ran on {_backend.last_backend(op)}"
+    assert not torch.isnan(out).any() and bool(torch.isfinite(lse).all())
+    _check_selection(x, q2k, q_lens, k_lens, topk)
+    _check_output(x, out, q2k, q_lens, k_lens, dtype, topk)
+
+
+def test_auto_route_serves_a_short_e4m3_chunk_in_a_cuda_graph(seed, native):
+    """A production-like short chunk (171 queries on a 30k prefix, plus a small request) in
+    e4m3 takes the decode route under "auto"; a graph replay on new data and a new page order
+    equals the eager run bit for bit, and O matches the reference on the selection."""
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, k_lens = (171, 3), (30_000, 300)
+    x, paged, table, itable = _case(q_lens, k_lens, E4M3, gen)
+    wrapper = msa.MsaPrefillPagedWrapper(topk=16).plan(
+        q_lens, k_lens, table, num_qo_heads=64, num_kv_heads=4, index_page_table=itable)
+    assert wrapper.decode_routes == [True]
+    dev = {n: x[n].to(DEV) for n in ("q", "q_idx")}
+    run = lambda: wrapper.run(dev["q"], paged["k_cache"], paged["v_cache"],  # noqa: E731
+                              dev["q_idx"], paged["k_idx_cache"], return_selection=True)
+    run()
+    torch.cuda.synchronize()
+    assert _backend.last_backend("sparse_decode_atten") == "sm90"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_q2k = run()
+    fresh, fresh_paged, fresh_table, fresh_itable = _case(q_lens, k_lens, E4M3, gen)
+    dev["q"].copy_(fresh["q"])
+    dev["q_idx"].copy_(fresh["q_idx"])
+    perm = torch.randperm(paged["k_cache"].shape[0], device=DEV)
+    for name in paged:
+        paged[name].view(torch.uint8).copy_(fresh_paged[name].view(torch.uint8)[perm])
+    inverse = torch.argsort(perm).to(torch.int32)
+    table.copy_(inverse[fresh_table.long()])
+    itable.copy_(inverse[fresh_itable.long()])
+    graph.replay()
+    torch.cuda.synchronize()
+    e_out, e_q2k = run()
+    assert torch.equal(g_q2k, e_q2k) and torch.equal(g_out, e_out)
+    _check_selection(fresh, e_q2k.cpu(), q_lens, k_lens, 16)
+    _check_output(fresh, e_out, e_q2k, q_lens, k_lens, E4M3, 16)
 
 
 # ---------------------------------------------------------------------------------------------

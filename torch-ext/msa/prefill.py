@@ -23,6 +23,14 @@ SMs (about 12 us per 1k keys). With S splits, sub-request (r, s) holds r's queri
 the keys [128 n s, 128 n (s+1)) of r (n tiles per split), with the causal offset shifted by
 -128 n s; the tiles of different splits are disjoint, so one gather assembles [H, S n, T].
 
+**Decode route for short chunks.** A chunk of a few hundred queries against a long prefix pays
+the CSR, the KV-outer attention's per-block partials and their combine, each costing its launches
+more than its bytes. :class:`DecodeRoute` runs such a chunk's attention as one paged decode call
+instead (:class:`msa.SparseDecodePagedAttentionWrapper`, one decode request per query: that
+query's page-table row, seqused_k = the keys it sees, the chunk's selection as q2k): no CSR, no
+partials, O written once. ``attention_route="auto"`` takes it where the H200 measured a gain
+(:func:`takes_decode_route`).
+
 Peak memory of a call: at most inputs + O [T, Hq, 128] bf16 + min(T, C) * W_q, where W_q is
 :func:`workspace_bytes_per_query` and C = :func:`chunk_tokens` (default budget 16 GiB).
 """
@@ -43,6 +51,7 @@ from ._validation import (BLOCK_SIZE, FP8, HEAD_DIM, SUPPORTED_TOPK, check_cu_se
                           check_positive_int, check_prefix_sums, check_qhead_per_kv,
                           check_same_device, check_scale, check_shape, check_tensor, check_topk,
                           host_int64, value_checks_requested)
+from .decode import SparseDecodePagedAttentionWrapper
 from .indexer import INDEX_DTYPES, block_max_scores
 from .interface import (_check_k2q_csr_args, build_k2q_csr, check_attention_operands,
                         sparse_atten_func)
@@ -56,6 +65,18 @@ INDEXER_TILE_ROWS = 256
 DECODE_INDEXER_ROWS = 64
 # A split keeps at least this many 128-key tiles (the indexer keeps three in flight).
 SPLIT_K_MIN_TILES = 4
+# Where a chunk's attention runs: "sparse" (CSR + KV-outer sparse attention + combine),
+# "decode" (the paged decode kernel, one request per query, wherever a chunk can take it) or
+# "auto". "auto" takes the decode route for e4m3 q and K/V chunks of at most
+# DECODE_ROUTE_MAX_QUERIES queries and at least DECODE_ROUTE_MIN_KEYS_PER_QUERY keys (the longest
+# request's) per query. H200, benchmarks/lab/short_chunk_via_decode.py (ce7c97a): on MiniMax-M3's
+# short production chunks (171-406 queries, 17.7k-140k keys) the route took 0.40-0.93x the time
+# of the CSR, attention and combine it replaces in e4m3 (the decode kernel's direct e4m3 form)
+# and 1.04-1.97x in bf16; its time grows with the queries (~0.8 us each), the replaced stages'
+# with the keys.
+ATTENTION_ROUTES = ("auto", "sparse", "decode")
+DECODE_ROUTE_MAX_QUERIES = 416
+DECODE_ROUTE_MIN_KEYS_PER_QUERY = 80
 # Bytes per (query, KV head, top-k slot) of the selection, q2k, CSR ids, qsplit ids and the
 # CSR builder's sort keys / values (double-buffered).
 _INDEX_BYTES_PER_SLOT = 40
@@ -142,6 +163,7 @@ class ChunkPlan:
     num_valid_pages: Optional[torch.Tensor]  # [T_c] int32 (None: no index stage)
     own_block: Optional[torch.Tensor]        # [T_c] int32 (None: no index stage)
     split: Optional[IndexSplit]
+    route: Optional["DecodeRoute"] = None    # paged: the chunk's attention as one decode call
 
     @property
     def max_k_tiles(self) -> int:
@@ -154,6 +176,68 @@ class ChunkPlan:
                  if isinstance(getattr(self, f.name), torch.Tensor)}
         return dataclasses.replace(self, split=None if self.split is None
                                    else self.split.to(device), **moved)
+
+
+class DecodeRoute:
+    """A paged chunk's attention as one paged decode call: decode request t is the chunk's query
+    t (seqlen_q = 1) with its request's page-table row and seqused_k = the keys it sees, so the
+    decode kernel's bottom-right rule is the chunk's; q2k is the chunk's selection. The buffers
+    the decode plan keeps by reference are filled by :meth:`run` (the call's page table, gathered
+    per query) and by the caller (the selection, :attr:`q2k`)."""
+
+    def __init__(self, row_request: List[int], seqused_k: List[int], *, page_table_width: int,
+                 num_qo_heads: int, num_kv_heads: int, topk: int, e4m3_only: bool,
+                 device: torch.device):
+        rows = len(row_request)
+        self.e4m3_only = e4m3_only
+        self.row_request = torch.tensor(row_request, dtype=torch.int64, device=device)
+        self.seqused_k = torch.tensor(seqused_k, dtype=torch.int32, device=device)
+        self.page_table = torch.zeros(rows, page_table_width, dtype=torch.int32, device=device)
+        self.q2k = torch.full((num_kv_heads, rows, topk), -1, dtype=torch.int32, device=device)
+        # Sized from max_seqlen_k (no read of seqused_k): plan without a synchronization.
+        self.wrapper = SparseDecodePagedAttentionWrapper().plan(
+            page_table=self.page_table, seqused_k=self.seqused_k, seqlen_q=1,
+            max_seqlen_k=max(seqused_k), q2k_indices=self.q2k, num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads, enable_cuda_graph=True)
+
+    def serves(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether this call's dtypes take the route ("auto": e4m3 q and K/V only)."""
+        return not self.e4m3_only or (q.dtype == FP8 and k.dtype == FP8)
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            page_table: torch.Tensor, softmax_scale: Optional[float], want_lse: bool):
+        """O (and LSE with want_lse) of the chunk's queries q over the selection in q2k."""
+        torch.index_select(page_table, 0, self.row_request, out=self.page_table)
+        return self.wrapper.run(q, k_cache, v_cache, softmax_scale=softmax_scale,
+                                return_softmax_lse=want_lse)
+
+
+def takes_decode_route(route: str, queries: int, max_kv: int) -> bool:
+    """Whether a chunk of `queries` queries whose longest request has `max_kv` keys runs its
+    attention through the decode route under `route` (ATTENTION_ROUTES; "auto" also needs e4m3
+    q and K/V, checked at run)."""
+    if route == "decode":
+        return True
+    return (route == "auto" and queries <= DECODE_ROUTE_MAX_QUERIES
+            and queries * DECODE_ROUTE_MIN_KEYS_PER_QUERY <= max_kv)
+
+
+def plan_decode_route(qo: Sequence[int], kv: Sequence[int], t0: int, t1: int, causal: bool,
+                      **route_args) -> Optional[DecodeRoute]:
+    """The decode route of the chunk [t0, t1) of a paged call (host lengths qo, kv), or None when
+    one of its queries would see no key (a request with more queries than keys)."""
+    row_request, seqused = [], []
+    start = 0
+    for b, (q_len, k_len) in enumerate(zip(qo, kv)):
+        lo, hi = max(t0, start), min(t1, start + q_len)
+        for t in range(lo, hi):
+            seen = k_len - q_len + (t - start) + 1 if causal else k_len
+            if seen < 1:
+                return None
+            row_request.append(b)
+            seqused.append(seen)
+        start += q_len
+    return DecodeRoute(row_request, seqused, **route_args)
 
 
 def _prefix(lengths: torch.Tensor) -> torch.Tensor:
@@ -297,10 +381,12 @@ def run_chunk(chunk: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
               q_idx: torch.Tensor, k_idx: torch.Tensor, opts: PrefillOptions, *,
               page_table: Optional[torch.Tensor] = None,
               index_page_table: Optional[torch.Tensor] = None, want_lse: bool = False,
-              q2k: Optional[torch.Tensor] = None):
+              want_selection: bool = False, q2k: Optional[torch.Tensor] = None):
     """The four stages on one chunk (q, q_idx: the chunk's rows); given the chunk's selection
-    q2k [Hkv, T_c, topk] (contiguous), only the CSR and the attention. Returns (O, LSE or None,
-    q2k)."""
+    q2k [Hkv, T_c, topk] (contiguous), only the CSR and the attention; with the chunk's decode
+    route (paged, dtypes it serves), the attention as one decode call instead of the CSR, the
+    sparse attention and its combine. Returns (O, LSE or None, q2k)."""
+    route = chunk.route if chunk.route is not None and chunk.route.serves(q, k) else None
     if q2k is None:
         _stages.mark("indexer")
         scores = _index_scores(chunk, q_idx, k_idx, index_page_table, opts)
@@ -308,8 +394,20 @@ def run_chunk(chunk: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         selection = sparse_topk_select(scores, opts.topk, chunk.num_valid_pages,
                                        force_end_blocks=opts.local_blocks,
                                        causal_end_block=chunk.own_block if opts.causal else None)
-        q2k = selection.permute(1, 0, 2).contiguous()
+        if route is not None:
+            route.q2k.copy_(selection.permute(1, 0, 2))
+            q2k = route.q2k.clone() if want_selection else route.q2k
+        else:
+            q2k = selection.permute(1, 0, 2).contiguous()
         del scores, selection           # the attention's partials may reuse their memory
+    elif route is not None:
+        route.q2k.copy_(q2k)
+    if route is not None:
+        _stages.mark("attention")
+        result = route.run(q, k, v, page_table, opts.softmax_scale, want_lse)
+        _stages.mark("end")
+        out, lse = result if want_lse else (result, None)
+        return out, lse, q2k
     _stages.mark("csr")
     row_ptr, q_ids, schedule = build_k2q_csr(
         q2k, chunk.cu_seqlens_q, chunk.cu_seqlens_k, BLOCK_SIZE, total_k=chunk.total_k,
@@ -345,6 +443,7 @@ def run_chunks(chunks: Sequence[ChunkPlan], q, k, v, q_idx, k_idx, opts: Prefill
         o_c, lse_c, q2k_c = run_chunk(
             chunk, rows(q), k, v, None if q_idx is None else rows(q_idx), k_idx, opts,
             page_table=page_table, index_page_table=index_page_table, want_lse=want_lse,
+            want_selection=want_selection,
             q2k=None if selection is None else selection[:, t0:t1].contiguous())
         if len(chunks) == 1 and out is None and lse is None:
             return o_c, lse_c, (q2k_c if want_selection else None)
@@ -651,12 +750,23 @@ class MsaPrefillPagedWrapper:
     attention, without host synchronization and without host-to-device copies, so a CUDA graph
     can capture it (plan outside the capture). ``page_table`` / ``index_page_table`` are kept by
     reference: replays read their current contents.
+
+    ``attention_route`` picks where each chunk's attention runs: ``"sparse"`` (the k2q CSR, the
+    KV-outer sparse attention and its combine), ``"decode"`` (one paged decode call per chunk,
+    one decode request per query: the same selection and masking, another summation order;
+    every chunk whose queries all see a key) or ``"auto"`` (the default: the decode route for
+    short e4m3 chunks against long prefixes, where it measured faster, see
+    ``DECODE_ROUTE_MAX_QUERIES``). A decode-routed chunk keeps a [T_c, page_table width] int32
+    copy of its queries' page-table rows and its selection on the device.
     """
 
     def __init__(self, *, topk: int = 16, local_blocks: int = 1, causal: bool = True,
                  partial_dtype: torch.dtype = torch.bfloat16,
-                 workspace_bytes: Optional[int] = None):
+                 workspace_bytes: Optional[int] = None, attention_route: str = "auto"):
         check_topk("topk", topk, SUPPORTED_TOPK)
+        if attention_route not in ATTENTION_ROUTES:
+            raise ValueError(f"attention_route: expected one of {list(ATTENTION_ROUTES)}, got "
+                             f"{attention_route!r}")
         check_positive_int("local_blocks", local_blocks)
         if local_blocks > topk:
             raise ValueError(f"local_blocks: {local_blocks} exceeds topk = {topk}")
@@ -668,6 +778,7 @@ class MsaPrefillPagedWrapper:
         self.topk, self.local_blocks, self.causal = topk, local_blocks, causal
         self.partial_dtype = partial_dtype
         self.workspace_bytes = workspace_bytes
+        self.attention_route = attention_route
         self.chunks: List[ChunkPlan] = []
         self._planned = False
 
@@ -743,11 +854,17 @@ class MsaPrefillPagedWrapper:
                     split = index_split(cu_q_sub, cu_k_sub, t1 - t0, splits, per_split,
                                         causal=self.causal, paged=True,
                                         page_table_width=index_page_table.shape[1])
+            route = None
+            if takes_decode_route(self.attention_route, t1 - t0, max_k):
+                route = plan_decode_route(
+                    qo, kv, t0, t1, self.causal, page_table_width=page_table.shape[1],
+                    num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, topk=self.topk,
+                    e4m3_only=self.attention_route == "auto", device=device)
             chunks.append(ChunkPlan(
                 t0, t1, cu_q_sub, cu_k_sub, k_sub.to(torch.int32), max(max_q, 1), max_k,
                 max(int(k_sub.sum()), 1), max(int(((k_sub + BLOCK_SIZE - 1)
                                                    // BLOCK_SIZE).sum()), 1),
-                nvp, own, split).to(device))
+                nvp, own, split, route).to(device))
         self.chunks = chunks
         self._qo, self._kv = qo, kv
         self._page_table, self._index_page_table = page_table, index_page_table
@@ -760,6 +877,12 @@ class MsaPrefillPagedWrapper:
     @property
     def num_chunks(self) -> int:
         return len(self.chunks)
+
+    @property
+    def decode_routes(self) -> List[bool]:
+        """Whether each chunk's attention can run as one decode call (for "auto": when q and
+        K/V are e4m3)."""
+        return [c.route is not None for c in self.chunks]
 
     @property
     def index_splits(self) -> List[int]:
