@@ -571,42 +571,9 @@ struct Shape {
 static_assert(Shape<false>::kAlloc <= 227 * 1024, "warpgroup form (bf16): shared memory");
 static_assert(Shape<true>::kAlloc <= 227 * 1024, "warpgroup form (e4m3): shared memory");
 
-// How the bf16 form streams pages (DecodeAttentionArgs::warpgroup_ring). With one page in flight
-// per SM (the two-stage ring of whole pages, 64 KB) the loads, not the MMAs, set the pace:
-//   kRingTwoStage  two stages of whole pages (K and V), Q in shared memory (the e4m3 form's
-//                  layout too: three stages of e4m3 pages plus their f16 copy);
-//   kRingDeep      K in a ring of three pages and V in a ring of two, separate cp.async groups:
-//                  while page i computes, K(i + 1), K(i + 2) and V(i + 1) are in flight (96 KB);
-//   kRingQRegs     Q moved into registers (the QK wgmma's A operand) after it is loaded, which
-//                  frees its 32 KB for a third stage of whole pages: pages i + 1 and i + 2 in
-//                  flight (128 KB).
-constexpr int kRingTwoStage = 0;
-constexpr int kRingDeep = 1;
-constexpr int kRingQRegs = 2;
-
-struct DeepRing {
-  using S = Shape<false>;
-  static constexpr int kKStages = 3;
-  static constexpr int kVStages = 2;
-  static constexpr int kKOffset = S::kStagesOffset;
-  static constexpr int kVOffset = kKOffset + kKStages * S::kWideBytes;
-  static constexpr int kListOffset = kVOffset + kVStages * S::kWideBytes;
-  static constexpr int kBytes = kListOffset + kListBytes + kCountsSlotBytes;
-  static constexpr int kAlloc = kBytes + 1024;
-};
-static_assert(DeepRing::kAlloc <= 227 * 1024, "warpgroup form (bf16, deep ring): shared memory");
-
-struct QRegsRing {
-  using S = Shape<false>;
-  static constexpr int kStages = 3;
-  static constexpr int kQOffset = 2 * S::kStageBytes;   // Q lands in the third stage first
-  static constexpr int kListOffset = kStages * S::kStageBytes;
-  static constexpr int kBytes = kListOffset + kListBytes + kCountsSlotBytes;
-  static constexpr int kAlloc = kBytes + 1024;
-};
-static_assert(QRegsRing::kQOffset + 2 * Shape<false>::kQBytes <= QRegsRing::kListOffset,
-              "Q lands inside the third stage");
-static_assert(QRegsRing::kAlloc <= 227 * 1024, "warpgroup form (bf16, Q in registers): shared memory");
+// Pages stream through a ring of kStages stages of whole pages (K then V), one cp.async group
+// per page, beside Q in shared memory: bf16 two stages (page i + 1 loads while page i
+// computes), e4m3 three stages of e4m3 pages plus the f16 copy of the page being computed.
 
 // wgmma is sm_90a only: other archs compile just the kernel's entry point (a trap).
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -679,17 +646,6 @@ __device__ __forceinline__ void wgmma_qk_f16(float (&d)[64], uint64_t desc_a, ui
       MSA_WGMMA_D_TEXT ", %64, %65, p, 1, 1, 0, 0;\n}\n"
       : MSA_WGMMA_D_OPERANDS(d)
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-// S += Q K^T with Q as the register A operand (the m64k16 fragment layout), K K-major.
-__device__ __forceinline__ void wgmma_qk_bf16_rs(float (&d)[64], const uint32_t (&a)[4],
-                                             uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      MSA_WGMMA_D_TEXT ", {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
-      : MSA_WGMMA_D_OPERANDS(d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
 __device__ __forceinline__ void wgmma_pv_bf16(float (&d)[64], const uint32_t (&a)[4],
@@ -785,29 +741,6 @@ __device__ __forceinline__ void load_page(const DecodeAttentionArgs& a, int head
   }
 }
 
-// One page's K or V head slice (bf16, `tensor` = a.k or a.v) into a swizzled 16-bit tile of
-// two column blocks; rows >= valid_rows zero-filled.
-__device__ __forceinline__ void load_page_tensor(const DecodeAttentionArgs& a, int head,
-                                                 const PageRef& ref, const void* tensor,
-                                                 char* tile, int valid_rows) {
-  using S = Shape<false>;
-  if (ref.token_mask == 0) return;
-  constexpr int kChunksPerRow = 16;
-  constexpr int kChunks = kPageSize * kChunksPerRow;
-  static_assert(kChunks % kThreads == 0, "every thread issues the same number of copies");
-  const char* src = static_cast<const char*>(tensor) +
-                    (static_cast<int64_t>(ref.physical) * a.num_kv_heads + head) *
-                        (kPageSize * kHeadDim) * 2;
-#pragma unroll
-  for (int i = 0; i < kChunks / kThreads; ++i) {
-    const int c = threadIdx.x + i * kThreads;
-    const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
-    const bool valid = row < valid_rows;
-    cp_async_16_or_zero(tile + (chunk / 8) * S::kPageBlockBytes + swizzled(row, chunk % 8),
-                        src + (valid ? static_cast<int64_t>(c) * 16 : 0), valid);
-  }
-}
-
 // e4m3 K and V of a stage (swizzled, one column block each) -> f16 K then V (swizzled, two
 // blocks each), exact.
 __device__ __forceinline__ void widen_page(const char* stage, char* widened) {
@@ -840,9 +773,8 @@ struct Rows {
 
 // One page of one warpgroup: Q (qs) and K (ks) are 16-bit swizzled tiles, bf16 or f16 (e4m3
 // widened); V (vs) likewise.
-template <bool kFp8, bool kQRegs = false>
-__device__ __forceinline__ void page_step(const char* qs, const uint32_t (&qa)[8][4],
-                                          const char* ks, const char* vs,
+template <bool kFp8>
+__device__ __forceinline__ void page_step(const char* qs, const char* ks, const char* vs,
                                           const PageRef& page, bool full, float scale_log2,
                                           Rows& rows, float (&s)[64], float (&o)[64]) {
   using S = Shape<kFp8>;
@@ -853,9 +785,7 @@ __device__ __forceinline__ void page_step(const char* qs, const uint32_t (&qa)[8
   for (int kk = 0; kk < 8; ++kk) {
     const int block = kk / 4, within = 32 * (kk % 4);
     const uint64_t desc_k = descriptor(ks + block * S::kPageBlockBytes + within, 16);
-    if constexpr (kQRegs) {
-      wgmma_qk_bf16_rs(s, qa[kk], desc_k, kk);
-    } else if constexpr (kFp8) {
+    if constexpr (kFp8) {
       wgmma_qk_f16(s, descriptor(qs + block * S::kQBlockBytes + within, 16), desc_k, kk);
     } else {
       wgmma_qk_bf16(s, descriptor(qs + block * S::kQBlockBytes + within, 16), desc_k, kk);
@@ -864,10 +794,8 @@ __device__ __forceinline__ void page_step(const char* qs, const uint32_t (&qa)[8
   commit_and_wait();
 
   // Mask (causal against seqused_k, the page's selection per token), page maxima per row.
-  // kQRegs: no branch between the two wgmma chains (the mask always, the rescale always):
-  // with one, ptxas (nvcc 13.0) puts P's fragments in the registers that hold Q across pages.
   float page_max[2] = {-INFINITY, -INFINITY};
-  if (kQRegs || !full) {
+  if (!full) {
     int last[2];
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {
@@ -929,7 +857,7 @@ __device__ __forceinline__ void page_step(const char* qs, const uint32_t (&qa)[8
   for (int i2 = 0; i2 < 2; ++i2) {
     rows.sum[i2] = rows.sum[i2] * alpha[i2] + (kFp8 ? beta[i2] : 1.f) * page_sum[i2];
   }
-  if (kQRegs || alpha[0] != 1.f || alpha[1] != 1.f) {
+  if (alpha[0] != 1.f || alpha[1] != 1.f) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       o[4 * j] *= alpha[0];
@@ -952,42 +880,17 @@ __device__ __forceinline__ void page_step(const char* qs, const uint32_t (&qa)[8
   commit_and_wait();
 }
 
-// This thread's A fragments of its warpgroup's 64 Q rows (a 16-bit swizzled tile of two column
-// blocks): k-step kk holds rows r and r + 8 (r = 16 x warp + lane / 4), channels 16 kk + 2 (lane
-// % 4) + {0, 1} and the same + 8, in the order a0 (r), a1 (r + 8), a2 (r, + 8), a3 (r + 8, + 8).
-__device__ __forceinline__ void load_q_fragments(const char* q_tile, uint32_t (&qa)[8][4]) {
-  using S = Shape<false>;
-  const int lane = threadIdx.x & 31, warp_in_group = (threadIdx.x % 128) / 32;
-  const int r = warp_in_group * 16 + (lane >> 2);
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {
-#pragma unroll
-    for (int f = 0; f < 4; ++f) {
-      const int row = r + 8 * (f & 1);
-      const int channel = 16 * kk + 2 * (lane & 3) + 8 * (f >> 1);
-      const char* block = q_tile + (channel / 64) * S::kQBlockBytes;
-      qa[kk][f] = *reinterpret_cast<const uint32_t*>(
-          block + swizzled(row, (channel % 64) / 8) + (channel % 8) * 2);
-    }
-  }
-}
-
-template <bool kFp8, int kRing>
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_wg_kernel(const DecodeAttentionArgs a) {
-  static_assert(!kFp8 || kRing == kRingTwoStage, "the e4m3 form has one layout");
   using S = Shape<kFp8>;
-  constexpr bool kDeepRing = kRing == kRingDeep;
-  constexpr bool kQRegs = kRing == kRingQRegs;
-  constexpr int kStages = kQRegs ? QRegsRing::kStages : S::kStages;   // whole-page stages
-  constexpr int kListOffset =
-      kDeepRing ? DeepRing::kListOffset : (kQRegs ? QRegsRing::kListOffset : S::kListOffset);
+  constexpr int kStages = S::kStages;         // whole-page stages
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  char* stages = smem + (kQRegs ? 0 : S::kStagesOffset);
-  char* q_smem = smem + (kQRegs ? QRegsRing::kQOffset : 0);
+  char* q_smem = smem;                        // each warpgroup's Q rows
+  char* stages = smem + S::kStagesOffset;
   char* widened = smem + S::kWidenedOffset;   // e4m3: the page's f16 K, then V
-  int* cand = reinterpret_cast<int*>(smem + kListOffset);
+  int* cand = reinterpret_cast<int*>(smem + S::kListOffset);
   int* list_phys = cand + kMaxCandidates;
   int* list_logical = list_phys + kMaxCandidates;
   uint32_t* list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
@@ -1010,11 +913,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lane = threadIdx.x & 31, warp_in_group = (threadIdx.x % 128) / 32;
   const bool group_active = warpgroup * kWarpgroupRows < tile_rows;   // uniform per warpgroup
   const char* qs = q_smem + warpgroup * S::kQBytes;
-  uint32_t qa[8][4];   // kQRegs: Q as the QK wgmma's register operand
-  if constexpr (kQRegs) {
-    __syncthreads();   // every warp's Q rows are in shared memory (the first stage reuses it)
-    load_q_fragments(qs, qa);
-  }
   Rows rows;
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
@@ -1051,73 +949,36 @@ __global__ void __launch_bounds__(kThreads, 1)
     return (page.token_mask & tile_tokens) == tile_tokens &&
            page.logical * kPageSize + kPageSize - 1 <= shared_last_key;
   };
-  if constexpr (kDeepRing) {
-    auto k_slot = [&](int idx) {
-      return smem + DeepRing::kKOffset + (idx % DeepRing::kKStages) * S::kWideBytes;
-    };
-    auto v_slot = [&](int idx) {
-      return smem + DeepRing::kVOffset + (idx % DeepRing::kVStages) * S::kWideBytes;
-    };
-    // One cp.async group per tensor and page (empty past the end), committed in the order
-    // K0, V0, K1, then V(i + 1), K(i + 2) at page i: when page i starts, the newest group is
-    // K(i + 1) and every older one holds K(i) or V(i) or earlier pages.
-    auto issue = [&](int idx, bool is_k) {
-      const PageRef ref = page_of(idx);
-      load_page_tensor(a, ctx.head, ref, is_k ? a.k : a.v, is_k ? k_slot(idx) : v_slot(idx),
-                       valid_rows_of(ref));
-      cp_async_commit();
-    };
-    issue(0, true);
-    issue(0, false);
-    issue(1, true);
-    for (int i = 0; i < num_pages; ++i) {
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-      fence_to_async_proxy();
-      // K(i) and V(i) have landed; every thread is done with page i - 1, whose V slot takes
-      // V(i + 1) and whose K slot takes K(i + 2).
-      __syncthreads();
-      issue(i + 1, false);
-      issue(i + 2, true);
-      const PageRef page = page_of(i);
-      if (page.token_mask == 0) continue;                // uniform: skipped (nothing loaded)
-      if (group_active) {
-        page_step<false>(qs, qa, k_slot(i), v_slot(i), page, fully_visible(page), scale_log2,
-                         rows, s, o);
-      }
-    }
-  } else {
-    auto stage_of = [&](int idx) { return stages + (idx % kStages) * S::kStageBytes; };
-    auto issue = [&](int idx) {   // one cp.async group per page, empty past the end
-      const PageRef ref = page_of(idx);
-      load_page<kFp8>(a, ctx.head, ref, stage_of(idx), valid_rows_of(ref));
-      cp_async_commit();
-    };
+  auto stage_of = [&](int idx) { return stages + (idx % kStages) * S::kStageBytes; };
+  auto issue = [&](int idx) {   // one cp.async group per page, empty past the end
+    const PageRef ref = page_of(idx);
+    load_page<kFp8>(a, ctx.head, ref, stage_of(idx), valid_rows_of(ref));
+    cp_async_commit();
+  };
 #pragma unroll
-    for (int idx = 0; idx < kStages - 1; ++idx) issue(idx);
+  for (int idx = 0; idx < kStages - 1; ++idx) issue(idx);
 
-    for (int i = 0; i < num_pages; ++i) {
-      asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
+  for (int i = 0; i < num_pages; ++i) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
+    fence_to_async_proxy();
+    // Page i has landed; every thread is done with page i - 1, whose stage takes the next page.
+    __syncthreads();
+    issue(i + kStages - 1);
+    const PageRef page = page_of(i);
+    if (page.token_mask == 0) continue;                // uniform: skipped (nothing loaded)
+    const char* kst = stage_of(i);
+    if constexpr (kFp8) {
+      widen_page(kst, widened);
       fence_to_async_proxy();
-      // Page i has landed; every thread is done with page i - 1, whose stage takes the next
-      // page.
-      __syncthreads();
-      issue(i + kStages - 1);
-      const PageRef page = page_of(i);
-      if (page.token_mask == 0) continue;                // uniform: skipped (nothing loaded)
-      const char* kst = stage_of(i);
-      if constexpr (kFp8) {
-        widen_page(kst, widened);
-        fence_to_async_proxy();
-      }
-      const bool full = fully_visible(page);
-      if constexpr (kFp8) {
-        __syncthreads();                                 // the widened K and V are complete
-      }
-      if (group_active) {
-        const char* ks = kFp8 ? widened : kst;
-        page_step<kFp8, kQRegs>(qs, qa, ks, ks + (kFp8 ? S::kWideBytes : S::kKBytes), page,
-                                full, scale_log2, rows, s, o);
-      }
+    }
+    const bool full = fully_visible(page);
+    if constexpr (kFp8) {
+      __syncthreads();                                 // the widened K and V are complete
+    }
+    if (group_active) {
+      const char* ks = kFp8 ? widened : kst;
+      page_step<kFp8>(qs, ks, ks + (kFp8 ? S::kWideBytes : S::kKBytes), page, full,
+                      scale_log2, rows, s, o);
     }
   }
   cp_async_wait_all();
@@ -1147,7 +1008,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 #else   // device code of any arch but sm_90a: the form's entry point only, never launched
 
-template <bool kFp8, int kRing>
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_wg_kernel(const DecodeAttentionArgs) {
   __trap();
@@ -1700,8 +1561,7 @@ static bool warpgroup_form_loaded() {
   if (known == 0) {
     cudaFuncAttributes attr{};
     const bool loaded =
-        cudaFuncGetAttributes(&attr, wg::decode_attention_wg_kernel<false, wg::kRingTwoStage>) ==
-            cudaSuccess &&
+        cudaFuncGetAttributes(&attr, wg::decode_attention_wg_kernel<false>) == cudaSuccess &&
         attr.ptxVersion == 90 && attr.binaryVersion == 90;
     known = loaded ? 1 : 2;
     state[device].store(known, std::memory_order_relaxed);
@@ -1724,17 +1584,9 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   if (args.warpgroup) {
     if (!warpgroup_form_loaded()) return cudaErrorNotSupported;
     if (args.q_fp8) {
-      MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<true, wg::kRingTwoStage>,
-                                 wg::Shape<true>::kAlloc));
-    } else if (args.warpgroup_ring == wg::kRingDeep) {
-      MSA_RETURN_IF_ERROR(
-          launch(wg::decode_attention_wg_kernel<false, wg::kRingDeep>, wg::DeepRing::kAlloc));
-    } else if (args.warpgroup_ring == wg::kRingQRegs) {
-      MSA_RETURN_IF_ERROR(
-          launch(wg::decode_attention_wg_kernel<false, wg::kRingQRegs>, wg::QRegsRing::kAlloc));
+      MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<true>, wg::Shape<true>::kAlloc));
     } else {
-      MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<false, wg::kRingTwoStage>,
-                                 wg::Shape<false>::kAlloc));
+      MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<false>, wg::Shape<false>::kAlloc));
     }
   } else if (args.direct_fp8) {
     MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, true>, kDirectSmemBytes));

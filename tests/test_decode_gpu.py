@@ -77,8 +77,7 @@ def _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k):
 LENS = [1, 129, 1000, 256, 77]
 
 
-@pytest.mark.parametrize("keys", ["rows", "split", "direct", "warpgroup", "warpgroup-deep",
-                                  "warpgroup-qregs"])
+@pytest.mark.parametrize("keys", ["rows", "split", "direct", "warpgroup"])
 @pytest.mark.parametrize("split", ["forced", "unsplit"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("dtypes", list(DTYPES))
@@ -89,8 +88,7 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
     """keys="split": the kernel form where the warps split each page's keys (tiles of <= 16
     rows; for larger tiles the kernel keeps the row form, so those cases repeat "rows").
     keys="direct": the split form's direct e4m3 variant (e4m3 q and K/V only, two pages per
-    step). keys="warpgroup": the wgmma form (q and K/V of one dtype), forced on every tile;
-    "warpgroup-deep" / "warpgroup-qregs": the same through its other page rings (bf16)."""
+    step). keys="warpgroup": the wgmma form (q and K/V of one dtype), forced on every tile."""
     _force_form(native_hooks, keys, dtypes)
     q, k, v, table, seqused_k, q2k = _batch(LENS, seqlen_q, group, dtypes, sparse)
     kw = dict(fixed_split_size=1) if split == "forced" else dict(disable_split_kv=True)
@@ -102,28 +100,17 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
         _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 
-# The warpgroup form's test keys and the page ring each forces (decode_cuda.WARPGROUP_RINGS).
-WARPGROUP_RINGS = {"warpgroup": "two-stage", "warpgroup-deep": "deep",
-                   "warpgroup-qregs": "q-registers"}
-
-
 def _force_form(native_hooks, keys, dtypes):
     """keys: "rows" (one warp per 16 rows), "split" (warps split each page's keys, bf16
     staging), "direct" (split, e4m3 fragments read straight from the raw pages, two pages per
-    step; e4m3 q and K/V only), "warpgroup" (wgmma, q and K/V of one dtype; forced, so it
-    also runs tiles of <= 16 rows; its two-stage ring), "warpgroup-deep" or "warpgroup-qregs"
-    (the same, bf16, through the deep ring or the Q-in-registers ring); cases a form does not
-    serve are skipped."""
+    step; e4m3 q and K/V only) or "warpgroup" (wgmma, q and K/V of one dtype; forced, so it
+    also runs tiles of <= 16 rows); cases a form does not serve are skipped."""
     if keys == "direct" and dtypes != "fp8":
         pytest.skip("the direct form serves e4m3 q and K/V only")
     if keys == "warpgroup" and dtypes == "bf16q_fp8kv":
         pytest.skip("the warpgroup form serves q and K/V of one dtype")
-    ring = WARPGROUP_RINGS.get(keys)
-    if ring != "two-stage" and ring is not None and dtypes != "bf16":
-        pytest.skip("the other page rings are the bf16 warpgroup form's")
     native_hooks.force(decode_split_keys=keys in ("split", "direct"),
-                       decode_direct_fp8=keys == "direct",
-                       decode_warpgroup=ring is not None, decode_ring=ring)
+                       decode_direct_fp8=keys == "direct", decode_warpgroup=keys == "warpgroup")
 
 
 def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k):
@@ -184,18 +171,15 @@ def test_native_decode_direct_ignores_nan_bytes_past_the_keys(msa_pkg, native_on
     _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 
-@pytest.mark.parametrize("dtypes,form", [("bf16", "warpgroup"), ("fp8", "warpgroup"),
-                                         ("bf16", "warpgroup-deep"),
-                                         ("bf16", "warpgroup-qregs")])
+@pytest.mark.parametrize("dtypes", ["bf16", "fp8"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, dtypes, form,
-                                     native_hooks):
-    """The warpgroup form (and its other bf16 page rings) at the production shape (8 queries x G = 16:
-    two full warpgroups), with 32-row tiles (one warpgroup idle), two qo tiles (16 x 16), one
-    query (16 rows), a long request split over many chunks, NaN bytes past each request's keys
-    (zero-filled on load), and pages shared by every token."""
+def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, dtypes, native_hooks):
+    """The warpgroup form at the production shape (8 queries x G = 16: two full warpgroups),
+    with 32-row tiles (one warpgroup idle), two qo tiles (16 x 16), one query (16 rows), a
+    long request split over many chunks, NaN bytes past each request's keys (zero-filled on
+    load), and pages shared by every token."""
     for seqlen_q, group, poison in ((8, 16, False), (8, 4, True), (16, 16, False), (1, 16, False)):
-        _force_form(native_hooks, form, dtypes)
+        _force_form(native_hooks, "warpgroup", dtypes)
         lens = [70001, 129, 3, 4096, 1000]
         q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, dtypes, sparse, topk=16)
         for b, n in enumerate(lens):
@@ -208,39 +192,6 @@ def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, dtypes,
         _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
         if dtypes == "fp8" and not poison:   # the fp32 model multiplies the NaN rows by P = 0
             _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k)
-
-
-@pytest.mark.parametrize("ring", ["warpgroup-deep", "warpgroup-qregs"])
-@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_warpgroup_rings_agree_with_the_served_ring(msa_pkg, native_only, seed, sparse, ring,
-                                                   native_hooks):
-    """The other bf16 page rings against the served two-stage ring on the same inputs (8 queries
-    x G = 16, many pages per CTA, unsplit): repeated runs of a ring are identical bit for bit
-    (a race shows up as a run that differs), the deep ring (the same page step on other
-    stages) equals the served ring bit for bit, the q-registers ring (Q.K^T with Q from
-    registers) within two bf16 ulps."""
-    lens, seqlen_q, group = [5000, 1000, 129, 3000], 8, 16
-    q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, "bf16", sparse, topk=16)
-    wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k,
-                    disable_split_kv=True)
-
-    def run(form):
-        _force_form(native_hooks, form, "bf16")
-        return _run_native(msa_pkg, wrapper, q, k, v)
-
-    served, served_lse = run("warpgroup")
-    first, first_lse = run(ring)
-    for _ in range(8):
-        again, again_lse = run(ring)
-        assert torch.equal(again, first) and torch.equal(again_lse, first_lse), \
-            f"{ring}: two runs on the same inputs differ"
-    if ring == "warpgroup-deep":
-        assert torch.equal(first, served) and torch.equal(first_lse, served_lse)
-    else:
-        ulp = torch.finfo(BF16).eps * served.float().abs().clamp_min(1e-30)
-        assert ((first.float() - served.float()).abs() <= 2 * ulp + 1e-4).all()
-        torch.testing.assert_close(first_lse, served_lse, atol=1e-4, rtol=1e-5)
-    _check(first, first_lse, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 
 @pytest.mark.parametrize("keys", ["rows", "split", "direct"])

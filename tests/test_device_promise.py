@@ -389,19 +389,19 @@ def test_portable_decode_never_launches_the_warpgroup_form(monkeypatch, native_h
     """The decode warpgroup form (wgmma) is sm_90a code: the portable tier's run passes
     warpgroup=False even when the hook forces the form; the Hopper run honours the hook."""
     from msa._native import decode_cuda
-    launched = []                          # (warpgroup, warpgroup_ring) per launch
+    launched = []                          # warpgroup per launch
     monkeypatch.setattr(decode_cuda, "ops", SimpleNamespace(
-        sparse_decode_attention=lambda *args: launched.append(args[-2:])))
+        sparse_decode_attention=lambda *args: launched.append(args[-1])))
     schedule = SimpleNamespace(split_kv=False, request_indices=None, kv_tile_indices=None,
                                qo_tile_indices=None, num_splits=None, merge_indptr=None,
                                kv_chunk_size=1)
     call = SimpleNamespace(q=None, k=None, v=None, q2k_indices=None, page_table=None,
                            seqused_k=None, schedule=schedule, out=None, lse=None, seqlen_q=8,
                            qhead_per_kv=16, pv_quant_dtype=None, softmax_scale=1.0)
-    native_hooks.force(decode_warpgroup=True, decode_ring="deep")
+    native_hooks.force(decode_warpgroup=True)
     decode_cuda.run_portable(call)
     decode_cuda.run(call)
-    assert launched == [(False, 0), (True, 1)]
+    assert launched == [False, True]
 
 
 def test_portable_indexer_serves_one_key_head(monkeypatch, closed_portable_gate):

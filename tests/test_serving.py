@@ -218,21 +218,6 @@ def test_decode_warpgroup_form_is_served_per_validated_dtype(monkeypatch):
         assert decode_cuda._warpgroup(call(1, 1, e4m3=True))
 
 
-def test_decode_warpgroup_ring_is_the_served_one_unless_forced(monkeypatch):
-    """The bf16 warpgroup form streams pages through SERVED_RING (the two-stage ring, whatever
-    MSA_UNVALIDATED_KERNELS says); the decode_ring hook picks another; a wrong name is refused by
-    name."""
-    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
-    assert decode_cuda._ring() == decode_cuda.WARPGROUP_RINGS["two-stage"] == 0
-    for name, code in (("deep", 1), ("q-registers", 2)):
-        with debug.forcing(decode_ring=name):
-            assert decode_cuda._ring() == code
-    monkeypatch.setattr(decode_cuda, "SERVED_RING", "q-registers")
-    assert decode_cuda._ring() == 2
-    with debug.forcing(decode_ring="wide"), pytest.raises(ValueError, match="^decode_ring: "):
-        decode_cuda._ring()
-
-
 def test_unvalidated_forms_are_passed_by_until_opted_in(monkeypatch):
     """A table form marked validated=False is passed by for the next form unless
     MSA_UNVALIDATED_KERNELS=1 (the GPU tests that validate it set it); a forced form runs

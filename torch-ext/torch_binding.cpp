@@ -566,7 +566,7 @@ void sparse_decode_attention(
     const std::optional<torch::Tensor>& o_partial, const std::optional<torch::Tensor>& lse_partial,
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
-    bool direct_fp8, bool warpgroup, int64_t warpgroup_ring) {
+    bool direct_fp8, bool warpgroup) {
   TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
@@ -681,10 +681,6 @@ void sparse_decode_attention(
   // The warpgroup (wgmma) form serves q and K/V of one dtype (the caller asks for it on tiles
   // of > 16 rows, or on any tile when forced).
   a.warpgroup = warpgroup && a.q_fp8 == a.kv_fp8;
-  TORCH_CHECK(warpgroup_ring >= 0 && warpgroup_ring <= 2,
-              "warpgroup_ring: expected 0 (two stages), 1 (deep) or 2 (Q in registers), got ",
-              warpgroup_ring);
-  a.warpgroup_ring = a.warpgroup && !a.q_fp8 ? static_cast<int>(warpgroup_ring) : 0;
   check_launch(msa::launch_decode_attention(a, c10::cuda::getCurrentCUDAStream(device.index())),
                "sparse_decode_attention");
 }
@@ -890,7 +886,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor qo_tile_indices, Tensor num_splits, Tensor merge_indptr, Tensor(a!)? o_partial, "
       "Tensor(b!)? lse_partial, Tensor(c!) out, Tensor(d!)? lse, int seqlen_q, "
       "int kv_chunk_size, bool split_kv, float softmax_scale, bool split_keys=False, "
-      "bool direct_fp8=False, bool warpgroup=False, int warpgroup_ring=0) -> ()");
+      "bool direct_fp8=False, bool warpgroup=False) -> ()");
   ops.impl("sparse_decode_attention", torch::kCUDA, &sparse_decode_attention);
   ops.def(
       "sparse_prefill_portable(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "

@@ -114,8 +114,6 @@ struct DecodeAttentionArgs {
   bool split_keys;                // warps split each page's keys (every qo tile <= 16 rows)
   bool direct_fp8;                // with split_keys, e4m3 q and K/V: no bf16 conversion pass
   bool warpgroup;                 // wgmma form (q and K/V both bf16 or both e4m3)
-  int warpgroup_ring;             // its bf16 page stream: 0 two stages, 1 deep K / V rings,
-                                  // 2 Q in registers + three stages (decode_attention.cu)
 };
 
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
@@ -387,7 +385,7 @@ void sparse_decode_attention(
     const std::optional<torch::Tensor>& o_partial, const std::optional<torch::Tensor>& lse_partial,
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
-    bool direct_fp8, bool warpgroup, int64_t warpgroup_ring);
+    bool direct_fp8, bool warpgroup);
 
 std::tuple<int64_t, int64_t, std::string> csrc_image(const std::string& unit, int64_t device);
 #endif

@@ -9,8 +9,7 @@ and calls SparseDecodePagedAttentionWrapper.run once to warm up, then --iters ti
     ncu --import R.ncu-rep --page source --print-source sass --csv > R_sass.csv
     python tools/lab/ncu_stalls.py R_sass.csv
 
-profiles a warm launch. --ring picks the warpgroup form's page ring (the decode_ring hook).
-Prints the mean time per call (profiler overhead included when wrapped).
+profiles a warm launch. Prints the mean time per call (profiler overhead included when wrapped).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/_common.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import forcing, load_msa  # noqa: E402
+from _common import load_msa  # noqa: E402
 from mtp_decode_via_fmha import Slot, lengths  # noqa: E402
 
 
@@ -36,7 +35,6 @@ def main(argv=None):
     ap.add_argument("--seqlen-q", type=int, default=8)
     ap.add_argument("--hq", type=int, default=64)
     ap.add_argument("--hkv", type=int, default=4)
-    ap.add_argument("--ring", default=None, help="two-stage, deep or q-registers")
     ap.add_argument("--iters", type=int, default=3)
     args = ap.parse_args(argv)
     msa = load_msa()
@@ -47,19 +45,17 @@ def main(argv=None):
     wrapper = msa.SparseDecodePagedAttentionWrapper().plan(
         page_table=slot.page_table, seqused_k=slot.seqused_k, seqlen_q=args.seqlen_q,
         max_seqlen_k=max(lens), num_qo_heads=args.hq, num_kv_heads=args.hkv)
-    hooks = {} if args.ring is None else {"decode_ring": args.ring}
-    with forcing(msa, **hooks):
+    wrapper.run(slot.q, slot.k, slot.v, out=slot.out)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.iters):
         wrapper.run(slot.q, slot.k, slot.v, out=slot.out)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(args.iters):
-            wrapper.run(slot.q, slot.k, slot.v, out=slot.out)
-        end.record()
-        torch.cuda.synchronize()
+    end.record()
+    torch.cuda.synchronize()
     ms = start.elapsed_time(end) / args.iters
     print(f"profile_decode: {args.dtype} B={args.batch} kv~{args.kv} seqlen_q={args.seqlen_q} "
-          f"heads={args.hq}x{args.hkv} ring={args.ring or 'served'}: {ms:.3f} ms per call, "
+          f"heads={args.hq}x{args.hkv}: {ms:.3f} ms per call, "
           f"{slot.kv_bytes / ms / 1e9:.2f} TB/s over K/V")
 
 

@@ -17,8 +17,6 @@ Hooks (``forcing`` keywords):
   decode_direct_fp8  False: split-keys decode tiles with e4m3 q and K/V take the bf16-staged path
   decode_warpgroup   True: the decode kernel's warpgroup (wgmma) form runs every tile it can
                      (q and K/V of one dtype); False: it runs none
-  decode_ring        a page ring of the bf16 warpgroup form (decode_cuda.WARPGROUP_RINGS:
-                     "two-stage", "deep", "q-registers") in place of the served one
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ import contextlib
 from typing import Dict, Iterator, Optional
 
 HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "decode_split_keys", "decode_direct_fp8",
-         "decode_warpgroup", "decode_ring")
+         "decode_warpgroup")
 
 _forced: Dict[str, object] = {}
 _poison = [False]

@@ -38,13 +38,6 @@ OP_NAME = "sparse_decode_atten"
 # past the keys; memcheck clean) and beat the row form in bench_decode_production.py (MTP 8,
 # B 32-128: bf16 2.1x, e4m3 1.8x). A dtype left out would run the row form.
 VALIDATED_WARPGROUP = frozenset({"bf16", "e4m3"})
-# How the warpgroup form streams pages (csrc/decode_attention.cu, kRing*): "two-stage" (whole
-# pages, one in flight per SM), "deep" (K three pages and V two in flight) and "q-registers" (Q
-# in registers, three stages of whole pages). All three pass their H200 cases; the two-stage
-# ring serves because it is the fastest at MTP 8 (bf16 B 32-128, 4k-100k: the others 4-10 %
-# slower; e4m3 within 1 % of each other). The decode_ring hook runs any of them.
-WARPGROUP_RINGS = {"two-stage": 0, "deep": 1, "q-registers": 2}
-SERVED_RING = "two-stage"
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
@@ -69,15 +62,15 @@ def run(call) -> None:
     [B * seqlen_q, Hq, 128] bf16 and, when not None, ``call.lse`` [B * seqlen_q, Hq] fp32 in
     place; rows that see no key get O = 0 and LSE = -inf.
     """
-    _launch(call, _warpgroup(call), _ring())
+    _launch(call, _warpgroup(call))
 
 
 def run_portable(call) -> None:
     """:func:`run` on the portable tier: split-keys, direct e4m3 and row forms only."""
-    _launch(call, False, WARPGROUP_RINGS["two-stage"])
+    _launch(call, False)
 
 
-def _launch(call, warpgroup: bool, ring: int) -> None:
+def _launch(call, warpgroup: bool) -> None:
     s = call.schedule
     if s is None:
         raise ValueError("schedule: the native decode kernel needs a DecodeSchedule")
@@ -87,7 +80,7 @@ def _launch(call, warpgroup: bool, ring: int) -> None:
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
         call.o_partial if split else None, call.lse_partial if split else None,
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
-        float(call.softmax_scale), _split_keys(), _direct_fp8(), warpgroup, ring)
+        float(call.softmax_scale), _split_keys(), _direct_fp8(), warpgroup)
 
 
 def _split_keys() -> bool:
@@ -100,15 +93,6 @@ def _direct_fp8() -> bool:
     """Whether split-keys tiles with e4m3 q and K/V take the direct e4m3 form (the binding
     applies it only there); the decode_direct_fp8 hook turns it off."""
     return debug.forced("decode_direct_fp8") is not False
-
-
-def _ring() -> int:
-    """The page ring of the bf16 warpgroup form (the binding applies it to that form only):
-    SERVED_RING, or the one the decode_ring hook names."""
-    name = debug.forced("decode_ring") or SERVED_RING
-    if name not in WARPGROUP_RINGS:
-        raise ValueError(f"decode_ring: expected one of {list(WARPGROUP_RINGS)}, got {name!r}")
-    return WARPGROUP_RINGS[name]
 
 
 def _warpgroup(call) -> bool:
