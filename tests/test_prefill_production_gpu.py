@@ -202,14 +202,11 @@ def test_chunks_and_splits_change_nothing(seed, native):
         assert (out.float() - base_out.float()).abs().max().item() <= 2e-3
 
 
-def test_run_is_capturable_in_a_cuda_graph(seed, native):
-    gen = torch.Generator().manual_seed(seed)
-    q_lens, k_lens = (171, 64, 900), (20_000, 64, 3000)
-    x, paged, table, itable = _case(q_lens, k_lens, BF16, gen)
-    wrapper = msa.MsaPrefillPagedWrapper(topk=16).plan(
-        q_lens, k_lens, table, num_qo_heads=64, num_kv_heads=4, index_page_table=itable,
-        max_chunk_tokens=512)
-    assert wrapper.num_chunks == 3 and max(wrapper.index_splits) > 1
+def _graph_replay_equals_eager(wrapper, x, paged, table, itable, q_lens, k_lens, dtype, gen):
+    """Captures run() once, rewrites its inputs in place (new q / q_idx, a fresh case's pages
+    stored in a new random order, both page tables rewritten to match: the graph reads them by
+    reference; e4m3 pages move as bytes), replays, and checks the replay equals an eager run
+    bit for bit. Returns the fresh case and the eager (O, q2k)."""
     dev = {n: x[n].to(DEV) for n in ("q", "q_idx")}
     run = lambda: wrapper.run(dev["q"], paged["k_cache"], paged["v_cache"],  # noqa: E731
                               dev["q_idx"], paged["k_idx_cache"], return_selection=True)
@@ -218,24 +215,32 @@ def test_run_is_capturable_in_a_cuda_graph(seed, native):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         g_out, g_q2k = run()
-    fresh, fresh_paged, fresh_table, fresh_itable = _case(q_lens, k_lens, BF16, gen)
+    fresh, fresh_paged, fresh_table, fresh_itable = _case(q_lens, k_lens, dtype, gen)
     dev["q"].copy_(fresh["q"])
     dev["q_idx"].copy_(fresh["q_idx"])
-    for name in paged:
-        paged[name].copy_(fresh_paged[name])
-    table.copy_(fresh_table)
-    itable.copy_(fresh_itable)
-    # New page contents *and* a new page order: the graph reads the table by reference.
     perm = torch.randperm(paged["k_cache"].shape[0], device=DEV)
     for name in paged:
-        paged[name].copy_(paged[name][perm])
+        paged[name].view(torch.uint8).copy_(fresh_paged[name].view(torch.uint8)[perm])
     inverse = torch.argsort(perm).to(torch.int32)
-    table.copy_(inverse[table.long()])
-    itable.copy_(inverse[itable.long()])
+    table.copy_(inverse[fresh_table.long()])
+    itable.copy_(inverse[fresh_itable.long()])
     graph.replay()
     torch.cuda.synchronize()
     e_out, e_q2k = run()
     assert torch.equal(g_q2k, e_q2k) and torch.equal(g_out, e_out)
+    return fresh, e_out, e_q2k
+
+
+def test_run_is_capturable_in_a_cuda_graph(seed, native):
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, k_lens = (171, 64, 900), (20_000, 64, 3000)
+    x, paged, table, itable = _case(q_lens, k_lens, BF16, gen)
+    wrapper = msa.MsaPrefillPagedWrapper(topk=16).plan(
+        q_lens, k_lens, table, num_qo_heads=64, num_kv_heads=4, index_page_table=itable,
+        max_chunk_tokens=512)
+    assert wrapper.num_chunks == 3 and max(wrapper.index_splits) > 1
+    fresh, _, e_q2k = _graph_replay_equals_eager(wrapper, x, paged, table, itable, q_lens,
+                                                 k_lens, BF16, gen)
     _check_selection(fresh, e_q2k.cpu(), q_lens, k_lens, 16)
 
 
@@ -274,28 +279,9 @@ def test_auto_route_serves_a_short_e4m3_chunk_in_a_cuda_graph(seed, native):
     wrapper = msa.MsaPrefillPagedWrapper(topk=16).plan(
         q_lens, k_lens, table, num_qo_heads=64, num_kv_heads=4, index_page_table=itable)
     assert wrapper.decode_routes == [True]
-    dev = {n: x[n].to(DEV) for n in ("q", "q_idx")}
-    run = lambda: wrapper.run(dev["q"], paged["k_cache"], paged["v_cache"],  # noqa: E731
-                              dev["q_idx"], paged["k_idx_cache"], return_selection=True)
-    run()
-    torch.cuda.synchronize()
+    fresh, e_out, e_q2k = _graph_replay_equals_eager(wrapper, x, paged, table, itable, q_lens,
+                                                     k_lens, E4M3, gen)
     assert _backend.last_backend("sparse_decode_atten") == "sm90"
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, g_q2k = run()
-    fresh, fresh_paged, fresh_table, fresh_itable = _case(q_lens, k_lens, E4M3, gen)
-    dev["q"].copy_(fresh["q"])
-    dev["q_idx"].copy_(fresh["q_idx"])
-    perm = torch.randperm(paged["k_cache"].shape[0], device=DEV)
-    for name in paged:
-        paged[name].view(torch.uint8).copy_(fresh_paged[name].view(torch.uint8)[perm])
-    inverse = torch.argsort(perm).to(torch.int32)
-    table.copy_(inverse[fresh_table.long()])
-    itable.copy_(inverse[fresh_itable.long()])
-    graph.replay()
-    torch.cuda.synchronize()
-    e_out, e_q2k = run()
-    assert torch.equal(g_q2k, e_q2k) and torch.equal(g_out, e_out)
     _check_selection(fresh, e_q2k.cpu(), q_lens, k_lens, 16)
     _check_output(fresh, e_out, e_q2k, q_lens, k_lens, E4M3, 16)
 
