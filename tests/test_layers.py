@@ -306,8 +306,10 @@ def test_kernelized_model_in_attention_chunks_matches_stock(monkeypatch, seed):
     with torch.no_grad():
         assert_logits_close(ours(ids).logits, stock(ids).logits)
         assert calls == [(600, 2)] * 2 and len(chunks) == 2 * 5        # two sparse layers
-        gen = [m.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True) for m in (ours, stock)]
+        # min_new_tokens: an EOS drawn by the random model must not end generation early.
+        gen = [m.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True)
+               for m in (ours, stock)]
     # generate: the prompt, then 5 decode steps x 2 layers of 2 (request, KV head) rows.
     assert calls[2:] == [(600, 2)] * 2 + [(2, 1)] * 2 * 5
     print("identical greedy tokens:", assert_greedy_tokens_agree(gen[0], gen[1], ids.shape[1]))
