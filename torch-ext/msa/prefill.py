@@ -384,9 +384,11 @@ def run_chunk(chunk: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
               want_selection: bool = False, q2k: Optional[torch.Tensor] = None):
     """The four stages on one chunk (q, q_idx: the chunk's rows); given the chunk's selection
     q2k [Hkv, T_c, topk] (contiguous), only the CSR and the attention; with the chunk's decode
-    route (paged, dtypes it serves), the attention as one decode call instead of the CSR, the
-    sparse attention and its combine. Returns (O, LSE or None, q2k)."""
-    route = chunk.route if chunk.route is not None and chunk.route.serves(q, k) else None
+    route (paged, dtypes it serves, its own selection), the attention as one decode call instead
+    of the CSR, the sparse attention and its combine. Returns (O, LSE or None, q2k)."""
+    # The decode route belongs to paged chunks, which compute their own selection.
+    route = chunk.route if q2k is None and chunk.route is not None and chunk.route.serves(q, k) \
+        else None
     if q2k is None:
         _stages.mark("indexer")
         scores = _index_scores(chunk, q_idx, k_idx, index_page_table, opts)
@@ -400,8 +402,6 @@ def run_chunk(chunk: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         else:
             q2k = selection.permute(1, 0, 2).contiguous()
         del scores, selection           # the attention's partials may reuse their memory
-    elif route is not None:
-        route.q2k.copy_(q2k)
     if route is not None:
         _stages.mark("attention")
         result = route.run(q, k, v, page_table, opts.softmax_scale, want_lse)
