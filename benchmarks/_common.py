@@ -290,8 +290,12 @@ def _time_cuda_events(fn, rep_ms: int, warmup_ms: int) -> float:
     return statistics.median(samples)
 
 
-def graph_us(calls, device, replays: int) -> float:
-    """Median microseconds per call of a CUDA graph of the calls, repeated to ~2 ms."""
+def graph_replays(calls, device, replays: int, *, target_us: float = 2000.0,
+                  max_calls: Optional[int] = None, warmup: int = 1):
+    """Times the calls (each once, eagerly and on a side stream first, as capture wants) as one
+    CUDA graph that repeats them in turn to ~target_us (a whole number of rounds, at most
+    max_calls calls); returns (median us per call, coefficient of variation, calls per graph)
+    over `replays` replays after `warmup` ones."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -305,14 +309,17 @@ def graph_us(calls, device, replays: int) -> float:
         call()
     end.record()
     torch.cuda.synchronize(device)
-    once = max(start.elapsed_time(end) * 1e3 / len(calls), 1.0)
-    repeat = max(1, int(2000 / (once * len(calls))))
+    once_us = max(start.elapsed_time(end) * 1e3 / len(calls), 1.0)
+    total = int(target_us / once_us)
+    if max_calls is not None:
+        total = min(max_calls, total)
+    total = max(len(calls), -(-max(1, total) // len(calls)) * len(calls))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            for call in calls:
-                call()
-    graph.replay()
+        for i in range(total):
+            calls[i % len(calls)]()
+    for _ in range(warmup):
+        graph.replay()
     torch.cuda.synchronize(device)
     samples = []
     for _ in range(replays):
@@ -320,9 +327,16 @@ def graph_us(calls, device, replays: int) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (repeat * len(calls)))
+        samples.append(start.elapsed_time(end) * 1e3 / total)
     del graph
-    return statistics.median(samples)
+    mean = statistics.fmean(samples)
+    cv = statistics.pstdev(samples) / mean if mean > 0 else None
+    return statistics.median(samples), cv, total
+
+
+def graph_us(calls, device, replays: int) -> float:
+    """Median microseconds per call of a CUDA graph of the calls, repeated to ~2 ms."""
+    return graph_replays(calls, device, replays)[0]
 
 
 def synchronize(device: torch.device) -> None:

@@ -39,14 +39,13 @@ left in its q2k buffer; latency_us - attention_us is the plan update, indexer an
 from __future__ import annotations
 
 import argparse
-import statistics
 from typing import Dict, List, Optional
 
 import torch
 
 from _common import (BLOCK, HEAD_DIM, add_common_args, apply_preset, fits, forcing,
-                     free_memory, load_msa, parse_names, random_fill, setup, synchronize,
-                     time_ms, TsvWriter)
+                     free_memory, graph_replays, load_msa, parse_names, random_fill, setup,
+                     synchronize, time_ms, TsvWriter)
 
 COLUMNS = ("suite", "case", "batch", "nominal_kv", "seqlen_q", "weight", "impl", "kv_dtype",
            "index_dtype", "backend", "latency_us", "attention_us", "bytes_read", "tb_per_s",
@@ -256,40 +255,8 @@ def time_slots(slots, device, args):
         calls = [s.call for s in slots]
         ms = time_ms(lambda: [c() for c in calls], device, args.rep_ms) / len(calls)
         return ms * 1e3, None, len(calls)
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for s in slots:
-            s.call()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for s in slots:
-        s.call()
-    end.record()
-    synchronize(device)
-    once_us = max(start.elapsed_time(end) * 1e3 / len(slots), 1.0)
-    calls = max(1, min(MAX_CALLS, int(GRAPH_TARGET_US / once_us)))
-    calls = max(len(slots), -(-calls // len(slots)) * len(slots))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            slots[i % len(slots)].call()
-    for _ in range(WARMUP_REPLAYS):
-        graph.replay()
-    synchronize(device)
-    samples = []
-    for _ in range(args.replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
-    mean = statistics.fmean(samples)
-    cv = statistics.pstdev(samples) / mean if mean > 0 else None
-    del graph
-    return statistics.median(samples), cv, calls
+    return graph_replays([s.call for s in slots], device, args.replays,
+                         target_us=GRAPH_TARGET_US, max_calls=MAX_CALLS, warmup=WARMUP_REPLAYS)
 
 
 def slot_count(bytes_per_call: int, device, args) -> int:
