@@ -771,15 +771,14 @@ struct Rows {
   float sum[2];       // this thread's share of the running softmax sum
 };
 
-// One page of one warpgroup: Q (qs) and K (ks) are 16-bit swizzled tiles, bf16 or f16 (e4m3
-// widened); V (vs) likewise.
+// The page step of one warpgroup, in pieces that a caller may interleave with another
+// warpgroup's (issue_qk, page_softmax, rescale, issue_pv); page_step runs them in order. Q (qs)
+// and K (ks) are 16-bit swizzled tiles, bf16 or f16 (e4m3 widened); V (vs) likewise.
+
+// S = Q K^T over the page's 128 keys: the wgmmas are issued, not waited for.
 template <bool kFp8>
-__device__ __forceinline__ void page_step(const char* qs, const char* ks, const char* vs,
-                                          const PageRef& page, bool full, float scale_log2,
-                                          Rows& rows, float (&s)[64], float (&o)[64]) {
+__device__ __forceinline__ void issue_qk(const char* qs, const char* ks, float (&s)[64]) {
   using S = Shape<kFp8>;
-  const int lane = threadIdx.x & 31;
-  // S = Q K^T over the page's 128 keys.
   fence_operands();
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
@@ -791,9 +790,16 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
       wgmma_qk_bf16(s, descriptor(qs + block * S::kQBlockBytes + within, 16), desc_k, kk);
     }
   }
-  commit_and_wait();
+}
 
-  // Mask (causal against seqused_k, the page's selection per token), page maxima per row.
+// The page's softmax on S (complete): mask (causal against seqused_k, the page's selection per
+// token) unless `full`, page maxima per row, P as the PV wgmma's A fragments (pa) and the
+// factor alpha by which O must be rescaled before P.V is added; the row state advances.
+template <bool kFp8>
+__device__ __forceinline__ void page_softmax(const PageRef& page, bool full, float scale_log2,
+                                             Rows& rows, float (&s)[64], uint32_t (&pa)[8][4],
+                                             float (&alpha)[2]) {
+  const int lane = threadIdx.x & 31;
   float page_max[2] = {-INFINITY, -INFINITY};
   if (!full) {
     int last[2];
@@ -816,7 +822,7 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
 #pragma unroll
     for (int e = 0; e < 4; ++e) page_max[e >> 1] = fmaxf(page_max[e >> 1], s[4 * j + e]);
   }
-  float alpha[2], shift[2], beta[2];
+  float shift[2], beta[2];
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
     page_max[i2] = fmaxf(page_max[i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[i2], 1));
@@ -839,7 +845,7 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
       s[4 * j + e] = p;
     }
   }
-  uint32_t pa[8][4];   // P as the A operand, k-step kk: keys 16 kk .. 16 kk + 15
+  // P as the A operand, k-step kk: keys 16 kk .. 16 kk + 15.
   const __half2 beta0 = __float2half2_rn(beta[0]), beta1 = __float2half2_rn(beta[1]);
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
@@ -857,6 +863,10 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
   for (int i2 = 0; i2 < 2; ++i2) {
     rows.sum[i2] = rows.sum[i2] * alpha[i2] + (kFp8 ? beta[i2] : 1.f) * page_sum[i2];
   }
+}
+
+// O *= alpha per row (skipped when neither row's running max moved).
+__device__ __forceinline__ void rescale(float (&o)[64], const float (&alpha)[2]) {
   if (alpha[0] != 1.f || alpha[1] != 1.f) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -866,7 +876,13 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
       o[4 * j + 3] *= alpha[1];
     }
   }
-  // O += P V: V [keys][channels] as the transposed B operand, 16 keys per step.
+}
+
+// O += P V: V [keys][channels] as the transposed B operand, 16 keys per step (issued, not
+// waited for).
+template <bool kFp8>
+__device__ __forceinline__ void issue_pv(const char* vs, const uint32_t (&pa)[8][4],
+                                         float (&o)[64]) {
   fence_operands();
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
@@ -877,6 +893,19 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
       wgmma_pv_bf16(o, pa[kk], desc_v, 1);
     }
   }
+}
+
+template <bool kFp8>
+__device__ __forceinline__ void page_step(const char* qs, const char* ks, const char* vs,
+                                          const PageRef& page, bool full, float scale_log2,
+                                          Rows& rows, float (&s)[64], float (&o)[64]) {
+  issue_qk<kFp8>(qs, ks, s);
+  commit_and_wait();
+  uint32_t pa[8][4];
+  float alpha[2];
+  page_softmax<kFp8>(page, full, scale_log2, rows, s, pa, alpha);
+  rescale(o, alpha);
+  issue_pv<kFp8>(vs, pa, o);
   commit_and_wait();
 }
 
