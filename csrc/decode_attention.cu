@@ -774,6 +774,80 @@ struct Rows {
   float sum[2];       // this thread's share of the running softmax sum
 };
 
+// A warpgroup's view of its qo tile: this thread's two rows (`group_row`: the warpgroup's first
+// row in the tile), the tokens of the tile and the last key every one of them sees (pages
+// past it need the mask), and the finalize step.
+struct TileView {
+  int group, tile_rows;
+  uint32_t tile_tokens;
+  int shared_last_key;
+
+  __device__ __forceinline__ TileView(const DecodeAttentionArgs& a, const CtaContext& ctx,
+                                      int group_, int tile_rows_)
+      : group(group_), tile_rows(tile_rows_) {
+    const int first_token = ctx.qo_tile * kRowsPerCta / group;
+    const int last_token = (ctx.qo_tile * kRowsPerCta + tile_rows - 1) / group;
+    tile_tokens = (last_token >= 31 ? 0xFFFFFFFFu : ((1u << (last_token + 1)) - 1u)) &
+                  ~((1u << first_token) - 1u);
+    shared_last_key = min(ctx.seqlen_k - 1, first_token + ctx.seqlen_k - a.seqlen_q);
+  }
+
+  // Row `i2` (0, 1) of this thread in the tile.
+  __device__ __forceinline__ int row(int group_row, int i2) const {
+    const int lane = threadIdx.x & 31, warp_in_group = (threadIdx.x % 128) / 32;
+    return group_row + warp_in_group * 16 + (lane >> 2) + 8 * i2;
+  }
+
+  __device__ __forceinline__ Rows rows(const DecodeAttentionArgs& a, const CtaContext& ctx,
+                                       int group_row) const {
+    Rows rows;
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+      const int r = row(group_row, i2);
+      rows.token[i2] = min((ctx.qo_tile * kRowsPerCta + r) / group, 31);
+      rows.last_key[i2] =
+          r < tile_rows ? min(ctx.seqlen_k - 1, rows.token[i2] + ctx.seqlen_k - a.seqlen_q)
+                        : -1;
+      rows.max[i2] = -INFINITY;
+      rows.sum[i2] = 0.f;
+    }
+    return rows;
+  }
+
+  // Every token of the tile sees every key of the page: the page skips the mask.
+  __device__ __forceinline__ bool fully_visible(const PageRef& page) const {
+    return (page.token_mask & tile_tokens) == tile_tokens &&
+           page.logical * kPageSize + kPageSize - 1 <= shared_last_key;
+  }
+
+  // Normalized O and LSE (natural log) of this thread's rows into out / the split-KV partials;
+  // empty rows give O = 0, LSE = -inf.
+  __device__ __forceinline__ void finalize(const DecodeAttentionArgs& a, const CtaContext& ctx,
+                                           int chunk, int group_row, const Rows& rows,
+                                           float scale_log2, const float (&o)[64]) const {
+    const int lane = threadIdx.x & 31;
+    const int64_t slot =
+        a.split_kv ? static_cast<int64_t>(__ldg(a.merge_indptr + ctx.request)) + chunk : 0;
+    if (a.split_kv && (slot < 0 || slot >= a.num_partial_slots)) return;
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+      float sum = rows.sum[i2];
+      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+      const int r_tile = row(group_row, i2);
+      if (r_tile >= tile_rows) continue;
+      const int r = ctx.qo_tile * kRowsPerCta + r_tile;
+      const int token = r / group, qo_head = ctx.head * group + r % group;
+      const bool empty = !(sum > 0.f);
+      const float inv = empty ? 0.f : 1.f / sum;
+      const float lse = empty ? -INFINITY : (rows.max[i2] * scale_log2 + log2f(sum)) * kLn2;
+      store_row(a, slot, ctx.request, token, qo_head, lane, lse, [&](int j) {
+        return make_float2(o[4 * j + 2 * i2] * inv, o[4 * j + 2 * i2 + 1] * inv);
+      });
+    }
+  }
+};
+
 // The page step of one warpgroup, in pieces that a caller may interleave with another
 // warpgroup's (issue_qk, page_softmax, rescale, issue_pv); page_step runs them in order. Q (qs)
 // and K (ks) are 16-bit swizzled tiles, bf16 or f16 (e4m3 widened); V (vs) likewise.
@@ -942,28 +1016,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   const int warpgroup = threadIdx.x / 128;
-  const int lane = threadIdx.x & 31, warp_in_group = (threadIdx.x % 128) / 32;
   const bool group_active = warpgroup * kWarpgroupRows < tile_rows;   // uniform per warpgroup
   const char* qs = q_smem + warpgroup * S::kQBytes;
-  Rows rows;
-#pragma unroll
-  for (int i2 = 0; i2 < 2; ++i2) {
-    const int row = warpgroup * kWarpgroupRows + warp_in_group * 16 + (lane >> 2) + 8 * i2;
-    rows.token[i2] = min((ctx.qo_tile * kRowsPerCta + row) / group, 31);
-    rows.last_key[i2] = row < tile_rows
-                            ? min(ctx.seqlen_k - 1, rows.token[i2] + ctx.seqlen_k - a.seqlen_q)
-                            : -1;
-    rows.max[i2] = -INFINITY;
-    rows.sum[i2] = 0.f;
-  }
-  // Tokens of the tile and the last key every one of them sees (the first token's).
-  const int first_token = ctx.qo_tile * kRowsPerCta / group;
-  const int last_token = (ctx.qo_tile * kRowsPerCta + tile_rows - 1) / group;
-  const uint32_t tile_tokens =
-      (last_token >= 31 ? 0xFFFFFFFFu : ((1u << (last_token + 1)) - 1u)) &
-      ~((1u << first_token) - 1u);
-  const int shared_last_key =
-      min(ctx.seqlen_k - 1, first_token + ctx.seqlen_k - a.seqlen_q);
+  const TileView tile(a, ctx, group, tile_rows);
+  Rows rows = tile.rows(a, ctx, warpgroup * kWarpgroupRows);
   const float scale_log2 = a.softmax_scale * kLog2e;
 
   float s[64], o[64];
@@ -975,11 +1031,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   auto valid_rows_of = [&](const PageRef& ref) {
     return min(kPageSize, max(ctx.seqlen_k - ref.logical * kPageSize, 0));
-  };
-  // Every token of the tile sees every key of the page: the page skips the mask.
-  auto fully_visible = [&](const PageRef& page) {
-    return (page.token_mask & tile_tokens) == tile_tokens &&
-           page.logical * kPageSize + kPageSize - 1 <= shared_last_key;
   };
   auto stage_of = [&](int idx) { return stages + (idx % kStages) * S::kStageBytes; };
   auto issue = [&](int idx) {   // one cp.async group per page, empty past the end
@@ -1003,7 +1054,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       widen_page(kst, widened);
       fence_to_async_proxy();
     }
-    const bool full = fully_visible(page);
+    const bool full = tile.fully_visible(page);
     if constexpr (kFp8) {
       __syncthreads();                                 // the widened K and V are complete
     }
@@ -1015,26 +1066,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   cp_async_wait_all();
 
-  // Finalize: normalized O and LSE (natural log) per row; empty rows give O = 0, LSE = -inf.
-  if (!group_active) return;
-  const int64_t slot = a.split_kv ? static_cast<int64_t>(__ldg(a.merge_indptr + ctx.request)) + chunk
-                                  : 0;
-  if (a.split_kv && (slot < 0 || slot >= a.num_partial_slots)) return;
-#pragma unroll
-  for (int i2 = 0; i2 < 2; ++i2) {
-    float sum = rows.sum[i2];
-    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
-    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
-    const int row = warpgroup * kWarpgroupRows + warp_in_group * 16 + (lane >> 2) + 8 * i2;
-    if (row >= tile_rows) continue;
-    const int r = ctx.qo_tile * kRowsPerCta + row;
-    const int token = r / group, qo_head = ctx.head * group + r % group;
-    const bool empty = !(sum > 0.f);
-    const float inv = empty ? 0.f : 1.f / sum;
-    const float lse = empty ? -INFINITY : (rows.max[i2] * scale_log2 + log2f(sum)) * kLn2;
-    store_row(a, slot, ctx.request, token, qo_head, lane, lse, [&](int j) {
-      return make_float2(o[4 * j + 2 * i2] * inv, o[4 * j + 2 * i2 + 1] * inv);
-    });
+  if (group_active) {
+    tile.finalize(a, ctx, chunk, warpgroup * kWarpgroupRows, rows, scale_log2, o);
   }
 }
 
@@ -1186,31 +1219,11 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   // Consumers.
   sm90::registers_up<kConsumerRegisters>();
   const int consumer = warpgroup - 1;                  // rows 64 consumer .. + 63
-  const int lane = threadIdx.x & 31, warp_in_group = (threadIdx.x % 128) / 32;
   const bool group_active = consumer * kWarpgroupRows < tile_rows;   // uniform per warpgroup
   const char* qs = smem + consumer * S::kQBytes;
-  Rows rows;
-#pragma unroll
-  for (int i2 = 0; i2 < 2; ++i2) {
-    const int row = consumer * kWarpgroupRows + warp_in_group * 16 + (lane >> 2) + 8 * i2;
-    rows.token[i2] = min((ctx.qo_tile * kRowsPerCta + row) / group, 31);
-    rows.last_key[i2] = row < tile_rows
-                            ? min(ctx.seqlen_k - 1, rows.token[i2] + ctx.seqlen_k - a.seqlen_q)
-                            : -1;
-    rows.max[i2] = -INFINITY;
-    rows.sum[i2] = 0.f;
-  }
-  const int first_token = ctx.qo_tile * kRowsPerCta / group;
-  const int last_token = (ctx.qo_tile * kRowsPerCta + tile_rows - 1) / group;
-  const uint32_t tile_tokens =
-      (last_token >= 31 ? 0xFFFFFFFFu : ((1u << (last_token + 1)) - 1u)) &
-      ~((1u << first_token) - 1u);
-  const int shared_last_key = min(ctx.seqlen_k - 1, first_token + ctx.seqlen_k - a.seqlen_q);
+  const TileView tile(a, ctx, group, tile_rows);
+  Rows rows = tile.rows(a, ctx, consumer * kWarpgroupRows);
   const float scale_log2 = a.softmax_scale * kLog2e;
-  auto fully_visible = [&](const PageRef& page) {
-    return (page.token_mask & tile_tokens) == tile_tokens &&
-           page.logical * kPageSize + kPageSize - 1 <= shared_last_key;
-  };
 
   float s[64], o[64];
 #pragma unroll
@@ -1261,7 +1274,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     uint32_t keep = 0u;
     if (active) {
       float alpha[2];
-      page_softmax<false>(page, fully_visible(page), scale_log2, rows, s, pa, alpha);
+      page_softmax<false>(page, tile.fully_visible(page), scale_log2, rows, s, pa, alpha);
       rescale(o, alpha);                               // O holds P V up to page t - 1
       keep = 0xFFFFFFFFu;
     }
@@ -1272,25 +1285,8 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     }
   }
 
-  if (!group_active) return;
-  const int64_t slot =
-      a.split_kv ? static_cast<int64_t>(__ldg(a.merge_indptr + ctx.request)) + chunk : 0;
-  if (a.split_kv && (slot < 0 || slot >= a.num_partial_slots)) return;
-#pragma unroll
-  for (int i2 = 0; i2 < 2; ++i2) {
-    float sum = rows.sum[i2];
-    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
-    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
-    const int row = consumer * kWarpgroupRows + warp_in_group * 16 + (lane >> 2) + 8 * i2;
-    if (row >= tile_rows) continue;
-    const int r = ctx.qo_tile * kRowsPerCta + row;
-    const int token = r / group, qo_head = ctx.head * group + r % group;
-    const bool empty = !(sum > 0.f);
-    const float inv = empty ? 0.f : 1.f / sum;
-    const float lse = empty ? -INFINITY : (rows.max[i2] * scale_log2 + log2f(sum)) * kLn2;
-    store_row(a, slot, ctx.request, token, qo_head, lane, lse, [&](int j) {
-      return make_float2(o[4 * j + 2 * i2] * inv, o[4 * j + 2 * i2 + 1] * inv);
-    });
+  if (group_active) {
+    tile.finalize(a, ctx, chunk, consumer * kWarpgroupRows, rows, scale_log2, o);
   }
 }
 
