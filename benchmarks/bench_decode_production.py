@@ -63,7 +63,8 @@ IMPLS = ("cudnn", "dense-bf16", "dense-fp8", "step-bf16", "step-fp8", "step-fp8-
 CASE_SEED = 1701
 # --attention-forms: the decode debug hooks of each (forced forms run whatever the gates say).
 ATTENTION_FORMS = {"served": {}, "rows": dict(decode_warpgroup=False),
-                   "warpgroup": dict(decode_warpgroup=True)}
+                   "warpgroup": dict(decode_warpgroup=True, decode_pingpong=False),
+                   "pingpong": dict(decode_warpgroup=True, decode_pingpong=True)}
 WARMUP_REPLAYS = 5
 GRAPH_TARGET_US = 2000.0
 MAX_CALLS = 120
@@ -346,7 +347,8 @@ def main(argv=None):
     ap.add_argument("--topk", type=int, default=16)
     ap.add_argument("--attention-forms", default="served",
                     help="decode attention forms for tiles of > 16 rows, each timed in turn "
-                         "(comma-separated): served (what the gates serve), rows, warpgroup; "
+                         "(comma-separated): served (what the gates serve), rows, warpgroup "
+                         "(two-stage), pingpong (bf16: producer + two consumer warpgroups); "
                          "a forced form's rows name it in impl, e.g. dense-bf16[rows]")
     add_common_args(ap, rep_ms=50)
     args = ap.parse_args(argv)

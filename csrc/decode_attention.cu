@@ -41,6 +41,7 @@
 
 #include "common.cuh"
 #include "sm80_primitives.cuh"
+#include "sm90_pipeline.cuh"
 #include "torch_binding.h"
 
 namespace msa {
@@ -346,13 +347,15 @@ __device__ __forceinline__ void load_queries(const DecodeAttentionArgs& a, const
 
 // Sparse: the distinct valid blocks the chunk's q2k slots select, in (token, slot) order of
 // first appearance, each with the mask of tokens that selected it. Returns the page count.
+// kNumThreads: the CTA's threads (all of them call it; warp_counts holds one int per warp).
+template <int kNumThreads = kThreads>
 __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaContext& ctx,
                                       int* cand, int* list_phys, int* list_logical,
                                       uint32_t* list_mask, int* warp_counts, int* total) {
   const int num_slots = ctx.chunk_end - ctx.chunk_begin;
   const int num_cand = num_slots > 0 ? a.seqlen_q * num_slots : 0;
   const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
-  for (int c = threadIdx.x; c < num_cand; c += kThreads) {
+  for (int c = threadIdx.x; c < num_cand; c += kNumThreads) {
     const int token = c / num_slots, slot = ctx.chunk_begin + c % num_slots;
     const int64_t row = static_cast<int64_t>(ctx.request) * a.seqlen_q + token;
     const int id = __ldg(a.q2k_indices + (ctx.head * total_q + row) * a.topk + slot);
@@ -361,7 +364,7 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
   if (threadIdx.x == 0) *total = 0;
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int base = 0; base < num_cand; base += kThreads) {
+  for (int base = 0; base < num_cand; base += kNumThreads) {
     const int c = base + threadIdx.x;
     int id = -1, physical = -1;
     uint32_t mask = 0;
@@ -395,7 +398,7 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
     __syncthreads();
     if (threadIdx.x == 0) {
       int sum = 0;
-      for (int w = 0; w < kWarps; ++w) sum += warp_counts[w];
+      for (int w = 0; w < kNumThreads / 32; ++w) sum += warp_counts[w];
       *total += sum;
     }
     __syncthreads();
@@ -688,12 +691,12 @@ __device__ __forceinline__ void store_widened(const uint4& raw, int row, int c, 
 
 // Q rows of the tile (zero past tile_rows) into each warpgroup's swizzled 16-bit block (e4m3 Q
 // widened to f16).
-template <bool kFp8>
+template <bool kFp8, int kNumThreads = kThreads>
 __device__ __forceinline__ void load_queries(const DecodeAttentionArgs& a, const CtaContext& ctx,
                                              int group, int tile_rows, char* qs) {
   using S = Shape<kFp8>;
   constexpr int kChunksPerRow = kFp8 ? 8 : 16;   // 16-byte chunks of a row as stored in q
-  for (int c = threadIdx.x; c < kRowsPerCta * kChunksPerRow; c += kThreads) {
+  for (int c = threadIdx.x; c < kRowsPerCta * kChunksPerRow; c += kNumThreads) {
     const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
     if (row < tile_rows) {
@@ -771,15 +774,88 @@ struct Rows {
   float sum[2];       // this thread's share of the running softmax sum
 };
 
-// One page of one warpgroup: Q (qs) and K (ks) are 16-bit swizzled tiles, bf16 or f16 (e4m3
-// widened); V (vs) likewise.
+// A warpgroup's view of its qo tile: this thread's two rows (`group_row`: the warpgroup's first
+// row in the tile), the tokens of the tile and the last key every one of them sees (pages
+// past it need the mask), and the finalize step.
+struct TileView {
+  int group, tile_rows;
+  uint32_t tile_tokens;
+  int shared_last_key;
+
+  __device__ __forceinline__ TileView(const DecodeAttentionArgs& a, const CtaContext& ctx,
+                                      int group_, int tile_rows_)
+      : group(group_), tile_rows(tile_rows_) {
+    const int first_token = ctx.qo_tile * kRowsPerCta / group;
+    const int last_token = (ctx.qo_tile * kRowsPerCta + tile_rows - 1) / group;
+    tile_tokens = (last_token >= 31 ? 0xFFFFFFFFu : ((1u << (last_token + 1)) - 1u)) &
+                  ~((1u << first_token) - 1u);
+    shared_last_key = min(ctx.seqlen_k - 1, first_token + ctx.seqlen_k - a.seqlen_q);
+  }
+
+  // Row `i2` (0, 1) of this thread in the tile.
+  __device__ __forceinline__ int row(int group_row, int i2) const {
+    const int lane = threadIdx.x & 31, warp_in_group = (threadIdx.x % 128) / 32;
+    return group_row + warp_in_group * 16 + (lane >> 2) + 8 * i2;
+  }
+
+  __device__ __forceinline__ Rows rows(const DecodeAttentionArgs& a, const CtaContext& ctx,
+                                       int group_row) const {
+    Rows rows;
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+      const int r = row(group_row, i2);
+      rows.token[i2] = min((ctx.qo_tile * kRowsPerCta + r) / group, 31);
+      rows.last_key[i2] =
+          r < tile_rows ? min(ctx.seqlen_k - 1, rows.token[i2] + ctx.seqlen_k - a.seqlen_q)
+                        : -1;
+      rows.max[i2] = -INFINITY;
+      rows.sum[i2] = 0.f;
+    }
+    return rows;
+  }
+
+  // Every token of the tile sees every key of the page: the page skips the mask.
+  __device__ __forceinline__ bool fully_visible(const PageRef& page) const {
+    return (page.token_mask & tile_tokens) == tile_tokens &&
+           page.logical * kPageSize + kPageSize - 1 <= shared_last_key;
+  }
+
+  // Normalized O and LSE (natural log) of this thread's rows into out / the split-KV partials;
+  // empty rows give O = 0, LSE = -inf.
+  __device__ __forceinline__ void finalize(const DecodeAttentionArgs& a, const CtaContext& ctx,
+                                           int chunk, int group_row, const Rows& rows,
+                                           float scale_log2, const float (&o)[64]) const {
+    const int lane = threadIdx.x & 31;
+    const int64_t slot =
+        a.split_kv ? static_cast<int64_t>(__ldg(a.merge_indptr + ctx.request)) + chunk : 0;
+    if (a.split_kv && (slot < 0 || slot >= a.num_partial_slots)) return;
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+      float sum = rows.sum[i2];
+      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+      const int r_tile = row(group_row, i2);
+      if (r_tile >= tile_rows) continue;
+      const int r = ctx.qo_tile * kRowsPerCta + r_tile;
+      const int token = r / group, qo_head = ctx.head * group + r % group;
+      const bool empty = !(sum > 0.f);
+      const float inv = empty ? 0.f : 1.f / sum;
+      const float lse = empty ? -INFINITY : (rows.max[i2] * scale_log2 + log2f(sum)) * kLn2;
+      store_row(a, slot, ctx.request, token, qo_head, lane, lse, [&](int j) {
+        return make_float2(o[4 * j + 2 * i2] * inv, o[4 * j + 2 * i2 + 1] * inv);
+      });
+    }
+  }
+};
+
+// The page step of one warpgroup, in pieces that a caller may interleave with another
+// warpgroup's (issue_qk, page_softmax, rescale, issue_pv); page_step runs them in order. Q (qs)
+// and K (ks) are 16-bit swizzled tiles, bf16 or f16 (e4m3 widened); V (vs) likewise.
+
+// S = Q K^T over the page's 128 keys: the wgmmas are issued, not waited for.
 template <bool kFp8>
-__device__ __forceinline__ void page_step(const char* qs, const char* ks, const char* vs,
-                                          const PageRef& page, bool full, float scale_log2,
-                                          Rows& rows, float (&s)[64], float (&o)[64]) {
+__device__ __forceinline__ void issue_qk(const char* qs, const char* ks, float (&s)[64]) {
   using S = Shape<kFp8>;
-  const int lane = threadIdx.x & 31;
-  // S = Q K^T over the page's 128 keys.
   fence_operands();
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
@@ -791,9 +867,16 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
       wgmma_qk_bf16(s, descriptor(qs + block * S::kQBlockBytes + within, 16), desc_k, kk);
     }
   }
-  commit_and_wait();
+}
 
-  // Mask (causal against seqused_k, the page's selection per token), page maxima per row.
+// The page's softmax on S (complete): mask (causal against seqused_k, the page's selection per
+// token) unless `full`, page maxima per row, P as the PV wgmma's A fragments (pa) and the
+// factor alpha by which O must be rescaled before P.V is added; the row state advances.
+template <bool kFp8>
+__device__ __forceinline__ void page_softmax(const PageRef& page, bool full, float scale_log2,
+                                             Rows& rows, float (&s)[64], uint32_t (&pa)[8][4],
+                                             float (&alpha)[2]) {
+  const int lane = threadIdx.x & 31;
   float page_max[2] = {-INFINITY, -INFINITY};
   if (!full) {
     int last[2];
@@ -816,7 +899,7 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
 #pragma unroll
     for (int e = 0; e < 4; ++e) page_max[e >> 1] = fmaxf(page_max[e >> 1], s[4 * j + e]);
   }
-  float alpha[2], shift[2], beta[2];
+  float shift[2], beta[2];
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
     page_max[i2] = fmaxf(page_max[i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[i2], 1));
@@ -839,7 +922,7 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
       s[4 * j + e] = p;
     }
   }
-  uint32_t pa[8][4];   // P as the A operand, k-step kk: keys 16 kk .. 16 kk + 15
+  // P as the A operand, k-step kk: keys 16 kk .. 16 kk + 15.
   const __half2 beta0 = __float2half2_rn(beta[0]), beta1 = __float2half2_rn(beta[1]);
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
@@ -857,6 +940,10 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
   for (int i2 = 0; i2 < 2; ++i2) {
     rows.sum[i2] = rows.sum[i2] * alpha[i2] + (kFp8 ? beta[i2] : 1.f) * page_sum[i2];
   }
+}
+
+// O *= alpha per row (skipped when neither row's running max moved).
+__device__ __forceinline__ void rescale(float (&o)[64], const float (&alpha)[2]) {
   if (alpha[0] != 1.f || alpha[1] != 1.f) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -866,7 +953,13 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
       o[4 * j + 3] *= alpha[1];
     }
   }
-  // O += P V: V [keys][channels] as the transposed B operand, 16 keys per step.
+}
+
+// O += P V: V [keys][channels] as the transposed B operand, 16 keys per step (issued, not
+// waited for).
+template <bool kFp8>
+__device__ __forceinline__ void issue_pv(const char* vs, const uint32_t (&pa)[8][4],
+                                         float (&o)[64]) {
   fence_operands();
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
@@ -877,6 +970,19 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
       wgmma_pv_bf16(o, pa[kk], desc_v, 1);
     }
   }
+}
+
+template <bool kFp8>
+__device__ __forceinline__ void page_step(const char* qs, const char* ks, const char* vs,
+                                          const PageRef& page, bool full, float scale_log2,
+                                          Rows& rows, float (&s)[64], float (&o)[64]) {
+  issue_qk<kFp8>(qs, ks, s);
+  commit_and_wait();
+  uint32_t pa[8][4];
+  float alpha[2];
+  page_softmax<kFp8>(page, full, scale_log2, rows, s, pa, alpha);
+  rescale(o, alpha);
+  issue_pv<kFp8>(vs, pa, o);
   commit_and_wait();
 }
 
@@ -910,28 +1016,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   const int warpgroup = threadIdx.x / 128;
-  const int lane = threadIdx.x & 31, warp_in_group = (threadIdx.x % 128) / 32;
   const bool group_active = warpgroup * kWarpgroupRows < tile_rows;   // uniform per warpgroup
   const char* qs = q_smem + warpgroup * S::kQBytes;
-  Rows rows;
-#pragma unroll
-  for (int i2 = 0; i2 < 2; ++i2) {
-    const int row = warpgroup * kWarpgroupRows + warp_in_group * 16 + (lane >> 2) + 8 * i2;
-    rows.token[i2] = min((ctx.qo_tile * kRowsPerCta + row) / group, 31);
-    rows.last_key[i2] = row < tile_rows
-                            ? min(ctx.seqlen_k - 1, rows.token[i2] + ctx.seqlen_k - a.seqlen_q)
-                            : -1;
-    rows.max[i2] = -INFINITY;
-    rows.sum[i2] = 0.f;
-  }
-  // Tokens of the tile and the last key every one of them sees (the first token's).
-  const int first_token = ctx.qo_tile * kRowsPerCta / group;
-  const int last_token = (ctx.qo_tile * kRowsPerCta + tile_rows - 1) / group;
-  const uint32_t tile_tokens =
-      (last_token >= 31 ? 0xFFFFFFFFu : ((1u << (last_token + 1)) - 1u)) &
-      ~((1u << first_token) - 1u);
-  const int shared_last_key =
-      min(ctx.seqlen_k - 1, first_token + ctx.seqlen_k - a.seqlen_q);
+  const TileView tile(a, ctx, group, tile_rows);
+  Rows rows = tile.rows(a, ctx, warpgroup * kWarpgroupRows);
   const float scale_log2 = a.softmax_scale * kLog2e;
 
   float s[64], o[64];
@@ -943,11 +1031,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   auto valid_rows_of = [&](const PageRef& ref) {
     return min(kPageSize, max(ctx.seqlen_k - ref.logical * kPageSize, 0));
-  };
-  // Every token of the tile sees every key of the page: the page skips the mask.
-  auto fully_visible = [&](const PageRef& page) {
-    return (page.token_mask & tile_tokens) == tile_tokens &&
-           page.logical * kPageSize + kPageSize - 1 <= shared_last_key;
   };
   auto stage_of = [&](int idx) { return stages + (idx % kStages) * S::kStageBytes; };
   auto issue = [&](int idx) {   // one cp.async group per page, empty past the end
@@ -971,7 +1054,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       widen_page(kst, widened);
       fence_to_async_proxy();
     }
-    const bool full = fully_visible(page);
+    const bool full = tile.fully_visible(page);
     if constexpr (kFp8) {
       __syncthreads();                                 // the widened K and V are complete
     }
@@ -983,28 +1066,231 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   cp_async_wait_all();
 
-  // Finalize: normalized O and LSE (natural log) per row; empty rows give O = 0, LSE = -inf.
-  if (!group_active) return;
-  const int64_t slot = a.split_kv ? static_cast<int64_t>(__ldg(a.merge_indptr + ctx.request)) + chunk
-                                  : 0;
-  if (a.split_kv && (slot < 0 || slot >= a.num_partial_slots)) return;
-#pragma unroll
-  for (int i2 = 0; i2 < 2; ++i2) {
-    float sum = rows.sum[i2];
-    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
-    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
-    const int row = warpgroup * kWarpgroupRows + warp_in_group * 16 + (lane >> 2) + 8 * i2;
-    if (row >= tile_rows) continue;
-    const int r = ctx.qo_tile * kRowsPerCta + row;
-    const int token = r / group, qo_head = ctx.head * group + r % group;
-    const bool empty = !(sum > 0.f);
-    const float inv = empty ? 0.f : 1.f / sum;
-    const float lse = empty ? -INFINITY : (rows.max[i2] * scale_log2 + log2f(sum)) * kLn2;
-    store_row(a, slot, ctx.request, token, qo_head, lane, lse, [&](int j) {
-      return make_float2(o[4 * j + 2 * i2] * inv, o[4 * j + 2 * i2 + 1] * inv);
-    });
+  if (group_active) {
+    tile.finalize(a, ctx, chunk, warpgroup * kWarpgroupRows, rows, scale_log2, o);
   }
 }
+
+// ---- Ping-pong form (bf16, tiles of > 64 rows) ---------------------------------------
+// Three warpgroups: warpgroup 0 streams pages (cp.async, 40 registers; warps 0-1 K, warps 2-3
+// V), warpgroups 1 and 2 own rows 0-63 and 64-127 (232 registers). K and V flow through
+// separate stage rings, each stage with a "full" mbarrier (the stream's 64 threads arrive once
+// their copies have landed and been fenced for the async proxy) and an "empty" one (the 256 consumer threads arrive once
+// their wgmmas no longer read it). The consumers take turns issuing wgmmas (named barriers 1
+// and 2): while one warpgroup issues its Q K^T of page i and P V of page i - 1, the other runs
+// its softmax of the page before, so the softmax of one hides under the other's tensor work
+// (FlashAttention-3's ping-pong and its in-warpgroup overlap of P V with the next Q K^T).
+namespace pingpong {
+
+constexpr int kThreadsPP = 3 * 128;
+constexpr int kKStages = 3;
+constexpr int kVStages = 2;
+constexpr int kProducerRegisters = 56;
+constexpr int kConsumerRegisters = 224;
+using S = Shape<false>;
+constexpr int kKOffset = 2 * S::kQBytes;
+constexpr int kVOffset = kKOffset + kKStages * S::kWideBytes;
+constexpr int kBarrierOffset = kVOffset + kVStages * S::kWideBytes;
+constexpr int kBarriers = 2 * (kKStages + kVStages);
+constexpr int kListOffset = kBarrierOffset + kBarriers * 8;
+constexpr int kBytes = kListOffset + kListBytes + kCountsSlotBytes;
+constexpr int kAlloc = kBytes + 1024;
+static_assert(kAlloc <= 227 * 1024, "ping-pong form: shared memory");
+static_assert((kThreadsPP / 32 + 1) * 4 <= kCountsSlotBytes, "warp counts and the page total");
+static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536, "register file");
+
+// One tensor's (K or V) slice of a page into a 16-bit swizzled tile of two column blocks, by
+// kLoaders threads (`thread` of them); rows >= valid_rows zero-filled (no byte read).
+constexpr int kLoaders = 64;
+__device__ __forceinline__ void load_tensor_page(const DecodeAttentionArgs& a, int head,
+                                                 const PageRef& ref, const void* tensor,
+                                                 char* tile, int valid_rows, int thread) {
+  constexpr int kChunksPerRow = 16;
+  constexpr int kChunks = kPageSize * kChunksPerRow;
+  static_assert(kChunks % kLoaders == 0, "every loader issues the same number of copies");
+  // A skipped page (its id may be anything) is zero-filled: the consumers' wgmmas still read it.
+  if (ref.token_mask == 0) valid_rows = 0;
+  const char* src = static_cast<const char*>(tensor);
+  if (valid_rows > 0) {
+    src += (static_cast<int64_t>(ref.physical) * a.num_kv_heads + head) *
+           (kPageSize * kHeadDim) * 2;
+  }
+#pragma unroll 4
+  for (int i = 0; i < kChunks / kLoaders; ++i) {
+    const int c = thread + i * kLoaders;
+    const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
+    const bool valid = row < valid_rows;
+    cp_async_16_or_zero(tile + (chunk / 8) * S::kPageBlockBytes + swizzled(row, chunk % 8),
+                        src + (valid ? static_cast<int64_t>(c) * 16 : 0), valid);
+  }
+}
+
+// One tensor's stream (K, or V) of the producer: pages 0 .. num_pages - 1 into a ring of
+// kStages tiles; each stage's copies are fenced for the async proxy and its full barrier told
+// one page later (cp.async.wait_group 1), so two pages' copies are in flight per loader.
+template <int kStages, typename PageOf, typename Full, typename Empty, typename Tile>
+__device__ __forceinline__ void stream_tensor(const DecodeAttentionArgs& a, const CtaContext& ctx,
+                                              int num_pages, const void* tensor, int thread,
+                                              PageOf page_of, Full full, Empty empty,
+                                              Tile tile) {
+  sm90::RingState<kStages> ring;
+  int pending = -1;                        // the stage whose copies are not signalled yet
+  for (int i = 0; i < num_pages; ++i) {
+    const PageRef ref = page_of(i);
+    const int valid_rows = min(kPageSize, max(ctx.seqlen_k - ref.logical * kPageSize, 0));
+    empty(ring.index).wait(ring.phase ^ 1u);
+    load_tensor_page(a, ctx.head, ref, tensor, tile(ring.index), valid_rows, thread);
+    cp_async_commit();
+    if (pending >= 0) {
+      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+      fence_to_async_proxy();
+      full(pending).arrive();
+    }
+    pending = ring.index;
+    ring.advance();
+  }
+  if (pending >= 0) {
+    cp_async_wait_all();
+    fence_to_async_proxy();
+    full(pending).arrive();
+  }
+}
+
+__global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
+    const DecodeAttentionArgs a) {
+  extern __shared__ __align__(1024) char smem_raw[];
+  char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kBarrierOffset);
+  auto k_full = [&](int st) { return sm90::Mbarrier{bars + st}; };
+  auto k_empty = [&](int st) { return sm90::Mbarrier{bars + kKStages + st}; };
+  auto v_full = [&](int st) { return sm90::Mbarrier{bars + 2 * kKStages + st}; };
+  auto v_empty = [&](int st) { return sm90::Mbarrier{bars + 2 * kKStages + kVStages + st}; };
+  auto k_tile = [&](int st) { return smem + kKOffset + st * S::kWideBytes; };
+  auto v_tile = [&](int st) { return smem + kVOffset + st * S::kWideBytes; };
+  int* cand = reinterpret_cast<int*>(smem + kListOffset);
+  int* list_phys = cand + kMaxCandidates;
+  int* list_logical = list_phys + kMaxCandidates;
+  uint32_t* list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
+  int* warp_counts = reinterpret_cast<int*>(list_mask + kMaxCandidates);
+  int* page_total = warp_counts + kThreadsPP / 32;
+
+  CtaContext ctx;
+  int chunk, group, tile_rows;
+  if (!make_context(a, ctx, chunk, group, tile_rows)) return;   // uniform over the CTA
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < kKStages; ++st) {
+      k_full(st).init(kLoaders);
+      k_empty(st).init(256);
+    }
+    for (int st = 0; st < kVStages; ++st) {
+      v_full(st).init(kLoaders);
+      v_empty(st).init(256);
+    }
+    sm90::fence_barrier_init();
+  }
+  // Q of the consumers' rows (warpgroup 1: rows 0-63 in the first block), then the page list.
+  load_queries<false, kThreadsPP>(a, ctx, group, tile_rows, smem);
+  int num_pages;
+  if (a.q2k_indices != nullptr) {
+    num_pages = build_sparse_page_list<kThreadsPP>(a, ctx, cand, list_phys, list_logical,
+                                                   list_mask, warp_counts, page_total);
+  } else {
+    num_pages = ctx.chunk_end - ctx.chunk_begin;
+  }
+  fence_to_async_proxy();     // Q (generic stores) is read by wgmma
+  __syncthreads();            // Q, the page list and the barriers are ready
+
+  auto page_of = [&](int idx) {
+    return page_or_none(a, ctx, idx, num_pages, list_phys, list_logical, list_mask);
+  };
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // Producer: warps 0-1 stream K, warps 2-3 stream V, each at its own pace.
+    sm90::registers_down<kProducerRegisters>();
+    const int thread = threadIdx.x % kLoaders;
+    if (threadIdx.x < kLoaders) {
+      stream_tensor<kKStages>(a, ctx, num_pages, a.k, thread, page_of, k_full, k_empty, k_tile);
+    } else {
+      stream_tensor<kVStages>(a, ctx, num_pages, a.v, thread, page_of, v_full, v_empty, v_tile);
+    }
+    return;
+  }
+
+  // Consumers.
+  sm90::registers_up<kConsumerRegisters>();
+  const int consumer = warpgroup - 1;                  // rows 64 consumer .. + 63
+  const bool group_active = consumer * kWarpgroupRows < tile_rows;   // uniform per warpgroup
+  const char* qs = smem + consumer * S::kQBytes;
+  const TileView tile(a, ctx, group, tile_rows);
+  Rows rows = tile.rows(a, ctx, consumer * kWarpgroupRows);
+  const float scale_log2 = a.softmax_scale * kLog2e;
+
+  float s[64], o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) s[i] = o[i] = 0.f;
+  // P of the previous page, for its P V in this turn; zero when there is none (the first turn,
+  // a skipped page, an idle warpgroup), so that P V adds nothing. The wgmmas are issued on
+  // every turn, whatever the page: a wgmma under a branch ptxas cannot prove uniform per
+  // warpgroup is serialized. What a zero P multiplies is always finite and settled: skipped
+  // pages are zero-filled by the producer, and the first turn's P V reads the Q tiles (32 KB,
+  // the size of a V tile) instead of a V stage the producer may be writing.
+  uint32_t pa[8][4];
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+  sm90::RingState<kKStages> k_ring;
+  sm90::RingState<kVStages> v_ring;  // the V stage of the page whose P V is issued this turn
+  // Turns: warpgroup 1 issues first. Barrier 1 is warpgroup 1's turn (it syncs, 2 arrives),
+  // barrier 2 warpgroup 2's; warpgroup 2 opens warpgroup 1's first turn, and skips its last
+  // arrive so that no arrival is left over at the end.
+  const int my_turn = 1 + consumer, other_turn = 2 - consumer;
+  if (consumer == 1) sm90::named_arrive(1, 256);
+  const int turns = num_pages + 1;                     // the last turn issues the last P V
+  for (int t = 0; t < turns; ++t) {
+    const bool has_page = t < num_pages;
+    PageRef page{};
+    bool active = false;
+    if (has_page) {
+      page = page_of(t);
+      active = group_active && page.token_mask != 0;
+      k_full(k_ring.index).wait(k_ring.phase);
+    }
+    // Every stage's full phase is waited for, pages skipped included, so the parity waits
+    // never run a phase ahead of the V stream.
+    if (t > 0) v_full(v_ring.index).wait(v_ring.phase);
+    sm90::named_sync(my_turn, 256);
+    issue_qk<false>(qs, k_tile(k_ring.index), s);     // past the last page: discarded
+    issue_pv<false>(t > 0 ? v_tile(v_ring.index) : smem, pa, o);
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+    if (consumer == 0 || t + 1 < turns) sm90::named_arrive(other_turn, 256);
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    if (has_page) {
+      k_empty(k_ring.index).arrive();
+      k_ring.advance();
+    }
+    if (t > 0) {
+      v_empty(v_ring.index).arrive();                  // page t - 1's V stage is free
+      v_ring.advance();
+    }
+    uint32_t keep = 0u;
+    if (active) {
+      float alpha[2];
+      page_softmax<false>(page, tile.fully_visible(page), scale_log2, rows, s, pa, alpha);
+      rescale(o, alpha);                               // O holds P V up to page t - 1
+      keep = 0xFFFFFFFFu;
+    }
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+#pragma unroll
+      for (int f = 0; f < 4; ++f) pa[kk][f] &= keep;
+    }
+  }
+
+  if (group_active) {
+    tile.finalize(a, ctx, chunk, consumer * kWarpgroupRows, rows, scale_log2, o);
+  }
+}
+
+}  // namespace pingpong
 
 #else   // device code of any arch but sm_90a: the form's entry point only, never launched
 
@@ -1013,6 +1299,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_wg_kernel(const DecodeAttentionArgs) {
   __trap();
 }
+
+namespace pingpong {
+constexpr int kThreadsPP = 3 * 128;
+constexpr int kAlloc = 0;
+__global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
+    const DecodeAttentionArgs) {
+  __trap();
+}
+}  // namespace pingpong
 
 #endif  // sm_90a
 }  // namespace wg
@@ -1575,15 +1870,18 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   // Split keys across warps only when every qo tile has <= 16 rows, the direct e4m3 form only
   // then with e4m3 Q and K/V, the warpgroup form only with Q and K/V of one dtype (the binding
   // checks all three; the caller asks for the warpgroup form on tiles of > 16 rows).
-  auto launch = [&](auto kernel, int smem_bytes) -> cudaError_t {
+  auto launch = [&](auto kernel, int smem_bytes, int threads = kThreads) -> cudaError_t {
     MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              smem_bytes));
-    kernel<<<grid, kThreads, smem_bytes, stream>>>(args);
+    kernel<<<grid, threads, smem_bytes, stream>>>(args);
     return cudaSuccess;
   };
   if (args.warpgroup) {
     if (!warpgroup_form_loaded()) return cudaErrorNotSupported;
-    if (args.q_fp8) {
+    if (args.pingpong && !args.q_fp8) {
+      MSA_RETURN_IF_ERROR(launch(wg::pingpong::decode_attention_pp_kernel, wg::pingpong::kAlloc,
+                                 wg::pingpong::kThreadsPP));
+    } else if (args.q_fp8) {
       MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<true>, wg::Shape<true>::kAlloc));
     } else {
       MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<false>, wg::Shape<false>::kAlloc));

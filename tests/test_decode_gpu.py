@@ -77,7 +77,7 @@ def _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k):
 LENS = [1, 129, 1000, 256, 77]
 
 
-@pytest.mark.parametrize("keys", ["rows", "split", "direct", "warpgroup"])
+@pytest.mark.parametrize("keys", ["rows", "split", "direct", "warpgroup", "pingpong"])
 @pytest.mark.parametrize("split", ["forced", "unsplit"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("dtypes", list(DTYPES))
@@ -88,7 +88,8 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
     """keys="split": the kernel form where the warps split each page's keys (tiles of <= 16
     rows; for larger tiles the kernel keeps the row form, so those cases repeat "rows").
     keys="direct": the split form's direct e4m3 variant (e4m3 q and K/V only, two pages per
-    step). keys="warpgroup": the wgmma form (q and K/V of one dtype), forced on every tile."""
+    step). keys="warpgroup": the wgmma form (q and K/V of one dtype), forced on every tile;
+    keys="pingpong": its producer / two-consumer form (bf16), forced on every tile."""
     _force_form(native_hooks, keys, dtypes)
     q, k, v, table, seqused_k, q2k = _batch(LENS, seqlen_q, group, dtypes, sparse)
     kw = dict(fixed_split_size=1) if split == "forced" else dict(disable_split_kv=True)
@@ -103,14 +104,20 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
 def _force_form(native_hooks, keys, dtypes):
     """keys: "rows" (one warp per 16 rows), "split" (warps split each page's keys, bf16
     staging), "direct" (split, e4m3 fragments read straight from the raw pages, two pages per
-    step; e4m3 q and K/V only) or "warpgroup" (wgmma, q and K/V of one dtype; forced, so it
-    also runs tiles of <= 16 rows); cases a form does not serve are skipped."""
+    step; e4m3 q and K/V only), "warpgroup" (wgmma, q and K/V of one dtype; forced, so it
+    also runs tiles of <= 16 rows; its two-stage form) or "pingpong" (the warpgroup form's
+    producer / two-consumer variant, bf16 q and K/V; forced on any tile); cases a form does not
+    serve are skipped."""
     if keys == "direct" and dtypes != "fp8":
         pytest.skip("the direct form serves e4m3 q and K/V only")
     if keys == "warpgroup" and dtypes == "bf16q_fp8kv":
         pytest.skip("the warpgroup form serves q and K/V of one dtype")
+    if keys == "pingpong" and dtypes != "bf16":
+        pytest.skip("the ping-pong form serves bf16 q and K/V")
+    wgmma = keys in ("warpgroup", "pingpong")
     native_hooks.force(decode_split_keys=keys in ("split", "direct"),
-                       decode_direct_fp8=keys == "direct", decode_warpgroup=keys == "warpgroup")
+                       decode_direct_fp8=keys == "direct", decode_warpgroup=wgmma,
+                       decode_pingpong=keys == "pingpong")
 
 
 def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k):
@@ -171,15 +178,17 @@ def test_native_decode_direct_ignores_nan_bytes_past_the_keys(msa_pkg, native_on
     _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 
-@pytest.mark.parametrize("dtypes", ["bf16", "fp8"])
+@pytest.mark.parametrize("form,dtypes", [("warpgroup", "bf16"), ("warpgroup", "fp8"),
+                                         ("pingpong", "bf16")])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, dtypes, native_hooks):
+def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, form, dtypes,
+                                     native_hooks):
     """The warpgroup form at the production shape (8 queries x G = 16: two full warpgroups),
     with 32-row tiles (one warpgroup idle), two qo tiles (16 x 16), one query (16 rows), a
     long request split over many chunks, NaN bytes past each request's keys (zero-filled on
     load), and pages shared by every token."""
     for seqlen_q, group, poison in ((8, 16, False), (8, 4, True), (16, 16, False), (1, 16, False)):
-        _force_form(native_hooks, "warpgroup", dtypes)
+        _force_form(native_hooks, form, dtypes)
         lens = [70001, 129, 3, 4096, 1000]
         q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, dtypes, sparse, topk=16)
         for b, n in enumerate(lens):
@@ -194,7 +203,7 @@ def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, dtypes,
             _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 
-@pytest.mark.parametrize("keys", ["rows", "split", "direct"])
+@pytest.mark.parametrize("keys", ["rows", "split", "direct", "pingpong"])
 @pytest.mark.parametrize("dtypes", ["bf16", "fp8"])
 def test_native_decode_512k_context(msa_pkg, native_only, seed, dtypes, keys, native_hooks):
     """A 512k-token request next to tiny and odd-length ones (G = 16, one query token, the

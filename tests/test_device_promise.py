@@ -386,12 +386,14 @@ def test_portable_op_without_an_image_runs_the_reference_with_a_warning(
 
 
 def test_portable_decode_never_launches_the_warpgroup_form(monkeypatch, native_hooks):
-    """The decode warpgroup form (wgmma) is sm_90a code: the portable tier's run passes
-    warpgroup=False even when the hook forces the form; the Hopper run honours the hook."""
+    """The decode warpgroup form (wgmma) and its ping-pong form are sm_90a code: the portable
+    tier's run passes warpgroup=False and pingpong=False even when the hooks force them; the
+    Hopper run honours the hooks."""
     from msa._native import decode_cuda
-    launched = []                          # warpgroup per launch
+    launched = []                          # (warpgroup, pingpong) per launch
+    monkeypatch.delenv("MSA_UNVALIDATED_KERNELS", raising=False)
     monkeypatch.setattr(decode_cuda, "ops", SimpleNamespace(
-        sparse_decode_attention=lambda *args: launched.append(args[-1])))
+        sparse_decode_attention=lambda *args: launched.append(tuple(args[-2:]))))
     schedule = SimpleNamespace(split_kv=False, request_indices=None, kv_tile_indices=None,
                                qo_tile_indices=None, num_splits=None, merge_indptr=None,
                                kv_chunk_size=1)
@@ -401,7 +403,10 @@ def test_portable_decode_never_launches_the_warpgroup_form(monkeypatch, native_h
     native_hooks.force(decode_warpgroup=True)
     decode_cuda.run_portable(call)
     decode_cuda.run(call)
-    assert launched == [False, True]
+    native_hooks.force(decode_warpgroup=True, decode_pingpong=True)
+    decode_cuda.run_portable(call)
+    decode_cuda.run(call)
+    assert launched == [(False, False), (True, False), (False, False), (True, True)]
 
 
 def test_portable_indexer_serves_one_key_head(monkeypatch, closed_portable_gate):

@@ -566,7 +566,7 @@ void sparse_decode_attention(
     const std::optional<torch::Tensor>& o_partial, const std::optional<torch::Tensor>& lse_partial,
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
-    bool direct_fp8, bool warpgroup) {
+    bool direct_fp8, bool warpgroup, bool pingpong) {
   TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
@@ -681,6 +681,8 @@ void sparse_decode_attention(
   // The warpgroup (wgmma) form serves q and K/V of one dtype (the caller asks for it on tiles
   // of > 16 rows, or on any tile when forced).
   a.warpgroup = warpgroup && a.q_fp8 == a.kv_fp8;
+  // Its ping-pong form (a producer warpgroup and two consumers taking turns) serves bf16.
+  a.pingpong = pingpong && a.warpgroup && !a.q_fp8;
   check_launch(msa::launch_decode_attention(a, c10::cuda::getCurrentCUDAStream(device.index())),
                "sparse_decode_attention");
 }
@@ -886,7 +888,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor qo_tile_indices, Tensor num_splits, Tensor merge_indptr, Tensor(a!)? o_partial, "
       "Tensor(b!)? lse_partial, Tensor(c!) out, Tensor(d!)? lse, int seqlen_q, "
       "int kv_chunk_size, bool split_kv, float softmax_scale, bool split_keys=False, "
-      "bool direct_fp8=False, bool warpgroup=False) -> ()");
+      "bool direct_fp8=False, bool warpgroup=False, bool pingpong=False) -> ()");
   ops.impl("sparse_decode_attention", torch::kCUDA, &sparse_decode_attention);
   ops.def(
       "sparse_prefill_portable(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "

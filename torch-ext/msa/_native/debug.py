@@ -17,6 +17,8 @@ Hooks (``forcing`` keywords):
   decode_direct_fp8  False: split-keys decode tiles with e4m3 q and K/V take the bf16-staged path
   decode_warpgroup   True: the decode kernel's warpgroup (wgmma) form runs every tile it can
                      (q and K/V of one dtype); False: it runs none
+  decode_pingpong    True: warpgroup-form calls with bf16 q and K/V take its ping-pong form
+                     (producer + two consumer warpgroups); False: they never do
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import contextlib
 from typing import Dict, Iterator, Optional
 
 HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "decode_split_keys", "decode_direct_fp8",
-         "decode_warpgroup")
+         "decode_warpgroup", "decode_pingpong")
 
 _forced: Dict[str, object] = {}
 _poison = [False]

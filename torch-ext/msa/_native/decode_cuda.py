@@ -38,6 +38,13 @@ OP_NAME = "sparse_decode_atten"
 # past the keys; memcheck clean) and beat the row form in bench_decode_production.py (MTP 8,
 # B 32-128: bf16 2.1x, e4m3 1.8x). A dtype left out would run the row form.
 VALIDATED_WARPGROUP = frozenset({"bf16", "e4m3"})
+# Its ping-pong form (bf16 q and K/V, tiles of > 64 rows: a producer warpgroup streaming K and
+# V through mbarrier rings, two consumer warpgroups taking turns on the tensor cores so one's
+# softmax hides under the other's wgmmas) passed tests/test_decode_gpu.py on the H200 (memcheck
+# clean) and beat the two-stage form in bench_decode_production.py (MTP 8, B 32-128, 4k-100k:
+# 1.04-1.15x). e4m3 tiles keep the two-stage form (the ping-pong kernel is bf16 only).
+VALIDATED_PINGPONG = frozenset({"bf16"})
+PINGPONG_MIN_ROWS = 65
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
@@ -62,15 +69,16 @@ def run(call) -> None:
     [B * seqlen_q, Hq, 128] bf16 and, when not None, ``call.lse`` [B * seqlen_q, Hq] fp32 in
     place; rows that see no key get O = 0 and LSE = -inf.
     """
-    _launch(call, _warpgroup(call))
+    warpgroup = _warpgroup(call)
+    _launch(call, warpgroup, warpgroup and _pingpong(call))
 
 
 def run_portable(call) -> None:
     """:func:`run` on the portable tier: split-keys, direct e4m3 and row forms only."""
-    _launch(call, False)
+    _launch(call, False, False)
 
 
-def _launch(call, warpgroup: bool) -> None:
+def _launch(call, warpgroup: bool, pingpong: bool) -> None:
     s = call.schedule
     if s is None:
         raise ValueError("schedule: the native decode kernel needs a DecodeSchedule")
@@ -80,7 +88,7 @@ def _launch(call, warpgroup: bool) -> None:
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
         call.o_partial if split else None, call.lse_partial if split else None,
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
-        float(call.softmax_scale), _split_keys(), _direct_fp8(), warpgroup)
+        float(call.softmax_scale), _split_keys(), _direct_fp8(), warpgroup, pingpong)
 
 
 def _split_keys() -> bool:
@@ -106,6 +114,18 @@ def _warpgroup(call) -> bool:
     rows = call.seqlen_q * call.qhead_per_kv
     dtype = "bf16" if call.pv_quant_dtype is None else "e4m3"     # e4m3: e4m3 q and K/V
     return rows > 16 and (dtype in VALIDATED_WARPGROUP or _backend.unvalidated_ok())
+
+
+def _pingpong(call) -> bool:
+    """Whether a warpgroup-form call takes its ping-pong form (the binding applies it to bf16 q
+    and K/V only): tiles of > 64 rows when validated (or with MSA_UNVALIDATED_KERNELS=1); the
+    decode_pingpong hook forces it on any warpgroup-form tile (True) or off (False)."""
+    forced = debug.forced("decode_pingpong")
+    if forced is not None:
+        return forced
+    rows = call.seqlen_q * call.qhead_per_kv
+    return (call.pv_quant_dtype is None and rows >= PINGPONG_MIN_ROWS
+            and ("bf16" in VALIDATED_PINGPONG or _backend.unvalidated_ok()))
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)

@@ -1,0 +1,79 @@
+// SM90 pipeline building blocks of the csrc kernels: mbarriers (a stage ring's full / empty
+// signals, waited on by phase parity), named barriers between warpgroups, and register
+// reallocation between a producer and its consumers. sm_90a device code only.
+#pragma once
+
+#include <cstdint>
+
+#include "sm80_primitives.cuh"
+
+namespace msa {
+namespace sm90 {
+
+// One mbarrier in shared memory. A phase completes when `count` arrivals (set by init) have
+// happened; waiters name the phase they wait for by its parity (0, 1, 0, ...).
+struct Mbarrier {
+  uint64_t* bar;
+
+  __device__ __forceinline__ uint32_t addr() const { return sm80::smem_addr(bar); }
+  __device__ __forceinline__ void init(uint32_t count) const {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(addr()), "r"(count)
+                 : "memory");
+  }
+  __device__ __forceinline__ void arrive() const {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(
+                     addr())
+                 : "memory");
+  }
+  // Blocks until the phase of parity `phase` has completed.
+  __device__ __forceinline__ void wait(uint32_t phase) const {
+    asm volatile(
+        "{\n.reg .pred done;\nwait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n}\n" ::"r"(addr()),
+        "r"(phase)
+        : "memory");
+  }
+};
+
+// Makes mbarrier.init visible to the other threads (and the async proxy) before first use.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// A position in a ring of kStages stages: the stage index and the parity of the phase its full
+// barrier completes next (the consumer's view; the producer waits for the empty barrier's
+// previous phase, parity ^ 1, so its first pass over the ring does not wait).
+template <int kStages>
+struct RingState {
+  int index = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++index == kStages) {
+      index = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// Named barrier `id` over `threads` threads: sync blocks until `threads` threads have synced or
+// arrived; arrive counts this thread without waiting.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Per-thread register budget of the executing warpgroup (every warp of it executes it).
+template <int kRegisters>
+__device__ __forceinline__ void registers_down() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+template <int kRegisters>
+__device__ __forceinline__ void registers_up() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
+}  // namespace sm90
+}  // namespace msa
