@@ -1,4 +1,5 @@
-"""One dense paged decode call (8 queries per request by default), repeated, for a profiler.
+"""One dense paged decode call (8 queries per request by default), or with ``--op indexer`` one
+fused decode indexer + top-k call over an e4m3 / bf16 index-K cache, repeated, for a profiler.
 
 Not a benchmark (bench_decode_production.py times and writes TSV): this builds one input slot
 as benchmarks/lab/mtp_decode_via_fmha.py does (ragged lengths averaging --kv, shuffled pages)
@@ -9,7 +10,7 @@ and calls SparseDecodePagedAttentionWrapper.run once to warm up, then --iters ti
     ncu --import R.ncu-rep --page source --print-source sass --csv > R_sass.csv
     python tools/lab/ncu_stalls.py R_sass.csv
 
-profiles a warm launch. Prints the mean time per call (profiler overhead included when wrapped).
+profiles a warm launch (``-k regex:decode_indexer`` for the indexer). Prints the mean time per call (profiler overhead included when wrapped).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/_common.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import load_msa  # noqa: E402
-from mtp_decode_via_fmha import Slot, lengths  # noqa: E402
+from _common import load_msa, random_fill  # noqa: E402
+from mtp_decode_via_fmha import D, Slot, lengths  # noqa: E402
 
 
 def main(argv=None):
@@ -36,11 +37,14 @@ def main(argv=None):
     ap.add_argument("--hq", type=int, default=64)
     ap.add_argument("--hkv", type=int, default=4)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--op", choices=("attention", "indexer"), default="attention")
     args = ap.parse_args(argv)
     msa = load_msa()
     device = torch.device("cuda")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float8_e4m3fn
     lens = lengths(args.batch, args.kv, args.seqlen_q, torch.Generator().manual_seed(1234))
+    if args.op == "indexer":
+        return profile_indexer(msa, args, lens, dtype, device)
     slot = Slot(lens, args, dtype, device)
     wrapper = msa.SparseDecodePagedAttentionWrapper().plan(
         page_table=slot.page_table, seqused_k=slot.seqused_k, seqlen_q=args.seqlen_q,
@@ -57,6 +61,34 @@ def main(argv=None):
     print(f"profile_decode: {args.dtype} B={args.batch} kv~{args.kv} seqlen_q={args.seqlen_q} "
           f"heads={args.hq}x{args.hkv}: {ms:.3f} ms per call, "
           f"{slot.kv_bytes / ms / 1e9:.2f} TB/s over K/V")
+
+
+def profile_indexer(msa, args, lens, dtype, device):
+    """The step's indexer: Hkv index heads per query against one shared index-K head."""
+    slot = Slot(lens, args, dtype, device)        # its page table; K/V unused
+    pages = int(slot.k.shape[0])
+    k_idx = random_fill([pages, 1, 128, D], dtype, device)
+    q_idx = random_fill([len(lens) * args.seqlen_q, args.hkv, D], dtype, device)
+    plan = msa.make_decode_indexer_plan(slot.seqused_k, seqlen_q=args.seqlen_q,
+                                        num_index_heads=args.hkv, max_seqlen_k=max(lens))
+
+    def call():
+        plan.update()
+        msa.decode_indexer_topk(q_idx, k_idx, plan=plan, page_table=slot.page_table)
+
+    call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.iters):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / args.iters
+    index_bytes = sum(lens) * D * dtype.itemsize
+    print(f"profile_decode indexer: {args.dtype} B={args.batch} kv~{args.kv} "
+          f"seqlen_q={args.seqlen_q} index heads={args.hkv}: {ms * 1e3:.1f} us per call "
+          f"(plan update included), {index_bytes / ms / 1e9:.2f} TB/s over the index keys")
 
 
 if __name__ == "__main__":
