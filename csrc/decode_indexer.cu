@@ -409,7 +409,27 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
   if (threadIdx.x == 0) a.requests[3 * b + 2] = 0;   // for the next launch
 }
 
-// Splits the live history blocks into equal chunks over the plan's grid (one CTA).
+// Sum over the CTA of `value` (every thread passes its share; every thread gets the sum).
+// `scratch` holds one entry per warp; the barriers make back-to-back calls safe.
+__device__ __forceinline__ long long plan_block_sum(long long value, long long* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) value += __shfl_xor_sync(0xFFFFFFFFu, value, o);
+  __syncthreads();                       // the previous call's readers are done
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  long long total = 0;
+#pragma unroll 4
+  for (int w = 0; w < kPlanThreads / 32; ++w) total += scratch[w];
+  return total;
+}
+
+// Splits the live history blocks into equal chunks over the plan's grid (one CTA). The chunk
+// length c minimizes waves x c over the spread (= max_ctas) slots, since a few work items past
+// a wave cost a whole chunk's time. Candidates: ceil(total / spread) (the plain split: at most
+// spread + B = capacity items), the smallest c whose items fit the capacity, and the smallest
+// whose items fit one wave of spread (on ties the later one). plan_work_split in
+// decode_indexer.py computes the same.
 __global__ void __launch_bounds__(kPlanThreads) decode_indexer_plan_kernel(
     const DecodeIndexerPlanArgs a) {
   __shared__ long long s_total[kPlanThreads / 32];
@@ -417,20 +437,44 @@ __global__ void __launch_bounds__(kPlanThreads) decode_indexer_plan_kernel(
   __shared__ int s_carry;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   auto history = [&](int b) { return history_pages(max(__ldg(a.seqused_k + b), 0)); };
+  // Work items of chunk length c: sum over the requests of max(1, ceil(h / c)).
+  auto items = [&](long long c) {
+    long long local = 0;
+    for (int b = threadIdx.x; b < a.batch; b += kPlanThreads) {
+      local += max(1LL, (history(b) + c - 1) / c);
+    }
+    return plan_block_sum(local, s_total);
+  };
 
   long long local = 0;
   for (int b = threadIdx.x; b < a.batch; b += kPlanThreads) local += history(b);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) local += __shfl_xor_sync(0xFFFFFFFFu, local, o);
-  if (lane == 0) s_total[warp] = local;
+  const long long total = plan_block_sum(local, s_total);
   if (threadIdx.x == 0) s_carry = 0;
-  __syncthreads();
-  long long total = 0;
-  for (int w = 0; w < kPlanThreads / 32; ++w) total += s_total[w];
   const long long spread = max(a.capacity - a.batch, 1);
-  long long per_cta = (total + spread - 1) / spread;
-  per_cta = per_cta < kMinChunkPages ? kMinChunkPages : per_cta;
-  const int chunk = static_cast<int>(per_cta < INT_MAX ? per_cta : INT_MAX);
+  auto clamp_chunk = [](long long c) {
+    return c < kMinChunkPages ? static_cast<long long>(kMinChunkPages)
+                              : (c < INT_MAX ? c : static_cast<long long>(INT_MAX));
+  };
+  auto waves = [&](long long n) { return (n + spread - 1) / spread; };
+  long long best = clamp_chunk((total + spread - 1) / spread);
+  long long best_cost = waves(items(best)) * best;
+  for (int fit = 0; fit < 2; ++fit) {
+    const long long cap = fit == 0 ? a.capacity : spread;
+    if (cap <= a.batch) continue;
+    // items(c) <= total / c + B, so hi fits; items(c) >= total / c, so nothing below lo does.
+    long long lo = clamp_chunk((total + cap - 1) / cap);
+    long long hi = clamp_chunk(max(lo, (total + cap - a.batch - 1) / (cap - a.batch)));
+    while (lo < hi) {                     // block-uniform: every thread takes the same path
+      const long long mid = lo + (hi - lo) / 2;
+      if (items(mid) <= cap) hi = mid; else lo = mid + 1;
+    }
+    const long long cost = waves(items(lo)) * lo;
+    if (cost <= best_cost) {
+      best = lo;
+      best_cost = cost;
+    }
+  }
+  const int chunk = static_cast<int>(best);
 
   for (int base = 0; base < a.batch; base += kPlanThreads) {
     const int b = base + threadIdx.x;

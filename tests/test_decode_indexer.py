@@ -5,6 +5,8 @@ keys against the package's own quantizer and dequantizer. The GPU file
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -215,6 +217,37 @@ def test_work_split_covers_every_history_block_once(lens, capacity):
             covered += list(range(min(c * chunk, history), end))
         assert covered == list(range(history))
     assert (work[int(requests[:, 1].sum()):] == -1).all()
+
+
+def test_work_split_takes_the_fewest_waves_times_pages():
+    """A few work items past a wave of CTAs cost a whole chunk's time: with fewer requests than
+    CTAs the chunk length minimizes ceil(items / spread) x chunk over every chunk length whose
+    items fit the work array (brute force), e.g. ragged requests around 100k keys take one
+    wave instead of one wave plus a few items."""
+    rng = random.Random(20261203)
+    cases = [([100000 + rng.randrange(-20000, 20000) for _ in range(32)], 264 + 32),
+             ([4000 + rng.randrange(-900, 900) for _ in range(128)], 264 + 128)]
+    for _ in range(60):
+        batch = rng.randrange(1, 12)
+        cases.append(([rng.randrange(0, 40 * P) for _ in range(batch)],
+                      batch + rng.randrange(batch + 1, 30)))
+    for lens, capacity in cases:
+        history = [(n - 1) // P if n > 0 else 0 for n in lens]
+        spread = capacity - len(lens)
+
+        def items(c):
+            return sum(max(1, -(-h // c)) for h in history)
+
+        def cost(c):
+            return -(-items(c) // spread) * c
+
+        _, requests, chunk = plan_work_split(lens, capacity)
+        assert int(requests[:, 1].sum()) == items(chunk) <= capacity
+        best = min(cost(c) for c in range(4, max(history + [4]) + 1) if items(c) <= capacity)
+        assert cost(chunk) == best, (lens, capacity, chunk)
+    # The first case: one wave of 264 CTAs (the plain split ceil(total / 264) needs 2).
+    _, requests, _ = plan_work_split(*cases[0])
+    assert int(requests[:, 1].sum()) <= 264
 
 
 def test_plan_update_follows_new_lengths():

@@ -102,15 +102,45 @@ INT32_MAX = (1 << 31) - 1
 def plan_work_split(lengths, capacity: int):
     """The plan update's split, on the host: (work [capacity, 2], requests [B, 3], chunk_pages).
 
-    Request b has h_b = (L_b - 1) // 128 history blocks (0 when L_b <= 0). Every chunk holds
-    chunk_pages = max(4, ceil(sum h / (capacity - B))) blocks; request b gets
-    n_b = max(1, ceil(h_b / chunk_pages)) consecutive work items starting at the exclusive
-    prefix sum of n (so sum n_b <= capacity); work[w] = (request, chunk), -1 past the last item;
-    requests[b] = (first item, n_b, 0). The native update kernel computes exactly this."""
+    Request b has h_b = (L_b - 1) // 128 history blocks (0 when L_b <= 0); with chunks of c
+    blocks it gets n_b(c) = max(1, ceil(h_b / c)) consecutive work items starting at the
+    exclusive prefix sum of n. Over spread = capacity - B slots (the grid's CTAs) the kernel
+    takes waves(c) x c, waves(c) = ceil(sum n_b(c) / spread): a few items past a wave cost a
+    whole chunk's time. chunk_pages is the c of least waves x c among ceil(sum h / spread) (the
+    plain split: at most spread + B = capacity items), the smallest c whose items fit the
+    capacity and the smallest whose items fit one wave of spread (on ties the later one), each
+    at least 4 and at most INT32_MAX. work[w] = (request, chunk), -1 past the last item
+    (sum n <= capacity); requests[b] = (first item, n_b, 0). The native update kernel computes
+    exactly this."""
     history = [max(int(n), 0) and (max(int(n), 0) - 1) // PAGE_SIZE for n in lengths]
-    spread = max(capacity - len(history), 1)
-    # Capped at INT32_MAX as the kernel does (garbage lengths must not overflow the int32 plan).
-    chunk = min(max(-(-sum(history) // spread), MIN_CHUNK_PAGES), INT32_MAX)
+    batch = len(history)
+    spread = max(capacity - batch, 1)
+    total = sum(history)
+
+    def items(c):
+        return sum(max(1, -(-h // c)) for h in history)
+
+    def clamp(c):   # the kernel caps at INT32_MAX (garbage lengths must not overflow the plan)
+        return min(max(c, MIN_CHUNK_PAGES), INT32_MAX)
+
+    def cost(c):
+        return -(-items(c) // spread) * c
+
+    chunk = clamp(-(-total // spread))
+    best = cost(chunk)
+    for cap in (capacity, spread):
+        if cap <= batch:
+            continue
+        lo = clamp(-(-total // cap))
+        hi = clamp(max(lo, -(-total // (cap - batch))))
+        while lo < hi:              # the smallest c in [lo, hi] whose items fit cap
+            mid = lo + (hi - lo) // 2
+            if items(mid) <= cap:
+                hi = mid
+            else:
+                lo = mid + 1
+        if cost(lo) <= best:
+            chunk, best = lo, cost(lo)
     work = torch.full((capacity, 2), -1, dtype=torch.int32)
     requests = torch.zeros(len(history), 3, dtype=torch.int32)
     first = 0
