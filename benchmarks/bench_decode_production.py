@@ -154,9 +154,10 @@ def index_page_bytes(index_format: str) -> int:
 class Impl:
     """One implementation on one case: builds slots, a call per slot, the bytes it reads."""
 
-    def __init__(self, name, msa, lens, nominal, args, device):
+    def __init__(self, name, msa, lens, nominal, args, device, qo_tile_rows=None):
         self.name, self.msa, self.lens, self.nominal = name, msa, lens, nominal
         self.args, self.device = args, device
+        self.qo_tile_rows = qo_tile_rows              # None: the plan chooses
         kind, _, rest = name.partition("-")
         self.kind = kind
         self.kv_dtype = torch.bfloat16 if kind == "cudnn" or rest.startswith("bf16") else \
@@ -190,13 +191,13 @@ class Impl:
             slot.wrapper = self.msa.SparseDecodePagedAttentionWrapper().plan(
                 page_table=slot.page_table, seqused_k=slot.seqused_k, seqlen_q=args.seqlen_q,
                 max_seqlen_k=max(self.lens), num_qo_heads=args.hq, num_kv_heads=args.hkv,
-                enable_cuda_graph=True)
+                enable_cuda_graph=True, qo_tile_rows=self.qo_tile_rows)
             slot.call = lambda s=slot: s.wrapper.run(s.q, s.k, s.v, out=s.out)
         else:
             slot.wrapper = self.msa.MSADecodeStepWrapper().plan(
                 page_table=slot.page_table, seqused_k=slot.seqused_k, seqlen_q=args.seqlen_q,
                 max_seqlen_k=max(self.lens), num_qo_heads=args.hq, num_kv_heads=args.hkv,
-                topk=args.topk)
+                topk=args.topk, qo_tile_rows=self.qo_tile_rows)
 
             def step(s=slot):
                 s.wrapper.update()
@@ -350,6 +351,10 @@ def main(argv=None):
                          "(comma-separated): served (what the gates serve), rows, warpgroup "
                          "(two-stage), pingpong (bf16: producer + two consumer warpgroups); "
                          "a forced form's rows name it in impl, e.g. dense-bf16[rows]")
+    ap.add_argument("--qo-tile-rows", default="auto",
+                    help="query rows per attention CTA, each timed in turn (comma-separated): "
+                         "auto (what the plan picks) or 1..128; a fixed value names it in "
+                         "impl, e.g. step-fp8[q16]")
     add_common_args(ap, rep_ms=50)
     args = ap.parse_args(argv)
     if args.tiny:
@@ -364,6 +369,9 @@ def main(argv=None):
     if unknown:
         raise SystemExit(f"--attention-forms: unknown {sorted(unknown)}; known "
                          f"{list(ATTENTION_FORMS)}")
+    tiles = parse_names(args.qo_tile_rows)
+    if any(t != "auto" and not (t.isdigit() and 1 <= int(t) <= 128) for t in tiles):
+        raise SystemExit(f"--qo-tile-rows: auto or 1..128, got {args.qo_tile_rows}")
     tsv = TsvWriter(args.out, COLUMNS, device,
                     formats={"latency_us": ".2f", "attention_us": ".2f", "tb_per_s": ".3f",
                              "speedup_vs_cudnn": ".2f", "cv": ".3f"})
@@ -380,11 +388,15 @@ def main(argv=None):
         lens = ragged_lengths(batch, nominal, args.seqlen_q)
         case = f"b{batch}_s{nominal}_q{args.seqlen_q}"
         cudnn_us = None
-        runs = [(name, form) for name in impls
-                for form in (["served"] if name == "cudnn" else forms)]
-        for base, form in runs:
-            name = base if form == "served" else f"{base}[{form}]"
-            impl = Impl(base, msa, lens, nominal, args, device)
+        runs = [(name, form, tile) for name in impls
+                for form in (["served"] if name == "cudnn" else forms)
+                for tile in (["auto"] if name == "cudnn" else tiles)]
+        for base, form, tile in runs:
+            labels = [x for x in (form if form != "served" else "",
+                                  f"q{tile}" if tile != "auto" else "") if x]
+            name = f"{base}[{','.join(labels)}]" if labels else base
+            impl = Impl(base, msa, lens, nominal, args, device,
+                        qo_tile_rows=None if tile == "auto" else int(tile))
             if not fits(impl.footprint(), args, f"{name} {case}"):
                 continue
             with forcing(msa, **ATTENTION_FORMS[form]):

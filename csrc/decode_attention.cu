@@ -4,7 +4,9 @@
 // Semantics: msa.reference.decode (contract §1.4, sparse decode D6). One CTA per work item of the
 // split-KV schedule (msa.src.sm100.decode_schedule) and KV head: it streams the K/V pages of one
 // chunk of one request exactly once and serves every query row of that KV head in its qo tile
-// (up to 128 rows = seqlen_q * G rows; row r is query token r / G, q head h * G + r % G).
+// (row r of the request's seqlen_q * G rows is query token r / G, q head h * G + r % G; a tile
+// is qo_tile_rows <= 128 consecutive rows, and a sparse tile streams the union of its tokens'
+// selected pages).
 //
 // Math on tensor cores with mma.sync m16n8k16 (bf16 in, fp32 accumulate), one 16-row m tile per
 // warp. e4m3 Q/K/V are converted to bf16 exactly. Softmax is folded per page (128 keys) against
@@ -49,7 +51,7 @@ namespace {
 
 constexpr int kHeadDim = 128;
 constexpr int kPageSize = 128;
-constexpr int kRowsPerCta = 128;                 // = decode_schedule.QO_TILE_ROWS
+constexpr int kRowsPerCta = 128;                 // the largest query tile (QO_TILE_ROWS)
 constexpr int kWarps = 8;                        // one 16-row m tile each
 constexpr int kThreads = kWarps * 32;
 constexpr int kStride = kHeadDim + 8;            // bf16 per smem row: padding keeps fragment
@@ -157,6 +159,9 @@ struct CtaContext {
   int request;
   int head;            // KV head
   int qo_tile;
+  int first_row;       // the tile's first row (token * G + query head in group) of the request
+  int first_token;     // the tokens the tile's rows belong to: first_token .. + num_tokens - 1
+  int num_tokens;
   int chunk_begin;     // units: logical pages (dense) or q2k slots (sparse)
   int chunk_end;
   int seqlen_k;        // seqused_k[request], clamped to >= 0
@@ -195,10 +200,13 @@ __device__ __forceinline__ bool make_context(const DecodeAttentionArgs& a, CtaCo
   group = a.num_qo_heads / a.num_kv_heads;
   const int rows_total = a.seqlen_q * group;
   if (ctx.request < 0 || ctx.request >= a.batch || chunk < 0 || ctx.qo_tile < 0 ||
-      ctx.qo_tile * kRowsPerCta >= rows_total) {
+      ctx.qo_tile >= (rows_total + a.qo_tile_rows - 1) / a.qo_tile_rows) {
     return false;
   }
-  tile_rows = min(kRowsPerCta, rows_total - ctx.qo_tile * kRowsPerCta);
+  ctx.first_row = ctx.qo_tile * a.qo_tile_rows;
+  tile_rows = min(a.qo_tile_rows, rows_total - ctx.first_row);
+  ctx.first_token = ctx.first_row / group;
+  ctx.num_tokens = (ctx.first_row + tile_rows - 1) / group - ctx.first_token + 1;
   ctx.seqlen_k = max(__ldg(a.seqused_k + ctx.request), 0);
   ctx.num_blocks = min((ctx.seqlen_k + kPageSize - 1) / kPageSize, a.page_table_width);
   const int units_now = a.q2k_indices != nullptr ? a.topk : ctx.num_blocks;
@@ -210,9 +218,17 @@ __device__ __forceinline__ bool make_context(const DecodeAttentionArgs& a, CtaCo
   return true;
 }
 
-// Issues the cp.async copies of one page's K and V head slice into a stage.
+// Rows of a page that hold the request's keys (the rest are past seqused_k).
+__device__ __forceinline__ int page_valid_rows(const CtaContext& ctx, const PageRef& ref) {
+  return min(kPageSize, max(ctx.seqlen_k - ref.logical * kPageSize, 0));
+}
+
+// Issues the cp.async copies of one page's K and V head slice into a stage. Rows at or past
+// `valid_rows` are zero-filled instead of read: whatever bytes a cache holds there (NaN
+// patterns of an uninitialized pool included) never meet a zero probability in P.V.
 __device__ __forceinline__ void load_page_async(const DecodeAttentionArgs& a, int head,
-                                                const PageRef& ref, char* stage) {
+                                                const PageRef& ref, char* stage,
+                                                int valid_rows) {
   if (ref.token_mask == 0) return;
   const int64_t elem_offset =
       (static_cast<int64_t>(ref.physical) * a.num_kv_heads + head) * (kPageSize * kHeadDim);
@@ -224,16 +240,21 @@ __device__ __forceinline__ void load_page_async(const DecodeAttentionArgs& a, in
     constexpr int kChunksPerRow = kHeadDim / 8;
     for (int c = threadIdx.x; c < kPageSize * kChunksPerRow; c += kThreads) {
       const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
-      cp_async_16(ks + row * kStride + col, k + row * kHeadDim + col);
-      cp_async_16(vs + row * kStride + col, v + row * kHeadDim + col);
+      const bool valid = row < valid_rows;
+      const int src = valid ? row * kHeadDim + col : 0;
+      cp_async_16_or_zero(ks + row * kStride + col, k + src, valid);
+      cp_async_16_or_zero(vs + row * kStride + col, v + src, valid);
     }
   } else {
     const uint8_t* k = static_cast<const uint8_t*>(a.k) + elem_offset;
     const uint8_t* v = static_cast<const uint8_t*>(a.v) + elem_offset;
     constexpr int kChunks = kPageSize * kHeadDim / 16;
+    constexpr int kChunksPerRow = kHeadDim / 16;
     for (int c = threadIdx.x; c < kChunks; c += kThreads) {
-      cp_async_16(stage + c * 16, k + c * 16);
-      cp_async_16(stage + kPageSize * kHeadDim + c * 16, v + c * 16);
+      const bool valid = c / kChunksPerRow < valid_rows;
+      const int src = valid ? c * 16 : 0;
+      cp_async_16_or_zero(stage + c * 16, k + src, valid);
+      cp_async_16_or_zero(stage + kPageSize * kHeadDim + c * 16, v + src, valid);
     }
   }
 }
@@ -278,7 +299,7 @@ __device__ __forceinline__ void load_query_fragments_fp8(const DecodeAttentionAr
     const int row = (lane >> 2) + i2 * 8;
     raw[i2][0] = raw[i2][1] = make_uint4(0u, 0u, 0u, 0u);
     if (row < tile_rows) {
-      const int r = ctx.qo_tile * kRowsPerCta + row;
+      const int r = ctx.first_row + row;
       const int token = r / group, qo_head = ctx.head * group + r % group;
       const int64_t offset =
           ((static_cast<int64_t>(ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head) *
@@ -319,7 +340,7 @@ __device__ __forceinline__ void load_queries(const DecodeAttentionArgs& a, const
     const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
     Bf16x8 vals;
     if (row < tile_rows) {
-      const int r = ctx.qo_tile * kRowsPerCta + row;
+      const int r = ctx.first_row + row;
       const int token = r / group, qo_head = ctx.head * group + r % group;
       const int64_t offset =
           ((static_cast<int64_t>(ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head) *
@@ -345,18 +366,19 @@ __device__ __forceinline__ void load_queries(const DecodeAttentionArgs& a, const
   }
 }
 
-// Sparse: the distinct valid blocks the chunk's q2k slots select, in (token, slot) order of
-// first appearance, each with the mask of tokens that selected it. Returns the page count.
+// Sparse: the distinct valid blocks the chunk's q2k slots of the tile's tokens select, in
+// (token, slot) order of first appearance, each with the mask of tokens that selected it (bit
+// t = token t of the request). Returns the page count.
 // kNumThreads: the CTA's threads (all of them call it; warp_counts holds one int per warp).
 template <int kNumThreads = kThreads>
 __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaContext& ctx,
                                       int* cand, int* list_phys, int* list_logical,
                                       uint32_t* list_mask, int* warp_counts, int* total) {
   const int num_slots = ctx.chunk_end - ctx.chunk_begin;
-  const int num_cand = num_slots > 0 ? a.seqlen_q * num_slots : 0;
+  const int num_cand = num_slots > 0 ? ctx.num_tokens * num_slots : 0;
   const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
   for (int c = threadIdx.x; c < num_cand; c += kNumThreads) {
-    const int token = c / num_slots, slot = ctx.chunk_begin + c % num_slots;
+    const int token = ctx.first_token + c / num_slots, slot = ctx.chunk_begin + c % num_slots;
     const int64_t row = static_cast<int64_t>(ctx.request) * a.seqlen_q + token;
     const int id = __ldg(a.q2k_indices + (ctx.head * total_q + row) * a.topk + slot);
     cand[c] = (id >= 0 && id < ctx.num_blocks) ? id : -1;
@@ -377,7 +399,7 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
             leader = false;
             break;
           }
-          mask |= 1u << (other / num_slots);
+          mask |= 1u << (ctx.first_token + other / num_slots);
         }
       }
       if (leader) {
@@ -700,7 +722,7 @@ __device__ __forceinline__ void load_queries(const DecodeAttentionArgs& a, const
     const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
     if (row < tile_rows) {
-      const int r = ctx.qo_tile * kRowsPerCta + row;
+      const int r = ctx.first_row + row;
       const int token = r / group, qo_head = ctx.head * group + r % group;
       const int64_t bytes =
           ((static_cast<int64_t>(ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head) *
@@ -785,8 +807,8 @@ struct TileView {
   __device__ __forceinline__ TileView(const DecodeAttentionArgs& a, const CtaContext& ctx,
                                       int group_, int tile_rows_)
       : group(group_), tile_rows(tile_rows_) {
-    const int first_token = ctx.qo_tile * kRowsPerCta / group;
-    const int last_token = (ctx.qo_tile * kRowsPerCta + tile_rows - 1) / group;
+    const int first_token = ctx.first_row / group;
+    const int last_token = (ctx.first_row + tile_rows - 1) / group;
     tile_tokens = (last_token >= 31 ? 0xFFFFFFFFu : ((1u << (last_token + 1)) - 1u)) &
                   ~((1u << first_token) - 1u);
     shared_last_key = min(ctx.seqlen_k - 1, first_token + ctx.seqlen_k - a.seqlen_q);
@@ -804,7 +826,7 @@ struct TileView {
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {
       const int r = row(group_row, i2);
-      rows.token[i2] = min((ctx.qo_tile * kRowsPerCta + r) / group, 31);
+      rows.token[i2] = min((ctx.first_row + r) / group, 31);
       rows.last_key[i2] =
           r < tile_rows ? min(ctx.seqlen_k - 1, rows.token[i2] + ctx.seqlen_k - a.seqlen_q)
                         : -1;
@@ -836,7 +858,7 @@ struct TileView {
       sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
       const int r_tile = row(group_row, i2);
       if (r_tile >= tile_rows) continue;
-      const int r = ctx.qo_tile * kRowsPerCta + r_tile;
+      const int r = ctx.first_row + r_tile;
       const int token = r / group, qo_head = ctx.head * group + r % group;
       const bool empty = !(sum > 0.f);
       const float inv = empty ? 0.f : 1.f / sum;
@@ -1029,13 +1051,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto page_of = [&](int idx) {
     return page_or_none(a, ctx, idx, num_pages, list_phys, list_logical, list_mask);
   };
-  auto valid_rows_of = [&](const PageRef& ref) {
-    return min(kPageSize, max(ctx.seqlen_k - ref.logical * kPageSize, 0));
-  };
   auto stage_of = [&](int idx) { return stages + (idx % kStages) * S::kStageBytes; };
   auto issue = [&](int idx) {   // one cp.async group per page, empty past the end
     const PageRef ref = page_of(idx);
-    load_page<kFp8>(a, ctx.head, ref, stage_of(idx), valid_rows_of(ref));
+    load_page<kFp8>(a, ctx.head, ref, stage_of(idx), page_valid_rows(ctx, ref));
     cp_async_commit();
   };
 #pragma unroll
@@ -1137,7 +1156,7 @@ __device__ __forceinline__ void stream_tensor(const DecodeAttentionArgs& a, cons
   int pending = -1;                        // the stage whose copies are not signalled yet
   for (int i = 0; i < num_pages; ++i) {
     const PageRef ref = page_of(i);
-    const int valid_rows = min(kPageSize, max(ctx.seqlen_k - ref.logical * kPageSize, 0));
+    const int valid_rows = page_valid_rows(ctx, ref);
     empty(ring.index).wait(ring.phase ^ 1u);
     load_tensor_page(a, ctx.head, ref, tensor, tile(ring.index), valid_rows, thread);
     cp_async_commit();
@@ -1341,7 +1360,7 @@ __device__ __forceinline__ void direct_page_pairs(
     for (int pg = 0; pg < 2; ++pg) {
       const int idx = 2 * pair + pg;
       const PageRef ref = page_of(idx);   // past the end: skipped, nothing is loaded
-      const int valid_rows = min(kPageSize, max(ctx.seqlen_k - ref.logical * kPageSize, 0));
+      const int valid_rows = page_valid_rows(ctx, ref);
       load_page_fp8_swizzled(a, ctx.head, ref, stage_of(idx), valid_rows);
     }
     cp_async_commit();
@@ -1528,7 +1547,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i = 0; i < 2; ++i) {
     const int row = row_base + (lane >> 2) + i * 8;
     // Clamped so the token-mask shift stays < 32 for padding rows (masked off anyway).
-    row_token[i] = min((ctx.qo_tile * kRowsPerCta + row) / group, 31);
+    row_token[i] = min((ctx.first_row + row) / group, 31);
     row_last_key[i] = row < tile_rows
                           ? min(ctx.seqlen_k - 1, row_token[i] + ctx.seqlen_k - a.seqlen_q)
                           : -1;
@@ -1551,14 +1570,15 @@ __global__ void __launch_bounds__(kThreads, 1)
                       warp_page_max, qf, row_token, row_last_key, scale_log2, acc, row_max,
                       row_sum);
   } else if (num_pages > 0) {
-    load_page_async(a, ctx.head, resolve_page(a, ctx, 0, list_phys, list_logical, list_mask),
-                    stage_base);
+    const PageRef first = resolve_page(a, ctx, 0, list_phys, list_logical, list_mask);
+    load_page_async(a, ctx.head, first, stage_base, page_valid_rows(ctx, first));
   }
   if constexpr (!kDirectFp8) cp_async_commit();
   for (int i = 0; i < (kDirectFp8 ? 0 : num_pages); ++i) {
     if (i + 1 < num_pages) {
-      load_page_async(a, ctx.head, resolve_page(a, ctx, i + 1, list_phys, list_logical, list_mask),
-                      stage_base + ((i + 1) & 1) * stage_bytes);
+      const PageRef next = resolve_page(a, ctx, i + 1, list_phys, list_logical, list_mask);
+      load_page_async(a, ctx.head, next, stage_base + ((i + 1) & 1) * stage_bytes,
+                      page_valid_rows(ctx, next));
     }
     cp_async_commit();
     cp_async_wait_one();
@@ -1756,7 +1776,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int i2 = 0; i2 < 2; ++i2) {
     const int row = row_base + (lane >> 2) + i2 * 8;
     if (row >= tile_rows) continue;
-    const int r = ctx.qo_tile * kRowsPerCta + row;
+    const int r = ctx.first_row + row;
     const int token = r / group, qo_head = ctx.head * group + r % group;
     // Only a zero sum means "no visible key": a NaN sum (a NaN or +inf score) gives NaN O and
     // LSE, never the empty row's O = 0, LSE = -inf.

@@ -251,6 +251,30 @@ def test_schedule_structure_and_split_flag():
     mtp = build_decode_schedule(lens, 128, 16, 16, 1, 128, 5000)
     assert mtp.num_qo_tiles == -(-16 * 16 // QO_TILE_ROWS) == 2
     assert sorted(set(mtp.qo_tile_indices_host.tolist())) == [0, 1]
+    # Explicit query tiles: 16 rows, one token at G = 16.
+    one_token = build_decode_schedule(lens, 128, 8, 16, 1, 128, 5000, qo_tile_rows=16)
+    assert one_token.qo_tile_rows == 16 and one_token.num_qo_tiles == 8
+    with pytest.raises(ValueError, match="^qo_tile_rows"):
+        build_decode_schedule(lens, 128, 8, 16, 1, 128, 5000, qo_tile_rows=129)
+
+
+def test_sparse_mtp_takes_query_tiles_against_long_contexts():
+    """Sparse multi-token decode: 128-row tiles (8 tokens x G 16 share the union of their
+    selections) while the request's blocks could overlap their selections, one-token tiles of 16
+    rows once it holds QUERY_TILE_MIN_BLOCKS_PER_SELECTION x 8 x topK blocks; dense calls and
+    tiles of <= 16 rows keep 128."""
+    from msa.schedules.decode import QUERY_TILE_MIN_BLOCKS_PER_SELECTION, choose_qo_tile_rows
+    edge = QUERY_TILE_MIN_BLOCKS_PER_SELECTION * 8 * 16 * 128
+    assert choose_qo_tile_rows(8, 16, edge - 128, 128, 16) == QO_TILE_ROWS
+    assert choose_qo_tile_rows(8, 16, edge, 128, 16) == 16
+    assert choose_qo_tile_rows(8, 16, 10 ** 6, 128, None) == QO_TILE_ROWS     # dense
+    assert choose_qo_tile_rows(1, 16, 10 ** 6, 128, 16) == QO_TILE_ROWS       # 16 rows
+    assert choose_qo_tile_rows(8, 4, 10 ** 6, 128, 16) == 16                  # 4 tokens x G 4
+    assert choose_qo_tile_rows(16, 2, 10 ** 6, 128, 16) == 16                 # 8 tokens x G 2
+    lens = torch.tensor([10 ** 6, 5], dtype=torch.int32)
+    s = build_decode_schedule(lens, 128, 8, 64, 4, 128, 10 ** 6, enable_cuda_graph=True,
+                              sparse_topk=16)
+    assert s.qo_tile_rows == 16 and s.num_qo_tiles == 8
 
 
 def test_schedule_cuda_graph_and_sparse_ignore_lengths():

@@ -158,21 +158,24 @@ def test_portable_tier_decode_matches_oracle(msa_pkg, native_only, seed, monkeyp
             _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 
+@pytest.mark.parametrize("keys", ["rows", "split", "direct"])
+@pytest.mark.parametrize("dtypes", list(DTYPES))
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
-def test_native_decode_direct_ignores_nan_bytes_past_the_keys(msa_pkg, native_only, seed,
-                                                             sparse, native_hooks):
-    """The direct e4m3 form zero-fills key rows past a request's end when it loads the page, so
-    NaN bytes there (an uninitialized cache pool) cannot reach O through 0 x NaN. (The bf16
-    staging forms read whole pages: the pool must hold finite values past the keys; see
-    docs/design-decode.md.)"""
-    _force_form(native_hooks, "direct", "fp8")
+def test_native_decode_ignores_nan_bytes_past_the_keys(msa_pkg, native_only, seed, sparse,
+                                                      dtypes, keys, native_hooks):
+    """Every form zero-fills key rows past a request's end when it loads the page, so NaN
+    bytes there (an uninitialized cache pool) cannot reach O through 0 x NaN: the direct e4m3
+    form, the split-keys and row forms (bf16 staging; the warpgroup forms in
+    test_native_decode_warpgroup_mtp)."""
+    _force_form(native_hooks, keys, dtypes)
     lens, seqlen_q, group = [1, 129, 1000, 77, 300], 1, 16
-    q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, "fp8", sparse)
+    q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, dtypes, sparse)
+    nan_byte = 0x7F if k.dtype == FP8 else 0xFF
     for b, n in enumerate(lens):
         if n % P:
             page = int(table[b, (n - 1) // P])
-            k.view(torch.uint8)[page, :, n % P:, :] = 0x7F      # e4m3 NaN
-            v.view(torch.uint8)[page, :, n % P:, :] = 0x7F
+            k.view(torch.uint8)[page, :, n % P:, :] = nan_byte
+            v.view(torch.uint8)[page, :, n % P:, :] = nan_byte
     wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k)
     out, lse = _run_native(msa_pkg, wrapper, q, k, v)
     _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
@@ -200,6 +203,31 @@ def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, form, d
         out, lse = _run_native(msa_pkg, wrapper, q, k, v)
         _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
         if dtypes == "fp8" and not poison:   # the fp32 model multiplies the NaN rows by P = 0
+            _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k)
+
+
+@pytest.mark.parametrize("qo_tile_rows", [16, 24, 64])
+@pytest.mark.parametrize("dtypes", list(DTYPES))
+def test_native_sparse_mtp_query_tiles(msa_pkg, native_only, seed, dtypes, qo_tile_rows):
+    """Sparse multi-token decode in query tiles smaller than the request's rows: 16 rows (one
+    token at G = 16: the split-keys and direct e4m3 forms), 24 (a tile boundary inside a
+    token's heads), 64 (four tokens on the warpgroup form's one warpgroup); a long request split
+    over chunks, a tiny one, NaN bytes past each request's keys (G = 4); each tile streams the
+    union of its own tokens' selections only."""
+    for seqlen_q, group, poison in ((8, 16, False), (8, 4, True), (16, 16, False)):
+        lens = [70001, 129, 3, 4096, 1000]
+        q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, dtypes, True, topk=16)
+        for b, n in enumerate(lens):
+            if poison and n % P:
+                page = int(table[b, (n - 1) // P])
+                k.view(torch.uint8)[page, :, n % P:, :] = 0x7F if k.dtype == FP8 else 0xFF
+                v.view(torch.uint8)[page, :, n % P:, :] = 0x7F if k.dtype == FP8 else 0xFF
+        wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k,
+                        qo_tile_rows=qo_tile_rows)
+        assert wrapper.decode_schedule.num_qo_tiles == -(-seqlen_q * group // qo_tile_rows)
+        out, lse = _run_native(msa_pkg, wrapper, q, k, v)
+        _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
+        if dtypes == "fp8" and not poison:
             _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 

@@ -393,14 +393,14 @@ def test_portable_decode_never_launches_the_warpgroup_form(monkeypatch, native_h
     launched = []                          # (warpgroup, pingpong) per launch
     monkeypatch.delenv("MSA_UNVALIDATED_KERNELS", raising=False)
     monkeypatch.setattr(decode_cuda, "ops", SimpleNamespace(
-        sparse_decode_attention=lambda *args: launched.append(tuple(args[-2:]))))
+        sparse_decode_attention=lambda *args: launched.append(tuple(args[-3:-1]))))
     schedule = SimpleNamespace(split_kv=False, request_indices=None, kv_tile_indices=None,
                                qo_tile_indices=None, num_splits=None, merge_indptr=None,
-                               kv_chunk_size=1)
+                               kv_chunk_size=1, qo_tile_rows=128)
     call = SimpleNamespace(q=None, k=None, v=None, q2k_indices=None, page_table=None,
                            seqused_k=None, schedule=schedule, out=None, lse=None, seqlen_q=8,
                            qhead_per_kv=16, pv_quant_dtype=None, softmax_scale=1.0)
-    native_hooks.force(decode_warpgroup=True)
+    native_hooks.force(decode_warpgroup=True, decode_pingpong=False)
     decode_cuda.run_portable(call)
     decode_cuda.run(call)
     native_hooks.force(decode_warpgroup=True, decode_pingpong=True)

@@ -224,6 +224,10 @@ def decode_runs(family="sm90"):
     decode_run([70001, 3, 129], 8, 16, "bf16", False, **f)
     decode_run([1, 129, 1000, 77], 8, 16, "fp8", False, **f)
     decode_run([1000, 500], 8, 4, "fp8", True, bad=True, enable_cuda_graph=True, **f)
+    # Query tiles of sparse multi-token decode: 16 rows (one token), 24 (a token and a half).
+    decode_run([70001, 3, 129], 8, 16, "fp8", True, qo_tile_rows=16, **f)
+    decode_run([1000, 500], 8, 16, "bf16", True, bad=True, enable_cuda_graph=True,
+               qo_tile_rows=24, **f)
     if family == "sm90":    # the ping-pong form (bf16, > 64 rows; one idle consumer at 32 rows)
         from msa._native import debug
         with debug.forcing(decode_warpgroup=True, decode_pingpong=True):

@@ -566,7 +566,7 @@ void sparse_decode_attention(
     const std::optional<torch::Tensor>& o_partial, const std::optional<torch::Tensor>& lse_partial,
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
-    bool direct_fp8, bool warpgroup, bool pingpong) {
+    bool direct_fp8, bool warpgroup, bool pingpong, int64_t qo_tile_rows) {
   TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
@@ -593,6 +593,8 @@ void sparse_decode_attention(
   const int64_t hq = q.size(1), hkv = k.size(1);
   TORCH_CHECK(batch >= 1, "seqused_k: needs at least one request");
   TORCH_CHECK(seqlen_q >= 1 && seqlen_q <= 16, "seqlen_q: must be in [1, 16], got ", seqlen_q);
+  TORCH_CHECK(qo_tile_rows >= 1 && qo_tile_rows <= 128, "qo_tile_rows: must be in [1, 128], got ",
+              qo_tile_rows);
   TORCH_CHECK(q.size(0) == batch * seqlen_q && q.size(2) == kDim, "q: expected shape [",
               batch * seqlen_q, ", Hq, 128], got ", q.sizes());
   TORCH_CHECK(k.sizes() == v.sizes(), "v: shape ", v.sizes(), " differs from k's ", k.sizes());
@@ -645,6 +647,7 @@ void sparse_decode_attention(
   a.request_indices = request_indices.data_ptr<int32_t>();
   a.kv_tile_indices = kv_tile_indices.data_ptr<int32_t>();
   a.qo_tile_indices = qo_tile_indices.data_ptr<int32_t>();
+  a.qo_tile_rows = static_cast<int>(qo_tile_rows);
   a.num_splits = num_splits.data_ptr<int32_t>();
   a.merge_indptr = merge_indptr.data_ptr<int32_t>();
   a.num_work = static_cast<int>(num_work);
@@ -674,8 +677,8 @@ void sparse_decode_attention(
     a.lse = lse->data_ptr<float>();
   }
   a.softmax_scale = static_cast<float>(softmax_scale);
-  // Split keys across warps only when every 128-row qo tile has <= 16 rows.
-  a.split_keys = split_keys && seqlen_q * (hq / hkv) <= 16;
+  // Split keys across warps only when every qo tile has <= 16 rows.
+  a.split_keys = split_keys && std::min<int64_t>(qo_tile_rows, seqlen_q * (hq / hkv)) <= 16;
   // The direct e4m3 form (no conversion pass) serves split-keys tiles with e4m3 q and K/V.
   a.direct_fp8 = direct_fp8 && a.split_keys && a.q_fp8 && a.kv_fp8;
   // The warpgroup (wgmma) form serves q and K/V of one dtype (the caller asks for it on tiles
@@ -888,7 +891,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor qo_tile_indices, Tensor num_splits, Tensor merge_indptr, Tensor(a!)? o_partial, "
       "Tensor(b!)? lse_partial, Tensor(c!) out, Tensor(d!)? lse, int seqlen_q, "
       "int kv_chunk_size, bool split_kv, float softmax_scale, bool split_keys=False, "
-      "bool direct_fp8=False, bool warpgroup=False, bool pingpong=False) -> ()");
+      "bool direct_fp8=False, bool warpgroup=False, bool pingpong=False, "
+      "int qo_tile_rows=128) -> ()");
   ops.impl("sparse_decode_attention", torch::kCUDA, &sparse_decode_attention);
   ops.def(
       "sparse_prefill_portable(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "

@@ -99,7 +99,8 @@ struct DecodeAttentionArgs {
   int64_t num_pages;              // k.shape[0]; page ids outside [0, num_pages) are skipped
   const int32_t* request_indices; // [num_work] schedule: work item -> request
   const int32_t* kv_tile_indices; // [num_work] work item -> chunk of the request
-  const int32_t* qo_tile_indices; // [num_work] work item -> 128-row query tile
+  const int32_t* qo_tile_indices; // [num_work] work item -> query tile of qo_tile_rows rows
+  int qo_tile_rows;               // rows (token * G + head in group) per query tile, 1..128
   const int32_t* num_splits;      // [batch] chunks per request
   const int32_t* merge_indptr;    // [batch + 1] first partial slot of each request
   int num_work;
@@ -386,7 +387,7 @@ void sparse_decode_attention(
     const std::optional<torch::Tensor>& o_partial, const std::optional<torch::Tensor>& lse_partial,
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
-    bool direct_fp8, bool warpgroup, bool pingpong);
+    bool direct_fp8, bool warpgroup, bool pingpong, int64_t qo_tile_rows);
 
 std::tuple<int64_t, int64_t, std::string> csrc_image(const std::string& unit, int64_t device);
 #endif

@@ -392,14 +392,18 @@ class SparseDecodePagedAttentionWrapper:
     def plan(self, *, page_table, seqused_k, seqlen_q, max_seqlen_k, q2k_indices=None,
              num_qo_heads=None, num_kv_heads=None, head_dim=128, enable_cuda_graph=False,
              max_grid_size=None, fixed_split_size=None, disable_split_kv=False,
-             check_input_valid=False):
+             qo_tile_rows=None, check_input_valid=False):
         """Plan a batch; returns self.
 
         page_table [B, max_pages] int32, seqused_k [B] int32, q2k_indices None or
         [num_kv_heads, B * seqlen_q, topK] int32 are kept by reference. num_qo_heads and
         num_kv_heads are required; head_dim must be 128. max_grid_size caps the CTAs a split
         plan aims for (default: the SM count, 132 without a GPU); fixed_split_size (pages, or
-        q2k slots when sparse) forces split-KV; disable_split_kv forbids it.
+        q2k slots when sparse) forces split-KV; disable_split_kv forbids it. qo_tile_rows
+        (1..128) sets the query rows (token * G + head in group) a CTA serves; by default 128,
+        or for sparse multi-token calls against long contexts 16 (one token at G = 16: each
+        tile streams its own token's selected pages instead of the union of 8 tokens'),
+        see :func:`msa.schedules.decode.choose_qo_tile_rows`.
         Workspaces are sized for the plan's worst case (from max_seqlen_k with
         enable_cuda_graph) and reused by every run. check_input_valid=True (or
         MSA_CHECK_INPUTS=1) makes every run() check the buffers' values as
@@ -421,7 +425,8 @@ class SparseDecodePagedAttentionWrapper:
             seqused_k, self.blk_kv, seqlen_q, num_qo_heads, num_kv_heads, head_dim,
             _capped_max_seqlen_k(max_seqlen_k, page_table), enable_cuda_graph=enable_cuda_graph,
             max_grid_size=max_grid_size, fixed_split_size=fixed_split_size,
-            disable_split_kv=bool(disable_split_kv), sparse_topk=sparse_topk)
+            disable_split_kv=bool(disable_split_kv), sparse_topk=sparse_topk,
+            qo_tile_rows=qo_tile_rows)
         o_shape, lse_shape = schedule.workspace_shapes()
         device = seqused_k.device
         self.O_partial = torch.empty(o_shape, dtype=torch.float32, device=device)

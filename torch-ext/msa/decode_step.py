@@ -46,7 +46,8 @@ class MSADecodeStepWrapper:
 
     def plan(self, *, page_table, seqused_k, seqlen_q, max_seqlen_k, num_qo_heads, num_kv_heads,
              num_index_heads=None, topk=16, max_ctas=None,
-             indexer_plan: Optional[DecodeIndexerPlan] = None, check_input_valid=False):
+             indexer_plan: Optional[DecodeIndexerPlan] = None, qo_tile_rows=None,
+             check_input_valid=False):
         """Plan a batch; returns self.
 
         page_table [B, max_pages] int32 and seqused_k [B] int32 are kept by reference (write
@@ -55,6 +56,8 @@ class MSADecodeStepWrapper:
         it). topk in {4, 8, 16, 32}. max_ctas: the indexer's CTA budget (default two per SM).
         indexer_plan: a :class:`DecodeIndexerPlan` of this batch to share with other layers'
         wrappers (its seqlen_q, heads and topk must match); by default the wrapper makes one.
+        qo_tile_rows: the attention's query rows per CTA, as in
+        :meth:`SparseDecodePagedAttentionWrapper.plan` (default: chosen per batch).
         check_input_valid=True (or MSA_CHECK_INPUTS=1) makes every run() check the lengths and
         page ids as :func:`msa.decode_indexer_topk` and :func:`msa.sparse_decode_atten_func` do
         (one synchronization per run). Everything is validated before the indexer plan's first
@@ -90,7 +93,8 @@ class MSADecodeStepWrapper:
         attention = SparseDecodePagedAttentionWrapper().plan(
             page_table=page_table, seqused_k=seqused_k, seqlen_q=seqlen_q,
             max_seqlen_k=max_seqlen_k, q2k_indices=q2k, num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads, enable_cuda_graph=True, check_input_valid=check_values)
+            num_kv_heads=num_kv_heads, enable_cuda_graph=True, qo_tile_rows=qo_tile_rows,
+            check_input_valid=check_values)
         if indexer_plan is None:
             indexer_plan = make_decode_indexer_plan(
                 seqused_k, seqlen_q=seqlen_q, num_index_heads=num_index_heads,

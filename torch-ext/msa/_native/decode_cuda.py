@@ -88,7 +88,8 @@ def _launch(call, warpgroup: bool, pingpong: bool) -> None:
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
         call.o_partial if split else None, call.lse_partial if split else None,
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
-        float(call.softmax_scale), _split_keys(), _direct_fp8(), warpgroup, pingpong)
+        float(call.softmax_scale), _split_keys(), _direct_fp8(), warpgroup, pingpong,
+        int(s.qo_tile_rows))
 
 
 def _split_keys() -> bool:
@@ -103,15 +104,22 @@ def _direct_fp8() -> bool:
     return debug.forced("decode_direct_fp8") is not False
 
 
+def _tile_rows(call) -> int:
+    """Query rows of the call's qo tiles (the schedule's qo_tile_rows, at most seqlen_q * G)."""
+    rows = call.seqlen_q * call.qhead_per_kv
+    schedule = getattr(call, "schedule", None)
+    return rows if schedule is None else min(rows, int(schedule.qo_tile_rows))
+
+
 def _warpgroup(call) -> bool:
     """Whether this call uses the warpgroup (wgmma) form (the binding applies it only with q and
-    K/V of one dtype): tiles of > 16 rows when validated for the call's dtype (or with
+    K/V of one dtype): qo tiles of > 16 rows when validated for the call's dtype (or with
     MSA_UNVALIDATED_KERNELS=1); the decode_warpgroup hook forces it on any tile (True) or off
     (False)."""
     forced = debug.forced("decode_warpgroup")
     if forced is not None:
         return forced
-    rows = call.seqlen_q * call.qhead_per_kv
+    rows = _tile_rows(call)
     dtype = "bf16" if call.pv_quant_dtype is None else "e4m3"     # e4m3: e4m3 q and K/V
     return rows > 16 and (dtype in VALIDATED_WARPGROUP or _backend.unvalidated_ok())
 
@@ -123,7 +131,7 @@ def _pingpong(call) -> bool:
     forced = debug.forced("decode_pingpong")
     if forced is not None:
         return forced
-    rows = call.seqlen_q * call.qhead_per_kv
+    rows = _tile_rows(call)
     return (call.pv_quant_dtype is None and rows >= PINGPONG_MIN_ROWS
             and ("bf16" in VALIDATED_PINGPONG or _backend.unvalidated_ok()))
 

@@ -33,9 +33,32 @@ import torch
 from .._common import sm_count
 from .._validation import check_positive_int, check_tensor
 
-# Query rows one CTA of the decode kernel covers for one KV head: two 64-row warpgroup MMA
-# tiles. seqlen_q * G > 128 (e.g. MTP 16 x G 16) takes several qo tiles.
+# Query rows one CTA of the decode kernel covers for one KV head at most: two 64-row warpgroup
+# MMA tiles. seqlen_q * G > 128 (e.g. MTP 16 x G 16) takes several qo tiles.
 QO_TILE_ROWS = 128
+# Query tiles of sparse multi-token decode: the tokens of a tile share its CTA's pages (the union
+# of their selections), so with long contexts, where the tokens' selections barely overlap, a
+# 128-row tile computes every row against ~seqlen_q x topK pages that one token each selected.
+# Tiles of 16 rows (one token at G = 16) stream only their token's pages, on the kernel's
+# split-keys forms. They serve once the request holds QUERY_TILE_MIN_BLOCKS_PER_SELECTION x
+# (the 128-row tile's selections) blocks.
+QUERY_TILE_ROWS = 16
+QUERY_TILE_MIN_BLOCKS_PER_SELECTION = 2
+
+
+def choose_qo_tile_rows(seqlen_q: int, group: int, max_seqlen_k: int, page_size: int,
+                        sparse_topk: Optional[int]) -> int:
+    """Rows per qo tile: QO_TILE_ROWS, or for sparse calls with more than QUERY_TILE_ROWS rows
+    per KV head against long contexts the largest whole-token tile of at most QUERY_TILE_ROWS
+    rows (one token at G = 16)."""
+    rows = seqlen_q * group
+    if sparse_topk is None or rows <= QUERY_TILE_ROWS or group > QUERY_TILE_ROWS:
+        return QO_TILE_ROWS
+    tokens_per_tile = min(seqlen_q, QO_TILE_ROWS // group)
+    blocks = _ceil_div(max_seqlen_k, page_size)
+    if blocks < QUERY_TILE_MIN_BLOCKS_PER_SELECTION * tokens_per_tile * sparse_topk:
+        return QO_TILE_ROWS
+    return group * (QUERY_TILE_ROWS // group)
 
 
 @dataclasses.dataclass
@@ -55,7 +78,8 @@ class DecodeSchedule:
     max_grid_size: int                  # CTA budget the split size was chosen for
     split_kv: bool                      # partials + merge (True) or direct output (False)
     kv_chunk_size: int                  # units (pages, or q2k slots when sparse) per chunk
-    num_qo_tiles: int                   # ceil(seqlen_q * G / QO_TILE_ROWS)
+    qo_tile_rows: int                   # rows (token * G + head in group) per qo tile
+    num_qo_tiles: int                   # ceil(seqlen_q * G / qo_tile_rows)
     planned_units: List[int]            # per request: pages (dense) or topK (sparse) planned for
     num_splits_host: torch.Tensor       # [B] int32: chunks of each request
     merge_indptr_host: torch.Tensor     # [B+1] int32: exclusive prefix of num_splits
@@ -148,7 +172,8 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
                           num_qo_heads: int, num_kv_heads: int, head_dim: int, max_seqlen_k: int,
                           enable_cuda_graph: bool = False, max_grid_size: Optional[int] = None,
                           fixed_split_size: Optional[int] = None, disable_split_kv: bool = False,
-                          *, sparse_topk: Optional[int] = None) -> DecodeSchedule:
+                          *, sparse_topk: Optional[int] = None,
+                          qo_tile_rows: Optional[int] = None) -> DecodeSchedule:
     """Plan the split-KV decode of a batch (host-side; see the module docstring).
 
     Args:
@@ -164,6 +189,7 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
       fixed_split_size: chunk size in units (pages; slots when sparse); forces split-KV.
       disable_split_kv: one chunk per request, direct output, no workspaces.
       sparse_topk: topK of the q2k rows for sparse decode (units are then q2k slots).
+      qo_tile_rows: query rows per CTA tile, 1..QO_TILE_ROWS (default: choose_qo_tile_rows).
 
     Returns a :class:`DecodeSchedule` with index tensors on ``seqused_k``'s device.
     """
@@ -177,6 +203,9 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
     check_positive_int("max_grid_size", max_grid_size, allow_none=True, minimum=1)
     check_positive_int("fixed_split_size", fixed_split_size, allow_none=True, minimum=1)
     check_positive_int("sparse_topk", sparse_topk, allow_none=True, minimum=1)
+    check_positive_int("qo_tile_rows", qo_tile_rows, allow_none=True, minimum=1)
+    if qo_tile_rows is not None and qo_tile_rows > QO_TILE_ROWS:
+        raise ValueError(f"qo_tile_rows: at most {QO_TILE_ROWS}, got {qo_tile_rows}")
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads "
                          f"{num_kv_heads}")
@@ -196,7 +225,9 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
         units = [_ceil_div(int(n), page_size) for n in lens.tolist()]
 
     group = num_qo_heads // num_kv_heads
-    num_qo_tiles = _ceil_div(seqlen_q * group, QO_TILE_ROWS)
+    if qo_tile_rows is None:
+        qo_tile_rows = choose_qo_tile_rows(seqlen_q, group, max_seqlen_k, page_size, sparse_topk)
+    num_qo_tiles = _ceil_div(seqlen_q * group, qo_tile_rows)
     ctas_per_chunk = num_qo_tiles * num_kv_heads
     longest = max(max(units, default=0), 1)
     if disable_split_kv:
@@ -228,7 +259,7 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
         num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
         sparse_topk=sparse_topk, enable_cuda_graph=bool(enable_cuda_graph),
         max_grid_size=int(max_grid_size), split_kv=bool(split_kv), kv_chunk_size=int(chunk),
-        num_qo_tiles=num_qo_tiles, planned_units=units, num_splits_host=num_splits_host,
+        qo_tile_rows=int(qo_tile_rows), num_qo_tiles=num_qo_tiles, planned_units=units, num_splits_host=num_splits_host,
         merge_indptr_host=merge_indptr_host, request_indices_host=host["request"],
         kv_tile_indices_host=host["kv"], qo_tile_indices_host=host["qo"],
         num_splits=num_splits_host.to(device), merge_indptr=merge_indptr_host.to(device),
