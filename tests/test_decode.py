@@ -4,6 +4,8 @@ by reference, preallocated outputs and argument errors."""
 
 import math
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -259,22 +261,33 @@ def test_schedule_structure_and_split_flag():
 
 
 def test_sparse_mtp_takes_query_tiles_against_long_contexts():
-    """Sparse multi-token decode: 128-row tiles (8 tokens x G 16 share the union of their
-    selections) while the request's blocks could overlap their selections, one-token tiles of 16
-    rows once it holds QUERY_TILE_MIN_BLOCKS_PER_SELECTION x 8 x topK blocks; dense calls and
-    tiles of <= 16 rows keep 128."""
-    from msa.schedules.decode import QUERY_TILE_MIN_BLOCKS_PER_SELECTION, choose_qo_tile_rows
-    edge = QUERY_TILE_MIN_BLOCKS_PER_SELECTION * 8 * 16 * 128
-    assert choose_qo_tile_rows(8, 16, edge - 128, 128, 16) == QO_TILE_ROWS
-    assert choose_qo_tile_rows(8, 16, edge, 128, 16) == 16
-    assert choose_qo_tile_rows(8, 16, 10 ** 6, 128, None) == QO_TILE_ROWS     # dense
-    assert choose_qo_tile_rows(1, 16, 10 ** 6, 128, 16) == QO_TILE_ROWS       # 16 rows
-    assert choose_qo_tile_rows(8, 4, 10 ** 6, 128, 16) == 16                  # 4 tokens x G 4
-    assert choose_qo_tile_rows(16, 2, 10 ** 6, 128, 16) == 16                 # 8 tokens x G 2
-    lens = torch.tensor([10 ** 6, 5], dtype=torch.int32)
-    s = build_decode_schedule(lens, 128, 8, 64, 4, 128, 10 ** 6, enable_cuda_graph=True,
-                              sparse_topk=16)
-    assert s.qo_tile_rows == 16 and s.num_qo_tiles == 8
+    """Sparse multi-token decode of e4m3 q and K/V: 128-row tiles (8 tokens x G 16 share the
+    union of their selections) while the request holds fewer blocks than half the tile's
+    8 x topK selections, one-token tiles of 16 rows from there on; dense calls and tiles of
+    <= 16 rows keep 128. The wrapper plans both and each run takes the one of its dtypes."""
+    from msa.schedules.decode import query_tile_rows
+    assert query_tile_rows(8, 16, 63 * 128, 128, 16) is None
+    assert query_tile_rows(8, 16, 63 * 128 + 1, 128, 16) == 16          # 64 blocks
+    assert query_tile_rows(8, 16, 10 ** 6, 128, None) is None            # dense
+    assert query_tile_rows(1, 16, 10 ** 6, 128, 16) is None              # 16 rows
+    assert query_tile_rows(8, 4, 10 ** 6, 128, 16) == 16                 # 4 tokens x G 4
+    assert query_tile_rows(16, 2, 10 ** 6, 128, 16) == 16                # 8 tokens x G 2
+    lens = [20000, 5]
+    q, k, v, table, seqused_k = make_batch(lens, 8, 2, 16, FP8, FP8)
+    q2k = random_q2k(lens, 8, 2, 16)
+    wrapper = msa.SparseDecodePagedAttentionWrapper().plan(
+        page_table=table, seqused_k=seqused_k, seqlen_q=8, max_seqlen_k=20001, q2k_indices=q2k,
+        num_qo_heads=32, num_kv_heads=2)
+    assert wrapper.decode_schedule.qo_tile_rows == 128
+    assert wrapper.query_tile_schedule.qo_tile_rows == 16
+    assert wrapper.query_tile_schedule.num_qo_tiles == 8
+    assert wrapper.plan_for(SimpleNamespace(q=q, k=k))[0] is wrapper.query_tile_schedule
+    assert wrapper.plan_for(SimpleNamespace(q=q.to(BF16), k=k))[0] is wrapper.decode_schedule
+    fixed = msa.SparseDecodePagedAttentionWrapper().plan(
+        page_table=table, seqused_k=seqused_k, seqlen_q=8, max_seqlen_k=20001, q2k_indices=q2k,
+        num_qo_heads=32, num_kv_heads=2, qo_tile_rows=128)
+    assert fixed.query_tile_schedule is None
+    assert fixed.plan_for(SimpleNamespace(q=q, k=k))[0] is fixed.decode_schedule
 
 
 def test_schedule_cuda_graph_and_sparse_ignore_lengths():

@@ -9,6 +9,8 @@ Outputs, LSE and split workspaces are poisoned with NaN before each run.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -55,8 +57,10 @@ def _plan(msa, table, seqused_k, seqlen_q, hq, q2k, **kw):
     wrapper.plan(page_table=table, seqused_k=seqused_k, seqlen_q=seqlen_q,
                  max_seqlen_k=kw.pop("max_seqlen_k", int(seqused_k.max()) + 1),
                  q2k_indices=q2k, num_qo_heads=hq, num_kv_heads=HKV, **kw)
-    wrapper.O_partial.fill_(float("nan"))
-    wrapper.LSE_partial.fill_(float("nan"))
+    for workspace in (wrapper.O_partial, wrapper.LSE_partial, wrapper.query_tile_O_partial,
+                      wrapper.query_tile_LSE_partial):
+        if workspace is not None:
+            workspace.fill_(float("nan"))
     return wrapper
 
 
@@ -199,7 +203,8 @@ def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, form, d
                 page = int(table[b, (n - 1) // P])
                 k.view(torch.uint8)[page, :, n % P:, :] = 0x7F if dtypes == "fp8" else 0xFF
                 v.view(torch.uint8)[page, :, n % P:, :] = 0x7F if dtypes == "fp8" else 0xFF
-        wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k)
+        wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k,
+                        qo_tile_rows=128)        # one warpgroup tile, not the query tiles
         out, lse = _run_native(msa_pkg, wrapper, q, k, v)
         _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
         if dtypes == "fp8" and not poison:   # the fp32 model multiplies the NaN rows by P = 0
@@ -229,6 +234,30 @@ def test_native_sparse_mtp_query_tiles(msa_pkg, native_only, seed, dtypes, qo_ti
         _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
         if dtypes == "fp8" and not poison:
             _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k)
+
+
+@pytest.mark.parametrize("dtypes", list(DTYPES))
+def test_native_sparse_mtp_plan_picks_query_tiles_for_e4m3(msa_pkg, native_only, seed, dtypes):
+    """The plan's default against a long context: e4m3 q and K/V run the 16-row query-tile
+    plan (a CUDA graph of the step replays it), other dtypes the 128-row one; both match the
+    oracle."""
+    lens, seqlen_q, group = [70001, 9000, 3], 8, 16
+    q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, dtypes, True, topk=16)
+    wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k)
+    assert wrapper.query_tile_schedule.qo_tile_rows == 16
+    assert wrapper.decode_schedule.qo_tile_rows == 128
+    out, lse = _run_native(msa_pkg, wrapper, q, k, v)
+    call = SimpleNamespace(q=q, k=k)
+    want = 16 if dtypes == "fp8" else 128
+    assert wrapper.plan_for(call)[0].qo_tile_rows == want
+    _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
+    graph_out = torch.full_like(out, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q, k, v, out=graph_out)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(graph_out, out, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("keys", ["rows", "split", "direct", "pingpong"])

@@ -33,7 +33,7 @@ from ._validation import (check_page_table, FP8, HEAD_DIM, check_decode_values, 
                           check_same_device, check_scale, check_shape, check_tensor, check_topk,
                           value_checks_requested)
 from .reference.decode import decode_reference, split_decode_reference
-from .schedules.decode import DecodeSchedule, build_decode_schedule
+from .schedules.decode import DecodeSchedule, build_decode_schedule, query_tile_rows
 
 BF16 = torch.bfloat16
 PAGE_SIZE = 128
@@ -234,19 +234,28 @@ def _default_schedule(call: DecodeCall) -> DecodeSchedule:
     capture path; this only keeps the function from being a trap.)
     """
     max_seqlen_k = _capped_max_seqlen_k(call.max_seqlen_k, call.page_table)
+    tile_rows = _query_tile_rows(call, max_seqlen_k)
     key = (call.batch_size, call.seqlen_q, call.q.shape[1], call.k.shape[1], max_seqlen_k,
-           call.topk, str(call.seqused_k.device))
+           call.topk, tile_rows, str(call.seqused_k.device))
     schedule = _DEFAULT_SCHEDULES.get(key)
     if schedule is None:
         schedule = build_decode_schedule(
             call.seqused_k, PAGE_SIZE, call.seqlen_q, call.q.shape[1], call.k.shape[1], HEAD_DIM,
-            max_seqlen_k, enable_cuda_graph=True, sparse_topk=call.topk)
+            max_seqlen_k, enable_cuda_graph=True, sparse_topk=call.topk, qo_tile_rows=tile_rows)
         _DEFAULT_SCHEDULES[key] = schedule
         if len(_DEFAULT_SCHEDULES) > _DEFAULT_SCHEDULE_CACHE_SIZE:
             _DEFAULT_SCHEDULES.popitem(last=False)
     else:
         _DEFAULT_SCHEDULES.move_to_end(key)
     return schedule
+
+
+def _query_tile_rows(call: DecodeCall, max_seqlen_k: int) -> Optional[int]:
+    """The query tile rows a call of e4m3 q and K/V takes (schedules.decode.query_tile_rows),
+    else None (128-row tiles)."""
+    if call.q.dtype != FP8 or call.k.dtype != FP8:
+        return None
+    return query_tile_rows(call.seqlen_q, call.qhead_per_kv, max_seqlen_k, PAGE_SIZE, call.topk)
 
 
 def _capped_max_seqlen_k(max_seqlen_k: int, page_table: torch.Tensor) -> int:
@@ -384,6 +393,11 @@ class SparseDecodePagedAttentionWrapper:
         self.decode_schedule: Optional[DecodeSchedule] = None
         self.O_partial: Optional[torch.Tensor] = None
         self.LSE_partial: Optional[torch.Tensor] = None
+        # The query-tile plan (schedules.decode.query_tile_rows) and its workspaces, which runs
+        # of e4m3 q and K/V take instead; None when the batch has no use for it.
+        self.query_tile_schedule: Optional[DecodeSchedule] = None
+        self.query_tile_O_partial: Optional[torch.Tensor] = None
+        self.query_tile_LSE_partial: Optional[torch.Tensor] = None
         self._page_table = self._seqused_k = self._q2k_indices = None
         self._seqlen_q = self._max_seqlen_k = None
         self._num_qo_heads = self._num_kv_heads = None
@@ -400,10 +414,11 @@ class SparseDecodePagedAttentionWrapper:
         num_kv_heads are required; head_dim must be 128. max_grid_size caps the CTAs a split
         plan aims for (default: the SM count, 132 without a GPU); fixed_split_size (pages, or
         q2k slots when sparse) forces split-KV; disable_split_kv forbids it. qo_tile_rows
-        (1..128) sets the query rows (token * G + head in group) a CTA serves; by default 128,
-        or for sparse multi-token calls against long contexts 16 (one token at G = 16: each
-        tile streams its own token's selected pages instead of the union of 8 tokens'),
-        see :func:`msa.schedules.decode.choose_qo_tile_rows`.
+        (1..128) fixes the query rows (token * G + head in group) a CTA serves; by default 128,
+        and sparse multi-token runs of e4m3 q and K/V against long contexts take 16-row query
+        tiles (one token at G = 16: each tile streams its own token's selected pages instead
+        of the union of 8 tokens'; :func:`msa.schedules.decode.query_tile_rows`), from a second
+        plan made here.
         Workspaces are sized for the plan's worst case (from max_seqlen_k with
         enable_cuda_graph) and reused by every run. check_input_valid=True (or
         MSA_CHECK_INPUTS=1) makes every run() check the buffers' values as
@@ -421,16 +436,26 @@ class SparseDecodePagedAttentionWrapper:
         _check_kv_metadata(page_table, seqused_k, seqlen_q, max_seqlen_k, q2k_indices,
                            num_kv_heads)
         sparse_topk = None if q2k_indices is None else q2k_indices.shape[2]
-        schedule = build_decode_schedule(
-            seqused_k, self.blk_kv, seqlen_q, num_qo_heads, num_kv_heads, head_dim,
-            _capped_max_seqlen_k(max_seqlen_k, page_table), enable_cuda_graph=enable_cuda_graph,
-            max_grid_size=max_grid_size, fixed_split_size=fixed_split_size,
-            disable_split_kv=bool(disable_split_kv), sparse_topk=sparse_topk,
-            qo_tile_rows=qo_tile_rows)
-        o_shape, lse_shape = schedule.workspace_shapes()
-        device = seqused_k.device
-        self.O_partial = torch.empty(o_shape, dtype=torch.float32, device=device)
-        self.LSE_partial = torch.empty(lse_shape, dtype=torch.float32, device=device)
+        capped = _capped_max_seqlen_k(max_seqlen_k, page_table)
+
+        def plan_tiles(rows):
+            schedule = build_decode_schedule(
+                seqused_k, self.blk_kv, seqlen_q, num_qo_heads, num_kv_heads, head_dim, capped,
+                enable_cuda_graph=enable_cuda_graph, max_grid_size=max_grid_size,
+                fixed_split_size=fixed_split_size, disable_split_kv=bool(disable_split_kv),
+                sparse_topk=sparse_topk, qo_tile_rows=rows)
+            o_shape, lse_shape = schedule.workspace_shapes()
+            device = seqused_k.device
+            return schedule, (torch.empty(o_shape, dtype=torch.float32, device=device),
+                              torch.empty(lse_shape, dtype=torch.float32, device=device))
+
+        schedule, (self.O_partial, self.LSE_partial) = plan_tiles(qo_tile_rows)
+        self.query_tile_schedule = self.query_tile_O_partial = self.query_tile_LSE_partial = None
+        tile_rows = None if qo_tile_rows is not None else query_tile_rows(
+            seqlen_q, num_qo_heads // num_kv_heads, capped, self.blk_kv, sparse_topk)
+        if tile_rows is not None:
+            self.query_tile_schedule, (self.query_tile_O_partial,
+                                       self.query_tile_LSE_partial) = plan_tiles(tile_rows)
         self._page_table, self._seqused_k, self._q2k_indices = page_table, seqused_k, q2k_indices
         self._seqlen_q, self._max_seqlen_k = seqlen_q, int(max_seqlen_k)
         self._num_qo_heads, self._num_kv_heads = num_qo_heads, num_kv_heads
@@ -448,8 +473,14 @@ class SparseDecodePagedAttentionWrapper:
         """
         call = self._prepare_run(q, k, v, softmax_scale=softmax_scale, out=out, lse=lse)
         # A preallocated lse is always written; it is returned only with return_softmax_lse.
-        return run_decode(call, self.decode_schedule, self.O_partial, self.LSE_partial,
-                          bool(return_softmax_lse))
+        return run_decode(call, *self.plan_for(call), bool(return_softmax_lse))
+
+    def plan_for(self, call: DecodeCall):
+        """(schedule, O_partial, LSE_partial) a validated call of this plan runs with: the
+        query-tile plan for e4m3 q and K/V when the plan made one, else the main plan."""
+        if self.query_tile_schedule is not None and call.q.dtype == FP8 and call.k.dtype == FP8:
+            return self.query_tile_schedule, self.query_tile_O_partial, self.query_tile_LSE_partial
+        return self.decode_schedule, self.O_partial, self.LSE_partial
 
     def _prepare_run(self, q, k, v, *, softmax_scale=None, out=None, lse=None):
         """run()'s validation, no launch: the call for :func:`run_decode`. Callers that launch

@@ -57,7 +57,8 @@ class MSADecodeStepWrapper:
         indexer_plan: a :class:`DecodeIndexerPlan` of this batch to share with other layers'
         wrappers (its seqlen_q, heads and topk must match); by default the wrapper makes one.
         qo_tile_rows: the attention's query rows per CTA, as in
-        :meth:`SparseDecodePagedAttentionWrapper.plan` (default: chosen per batch).
+        :meth:`SparseDecodePagedAttentionWrapper.plan` (default: 128, and 16-row query tiles for
+        e4m3 q and K/V against long contexts).
         check_input_valid=True (or MSA_CHECK_INPUTS=1) makes every run() check the lengths and
         page ids as :func:`msa.decode_indexer_topk` and :func:`msa.sparse_decode_atten_func` do
         (one synchronization per run). Everything is validated before the indexer plan's first
@@ -136,8 +137,7 @@ class MSADecodeStepWrapper:
             check_decode_values(call, strict=False)
             call.check_values = False
         run_indexer_call(index_call)
-        return run_decode(call, attention.decode_schedule, attention.O_partial,
-                          attention.LSE_partial, bool(return_softmax_lse))
+        return run_decode(call, *attention.plan_for(call), bool(return_softmax_lse))
 
     def _require_plan(self):
         if self.attention is None:

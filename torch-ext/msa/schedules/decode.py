@@ -36,28 +36,30 @@ from .._validation import check_positive_int, check_tensor
 # Query rows one CTA of the decode kernel covers for one KV head at most: two 64-row warpgroup
 # MMA tiles. seqlen_q * G > 128 (e.g. MTP 16 x G 16) takes several qo tiles.
 QO_TILE_ROWS = 128
-# Query tiles of sparse multi-token decode: the tokens of a tile share its CTA's pages (the union
-# of their selections), so with long contexts, where the tokens' selections barely overlap, a
-# 128-row tile computes every row against ~seqlen_q x topK pages that one token each selected.
-# Tiles of 16 rows (one token at G = 16) stream only their token's pages, on the kernel's
-# split-keys forms. They serve once the request holds QUERY_TILE_MIN_BLOCKS_PER_SELECTION x
-# (the 128-row tile's selections) blocks.
+# Query tiles of sparse multi-token decode. The tokens of a qo tile share its CTA's pages (the
+# union of their selections), so where the tokens' selections barely overlap a 128-row tile
+# (8 tokens x G 16) computes every row against ~8 x topK pages that one token each selected.
+# Tiles of 16 rows (one token at G = 16) stream only their tokens' pages, on the kernel's
+# split-keys forms. On the H200 (MTP 8, G 16, top-16, e4m3 q and K/V, B 32-128) they took the
+# step's attention from 170 to 200 us at 4k keys (32 blocks for 128 selections: the union pays),
+# from 311 to 206 us at 10k (78 blocks) and from 472 to 210 us at 100k; with bf16 the 128-row
+# ping-pong form stays ahead everywhere. So: e4m3 q and K/V, and at least half as many blocks
+# as the 128-row tile's selections.
 QUERY_TILE_ROWS = 16
-QUERY_TILE_MIN_BLOCKS_PER_SELECTION = 2
 
 
-def choose_qo_tile_rows(seqlen_q: int, group: int, max_seqlen_k: int, page_size: int,
-                        sparse_topk: Optional[int]) -> int:
-    """Rows per qo tile: QO_TILE_ROWS, or for sparse calls with more than QUERY_TILE_ROWS rows
-    per KV head against long contexts the largest whole-token tile of at most QUERY_TILE_ROWS
-    rows (one token at G = 16)."""
+def query_tile_rows(seqlen_q: int, group: int, max_seqlen_k: int, page_size: int,
+                    sparse_topk: Optional[int]) -> Optional[int]:
+    """Rows of the query tiles a sparse call of e4m3 q and K/V takes instead of QO_TILE_ROWS
+    (the largest whole-token tile of at most QUERY_TILE_ROWS rows: one token at G = 16), or None
+    where 128-row tiles serve: dense calls, tiles of <= QUERY_TILE_ROWS rows anyway, and
+    contexts of fewer blocks than half the 128-row tile's selections."""
     rows = seqlen_q * group
     if sparse_topk is None or rows <= QUERY_TILE_ROWS or group > QUERY_TILE_ROWS:
-        return QO_TILE_ROWS
-    tokens_per_tile = min(seqlen_q, QO_TILE_ROWS // group)
-    blocks = _ceil_div(max_seqlen_k, page_size)
-    if blocks < QUERY_TILE_MIN_BLOCKS_PER_SELECTION * tokens_per_tile * sparse_topk:
-        return QO_TILE_ROWS
+        return None
+    selections = min(seqlen_q, QO_TILE_ROWS // group) * sparse_topk
+    if 2 * _ceil_div(max_seqlen_k, page_size) < selections:
+        return None
     return group * (QUERY_TILE_ROWS // group)
 
 
@@ -189,7 +191,7 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
       fixed_split_size: chunk size in units (pages; slots when sparse); forces split-KV.
       disable_split_kv: one chunk per request, direct output, no workspaces.
       sparse_topk: topK of the q2k rows for sparse decode (units are then q2k slots).
-      qo_tile_rows: query rows per CTA tile, 1..QO_TILE_ROWS (default: choose_qo_tile_rows).
+      qo_tile_rows: query rows per CTA tile, 1..QO_TILE_ROWS (default QO_TILE_ROWS).
 
     Returns a :class:`DecodeSchedule` with index tensors on ``seqused_k``'s device.
     """
@@ -226,7 +228,7 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
 
     group = num_qo_heads // num_kv_heads
     if qo_tile_rows is None:
-        qo_tile_rows = choose_qo_tile_rows(seqlen_q, group, max_seqlen_k, page_size, sparse_topk)
+        qo_tile_rows = QO_TILE_ROWS
     num_qo_tiles = _ceil_div(seqlen_q * group, qo_tile_rows)
     ctas_per_chunk = num_qo_tiles * num_kv_heads
     longest = max(max(units, default=0), 1)
