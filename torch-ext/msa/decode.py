@@ -250,10 +250,15 @@ def _default_schedule(call: DecodeCall) -> DecodeSchedule:
     return schedule
 
 
+def _takes_query_tiles(call) -> bool:
+    """Query tiles serve calls of e4m3 q and K/V (schedules.decode.query_tile_rows says why)."""
+    return call.q.dtype == FP8 and call.k.dtype == FP8
+
+
 def _query_tile_rows(call: DecodeCall, max_seqlen_k: int) -> Optional[int]:
-    """The query tile rows a call of e4m3 q and K/V takes (schedules.decode.query_tile_rows),
-    else None (128-row tiles)."""
-    if call.q.dtype != FP8 or call.k.dtype != FP8:
+    """The query tile rows a call takes (schedules.decode.query_tile_rows), else None (128-row
+    tiles)."""
+    if not _takes_query_tiles(call):
         return None
     return query_tile_rows(call.seqlen_q, call.qhead_per_kv, max_seqlen_k, PAGE_SIZE, call.topk)
 
@@ -478,7 +483,7 @@ class SparseDecodePagedAttentionWrapper:
     def plan_for(self, call: DecodeCall):
         """(schedule, O_partial, LSE_partial) a validated call of this plan runs with: the
         query-tile plan for e4m3 q and K/V when the plan made one, else the main plan."""
-        if self.query_tile_schedule is not None and call.q.dtype == FP8 and call.k.dtype == FP8:
+        if self.query_tile_schedule is not None and _takes_query_tiles(call):
             return self.query_tile_schedule, self.query_tile_O_partial, self.query_tile_LSE_partial
         return self.decode_schedule, self.O_partial, self.LSE_partial
 
