@@ -255,11 +255,10 @@ __device__ __forceinline__ void score_page(const DecodeIndexerArgs& a, const cha
   }
 }
 
-__device__ __forceinline__ bool valid_page(const DecodeIndexerArgs& a, int b, int page,
-                                           int64_t* physical) {
-  const int64_t p = __ldg(a.page_table + static_cast<int64_t>(b) * a.page_table_width + page);
-  *physical = p;
-  return p >= 0 && p < a.num_pages;
+// The page table's id for logical page `page` of request b (checked against the pool where it
+// is used, so that the load stays in flight until then).
+__device__ __forceinline__ int table_entry(const DecodeIndexerArgs& a, int b, int page) {
+  return __ldg(a.page_table + static_cast<int64_t>(b) * a.page_table_width + page);
 }
 
 template <int F, int MT, int KCAP>
@@ -271,6 +270,10 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
   char* stages = smem + L::kStagesOffset;
   float* warp_max = reinterpret_cast<float*>(smem + L::kMaxOffset);   // [2][kWarps][MT*16]
   __shared__ int s_last;
+  // Whether page i of the chunk is valid, at s_valid[i % 8]: written when its copies are issued
+  // (kStages - 1 pages ahead), read by the scoring and the offer of page i.
+  __shared__ bool s_valid[8];
+  static_assert(kStages + 1 <= 8, "the validity ring outlives a page's offer");
 
   const int work = blockIdx.x;
   const int b = __ldg(a.work + 2 * work);
@@ -306,17 +309,21 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
   const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
 
   auto stage_of = [&](int i) { return stages + (i % kStages) * PageShape<F>::kStageBytes; };
+  // Page-table entries are read one page ahead of the copies that need them (a register
+  // pipeline), so no page waits on a global load before its copies are issued.
+  auto entry = [&](int i) { return i < num_pages ? table_entry(a, b, begin + i) : -1; };
+  int next_entry = entry(0);
   auto issue = [&](int i) {   // page begin + i into its stage; one cp.async group either way
-    int64_t physical;
-    if (i < num_pages && valid_page(a, b, begin + i, &physical)) {
-      load_page<F>(a, physical, stage_of(i));
-    }
+    const int64_t physical = next_entry;
+    next_entry = entry(i + 1);
+    const bool valid = physical >= 0 && physical < a.num_pages;
+    if (valid) load_page<F>(a, physical, stage_of(i));
+    if (threadIdx.x == 0) s_valid[i % 8] = valid;
     cp_async_commit();
   };
   // Row r's score of page begin + i (from the warps' maxima), offered to its list.
   auto offer = [&](int i) {
-    int64_t physical;
-    if (r >= rows || !valid_page(a, b, begin + i, &physical)) return;
+    if (r >= rows || !s_valid[i % 8]) return;
     const float* maxima = warp_max + (i & 1) * kWarps * MT * 16;
     float m = maxima[r];
 #pragma unroll
@@ -341,8 +348,7 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
     __syncthreads();
     issue(i + kStages - 1);
     if (i > 0) offer(i - 1);
-    int64_t physical;
-    if (valid_page(a, b, begin + i, &physical)) {   // uniform over the CTA
+    if (s_valid[i % 8]) {   // uniform over the CTA
       score_page<F, MT>(a, stage_of(i), qs, warp_max + (i & 1) * kWarps * MT * 16);
     }
   }
