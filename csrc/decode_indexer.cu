@@ -151,106 +151,180 @@ __device__ __forceinline__ void load_queries(const DecodeIndexerArgs& a, int b, 
   }
 }
 
-// This warp's 16 keys of one page against every row: per row the max over the keys, into
-// warp_max[warp][row]. Rows lane / 4 (+8) of each m-tile; keys 16 warp + 8 n + lane / 4.
-template <int F, int MT>
-__device__ __forceinline__ void score_page(const DecodeIndexerArgs& a, const char* stage,
-                                           const __half* qs, float* warp_max) {
-  using S = PageShape<F>;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  float acc[MT][2][4];
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int n = 0; n < 2; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.f;
+// Keys key0 + 8 n + lane / 4 (n = 0, 1) of a staged page: this thread's span of each key row
+// (channels 32t .. 32t + 31, t = lane % 4) and, for NVFP4, its two E4M3 block scales.
+template <int F>
+struct KeyPair {
+  uint32_t words[2][PageShape<F>::kWordsPerKey];
+  __half2 scale[2][2];
 
-  // The thread's span of each of its two key rows: channels 32t .. 32t + 31.
-  uint32_t kw[2][S::kWordsPerKey];
-  __half2 sc[2][2];
+  __device__ __forceinline__ void load(const DecodeIndexerArgs& a, const char* stage, int key0) {
+    using S = PageShape<F>;
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
-    const int key = warp * 16 + n * 8 + g;
-    const uint4* row = reinterpret_cast<const uint4*>(stage + key * S::kRowStride + t * S::kRowBytes / 4);
+    for (int n = 0; n < 2; ++n) {
+      const int key = key0 + n * 8 + g;
+      const uint4* row =
+          reinterpret_cast<const uint4*>(stage + key * S::kRowStride + t * S::kRowBytes / 4);
 #pragma unroll
-    for (int i = 0; i < S::kWordsPerKey / 4; ++i) {
-      const uint4 v = row[i];
-      kw[n][4 * i] = v.x;
-      kw[n][4 * i + 1] = v.y;
-      kw[n][4 * i + 2] = v.z;
-      kw[n][4 * i + 3] = v.w;
-    }
-    if constexpr (F == kNvfp4) {
-      // Scales 2t and 2t + 1 of the key (channels 32t .. 32t + 15 and 32t + 16 .. 32t + 31).
-      const uint8_t* scales = reinterpret_cast<const uint8_t*>(stage + kPage * S::kRowStride);
-      const int offset = a.k_scale_linear
-                             ? key * 8 + 2 * t
-                             : (t >> 1) * 512 + (key & 31) * 16 + (key >> 5) * 4 + 2 * (t & 1);
-      const uint32_t two = *reinterpret_cast<const uint16_t*>(scales + offset);
-      const uint32_t f16 = sm80::e4m3x2_lo_to_f16x2(two);
-      const __half2 both = *reinterpret_cast<const __half2*>(&f16);
-      sc[n][0] = __low2half2(both);
-      sc[n][1] = __high2half2(both);
+      for (int i = 0; i < S::kWordsPerKey / 4; ++i) {
+        const uint4 v = row[i];
+        words[n][4 * i] = v.x;
+        words[n][4 * i + 1] = v.y;
+        words[n][4 * i + 2] = v.z;
+        words[n][4 * i + 3] = v.w;
+      }
+      if constexpr (F == kNvfp4) {
+        // Scales 2t and 2t + 1 of the key (channels 32t .. 32t + 15 and 32t + 16 .. 32t + 31).
+        const uint8_t* scales = reinterpret_cast<const uint8_t*>(stage + kPage * S::kRowStride);
+        const int offset = a.k_scale_linear
+                               ? key * 8 + 2 * t
+                               : (t >> 1) * 512 + (key & 31) * 16 + (key >> 5) * 4 + 2 * (t & 1);
+        const uint32_t two = *reinterpret_cast<const uint16_t*>(scales + offset);
+        const uint32_t f16 = sm80::e4m3x2_lo_to_f16x2(two);
+        const __half2 both = *reinterpret_cast<const __half2*>(&f16);
+        scale[n][0] = __low2half2(both);
+        scale[n][1] = __high2half2(both);
+      }
     }
   }
 
-#pragma unroll
-  for (int kd2 = 0; kd2 < 4; ++kd2) {
-    uint4 a_lo[MT], a_hi[MT];   // rows g and g + 8: channels 32t + 8 kd2 .. + 7
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      a_lo[m] = *reinterpret_cast<const uint4*>(qs + (16 * m + g) * kQStride + 32 * t + 8 * kd2);
-      a_hi[m] = *reinterpret_cast<const uint4*>(qs + (16 * m + g + 8) * kQStride + 32 * t + 8 * kd2);
-    }
-    uint32_t b[2][2][2];   // [n][kd - 2 kd2][b0 / b1]
+  // The B fragments of channels 32t + 8 kd2 .. + 7: b[n][kk][b0 / b1] for the two k-steps.
+  __device__ __forceinline__ void fragments(int kd2, uint32_t (&b)[2][2][2]) const {
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       if constexpr (F == kBf16) {
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
-          b[n][kk][0] = kw[n][2 * (2 * kd2 + kk)];
-          b[n][kk][1] = kw[n][2 * (2 * kd2 + kk) + 1];
+          b[n][kk][0] = words[n][2 * (2 * kd2 + kk)];
+          b[n][kk][1] = words[n][2 * (2 * kd2 + kk) + 1];
         }
       } else if constexpr (F == kE4m3) {
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
-          b[n][kk][0] = sm80::e4m3x2_lo_to_f16x2(kw[n][2 * kd2 + kk]);
-          b[n][kk][1] = sm80::e4m3x2_hi_to_f16x2(kw[n][2 * kd2 + kk]);
+          b[n][kk][0] = sm80::e4m3x2_lo_to_f16x2(words[n][2 * kd2 + kk]);
+          b[n][kk][1] = sm80::e4m3x2_hi_to_f16x2(words[n][2 * kd2 + kk]);
         }
       } else {
         uint32_t codes[4];
-        e2m1x8_to_f16x2(kw[n][kd2], codes);
-        const __half2 s = sc[n][kd2 >> 1];
+        e2m1x8_to_f16x2(words[n][kd2], codes);
+        const __half2 sc = scale[n][kd2 >> 1];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) b[n][i >> 1][i & 1] = hmul2_u32(codes[i], s);
-      }
-    }
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        const uint32_t af[4] = {kk ? a_lo[m].z : a_lo[m].x, kk ? a_hi[m].z : a_hi[m].x,
-                                kk ? a_lo[m].w : a_lo[m].y, kk ? a_hi[m].w : a_hi[m].y};
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-          if constexpr (F == kBf16) {
-            sm80::mma_bf16(acc[m][n], af, b[n][kk][0], b[n][kk][1]);
-          } else {
-            sm80::mma_f16(acc[m][n], af, b[n][kk][0], b[n][kk][1]);
-          }
-        }
+        for (int i = 0; i < 4; ++i) b[n][i >> 1][i & 1] = hmul2_u32(codes[i], sc);
       }
     }
   }
+};
+
+// Q's A fragments of m-tile m for channels 32t + 8 kd2 .. + 7 (rows lane / 4 and + 8).
+struct QFragments {
+  uint4 lo[4], hi[4];
+
+  __device__ __forceinline__ void load(const __half* qs, int m) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int m = 0; m < MT; ++m) {
+    for (int kd2 = 0; kd2 < 4; ++kd2) {
+      lo[kd2] = *reinterpret_cast<const uint4*>(qs + (16 * m + g) * kQStride + 32 * t + 8 * kd2);
+      hi[kd2] = *reinterpret_cast<const uint4*>(qs + (16 * m + g + 8) * kQStride + 32 * t +
+                                                8 * kd2);
+    }
+  }
+};
+
+template <int F>
+__device__ __forceinline__ void mma_k16(float (&acc)[4], const uint4& lo, const uint4& hi,
+                                        int kk, const uint32_t (&b)[2]) {
+  const uint32_t af[4] = {kk ? lo.z : lo.x, kk ? hi.z : hi.x, kk ? lo.w : lo.y,
+                          kk ? hi.w : hi.y};
+  if constexpr (F == kBf16) {
+    sm80::mma_bf16(acc, af, b[0], b[1]);
+  } else {
+    sm80::mma_f16(acc, af, b[0], b[1]);
+  }
+}
+
+// Per row i2 (lane / 4, + 8) of an m-tile, the max of acc over this warp's keys, reduced over
+// the quad.
+__device__ __forceinline__ float quad_row_max(const float (&acc)[2][4], int i2) {
+  float v = fmaxf(fmaxf(acc[0][2 * i2], acc[0][2 * i2 + 1]),
+                  fmaxf(acc[1][2 * i2], acc[1][2 * i2 + 1]));
+  v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 2));
+}
+
+// Warps writing maxima of one row per page: every warp scores 16 keys for every row (MT > 2,
+// Q fragments read from shared memory per page), or, for MT <= 2, the kWarps / MT warps of the
+// row's m-tile score 16 MT keys each with the m-tile's Q fragments held in registers.
+template <int MT>
+constexpr int kMaxWriters = MT <= 2 ? kWarps / MT : kWarps;
+
+// One page against every row: per row the max over the keys, into
+// warp_max[writer][row] (writer < kMaxWriters<MT>).
+template <int F, int MT>
+__device__ __forceinline__ void score_page(const DecodeIndexerArgs& a, const char* stage,
+                                           const __half* qs, const QFragments& q_regs,
+                                           float* warp_max) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  if constexpr (MT <= 2) {
+    constexpr int kWarpsPerTile = kWarps / MT;
+    const int m = warp / kWarpsPerTile, writer = warp % kWarpsPerTile;
+    float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll 1
+    for (int pair = 0; pair < MT; ++pair) {   // 16 keys at a time
+      KeyPair<F> keys;
+      keys.load(a, stage, (writer * MT + pair) * 16);
+      float acc[2][4] = {};
 #pragma unroll
-    for (int i2 = 0; i2 < 2; ++i2) {
-      float v = fmaxf(fmaxf(acc[m][0][2 * i2], acc[m][0][2 * i2 + 1]),
-                      fmaxf(acc[m][1][2 * i2], acc[m][1][2 * i2 + 1]));
-      v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 1));
-      v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, 2));
-      if (t == 0) warp_max[warp * MT * 16 + 16 * m + g + 8 * i2] = v;
+      for (int kd2 = 0; kd2 < 4; ++kd2) {
+        uint32_t b[2][2][2];
+        keys.fragments(kd2, b);
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+#pragma unroll
+          for (int n = 0; n < 2; ++n) mma_k16<F>(acc[n], q_regs.lo[kd2], q_regs.hi[kd2], kk, b[n][kk]);
+        }
+      }
+#pragma unroll
+      for (int i2 = 0; i2 < 2; ++i2) row_max[i2] = fmaxf(row_max[i2], quad_row_max(acc, i2));
+    }
+    if (t == 0) {
+#pragma unroll
+      for (int i2 = 0; i2 < 2; ++i2) warp_max[writer * MT * 16 + 16 * m + g + 8 * i2] = row_max[i2];
+    }
+  } else {
+    KeyPair<F> keys;
+    keys.load(a, stage, warp * 16);
+    float acc[MT][2][4] = {};
+#pragma unroll
+    for (int kd2 = 0; kd2 < 4; ++kd2) {
+      uint4 a_lo[MT], a_hi[MT];   // rows g and g + 8: channels 32t + 8 kd2 .. + 7
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        a_lo[m] = *reinterpret_cast<const uint4*>(qs + (16 * m + g) * kQStride + 32 * t + 8 * kd2);
+        a_hi[m] =
+            *reinterpret_cast<const uint4*>(qs + (16 * m + g + 8) * kQStride + 32 * t + 8 * kd2);
+      }
+      uint32_t b[2][2][2];
+      keys.fragments(kd2, b);
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+#pragma unroll
+          for (int n = 0; n < 2; ++n) mma_k16<F>(acc[m][n], a_lo[m], a_hi[m], kk, b[n][kk]);
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+      for (int i2 = 0; i2 < 2; ++i2) {
+        const float v = quad_row_max(acc[m], i2);
+        if (t == 0) warp_max[warp * MT * 16 + 16 * m + g + 8 * i2] = v;
+      }
     }
   }
 }
@@ -293,6 +367,11 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
   const int num_pages = max(end - begin, 0);
 
   load_queries<MT>(a, b, rows, qs);
+  QFragments q_regs;
+  if constexpr (MT <= 2) {
+    __syncthreads();                              // qs written
+    q_regs.load(qs, (threadIdx.x >> 5) / (kWarps / MT));
+  }
   // Thread r < rows owns row r: its own block and its candidate list.
   const int r = threadIdx.x;
   int own = -1;
@@ -327,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
     const float* maxima = warp_max + (i & 1) * kWarps * MT * 16;
     float m = maxima[r];
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) m = fmaxf(m, maxima[w * MT * 16 + r]);
+    for (int w = 1; w < kMaxWriters<MT>; ++w) m = fmaxf(m, maxima[w * MT * 16 + r]);
     const int page = begin + i;
     if (page >= own) return;
     const float score = m * score_mul;
@@ -349,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
     issue(i + kStages - 1);
     if (i > 0) offer(i - 1);
     if (s_valid[i % 8]) {   // uniform over the CTA
-      score_page<F, MT>(a, stage_of(i), qs, warp_max + (i & 1) * kWarps * MT * 16);
+      score_page<F, MT>(a, stage_of(i), qs, q_regs, warp_max + (i & 1) * kWarps * MT * 16);
     }
   }
   cp_async_wait<0>();
