@@ -349,7 +349,7 @@ def main(argv=None):
     ap.add_argument("--attention-forms", default="served",
                     help="decode attention forms for tiles of > 16 rows, each timed in turn "
                          "(comma-separated): served (what the gates serve), rows, warpgroup "
-                         "(two-stage), pingpong (bf16: producer + two consumer warpgroups); "
+                         "(two-stage), pingpong (producer + two consumer warpgroups); "
                          "a forced form's rows name it in impl, e.g. dense-bf16[rows]")
     ap.add_argument("--qo-tile-rows", default="auto",
                     help="query rows per attention CTA, each timed in turn (comma-separated): "

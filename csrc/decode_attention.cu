@@ -1102,21 +1102,30 @@ __global__ void __launch_bounds__(kThreads, 1)
 namespace pingpong {
 
 constexpr int kThreadsPP = 3 * 128;
-constexpr int kKStages = 3;
-constexpr int kVStages = 2;
 constexpr int kProducerRegisters = 56;
 constexpr int kConsumerRegisters = 224;
-using S = Shape<false>;
-constexpr int kKOffset = 2 * S::kQBytes;
-constexpr int kVOffset = kKOffset + kKStages * S::kWideBytes;
-constexpr int kBarrierOffset = kVOffset + kVStages * S::kWideBytes;
-constexpr int kBarriers = 2 * (kKStages + kVStages);
-constexpr int kListOffset = kBarrierOffset + kBarriers * 8;
-constexpr int kBytes = kListOffset + kListBytes + kCountsSlotBytes;
-constexpr int kAlloc = kBytes + 1024;
-static_assert(kAlloc <= 227 * 1024, "ping-pong form: shared memory");
 static_assert((kThreadsPP / 32 + 1) * 4 <= kCountsSlotBytes, "warp counts and the page total");
 static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536, "register file");
+
+// Shared memory: Q (16-bit, both consumers' rows), the K and V rings of 16-bit tiles, for e4m3
+// one raw page slot per tensor (its loaders' cp.async target, widened by the same threads into
+// the ring), the ring barriers, the sparse page list.
+template <bool kFp8>
+struct Layout {
+  using S = Shape<kFp8>;
+  static constexpr int kKStages = kFp8 ? 2 : 3;
+  static constexpr int kVStages = 2;
+  static constexpr int kRawBytes = kFp8 ? kPageSize * kRowBytes : 0;
+  static constexpr int kKOffset = 2 * S::kQBytes;
+  static constexpr int kVOffset = kKOffset + kKStages * S::kWideBytes;
+  static constexpr int kRawOffset = kVOffset + kVStages * S::kWideBytes;
+  static constexpr int kBarrierOffset = kRawOffset + 2 * kRawBytes;
+  static constexpr int kBarriers = 2 * (kKStages + kVStages);
+  static constexpr int kListOffset = kBarrierOffset + kBarriers * 8;
+  static constexpr int kBytes = kListOffset + kListBytes + kCountsSlotBytes;
+  static constexpr int kAlloc = kBytes + 1024;
+  static_assert(kAlloc <= 227 * 1024, "ping-pong form: shared memory");
+};
 
 // One tensor's (K or V) slice of a page into a 16-bit swizzled tile of two column blocks, by
 // kLoaders threads (`thread` of them); rows >= valid_rows zero-filled (no byte read).
@@ -1139,8 +1148,39 @@ __device__ __forceinline__ void load_tensor_page(const DecodeAttentionArgs& a, i
     const int c = thread + i * kLoaders;
     const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
     const bool valid = row < valid_rows;
-    cp_async_16_or_zero(tile + (chunk / 8) * S::kPageBlockBytes + swizzled(row, chunk % 8),
+    cp_async_16_or_zero(tile + (chunk / 8) * Shape<false>::kPageBlockBytes +
+                            swizzled(row, chunk % 8),
                         src + (valid ? static_cast<int64_t>(c) * 16 : 0), valid);
+  }
+}
+
+
+// e4m3: one tensor's slice of a page, raw, into the tensor's raw slot (row-major, 128 bytes a
+// row) by kLoaders threads, rows >= valid_rows zero-filled; then widen_own_chunks turns exactly
+// the chunks this thread copied into the 16-bit tile, so the loaders need no barrier among them.
+constexpr int kRawChunksPerLoader = kPageSize * 8 / kLoaders;
+__device__ __forceinline__ void load_raw_page(const DecodeAttentionArgs& a, int head,
+                                              const PageRef& ref, const void* tensor, char* raw,
+                                              int valid_rows, int thread) {
+  if (ref.token_mask == 0) valid_rows = 0;
+  const char* src = static_cast<const char*>(tensor);
+  if (valid_rows > 0) {
+    src += (static_cast<int64_t>(ref.physical) * a.num_kv_heads + head) * (kPageSize * kHeadDim);
+  }
+#pragma unroll 4
+  for (int i = 0; i < kRawChunksPerLoader; ++i) {
+    const int c = thread + i * kLoaders;
+    const bool valid = c / 8 < valid_rows;
+    cp_async_16_or_zero(raw + c * 16, src + (valid ? static_cast<int64_t>(c) * 16 : 0), valid);
+  }
+}
+
+__device__ __forceinline__ void widen_own_chunks(const char* raw, char* tile, int thread) {
+#pragma unroll 4
+  for (int i = 0; i < kRawChunksPerLoader; ++i) {
+    const int c = thread + i * kLoaders;
+    store_widened(*reinterpret_cast<const uint4*>(raw + c * 16), c / 8, c % 8, tile,
+                  Shape<true>::kPageBlockBytes);
   }
 }
 
@@ -1175,18 +1215,45 @@ __device__ __forceinline__ void stream_tensor(const DecodeAttentionArgs& a, cons
   }
 }
 
+// e4m3: one tensor's stream of the producer. Per page: the raw copies into this thread's chunks
+// of the raw slot (in flight while the ring stage drains), then, once the stage is empty, the
+// same chunks widened into it, fenced for the async proxy, and the full barrier told.
+template <int kStages, typename PageOf, typename Full, typename Empty, typename Tile>
+__device__ __forceinline__ void stream_tensor_fp8(const DecodeAttentionArgs& a,
+                                                  const CtaContext& ctx, int num_pages,
+                                                  const void* tensor, char* raw, int thread,
+                                                  PageOf page_of, Full full, Empty empty,
+                                                  Tile tile) {
+  sm90::RingState<kStages> ring;
+  for (int i = 0; i < num_pages; ++i) {
+    const PageRef ref = page_of(i);
+    load_raw_page(a, ctx.head, ref, tensor, raw, page_valid_rows(ctx, ref), thread);
+    cp_async_commit();
+    cp_async_wait_all();
+    empty(ring.index).wait(ring.phase ^ 1u);
+    widen_own_chunks(raw, tile(ring.index), thread);
+    fence_to_async_proxy();
+    full(ring.index).arrive();
+    ring.advance();
+  }
+}
+
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     const DecodeAttentionArgs a) {
+  using L = Layout<kFp8>;
+  using S = Shape<kFp8>;
+  constexpr int kKStages = L::kKStages, kVStages = L::kVStages;
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kBarrierOffset);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarrierOffset);
   auto k_full = [&](int st) { return sm90::Mbarrier{bars + st}; };
   auto k_empty = [&](int st) { return sm90::Mbarrier{bars + kKStages + st}; };
   auto v_full = [&](int st) { return sm90::Mbarrier{bars + 2 * kKStages + st}; };
   auto v_empty = [&](int st) { return sm90::Mbarrier{bars + 2 * kKStages + kVStages + st}; };
-  auto k_tile = [&](int st) { return smem + kKOffset + st * S::kWideBytes; };
-  auto v_tile = [&](int st) { return smem + kVOffset + st * S::kWideBytes; };
-  int* cand = reinterpret_cast<int*>(smem + kListOffset);
+  auto k_tile = [&](int st) { return smem + L::kKOffset + st * S::kWideBytes; };
+  auto v_tile = [&](int st) { return smem + L::kVOffset + st * S::kWideBytes; };
+  int* cand = reinterpret_cast<int*>(smem + L::kListOffset);
   int* list_phys = cand + kMaxCandidates;
   int* list_logical = list_phys + kMaxCandidates;
   uint32_t* list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
@@ -1208,7 +1275,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     sm90::fence_barrier_init();
   }
   // Q of the consumers' rows (warpgroup 1: rows 0-63 in the first block), then the page list.
-  load_queries<false, kThreadsPP>(a, ctx, group, tile_rows, smem);
+  load_queries<kFp8, kThreadsPP>(a, ctx, group, tile_rows, smem);
   int num_pages;
   if (a.q2k_indices != nullptr) {
     num_pages = build_sparse_page_list<kThreadsPP>(a, ctx, cand, list_phys, list_logical,
@@ -1227,7 +1294,16 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     // Producer: warps 0-1 stream K, warps 2-3 stream V, each at its own pace.
     sm90::registers_down<kProducerRegisters>();
     const int thread = threadIdx.x % kLoaders;
-    if (threadIdx.x < kLoaders) {
+    if constexpr (kFp8) {
+      char* raw = smem + L::kRawOffset;
+      if (threadIdx.x < kLoaders) {
+        stream_tensor_fp8<kKStages>(a, ctx, num_pages, a.k, raw, thread, page_of, k_full,
+                                    k_empty, k_tile);
+      } else {
+        stream_tensor_fp8<kVStages>(a, ctx, num_pages, a.v, raw + L::kRawBytes, thread,
+                                    page_of, v_full, v_empty, v_tile);
+      }
+    } else if (threadIdx.x < kLoaders) {
       stream_tensor<kKStages>(a, ctx, num_pages, a.k, thread, page_of, k_full, k_empty, k_tile);
     } else {
       stream_tensor<kVStages>(a, ctx, num_pages, a.v, thread, page_of, v_full, v_empty, v_tile);
@@ -1277,8 +1353,8 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     // never run a phase ahead of the V stream.
     if (t > 0) v_full(v_ring.index).wait(v_ring.phase);
     sm90::named_sync(my_turn, 256);
-    issue_qk<false>(qs, k_tile(k_ring.index), s);     // past the last page: discarded
-    issue_pv<false>(t > 0 ? v_tile(v_ring.index) : smem, pa, o);
+    issue_qk<kFp8>(qs, k_tile(k_ring.index), s);     // past the last page: discarded
+    issue_pv<kFp8>(t > 0 ? v_tile(v_ring.index) : smem, pa, o);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     if (consumer == 0 || t + 1 < turns) sm90::named_arrive(other_turn, 256);
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
@@ -1293,7 +1369,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     uint32_t keep = 0u;
     if (active) {
       float alpha[2];
-      page_softmax<false>(page, tile.fully_visible(page), scale_log2, rows, s, pa, alpha);
+      page_softmax<kFp8>(page, tile.fully_visible(page), scale_log2, rows, s, pa, alpha);
       rescale(o, alpha);                               // O holds P V up to page t - 1
       keep = 0xFFFFFFFFu;
     }
@@ -1321,7 +1397,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 namespace pingpong {
 constexpr int kThreadsPP = 3 * 128;
-constexpr int kAlloc = 0;
+template <bool kFp8>
+struct Layout {
+  static constexpr int kAlloc = 0;
+};
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     const DecodeAttentionArgs) {
   __trap();
@@ -1898,9 +1978,12 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   };
   if (args.warpgroup) {
     if (!warpgroup_form_loaded()) return cudaErrorNotSupported;
-    if (args.pingpong && !args.q_fp8) {
-      MSA_RETURN_IF_ERROR(launch(wg::pingpong::decode_attention_pp_kernel, wg::pingpong::kAlloc,
-                                 wg::pingpong::kThreadsPP));
+    if (args.pingpong && args.q_fp8) {
+      MSA_RETURN_IF_ERROR(launch(wg::pingpong::decode_attention_pp_kernel<true>,
+                                 wg::pingpong::Layout<true>::kAlloc, wg::pingpong::kThreadsPP));
+    } else if (args.pingpong) {
+      MSA_RETURN_IF_ERROR(launch(wg::pingpong::decode_attention_pp_kernel<false>,
+                                 wg::pingpong::Layout<false>::kAlloc, wg::pingpong::kThreadsPP));
     } else if (args.q_fp8) {
       MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<true>, wg::Shape<true>::kAlloc));
     } else {

@@ -93,7 +93,8 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
     rows; for larger tiles the kernel keeps the row form, so those cases repeat "rows").
     keys="direct": the split form's direct e4m3 variant (e4m3 q and K/V only, two pages per
     step). keys="warpgroup": the wgmma form (q and K/V of one dtype), forced on every tile;
-    keys="pingpong": its producer / two-consumer form (bf16), forced on every tile."""
+    keys="pingpong": its producer / two-consumer form (q and K/V of one dtype; e4m3 widened by
+    the producer), forced on every tile."""
     _force_form(native_hooks, keys, dtypes)
     q, k, v, table, seqused_k, q2k = _batch(LENS, seqlen_q, group, dtypes, sparse)
     kw = dict(fixed_split_size=1) if split == "forced" else dict(disable_split_kv=True)
@@ -110,14 +111,14 @@ def _force_form(native_hooks, keys, dtypes):
     staging), "direct" (split, e4m3 fragments read straight from the raw pages, two pages per
     step; e4m3 q and K/V only), "warpgroup" (wgmma, q and K/V of one dtype; forced, so it
     also runs tiles of <= 16 rows; its two-stage form) or "pingpong" (the warpgroup form's
-    producer / two-consumer variant, bf16 q and K/V; forced on any tile); cases a form does not
-    serve are skipped."""
+    producer / two-consumer variant, q and K/V of one dtype; forced on any tile); cases a form
+    does not serve are skipped."""
     if keys == "direct" and dtypes != "fp8":
         pytest.skip("the direct form serves e4m3 q and K/V only")
     if keys == "warpgroup" and dtypes == "bf16q_fp8kv":
         pytest.skip("the warpgroup form serves q and K/V of one dtype")
-    if keys == "pingpong" and dtypes != "bf16":
-        pytest.skip("the ping-pong form serves bf16 q and K/V")
+    if keys == "pingpong" and dtypes == "bf16q_fp8kv":
+        pytest.skip("the ping-pong form serves q and K/V of one dtype")
     wgmma = keys in ("warpgroup", "pingpong")
     native_hooks.force(decode_split_keys=keys in ("split", "direct"),
                        decode_direct_fp8=keys == "direct", decode_warpgroup=wgmma,
@@ -186,7 +187,7 @@ def test_native_decode_ignores_nan_bytes_past_the_keys(msa_pkg, native_only, see
 
 
 @pytest.mark.parametrize("form,dtypes", [("warpgroup", "bf16"), ("warpgroup", "fp8"),
-                                         ("pingpong", "bf16")])
+                                         ("pingpong", "bf16"), ("pingpong", "fp8")])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, form, dtypes,
                                      native_hooks):

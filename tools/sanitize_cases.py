@@ -228,12 +228,15 @@ def decode_runs(family="sm90"):
     decode_run([70001, 3, 129], 8, 16, "fp8", True, qo_tile_rows=16, **f)
     decode_run([1000, 500], 8, 16, "bf16", True, bad=True, enable_cuda_graph=True,
                qo_tile_rows=24, **f)
-    if family == "sm90":    # the ping-pong form (bf16, > 64 rows; one idle consumer at 32 rows)
+    if family == "sm90":    # the ping-pong form (> 64 rows; one idle consumer at 32 rows)
         from msa._native import debug
         with debug.forcing(decode_warpgroup=True, decode_pingpong=True):
-            decode_run([1, 129, 1000, 77], 8, 16, "bf16", True, fixed_split_size=1, **f)
-            decode_run([70001, 3, 129], 8, 16, "bf16", False, **f)
-            decode_run([1000, 500], 8, 4, "bf16", True, bad=True, enable_cuda_graph=True, **f)
+            for dtypes in ("bf16", "fp8"):
+                decode_run([1, 129, 1000, 77], 8, 16, dtypes, True, fixed_split_size=1,
+                           qo_tile_rows=128, **f)
+                decode_run([70001, 3, 129], 8, 16, dtypes, False, **f)
+                decode_run([1000, 500], 8, 4, dtypes, True, bad=True, enable_cuda_graph=True,
+                           **f)
     print(f"decode [{family}]: ok")
 
 

@@ -684,8 +684,9 @@ void sparse_decode_attention(
   // The warpgroup (wgmma) form serves q and K/V of one dtype (the caller asks for it on tiles
   // of > 16 rows, or on any tile when forced).
   a.warpgroup = warpgroup && a.q_fp8 == a.kv_fp8;
-  // Its ping-pong form (a producer warpgroup and two consumers taking turns) serves bf16.
-  a.pingpong = pingpong && a.warpgroup && !a.q_fp8;
+  // Its ping-pong form (a producer warpgroup and two consumers taking turns): q and K/V of one
+  // dtype, as the warpgroup form.
+  a.pingpong = pingpong && a.warpgroup;
   check_launch(msa::launch_decode_attention(a, c10::cuda::getCurrentCUDAStream(device.index())),
                "sparse_decode_attention");
 }

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Protocol model of the decode kernel's ping-pong form (no GPU needed).
 
-csrc/decode_attention.cu, wg::pingpong: the K and V loader streams (cp.async, each stage's full
-mbarrier told one page behind the copies in flight), two consumer warpgroups taking turns
+csrc/decode_attention.cu, wg::pingpong: the K and V loader streams (bf16: cp.async into the
+ring, each stage's full mbarrier told one page behind the copies in flight; e4m3: cp.async
+into a raw slot, then, once the stage is empty, widened into it and its full mbarrier told),
+two consumer warpgroups taking turns
 through named barriers 1 and 2, the empty mbarriers, phase parities as the kernel waits on them.
 Each actor is a generator that yields where the hardware could interleave; random schedules of
 every page count check that nothing deadlocks, that every Q.K^T / P.V reads a stage holding
@@ -13,7 +15,7 @@ and that no named-barrier arrival is left over at the end.
 """
 import random
 
-KS, VS = 3, 2          # K and V stages (kKStages, kVStages)
+STAGES = {False: (3, 2), True: (2, 2)}   # (kKStages, kVStages) of Layout<kFp8>
 
 
 class Mbar:
@@ -46,9 +48,10 @@ class Named:
             self.arrived, self.gen = 0, self.gen + 1
 
 
-def run(num_pages, seed):
+def run(num_pages, seed, fp8=False):
     """One random schedule of a CTA streaming `num_pages` pages."""
     rng = random.Random(seed)
+    KS, VS = STAGES[fp8]
     kf = [Mbar(1) for _ in range(KS)]; ke = [Mbar(2) for _ in range(KS)]
     vf = [Mbar(1) for _ in range(VS)]; ve = [Mbar(2) for _ in range(VS)]
     kstage = [None] * KS; vstage = [None] * VS      # (page, landed)
@@ -80,6 +83,19 @@ def run(num_pages, seed):
             st, _ = pending.pop(0)
             yield
             full[st].arrive()
+
+    def loader_fp8(tensor, stages, full, empty, store):
+        idx, phase = 0, 0
+        for i in range(num_pages):
+            yield                                    # raw copies in flight, then landed
+            while not empty[idx].done(phase ^ 1): yield
+            assert not readers.get((tensor, idx)), f"{tensor} stage {idx} overwritten while read"
+            store[idx] = (i, False)                  # widening into the stage
+            yield
+            store[idx] = (i, True)                   # widened and fenced
+            full[idx].arrive()
+            idx += 1
+            if idx == stages: idx, phase = 0, phase ^ 1
 
     def consumer(c):
         kidx = kph = vidx = vph = 0
@@ -115,7 +131,8 @@ def run(num_pages, seed):
                 if vidx == VS: vidx, vph = 0, vph ^ 1
             yield                                    # softmax
 
-    actors = [loader("K", KS, kf, ke, kstage), loader("V", VS, vf, ve, vstage),
+    stream = loader_fp8 if fp8 else loader
+    actors = [stream("K", KS, kf, ke, kstage), stream("V", VS, vf, ve, vstage),
               consumer(0), consumer(1)]
     alive = list(actors)
     steps = 0
@@ -129,9 +146,10 @@ def run(num_pages, seed):
 
 
 def main():
-    for n in (0, 1, 2, 3, 4, 7, 20):
-        for seed in range(300):
-            run(n, seed)
+    for fp8 in (False, True):
+        for n in (0, 1, 2, 3, 4, 7, 20):
+            for seed in range(300):
+                run(n, seed, fp8)
     print("ok: no deadlock, reads see landed pages, no stage overwritten while read")
 
 

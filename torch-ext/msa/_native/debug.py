@@ -17,8 +17,8 @@ Hooks (``forcing`` keywords):
   decode_direct_fp8  False: split-keys decode tiles with e4m3 q and K/V take the bf16-staged path
   decode_warpgroup   True: the decode kernel's warpgroup (wgmma) form runs every tile it can
                      (q and K/V of one dtype); False: it runs none
-  decode_pingpong    True: warpgroup-form calls with bf16 q and K/V take its ping-pong form
-                     (producer + two consumer warpgroups); False: they never do
+  decode_pingpong    True: warpgroup-form calls (q and K/V of one dtype) take its ping-pong
+                     form (producer + two consumer warpgroups); False: they never do
 """
 
 from __future__ import annotations

@@ -38,11 +38,13 @@ OP_NAME = "sparse_decode_atten"
 # past the keys; memcheck clean) and beat the row form in bench_decode_production.py (MTP 8,
 # B 32-128: bf16 2.1x, e4m3 1.8x). A dtype left out would run the row form.
 VALIDATED_WARPGROUP = frozenset({"bf16", "e4m3"})
-# Its ping-pong form (bf16 q and K/V, tiles of > 64 rows: a producer warpgroup streaming K and
-# V through mbarrier rings, two consumer warpgroups taking turns on the tensor cores so one's
-# softmax hides under the other's wgmmas) passed tests/test_decode_gpu.py on the H200 (memcheck
-# clean) and beat the two-stage form in bench_decode_production.py (MTP 8, B 32-128, 4k-100k:
-# 1.04-1.15x). e4m3 tiles keep the two-stage form (the ping-pong kernel is bf16 only).
+# Its ping-pong form (tiles of > 64 rows: a producer warpgroup streaming K and V through
+# mbarrier rings, two consumer warpgroups taking turns on the tensor cores so one's softmax
+# hides under the other's wgmmas), per dtype. bf16 passed tests/test_decode_gpu.py on the H200
+# (memcheck clean) and beat the two-stage form in bench_decode_production.py (MTP 8, B 32-128,
+# 4k-100k: 1.04-1.15x). e4m3 (the producer widens each raw page into the f16 ring) serves once
+# it does the same; until then it runs with MSA_UNVALIDATED_KERNELS=1 or the decode_pingpong
+# hook.
 VALIDATED_PINGPONG = frozenset({"bf16"})
 PINGPONG_MIN_ROWS = 65
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
@@ -125,15 +127,17 @@ def _warpgroup(call) -> bool:
 
 
 def _pingpong(call) -> bool:
-    """Whether a warpgroup-form call takes its ping-pong form (the binding applies it to bf16 q
-    and K/V only): tiles of > 64 rows when validated (or with MSA_UNVALIDATED_KERNELS=1); the
-    decode_pingpong hook forces it on any warpgroup-form tile (True) or off (False)."""
+    """Whether a warpgroup-form call takes its ping-pong form (q and K/V of one dtype, as the
+    warpgroup form): tiles of > 64 rows when validated for the call's dtype (or with
+    MSA_UNVALIDATED_KERNELS=1); the decode_pingpong hook forces it on any warpgroup-form tile
+    (True) or off (False)."""
     forced = debug.forced("decode_pingpong")
     if forced is not None:
         return forced
     rows = _tile_rows(call)
-    return (call.pv_quant_dtype is None and rows >= PINGPONG_MIN_ROWS
-            and ("bf16" in VALIDATED_PINGPONG or _backend.unvalidated_ok()))
+    dtype = "bf16" if call.pv_quant_dtype is None else "e4m3"     # e4m3: e4m3 q and K/V
+    return rows >= PINGPONG_MIN_ROWS and (dtype in VALIDATED_PINGPONG
+                                          or _backend.unvalidated_ok())
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
