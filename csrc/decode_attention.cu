@@ -807,11 +807,10 @@ struct TileView {
   __device__ __forceinline__ TileView(const DecodeAttentionArgs& a, const CtaContext& ctx,
                                       int group_, int tile_rows_)
       : group(group_), tile_rows(tile_rows_) {
-    const int first_token = ctx.first_row / group;
-    const int last_token = (ctx.first_row + tile_rows - 1) / group;
+    const int last_token = ctx.first_token + ctx.num_tokens - 1;
     tile_tokens = (last_token >= 31 ? 0xFFFFFFFFu : ((1u << (last_token + 1)) - 1u)) &
-                  ~((1u << first_token) - 1u);
-    shared_last_key = min(ctx.seqlen_k - 1, first_token + ctx.seqlen_k - a.seqlen_q);
+                  ~((1u << ctx.first_token) - 1u);
+    shared_last_key = min(ctx.seqlen_k - 1, ctx.first_token + ctx.seqlen_k - a.seqlen_q);
   }
 
   // Row `i2` (0, 1) of this thread in the tile.
