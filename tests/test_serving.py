@@ -220,27 +220,28 @@ def test_decode_warpgroup_form_is_served_per_validated_dtype(monkeypatch):
 
 def test_decode_pingpong_form_serves_validated_dtypes_on_tiles_of_two_warpgroups(monkeypatch):
     """The warpgroup form's ping-pong variant serves tiles of > 64 rows (both consumer
-    warpgroups busy) for the dtypes VALIDATED_PINGPONG lists (bf16), others (e4m3) only with
-    MSA_UNVALIDATED_KERNELS=1; the decode_pingpong hook forces it on or off."""
+    warpgroups busy) for the dtypes VALIDATED_PINGPONG lists (bf16 and e4m3), a dtype taken off
+    that list only with MSA_UNVALIDATED_KERNELS=1; the decode_pingpong hook forces it on or
+    off."""
     def call(seqlen_q, group, e4m3=False):
         return SimpleNamespace(seqlen_q=seqlen_q, qhead_per_kv=group,
                                pv_quant_dtype=E4M3 if e4m3 else None)
 
     monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
-    assert decode_cuda.VALIDATED_PINGPONG == frozenset({"bf16"})
+    assert decode_cuda.VALIDATED_PINGPONG == frozenset({"bf16", "e4m3"})
+    for e4m3 in (False, True):
+        assert decode_cuda._pingpong(call(8, 16, e4m3))
+        assert decode_cuda._pingpong(call(16, 16, e4m3))
+        assert not decode_cuda._pingpong(call(4, 16, e4m3))     # 64 rows: one warpgroup
+    monkeypatch.setattr(decode_cuda, "VALIDATED_PINGPONG", frozenset({"bf16"}))
     assert decode_cuda._pingpong(call(8, 16))
-    assert decode_cuda._pingpong(call(16, 16))
-    assert not decode_cuda._pingpong(call(4, 16))              # 64 rows: one warpgroup
     assert not decode_cuda._pingpong(call(8, 16, e4m3=True))
-    monkeypatch.setattr(decode_cuda, "VALIDATED_PINGPONG", frozenset())
-    assert not decode_cuda._pingpong(call(8, 16))
     monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
-    assert decode_cuda._pingpong(call(8, 16))
     assert decode_cuda._pingpong(call(8, 16, e4m3=True))
     assert not decode_cuda._pingpong(call(4, 16, e4m3=True))
     monkeypatch.delenv(_backend.UNVALIDATED_ENV)
-    monkeypatch.setattr(decode_cuda, "VALIDATED_PINGPONG", frozenset({"bf16", "e4m3"}))
-    assert decode_cuda._pingpong(call(8, 16, e4m3=True))
+    monkeypatch.setattr(decode_cuda, "VALIDATED_PINGPONG", frozenset())
+    assert not decode_cuda._pingpong(call(8, 16))
     with debug.forcing(decode_pingpong=False):
         assert not decode_cuda._pingpong(call(8, 16))
     with debug.forcing(decode_pingpong=True):

@@ -40,12 +40,11 @@ OP_NAME = "sparse_decode_atten"
 VALIDATED_WARPGROUP = frozenset({"bf16", "e4m3"})
 # Its ping-pong form (tiles of > 64 rows: a producer warpgroup streaming K and V through
 # mbarrier rings, two consumer warpgroups taking turns on the tensor cores so one's softmax
-# hides under the other's wgmmas), per dtype. bf16 passed tests/test_decode_gpu.py on the H200
+# hides under the other's wgmmas), per dtype. Both passed tests/test_decode_gpu.py on the H200
 # (memcheck clean) and beat the two-stage form in bench_decode_production.py (MTP 8, B 32-128,
-# 4k-100k: 1.04-1.15x). e4m3 (the producer widens each raw page into the f16 ring) serves once
-# it does the same; until then it runs with MSA_UNVALIDATED_KERNELS=1 or the decode_pingpong
-# hook.
-VALIDATED_PINGPONG = frozenset({"bf16"})
+# 4k-100k): bf16 1.04-1.15x; e4m3 (the producer widens each raw page into the f16 ring)
+# 1.18-1.34x.
+VALIDATED_PINGPONG = frozenset({"bf16", "e4m3"})
 PINGPONG_MIN_ROWS = 65
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
