@@ -123,6 +123,15 @@ __device__ __forceinline__ uint4 swizzled_chunk(const char* tile, int row, int c
   return *reinterpret_cast<const uint4*>(tile + row * kHeadDim + ((chunk ^ (row & 7)) << 4));
 }
 
+// 2^x on the MUFU alone, subnormal results flushed to zero. exp2f keeps subnormals with a range
+// test and two multiplies around the MUFU: ~3 more instructions per probability, and a
+// probability below 2^-126 is nothing to P.V or the row sum.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
@@ -926,11 +935,11 @@ __device__ __forceinline__ void page_softmax(const PageRef& page, bool full, flo
     page_max[i2] = fmaxf(page_max[i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[i2], 1));
     page_max[i2] = fmaxf(page_max[i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[i2], 2));
     const float new_max = fmaxf(rows.max[i2], page_max[i2]);
-    alpha[i2] = rows.max[i2] == -INFINITY ? 0.f : exp2f((rows.max[i2] - new_max) * scale_log2);
+    alpha[i2] = rows.max[i2] == -INFINITY ? 0.f : exp2_ftz((rows.max[i2] - new_max) * scale_log2);
     // bf16: P against the running max; e4m3: against the page max (then scaled by beta).
     const float ref = kFp8 ? page_max[i2] : new_max;
     shift[i2] = ref == -INFINITY ? 0.f : -ref * scale_log2;
-    beta[i2] = page_max[i2] == -INFINITY ? 0.f : exp2f((page_max[i2] - new_max) * scale_log2);
+    beta[i2] = page_max[i2] == -INFINITY ? 0.f : exp2_ftz((page_max[i2] - new_max) * scale_log2);
     rows.max[i2] = new_max;
   }
   float page_sum[2] = {0.f, 0.f};
@@ -938,7 +947,7 @@ __device__ __forceinline__ void page_softmax(const PageRef& page, bool full, flo
   for (int j = 0; j < 16; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float p = exp2f(fmaf(s[4 * j + e], scale_log2, shift[e >> 1]));
+      const float p = exp2_ftz(fmaf(s[4 * j + e], scale_log2, shift[e >> 1]));
       page_sum[e >> 1] += p;
       s[4 * j + e] = p;
     }
@@ -1184,34 +1193,25 @@ __device__ __forceinline__ void widen_own_chunks(const char* raw, char* tile, in
 }
 
 // One tensor's stream (K, or V) of the producer: pages 0 .. num_pages - 1 into a ring of
-// kStages tiles; each stage's copies are fenced for the async proxy and its full barrier told
-// one page later (cp.async.wait_group 1), so two pages' copies are in flight per loader.
+// kStages tiles. Each loader's copies of a stage arrive on its full barrier as they land
+// (cp.async.mbarrier.arrive), so the loader goes straight on to the next stage's empty wait and
+// a page is ready the moment its bytes are; the consumers fence for the async proxy before
+// their wgmmas read it.
 template <int kStages, typename PageOf, typename Full, typename Empty, typename Tile>
 __device__ __forceinline__ void stream_tensor(const DecodeAttentionArgs& a, const CtaContext& ctx,
                                               int num_pages, const void* tensor, int thread,
                                               PageOf page_of, Full full, Empty empty,
                                               Tile tile) {
   sm90::RingState<kStages> ring;
-  int pending = -1;                        // the stage whose copies are not signalled yet
   for (int i = 0; i < num_pages; ++i) {
     const PageRef ref = page_of(i);
     const int valid_rows = page_valid_rows(ctx, ref);
     empty(ring.index).wait(ring.phase ^ 1u);
     load_tensor_page(a, ctx.head, ref, tensor, tile(ring.index), valid_rows, thread);
-    cp_async_commit();
-    if (pending >= 0) {
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-      fence_to_async_proxy();
-      full(pending).arrive();
-    }
-    pending = ring.index;
+    full(ring.index).arrive_on_copies();
     ring.advance();
   }
-  if (pending >= 0) {
-    cp_async_wait_all();
-    fence_to_async_proxy();
-    full(pending).arrive();
-  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");   // no copy outlives its thread
 }
 
 // e4m3: one tensor's stream of the producer. Per page: the raw copies into this thread's chunks
@@ -1351,6 +1351,9 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     // Every stage's full phase is waited for, pages skipped included, so the parity waits
     // never run a phase ahead of the V stream.
     if (t > 0) v_full(v_ring.index).wait(v_ring.phase);
+    // bf16 stages are written by cp.async (the generic proxy) and read by wgmma (the async
+    // proxy); the e4m3 producer fences its widening stores itself.
+    if constexpr (!kFp8) fence_to_async_proxy();
     sm90::named_sync(my_turn, 256);
     issue_qk<kFp8>(qs, k_tile(k_ring.index), s);     // past the last page: discarded
     issue_pv<kFp8>(t > 0 ? v_tile(v_ring.index) : smem, pa, o);
@@ -1518,11 +1521,11 @@ __device__ __forceinline__ void direct_page_pairs(
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {
       const float m0 = fmaxf(row_max[i2], page_max[0][i2]);
-      const float a0 = row_max[i2] == -INFINITY ? 0.f : exp2f(row_max[i2] - m0);
-      const float b0 = page_max[0][i2] == -INFINITY ? 0.f : exp2f(page_max[0][i2] - m0);
+      const float a0 = row_max[i2] == -INFINITY ? 0.f : exp2_ftz(row_max[i2] - m0);
+      const float b0 = page_max[0][i2] == -INFINITY ? 0.f : exp2_ftz(page_max[0][i2] - m0);
       const float m1 = fmaxf(m0, page_max[1][i2]);
-      const float a1 = m0 == -INFINITY ? 0.f : exp2f(m0 - m1);
-      const float b1 = page_max[1][i2] == -INFINITY ? 0.f : exp2f(page_max[1][i2] - m1);
+      const float a1 = m0 == -INFINITY ? 0.f : exp2_ftz(m0 - m1);
+      const float b1 = page_max[1][i2] == -INFINITY ? 0.f : exp2_ftz(page_max[1][i2] - m1);
       alpha[i2] = a0 * a1;
       p_scale[0][i2] = b0 * a1;
       p_scale[1][i2] = b1;
@@ -1539,7 +1542,7 @@ __device__ __forceinline__ void direct_page_pairs(
       for (int n = 0; n < 2; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float p = exp2f(s[pg][n][e] - page_max[pg][e >> 1]);
+          const float p = exp2_ftz(s[pg][n][e] - page_max[pg][e >> 1]);
           page_sum[pg][e >> 1] += p;
           s[pg][n][e] = p;
         }
@@ -1738,8 +1741,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i2 = 0; i2 < 2; ++i2) {
         const float new_max = fmaxf(row_max[i2], page_max[i2]);
-        alpha[i2] = row_max[i2] == -INFINITY ? 0.f : exp2f(row_max[i2] - new_max);
-        beta[i2] = page_max[i2] == -INFINITY ? 0.f : exp2f(page_max[i2] - new_max);
+        alpha[i2] = row_max[i2] == -INFINITY ? 0.f : exp2_ftz(row_max[i2] - new_max);
+        beta[i2] = page_max[i2] == -INFINITY ? 0.f : exp2_ftz(page_max[i2] - new_max);
         if (page_max[i2] == -INFINITY) page_max[i2] = 0.f;   // exp2(-inf - 0) = 0 below
         row_max[i2] = new_max;
       }
@@ -1748,7 +1751,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int n = 0; n < kNTiles; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float p = exp2f(s[n][e] - page_max[e >> 1]);
+          const float p = exp2_ftz(s[n][e] - page_max[e >> 1]);
           page_sum[e >> 1] += p;
           s[n][e] = (pv_fp8 ? round_to_e4m3(p) : p) * beta[e >> 1];
         }

@@ -25,6 +25,12 @@ struct Mbarrier {
                      addr())
                  : "memory");
   }
+  // Counts one arrival once every cp.async this thread has issued so far has landed (the
+  // thread goes on at once; the arrival is one of the `count` init set).
+  __device__ __forceinline__ void arrive_on_copies() const {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(addr())
+                 : "memory");
+  }
   // Blocks until the phase of parity `phase` has completed.
   __device__ __forceinline__ void wait(uint32_t phase) const {
     asm volatile(

@@ -2,8 +2,9 @@
 """Protocol model of the decode kernel's ping-pong form (no GPU needed).
 
 csrc/decode_attention.cu, wg::pingpong: the K and V loader streams (bf16: cp.async into the
-ring, each stage's full mbarrier told one page behind the copies in flight; e4m3: cp.async
-into a raw slot, then, once the stage is empty, widened into it and its full mbarrier told),
+ring, each stage's full mbarrier told by the copies themselves as they land, in order; e4m3:
+cp.async into a raw slot, then, once the stage is empty, widened into it and its full mbarrier
+told),
 two consumer warpgroups taking turns
 through named barriers 1 and 2, the empty mbarriers, phase parities as the kernel waits on them.
 Each actor is a generator that yields where the hardware could interleave; random schedules of
@@ -58,31 +59,26 @@ def run(num_pages, seed, fp8=False):
     named = {1: Named(), 2: Named()}
     readers = {}                                    # (tensor, stage) -> set of wg reading
 
-    def loader(tensor, stages, full, empty, store):
-        idx, phase, pending = 0, 0, []              # pending: (stage, page) in flight
-        inflight = []
+    def loader(tensor, stages, full, empty, store, copies):
+        idx, phase = 0, 0
         for i in range(num_pages):
             while not empty[idx].done(phase ^ 1): yield
             assert not readers.get((tensor, idx)), f"{tensor} stage {idx} overwritten while read"
-            store[idx] = (i, False); inflight.append((idx, i))
+            store[idx] = (i, False)
+            copies.append(idx)                       # cp.async + arrive-on-copies: lands later
             yield
-            if pending:
-                st, _ = pending.pop(0)
-                # wait_group 1: all but the newest group landed
-                for (s2, p2) in inflight[:-1]:
-                    store[s2] = (p2, True)
-                inflight = inflight[-1:]
-                yield
-                full[st].arrive()
-            pending.append((idx, i))
             idx += 1
             if idx == stages: idx, phase = 0, phase ^ 1
-        if pending:
-            for (s2, p2) in inflight: store[s2] = (p2, True)
-            inflight = []
-            st, _ = pending.pop(0)
+
+    def landing(store, full, copies, loader_done):
+        """The copies of one stream land in order; each stage's arrival follows its bytes."""
+        while copies or not loader_done():
+            if copies:
+                st = copies.pop(0)
+                pg, _ = store[st]
+                store[st] = (pg, True)
+                full[st].arrive()
             yield
-            full[st].arrive()
 
     def loader_fp8(tensor, stages, full, empty, store):
         idx, phase = 0, 0
@@ -131,9 +127,16 @@ def run(num_pages, seed, fp8=False):
                 if vidx == VS: vidx, vph = 0, vph ^ 1
             yield                                    # softmax
 
-    stream = loader_fp8 if fp8 else loader
-    actors = [stream("K", KS, kf, ke, kstage), stream("V", VS, vf, ve, vstage),
-              consumer(0), consumer(1)]
+    if fp8:
+        actors = [loader_fp8("K", KS, kf, ke, kstage), loader_fp8("V", VS, vf, ve, vstage)]
+    else:
+        kcopies, vcopies = [], []
+        k_loader = loader("K", KS, kf, ke, kstage, kcopies)
+        v_loader = loader("V", VS, vf, ve, vstage, vcopies)
+        actors = [k_loader, v_loader,
+                  landing(kstage, kf, kcopies, lambda: k_loader not in alive),
+                  landing(vstage, vf, vcopies, lambda: v_loader not in alive)]
+    actors += [consumer(0), consumer(1)]
     alive = list(actors)
     steps = 0
     while alive:
