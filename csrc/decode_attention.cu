@@ -899,13 +899,13 @@ __device__ __forceinline__ void issue_qk(const char* qs, const char* ks, float (
   }
 }
 
-// The page's softmax on S (complete), in place: mask (causal against seqused_k, the page's
-// selection per token) unless `full`, page maxima per row, P in s, the factor alpha by which O
-// must be rescaled before P.V is added and (e4m3) beta, P's scale; the row state advances.
+// The page's softmax on S (complete): mask (causal against seqused_k, the page's selection per
+// token) unless `full`, page maxima per row, P as the PV wgmma's A fragments (pa) and the
+// factor alpha by which O must be rescaled before P.V is added; the row state advances.
 template <bool kFp8>
-__device__ __forceinline__ void page_probabilities(const PageRef& page, bool full,
-                                                   float scale_log2, Rows& rows, float (&s)[64],
-                                                   float (&alpha)[2], float (&beta)[2]) {
+__device__ __forceinline__ void page_softmax(const PageRef& page, bool full, float scale_log2,
+                                             Rows& rows, float (&s)[64], uint32_t (&pa)[8][4],
+                                             float (&alpha)[2]) {
   const int lane = threadIdx.x & 31;
   float page_max[2] = {-INFINITY, -INFINITY};
   if (!full) {
@@ -929,7 +929,7 @@ __device__ __forceinline__ void page_probabilities(const PageRef& page, bool ful
 #pragma unroll
     for (int e = 0; e < 4; ++e) page_max[e >> 1] = fmaxf(page_max[e >> 1], s[4 * j + e]);
   }
-  float shift[2];
+  float shift[2], beta[2];
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
     page_max[i2] = fmaxf(page_max[i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[i2], 1));
@@ -952,17 +952,7 @@ __device__ __forceinline__ void page_probabilities(const PageRef& page, bool ful
       s[4 * j + e] = p;
     }
   }
-#pragma unroll
-  for (int i2 = 0; i2 < 2; ++i2) {
-    rows.sum[i2] = rows.sum[i2] * alpha[i2] + (kFp8 ? beta[i2] : 1.f) * page_sum[i2];
-  }
-}
-
-// P (in s) as the PV wgmma's A fragments, k-step kk: keys 16 kk .. 16 kk + 15 (e4m3: rounded
-// to e4m3 against the page max, times beta in f16).
-template <bool kFp8>
-__device__ __forceinline__ void pack_probabilities(const float (&s)[64], const float (&beta)[2],
-                                                   uint32_t (&pa)[8][4]) {
+  // P as the A operand, k-step kk: keys 16 kk .. 16 kk + 15.
   const __half2 beta0 = __float2half2_rn(beta[0]), beta1 = __float2half2_rn(beta[1]);
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
@@ -976,16 +966,10 @@ __device__ __forceinline__ void pack_probabilities(const float (&s)[64], const f
       }
     }
   }
-}
-
-// page_probabilities, then P packed into pa.
-template <bool kFp8>
-__device__ __forceinline__ void page_softmax(const PageRef& page, bool full, float scale_log2,
-                                             Rows& rows, float (&s)[64], uint32_t (&pa)[8][4],
-                                             float (&alpha)[2]) {
-  float beta[2];
-  page_probabilities<kFp8>(page, full, scale_log2, rows, s, alpha, beta);
-  pack_probabilities<kFp8>(s, beta, pa);
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    rows.sum[i2] = rows.sum[i2] * alpha[i2] + (kFp8 ? beta[i2] : 1.f) * page_sum[i2];
+  }
 }
 
 // O *= alpha per row (skipped when neither row's running max moved).
@@ -1114,18 +1098,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// ---- Ping-pong form (q and K/V of one dtype, tiles of > 64 rows) ----------------------
-// Three warpgroups: warpgroup 0 streams pages (cp.async, 56 registers; warps 0-1 K, warps 2-3
-// V), warpgroups 1 and 2 own rows 0-63 and 64-127 (224 registers). K and V flow through
-// separate stage rings, each stage with a "full" mbarrier (bf16: the stream's 64 threads'
-// copies arrive on it as they land; e4m3: the loaders arrive once they have widened their
-// chunks into the stage and fenced) and an "empty" one (the 256 consumer threads arrive once
+// ---- Ping-pong form (bf16, tiles of > 64 rows) ---------------------------------------
+// Three warpgroups: warpgroup 0 streams pages (cp.async, 40 registers; warps 0-1 K, warps 2-3
+// V), warpgroups 1 and 2 own rows 0-63 and 64-127 (232 registers). K and V flow through
+// separate stage rings, each stage with a "full" mbarrier (the stream's 64 threads arrive once
+// their copies have landed and been fenced for the async proxy) and an "empty" one (the 256 consumer threads arrive once
 // their wgmmas no longer read it). The consumers take turns issuing wgmmas (named barriers 1
 // and 2): while one warpgroup issues its Q K^T of page i and P V of page i - 1, the other runs
 // its softmax of the page before, so the softmax of one hides under the other's tensor work
-// (FlashAttention-3's ping-pong). Within a warpgroup, the softmax of page i waits for Q K^T
-// alone and runs under its own P V of page i - 1 (two wgmma groups); P stays fp32 in S until
-// that P V is done, then is packed into its A fragments.
+// (FlashAttention-3's ping-pong and its in-warpgroup overlap of P V with the next Q K^T).
 namespace pingpong {
 
 constexpr int kThreadsPP = 3 * 128;
@@ -1375,35 +1356,29 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     if constexpr (!kFp8) fence_to_async_proxy();
     sm90::named_sync(my_turn, 256);
     issue_qk<kFp8>(qs, k_tile(k_ring.index), s);     // past the last page: discarded
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     issue_pv<kFp8>(t > 0 ? v_tile(v_ring.index) : smem, pa, o);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     if (consumer == 0 || t + 1 < turns) sm90::named_arrive(other_turn, 256);
-    // S of page t is in; P V of page t - 1 still runs (reading pa) under this page's softmax,
-    // which stays in s (fp32) until that wgmma is done.
-    asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     if (has_page) {
       k_empty(k_ring.index).arrive();
       k_ring.advance();
     }
-    float alpha[2], beta[2];
-    if (active) {
-      page_probabilities<kFp8>(page, tile.fully_visible(page), scale_log2, rows, s, alpha, beta);
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     if (t > 0) {
       v_empty(v_ring.index).arrive();                  // page t - 1's V stage is free
       v_ring.advance();
     }
+    uint32_t keep = 0u;
     if (active) {
+      float alpha[2];
+      page_softmax<kFp8>(page, tile.fully_visible(page), scale_log2, rows, s, pa, alpha);
       rescale(o, alpha);                               // O holds P V up to page t - 1
-      pack_probabilities<kFp8>(s, beta, pa);
-    } else {
+      keep = 0xFFFFFFFFu;
+    }
 #pragma unroll
-      for (int kk = 0; kk < 8; ++kk) {
+    for (int kk = 0; kk < 8; ++kk) {
 #pragma unroll
-        for (int f = 0; f < 4; ++f) pa[kk][f] = 0u;
-      }
+      for (int f = 0; f < 4; ++f) pa[kk][f] &= keep;
     }
   }
 

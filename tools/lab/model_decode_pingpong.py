@@ -6,8 +6,7 @@ ring, each stage's full mbarrier told by the copies themselves as they land, in 
 cp.async into a raw slot, then, once the stage is empty, widened into it and its full mbarrier
 told),
 two consumer warpgroups taking turns
-through named barriers 1 and 2 (each releasing its K stage when Q.K^T is done and its V stage
-after the softmax that runs under P.V), the empty mbarriers, phase parities as the kernel waits on them.
+through named barriers 1 and 2, the empty mbarriers, phase parities as the kernel waits on them.
 Each actor is a generator that yields where the hardware could interleave; random schedules of
 every page count check that nothing deadlocks, that every Q.K^T / P.V reads a stage holding
 the right page after it landed, that no stage is refilled while a warpgroup may still read it,
@@ -117,17 +116,16 @@ def run(num_pages, seed, fp8=False):
                 pg, landed = vstage[vidx]; assert landed and pg == t - 1, (c, t, vstage[vidx])
                 readers.setdefault(("V", vidx), set()).add(c)
             if c == 0 or t + 1 < turns: named[other].arrive()
-            yield                                    # Q.K^T, then P.V in flight
-            if has:                                  # wait_group 1: Q.K^T done
+            yield                                    # wgmma in flight
+            if has:
                 readers[("K", kidx)].discard(c); ke[kidx].arrive()
                 kidx += 1
                 if kidx == KS: kidx, kph = 0, kph ^ 1
-            yield                                    # softmax under P.V
-            if t > 0:                                # wait_group 0: P.V done
+            if t > 0:
                 readers[("V", vidx)].discard(c); ve[vidx].arrive()
                 vidx += 1
                 if vidx == VS: vidx, vph = 0, vph ^ 1
-            yield                                    # rescale, pack P
+            yield                                    # softmax
 
     if fp8:
         actors = [loader_fp8("K", KS, kf, ke, kstage), loader_fp8("V", VS, vf, ve, vstage)]
