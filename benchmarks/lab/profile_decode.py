@@ -11,6 +11,8 @@ and calls SparseDecodePagedAttentionWrapper.run once to warm up, then --iters ti
     python tools/lab/ncu_stalls.py R_sass.csv
 
 profiles a warm launch (``-k regex:decode_indexer`` for the indexer). Prints the mean time per call (profiler overhead included when wrapped).
+``--kernels`` also prints each kernel's device time under torch.profiler (which of the plan
+update, the indexer and its merge, or the attention and its combine a short call spends on).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def main(argv=None):
     ap.add_argument("--hkv", type=int, default=4)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--op", choices=("attention", "indexer"), default="attention")
+    ap.add_argument("--kernels", action="store_true",
+                    help="print each kernel's mean device time (torch.profiler)")
     args = ap.parse_args(argv)
     msa = load_msa()
     device = torch.device("cuda")
@@ -49,15 +53,7 @@ def main(argv=None):
     wrapper = msa.SparseDecodePagedAttentionWrapper().plan(
         page_table=slot.page_table, seqused_k=slot.seqused_k, seqlen_q=args.seqlen_q,
         max_seqlen_k=max(lens), num_qo_heads=args.hq, num_kv_heads=args.hkv)
-    wrapper.run(slot.q, slot.k, slot.v, out=slot.out)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(args.iters):
-        wrapper.run(slot.q, slot.k, slot.v, out=slot.out)
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / args.iters
+    ms = time_calls(lambda: wrapper.run(slot.q, slot.k, slot.v, out=slot.out), args)
     print(f"profile_decode: {args.dtype} B={args.batch} kv~{args.kv} seqlen_q={args.seqlen_q} "
           f"heads={args.hq}x{args.hkv}: {ms:.3f} ms per call, "
           f"{slot.kv_bytes / ms / 1e9:.2f} TB/s over K/V")
@@ -76,6 +72,16 @@ def profile_indexer(msa, args, lens, dtype, device):
         plan.update()
         msa.decode_indexer_topk(q_idx, k_idx, plan=plan, page_table=slot.page_table)
 
+    ms = time_calls(call, args)
+    index_bytes = sum(lens) * D * dtype.itemsize
+    print(f"profile_decode indexer: {args.dtype} B={args.batch} kv~{args.kv} "
+          f"seqlen_q={args.seqlen_q} index heads={args.hkv}: {ms * 1e3:.1f} us per call "
+          f"(plan update included), {index_bytes / ms / 1e9:.2f} TB/s over the index keys")
+
+
+def time_calls(call, args):
+    """Mean ms per call over --iters calls after one warm-up; with --kernels, then the mean
+    device time of each kernel over another --iters calls."""
     call()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -85,10 +91,20 @@ def profile_indexer(msa, args, lens, dtype, device):
     end.record()
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / args.iters
-    index_bytes = sum(lens) * D * dtype.itemsize
-    print(f"profile_decode indexer: {args.dtype} B={args.batch} kv~{args.kv} "
-          f"seqlen_q={args.seqlen_q} index heads={args.hkv}: {ms * 1e3:.1f} us per call "
-          f"(plan update included), {index_bytes / ms / 1e9:.2f} TB/s over the index keys")
+    if args.kernels:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                call()
+            torch.cuda.synchronize()
+        for evt in prof.key_averages():
+            device_us = getattr(evt, "device_time_total", None)
+            if device_us is None:
+                device_us = evt.cuda_time_total
+            if device_us > 0:
+                print(f"  kernel {device_us / args.iters:9.1f} us per call  "
+                      f"x{evt.count // args.iters}  {evt.key[:90]}")
+    return ms
 
 
 if __name__ == "__main__":
