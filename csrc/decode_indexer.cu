@@ -25,8 +25,8 @@
 //
 // Merge: each CTA writes its rows' lists to the plan's workspace, then counts itself in on the
 // request's arrival counter; the last CTA of the request merges the n_b lists per row (a warp per
-// row: lanes pool chunk lists, then topk - 1 rounds of a warp-wide arg-max), writes the output
-// rows and resets the counter for the next launch.
+// row: lanes pool chunk lists, each list's entries loaded together, then topk - 1 rounds of a
+// warp-wide arg-max), writes the output rows and resets the counter for the next launch.
 //
 // Safety: page ids outside [0, num_pages) are skipped (never read), lengths are clamped to the
 // page table, corrupt work items exit. No host synchronization; every size is a host argument.
@@ -53,7 +53,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kStages = 4;
 constexpr int kQStride = kDim + 8;          // halves per Q row in shared memory (272 bytes)
 constexpr int kMinChunkPages = 4;           // fewer pages per CTA are not worth a merge entry
-constexpr int kPlanThreads = 1024;
+constexpr int kPlanThreads = 256;          // one CTA; its barriers are the plan's cost
 
 enum KFormat : int { kBf16 = 0, kE4m3 = 1, kNvfp4 = 2 };
 
@@ -459,11 +459,21 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
     for (int c = lane; c < num_chunks; c += 32) {
       const int2* src = reinterpret_cast<const int2*>(a.partials) +
                         (static_cast<int64_t>(first + c) * rows + row) * a.list_capacity;
-      for (int i = 0; i < KCAP; ++i) {
-        const int2 e = __ldcg(src + i);
-        const float s = __int_as_float(e.x);
-        if (!pool.beats_last(s, e.y)) break;   // the chunk's list is sorted: the rest lose too
-        pool.offer(s, e.y);
+      // The list's entries are loaded kBatch at a time, all in flight together: one L2
+      // round trip per batch, not per entry.
+      constexpr int kBatch = KCAP < 16 ? KCAP : 16;
+      bool more = true;
+      for (int i0 = 0; i0 < KCAP && more; i0 += kBatch) {
+        int2 e[kBatch];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) e[j] = __ldcg(src + i0 + j);
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          const float s = __int_as_float(e[j].x);
+          // The chunk's list is sorted: once an entry loses, the rest lose too.
+          more = more && pool.beats_last(s, e[j].y);
+          if (more) pool.offer(s, e[j].y);
+        }
       }
     }
     int chosen = -1, count = 0;
@@ -522,11 +532,13 @@ __global__ void __launch_bounds__(kPlanThreads) decode_indexer_plan_kernel(
   __shared__ int s_carry;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   auto history = [&](int b) { return history_pages(max(__ldg(a.seqused_k + b), 0)); };
-  // Work items of chunk length c: sum over the requests of max(1, ceil(h / c)).
+  // Work items of chunk length c: sum over the requests of max(1, ceil(h / c)). 32-bit
+  // division (h < 2^24, c <= INT_MAX, so h + c - 1 < 2^32): a 64-bit one is a long subroutine.
   auto items = [&](long long c) {
+    const uint32_t cu = static_cast<uint32_t>(c);
     long long local = 0;
     for (int b = threadIdx.x; b < a.batch; b += kPlanThreads) {
-      local += max(1LL, (history(b) + c - 1) / c);
+      local += max(1u, (static_cast<uint32_t>(history(b)) + cu - 1u) / cu);
     }
     return plan_block_sum(local, s_total);
   };
