@@ -467,6 +467,15 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
         int2 e[kBatch];
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) e[j] = __ldcg(src + i0 + j);
+        if (c == lane) {
+          // The lane's first list is sorted like the pool (empty slots last): it is the pool.
+#pragma unroll
+          for (int j = 0; j < kBatch; ++j) {
+            pool.score[i0 + j] = __int_as_float(e[j].x);
+            pool.id[i0 + j] = e[j].y;
+          }
+          continue;
+        }
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
           const float s = __int_as_float(e[j].x);
