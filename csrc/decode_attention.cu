@@ -579,6 +579,26 @@ __device__ __forceinline__ void store_row(const DecodeAttentionArgs& a, int64_t 
 // up to that f16 scaling. bf16 P is rounded to bf16 (the reference keeps it unrounded; the
 // difference is within the bf16 contract). Fully visible pages of every tile token skip the
 // mask.
+// Lab hooks (benchmarks/lab/decode_pp_timeline.cu builds this file with them; they compile to
+// nothing otherwise): MSA_LAB_TIMELINE records clock64 stamps of CTA (0, 0)'s first kLabTurns
+// pages of the ping-pong form per actor (0: the K stream, 1: the V stream, 2 / 3: the
+// consumers); MSA_LAB_NO_LOADS makes its producer zero-fill every page instead of reading it
+// (the pipeline without DRAM).
+#ifdef MSA_LAB_TIMELINE
+constexpr int kLabTurns = 64, kLabMarks = 6;
+__device__ long long lab_timeline[4][kLabTurns][kLabMarks];
+#define MSA_LAB_MARK(leader, actor, turn, mark)                                           \
+  do {                                                                                    \
+    if ((leader) && blockIdx.x == 0 && blockIdx.y == 0 && (turn) < kLabTurns) {          \
+      lab_timeline[actor][turn][mark] = clock64();                                        \
+    }                                                                                     \
+  } while (0)
+#else
+#define MSA_LAB_MARK(leader, actor, turn, mark) \
+  do {                                          \
+  } while (0)
+#endif
+
 namespace wg {
 
 constexpr int kRowBytes = 128;                 // one swizzled row
@@ -1146,6 +1166,9 @@ __device__ __forceinline__ void load_tensor_page(const DecodeAttentionArgs& a, i
   static_assert(kChunks % kLoaders == 0, "every loader issues the same number of copies");
   // A skipped page (its id may be anything) is zero-filled: the consumers' wgmmas still read it.
   if (ref.token_mask == 0) valid_rows = 0;
+#ifdef MSA_LAB_NO_LOADS
+  valid_rows = 0;
+#endif
   const char* src = static_cast<const char*>(tensor);
   if (valid_rows > 0) {
     src += (static_cast<int64_t>(ref.physical) * a.num_kv_heads + head) *
@@ -1171,6 +1194,9 @@ __device__ __forceinline__ void load_raw_page(const DecodeAttentionArgs& a, int 
                                               const PageRef& ref, const void* tensor, char* raw,
                                               int valid_rows, int thread) {
   if (ref.token_mask == 0) valid_rows = 0;
+#ifdef MSA_LAB_NO_LOADS
+  valid_rows = 0;
+#endif
   const char* src = static_cast<const char*>(tensor);
   if (valid_rows > 0) {
     src += (static_cast<int64_t>(ref.physical) * a.num_kv_heads + head) * (kPageSize * kHeadDim);
@@ -1206,9 +1232,12 @@ __device__ __forceinline__ void stream_tensor(const DecodeAttentionArgs& a, cons
   for (int i = 0; i < num_pages; ++i) {
     const PageRef ref = page_of(i);
     const int valid_rows = page_valid_rows(ctx, ref);
+    MSA_LAB_MARK(thread == 0, tensor == a.k ? 0 : 1, i, 0);
     empty(ring.index).wait(ring.phase ^ 1u);
+    MSA_LAB_MARK(thread == 0, tensor == a.k ? 0 : 1, i, 1);
     load_tensor_page(a, ctx.head, ref, tensor, tile(ring.index), valid_rows, thread);
     full(ring.index).arrive_on_copies();
+    MSA_LAB_MARK(thread == 0, tensor == a.k ? 0 : 1, i, 2);
     ring.advance();
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");   // no copy outlives its thread
@@ -1226,13 +1255,17 @@ __device__ __forceinline__ void stream_tensor_fp8(const DecodeAttentionArgs& a,
   sm90::RingState<kStages> ring;
   for (int i = 0; i < num_pages; ++i) {
     const PageRef ref = page_of(i);
+    MSA_LAB_MARK(thread == 0, tensor == a.k ? 0 : 1, i, 0);
     load_raw_page(a, ctx.head, ref, tensor, raw, page_valid_rows(ctx, ref), thread);
     cp_async_commit();
     cp_async_wait_all();
+    MSA_LAB_MARK(thread == 0, tensor == a.k ? 0 : 1, i, 1);
     empty(ring.index).wait(ring.phase ^ 1u);
+    MSA_LAB_MARK(thread == 0, tensor == a.k ? 0 : 1, i, 2);
     widen_own_chunks(raw, tile(ring.index), thread);
     fence_to_async_proxy();
     full(ring.index).arrive();
+    MSA_LAB_MARK(thread == 0, tensor == a.k ? 0 : 1, i, 3);
     ring.advance();
   }
 }
@@ -1340,6 +1373,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   if (consumer == 1) sm90::named_arrive(1, 256);
   const int turns = num_pages + 1;                     // the last turn issues the last P V
   for (int t = 0; t < turns; ++t) {
+    MSA_LAB_MARK(threadIdx.x % 128 == 0, 2 + consumer, t, 0);
     const bool has_page = t < num_pages;
     PageRef page{};
     bool active = false;
@@ -1354,12 +1388,16 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     // bf16 stages are written by cp.async (the generic proxy) and read by wgmma (the async
     // proxy); the e4m3 producer fences its widening stores itself.
     if constexpr (!kFp8) fence_to_async_proxy();
+    MSA_LAB_MARK(threadIdx.x % 128 == 0, 2 + consumer, t, 1);
     sm90::named_sync(my_turn, 256);
+    MSA_LAB_MARK(threadIdx.x % 128 == 0, 2 + consumer, t, 2);
     issue_qk<kFp8>(qs, k_tile(k_ring.index), s);     // past the last page: discarded
     issue_pv<kFp8>(t > 0 ? v_tile(v_ring.index) : smem, pa, o);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     if (consumer == 0 || t + 1 < turns) sm90::named_arrive(other_turn, 256);
+    MSA_LAB_MARK(threadIdx.x % 128 == 0, 2 + consumer, t, 3);
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    MSA_LAB_MARK(threadIdx.x % 128 == 0, 2 + consumer, t, 4);
     if (has_page) {
       k_empty(k_ring.index).arrive();
       k_ring.advance();
@@ -1380,6 +1418,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
 #pragma unroll
       for (int f = 0; f < 4; ++f) pa[kk][f] &= keep;
     }
+    MSA_LAB_MARK(threadIdx.x % 128 == 0, 2 + consumer, t, 5);
   }
 
   if (group_active) {

@@ -1,0 +1,182 @@
+// Timeline of the decode kernel's ping-pong form (a GPU diagnostic, no TSV): where a page's
+// cycles go, per actor, from clock64 stamps of CTA (0, 0) (the MSA_LAB_TIMELINE hooks in
+// csrc/decode_attention.cu). Dense paged decode, MTP 8 at G 16 (one 128-row tile per request and
+// KV head), pages shuffled, synthetic values; every request one chunk (no split, no merge).
+//
+//   nvcc -arch=sm_90a -O3 -std=c++17 -Icsrc -Itorch-ext -DMSA_LAB_TIMELINE \
+//       -o /tmp/pp_timeline benchmarks/lab/decode_pp_timeline.cu
+//   /tmp/pp_timeline [bf16|e4m3] [batch=32] [keys=100000]
+//
+// Add -DMSA_LAB_NO_LOADS for the same kernel with every page zero-filled instead of read (the
+// pipeline's own rate, without DRAM). Prints the call's time and bytes per second, then per
+// consumer warpgroup the mean cycles of each phase of a turn (data wait, turn wait, issue,
+// wgmma wait, softmax) and per stream the mean cycles of its empty wait and issue, over turns
+// 8 .. 63 (the ring is full by then).
+#include "../../csrc/decode_attention.cu"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#define CHECK(call)                                                                     \
+  do {                                                                                  \
+    cudaError_t err_ = (call);                                                          \
+    if (err_ != cudaSuccess) {                                                          \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call,                 \
+                   cudaGetErrorString(err_));                                           \
+      std::exit(1);                                                                     \
+    }                                                                                   \
+  } while (0)
+
+// Small finite pseudo-random values (bf16 or e4m3 bit patterns) from an integer hash.
+__global__ void fill_values(uint8_t* data, int64_t count, bool fp8, uint32_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    const float x = (static_cast<int>(h & 0xFFFF) - 32768) / 32768.f;   // [-1, 1)
+    if (fp8) {
+      data[i] = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+    } else if (i % 2 == 0) {
+      const __nv_bfloat16 b = __float2bfloat16(x);
+      std::memcpy(data + i, &b, 2);
+    }
+  }
+}
+
+template <typename T>
+T* device_copy(const std::vector<T>& host) {
+  T* ptr = nullptr;
+  CHECK(cudaMalloc(&ptr, host.size() * sizeof(T)));
+  CHECK(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return ptr;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool fp8 = argc > 1 && std::strcmp(argv[1], "e4m3") == 0;
+  const int batch = argc > 2 ? std::atoi(argv[2]) : 32;
+  const int keys = argc > 3 ? std::atoi(argv[3]) : 100000;
+  const int seqlen_q = 8, hq = 64, hkv = 4, dim = 128, page = 128;
+  const int pages_per_request = (keys + page - 1) / page;
+  const int64_t num_pages = static_cast<int64_t>(batch) * pages_per_request;
+  const int elem = fp8 ? 1 : 2;
+
+  const int64_t page_bytes = static_cast<int64_t>(hkv) * page * dim * elem;
+  uint8_t *k = nullptr, *v = nullptr, *q = nullptr;
+  CHECK(cudaMalloc(&k, num_pages * page_bytes));
+  CHECK(cudaMalloc(&v, num_pages * page_bytes));
+  const int64_t q_bytes = static_cast<int64_t>(batch) * seqlen_q * hq * dim * elem;
+  CHECK(cudaMalloc(&q, q_bytes));
+  fill_values<<<1024, 256>>>(k, num_pages * page_bytes, fp8, 1u);
+  fill_values<<<1024, 256>>>(v, num_pages * page_bytes, fp8, 2u);
+  fill_values<<<256, 256>>>(q, q_bytes, fp8, 3u);
+  CHECK(cudaGetLastError());
+
+  // Shuffled pages, one chunk and one qo tile per request.
+  std::vector<int32_t> table(num_pages);
+  for (int64_t i = 0; i < num_pages; ++i) table[i] = static_cast<int32_t>(i);
+  uint64_t state = 12345;
+  for (int64_t i = num_pages - 1; i > 0; --i) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    std::swap(table[i], table[static_cast<int64_t>((state >> 33) % (i + 1))]);
+  }
+  std::vector<int32_t> lengths(batch, keys), ones(batch, 1), zeros(batch, 0), indptr(batch + 1);
+  std::vector<int32_t> requests(batch);
+  for (int b = 0; b < batch; ++b) requests[b] = b;
+  for (int b = 0; b <= batch; ++b) indptr[b] = b;
+
+  msa::DecodeAttentionArgs a{};
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.q_fp8 = a.kv_fp8 = fp8;
+  a.page_table = device_copy(table);
+  a.page_table_width = pages_per_request;
+  a.seqused_k = device_copy(lengths);
+  a.batch = batch;
+  a.seqlen_q = seqlen_q;
+  a.num_qo_heads = hq;
+  a.num_kv_heads = hkv;
+  a.num_pages = num_pages;
+  a.request_indices = device_copy(requests);
+  a.kv_tile_indices = device_copy(zeros);
+  a.qo_tile_indices = device_copy(zeros);
+  a.qo_tile_rows = 128;
+  a.num_splits = device_copy(ones);
+  a.merge_indptr = device_copy(indptr);
+  a.num_work = batch;
+  a.kv_chunk_size = pages_per_request;
+  a.split_kv = false;
+  CHECK(cudaMalloc(&a.out, static_cast<int64_t>(batch) * seqlen_q * hq * dim * 2));
+  a.softmax_scale = 1.f / std::sqrt(static_cast<float>(dim));
+  a.warpgroup = true;
+  a.pingpong = true;
+
+  CHECK(msa::launch_decode_attention(a, nullptr));
+  CHECK(cudaDeviceSynchronize());
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  const int iters = 10;
+  CHECK(cudaEventRecord(start));
+  for (int i = 0; i < iters; ++i) CHECK(msa::launch_decode_attention(a, nullptr));
+  CHECK(cudaEventRecord(stop));
+  CHECK(cudaEventSynchronize(stop));
+  float ms = 0.f;
+  CHECK(cudaEventElapsedTime(&ms, start, stop));
+  ms /= iters;
+  const double bytes = 2.0 * num_pages * page_bytes;
+#ifdef MSA_LAB_NO_LOADS
+  const char* mode = "no loads (pages zero-filled)";
+#else
+  const char* mode = "pages read";
+#endif
+  std::printf("ping-pong %s, B %d, %d keys, MTP %d, %s: %.1f us per call, %.2f TB/s of K/V\n",
+              fp8 ? "e4m3" : "bf16", batch, keys, seqlen_q, mode, ms * 1e3,
+              bytes / (ms * 1e-3) / 1e12);
+
+  using msa::kLabMarks;
+  using msa::kLabTurns;
+  static long long tl[4][kLabTurns][kLabMarks];
+  CHECK(cudaMemcpyFromSymbol(tl, msa::lab_timeline, sizeof(tl)));
+  const int first = 8, last = kLabTurns - 1;   // turns first .. last - 1 (t + 1 read)
+  auto mean = [&](int actor, int to, int from, int next_turn) {
+    double sum = 0.0;
+    for (int t = first; t < last; ++t) sum += tl[actor][t + next_turn][to] - tl[actor][t][from];
+    return sum / (last - first);
+  };
+  for (int c = 0; c < 2; ++c) {
+    std::printf("consumer %d (cycles per turn): data wait %.0f, turn wait %.0f, issue %.0f, "
+                "wgmma wait %.0f, softmax %.0f, period %.0f\n",
+                c, mean(2 + c, 1, 0, 0), mean(2 + c, 2, 1, 0), mean(2 + c, 3, 2, 0),
+                mean(2 + c, 4, 3, 0), mean(2 + c, 5, 4, 0), mean(2 + c, 0, 0, 1));
+  }
+  for (int s = 0; s < 2; ++s) {
+    if (fp8) {
+      std::printf("%s stream (cycles per page): raw load %.0f, empty wait %.0f, widen %.0f, "
+                  "period %.0f\n",
+                  s == 0 ? "K" : "V", mean(s, 1, 0, 0), mean(s, 2, 1, 0), mean(s, 3, 2, 0),
+                  mean(s, 0, 0, 1));
+    } else {
+      std::printf("%s stream (cycles per page): empty wait %.0f, issue %.0f, period %.0f\n",
+                  s == 0 ? "K" : "V", mean(s, 1, 0, 0), mean(s, 2, 1, 0), mean(s, 0, 0, 1));
+    }
+  }
+  // How early a page's copies were issued before consumer 0 went past its data wait.
+  double lead_k = 0.0, lead_v = 0.0;
+  for (int t = first; t < last; ++t) {
+    lead_k += tl[2][t][1] - tl[0][t][fp8 ? 3 : 2];
+    lead_v += tl[2][t + 1][1] - tl[1][t][fp8 ? 3 : 2];
+  }
+  std::printf("lead (cycles from the stream's last stamp of a page to consumer 0's use): K %.0f, "
+              "V %.0f\n", lead_k / (last - first), lead_v / (last - first));
+  return 0;
+}
