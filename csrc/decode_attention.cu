@@ -1158,13 +1158,13 @@ struct Layout {
 // One tensor's (K or V) slice of a page into a 16-bit swizzled tile of two column blocks, by
 // kLoaders threads (`thread` of them); rows >= valid_rows zero-filled (no byte read).
 constexpr int kLoaders = 64;
-__device__ __forceinline__ void load_tensor_page(const DecodeAttentionArgs& a, int head,
-                                                 const PageRef& ref, const void* tensor,
-                                                 char* tile, int valid_rows, int thread) {
-  constexpr int kChunksPerRow = 16;
-  constexpr int kChunks = kPageSize * kChunksPerRow;
-  static_assert(kChunks % kLoaders == 0, "every loader issues the same number of copies");
-  // A skipped page (its id may be anything) is zero-filled: the consumers' wgmmas still read it.
+
+// The global address of one tensor's head slice of a page (elements of element_bytes), and the
+// rows to read from it: none for a skipped page (its id may be anything; the stage is
+// zero-filled, since the consumers' wgmmas still read it) or under MSA_LAB_NO_LOADS.
+__device__ __forceinline__ const char* page_source(const DecodeAttentionArgs& a, int head,
+                                                   const PageRef& ref, const void* tensor,
+                                                   int element_bytes, int& valid_rows) {
   if (ref.token_mask == 0) valid_rows = 0;
 #ifdef MSA_LAB_NO_LOADS
   valid_rows = 0;
@@ -1172,8 +1172,18 @@ __device__ __forceinline__ void load_tensor_page(const DecodeAttentionArgs& a, i
   const char* src = static_cast<const char*>(tensor);
   if (valid_rows > 0) {
     src += (static_cast<int64_t>(ref.physical) * a.num_kv_heads + head) *
-           (kPageSize * kHeadDim) * 2;
+           (kPageSize * kHeadDim) * element_bytes;
   }
+  return src;
+}
+
+__device__ __forceinline__ void load_tensor_page(const DecodeAttentionArgs& a, int head,
+                                                 const PageRef& ref, const void* tensor,
+                                                 char* tile, int valid_rows, int thread) {
+  constexpr int kChunksPerRow = 16;
+  constexpr int kChunks = kPageSize * kChunksPerRow;
+  static_assert(kChunks % kLoaders == 0, "every loader issues the same number of copies");
+  const char* src = page_source(a, head, ref, tensor, 2, valid_rows);
 #pragma unroll 4
   for (int i = 0; i < kChunks / kLoaders; ++i) {
     const int c = thread + i * kLoaders;
@@ -1185,7 +1195,6 @@ __device__ __forceinline__ void load_tensor_page(const DecodeAttentionArgs& a, i
   }
 }
 
-
 // e4m3: one tensor's slice of a page, raw, into the tensor's raw slot (row-major, 128 bytes a
 // row) by kLoaders threads, rows >= valid_rows zero-filled; then widen_own_chunks turns exactly
 // the chunks this thread copied into the 16-bit tile, so the loaders need no barrier among them.
@@ -1193,14 +1202,7 @@ constexpr int kRawChunksPerLoader = kPageSize * 8 / kLoaders;
 __device__ __forceinline__ void load_raw_page(const DecodeAttentionArgs& a, int head,
                                               const PageRef& ref, const void* tensor, char* raw,
                                               int valid_rows, int thread) {
-  if (ref.token_mask == 0) valid_rows = 0;
-#ifdef MSA_LAB_NO_LOADS
-  valid_rows = 0;
-#endif
-  const char* src = static_cast<const char*>(tensor);
-  if (valid_rows > 0) {
-    src += (static_cast<int64_t>(ref.physical) * a.num_kv_heads + head) * (kPageSize * kHeadDim);
-  }
+  const char* src = page_source(a, head, ref, tensor, 1, valid_rows);
 #pragma unroll 4
   for (int i = 0; i < kRawChunksPerLoader; ++i) {
     const int c = thread + i * kLoaders;
