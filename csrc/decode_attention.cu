@@ -1118,15 +1118,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// ---- Ping-pong form (bf16, tiles of > 64 rows) ---------------------------------------
-// Three warpgroups: warpgroup 0 streams pages (cp.async, 40 registers; warps 0-1 K, warps 2-3
-// V), warpgroups 1 and 2 own rows 0-63 and 64-127 (232 registers). K and V flow through
-// separate stage rings, each stage with a "full" mbarrier (the stream's 64 threads arrive once
-// their copies have landed and been fenced for the async proxy) and an "empty" one (the 256 consumer threads arrive once
-// their wgmmas no longer read it). The consumers take turns issuing wgmmas (named barriers 1
-// and 2): while one warpgroup issues its Q K^T of page i and P V of page i - 1, the other runs
-// its softmax of the page before, so the softmax of one hides under the other's tensor work
-// (FlashAttention-3's ping-pong and its in-warpgroup overlap of P V with the next Q K^T).
+// ---- Ping-pong form (q and K/V of one dtype, tiles of > 64 rows) ----------------------
+// Three warpgroups: warpgroup 0 streams pages (cp.async, 56 registers; warps 0-1 K, warps 2-3
+// V), warpgroups 1 and 2 own rows 0-63 and 64-127 (224 registers). K and V flow through
+// separate stage rings, each stage with a "full" mbarrier (bf16: the stream's 64 threads' copies
+// arrive on it as they land, and the consumers fence for the async proxy after their wait;
+// e4m3: the loaders arrive once they have widened their chunks into the stage and fenced) and
+// an "empty" one (the 256 consumer threads arrive once their wgmmas no longer read it). The
+// consumers take turns issuing wgmmas (named barriers 1 and 2): while one warpgroup issues its
+// Q K^T of page i and P V of page i - 1, the other runs its softmax of the page before, so the
+// softmax of one hides under the other's tensor work (FlashAttention-3's ping-pong and its
+// in-warpgroup overlap of P V with the next Q K^T).
 namespace pingpong {
 
 constexpr int kThreadsPP = 3 * 128;

@@ -284,7 +284,9 @@ __device__ __forceinline__ void score_page(const DecodeIndexerArgs& a, const cha
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
 #pragma unroll
-          for (int n = 0; n < 2; ++n) mma_k16<F>(acc[n], q_regs.lo[kd2], q_regs.hi[kd2], kk, b[n][kk]);
+          for (int n = 0; n < 2; ++n) {
+            mma_k16<F>(acc[n], q_regs.lo[kd2], q_regs.hi[kd2], kk, b[n][kk]);
+          }
         }
       }
 #pragma unroll
