@@ -112,6 +112,12 @@ def _tile_rows(call) -> int:
     return rows if schedule is None else min(rows, int(schedule.qo_tile_rows))
 
 
+def _form_dtype(call) -> str:
+    """The dtype the warpgroup forms' validation tables name: "bf16", or "e4m3" (e4m3 q and
+    K/V)."""
+    return "bf16" if call.pv_quant_dtype is None else "e4m3"
+
+
 def _warpgroup(call) -> bool:
     """Whether this call uses the warpgroup (wgmma) form (the binding applies it only with q and
     K/V of one dtype): qo tiles of > 16 rows when validated for the call's dtype (or with
@@ -120,9 +126,8 @@ def _warpgroup(call) -> bool:
     forced = debug.forced("decode_warpgroup")
     if forced is not None:
         return forced
-    rows = _tile_rows(call)
-    dtype = "bf16" if call.pv_quant_dtype is None else "e4m3"     # e4m3: e4m3 q and K/V
-    return rows > 16 and (dtype in VALIDATED_WARPGROUP or _backend.unvalidated_ok())
+    return _tile_rows(call) > 16 and (_form_dtype(call) in VALIDATED_WARPGROUP
+                                      or _backend.unvalidated_ok())
 
 
 def _pingpong(call) -> bool:
@@ -133,10 +138,8 @@ def _pingpong(call) -> bool:
     forced = debug.forced("decode_pingpong")
     if forced is not None:
         return forced
-    rows = _tile_rows(call)
-    dtype = "bf16" if call.pv_quant_dtype is None else "e4m3"     # e4m3: e4m3 q and K/V
-    return rows >= PINGPONG_MIN_ROWS and (dtype in VALIDATED_PINGPONG
-                                          or _backend.unvalidated_ok())
+    return _tile_rows(call) >= PINGPONG_MIN_ROWS and (_form_dtype(call) in VALIDATED_PINGPONG
+                                                      or _backend.unvalidated_ok())
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
