@@ -1233,15 +1233,16 @@ __device__ __forceinline__ void stream_tensor(const DecodeAttentionArgs& a, cons
                                               PageOf page_of, Full full, Empty empty,
                                               Tile tile) {
   sm90::RingState<kStages> ring;
+  [[maybe_unused]] const int lab_actor = tensor == a.k ? 0 : 1;   // MSA_LAB_MARK
   for (int i = 0; i < num_pages; ++i) {
     const PageRef ref = page_of(i);
     const int valid_rows = page_valid_rows(ctx, ref);
-    MSA_LAB_MARK(thread == 0, tensor == a.k ? 0 : 1, i, 0);
+    MSA_LAB_MARK(thread == 0, lab_actor, i, 0);
     empty(ring.index).wait(ring.phase ^ 1u);
-    MSA_LAB_MARK(thread == 0, tensor == a.k ? 0 : 1, i, 1);
+    MSA_LAB_MARK(thread == 0, lab_actor, i, 1);
     load_tensor_page(a, ctx.head, ref, tensor, tile(ring.index), valid_rows, thread);
     full(ring.index).arrive_on_copies();
-    MSA_LAB_MARK(thread == 0, tensor == a.k ? 0 : 1, i, 2);
+    MSA_LAB_MARK(thread == 0, lab_actor, i, 2);
     ring.advance();
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");   // no copy outlives its thread
@@ -1257,19 +1258,20 @@ __device__ __forceinline__ void stream_tensor_fp8(const DecodeAttentionArgs& a,
                                                   PageOf page_of, Full full, Empty empty,
                                                   Tile tile) {
   sm90::RingState<kStages> ring;
+  [[maybe_unused]] const int lab_actor = tensor == a.k ? 0 : 1;   // MSA_LAB_MARK
   for (int i = 0; i < num_pages; ++i) {
     const PageRef ref = page_of(i);
-    MSA_LAB_MARK(thread == 0, tensor == a.k ? 0 : 1, i, 0);
+    MSA_LAB_MARK(thread == 0, lab_actor, i, 0);
     load_raw_page(a, ctx.head, ref, tensor, raw, page_valid_rows(ctx, ref), thread);
     cp_async_commit();
     cp_async_wait_all();
-    MSA_LAB_MARK(thread == 0, tensor == a.k ? 0 : 1, i, 1);
+    MSA_LAB_MARK(thread == 0, lab_actor, i, 1);
     empty(ring.index).wait(ring.phase ^ 1u);
-    MSA_LAB_MARK(thread == 0, tensor == a.k ? 0 : 1, i, 2);
+    MSA_LAB_MARK(thread == 0, lab_actor, i, 2);
     widen_own_chunks(raw, tile(ring.index), thread);
     fence_to_async_proxy();
     full(ring.index).arrive();
-    MSA_LAB_MARK(thread == 0, tensor == a.k ? 0 : 1, i, 3);
+    MSA_LAB_MARK(thread == 0, lab_actor, i, 3);
     ring.advance();
   }
 }
@@ -1376,8 +1378,9 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   const int my_turn = 1 + consumer, other_turn = 2 - consumer;
   if (consumer == 1) sm90::named_arrive(1, 256);
   const int turns = num_pages + 1;                     // the last turn issues the last P V
+  [[maybe_unused]] const bool lab_leader = threadIdx.x % 128 == 0;   // MSA_LAB_MARK
   for (int t = 0; t < turns; ++t) {
-    MSA_LAB_MARK(threadIdx.x % 128 == 0, 2 + consumer, t, 0);
+    MSA_LAB_MARK(lab_leader, 2 + consumer, t, 0);
     const bool has_page = t < num_pages;
     PageRef page{};
     bool active = false;
@@ -1392,16 +1395,16 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     // bf16 stages are written by cp.async (the generic proxy) and read by wgmma (the async
     // proxy); the e4m3 producer fences its widening stores itself.
     if constexpr (!kFp8) fence_to_async_proxy();
-    MSA_LAB_MARK(threadIdx.x % 128 == 0, 2 + consumer, t, 1);
+    MSA_LAB_MARK(lab_leader, 2 + consumer, t, 1);
     sm90::named_sync(my_turn, 256);
-    MSA_LAB_MARK(threadIdx.x % 128 == 0, 2 + consumer, t, 2);
+    MSA_LAB_MARK(lab_leader, 2 + consumer, t, 2);
     issue_qk<kFp8>(qs, k_tile(k_ring.index), s);     // past the last page: discarded
     issue_pv<kFp8>(t > 0 ? v_tile(v_ring.index) : smem, pa, o);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     if (consumer == 0 || t + 1 < turns) sm90::named_arrive(other_turn, 256);
-    MSA_LAB_MARK(threadIdx.x % 128 == 0, 2 + consumer, t, 3);
+    MSA_LAB_MARK(lab_leader, 2 + consumer, t, 3);
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    MSA_LAB_MARK(threadIdx.x % 128 == 0, 2 + consumer, t, 4);
+    MSA_LAB_MARK(lab_leader, 2 + consumer, t, 4);
     if (has_page) {
       k_empty(k_ring.index).arrive();
       k_ring.advance();
@@ -1422,7 +1425,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
 #pragma unroll
       for (int f = 0; f < 4; ++f) pa[kk][f] &= keep;
     }
-    MSA_LAB_MARK(threadIdx.x % 128 == 0, 2 + consumer, t, 5);
+    MSA_LAB_MARK(lab_leader, 2 + consumer, t, 5);
   }
 
   if (group_active) {
