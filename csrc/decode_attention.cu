@@ -907,14 +907,18 @@ template <bool kFp8>
 __device__ __forceinline__ void issue_qk(const char* qs, const char* ks, float (&s)[64]) {
   using S = Shape<kFp8>;
   fence_operands();
+  // One descriptor per operand, stepped by constant offsets (16-byte units of the start field;
+  // shared memory stays below its 256 KB reach, so no step carries out of it).
+  const uint64_t desc_q = descriptor(qs, 16), desc_k = descriptor(ks, 16);
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
     const int block = kk / 4, within = 32 * (kk % 4);
-    const uint64_t desc_k = descriptor(ks + block * S::kPageBlockBytes + within, 16);
+    const uint64_t step_q = (block * S::kQBlockBytes + within) >> 4;
+    const uint64_t step_k = (block * S::kPageBlockBytes + within) >> 4;
     if constexpr (kFp8) {
-      wgmma_qk_f16(s, descriptor(qs + block * S::kQBlockBytes + within, 16), desc_k, kk);
+      wgmma_qk_f16(s, desc_q + step_q, desc_k + step_k, kk);
     } else {
-      wgmma_qk_bf16(s, descriptor(qs + block * S::kQBlockBytes + within, 16), desc_k, kk);
+      wgmma_qk_bf16(s, desc_q + step_q, desc_k + step_k, kk);
     }
   }
 }
@@ -927,7 +931,7 @@ __device__ __forceinline__ void page_softmax(const PageRef& page, bool full, flo
                                              Rows& rows, float (&s)[64], uint32_t (&pa)[8][4],
                                              float (&alpha)[2]) {
   const int lane = threadIdx.x & 31;
-  float page_max[2] = {-INFINITY, -INFINITY};
+  float page_max[2];
   if (!full) {
     int last[2];
 #pragma unroll
@@ -944,10 +948,24 @@ __device__ __forceinline__ void page_softmax(const PageRef& page, bool full, flo
       }
     }
   }
+  // Row maxima and sums as four partials each (dependency chains of 8, not 32).
+  float part[2][4];
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) part[i2][c] = -INFINITY;
+  }
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) page_max[e >> 1] = fmaxf(page_max[e >> 1], s[4 * j + e]);
+    for (int e = 0; e < 4; ++e) {
+      float& m = part[e >> 1][2 * (j & 1) + (e & 1)];
+      m = fmaxf(m, s[4 * j + e]);
+    }
+  }
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    page_max[i2] = fmaxf(fmaxf(part[i2][0], part[i2][1]), fmaxf(part[i2][2], part[i2][3]));
   }
   float shift[2], beta[2];
 #pragma unroll
@@ -962,15 +980,24 @@ __device__ __forceinline__ void page_softmax(const PageRef& page, bool full, flo
     beta[i2] = page_max[i2] == -INFINITY ? 0.f : exp2_ftz((page_max[i2] - new_max) * scale_log2);
     rows.max[i2] = new_max;
   }
-  float page_sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) part[i2][c] = 0.f;
+  }
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float p = exp2_ftz(fmaf(s[4 * j + e], scale_log2, shift[e >> 1]));
-      page_sum[e >> 1] += p;
+      part[e >> 1][2 * (j & 1) + (e & 1)] += p;
       s[4 * j + e] = p;
     }
+  }
+  float page_sum[2];
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    page_sum[i2] = (part[i2][0] + part[i2][1]) + (part[i2][2] + part[i2][3]);
   }
   // P as the A operand, k-step kk: keys 16 kk .. 16 kk + 15.
   const __half2 beta0 = __float2half2_rn(beta[0]), beta1 = __float2half2_rn(beta[1]);
@@ -1011,13 +1038,14 @@ template <bool kFp8>
 __device__ __forceinline__ void issue_pv(const char* vs, const uint32_t (&pa)[8][4],
                                          float (&o)[64]) {
   fence_operands();
+  const uint64_t desc_v = descriptor(vs, kPageSize * kRowBytes);   // stepped as in issue_qk
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
-    const uint64_t desc_v = descriptor(vs + kk * 16 * kRowBytes, kPageSize * kRowBytes);
+    const uint64_t step = (kk * 16 * kRowBytes) >> 4;
     if constexpr (kFp8) {
-      wgmma_pv_f16(o, pa[kk], desc_v, 1);
+      wgmma_pv_f16(o, pa[kk], desc_v + step, 1);
     } else {
-      wgmma_pv_bf16(o, pa[kk], desc_v, 1);
+      wgmma_pv_bf16(o, pa[kk], desc_v + step, 1);
     }
   }
 }
@@ -1198,25 +1226,30 @@ __device__ __forceinline__ void load_tensor_page(const DecodeAttentionArgs& a, i
 }
 
 // e4m3: one tensor's slice of a page, raw, into the tensor's raw slot (row-major, 128 bytes a
-// row) by kLoaders threads, rows >= valid_rows zero-filled; then widen_own_chunks turns exactly
-// the chunks this thread copied into the 16-bit tile, so the loaders need no barrier among them.
+// row) by kLoaders threads, a quarter (32 rows) at a time, rows >= valid_rows zero-filled; then
+// widen_own_quarter turns exactly the chunks this thread copied into the 16-bit tile, so the
+// loaders need no barrier among them.
+constexpr int kRawQuarters = 4;
 constexpr int kRawChunksPerLoader = kPageSize * 8 / kLoaders;
-__device__ __forceinline__ void load_raw_page(const DecodeAttentionArgs& a, int head,
-                                              const PageRef& ref, const void* tensor, char* raw,
-                                              int valid_rows, int thread) {
+constexpr int kRawChunksPerQuarter = kRawChunksPerLoader / kRawQuarters;
+__device__ __forceinline__ void load_raw_quarter(const DecodeAttentionArgs& a, int head,
+                                                 const PageRef& ref, const void* tensor,
+                                                 char* raw, int valid_rows, int thread,
+                                                 int quarter) {
   const char* src = page_source(a, head, ref, tensor, 1, valid_rows);
-#pragma unroll 4
-  for (int i = 0; i < kRawChunksPerLoader; ++i) {
-    const int c = thread + i * kLoaders;
+#pragma unroll
+  for (int i = 0; i < kRawChunksPerQuarter; ++i) {
+    const int c = thread + (quarter * kRawChunksPerQuarter + i) * kLoaders;
     const bool valid = c / 8 < valid_rows;
     cp_async_16_or_zero(raw + c * 16, src + (valid ? static_cast<int64_t>(c) * 16 : 0), valid);
   }
 }
 
-__device__ __forceinline__ void widen_own_chunks(const char* raw, char* tile, int thread) {
-#pragma unroll 4
-  for (int i = 0; i < kRawChunksPerLoader; ++i) {
-    const int c = thread + i * kLoaders;
+__device__ __forceinline__ void widen_own_quarter(const char* raw, char* tile, int thread,
+                                                  int quarter) {
+#pragma unroll
+  for (int i = 0; i < kRawChunksPerQuarter; ++i) {
+    const int c = thread + (quarter * kRawChunksPerQuarter + i) * kLoaders;
     store_widened(*reinterpret_cast<const uint4*>(raw + c * 16), c / 8, c % 8, tile,
                   Shape<true>::kPageBlockBytes);
   }
@@ -1248,9 +1281,12 @@ __device__ __forceinline__ void stream_tensor(const DecodeAttentionArgs& a, cons
   asm volatile("cp.async.wait_all;\n" ::: "memory");   // no copy outlives its thread
 }
 
-// e4m3: one tensor's stream of the producer. Per page: the raw copies into this thread's chunks
-// of the raw slot (in flight while the ring stage drains), then, once the stage is empty, the
-// same chunks widened into it, fenced for the async proxy, and the full barrier told.
+// e4m3: one tensor's stream of the producer. The raw slot is a ring of four quarter pages: the
+// quarter just widened takes the next page's copies at once, so three quarters are in flight
+// while one is widened and the DRAM latency hides under the widening. Per page: the stage's
+// empty wait, then per quarter: wait for its copies (one cp.async group per quarter, the oldest
+// of four), widen them into the stage, issue the next page's; then fence for the async proxy
+// and tell the full barrier.
 template <int kStages, typename PageOf, typename Full, typename Empty, typename Tile>
 __device__ __forceinline__ void stream_tensor_fp8(const DecodeAttentionArgs& a,
                                                   const CtaContext& ctx, int num_pages,
@@ -1259,21 +1295,36 @@ __device__ __forceinline__ void stream_tensor_fp8(const DecodeAttentionArgs& a,
                                                   Tile tile) {
   sm90::RingState<kStages> ring;
   [[maybe_unused]] const int lab_actor = tensor == a.k ? 0 : 1;   // MSA_LAB_MARK
-  for (int i = 0; i < num_pages; ++i) {
-    const PageRef ref = page_of(i);
-    MSA_LAB_MARK(thread == 0, lab_actor, i, 0);
-    load_raw_page(a, ctx.head, ref, tensor, raw, page_valid_rows(ctx, ref), thread);
+  PageRef next = page_of(0);
+  int next_rows = num_pages > 0 ? page_valid_rows(ctx, next) : 0;
+#pragma unroll
+  for (int q = 0; q < kRawQuarters; ++q) {
+    if (num_pages > 0) load_raw_quarter(a, ctx.head, next, tensor, raw, next_rows, thread, q);
     cp_async_commit();
-    cp_async_wait_all();
+  }
+  for (int i = 0; i < num_pages; ++i) {
+    MSA_LAB_MARK(thread == 0, lab_actor, i, 0);
+    const bool more = i + 1 < num_pages;
+    if (more) {
+      next = page_of(i + 1);
+      next_rows = page_valid_rows(ctx, next);
+    }
     MSA_LAB_MARK(thread == 0, lab_actor, i, 1);
     empty(ring.index).wait(ring.phase ^ 1u);
     MSA_LAB_MARK(thread == 0, lab_actor, i, 2);
-    widen_own_chunks(raw, tile(ring.index), thread);
+#pragma unroll
+    for (int q = 0; q < kRawQuarters; ++q) {
+      sm80::cp_async_wait<kRawQuarters - 1>();     // this page's quarter q has landed
+      widen_own_quarter(raw, tile(ring.index), thread, q);
+      if (more) load_raw_quarter(a, ctx.head, next, tensor, raw, next_rows, thread, q);
+      cp_async_commit();                            // empty past the last page: the count holds
+    }
     fence_to_async_proxy();
     full(ring.index).arrive();
     MSA_LAB_MARK(thread == 0, lab_actor, i, 3);
     ring.advance();
   }
+  cp_async_wait_all();                              // no copy outlives its thread
 }
 
 template <bool kFp8>
@@ -1379,13 +1430,16 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   if (consumer == 1) sm90::named_arrive(1, 256);
   const int turns = num_pages + 1;                     // the last turn issues the last P V
   [[maybe_unused]] const bool lab_leader = threadIdx.x % 128 == 0;   // MSA_LAB_MARK
+  // Each page's reference is read a turn ahead: a dense page's is a page-table load, whose
+  // latency would otherwise open every turn; in flight, it hides under the turn's softmax.
+  PageRef next_page = page_of(0);
   for (int t = 0; t < turns; ++t) {
     MSA_LAB_MARK(lab_leader, 2 + consumer, t, 0);
     const bool has_page = t < num_pages;
-    PageRef page{};
+    const PageRef page = next_page;
+    if (t + 1 < num_pages) next_page = page_of(t + 1);
     bool active = false;
     if (has_page) {
-      page = page_of(t);
       active = group_active && page.token_mask != 0;
       k_full(k_ring.index).wait(k_ring.phase);
     }

@@ -305,6 +305,26 @@ def test_schedule_cuda_graph_and_sparse_ignore_lengths():
                               disable_split_kv=True)
 
 
+def test_cuda_graph_dense_plan_spreads_ragged_lengths_over_waves():
+    """Without the lengths, a CUDA-graph plan of a dense batch splits into several waves of
+    chunks (the CTA scheduler balances ragged requests) as long as chunks keep
+    MIN_BALANCE_CHUNK_PAGES pages; a plan that sees the lengths and a sparse one stay at one
+    wave."""
+    from msa.schedules.decode import GRAPH_SPLIT_WAVES, MIN_BALANCE_CHUNK_PAGES
+    lens = torch.full((32,), 100_000, dtype=torch.int32)
+    pages = -(-125_000 // 128)
+    graph = build_decode_schedule(lens, 128, 8, 64, 4, 128, 125_000, enable_cuda_graph=True)
+    assert graph.split_kv and graph.kv_chunk_size >= MIN_BALANCE_CHUNK_PAGES
+    waves = graph.num_work * graph.num_kv_heads / graph.max_grid_size
+    assert 0.5 * GRAPH_SPLIT_WAVES < waves <= GRAPH_SPLIT_WAVES
+    assert all(_covered_units(graph, b, pages) == list(range(pages)) for b in range(32))
+    seen = build_decode_schedule(lens, 128, 8, 64, 4, 128, 125_000)
+    assert not seen.split_kv and seen.num_work * seen.num_kv_heads <= seen.max_grid_size
+    # Short contexts keep one wave: chunks would fall under the floor.
+    short = build_decode_schedule(lens, 128, 8, 64, 4, 128, 5000, enable_cuda_graph=True)
+    assert not short.split_kv
+
+
 # ---------------------------------------------------------------------------------------------
 # Wrapper
 # ---------------------------------------------------------------------------------------------

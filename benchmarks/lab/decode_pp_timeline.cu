@@ -161,8 +161,8 @@ int main(int argc, char** argv) {
   }
   for (int s = 0; s < 2; ++s) {
     if (fp8) {
-      std::printf("%s stream (cycles per page): raw load %.0f, empty wait %.0f, widen %.0f, "
-                  "period %.0f\n",
+      std::printf("%s stream (cycles per page): next reference %.0f, empty wait %.0f, "
+                  "widen (its quarters' waits included) %.0f, period %.0f\n",
                   s == 0 ? "K" : "V", mean(s, 1, 0, 0), mean(s, 2, 1, 0), mean(s, 3, 2, 0),
                   mean(s, 0, 0, 1));
     } else {

@@ -46,6 +46,13 @@ QO_TILE_ROWS = 128
 # ping-pong form stays ahead everywhere. So: e4m3 q and K/V, and at least half as many blocks
 # as the 128-row tile's selections.
 QUERY_TILE_ROWS = 16
+# A CUDA-graph plan of a dense call cannot see the lengths, so one wave of equal chunks finishes
+# when the longest request does (a batch of lengths nominal +- 25 % ran ~1.25x its mean time).
+# It aims for GRAPH_SPLIT_WAVES waves instead, whose chunks the hardware's CTA scheduler hands to
+# SMs as they free up, where those chunks keep MIN_BALANCE_CHUNK_PAGES pages: a chunk's partial
+# (fp32 O of its rows, written and read back) costs ~2 pages of K/V traffic.
+GRAPH_SPLIT_WAVES = 4
+MIN_BALANCE_CHUNK_PAGES = 32
 
 
 def query_tile_rows(seqlen_q: int, group: int, max_seqlen_k: int, page_size: int,
@@ -238,6 +245,11 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
         chunk, split_kv = fixed_split_size, True
     else:
         chunk = choose_kv_chunk_size(units, ctas_per_chunk, max_grid_size)
+        if enable_cuda_graph and sparse_topk is None:
+            balanced = choose_kv_chunk_size(units, ctas_per_chunk,
+                                            GRAPH_SPLIT_WAVES * max_grid_size)
+            if balanced >= MIN_BALANCE_CHUNK_PAGES:
+                chunk = min(chunk, balanced)
         split_kv = any(u > chunk for u in units)
     if not split_kv:
         chunk = longest  # one chunk per request: the last (only) chunk runs to the end anyway
