@@ -177,6 +177,18 @@ struct CtaContext {
   int num_blocks;      // KV pages the request addresses: min(ceil(seqlen_k / 128), table width)
 };
 
+// A dense page's mask from its page-table entry: every token, or none for an id outside the
+// pool (never read; its keys are not attention's). Sparse refs come settled from the page list.
+__device__ __forceinline__ PageRef settle_page(const DecodeAttentionArgs& a, PageRef ref) {
+  if (a.q2k_indices == nullptr) {
+    ref.token_mask = ref.physical >= 0 && ref.physical < a.num_pages ? 0xFFFFFFFFu : 0u;
+  }
+  return ref;
+}
+
+// kSettle = false leaves a dense ref's mask to settle_page, so that the page-table load can stay
+// in flight.
+template <bool kSettle = true>
 __device__ __forceinline__ PageRef resolve_page(const DecodeAttentionArgs& a,
                                                 const CtaContext& ctx, int i,
                                                 const int* list_phys, const int* list_logical,
@@ -191,9 +203,7 @@ __device__ __forceinline__ PageRef resolve_page(const DecodeAttentionArgs& a,
   ref.logical = ctx.chunk_begin + i;
   ref.physical = __ldg(a.page_table + static_cast<int64_t>(ctx.request) * a.page_table_width +
                        ref.logical);
-  const bool ok = ref.physical >= 0 && ref.physical < a.num_pages;
-  ref.token_mask = ok ? 0xFFFFFFFFu : 0u;
-  return ref;
+  return kSettle ? settle_page(a, ref) : ref;
 }
 
 // The CTA's work item: request, KV head, chunk and qo tile from the schedule, the request's
@@ -522,11 +532,14 @@ __device__ __forceinline__ void scale_rows(float (&acc)[16][4], const float (&al
 }
 
 // Page `idx` of the CTA's list, or a skipped page past its end.
+template <bool kSettle = true>
 __device__ __forceinline__ PageRef page_or_none(const DecodeAttentionArgs& a,
                                                 const CtaContext& ctx, int idx, int num_pages,
                                                 const int* list_phys, const int* list_logical,
                                                 const uint32_t* list_mask) {
-  if (idx < num_pages) return resolve_page(a, ctx, idx, list_phys, list_logical, list_mask);
+  if (idx < num_pages) {
+    return resolve_page<kSettle>(a, ctx, idx, list_phys, list_logical, list_mask);
+  }
   PageRef none;
   none.physical = 0;
   none.logical = 0;
@@ -1430,14 +1443,18 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   if (consumer == 1) sm90::named_arrive(1, 256);
   const int turns = num_pages + 1;                     // the last turn issues the last P V
   [[maybe_unused]] const bool lab_leader = threadIdx.x % 128 == 0;   // MSA_LAB_MARK
-  // Each page's reference is read a turn ahead: a dense page's is a page-table load, whose
-  // latency would otherwise open every turn; in flight, it hides under the turn's softmax.
-  PageRef next_page = page_of(0);
+  // Each page's reference is read a turn ahead and settled at the top of its own turn: a dense
+  // page's is a page-table load, whose latency would otherwise open every turn. It is issued
+  // after the turn's fence for the async proxy (a MEMBAR, which waits for every load in flight)
+  // and hides under the turn's wgmmas and softmax.
+  auto early_ref = [&](int idx) {
+    return page_or_none<false>(a, ctx, idx, num_pages, list_phys, list_logical, list_mask);
+  };
+  PageRef next_page = early_ref(0);
   for (int t = 0; t < turns; ++t) {
     MSA_LAB_MARK(lab_leader, 2 + consumer, t, 0);
     const bool has_page = t < num_pages;
-    const PageRef page = next_page;
-    if (t + 1 < num_pages) next_page = page_of(t + 1);
+    const PageRef page = settle_page(a, next_page);
     bool active = false;
     if (has_page) {
       active = group_active && page.token_mask != 0;
@@ -1456,6 +1473,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     issue_pv<kFp8>(t > 0 ? v_tile(v_ring.index) : smem, pa, o);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     if (consumer == 0 || t + 1 < turns) sm90::named_arrive(other_turn, 256);
+    if (t + 1 < num_pages) next_page = early_ref(t + 1);
     MSA_LAB_MARK(lab_leader, 2 + consumer, t, 3);
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
     MSA_LAB_MARK(lab_leader, 2 + consumer, t, 4);
