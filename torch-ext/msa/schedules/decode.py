@@ -49,10 +49,13 @@ QUERY_TILE_ROWS = 16
 # A CUDA-graph plan of a dense call cannot see the lengths, so one wave of equal chunks finishes
 # when the longest request does (a batch of lengths nominal +- 25 % ran ~1.25x its mean time).
 # It aims for GRAPH_SPLIT_WAVES waves instead, whose chunks the hardware's CTA scheduler hands to
-# SMs as they free up, where those chunks keep MIN_BALANCE_CHUNK_PAGES pages: a chunk's partial
-# (fp32 O of its rows, written and read back) costs ~2 pages of K/V traffic.
-GRAPH_SPLIT_WAVES = 4
-MIN_BALANCE_CHUNK_PAGES = 32
+# SMs as they free up, where those chunks keep MIN_BALANCE_CHUNK_PAGES pages: a chunk costs its
+# partial (fp32 O of its rows, written and read back: ~2 pages of K/V traffic) and a pipeline
+# fill. On the H200 (MTP 8, bf16, lengths 100k +- 25 %): B 32 2198 -> 1999 us and B 64 4396 ->
+# 3884 us at 8 waves (chunks of 123 / 245 pages); B 8 with 16 chunks of 61 pages a request was
+# 10 % slower than with its one-wave 4 chunks, hence the floor of 96 pages.
+GRAPH_SPLIT_WAVES = 8
+MIN_BALANCE_CHUNK_PAGES = 96
 
 
 def query_tile_rows(seqlen_q: int, group: int, max_seqlen_k: int, page_size: int,
