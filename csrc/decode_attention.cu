@@ -171,8 +171,9 @@ struct CtaContext {
   int first_row;       // the tile's first row (token * G + query head in group) of the request
   int first_token;     // the tokens the tile's rows belong to: first_token .. + num_tokens - 1
   int num_tokens;
-  int chunk_begin;     // units: logical pages (dense) or q2k slots (sparse)
+  int chunk_begin;     // units: logical pages, or q2k slots with slot_chunks
   int chunk_end;
+  bool slot_chunks;    // sparse, one token per qo tile: the chunk is a range of q2k slots
   int seqlen_k;        // seqused_k[request], clamped to >= 0
   int num_blocks;      // KV pages the request addresses: min(ceil(seqlen_k / 128), table width)
 };
@@ -228,7 +229,11 @@ __device__ __forceinline__ bool make_context(const DecodeAttentionArgs& a, CtaCo
   ctx.num_tokens = (ctx.first_row + tile_rows - 1) / group - ctx.first_token + 1;
   ctx.seqlen_k = max(__ldg(a.seqused_k + ctx.request), 0);
   ctx.num_blocks = min((ctx.seqlen_k + kPageSize - 1) / kPageSize, a.page_table_width);
-  const int units_now = a.q2k_indices != nullptr ? a.topk : ctx.num_blocks;
+  // Sparse chunks are q2k slot ranges when every qo tile holds one token, else logical page
+  // ranges (schedules/decode.py: multi_token_tiles, the same rule).
+  ctx.slot_chunks = a.q2k_indices != nullptr &&
+                    !(a.seqlen_q > 1 && group % a.qo_tile_rows != 0);
+  const int units_now = ctx.slot_chunks ? a.topk : ctx.num_blocks;
   const bool last_chunk = chunk == __ldg(a.num_splits + ctx.request) - 1;
   ctx.chunk_begin = chunk * a.kv_chunk_size;
   ctx.chunk_end = last_chunk ? units_now : min(ctx.chunk_begin + a.kv_chunk_size, units_now);
@@ -385,22 +390,27 @@ __device__ __forceinline__ void load_queries(const DecodeAttentionArgs& a, const
   }
 }
 
-// Sparse: the distinct valid blocks the chunk's q2k slots of the tile's tokens select, in
-// (token, slot) order of first appearance, each with the mask of tokens that selected it (bit
-// t = token t of the request). Returns the page count.
+// Sparse: the distinct valid blocks the tile's tokens select in the chunk (its q2k slots, or with
+// page chunks every slot and the blocks in its page range), in (token, slot) order of first
+// appearance, each with the mask of tokens that selected it (bit t = token t of the request).
+// Returns the page count.
 // kNumThreads: the CTA's threads (all of them call it; warp_counts holds one int per warp).
 template <int kNumThreads = kThreads>
 __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaContext& ctx,
                                       int* cand, int* list_phys, int* list_logical,
                                       uint32_t* list_mask, int* warp_counts, int* total) {
-  const int num_slots = ctx.chunk_end - ctx.chunk_begin;
+  const int first_slot = ctx.slot_chunks ? ctx.chunk_begin : 0;
+  const int num_slots = ctx.slot_chunks ? ctx.chunk_end - ctx.chunk_begin
+                                        : (ctx.chunk_end > ctx.chunk_begin ? a.topk : 0);
+  const int first_block = ctx.slot_chunks ? 0 : ctx.chunk_begin;
+  const int end_block = ctx.slot_chunks ? ctx.num_blocks : min(ctx.chunk_end, ctx.num_blocks);
   const int num_cand = num_slots > 0 ? ctx.num_tokens * num_slots : 0;
   const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
   for (int c = threadIdx.x; c < num_cand; c += kNumThreads) {
-    const int token = ctx.first_token + c / num_slots, slot = ctx.chunk_begin + c % num_slots;
+    const int token = ctx.first_token + c / num_slots, slot = first_slot + c % num_slots;
     const int64_t row = static_cast<int64_t>(ctx.request) * a.seqlen_q + token;
     const int id = __ldg(a.q2k_indices + (ctx.head * total_q + row) * a.topk + slot);
-    cand[c] = (id >= 0 && id < ctx.num_blocks) ? id : -1;
+    cand[c] = (id >= first_block && id < end_block) ? id : -1;
   }
   if (threadIdx.x == 0) *total = 0;
   __syncthreads();

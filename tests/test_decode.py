@@ -298,11 +298,30 @@ def test_schedule_cuda_graph_and_sparse_ignore_lengths():
     assert a.planned_units == [8, 8] and a.split_kv
     assert torch.equal(a.merge_indptr_host, b.merge_indptr_host)
     assert a.kv_chunk_size == b.kv_chunk_size
+    # Sparse: one-token qo tiles split q2k slots; tiles of several tokens split pages (from
+    # max_seqlen_k, so a block the tokens select in different slots streams once).
+    one = build_decode_schedule(lens_a, 128, 1, 16, 4, 128, 1024, sparse_topk=16)
+    assert one.planned_units == [16, 16] and one.slot_chunks and one.kv_chunk_size_tokens is None
     sp = build_decode_schedule(lens_a, 128, 2, 16, 4, 128, 1024, sparse_topk=16)
-    assert sp.planned_units == [16, 16] and sp.sparse and sp.kv_chunk_size_tokens is None
+    assert sp.planned_units == [8, 8] and sp.sparse and not sp.slot_chunks
+    assert torch.equal(sp.merge_indptr_host, build_decode_schedule(
+        lens_b, 128, 2, 16, 4, 128, 1024, sparse_topk=16).merge_indptr_host)
+    tiles16 = build_decode_schedule(lens_a, 128, 8, 64, 4, 128, 1024, sparse_topk=16,
+                                    qo_tile_rows=16)
+    assert tiles16.slot_chunks and tiles16.planned_units == [16, 16]
     with pytest.raises(ValueError, match="^fixed_split_size"):
         build_decode_schedule(lens_a, 128, 2, 16, 4, 128, 1024, fixed_split_size=2,
                               disable_split_kv=True)
+
+
+def test_multi_token_tiles_rule():
+    """A qo tile holds rows of several tokens unless it divides G (or there is one token)."""
+    from msa.schedules.decode import multi_token_tiles
+    assert multi_token_tiles(8, 16, 128)          # 8 tokens x G 16 in one tile
+    assert not multi_token_tiles(8, 16, 16)       # one token a tile
+    assert not multi_token_tiles(8, 16, 8)        # half a token a tile
+    assert multi_token_tiles(8, 16, 12)           # tiles straddle tokens
+    assert not multi_token_tiles(1, 4, 128)       # one query per request
 
 
 def test_cuda_graph_dense_plan_spreads_ragged_lengths_over_waves():

@@ -18,8 +18,9 @@ DECODE_TENSOR_FIELDS = ("num_splits_host", "merge_indptr_host", "request_indices
                         "merge_indptr", "request_indices", "kv_tile_indices", "qo_tile_indices")
 DECODE_INT_FIELDS = ("batch_size", "seqlen_q", "num_qo_heads", "num_kv_heads", "head_dim",
                      "page_size", "sparse_topk", "enable_cuda_graph", "max_grid_size",
-                     "split_kv", "kv_chunk_size", "qo_tile_rows", "num_qo_tiles")
-DECODE_BOOL_FIELDS = ("enable_cuda_graph", "split_kv")
+                     "split_kv", "kv_chunk_size", "qo_tile_rows", "slot_chunks",
+                     "num_qo_tiles")
+DECODE_BOOL_FIELDS = ("enable_cuda_graph", "split_kv", "slot_chunks")
 # The plan entries the dense fmha backends read (a test checks they read no other).
 FMHA_PLAN_TENSORS = ("cu_seqlens_q", "cu_seqlens_k", "kv_segment_lens")
 FMHA_PLAN_VALUES = ("causal", "batch", "max_seqlen_q", "max_seqlen_k", "num_kv_splits",

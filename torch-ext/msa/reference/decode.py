@@ -242,15 +242,18 @@ def split_decode_reference(q, k, v, q2k, page_table, seqused_k, seqlen_q, schedu
         slots = torch.arange(topk, device=q2k.device).view(1, 1, topk)
         max_chunks = int(schedule.num_splits_host.max())
         for chunk in range(max_chunks):
-            # One CSR pass per chunk index: every request keeps only this chunk's slots.
-            lo = torch.full((batch,), topk, dtype=torch.int64)
-            hi = torch.full((batch,), topk, dtype=torch.int64)
+            # One pass per chunk index: every request keeps only this chunk's slots (slot chunks)
+            # or the selected blocks in this chunk's page range (page chunks).
+            lo = torch.zeros(batch, dtype=torch.int64)
+            hi = torch.zeros(batch, dtype=torch.int64)
             for b in range(batch):
                 if chunk < int(schedule.num_splits_host[b]):
-                    lo[b], hi[b] = schedule.chunk_range(b, chunk, topk)
+                    units = topk if schedule.slot_chunks else _ceil_div(int(lens[b]), page_size)
+                    lo[b], hi[b] = schedule.chunk_range(b, chunk, units)
             lo_q = lo.repeat_interleave(seqlen_q).to(q2k.device).view(1, -1, 1)
             hi_q = hi.repeat_interleave(seqlen_q).to(q2k.device).view(1, -1, 1)
-            q2k_chunk = torch.where((slots >= lo_q) & (slots < hi_q), q2k,
+            unit = slots if schedule.slot_chunks else q2k
+            q2k_chunk = torch.where((unit >= lo_q) & (unit < hi_q), q2k,
                                     torch.full_like(q2k, -1))
             o, lse = sparse_decode_reference(q, k, v, q2k_chunk, page_table, seqused_k,
                                              seqlen_q, softmax_scale=softmax_scale,

@@ -10,7 +10,12 @@ combines the partials of request b, found at ``merge_indptr[b] .. merge_indptr[b
 
 Units of the KV range:
   * dense decode: KV pages of ``page_size`` tokens (logical page ids of the request);
-  * sparse decode: slots of the ``q2k`` row (each query's selected blocks), ``topK`` per request.
+  * sparse decode with qo tiles of one token: slots of the ``q2k`` row (the token's selected
+    blocks, distinct, so equal slot counts balance), ``topK`` per request;
+  * sparse decode with qo tiles spanning several tokens (MTP at G < qo_tile_rows): logical pages,
+    as dense. A tile streams the union of its tokens' selections; cut by slots, a block that the
+    tokens select in different slots would be streamed once per chunk. A page chunk reads every
+    slot of its tokens and keeps the blocks in its page range (:func:`multi_token_tiles`).
 
 Chunk s of a request covers units ``[s * kv_chunk_size, (s + 1) * kv_chunk_size)``, except the
 request's last chunk, which runs to the request's end as the kernel sees it on the device
@@ -58,6 +63,13 @@ GRAPH_SPLIT_WAVES = 8
 MIN_BALANCE_CHUNK_PAGES = 96
 
 
+def multi_token_tiles(seqlen_q: int, group: int, qo_tile_rows: int) -> bool:
+    """Whether a qo tile can hold rows of several tokens (rows are token * G + head in
+    group, cut into tiles of qo_tile_rows): then a sparse plan's chunks are page ranges, not q2k
+    slot ranges. The decode kernel applies the same rule to the same arguments."""
+    return seqlen_q > 1 and group % qo_tile_rows != 0
+
+
 def query_tile_rows(seqlen_q: int, group: int, max_seqlen_k: int, page_size: int,
                     sparse_topk: Optional[int]) -> Optional[int]:
     """Rows of the query tiles a sparse call of e4m3 q and K/V takes instead of QO_TILE_ROWS
@@ -91,8 +103,9 @@ class DecodeSchedule:
     split_kv: bool                      # partials + merge (True) or direct output (False)
     kv_chunk_size: int                  # units (pages, or q2k slots when sparse) per chunk
     qo_tile_rows: int                   # rows (token * G + head in group) per qo tile
+    slot_chunks: bool                   # sparse units are q2k slots (else pages; see module doc)
     num_qo_tiles: int                   # ceil(seqlen_q * G / qo_tile_rows)
-    planned_units: List[int]            # per request: pages (dense) or topK (sparse) planned for
+    planned_units: List[int]            # per request: pages, or topK with slot_chunks, planned for
     num_splits_host: torch.Tensor       # [B] int32: chunks of each request
     merge_indptr_host: torch.Tensor     # [B+1] int32: exclusive prefix of num_splits
     request_indices_host: torch.Tensor  # [num_work] int32: work item -> request
@@ -198,9 +211,10 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
       enable_cuda_graph: size the plan from ``max_seqlen_k`` for every request, so one plan
         serves every replay whatever the lengths are.
       max_grid_size: CTA budget (default: the device's SM count, 132 without a GPU).
-      fixed_split_size: chunk size in units (pages; slots when sparse); forces split-KV.
+      fixed_split_size: chunk size in units (pages; slots with slot chunks); forces split-KV.
       disable_split_kv: one chunk per request, direct output, no workspaces.
-      sparse_topk: topK of the q2k rows for sparse decode (units are then q2k slots).
+      sparse_topk: topK of the q2k rows for sparse decode (units are then q2k slots, or pages
+        when a qo tile spans several tokens: see the module docstring).
       qo_tile_rows: query rows per CTA tile, 1..QO_TILE_ROWS (default QO_TILE_ROWS).
 
     Returns a :class:`DecodeSchedule` with index tensors on ``seqused_k``'s device.
@@ -228,17 +242,21 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
     if max_grid_size is None:
         max_grid_size = sm_count(device)
 
-    if sparse_topk is not None:
+    group = num_qo_heads // num_kv_heads
+    if qo_tile_rows is None:
+        qo_tile_rows = QO_TILE_ROWS
+    slot_chunks = sparse_topk is not None and not multi_token_tiles(seqlen_q, group,
+                                                                      qo_tile_rows)
+    if slot_chunks:
         units = [sparse_topk] * batch
+    elif sparse_topk is not None:
+        units = [_ceil_div(max_seqlen_k, page_size)] * batch
     elif enable_cuda_graph:
         units = [_ceil_div(max_seqlen_k, page_size)] * batch
     else:
         lens = seqused_k.to("cpu", torch.int64).clamp_min(0)
         units = [_ceil_div(int(n), page_size) for n in lens.tolist()]
 
-    group = num_qo_heads // num_kv_heads
-    if qo_tile_rows is None:
-        qo_tile_rows = QO_TILE_ROWS
     num_qo_tiles = _ceil_div(seqlen_q * group, qo_tile_rows)
     ctas_per_chunk = num_qo_tiles * num_kv_heads
     longest = max(max(units, default=0), 1)
@@ -276,7 +294,8 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
         num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
         sparse_topk=sparse_topk, enable_cuda_graph=bool(enable_cuda_graph),
         max_grid_size=int(max_grid_size), split_kv=bool(split_kv), kv_chunk_size=int(chunk),
-        qo_tile_rows=int(qo_tile_rows), num_qo_tiles=num_qo_tiles, planned_units=units, num_splits_host=num_splits_host,
+        qo_tile_rows=int(qo_tile_rows), slot_chunks=slot_chunks, num_qo_tiles=num_qo_tiles,
+        planned_units=units, num_splits_host=num_splits_host,
         merge_indptr_host=merge_indptr_host, request_indices_host=host["request"],
         kv_tile_indices_host=host["kv"], qo_tile_indices_host=host["qo"],
         num_splits=num_splits_host.to(device), merge_indptr=merge_indptr_host.to(device),
