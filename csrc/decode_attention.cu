@@ -1230,51 +1230,91 @@ __device__ __forceinline__ const char* page_source(const DecodeAttentionArgs& a,
   return src;
 }
 
-__device__ __forceinline__ void load_tensor_page(const DecodeAttentionArgs& a, int head,
-                                                 const PageRef& ref, const void* tensor,
-                                                 char* tile, int valid_rows, int thread) {
-  constexpr int kChunksPerRow = 16;
-  constexpr int kChunks = kPageSize * kChunksPerRow;
-  static_assert(kChunks % kLoaders == 0, "every loader issues the same number of copies");
-  const char* src = page_source(a, head, ref, tensor, 2, valid_rows);
-#pragma unroll 4
-  for (int i = 0; i < kChunks / kLoaders; ++i) {
-    const int c = thread + i * kLoaders;
-    const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
-    const bool valid = row < valid_rows;
-    cp_async_16_or_zero(tile + (chunk / 8) * Shape<false>::kPageBlockBytes +
-                            swizzled(row, chunk % 8),
-                        src + (valid ? static_cast<int64_t>(c) * 16 : 0), valid);
+// A bf16 loader's chunks: column chunk thread % 16 of rows thread / 16 + 4 i, i = 0 .. 31 (each
+// step copies 1 KB of consecutive bytes); the row's swizzle phase alternates with i, so two tile
+// offsets serve every step.
+struct PageLoader {
+  static constexpr int kRowsPerStep = kLoaders / 16;
+  static constexpr int kSteps = kPageSize / kRowsPerStep;
+  int first_row;
+  int src_offset;
+  int tile_offset[2];    // the first row's chunk in the tile; [1]: the row 4 further (phase + 4)
+  __device__ __forceinline__ explicit PageLoader(int thread) {
+    const int chunk = thread % 16;
+    first_row = thread / 16;
+    src_offset = first_row * 2 * kHeadDim + chunk * 16;
+    const int block = (chunk / 8) * Shape<false>::kPageBlockBytes;
+    tile_offset[0] = block + swizzled(first_row, chunk % 8);
+    tile_offset[1] = block + swizzled(first_row + kRowsPerStep, chunk % 8) - kRowsPerStep * kRowBytes;
+  }
+};
+static_assert(PageLoader::kRowsPerStep == 4, "rows 4 apart alternate two swizzle phases");
+
+__device__ __forceinline__ void load_tensor_page(const PageLoader& me, const char* src,
+                                                 char* tile, int valid_rows) {
+#pragma unroll
+  for (int i = 0; i < PageLoader::kSteps; ++i) {
+    const bool valid = me.first_row + PageLoader::kRowsPerStep * i < valid_rows;
+    const int src_bytes = me.src_offset + i * PageLoader::kRowsPerStep * 2 * kHeadDim;
+    cp_async_16_or_zero(tile + me.tile_offset[i & 1] + i * PageLoader::kRowsPerStep * kRowBytes,
+                        src + (valid ? src_bytes : 0), valid);
   }
 }
 
 // e4m3: one tensor's slice of a page, raw, into the tensor's raw slot (row-major, 128 bytes a
 // row) by kLoaders threads, a quarter (32 rows) at a time, rows >= valid_rows zero-filled; then
 // widen_own_quarter turns exactly the chunks this thread copied into the 16-bit tile, so the
-// loaders need no barrier among them.
+// loaders need no barrier among them. A loader's chunks are chunk thread % 8 of rows
+// 8 i + (thread / 8 ^ (thread / 4) % 2), i = 0 .. 15: the rows of chunks 4-7 are swapped pairwise, so the eight
+// threads of a quarter warp store their widened chunks to eight distinct 16-byte bank groups
+// (chunks j and j + 4 of one row land on the same groups of the two column blocks) without
+// selecting which half a thread stores first.
 constexpr int kRawQuarters = 4;
+constexpr int kRawRowsPerStep = kLoaders / 8;
 constexpr int kRawChunksPerLoader = kPageSize * 8 / kLoaders;
 constexpr int kRawChunksPerQuarter = kRawChunksPerLoader / kRawQuarters;
-__device__ __forceinline__ void load_raw_quarter(const DecodeAttentionArgs& a, int head,
-                                                 const PageRef& ref, const void* tensor,
-                                                 char* raw, int valid_rows, int thread,
-                                                 int quarter) {
-  const char* src = page_source(a, head, ref, tensor, 1, valid_rows);
+static_assert(kRawRowsPerStep == 8, "a loader's rows keep one row % 8 (one swizzle phase)");
+
+// A loader's place in the raw slot and the 16-bit tile: its first row (raw_row(thread, 0); row
+// i is 8 i further, the same swizzle phase), its chunk, and the byte offsets of both.
+struct RawLoader {
+  int first_row;
+  int raw_offset;        // first row's chunk in the raw slot and in the page as stored
+  int tile_offset;       // first row's f16 chunk 2 (chunk % 4) in the tile (+ 16 ^ swizzle: the next)
+  int next_offset;       // the f16 chunk 2 (chunk % 4) + 1, relative to the tile
+  __device__ __forceinline__ explicit RawLoader(int thread) {
+    const int chunk = thread & 7;
+    first_row = (thread >> 3) ^ ((thread >> 2) & 1);
+    raw_offset = first_row * kRowBytes + chunk * 16;
+    const int block = (chunk >> 2) * Shape<true>::kPageBlockBytes;
+    tile_offset = block + swizzled(first_row, 2 * (chunk & 3));
+    next_offset = block + swizzled(first_row, 2 * (chunk & 3) + 1);
+  }
+};
+
+__device__ __forceinline__ void load_raw_quarter(const RawLoader& me, const char* src, char* raw,
+                                                 int valid_rows, int quarter) {
 #pragma unroll
-  for (int i = 0; i < kRawChunksPerQuarter; ++i) {
-    const int c = thread + (quarter * kRawChunksPerQuarter + i) * kLoaders;
-    const bool valid = c / 8 < valid_rows;
-    cp_async_16_or_zero(raw + c * 16, src + (valid ? static_cast<int64_t>(c) * 16 : 0), valid);
+  for (int k = 0; k < kRawChunksPerQuarter; ++k) {
+    const int step = quarter * kRawChunksPerQuarter + k;
+    const bool valid = me.first_row + kRawRowsPerStep * step < valid_rows;
+    const int offset = me.raw_offset + step * kRawRowsPerStep * kRowBytes;
+    cp_async_16_or_zero(raw + offset, src + (valid ? offset : 0), valid);
   }
 }
 
-__device__ __forceinline__ void widen_own_quarter(const char* raw, char* tile, int thread,
-                                                  int quarter) {
+__device__ __forceinline__ void widen_own_quarter(const RawLoader& me, const char* raw,
+                                                  char* tile, int quarter) {
 #pragma unroll
-  for (int i = 0; i < kRawChunksPerQuarter; ++i) {
-    const int c = thread + (quarter * kRawChunksPerQuarter + i) * kLoaders;
-    store_widened(*reinterpret_cast<const uint4*>(raw + c * 16), c / 8, c % 8, tile,
-                  Shape<true>::kPageBlockBytes);
+  for (int k = 0; k < kRawChunksPerQuarter; ++k) {
+    const int step_bytes = (quarter * kRawChunksPerQuarter + k) * kRawRowsPerStep * kRowBytes;
+    const uint4 w = *reinterpret_cast<const uint4*>(raw + me.raw_offset + step_bytes);
+    *reinterpret_cast<uint4*>(tile + me.tile_offset + step_bytes) =
+        make_uint4(e4m3x2_lo_to_f16x2(w.x), e4m3x2_hi_to_f16x2(w.x), e4m3x2_lo_to_f16x2(w.y),
+                   e4m3x2_hi_to_f16x2(w.y));
+    *reinterpret_cast<uint4*>(tile + me.next_offset + step_bytes) =
+        make_uint4(e4m3x2_lo_to_f16x2(w.z), e4m3x2_hi_to_f16x2(w.z), e4m3x2_lo_to_f16x2(w.w),
+                   e4m3x2_hi_to_f16x2(w.w));
   }
 }
 
@@ -1290,13 +1330,15 @@ __device__ __forceinline__ void stream_tensor(const DecodeAttentionArgs& a, cons
                                               Tile tile) {
   sm90::RingState<kStages> ring;
   [[maybe_unused]] const int lab_actor = tensor == a.k ? 0 : 1;   // MSA_LAB_MARK
+  const PageLoader me(thread);
   for (int i = 0; i < num_pages; ++i) {
     const PageRef ref = page_of(i);
-    const int valid_rows = page_valid_rows(ctx, ref);
+    int valid_rows = page_valid_rows(ctx, ref);
+    const char* src = page_source(a, ctx.head, ref, tensor, 2, valid_rows);
     MSA_LAB_MARK(thread == 0, lab_actor, i, 0);
     empty(ring.index).wait(ring.phase ^ 1u);
     MSA_LAB_MARK(thread == 0, lab_actor, i, 1);
-    load_tensor_page(a, ctx.head, ref, tensor, tile(ring.index), valid_rows, thread);
+    load_tensor_page(me, src, tile(ring.index), valid_rows);
     full(ring.index).arrive_on_copies();
     MSA_LAB_MARK(thread == 0, lab_actor, i, 2);
     ring.advance();
@@ -1318,28 +1360,32 @@ __device__ __forceinline__ void stream_tensor_fp8(const DecodeAttentionArgs& a,
                                                   Tile tile) {
   sm90::RingState<kStages> ring;
   [[maybe_unused]] const int lab_actor = tensor == a.k ? 0 : 1;   // MSA_LAB_MARK
-  PageRef next = page_of(0);
-  int next_rows = num_pages > 0 ? page_valid_rows(ctx, next) : 0;
+  const RawLoader me(thread);
+  int next_rows = 0;
+  const char* next_src = nullptr;
+  auto locate = [&](int idx) {     // page idx's source and rows to read
+    const PageRef ref = page_of(idx);
+    next_rows = page_valid_rows(ctx, ref);
+    next_src = page_source(a, ctx.head, ref, tensor, 1, next_rows);
+  };
+  if (num_pages > 0) locate(0);
 #pragma unroll
   for (int q = 0; q < kRawQuarters; ++q) {
-    if (num_pages > 0) load_raw_quarter(a, ctx.head, next, tensor, raw, next_rows, thread, q);
+    if (num_pages > 0) load_raw_quarter(me, next_src, raw, next_rows, q);
     cp_async_commit();
   }
   for (int i = 0; i < num_pages; ++i) {
     MSA_LAB_MARK(thread == 0, lab_actor, i, 0);
     const bool more = i + 1 < num_pages;
-    if (more) {
-      next = page_of(i + 1);
-      next_rows = page_valid_rows(ctx, next);
-    }
+    if (more) locate(i + 1);
     MSA_LAB_MARK(thread == 0, lab_actor, i, 1);
     empty(ring.index).wait(ring.phase ^ 1u);
     MSA_LAB_MARK(thread == 0, lab_actor, i, 2);
 #pragma unroll
     for (int q = 0; q < kRawQuarters; ++q) {
       sm80::cp_async_wait<kRawQuarters - 1>();     // this page's quarter q has landed
-      widen_own_quarter(raw, tile(ring.index), thread, q);
-      if (more) load_raw_quarter(a, ctx.head, next, tensor, raw, next_rows, thread, q);
+      widen_own_quarter(me, raw, tile(ring.index), q);
+      if (more) load_raw_quarter(me, next_src, raw, next_rows, q);
       cp_async_commit();                            // empty past the last page: the count holds
     }
     fence_to_async_proxy();

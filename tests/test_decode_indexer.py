@@ -288,6 +288,41 @@ def test_step_wrapper_is_indexer_then_sparse_attention(seed, fmt):
     assert torch.equal(out, attention.run(q, k, v))
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "e4m3"])
+def test_step_wrapper_selects_every_block_of_short_requests(seed, fmt):
+    """Requests of at most topk blocks: every visible block is selected whatever the scores, so
+    the step writes that selection without scoring (ascending, the own block last, rows without
+    keys all -1) and its O is sparse attention over the oracle's selection."""
+    lens, seqlen_q, hkv, group, topk = [512, 129, 2, 300], 3, 2, 4, 4
+    inputs, keys = make_index_batch(lens, seqlen_q, hkv, fmt)
+    dtype = BF16 if fmt == "bf16" else FP8
+    pages = inputs["k_idx"].shape[0]
+    k = torch.randn(pages, hkv, P, 128).to(dtype)
+    v = torch.randn(pages, hkv, P, 128).to(dtype)
+    q = torch.randn(len(lens) * seqlen_q, hkv * group, 128).to(dtype)
+    plan = dict(page_table=inputs["page_table"], seqused_k=inputs["seqused_k"],
+                seqlen_q=seqlen_q, num_qo_heads=hkv * group, num_kv_heads=hkv, topk=topk)
+    assert not msa.MSADecodeStepWrapper().plan(**plan, max_seqlen_k=topk * P + 1) \
+        .selects_every_block
+    step = msa.MSADecodeStepWrapper().plan(**plan, max_seqlen_k=topk * P)
+    assert step.selects_every_block
+    step.q2k_indices.fill_(7)                       # poisoned: every slot must be written
+    out = step.update().run(q, k, v, inputs["q_idx"], inputs["k_idx"])
+    selection = oracle(inputs, keys, seqlen_q, topk)[0]
+    for h in range(hkv):
+        for row in range(len(lens) * seqlen_q):
+            got, want = step.q2k_indices[h, row].tolist(), selection[h, row].tolist()
+            count = sum(i >= 0 for i in want)
+            if count:   # the same blocks, history ascending, the own block last
+                assert got[:count] == sorted(want[:count - 1]) + [want[count - 1]]
+            assert got[count:] == [-1] * (topk - count)
+    attention = msa.SparseDecodePagedAttentionWrapper().plan(
+        page_table=inputs["page_table"], seqused_k=inputs["seqused_k"], seqlen_q=seqlen_q,
+        max_seqlen_k=topk * P, q2k_indices=selection, num_qo_heads=hkv * group,
+        num_kv_heads=hkv, enable_cuda_graph=True)
+    torch.testing.assert_close(out, attention.run(q, k, v), rtol=0, atol=0)
+
+
 def test_step_wrapper_shares_one_plan_and_checks_it():
     inputs, _ = make_index_batch([600, 900], 1, 1, "bf16")
     step = msa.MSADecodeStepWrapper().plan(

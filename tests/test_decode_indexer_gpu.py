@@ -250,3 +250,56 @@ def test_native_step_wrapper(msa_pkg, native_only, seed, fmt, monkeypatch, tier)
     ref_out, ref_lse = attention_oracle(q, k, v, inputs["page_table"], inputs["seqused_k"],
                                         seqlen_q, sel)
     check_against_oracle(out, lse, ref_out, ref_lse, fp8_pv=fmt == "e4m3")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "e4m3"])
+def test_native_step_wrapper_selects_every_block_of_short_requests(msa_pkg, native_only, seed,
+                                                                   fmt, monkeypatch, tier):
+    """Requests of at most topk blocks (MTP 8, G 16, top-16, up to 2048 keys): the step writes
+    every visible block without scoring and attends densely; O is sparse decode attention over
+    that selection, eager and replayed in a CUDA graph after the lengths grew."""
+    from test_decode import check_against_oracle, oracle as attention_oracle
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    grown, seqlen_q, hkv, group, topk = [2048, 700, 130, 1500], 8, 4, 16, 16
+    inputs, _ = make_index_batch(grown, seqlen_q, hkv, fmt, device="cuda")
+    inputs["seqused_k"].copy_(torch.tensor([2000, 129, 5, 1000], dtype=torch.int32))
+    dtype = inputs["k_idx"].dtype
+    pages = inputs["k_idx"].shape[0]
+    k = torch.randn(pages, hkv, P, 128, device="cuda").to(dtype)
+    v = torch.randn(pages, hkv, P, 128, device="cuda").to(dtype)
+    q = torch.randn(len(grown) * seqlen_q, hkv * group, 128, device="cuda").to(dtype)
+    step = msa_pkg.MSADecodeStepWrapper().plan(
+        page_table=inputs["page_table"], seqused_k=inputs["seqused_k"], seqlen_q=seqlen_q,
+        max_seqlen_k=topk * P, num_qo_heads=hkv * group, num_kv_heads=hkv, topk=topk)
+    assert step.selects_every_block
+
+    def check(out, lse):
+        sel = step.q2k_indices.cpu()
+        for b, n in enumerate(inputs["seqused_k"].tolist()):
+            for i in range(seqlen_q):
+                own = (n - seqlen_q + i) // P if n - seqlen_q + i >= 0 else -1
+                want = [j if j <= own else -1 for j in range(topk)]
+                assert (sel[:, b * seqlen_q + i] == torch.tensor(want, dtype=torch.int32)).all()
+        ref_out, ref_lse = attention_oracle(q, k, v, inputs["page_table"], inputs["seqused_k"],
+                                            seqlen_q, sel.cuda())
+        check_against_oracle(out, lse, ref_out, ref_lse, fp8_pv=fmt == "e4m3")
+
+    out = torch.full_like(q, float("nan"), dtype=torch.bfloat16)
+    lse = torch.full(q.shape[:2], float("nan"), device="cuda")
+    step.q2k_indices.fill_(7)
+    step.update().run(q, k, v, inputs["q_idx"], inputs["k_idx"], out=out, lse=lse,
+                      return_softmax_lse=True)
+    torch.cuda.synchronize()
+    assert msa_pkg._backend.last_backend("sparse_decode_atten") == tier
+    check(out, lse)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step.run(q, k, v, inputs["q_idx"], inputs["k_idx"], out=out, lse=lse,
+                 return_softmax_lse=True)
+    inputs["seqused_k"].copy_(torch.tensor(grown, dtype=torch.int32))
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    step.q2k_indices.fill_(7)
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, lse)

@@ -3,7 +3,11 @@ q2k selection, then block-sparse paged decode attention reads it (:class:`MSADec
 
 ``plan`` (outside CUDA-graph capture) builds the indexer's work split, a persistent q2k buffer
 [Hkv, B * seqlen_q, topk] and a :class:`msa.SparseDecodePagedAttentionWrapper` planned on that
-buffer (its sparse schedule depends only on topk, so it serves every length). Per decode step,
+buffer (its sparse schedule depends only on topk, so it serves every length). When no request
+can hold more than topk blocks (``ceil(max_seqlen_k / 128) <= topk``) the top-k keeps every
+visible block whatever the scores: run() then writes that selection directly (history blocks
+ascending, the own block last, as the top-k contract allows) and attends densely, which is the
+same attention without the index scores or the q2k union. Per decode step,
 after writing new lengths into ``seqused_k``: ``update()`` once (the indexer's split of the live
 blocks; several layers' wrappers may share one plan, see ``plan(indexer_plan=...)``), then
 ``run(...)`` for the layer. Everything run does is capturable: no host synchronization, fixed
@@ -19,7 +23,7 @@ import torch
 from . import _backend
 from ._validation import (check_decode_values, check_positive_int, check_qhead_per_kv,
                           check_tensor, check_topk, value_checks_requested)
-from .decode import SparseDecodePagedAttentionWrapper, _check_seqlen_q, run_decode
+from .decode import PAGE_SIZE, SparseDecodePagedAttentionWrapper, _check_seqlen_q, run_decode
 from .decode_indexer import (DecodeIndexerPlan, check_indexer_args, make_decode_indexer_plan,
                              run_indexer_call)
 
@@ -41,7 +45,12 @@ class MSADecodeStepWrapper:
         self.indexer_plan: Optional[DecodeIndexerPlan] = None
         self.attention: Optional[SparseDecodePagedAttentionWrapper] = None
         self.q2k_indices: Optional[torch.Tensor] = None
+        self.selects_every_block = False
         self._page_table = None
+        self._seqused_k = None
+        self._slot_needs = None
+        self._slots = None
+        self._no_block = None
         self._check_input_valid = False
 
     def plan(self, *, page_table, seqused_k, seqlen_q, max_seqlen_k, num_qo_heads, num_kv_heads,
@@ -51,7 +60,9 @@ class MSADecodeStepWrapper:
         """Plan a batch; returns self.
 
         page_table [B, max_pages] int32 and seqused_k [B] int32 are kept by reference (write
-        new lengths / pages into them before each step). seqlen_q: queries per request (1..16,
+        new lengths / pages into them before each step). max_seqlen_k bounds every length; with
+        ceil(max_seqlen_k / 128) <= topk every visible block is selected, and run() skips the
+        index scores (``selects_every_block``). seqlen_q: queries per request (1..16,
         MTP). num_index_heads: index heads H_idx of q_idx (default num_kv_heads; must divide
         it). topk in {4, 8, 16, 32}. max_ctas: the indexer's CTA budget (default two per SM).
         indexer_plan: a :class:`DecodeIndexerPlan` of this batch to share with other layers'
@@ -87,21 +98,34 @@ class MSADecodeStepWrapper:
                 raise ValueError("indexer_plan: was made for other lengths, seqlen_q, index "
                                  "heads or topk than this plan call")
         _check_seqlen_q(seqlen_q)
-        q2k = torch.full((num_kv_heads, seqused_k.numel() * seqlen_q, topk), -1,
-                         dtype=torch.int32, device=seqused_k.device)
+        check_positive_int("max_seqlen_k", max_seqlen_k, minimum=1)
+        batch, device = seqused_k.numel(), seqused_k.device
+        q2k = torch.full((num_kv_heads, batch * seqlen_q, topk), -1, dtype=torch.int32,
+                         device=device)
+        selects_every_block = -(-max_seqlen_k // PAGE_SIZE) <= topk
         # The attention plan validates the layout (no launch); the indexer plan launches its
         # first update, so it comes last.
         attention = SparseDecodePagedAttentionWrapper().plan(
             page_table=page_table, seqused_k=seqused_k, seqlen_q=seqlen_q,
-            max_seqlen_k=max_seqlen_k, q2k_indices=q2k, num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads, enable_cuda_graph=True, qo_tile_rows=qo_tile_rows,
-            check_input_valid=check_values)
+            max_seqlen_k=max_seqlen_k, q2k_indices=None if selects_every_block else q2k,
+            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, enable_cuda_graph=True,
+            qo_tile_rows=qo_tile_rows, check_input_valid=check_values)
+        if selects_every_block:
+            # Slot j of MTP query i holds block j while 128 j <= its position
+            # seqused_k - seqlen_q + i, i.e. while 128 j + seqlen_q - i <= seqused_k.
+            slots = torch.arange(topk, dtype=torch.int32, device=device)
+            query = torch.arange(seqlen_q, dtype=torch.int32, device=device)
+            needs = PAGE_SIZE * slots + (seqlen_q - query)[:, None]          # [Q, topk]
+            self._slot_needs = needs.expand(num_kv_heads, 1, seqlen_q, topk)
+            self._slots = slots
+            self._no_block = torch.full((), -1, dtype=torch.int32, device=device)
         if indexer_plan is None:
             indexer_plan = make_decode_indexer_plan(
                 seqused_k, seqlen_q=seqlen_q, num_index_heads=num_index_heads,
                 max_seqlen_k=max_seqlen_k, topk=topk, max_ctas=max_ctas)
         self.indexer_plan, self.attention, self.q2k_indices = indexer_plan, attention, q2k
-        self._page_table = page_table
+        self.selects_every_block = selects_every_block
+        self._page_table, self._seqused_k = page_table, seqused_k
         self._check_input_valid = check_values
         return self
 
@@ -136,8 +160,20 @@ class MSADecodeStepWrapper:
             # Lengths and pages before any launch; the selection is the indexer's own output.
             check_decode_values(call, strict=False)
             call.check_values = False
-        run_indexer_call(index_call)
+        if self.selects_every_block:
+            self._write_every_visible_block()
+        else:
+            run_indexer_call(index_call)
         return run_decode(call, *attention.plan_for(call), bool(return_softmax_lse))
+
+    def _write_every_visible_block(self):
+        """q2k when the top-k keeps every visible block: blocks 0 .. own in ascending order
+        (the own block last), -1 after; rows without keys all -1. Two capturable launches."""
+        q2k = self.q2k_indices
+        batch = self._seqused_k.numel()
+        visible = self._slot_needs <= self._seqused_k.view(1, batch, 1, 1)   # [Hkv, B, Q, topk]
+        torch.where(visible, self._slots, self._no_block,
+                    out=q2k.view(q2k.shape[0], batch, -1, q2k.shape[2]))
 
     def _require_plan(self):
         if self.attention is None:
