@@ -767,10 +767,11 @@ __device__ __forceinline__ void store_widened(const uint4& raw, int row, int c, 
 // widened to f16).
 template <bool kFp8, int kNumThreads = kThreads>
 __device__ __forceinline__ void load_queries(const DecodeAttentionArgs& a, const CtaContext& ctx,
-                                             int group, int tile_rows, char* qs) {
+                                             int group, int tile_rows, char* qs,
+                                             int thread = threadIdx.x) {
   using S = Shape<kFp8>;
   constexpr int kChunksPerRow = kFp8 ? 8 : 16;   // 16-byte chunks of a row as stored in q
-  for (int c = threadIdx.x; c < kRowsPerCta * kChunksPerRow; c += kNumThreads) {
+  for (int c = thread; c < kRowsPerCta * kChunksPerRow; c += kNumThreads) {
     const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
     if (row < tile_rows) {
@@ -955,7 +956,14 @@ __device__ __forceinline__ void page_softmax(const PageRef& page, bool full, flo
                                              float (&alpha)[2]) {
   const int lane = threadIdx.x & 31;
   float page_max[2];
-  if (!full) {
+  // Where the tile's tokens do not all see the page (a sparse union, the request's last page),
+  // this thread's own rows may still see all of it: then they skip the mask too. The branch is
+  // warp-uniform at G >= 16 (a warp's 16 rows are one token).
+  const int page_last = page.logical * kPageSize + kPageSize - 1;
+  const bool rows_see_page = ((page.token_mask >> rows.token[0]) & 1u) &&
+                             ((page.token_mask >> rows.token[1]) & 1u) &&
+                             page_last <= min(rows.last_key[0], rows.last_key[1]);
+  if (!full && !rows_see_page) {
     int last[2];
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {
@@ -1183,6 +1191,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 namespace pingpong {
 
 constexpr int kThreadsPP = 3 * 128;
+constexpr int kQueriesReady = 3;     // named barrier of the consumers' Q load (1, 2: their turns)
 constexpr int kProducerRegisters = 56;
 constexpr int kConsumerRegisters = 224;
 static_assert((kThreadsPP / 32 + 1) * 4 <= kCountsSlotBytes, "warp counts and the page total");
@@ -1432,8 +1441,6 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     }
     sm90::fence_barrier_init();
   }
-  // Q of the consumers' rows (warpgroup 1: rows 0-63 in the first block), then the page list.
-  load_queries<kFp8, kThreadsPP>(a, ctx, group, tile_rows, smem);
   int num_pages;
   if (a.q2k_indices != nullptr) {
     num_pages = build_sparse_page_list<kThreadsPP>(a, ctx, cand, list_phys, list_logical,
@@ -1441,8 +1448,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   } else {
     num_pages = ctx.chunk_end - ctx.chunk_begin;
   }
-  fence_to_async_proxy();     // Q (generic stores) is read by wgmma
-  __syncthreads();            // Q, the page list and the barriers are ready
+  __syncthreads();            // the page list and the barriers are ready
 
   auto page_of = [&](int idx) {
     return page_or_none(a, ctx, idx, num_pages, list_phys, list_logical, list_mask);
@@ -1469,8 +1475,12 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     return;
   }
 
-  // Consumers.
+  // Consumers. Q of their rows (warpgroup 1: rows 0-63 in the first block) is loaded while the
+  // producer's first pages are in flight.
   sm90::registers_up<kConsumerRegisters>();
+  load_queries<kFp8, 256>(a, ctx, group, tile_rows, smem, threadIdx.x - 128);
+  fence_to_async_proxy();     // Q (generic stores) is read by wgmma
+  sm90::named_sync(kQueriesReady, 256);
   const int consumer = warpgroup - 1;                  // rows 64 consumer .. + 63
   const bool group_active = consumer * kWarpgroupRows < tile_rows;   // uniform per warpgroup
   const char* qs = smem + consumer * S::kQBytes;
