@@ -130,9 +130,13 @@ class MSADecodeStepWrapper:
         return self
 
     def update(self) -> "MSADecodeStepWrapper":
-        """Re-split the indexer's work from the live seqused_k (once per decode step)."""
+        """Re-split the indexer's work from the live seqused_k (once per decode step). Skipped
+        when the indexer plan's own max_seqlen_k keeps every block selected: wrappers within
+        that bound do not score, and a split left as it is stays correct."""
         self._require_plan()
-        self.indexer_plan.update()
+        plan = self.indexer_plan
+        if not -(-plan.max_seqlen_k // PAGE_SIZE) <= plan.topk:
+            plan.update()
         return self
 
     def run(self, q, k, v, q_idx, k_idx, *, k_idx_scale=None, k_idx_global_scale=None,
