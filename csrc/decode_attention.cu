@@ -40,6 +40,7 @@
 #include <atomic>
 #include <cfloat>
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
 #include "sm80_primitives.cuh"
@@ -725,6 +726,18 @@ __device__ __forceinline__ void wgmma_qk_f16(float (&d)[64], uint64_t desc_a, ui
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
+// e4m3 x e4m3, k32: both operands K-major from shared memory (FP8 wgmma takes no other
+// majorness), one 128-byte row per query row / key.
+__device__ __forceinline__ void wgmma_qk_e4m3(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                          int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      MSA_WGMMA_D_TEXT ", %64, %65, p, 1, 1;\n}\n"
+      : MSA_WGMMA_D_OPERANDS(d)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
 __device__ __forceinline__ void wgmma_pv_bf16(float (&d)[64], const uint32_t (&a)[4],
                                           uint64_t desc_b, int scale_d) {
   asm volatile(
@@ -1066,10 +1079,9 @@ __device__ __forceinline__ void rescale(float (&o)[64], const float (&alpha)[2])
 // O += P V: V [keys][channels] as the transposed B operand, 16 keys per step (issued, not
 // waited for).
 template <bool kFp8>
-__device__ __forceinline__ void issue_pv(const char* vs, const uint32_t (&pa)[8][4],
+__device__ __forceinline__ void issue_pv(uint64_t desc_v, const uint32_t (&pa)[8][4],
                                          float (&o)[64]) {
   fence_operands();
-  const uint64_t desc_v = descriptor(vs, kPageSize * kRowBytes);   // stepped as in issue_qk
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
     const uint64_t step = (kk * 16 * kRowBytes) >> 4;
@@ -1091,7 +1103,7 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
   float alpha[2];
   page_softmax<kFp8>(page, full, scale_log2, rows, s, pa, alpha);
   rescale(o, alpha);
-  issue_pv<kFp8>(vs, pa, o);
+  issue_pv<kFp8>(descriptor(vs, kPageSize * kRowBytes), pa, o);
   commit_and_wait();
 }
 
@@ -1180,14 +1192,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ---- Ping-pong form (q and K/V of one dtype, tiles of > 64 rows) ----------------------
 // Three warpgroups: warpgroup 0 streams pages (cp.async, 56 registers; warps 0-1 K, warps 2-3
 // V), warpgroups 1 and 2 own rows 0-63 and 64-127 (224 registers). K and V flow through
-// separate stage rings, each stage with a "full" mbarrier (bf16: the stream's 64 threads' copies
-// arrive on it as they land, and the consumers fence for the async proxy after their wait;
-// e4m3: the loaders arrive once they have widened their chunks into the stage and fenced) and
-// an "empty" one (the 256 consumer threads arrive once their wgmmas no longer read it). The
-// consumers take turns issuing wgmmas (named barriers 1 and 2): while one warpgroup issues its
-// Q K^T of page i and P V of page i - 1, the other runs its softmax of the page before, so the
-// softmax of one hides under the other's tensor work (FlashAttention-3's ping-pong and its
-// in-warpgroup overlap of P V with the next Q K^T).
+// separate stage rings, each stage with a "full" mbarrier (copied stages: bf16 K and V, e4m3 K
+// kept raw: the stream's 64 threads' copies arrive on it as they land, and the consumers fence
+// for the async proxy after their wait; e4m3 V: the loaders arrive once they have widened their
+// chunks into the f16 stage and fenced) and an "empty" one (the 256 consumer threads arrive
+// once their wgmmas no longer read it). The consumers take turns issuing wgmmas (named barriers
+// 1 and 2): while one warpgroup issues its Q K^T of page i and P V of page i - 1, the other
+// runs its softmax of the page before, so the softmax of one hides under the other's tensor
+// work (FlashAttention-3's ping-pong and its in-warpgroup overlap of P V with the next Q K^T).
+// e4m3 Q K^T runs on e4m3 wgmma (k32) from the raw Q and K; P V on f16 wgmma, as bf16's.
 namespace pingpong {
 
 constexpr int kThreadsPP = 3 * 128;
@@ -1197,19 +1210,25 @@ constexpr int kConsumerRegisters = 224;
 static_assert((kThreadsPP / 32 + 1) * 4 <= kCountsSlotBytes, "warp counts and the page total");
 static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536, "register file");
 
-// Shared memory: Q (16-bit, both consumers' rows), the K and V rings of 16-bit tiles, for e4m3
-// one raw page slot per tensor (its loaders' cp.async target, widened by the same threads into
-// the ring), the ring barriers, the sparse page list.
+// Shared memory: Q (bf16: both consumers' 16-bit rows, 32 KB; e4m3: their raw rows, K-major
+// for the e4m3 Q K^T wgmma, then a 16-bit tile of zeros, the first turn's V tile), the K ring
+// (bf16: 16-bit tiles; e4m3: raw pages, K-major), the V ring of 16-bit tiles, for e4m3 V's raw
+// page slot (its loaders' cp.async target, widened by the same threads into the ring), the ring
+// barriers, the sparse page list.
 template <bool kFp8>
 struct Layout {
   using S = Shape<kFp8>;
-  static constexpr int kKStages = kFp8 ? 2 : 3;
+  static constexpr int kQBytes = kFp8 ? kWarpgroupRows * kRowBytes : S::kQBytes;  // per consumer
+  static constexpr int kZerosOffset = 2 * kQBytes;
+  static constexpr int kZerosBytes = kFp8 ? S::kWideBytes : 0;
+  static constexpr int kKTileBytes = kFp8 ? S::kPageBlockBytes : S::kWideBytes;
+  static constexpr int kKStages = kFp8 ? 4 : 3;
   static constexpr int kVStages = 2;
   static constexpr int kRawBytes = kFp8 ? kPageSize * kRowBytes : 0;
-  static constexpr int kKOffset = 2 * S::kQBytes;
-  static constexpr int kVOffset = kKOffset + kKStages * S::kWideBytes;
+  static constexpr int kKOffset = kZerosOffset + kZerosBytes;
+  static constexpr int kVOffset = kKOffset + kKStages * kKTileBytes;
   static constexpr int kRawOffset = kVOffset + kVStages * S::kWideBytes;
-  static constexpr int kBarrierOffset = kRawOffset + 2 * kRawBytes;
+  static constexpr int kBarrierOffset = kRawOffset + kRawBytes;
   static constexpr int kBarriers = 2 * (kKStages + kVStages);
   static constexpr int kListOffset = kBarrierOffset + kBarriers * 8;
   static constexpr int kBytes = kListOffset + kListBytes + kCountsSlotBytes;
@@ -1217,8 +1236,50 @@ struct Layout {
   static_assert(kAlloc <= 227 * 1024, "ping-pong form: shared memory");
 };
 
-// One tensor's (K or V) slice of a page into a 16-bit swizzled tile of two column blocks, by
-// kLoaders threads (`thread` of them); rows >= valid_rows zero-filled (no byte read).
+// e4m3 Q of the tile as stored (rows of 128 bytes, swizzled, K-major for the e4m3 Q K^T wgmma;
+// zero past tile_rows) into each consumer's block, and the 16-bit tile of zeros after them, by
+// the 256 consumer threads.
+__device__ __forceinline__ void load_raw_queries(const DecodeAttentionArgs& a,
+                                                 const CtaContext& ctx, int group, int tile_rows,
+                                                 char* qs, int thread) {
+  constexpr int kChunksPerRow = kHeadDim / 16;
+  constexpr int kThreads = 256;
+  static_assert(kRowsPerCta * kChunksPerRow % kThreads == 0, "every thread loads as many");
+#pragma unroll
+  for (int i = 0; i < kRowsPerCta * kChunksPerRow / kThreads; ++i) {
+    const int c = thread + i * kThreads;
+    const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (row < tile_rows) {
+      const int r = ctx.first_row + row;
+      const int token = r / group, qo_head = ctx.head * group + r % group;
+      const int64_t bytes =
+          ((static_cast<int64_t>(ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head) *
+          kHeadDim;
+      v = *reinterpret_cast<const uint4*>(static_cast<const char*>(a.q) + bytes + chunk * 16);
+    }
+    *reinterpret_cast<uint4*>(qs + swizzled(row, chunk)) = v;   // row 64 starts block 1
+  }
+  uint4* zeros = reinterpret_cast<uint4*>(qs + kRowsPerCta * kRowBytes);
+#pragma unroll
+  for (int i = 0; i < Shape<true>::kWideBytes / 16 / kThreads; ++i) {
+    zeros[thread + i * kThreads] = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// S = Q K^T on e4m3 wgmma (k32) straight from the raw page: Q and K rows of 128 bytes, one
+// swizzled column block, 32 bytes per k-step (issued, not waited for).
+__device__ __forceinline__ void issue_qk_raw(const char* qs, const char* ks, float (&s)[64]) {
+  fence_operands();
+  const uint64_t desc_q = descriptor(qs, 16), desc_k = descriptor(ks, 16);
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 32; ++kk) {
+    wgmma_qk_e4m3(s, desc_q + ((32 * kk) >> 4), desc_k + ((32 * kk) >> 4), kk);
+  }
+}
+
+// A tensor's (K or V) slice of a page is copied by kLoaders threads; rows >= valid_rows are
+// zero-filled (no byte read).
 constexpr int kLoaders = 64;
 
 // The global address of one tensor's head slice of a page (elements of element_bytes), and the
@@ -1243,6 +1304,7 @@ __device__ __forceinline__ const char* page_source(const DecodeAttentionArgs& a,
 // step copies 1 KB of consecutive bytes); the row's swizzle phase alternates with i, so two tile
 // offsets serve every step.
 struct PageLoader {
+  static constexpr int kElementBytes = 2;
   static constexpr int kRowsPerStep = kLoaders / 16;
   static constexpr int kSteps = kPageSize / kRowsPerStep;
   int first_row;
@@ -1254,30 +1316,55 @@ struct PageLoader {
     src_offset = first_row * 2 * kHeadDim + chunk * 16;
     const int block = (chunk / 8) * Shape<false>::kPageBlockBytes;
     tile_offset[0] = block + swizzled(first_row, chunk % 8);
-    tile_offset[1] = block + swizzled(first_row + kRowsPerStep, chunk % 8) - kRowsPerStep * kRowBytes;
+    tile_offset[1] =
+        block + swizzled(first_row + kRowsPerStep, chunk % 8) - kRowsPerStep * kRowBytes;
+  }
+  __device__ __forceinline__ void load(const char* src, char* tile, int valid_rows) const {
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i) {
+      const bool valid = first_row + kRowsPerStep * i < valid_rows;
+      const int src_bytes = src_offset + i * kRowsPerStep * 2 * kHeadDim;
+      cp_async_16_or_zero(tile + tile_offset[i & 1] + i * kRowsPerStep * kRowBytes,
+                          src + (valid ? src_bytes : 0), valid);
+    }
   }
 };
 static_assert(PageLoader::kRowsPerStep == 4, "rows 4 apart alternate two swizzle phases");
 
-__device__ __forceinline__ void load_tensor_page(const PageLoader& me, const char* src,
-                                                 char* tile, int valid_rows) {
-#pragma unroll
-  for (int i = 0; i < PageLoader::kSteps; ++i) {
-    const bool valid = me.first_row + PageLoader::kRowsPerStep * i < valid_rows;
-    const int src_bytes = me.src_offset + i * PageLoader::kRowsPerStep * 2 * kHeadDim;
-    cp_async_16_or_zero(tile + me.tile_offset[i & 1] + i * PageLoader::kRowsPerStep * kRowBytes,
-                        src + (valid ? src_bytes : 0), valid);
+// An e4m3 K loader's chunks, the raw page kept K-major (128-byte rows, swizzled) for the e4m3
+// Q K^T wgmma: chunk thread % 8 of rows thread / 8 + 8 i, i = 0 .. 15 (one swizzle phase).
+struct RawPageLoader {
+  static constexpr int kElementBytes = 1;
+  static constexpr int kRowsPerStep = kLoaders / 8;
+  static constexpr int kSteps = kPageSize / kRowsPerStep;
+  int first_row;
+  int src_offset;
+  int tile_offset;
+  __device__ __forceinline__ explicit RawPageLoader(int thread) {
+    first_row = thread / 8;
+    src_offset = first_row * kRowBytes + (thread % 8) * 16;
+    tile_offset = swizzled(first_row, thread % 8);
   }
-}
+  __device__ __forceinline__ void load(const char* src, char* tile, int valid_rows) const {
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i) {
+      const bool valid = first_row + kRowsPerStep * i < valid_rows;
+      const int step_bytes = i * kRowsPerStep * kRowBytes;
+      cp_async_16_or_zero(tile + tile_offset + step_bytes,
+                          src + (valid ? src_offset + step_bytes : 0), valid);
+    }
+  }
+};
+static_assert(RawPageLoader::kRowsPerStep == 8, "rows 8 apart keep one swizzle phase");
 
-// e4m3: one tensor's slice of a page, raw, into the tensor's raw slot (row-major, 128 bytes a
-// row) by kLoaders threads, a quarter (32 rows) at a time, rows >= valid_rows zero-filled; then
+// e4m3 V: the page's slice, raw, into the raw slot (row-major, 128 bytes a row) by kLoaders
+// threads, a quarter (32 rows) at a time, rows >= valid_rows zero-filled; then
 // widen_own_quarter turns exactly the chunks this thread copied into the 16-bit tile, so the
 // loaders need no barrier among them. A loader's chunks are chunk thread % 8 of rows
-// 8 i + (thread / 8 ^ (thread / 4) % 2), i = 0 .. 15: the rows of chunks 4-7 are swapped pairwise, so the eight
-// threads of a quarter warp store their widened chunks to eight distinct 16-byte bank groups
-// (chunks j and j + 4 of one row land on the same groups of the two column blocks) without
-// selecting which half a thread stores first.
+// 8 i + (thread / 8 ^ (thread / 4) % 2), i = 0 .. 15: the rows of chunks 4-7 are swapped
+// pairwise, so the eight threads of a quarter warp store their widened chunks to eight distinct
+// 16-byte bank groups (chunks j and j + 4 of one row land on the same groups of the two column
+// blocks) without selecting which half a thread stores first.
 constexpr int kRawQuarters = 4;
 constexpr int kRawRowsPerStep = kLoaders / 8;
 constexpr int kRawChunksPerLoader = kPageSize * 8 / kLoaders;
@@ -1289,8 +1376,8 @@ static_assert(kRawRowsPerStep == 8, "a loader's rows keep one row % 8 (one swizz
 struct RawLoader {
   int first_row;
   int raw_offset;        // first row's chunk in the raw slot and in the page as stored
-  int tile_offset;       // first row's f16 chunk 2 (chunk % 4) in the tile (+ 16 ^ swizzle: the next)
-  int next_offset;       // the f16 chunk 2 (chunk % 4) + 1, relative to the tile
+  int tile_offset;       // first row's f16 chunk 2 (chunk % 4) in the tile
+  int next_offset;       // and its f16 chunk 2 (chunk % 4) + 1
   __device__ __forceinline__ explicit RawLoader(int thread) {
     const int chunk = thread & 7;
     first_row = (thread >> 3) ^ ((thread >> 2) & 1);
@@ -1332,22 +1419,23 @@ __device__ __forceinline__ void widen_own_quarter(const RawLoader& me, const cha
 // (cp.async.mbarrier.arrive), so the loader goes straight on to the next stage's empty wait and
 // a page is ready the moment its bytes are; the consumers fence for the async proxy before
 // their wgmmas read it.
-template <int kStages, typename PageOf, typename Full, typename Empty, typename Tile>
+template <int kStages, typename Loader, typename PageOf, typename Full, typename Empty,
+          typename Tile>
 __device__ __forceinline__ void stream_tensor(const DecodeAttentionArgs& a, const CtaContext& ctx,
                                               int num_pages, const void* tensor, int thread,
                                               PageOf page_of, Full full, Empty empty,
                                               Tile tile) {
   sm90::RingState<kStages> ring;
   [[maybe_unused]] const int lab_actor = tensor == a.k ? 0 : 1;   // MSA_LAB_MARK
-  const PageLoader me(thread);
+  const Loader me(thread);
   for (int i = 0; i < num_pages; ++i) {
     const PageRef ref = page_of(i);
     int valid_rows = page_valid_rows(ctx, ref);
-    const char* src = page_source(a, ctx.head, ref, tensor, 2, valid_rows);
+    const char* src = page_source(a, ctx.head, ref, tensor, Loader::kElementBytes, valid_rows);
     MSA_LAB_MARK(thread == 0, lab_actor, i, 0);
     empty(ring.index).wait(ring.phase ^ 1u);
     MSA_LAB_MARK(thread == 0, lab_actor, i, 1);
-    load_tensor_page(me, src, tile(ring.index), valid_rows);
+    me.load(src, tile(ring.index), valid_rows);
     full(ring.index).arrive_on_copies();
     MSA_LAB_MARK(thread == 0, lab_actor, i, 2);
     ring.advance();
@@ -1355,7 +1443,7 @@ __device__ __forceinline__ void stream_tensor(const DecodeAttentionArgs& a, cons
   asm volatile("cp.async.wait_all;\n" ::: "memory");   // no copy outlives its thread
 }
 
-// e4m3: one tensor's stream of the producer. The raw slot is a ring of four quarter pages: the
+// e4m3 V's stream of the producer. The raw slot is a ring of four quarter pages: the
 // quarter just widened takes the next page's copies at once, so three quarters are in flight
 // while one is widened and the DRAM latency hides under the widening. Per page: the stage's
 // empty wait, then per quarter: wait for its copies (one cp.async group per quarter, the oldest
@@ -1418,7 +1506,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   auto k_empty = [&](int st) { return sm90::Mbarrier{bars + kKStages + st}; };
   auto v_full = [&](int st) { return sm90::Mbarrier{bars + 2 * kKStages + st}; };
   auto v_empty = [&](int st) { return sm90::Mbarrier{bars + 2 * kKStages + kVStages + st}; };
-  auto k_tile = [&](int st) { return smem + L::kKOffset + st * S::kWideBytes; };
+  auto k_tile = [&](int st) { return smem + L::kKOffset + st * L::kKTileBytes; };
   auto v_tile = [&](int st) { return smem + L::kVOffset + st * S::kWideBytes; };
   int* cand = reinterpret_cast<int*>(smem + L::kListOffset);
   int* list_phys = cand + kMaxCandidates;
@@ -1458,19 +1546,16 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     // Producer: warps 0-1 stream K, warps 2-3 stream V, each at its own pace.
     sm90::registers_down<kProducerRegisters>();
     const int thread = threadIdx.x % kLoaders;
-    if constexpr (kFp8) {
-      char* raw = smem + L::kRawOffset;
-      if (threadIdx.x < kLoaders) {
-        stream_tensor_fp8<kKStages>(a, ctx, num_pages, a.k, raw, thread, page_of, k_full,
-                                    k_empty, k_tile);
-      } else {
-        stream_tensor_fp8<kVStages>(a, ctx, num_pages, a.v, raw + L::kRawBytes, thread,
-                                    page_of, v_full, v_empty, v_tile);
-      }
-    } else if (threadIdx.x < kLoaders) {
-      stream_tensor<kKStages>(a, ctx, num_pages, a.k, thread, page_of, k_full, k_empty, k_tile);
+    using KLoader = std::conditional_t<kFp8, RawPageLoader, PageLoader>;
+    if (threadIdx.x < kLoaders) {
+      stream_tensor<kKStages, KLoader>(a, ctx, num_pages, a.k, thread, page_of, k_full, k_empty,
+                                       k_tile);
+    } else if constexpr (kFp8) {
+      stream_tensor_fp8<kVStages>(a, ctx, num_pages, a.v, smem + L::kRawOffset, thread,
+                                  page_of, v_full, v_empty, v_tile);
     } else {
-      stream_tensor<kVStages>(a, ctx, num_pages, a.v, thread, page_of, v_full, v_empty, v_tile);
+      stream_tensor<kVStages, PageLoader>(a, ctx, num_pages, a.v, thread, page_of, v_full,
+                                          v_empty, v_tile);
     }
     return;
   }
@@ -1478,12 +1563,16 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   // Consumers. Q of their rows (warpgroup 1: rows 0-63 in the first block) is loaded while the
   // producer's first pages are in flight.
   sm90::registers_up<kConsumerRegisters>();
-  load_queries<kFp8, 256>(a, ctx, group, tile_rows, smem, threadIdx.x - 128);
+  if constexpr (kFp8) {
+    load_raw_queries(a, ctx, group, tile_rows, smem, threadIdx.x - 128);
+  } else {
+    load_queries<false, 256>(a, ctx, group, tile_rows, smem, threadIdx.x - 128);
+  }
   fence_to_async_proxy();     // Q (generic stores) is read by wgmma
   sm90::named_sync(kQueriesReady, 256);
   const int consumer = warpgroup - 1;                  // rows 64 consumer .. + 63
   const bool group_active = consumer * kWarpgroupRows < tile_rows;   // uniform per warpgroup
-  const char* qs = smem + consumer * S::kQBytes;
+  const char* qs = smem + consumer * L::kQBytes;
   const TileView tile(a, ctx, group, tile_rows);
   Rows rows = tile.rows(a, ctx, consumer * kWarpgroupRows);
   const float scale_log2 = a.softmax_scale * kLog2e;
@@ -1495,8 +1584,9 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   // a skipped page, an idle warpgroup), so that P V adds nothing. The wgmmas are issued on
   // every turn, whatever the page: a wgmma under a branch ptxas cannot prove uniform per
   // warpgroup is serialized. What a zero P multiplies is always finite and settled: skipped
-  // pages are zero-filled by the producer, and the first turn's P V reads the Q tiles (32 KB,
-  // the size of a V tile) instead of a V stage the producer may be writing.
+  // pages are zero-filled by the producer, and the first turn's P V reads the bf16 Q tiles (32
+  // KB, the size of a V tile) or e4m3's tile of zeros instead of a V stage the producer may be
+  // writing.
   uint32_t pa[8][4];
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
@@ -1517,6 +1607,8 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     return page_or_none<false>(a, ctx, idx, num_pages, list_phys, list_logical, list_mask);
   };
   PageRef next_page = early_ref(0);
+  const uint64_t first_desc_v =
+      descriptor(smem + (kFp8 ? L::kZerosOffset : 0), kPageSize * kRowBytes);
   for (int t = 0; t < turns; ++t) {
     MSA_LAB_MARK(lab_leader, 2 + consumer, t, 0);
     const bool has_page = t < num_pages;
@@ -1529,14 +1621,19 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     // Every stage's full phase is waited for, pages skipped included, so the parity waits
     // never run a phase ahead of the V stream.
     if (t > 0) v_full(v_ring.index).wait(v_ring.phase);
-    // bf16 stages are written by cp.async (the generic proxy) and read by wgmma (the async
-    // proxy); the e4m3 producer fences its widening stores itself.
-    if constexpr (!kFp8) fence_to_async_proxy();
+    // K stages (and bf16 V stages) are written by cp.async (the generic proxy) and read by
+    // wgmma (the async proxy); the e4m3 V producer fences its widening stores itself.
+    fence_to_async_proxy();
     MSA_LAB_MARK(lab_leader, 2 + consumer, t, 1);
     sm90::named_sync(my_turn, 256);
     MSA_LAB_MARK(lab_leader, 2 + consumer, t, 2);
-    issue_qk<kFp8>(qs, k_tile(k_ring.index), s);     // past the last page: discarded
-    issue_pv<kFp8>(t > 0 ? v_tile(v_ring.index) : smem, pa, o);
+    if constexpr (kFp8) {                             // past the last page: discarded
+      issue_qk_raw(qs, k_tile(k_ring.index), s);
+    } else {
+      issue_qk<false>(qs, k_tile(k_ring.index), s);
+    }
+    issue_pv<kFp8>(t > 0 ? descriptor(v_tile(v_ring.index), kPageSize * kRowBytes) : first_desc_v,
+                   pa, o);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     if (consumer == 0 || t + 1 < turns) sm90::named_arrive(other_turn, 256);
     if (t + 1 < num_pages) next_page = early_ref(t + 1);

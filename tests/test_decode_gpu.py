@@ -9,6 +9,8 @@ Outputs, LSE and split workspaces are poisoned with NaN before each run.
 
 from __future__ import annotations
 
+import importlib
+
 from types import SimpleNamespace
 
 import pytest
@@ -103,7 +105,7 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
     out, lse = _run_native(msa_pkg, wrapper, q, k, v)
     _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
     if dtypes == "fp8":
-        _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k)
+        _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k, msa_pkg)
 
 
 def _force_form(native_hooks, keys, dtypes):
@@ -125,14 +127,17 @@ def _force_form(native_hooks, keys, dtypes):
                        decode_pingpong=keys == "pingpong")
 
 
-def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k):
+def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k, msa):
     """e4m3 q and K/V: the contract's tolerance (checked by _check) is loose next to what a
     correct kernel does, so also compare with the reference backend, which models the same
     rounding (P rounded to e4m3 against each page's max). Each output row (query, head) should
     match within two bf16 ulps (+1e-4); an fp32 difference can flip one P value at an e4m3
     rounding midpoint, which moves that whole row by one e4m3 ulp of p / sum(p) times a V row,
-    so up to 2 % of the rows (at least 2) may only meet the contract. A layout or permutation
-    error moves every row."""
+    so up to 2 % of the rows (at least 2) may only meet the contract. The ping-pong form's S
+    comes from e4m3 wgmma, whose accumulator keeps ~13 mantissa bits: S moves by ~1e-4 of its
+    size, which flips P's rounding in about a third of the rows at 8 queries x G 16
+    (tools/lab/model_decode_e4m3.py), so there up to 45 % may. A layout or permutation error
+    moves every row."""
     from test_decode import fp32_reference
     ref, _ = fp32_reference(q.cpu(), k.cpu(), v.cpu(), None if q2k is None else q2k.cpu(),
                             table.cpu(), seqused_k.cpu(), seqlen_q)
@@ -140,7 +145,9 @@ def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k
     err = (out.double().cpu() - ref).abs()
     ulp = torch.finfo(BF16).eps * ref.abs().clamp_min(1e-30)
     loose_rows = (err > 2 * ulp + 1e-4).any(dim=-1)
-    allowed = max(2, int(0.02 * loose_rows.numel()))
+    decode_cuda = importlib.import_module(f"{msa.__name__}._native.decode_cuda")
+    fp8_scores = decode_cuda.last_launch()["pingpong"]
+    allowed = max(2, int((0.45 if fp8_scores else 0.02) * loose_rows.numel()))
     assert int(loose_rows.sum()) <= allowed, (int(loose_rows.sum()), allowed, err.max().item())
 
 
@@ -209,7 +216,7 @@ def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, form, d
         out, lse = _run_native(msa_pkg, wrapper, q, k, v)
         _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
         if dtypes == "fp8" and not poison:   # the fp32 model multiplies the NaN rows by P = 0
-            _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k)
+            _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k, msa_pkg)
 
 
 @pytest.mark.parametrize("qo_tile_rows", [16, 24, 64])
@@ -234,7 +241,7 @@ def test_native_sparse_mtp_query_tiles(msa_pkg, native_only, seed, dtypes, qo_ti
         out, lse = _run_native(msa_pkg, wrapper, q, k, v)
         _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
         if dtypes == "fp8" and not poison:
-            _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k)
+            _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k, msa_pkg)
 
 
 @pytest.mark.parametrize("dtypes", list(DTYPES))

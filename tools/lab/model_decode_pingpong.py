@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Protocol model of the decode kernel's ping-pong form (no GPU needed).
 
-csrc/decode_attention.cu, wg::pingpong: the K and V loader streams (bf16: cp.async into the
-ring, each stage's full mbarrier told by the copies themselves as they land, in order; e4m3:
-cp.async into a raw slot, then, once the stage is empty, widened into it and its full mbarrier
-told),
+csrc/decode_attention.cu, wg::pingpong: the K and V loader streams (bf16 K and V, e4m3 K kept
+raw: cp.async into the ring, each stage's full mbarrier told by the copies themselves as they
+land, in order; e4m3 V: cp.async into a raw slot, then, once the stage is empty, widened into
+it and its full mbarrier told),
 two consumer warpgroups taking turns
 through named barriers 1 and 2, the empty mbarriers, phase parities as the kernel waits on them.
 Each actor is a generator that yields where the hardware could interleave; random schedules of
@@ -16,7 +16,7 @@ and that no named-barrier arrival is left over at the end.
 """
 import random
 
-STAGES = {False: (3, 2), True: (2, 2)}   # (kKStages, kVStages) of Layout<kFp8>
+STAGES = {False: (3, 2), True: (4, 2)}   # (kKStages, kVStages) of Layout<kFp8>
 
 
 class Mbar:
@@ -127,15 +127,15 @@ def run(num_pages, seed, fp8=False):
                 if vidx == VS: vidx, vph = 0, vph ^ 1
             yield                                    # softmax
 
+    kcopies = []
+    k_loader = loader("K", KS, kf, ke, kstage, kcopies)
+    actors = [k_loader, landing(kstage, kf, kcopies, lambda: k_loader not in alive)]
     if fp8:
-        actors = [loader_fp8("K", KS, kf, ke, kstage), loader_fp8("V", VS, vf, ve, vstage)]
+        actors.append(loader_fp8("V", VS, vf, ve, vstage))
     else:
-        kcopies, vcopies = [], []
-        k_loader = loader("K", KS, kf, ke, kstage, kcopies)
+        vcopies = []
         v_loader = loader("V", VS, vf, ve, vstage, vcopies)
-        actors = [k_loader, v_loader,
-                  landing(kstage, kf, kcopies, lambda: k_loader not in alive),
-                  landing(vstage, vf, vcopies, lambda: v_loader not in alive)]
+        actors += [v_loader, landing(vstage, vf, vcopies, lambda: v_loader not in alive)]
     actors += [consumer(0), consumer(1)]
     alive = list(actors)
     steps = 0
