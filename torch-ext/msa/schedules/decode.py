@@ -58,7 +58,9 @@ QUERY_TILE_ROWS = 16
 # partial (fp32 O of its rows, written and read back: ~2 pages of K/V traffic) and a pipeline
 # fill. On the H200 (MTP 8, bf16, lengths 100k +- 25 %): B 32 2198 -> 1999 us and B 64 4396 ->
 # 3884 us at 8 waves (chunks of 123 / 245 pages); B 8 with 16 chunks of 61 pages a request was
-# 10 % slower than with its one-wave 4 chunks, hence the floor of 96 pages.
+# 10 % slower than with its one-wave 4 chunks, hence the floor of 96 pages. 16 or 32 waves of
+# >= 32-page chunks gained nothing over 8 (B 8-128 x 50k / 100k): finer chunks pay in fills and
+# partials what they save in balance.
 GRAPH_SPLIT_WAVES = 8
 MIN_BALANCE_CHUNK_PAGES = 96
 
