@@ -40,7 +40,6 @@
 #include <atomic>
 #include <cfloat>
 #include <cstdint>
-#include <type_traits>
 
 #include "common.cuh"
 #include "sm80_primitives.cuh"
@@ -776,6 +775,20 @@ __device__ __forceinline__ void store_widened(const uint4& raw, int row, int c, 
   *reinterpret_cast<uint4*>(block + swizzled(row, 2 * (c % 4) + !hi_first)) = hi_first ? lo : hi;
 }
 
+// 16-byte chunk `chunk` of tile row `row` of q as stored (elements of element_bytes), zero past
+// tile_rows.
+__device__ __forceinline__ uint4 query_chunk(const DecodeAttentionArgs& a, const CtaContext& ctx,
+                                             int group, int tile_rows, int row, int chunk,
+                                             int element_bytes) {
+  if (row >= tile_rows) return make_uint4(0u, 0u, 0u, 0u);
+  const int r = ctx.first_row + row;
+  const int token = r / group, qo_head = ctx.head * group + r % group;
+  const int64_t bytes =
+      ((static_cast<int64_t>(ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head) *
+      kHeadDim * element_bytes;
+  return *reinterpret_cast<const uint4*>(static_cast<const char*>(a.q) + bytes + chunk * 16);
+}
+
 // Q rows of the tile (zero past tile_rows) into each warpgroup's swizzled 16-bit block (e4m3 Q
 // widened to f16).
 template <bool kFp8, int kNumThreads = kThreads>
@@ -786,15 +799,7 @@ __device__ __forceinline__ void load_queries(const DecodeAttentionArgs& a, const
   constexpr int kChunksPerRow = kFp8 ? 8 : 16;   // 16-byte chunks of a row as stored in q
   for (int c = thread; c < kRowsPerCta * kChunksPerRow; c += kNumThreads) {
     const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (row < tile_rows) {
-      const int r = ctx.first_row + row;
-      const int token = r / group, qo_head = ctx.head * group + r % group;
-      const int64_t bytes =
-          ((static_cast<int64_t>(ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head) *
-          kHeadDim * (kFp8 ? 1 : 2);
-      v = *reinterpret_cast<const uint4*>(static_cast<const char*>(a.q) + bytes + chunk * 16);
-    }
+    const uint4 v = query_chunk(a, ctx, group, tile_rows, row, chunk, kFp8 ? 1 : 2);
     const int local = row % kWarpgroupRows;
     char* q_rows = qs + (row / kWarpgroupRows) * S::kQBytes;
     if constexpr (kFp8) {
@@ -1249,16 +1254,8 @@ __device__ __forceinline__ void load_raw_queries(const DecodeAttentionArgs& a,
   for (int i = 0; i < kRowsPerCta * kChunksPerRow / kThreads; ++i) {
     const int c = thread + i * kThreads;
     const int row = c / kChunksPerRow, chunk = c % kChunksPerRow;
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (row < tile_rows) {
-      const int r = ctx.first_row + row;
-      const int token = r / group, qo_head = ctx.head * group + r % group;
-      const int64_t bytes =
-          ((static_cast<int64_t>(ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head) *
-          kHeadDim;
-      v = *reinterpret_cast<const uint4*>(static_cast<const char*>(a.q) + bytes + chunk * 16);
-    }
-    *reinterpret_cast<uint4*>(qs + swizzled(row, chunk)) = v;   // row 64 starts block 1
+    *reinterpret_cast<uint4*>(qs + swizzled(row, chunk)) =     // row 64 starts block 1
+        query_chunk(a, ctx, group, tile_rows, row, chunk, 1);
   }
   uint4* zeros = reinterpret_cast<uint4*>(qs + kRowsPerCta * kRowBytes);
 #pragma unroll
@@ -1300,21 +1297,27 @@ __device__ __forceinline__ const char* page_source(const DecodeAttentionArgs& a,
   return src;
 }
 
-// A bf16 loader's chunks: column chunk thread % 16 of rows thread / 16 + 4 i, i = 0 .. 31 (each
-// step copies 1 KB of consecutive bytes); the row's swizzle phase alternates with i, so two tile
-// offsets serve every step.
+// A loader's chunks of a page copied as stored into a swizzled tile (bf16: 16-bit rows of two
+// column blocks; e4m3 K: raw 128-byte rows, K-major for the e4m3 Q K^T wgmma): chunk c =
+// thread % (chunks per row) of rows thread / (chunks per row) + i x (rows per step), each step
+// 1 KB of consecutive bytes. bf16's rows 4 apart alternate two swizzle phases (two tile
+// offsets); e4m3's rows 8 apart keep one.
+template <int kBytesPerElement>
 struct PageLoader {
-  static constexpr int kElementBytes = 2;
-  static constexpr int kRowsPerStep = kLoaders / 16;
+  static constexpr int kElementBytes = kBytesPerElement;
+  static constexpr int kStoredRowBytes = kHeadDim * kElementBytes;
+  static constexpr int kChunksPerRow = kStoredRowBytes / 16;
+  static constexpr int kRowsPerStep = kLoaders / kChunksPerRow;
   static constexpr int kSteps = kPageSize / kRowsPerStep;
+  static_assert(kRowsPerStep == 4 || kRowsPerStep == 8, "one or two swizzle phases");
   int first_row;
   int src_offset;
-  int tile_offset[2];    // the first row's chunk in the tile; [1]: the row 4 further (phase + 4)
+  int tile_offset[2];    // the first row's chunk in the tile; [1]: as seen from kRowsPerStep on
   __device__ __forceinline__ explicit PageLoader(int thread) {
-    const int chunk = thread % 16;
-    first_row = thread / 16;
-    src_offset = first_row * 2 * kHeadDim + chunk * 16;
-    const int block = (chunk / 8) * Shape<false>::kPageBlockBytes;
+    const int chunk = thread % kChunksPerRow;
+    first_row = thread / kChunksPerRow;
+    src_offset = first_row * kStoredRowBytes + chunk * 16;
+    const int block = (chunk / 8) * kPageSize * kRowBytes;
     tile_offset[0] = block + swizzled(first_row, chunk % 8);
     tile_offset[1] =
         block + swizzled(first_row + kRowsPerStep, chunk % 8) - kRowsPerStep * kRowBytes;
@@ -1323,39 +1326,12 @@ struct PageLoader {
 #pragma unroll
     for (int i = 0; i < kSteps; ++i) {
       const bool valid = first_row + kRowsPerStep * i < valid_rows;
-      const int src_bytes = src_offset + i * kRowsPerStep * 2 * kHeadDim;
+      const int src_bytes = src_offset + i * kRowsPerStep * kStoredRowBytes;
       cp_async_16_or_zero(tile + tile_offset[i & 1] + i * kRowsPerStep * kRowBytes,
                           src + (valid ? src_bytes : 0), valid);
     }
   }
 };
-static_assert(PageLoader::kRowsPerStep == 4, "rows 4 apart alternate two swizzle phases");
-
-// An e4m3 K loader's chunks, the raw page kept K-major (128-byte rows, swizzled) for the e4m3
-// Q K^T wgmma: chunk thread % 8 of rows thread / 8 + 8 i, i = 0 .. 15 (one swizzle phase).
-struct RawPageLoader {
-  static constexpr int kElementBytes = 1;
-  static constexpr int kRowsPerStep = kLoaders / 8;
-  static constexpr int kSteps = kPageSize / kRowsPerStep;
-  int first_row;
-  int src_offset;
-  int tile_offset;
-  __device__ __forceinline__ explicit RawPageLoader(int thread) {
-    first_row = thread / 8;
-    src_offset = first_row * kRowBytes + (thread % 8) * 16;
-    tile_offset = swizzled(first_row, thread % 8);
-  }
-  __device__ __forceinline__ void load(const char* src, char* tile, int valid_rows) const {
-#pragma unroll
-    for (int i = 0; i < kSteps; ++i) {
-      const bool valid = first_row + kRowsPerStep * i < valid_rows;
-      const int step_bytes = i * kRowsPerStep * kRowBytes;
-      cp_async_16_or_zero(tile + tile_offset + step_bytes,
-                          src + (valid ? src_offset + step_bytes : 0), valid);
-    }
-  }
-};
-static_assert(RawPageLoader::kRowsPerStep == 8, "rows 8 apart keep one swizzle phase");
 
 // e4m3 V: the page's slice, raw, into the raw slot (row-major, 128 bytes a row) by kLoaders
 // threads, a quarter (32 rows) at a time, rows >= valid_rows zero-filled; then
@@ -1546,16 +1522,15 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     // Producer: warps 0-1 stream K, warps 2-3 stream V, each at its own pace.
     sm90::registers_down<kProducerRegisters>();
     const int thread = threadIdx.x % kLoaders;
-    using KLoader = std::conditional_t<kFp8, RawPageLoader, PageLoader>;
     if (threadIdx.x < kLoaders) {
-      stream_tensor<kKStages, KLoader>(a, ctx, num_pages, a.k, thread, page_of, k_full, k_empty,
-                                       k_tile);
+      stream_tensor<kKStages, PageLoader<kFp8 ? 1 : 2>>(a, ctx, num_pages, a.k, thread, page_of,
+                                                        k_full, k_empty, k_tile);
     } else if constexpr (kFp8) {
       stream_tensor_fp8<kVStages>(a, ctx, num_pages, a.v, smem + L::kRawOffset, thread,
                                   page_of, v_full, v_empty, v_tile);
     } else {
-      stream_tensor<kVStages, PageLoader>(a, ctx, num_pages, a.v, thread, page_of, v_full,
-                                          v_empty, v_tile);
+      stream_tensor<kVStages, PageLoader<2>>(a, ctx, num_pages, a.v, thread, page_of, v_full,
+                                             v_empty, v_tile);
     }
     return;
   }

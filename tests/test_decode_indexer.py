@@ -89,6 +89,17 @@ def run_indexer(inputs, seqlen_q, heads, topk, **kw):
     return msa.decode_indexer_topk(plan=plan, **args, **kw)
 
 
+def make_attention_inputs(inputs, seqlen_q, hkv, group):
+    """Random q [B * seqlen_q, Hkv * G, 128] and paged K / V [pages, Hkv, 128, 128] of the index
+    batch's dtype (bf16 or e4m3) and pool, for the step's attention."""
+    dtype, device = inputs["k_idx"].dtype, inputs["k_idx"].device
+    pages, batch = inputs["k_idx"].shape[0], inputs["seqused_k"].numel()
+    k = torch.randn(pages, hkv, P, 128, device=device).to(dtype)
+    v = torch.randn(pages, hkv, P, 128, device=device).to(dtype)
+    q = torch.randn(batch * seqlen_q, hkv * group, 128, device=device).to(dtype)
+    return q, k, v
+
+
 LENS = [1, 129, 1000, 256, 77, 2050]
 
 
@@ -270,11 +281,7 @@ def test_plan_update_follows_new_lengths():
 def test_step_wrapper_is_indexer_then_sparse_attention(seed, fmt):
     lens, seqlen_q, hkv, group, topk = [1000, 129, 300], 2, 2, 4, 4
     inputs, keys = make_index_batch(lens, seqlen_q, hkv, fmt)
-    dtype = BF16 if fmt == "bf16" else FP8
-    pages = inputs["k_idx"].shape[0]
-    k = torch.randn(pages, hkv, P, 128).to(dtype)
-    v = torch.randn(pages, hkv, P, 128).to(dtype)
-    q = torch.randn(len(lens) * seqlen_q, hkv * group, 128).to(dtype)
+    q, k, v = make_attention_inputs(inputs, seqlen_q, hkv, group)
     step = msa.MSADecodeStepWrapper().plan(
         page_table=inputs["page_table"], seqused_k=inputs["seqused_k"], seqlen_q=seqlen_q,
         max_seqlen_k=1000, num_qo_heads=hkv * group, num_kv_heads=hkv, topk=topk)
@@ -295,11 +302,7 @@ def test_step_wrapper_selects_every_block_of_short_requests(seed, fmt):
     keys all -1) and its O is sparse attention over the oracle's selection."""
     lens, seqlen_q, hkv, group, topk = [512, 129, 2, 300], 3, 2, 4, 4
     inputs, keys = make_index_batch(lens, seqlen_q, hkv, fmt)
-    dtype = BF16 if fmt == "bf16" else FP8
-    pages = inputs["k_idx"].shape[0]
-    k = torch.randn(pages, hkv, P, 128).to(dtype)
-    v = torch.randn(pages, hkv, P, 128).to(dtype)
-    q = torch.randn(len(lens) * seqlen_q, hkv * group, 128).to(dtype)
+    q, k, v = make_attention_inputs(inputs, seqlen_q, hkv, group)
     plan = dict(page_table=inputs["page_table"], seqused_k=inputs["seqused_k"],
                 seqlen_q=seqlen_q, num_qo_heads=hkv * group, num_kv_heads=hkv, topk=topk)
     assert not msa.MSADecodeStepWrapper().plan(**plan, max_seqlen_k=topk * P + 1) \

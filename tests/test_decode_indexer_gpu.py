@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from msa_testing import TIERS, compiled_variant_with, native_families, use_tier
-from test_decode_indexer import P, make_index_batch, oracle
+from test_decode_indexer import P, make_attention_inputs, make_index_batch, oracle
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 OP_NAME = "decode_indexer_topk"
@@ -231,11 +231,7 @@ def test_native_step_wrapper(msa_pkg, native_only, seed, fmt, monkeypatch, tier)
     monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     lens, seqlen_q, hkv, group, topk = [9000, 129, 3000], 8, 4, 16, 16
     inputs, keys = make_index_batch(lens, seqlen_q, hkv, fmt, device="cuda")
-    dtype = inputs["k_idx"].dtype
-    pages = inputs["k_idx"].shape[0]
-    k = torch.randn(pages, hkv, P, 128, device="cuda").to(dtype)
-    v = torch.randn(pages, hkv, P, 128, device="cuda").to(dtype)
-    q = torch.randn(len(lens) * seqlen_q, hkv * group, 128, device="cuda").to(dtype)
+    q, k, v = make_attention_inputs(inputs, seqlen_q, hkv, group)
     step = msa_pkg.MSADecodeStepWrapper().plan(
         page_table=inputs["page_table"], seqused_k=inputs["seqused_k"], seqlen_q=seqlen_q,
         max_seqlen_k=9000, num_qo_heads=hkv * group, num_kv_heads=hkv, topk=topk)
@@ -263,11 +259,7 @@ def test_native_step_wrapper_selects_every_block_of_short_requests(msa_pkg, nati
     grown, seqlen_q, hkv, group, topk = [2048, 700, 130, 1500], 8, 4, 16, 16
     inputs, _ = make_index_batch(grown, seqlen_q, hkv, fmt, device="cuda")
     inputs["seqused_k"].copy_(torch.tensor([2000, 129, 5, 1000], dtype=torch.int32))
-    dtype = inputs["k_idx"].dtype
-    pages = inputs["k_idx"].shape[0]
-    k = torch.randn(pages, hkv, P, 128, device="cuda").to(dtype)
-    v = torch.randn(pages, hkv, P, 128, device="cuda").to(dtype)
-    q = torch.randn(len(grown) * seqlen_q, hkv * group, 128, device="cuda").to(dtype)
+    q, k, v = make_attention_inputs(inputs, seqlen_q, hkv, group)
     step = msa_pkg.MSADecodeStepWrapper().plan(
         page_table=inputs["page_table"], seqused_k=inputs["seqused_k"], seqlen_q=seqlen_q,
         max_seqlen_k=topk * P, num_qo_heads=hkv * group, num_kv_heads=hkv, topk=topk)
