@@ -1327,7 +1327,8 @@ struct PageLoader {
     for (int i = 0; i < kSteps; ++i) {
       const bool valid = first_row + kRowsPerStep * i < valid_rows;
       const int src_bytes = src_offset + i * kRowsPerStep * kStoredRowBytes;
-      cp_async_16_or_zero(tile + tile_offset[i & 1] + i * kRowsPerStep * kRowBytes,
+      const int phase = kRowsPerStep == 8 ? 0 : i & 1;
+      cp_async_16_or_zero(tile + tile_offset[phase] + i * kRowsPerStep * kRowBytes,
                           src + (valid ? src_bytes : 0), valid);
     }
   }
