@@ -21,8 +21,8 @@ from typing import Optional
 import torch
 
 from . import _backend
-from ._validation import (check_decode_values, check_positive_int, check_qhead_per_kv,
-                          check_tensor, check_topk, value_checks_requested)
+from ._validation import (check_decode_indexer_values, check_decode_values, check_positive_int,
+                          check_qhead_per_kv, check_tensor, check_topk, value_checks_requested)
 from .decode import PAGE_SIZE, SparseDecodePagedAttentionWrapper, _check_seqlen_q, run_decode
 from .decode_indexer import (DecodeIndexerPlan, check_indexer_args, make_decode_indexer_plan,
                              run_indexer_call)
@@ -165,6 +165,10 @@ class MSADecodeStepWrapper:
             check_decode_values(call, strict=False)
             call.check_values = False
         if self.selects_every_block:
+            # The index keys are not read, but a call is judged the same either way: their pool
+            # against the page table, as the indexer would check it.
+            if index_call.check_values or _backend.reference_only(q.device):
+                check_decode_indexer_values(index_call)
             self._write_every_visible_block()
         else:
             run_indexer_call(index_call)
