@@ -27,6 +27,12 @@ from .decode import PAGE_SIZE, SparseDecodePagedAttentionWrapper, _check_seqlen_
 from .decode_indexer import (DecodeIndexerPlan, check_indexer_args, make_decode_indexer_plan,
                              run_indexer_call)
 
+def selects_every_block(max_seqlen_k: int, topk: int) -> bool:
+    """Whether the top-k keeps every visible block of every request of at most max_seqlen_k
+    keys, whatever the scores (no request holds more than topk blocks)."""
+    return -(-max_seqlen_k // PAGE_SIZE) <= topk
+
+
 # run()'s names for the arguments it hands decode_indexer_topk (its errors name these).
 _INDEXER_NAMES = dict(scale="index_scale", k_scale="k_idx_scale",
                       k_global_scale="k_idx_global_scale", k_scale_layout="k_idx_scale_layout")
@@ -102,15 +108,15 @@ class MSADecodeStepWrapper:
         batch, device = seqused_k.numel(), seqused_k.device
         q2k = torch.full((num_kv_heads, batch * seqlen_q, topk), -1, dtype=torch.int32,
                          device=device)
-        selects_every_block = -(-max_seqlen_k // PAGE_SIZE) <= topk
+        every_block = selects_every_block(max_seqlen_k, topk)
         # The attention plan validates the layout (no launch); the indexer plan launches its
         # first update, so it comes last.
         attention = SparseDecodePagedAttentionWrapper().plan(
             page_table=page_table, seqused_k=seqused_k, seqlen_q=seqlen_q,
-            max_seqlen_k=max_seqlen_k, q2k_indices=None if selects_every_block else q2k,
+            max_seqlen_k=max_seqlen_k, q2k_indices=None if every_block else q2k,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, enable_cuda_graph=True,
             qo_tile_rows=qo_tile_rows, check_input_valid=check_values)
-        if selects_every_block:
+        if every_block:
             # Slot j of MTP query i holds block j while 128 j <= its position
             # seqused_k - seqlen_q + i, i.e. while 128 j + seqlen_q - i <= seqused_k.
             slots = torch.arange(topk, dtype=torch.int32, device=device)
@@ -124,7 +130,7 @@ class MSADecodeStepWrapper:
                 seqused_k, seqlen_q=seqlen_q, num_index_heads=num_index_heads,
                 max_seqlen_k=max_seqlen_k, topk=topk, max_ctas=max_ctas)
         self.indexer_plan, self.attention, self.q2k_indices = indexer_plan, attention, q2k
-        self.selects_every_block = selects_every_block
+        self.selects_every_block = every_block
         self._page_table, self._seqused_k = page_table, seqused_k
         self._check_input_valid = check_values
         return self
@@ -135,7 +141,7 @@ class MSADecodeStepWrapper:
         that bound do not score, and a split left as it is stays correct."""
         self._require_plan()
         plan = self.indexer_plan
-        if not -(-plan.max_seqlen_k // PAGE_SIZE) <= plan.topk:
+        if not selects_every_block(plan.max_seqlen_k, plan.topk):
             plan.update()
         return self
 
