@@ -10,7 +10,6 @@ Outputs, LSE and split workspaces are poisoned with NaN before each run.
 from __future__ import annotations
 
 import importlib
-
 from types import SimpleNamespace
 
 import pytest
