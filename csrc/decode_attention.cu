@@ -670,6 +670,12 @@ __device__ __forceinline__ uint64_t descriptor(const void* start, uint32_t leadi
          (static_cast<uint64_t>(kAtomBytes >> 4) << 32) | (1ull << 62);
 }
 
+// A 16-bit V tile as P V's transposed (MN-major) B operand: its second 64-channel column block
+// one block of kPageSize rows further.
+__device__ __forceinline__ uint64_t v_descriptor(const void* tile) {
+  return descriptor(tile, kPageSize * kRowBytes);
+}
+
 __device__ __forceinline__ void fence_operands() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
@@ -1108,7 +1114,7 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
   float alpha[2];
   page_softmax<kFp8>(page, full, scale_log2, rows, s, pa, alpha);
   rescale(o, alpha);
-  issue_pv<kFp8>(descriptor(vs, kPageSize * kRowBytes), pa, o);
+  issue_pv<kFp8>(v_descriptor(vs), pa, o);
   commit_and_wait();
 }
 
@@ -1257,9 +1263,9 @@ __device__ __forceinline__ void load_raw_queries(const DecodeAttentionArgs& a,
     *reinterpret_cast<uint4*>(qs + swizzled(row, chunk)) =     // row 64 starts block 1
         query_chunk(a, ctx, group, tile_rows, row, chunk, 1);
   }
-  uint4* zeros = reinterpret_cast<uint4*>(qs + kRowsPerCta * kRowBytes);
+  uint4* zeros = reinterpret_cast<uint4*>(qs + Layout<true>::kZerosOffset);
 #pragma unroll
-  for (int i = 0; i < Shape<true>::kWideBytes / 16 / kThreads; ++i) {
+  for (int i = 0; i < Layout<true>::kZerosBytes / 16 / kThreads; ++i) {
     zeros[thread + i * kThreads] = make_uint4(0u, 0u, 0u, 0u);
   }
 }
@@ -1348,8 +1354,8 @@ constexpr int kRawChunksPerLoader = kPageSize * 8 / kLoaders;
 constexpr int kRawChunksPerQuarter = kRawChunksPerLoader / kRawQuarters;
 static_assert(kRawRowsPerStep == 8, "a loader's rows keep one row % 8 (one swizzle phase)");
 
-// A loader's place in the raw slot and the 16-bit tile: its first row (raw_row(thread, 0); row
-// i is 8 i further, the same swizzle phase), its chunk, and the byte offsets of both.
+// A loader's place in the raw slot and the 16-bit tile: its first row (row i of its chunks is
+// 8 i further, the same swizzle phase) and the byte offsets of its chunk in both.
 struct RawLoader {
   int first_row;
   int raw_offset;        // first row's chunk in the raw slot and in the page as stored
@@ -1583,8 +1589,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     return page_or_none<false>(a, ctx, idx, num_pages, list_phys, list_logical, list_mask);
   };
   PageRef next_page = early_ref(0);
-  const uint64_t first_desc_v =
-      descriptor(smem + (kFp8 ? L::kZerosOffset : 0), kPageSize * kRowBytes);
+  const uint64_t first_desc_v = v_descriptor(smem + (kFp8 ? L::kZerosOffset : 0));
   for (int t = 0; t < turns; ++t) {
     MSA_LAB_MARK(lab_leader, 2 + consumer, t, 0);
     const bool has_page = t < num_pages;
@@ -1608,8 +1613,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     } else {
       issue_qk<false>(qs, k_tile(k_ring.index), s);
     }
-    issue_pv<kFp8>(t > 0 ? descriptor(v_tile(v_ring.index), kPageSize * kRowBytes) : first_desc_v,
-                   pa, o);
+    issue_pv<kFp8>(t > 0 ? v_descriptor(v_tile(v_ring.index)) : first_desc_v, pa, o);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     if (consumer == 0 || t + 1 < turns) sm90::named_arrive(other_turn, 256);
     if (t + 1 < num_pages) next_page = early_ref(t + 1);
