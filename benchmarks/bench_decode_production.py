@@ -64,7 +64,10 @@ CASE_SEED = 1701
 # --attention-forms: the decode debug hooks of each (forced forms run whatever the gates say).
 ATTENTION_FORMS = {"served": {}, "rows": dict(decode_warpgroup=False),
                    "warpgroup": dict(decode_warpgroup=True, decode_pingpong=False),
-                   "pingpong": dict(decode_warpgroup=True, decode_pingpong=True)}
+                   "pingpong": dict(decode_warpgroup=True, decode_pingpong=True,
+                                    decode_persistent=False),
+                   "persistent": dict(decode_warpgroup=True, decode_pingpong=True,
+                                      decode_persistent=True)}
 WARMUP_REPLAYS = 5
 GRAPH_TARGET_US = 2000.0
 MAX_CALLS = 120
@@ -349,7 +352,8 @@ def main(argv=None):
     ap.add_argument("--attention-forms", default="served",
                     help="decode attention forms for tiles of > 16 rows, each timed in turn "
                          "(comma-separated): served (what the gates serve), rows, warpgroup "
-                         "(two-stage), pingpong (producer + two consumer warpgroups); "
+                         "(two-stage), pingpong (producer + two consumer warpgroups, the "
+                         "plan's work items), persistent (its persistent form); "
                          "a forced form's rows name it in impl, e.g. dense-bf16[rows]")
     ap.add_argument("--qo-tile-rows", default="auto",
                     help="query rows per attention CTA, each timed in turn (comma-separated): "

@@ -207,6 +207,19 @@ __device__ __forceinline__ PageRef resolve_page(const DecodeAttentionArgs& a,
   return kSettle ? settle_page(a, ref) : ref;
 }
 
+// The rows of ctx.qo_tile (returns their count) and the request's length (seqlen_k >= 0) and
+// KV pages.
+__device__ __forceinline__ int fill_tile(const DecodeAttentionArgs& a, CtaContext& ctx,
+                                         int group, int seqlen_k) {
+  ctx.first_row = ctx.qo_tile * a.qo_tile_rows;
+  const int tile_rows = min(a.qo_tile_rows, a.seqlen_q * group - ctx.first_row);
+  ctx.first_token = ctx.first_row / group;
+  ctx.num_tokens = (ctx.first_row + tile_rows - 1) / group - ctx.first_token + 1;
+  ctx.seqlen_k = seqlen_k;
+  ctx.num_blocks = min((ctx.seqlen_k + kPageSize - 1) / kPageSize, a.page_table_width);
+  return tile_rows;
+}
+
 // The CTA's work item: request, KV head, chunk and qo tile from the schedule, the request's
 // length and the chunk's unit range (the request's last chunk runs to its current end). False
 // for a corrupt schedule entry: nothing the CTA could safely write.
@@ -223,12 +236,7 @@ __device__ __forceinline__ bool make_context(const DecodeAttentionArgs& a, CtaCo
       ctx.qo_tile >= (rows_total + a.qo_tile_rows - 1) / a.qo_tile_rows) {
     return false;
   }
-  ctx.first_row = ctx.qo_tile * a.qo_tile_rows;
-  tile_rows = min(a.qo_tile_rows, rows_total - ctx.first_row);
-  ctx.first_token = ctx.first_row / group;
-  ctx.num_tokens = (ctx.first_row + tile_rows - 1) / group - ctx.first_token + 1;
-  ctx.seqlen_k = max(__ldg(a.seqused_k + ctx.request), 0);
-  ctx.num_blocks = min((ctx.seqlen_k + kPageSize - 1) / kPageSize, a.page_table_width);
+  tile_rows = fill_tile(a, ctx, group, max(__ldg(a.seqused_k + ctx.request), 0));
   // Sparse chunks are q2k slot ranges when every qo tile holds one token, else logical page
   // ranges (schedules/decode.py: multi_token_tiles, the same rule).
   ctx.slot_chunks = a.q2k_indices != nullptr &&
@@ -557,15 +565,25 @@ __device__ __forceinline__ PageRef page_or_none(const DecodeAttentionArgs& a,
   return none;
 }
 
+// The partial slot of a split-KV work item, merge_indptr[request] + chunk; -1 where the plan
+// writes O directly, kCorruptSlot (nothing may be written) for a slot outside the workspaces.
+constexpr int64_t kCorruptSlot = -2;
+__device__ __forceinline__ int64_t chunk_slot(const DecodeAttentionArgs& a, int request,
+                                              int chunk) {
+  if (!a.split_kv) return -1;
+  const int64_t slot = static_cast<int64_t>(__ldg(a.merge_indptr + request)) + chunk;
+  return slot >= 0 && slot < a.num_partial_slots ? slot : kCorruptSlot;
+}
+
 // Writes one finished row of the warpgroup form (query token, q head): channel pairs
-// 8n + 2 (lane % 4) + {0, 1} from pair(n), n < 16, as the fp32 partial of split-KV slot `slot` or
-// as the bf16 output, and the LSE from the quad's first lane. (The older forms inline the same
-// stores; they stay as they are until they can be re-run on a GPU.)
+// 8n + 2 (lane % 4) + {0, 1} from pair(n), n < 16, as the fp32 partial of slot `slot` (>= 0) or
+// as the bf16 output (slot -1), and the LSE from the quad's first lane. (The older forms inline
+// the same stores; they stay as they are until they can be re-run on a GPU.)
 template <typename PairFn>
 __device__ __forceinline__ void store_row(const DecodeAttentionArgs& a, int64_t slot,
                                           int request, int token, int qo_head, int lane,
                                           float lse, PairFn pair) {
-  if (a.split_kv) {
+  if (slot >= 0) {
     const int64_t idx = (slot * a.seqlen_q + token) * a.num_qo_heads + qo_head;
     float* o = a.o_partial + idx * kHeadDim + (lane & 3) * 2;
 #pragma unroll
@@ -918,15 +936,13 @@ struct TileView {
            page.logical * kPageSize + kPageSize - 1 <= shared_last_key;
   }
 
-  // Normalized O and LSE (natural log) of this thread's rows into out / the split-KV partials;
-  // empty rows give O = 0, LSE = -inf.
+  // Normalized O and LSE (natural log) of this thread's rows into out (slot -1) or partial slot
+  // `slot`; empty rows give O = 0, LSE = -inf.
   __device__ __forceinline__ void finalize(const DecodeAttentionArgs& a, const CtaContext& ctx,
-                                           int chunk, int group_row, const Rows& rows,
+                                           int64_t slot, int group_row, const Rows& rows,
                                            float scale_log2, const float (&o)[64]) const {
+    if (slot == kCorruptSlot) return;
     const int lane = threadIdx.x & 31;
-    const int64_t slot =
-        a.split_kv ? static_cast<int64_t>(__ldg(a.merge_indptr + ctx.request)) + chunk : 0;
-    if (a.split_kv && (slot < 0 || slot >= a.num_partial_slots)) return;
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {
       float sum = rows.sum[i2];
@@ -1196,7 +1212,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   cp_async_wait_all();
 
   if (group_active) {
-    tile.finalize(a, ctx, chunk, warpgroup * kWarpgroupRows, rows, scale_log2, o);
+    tile.finalize(a, ctx, chunk_slot(a, ctx.request, chunk), warpgroup * kWarpgroupRows, rows,
+                  scale_log2, o);
   }
 }
 
@@ -1225,15 +1242,18 @@ static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536, "reg
 // for the e4m3 Q K^T wgmma, then a 16-bit tile of zeros, the first turn's V tile), the K ring
 // (bf16: 16-bit tiles; e4m3: raw pages, K-major), the V ring of 16-bit tiles, for e4m3 V's raw
 // page slot (its loaders' cp.async target, widened by the same threads into the ring), the ring
-// barriers, the sparse page list.
-template <bool kFp8>
+// barriers, the sparse page list. The persistent form keeps two Q slots (the next sequence's
+// rows land while this one's run; bf16 then has room for two K stages) and the partition's
+// request table instead of the list.
+template <bool kFp8, bool kPersistent = false>
 struct Layout {
   using S = Shape<kFp8>;
   static constexpr int kQBytes = kFp8 ? kWarpgroupRows * kRowBytes : S::kQBytes;  // per consumer
-  static constexpr int kZerosOffset = 2 * kQBytes;
+  static constexpr int kQSlotBytes = 2 * kQBytes;
+  static constexpr int kZerosOffset = (kPersistent ? 2 : 1) * kQSlotBytes;
   static constexpr int kZerosBytes = kFp8 ? S::kWideBytes : 0;
   static constexpr int kKTileBytes = kFp8 ? S::kPageBlockBytes : S::kWideBytes;
-  static constexpr int kKStages = kFp8 ? 4 : 3;
+  static constexpr int kKStages = kFp8 ? 4 : (kPersistent ? 2 : 3);
   static constexpr int kVStages = 2;
   static constexpr int kRawBytes = kFp8 ? kPageSize * kRowBytes : 0;
   static constexpr int kKOffset = kZerosOffset + kZerosBytes;
@@ -1242,7 +1262,10 @@ struct Layout {
   static constexpr int kBarrierOffset = kRawOffset + kRawBytes;
   static constexpr int kBarriers = 2 * (kKStages + kVStages);
   static constexpr int kListOffset = kBarrierOffset + kBarriers * 8;
-  static constexpr int kBytes = kListOffset + kListBytes + kCountsSlotBytes;
+  static constexpr int kPartitionBytes =
+      (kDecodePersistentMaxRequests + 1) * 8 + kDecodePersistentMaxRequests * 4;
+  static constexpr int kBytes =
+      kListOffset + (kPersistent ? kPartitionBytes : kListBytes) + kCountsSlotBytes;
   static constexpr int kAlloc = kBytes + 1024;
   static_assert(kAlloc <= 227 * 1024, "ping-pong form: shared memory");
 };
@@ -1402,19 +1425,18 @@ __device__ __forceinline__ void widen_own_quarter(const RawLoader& me, const cha
 // (cp.async.mbarrier.arrive), so the loader goes straight on to the next stage's empty wait and
 // a page is ready the moment its bytes are; the consumers fence for the async proxy before
 // their wgmmas read it.
-template <int kStages, typename Loader, typename PageOf, typename Full, typename Empty,
+// locate(i, valid_rows) is page i's source, with the rows to read from it (page_source); it is
+// called for i = 0, 1, .. in order.
+template <int kStages, typename Loader, typename Locate, typename Full, typename Empty,
           typename Tile>
-__device__ __forceinline__ void stream_tensor(const DecodeAttentionArgs& a, const CtaContext& ctx,
-                                              int num_pages, const void* tensor, int thread,
-                                              PageOf page_of, Full full, Empty empty,
+__device__ __forceinline__ void stream_tensor(int num_pages, [[maybe_unused]] int lab_actor, int thread,
+                                              Locate locate, Full full, Empty empty,
                                               Tile tile) {
   sm90::RingState<kStages> ring;
-  [[maybe_unused]] const int lab_actor = tensor == a.k ? 0 : 1;   // MSA_LAB_MARK
   const Loader me(thread);
   for (int i = 0; i < num_pages; ++i) {
-    const PageRef ref = page_of(i);
-    int valid_rows = page_valid_rows(ctx, ref);
-    const char* src = page_source(a, ctx.head, ref, tensor, Loader::kElementBytes, valid_rows);
+    int valid_rows;
+    const char* src = locate(i, valid_rows);
     MSA_LAB_MARK(thread == 0, lab_actor, i, 0);
     empty(ring.index).wait(ring.phase ^ 1u);
     MSA_LAB_MARK(thread == 0, lab_actor, i, 1);
@@ -1432,22 +1454,15 @@ __device__ __forceinline__ void stream_tensor(const DecodeAttentionArgs& a, cons
 // empty wait, then per quarter: wait for its copies (one cp.async group per quarter, the oldest
 // of four), widen them into the stage, issue the next page's; then fence for the async proxy
 // and tell the full barrier.
-template <int kStages, typename PageOf, typename Full, typename Empty, typename Tile>
-__device__ __forceinline__ void stream_tensor_fp8(const DecodeAttentionArgs& a,
-                                                  const CtaContext& ctx, int num_pages,
-                                                  const void* tensor, char* raw, int thread,
-                                                  PageOf page_of, Full full, Empty empty,
-                                                  Tile tile) {
+template <int kStages, typename Locate, typename Full, typename Empty, typename Tile>
+__device__ __forceinline__ void stream_tensor_fp8(int num_pages, [[maybe_unused]] int lab_actor, char* raw,
+                                                  int thread, Locate locate_page, Full full,
+                                                  Empty empty, Tile tile) {
   sm90::RingState<kStages> ring;
-  [[maybe_unused]] const int lab_actor = tensor == a.k ? 0 : 1;   // MSA_LAB_MARK
   const RawLoader me(thread);
   int next_rows = 0;
   const char* next_src = nullptr;
-  auto locate = [&](int idx) {     // page idx's source and rows to read
-    const PageRef ref = page_of(idx);
-    next_rows = page_valid_rows(ctx, ref);
-    next_src = page_source(a, ctx.head, ref, tensor, 1, next_rows);
-  };
+  auto locate = [&](int idx) { next_src = locate_page(idx, next_rows); };
   if (num_pages > 0) locate(0);
 #pragma unroll
   for (int q = 0; q < kRawQuarters; ++q) {
@@ -1529,15 +1544,22 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     // Producer: warps 0-1 stream K, warps 2-3 stream V, each at its own pace.
     sm90::registers_down<kProducerRegisters>();
     const int thread = threadIdx.x % kLoaders;
-    if (threadIdx.x < kLoaders) {
-      stream_tensor<kKStages, PageLoader<kFp8 ? 1 : 2>>(a, ctx, num_pages, a.k, thread, page_of,
-                                                        k_full, k_empty, k_tile);
+    const bool streams_k = threadIdx.x < kLoaders;
+    const void* tensor = streams_k ? a.k : a.v;
+    auto locate = [&](int idx, int& valid_rows) {
+      const PageRef ref = page_of(idx);
+      valid_rows = page_valid_rows(ctx, ref);
+      return page_source(a, ctx.head, ref, tensor, kFp8 ? 1 : 2, valid_rows);
+    };
+    if (streams_k) {
+      stream_tensor<kKStages, PageLoader<kFp8 ? 1 : 2>>(num_pages, 0, thread, locate, k_full,
+                                                        k_empty, k_tile);
     } else if constexpr (kFp8) {
-      stream_tensor_fp8<kVStages>(a, ctx, num_pages, a.v, smem + L::kRawOffset, thread,
-                                  page_of, v_full, v_empty, v_tile);
+      stream_tensor_fp8<kVStages>(num_pages, 1, smem + L::kRawOffset, thread, locate, v_full,
+                                  v_empty, v_tile);
     } else {
-      stream_tensor<kVStages, PageLoader<2>>(a, ctx, num_pages, a.v, thread, page_of, v_full,
-                                             v_empty, v_tile);
+      stream_tensor<kVStages, PageLoader<2>>(num_pages, 1, thread, locate, v_full, v_empty,
+                                             v_tile);
     }
     return;
   }
@@ -1644,8 +1666,367 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   }
 
   if (group_active) {
-    tile.finalize(a, ctx, chunk, consumer * kWarpgroupRows, rows, scale_log2, o);
+    tile.finalize(a, ctx, chunk_slot(a, ctx.request, chunk), consumer * kWarpgroupRows, rows,
+                  scale_log2, o);
   }
+}
+
+
+// ---- Persistent ping-pong form (dense) -------------------------------------------------------
+// One CTA per SM. The call's page sequences, one per (request, KV head, qo tile) of p(r) =
+// max(1, the request's KV pages) pages (an empty request keeps one skipped page, so its rows are
+// still written: O = 0, LSE = -inf), are laid end to end, request-major, and cut into `ctas`
+// ranges of equal page counts from the live lengths (every CTA computes the same prefix over the
+// requests). A CTA streams its range back to back: the producer runs on across sequences; a
+// consumer finalizes a sequence's piece after the wait of the turn that issues its last P V, and
+// loads the next piece's Q rows (cp.async) into the other of two slots while the current piece
+// runs. A piece that is its whole sequence writes O directly; a sequence cut by a range boundary
+// leaves one partial per piece, in slot 2c (the piece that opens CTA c's range) or 2c + 1 (the
+// one that closes it), combined by decode_merge_persistent_kernel.
+struct Partition {
+  const int64_t* pages_before;   // [batch + 1]: sum of p(r') over r' < r (one sequence's pages)
+  const int* lengths;            // [batch]: seqused_k clamped to >= 0
+  int batch;
+  int tiles;                     // qo tiles of a KV head
+  int seqs_per_request;          // KV heads x tiles
+  int64_t total;                 // pages of all sequences
+  int ctas;                      // CTAs with a range: min(grid, total)
+  __device__ __forceinline__ int64_t cut(int cta) const { return total * cta / ctas; }
+};
+
+// p(r) into pages_before[r + 1] and the clamped lengths, then their prefix: every thread of the
+// CTA calls it (two CTA barriers inside).
+__device__ __forceinline__ void build_request_table(const DecodeAttentionArgs& a,
+                                                    int64_t* pages_before, int* lengths) {
+  for (int r = threadIdx.x; r < a.batch; r += blockDim.x) {
+    const int len = max(__ldg(a.seqused_k + r), 0);
+    lengths[r] = len;
+    pages_before[r + 1] = max(1, min(len / kPageSize + (len % kPageSize != 0),
+                                     a.page_table_width));
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {                    // warp 0: lane l scans one run of requests
+    const int lane = threadIdx.x;
+    const int per_lane = (a.batch + 31) / 32;
+    const int begin = min(lane * per_lane, a.batch), end = min(begin + per_lane, a.batch);
+    int64_t own = 0;
+    for (int r = begin; r < end; ++r) own += pages_before[r + 1];
+    int64_t inclusive = own;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int64_t up = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
+      if (lane >= d) inclusive += up;
+    }
+    int64_t running = inclusive - own;
+    for (int r = begin; r < end; ++r) {
+      running += pages_before[r + 1];
+      pages_before[r + 1] = running;
+    }
+    if (lane == 0) pages_before[0] = 0;
+  }
+  __syncthreads();
+}
+
+// A page of the partition: its request, sequence within the request (KV head x tiles + qo tile)
+// and page within the sequence (`pages` = p(request)).
+struct Cursor {
+  int request, seq, page, pages;
+
+  __device__ __forceinline__ void seek(const Partition& part, int64_t g) {
+    int lo = 0, hi = part.batch - 1;            // the last request starting at or before g
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (part.seqs_per_request * part.pages_before[mid] <= g) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    request = lo;
+    pages = static_cast<int>(part.pages_before[lo + 1] - part.pages_before[lo]);
+    const int64_t within = g - part.seqs_per_request * part.pages_before[lo];
+    seq = static_cast<int>(within / pages);
+    page = static_cast<int>(within - static_cast<int64_t>(seq) * pages);
+  }
+  __device__ __forceinline__ void next_sequence(const Partition& part) {
+    page = 0;
+    if (++seq == part.seqs_per_request) {
+      seq = 0;
+      if (++request < part.batch) {
+        pages = static_cast<int>(part.pages_before[request + 1] - part.pages_before[request]);
+      }
+    }
+  }
+  __device__ __forceinline__ void advance(const Partition& part) {
+    if (++page == pages) next_sequence(part);
+  }
+  __device__ __forceinline__ int head(const Partition& part) const { return seq / part.tiles; }
+};
+
+// The cursor's page: its page-table entry (kSettle = false leaves the mask to settle_page), or
+// the skipped placeholder of an empty request (physical -1: settle_page keeps it skipped).
+template <bool kSettle>
+__device__ __forceinline__ PageRef cursor_page(const DecodeAttentionArgs& a,
+                                               const Partition& part, const Cursor& c) {
+  PageRef ref;
+  ref.logical = c.page;
+  ref.physical = -1;
+  ref.token_mask = 0;
+  if (part.lengths[c.request] > 0) {
+    ref.physical =
+        __ldg(a.page_table + static_cast<int64_t>(c.request) * a.page_table_width + c.page);
+    if (kSettle) ref = settle_page(a, ref);
+  }
+  return ref;
+}
+
+// The context of the cursor's sequence (dense: one chunk, the whole request); tile_rows: its
+// rows.
+__device__ __forceinline__ CtaContext sequence_context(const DecodeAttentionArgs& a,
+                                                       const Partition& part, const Cursor& c,
+                                                       int& tile_rows) {
+  CtaContext ctx;
+  ctx.request = c.request;
+  ctx.head = c.head(part);
+  ctx.qo_tile = c.seq % part.tiles;
+  tile_rows = fill_tile(a, ctx, a.num_qo_heads / a.num_kv_heads, part.lengths[c.request]);
+  ctx.chunk_begin = 0;
+  ctx.chunk_end = ctx.num_blocks;
+  ctx.slot_chunks = false;
+  return ctx;
+}
+
+// The partial slot of a piece that starts at `start` (turn `turn` of the CTA) and has
+// `pages` pages in the CTA's range: -1 when it is its whole sequence (direct O).
+__device__ __forceinline__ int64_t piece_slot(const Cursor& start, int pages, int turn) {
+  if (start.page == 0 && pages == start.pages) return -1;
+  return 2 * static_cast<int64_t>(blockIdx.x) + (turn > 0 ? 1 : 0);
+}
+
+// One consumer's Q rows of a tile (rows 64 consumer .. + 63, zero past tile_rows) into its block
+// of a Q slot as the Q K^T wgmma reads it (bf16: 16-bit swizzled rows of two column blocks;
+// e4m3: raw 128-byte swizzled rows), by its 128 threads with cp.async.
+template <bool kFp8>
+__device__ __forceinline__ void load_own_queries_async(const DecodeAttentionArgs& a,
+                                                       const CtaContext& ctx, int group,
+                                                       int tile_rows, int consumer, char* block,
+                                                       int thread) {
+  constexpr int kChunksPerRow = kFp8 ? 8 : 16;   // 16-byte chunks of a row as stored in q
+  constexpr int kSteps = kWarpgroupRows * kChunksPerRow / 128;
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) {
+    const int c = thread + i * 128;
+    const int local = c / kChunksPerRow, chunk = c % kChunksPerRow;
+    const int row = consumer * kWarpgroupRows + local;
+    const bool valid = row < tile_rows;
+    const int r = ctx.first_row + (valid ? row : 0);
+    const int token = r / group, qo_head = ctx.head * group + r % group;
+    const char* src = static_cast<const char*>(a.q) +
+        ((static_cast<int64_t>(ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head) *
+            kHeadDim * (kFp8 ? 1 : 2) + chunk * 16;
+    char* dst = kFp8 ? block + swizzled(local, chunk)
+                     : block + (chunk / 8) * Shape<false>::kQBlockBytes +
+                           swizzled(local, chunk % 8);
+    cp_async_16_or_zero(dst, src, valid);
+  }
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_kernel(
+    const DecodeAttentionArgs a) {
+  using L = Layout<kFp8, true>;
+  using S = Shape<kFp8>;
+  constexpr int kKStages = L::kKStages, kVStages = L::kVStages;
+  extern __shared__ __align__(1024) char smem_raw[];
+  char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarrierOffset);
+  auto k_full = [&](int st) { return sm90::Mbarrier{bars + st}; };
+  auto k_empty = [&](int st) { return sm90::Mbarrier{bars + kKStages + st}; };
+  auto v_full = [&](int st) { return sm90::Mbarrier{bars + 2 * kKStages + st}; };
+  auto v_empty = [&](int st) { return sm90::Mbarrier{bars + 2 * kKStages + kVStages + st}; };
+  auto k_tile = [&](int st) { return smem + L::kKOffset + st * L::kKTileBytes; };
+  auto v_tile = [&](int st) { return smem + L::kVOffset + st * S::kWideBytes; };
+  int64_t* pages_before = reinterpret_cast<int64_t*>(smem + L::kListOffset);
+  int* lengths = reinterpret_cast<int*>(pages_before + kDecodePersistentMaxRequests + 1);
+
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < kKStages; ++st) {
+      k_full(st).init(kLoaders);
+      k_empty(st).init(256);
+    }
+    for (int st = 0; st < kVStages; ++st) {
+      v_full(st).init(kLoaders);
+      v_empty(st).init(256);
+    }
+    sm90::fence_barrier_init();
+  }
+  build_request_table(a, pages_before, lengths);      // the barriers are ready after it too
+  const int group = a.num_qo_heads / a.num_kv_heads;
+  Partition part;
+  part.pages_before = pages_before;
+  part.lengths = lengths;
+  part.batch = a.batch;
+  part.tiles = (a.seqlen_q * group + a.qo_tile_rows - 1) / a.qo_tile_rows;
+  part.seqs_per_request = a.num_kv_heads * part.tiles;
+  part.total = part.seqs_per_request * pages_before[a.batch];
+  part.ctas = static_cast<int>(min(static_cast<int64_t>(gridDim.x), part.total));
+  if (blockIdx.x == 0) {
+    for (int r = threadIdx.x; r <= a.batch; r += blockDim.x) a.request_pages[r] = pages_before[r];
+  }
+  if (static_cast<int>(blockIdx.x) >= part.ctas) return;           // uniform over the CTA
+  const int64_t first_page = part.cut(blockIdx.x);
+  const int num_pages = static_cast<int>(part.cut(blockIdx.x + 1) - first_page);
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    // Producer: warps 0-1 stream K, warps 2-3 stream V, across the range's sequences.
+    sm90::registers_down<kProducerRegisters>();
+    const int thread = threadIdx.x % kLoaders;
+    const bool streams_k = threadIdx.x < kLoaders;
+    const void* tensor = streams_k ? a.k : a.v;
+    Cursor at;
+    at.seek(part, first_page);
+    auto locate = [&](int idx, int& valid_rows) {
+      if (idx > 0) at.advance(part);
+      const PageRef ref = cursor_page<true>(a, part, at);
+      valid_rows = min(kPageSize, max(part.lengths[at.request] - ref.logical * kPageSize, 0));
+      return page_source(a, at.head(part), ref, tensor, kFp8 ? 1 : 2, valid_rows);
+    };
+    if (streams_k) {
+      stream_tensor<kKStages, PageLoader<kFp8 ? 1 : 2>>(num_pages, 0, thread, locate, k_full,
+                                                        k_empty, k_tile);
+    } else if constexpr (kFp8) {
+      stream_tensor_fp8<kVStages>(num_pages, 1, smem + L::kRawOffset, thread, locate, v_full,
+                                  v_empty, v_tile);
+    } else {
+      stream_tensor<kVStages, PageLoader<2>>(num_pages, 1, thread, locate, v_full, v_empty,
+                                             v_tile);
+    }
+    return;
+  }
+
+  // Consumers: the pieces one after the other, each as decode_attention_pp_kernel runs its
+  // work item (pages + 1 turns, the last one issuing the last P V), then its finalize. A piece's
+  // first P V (P = 0) reads the K stage its first turn waited for, bf16's stand-in for a V tile
+  // (settled and finite, unlike a Q slot the next rows may be landing in), or e4m3's zeros.
+  sm90::registers_up<kConsumerRegisters>();
+  const int consumer = warpgroup - 1;                  // rows 64 consumer .. + 63 of a tile
+  const int thread = threadIdx.x % 128;
+  const int own_queries_ready = kQueriesReady + 1 + consumer;   // named barriers 4, 5
+  auto q_block = [&](int slot) {
+    return smem + slot * L::kQSlotBytes + consumer * L::kQBytes;
+  };
+  const float scale_log2 = a.softmax_scale * kLog2e;
+  Cursor piece_start;                                  // the piece's first page
+  piece_start.seek(part, first_page);
+  int piece_turn = 0;                                  // its first page's index in the range
+  int q_slot = 0;
+  {
+    int tile_rows;
+    const CtaContext ctx = sequence_context(a, part, piece_start, tile_rows);
+    load_own_queries_async<kFp8>(a, ctx, group, tile_rows, consumer, q_block(0), thread);
+  }
+  if constexpr (kFp8) {
+    uint4* zeros = reinterpret_cast<uint4*>(smem + L::kZerosOffset);
+    for (int i = threadIdx.x - 128; i < L::kZerosBytes / 16; i += 256) {
+      zeros[i] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  cp_async_wait_all();
+  fence_to_async_proxy();
+  sm90::named_sync(kQueriesReady, 256);                // both consumers' zeros and first rows
+
+  float s[64], o[64];
+  uint32_t pa[8][4];
+  sm90::RingState<kKStages> k_ring;
+  sm90::RingState<kVStages> v_ring;
+  const int my_turn = 1 + consumer, other_turn = 2 - consumer;
+  if (consumer == 1) sm90::named_arrive(1, 256);
+  while (true) {
+    const int pages = min(piece_start.pages - piece_start.page, num_pages - piece_turn);
+    const bool last_piece = piece_turn + pages == num_pages;
+    int tile_rows;
+    const CtaContext ctx = sequence_context(a, part, piece_start, tile_rows);
+    const TileView tile(a, ctx, group, tile_rows);
+    const bool group_active = consumer * kWarpgroupRows < tile_rows;   // uniform per warpgroup
+    Rows rows = tile.rows(a, ctx, consumer * kWarpgroupRows);
+    if (piece_turn > 0) {                              // this piece's rows (the first are in)
+      cp_async_wait_all();
+      fence_to_async_proxy();
+      sm90::named_sync(own_queries_ready, 128);
+    }
+    if (!last_piece) {                                 // the next piece's, into the other slot
+      Cursor next = piece_start;
+      next.next_sequence(part);
+      int next_rows;
+      const CtaContext next_ctx = sequence_context(a, part, next, next_rows);
+      load_own_queries_async<kFp8>(a, next_ctx, group, next_rows, consumer, q_block(q_slot ^ 1),
+                                   thread);
+    }
+    const char* qs = q_block(q_slot);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) s[i] = o[i] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+    Cursor ahead = piece_start;                        // the page whose reference is read ahead
+    PageRef next_page = cursor_page<false>(a, part, ahead);
+    for (int j = 0; j <= pages; ++j) {
+      const bool has_page = j < pages;
+      const PageRef page = settle_page(a, next_page);
+      bool active = false;
+      if (has_page) {
+        active = group_active && page.token_mask != 0;
+        k_full(k_ring.index).wait(k_ring.phase);
+      }
+      if (j > 0) v_full(v_ring.index).wait(v_ring.phase);
+      fence_to_async_proxy();
+      sm90::named_sync(my_turn, 256);
+      const char* ks = k_tile(k_ring.index);          // past the piece's last page: discarded
+      if constexpr (kFp8) {
+        issue_qk_raw(qs, ks, s);
+      } else {
+        issue_qk<false>(qs, ks, s);
+      }
+      const char* first_v = kFp8 ? smem + L::kZerosOffset : ks;
+      issue_pv<kFp8>(v_descriptor(j > 0 ? v_tile(v_ring.index) : first_v), pa, o);
+      asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+      if (consumer == 0 || !(last_piece && j == pages)) sm90::named_arrive(other_turn, 256);
+      if (j + 1 < pages) {
+        ahead.advance(part);
+        next_page = cursor_page<false>(a, part, ahead);
+      }
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      if (has_page) {
+        k_empty(k_ring.index).arrive();
+        k_ring.advance();
+      }
+      if (j > 0) {
+        v_empty(v_ring.index).arrive();
+        v_ring.advance();
+      }
+      uint32_t keep = 0u;
+      if (active) {
+        float alpha[2];
+        page_softmax<kFp8>(page, tile.fully_visible(page), scale_log2, rows, s, pa, alpha);
+        rescale(o, alpha);
+        keep = 0xFFFFFFFFu;
+      }
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) {
+#pragma unroll
+        for (int f = 0; f < 4; ++f) pa[kk][f] &= keep;
+      }
+    }
+    if (group_active) {
+      tile.finalize(a, ctx, piece_slot(piece_start, pages, piece_turn), consumer * kWarpgroupRows,
+                    rows, scale_log2, o);
+    }
+    if (last_piece) break;
+    piece_start.next_sequence(part);
+    piece_turn += pages;
+    q_slot ^= 1;
+  }
+  cp_async_wait_all();                                 // no copy outlives its thread
 }
 
 }  // namespace pingpong
@@ -1660,12 +2041,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 namespace pingpong {
 constexpr int kThreadsPP = 3 * 128;
-template <bool kFp8>
+template <bool kFp8, bool kPersistent = false>
 struct Layout {
   static constexpr int kAlloc = 0;
 };
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
+    const DecodeAttentionArgs) {
+  __trap();
+}
+template <bool kFp8>
+__global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_kernel(
     const DecodeAttentionArgs) {
   __trap();
 }
@@ -2149,27 +2535,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// Log-sum-exp combine of a request's partials: one warp per (query row, q head), 4 dims a lane.
-constexpr int kMergeWarps = 4;
-
-__global__ void __launch_bounds__(kMergeWarps * 32)
-    decode_merge_kernel(const DecodeAttentionArgs a) {
+// Log-sum-exp combine of one (query row, q head)'s partials, slots slot_of(0 .. count - 1): its
+// lane's 4 dims of O and (lane 0) the LSE.
+template <typename SlotOf>
+__device__ __forceinline__ void merge_row(const DecodeAttentionArgs& a, int64_t q_row, int token,
+                                          int qo_head, int count, SlotOf slot_of) {
   const int lane = threadIdx.x & 31;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kMergeWarps + (threadIdx.x >> 5);
-  const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
-  if (item >= total_q * a.num_qo_heads) return;
-  const int64_t q_row = item / a.num_qo_heads;
-  const int qo_head = static_cast<int>(item % a.num_qo_heads);
-  const int request = static_cast<int>(q_row / a.seqlen_q);
-  const int token = static_cast<int>(q_row % a.seqlen_q);
-  const int64_t begin = max(static_cast<int64_t>(__ldg(a.merge_indptr + request)), int64_t{0});
-  const int64_t end =
-      min(static_cast<int64_t>(__ldg(a.merge_indptr + request + 1)), a.num_partial_slots);
   auto lse_index = [&](int64_t p) { return (p * a.seqlen_q + token) * a.num_qo_heads + qo_head; };
   float max_lse = -INFINITY;
   bool nan_partial = false;
-  for (int64_t p = begin; p < end; ++p) {
-    const float lse = a.lse_partial[lse_index(p)];
+  for (int i = 0; i < count; ++i) {
+    const float lse = a.lse_partial[lse_index(slot_of(i))];
     max_lse = fmaxf(max_lse, lse);
     nan_partial |= isnan(lse);
   }
@@ -2178,7 +2554,8 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float weight_sum = 0.f;
   if (max_lse != -INFINITY) {
-    for (int64_t p = begin; p < end; ++p) {
+    for (int i = 0; i < count; ++i) {
+      const int64_t p = slot_of(i);
       const float lse = a.lse_partial[lse_index(p)];
       if (lse == -INFINITY) continue;
       const float w = __expf(lse - max_lse);
@@ -2199,6 +2576,57 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   if (lane == 0 && a.lse != nullptr) {
     a.lse[out_index] = weight_sum != 0.f ? max_lse + logf(weight_sum) : -INFINITY;
   }
+}
+
+// Merge of a split-KV plan: one warp per (query row, q head), request b's partials in slots
+// merge_indptr[b] .. merge_indptr[b + 1].
+constexpr int kMergeWarps = 4;
+
+__global__ void __launch_bounds__(kMergeWarps * 32)
+    decode_merge_kernel(const DecodeAttentionArgs a) {
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kMergeWarps + (threadIdx.x >> 5);
+  const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
+  if (item >= total_q * a.num_qo_heads) return;
+  const int64_t q_row = item / a.num_qo_heads;
+  const int qo_head = static_cast<int>(item % a.num_qo_heads);
+  const int request = static_cast<int>(q_row / a.seqlen_q);
+  const int token = static_cast<int>(q_row % a.seqlen_q);
+  const int64_t begin = max(static_cast<int64_t>(__ldg(a.merge_indptr + request)), int64_t{0});
+  const int64_t end =
+      min(static_cast<int64_t>(__ldg(a.merge_indptr + request + 1)), a.num_partial_slots);
+  merge_row(a, q_row, token, qo_head, static_cast<int>(max(end - begin, int64_t{0})),
+            [&](int i) { return begin + i; });
+}
+
+// Merge of the persistent form: one warp per (query row, q head). Its sequence (request, KV
+// head, qo tile) spans CTAs first .. last of the partition (decode_attention_persistent_kernel);
+// a sequence inside one CTA's range was written directly. CTA c's piece of it is in slot 2c,
+// or 2c + 1 for the first CTA when its range opens before the sequence.
+__global__ void __launch_bounds__(kMergeWarps * 32)
+    decode_merge_persistent_kernel(const DecodeAttentionArgs a) {
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kMergeWarps + (threadIdx.x >> 5);
+  const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
+  if (item >= total_q * a.num_qo_heads) return;
+  const int64_t q_row = item / a.num_qo_heads;
+  const int qo_head = static_cast<int>(item % a.num_qo_heads);
+  const int request = static_cast<int>(q_row / a.seqlen_q);
+  const int token = static_cast<int>(q_row % a.seqlen_q);
+  const int group = a.num_qo_heads / a.num_kv_heads;
+  const int tiles = (a.seqlen_q * group + a.qo_tile_rows - 1) / a.qo_tile_rows;
+  const int tile = (token * group + qo_head % group) / a.qo_tile_rows;
+  const int64_t seqs = static_cast<int64_t>(a.num_kv_heads) * tiles;
+  const int64_t before = a.request_pages[request];
+  const int64_t pages = a.request_pages[request + 1] - before;
+  const int64_t start = seqs * before + (qo_head / group * tiles + tile) * pages;
+  const int64_t total = seqs * a.request_pages[a.batch];
+  const int64_t ctas = min(static_cast<int64_t>(a.num_work), total);
+  auto cta_of = [&](int64_t page) { return ((page + 1) * ctas - 1) / total; };
+  const int64_t first = cta_of(start), last = cta_of(start + pages - 1);
+  if (first == last) return;
+  const bool opens_before = total * first / ctas < start;
+  merge_row(a, q_row, token, qo_head, static_cast<int>(last - first + 1), [&](int i) {
+    return 2 * (first + i) + (i == 0 && opens_before ? 1 : 0);
+  });
 }
 
 }  // namespace
@@ -2229,7 +2657,9 @@ static bool warpgroup_form_loaded() {
 
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream) {
   if (args.num_work <= 0 || args.num_kv_heads <= 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>(args.num_work), static_cast<unsigned>(args.num_kv_heads));
+  // The persistent form's CTAs cover every KV head themselves.
+  const dim3 grid(static_cast<unsigned>(args.num_work),
+                  args.persistent ? 1u : static_cast<unsigned>(args.num_kv_heads));
   // Split keys across warps only when every qo tile has <= 16 rows, the direct e4m3 form only
   // then with e4m3 Q and K/V, the warpgroup form only with Q and K/V of one dtype (the binding
   // checks all three; the caller asks for the warpgroup form on tiles of > 16 rows).
@@ -2241,7 +2671,17 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   };
   if (args.warpgroup) {
     if (!warpgroup_form_loaded()) return cudaErrorNotSupported;
-    if (args.pingpong && args.q_fp8) {
+    if (args.persistent) {
+      if (args.q_fp8) {
+        MSA_RETURN_IF_ERROR(launch(wg::pingpong::decode_attention_persistent_kernel<true>,
+                                   wg::pingpong::Layout<true, true>::kAlloc,
+                                   wg::pingpong::kThreadsPP));
+      } else {
+        MSA_RETURN_IF_ERROR(launch(wg::pingpong::decode_attention_persistent_kernel<false>,
+                                   wg::pingpong::Layout<false, true>::kAlloc,
+                                   wg::pingpong::kThreadsPP));
+      }
+    } else if (args.pingpong && args.q_fp8) {
       MSA_RETURN_IF_ERROR(launch(wg::pingpong::decode_attention_pp_kernel<true>,
                                  wg::pingpong::Layout<true>::kAlloc, wg::pingpong::kThreadsPP));
     } else if (args.pingpong) {
@@ -2260,8 +2700,12 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
     MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<false, false>, kSmemBytes));
   }
   MSA_RETURN_IF_ERROR(cudaGetLastError());
-  if (args.split_kv) {
-    const int64_t items = static_cast<int64_t>(args.batch) * args.seqlen_q * args.num_qo_heads;
+  const int64_t items = static_cast<int64_t>(args.batch) * args.seqlen_q * args.num_qo_heads;
+  if (args.persistent) {
+    decode_merge_persistent_kernel<<<detail::grid_for(items, kMergeWarps), kMergeWarps * 32, 0,
+                                     stream>>>(args);
+    MSA_RETURN_IF_ERROR(cudaGetLastError());
+  } else if (args.split_kv) {
     decode_merge_kernel<<<detail::grid_for(items, kMergeWarps), kMergeWarps * 32, 0, stream>>>(
         args);
     MSA_RETURN_IF_ERROR(cudaGetLastError());

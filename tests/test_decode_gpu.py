@@ -111,19 +111,24 @@ def _force_form(native_hooks, keys, dtypes):
     """keys: "rows" (one warp per 16 rows), "split" (warps split each page's keys, bf16
     staging), "direct" (split, e4m3 fragments read straight from the raw pages, two pages per
     step; e4m3 q and K/V only), "warpgroup" (wgmma, q and K/V of one dtype; forced, so it
-    also runs tiles of <= 16 rows; its two-stage form) or "pingpong" (the warpgroup form's
-    producer / two-consumer variant, q and K/V of one dtype; forced on any tile); cases a form
-    does not serve are skipped."""
+    also runs tiles of <= 16 rows; its two-stage form), "pingpong" (the warpgroup form's
+    producer / two-consumer variant, q and K/V of one dtype; forced on any tile; the plan's work
+    items) or "persistent" (the ping-pong form's persistent variant, where the plan has it:
+    dense calls of tiles of > 64 rows); cases a form does not serve are skipped."""
     if keys == "direct" and dtypes != "fp8":
         pytest.skip("the direct form serves e4m3 q and K/V only")
-    if keys == "warpgroup" and dtypes == "bf16q_fp8kv":
-        pytest.skip("the warpgroup form serves q and K/V of one dtype")
-    if keys == "pingpong" and dtypes == "bf16q_fp8kv":
-        pytest.skip("the ping-pong form serves q and K/V of one dtype")
-    wgmma = keys in ("warpgroup", "pingpong")
+    if keys in ("warpgroup", "pingpong", "persistent") and dtypes == "bf16q_fp8kv":
+        pytest.skip(f"the {keys} form serves q and K/V of one dtype")
+    wgmma = keys in ("warpgroup", "pingpong", "persistent")
     native_hooks.force(decode_split_keys=keys in ("split", "direct"),
                        decode_direct_fp8=keys == "direct", decode_warpgroup=wgmma,
-                       decode_pingpong=keys == "pingpong")
+                       decode_pingpong=keys in ("pingpong", "persistent"),
+                       decode_persistent=keys == "persistent")
+
+
+def _ran_persistent(msa) -> bool:
+    decode_cuda = importlib.import_module(f"{msa.__name__}._native.decode_cuda")
+    return decode_cuda.last_launch()["persistent"]
 
 
 def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k, msa):
@@ -198,7 +203,8 @@ def test_native_decode_ignores_nan_bytes_past_the_keys(msa_pkg, native_only, see
 
 
 @pytest.mark.parametrize("form,dtypes", [("warpgroup", "bf16"), ("warpgroup", "fp8"),
-                                         ("pingpong", "bf16"), ("pingpong", "fp8")])
+                                         ("pingpong", "bf16"), ("pingpong", "fp8"),
+                                         ("persistent", "bf16"), ("persistent", "fp8")])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, form, dtypes,
                                      native_hooks):
@@ -218,9 +224,85 @@ def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, form, d
         wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k,
                         qo_tile_rows=128)        # one warpgroup tile, not the query tiles
         out, lse = _run_native(msa_pkg, wrapper, q, k, v)
+        # The persistent form serves dense calls of tiles of > 64 rows.
+        assert _ran_persistent(msa_pkg) == (form == "persistent" and not sparse
+                                            and seqlen_q * group > 64)
         _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
         if dtypes == "fp8" and not poison:   # the fp32 model multiplies the NaN rows by P = 0
             _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k, msa_pkg)
+
+
+# Batches of the persistent form: many ragged requests with empty ones among them (a share
+# boundary inside most sequences), one request cut by every CTA, fewer pages than CTAs, only
+# empty requests, 80-row tiles (the second consumer holds 16 rows), two qo tiles a head.
+PERSISTENT_BATCHES = [
+    ("ragged", lambda g: [int(x) for x in torch.randint(0, 3000, (150,), generator=g)]
+     + [0, 0, 1, 128, 129], 8, 16),
+    ("one_long", lambda g: [200003, 5, 0, 1000], 8, 16),
+    ("few_pages", lambda g: [5], 8, 16),
+    ("all_empty", lambda g: [0, 0, 0], 8, 16),
+    ("rows_80", lambda g: [3000, 17, 70001], 5, 16),
+    ("two_tiles", lambda g: [4097, 0, 12000, 255], 16, 16),
+]
+
+
+@pytest.mark.parametrize("dtypes", ["bf16", "fp8"])
+@pytest.mark.parametrize("batch", [b[0] for b in PERSISTENT_BATCHES])
+def test_native_persistent_decode(msa_pkg, native_only, seed, dtypes, batch, native_hooks):
+    """The persistent form against the oracle: equal page shares of all (request, KV head,
+    tile) sequences from the live lengths, pieces written directly or as partials merged
+    after; NaN bytes past each request's keys."""
+    _force_form(native_hooks, "persistent", dtypes)
+    _, make_lens, seqlen_q, group = next(b for b in PERSISTENT_BATCHES if b[0] == batch)
+    lens = make_lens(torch.Generator().manual_seed(seed))
+    q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, dtypes, False)
+    for b, n in enumerate(lens):
+        if n % P:
+            page = int(table[b, (n - 1) // P])
+            k.view(torch.uint8)[page, :, n % P:, :] = 0x7F if dtypes == "fp8" else 0xFF
+            v.view(torch.uint8)[page, :, n % P:, :] = 0x7F if dtypes == "fp8" else 0xFF
+    wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, None)
+    assert wrapper.decode_schedule.persistent_ctas > 0
+    out, lse = _run_native(msa_pkg, wrapper, q, k, v)
+    assert _ran_persistent(msa_pkg)
+    _check(out, lse, q, k, v, table, seqused_k, seqlen_q, None)
+
+
+def test_native_persistent_decode_graph_follows_lengths(msa_pkg, native_only, seed,
+                                                        native_hooks):
+    """A captured run of the persistent form re-cuts its shares from the lengths written
+    before each replay (longer, shorter, empty), equal to the eager run and the oracle."""
+    _force_form(native_hooks, "persistent", "bf16")
+    lens, seqlen_q, group, max_len = [700, 1, 2000, 0, 5000], 8, 16, 40000
+    q, k, v, table, seqused_k, _ = _batch(lens, seqlen_q, group, "bf16", False)
+    width = -(-max_len // P)
+    k = torch.randn(len(lens) * width + 3, HKV, P, 128, device="cuda").to(BF16)
+    v = torch.randn_like(k)
+    table = torch.randperm(k.shape[0], device="cuda")[: len(lens) * width].view(
+        len(lens), width).to(torch.int32).contiguous()
+    wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, None,
+                    max_seqlen_k=max_len, enable_cuda_graph=True)
+    out, lse = _poisoned_outputs(q)
+    wrapper.run(q, k, v, return_softmax_lse=True, out=out, lse=lse)    # warm-up (eager)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q, k, v, return_softmax_lse=True, out=out, lse=lse)
+    for new_lens in ([39999, 0, 129, 2, 40000], [1, 1, 1, 1, 1], [0, 7000, 0, 0, 0]):
+        seqused_k.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q, dtype=torch.float32).to(BF16))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_out, eager_lse = _poisoned_outputs(q)
+        wrapper.run(q, k, v, return_softmax_lse=True, out=eager_out, lse=eager_lse)
+        torch.cuda.synchronize()
+        assert _ran_persistent(msa_pkg)
+        assert torch.equal(out, eager_out)
+        assert torch.equal(lse.isneginf(), eager_lse.isneginf())
+        assert torch.equal(lse[lse.isfinite()], eager_lse[eager_lse.isfinite()])
+        _check(out, lse, q, k, v, table, seqused_k, seqlen_q, None)
 
 
 @pytest.mark.parametrize("qo_tile_rows", [16, 24, 64])

@@ -566,7 +566,8 @@ void sparse_decode_attention(
     const std::optional<torch::Tensor>& o_partial, const std::optional<torch::Tensor>& lse_partial,
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
-    bool direct_fp8, bool warpgroup, bool pingpong, int64_t qo_tile_rows) {
+    bool direct_fp8, bool warpgroup, bool pingpong, int64_t qo_tile_rows,
+    const std::optional<torch::Tensor>& request_pages, int64_t persistent_ctas) {
   TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
@@ -653,7 +654,24 @@ void sparse_decode_attention(
   a.num_work = static_cast<int>(num_work);
   a.kv_chunk_size = static_cast<int>(kv_chunk_size);
   a.split_kv = split_kv;
-  if (split_kv) {
+  // The persistent form: asked for with its request table and CTA count (a plan of a dense call
+  // whose tiles take the ping-pong form), within its bounds (its request table, and a page
+  // count whose ranges are ints); otherwise the schedule's work items run.
+  const int64_t tiles = (seqlen_q * (hq / hkv) + qo_tile_rows - 1) / qo_tile_rows;
+  a.persistent = request_pages.has_value() && persistent_ctas > 0 && pingpong && warpgroup &&
+                 q.scalar_type() == k.scalar_type() && !q2k_indices.has_value() &&
+                 batch <= msa::kDecodePersistentMaxRequests && persistent_ctas <= 65536 &&
+                 batch * hkv * tiles * page_table.size(1) <= INT_MAX;
+  if (a.persistent) {
+    check_cuda_tensor(*request_pages, "request_pages", at::kLong, 1, device);
+    TORCH_CHECK(request_pages->numel() == batch + 1, "request_pages: expected [", batch + 1,
+                "], got ", request_pages->sizes());
+    TORCH_CHECK(o_partial.has_value() && lse_partial.has_value(),
+                "o_partial / lse_partial: the persistent form needs both workspaces");
+    a.request_pages = request_pages->data_ptr<int64_t>();
+    a.num_work = static_cast<int>(persistent_ctas);
+  }
+  if (split_kv || a.persistent) {
     TORCH_CHECK(o_partial.has_value() && lse_partial.has_value(),
                 "o_partial / lse_partial: split_kv needs both workspaces");
     const torch::Tensor& op = *o_partial;
@@ -668,6 +686,9 @@ void sparse_decode_attention(
     a.o_partial = op.data_ptr<float>();
     a.lse_partial = lp.data_ptr<float>();
     a.num_partial_slots = op.size(0);
+    TORCH_CHECK(!a.persistent || a.num_partial_slots >= 2 * persistent_ctas,
+                "o_partial: the persistent form needs ", 2 * persistent_ctas, " slots, got ",
+                a.num_partial_slots);
   }
   a.out = out.data_ptr();
   if (lse.has_value()) {
@@ -893,7 +914,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor(b!)? lse_partial, Tensor(c!) out, Tensor(d!)? lse, int seqlen_q, "
       "int kv_chunk_size, bool split_kv, float softmax_scale, bool split_keys=False, "
       "bool direct_fp8=False, bool warpgroup=False, bool pingpong=False, "
-      "int qo_tile_rows=128) -> ()");
+      "int qo_tile_rows=128, Tensor(e!)? request_pages=None, int persistent_ctas=0) -> ()");
   ops.impl("sparse_decode_attention", torch::kCUDA, &sparse_decode_attention);
   ops.def(
       "sparse_prefill_portable(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "

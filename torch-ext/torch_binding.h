@@ -116,7 +116,16 @@ struct DecodeAttentionArgs {
   bool direct_fp8;                // with split_keys, e4m3 q and K/V: no bf16 conversion pass
   bool warpgroup;                 // wgmma form (q and K/V both bf16 or both e4m3)
   bool pingpong;                  // with warpgroup, bf16: the warp-specialized ping-pong form
+  // The persistent ping-pong form (dense, pingpong): num_work CTAs stream equal page ranges of
+  // the call's (request, KV head, qo tile) sequences from the live lengths; partial slots
+  // 2 * num_work. request_pages [batch + 1] is written by it: each request's first page of a
+  // sequence's pages (the merge reads it).
+  bool persistent;
+  int64_t* request_pages;
 };
+
+// Requests the persistent decode form plans for at most (its request table is in shared memory).
+constexpr int kDecodePersistentMaxRequests = 1024;
 
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
 
@@ -387,7 +396,8 @@ void sparse_decode_attention(
     const std::optional<torch::Tensor>& o_partial, const std::optional<torch::Tensor>& lse_partial,
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
-    bool direct_fp8, bool warpgroup, bool pingpong, int64_t qo_tile_rows);
+    bool direct_fp8, bool warpgroup, bool pingpong, int64_t qo_tile_rows,
+    const std::optional<torch::Tensor>& request_pages, int64_t persistent_ctas);
 
 std::tuple<int64_t, int64_t, std::string> csrc_image(const std::string& unit, int64_t device);
 #endif

@@ -19,7 +19,7 @@ DECODE_TENSOR_FIELDS = ("num_splits_host", "merge_indptr_host", "request_indices
 DECODE_INT_FIELDS = ("batch_size", "seqlen_q", "num_qo_heads", "num_kv_heads", "head_dim",
                      "page_size", "sparse_topk", "enable_cuda_graph", "max_grid_size",
                      "split_kv", "kv_chunk_size", "qo_tile_rows", "slot_chunks",
-                     "num_qo_tiles")
+                     "num_qo_tiles", "persistent_ctas")
 DECODE_BOOL_FIELDS = ("enable_cuda_graph", "split_kv", "slot_chunks")
 # The plan entries the dense fmha backends read (a test checks they read no other).
 FMHA_PLAN_TENSORS = ("cu_seqlens_q", "cu_seqlens_k", "kv_segment_lens")

@@ -212,11 +212,11 @@ def _attach_workspaces(call: DecodeCall, schedule: DecodeSchedule, o_partial, ls
     device = call.q.device
     if o_partial is not None:
         _check_workspace("O_partial", o_partial, o_shape, device)
-    elif schedule.split_kv:
+    elif schedule.needs_workspaces:
         o_partial = torch.empty(o_shape, dtype=torch.float32, device=device)
     if lse_partial is not None:
         _check_workspace("LSE_partial", lse_partial, lse_shape, device)
-    elif schedule.split_kv:
+    elif schedule.needs_workspaces:
         lse_partial = torch.empty(lse_shape, dtype=torch.float32, device=device)
     call.schedule, call.o_partial, call.lse_partial = schedule, o_partial, lse_partial
 

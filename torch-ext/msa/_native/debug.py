@@ -19,6 +19,8 @@ Hooks (``forcing`` keywords):
                      (q and K/V of one dtype); False: it runs none
   decode_pingpong    True: warpgroup-form calls (q and K/V of one dtype) take its ping-pong
                      form (producer + two consumer warpgroups); False: they never do
+  decode_persistent  True: ping-pong calls whose plan has the persistent form take it (dense
+                     calls, schedule.persistent_ctas); False: they run the plan's work items
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import contextlib
 from typing import Dict, Iterator, Optional
 
 HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "decode_split_keys", "decode_direct_fp8",
-         "decode_warpgroup", "decode_pingpong")
+         "decode_warpgroup", "decode_pingpong", "decode_persistent")
 
 _forced: Dict[str, object] = {}
 _poison = [False]

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from .. import _backend
 from . import debug
 
@@ -48,6 +50,10 @@ VALIDATED_WARPGROUP = frozenset({"bf16", "e4m3"})
 # quantized reference: see docs/design-decode.md).
 VALIDATED_PINGPONG = frozenset({"bf16", "e4m3"})
 PINGPONG_MIN_ROWS = 65
+# Its persistent form (dense calls of a plan with schedule.persistent_ctas: one CTA per SM over
+# equal page shares of all (request, KV head) sequences, cut on the device from the live
+# lengths), per dtype; a dtype left out runs the plan's work items on the ping-pong form.
+VALIDATED_PERSISTENT = frozenset()
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
@@ -64,12 +70,13 @@ def supports(*, seqlen_q=1, qhead_per_kv=1, topk=None, **_features) -> Optional[
     return None
 
 
-_last_launch = {"warpgroup": False, "pingpong": False}
+_last_launch = {"warpgroup": False, "pingpong": False, "persistent": False}
 
 
 def last_launch() -> dict:
-    """The forms the last launch asked for: {"warpgroup": bool, "pingpong": bool} (the binding
-    applies them only to q and K/V of one dtype). Tests read it to know which numerics ran."""
+    """The forms the last launch asked for: {"warpgroup": bool, "pingpong": bool,
+    "persistent": bool} (the binding applies them only to q and K/V of one dtype, the persistent
+    form within its bounds). Tests read it to know which form ran."""
     return dict(_last_launch)
 
 
@@ -95,14 +102,19 @@ def _launch(call, warpgroup: bool, pingpong: bool) -> None:
     if s is None:
         raise ValueError("schedule: the native decode kernel needs a DecodeSchedule")
     split = bool(s.split_kv)
-    _last_launch.update(warpgroup=warpgroup, pingpong=pingpong)
+    persistent = pingpong and _persistent(call)
+    # The persistent form's request table (written by the attention pass, read by its merge).
+    request_pages = (torch.empty(s.batch_size + 1, dtype=torch.int64, device=call.q.device)
+                     if persistent else None)
+    workspaces = split or persistent
+    _last_launch.update(warpgroup=warpgroup, pingpong=pingpong, persistent=persistent)
     ops.sparse_decode_attention(
         call.q, call.k, call.v, call.q2k_indices, call.page_table, call.seqused_k,
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
-        call.o_partial if split else None, call.lse_partial if split else None,
+        call.o_partial if workspaces else None, call.lse_partial if workspaces else None,
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
         float(call.softmax_scale), _split_keys(), _direct_fp8(), warpgroup, pingpong,
-        int(s.qo_tile_rows))
+        int(s.qo_tile_rows), request_pages, int(s.persistent_ctas) if persistent else 0)
 
 
 def _split_keys() -> bool:
@@ -152,6 +164,19 @@ def _pingpong(call) -> bool:
         return forced
     return _tile_rows(call) >= PINGPONG_MIN_ROWS and (_form_dtype(call) in VALIDATED_PINGPONG
                                                       or _backend.unvalidated_ok())
+
+
+def _persistent(call) -> bool:
+    """Whether a ping-pong call takes the persistent form: a dense call whose plan has it
+    (schedule.persistent_ctas), validated for the call's dtype (or with
+    MSA_UNVALIDATED_KERNELS=1); the decode_persistent hook forces it on any such call (True) or
+    off (False)."""
+    if call.q2k_indices is not None or not getattr(call.schedule, "persistent_ctas", 0):
+        return False
+    forced = debug.forced("decode_persistent")
+    if forced is not None:
+        return bool(forced)
+    return _form_dtype(call) in VALIDATED_PERSISTENT or _backend.unvalidated_ok()
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)

@@ -63,6 +63,16 @@ QUERY_TILE_ROWS = 16
 # partials what they save in balance.
 GRAPH_SPLIT_WAVES = 8
 MIN_BALANCE_CHUNK_PAGES = 96
+# The persistent form of dense decode (the native kernel's persistent ping-pong form): one CTA
+# per SM (persistent_ctas = max_grid_size) streams an equal share of all pages, the (request,
+# KV head, qo tile) page sequences laid end to end and cut on the device from the live lengths,
+# so neither ragged lengths nor a CUDA-graph plan's chunking leave SMs idle; a sequence cut by
+# a share boundary leaves one partial per piece (at most two per CTA: workspace slots
+# 2 * persistent_ctas). Planned for dense calls whose tiles take the ping-pong form (more than
+# 64 rows) and batches of at most PERSISTENT_MAX_REQUESTS (its request table sits in shared
+# memory). The chunked work items above stay in the plan: every other form runs them.
+PERSISTENT_MIN_ROWS = 65
+PERSISTENT_MAX_REQUESTS = 1024
 
 
 def multi_token_tiles(seqlen_q: int, group: int, qo_tile_rows: int) -> bool:
@@ -118,6 +128,7 @@ class DecodeSchedule:
     request_indices: torch.Tensor
     kv_tile_indices: torch.Tensor
     qo_tile_indices: torch.Tensor
+    persistent_ctas: int = 0            # CTAs of the persistent form; 0: not planned
 
     @property
     def sparse(self) -> bool:
@@ -146,11 +157,17 @@ class DecodeSchedule:
         """Chunk length in KV tokens (dense decode only)."""
         return None if self.sparse else self.kv_chunk_size * self.page_size
 
+    @property
+    def needs_workspaces(self) -> bool:
+        """Whether a run may write partials: a split plan, or one with the persistent form."""
+        return self.split_kv or self.persistent_ctas > 0
+
     def workspace_shapes(self):
         """(O_partial shape, LSE_partial shape), both float32:
-        O_partial [num_partials, seqlen_q, Hq, D], LSE_partial [num_partials, seqlen_q, Hq];
-        partial slot p = merge_indptr[b] + chunk holds rows of request b."""
-        p = self.num_partials
+        O_partial [P, seqlen_q, Hq, D], LSE_partial [P, seqlen_q, Hq]; partial slot
+        p = merge_indptr[b] + chunk holds rows of request b (P >= num_partials), and the
+        persistent form's slots 2c, 2c + 1 the pieces of CTA c (P >= 2 persistent_ctas)."""
+        p = max(self.num_partials, 2 * self.persistent_ctas)
         return ((p, self.seqlen_q, self.num_qo_heads, self.head_dim),
                 (p, self.seqlen_q, self.num_qo_heads))
 
@@ -277,6 +294,9 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
     if not split_kv:
         chunk = longest  # one chunk per request: the last (only) chunk runs to the end anyway
 
+    persistent = (sparse_topk is None and not disable_split_kv and fixed_split_size is None
+                  and batch <= PERSISTENT_MAX_REQUESTS
+                  and min(qo_tile_rows, seqlen_q * group) >= PERSISTENT_MIN_ROWS)
     num_splits = [max(1, _ceil_div(u, chunk)) for u in units]
     request_idx, kv_tile_idx, qo_tile_idx = [], [], []
     for b, n in enumerate(num_splits):
@@ -302,4 +322,5 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
         kv_tile_indices_host=host["kv"], qo_tile_indices_host=host["qo"],
         num_splits=num_splits_host.to(device), merge_indptr=merge_indptr_host.to(device),
         request_indices=host["request"].to(device), kv_tile_indices=host["kv"].to(device),
-        qo_tile_indices=host["qo"].to(device))
+        qo_tile_indices=host["qo"].to(device),
+        persistent_ctas=int(max_grid_size) if persistent else 0)
