@@ -4,7 +4,8 @@ CUDA graphs, inputs rotated out of L2.
 
 Cases: the production grid B in {8, 32, 64, 128} x nominal KV in {1K, 4K, 5K, 10K, 50K, 100K,
 200K} (28 cases with upstream's traffic weights, summing to 10000) and the low-latency grid
-B in {1, 2, 4} x {1K, 4K, 8K, 32K} (weight 0). Lengths are ragged: pairs L = nominal +- d with
+B in {1, 2, 4} x {1K, 4K, 8K, 32K} (weight 0); suite "acceptance" (not run by default) is
+B 32 at 128k, the one-query step's bar (--seqlen-q 1). Lengths are ragged: pairs L = nominal +- d with
 d uniform in [nominal / 20, nominal / 4] (one request at the nominal length when B is odd), so
 the batch holds exactly B x nominal keys; seeded per case, identical for every implementation.
 
@@ -74,11 +75,13 @@ MAX_CALLS = 120
 
 
 def production_cases():
-    """(suite, batch, nominal, weight) of the 28 production and 12 low-latency cases."""
+    """(suite, batch, nominal, weight) of the 28 production and 12 low-latency cases, and the
+    acceptance case of issue 24's one-query step (B 32 at 128k; run it with --seqlen-q 1)."""
     cases = [("production", b, kv, PRODUCTION_WEIGHTS[kv][i]) for kv in PRODUCTION_KV
              for i, b in enumerate(PRODUCTION_BATCHES)]
     assert len(cases) == 28 and sum(c[3] for c in cases) == 10000
     cases += [("low-latency", b, kv, 0) for kv in LOW_LATENCY_KV for b in LOW_LATENCY_BATCHES]
+    cases += [("acceptance", 32, 131072, 0)]
     return cases
 
 

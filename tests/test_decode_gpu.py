@@ -261,7 +261,7 @@ def test_native_persistent_decode(msa_pkg, native_only, seed, dtypes, batch, nat
             page = int(table[b, (n - 1) // P])
             k.view(torch.uint8)[page, :, n % P:, :] = 0x7F if dtypes == "fp8" else 0xFF
             v.view(torch.uint8)[page, :, n % P:, :] = 0x7F if dtypes == "fp8" else 0xFF
-    wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, None)
+    wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, None, persistent=True)
     assert wrapper.decode_schedule.persistent_ctas > 0
     out, lse = _run_native(msa_pkg, wrapper, q, k, v)
     assert _ran_persistent(msa_pkg)
@@ -281,7 +281,8 @@ def test_native_persistent_decode_graph_follows_lengths(msa_pkg, native_only, se
     table = torch.randperm(k.shape[0], device="cuda")[: len(lens) * width].view(
         len(lens), width).to(torch.int32).contiguous()
     wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, None,
-                    max_seqlen_k=max_len, enable_cuda_graph=True)
+                    max_seqlen_k=max_len, enable_cuda_graph=True)    # 313 pages: it pays
+    assert wrapper.decode_schedule.persistent_ctas > 0
     out, lse = _poisoned_outputs(q)
     wrapper.run(q, k, v, return_softmax_lse=True, out=out, lse=lse)    # warm-up (eager)
     torch.cuda.synchronize()

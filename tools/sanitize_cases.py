@@ -243,10 +243,11 @@ def decode_runs(family="sm90"):
                            decode_persistent=True):
             for dtypes in ("bf16", "fp8"):
                 decode_run([70001, 0, 3, 129, 5000], 8, 16, dtypes, False, **f)
-                decode_run([9000, 0, 640], 16, 16, dtypes, False, enable_cuda_graph=True, **f)
-                decode_run([3000, 17], 5, 16, dtypes, False, **f)
+                decode_run([9000, 0, 640], 16, 16, dtypes, False, enable_cuda_graph=True,
+                           persistent=True, **f)
+                decode_run([3000, 17], 5, 16, dtypes, False, persistent=True, **f)
                 decode_run([1000, 500], 8, 16, dtypes, False, bad=True, enable_cuda_graph=True,
-                           **f)
+                           persistent=True, **f)
     print(f"decode [{family}]: ok")
 
 

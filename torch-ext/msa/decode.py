@@ -411,7 +411,7 @@ class SparseDecodePagedAttentionWrapper:
     def plan(self, *, page_table, seqused_k, seqlen_q, max_seqlen_k, q2k_indices=None,
              num_qo_heads=None, num_kv_heads=None, head_dim=128, enable_cuda_graph=False,
              max_grid_size=None, fixed_split_size=None, disable_split_kv=False,
-             qo_tile_rows=None, check_input_valid=False):
+             qo_tile_rows=None, persistent=None, check_input_valid=False):
         """Plan a batch; returns self.
 
         page_table [B, max_pages] int32, seqused_k [B] int32, q2k_indices None or
@@ -423,7 +423,9 @@ class SparseDecodePagedAttentionWrapper:
         and sparse multi-token runs of e4m3 q and K/V against long contexts take 16-row query
         tiles (one token at G = 16: each tile streams its own token's selected pages instead
         of the union of 8 tokens'; :func:`msa.schedules.decode.query_tile_rows`), from a second
-        plan made here.
+        plan made here. persistent (None, True, False) plans the persistent form of dense
+        multi-token calls where it pays, wherever it applies, or never
+        (:func:`msa.schedules.decode.build_decode_schedule`).
         Workspaces are sized for the plan's worst case (from max_seqlen_k with
         enable_cuda_graph) and reused by every run. check_input_valid=True (or
         MSA_CHECK_INPUTS=1) makes every run() check the buffers' values as
@@ -443,18 +445,18 @@ class SparseDecodePagedAttentionWrapper:
         sparse_topk = None if q2k_indices is None else q2k_indices.shape[2]
         capped = _capped_max_seqlen_k(max_seqlen_k, page_table)
 
-        def plan_tiles(rows):
+        def plan_tiles(rows, persistent=False):
             schedule = build_decode_schedule(
                 seqused_k, self.blk_kv, seqlen_q, num_qo_heads, num_kv_heads, head_dim, capped,
                 enable_cuda_graph=enable_cuda_graph, max_grid_size=max_grid_size,
                 fixed_split_size=fixed_split_size, disable_split_kv=bool(disable_split_kv),
-                sparse_topk=sparse_topk, qo_tile_rows=rows)
+                sparse_topk=sparse_topk, qo_tile_rows=rows, persistent=persistent)
             o_shape, lse_shape = schedule.workspace_shapes()
             device = seqused_k.device
             return schedule, (torch.empty(o_shape, dtype=torch.float32, device=device),
                               torch.empty(lse_shape, dtype=torch.float32, device=device))
 
-        schedule, (self.O_partial, self.LSE_partial) = plan_tiles(qo_tile_rows)
+        schedule, (self.O_partial, self.LSE_partial) = plan_tiles(qo_tile_rows, persistent)
         self.query_tile_schedule = self.query_tile_O_partial = self.query_tile_LSE_partial = None
         tile_rows = None if qo_tile_rows is not None else query_tile_rows(
             seqlen_q, num_qo_heads // num_kv_heads, capped, self.blk_kv, sparse_topk)

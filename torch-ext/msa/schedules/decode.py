@@ -70,9 +70,29 @@ MIN_BALANCE_CHUNK_PAGES = 96
 # a share boundary leaves one partial per piece (at most two per CTA: workspace slots
 # 2 * persistent_ctas). Planned for dense calls whose tiles take the ping-pong form (more than
 # 64 rows) and batches of at most PERSISTENT_MAX_REQUESTS (its request table sits in shared
-# memory). The chunked work items above stay in the plan: every other form runs them.
+# memory), where it pays (persistent_pays). The chunked work items above stay in the plan:
+# every other form runs them.
 PERSISTENT_MIN_ROWS = 65
 PERSISTENT_MAX_REQUESTS = 1024
+# Sequence lengths (pages) from which the persistent form pays. Its costs are per piece (a
+# turn without overlap, a finalize, a partial a share boundary cuts, read back by its merge), so
+# it needs long sequences, or sequences of half that length where there are enough of them to
+# balance. On the H200 (bench_decode_production, MTP 8, G 16, ragged lengths, one process):
+# 10k-200k tokens 1.04-1.21x faster than the chunked plan (B 8-128; bf16 and e4m3), 4k-5k 1.01-
+# 1.07x at B 64-128 (>= 1.5 sequences a CTA) but 0.90-0.98x at B 8-32, 1k 0.62-0.99x.
+PERSISTENT_MIN_PAGES = 64
+PERSISTENT_MIN_PAGES_MANY = 32
+PERSISTENT_MANY_SEQUENCES_PER_CTA = 1.5
+
+
+def persistent_pays(longest_pages: int, sequences: int, ctas: int) -> bool:
+    """Whether the persistent form beats the chunked plan for sequences of up to longest_pages
+    pages (the lengths the plan sees: max_seqlen_k for a CUDA-graph plan), `sequences` (request,
+    KV head, qo tile) sequences and `ctas` CTAs."""
+    if longest_pages >= PERSISTENT_MIN_PAGES:
+        return True
+    return (longest_pages >= PERSISTENT_MIN_PAGES_MANY
+            and sequences >= PERSISTENT_MANY_SEQUENCES_PER_CTA * ctas)
 
 
 def multi_token_tiles(seqlen_q: int, group: int, qo_tile_rows: int) -> bool:
@@ -217,7 +237,8 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
                           enable_cuda_graph: bool = False, max_grid_size: Optional[int] = None,
                           fixed_split_size: Optional[int] = None, disable_split_kv: bool = False,
                           *, sparse_topk: Optional[int] = None,
-                          qo_tile_rows: Optional[int] = None) -> DecodeSchedule:
+                          qo_tile_rows: Optional[int] = None,
+                          persistent: Optional[bool] = None) -> DecodeSchedule:
     """Plan the split-KV decode of a batch (host-side; see the module docstring).
 
     Args:
@@ -235,6 +256,10 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
       sparse_topk: topK of the q2k rows for sparse decode (units are then q2k slots, or pages
         when a qo tile spans several tokens: see the module docstring).
       qo_tile_rows: query rows per CTA tile, 1..QO_TILE_ROWS (default QO_TILE_ROWS).
+      persistent: plan the persistent form (see PERSISTENT_MIN_ROWS): None where it pays
+        (:func:`persistent_pays`), True wherever the call can take it (dense, tiles of > 64
+        rows, at most PERSISTENT_MAX_REQUESTS requests, neither fixed_split_size nor
+        disable_split_kv; anything else raises), False never.
 
     Returns a :class:`DecodeSchedule` with index tensors on ``seqused_k``'s device.
     """
@@ -254,6 +279,8 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads: {num_qo_heads} is not a multiple of num_kv_heads "
                          f"{num_kv_heads}")
+    if persistent is not None and not isinstance(persistent, bool):
+        raise ValueError(f"persistent: expected None, True or False, got {persistent!r}")
     if fixed_split_size is not None and disable_split_kv:
         raise ValueError("fixed_split_size: forces split-KV, which disable_split_kv=True forbids")
     batch = seqused_k.numel()
@@ -294,9 +321,18 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
     if not split_kv:
         chunk = longest  # one chunk per request: the last (only) chunk runs to the end anyway
 
-    persistent = (sparse_topk is None and not disable_split_kv and fixed_split_size is None
-                  and batch <= PERSISTENT_MAX_REQUESTS
-                  and min(qo_tile_rows, seqlen_q * group) >= PERSISTENT_MIN_ROWS)
+    eligible = (sparse_topk is None and not disable_split_kv and fixed_split_size is None
+                and batch <= PERSISTENT_MAX_REQUESTS
+                and min(qo_tile_rows, seqlen_q * group) >= PERSISTENT_MIN_ROWS)
+    if persistent and not eligible:
+        raise ValueError(
+            "persistent: the persistent form serves dense plans (no sparse_topk, "
+            "fixed_split_size or disable_split_kv) of tiles of more than 64 rows "
+            f"(seqlen_q * G, at most qo_tile_rows) and at most {PERSISTENT_MAX_REQUESTS} "
+            "requests")
+    if persistent is None:
+        persistent = eligible and persistent_pays(longest, batch * ctas_per_chunk,
+                                                  max_grid_size)
     num_splits = [max(1, _ceil_div(u, chunk)) for u in units]
     request_idx, kv_tile_idx, qo_tile_idx = [], [], []
     for b, n in enumerate(num_splits):
