@@ -1805,7 +1805,8 @@ __device__ __forceinline__ int64_t piece_slot(const Cursor& start, int pages, in
 
 // One consumer's Q rows of a tile (rows 64 consumer .. + 63, zero past tile_rows) into its block
 // of a Q slot as the Q K^T wgmma reads it (bf16: 16-bit swizzled rows of two column blocks;
-// e4m3: raw 128-byte swizzled rows), by its 128 threads with cp.async.
+// e4m3: raw 128-byte swizzled rows), by its 128 threads with cp.async, as one committed group
+// (cp.async.wait_group waits for committed groups only).
 template <bool kFp8>
 __device__ __forceinline__ void load_own_queries_async(const DecodeAttentionArgs& a,
                                                        const CtaContext& ctx, int group,
@@ -1829,6 +1830,7 @@ __device__ __forceinline__ void load_own_queries_async(const DecodeAttentionArgs
                            swizzled(local, chunk % 8);
     cp_async_16_or_zero(dst, src, valid);
   }
+  cp_async_commit();
 }
 
 template <bool kFp8>
