@@ -1491,6 +1491,28 @@ __device__ __forceinline__ void stream_tensor_fp8(int num_pages, [[maybe_unused]
   cp_async_wait_all();                              // no copy outlives its thread
 }
 
+// The producer warpgroup's streams: warps 0-1 K, warps 2-3 V (e4m3 V through the raw slot at
+// smem + L::kRawOffset, widened into the ring), num_pages pages whose sources
+// locate(i, valid_rows) gives in order.
+template <bool kFp8, typename L, typename Locate, typename KFull, typename KEmpty,
+          typename KTile, typename VFull, typename VEmpty, typename VTile>
+__device__ __forceinline__ void stream_pages(int num_pages, bool streams_k, int thread,
+                                             char* smem, Locate locate, KFull k_full,
+                                             KEmpty k_empty, KTile k_tile, VFull v_full,
+                                             VEmpty v_empty, VTile v_tile) {
+  constexpr int kKStages = L::kKStages, kVStages = L::kVStages;
+  if (streams_k) {
+    stream_tensor<kKStages, PageLoader<kFp8 ? 1 : 2>>(num_pages, 0, thread, locate, k_full,
+                                                      k_empty, k_tile);
+  } else if constexpr (kFp8) {
+    stream_tensor_fp8<kVStages>(num_pages, 1, smem + L::kRawOffset, thread, locate, v_full,
+                                v_empty, v_tile);
+  } else {
+    stream_tensor<kVStages, PageLoader<2>>(num_pages, 1, thread, locate, v_full, v_empty,
+                                           v_tile);
+  }
+}
+
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     const DecodeAttentionArgs a) {
@@ -1551,16 +1573,8 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
       valid_rows = page_valid_rows(ctx, ref);
       return page_source(a, ctx.head, ref, tensor, kFp8 ? 1 : 2, valid_rows);
     };
-    if (streams_k) {
-      stream_tensor<kKStages, PageLoader<kFp8 ? 1 : 2>>(num_pages, 0, thread, locate, k_full,
-                                                        k_empty, k_tile);
-    } else if constexpr (kFp8) {
-      stream_tensor_fp8<kVStages>(num_pages, 1, smem + L::kRawOffset, thread, locate, v_full,
-                                  v_empty, v_tile);
-    } else {
-      stream_tensor<kVStages, PageLoader<2>>(num_pages, 1, thread, locate, v_full, v_empty,
-                                             v_tile);
-    }
+    stream_pages<kFp8, L>(num_pages, streams_k, thread, smem, locate, k_full, k_empty, k_tile,
+                          v_full, v_empty, v_tile);
     return;
   }
 
@@ -1894,16 +1908,8 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
       valid_rows = min(kPageSize, max(part.lengths[at.request] - ref.logical * kPageSize, 0));
       return page_source(a, at.head(part), ref, tensor, kFp8 ? 1 : 2, valid_rows);
     };
-    if (streams_k) {
-      stream_tensor<kKStages, PageLoader<kFp8 ? 1 : 2>>(num_pages, 0, thread, locate, k_full,
-                                                        k_empty, k_tile);
-    } else if constexpr (kFp8) {
-      stream_tensor_fp8<kVStages>(num_pages, 1, smem + L::kRawOffset, thread, locate, v_full,
-                                  v_empty, v_tile);
-    } else {
-      stream_tensor<kVStages, PageLoader<2>>(num_pages, 1, thread, locate, v_full, v_empty,
-                                             v_tile);
-    }
+    stream_pages<kFp8, L>(num_pages, streams_k, thread, smem, locate, k_full, k_empty, k_tile,
+                          v_full, v_empty, v_tile);
     return;
   }
 

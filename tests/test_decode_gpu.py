@@ -73,6 +73,32 @@ def _run_native(msa, wrapper, q, k, v):
     return out, lse
 
 
+def _capture_run(wrapper, q, k, v):
+    """(graph, out, lse): run() once eagerly (warm-up), then captured into poisoned out / lse."""
+    out, lse = _poisoned_outputs(q)
+    wrapper.run(q, k, v, return_softmax_lse=True, out=out, lse=lse)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        wrapper.run(q, k, v, return_softmax_lse=True, out=out, lse=lse)
+    return graph, out, lse
+
+
+def _assert_replay_equals_eager(graph, wrapper, q, k, v, out, lse):
+    """Replays a captured run() into its NaN-poisoned out / lse and checks them against an
+    eager run on the buffers' current contents: O equal, LSE equal where finite, -inf alike."""
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager_out, eager_lse = _poisoned_outputs(q)
+    wrapper.run(q, k, v, return_softmax_lse=True, out=eager_out, lse=eager_lse)
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager_out)
+    assert torch.equal(lse.isneginf(), eager_lse.isneginf())
+    assert torch.equal(lse[lse.isfinite()], eager_lse[eager_lse.isfinite()])
+
+
 def _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k):
     ref_out, ref_lse = oracle(q, k, v, table, seqused_k, seqlen_q, q2k)
     check_against_oracle(out, lse, ref_out, ref_lse, fp8_pv=q.dtype == FP8)
@@ -283,26 +309,12 @@ def test_native_persistent_decode_graph_follows_lengths(msa_pkg, native_only, se
     wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, None,
                     max_seqlen_k=max_len, enable_cuda_graph=True)    # 313 pages: it pays
     assert wrapper.decode_schedule.persistent_ctas > 0
-    out, lse = _poisoned_outputs(q)
-    wrapper.run(q, k, v, return_softmax_lse=True, out=out, lse=lse)    # warm-up (eager)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        wrapper.run(q, k, v, return_softmax_lse=True, out=out, lse=lse)
+    graph, out, lse = _capture_run(wrapper, q, k, v)
     for new_lens in ([39999, 0, 129, 2, 40000], [1, 1, 1, 1, 1], [0, 7000, 0, 0, 0]):
         seqused_k.copy_(torch.tensor(new_lens, dtype=torch.int32))
         q.copy_(torch.randn_like(q, dtype=torch.float32).to(BF16))
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        eager_out, eager_lse = _poisoned_outputs(q)
-        wrapper.run(q, k, v, return_softmax_lse=True, out=eager_out, lse=eager_lse)
-        torch.cuda.synchronize()
+        _assert_replay_equals_eager(graph, wrapper, q, k, v, out, lse)
         assert _ran_persistent(msa_pkg)
-        assert torch.equal(out, eager_out)
-        assert torch.equal(lse.isneginf(), eager_lse.isneginf())
-        assert torch.equal(lse[lse.isfinite()], eager_lse[eager_lse.isfinite()])
         _check(out, lse, q, k, v, table, seqused_k, seqlen_q, None)
 
 
@@ -409,12 +421,7 @@ def test_native_cuda_graph_replay_equals_eager(msa_pkg, native_only, seed, spars
         len(lens), width).to(torch.int32).contiguous()
     wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k,
                     max_seqlen_k=max_len, enable_cuda_graph=True)
-    out, lse = _poisoned_outputs(q)
-    wrapper.run(q, k, v, return_softmax_lse=True, out=out, lse=lse)   # warm-up (eager)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        wrapper.run(q, k, v, return_softmax_lse=True, out=out, lse=lse)
+    graph, out, lse = _capture_run(wrapper, q, k, v)
 
     new_lens = [3000, 129, 1]
     seqused_k.copy_(torch.tensor(new_lens, dtype=torch.int32))
@@ -424,16 +431,7 @@ def test_native_cuda_graph_replay_equals_eager(msa_pkg, native_only, seed, spars
     q.copy_(torch.randn_like(q, dtype=torch.float32).to(BF16))
     if sparse:
         q2k.copy_(random_q2k(new_lens, seqlen_q, HKV, q2k.shape[2]).cuda())
-    out.fill_(float("nan"))
-    lse.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    eager_out, eager_lse = _poisoned_outputs(q)
-    wrapper.run(q, k, v, return_softmax_lse=True, out=eager_out, lse=eager_lse)
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager_out)
-    assert torch.equal(lse.isneginf(), eager_lse.isneginf())
-    assert torch.equal(lse[lse.isfinite()], eager_lse[eager_lse.isfinite()])
+    _assert_replay_equals_eager(graph, wrapper, q, k, v, out, lse)
     _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
 
 
