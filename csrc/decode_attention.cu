@@ -565,16 +565,6 @@ __device__ __forceinline__ PageRef page_or_none(const DecodeAttentionArgs& a,
   return none;
 }
 
-// The partial slot of a split-KV work item, merge_indptr[request] + chunk; -1 where the plan
-// writes O directly, kCorruptSlot (nothing may be written) for a slot outside the workspaces.
-constexpr int64_t kCorruptSlot = -2;
-__device__ __forceinline__ int64_t chunk_slot(const DecodeAttentionArgs& a, int request,
-                                              int chunk) {
-  if (!a.split_kv) return -1;
-  const int64_t slot = static_cast<int64_t>(__ldg(a.merge_indptr + request)) + chunk;
-  return slot >= 0 && slot < a.num_partial_slots ? slot : kCorruptSlot;
-}
-
 // Writes one finished row of the warpgroup form (query token, q head): channel pairs
 // 8n + 2 (lane % 4) + {0, 1} from pair(n), n < 16, as the fp32 partial of slot `slot` (>= 0) or
 // as the bf16 output (slot -1), and the LSE from the quad's first lane. (The older forms inline
@@ -881,6 +871,16 @@ __device__ __forceinline__ uint32_t pack_f16_scaled_e4m3(float lo, float hi, __h
   const uint32_t p = round_e4m3x2_to_f16x2(lo, hi);
   const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&p), scale);
   return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// The partial slot of a split-KV work item, merge_indptr[request] + chunk; -1 where the plan
+// writes O directly, kCorruptSlot (nothing may be written) for a slot outside the workspaces.
+constexpr int64_t kCorruptSlot = -2;
+__device__ __forceinline__ int64_t chunk_slot(const DecodeAttentionArgs& a, int request,
+                                              int chunk) {
+  if (!a.split_kv) return -1;
+  const int64_t slot = static_cast<int64_t>(__ldg(a.merge_indptr + request)) + chunk;
+  return slot >= 0 && slot < a.num_partial_slots ? slot : kCorruptSlot;
 }
 
 // Per-thread row state: rows lane / 4 and lane / 4 + 8 of the warp's 16 rows.
