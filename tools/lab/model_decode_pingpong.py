@@ -12,15 +12,17 @@ every page count check that nothing deadlocks, that every Q.K^T / P.V reads a st
 the right page after it landed, that no stage is refilled while a warpgroup may still read it,
 and that no named-barrier arrival is left over at the end.
 
-With `sequences` it models a persistent CTA (a design for the next form, not yet a kernel):
-several (request, KV head) sequences streamed back to back, the page stream their pages in
-order. The producer also loads each sequence's Q into one of two slots (q_full told when it has
-landed, the slot reused once both consumers arrived on q_empty); a consumer waits q_full before
-the turn that issues a sequence's first Q.K^T, and right after the wait of the turn whose page
-starts the next sequence (its P.V finished the previous one) finalizes that sequence, releases
-its Q slot and resets O and the row state before the page's softmax. Also checked: every Q.K^T
-reads its own sequence's landed Q, no Q slot is refilled while read, each sequence is finalized
-once by each consumer after the P.V of all its pages.
+With `sequences` it models the persistent form's CTA (decode_attention_persistent_kernel):
+the pieces of several sequences back to back, the page stream their pages in order, K in the
+persistent layout's ring (bf16 two stages). Each consumer runs a piece as the single-sequence
+form runs its work item, pages + 1 turns (the last one waits for no K, reads a K stage the
+producer may be filling, discarded, and issues the last P.V), then finalizes. It loads its own
+Q rows of the next piece (cp.async, landing later) into the other of two slots when a piece
+starts, and waits for them when the next piece starts: with `commit=False` that wait is
+cp.async.wait_group 0 over copies never committed, which returns at once; the model then
+catches a Q.K^T reading rows that have not landed. Also checked: no Q slot refilled while its
+consumer's Q.K^T reads it, each piece finalized once by each consumer after the P.V of all its
+pages.
 
     python tools/lab/model_decode_pingpong.py
 """
@@ -59,28 +61,27 @@ class Named:
             self.arrived, self.gen = 0, self.gen + 1
 
 
-Q_SLOTS = 2   # the persistent form's Q buffers
+Q_SLOTS = 2                            # the persistent form's Q slots (each consumer's block)
+PERSISTENT_STAGES = {False: (2, 2), True: (4, 2)}   # Layout<kFp8, true>
 
 
-def run(num_pages, seed, fp8=False, sequences=None):
-    """One random schedule of a CTA streaming `num_pages` pages (or, persistent, sequences of
-    `sequences` pages each, back to back)."""
+def run(num_pages, seed, fp8=False, sequences=None, commit=True):
+    """One random schedule of a CTA streaming `num_pages` pages (or, persistent, pieces of
+    `sequences` pages each (>= 1), back to back)."""
     rng = random.Random(seed)
     persistent = sequences is not None
     if persistent:
+        assert all(n >= 1 for n in sequences)
         num_pages = sum(sequences)
-    pages = [(s, i) for s, n in enumerate(sequences or [num_pages]) for i in range(n)]
-    live = [s for s, n in enumerate(sequences or []) if n]    # the sequences Q is loaded for
-    qf = [Mbar(1) for _ in range(Q_SLOTS)]; qe = [Mbar(2) for _ in range(Q_SLOTS)]
-    qslot = [None] * Q_SLOTS
-    pv_done = {c: [set() for _ in sequences or []] for c in (0, 1)}
-    finalized = {c: [] for c in (0, 1)}
-    KS, VS = STAGES[fp8]
+    KS, VS = (PERSISTENT_STAGES if persistent else STAGES)[fp8]
     kf = [Mbar(1) for _ in range(KS)]; ke = [Mbar(2) for _ in range(KS)]
     vf = [Mbar(1) for _ in range(VS)]; ve = [Mbar(2) for _ in range(VS)]
     kstage = [None] * KS; vstage = [None] * VS      # (page, landed)
     named = {1: Named(), 2: Named()}
     readers = {}                                    # (tensor, stage) -> set of wg reading
+    qslot = {(c, i): None for c in (0, 1) for i in range(Q_SLOTS)}   # (piece, landed)
+    q_in_flight = []                                # (consumer, slot) copies not landed yet
+    finalized = {c: [] for c in (0, 1)}
 
     def loader(tensor, stages, full, empty, store, copies):
         idx, phase = 0, 0
@@ -103,17 +104,13 @@ def run(num_pages, seed, fp8=False, sequences=None):
                 full[st].arrive()
             yield
 
-    def q_loader():
-        idx, phase = 0, 0
-        for s in live:
-            while not qe[idx].done(phase ^ 1): yield
-            assert not readers.get(("Q", idx)), f"Q slot {idx} overwritten while read"
-            qslot[idx] = (s, False)
+    def q_landing(consumers_done):
+        """A consumer's Q copies land at some later point of the schedule."""
+        while q_in_flight or not consumers_done():
+            if q_in_flight:
+                key = q_in_flight.pop(rng.randrange(len(q_in_flight)))
+                qslot[key] = (qslot[key][0], True)
             yield
-            qslot[idx] = (s, True)
-            qf[idx].arrive()
-            idx += 1
-            if idx == Q_SLOTS: idx, phase = 0, phase ^ 1
 
     def loader_fp8(tensor, stages, full, empty, store):
         idx, phase = 0, 0
@@ -128,58 +125,72 @@ def run(num_pages, seed, fp8=False, sequences=None):
             idx += 1
             if idx == stages: idx, phase = 0, phase ^ 1
 
+    pieces = sequences or [num_pages]
+    first_page = [sum(pieces[:k]) for k in range(len(pieces))]
+    total_turns = num_pages + (len(pieces) if persistent else 1)
+
+    def load_q(c, slot, piece):
+        assert not readers.get(("Q", c, slot)), f"Q slot {slot} of {c} overwritten while read"
+        qslot[c, slot] = (piece, False)
+        q_in_flight.append((c, slot))
+
+    def wait_q(c):
+        """cp.async.wait_group 0: the committed copies of this consumer have landed."""
+        if commit:
+            while any(key[0] == c for key in q_in_flight): yield
+
     def consumer(c):
         kidx = kph = vidx = vph = 0
-        qidx = qph = 0                               # persistent: the current sequence's slot
         my, other = 1 + c, 2 - c
-        turns = num_pages + 1
+        turn = 0
         if c == 1:
             named[1].arrive()                       # opens warpgroup 1's first turn
-        for t in range(turns):
-            has = t < num_pages
-            starts = persistent and has and (t == 0 or pages[t][0] != pages[t - 1][0])
-            if starts:
-                if t > 0:                            # the next slot holds the next sequence
-                    qidx += 1
-                    if qidx == Q_SLOTS: qidx, qph = 0, qph ^ 1
-                while not qf[qidx].done(qph): yield
-            if has:
-                while not kf[kidx].done(kph): yield
-            if t > 0:
-                while not vf[vidx].done(vph): yield
-            # named sync on my barrier: this wg's sync counts as an arrival, then wait the gen
-            target = named[my].gen + 1
-            named[my].arrive()
-            while named[my].gen < target: yield
-            if has:
-                if persistent:
-                    seq, landed = qslot[qidx]
-                    assert landed and seq == pages[t][0], (c, t, qslot[qidx], pages[t])
-                    readers.setdefault(("Q", qidx), set()).add(c)
-                pg, landed = kstage[kidx]; assert landed and pg == t, (c, t, kstage[kidx])
-                readers.setdefault(("K", kidx), set()).add(c)
-            if t > 0:
-                pg, landed = vstage[vidx]; assert landed and pg == t - 1, (c, t, vstage[vidx])
-                readers.setdefault(("V", vidx), set()).add(c)
-            if c == 0 or t + 1 < turns: named[other].arrive()
-            yield                                    # wgmma in flight
-            if has:
-                readers[("K", kidx)].discard(c); ke[kidx].arrive()
-                readers.get(("Q", qidx), set()).discard(c)
-                kidx += 1
-                if kidx == KS: kidx, kph = 0, kph ^ 1
-            if t > 0:
-                readers[("V", vidx)].discard(c); ve[vidx].arrive()
-                vidx += 1
-                if vidx == VS: vidx, vph = 0, vph ^ 1
-                if persistent:
-                    seq = pages[t - 1][0]
-                    pv_done[c][seq].add(pages[t - 1][1])
-                    if not has or pages[t][0] != seq:    # O of that sequence is complete
-                        assert pv_done[c][seq] == set(range(sequences[seq])), (c, seq)
-                        finalized[c].append(seq)
-                        qe[(qidx - 1) % Q_SLOTS if has else qidx].arrive()   # its slot
-            yield                                    # softmax (after a reset when it starts)
+        if persistent:
+            load_q(c, 0, 0)
+            yield from wait_q(c)
+        for k, n in enumerate(pieces):
+            slot = k % Q_SLOTS
+            if persistent:
+                if k > 0:
+                    yield from wait_q(c)             # this piece's rows
+                if k + 1 < len(pieces):
+                    load_q(c, slot ^ 1, k + 1)       # the next piece's, into the other slot
+                yield
+            for j in range(n + 1):
+                has = j < n
+                page = first_page[k] + j
+                if has:
+                    while not kf[kidx].done(kph): yield
+                if j > 0:
+                    while not vf[vidx].done(vph): yield
+                target = named[my].gen + 1
+                named[my].arrive()
+                while named[my].gen < target: yield
+                if has:
+                    if persistent:
+                        piece, landed = qslot[c, slot]
+                        assert landed and piece == k, (c, k, j, qslot[c, slot])
+                        readers.setdefault(("Q", c, slot), set()).add(c)
+                    pg, landed = kstage[kidx]; assert landed and pg == page, (c, page, kstage[kidx])
+                    readers.setdefault(("K", kidx), set()).add(c)
+                if j > 0:
+                    pg, landed = vstage[vidx]
+                    assert landed and pg == page - 1, (c, page, vstage[vidx])
+                    readers.setdefault(("V", vidx), set()).add(c)
+                turn += 1
+                if c == 0 or turn < total_turns: named[other].arrive()
+                yield                                # wgmma in flight
+                if has:
+                    readers[("K", kidx)].discard(c); ke[kidx].arrive()
+                    readers.get(("Q", c, slot), set()).discard(c)
+                    kidx += 1
+                    if kidx == KS: kidx, kph = 0, kph ^ 1
+                if j > 0:
+                    readers[("V", vidx)].discard(c); ve[vidx].arrive()
+                    vidx += 1
+                    if vidx == VS: vidx, vph = 0, vph ^ 1
+                yield                                # softmax
+            finalized[c].append(k)                   # after the piece's last P.V
 
     kcopies = []
     k_loader = loader("K", KS, kf, ke, kstage, kcopies)
@@ -190,9 +201,10 @@ def run(num_pages, seed, fp8=False, sequences=None):
         vcopies = []
         v_loader = loader("V", VS, vf, ve, vstage, vcopies)
         actors += [v_loader, landing(vstage, vf, vcopies, lambda: v_loader not in alive)]
+    consumers = [consumer(0), consumer(1)]
+    actors += consumers
     if persistent:
-        actors.append(q_loader())
-    actors += [consumer(0), consumer(1)]
+        actors.append(q_landing(lambda: not any(x in alive for x in consumers)))
     alive = list(actors)
     steps = 0
     while alive:
@@ -202,8 +214,7 @@ def run(num_pages, seed, fp8=False, sequences=None):
         try: next(a)
         except StopIteration: alive.remove(a)
     assert named[1].arrived == 0 and named[2].arrived == 0, "leftover named-barrier arrivals"
-    if persistent:
-        assert finalized[0] == live and finalized[1] == live, (finalized, live)
+    assert finalized[0] == finalized[1] == list(range(len(pieces)))
 
 
 def main():
@@ -213,14 +224,23 @@ def main():
                 run(n, seed, fp8)
     print("ok: no deadlock, reads see landed pages, no stage overwritten while read")
     rng = random.Random(7)
-    cases = [[1], [3], [1, 1], [2, 5, 1], [0, 4, 0, 2], [1, 1, 1, 1, 1]]
-    cases += [[rng.randint(0, 6) for _ in range(rng.randint(1, 6))] for _ in range(30)]
+    cases = [[1], [3], [1, 1], [2, 5, 1], [1, 4, 1, 2], [1, 1, 1, 1, 1]]
+    cases += [[rng.randint(1, 6) for _ in range(rng.randint(1, 6))] for _ in range(30)]
     for fp8 in (False, True):
         for sequences in cases:
             for seed in range(100):
                 run(None, seed, fp8, sequences)
-    print("ok, persistent: Q reads see their own landed sequence, no Q slot overwritten while "
-          "read, each sequence finalized once after all its P.V")
+    print("ok, persistent: Q reads see their own landed piece, no Q slot overwritten while "
+          "read, each piece finalized once after all its P.V")
+    caught = 0
+    for seed in range(200):
+        try:
+            run(None, seed, False, [1, 1, 1, 2, 1], commit=False)
+        except AssertionError:
+            caught += 1
+    assert caught, "the uncommitted Q wait was never caught"
+    print(f"ok: uncommitted Q copies (wait_group 0 returns at once) caught in {caught} of 200 "
+          "schedules")
 
 
 if __name__ == "__main__":
