@@ -630,6 +630,35 @@ __device__ long long lab_timeline[4][kLabTurns][kLabMarks];
   } while (0)
 #endif
 
+// The persistent form's partition (decode_attention_persistent_kernel; its merge rebuilds it
+// from the table the kernel writes): the (request, KV head, qo tile) page sequences end to end,
+// request-major, cut into `ctas` ranges of equal page counts.
+struct Partition {
+  const int64_t* pages_before;   // [batch + 1]: sum of p(r') over r' < r (one sequence's pages)
+  const int* lengths;            // [batch]: seqused_k clamped to >= 0 (the kernel's table only)
+  int batch;
+  int tiles;                     // qo tiles of a KV head
+  int seqs_per_request;          // KV heads x tiles
+  int64_t total;                 // pages of all sequences
+  int ctas;                      // CTAs with a range: min(grid, total)
+
+  __device__ __forceinline__ Partition(const DecodeAttentionArgs& a, const int64_t* pages_before_,
+                                       const int* lengths_, int grid)
+      : pages_before(pages_before_), lengths(lengths_), batch(a.batch) {
+    const int group = a.num_qo_heads / a.num_kv_heads;
+    tiles = (a.seqlen_q * group + a.qo_tile_rows - 1) / a.qo_tile_rows;
+    seqs_per_request = a.num_kv_heads * tiles;
+    total = seqs_per_request * pages_before[a.batch];
+    ctas = static_cast<int>(min(static_cast<int64_t>(grid), total));
+  }
+  // CTA c's range starts at page cut(c).
+  __device__ __forceinline__ int64_t cut(int cta) const { return total * cta / ctas; }
+  // The CTA whose range holds page g: the last c with cut(c) <= g.
+  __device__ __forceinline__ int cta_of(int64_t g) const {
+    return static_cast<int>(((g + 1) * ctas - 1) / total);
+  }
+};
+
 namespace wg {
 
 constexpr int kRowBytes = 128;                 // one swizzled row
@@ -1697,16 +1726,6 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
 // runs. A piece that is its whole sequence writes O directly; a sequence cut by a range boundary
 // leaves one partial per piece, in slot 2c (the piece that opens CTA c's range) or 2c + 1 (the
 // one that closes it), combined by decode_merge_persistent_kernel.
-struct Partition {
-  const int64_t* pages_before;   // [batch + 1]: sum of p(r') over r' < r (one sequence's pages)
-  const int* lengths;            // [batch]: seqused_k clamped to >= 0
-  int batch;
-  int tiles;                     // qo tiles of a KV head
-  int seqs_per_request;          // KV heads x tiles
-  int64_t total;                 // pages of all sequences
-  int ctas;                      // CTAs with a range: min(grid, total)
-  __device__ __forceinline__ int64_t cut(int cta) const { return total * cta / ctas; }
-};
 
 // p(r) into pages_before[r + 1] and the clamped lengths, then their prefix: every thread of the
 // CTA calls it (two CTA barriers inside).
@@ -1878,14 +1897,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
   }
   build_request_table(a, pages_before, lengths);      // the barriers are ready after it too
   const int group = a.num_qo_heads / a.num_kv_heads;
-  Partition part;
-  part.pages_before = pages_before;
-  part.lengths = lengths;
-  part.batch = a.batch;
-  part.tiles = (a.seqlen_q * group + a.qo_tile_rows - 1) / a.qo_tile_rows;
-  part.seqs_per_request = a.num_kv_heads * part.tiles;
-  part.total = part.seqs_per_request * pages_before[a.batch];
-  part.ctas = static_cast<int>(min(static_cast<int64_t>(gridDim.x), part.total));
+  const Partition part(a, pages_before, lengths, gridDim.x);
   if (blockIdx.x == 0) {
     for (int r = threadIdx.x; r <= a.batch; r += blockDim.x) a.request_pages[r] = pages_before[r];
   }
@@ -2619,21 +2631,18 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   const int qo_head = static_cast<int>(item % a.num_qo_heads);
   const int request = static_cast<int>(q_row / a.seqlen_q);
   const int token = static_cast<int>(q_row % a.seqlen_q);
+  const Partition part(a, a.request_pages, nullptr, a.num_work);
   const int group = a.num_qo_heads / a.num_kv_heads;
-  const int tiles = (a.seqlen_q * group + a.qo_tile_rows - 1) / a.qo_tile_rows;
   const int tile = (token * group + qo_head % group) / a.qo_tile_rows;
-  const int64_t seqs = static_cast<int64_t>(a.num_kv_heads) * tiles;
-  const int64_t before = a.request_pages[request];
-  const int64_t pages = a.request_pages[request + 1] - before;
-  const int64_t start = seqs * before + (qo_head / group * tiles + tile) * pages;
-  const int64_t total = seqs * a.request_pages[a.batch];
-  const int64_t ctas = min(static_cast<int64_t>(a.num_work), total);
-  auto cta_of = [&](int64_t page) { return ((page + 1) * ctas - 1) / total; };
-  const int64_t first = cta_of(start), last = cta_of(start + pages - 1);
+  const int64_t before = part.pages_before[request];
+  const int64_t pages = part.pages_before[request + 1] - before;
+  const int64_t start =
+      part.seqs_per_request * before + (qo_head / group * part.tiles + tile) * pages;
+  const int first = part.cta_of(start), last = part.cta_of(start + pages - 1);
   if (first == last) return;
-  const bool opens_before = total * first / ctas < start;
-  merge_row(a, q_row, token, qo_head, static_cast<int>(last - first + 1), [&](int i) {
-    return 2 * (first + i) + (i == 0 && opens_before ? 1 : 0);
+  const bool opens_before = part.cut(first) < start;
+  merge_row(a, q_row, token, qo_head, last - first + 1, [&](int i) {
+    return 2 * static_cast<int64_t>(first + i) + (i == 0 && opens_before ? 1 : 0);
   });
 }
 

@@ -396,7 +396,7 @@ def test_portable_decode_never_launches_the_warpgroup_form(monkeypatch, native_h
         sparse_decode_attention=lambda *args: launched.append(tuple(args[-5:-3]))))
     schedule = SimpleNamespace(split_kv=False, request_indices=None, kv_tile_indices=None,
                                qo_tile_indices=None, num_splits=None, merge_indptr=None,
-                               kv_chunk_size=1, qo_tile_rows=128)
+                               kv_chunk_size=1, qo_tile_rows=128, persistent_ctas=0)
     call = SimpleNamespace(q=None, k=None, v=None, q2k_indices=None, page_table=None,
                            seqused_k=None, schedule=schedule, out=None, lse=None, seqlen_q=8,
                            qhead_per_kv=16, pv_quant_dtype=None, softmax_scale=1.0)

@@ -27,6 +27,7 @@ from .decode import PAGE_SIZE, SparseDecodePagedAttentionWrapper, _check_seqlen_
 from .decode_indexer import (DecodeIndexerPlan, check_indexer_args, make_decode_indexer_plan,
                              run_indexer_call)
 
+
 def selects_every_block(max_seqlen_k: int, topk: int) -> bool:
     """Whether the top-k keeps every visible block of every request of at most max_seqlen_k
     keys, whatever the scores (no request holds more than topk blocks)."""

@@ -176,7 +176,7 @@ def _persistent(call) -> bool:
     (schedule.persistent_ctas), validated for the call's dtype (or with
     MSA_UNVALIDATED_KERNELS=1); the decode_persistent hook forces it on any such call (True) or
     off (False)."""
-    if call.q2k_indices is not None or not getattr(call.schedule, "persistent_ctas", 0):
+    if call.q2k_indices is not None or not call.schedule.persistent_ctas:
         return False
     forced = debug.forced("decode_persistent")
     if forced is not None:
