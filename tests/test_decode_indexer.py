@@ -299,7 +299,10 @@ def test_step_wrapper_is_indexer_then_sparse_attention(seed, fmt):
 def test_step_wrapper_selects_every_block_of_short_requests(seed, fmt):
     """Requests of at most topk blocks: every visible block is selected whatever the scores, so
     the step writes that selection without scoring (ascending, the own block last, rows without
-    keys all -1) and its O is sparse attention over the oracle's selection."""
+    keys all -1) and attends densely: its O is exactly the dense plan's, and sparse attention
+    over the oracle's selection to the contract (float64 oracle; the two orders of summation
+    may round one bf16 ulp apart)."""
+    from test_decode import check_against_oracle, oracle as attention_oracle
     lens, seqlen_q, hkv, group, topk = [512, 129, 2, 300], 3, 2, 4, 4
     inputs, keys = make_index_batch(lens, seqlen_q, hkv, fmt)
     q, k, v = make_attention_inputs(inputs, seqlen_q, hkv, group)
@@ -319,11 +322,15 @@ def test_step_wrapper_selects_every_block_of_short_requests(seed, fmt):
             if count:   # the same blocks, history ascending, the own block last
                 assert got[:count] == sorted(want[:count - 1]) + [want[count - 1]]
             assert got[count:] == [-1] * (topk - count)
-    attention = msa.SparseDecodePagedAttentionWrapper().plan(
+    dense = msa.SparseDecodePagedAttentionWrapper().plan(
         page_table=inputs["page_table"], seqused_k=inputs["seqused_k"], seqlen_q=seqlen_q,
-        max_seqlen_k=topk * P, q2k_indices=selection, num_qo_heads=hkv * group,
-        num_kv_heads=hkv, enable_cuda_graph=True)
-    torch.testing.assert_close(out, attention.run(q, k, v), rtol=0, atol=0)
+        max_seqlen_k=topk * P, num_qo_heads=hkv * group, num_kv_heads=hkv,
+        enable_cuda_graph=True)
+    torch.testing.assert_close(out, dense.run(q, k, v), rtol=0, atol=0)
+    _, lse = step.run(q, k, v, inputs["q_idx"], inputs["k_idx"], return_softmax_lse=True)
+    ref_out, ref_lse = attention_oracle(q, k, v, inputs["page_table"], inputs["seqused_k"],
+                                        seqlen_q, selection)
+    check_against_oracle(out, lse, ref_out, ref_lse, fp8_pv=q.dtype == torch.float8_e4m3fn)
 
 
 def test_step_wrapper_shares_one_plan_and_checks_it():
