@@ -55,10 +55,8 @@ PINGPONG_MIN_ROWS = 65
 # lengths), per dtype; a dtype left out runs the plan's work items on the ping-pong form. It
 # beat the plan's work items where the plan takes it (schedules.decode.persistent_pays): MTP 8,
 # 10k-200k tokens, B 8-128, 1.04-1.21x (bench_decode_production, --attention-forms
-# pingpong,persistent). No dtype is served until the kernel as it is now passes
-# tests/test_decode_gpu.py and memcheck on the H200: the build that was timed waited for the
-# next piece's Q rows without committing their cp.async group (one test failure in four runs).
-VALIDATED_PERSISTENT = frozenset()
+# pingpong,persistent). Validated on the H200: tests/test_decode_gpu.py and memcheck.
+VALIDATED_PERSISTENT = frozenset({"bf16", "e4m3"})
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
