@@ -40,6 +40,12 @@ def main(argv=None):
     ap.add_argument("--hkv", type=int, default=4)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--op", choices=("attention", "indexer"), default="attention")
+    ap.add_argument("--index-format", choices=("dtype", "nvfp4"), default="dtype",
+                    help="--op indexer: index keys of --dtype, or NVFP4 (e4m3 index queries; "
+                         "random E2M1 codes, E4M3 scales in [0.5, 2), linear scale layout)")
+    ap.add_argument("--persistent", choices=("plan", "on", "off"), default="plan",
+                    help="--op attention: the dense plan's persistent form as the plan "
+                         "chooses, forced on, or off")
     ap.add_argument("--kernels", action="store_true",
                     help="print each kernel's mean device time (torch.profiler)")
     args = ap.parse_args(argv)
@@ -52,7 +58,8 @@ def main(argv=None):
     slot = Slot(lens, args, dtype, device)
     wrapper = msa.SparseDecodePagedAttentionWrapper().plan(
         page_table=slot.page_table, seqused_k=slot.seqused_k, seqlen_q=args.seqlen_q,
-        max_seqlen_k=max(lens), num_qo_heads=args.hq, num_kv_heads=args.hkv)
+        max_seqlen_k=max(lens), num_qo_heads=args.hq, num_kv_heads=args.hkv,
+        persistent={"plan": None, "on": True, "off": False}[args.persistent])
     ms = time_calls(lambda: wrapper.run(slot.q, slot.k, slot.v, out=slot.out), args)
     print(f"profile_decode: {args.dtype} B={args.batch} kv~{args.kv} seqlen_q={args.seqlen_q} "
           f"heads={args.hq}x{args.hkv}: {ms:.3f} ms per call, "
@@ -63,18 +70,29 @@ def profile_indexer(msa, args, lens, dtype, device):
     """The step's indexer: Hkv index heads per query against one shared index-K head."""
     slot = Slot(lens, args, dtype, device)        # its page table; K/V unused
     pages = int(slot.k.shape[0])
-    k_idx = random_fill([pages, 1, 128, D], dtype, device)
     q_idx = random_fill([len(lens) * args.seqlen_q, args.hkv, D], dtype, device)
+    nvfp4 = args.index_format == "nvfp4"
+    k_scale = None
+    if nvfp4:
+        if dtype != torch.float8_e4m3fn:
+            raise SystemExit("--index-format nvfp4 takes --dtype fp8 (e4m3 index queries)")
+        k_idx = torch.randint(0, 256, (pages, 1, 128, D // 2), dtype=torch.uint8, device=device)
+        # E4M3 codes 0x30 .. 0x3F: 0.5 .. 1.875 (finite, nonzero).
+        k_scale = torch.randint(0x30, 0x40, (pages, 1, 128, D // 16), dtype=torch.uint8,
+                                device=device)
+    else:
+        k_idx = random_fill([pages, 1, 128, D], dtype, device)
     plan = msa.make_decode_indexer_plan(slot.seqused_k, seqlen_q=args.seqlen_q,
                                         num_index_heads=args.hkv, max_seqlen_k=max(lens))
 
     def call():
         plan.update()
-        msa.decode_indexer_topk(q_idx, k_idx, plan=plan, page_table=slot.page_table)
+        msa.decode_indexer_topk(q_idx, k_idx, plan=plan, page_table=slot.page_table,
+                                k_scale=k_scale, k_scale_layout="linear")
 
     ms = time_calls(call, args)
-    index_bytes = sum(lens) * D * dtype.itemsize
-    print(f"profile_decode indexer: {args.dtype} B={args.batch} kv~{args.kv} "
+    index_bytes = sum(lens) * (D // 2 + D // 16 if nvfp4 else D * dtype.itemsize)
+    print(f"profile_decode indexer: {'nvfp4' if nvfp4 else args.dtype} B={args.batch} kv~{args.kv} "
           f"seqlen_q={args.seqlen_q} index heads={args.hkv}: {ms * 1e3:.1f} us per call "
           f"(plan update included), {index_bytes / ms / 1e9:.2f} TB/s over the index keys")
 
