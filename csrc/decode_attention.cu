@@ -653,6 +653,24 @@ struct Partition {
   }
   // CTA c's range starts at page cut(c).
   __device__ __forceinline__ int64_t cut(int cta) const { return total * cta / ctas; }
+  // The sequence holding page g: its request, its index within the request (KV head x tiles +
+  // qo tile) and its pages (p(request)); returns its first page.
+  __device__ __forceinline__ int64_t locate(int64_t g, int& request, int& seq, int& pages) const {
+    int lo = 0, hi = batch - 1;                 // the last request starting at or before g
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (seqs_per_request * pages_before[mid] <= g) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    request = lo;
+    pages = static_cast<int>(pages_before[lo + 1] - pages_before[lo]);
+    const int64_t base = seqs_per_request * pages_before[lo];
+    seq = static_cast<int>((g - base) / pages);
+    return base + static_cast<int64_t>(seq) * pages;
+  }
   // The CTA whose range holds page g: the last c with cut(c) <= g.
   __device__ __forceinline__ int cta_of(int64_t g) const {
     return static_cast<int>(((g + 1) * ctas - 1) / total);
@@ -1766,20 +1784,7 @@ struct Cursor {
   int request, seq, page, pages;
 
   __device__ __forceinline__ void seek(const Partition& part, int64_t g) {
-    int lo = 0, hi = part.batch - 1;            // the last request starting at or before g
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (part.seqs_per_request * part.pages_before[mid] <= g) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
-    request = lo;
-    pages = static_cast<int>(part.pages_before[lo + 1] - part.pages_before[lo]);
-    const int64_t within = g - part.seqs_per_request * part.pages_before[lo];
-    seq = static_cast<int>(within / pages);
-    page = static_cast<int>(within - static_cast<int64_t>(seq) * pages);
+    page = static_cast<int>(g - part.locate(g, request, seq, pages));
   }
   __device__ __forceinline__ void next_sequence(const Partition& part) {
     page = 0;
@@ -2618,32 +2623,41 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
             [&](int i) { return begin + i; });
 }
 
-// Merge of the persistent form: one warp per (query row, q head). Its sequence (request, KV
-// head, qo tile) spans CTAs first .. last of the partition (decode_attention_persistent_kernel);
-// a sequence inside one CTA's range was written directly. CTA c's piece of it is in slot 2c,
-// or 2c + 1 for the first CTA when its range opens before the sequence.
-__global__ void __launch_bounds__(kMergeWarps * 32)
+// Merge of the persistent form, one CTA per boundary between CTA ranges: CTA c (1 <= c < ctas)
+// merges the sequence that CTA c's range opens inside of, when that sequence starts in CTA
+// c - 1's range (a sequence cut several times is merged once, at its first cut); every other
+// sequence was written directly. The sequence spans CTAs first = c - 1 .. last; CTA first's
+// piece is in slot 2 first + 1 when that range opens before the sequence (else 2 first), every
+// later CTA's in 2 c'. One warp per row of the sequence's tile.
+constexpr int kMergePersistentWarps = 8;
+
+__global__ void __launch_bounds__(kMergePersistentWarps * 32)
     decode_merge_persistent_kernel(const DecodeAttentionArgs a) {
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kMergeWarps + (threadIdx.x >> 5);
-  const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
-  if (item >= total_q * a.num_qo_heads) return;
-  const int64_t q_row = item / a.num_qo_heads;
-  const int qo_head = static_cast<int>(item % a.num_qo_heads);
-  const int request = static_cast<int>(q_row / a.seqlen_q);
-  const int token = static_cast<int>(q_row % a.seqlen_q);
-  const Partition part(a, a.request_pages, nullptr, a.num_work);
-  const int group = a.num_qo_heads / a.num_kv_heads;
-  const int tile = (token * group + qo_head % group) / a.qo_tile_rows;
-  const int64_t before = part.pages_before[request];
-  const int64_t pages = part.pages_before[request + 1] - before;
-  const int64_t start =
-      part.seqs_per_request * before + (qo_head / group * part.tiles + tile) * pages;
-  const int first = part.cta_of(start), last = part.cta_of(start + pages - 1);
-  if (first == last) return;
+  __shared__ int64_t pages_before[kDecodePersistentMaxRequests + 1];
+  for (int r = threadIdx.x; r <= a.batch; r += blockDim.x) pages_before[r] = a.request_pages[r];
+  __syncthreads();
+  const Partition part(a, pages_before, nullptr, a.num_work);
+  const int boundary = blockIdx.x;
+  if (boundary == 0 || boundary >= part.ctas) return;
+  const int64_t cut = part.cut(boundary);
+  int request, seq, pages;
+  const int64_t start = part.locate(cut, request, seq, pages);
+  const int first = boundary - 1;
+  if (start == cut || part.cta_of(start) != first) return;
+  const int last = part.cta_of(start + pages - 1);
   const bool opens_before = part.cut(first) < start;
-  merge_row(a, q_row, token, qo_head, last - first + 1, [&](int i) {
-    return 2 * static_cast<int64_t>(first + i) + (i == 0 && opens_before ? 1 : 0);
-  });
+  const int group = a.num_qo_heads / a.num_kv_heads;
+  const int head = seq / part.tiles;
+  const int tile_begin = (seq % part.tiles) * a.qo_tile_rows;
+  const int tile_end = min(tile_begin + a.qo_tile_rows, a.seqlen_q * group);
+  for (int row = tile_begin + static_cast<int>(threadIdx.x / 32); row < tile_end;
+       row += kMergePersistentWarps) {
+    const int token = row / group;
+    merge_row(a, static_cast<int64_t>(request) * a.seqlen_q + token, token,
+              head * group + row % group, last - first + 1, [&](int i) {
+                return 2 * static_cast<int64_t>(first + i) + (i == 0 && opens_before ? 1 : 0);
+              });
+  }
 }
 
 }  // namespace
@@ -2719,8 +2733,8 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   MSA_RETURN_IF_ERROR(cudaGetLastError());
   const int64_t items = static_cast<int64_t>(args.batch) * args.seqlen_q * args.num_qo_heads;
   if (args.persistent) {
-    decode_merge_persistent_kernel<<<detail::grid_for(items, kMergeWarps), kMergeWarps * 32, 0,
-                                     stream>>>(args);
+    decode_merge_persistent_kernel<<<static_cast<unsigned>(args.num_work),
+                                     kMergePersistentWarps * 32, 0, stream>>>(args);
     MSA_RETURN_IF_ERROR(cudaGetLastError());
   } else if (args.split_kv) {
     decode_merge_kernel<<<detail::grid_for(items, kMergeWarps), kMergeWarps * 32, 0, stream>>>(
