@@ -40,6 +40,7 @@ left in its q2k buffer; latency_us - attention_us is the plan update, indexer an
 from __future__ import annotations
 
 import argparse
+from importlib import import_module
 from typing import Dict, List, Optional
 
 import torch
@@ -69,6 +70,9 @@ ATTENTION_FORMS = {"served": {}, "rows": dict(decode_warpgroup=False),
                                     decode_persistent=False),
                    "persistent": dict(decode_warpgroup=True, decode_pingpong=True,
                                       decode_persistent=True)}
+# The dense plans of the forced forms: persistent plans the persistent form wherever the call can
+# take it (not only where schedules.decode.persistent_pays), pingpong never.
+PLAN_PERSISTENT = {"persistent": True, "pingpong": False}
 WARMUP_REPLAYS = 5
 GRAPH_TARGET_US = 2000.0
 MAX_CALLS = 120
@@ -160,10 +164,12 @@ def index_page_bytes(index_format: str) -> int:
 class Impl:
     """One implementation on one case: builds slots, a call per slot, the bytes it reads."""
 
-    def __init__(self, name, msa, lens, nominal, args, device, qo_tile_rows=None):
+    def __init__(self, name, msa, lens, nominal, args, device, qo_tile_rows=None,
+                 persistent=None):
         self.name, self.msa, self.lens, self.nominal = name, msa, lens, nominal
         self.args, self.device = args, device
         self.qo_tile_rows = qo_tile_rows              # None: the plan chooses
+        self.persistent = persistent                  # dense plans: None, the plan chooses
         kind, _, rest = name.partition("-")
         self.kind = kind
         self.kv_dtype = torch.bfloat16 if kind == "cudnn" or rest.startswith("bf16") else \
@@ -194,10 +200,16 @@ class Impl:
             return _CudnnSlot(len(self.lens), self.nominal, args, device)
         slot = Slot(self.lens, args, device, self.kv_dtype, self.index_format)
         if self.kind == "dense":
+            schedules = import_module(f"{self.msa.__name__}.schedules.decode")
+            rows = min(self.qo_tile_rows or schedules.QO_TILE_ROWS,
+                       args.seqlen_q * args.hq // args.hkv)
+            can_persist = (rows >= schedules.PERSISTENT_MIN_ROWS
+                           and len(self.lens) <= schedules.PERSISTENT_MAX_REQUESTS)
             slot.wrapper = self.msa.SparseDecodePagedAttentionWrapper().plan(
                 page_table=slot.page_table, seqused_k=slot.seqused_k, seqlen_q=args.seqlen_q,
                 max_seqlen_k=max(self.lens), num_qo_heads=args.hq, num_kv_heads=args.hkv,
-                enable_cuda_graph=True, qo_tile_rows=self.qo_tile_rows)
+                enable_cuda_graph=True, qo_tile_rows=self.qo_tile_rows,
+                persistent=self.persistent if can_persist else None)
             slot.call = lambda s=slot: s.wrapper.run(s.q, s.k, s.v, out=s.out)
         else:
             slot.wrapper = self.msa.MSADecodeStepWrapper().plan(
@@ -356,7 +368,8 @@ def main(argv=None):
                     help="decode attention forms for tiles of > 16 rows, each timed in turn "
                          "(comma-separated): served (what the gates serve), rows, warpgroup "
                          "(two-stage), pingpong (producer + two consumer warpgroups, the "
-                         "plan's work items), persistent (its persistent form); "
+                         "plan's work items), persistent (its persistent form, planned "
+                         "wherever it can run); "
                          "a forced form's rows name it in impl, e.g. dense-bf16[rows]")
     ap.add_argument("--qo-tile-rows", default="auto",
                     help="query rows per attention CTA, each timed in turn (comma-separated): "
@@ -403,7 +416,8 @@ def main(argv=None):
                                   f"q{tile}" if tile != "auto" else "") if x]
             name = f"{base}[{','.join(labels)}]" if labels else base
             impl = Impl(base, msa, lens, nominal, args, device,
-                        qo_tile_rows=None if tile == "auto" else int(tile))
+                        qo_tile_rows=None if tile == "auto" else int(tile),
+                        persistent=PLAN_PERSISTENT.get(form))
             if not fits(impl.footprint(), args, f"{name} {case}"):
                 continue
             with forcing(msa, **ATTENTION_FORMS[form]):

@@ -2560,15 +2560,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// Log-sum-exp combine of one (query row, q head)'s partials, slots slot_of(0 .. count - 1): its
-// lane's 4 dims of O and (lane 0) the LSE.
-template <typename SlotOf>
+// Log-sum-exp combine of one (query row, q head)'s partials, slots slot_of(0 .. count - 1), by
+// kThreadsPerRow threads: each its 128 / kThreadsPerRow dims of O, the first one the LSE.
+template <int kThreadsPerRow, typename SlotOf>
 __device__ __forceinline__ void merge_row(const DecodeAttentionArgs& a, int64_t q_row, int token,
                                           int qo_head, int count, SlotOf slot_of) {
-  const int lane = threadIdx.x & 31;
+  constexpr int kDims = kHeadDim / kThreadsPerRow;
+  static_assert(kDims % 4 == 0, "whole float4s of O per thread");
+  const int part = static_cast<int>(threadIdx.x % kThreadsPerRow);
   auto lse_index = [&](int64_t p) { return (p * a.seqlen_q + token) * a.num_qo_heads + qo_head; };
   float max_lse = -INFINITY;
   bool nan_partial = false;
+#pragma unroll 4
   for (int i = 0; i < count; ++i) {
     const float lse = a.lse_partial[lse_index(slot_of(i))];
     max_lse = fmaxf(max_lse, lse);
@@ -2576,29 +2579,39 @@ __device__ __forceinline__ void merge_row(const DecodeAttentionArgs& a, int64_t 
   }
   // fmaxf drops NaN: a NaN partial (non-finite data) must make the row NaN, not empty.
   if (nan_partial) max_lse = NAN;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float acc[kDims];
+#pragma unroll
+  for (int d = 0; d < kDims; ++d) acc[d] = 0.f;
   float weight_sum = 0.f;
   if (max_lse != -INFINITY) {
+#pragma unroll 2
     for (int i = 0; i < count; ++i) {
       const int64_t p = slot_of(i);
       const float lse = a.lse_partial[lse_index(p)];
       if (lse == -INFINITY) continue;
       const float w = __expf(lse - max_lse);
-      const float4 o = *reinterpret_cast<const float4*>(a.o_partial + lse_index(p) * kHeadDim +
-                                                        lane * 4);
-      acc.x += w * o.x;
-      acc.y += w * o.y;
-      acc.z += w * o.z;
-      acc.w += w * o.w;
+      const float4* o = reinterpret_cast<const float4*>(a.o_partial + lse_index(p) * kHeadDim +
+                                                        part * kDims);
+#pragma unroll
+      for (int v = 0; v < kDims / 4; ++v) {
+        const float4 x = o[v];
+        acc[4 * v] += w * x.x;
+        acc[4 * v + 1] += w * x.y;
+        acc[4 * v + 2] += w * x.z;
+        acc[4 * v + 3] += w * x.w;
+      }
       weight_sum += w;
     }
   }
   const float inv = weight_sum != 0.f ? 1.f / weight_sum : 0.f;
   const int64_t out_index = q_row * a.num_qo_heads + qo_head;
-  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + out_index * kHeadDim + lane * 4;
-  *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
-  *reinterpret_cast<__nv_bfloat162*>(out + 2) = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
-  if (lane == 0 && a.lse != nullptr) {
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(a.out) + out_index * kHeadDim + part * kDims;
+#pragma unroll
+  for (int d = 0; d < kDims; d += 2) {
+    *reinterpret_cast<__nv_bfloat162*>(out + d) =
+        __floats2bfloat162_rn(acc[d] * inv, acc[d + 1] * inv);
+  }
+  if (part == 0 && a.lse != nullptr) {
     a.lse[out_index] = weight_sum != 0.f ? max_lse + logf(weight_sum) : -INFINITY;
   }
 }
@@ -2619,7 +2632,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   const int64_t begin = max(static_cast<int64_t>(__ldg(a.merge_indptr + request)), int64_t{0});
   const int64_t end =
       min(static_cast<int64_t>(__ldg(a.merge_indptr + request + 1)), a.num_partial_slots);
-  merge_row(a, q_row, token, qo_head, static_cast<int>(max(end - begin, int64_t{0})),
+  merge_row<32>(a, q_row, token, qo_head, static_cast<int>(max(end - begin, int64_t{0})),
             [&](int i) { return begin + i; });
 }
 
@@ -2628,10 +2641,12 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
 // c - 1's range (a sequence cut several times is merged once, at its first cut); every other
 // sequence was written directly. The sequence spans CTAs first = c - 1 .. last; CTA first's
 // piece is in slot 2 first + 1 when that range opens before the sequence (else 2 first), every
-// later CTA's in 2 c'. One warp per row of the sequence's tile.
-constexpr int kMergePersistentWarps = 8;
+// later CTA's in 2 c'. Each row of the sequence's tile takes 8 threads (16 dims each), so the
+// partials of all its rows are read at once: one CTA per cut and a few round trips to L2.
+constexpr int kMergePersistentThreads = 1024;
+constexpr int kMergePersistentThreadsPerRow = kMergePersistentThreads / kRowsPerCta;
 
-__global__ void __launch_bounds__(kMergePersistentWarps * 32)
+__global__ void __launch_bounds__(kMergePersistentThreads)
     decode_merge_persistent_kernel(const DecodeAttentionArgs a) {
   __shared__ int64_t pages_before[kDecodePersistentMaxRequests + 1];
   for (int r = threadIdx.x; r <= a.batch; r += blockDim.x) pages_before[r] = a.request_pages[r];
@@ -2647,17 +2662,15 @@ __global__ void __launch_bounds__(kMergePersistentWarps * 32)
   const int last = part.cta_of(start + pages - 1);
   const bool opens_before = part.cut(first) < start;
   const int group = a.num_qo_heads / a.num_kv_heads;
-  const int head = seq / part.tiles;
   const int tile_begin = (seq % part.tiles) * a.qo_tile_rows;
-  const int tile_end = min(tile_begin + a.qo_tile_rows, a.seqlen_q * group);
-  for (int row = tile_begin + static_cast<int>(threadIdx.x / 32); row < tile_end;
-       row += kMergePersistentWarps) {
-    const int token = row / group;
-    merge_row(a, static_cast<int64_t>(request) * a.seqlen_q + token, token,
-              head * group + row % group, last - first + 1, [&](int i) {
-                return 2 * static_cast<int64_t>(first + i) + (i == 0 && opens_before ? 1 : 0);
-              });
-  }
+  const int row = tile_begin + static_cast<int>(threadIdx.x / kMergePersistentThreadsPerRow);
+  if (row >= min(tile_begin + a.qo_tile_rows, a.seqlen_q * group)) return;
+  const int token = row / group;
+  merge_row<kMergePersistentThreadsPerRow>(
+      a, static_cast<int64_t>(request) * a.seqlen_q + token, token,
+      seq / part.tiles * group + row % group, last - first + 1, [&](int i) {
+        return 2 * static_cast<int64_t>(first + i) + (i == 0 && opens_before ? 1 : 0);
+      });
 }
 
 }  // namespace
@@ -2734,7 +2747,7 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   const int64_t items = static_cast<int64_t>(args.batch) * args.seqlen_q * args.num_qo_heads;
   if (args.persistent) {
     decode_merge_persistent_kernel<<<static_cast<unsigned>(args.num_work),
-                                     kMergePersistentWarps * 32, 0, stream>>>(args);
+                                     kMergePersistentThreads, 0, stream>>>(args);
     MSA_RETURN_IF_ERROR(cudaGetLastError());
   } else if (args.split_kv) {
     decode_merge_kernel<<<detail::grid_for(items, kMergeWarps), kMergeWarps * 32, 0, stream>>>(
