@@ -346,35 +346,42 @@ def test_cuda_graph_dense_plan_spreads_ragged_lengths_over_waves():
 
 def test_dense_ping_pong_plans_carry_the_persistent_form():
     """Dense plans whose tiles take the ping-pong form (> 64 rows) carry the persistent form
-    where it pays (sequences of >= 64 pages, or >= 32 pages and >= 1.5 sequences a CTA): one CTA
+    where it pays (>= 64 pages a CTA over all sequences, as the plan sees the lengths): one CTA
     per SM (max_grid_size) and two partial slots a CTA in the workspaces, beside the chunked
     work items every other form runs. Sparse plans, tiles of <= 64 rows, forced or disabled
-    splits, short sequences and batches past PERSISTENT_MAX_REQUESTS do not."""
-    from msa.schedules.decode import PERSISTENT_MAX_REQUESTS
-    lens = torch.tensor([20000, 0, 129], dtype=torch.int32)
+    splits, too few pages and batches past PERSISTENT_MAX_REQUESTS do not."""
+    from msa.schedules.decode import PERSISTENT_MAX_REQUESTS, PERSISTENT_MIN_PAGES_PER_CTA
+    # 2 KV heads x (14 x 313 + 1 + 2) pages = 8770 pages: 66 a CTA at 132 CTAs.
+    lens = torch.tensor([40000] * 14 + [0, 129], dtype=torch.int32)
 
-    def plan(seqlen_q=8, max_seqlen_k=20000, **kw):
+    def plan(seqlen_q=8, max_seqlen_k=40000, **kw):
         kw.setdefault("max_grid_size", 132)
         return build_decode_schedule(kw.pop("lens", lens), 128, seqlen_q, 32, 2, 128,
                                      max_seqlen_k, **kw)
 
-    many = torch.full((100,), 4000, dtype=torch.int32)    # 200 sequences of 32 pages
+    assert PERSISTENT_MIN_PAGES_PER_CTA == 64
+    many = torch.full((140,), 4000, dtype=torch.int32)    # 280 sequences of 32 pages: 68 a CTA
     for s in (plan(), plan(enable_cuda_graph=True), plan(seqlen_q=5), plan(seqlen_q=16),
-              plan(lens=many, max_seqlen_k=4000)):
-        assert s.persistent_ctas == 132 and s.needs_workspaces
+              plan(lens=many, max_seqlen_k=4000), plan(lens=lens[:2], max_seqlen_k=40000,
+                                                           max_grid_size=9)):
+        assert s.persistent_ctas == s.max_grid_size and s.needs_workspaces
         o_shape, lse_shape = s.workspace_shapes()
-        assert o_shape[0] == lse_shape[0] == max(2 * 132, s.num_partials)
+        assert o_shape[0] == lse_shape[0] == max(2 * s.max_grid_size, s.num_partials)
         assert o_shape[1:] == (s.seqlen_q, 32, 128) and lse_shape[1:] == (s.seqlen_q, 32)
         assert s.num_work >= 1                       # the work items stay for the other forms
     assert plan(max_grid_size=7).persistent_ctas == 7
     short = torch.tensor([8000, 5], dtype=torch.int32)        # 63 pages, 4 sequences
     for s in (plan(seqlen_q=4), plan(sparse_topk=16), plan(fixed_split_size=2),
               plan(disable_split_kv=True), plan(qo_tile_rows=64),
-              plan(lens=short, max_seqlen_k=8000), plan(lens=many[:50], max_seqlen_k=4000),
+              plan(lens=short, max_seqlen_k=8000), plan(lens=many[:130], max_seqlen_k=4000),
+              plan(lens=lens[:2], max_seqlen_k=40000),    # 1252 pages: 9.5 a CTA
               plan(lens=torch.full((PERSISTENT_MAX_REQUESTS + 1,), 20000, dtype=torch.int32)),
               plan(persistent=False)):
         assert s.persistent_ctas == 0
         assert s.workspace_shapes()[0][0] == s.num_partials
+    # A CUDA-graph plan sees every request at max_seqlen_k.
+    assert plan(lens=many[:130], max_seqlen_k=4000).persistent_ctas == 0
+    assert plan(lens=many[:130], max_seqlen_k=4200, enable_cuda_graph=True).persistent_ctas > 0
     assert not plan(disable_split_kv=True).needs_workspaces
     # persistent=True plans it wherever the call can take it, and refuses where it cannot.
     assert plan(lens=short, max_seqlen_k=8000, persistent=True).persistent_ctas == 132

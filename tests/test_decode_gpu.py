@@ -247,12 +247,14 @@ def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, form, d
                 page = int(table[b, (n - 1) // P])
                 k.view(torch.uint8)[page, :, n % P:, :] = 0x7F if dtypes == "fp8" else 0xFF
                 v.view(torch.uint8)[page, :, n % P:, :] = 0x7F if dtypes == "fp8" else 0xFF
+        # The persistent form serves dense calls of tiles of > 64 rows (planned here wherever
+        # it can run: these few requests are too short for it to pay).
+        persistent = form == "persistent" and not sparse and seqlen_q * group > 64
         wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k,
-                        qo_tile_rows=128)        # one warpgroup tile, not the query tiles
+                        qo_tile_rows=128,        # one warpgroup tile, not the query tiles
+                        persistent=True if persistent else None)
         out, lse = _run_native(msa_pkg, wrapper, q, k, v)
-        # The persistent form serves dense calls of tiles of > 64 rows.
-        assert _ran_persistent(msa_pkg) == (form == "persistent" and not sparse
-                                            and seqlen_q * group > 64)
+        assert _ran_persistent(msa_pkg) == persistent
         _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
         if dtypes == "fp8" and not poison:   # the fp32 model multiplies the NaN rows by P = 0
             _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k, msa_pkg)
@@ -307,7 +309,7 @@ def test_native_persistent_decode_graph_follows_lengths(msa_pkg, native_only, se
     table = torch.randperm(k.shape[0], device="cuda")[: len(lens) * width].view(
         len(lens), width).to(torch.int32).contiguous()
     wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, None,
-                    max_seqlen_k=max_len, enable_cuda_graph=True)    # 313 pages: it pays
+                    max_seqlen_k=max_len, enable_cuda_graph=True, persistent=True)
     assert wrapper.decode_schedule.persistent_ctas > 0
     graph, out, lse = _capture_run(wrapper, q, k, v)
     for new_lens in ([39999, 0, 129, 2, 40000], [1, 1, 1, 1, 1], [0, 7000, 0, 0, 0]):

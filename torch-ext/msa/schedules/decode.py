@@ -74,25 +74,22 @@ MIN_BALANCE_CHUNK_PAGES = 96
 # every other form runs them.
 PERSISTENT_MIN_ROWS = 65
 PERSISTENT_MAX_REQUESTS = 1024
-# Sequence lengths (pages) from which the persistent form pays. Its costs are per piece (a
-# turn without overlap, a finalize, a partial a share boundary cuts, read back by its merge), so
-# it needs long sequences, or sequences of half that length where there are enough of them to
-# balance. On the H200 (bench_decode_production, MTP 8, G 16, ragged lengths, one process):
-# 10k-200k tokens 1.04-1.21x faster than the chunked plan (B 8-128; bf16 and e4m3), 4k-5k 1.01-
-# 1.07x at B 64-128 (>= 1.5 sequences a CTA) but 0.90-0.98x at B 8-32, 1k 0.62-0.99x.
-PERSISTENT_MIN_PAGES = 64
-PERSISTENT_MIN_PAGES_MANY = 32
-PERSISTENT_MANY_SEQUENCES_PER_CTA = 1.5
+# Pages per CTA (all sequences' pages as the plan sees them over persistent_ctas) from which the
+# persistent form pays. Its costs are per piece (a turn without overlap, a finalize) and per cut
+# sequence (a partial each piece writes and its merge reads back), so a CTA needs a long share
+# to repay them. On the H200 (bench_decode_production --attention-forms pingpong,persistent,
+# MTP 8, G 16, Hkv 4, the protocol's ragged lengths, one process, e319220), persistent vs the
+# chunked plan: 1.07-1.14x at 4k-5k tokens and B 64-128 (60-120 pages a CTA), 1.04-1.27x from
+# 10k at B >= 32 and from 50k at B 8 (76-3800); 0.94x at B 8 / 10k (24), 0.96-0.99x at B 32 /
+# 4k-5k (30-38), 0.64-1.08x at 1k (2-31).
+PERSISTENT_MIN_PAGES_PER_CTA = 64
 
 
-def persistent_pays(longest_pages: int, sequences: int, ctas: int) -> bool:
-    """Whether the persistent form beats the chunked plan for sequences of up to longest_pages
-    pages (the lengths the plan sees: max_seqlen_k for a CUDA-graph plan), `sequences` (request,
-    KV head, qo tile) sequences and `ctas` CTAs."""
-    if longest_pages >= PERSISTENT_MIN_PAGES:
-        return True
-    return (longest_pages >= PERSISTENT_MIN_PAGES_MANY
-            and sequences >= PERSISTENT_MANY_SEQUENCES_PER_CTA * ctas)
+def persistent_pays(total_pages: int, ctas: int) -> bool:
+    """Whether the persistent form beats the chunked plan for `total_pages` pages over all
+    (request, KV head, qo tile) sequences (as the plan sees the lengths: max_seqlen_k for a
+    CUDA-graph plan) and `ctas` CTAs."""
+    return total_pages >= PERSISTENT_MIN_PAGES_PER_CTA * ctas
 
 
 def multi_token_tiles(seqlen_q: int, group: int, qo_tile_rows: int) -> bool:
@@ -331,8 +328,8 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
             f"(seqlen_q * G, at most qo_tile_rows) and at most {PERSISTENT_MAX_REQUESTS} "
             "requests")
     if persistent is None:
-        persistent = eligible and persistent_pays(longest, batch * ctas_per_chunk,
-                                                  max_grid_size)
+        persistent = eligible and persistent_pays(
+            ctas_per_chunk * sum(max(u, 1) for u in units), max_grid_size)
     num_splits = [max(1, _ceil_div(u, chunk)) for u in units]
     request_idx, kv_tile_idx, qo_tile_idx = [], [], []
     for b, n in enumerate(num_splits):
