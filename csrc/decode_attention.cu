@@ -2562,7 +2562,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // Log-sum-exp combine of one (query row, q head)'s partials, slots slot_of(0 .. count - 1), by
 // kThreadsPerRow threads: each its 128 / kThreadsPerRow dims of O, the first one the LSE.
-template <int kThreadsPerRow, typename SlotOf>
+// kUnrolled unrolls the loops over the partials (the persistent merge, as timed); the split-KV
+// merge keeps the compiler's choice: with the unrolling its B 1-4 calls of many partials ran
+// 1.5-7 us slower (bench_decode_production low-latency suite, a387645).
+template <int kThreadsPerRow, bool kUnrolled, typename SlotOf>
 __device__ __forceinline__ void merge_row(const DecodeAttentionArgs& a, int64_t q_row, int token,
                                           int qo_head, int count, SlotOf slot_of) {
   constexpr int kDims = kHeadDim / kThreadsPerRow;
@@ -2571,11 +2574,16 @@ __device__ __forceinline__ void merge_row(const DecodeAttentionArgs& a, int64_t 
   auto lse_index = [&](int64_t p) { return (p * a.seqlen_q + token) * a.num_qo_heads + qo_head; };
   float max_lse = -INFINITY;
   bool nan_partial = false;
-#pragma unroll 4
-  for (int i = 0; i < count; ++i) {
+  auto take_lse = [&](int i) {
     const float lse = a.lse_partial[lse_index(slot_of(i))];
     max_lse = fmaxf(max_lse, lse);
     nan_partial |= isnan(lse);
+  };
+  if constexpr (kUnrolled) {
+#pragma unroll 4
+    for (int i = 0; i < count; ++i) take_lse(i);
+  } else {
+    for (int i = 0; i < count; ++i) take_lse(i);
   }
   // fmaxf drops NaN: a NaN partial (non-finite data) must make the row NaN, not empty.
   if (nan_partial) max_lse = NAN;
@@ -2583,24 +2591,29 @@ __device__ __forceinline__ void merge_row(const DecodeAttentionArgs& a, int64_t 
 #pragma unroll
   for (int d = 0; d < kDims; ++d) acc[d] = 0.f;
   float weight_sum = 0.f;
-  if (max_lse != -INFINITY) {
-#pragma unroll 2
-    for (int i = 0; i < count; ++i) {
-      const int64_t p = slot_of(i);
-      const float lse = a.lse_partial[lse_index(p)];
-      if (lse == -INFINITY) continue;
-      const float w = __expf(lse - max_lse);
-      const float4* o = reinterpret_cast<const float4*>(a.o_partial + lse_index(p) * kHeadDim +
-                                                        part * kDims);
+  auto add_partial = [&](int i) {
+    const int64_t p = slot_of(i);
+    const float lse = a.lse_partial[lse_index(p)];
+    if (lse == -INFINITY) return;
+    const float w = __expf(lse - max_lse);
+    const float4* o = reinterpret_cast<const float4*>(a.o_partial + lse_index(p) * kHeadDim +
+                                                      part * kDims);
 #pragma unroll
-      for (int v = 0; v < kDims / 4; ++v) {
-        const float4 x = o[v];
-        acc[4 * v] += w * x.x;
-        acc[4 * v + 1] += w * x.y;
-        acc[4 * v + 2] += w * x.z;
-        acc[4 * v + 3] += w * x.w;
-      }
-      weight_sum += w;
+    for (int v = 0; v < kDims / 4; ++v) {
+      const float4 x = o[v];
+      acc[4 * v] += w * x.x;
+      acc[4 * v + 1] += w * x.y;
+      acc[4 * v + 2] += w * x.z;
+      acc[4 * v + 3] += w * x.w;
+    }
+    weight_sum += w;
+  };
+  if (max_lse != -INFINITY) {
+    if constexpr (kUnrolled) {
+#pragma unroll 2
+      for (int i = 0; i < count; ++i) add_partial(i);
+    } else {
+      for (int i = 0; i < count; ++i) add_partial(i);
     }
   }
   const float inv = weight_sum != 0.f ? 1.f / weight_sum : 0.f;
@@ -2632,7 +2645,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32)
   const int64_t begin = max(static_cast<int64_t>(__ldg(a.merge_indptr + request)), int64_t{0});
   const int64_t end =
       min(static_cast<int64_t>(__ldg(a.merge_indptr + request + 1)), a.num_partial_slots);
-  merge_row<32>(a, q_row, token, qo_head, static_cast<int>(max(end - begin, int64_t{0})),
+  merge_row<32, false>(a, q_row, token, qo_head, static_cast<int>(max(end - begin, int64_t{0})),
             [&](int i) { return begin + i; });
 }
 
@@ -2666,7 +2679,7 @@ __global__ void __launch_bounds__(kMergePersistentThreads)
   const int row = tile_begin + static_cast<int>(threadIdx.x / kMergePersistentThreadsPerRow);
   if (row >= min(tile_begin + a.qo_tile_rows, a.seqlen_q * group)) return;
   const int token = row / group;
-  merge_row<kMergePersistentThreadsPerRow>(
+  merge_row<kMergePersistentThreadsPerRow, true>(
       a, static_cast<int64_t>(request) * a.seqlen_q + token, token,
       seq / part.tiles * group + row % group, last - first + 1, [&](int i) {
         return 2 * static_cast<int64_t>(first + i) + (i == 0 && opens_before ? 1 : 0);
