@@ -1967,6 +1967,9 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
   sm90::RingState<kVStages> v_ring;
   const int my_turn = 1 + consumer, other_turn = 2 - consumer;
   if (consumer == 1) sm90::named_arrive(1, 256);
+  // MSA_LAB_MARK: the CTA's turns counted across pieces (a piece's trailing turn included).
+  [[maybe_unused]] const bool lab_leader = threadIdx.x % 128 == 0;
+  [[maybe_unused]] int lab_turn = 0;
   while (true) {
     const int pages = min(piece_start.pages - piece_start.page, num_pages - piece_turn);
     const bool last_piece = piece_turn + pages == num_pages;
@@ -1996,6 +1999,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
     Cursor ahead = piece_start;                        // the page whose reference is read ahead
     PageRef next_page = cursor_page<false>(a, part, ahead);
     for (int j = 0; j <= pages; ++j) {
+      MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 0);
       const bool has_page = j < pages;
       const PageRef page = settle_page(a, next_page);
       bool active = false;
@@ -2005,7 +2009,9 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
       }
       if (j > 0) v_full(v_ring.index).wait(v_ring.phase);
       fence_to_async_proxy();
+      MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 1);
       sm90::named_sync(my_turn, 256);
+      MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 2);
       const char* ks = k_tile(k_ring.index);          // past the piece's last page: discarded
       if constexpr (kFp8) {
         issue_qk_raw(qs, ks, s);
@@ -2020,7 +2026,9 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
         ahead.advance(part);
         next_page = cursor_page<false>(a, part, ahead);
       }
+      MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 3);
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 4);
       if (has_page) {
         k_empty(k_ring.index).arrive();
         k_ring.advance();
@@ -2041,6 +2049,8 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
 #pragma unroll
         for (int f = 0; f < 4; ++f) pa[kk][f] &= keep;
       }
+      MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 5);
+      ++lab_turn;
     }
     if (group_active) {
       tile.finalize(a, ctx, piece_slot(piece_start, pages, piece_turn), consumer * kWarpgroupRows,

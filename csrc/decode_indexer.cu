@@ -57,6 +57,25 @@ constexpr int kPlanThreads = 256;          // one CTA; its barriers are the plan
 
 enum KFormat : int { kBf16 = 0, kE4m3 = 1, kNvfp4 = 2 };
 
+// Lab hooks (benchmarks/lab/decode_indexer_timeline.cu builds this file with them; they compile
+// to nothing otherwise): MSA_LAB_TIMELINE records clock64 stamps of work item 0's first
+// kLabPages pages per warp; MSA_LAB_NO_LOADS issues no copies (the stages keep whatever they
+// hold: the loop without DRAM).
+#ifdef MSA_LAB_TIMELINE
+constexpr int kLabPages = 64, kLabMarks = 6;
+__device__ long long lab_timeline[kWarps][kLabPages][kLabMarks];
+#define MSA_LAB_MARK(page, mark)                                                          \
+  do {                                                                                    \
+    if (blockIdx.x == 0 && (threadIdx.x & 31) == 0 && (page) < kLabPages) {              \
+      lab_timeline[threadIdx.x >> 5][page][mark] = clock64();                             \
+    }                                                                                     \
+  } while (0)
+#else
+#define MSA_LAB_MARK(page, mark) \
+  do {                           \
+  } while (0)
+#endif
+
 // Bytes of one key row in global memory, its padded stride in a stage, and a stage's size.
 template <int F>
 struct PageShape {
@@ -398,7 +417,9 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
     const int64_t physical = next_entry;
     next_entry = entry(i + 1);
     const bool valid = physical >= 0 && physical < a.num_pages;
+#ifndef MSA_LAB_NO_LOADS
     if (valid) load_page<F>(a, physical, stage_of(i));
+#endif
     if (threadIdx.x == 0) s_valid[i % 8] = valid;
     cp_async_commit();
   };
@@ -423,15 +444,21 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
   for (int i = 0; i < num_pages; ++i) {
+    MSA_LAB_MARK(i, 0);
     cp_async_wait<kStages - 2>();
+    MSA_LAB_MARK(i, 1);
     // Page i has landed for every thread; every warp is done with page i - 1 (its stage and
     // its maxima buffer).
     __syncthreads();
+    MSA_LAB_MARK(i, 2);
     issue(i + kStages - 1);
+    MSA_LAB_MARK(i, 3);
     if (i > 0) offer(i - 1);
+    MSA_LAB_MARK(i, 4);
     if (s_valid[i % 8]) {   // uniform over the CTA
       score_page<F, MT>(a, stage_of(i), qs, q_regs, warp_max + (i & 1) * kWarps * MT * 16);
     }
+    MSA_LAB_MARK(i, 5);
   }
   cp_async_wait<0>();
   __syncthreads();

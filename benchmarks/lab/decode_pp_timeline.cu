@@ -5,7 +5,13 @@
 //
 //   nvcc -arch=sm_90a -O3 -std=c++17 -Icsrc -Itorch-ext -DMSA_LAB_TIMELINE \
 //       -o /tmp/pp_timeline benchmarks/lab/decode_pp_timeline.cu
-//   /tmp/pp_timeline [bf16|e4m3] [batch=32] [keys=100000]
+//   /tmp/pp_timeline [bf16|e4m3] [batch=32] [keys=100000] [pp|persistent] [uniform|ragged]
+//
+// persistent: the persistent form (one CTA per SM over equal page shares, its merge launched
+// after it) instead of one work item per request and KV head; ragged: request lengths uniform
+// in [0.75, 1.25] x keys (the production protocol's spread) instead of all equal. The
+// persistent form also lists CTA 0's first turns one by one (a piece's trailing turn and
+// finalize show as the gap before the next piece's first turn).
 //
 // Add -DMSA_LAB_NO_LOADS for the same kernel with every page zero-filled instead of read (the
 // pipeline's own rate, without DRAM). Prints the call's time and bytes per second, then per
@@ -14,6 +20,7 @@
 // 8 .. 63 (the ring is full by then).
 #include "../../csrc/decode_attention.cu"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -64,8 +71,22 @@ int main(int argc, char** argv) {
   const bool fp8 = argc > 1 && std::strcmp(argv[1], "e4m3") == 0;
   const int batch = argc > 2 ? std::atoi(argv[2]) : 32;
   const int keys = argc > 3 ? std::atoi(argv[3]) : 100000;
+  const bool persistent = argc > 4 && std::strcmp(argv[4], "persistent") == 0;
+  const bool ragged = argc > 5 && std::strcmp(argv[5], "ragged") == 0;
   const int seqlen_q = 8, hq = 64, hkv = 4, dim = 128, page = 128;
-  const int pages_per_request = (keys + page - 1) / page;
+  std::vector<int32_t> lengths(batch, keys);
+  uint64_t lcg = 2718281828ull;
+  for (int b = 0; b < batch && ragged; ++b) {
+    lcg = lcg * 6364136223846793005ull + 1442695040888963407ull;
+    lengths[b] = static_cast<int32_t>(keys * (0.75 + 0.5 * ((lcg >> 11) * 0x1.0p-53)));
+  }
+  int max_len = 0;
+  int64_t total_len = 0;
+  for (int b = 0; b < batch; ++b) {
+    max_len = std::max(max_len, lengths[b]);
+    total_len += lengths[b];
+  }
+  const int pages_per_request = (max_len + page - 1) / page;
   const int64_t num_pages = static_cast<int64_t>(batch) * pages_per_request;
   const int elem = fp8 ? 1 : 2;
 
@@ -88,7 +109,7 @@ int main(int argc, char** argv) {
     state = state * 6364136223846793005ull + 1442695040888963407ull;
     std::swap(table[i], table[static_cast<int64_t>((state >> 33) % (i + 1))]);
   }
-  std::vector<int32_t> lengths(batch, keys), ones(batch, 1), zeros(batch, 0), indptr(batch + 1);
+  std::vector<int32_t> ones(batch, 1), zeros(batch, 0), indptr(batch + 1);
   std::vector<int32_t> requests(batch);
   for (int b = 0; b < batch; ++b) requests[b] = b;
   for (int b = 0; b <= batch; ++b) indptr[b] = b;
@@ -119,6 +140,17 @@ int main(int argc, char** argv) {
   a.softmax_scale = 1.f / std::sqrt(static_cast<float>(dim));
   a.warpgroup = true;
   a.pingpong = true;
+  if (persistent) {
+    int device = 0, sms = 0;
+    CHECK(cudaGetDevice(&device));
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    a.persistent = true;
+    a.num_work = sms;
+    a.num_partial_slots = 2 * static_cast<int64_t>(sms);
+    CHECK(cudaMalloc(&a.request_pages, (batch + 1) * sizeof(int64_t)));
+    CHECK(cudaMalloc(&a.o_partial, a.num_partial_slots * seqlen_q * hq * dim * sizeof(float)));
+    CHECK(cudaMalloc(&a.lse_partial, a.num_partial_slots * seqlen_q * hq * sizeof(float)));
+  }
 
   CHECK(msa::launch_decode_attention(a, nullptr));
   CHECK(cudaDeviceSynchronize());
@@ -133,15 +165,16 @@ int main(int argc, char** argv) {
   float ms = 0.f;
   CHECK(cudaEventElapsedTime(&ms, start, stop));
   ms /= iters;
-  const double bytes = 2.0 * num_pages * page_bytes;
+  const double bytes = 2.0 * total_len * hkv * dim * elem;
 #ifdef MSA_LAB_NO_LOADS
   const char* mode = "no loads (pages zero-filled)";
 #else
   const char* mode = "pages read";
 #endif
-  std::printf("ping-pong %s, B %d, %d keys, MTP %d, %s: %.1f us per call, %.2f TB/s of K/V\n",
-              fp8 ? "e4m3" : "bf16", batch, keys, seqlen_q, mode, ms * 1e3,
-              bytes / (ms * 1e-3) / 1e12);
+  std::printf("ping-pong%s %s, B %d, %d keys%s, MTP %d, %s: %.1f us per call%s, %.2f TB/s of "
+              "K/V\n", persistent ? " (persistent)" : "", fp8 ? "e4m3" : "bf16", batch, keys,
+              ragged ? " (ragged, 0.75-1.25x)" : "", seqlen_q, mode, ms * 1e3,
+              persistent ? " (its merge included)" : "", bytes / (ms * 1e-3) / 1e12);
 
   using msa::kLabMarks;
   using msa::kLabTurns;
@@ -176,7 +209,20 @@ int main(int argc, char** argv) {
     lead_k += tl[2][t][1] - tl[0][t][2];
     lead_v += tl[2][t + 1][1] - tl[1][t][fp8 ? 3 : 2];
   }
-  std::printf("lead (cycles from the stream's last stamp of a page to consumer 0's use): K %.0f, "
-              "V %.0f\n", lead_k / (last - first), lead_v / (last - first));
+  if (!persistent) {
+    std::printf("lead (cycles from the stream's last stamp of a page to consumer 0's use): "
+                "K %.0f, V %.0f\n", lead_k / (last - first), lead_v / (last - first));
+    return 0;
+  }
+  // The persistent form's turns are counted across pieces (pages + 1 turns a piece), so the
+  // stream's page t is not turn t's: the lead is left out; instead CTA 0's turns one by one.
+  std::printf("CTA 0's turns (consumer 0): data wait, turn wait, issue, wgmma wait, softmax; "
+              "gap to the next turn (a finalize and the next piece's Q wait where one ends)\n");
+  for (int t = 0; t < kLabTurns - 1; ++t) {
+    const long long* m = tl[2][t];
+    if (m[0] == 0 || tl[2][t + 1][0] == 0) break;
+    std::printf("  turn %2d: %5lld %5lld %5lld %5lld %5lld | %5lld\n", t, m[1] - m[0],
+                m[2] - m[1], m[3] - m[2], m[4] - m[3], m[5] - m[4], tl[2][t + 1][0] - m[5]);
+  }
   return 0;
 }

@@ -1,0 +1,218 @@
+// Timeline of the fused decode indexer + top-k (a GPU diagnostic, no TSV): where a page's cycles
+// go in each warp of work item 0, from clock64 stamps (the MSA_LAB_TIMELINE hooks in
+// csrc/decode_indexer.cu). One shared index-K head, pages shuffled, every request the same
+// length, synthetic values; the plan kernel splits the history blocks as in a decode step.
+//
+//   nvcc -arch=sm_90a -O3 -std=c++17 -Icsrc -Itorch-ext -DMSA_LAB_TIMELINE \
+//       -o /tmp/idx_timeline benchmarks/lab/decode_indexer_timeline.cu
+//   /tmp/idx_timeline [e4m3|nvfp4|bf16] [batch=32] [keys=131072] [seqlen_q=1] [heads=4]
+//
+// Add -DMSA_LAB_NO_LOADS for the same kernel without its copies (the loop's own rate, without
+// DRAM). Prints the indexer's time per call (the plan update timed apart) and its bytes per
+// second, then per warp the mean cycles of each phase of a page (its copies' wait, the CTA
+// barrier, issuing the copies kStages - 1 pages ahead, the offer of the previous page's scores,
+// the scoring) over pages 8 .. 55 of work item 0.
+#include "../../csrc/decode_indexer.cu"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#define CHECK(call)                                                                     \
+  do {                                                                                  \
+    cudaError_t err_ = (call);                                                          \
+    if (err_ != cudaSuccess) {                                                          \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call,                 \
+                   cudaGetErrorString(err_));                                           \
+      std::exit(1);                                                                     \
+    }                                                                                   \
+  } while (0)
+
+// Pseudo-random bytes from an integer hash: `kind` 0 any byte (E2M1 code pairs), 1 a finite e4m3
+// value in [-1, 1), 2 an E4M3 scale in [0.5, 2), 3 bf16 halves of values in [-1, 1).
+__global__ void fill_bytes(uint8_t* data, int64_t count, int kind, uint32_t seed) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    const float x = (static_cast<int>(h & 0xFFFF) - 32768) / 32768.f;
+    if (kind == 0) {
+      data[i] = static_cast<uint8_t>(h >> 8);
+    } else if (kind == 1) {
+      data[i] = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+    } else if (kind == 2) {
+      data[i] = static_cast<uint8_t>(0x30 + (h >> 20) % 16);
+    } else if (i % 2 == 0) {
+      const __nv_bfloat16 b = __float2bfloat16(x);
+      std::memcpy(data + i, &b, 2);
+    }
+  }
+}
+
+template <typename T>
+T* device_copy(const std::vector<T>& host) {
+  T* ptr = nullptr;
+  CHECK(cudaMalloc(&ptr, host.size() * sizeof(T)));
+  CHECK(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return ptr;
+}
+
+template <typename T>
+T* device_zeros(int64_t count) {
+  T* ptr = nullptr;
+  CHECK(cudaMalloc(&ptr, count * sizeof(T)));
+  CHECK(cudaMemset(ptr, 0, count * sizeof(T)));
+  return ptr;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* format = argc > 1 ? argv[1] : "e4m3";
+  const int batch = argc > 2 ? std::atoi(argv[2]) : 32;
+  const int keys = argc > 3 ? std::atoi(argv[3]) : 131072;
+  const int seqlen_q = argc > 4 ? std::atoi(argv[4]) : 1;
+  const int heads = argc > 5 ? std::atoi(argv[5]) : 4;
+  const int k_format =
+      std::strcmp(format, "bf16") == 0 ? 0 : (std::strcmp(format, "nvfp4") == 0 ? 2 : 1);
+  const int dim = 128, page = 128, topk = 16;
+  const int pages_per_request = (keys + page - 1) / page;
+  const int64_t num_pages = static_cast<int64_t>(batch) * pages_per_request;
+  const int64_t row_bytes = k_format == 0 ? 2 * dim : (k_format == 1 ? dim : dim / 2);
+  const int64_t page_bytes = page * row_bytes;
+
+  uint8_t *k = nullptr, *k_scale = nullptr, *q = nullptr;
+  CHECK(cudaMalloc(&k, num_pages * page_bytes));
+  const int key_kind = k_format == 0 ? 3 : (k_format == 1 ? 1 : 0);
+  fill_bytes<<<1024, 256>>>(k, num_pages * page_bytes, key_kind, 1u);
+  if (k_format == 2) {
+    CHECK(cudaMalloc(&k_scale, num_pages * page * (dim / 16)));
+    fill_bytes<<<1024, 256>>>(k_scale, num_pages * page * (dim / 16), 2, 2u);
+  }
+  const int rows = seqlen_q * heads;
+  const int64_t q_bytes = static_cast<int64_t>(batch) * rows * dim * (k_format == 0 ? 2 : 1);
+  CHECK(cudaMalloc(&q, q_bytes));
+  fill_bytes<<<256, 256>>>(q, q_bytes, k_format == 0 ? 3 : 1, 3u);
+  CHECK(cudaGetLastError());
+
+  std::vector<int32_t> table(num_pages);
+  for (int64_t i = 0; i < num_pages; ++i) table[i] = static_cast<int32_t>(i);
+  uint64_t state = 12345;
+  for (int64_t i = num_pages - 1; i > 0; --i) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    std::swap(table[i], table[static_cast<int64_t>((state >> 33) % (i + 1))]);
+  }
+  std::vector<int32_t> lengths(batch, keys);
+
+  int device = 0, sms = 0;
+  CHECK(cudaGetDevice(&device));
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int capacity = 2 * sms + batch;   // make_decode_indexer_plan's default grid
+  const int list_capacity = 16;
+
+  msa::DecodeIndexerPlanArgs p{};
+  p.seqused_k = device_copy(lengths);
+  p.batch = batch;
+  p.capacity = capacity;
+  p.work = device_zeros<int32_t>(2 * capacity);
+  p.requests = device_zeros<int32_t>(3 * batch);
+  p.chunk_pages = device_zeros<int32_t>(1);
+
+  msa::DecodeIndexerArgs a{};
+  a.q = q;
+  a.q_fp8 = k_format != 0;
+  a.k = k;
+  a.k_format = k_format;
+  a.k_scale = k_scale;
+  a.k_scale_linear = true;
+  a.num_pages = num_pages;
+  a.page_table = device_copy(table);
+  a.page_table_width = pages_per_request;
+  a.seqused_k = p.seqused_k;
+  a.batch = batch;
+  a.seqlen_q = seqlen_q;
+  a.num_heads = heads;
+  a.out_head_repeat = 1;
+  a.topk = topk;
+  a.scale = 1.f;
+  a.work = p.work;
+  a.requests = p.requests;
+  a.chunk_pages = p.chunk_pages;
+  a.capacity = capacity;
+  a.partials = device_zeros<int32_t>(static_cast<int64_t>(capacity) * rows * list_capacity * 2);
+  a.list_capacity = list_capacity;
+  a.out = device_zeros<int32_t>(static_cast<int64_t>(heads) * batch * seqlen_q * topk);
+
+  CHECK(msa::launch_decode_indexer_plan(p, nullptr));
+  CHECK(msa::launch_decode_indexer_topk(a, nullptr));
+  CHECK(cudaDeviceSynchronize());
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  const int iters = 10;
+  CHECK(cudaEventRecord(start));
+  for (int i = 0; i < iters; ++i) CHECK(msa::launch_decode_indexer_topk(a, nullptr));
+  CHECK(cudaEventRecord(stop));
+  CHECK(cudaEventSynchronize(stop));
+  float ms = 0.f;
+  CHECK(cudaEventElapsedTime(&ms, start, stop));
+  ms /= iters;
+  int chunk = 0;
+  CHECK(cudaMemcpy(&chunk, p.chunk_pages, sizeof(int), cudaMemcpyDeviceToHost));
+  const double bytes =
+      static_cast<double>(num_pages) * (page_bytes + (k_format == 2 ? page * (dim / 16) : 0));
+#ifdef MSA_LAB_NO_LOADS
+  const char* mode = "no loads";
+#else
+  const char* mode = "pages read";
+#endif
+  std::printf("decode indexer %s, B %d, %d keys, %d rows a request, %d SMs, grid %d, chunks of "
+              "%d pages, %s: %.1f us per call (plan apart), %.2f TB/s of index keys\n",
+              format, batch, keys, rows, sms, capacity, chunk, mode, ms * 1e3,
+              bytes / (ms * 1e-3) / 1e12);
+
+  using msa::kLabMarks;
+  using msa::kLabPages;
+  static long long tl[msa::kWarps][kLabPages][kLabMarks];
+  CHECK(cudaMemcpyFromSymbol(tl, msa::lab_timeline, sizeof(tl)));
+  const int first = 8, last = kLabPages - 8;   // pages first .. last - 1 (page + 1 read)
+  if (chunk < kLabPages) {
+    std::printf("(work item 0 has %d pages: fewer than the %d the means take)\n", chunk,
+                kLabPages);
+  }
+  auto mean = [&](int warp, int to, int from, int next_page) {
+    double sum = 0.0;
+    for (int i = first; i < last; ++i) sum += tl[warp][i + next_page][to] - tl[warp][i][from];
+    return sum / (last - first);
+  };
+  for (int w = 0; w < msa::kWarps; ++w) {
+    std::printf("warp %d (cycles per page): copies' wait %.0f, barrier %.0f, issue %.0f, "
+                "offer %.0f, score %.0f, period %.0f\n",
+                w, mean(w, 1, 0, 0), mean(w, 2, 1, 0), mean(w, 3, 2, 0), mean(w, 4, 3, 0),
+                mean(w, 5, 4, 0), mean(w, 0, 0, 1));
+  }
+  // The barrier's exit spread: how far apart the warps leave it (all should be within a few
+  // cycles), and which warp arrives last (the one the others wait for).
+  double last_arrival[msa::kWarps] = {};
+  for (int i = first; i < last; ++i) {
+    long long latest = 0;
+    int who = 0;
+    for (int w = 0; w < msa::kWarps; ++w) {
+      if (tl[w][i][1] > latest) {
+        latest = tl[w][i][1];
+        who = w;
+      }
+    }
+    last_arrival[who] += 1.0;
+  }
+  std::printf("last to reach the barrier (pages of %d):", last - first);
+  for (int w = 0; w < msa::kWarps; ++w) std::printf(" w%d %.0f", w, last_arrival[w]);
+  std::printf("\n");
+  return 0;
+}
