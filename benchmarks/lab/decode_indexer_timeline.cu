@@ -13,65 +13,13 @@
 // barrier, issuing the copies kStages - 1 pages ahead, the offer of the previous page's scores,
 // the scoring) over pages 8 .. 55 of work item 0.
 #include "../../csrc/decode_indexer.cu"
+#include "lab_common.cuh"
 
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
-
-namespace {
-
-#define CHECK(call)                                                                     \
-  do {                                                                                  \
-    cudaError_t err_ = (call);                                                          \
-    if (err_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call,                 \
-                   cudaGetErrorString(err_));                                           \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
-
-// Pseudo-random bytes from an integer hash: `kind` 0 any byte (E2M1 code pairs), 1 a finite e4m3
-// value in [-1, 1), 2 an E4M3 scale in [0.5, 2), 3 bf16 halves of values in [-1, 1).
-__global__ void fill_bytes(uint8_t* data, int64_t count, int kind, uint32_t seed) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    const float x = (static_cast<int>(h & 0xFFFF) - 32768) / 32768.f;
-    if (kind == 0) {
-      data[i] = static_cast<uint8_t>(h >> 8);
-    } else if (kind == 1) {
-      data[i] = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
-    } else if (kind == 2) {
-      data[i] = static_cast<uint8_t>(0x30 + (h >> 20) % 16);
-    } else if (i % 2 == 0) {
-      const __nv_bfloat16 b = __float2bfloat16(x);
-      std::memcpy(data + i, &b, 2);
-    }
-  }
-}
-
-template <typename T>
-T* device_copy(const std::vector<T>& host) {
-  T* ptr = nullptr;
-  CHECK(cudaMalloc(&ptr, host.size() * sizeof(T)));
-  CHECK(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return ptr;
-}
-
-template <typename T>
-T* device_zeros(int64_t count) {
-  T* ptr = nullptr;
-  CHECK(cudaMalloc(&ptr, count * sizeof(T)));
-  CHECK(cudaMemset(ptr, 0, count * sizeof(T)));
-  return ptr;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   const char* format = argc > 1 ? argv[1] : "e4m3";
@@ -89,25 +37,22 @@ int main(int argc, char** argv) {
 
   uint8_t *k = nullptr, *k_scale = nullptr, *q = nullptr;
   CHECK(cudaMalloc(&k, num_pages * page_bytes));
-  const int key_kind = k_format == 0 ? 3 : (k_format == 1 ? 1 : 0);
-  fill_bytes<<<1024, 256>>>(k, num_pages * page_bytes, key_kind, 1u);
+  const lab::Fill key_fill =
+      k_format == 0 ? lab::Fill::kBf16 : (k_format == 1 ? lab::Fill::kE4m3 : lab::Fill::kAnyByte);
+  lab::fill_bytes<<<1024, 256>>>(k, num_pages * page_bytes, key_fill, 1u);
   if (k_format == 2) {
     CHECK(cudaMalloc(&k_scale, num_pages * page * (dim / 16)));
-    fill_bytes<<<1024, 256>>>(k_scale, num_pages * page * (dim / 16), 2, 2u);
+    lab::fill_bytes<<<1024, 256>>>(k_scale, num_pages * page * (dim / 16), lab::Fill::kE4m3Scale,
+                                   2u);
   }
   const int rows = seqlen_q * heads;
   const int64_t q_bytes = static_cast<int64_t>(batch) * rows * dim * (k_format == 0 ? 2 : 1);
   CHECK(cudaMalloc(&q, q_bytes));
-  fill_bytes<<<256, 256>>>(q, q_bytes, k_format == 0 ? 3 : 1, 3u);
+  lab::fill_bytes<<<256, 256>>>(q, q_bytes, k_format == 0 ? lab::Fill::kBf16 : lab::Fill::kE4m3,
+                                3u);
   CHECK(cudaGetLastError());
 
-  std::vector<int32_t> table(num_pages);
-  for (int64_t i = 0; i < num_pages; ++i) table[i] = static_cast<int32_t>(i);
-  uint64_t state = 12345;
-  for (int64_t i = num_pages - 1; i > 0; --i) {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    std::swap(table[i], table[static_cast<int64_t>((state >> 33) % (i + 1))]);
-  }
+  const std::vector<int32_t> table = lab::shuffled_pages(num_pages);
   std::vector<int32_t> lengths(batch, keys);
 
   int device = 0, sms = 0;
@@ -117,12 +62,12 @@ int main(int argc, char** argv) {
   const int list_capacity = 16;
 
   msa::DecodeIndexerPlanArgs p{};
-  p.seqused_k = device_copy(lengths);
+  p.seqused_k = lab::device_copy(lengths);
   p.batch = batch;
   p.capacity = capacity;
-  p.work = device_zeros<int32_t>(2 * capacity);
-  p.requests = device_zeros<int32_t>(3 * batch);
-  p.chunk_pages = device_zeros<int32_t>(1);
+  p.work = lab::device_zeros<int32_t>(2 * capacity);
+  p.requests = lab::device_zeros<int32_t>(3 * batch);
+  p.chunk_pages = lab::device_zeros<int32_t>(1);
 
   msa::DecodeIndexerArgs a{};
   a.q = q;
@@ -132,7 +77,7 @@ int main(int argc, char** argv) {
   a.k_scale = k_scale;
   a.k_scale_linear = true;
   a.num_pages = num_pages;
-  a.page_table = device_copy(table);
+  a.page_table = lab::device_copy(table);
   a.page_table_width = pages_per_request;
   a.seqused_k = p.seqused_k;
   a.batch = batch;
@@ -145,24 +90,13 @@ int main(int argc, char** argv) {
   a.requests = p.requests;
   a.chunk_pages = p.chunk_pages;
   a.capacity = capacity;
-  a.partials = device_zeros<int32_t>(static_cast<int64_t>(capacity) * rows * list_capacity * 2);
+  a.partials =
+      lab::device_zeros<int32_t>(static_cast<int64_t>(capacity) * rows * list_capacity * 2);
   a.list_capacity = list_capacity;
-  a.out = device_zeros<int32_t>(static_cast<int64_t>(heads) * batch * seqlen_q * topk);
+  a.out = lab::device_zeros<int32_t>(static_cast<int64_t>(heads) * batch * seqlen_q * topk);
 
   CHECK(msa::launch_decode_indexer_plan(p, nullptr));
-  CHECK(msa::launch_decode_indexer_topk(a, nullptr));
-  CHECK(cudaDeviceSynchronize());
-  cudaEvent_t start, stop;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&stop));
-  const int iters = 10;
-  CHECK(cudaEventRecord(start));
-  for (int i = 0; i < iters; ++i) CHECK(msa::launch_decode_indexer_topk(a, nullptr));
-  CHECK(cudaEventRecord(stop));
-  CHECK(cudaEventSynchronize(stop));
-  float ms = 0.f;
-  CHECK(cudaEventElapsedTime(&ms, start, stop));
-  ms /= iters;
+  const float ms = lab::mean_ms([&] { return msa::launch_decode_indexer_topk(a, nullptr); });
   int chunk = 0;
   CHECK(cudaMemcpy(&chunk, p.chunk_pages, sizeof(int), cudaMemcpyDeviceToHost));
   const double bytes =

@@ -19,6 +19,7 @@
 // wgmma wait, softmax) and per stream the mean cycles of its empty wait and issue, over turns
 // 8 .. 63 (the ring is full by then).
 #include "../../csrc/decode_attention.cu"
+#include "lab_common.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -26,46 +27,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
-
-namespace {
-
-#define CHECK(call)                                                                     \
-  do {                                                                                  \
-    cudaError_t err_ = (call);                                                          \
-    if (err_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call,                 \
-                   cudaGetErrorString(err_));                                           \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
-
-// Small finite pseudo-random values (bf16 or e4m3 bit patterns) from an integer hash.
-__global__ void fill_values(uint8_t* data, int64_t count, bool fp8, uint32_t seed) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 15;
-    h *= 2246822519u;
-    h ^= h >> 13;
-    const float x = (static_cast<int>(h & 0xFFFF) - 32768) / 32768.f;   // [-1, 1)
-    if (fp8) {
-      data[i] = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
-    } else if (i % 2 == 0) {
-      const __nv_bfloat16 b = __float2bfloat16(x);
-      std::memcpy(data + i, &b, 2);
-    }
-  }
-}
-
-template <typename T>
-T* device_copy(const std::vector<T>& host) {
-  T* ptr = nullptr;
-  CHECK(cudaMalloc(&ptr, host.size() * sizeof(T)));
-  CHECK(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return ptr;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   const bool fp8 = argc > 1 && std::strcmp(argv[1], "e4m3") == 0;
@@ -96,19 +57,14 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&v, num_pages * page_bytes));
   const int64_t q_bytes = static_cast<int64_t>(batch) * seqlen_q * hq * dim * elem;
   CHECK(cudaMalloc(&q, q_bytes));
-  fill_values<<<1024, 256>>>(k, num_pages * page_bytes, fp8, 1u);
-  fill_values<<<1024, 256>>>(v, num_pages * page_bytes, fp8, 2u);
-  fill_values<<<256, 256>>>(q, q_bytes, fp8, 3u);
+  const lab::Fill fill = fp8 ? lab::Fill::kE4m3 : lab::Fill::kBf16;
+  lab::fill_bytes<<<1024, 256>>>(k, num_pages * page_bytes, fill, 1u);
+  lab::fill_bytes<<<1024, 256>>>(v, num_pages * page_bytes, fill, 2u);
+  lab::fill_bytes<<<256, 256>>>(q, q_bytes, fill, 3u);
   CHECK(cudaGetLastError());
 
   // Shuffled pages, one chunk and one qo tile per request.
-  std::vector<int32_t> table(num_pages);
-  for (int64_t i = 0; i < num_pages; ++i) table[i] = static_cast<int32_t>(i);
-  uint64_t state = 12345;
-  for (int64_t i = num_pages - 1; i > 0; --i) {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    std::swap(table[i], table[static_cast<int64_t>((state >> 33) % (i + 1))]);
-  }
+  const std::vector<int32_t> table = lab::shuffled_pages(num_pages);
   std::vector<int32_t> ones(batch, 1), zeros(batch, 0), indptr(batch + 1);
   std::vector<int32_t> requests(batch);
   for (int b = 0; b < batch; ++b) requests[b] = b;
@@ -119,20 +75,20 @@ int main(int argc, char** argv) {
   a.k = k;
   a.v = v;
   a.q_fp8 = a.kv_fp8 = fp8;
-  a.page_table = device_copy(table);
+  a.page_table = lab::device_copy(table);
   a.page_table_width = pages_per_request;
-  a.seqused_k = device_copy(lengths);
+  a.seqused_k = lab::device_copy(lengths);
   a.batch = batch;
   a.seqlen_q = seqlen_q;
   a.num_qo_heads = hq;
   a.num_kv_heads = hkv;
   a.num_pages = num_pages;
-  a.request_indices = device_copy(requests);
-  a.kv_tile_indices = device_copy(zeros);
-  a.qo_tile_indices = device_copy(zeros);
+  a.request_indices = lab::device_copy(requests);
+  a.kv_tile_indices = lab::device_copy(zeros);
+  a.qo_tile_indices = lab::device_copy(zeros);
   a.qo_tile_rows = 128;
-  a.num_splits = device_copy(ones);
-  a.merge_indptr = device_copy(indptr);
+  a.num_splits = lab::device_copy(ones);
+  a.merge_indptr = lab::device_copy(indptr);
   a.num_work = batch;
   a.kv_chunk_size = pages_per_request;
   a.split_kv = false;
@@ -152,19 +108,7 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&a.lse_partial, a.num_partial_slots * seqlen_q * hq * sizeof(float)));
   }
 
-  CHECK(msa::launch_decode_attention(a, nullptr));
-  CHECK(cudaDeviceSynchronize());
-  cudaEvent_t start, stop;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&stop));
-  const int iters = 10;
-  CHECK(cudaEventRecord(start));
-  for (int i = 0; i < iters; ++i) CHECK(msa::launch_decode_attention(a, nullptr));
-  CHECK(cudaEventRecord(stop));
-  CHECK(cudaEventSynchronize(stop));
-  float ms = 0.f;
-  CHECK(cudaEventElapsedTime(&ms, start, stop));
-  ms /= iters;
+  const float ms = lab::mean_ms([&] { return msa::launch_decode_attention(a, nullptr); });
   const double bytes = 2.0 * total_len * hkv * dim * elem;
 #ifdef MSA_LAB_NO_LOADS
   const char* mode = "no loads (pages zero-filled)";
