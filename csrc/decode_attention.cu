@@ -753,6 +753,21 @@ struct Partition {
   __device__ __forceinline__ int cta_of(int64_t g) const {
     return static_cast<int>(((g + 1) * ctas - 1) / total);
   }
+  // The pieces of a sequence of `pages` pages from page `start`: CTAs first .. last, and the
+  // partial slot of piece i (as the kernel's piece_slot writes it): 2 c for the piece that opens
+  // CTA c's range, 2 first + 1 for CTA first's when its range opens before the sequence.
+  struct Span {
+    int first, last;
+    bool opens_before;
+    __device__ __forceinline__ int pieces() const { return last - first + 1; }
+    __device__ __forceinline__ int64_t slot(int i) const {
+      return 2 * static_cast<int64_t>(first + i) + (i == 0 && opens_before ? 1 : 0);
+    }
+  };
+  __device__ __forceinline__ Span span(int64_t start, int64_t pages) const {
+    const int first = cta_of(start);
+    return Span{first, cta_of(start + pages - 1), cut(first) < start};
+  }
 };
 
 namespace wg {
@@ -1934,19 +1949,18 @@ __device__ __forceinline__ void merge_if_last(const DecodeAttentionArgs& a, cons
                                               int* last_flag) {
   const int64_t start = part.seqs_per_request * part.pages_before[piece.request] +
                         static_cast<int64_t>(piece.seq) * piece.pages;
-  const int first = part.cta_of(start), last = part.cta_of(start + piece.pages - 1);
+  const Partition::Span span = part.span(start, piece.pages);
   __threadfence();
   sm90::named_sync(kMergeCounted + consumer, 128);
   if (thread == 0) {
-    int* counter = a.merge_counters + 2 * static_cast<int64_t>(first) + consumer;
-    const bool is_last = atomicAdd(counter, 1) == last - first;
+    int* counter = a.merge_counters + 2 * static_cast<int64_t>(span.first) + consumer;
+    const bool is_last = atomicAdd(counter, 1) == span.pieces() - 1;
     if (is_last) *counter = 0;             // every piece has counted: nobody else touches it
     *last_flag = is_last;
   }
   sm90::named_sync(kMergeCounted + consumer, 128);
   if (!*last_flag) return;
   __threadfence();
-  const bool opens_before = part.cut(first) < start;
   const int group = a.num_qo_heads / a.num_kv_heads;
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
@@ -1956,10 +1970,8 @@ __device__ __forceinline__ void merge_if_last(const DecodeAttentionArgs& a, cons
     const int token = r / group;
     // A row's four lanes (lane % 4) take 32 of its dims each.
     merge_row<4, true, true>(a, static_cast<int64_t>(ctx.request) * a.seqlen_q + token, token,
-                             ctx.head * group + r % group, last - first + 1, [&](int i) {
-                               return 2 * static_cast<int64_t>(first + i) +
-                                      (i == 0 && opens_before ? 1 : 0);
-                             });
+                             ctx.head * group + r % group, span.pieces(),
+                             [&](int i) { return span.slot(i); });
   }
 }
 
@@ -2744,10 +2756,8 @@ __global__ void __launch_bounds__(kMergePersistentThreads)
   const int64_t cut = part.cut(boundary);
   int request, seq, pages;
   const int64_t start = part.locate(cut, request, seq, pages);
-  const int first = boundary - 1;
-  if (start == cut || part.cta_of(start) != first) return;
-  const int last = part.cta_of(start + pages - 1);
-  const bool opens_before = part.cut(first) < start;
+  if (start == cut || part.cta_of(start) != boundary - 1) return;
+  const Partition::Span span = part.span(start, pages);
   const int group = a.num_qo_heads / a.num_kv_heads;
   const int tile_begin = (seq % part.tiles) * a.qo_tile_rows;
   const int row = tile_begin + static_cast<int>(threadIdx.x / kMergePersistentThreadsPerRow);
@@ -2755,9 +2765,7 @@ __global__ void __launch_bounds__(kMergePersistentThreads)
   const int token = row / group;
   merge_row<kMergePersistentThreadsPerRow, true>(
       a, static_cast<int64_t>(request) * a.seqlen_q + token, token,
-      seq / part.tiles * group + row % group, last - first + 1, [&](int i) {
-        return 2 * static_cast<int64_t>(first + i) + (i == 0 && opens_before ? 1 : 0);
-      });
+      seq / part.tiles * group + row % group, span.pieces(), [&](int i) { return span.slot(i); });
 }
 
 }  // namespace
