@@ -53,9 +53,9 @@ PINGPONG_MIN_ROWS = 65
 # Its persistent form (dense calls of a plan with schedule.persistent_ctas: one CTA per SM over
 # equal page shares of all (request, KV head) sequences, cut on the device from the live
 # lengths), per dtype; a dtype left out runs the plan's work items on the ping-pong form. It
-# beat the plan's work items where the plan takes it (schedules.decode.persistent_pays): MTP 8,
-# 10k-200k tokens, B 8-128, 1.04-1.21x (bench_decode_production, --attention-forms
-# pingpong,persistent). Validated on the H200: tests/test_decode_gpu.py and memcheck.
+# beats the plan's work items where the plan takes it (schedules.decode.persistent_pays: a CTA
+# streams >= 64 pages): MTP 8, 1.04-1.27x (bench_decode_production --attention-forms
+# pingpong,persistent, e319220). Validated on the H200: tests/test_decode_gpu.py and memcheck.
 VALIDATED_PERSISTENT = frozenset({"bf16", "e4m3"})
 # Its fused merge (the last piece of each cut sequence to finish merges it from the pieces'
 # partials, counting pieces in per-call zeroed counters; no merge launch after the kernel), per
