@@ -203,10 +203,9 @@ class Impl:
         slot = Slot(self.lens, args, device, self.kv_dtype, self.index_format)
         if self.kind == "dense":
             schedules = import_module(f"{self.msa.__name__}.schedules.decode")
-            rows = min(self.qo_tile_rows or schedules.QO_TILE_ROWS,
-                       args.seqlen_q * args.hq // args.hkv)
-            can_persist = (rows >= schedules.PERSISTENT_MIN_ROWS
-                           and len(self.lens) <= schedules.PERSISTENT_MAX_REQUESTS)
+            can_persist = schedules.persistent_can_run(
+                len(self.lens), args.seqlen_q, args.hq // args.hkv,
+                self.qo_tile_rows or schedules.QO_TILE_ROWS)
             slot.wrapper = self.msa.SparseDecodePagedAttentionWrapper().plan(
                 page_table=slot.page_table, seqused_k=slot.seqused_k, seqlen_q=args.seqlen_q,
                 max_seqlen_k=max(self.lens), num_qo_heads=args.hq, num_kv_heads=args.hkv,

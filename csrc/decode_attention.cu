@@ -745,9 +745,13 @@ struct Partition {
     }
     request = lo;
     pages = static_cast<int>(pages_before[lo + 1] - pages_before[lo]);
-    const int64_t base = seqs_per_request * pages_before[lo];
+    const int64_t base = first_page(lo, 0, pages);
     seq = static_cast<int>((g - base) / pages);
     return base + static_cast<int64_t>(seq) * pages;
+  }
+  // The first page of sequence `seq` of request `request` (its sequences have `pages` pages).
+  __device__ __forceinline__ int64_t first_page(int request, int seq, int pages) const {
+    return seqs_per_request * pages_before[request] + static_cast<int64_t>(seq) * pages;
   }
   // The CTA whose range holds page g: the last c with cut(c) <= g.
   __device__ __forceinline__ int cta_of(int64_t g) const {
@@ -1947,9 +1951,8 @@ __device__ __forceinline__ void merge_if_last(const DecodeAttentionArgs& a, cons
                                               const Cursor& piece, const CtaContext& ctx,
                                               const TileView& tile, int consumer, int thread,
                                               int* last_flag) {
-  const int64_t start = part.seqs_per_request * part.pages_before[piece.request] +
-                        static_cast<int64_t>(piece.seq) * piece.pages;
-  const Partition::Span span = part.span(start, piece.pages);
+  const Partition::Span span =
+      part.span(part.first_page(piece.request, piece.seq, piece.pages), piece.pages);
   __threadfence();
   sm90::named_sync(kMergeCounted + consumer, 128);
   if (thread == 0) {

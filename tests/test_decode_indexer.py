@@ -285,7 +285,8 @@ def test_step_wrapper_is_indexer_then_sparse_attention(seed, fmt):
     step = msa.MSADecodeStepWrapper().plan(
         page_table=inputs["page_table"], seqused_k=inputs["seqused_k"], seqlen_q=seqlen_q,
         max_seqlen_k=1000, num_qo_heads=hkv * group, num_kv_heads=hkv, topk=topk)
-    out = step.update().run(q, k, v, inputs["q_idx"], inputs["k_idx"])
+    out, lse = step.update().run(q, k, v, inputs["q_idx"], inputs["k_idx"],
+                                 return_softmax_lse=True)
     selection = oracle(inputs, keys, seqlen_q, topk)[0]
     assert torch.equal(step.q2k_indices, selection)
     attention = msa.SparseDecodePagedAttentionWrapper().plan(
@@ -313,7 +314,8 @@ def test_step_wrapper_selects_every_block_of_short_requests(seed, fmt):
     step = msa.MSADecodeStepWrapper().plan(**plan, max_seqlen_k=topk * P)
     assert step.selects_every_block
     step.q2k_indices.fill_(7)                       # poisoned: every slot must be written
-    out = step.update().run(q, k, v, inputs["q_idx"], inputs["k_idx"])
+    out, lse = step.update().run(q, k, v, inputs["q_idx"], inputs["k_idx"],
+                                 return_softmax_lse=True)
     selection = oracle(inputs, keys, seqlen_q, topk)[0]
     for h in range(hkv):
         for row in range(len(lens) * seqlen_q):
@@ -327,7 +329,6 @@ def test_step_wrapper_selects_every_block_of_short_requests(seed, fmt):
         max_seqlen_k=topk * P, num_qo_heads=hkv * group, num_kv_heads=hkv,
         enable_cuda_graph=True)
     torch.testing.assert_close(out, dense.run(q, k, v), rtol=0, atol=0)
-    _, lse = step.run(q, k, v, inputs["q_idx"], inputs["k_idx"], return_softmax_lse=True)
     ref_out, ref_lse = attention_oracle(q, k, v, inputs["page_table"], inputs["seqused_k"],
                                         seqlen_q, selection)
     check_against_oracle(out, lse, ref_out, ref_lse, fp8_pv=q.dtype == torch.float8_e4m3fn)

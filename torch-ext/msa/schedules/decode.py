@@ -85,6 +85,17 @@ PERSISTENT_MAX_REQUESTS = 1024
 PERSISTENT_MIN_PAGES_PER_CTA = 64
 
 
+def persistent_can_run(batch: int, seqlen_q: int, group: int, qo_tile_rows: int, *,
+                       sparse_topk: Optional[int] = None,
+                       fixed_split_size: Optional[int] = None,
+                       disable_split_kv: bool = False) -> bool:
+    """Whether a plan of these arguments can carry the persistent form (dense, no forced or
+    disabled split, tiles of more than 64 rows, at most PERSISTENT_MAX_REQUESTS requests)."""
+    return (sparse_topk is None and not disable_split_kv and fixed_split_size is None
+            and batch <= PERSISTENT_MAX_REQUESTS
+            and min(qo_tile_rows, seqlen_q * group) >= PERSISTENT_MIN_ROWS)
+
+
 def persistent_pays(total_pages: int, ctas: int) -> bool:
     """Whether the persistent form beats the chunked plan for `total_pages` pages over all
     (request, KV head, qo tile) sequences (as the plan sees the lengths: max_seqlen_k for a
@@ -318,9 +329,9 @@ def build_decode_schedule(seqused_k: torch.Tensor, page_size: int, seqlen_q: int
     if not split_kv:
         chunk = longest  # one chunk per request: the last (only) chunk runs to the end anyway
 
-    eligible = (sparse_topk is None and not disable_split_kv and fixed_split_size is None
-                and batch <= PERSISTENT_MAX_REQUESTS
-                and min(qo_tile_rows, seqlen_q * group) >= PERSISTENT_MIN_ROWS)
+    eligible = persistent_can_run(batch, seqlen_q, group, qo_tile_rows,
+                                  sparse_topk=sparse_topk, fixed_split_size=fixed_split_size,
+                                  disable_split_kv=disable_split_kv)
     if persistent and not eligible:
         raise ValueError(
             "persistent: the persistent form serves dense plans (no sparse_topk, "
