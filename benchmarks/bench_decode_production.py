@@ -69,12 +69,10 @@ ATTENTION_FORMS = {"served": {}, "rows": dict(decode_warpgroup=False),
                    "pingpong": dict(decode_warpgroup=True, decode_pingpong=True,
                                     decode_persistent=False),
                    "persistent": dict(decode_warpgroup=True, decode_pingpong=True,
-                                      decode_persistent=True, decode_fused_merge=False),
-                   "persistent-fused": dict(decode_warpgroup=True, decode_pingpong=True,
-                                            decode_persistent=True, decode_fused_merge=True)}
+                                      decode_persistent=True)}
 # The dense plans of the forced forms: persistent plans the persistent form wherever the call can
 # take it (not only where schedules.decode.persistent_pays), pingpong never.
-PLAN_PERSISTENT = {"persistent": True, "persistent-fused": True, "pingpong": False}
+PLAN_PERSISTENT = {"persistent": True, "pingpong": False}
 WARMUP_REPLAYS = 5
 GRAPH_TARGET_US = 2000.0
 MAX_CALLS = 120
@@ -370,8 +368,7 @@ def main(argv=None):
                          "(comma-separated): served (what the gates serve), rows, warpgroup "
                          "(two-stage), pingpong (producer + two consumer warpgroups, the "
                          "plan's work items), persistent (its persistent form, planned "
-                         "wherever it can run), persistent-fused (the same with its cut "
-                         "sequences merged in the kernel); "
+                         "wherever it can run); "
                          "a forced form's rows name it in impl, e.g. dense-bf16[rows]")
     ap.add_argument("--qo-tile-rows", default="auto",
                     help="query rows per attention CTA, each timed in turn (comma-separated): "

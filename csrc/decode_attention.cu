@@ -634,27 +634,18 @@ __device__ long long lab_timeline[4][kLabTurns][kLabMarks];
 // kThreadsPerRow threads: each its 128 / kThreadsPerRow dims of O, the first one the LSE.
 // kUnrolled unrolls the loops over the partials (the persistent merge, as timed); the split-KV
 // merge keeps the compiler's choice: with the unrolling its B 1-4 calls of many partials ran
-// 1.5-7 us slower (bench_decode_production low-latency suite, a387645). kFromL2 reads the
-// partials through L2 only (ld.global.cg): the fused merge reads, within the kernel that wrote
-// them, partials of other SMs.
-template <int kThreadsPerRow, bool kUnrolled, bool kFromL2 = false, typename SlotOf>
+// 1.5-7 us slower (bench_decode_production low-latency suite, a387645).
+template <int kThreadsPerRow, bool kUnrolled, typename SlotOf>
 __device__ __forceinline__ void merge_row(const DecodeAttentionArgs& a, int64_t q_row, int token,
                                           int qo_head, int count, SlotOf slot_of) {
   constexpr int kDims = kHeadDim / kThreadsPerRow;
   static_assert(kDims % 4 == 0, "whole float4s of O per thread");
   const int part = static_cast<int>(threadIdx.x % kThreadsPerRow);
   auto lse_index = [&](int64_t p) { return (p * a.seqlen_q + token) * a.num_qo_heads + qo_head; };
-  auto load_lse = [&](int64_t p) {
-    if constexpr (kFromL2) {
-      return __ldcg(a.lse_partial + lse_index(p));
-    } else {
-      return a.lse_partial[lse_index(p)];
-    }
-  };
   float max_lse = -INFINITY;
   bool nan_partial = false;
   auto take_lse = [&](int i) {
-    const float lse = load_lse(slot_of(i));
+    const float lse = a.lse_partial[lse_index(slot_of(i))];
     max_lse = fmaxf(max_lse, lse);
     nan_partial |= isnan(lse);
   };
@@ -672,14 +663,14 @@ __device__ __forceinline__ void merge_row(const DecodeAttentionArgs& a, int64_t 
   float weight_sum = 0.f;
   auto add_partial = [&](int i) {
     const int64_t p = slot_of(i);
-    const float lse = load_lse(p);
+    const float lse = a.lse_partial[lse_index(p)];
     if (lse == -INFINITY) return;
     const float w = __expf(lse - max_lse);
     const float4* o = reinterpret_cast<const float4*>(a.o_partial + lse_index(p) * kHeadDim +
                                                       part * kDims);
 #pragma unroll
     for (int v = 0; v < kDims / 4; ++v) {
-      const float4 x = kFromL2 ? __ldcg(o + v) : o[v];
+      const float4 x = o[v];
       acc[4 * v] += w * x.x;
       acc[4 * v + 1] += w * x.y;
       acc[4 * v + 2] += w * x.z;
@@ -1938,46 +1929,6 @@ __device__ __forceinline__ int64_t piece_slot(const Cursor& start, int pages, in
   return 2 * static_cast<int64_t>(blockIdx.x) + (turn > 0 ? 1 : 0);
 }
 
-// The fused merge (a.fused_merge, instead of decode_merge_persistent_kernel): after a consumer
-// wrote its rows of a cut sequence's piece as a partial, it counts the piece in (a counter per
-// sequence and consumer: [the sequence's first CTA][consumer], zero before the call), and the
-// consumer that counts the last piece merges the sequence's rows of its half of the tile from
-// every piece's partial, then zeroes the counter for the next call. Each piece's stores are
-// fenced before its count (named barrier kMergeCounted + consumer), so the last one reads them
-// all, through L2. `last_flag`: one int of shared memory per consumer.
-constexpr int kMergeCounted = 6;     // named barriers 6, 7 (1-5: turns, Q loads)
-
-__device__ __forceinline__ void merge_if_last(const DecodeAttentionArgs& a, const Partition& part,
-                                              const Cursor& piece, const CtaContext& ctx,
-                                              const TileView& tile, int consumer, int thread,
-                                              int* last_flag) {
-  const Partition::Span span =
-      part.span(part.first_page(piece.request, piece.seq, piece.pages), piece.pages);
-  __threadfence();
-  sm90::named_sync(kMergeCounted + consumer, 128);
-  if (thread == 0) {
-    int* counter = a.merge_counters + 2 * static_cast<int64_t>(span.first) + consumer;
-    const bool is_last = atomicAdd(counter, 1) == span.pieces() - 1;
-    if (is_last) *counter = 0;             // every piece has counted: nobody else touches it
-    *last_flag = is_last;
-  }
-  sm90::named_sync(kMergeCounted + consumer, 128);
-  if (!*last_flag) return;
-  __threadfence();
-  const int group = a.num_qo_heads / a.num_kv_heads;
-#pragma unroll
-  for (int i2 = 0; i2 < 2; ++i2) {
-    const int r_tile = tile.row(consumer * kWarpgroupRows, i2);
-    if (r_tile >= tile.tile_rows) continue;
-    const int r = ctx.first_row + r_tile;
-    const int token = r / group;
-    // A row's four lanes (lane % 4) take 32 of its dims each.
-    merge_row<4, true, true>(a, static_cast<int64_t>(ctx.request) * a.seqlen_q + token, token,
-                             ctx.head * group + r % group, span.pieces(),
-                             [&](int i) { return span.slot(i); });
-  }
-}
-
 // One consumer's Q rows of a tile (rows 64 consumer .. + 63, zero past tile_rows) into its block
 // of a Q slot as the Q K^T wgmma reads it (bf16: 16-bit swizzled rows of two column blocks;
 // e4m3: raw 128-byte swizzled rows), by its 128 threads with cp.async, as one committed group
@@ -2008,9 +1959,7 @@ __device__ __forceinline__ void load_own_queries_async(const DecodeAttentionArgs
   cp_async_commit();
 }
 
-// kFusedMerge: the last piece of each cut sequence merges it (merge_if_last; a.fused_merge),
-// a form of its own so that the form with the merge launch keeps its registers (no spills).
-template <bool kFp8, bool kFusedMerge = false>
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_kernel(
     const DecodeAttentionArgs a) {
   using L = Layout<kFp8, true>;
@@ -2027,10 +1976,6 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
   auto v_tile = [&](int st) { return smem + L::kVOffset + st * S::kWideBytes; };
   int64_t* pages_before = reinterpret_cast<int64_t*>(smem + L::kListOffset);
   int* lengths = reinterpret_cast<int*>(pages_before + kDecodePersistentMaxRequests + 1);
-  // merge_if_last's flag per consumer, in the counts slot (the sparse page list's, unused here).
-  [[maybe_unused]] int* merge_flags =
-      reinterpret_cast<int*>(smem + L::kListOffset + L::kPartitionBytes);
-  static_assert(kCountsSlotBytes >= 2 * sizeof(int), "the fused merge's flags");
 
   if (threadIdx.x == 0) {
     for (int st = 0; st < kKStages; ++st) {
@@ -2196,13 +2141,8 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
       ++lab_turn;
     }
     if (group_active) {
-      const int64_t slot = piece_slot(piece_start, pages, piece_turn);
-      tile.finalize(a, ctx, slot, consumer * kWarpgroupRows, rows, scale_log2, o);
-      if constexpr (kFusedMerge) {
-        if (slot >= 0) {
-          merge_if_last(a, part, piece_start, ctx, tile, consumer, thread, merge_flags + consumer);
-        }
-      }
+      tile.finalize(a, ctx, piece_slot(piece_start, pages, piece_turn), consumer * kWarpgroupRows,
+                    rows, scale_log2, o);
     }
     if (last_piece) break;
     piece_start.next_sequence(part);
@@ -2233,7 +2173,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     const DecodeAttentionArgs) {
   __trap();
 }
-template <bool kFp8, bool kFusedMerge = false>
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_kernel(
     const DecodeAttentionArgs) {
   __trap();
@@ -2817,15 +2757,9 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
       using wg::pingpong::decode_attention_persistent_kernel;
       using wg::pingpong::Layout;
       constexpr int kThreadsPP = wg::pingpong::kThreadsPP;
-      if (args.q_fp8 && args.fused_merge) {
-        MSA_RETURN_IF_ERROR(launch(decode_attention_persistent_kernel<true, true>,
-                                   Layout<true, true>::kAlloc, kThreadsPP));
-      } else if (args.q_fp8) {
+      if (args.q_fp8) {
         MSA_RETURN_IF_ERROR(launch(decode_attention_persistent_kernel<true>,
                                    Layout<true, true>::kAlloc, kThreadsPP));
-      } else if (args.fused_merge) {
-        MSA_RETURN_IF_ERROR(launch(decode_attention_persistent_kernel<false, true>,
-                                   Layout<false, true>::kAlloc, kThreadsPP));
       } else {
         MSA_RETURN_IF_ERROR(launch(decode_attention_persistent_kernel<false>,
                                    Layout<false, true>::kAlloc, kThreadsPP));
@@ -2850,7 +2784,7 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   }
   MSA_RETURN_IF_ERROR(cudaGetLastError());
   const int64_t items = static_cast<int64_t>(args.batch) * args.seqlen_q * args.num_qo_heads;
-  if (args.persistent && !args.fused_merge) {
+  if (args.persistent) {
     decode_merge_persistent_kernel<<<static_cast<unsigned>(args.num_work),
                                      kMergePersistentThreads, 0, stream>>>(args);
     MSA_RETURN_IF_ERROR(cudaGetLastError());

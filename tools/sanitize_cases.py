@@ -237,20 +237,18 @@ def decode_runs(family="sm90"):
                 decode_run([70001, 3, 129], 8, 16, dtypes, False, **f)
                 decode_run([1000, 500], 8, 4, dtypes, True, bad=True, enable_cuda_graph=True,
                            **f)
-        # Its persistent form (dense, > 64 rows), with the merge launched after it and fused
-        # into it: ragged and empty requests, a request cut by many CTAs, two qo tiles, 80-row
-        # tiles, out-of-range ids and a length past the table.
-        for fused in (False, True):
-            with debug.forcing(decode_warpgroup=True, decode_pingpong=True,
-                               decode_persistent=True, decode_fused_merge=fused):
-                for dtypes in ("bf16", "fp8"):
-                    decode_run([70001, 0, 3, 129, 5000], 8, 16, dtypes, False, persistent=True,
-                               **f)
-                    decode_run([9000, 0, 640], 16, 16, dtypes, False, enable_cuda_graph=True,
-                               persistent=True, **f)
-                    decode_run([3000, 17], 5, 16, dtypes, False, persistent=True, **f)
-                    decode_run([1000, 500], 8, 16, dtypes, False, bad=True,
-                               enable_cuda_graph=True, persistent=True, **f)
+        # Its persistent form (dense, > 64 rows) and the merge launched after it: ragged and
+        # empty requests, a request cut by many CTAs, two qo tiles, 80-row tiles, out-of-range
+        # ids and a length past the table.
+        with debug.forcing(decode_warpgroup=True, decode_pingpong=True,
+                           decode_persistent=True):
+            for dtypes in ("bf16", "fp8"):
+                decode_run([70001, 0, 3, 129, 5000], 8, 16, dtypes, False, persistent=True, **f)
+                decode_run([9000, 0, 640], 16, 16, dtypes, False, enable_cuda_graph=True,
+                           persistent=True, **f)
+                decode_run([3000, 17], 5, 16, dtypes, False, persistent=True, **f)
+                decode_run([1000, 500], 8, 16, dtypes, False, bad=True, enable_cuda_graph=True,
+                           persistent=True, **f)
     print(f"decode [{family}]: ok")
 
 

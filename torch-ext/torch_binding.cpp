@@ -567,8 +567,7 @@ void sparse_decode_attention(
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
     bool direct_fp8, bool warpgroup, bool pingpong, int64_t qo_tile_rows,
-    const std::optional<torch::Tensor>& request_pages, int64_t persistent_ctas,
-    bool fused_merge) {
+    const std::optional<torch::Tensor>& request_pages, int64_t persistent_ctas) {
   TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
@@ -664,19 +663,13 @@ void sparse_decode_attention(
                  batch <= msa::kDecodePersistentMaxRequests && persistent_ctas <= 65536 &&
                  batch * hkv * tiles * page_table.size(1) <= INT_MAX;
   if (a.persistent) {
-    // With the fused merge, request_pages also holds the merge's counters (two int32 per CTA,
-    // zero before the call: the caller's zeros, or the last call's, which leaves them zero).
-    const int64_t expected = batch + 1 + (fused_merge ? persistent_ctas : 0);
     check_cuda_tensor(*request_pages, "request_pages", at::kLong, 1, device);
-    TORCH_CHECK(request_pages->numel() == expected, "request_pages: expected [", expected,
-                "]", fused_merge ? " (the fused merge's counters after the table)" : "",
-                ", got ", request_pages->sizes());
+    TORCH_CHECK(request_pages->numel() == batch + 1, "request_pages: expected [", batch + 1,
+                "], got ", request_pages->sizes());
     TORCH_CHECK(o_partial.has_value() && lse_partial.has_value(),
                 "o_partial / lse_partial: the persistent form needs both workspaces");
     a.request_pages = request_pages->data_ptr<int64_t>();
     a.num_work = static_cast<int>(persistent_ctas);
-    a.fused_merge = fused_merge;
-    if (fused_merge) a.merge_counters = reinterpret_cast<int32_t*>(a.request_pages + batch + 1);
   }
   if (split_kv || a.persistent) {
     TORCH_CHECK(o_partial.has_value() && lse_partial.has_value(),
@@ -921,8 +914,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor(b!)? lse_partial, Tensor(c!) out, Tensor(d!)? lse, int seqlen_q, "
       "int kv_chunk_size, bool split_kv, float softmax_scale, bool split_keys=False, "
       "bool direct_fp8=False, bool warpgroup=False, bool pingpong=False, "
-      "int qo_tile_rows=128, Tensor(e!)? request_pages=None, int persistent_ctas=0, "
-      "bool fused_merge=False) -> ()");
+      "int qo_tile_rows=128, Tensor(e!)? request_pages=None, int persistent_ctas=0) -> ()");
   ops.impl("sparse_decode_attention", torch::kCUDA, &sparse_decode_attention);
   ops.def(
       "sparse_prefill_portable(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "

@@ -122,11 +122,6 @@ struct DecodeAttentionArgs {
   // sequence's pages (the merge reads it).
   bool persistent;
   int64_t* request_pages;
-  // With persistent: the last piece of each cut sequence to finish merges it (no merge
-  // launch), counting pieces in merge_counters [2 * num_work] (zero before the call; left
-  // zero after it).
-  bool fused_merge;
-  int32_t* merge_counters;
 };
 
 // Requests the persistent decode form plans for at most (its request table is in shared memory).
@@ -402,8 +397,7 @@ void sparse_decode_attention(
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
     bool direct_fp8, bool warpgroup, bool pingpong, int64_t qo_tile_rows,
-    const std::optional<torch::Tensor>& request_pages, int64_t persistent_ctas,
-    bool fused_merge);
+    const std::optional<torch::Tensor>& request_pages, int64_t persistent_ctas);
 
 std::tuple<int64_t, int64_t, std::string> csrc_image(const std::string& unit, int64_t device);
 #endif

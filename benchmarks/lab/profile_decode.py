@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/_common.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import forcing, load_msa, random_fill  # noqa: E402
+from _common import load_msa, random_fill  # noqa: E402
 from mtp_decode_via_fmha import D, Slot, lengths  # noqa: E402
 
 
@@ -46,9 +46,6 @@ def main(argv=None):
     ap.add_argument("--persistent", choices=("plan", "on", "off"), default="plan",
                     help="--op attention: the dense plan's persistent form as the plan "
                          "chooses, forced on, or off")
-    ap.add_argument("--fused-merge", action="store_true",
-                    help="--op attention: the persistent form merges its cut sequences in the "
-                         "kernel (the decode_fused_merge hook) instead of a merge launch")
     ap.add_argument("--kernels", action="store_true",
                     help="print each kernel's mean device time (torch.profiler)")
     args = ap.parse_args(argv)
@@ -63,8 +60,7 @@ def main(argv=None):
         page_table=slot.page_table, seqused_k=slot.seqused_k, seqlen_q=args.seqlen_q,
         max_seqlen_k=max(lens), num_qo_heads=args.hq, num_kv_heads=args.hkv,
         persistent={"plan": None, "on": True, "off": False}[args.persistent])
-    with forcing(msa, decode_fused_merge=True if args.fused_merge else "served"):
-        ms = time_calls(lambda: wrapper.run(slot.q, slot.k, slot.v, out=slot.out), args)
+    ms = time_calls(lambda: wrapper.run(slot.q, slot.k, slot.v, out=slot.out), args)
     print(f"profile_decode: {args.dtype} B={args.batch} kv~{args.kv} seqlen_q={args.seqlen_q} "
           f"heads={args.hq}x{args.hkv}: {ms:.3f} ms per call, "
           f"{slot.kv_bytes / ms / 1e9:.2f} TB/s over K/V")

@@ -21,8 +21,6 @@ Hooks (``forcing`` keywords):
                      form (producer + two consumer warpgroups); False: they never do
   decode_persistent  True: ping-pong calls whose plan has the persistent form take it (dense
                      calls, schedule.persistent_ctas); False: they run the plan's work items
-  decode_fused_merge True: persistent-form calls merge their cut sequences in the kernel (the
-                     last piece to finish merges); False: in the merge kernel launched after it
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ import contextlib
 from typing import Dict, Iterator, Optional
 
 HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "decode_split_keys", "decode_direct_fp8",
-         "decode_warpgroup", "decode_pingpong", "decode_persistent", "decode_fused_merge")
+         "decode_warpgroup", "decode_pingpong", "decode_persistent")
 
 _forced: Dict[str, object] = {}
 _poison = [False]

@@ -57,12 +57,6 @@ PINGPONG_MIN_ROWS = 65
 # streams >= 64 pages): MTP 8, 1.04-1.27x (bench_decode_production --attention-forms
 # pingpong,persistent, e319220). Validated on the H200: tests/test_decode_gpu.py and memcheck.
 VALIDATED_PERSISTENT = frozenset({"bf16", "e4m3"})
-# Its fused merge (the last piece of each cut sequence to finish merges it from the pieces'
-# partials, counting pieces in per-call zeroed counters; no merge launch after the kernel), per
-# dtype. Not yet run on the H200: no dtype is served until tests/test_decode_gpu.py and memcheck
-# pass and bench_decode_production.py --attention-forms persistent,persistent-fused shows it
-# paying; the decode_fused_merge hook (or MSA_UNVALIDATED_KERNELS=1) runs it.
-VALIDATED_FUSED_MERGE = frozenset()
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
@@ -79,14 +73,13 @@ def supports(*, seqlen_q=1, qhead_per_kv=1, topk=None, **_features) -> Optional[
     return None
 
 
-_last_launch = {"warpgroup": False, "pingpong": False, "persistent": False,
-                "fused_merge": False}
+_last_launch = {"warpgroup": False, "pingpong": False, "persistent": False}
 
 
 def last_launch() -> dict:
     """The forms the last launch asked for: {"warpgroup": bool, "pingpong": bool,
-    "persistent": bool, "fused_merge": bool} (the binding applies them only to q and K/V of one
-    dtype, the persistent form within its bounds). Tests read it to know which form ran."""
+    "persistent": bool} (the binding applies them only to q and K/V of one dtype, the persistent
+    form within its bounds). Tests read it to know which form ran."""
     return dict(_last_launch)
 
 
@@ -113,37 +106,18 @@ def _launch(call, warpgroup: bool, pingpong: bool) -> None:
         raise ValueError("schedule: the native decode kernel needs a DecodeSchedule")
     split = bool(s.split_kv)
     persistent = pingpong and _persistent(call)
-    fused_merge = persistent and _fused_merge(call)
-    # The persistent form's request table (written by the attention pass, read by its merge);
-    # with the fused merge, its counters after it (two int32 per CTA, zero before the call).
-    if not persistent:
-        request_pages = None
-    elif fused_merge:
-        request_pages = torch.zeros(s.batch_size + 1 + int(s.persistent_ctas), dtype=torch.int64,
-                                    device=call.q.device)
-    else:
-        request_pages = torch.empty(s.batch_size + 1, dtype=torch.int64, device=call.q.device)
+    # The persistent form's request table (written by the attention pass, read by its merge).
+    request_pages = (torch.empty(s.batch_size + 1, dtype=torch.int64, device=call.q.device)
+                     if persistent else None)
     workspaces = split or persistent
-    _last_launch.update(warpgroup=warpgroup, pingpong=pingpong, persistent=persistent,
-                        fused_merge=fused_merge)
+    _last_launch.update(warpgroup=warpgroup, pingpong=pingpong, persistent=persistent)
     ops.sparse_decode_attention(
         call.q, call.k, call.v, call.q2k_indices, call.page_table, call.seqused_k,
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
         call.o_partial if workspaces else None, call.lse_partial if workspaces else None,
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
         float(call.softmax_scale), _split_keys(), _direct_fp8(), warpgroup, pingpong,
-        int(s.qo_tile_rows), request_pages, int(s.persistent_ctas) if persistent else 0,
-        fused_merge)
-
-
-def _fused_merge(call) -> bool:
-    """Whether a persistent-form call merges its cut sequences in the kernel: validated for the
-    call's dtype (or with MSA_UNVALIDATED_KERNELS=1); the decode_fused_merge hook forces it
-    (True) or the merge launch (False)."""
-    forced = debug.forced("decode_fused_merge")
-    if forced is not None:
-        return bool(forced)
-    return _form_dtype(call) in VALIDATED_FUSED_MERGE or _backend.unvalidated_ok()
+        int(s.qo_tile_rows), request_pages, int(s.persistent_ctas) if persistent else 0)
 
 
 def _split_keys() -> bool:
