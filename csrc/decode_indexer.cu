@@ -20,8 +20,9 @@
 // 32t + 4kd + {0..3}) so a thread reads one contiguous span of its key row. e4m3 widens to f16
 // exactly; an NVFP4 code becomes f16 bits (sign << 15 | code << 9 = value * 2^-14, exact) times
 // its E4M3 block scale (an exact f16 product), and the 2^14 returns in the fp32 score factor.
-// Per page: the row maxima over the warps' keys meet in shared memory, and thread r (< rows)
-// offers its row's page score to a sorted candidate list held in registers.
+// Per page: the row maxima over the warps' keys meet in shared memory, and each row's page score
+// is offered to its sorted candidate list, held in registers: by the row's thread (ThreadLists,
+// rows > 16) or across a segment of KCAP lanes (LaneLists, rows <= 16).
 //
 // Merge: each CTA writes its rows' lists to the plan's workspace, then counts itself in on the
 // request's arrival counter; the last CTA of the request merges the n_b lists per row (a warp per
@@ -33,6 +34,7 @@
 #include <cfloat>
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
 #include "sm80_primitives.cuh"
@@ -59,14 +61,17 @@ enum KFormat : int { kBf16 = 0, kE4m3 = 1, kNvfp4 = 2 };
 
 // Lab hooks (benchmarks/lab/decode_indexer_timeline.cu builds this file with them; they compile
 // to nothing otherwise): MSA_LAB_TIMELINE records clock64 stamps of work item 0's first
-// kLabPages pages per warp; MSA_LAB_NO_LOADS issues no copies (the stages keep whatever they
-// hold: the loop without DRAM).
+// kLabPages pages per warp, each after a shared-memory fence (a deferred-blocking barrier lets a
+// warp issue past BAR.SYNC until its first memory instruction: unfenced, the barrier's wait
+// shows up in the next phase); MSA_LAB_NO_LOADS issues no copies (the stages keep whatever they
+// hold: the loop without DRAM); MSA_LAB_NO_OFFERS skips the offers (the loop without the lists).
 #ifdef MSA_LAB_TIMELINE
 constexpr int kLabPages = 64, kLabMarks = 6;
 __device__ long long lab_timeline[kWarps][kLabPages][kLabMarks];
 #define MSA_LAB_MARK(page, mark)                                                          \
   do {                                                                                    \
     if (blockIdx.x == 0 && (threadIdx.x & 31) == 0 && (page) < kLabPages) {              \
+      __threadfence_block();                                                              \
       lab_timeline[threadIdx.x >> 5][page][mark] = clock64();                             \
     }                                                                                     \
   } while (0)
@@ -356,6 +361,87 @@ __device__ __forceinline__ int table_entry(const DecodeIndexerArgs& a, int b, in
   return __ldg(a.page_table + static_cast<int64_t>(b) * a.page_table_width + page);
 }
 
+// The chunk's candidate lists, one per row, sorted as TopList (larger score first, lower id on
+// ties, empty (-inf, -1) last), in one of two layouts with the same interface: round k of the
+// calling thread holds row row(k) (round_empty: no row of round k in this warp, uniform over
+// it); offer(k, x, xi) offers (x, xi) to that row (x = -inf offers nothing; every thread of the
+// CTA calls it); store(k, dst) writes the row's list to dst[0 .. KCAP - 1].
+//
+// ThreadLists (rows > 16): thread r holds row r's list (TopList), so warp 0 offers up to 32 rows
+// at the cost of one KCAP-step insertion chain.
+template <int KCAP>
+struct ThreadLists {
+  static constexpr int kRounds = 1;
+  TopList<KCAP> list;
+
+  __device__ __forceinline__ static int row(int) { return threadIdx.x; }
+  __device__ __forceinline__ static bool round_empty(int, int rows) {
+    return (threadIdx.x & ~31) >= rows;
+  }
+  __device__ __forceinline__ static bool writes_scores() { return true; }
+  __device__ __forceinline__ void clear() { list.clear(); }
+  __device__ __forceinline__ void offer(int, float x, int xi) { list.offer(x, xi); }
+  __device__ __forceinline__ void store(int, int2* dst) const {
+#pragma unroll
+    for (int i = 0; i < KCAP; ++i) dst[i] = make_int2(__float_as_int(list.score[i]), list.id[i]);
+  }
+};
+
+// LaneLists (rows <= 16): row r's list lives in a segment of KCAP lanes (lane j of the segment
+// holds entry j), so a page's offers cost every warp a few shuffles per row instead of warp 0 a
+// KCAP-step insertion chain while the others wait for it at the next page's barrier (with 4
+// rows: 163 -> 149 us at B 32 / 128k, e4m3 keys; with 32 rows, two rounds of shuffles per warp
+// cost more than warp 0's one chain: 175 -> 199 us at MTP 8, B 32 / 100k). Round k of warp w
+// holds rows k kRowsPerRound + (lane / KCAP) kWarps + w.
+template <int MT, int KCAP>
+struct LaneLists {
+  static constexpr int kSegments = 32 / KCAP;                 // lists per warp and round
+  static constexpr int kRowsPerRound = kWarps * kSegments;
+  static constexpr int kRounds = (MT * 16 + kRowsPerRound - 1) / kRowsPerRound;
+  float score[kRounds];
+  int id[kRounds];
+
+  __device__ __forceinline__ static int row(int k) {
+    const int lane = threadIdx.x & 31;
+    return k * kRowsPerRound + (lane / KCAP) * kWarps + (threadIdx.x >> 5);
+  }
+  // Whether no row of round k is in this warp (uniform over the warp: its lowest row).
+  __device__ __forceinline__ static bool round_empty(int k, int rows) {
+    return k * kRowsPerRound + (threadIdx.x >> 5) >= rows;
+  }
+  __device__ __forceinline__ static bool writes_scores() { return threadIdx.x % KCAP == 0; }
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int k = 0; k < kRounds; ++k) {
+      score[k] = -INFINITY;
+      id[k] = -1;
+    }
+  }
+  // Offers (x, xi), the same on every lane of a segment, to the segment's round-k list (x = -inf
+  // offers nothing). Every lane of the warp takes part (shuffles over all 32 lanes).
+  __device__ __forceinline__ void offer(int k, float x, int xi) {
+    const int lane = threadIdx.x & 31, j = lane % KCAP;
+    const float last_score = __shfl_sync(0xFFFFFFFFu, score[k], KCAP - 1, KCAP);
+    const int last_id = __shfl_sync(0xFFFFFFFFu, id[k], KCAP - 1, KCAP);
+    const bool enters = ranks_before(x, xi, last_score, last_id);
+    if (!__any_sync(0xFFFFFFFFu, enters)) return;
+    // The entries ranking before (x, xi) are a prefix of the sorted list: its length is x's rank.
+    const uint32_t before = __ballot_sync(0xFFFFFFFFu, ranks_before(score[k], id[k], x, xi));
+    const uint32_t segment =
+        KCAP == 32 ? before : (before >> (lane - j)) & ((1u << (KCAP % 32)) - 1u);
+    const int rank = __popc(segment);
+    const float up_score = __shfl_up_sync(0xFFFFFFFFu, score[k], 1, KCAP);
+    const int up_id = __shfl_up_sync(0xFFFFFFFFu, id[k], 1, KCAP);
+    if (enters && j >= rank) {
+      score[k] = j == rank ? x : up_score;
+      id[k] = j == rank ? xi : up_id;
+    }
+  }
+  __device__ __forceinline__ void store(int k, int2* dst) const {
+    dst[threadIdx.x % KCAP] = make_int2(__float_as_int(score[k]), id[k]);
+  }
+};
+
 template <int F, int MT, int KCAP>
 __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16) ? 2 : 1)
     decode_indexer_topk_kernel(const DecodeIndexerArgs a) {
@@ -393,15 +479,17 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
     __syncthreads();                              // qs written
     q_regs.load(qs, (threadIdx.x >> 5) / (kWarps / MT));
   }
-  // Thread r < rows owns row r: its own block and its candidate list.
-  const int r = threadIdx.x;
-  int own = -1;
-  if (r < rows) {
-    const int pos = len - a.seqlen_q + r / a.num_heads;
-    own = pos >= 0 ? pos / kPage : -1;
+  // The candidate lists, and each list row's own block (candidates are the blocks before it).
+  using Lists = std::conditional_t<MT == 1, LaneLists<MT, KCAP>, ThreadLists<KCAP>>;
+  Lists lists;
+  lists.clear();
+  int own[Lists::kRounds];
+#pragma unroll
+  for (int k = 0; k < Lists::kRounds; ++k) {
+    const int row = Lists::row(k);
+    const int pos = row < rows ? len - a.seqlen_q + row / a.num_heads : -1;
+    own[k] = pos >= 0 ? pos / kPage : -1;
   }
-  TopList<KCAP> list;
-  list.clear();
   const float score_mul =
       a.scale * (F == kNvfp4 ? 16384.f * (a.k_global_scale != nullptr ? __ldg(a.k_global_scale)
                                                                       : 1.f)
@@ -423,21 +511,33 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
     if (threadIdx.x == 0) s_valid[i % 8] = valid;
     cp_async_commit();
   };
-  // Row r's score of page begin + i (from the warps' maxima), offered to its list.
+  // Every row's score of page begin + i (from the warps' maxima), offered to its list by the
+  // list's lanes (every warp takes its rows' offers).
   auto offer = [&](int i) {
-    if (r >= rows || !s_valid[i % 8]) return;
+#ifdef MSA_LAB_NO_OFFERS
+    return;
+#endif
+    if (!s_valid[i % 8]) return;                       // uniform over the CTA
     const float* maxima = warp_max + (i & 1) * kWarps * MT * 16;
-    float m = maxima[r];
-#pragma unroll
-    for (int w = 1; w < kMaxWriters<MT>; ++w) m = fmaxf(m, maxima[w * MT * 16 + r]);
     const int page = begin + i;
-    if (page >= own) return;
-    const float score = m * score_mul;
-    list.offer(score, page);
-    if (a.scores != nullptr) {
-      const int q = r / a.num_heads, h = r % a.num_heads;
-      a.scores[((h * total_q) + static_cast<int64_t>(b) * a.seqlen_q + q) * a.page_table_width +
-               page] = score;
+#pragma unroll
+    for (int k = 0; k < Lists::kRounds; ++k) {
+      if (Lists::round_empty(k, rows)) break;
+      const int row = Lists::row(k);
+      const bool candidate = row < rows && page < own[k];
+      float score = -INFINITY;
+      if (candidate) {
+        float m = maxima[row];
+#pragma unroll
+        for (int w = 1; w < kMaxWriters<MT>; ++w) m = fmaxf(m, maxima[w * MT * 16 + row]);
+        score = m * score_mul;
+      }
+      lists.offer(k, score, page);
+      if (candidate && a.scores != nullptr && Lists::writes_scores()) {
+        const int q = row / a.num_heads, h = row % a.num_heads;
+        a.scores[((h * total_q) + static_cast<int64_t>(b) * a.seqlen_q + q) * a.page_table_width +
+                 page] = score;
+      }
     }
   };
 
@@ -465,11 +565,13 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
   if (num_pages > 0) offer(num_pages - 1);
 
   // This chunk's lists into the workspace, then count this CTA in.
-  if (r < rows) {
-    int2* dst = reinterpret_cast<int2*>(a.partials) +
-                (static_cast<int64_t>(work) * rows + r) * a.list_capacity;
 #pragma unroll
-    for (int i = 0; i < KCAP; ++i) dst[i] = make_int2(__float_as_int(list.score[i]), list.id[i]);
+  for (int k = 0; k < Lists::kRounds; ++k) {
+    const int row = Lists::row(k);
+    if (row < rows) {
+      lists.store(k, reinterpret_cast<int2*>(a.partials) +
+                         (static_cast<int64_t>(work) * rows + row) * a.list_capacity);
+    }
   }
   __threadfence();
   __syncthreads();
