@@ -389,10 +389,9 @@ struct ThreadLists {
 
 // LaneLists (rows <= 16): row r's list lives in a segment of KCAP lanes (lane j of the segment
 // holds entry j), so a page's offers cost every warp a few shuffles per row instead of warp 0 a
-// KCAP-step insertion chain while the others wait for it at the next page's barrier (with 4
-// rows: 163 -> 149 us at B 32 / 128k, e4m3 keys; with 32 rows, two rounds of shuffles per warp
-// cost more than warp 0's one chain: 175 -> 199 us at MTP 8, B 32 / 100k). Round k of warp w
-// holds rows k kRowsPerRound + (lane / KCAP) kWarps + w.
+// KCAP-step insertion chain while the others wait for it at the next page's barrier. (With 32
+// rows, two rounds of shuffles in every warp cost more than warp 0's one SIMT chain.) Round k of
+// warp w holds rows k kRowsPerRound + (lane / KCAP) kWarps + w.
 template <int MT, int KCAP>
 struct LaneLists {
   static constexpr int kSegments = 32 / KCAP;                 // lists per warp and round
