@@ -397,6 +397,8 @@ struct LaneLists {
   static constexpr int kSegments = 32 / KCAP;                 // lists per warp and round
   static constexpr int kRowsPerRound = kWarps * kSegments;
   static constexpr int kRounds = (MT * 16 + kRowsPerRound - 1) / kRowsPerRound;
+  static constexpr uint32_t kSegmentMask = KCAP == 32 ? 0xFFFFFFFFu : (1u << KCAP) - 1u;
+  static_assert(32 % KCAP == 0, "whole segments of a warp");
   float score[kRounds];
   int id[kRounds];
 
@@ -426,9 +428,7 @@ struct LaneLists {
     if (!__any_sync(0xFFFFFFFFu, enters)) return;
     // The entries ranking before (x, xi) are a prefix of the sorted list: its length is x's rank.
     const uint32_t before = __ballot_sync(0xFFFFFFFFu, ranks_before(score[k], id[k], x, xi));
-    const uint32_t segment =
-        KCAP == 32 ? before : (before >> (lane - j)) & ((1u << (KCAP % 32)) - 1u);
-    const int rank = __popc(segment);
+    const int rank = __popc((before >> (lane - j)) & kSegmentMask);
     const float up_score = __shfl_up_sync(0xFFFFFFFFu, score[k], 1, KCAP);
     const int up_id = __shfl_up_sync(0xFFFFFFFFu, id[k], 1, KCAP);
     if (enters && j >= rank) {
