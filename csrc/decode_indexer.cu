@@ -364,8 +364,9 @@ __device__ __forceinline__ int table_entry(const DecodeIndexerArgs& a, int b, in
 // The chunk's candidate lists, one per row, sorted as TopList (larger score first, lower id on
 // ties, empty (-inf, -1) last), in one of two layouts with the same interface: round k of the
 // calling thread holds row row(k) (round_empty: no row of round k in this warp, uniform over
-// it); offer(k, x, xi) offers (x, xi) to that row (x = -inf offers nothing; every thread of the
-// CTA calls it); store(k, dst) writes the row's list to dst[0 .. KCAP - 1].
+// it); offer(k, x, xi) offers (x, xi) to that row (x = -inf offers nothing; every thread of a
+// warp whose round k is not empty calls it, rows past the last with -inf); store(k, dst) writes
+// the row's list to dst[0 .. KCAP - 1].
 //
 // ThreadLists (rows > 16): thread r holds row r's list (TopList), so warp 0 offers up to 32 rows
 // at the cost of one KCAP-step insertion chain.
