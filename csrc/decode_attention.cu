@@ -37,7 +37,9 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cfloat>
 #include <cstdint>
 
@@ -80,14 +82,6 @@ static_assert(kWarps * 16 * (kHeadDim + 1) * 4 <= kStageRegionBytes,
 // at fewer bytes in flight), followed by the same lists.
 constexpr int kDirectStages = 6;
 constexpr int kDirectRingBytes = kDirectStages * kPageFp8Bytes;
-// (Page maxima: [2 pages][16 rows][8 warps] floats, each page's keys split over 8 warps.)
-constexpr int kDirectSmemBytes = kDirectRingBytes + kListBytes + kCountsSlotBytes + 2 * 16 * kWarps * 4;
-static_assert(kDirectSmemBytes <= 227 * 1024, "direct e4m3: shared memory per CTA");
-// Direct e4m3 form: partial accumulators as [warp][row][8 column groups of 17][16] floats, so
-// the permuted writes and the natural reads hit at most two threads per bank.
-constexpr int kDirectPartRow = 8 * 17;
-static_assert(kWarps * 16 * (kDirectPartRow + 1) * 4 <= kDirectRingBytes,
-              "direct e4m3: the warps' partial accumulators must fit the stage region");
 
 struct __align__(16) Bf16x8 {
   __nv_bfloat162 v[4];
@@ -220,13 +214,13 @@ __device__ __forceinline__ int fill_tile(const DecodeAttentionArgs& a, CtaContex
   return tile_rows;
 }
 
-// The CTA's work item: request, KV head, chunk and qo tile from the schedule, the request's
-// length and the chunk's unit range (the request's last chunk runs to its current end). False
-// for a corrupt schedule entry: nothing the CTA could safely write.
-__device__ __forceinline__ bool make_context(const DecodeAttentionArgs& a, CtaContext& ctx,
-                                             int& chunk, int& group, int& tile_rows) {
-  const int work = blockIdx.x;
-  ctx.head = blockIdx.y;
+// Work item `work` of the schedule for KV head `head`: request, chunk and qo tile, the
+// request's length and the chunk's unit range (the request's last chunk runs to its current
+// end). False for a corrupt schedule entry: nothing the CTA could safely write.
+__device__ __forceinline__ bool make_context(const DecodeAttentionArgs& a, int work, int head,
+                                             CtaContext& ctx, int& chunk, int& group,
+                                             int& tile_rows) {
+  ctx.head = head;
   ctx.request = __ldg(a.request_indices + work);
   chunk = __ldg(a.kv_tile_indices + work);
   ctx.qo_tile = __ldg(a.qo_tile_indices + work);
@@ -317,15 +311,12 @@ __device__ __forceinline__ void load_page_fp8_swizzled(const DecodeAttentionArgs
   }
 }
 
-// Direct e4m3 form: this thread's Q A-fragments (f16x2) for rows lane/4 and lane/4 + 8 of a
-// tile of <= 16 rows, in the permuted QK^T channel order (see the file comment): chunk kd holds
-// channels 32t + 4kd + {0, 1} (qf[kd][0..1]) and + {2, 3} (qf[kd][2..3]). Zero past the tile.
-__device__ __forceinline__ void load_query_fragments_fp8(const DecodeAttentionArgs& a,
-                                                         const CtaContext& ctx, int group,
-                                                         int tile_rows,
-                                                         uint32_t (&qf)[kHeadDim / 16][4]) {
+// Direct e4m3 form: this thread's Q bytes for rows lane/4 and lane/4 + 8 of a tile of <= 16
+// rows (32 bytes of each: channels 32t .. 32t + 31, t = lane % 4); zero past the tile.
+__device__ __forceinline__ void load_query_raw_fp8(const DecodeAttentionArgs& a,
+                                                   const CtaContext& ctx, int group,
+                                                   int tile_rows, uint4 (&raw)[2][2]) {
   const int lane = threadIdx.x & 31;
-  uint4 raw[2][2];
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
     const int row = (lane >> 2) + i2 * 8;
@@ -341,6 +332,12 @@ __device__ __forceinline__ void load_query_fragments_fp8(const DecodeAttentionAr
       raw[i2][1] = src[1];
     }
   }
+}
+
+// Those bytes as Q A-fragments (f16x2) in the permuted QK^T channel order (see the file
+// comment): chunk kd holds channels 32t + 4kd + {0, 1} (qf[kd][0..1]) and + {2, 3} (qf[kd][2..3]).
+__device__ __forceinline__ void widen_query_fp8(const uint4 (&raw)[2][2],
+                                                uint32_t (&qf)[kHeadDim / 16][4]) {
 #pragma unroll
   for (int kd = 0; kd < kHeadDim / 16; ++kd) {
     const uint32_t w0 = word_of(raw[0], kd), w1 = word_of(raw[1], kd);
@@ -398,6 +395,35 @@ __device__ __forceinline__ void load_queries(const DecodeAttentionArgs& a, const
   }
 }
 
+// A sparse tile's q2k candidates: each of its tokens' slots first_slot .. + num_slots - 1 (its
+// chunk's slots, or every slot with page chunks), keeping blocks in [first_block, end_block).
+struct SparseCandidates {
+  int first_slot, num_slots, first_block, end_block, count;
+};
+
+__device__ __forceinline__ SparseCandidates sparse_candidates(const DecodeAttentionArgs& a,
+                                                              const CtaContext& ctx) {
+  SparseCandidates sc;
+  sc.first_slot = ctx.slot_chunks ? ctx.chunk_begin : 0;
+  sc.num_slots = ctx.slot_chunks ? ctx.chunk_end - ctx.chunk_begin
+                                 : (ctx.chunk_end > ctx.chunk_begin ? a.topk : 0);
+  sc.first_block = ctx.slot_chunks ? 0 : ctx.chunk_begin;
+  sc.end_block = ctx.slot_chunks ? ctx.num_blocks : min(ctx.chunk_end, ctx.num_blocks);
+  sc.count = sc.num_slots > 0 ? ctx.num_tokens * sc.num_slots : 0;
+  return sc;
+}
+
+// Candidate c (token-major) of a tile: the block its token selects in that slot, or -1 outside
+// the tile's block range.
+__device__ __forceinline__ int candidate_block(const DecodeAttentionArgs& a, const CtaContext& ctx,
+                                               const SparseCandidates& sc, int c) {
+  const int token = ctx.first_token + c / sc.num_slots, slot = sc.first_slot + c % sc.num_slots;
+  const int64_t row = static_cast<int64_t>(ctx.request) * a.seqlen_q + token;
+  const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
+  const int id = __ldg(a.q2k_indices + (ctx.head * total_q + row) * a.topk + slot);
+  return (id >= sc.first_block && id < sc.end_block) ? id : -1;
+}
+
 // Sparse: the distinct valid blocks the tile's tokens select in the chunk (its q2k slots, or with
 // page chunks every slot and the blocks in its page range), in (token, slot) order of first
 // appearance, each with the mask of tokens that selected it (bit t = token t of the request).
@@ -407,18 +433,10 @@ template <int kNumThreads = kThreads>
 __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaContext& ctx,
                                       int* cand, int* list_phys, int* list_logical,
                                       uint32_t* list_mask, int* warp_counts, int* total) {
-  const int first_slot = ctx.slot_chunks ? ctx.chunk_begin : 0;
-  const int num_slots = ctx.slot_chunks ? ctx.chunk_end - ctx.chunk_begin
-                                        : (ctx.chunk_end > ctx.chunk_begin ? a.topk : 0);
-  const int first_block = ctx.slot_chunks ? 0 : ctx.chunk_begin;
-  const int end_block = ctx.slot_chunks ? ctx.num_blocks : min(ctx.chunk_end, ctx.num_blocks);
-  const int num_cand = num_slots > 0 ? ctx.num_tokens * num_slots : 0;
-  const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
+  const SparseCandidates sc = sparse_candidates(a, ctx);
+  const int num_cand = sc.count, num_slots = sc.num_slots;
   for (int c = threadIdx.x; c < num_cand; c += kNumThreads) {
-    const int token = ctx.first_token + c / num_slots, slot = first_slot + c % num_slots;
-    const int64_t row = static_cast<int64_t>(ctx.request) * a.seqlen_q + token;
-    const int id = __ldg(a.q2k_indices + (ctx.head * total_q + row) * a.topk + slot);
-    cand[c] = (id >= first_block && id < end_block) ? id : -1;
+    cand[c] = candidate_block(a, ctx, sc, c);
   }
   if (threadIdx.x == 0) *total = 0;
   __syncthreads();
@@ -1288,7 +1306,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   CtaContext ctx;
   int chunk, group, tile_rows;
-  if (!make_context(a, ctx, chunk, group, tile_rows)) return;
+  if (!make_context(a, blockIdx.x, blockIdx.y, ctx, chunk, group, tile_rows)) return;
   load_queries<kFp8>(a, ctx, group, tile_rows, q_smem);
   int num_pages;
   if (a.q2k_indices != nullptr) {
@@ -1672,7 +1690,8 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
 
   CtaContext ctx;
   int chunk, group, tile_rows;
-  if (!make_context(a, ctx, chunk, group, tile_rows)) return;   // uniform over the CTA
+  // Uniform over the CTA.
+  if (!make_context(a, blockIdx.x, blockIdx.y, ctx, chunk, group, tile_rows)) return;
   if (threadIdx.x == 0) {
     for (int st = 0; st < kKStages; ++st) {
       k_full(st).init(kLoaders);
@@ -2183,197 +2202,529 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
 #endif  // sm_90a
 }  // namespace wg
 
-// The direct form's whole page loop, two pages per step (split keys: warp w owns keys
-// 16w .. 16w + 15 of both pages; rows lane / 4 and lane / 4 + 8). (A 16-warp form, each warp
-// computing one page of the pair, ran 2.6-2.8 TB/s against this form's 3.4: twice the warps
-// but 1.4x the instructions a pair.) Key rows past the request's end are zero-filled on load. The
-// ring's six stages are three pair slots; one cp.async group per pair. Per pair: one top
-// barrier, one page-max exchange for both pages, then the pages fold in order (page 0, then
-// page 1) exactly as two one-page steps would:
+// ---- Direct e4m3 form: a CTA streams a range of tiles ----------------------------------------
+// The call's tiles (work item w of the schedule, KV head h: tile w * Hkv + h) are cut into
+// gridDim.x equal ranges. A CTA streams its range's pages through one ring, tile after tile:
+// the next tile's pages are in flight while a tile's last pairs compute and its rows are
+// written, so a CTA pays one prologue for its range instead of one per tile (a sparse tile is
+// just 16 pages: ~16 us of HBM time per SM against a few microseconds of prologue and drain).
+// The tiles' contexts and (sparse) page lists are made in batches of at most kDirectMaxTiles
+// tiles and kMaxCandidates q2k candidates; one batch covers a CTA's range whenever the range
+// fits (the launcher's grid keeps sparse ranges at <= 32 one-token tiles of top-16).
+//
+// Within a tile: two pages per step (warp w owns keys 16w .. 16w + 15 of both pages; rows
+// lane / 4 and lane / 4 + 8). (A 16-warp form, each warp computing one page of the pair, ran
+// 2.6-2.8 TB/s against this form's 3.4: twice the warps but 1.4x the instructions a pair.) Key
+// rows past the request's end are zero-filled on load. The ring's six stages are three pair
+// slots, one cp.async group per pair (a tile has at least one pair: an empty tile still writes
+// its rows). Per pair: one top barrier, one page-max exchange for both pages, then the pages
+// fold in order (page 0, then page 1) exactly as two one-page steps would:
 // O = alpha0 alpha1 O + beta0 alpha1 (P0 V0) + beta1 (P1 V1), each P against its page's max.
-__device__ __forceinline__ void direct_page_pairs(
-    const DecodeAttentionArgs& a, const CtaContext& ctx, int num_pages, char* stages,
-    const int* list_phys, const int* list_logical, const uint32_t* list_mask,
-    float* warp_page_max, const uint32_t (&qf)[kHeadDim / 16][4], const int (&row_token)[2],
+constexpr int kDirectSlots = kDirectStages / 2;
+constexpr int kDirectMaxTiles = 32;   // a batch's tiles: one per lane of warp 0
+
+struct DirectTile {
+  CtaContext ctx;
+  int chunk;
+  int tile_rows;
+  int num_cand;      // sparse: its q2k candidates, cand_begin .. cand_begin + num_cand - 1
+  int cand_begin;
+  int num_pages;     // pages it streams (sparse: its list, list_begin .. + num_pages - 1)
+  int list_begin;
+  int num_pairs;     // max(1, ceil(num_pages / 2))
+};
+
+// Page idx of a tile's stream, or a skipped page past its end. Sparse refs come from the
+// batch's lists, dense ones from the page table.
+__device__ __forceinline__ PageRef direct_page(const DecodeAttentionArgs& a, const DirectTile& t,
+                                               int idx, const int* list_phys,
+                                               const int* list_logical,
+                                               const uint32_t* list_mask) {
+  if (idx >= t.num_pages) return PageRef{0, 0, 0u};
+  return resolve_page(a, t.ctx, a.q2k_indices != nullptr ? t.list_begin + idx : idx, list_phys,
+                      list_logical, list_mask);
+}
+
+// Warp 0: the contexts of tiles f .. (at most kDirectMaxTiles, at most kMaxCandidates sparse
+// candidates in all) into tiles[], corrupt work items left out. info[0]: tiles kept, info[1]:
+// tiles consumed (kept or not), info[2]: candidates.
+__device__ __forceinline__ void plan_direct_batch(const DecodeAttentionArgs& a, int64_t f,
+                                                  int64_t f_end, DirectTile* tiles, int* info) {
+  const int lane = threadIdx.x & 31;
+  const int64_t mine = f + lane;
+  DirectTile t;
+  int group = 0;
+  bool valid = false;
+  int cand = 0;
+  if (mine < f_end) {
+    valid = make_context(a, static_cast<int>(mine / a.num_kv_heads),
+                         static_cast<int>(mine % a.num_kv_heads), t.ctx, t.chunk, group,
+                         t.tile_rows);
+    if (valid && a.q2k_indices != nullptr) cand = sparse_candidates(a, t.ctx).count;
+  }
+  // A tile has <= 16 rows (<= 16 tokens) and <= topK <= 32 slots, so the first always fits.
+  static_assert(kMaxCandidates >= 16 * 32, "a direct tile's candidates fit one batch");
+  int inclusive = cand;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int up = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
+    if (lane >= d) inclusive += up;
+  }
+  const bool taken = mine < f_end && inclusive <= kMaxCandidates;   // a prefix of the lanes
+  const unsigned kept = __ballot_sync(0xFFFFFFFFu, taken && valid);
+  if (taken && valid) {
+    t.num_cand = cand;
+    t.cand_begin = inclusive - cand;
+    t.num_pages = a.q2k_indices != nullptr ? 0 : t.ctx.chunk_end - t.ctx.chunk_begin;
+    t.list_begin = 0;
+    t.num_pairs = max(1, (t.num_pages + 1) / 2);
+    tiles[__popc(kept & ((1u << lane) - 1u))] = t;
+  }
+  const unsigned consumed = __ballot_sync(0xFFFFFFFFu, taken);
+  const int last_kept = 31 - __clz(kept | 1u);
+  const int total = __shfl_sync(0xFFFFFFFFu, inclusive, last_kept);
+  if (lane == 0) {
+    info[0] = __popc(kept);
+    info[1] = __popc(consumed);
+    info[2] = kept != 0 ? total : 0;
+  }
+}
+
+// Sparse: every kept tile's page list (as build_sparse_page_list makes one tile's), end to end
+// in tile order: tile i's distinct valid blocks at list_begin .. + num_pages - 1 in (token,
+// slot) order of first appearance. All threads call it; it ends with a barrier.
+__device__ void build_direct_page_lists(const DecodeAttentionArgs& a, DirectTile* tiles,
+                                        int num_tiles, int num_cand, int* cand, int* list_phys,
+                                        int* list_logical, uint32_t* list_mask, int* tile_pages,
+                                        int* warp_counts, int* total) {
+  auto tile_of = [&](int c) {   // the tile whose candidates hold c
+    int t = 0;
+#pragma unroll
+    for (int step = kDirectMaxTiles / 2; step > 0; step >>= 1) {
+      if (t + step < num_tiles && tiles[t + step].cand_begin <= c) t += step;
+    }
+    return t;
+  };
+  for (int c = threadIdx.x; c < num_cand; c += kThreads) {
+    const DirectTile& t = tiles[tile_of(c)];
+    cand[c] = candidate_block(a, t.ctx, sparse_candidates(a, t.ctx), c - t.cand_begin);
+  }
+  if (threadIdx.x == 0) *total = 0;
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int base = 0; base < num_cand; base += kThreads) {
+    const int c = base + threadIdx.x;
+    int id = -1, physical = -1, tile = 0;
+    uint32_t mask = 0;
+    bool leader = false;
+    if (c < num_cand && (id = cand[c]) >= 0) {
+      tile = tile_of(c);
+      const DirectTile& t = tiles[tile];
+      const int num_slots = sparse_candidates(a, t.ctx).num_slots;
+      leader = true;
+      for (int other = t.cand_begin; other < t.cand_begin + t.num_cand; ++other) {
+        if (cand[other] == id) {
+          if (other < c) {
+            leader = false;
+            break;
+          }
+          mask |= 1u << (t.ctx.first_token + (other - t.cand_begin) / num_slots);
+        }
+      }
+      if (leader) {
+        physical = __ldg(a.page_table + static_cast<int64_t>(t.ctx.request) * a.page_table_width +
+                         id);
+        leader = physical >= 0 && physical < a.num_pages;
+      }
+    }
+    const unsigned ballot = __ballot_sync(0xFFFFFFFFu, leader);
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    int offset = *total + __popc(ballot & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w) offset += warp_counts[w];
+    if (leader) {
+      list_phys[offset] = physical;
+      list_logical[offset] = id;
+      list_mask[offset] = mask;
+      atomicAdd(tile_pages + tile, 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int sum = 0;
+      for (int w = 0; w < kWarps; ++w) sum += warp_counts[w];
+      *total += sum;
+    }
+    __syncthreads();
+  }
+  // The lists are in tile order, so tile i's begins after the pages of tiles 0 .. i - 1.
+  if (warp == 0) {
+    const int pages = lane < num_tiles ? tile_pages[lane] : 0;
+    int inclusive = pages;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int up = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
+      if (lane >= d) inclusive += up;
+    }
+    if (lane < num_tiles) {
+      tiles[lane].num_pages = pages;
+      tiles[lane].list_begin = inclusive - pages;
+      tiles[lane].num_pairs = max(1, (pages + 1) / 2);
+      tile_pages[lane] = 0;   // zero again for the next batch
+    }
+  }
+  __syncthreads();
+}
+
+// One step of a tile: pages page[0] and page[1], landed at k8[0] and k8[1] (K, then V).
+__device__ __forceinline__ void direct_pair_step(
+    const PageRef (&page)[2], const char* const (&k8)[2], float* warp_page_max,
+    const uint32_t (&qf)[kHeadDim / 16][4], const int (&row_token)[2],
     const int (&row_last_key)[2], float scale_log2, float (&acc)[16][4], float (&row_max)[2],
     float (&row_sum)[2]) {
-  constexpr int kSlots = kDirectStages / 2;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int key_base = warp * 16;
-  const int num_pairs = (num_pages + 1) / 2;
-  auto page_of = [&](int idx) {
-    return page_or_none(a, ctx, idx, num_pages, list_phys, list_logical, list_mask);
-  };
-  auto stage_of = [&](int idx) {   // page idx -> its stage (slot of its pair, then 0 / 1)
-    return stages + (((idx >> 1) % kSlots) * 2 + (idx & 1)) * kPageFp8Bytes;
-  };
-  auto issue_pair = [&](int pair) {   // one cp.async group per pair, empty past the end
-#pragma unroll
-    for (int pg = 0; pg < 2; ++pg) {
-      const int idx = 2 * pair + pg;
-      const PageRef ref = page_of(idx);   // past the end: skipped, nothing is loaded
-      const int valid_rows = page_valid_rows(ctx, ref);
-      load_page_fp8_swizzled(a, ctx.head, ref, stage_of(idx), valid_rows);
-    }
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int pair = 0; pair < kSlots - 1; ++pair) issue_pair(pair);
+  float s[2][2][4];
+  direct_qk_two_pages(k8, key_base, lane, qf, s);
 
-  for (int pair = 0; pair < num_pairs; ++pair) {
-    // Pair `pair` has landed; after the barrier every warp is done with pair - 1, whose slot
-    // takes pair + kSlots - 1.
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kSlots - 2) : "memory");
-    __syncthreads();
-    issue_pair(pair + kSlots - 1);
-    const PageRef page[2] = {page_of(2 * pair), page_of(2 * pair + 1)};
-    const char* k8[2] = {stage_of(2 * pair), stage_of(2 * pair + 1)};
-
-    float s[2][2][4];
-    direct_qk_two_pages(k8, key_base, lane, qf, s);
-
-    // Mask (causal against seqused_k, the selection per token, skipped pages), page maxima
-    // over this warp's keys.
-    float page_max[2][2];
+  // Mask (causal against seqused_k, the selection per token, skipped pages), page maxima
+  // over this warp's keys.
+  float page_max[2][2];
 #pragma unroll
-    for (int pl = 0; pl < 2; ++pl) {
-      const PageRef& ref = page[pl];
-      int last_key[2];
-#pragma unroll
-      for (int i2 = 0; i2 < 2; ++i2) {
-        const bool selected = (ref.token_mask >> row_token[i2]) & 1u;
-        last_key[i2] = selected ? row_last_key[i2] - ref.logical * kPageSize : -1;
-        page_max[pl][i2] = -INFINITY;
-      }
-#pragma unroll
-      for (int n = 0; n < 2; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key_base + n * 8 + (lane & 3) * 2 + (e & 1);
-          const float v = key <= last_key[e >> 1] ? s[pl][n][e] * scale_log2 : -INFINITY;
-          s[pl][n][e] = v;
-          page_max[pl][e >> 1] = fmaxf(page_max[pl][e >> 1], v);
-        }
-      }
-#pragma unroll
-      for (int i2 = 0; i2 < 2; ++i2) {
-        page_max[pl][i2] =
-            fmaxf(page_max[pl][i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[pl][i2], 1));
-        page_max[pl][i2] =
-            fmaxf(page_max[pl][i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[pl][i2], 2));
-      }
-    }
-    // Both pages' maxima over all warps: [page][row][warp], so a row's eight warps are two
-    // 16-byte reads.
-    static_assert(kWarps == 8, "a row's warp maxima are read as two float4");
-    if ((lane & 3) == 0) {
-#pragma unroll
-      for (int pg = 0; pg < 2; ++pg) {
-        warp_page_max[(pg * 16 + (lane >> 2)) * kWarps + warp] = page_max[pg][0];
-        warp_page_max[(pg * 16 + (lane >> 2) + 8) * kWarps + warp] = page_max[pg][1];
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int pg = 0; pg < 2; ++pg) {
-#pragma unroll
-      for (int i2 = 0; i2 < 2; ++i2) {
-        const float4* row_max4 = reinterpret_cast<const float4*>(
-            warp_page_max + (pg * 16 + (lane >> 2) + i2 * 8) * kWarps);
-        const float4 lo = row_max4[0], hi = row_max4[1];
-        page_max[pg][i2] = fmaxf(fmaxf(fmaxf(lo.x, lo.y), fmaxf(lo.z, lo.w)),
-                                 fmaxf(fmaxf(hi.x, hi.y), fmaxf(hi.z, hi.w)));
-      }
-    }
-
-    // Fold page 0 then page 1 into the running max: O's rescale and each page's P scale.
-    float alpha[2], p_scale[2][2];
+  for (int pl = 0; pl < 2; ++pl) {
+    const PageRef& ref = page[pl];
+    int last_key[2];
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {
-      const float m0 = fmaxf(row_max[i2], page_max[0][i2]);
-      const float a0 = row_max[i2] == -INFINITY ? 0.f : exp2_ftz(row_max[i2] - m0);
-      const float b0 = page_max[0][i2] == -INFINITY ? 0.f : exp2_ftz(page_max[0][i2] - m0);
-      const float m1 = fmaxf(m0, page_max[1][i2]);
-      const float a1 = m0 == -INFINITY ? 0.f : exp2_ftz(m0 - m1);
-      const float b1 = page_max[1][i2] == -INFINITY ? 0.f : exp2_ftz(page_max[1][i2] - m1);
-      alpha[i2] = a0 * a1;
-      p_scale[0][i2] = b0 * a1;
-      p_scale[1][i2] = b1;
-      row_max[i2] = m1;
-#pragma unroll
-      for (int pg = 0; pg < 2; ++pg) {
-        if (page_max[pg][i2] == -INFINITY) page_max[pg][i2] = 0.f;   // exp2(-inf - 0) = 0
-      }
+      const bool selected = (ref.token_mask >> row_token[i2]) & 1u;
+      last_key[i2] = selected ? row_last_key[i2] - ref.logical * kPageSize : -1;
+      page_max[pl][i2] = -INFINITY;
     }
-    float page_sum[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll
-    for (int pg = 0; pg < 2; ++pg) {
+    for (int n = 0; n < 2; ++n) {
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float p = exp2_ftz(s[pg][n][e] - page_max[pg][e >> 1]);
-          page_sum[pg][e >> 1] += p;
-          s[pg][n][e] = p;
-        }
+      for (int e = 0; e < 4; ++e) {
+        const int key = key_base + n * 8 + (lane & 3) * 2 + (e & 1);
+        const float v = key <= last_key[e >> 1] ? s[pl][n][e] * scale_log2 : -INFINITY;
+        s[pl][n][e] = v;
+        page_max[pl][e >> 1] = fmaxf(page_max[pl][e >> 1], v);
       }
     }
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {
-      row_sum[i2] = row_sum[i2] * alpha[i2] + p_scale[0][i2] * page_sum[0][i2] +
-                    p_scale[1][i2] * page_sum[1][i2];
+      page_max[pl][i2] =
+          fmaxf(page_max[pl][i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[pl][i2], 1));
+      page_max[pl][i2] =
+          fmaxf(page_max[pl][i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[pl][i2], 2));
     }
-    if (!__all_sync(0xFFFFFFFFu, alpha[0] == 1.f && alpha[1] == 1.f)) scale_rows(acc, alpha);
-    // Skipped pages were not loaded: their stage holds stale bytes, never multiplied.
+  }
+  // Both pages' maxima over all warps: [page][row][warp], so a row's eight warps are two
+  // 16-byte reads.
+  static_assert(kWarps == 8, "a row's warp maxima are read as two float4");
+  if ((lane & 3) == 0) {
 #pragma unroll
     for (int pg = 0; pg < 2; ++pg) {
-      if (page[pg].token_mask != 0) {
-        direct_pv_page(k8[pg] + kPageSize * kHeadDim, key_base, lane, s[pg], p_scale[pg][0],
-                       p_scale[pg][1], acc);
+      warp_page_max[(pg * 16 + (lane >> 2)) * kWarps + warp] = page_max[pg][0];
+      warp_page_max[(pg * 16 + (lane >> 2) + 8) * kWarps + warp] = page_max[pg][1];
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int pg = 0; pg < 2; ++pg) {
+#pragma unroll
+    for (int i2 = 0; i2 < 2; ++i2) {
+      const float4* row_max4 = reinterpret_cast<const float4*>(
+          warp_page_max + (pg * 16 + (lane >> 2) + i2 * 8) * kWarps);
+      const float4 lo = row_max4[0], hi = row_max4[1];
+      page_max[pg][i2] = fmaxf(fmaxf(fmaxf(lo.x, lo.y), fmaxf(lo.z, lo.w)),
+                               fmaxf(fmaxf(hi.x, hi.y), fmaxf(hi.z, hi.w)));
+    }
+  }
+
+  // Fold page 0 then page 1 into the running max: O's rescale and each page's P scale.
+  float alpha[2], p_scale[2][2];
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    const float m0 = fmaxf(row_max[i2], page_max[0][i2]);
+    const float a0 = row_max[i2] == -INFINITY ? 0.f : exp2_ftz(row_max[i2] - m0);
+    const float b0 = page_max[0][i2] == -INFINITY ? 0.f : exp2_ftz(page_max[0][i2] - m0);
+    const float m1 = fmaxf(m0, page_max[1][i2]);
+    const float a1 = m0 == -INFINITY ? 0.f : exp2_ftz(m0 - m1);
+    const float b1 = page_max[1][i2] == -INFINITY ? 0.f : exp2_ftz(page_max[1][i2] - m1);
+    alpha[i2] = a0 * a1;
+    p_scale[0][i2] = b0 * a1;
+    p_scale[1][i2] = b1;
+    row_max[i2] = m1;
+#pragma unroll
+    for (int pg = 0; pg < 2; ++pg) {
+      if (page_max[pg][i2] == -INFINITY) page_max[pg][i2] = 0.f;   // exp2(-inf - 0) = 0
+    }
+  }
+  float page_sum[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+  for (int pg = 0; pg < 2; ++pg) {
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = exp2_ftz(s[pg][n][e] - page_max[pg][e >> 1]);
+        page_sum[pg][e >> 1] += p;
+        s[pg][n][e] = p;
       }
     }
   }
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    row_sum[i2] = row_sum[i2] * alpha[i2] + p_scale[0][i2] * page_sum[0][i2] +
+                  p_scale[1][i2] * page_sum[1][i2];
+  }
+  if (!__all_sync(0xFFFFFFFFu, alpha[0] == 1.f && alpha[1] == 1.f)) scale_rows(acc, alpha);
+  // Skipped pages were not loaded: their stage holds stale bytes, never multiplied.
+#pragma unroll
+  for (int pg = 0; pg < 2; ++pg) {
+    if (page[pg].token_mask != 0) {
+      direct_pv_page(k8[pg] + kPageSize * kHeadDim, key_base, lane, s[pg], p_scale[pg][0],
+                     p_scale[pg][1], acc);
+    }
+  }
+}
+
+// Direct form: the warps' partial accumulators of half the rows, [warp][8 rows][8 column groups
+// of 17 floats] (the permuted writes and the natural reads hit at most two threads per bank),
+// then the warps' row sums [warp][16], in the stage of the tile's last pair.
+constexpr int kDirectPartRow = 8 * 17 + 1;
+constexpr int kDirectPartBytes = (kWarps * 8 * kDirectPartRow + kWarps * 16) * 4;
+static_assert(kDirectPartBytes <= 2 * kPageFp8Bytes,
+              "direct e4m3: a half tile's partials fit a pair slot");
+
+// A finished tile: adds the warps' partial accumulators and sums (every warp folded with the
+// same running maxima), half the rows at a time in `scratch` (the stage of the tile's last pair,
+// free until the next pair's top barrier), each warp then writing 16 channels of each row: the
+// normalized O and the LSE (natural log), or the fp32 partial of a split request. Rows that saw
+// no key get O = 0, LSE = -inf.
+__device__ __forceinline__ void direct_finish_tile(const DecodeAttentionArgs& a,
+                                                   const DirectTile& t, float* scratch,
+                                                   const float (&acc)[16][4],
+                                                   const float (&row_max)[2],
+                                                   float (&row_sum)[2]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int group = a.num_qo_heads / a.num_kv_heads;
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    row_sum[i2] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[i2], 1);
+    row_sum[i2] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[i2], 2);
+  }
+  const int64_t slot = a.split_kv ? static_cast<int64_t>(__ldg(a.merge_indptr + t.ctx.request)) +
+                                        t.chunk
+                                  : -1;
+  const bool writable = !a.split_kv || (slot >= 0 && slot < a.num_partial_slots);
+  float* part_sum = scratch + kWarps * 8 * kDirectPartRow;
+  __syncthreads();   // every warp is done with the last pair's pages
+  if ((lane & 3) == 0) {
+    part_sum[warp * 16 + (lane >> 2)] = row_sum[0];
+    part_sum[warp * 16 + 8 + (lane >> 2)] = row_sum[1];
+  }
+  const int r8 = lane >> 2, quad = lane & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (half == 1) __syncthreads();   // the first half is read
+    // n-tile n, column 2 quad + e holds channel 16 (2 quad + e) + n
+    float* mine = scratch + (warp * 8 + r8) * kDirectPartRow;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      mine[17 * (2 * quad) + n] = acc[n][half * 2];
+      mine[17 * (2 * quad + 1) + n] = acc[n][half * 2 + 1];
+    }
+    __syncthreads();
+    // This warp's channels 16 warp + 4 quad + j of row r8 of the half.
+    float o[4] = {0.f, 0.f, 0.f, 0.f};
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float* src = scratch + (w * 8 + r8) * kDirectPartRow + 17 * warp + 4 * quad;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) o[j] += src[j];
+      sum += part_sum[w * 16 + half * 8 + r8];
+    }
+    const int row = half * 8 + r8;
+    if (!writable || row >= t.tile_rows) continue;
+    const int r = t.ctx.first_row + row;
+    const int token = r / group, qo_head = t.ctx.head * group + r % group;
+    // Only a zero sum means "no visible key": a NaN sum (a NaN or +inf score) gives NaN O and
+    // LSE, never the empty row's O = 0, LSE = -inf.
+    const bool empty = sum == 0.f;
+    const float inv = empty ? 0.f : 1.f / sum;
+    const float lse = empty ? -INFINITY : (row_max[half] + log2f(sum)) * kLn2;
+    const int channel = 16 * warp + 4 * quad;
+    const bool writes_lse = warp == 0 && quad == 0;
+    if (a.split_kv) {
+      const int64_t idx = (slot * a.seqlen_q + token) * a.num_qo_heads + qo_head;
+      *reinterpret_cast<float4*>(a.o_partial + idx * kHeadDim + channel) =
+          make_float4(o[0] * inv, o[1] * inv, o[2] * inv, o[3] * inv);
+      if (writes_lse) a.lse_partial[idx] = lse;
+    } else {
+      const int64_t idx =
+          (static_cast<int64_t>(t.ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head;
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(o[0] * inv, o[1] * inv);
+      const __nv_bfloat162 hi = __floats2bfloat162_rn(o[2] * inv, o[3] * inv);
+      *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(a.out) + idx * kHeadDim + channel) =
+          make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                     *reinterpret_cast<const uint32_t*>(&hi));
+      if (writes_lse && a.lse != nullptr) a.lse[idx] = lse;
+    }
+  }
+}
+
+// Direct e4m3 form (tiles of <= 16 rows, e4m3 Q and K/V): see the section comment above and the
+// file comment (fragment layouts). Shared memory: the ring, the lists, the page maxima, the
+// batch's tiles and counters.
+constexpr int kDirectListOffset = kDirectRingBytes;
+constexpr int kDirectMaxOffset = kDirectListOffset + kListBytes;
+constexpr int kDirectTilesOffset = kDirectMaxOffset + 2 * 16 * kWarps * 4;
+constexpr int kDirectCountsOffset =
+    kDirectTilesOffset + kDirectMaxTiles * static_cast<int>(sizeof(DirectTile));
+constexpr int kDirectSmemBytes = kDirectCountsOffset + (kDirectMaxTiles + kWarps + 4) * 4;
+static_assert(kDirectSmemBytes <= 227 * 1024, "direct e4m3: shared memory per CTA");
+static_assert(kDirectMaxOffset % 16 == 0 && kDirectTilesOffset % 16 == 0,
+              "direct e4m3: the page maxima are read as float4");
+
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_attention_direct_kernel(const DecodeAttentionArgs a) {
+  extern __shared__ __align__(128) char smem[];
+  char* const ring = smem;
+  int* const cand = reinterpret_cast<int*>(smem + kDirectListOffset);
+  int* const list_phys = cand + kMaxCandidates;
+  int* const list_logical = list_phys + kMaxCandidates;
+  uint32_t* const list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
+  float* const warp_page_max = reinterpret_cast<float*>(smem + kDirectMaxOffset);
+  DirectTile* const tiles = reinterpret_cast<DirectTile*>(smem + kDirectTilesOffset);
+  int* const tile_pages = reinterpret_cast<int*>(smem + kDirectCountsOffset);
+  int* const warp_counts = tile_pages + kDirectMaxTiles;
+  int* const info = warp_counts + kWarps;   // the batch: tiles kept, consumed, candidates; total
+
+  const int lane = threadIdx.x & 31;
+  const int group = a.num_qo_heads / a.num_kv_heads;
+  const float scale_log2 = a.softmax_scale * kLog2e;
+  // This CTA's tiles: an equal share of num_work x Hkv (the first `extra` CTAs one more).
+  const int64_t total_tiles = static_cast<int64_t>(a.num_work) * a.num_kv_heads;
+  const int64_t share = total_tiles / gridDim.x, extra = total_tiles % gridDim.x;
+  int64_t f = blockIdx.x * share + min(static_cast<int64_t>(blockIdx.x), extra);
+  const int64_t f_end = f + share + (blockIdx.x < extra ? 1 : 0);
+  if (threadIdx.x < kDirectMaxTiles) tile_pages[threadIdx.x] = 0;
+  auto stage_of = [&](unsigned pair, int pg) {   // ring position -> its pair slot's page pg
+    return ring + ((pair % kDirectSlots) * 2 + pg) * kPageFp8Bytes;
+  };
+  unsigned issued = 0, computed = 0;   // pairs issued / computed since the kernel began
+
+  while (f < f_end) {
+    __syncthreads();   // the last batch's tiles and lists are no longer read
+    if (threadIdx.x < 32) plan_direct_batch(a, f, f_end, tiles, info);
+    __syncthreads();
+    const int num_tiles = info[0];
+    f += info[1];
+    if (a.q2k_indices != nullptr) {
+      build_direct_page_lists(a, tiles, num_tiles, info[2], cand, list_phys, list_logical,
+                              list_mask, tile_pages, warp_counts, info + 3);
+    }
+    if (num_tiles == 0) continue;
+
+    // The issue side runs kDirectSlots - 1 pairs ahead of the compute side, across tiles (the
+    // last batch's trailing groups were empty: its ring positions are free).
+    int issue_tile = 0, issue_pair = 0;
+    issued = computed;
+    auto issue = [&]() {   // one cp.async group per pair, empty past the batch's last tile
+      if (issue_tile < num_tiles) {
+        const DirectTile& t = tiles[issue_tile];
+#pragma unroll
+        for (int pg = 0; pg < 2; ++pg) {
+          const PageRef ref =
+              direct_page(a, t, 2 * issue_pair + pg, list_phys, list_logical, list_mask);
+          load_page_fp8_swizzled(a, t.ctx.head, ref, stage_of(issued, pg),
+                                 page_valid_rows(t.ctx, ref));
+        }
+        if (++issue_pair == t.num_pairs) {
+          issue_pair = 0;
+          ++issue_tile;
+        }
+      }
+      cp_async_commit();
+      ++issued;
+    };
+#pragma unroll
+    for (int p = 0; p < kDirectSlots - 1; ++p) issue();
+
+    uint4 q_raw[2][2];   // the next tile's Q, loaded a tile ahead
+    load_query_raw_fp8(a, tiles[0].ctx, group, tiles[0].tile_rows, q_raw);
+    for (int ti = 0; ti < num_tiles; ++ti) {
+      const DirectTile t = tiles[ti];
+      uint32_t qf[kHeadDim / 16][4];
+      widen_query_fp8(q_raw, qf);
+      if (ti + 1 < num_tiles) {
+        load_query_raw_fp8(a, tiles[ti + 1].ctx, group, tiles[ti + 1].tile_rows, q_raw);
+      }
+      // Rows lane / 4 and lane / 4 + 8: their token and last visible key (-1: none).
+      int row_token[2], row_last_key[2];
+#pragma unroll
+      for (int i2 = 0; i2 < 2; ++i2) {
+        const int row = (lane >> 2) + i2 * 8;
+        // Clamped so the token-mask shift stays < 32 for padding rows (masked off anyway).
+        row_token[i2] = min((t.ctx.first_row + row) / group, 31);
+        const int last = min(t.ctx.seqlen_k - 1, row_token[i2] + t.ctx.seqlen_k - a.seqlen_q);
+        row_last_key[i2] = row < t.tile_rows ? last : -1;
+      }
+      float acc[16][4];
+#pragma unroll
+      for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+      float row_max[2] = {-INFINITY, -INFINITY};
+      float row_sum[2] = {0.f, 0.f};
+
+      for (int p = 0; p < t.num_pairs; ++p) {
+        // This pair has landed; after the barrier every warp is done with the previous pair,
+        // whose slot takes the pair kDirectSlots - 1 ahead.
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(kDirectSlots - 2) : "memory");
+        __syncthreads();
+        issue();
+        const PageRef page[2] = {
+            direct_page(a, t, 2 * p, list_phys, list_logical, list_mask),
+            direct_page(a, t, 2 * p + 1, list_phys, list_logical, list_mask)};
+        const char* k8[2] = {stage_of(computed, 0), stage_of(computed, 1)};
+        direct_pair_step(page, k8, warp_page_max, qf, row_token, row_last_key, scale_log2, acc,
+                         row_max, row_sum);
+        ++computed;
+      }
+      direct_finish_tile(a, t, reinterpret_cast<float*>(stage_of(computed - 1, 0)), acc,
+                         row_max, row_sum);
+    }
+  }
+  cp_async_wait_all();
 }
 
 // kSplitKeys (every qo tile has <= 16 rows, e.g. decode with G = 16 and one token): all 8
 // warps hold the same 16 rows and warp w takes keys [16w, 16w + 16) of every page, instead of
 // one warp doing the whole page while seven idle. The page max is shared through shared memory,
 // so every warp folds with the same running max as the one-warp path; the warps' partial sums
-// and accumulators are added at the end.
-//
-// kDirectFp8 (with kSplitKeys; e4m3 Q and K/V): the direct e4m3 form of the file comment, two
-// pages per step (direct_page_pairs: one page-max exchange and one top barrier per two pages,
-// four independent MMA chains per warp; a one-page step spent most of its time in dependent
-// chains and barriers, all warps in lockstep: 3.1 vs 3.4 TB/s). Each page's P is still rounded
-// against its own max, as the reference does.
-template <bool kSplitKeys, bool kDirectFp8>
+// and accumulators are added at the end. (e4m3 Q and K/V take the direct form above.)
+template <bool kSplitKeys>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_kernel(const DecodeAttentionArgs a) {
-  static_assert(kSplitKeys || !kDirectFp8, "the direct e4m3 form splits keys across warps");
   extern __shared__ __align__(128) char smem[];
   __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);
-  char* stages = smem + (kDirectFp8 ? 0 : kQBytes);
-  int* cand = reinterpret_cast<int*>(stages + (kDirectFp8 ? kDirectRingBytes : kStageRegionBytes));
+  char* stages = smem + kQBytes;
+  int* cand = reinterpret_cast<int*>(stages + kStageRegionBytes);
   int* list_phys = cand + kMaxCandidates;
   int* list_logical = list_phys + kMaxCandidates;
   uint32_t* list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
   int* warp_counts = reinterpret_cast<int*>(list_mask + kMaxCandidates);
   int* page_total = warp_counts + kWarps;
-  // Split keys: per-warp page maxima (16-byte aligned: the direct form reads them as float4).
+  // Split keys: per-warp page maxima.
   float* warp_page_max =
       reinterpret_cast<float*>(reinterpret_cast<char*>(warp_counts) + kCountsSlotBytes);
   static_assert(kWarps * 4 + 4 <= kCountsSlotBytes, "warp_counts and page_total fit their slot");
 
   CtaContext ctx;
   int chunk, group, tile_rows;
-  if (!make_context(a, ctx, chunk, group, tile_rows)) return;
+  if (!make_context(a, blockIdx.x, blockIdx.y, ctx, chunk, group, tile_rows)) return;
 
-  uint32_t qf[kHeadDim / 16][4];   // direct e4m3 form: Q fragments in registers
-  if constexpr (kDirectFp8) {
-    load_query_fragments_fp8(a, ctx, group, tile_rows, qf);
-  } else {
-    load_queries(a, ctx, group, tile_rows, qs);
-  }
+  load_queries(a, ctx, group, tile_rows, qs);
   int num_pages;
   if (a.q2k_indices != nullptr) {
     num_pages = build_sparse_page_list(a, ctx, cand, list_phys, list_logical, list_mask,
@@ -2417,16 +2768,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   char* const stage_base = a.kv_fp8 ? stages + kPageBf16Bytes : stages;
   const int stage_bytes = a.kv_fp8 ? kPageFp8Bytes : kPageBf16Bytes;
 
-  if constexpr (kDirectFp8) {
-    direct_page_pairs(a, ctx, num_pages, stages, list_phys, list_logical, list_mask,
-                      warp_page_max, qf, row_token, row_last_key, scale_log2, acc, row_max,
-                      row_sum);
-  } else if (num_pages > 0) {
+  if (num_pages > 0) {
     const PageRef first = resolve_page(a, ctx, 0, list_phys, list_logical, list_mask);
     load_page_async(a, ctx.head, first, stage_base, page_valid_rows(ctx, first));
   }
-  if constexpr (!kDirectFp8) cp_async_commit();
-  for (int i = 0; i < (kDirectFp8 ? 0 : num_pages); ++i) {
+  cp_async_commit();
+  for (int i = 0; i < num_pages; ++i) {
     if (i + 1 < num_pages) {
       const PageRef next = resolve_page(a, ctx, i + 1, list_phys, list_logical, list_mask);
       load_page_async(a, ctx.head, next, stage_base + ((i + 1) & 1) * stage_bytes,
@@ -2558,7 +2905,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
   }
-  if constexpr (kDirectFp8) __syncthreads();      // the last pair is read before the reuse
 
   // Finalize: normalized O and LSE (natural log) per row; empty rows give O = 0, LSE = -inf.
 #pragma unroll
@@ -2571,24 +2917,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     // now idle stage region; warp 0 then writes the rows as the one-warp path does.
     cp_async_wait_all();
     float* part_acc = reinterpret_cast<float*>(stages);                 // [kWarps][16][128]
-    float* part_sum = part_acc + kWarps * 16 * (kDirectFp8 ? kDirectPartRow : kHeadDim);
-    // Direct e4m3 form: channel d of (warp, row) at [warp][row][d / 16 (stride 17)][d % 16].
-    auto direct_part = [&](int w, int row, int d) {
-      return part_acc + (w * 16 + row) * kDirectPartRow + 17 * (d >> 4) + (d & 15);
-    };
+    float* part_sum = part_acc + kWarps * 16 * kHeadDim;
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {
       const int row = (lane >> 2) + i2 * 8;
 #pragma unroll
       for (int n = 0; n < 16; ++n) {
-        if constexpr (kDirectFp8) {   // n-tile n, column 2t + e holds channel 16 (2t + e) + n
-          *direct_part(warp, row, 32 * (lane & 3) + n) = acc[n][i2 * 2];
-          *direct_part(warp, row, 32 * (lane & 3) + 16 + n) = acc[n][i2 * 2 + 1];
-        } else {
-          *reinterpret_cast<float2*>(part_acc + (warp * 16 + row) * kHeadDim + n * 8 +
-                                     (lane & 3) * 2) =
-              make_float2(acc[n][i2 * 2], acc[n][i2 * 2 + 1]);
-        }
+        *reinterpret_cast<float2*>(part_acc + (warp * 16 + row) * kHeadDim + n * 8 +
+                                   (lane & 3) * 2) =
+            make_float2(acc[n][i2 * 2], acc[n][i2 * 2 + 1]);
       }
       if ((lane & 3) == 0) part_sum[warp * 16 + row] = row_sum[i2];
     }
@@ -2604,14 +2941,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int n = 0; n < 16; ++n) {
         float2 sum2 = make_float2(0.f, 0.f);
         for (int w = 0; w < kWarps; ++w) {
-          float2 x;
-          if constexpr (kDirectFp8) {   // natural order from here on
-            x.x = *direct_part(w, row, n * 8 + (lane & 3) * 2);
-            x.y = *direct_part(w, row, n * 8 + (lane & 3) * 2 + 1);
-          } else {
-            x = *reinterpret_cast<const float2*>(part_acc + (w * 16 + row) * kHeadDim + n * 8 +
-                                                 (lane & 3) * 2);
-          }
+          const float2 x = *reinterpret_cast<const float2*>(
+              part_acc + (w * 16 + row) * kHeadDim + n * 8 + (lane & 3) * 2);
           sum2.x += x.x;
           sum2.y += x.y;
         }
@@ -2776,11 +3107,25 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
       MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<false>, wg::Shape<false>::kAlloc));
     }
   } else if (args.direct_fp8) {
-    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, true>, kDirectSmemBytes));
+    // A CTA per tile of a dense call (its chunks were sized for the grid); a sparse call's tiles
+    // (16 pages each at top-16) in equal ranges over one CTA per SM.
+    const int64_t tiles = static_cast<int64_t>(args.num_work) * args.num_kv_heads;
+    int64_t ctas = std::min<int64_t>(tiles, INT_MAX);
+    if (args.q2k_indices != nullptr) {
+      int device = 0, sms = 0;
+      MSA_RETURN_IF_ERROR(cudaGetDevice(&device));
+      MSA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      ctas = std::min<int64_t>(ctas, std::max(sms, 1));
+    }
+    MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(decode_attention_direct_kernel,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             kDirectSmemBytes));
+    decode_attention_direct_kernel<<<static_cast<unsigned>(ctas), kThreads, kDirectSmemBytes,
+                                     stream>>>(args);
   } else if (args.split_keys) {
-    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true, false>, kSmemBytes));
+    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true>, kSmemBytes));
   } else {
-    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<false, false>, kSmemBytes));
+    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<false>, kSmemBytes));
   }
   MSA_RETURN_IF_ERROR(cudaGetLastError());
   const int64_t items = static_cast<int64_t>(args.batch) * args.seqlen_q * args.num_qo_heads;

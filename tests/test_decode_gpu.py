@@ -345,6 +345,31 @@ def test_native_sparse_mtp_query_tiles(msa_pkg, native_only, seed, dtypes, qo_ti
             _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k, msa_pkg)
 
 
+@pytest.mark.parametrize("split", ["auto", "forced"])
+@pytest.mark.parametrize("group", [16, 4])
+def test_native_direct_form_tile_ranges(msa_pkg, native_only, seed, group, split):
+    """The direct e4m3 form over many sparse query tiles: a CTA streams a range of tiles (one
+    CTA per SM), the next tile's pages in flight while a tile finishes, its tiles' page lists
+    made in batches (at most 32 tiles, at most 512 candidates). 300 requests of 1-3000 keys
+    (tiles of 0-16 pages, some ids out of range) x MTP 8 x 2 KV heads: 4800 one-token tiles at
+    G = 16 (two batches a CTA), 2400 four-token tiles at G = 4 (64 candidates each: batches cut
+    by candidates); forced split: chunks of 3 slots or pages, each a tile writing a partial.
+    Eager and captured runs match the oracle and each other."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 3001, (300,), generator=gen).tolist()
+    lens[:3] = [1, 128, 129]
+    seqlen_q = 8
+    q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, "fp8", True, topk=16)
+    kw = dict(fixed_split_size=3) if split == "forced" else {}
+    wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k, qo_tile_rows=16, **kw)
+    assert wrapper.decode_schedule.split_kv == (split == "forced")
+    out, lse = _run_native(msa_pkg, wrapper, q, k, v)
+    _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
+    _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k, msa_pkg)
+    graph, graph_out, graph_lse = _capture_run(wrapper, q, k, v)
+    _assert_replay_equals_eager(graph, wrapper, q, k, v, graph_out, graph_lse)
+
+
 @pytest.mark.parametrize("dtypes", list(DTYPES))
 def test_native_sparse_mtp_plan_picks_query_tiles_for_e4m3(msa_pkg, native_only, seed, dtypes):
     """The plan's default against a long context: e4m3 q and K/V run the 16-row query-tile
