@@ -226,6 +226,12 @@ def decode_runs(family="sm90"):
     decode_run([1000, 500], 8, 4, "fp8", True, bad=True, enable_cuda_graph=True, **f)
     # Query tiles of sparse multi-token decode: 16 rows (one token), 24 (a token and a half).
     decode_run([70001, 3, 129], 8, 16, "fp8", True, qo_tile_rows=16, **f)
+    # The direct e4m3 form's tile ranges: 1600 one-token tiles (CTAs of 12+ tiles, one batch
+    # each), then chunks of 3 slots (4x the tiles: several batches a CTA), corrupt entries too.
+    lens = [(37 * i) % 2500 + 1 for i in range(100)]
+    decode_run(lens, 8, 16, "fp8", True, qo_tile_rows=16, **f)
+    decode_run(lens, 8, 16, "fp8", True, bad=True, enable_cuda_graph=True, qo_tile_rows=16,
+               fixed_split_size=3, **f)
     decode_run([1000, 500], 8, 16, "bf16", True, bad=True, enable_cuda_graph=True,
                qo_tile_rows=24, **f)
     if family == "sm90":    # the ping-pong form (> 64 rows; one idle consumer at 32 rows)
