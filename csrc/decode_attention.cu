@@ -15,7 +15,7 @@
 // bf16 residual, so unrounded P keeps ~16 mantissa bits instead of bf16's 8.
 //
 // Direct e4m3 form (e4m3 Q and K/V, tiles of <= 16 rows, warps splitting each page's keys, two
-// pages per step): no conversion pass. Pages stay e4m3 in a six-stage cp.async ring (16-byte
+// pages per step; a CTA streams a range of tiles, see its section): no conversion pass. Pages stay e4m3 in a six-stage cp.async ring (16-byte
 // chunks of each row XOR-swizzled by row % 8; rows past the request's end zero-filled), fragments
 // are read straight from it and widened in registers to f16 (exact for e4m3), and the MMA is f16
 // with fp32 accumulation. Q lives in registers. QK^T uses a

@@ -5,7 +5,9 @@ tier, for the portable tier (SM100 and every other capability >= 8.0).
 One CUDA launch per call (plus a merge launch when the schedule splits KV): a CTA per
 (work item of the :class:`~msa.schedules.decode.DecodeSchedule`, KV head) streams its
 chunk's K/V pages once and serves every query row of that KV head (up to 128 rows per qo tile),
-with mma.sync bf16 tensor-core math; the merge pass combines the fp32 partials by log-sum-exp.
+with mma.sync bf16 tensor-core math (the direct e4m3 form of a sparse call instead runs one CTA
+per SM, each streaming an equal range of those tiles); the merge pass combines the fp32 partials
+by log-sum-exp.
 Semantics are :mod:`msa.reference.decode` (dense, sparse via q2k, e4m3 P only when Q and K/V are
 e4m3). The launch reads only device tensors, never synchronizes and can be captured in a CUDA
 graph.
