@@ -424,6 +424,27 @@ __device__ __forceinline__ int candidate_block(const DecodeAttentionArgs& a, con
   return (id >= sc.first_block && id < sc.end_block) ? id : -1;
 }
 
+// One round of a CTA-wide, order-preserving append: every thread calls it with whether it
+// appends an entry; returns that entry's position (thread order after the *total entries of
+// the earlier rounds) and advances *total. warp_counts: one int per warp.
+template <int kNumThreads>
+__device__ __forceinline__ int append_position(bool append, int* warp_counts, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned ballot = __ballot_sync(0xFFFFFFFFu, append);
+  if (lane == 0) warp_counts[warp] = __popc(ballot);
+  __syncthreads();
+  int offset = *total + __popc(ballot & ((1u << lane) - 1u));
+  for (int w = 0; w < warp; ++w) offset += warp_counts[w];
+  __syncthreads();   // every thread has read *total and the counts
+  if (threadIdx.x == 0) {
+    int sum = 0;
+    for (int w = 0; w < kNumThreads / 32; ++w) sum += warp_counts[w];
+    *total += sum;
+  }
+  __syncthreads();
+  return offset;
+}
+
 // Sparse: the distinct valid blocks the tile's tokens select in the chunk (its q2k slots, or with
 // page chunks every slot and the blocks in its page range), in (token, slot) order of first
 // appearance, each with the mask of tokens that selected it (bit t = token t of the request).
@@ -440,7 +461,6 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
   }
   if (threadIdx.x == 0) *total = 0;
   __syncthreads();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int base = 0; base < num_cand; base += kNumThreads) {
     const int c = base + threadIdx.x;
     int id = -1, physical = -1;
@@ -462,23 +482,12 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
         leader = physical >= 0 && physical < a.num_pages;
       }
     }
-    const unsigned ballot = __ballot_sync(0xFFFFFFFFu, leader);
-    if (lane == 0) warp_counts[warp] = __popc(ballot);
-    __syncthreads();
-    int offset = *total + __popc(ballot & ((1u << lane) - 1u));
-    for (int w = 0; w < warp; ++w) offset += warp_counts[w];
+    const int offset = append_position<kNumThreads>(leader, warp_counts, total);
     if (leader) {
       list_phys[offset] = physical;
       list_logical[offset] = id;
       list_mask[offset] = mask;
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int sum = 0;
-      for (int w = 0; w < kNumThreads / 32; ++w) sum += warp_counts[w];
-      *total += sum;
-    }
-    __syncthreads();
   }
   __syncthreads();
   return *total;
@@ -2337,25 +2346,15 @@ __device__ void build_direct_page_lists(const DecodeAttentionArgs& a, DirectTile
         leader = physical >= 0 && physical < a.num_pages;
       }
     }
-    const unsigned ballot = __ballot_sync(0xFFFFFFFFu, leader);
-    if (lane == 0) warp_counts[warp] = __popc(ballot);
-    __syncthreads();
-    int offset = *total + __popc(ballot & ((1u << lane) - 1u));
-    for (int w = 0; w < warp; ++w) offset += warp_counts[w];
+    const int offset = append_position<kThreads>(leader, warp_counts, total);
     if (leader) {
       list_phys[offset] = physical;
       list_logical[offset] = id;
       list_mask[offset] = mask;
       atomicAdd(tile_pages + tile, 1);
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int sum = 0;
-      for (int w = 0; w < kWarps; ++w) sum += warp_counts[w];
-      *total += sum;
-    }
-    __syncthreads();
   }
+  __syncthreads();
   // The lists are in tile order, so tile i's begins after the pages of tiles 0 .. i - 1.
   if (warp == 0) {
     const int pages = lane < num_tiles ? tile_pages[lane] : 0;
