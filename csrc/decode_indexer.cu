@@ -12,8 +12,10 @@
 // grid; request b owns work items first_b .. first_b + n_b - 1. A request's last chunk runs to its
 // live end, so a plan that was not updated after the lengths grew stays correct.
 //
-// Scoring CTA (256 threads, 8 warps): the chunk's pages stream through a four-stage cp.async ring
-// (rows padded so the fragment reads hit distinct banks; NVFP4 rows of 64 bytes need no padding).
+// Scoring CTA (256 threads, 8 warps): the chunk's pages stream through a four-stage ring (rows
+// padded so the fragment reads hit distinct banks; NVFP4 rows of 64 bytes need no padding):
+// every thread cp.asyncs its share of a page, or, for NVFP4 pages on sm_90+, the last warp
+// issues the page and its scales as two bulk copies counted on the stage's full mbarrier.
 // Warp w scores keys 16w .. 16w + 15 of each page for every row with mma.sync m16n8k16 (f16 for
 // e4m3 q with e4m3 / NVFP4 keys, bf16 for bf16 q and keys), Q in shared memory. Channels are
 // permuted inside each k-chunk (positions {2t, 2t+1, 2t+8, 2t+9} of chunk kd hold channels
@@ -38,6 +40,7 @@
 
 #include "common.cuh"
 #include "sm80_primitives.cuh"
+#include "sm90_pipeline.cuh"
 #include "top_list.cuh"
 #include "torch_binding.h"
 
@@ -148,6 +151,38 @@ __device__ __forceinline__ void load_page(const DecodeIndexerArgs& a, int64_t ph
       cp_async_16(stage + kPage * S::kRowStride + threadIdx.x * 16,
                   a.k_scale + physical * S::kScaleBytes + threadIdx.x * 16);
     }
+  }
+}
+
+// Whether pages of format F arrive as bulk copies (sm_90+, rows not padded: NVFP4) instead of
+// every thread's cp.asyncs. A padded stage would take a bulk copy per key row: 128 for an e4m3
+// page kept the issuing warp ~7400 cycles a page (the TMA unit takes one copy at a time), 3x
+// the whole page's period with cp.async.
+template <int F>
+__host__ __device__ constexpr bool bulk_pages() {
+#if __CUDA_ARCH__ >= 900
+  return PageShape<F>::kRowStride == PageShape<F>::kRowBytes;
+#else
+  return false;
+#endif
+}
+
+// One physical index-K page (and its NVFP4 scales) as two bulk copies from lanes 0 and 1,
+// counted on the stage's full barrier as complete_tx.
+template <int F>
+__device__ __forceinline__ void bulk_load_page(const DecodeIndexerArgs& a, int64_t physical,
+                                               char* stage, const sm90::Mbarrier& full) {
+  using S = PageShape<F>;
+  static_assert(bulk_pages<F>(), "a page of unpadded rows, on sm_90+");
+  const int lane = threadIdx.x & 31;
+  if (lane == 0) {
+    sm90::bulk_copy_to_shared(
+        stage, static_cast<const char*>(a.k) + physical * (kPage * S::kRowBytes),
+        kPage * S::kRowBytes, full);
+  }
+  if (F == kNvfp4 && lane == 1) {
+    sm90::bulk_copy_to_shared(stage + kPage * S::kRowStride,
+                              a.k_scale + physical * S::kScaleBytes, S::kScaleBytes, full);
   }
 }
 
@@ -455,6 +490,9 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
   // (kStages - 1 pages ahead), read by the scoring and the offer of page i.
   __shared__ bool s_valid[8];
   static_assert(kStages + 1 <= 8, "the validity ring outlives a page's offer");
+  // Bulk pages: stage s's full barrier; page i's copies land on full[i % kStages], phase
+  // (i / kStages) & 1.
+  __shared__ uint64_t full_bars[kStages];
 
   const int work = blockIdx.x;
   const int b = __ldg(a.work + 2 * work);
@@ -473,12 +511,18 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
   const int end = chunk == num_chunks - 1 ? history : min(begin + chunk_pages, history);
   const int num_pages = max(end - begin, 0);
 
-  load_queries<MT>(a, b, rows, qs);
-  QFragments q_regs;
-  if constexpr (MT <= 2) {
-    __syncthreads();                              // qs written
-    q_regs.load(qs, (threadIdx.x >> 5) / (kWarps / MT));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  constexpr bool kBulk = bulk_pages<F>();
+  constexpr int kIssueWarp = kWarps - 1;   // bulk pages: not warp 0, which offers thread lists
+  auto full = [&](int i) { return sm90::Mbarrier{full_bars + i % kStages}; };
+  if constexpr (kBulk) {
+    if (threadIdx.x < kStages) full(threadIdx.x).init(1);   // the issuing lane's arrival
+    sm90::fence_barrier_init();
   }
+  load_queries<MT>(a, b, rows, qs);
+  __syncthreads();                                // qs written, the barriers initialized
+  QFragments q_regs;
+  if constexpr (MT <= 2) q_regs.load(qs, warp / (kWarps / MT));
   // The candidate lists, and each list row's own block (candidates are the blocks before it).
   using Lists = std::conditional_t<MT == 1, LaneLists<MT, KCAP>, ThreadLists<KCAP>>;
   Lists lists;
@@ -501,15 +545,46 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
   // pipeline), so no page waits on a global load before its copies are issued.
   auto entry = [&](int i) { return i < num_pages ? table_entry(a, b, begin + i) : -1; };
   int next_entry = entry(0);
-  auto issue = [&](int i) {   // page begin + i into its stage; one cp.async group either way
+#ifdef MSA_LAB_NO_LOADS
+  constexpr bool kLoads = false;
+#else
+  constexpr bool kLoads = true;
+#endif
+  // Page begin + i into its stage: bulk pages from one warp, their full barrier completing
+  // either way (no bytes for a page outside the pool or past the chunk); otherwise every
+  // thread's cp.asyncs, one group either way.
+  auto issue = [&](int i) {
+    if (kBulk && warp != kIssueWarp) return;
     const int64_t physical = next_entry;
     next_entry = entry(i + 1);
     const bool valid = physical >= 0 && physical < a.num_pages;
-#ifndef MSA_LAB_NO_LOADS
-    if (valid) load_page<F>(a, physical, stage_of(i));
-#endif
-    if (threadIdx.x == 0) s_valid[i % 8] = valid;
-    cp_async_commit();
+    if constexpr (kBulk) {
+      constexpr uint32_t kBytes = kPage * PageShape<F>::kRowBytes + PageShape<F>::kScaleBytes;
+      if (lane == 0) {
+        s_valid[i % 8] = valid;
+        if (valid && kLoads) {
+          full(i).arrive_expect_tx(kBytes);
+        } else {
+          full(i).arrive();
+        }
+      }
+      __syncwarp();
+      // The stage's last readers (page i - kStages) are past this page's barrier; their generic
+      // reads come before the bulk copies' async-proxy writes.
+      sm90::fence_proxy_async_shared();
+      if (valid && kLoads) bulk_load_page<F>(a, physical, stage_of(i), full(i));
+    } else {
+      if (valid && kLoads) load_page<F>(a, physical, stage_of(i));
+      if (threadIdx.x == 0) s_valid[i % 8] = valid;
+      cp_async_commit();
+    }
+  };
+  auto wait_for_page = [&](int i) {   // page i's bytes have landed (for this thread)
+    if constexpr (kBulk) {
+      full(i).wait((i / kStages) & 1);
+    } else {
+      cp_async_wait<kStages - 2>();
+    }
   };
   // Every row's score of page begin + i (from the warps' maxima), offered to its list by the
   // list's lanes (every warp takes its rows' offers).
@@ -545,7 +620,7 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
   for (int i = 0; i < kStages - 1; ++i) issue(i);
   for (int i = 0; i < num_pages; ++i) {
     MSA_LAB_MARK(i, 0);
-    cp_async_wait<kStages - 2>();
+    wait_for_page(i);
     MSA_LAB_MARK(i, 1);
     // Page i has landed for every thread; every warp is done with page i - 1 (its stage and
     // its maxima buffer).
@@ -560,7 +635,7 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
     }
     MSA_LAB_MARK(i, 5);
   }
-  cp_async_wait<0>();
+  cp_async_wait<0>();   // bulk pages: none is issued past the pages waited for
   __syncthreads();
   if (num_pages > 0) offer(num_pages - 1);
 
@@ -581,7 +656,6 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
   __threadfence();
 
   // The last CTA of the request: per row, merge the request's chunk lists.
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int keep = a.topk - 1;
   const uint32_t empty_code = order_code(-INFINITY);
   for (int row = warp; row < rows; row += kWarps) {

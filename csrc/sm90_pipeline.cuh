@@ -25,6 +25,15 @@ struct Mbarrier {
                      addr())
                  : "memory");
   }
+  // One arrival that also expects `bytes` more of bulk copies (complete_tx) in this phase: the
+  // phase completes when its arrivals are in and those bytes have landed. sm_90+.
+  __device__ __forceinline__ void arrive_expect_tx(uint32_t bytes) const {
+    asm volatile(
+        "{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::
+            "r"(addr()),
+        "r"(bytes)
+        : "memory");
+  }
   // Counts one arrival once every cp.async this thread has issued so far has landed (the
   // thread goes on at once; the arrival is one of the `count` init set).
   __device__ __forceinline__ void arrive_on_copies() const {
@@ -45,6 +54,23 @@ struct Mbarrier {
 // Makes mbarrier.init visible to the other threads (and the async proxy) before first use.
 __device__ __forceinline__ void fence_barrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// Bulk copy (the TMA unit, no tensor map) of `bytes` (a multiple of 16; both addresses 16-byte
+// aligned) from global to this CTA's shared memory, counted on `bar` as complete_tx. sm_90+.
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes,
+                                                    const Mbarrier& bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(sm80::smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(bar.addr())
+      : "memory");
+}
+
+// Orders this thread's earlier shared-memory accesses (generic proxy) before its later async-
+// proxy ones (bulk copies into a stage others have just read). sm_90+.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 // A position in a ring of kStages stages: the stage index and the parity of the phase its full
