@@ -15,7 +15,8 @@
 // bf16 residual, so unrounded P keeps ~16 mantissa bits instead of bf16's 8.
 //
 // Direct e4m3 form (e4m3 Q and K/V, tiles of <= 16 rows, warps splitting each page's keys, two
-// pages per step; a CTA streams a range of tiles, see its section): no conversion pass. Pages stay e4m3 in a six-stage cp.async ring (16-byte
+// pages per step; a CTA streams a range of tiles, see its section): no conversion pass. Pages
+// stay e4m3 in a six-stage cp.async ring (16-byte
 // chunks of each row XOR-swizzled by row % 8; rows past the request's end zero-filled), fragments
 // are read straight from it and widened in registers to f16 (exact for e4m3), and the MMA is f16
 // with fp32 accumulation. Q lives in registers. QK^T uses a
@@ -853,10 +854,6 @@ __device__ __forceinline__ void commit_and_wait() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
-// Generic-proxy shared-memory writes (cp.async, stores) made visible to wgmma's async proxy.
-__device__ __forceinline__ void fence_to_async_proxy() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
 
 // The 64 accumulator registers of an m64n128 fp32 tile: asm text and operands (d[0] .. d[63]
 // are %0 .. %63).
@@ -1350,7 +1347,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   for (int i = 0; i < num_pages; ++i) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
-    fence_to_async_proxy();
+    sm90::fence_proxy_async_shared();
     // Page i has landed; every thread is done with page i - 1, whose stage takes the next page.
     __syncthreads();
     issue(i + kStages - 1);
@@ -1359,7 +1356,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const char* kst = stage_of(i);
     if constexpr (kFp8) {
       widen_page(kst, widened);
-      fence_to_async_proxy();
+      sm90::fence_proxy_async_shared();
     }
     const bool full = tile.fully_visible(page);
     if constexpr (kFp8) {
@@ -1645,7 +1642,7 @@ __device__ __forceinline__ void stream_tensor_fp8(int num_pages, [[maybe_unused]
       if (more) load_raw_quarter(me, next_src, raw, next_rows, q);
       cp_async_commit();                            // empty past the last page: the count holds
     }
-    fence_to_async_proxy();
+    sm90::fence_proxy_async_shared();
     full(ring.index).arrive();
     MSA_LAB_MARK(thread == 0, lab_actor, i, 3);
     ring.advance();
@@ -1749,7 +1746,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   } else {
     load_queries<false, 256>(a, ctx, group, tile_rows, smem, threadIdx.x - 128);
   }
-  fence_to_async_proxy();     // Q (generic stores) is read by wgmma
+  sm90::fence_proxy_async_shared();   // Q (generic stores) is read by wgmma
   sm90::named_sync(kQueriesReady, 256);
   const int consumer = warpgroup - 1;                  // rows 64 consumer .. + 63
   const bool group_active = consumer * kWarpgroupRows < tile_rows;   // uniform per warpgroup
@@ -1803,7 +1800,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     if (t > 0) v_full(v_ring.index).wait(v_ring.phase);
     // K stages (and bf16 V stages) are written by cp.async (the generic proxy) and read by
     // wgmma (the async proxy); the e4m3 V producer fences its widening stores itself.
-    fence_to_async_proxy();
+    sm90::fence_proxy_async_shared();
     MSA_LAB_MARK(lab_leader, 2 + consumer, t, 1);
     sm90::named_sync(my_turn, 256);
     MSA_LAB_MARK(lab_leader, 2 + consumer, t, 2);
@@ -2074,7 +2071,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
     }
   }
   cp_async_wait_all();
-  fence_to_async_proxy();
+  sm90::fence_proxy_async_shared();
   sm90::named_sync(kQueriesReady, 256);                // both consumers' zeros and first rows
 
   float s[64], o[64];
@@ -2096,7 +2093,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
     Rows rows = tile.rows(a, ctx, consumer * kWarpgroupRows);
     if (piece_turn > 0) {                              // this piece's rows (the first are in)
       cp_async_wait_all();
-      fence_to_async_proxy();
+      sm90::fence_proxy_async_shared();
       sm90::named_sync(own_queries_ready, 128);
     }
     if (!last_piece) {                                 // the next piece's, into the other slot
@@ -2124,7 +2121,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
         k_full(k_ring.index).wait(k_ring.phase);
       }
       if (j > 0) v_full(v_ring.index).wait(v_ring.phase);
-      fence_to_async_proxy();
+      sm90::fence_proxy_async_shared();
       MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 1);
       sm90::named_sync(my_turn, 256);
       MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 2);
@@ -2219,7 +2216,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
 // just 16 pages: ~16 us of HBM time per SM against a few microseconds of prologue and drain).
 // The tiles' contexts and (sparse) page lists are made in batches of at most kDirectMaxTiles
 // tiles and kMaxCandidates q2k candidates; one batch covers a CTA's range whenever the range
-// fits (the launcher's grid keeps sparse ranges at <= 32 one-token tiles of top-16).
+// fits (at MTP 8 and G 16 up to B 128: <= 32 one-token tiles of top-16 a CTA).
 //
 // Within a tile: two pages per step (warp w owns keys 16w .. 16w + 15 of both pages; rows
 // lane / 4 and lane / 4 + 8). (A 16-warp form, each warp computing one page of the pair, ran

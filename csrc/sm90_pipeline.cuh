@@ -68,7 +68,8 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, 
 }
 
 // Orders this thread's earlier shared-memory accesses (generic proxy) before its later async-
-// proxy ones (bulk copies into a stage others have just read). sm_90+.
+// proxy ones: wgmma reading what cp.async or stores wrote, bulk copies into a stage that others
+// have just read. sm_90+.
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
