@@ -56,6 +56,18 @@ __device__ __forceinline__ int64_t load_integer(const void* ptr, bool is_int64, 
                   : static_cast<int64_t>(__ldg(static_cast<const int*>(ptr) + i));
 }
 
+// Inclusive prefix sum of v over the lanes of a full warp (lane l gets lanes 0 .. l's sum).
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_sum(T v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const T up = __shfl_up_sync(0xFFFFFFFFu, v, d);
+    if (lane >= d) v += up;
+  }
+  return v;
+}
+
 // Number of bits needed to represent every value in [0, max_value].
 inline int bits_for(uint64_t max_value) {
   int bits = 0;

@@ -446,6 +446,24 @@ __device__ __forceinline__ int append_position(bool append, int* warp_counts, in
   return offset;
 }
 
+// Whether candidate c (block id >= 0) of a tile whose candidates are cand[first .. first + count)
+// is its block's first occurrence there and the block's page is in the pool; if so, physical
+// is that page and mask the tokens that selected the block (bit first_token + (i - first) /
+// num_slots for each candidate i holding it).
+__device__ __forceinline__ bool first_of_block(const DecodeAttentionArgs& a, const CtaContext& ctx,
+                                               const int* cand, int first, int count,
+                                               int num_slots, int c, int id, uint32_t& mask,
+                                               int& physical) {
+  for (int other = first; other < first + count; ++other) {
+    if (cand[other] == id) {
+      if (other < c) return false;
+      mask |= 1u << (ctx.first_token + (other - first) / num_slots);
+    }
+  }
+  physical = __ldg(a.page_table + static_cast<int64_t>(ctx.request) * a.page_table_width + id);
+  return physical >= 0 && physical < a.num_pages;
+}
+
 // Sparse: the distinct valid blocks the tile's tokens select in the chunk (its q2k slots, or with
 // page chunks every slot and the blocks in its page range), in (token, slot) order of first
 // appearance, each with the mask of tokens that selected it (bit t = token t of the request).
@@ -468,20 +486,7 @@ __device__ int build_sparse_page_list(const DecodeAttentionArgs& a, const CtaCon
     uint32_t mask = 0;
     bool leader = false;
     if (c < num_cand && (id = cand[c]) >= 0) {
-      leader = true;
-      for (int other = 0; other < num_cand; ++other) {
-        if (cand[other] == id) {
-          if (other < c) {
-            leader = false;
-            break;
-          }
-          mask |= 1u << (ctx.first_token + other / num_slots);
-        }
-      }
-      if (leader) {
-        physical = __ldg(a.page_table + static_cast<int64_t>(ctx.request) * a.page_table_width + id);
-        leader = physical >= 0 && physical < a.num_pages;
-      }
+      leader = first_of_block(a, ctx, cand, 0, num_cand, num_slots, c, id, mask, physical);
     }
     const int offset = append_position<kNumThreads>(leader, warp_counts, total);
     if (leader) {
@@ -1875,13 +1880,7 @@ __device__ __forceinline__ void build_request_table(const DecodeAttentionArgs& a
     const int begin = min(lane * per_lane, a.batch), end = min(begin + per_lane, a.batch);
     int64_t own = 0;
     for (int r = begin; r < end; ++r) own += pages_before[r + 1];
-    int64_t inclusive = own;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int64_t up = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
-      if (lane >= d) inclusive += up;
-    }
-    int64_t running = inclusive - own;
+    int64_t running = detail::warp_inclusive_sum(own) - own;
     for (int r = begin; r < end; ++r) {
       running += pages_before[r + 1];
       pages_before[r + 1] = running;
@@ -2270,12 +2269,7 @@ __device__ __forceinline__ void plan_direct_batch(const DecodeAttentionArgs& a, 
   }
   // A tile has <= 16 rows (<= 16 tokens) and <= topK <= 32 slots, so the first always fits.
   static_assert(kMaxCandidates >= 16 * 32, "a direct tile's candidates fit one batch");
-  int inclusive = cand;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int up = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
-    if (lane >= d) inclusive += up;
-  }
+  const int inclusive = detail::warp_inclusive_sum(cand);
   const bool taken = mine < f_end && inclusive <= kMaxCandidates;   // a prefix of the lanes
   const unsigned kept = __ballot_sync(0xFFFFFFFFu, taken && valid);
   if (taken && valid) {
@@ -2326,22 +2320,8 @@ __device__ void build_direct_page_lists(const DecodeAttentionArgs& a, DirectTile
     if (c < num_cand && (id = cand[c]) >= 0) {
       tile = tile_of(c);
       const DirectTile& t = tiles[tile];
-      const int num_slots = sparse_candidates(a, t.ctx).num_slots;
-      leader = true;
-      for (int other = t.cand_begin; other < t.cand_begin + t.num_cand; ++other) {
-        if (cand[other] == id) {
-          if (other < c) {
-            leader = false;
-            break;
-          }
-          mask |= 1u << (t.ctx.first_token + (other - t.cand_begin) / num_slots);
-        }
-      }
-      if (leader) {
-        physical = __ldg(a.page_table + static_cast<int64_t>(t.ctx.request) * a.page_table_width +
-                         id);
-        leader = physical >= 0 && physical < a.num_pages;
-      }
+      leader = first_of_block(a, t.ctx, cand, t.cand_begin, t.num_cand,
+                              sparse_candidates(a, t.ctx).num_slots, c, id, mask, physical);
     }
     const int offset = append_position<kThreads>(leader, warp_counts, total);
     if (leader) {
@@ -2355,12 +2335,7 @@ __device__ void build_direct_page_lists(const DecodeAttentionArgs& a, DirectTile
   // The lists are in tile order, so tile i's begins after the pages of tiles 0 .. i - 1.
   if (warp == 0) {
     const int pages = lane < num_tiles ? tile_pages[lane] : 0;
-    int inclusive = pages;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int up = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
-      if (lane >= d) inclusive += up;
-    }
+    const int inclusive = detail::warp_inclusive_sum(pages);
     if (lane < num_tiles) {
       tiles[lane].num_pages = pages;
       tiles[lane].list_begin = inclusive - pages;

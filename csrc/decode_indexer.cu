@@ -792,12 +792,7 @@ __global__ void __launch_bounds__(kPlanThreads) decode_indexer_plan_kernel(
     const int h = b < a.batch ? history(b) : 0;
     // 64-bit: garbage lengths may push chunk towards INT_MAX.
     const int n = b < a.batch ? static_cast<int>(max(1LL, (h + chunk - 1LL) / chunk)) : 0;
-    int incl = n;   // inclusive scan: warp, then warp totals
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-      if (lane >= o) incl += v;
-    }
+    int incl = detail::warp_inclusive_sum(n);   // inclusive scan: warp, then warp totals
     if (lane == 31) s_scan[warp] = incl;
     __syncthreads();
     int before = s_carry;
