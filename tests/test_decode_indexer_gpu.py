@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from msa_testing import TIERS, compiled_variant_with, native_families, use_tier
-from test_decode_indexer import P, make_attention_inputs, make_index_batch, oracle
+from test_decode_indexer import (P, check_selection, make_attention_inputs, make_index_batch,
+                                 oracle)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 OP_NAME = "decode_indexer_topk"
@@ -57,54 +58,8 @@ def _run(msa, inputs, plan, out_heads=None):
     return out.cpu(), scores.cpu()
 
 
-def _ranked(scores_row, own, topk):
-    """The contract's selection from one row's scores: topk - 1 best finite-or-+inf, ties to
-    the lower id, then own."""
-    cand = [(-float(s), i) for i, s in enumerate(scores_row.tolist())
-            if s == s and s != float("-inf")]
-    chosen = [i for _s, i in sorted(cand)[: topk - 1]]
-    if own >= 0:
-        chosen.append(own)
-    return chosen + [-1] * (topk - len(chosen))
-
-
-def _own_blocks(inputs, seqlen_q):
-    width = inputs["page_table"].shape[1]
-    owns = []
-    for n in inputs["seqused_k"].cpu().tolist():
-        n = min(max(n, 0), width * P)
-        owns += [(n - seqlen_q + i) // P if n - seqlen_q + i >= 0 else -1
-                 for i in range(seqlen_q)]
-    return owns
-
-
 def _check(inputs, keys, seqlen_q, topk, out, scores):
-    want, want_scores = oracle(inputs, keys, seqlen_q, topk)
-    heads, rows = want.shape[0], want.shape[1]
-    # 1. Block scores: every candidate (and nothing else) scored, within fp32 accumulation error.
-    assert int(torch.isfinite(scores).sum()) == len(want_scores)
-    for (h, r, blk), value in want_scores.items():
-        got = float(scores[h, r, blk])
-        assert abs(got - value) <= SCORE_TOL * max(1.0, abs(value)), ((h, r, blk), got, value)
-    # 2. The selection is exactly the ranking of the kernel's own scores.
-    owns = _own_blocks(inputs, seqlen_q)
-    for h in range(heads):
-        for r in range(rows):
-            assert out[h, r].tolist() == _ranked(scores[h, r], owns[r], topk), (h, r)
-    # 3. ... which is the oracle's up to near-ties.
-    for h in range(heads):
-        for r in range(rows):
-            got, exp = out[h, r], want[h, r]
-            assert int((got >= 0).sum()) == int((exp >= 0).sum()), (h, r, got, exp)
-            hist_got = got[got >= 0][:-1].tolist()
-            hist_exp = exp[exp >= 0][:-1].tolist()
-            if not hist_exp:
-                continue
-            threshold = min(want_scores[h, r, b] for b in hist_exp)
-            tol = 4 * SCORE_TOL * max(1.0, abs(threshold))
-            assert all(want_scores[h, r, b] >= threshold - tol for b in hist_got), (h, r)
-            must = [b for b in hist_exp if want_scores[h, r, b] > threshold + tol]
-            assert set(must) <= set(hist_got), (h, r)
+    check_selection(inputs, keys, seqlen_q, topk, out, scores, score_tol=SCORE_TOL)
 
 
 LENS = [1, 129, 1000, 256, 77, 40000, 128]
