@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from msa_testing import TIERS, compiled_variant_with, native_families, use_tier
-from test_decode_indexer import (P, check_selection, make_attention_inputs, make_index_batch,
-                                 oracle)
+from test_decode_indexer import P, check_selection, make_attention_inputs, make_index_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 OP_NAME = "decode_indexer_topk"
