@@ -293,6 +293,86 @@ def test_k2q_csr_garbage_ids_and_wrong_hints(msa_pkg, native_only, seed):
     torch.cuda.synchronize()
 
 
+def _csr_kernels(fn):
+    """Names of the CUDA kernels `fn` launches."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+# (q_lens, k_lens, Hkv, topk, total_rows or None, one CTA?): each bound of
+# csrc/build_k2q_csr.cu one_cta_fits from either side, and the short production chunks.
+ONE_CTA_CASES = [
+    ([182], [17718], 4, 16, None, True),                 # production short chunks
+    ([170, 156], [13000, 27277], 4, 16, None, True),
+    ([3] * 64, [300] * 64, 2, 4, None, True),             # 64 requests
+    ([3] * 65, [300] * 65, 2, 4, None, False),            # 65
+    ([8], [40000], 32, 8, None, True),                    # 32 KV heads (one warp each)
+    ([8], [40000], 33, 8, None, False),
+    ([512], [9000], 4, 16, None, True),                   # total_q x topk = 8192
+    ([513], [9000], 4, 16, None, False),
+    ([256], [9000], 8, 32, None, True),                   # Hkv x total_q x topk = 65536
+    ([256], [524160], 4, 8, 4095, True),                  # Hkv x (rows + 1) = 16384
+    ([256], [524160], 4, 8, 4096, False),
+    ([250, 250], [1600000, 1600000], 2, 16, 2000, False),  # shared tables past 96 KB
+]
+
+
+@pytest.mark.parametrize("case", ONE_CTA_CASES, ids=lambda c: (
+    f"{len(c[0])}req-q{sum(c[0])}-hkv{c[2]}-top{c[3]}-rows{c[4]}-{'one' if c[5] else 'multi'}"))
+def test_k2q_csr_one_cta_build(msa_pkg, native_only, monkeypatch, seed, case):
+    """The one-CTA build serves exactly the calls within its bounds (one launch, its kernel),
+    the multi-kernel build the rest, both equal to the reference bit for bit, with and without
+    a schedule, with garbage ids, duplicates and a too-small row hint, and under graph replay."""
+    from msa._native import csr_builder
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    assert csr_builder.one_cta_allowed()
+    q_lens, k_lens, hkv, topk, total_rows, one_cta = case
+    device = torch.device("cuda")
+    cu_q, cu_k = _cu(q_lens, device), _cu(k_lens, device)
+    q2k = _random_q2k(q_lens, k_lens, hkv, topk, device, p_empty=0.2)
+    for return_schedule in (True, False):
+        call = _make_call(msa_pkg, q2k, cu_q, cu_k, q_lens, k_lens, qhead_per_kv=16,
+                          total_rows=total_rows, return_schedule=return_schedule)
+        names = _csr_kernels(lambda: _check_csr(msa_pkg, call, schedule_check="reference"))
+        launched = [n for n in names if "csr" in n or "schedule" in n or "radix" in n.lower()]
+        assert any("one_cta_csr_kernel" in n for n in names) == one_cta, launched
+        if one_cta:
+            assert sum("one_cta_csr_kernel" in n for n in names) == 1, launched
+    if not one_cta:
+        return
+    total_q = sum(q_lens)
+    garbage = torch.randint(-(1 << 31), (1 << 31) - 1, (hkv, total_q, topk), dtype=torch.int64,
+                            device=device).to(torch.int32)
+    noisy = torch.where(torch.rand(hkv, total_q, topk, device=device) < 0.3, garbage, q2k)
+    noisy[:, :, 1] = noisy[:, :, 0]                       # duplicates
+    call = _make_call(msa_pkg, noisy.contiguous(), cu_q, cu_k, q_lens, k_lens,
+                      total_rows=total_rows)
+    _check_csr(msa_pkg, call, schedule_check="reference")
+    call.max_kv_blocks = 1                                # direct row formula past the table
+    _check_csr(msa_pkg, call, schedule_check="reference")
+    call.total_rows = max(call.total_rows // 3, 1)        # rows past total_rows dropped
+    _check_csr(msa_pkg, call, schedule_check="reference")
+    # Captured once, replayed on fresh selections.
+    call = _make_call(msa_pkg, q2k, cu_q, cu_k, q_lens, k_lens, total_rows=total_rows)
+    csr_builder.run(call)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        row_ptr, q_idx, sched = csr_builder.run(call)
+    for _ in range(2):
+        q2k.copy_(_random_q2k(q_lens, k_lens, hkv, topk, device, p_empty=0.2))
+        graph.replay()
+        ref = _check_csr(msa_pkg, call, schedule_check="reference")
+        _assert_equal("graph row_ptr", row_ptr, ref[0])
+        _assert_equal("graph q_idx", q_idx, ref[1])
+        for name in ("scheduler_metadata", "work_count", "qsplit_indices", "split_counts"):
+            _assert_equal(f"graph {name}", getattr(sched, name), getattr(ref[2], name))
+
+
 def test_k2q_csr_empty_workload(msa_pkg, native_only):
     device = torch.device("cuda")
     cu_q = torch.tensor([0, 0], dtype=torch.int32, device=device)
