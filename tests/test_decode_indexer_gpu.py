@@ -206,8 +206,10 @@ def test_native_step_wrapper(msa_pkg, native_only, seed, fmt, monkeypatch, tier)
 def test_native_step_wrapper_selects_every_block_of_short_requests(msa_pkg, native_only, seed,
                                                                    fmt, monkeypatch, tier):
     """Requests of at most topk blocks (MTP 8, G 16, top-16, up to 2048 keys): the step writes
-    every visible block without scoring and attends densely; O is sparse decode attention over
-    that selection, eager and replayed in a CUDA graph after the lengths grew."""
+    every visible block without scoring (on the side stream, joined before run returns) and
+    attends densely; O is sparse decode attention over that selection, eager and replayed in a
+    CUDA graph after the lengths grew. The selection is also read on the caller's stream right
+    after run, before any synchronization."""
     from test_decode import check_against_oracle, oracle as attention_oracle
     monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     grown, seqlen_q, hkv, group, topk = [2048, 700, 130, 1500], 8, 4, 16, 16
@@ -219,8 +221,9 @@ def test_native_step_wrapper_selects_every_block_of_short_requests(msa_pkg, nati
         max_seqlen_k=topk * P, num_qo_heads=hkv * group, num_kv_heads=hkv, topk=topk)
     assert step.selects_every_block
 
-    def check(out, lse):
+    def check(out, lse, sel_after_run):
         sel = step.q2k_indices.cpu()
+        assert torch.equal(sel_after_run.cpu(), sel)
         for b, n in enumerate(inputs["seqused_k"].tolist()):
             for i in range(seqlen_q):
                 own = (n - seqlen_q + i) // P if n - seqlen_q + i >= 0 else -1
@@ -235,17 +238,19 @@ def test_native_step_wrapper_selects_every_block_of_short_requests(msa_pkg, nati
     step.q2k_indices.fill_(7)
     step.update().run(q, k, v, inputs["q_idx"], inputs["k_idx"], out=out, lse=lse,
                       return_softmax_lse=True)
+    sel_after_run = step.q2k_indices.clone()
     torch.cuda.synchronize()
     assert msa_pkg._backend.last_backend("sparse_decode_atten") == tier
-    check(out, lse)
+    check(out, lse, sel_after_run)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step.run(q, k, v, inputs["q_idx"], inputs["k_idx"], out=out, lse=lse,
                  return_softmax_lse=True)
+        sel_in_graph = step.q2k_indices.clone()
     inputs["seqused_k"].copy_(torch.tensor(grown, dtype=torch.int32))
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
     step.q2k_indices.fill_(7)
     graph.replay()
     torch.cuda.synchronize()
-    check(out, lse)
+    check(out, lse, sel_in_graph)

@@ -7,7 +7,10 @@ buffer (its sparse schedule depends only on topk, so it serves every length). Wh
 can hold more than topk blocks (``ceil(max_seqlen_k / 128) <= topk``) the top-k keeps every
 visible block whatever the scores: run() then writes that selection directly (history blocks
 ascending, the own block last, as the top-k contract allows) and attends densely, which is the
-same attention without the index scores or the q2k union. Per decode step,
+same attention without the index scores or the q2k union. The attention then does not read the
+selection, so its two launches can run on a side stream forked after the caller's work and
+joined before run() returns (a branch in a captured graph): gated until validated on the H200
+(``SIDE_STREAM_VALIDATED``; ``MSA_UNVALIDATED_KERNELS=1`` forks). Per decode step,
 after writing new lengths into ``seqused_k``: ``update()`` once (the indexer's split of the live
 blocks; several layers' wrappers may share one plan, see ``plan(indexer_plan=...)``), then
 ``run(...)`` for the layer. Everything run does is capturable: no host synchronization, fixed
@@ -32,6 +35,23 @@ def selects_every_block(max_seqlen_k: int, topk: int) -> bool:
     """Whether the top-k keeps every visible block of every request of at most max_seqlen_k
     keys, whatever the scores (no request holds more than topk blocks)."""
     return -(-max_seqlen_k // PAGE_SIZE) <= topk
+
+
+# Whether the every-block selection's side-stream branch passed its GPU test on the H200
+# (tests/test_decode_indexer_gpu.py, test_native_step_wrapper_selects_every_block_of_short_requests).
+SIDE_STREAM_VALIDATED = False
+_side_streams = {}
+
+
+def _side_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
+    """The process's side stream of `device` for the every-block selection (one per device,
+    shared by every wrapper), or None when run() should stay on the caller's stream."""
+    if device.type != "cuda" or not (SIDE_STREAM_VALIDATED or _backend.unvalidated_ok()):
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(device=index)
+    return _side_streams[index]
 
 
 # run()'s names for the arguments it hands decode_indexer_topk (its errors name these).
@@ -176,6 +196,15 @@ class MSADecodeStepWrapper:
             # against the page table, as the indexer would check it.
             if index_call.check_values or _backend.reference_only(q.device):
                 check_decode_indexer_values(index_call)
+            side = None if _backend.reference_only(q.device) else _side_stream(q.device)
+            if side is not None:
+                caller = torch.cuda.current_stream(q.device)
+                side.wait_stream(caller)
+                with torch.cuda.stream(side):
+                    self._write_every_visible_block()
+                result = run_decode(call, *attention.plan_for(call), bool(return_softmax_lse))
+                caller.wait_stream(side)
+                return result
             self._write_every_visible_block()
         else:
             run_indexer_call(index_call)
@@ -183,7 +212,8 @@ class MSADecodeStepWrapper:
 
     def _write_every_visible_block(self):
         """q2k when the top-k keeps every visible block: blocks 0 .. own in ascending order
-        (the own block last), -1 after; rows without keys all -1. Two capturable launches."""
+        (the own block last), -1 after; rows without keys all -1. Two capturable launches on the
+        current stream (their temporary is freed to that stream's pool)."""
         q2k = self.q2k_indices
         batch = self._seqused_k.numel()
         visible = self._slot_needs <= self._seqused_k.view(1, batch, 1, 1)   # [Hkv, B, Q, topk]
