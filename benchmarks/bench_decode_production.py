@@ -67,12 +67,17 @@ CASE_SEED = 1701
 ATTENTION_FORMS = {"served": {}, "rows": dict(decode_warpgroup=False),
                    "warpgroup": dict(decode_warpgroup=True, decode_pingpong=False),
                    "pingpong": dict(decode_warpgroup=True, decode_pingpong=True,
-                                    decode_persistent=False),
+                                    decode_persistent=False, decode_pv_fp8=False),
                    "persistent": dict(decode_warpgroup=True, decode_pingpong=True,
-                                      decode_persistent=True)}
+                                      decode_persistent=True, decode_pv_fp8=False),
+                   "pingpong_pv8": dict(decode_warpgroup=True, decode_pingpong=True,
+                                        decode_persistent=False, decode_pv_fp8=True),
+                   "persistent_pv8": dict(decode_warpgroup=True, decode_pingpong=True,
+                                          decode_persistent=True, decode_pv_fp8=True)}
 # The dense plans of the forced forms: persistent plans the persistent form wherever the call can
 # take it (not only where schedules.decode.persistent_pays), pingpong never.
-PLAN_PERSISTENT = {"persistent": True, "pingpong": False}
+PLAN_PERSISTENT = {"persistent": True, "pingpong": False, "persistent_pv8": True,
+                   "pingpong_pv8": False}
 WARMUP_REPLAYS = 5
 GRAPH_TARGET_US = 2000.0
 MAX_CALLS = 120
@@ -368,7 +373,8 @@ def main(argv=None):
                          "(comma-separated): served (what the gates serve), rows, warpgroup "
                          "(two-stage), pingpong (producer + two consumer warpgroups, the "
                          "plan's work items), persistent (its persistent form, planned "
-                         "wherever it can run); "
+                         "wherever it can run), pingpong_pv8 / persistent_pv8 (those with "
+                         "e4m3 P.V: e4m3 K/V only); "
                          "a forced form's rows name it in impl, e.g. dense-bf16[rows]")
     ap.add_argument("--qo-tile-rows", default="auto",
                     help="query rows per attention CTA, each timed in turn (comma-separated): "

@@ -936,6 +936,19 @@ __device__ __forceinline__ void wgmma_pv_f16(float (&d)[64], const uint32_t (&a)
 }
 
 
+// e4m3 x e4m3, k32: A (P) from registers (the m64k32 8-bit fragment layout), B (V^T) K-major
+// from shared memory, one 128-byte row of key positions per channel.
+__device__ __forceinline__ void wgmma_pv_e4m3(float (&d)[64], const uint32_t (&a)[4],
+                                          uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      MSA_WGMMA_D_TEXT ", {%64,%65,%66,%67}, %68, p, 1, 1;\n}\n"
+      : MSA_WGMMA_D_OPERANDS(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+
 // 16 e4m3 values (channels 16 c .. 16 c + 15 of `row`) widened to f16 (exact) into a 16-bit
 // swizzled tile of two column blocks (`block_bytes` apart): its chunks 2 c and 2 c + 1. The
 // chunk stored first alternates with c / 4, so the eight threads of one row (chunks 0 .. 7)
@@ -1152,12 +1165,13 @@ __device__ __forceinline__ void issue_qk(const char* qs, const char* ks, float (
 }
 
 // The page's softmax on S (complete): mask (causal against seqused_k, the page's selection per
-// token) unless `full`, page maxima per row, P as the PV wgmma's A fragments (pa) and the
-// factor alpha by which O must be rescaled before P.V is added; the row state advances.
+// token) unless `full`, page maxima per row; S becomes P in fp32 (bf16: against the running
+// max; e4m3: against the page max, beta the factor from it to the running max), alpha the
+// factor by which O must be rescaled before P.V is added; the row state advances.
 template <bool kFp8>
-__device__ __forceinline__ void page_softmax(const PageRef& page, bool full, float scale_log2,
-                                             Rows& rows, float (&s)[64], uint32_t (&pa)[8][4],
-                                             float (&alpha)[2]) {
+__device__ __forceinline__ void page_probabilities(const PageRef& page, bool full,
+                                                   float scale_log2, Rows& rows, float (&s)[64],
+                                                   float (&alpha)[2], float (&beta)[2]) {
   const int lane = threadIdx.x & 31;
   float page_max[2];
   // Where the tile's tokens do not all see the page (a sparse union, the request's last page),
@@ -1202,7 +1216,7 @@ __device__ __forceinline__ void page_softmax(const PageRef& page, bool full, flo
   for (int i2 = 0; i2 < 2; ++i2) {
     page_max[i2] = fmaxf(fmaxf(part[i2][0], part[i2][1]), fmaxf(part[i2][2], part[i2][3]));
   }
-  float shift[2], beta[2];
+  float shift[2];
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
     page_max[i2] = fmaxf(page_max[i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[i2], 1));
@@ -1229,12 +1243,18 @@ __device__ __forceinline__ void page_softmax(const PageRef& page, bool full, flo
       s[4 * j + e] = p;
     }
   }
-  float page_sum[2];
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
-    page_sum[i2] = (part[i2][0] + part[i2][1]) + (part[i2][2] + part[i2][3]);
+    const float page_sum = (part[i2][0] + part[i2][1]) + (part[i2][2] + part[i2][3]);
+    rows.sum[i2] = rows.sum[i2] * alpha[i2] + (kFp8 ? beta[i2] : 1.f) * page_sum;
   }
-  // P as the A operand, k-step kk: keys 16 kk .. 16 kk + 15.
+}
+
+// P (page_probabilities) as the 16-bit P.V wgmma's A operand, k-step kk: keys 16 kk .. + 15
+// (bf16; e4m3: each P rounded to e4m3 as an FP8 P.V would see it, times beta, in f16).
+template <bool kFp8>
+__device__ __forceinline__ void pack_p_16bit(const float (&s)[64], const float (&beta)[2],
+                                             uint32_t (&pa)[8][4]) {
   const __half2 beta0 = __float2half2_rn(beta[0]), beta1 = __float2half2_rn(beta[1]);
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
@@ -1248,10 +1268,39 @@ __device__ __forceinline__ void page_softmax(const PageRef& page, bool full, flo
       }
     }
   }
+}
+
+// Four probabilities rounded to e4m3, byte i = p_i.
+__device__ __forceinline__ uint32_t pack_e4m3x4(float p0, float p1, float p2, float p3) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(p0, p1), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(p2, p3), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+
+// P (page_probabilities, e4m3: against the page max) as the e4m3 P.V wgmma's A operand, k-step
+// kk: key positions 32 kk .. + 31. Register a0 holds row r's positions 4t .. 4t + 3 (t = lane %
+// 4), a1 row r + 8's, a2 / a3 the same 16 positions on; V^T holds in position 4u + i of each
+// 16-key group the key 2u + (i & 1) + 8 (i >> 1) (transpose_v_quarter), which is where S's
+// accumulator leaves this thread's keys: no shuffle.
+__device__ __forceinline__ void pack_p_e4m3(const float (&s)[64], uint32_t (&pa)[4][4]) {
 #pragma unroll
-  for (int i2 = 0; i2 < 2; ++i2) {
-    rows.sum[i2] = rows.sum[i2] * alpha[i2] + (kFp8 ? beta[i2] : 1.f) * page_sum[i2];
+  for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+    for (int f = 0; f < 4; ++f) {
+      const int j = 4 * kk + 2 * (f >> 1), e = 2 * (f & 1);
+      pa[kk][f] = pack_e4m3x4(s[4 * j + e], s[4 * j + e + 1], s[4 * j + 4 + e],
+                              s[4 * j + 4 + e + 1]);
+    }
   }
+}
+
+template <bool kFp8>
+__device__ __forceinline__ void page_softmax(const PageRef& page, bool full, float scale_log2,
+                                             Rows& rows, float (&s)[64], uint32_t (&pa)[8][4],
+                                             float (&alpha)[2]) {
+  float beta[2];
+  page_probabilities<kFp8>(page, full, scale_log2, rows, s, alpha, beta);
+  pack_p_16bit<kFp8>(s, beta, pa);
 }
 
 // O *= alpha per row (skipped when neither row's running max moved).
@@ -1397,10 +1446,20 @@ namespace pingpong {
 
 constexpr int kThreadsPP = 3 * 128;
 constexpr int kQueriesReady = 3;     // named barrier of the consumers' Q load (1, 2: their turns)
-constexpr int kProducerRegisters = 56;
-constexpr int kConsumerRegisters = 224;
+constexpr int kVTransposeBarrier = 6;   // e4m3 P.V: the V loaders' per-quarter barrier
 static_assert((kThreadsPP / 32 + 1) * 4 <= kCountsSlotBytes, "warp counts and the page total");
-static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536, "register file");
+
+// setmaxnreg moves registers within the CTA's launch allocation (384 threads x 168), not the
+// SM's 64K: a split past it would hang the consumers' increase. The e4m3 P.V form's consumers
+// hold a third accumulator (the page's P.V before it is folded into O).
+constexpr int kLaunchRegisters = 168;
+template <bool kPvFp8>
+struct RegisterSplit {
+  static constexpr int kProducer = kPvFp8 ? 40 : 56;
+  static constexpr int kConsumer = kPvFp8 ? 232 : 224;
+  static_assert(128 * kProducer + 256 * kConsumer <= kThreadsPP * kLaunchRegisters,
+                "the register split must fit the launch allocation");
+};
 
 // Shared memory: Q (bf16: both consumers' 16-bit rows, 32 KB; e4m3: their raw rows, K-major
 // for the e4m3 Q K^T wgmma, then a 16-bit tile of zeros, the first turn's V tile), the K ring
@@ -1409,20 +1468,25 @@ static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters <= 65536, "reg
 // barriers, the sparse page list. The persistent form keeps two Q slots (the next sequence's
 // rows land while this one's run; bf16 then has room for two K stages) and the partition's
 // request table instead of the list.
-template <bool kFp8, bool kPersistent = false>
+//
+// kPvFp8 (e4m3 only): P.V on e4m3 wgmma, the V ring holding e4m3 V^T tiles (16 KB, three
+// stages) instead of f16 V, the tile of zeros 16 KB.
+template <bool kFp8, bool kPersistent = false, bool kPvFp8 = false>
 struct Layout {
   using S = Shape<kFp8>;
+  static_assert(kFp8 || !kPvFp8, "e4m3 P.V needs e4m3 K/V");
   static constexpr int kQBytes = kFp8 ? kWarpgroupRows * kRowBytes : S::kQBytes;  // per consumer
   static constexpr int kQSlotBytes = 2 * kQBytes;
+  static constexpr int kVTileBytes = kPvFp8 ? S::kPageBlockBytes : S::kWideBytes;
   static constexpr int kZerosOffset = (kPersistent ? 2 : 1) * kQSlotBytes;
-  static constexpr int kZerosBytes = kFp8 ? S::kWideBytes : 0;
+  static constexpr int kZerosBytes = kFp8 ? kVTileBytes : 0;
   static constexpr int kKTileBytes = kFp8 ? S::kPageBlockBytes : S::kWideBytes;
   static constexpr int kKStages = kFp8 ? 4 : (kPersistent ? 2 : 3);
-  static constexpr int kVStages = 2;
+  static constexpr int kVStages = kPvFp8 ? 3 : 2;
   static constexpr int kRawBytes = kFp8 ? kPageSize * kRowBytes : 0;
   static constexpr int kKOffset = kZerosOffset + kZerosBytes;
   static constexpr int kVOffset = kKOffset + kKStages * kKTileBytes;
-  static constexpr int kRawOffset = kVOffset + kVStages * S::kWideBytes;
+  static constexpr int kRawOffset = kVOffset + kVStages * kVTileBytes;
   static constexpr int kBarrierOffset = kRawOffset + kRawBytes;
   static constexpr int kBarriers = 2 * (kKStages + kVStages);
   static constexpr int kListOffset = kBarrierOffset + kBarriers * 8;
@@ -1437,6 +1501,7 @@ struct Layout {
 // e4m3 Q of the tile as stored (rows of 128 bytes, swizzled, K-major for the e4m3 Q K^T wgmma;
 // zero past tile_rows) into each consumer's block, and the 16-bit tile of zeros after them, by
 // the 256 consumer threads.
+template <typename L>
 __device__ __forceinline__ void load_raw_queries(const DecodeAttentionArgs& a,
                                                  const CtaContext& ctx, int group, int tile_rows,
                                                  char* qs, int thread) {
@@ -1450,9 +1515,9 @@ __device__ __forceinline__ void load_raw_queries(const DecodeAttentionArgs& a,
     *reinterpret_cast<uint4*>(qs + swizzled(row, chunk)) =     // row 64 starts block 1
         query_chunk(a, ctx, group, tile_rows, row, chunk, 1);
   }
-  uint4* zeros = reinterpret_cast<uint4*>(qs + Layout<true>::kZerosOffset);
+  uint4* zeros = reinterpret_cast<uint4*>(qs + L::kZerosOffset);
 #pragma unroll
-  for (int i = 0; i < Layout<true>::kZerosBytes / 16 / kThreads; ++i) {
+  for (int i = 0; i < L::kZerosBytes / 16 / kThreads; ++i) {
     zeros[thread + i * kThreads] = make_uint4(0u, 0u, 0u, 0u);
   }
 }
@@ -1655,11 +1720,110 @@ __device__ __forceinline__ void stream_tensor_fp8(int num_pages, [[maybe_unused]
   cp_async_wait_all();                              // no copy outlives its thread
 }
 
+// e4m3 V for the e4m3 P.V: quarter `quarter` (32 keys, row-major in the raw slot) of a page
+// transposed into its V^T tile: channel-major, 128 rows of 128 key positions, K-major and
+// 128-byte swizzled as FP8 wgmma takes B, each 16-key group's keys in the order P's e4m3 A
+// fragment holds them (pack_p_e4m3): position 4u + i = key 2u + (i & 1) + 8 (i >> 1). Thread
+// (g = thread / 32, cq = thread % 32) takes keys 16 g .. + 15 of channels 4 cq .. + 3 in two
+// halves (keys 4h .. 4h + 3 and 4h + 8 .. 4h + 11: positions 8h .. 8h + 7), each 8 4-byte
+// loads (a warp reads 128 consecutive bytes of a row), 16 byte permutes (two 4 x 4 transposes
+// per u), 4 8-byte stores. Store st writes channel 4 cq + (rot + st) % 4, rot = cq / 2 % 4, and
+// lanes cq and cq + 8 take the halves in opposite orders: a half warp's stores meet 16
+// distinct 8-byte bank slots (eight swizzle phases x two halves).
+__device__ __forceinline__ void transpose_v_quarter(const char* quarter_rows, char* tile,
+                                                    int quarter, int thread) {
+  const int g = thread >> 5, cq = thread & 31, rot = (cq >> 1) & 3;
+  const char* src = quarter_rows + g * 16 * kRowBytes + 4 * cq;
+  const uint32_t r0 = rot, r1 = (rot + 1) & 3, r2 = (rot + 2) & 3, r3 = (rot + 3) & 3;
+  // Stage 1 pairs two keys' bytes of channels (r0, r1), then (r2, r3); stage 2 joins two pairs.
+  const uint32_t sel_a = r0 | ((4 + r0) << 4) | (r1 << 8) | ((4 + r1) << 12);
+  const uint32_t sel_b = r2 | ((4 + r2) << 4) | (r3 << 8) | ((4 + r3) << 12);
+  const int chunk = 2 * quarter + g;
+  const int first_half = (cq >> 3) & 1;
+#pragma unroll
+  for (int it = 0; it < 2; ++it) {
+    const int h = it ^ first_half;
+    const char* rows = src + 4 * h * kRowBytes;
+    uint32_t x[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      x[k] = *reinterpret_cast<const uint32_t*>(rows + k * kRowBytes);           // keys 4h + k
+      x[4 + k] = *reinterpret_cast<const uint32_t*>(rows + (8 + k) * kRowBytes);  // 4h + 8 + k
+    }
+    uint32_t y[4][2];   // [store][v]: channel (rot + store) % 4, word u = 2h + v
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {   // keys 2u, 2u + 1, 2u + 8, 2u + 9
+      const uint32_t t0 = __byte_perm(x[2 * v], x[2 * v + 1], sel_a);
+      const uint32_t t1 = __byte_perm(x[2 * v], x[2 * v + 1], sel_b);
+      const uint32_t t2 = __byte_perm(x[4 + 2 * v], x[5 + 2 * v], sel_a);
+      const uint32_t t3 = __byte_perm(x[4 + 2 * v], x[5 + 2 * v], sel_b);
+      y[0][v] = __byte_perm(t0, t2, 0x5410);
+      y[1][v] = __byte_perm(t0, t2, 0x7632);
+      y[2][v] = __byte_perm(t1, t3, 0x5410);
+      y[3][v] = __byte_perm(t1, t3, 0x7632);
+    }
+#pragma unroll
+    for (int st = 0; st < 4; ++st) {
+      const int row = 4 * cq + ((rot + st) & 3);
+      *reinterpret_cast<uint2*>(tile + swizzled(row, chunk) + 8 * h) =
+          make_uint2(y[st][0], y[st][1]);
+    }
+  }
+}
+
+// e4m3 V's stream for the e4m3 P.V. The raw slot is a ring of four quarter pages, quarter step
+// n (page n / 4, quarter n % 4) copied into slot n % 4 three steps ahead. A quarter is read by
+// other loaders than the ones that copied it, so per step: this thread's copies of it landed
+// (one cp.async group per step), then the loaders' barrier (everyone's copies landed, and the
+// previous step's slot is read by all, so it takes step n + 3's copies), then the transpose into
+// the page's V^T stage (its empty wait before the first quarter); after the last quarter a fence
+// for the async proxy and the full barrier. locate(i, valid_rows) is called for i = 0, 1, ...
+template <int kStages, typename Locate, typename Full, typename Empty, typename Tile>
+__device__ __forceinline__ void stream_v_transposed(int num_pages, [[maybe_unused]] int lab_actor,
+                                                    char* raw, int thread, Locate locate_page,
+                                                    Full full, Empty empty, Tile tile) {
+  constexpr int kQuarterBytes = kPageSize / kRawQuarters * kRowBytes;
+  sm90::RingState<kStages> ring;
+  const RawLoader me(thread);
+  int src_rows = 0;
+  const char* src = nullptr;
+  auto issue = [&](int n) {   // one group per step, empty past the last page
+    const int page = n / kRawQuarters, quarter = n % kRawQuarters;
+    if (page < num_pages) {
+      if (quarter == 0) src = locate_page(page, src_rows);
+      load_raw_quarter(me, src, raw, src_rows, quarter);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int n = 0; n < kRawQuarters - 1; ++n) issue(n);
+  for (int i = 0; i < num_pages; ++i) {
+    MSA_LAB_MARK(thread == 0, lab_actor, i, 0);
+#pragma unroll
+    for (int q = 0; q < kRawQuarters; ++q) {
+      sm80::cp_async_wait<kRawQuarters - 2>();      // this thread's copies of step 4 i + q
+      sm90::named_sync(kVTransposeBarrier, kLoaders);
+      issue(kRawQuarters * i + q + kRawQuarters - 1);
+      if (q == 0) {
+        MSA_LAB_MARK(thread == 0, lab_actor, i, 1);
+        empty(ring.index).wait(ring.phase ^ 1u);
+        MSA_LAB_MARK(thread == 0, lab_actor, i, 2);
+      }
+      transpose_v_quarter(raw + q * kQuarterBytes, tile(ring.index), q, thread);
+    }
+    sm90::fence_proxy_async_shared();
+    full(ring.index).arrive();
+    MSA_LAB_MARK(thread == 0, lab_actor, i, 3);
+    ring.advance();
+  }
+  cp_async_wait_all();                              // no copy outlives its thread
+}
+
 // The producer warpgroup's streams: warps 0-1 K, warps 2-3 V (e4m3 V through the raw slot at
-// smem + L::kRawOffset, widened into the ring), num_pages pages whose sources
-// locate(i, valid_rows) gives in order.
-template <bool kFp8, typename L, typename Locate, typename KFull, typename KEmpty,
-          typename KTile, typename VFull, typename VEmpty, typename VTile>
+// smem + L::kRawOffset, widened into the ring, or with kPvFp8 transposed into V^T tiles),
+// num_pages pages whose sources locate(i, valid_rows) gives in order.
+template <bool kFp8, typename L, bool kPvFp8 = false, typename Locate, typename KFull,
+          typename KEmpty, typename KTile, typename VFull, typename VEmpty, typename VTile>
 __device__ __forceinline__ void stream_pages(int num_pages, bool streams_k, int thread,
                                              char* smem, Locate locate, KFull k_full,
                                              KEmpty k_empty, KTile k_tile, VFull v_full,
@@ -1668,6 +1832,9 @@ __device__ __forceinline__ void stream_pages(int num_pages, bool streams_k, int 
   if (streams_k) {
     stream_tensor<kKStages, PageLoader<kFp8 ? 1 : 2>>(num_pages, 0, thread, locate, k_full,
                                                       k_empty, k_tile);
+  } else if constexpr (kPvFp8) {
+    stream_v_transposed<kVStages>(num_pages, 1, smem + L::kRawOffset, thread, locate, v_full,
+                                  v_empty, v_tile);
   } else if constexpr (kFp8) {
     stream_tensor_fp8<kVStages>(num_pages, 1, smem + L::kRawOffset, thread, locate, v_full,
                                 v_empty, v_tile);
@@ -1677,11 +1844,86 @@ __device__ __forceinline__ void stream_pages(int num_pages, bool streams_k, int 
   }
 }
 
-template <bool kFp8>
+// The P.V a consumer issues in a turn: the previous page's P (zero when there is none: the first
+// turn, a skipped page, an idle warpgroup; what a zero P multiplies is always finite and
+// settled). 16-bit P (bf16, or e4m3 P as f16 times beta) accumulates straight into O. With
+// e4m3 P (kPvFp8) the page's P.V goes into a fresh accumulator and is added to O in fp32, times
+// beta, after the turn's wait (accumulating in the FP8 unit drifts with the length).
+template <bool kFp8, bool kPvFp8>
+struct PendingPV {
+  uint32_t pa[8][4];
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+  }
+  __device__ __forceinline__ static uint64_t descriptor_of(const char* v) {
+    return v_descriptor(v);
+  }
+  __device__ __forceinline__ void issue(uint64_t desc_v, float (&o)[64]) {
+    issue_pv<kFp8>(desc_v, pa, o);
+  }
+  __device__ __forceinline__ void fold(float (&)[64]) const {}
+  __device__ __forceinline__ void set(const float (&p)[64], const float (&beta)[2]) {
+    pack_p_16bit<kFp8>(p, beta, pa);
+  }
+  __device__ __forceinline__ void keep(uint32_t mask) {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+#pragma unroll
+      for (int f = 0; f < 4; ++f) pa[kk][f] &= mask;
+    }
+  }
+};
+
+template <>
+struct PendingPV<true, true> {
+  uint32_t pa[4][4];
+  float acc[64];
+  float beta[2];
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    beta[0] = beta[1] = 0.f;
+  }
+  __device__ __forceinline__ static uint64_t descriptor_of(const char* v) {
+    return descriptor(v, 16);   // V^T: K-major, 32 key positions per k-step
+  }
+  __device__ __forceinline__ void issue(uint64_t desc_v, float (&)[64]) {
+    fence_operands();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_pv_e4m3(acc, pa[kk], desc_v + ((32 * kk) >> 4), kk);
+  }
+  __device__ __forceinline__ void fold(float (&o)[64]) const {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      o[4 * j] = fmaf(beta[0], acc[4 * j], o[4 * j]);
+      o[4 * j + 1] = fmaf(beta[0], acc[4 * j + 1], o[4 * j + 1]);
+      o[4 * j + 2] = fmaf(beta[1], acc[4 * j + 2], o[4 * j + 2]);
+      o[4 * j + 3] = fmaf(beta[1], acc[4 * j + 3], o[4 * j + 3]);
+    }
+  }
+  __device__ __forceinline__ void set(const float (&p)[64], const float (&beta_)[2]) {
+    pack_p_e4m3(p, pa);
+    beta[0] = beta_[0];
+    beta[1] = beta_[1];
+  }
+  __device__ __forceinline__ void keep(uint32_t mask) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+      for (int f = 0; f < 4; ++f) pa[kk][f] &= mask;
+    }
+    if (mask == 0u) beta[0] = beta[1] = 0.f;
+  }
+};
+
+template <bool kFp8, bool kPvFp8 = false>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     const DecodeAttentionArgs a) {
-  using L = Layout<kFp8>;
-  using S = Shape<kFp8>;
+  using L = Layout<kFp8, false, kPvFp8>;
+  using Registers = RegisterSplit<kPvFp8>;
   constexpr int kKStages = L::kKStages, kVStages = L::kVStages;
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -1691,7 +1933,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   auto v_full = [&](int st) { return sm90::Mbarrier{bars + 2 * kKStages + st}; };
   auto v_empty = [&](int st) { return sm90::Mbarrier{bars + 2 * kKStages + kVStages + st}; };
   auto k_tile = [&](int st) { return smem + L::kKOffset + st * L::kKTileBytes; };
-  auto v_tile = [&](int st) { return smem + L::kVOffset + st * S::kWideBytes; };
+  auto v_tile = [&](int st) { return smem + L::kVOffset + st * L::kVTileBytes; };
   int* cand = reinterpret_cast<int*>(smem + L::kListOffset);
   int* list_phys = cand + kMaxCandidates;
   int* list_logical = list_phys + kMaxCandidates;
@@ -1729,7 +1971,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     // Producer: warps 0-1 stream K, warps 2-3 stream V, each at its own pace.
-    sm90::registers_down<kProducerRegisters>();
+    sm90::registers_down<Registers::kProducer>();
     const int thread = threadIdx.x % kLoaders;
     const bool streams_k = threadIdx.x < kLoaders;
     const void* tensor = streams_k ? a.k : a.v;
@@ -1738,16 +1980,16 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
       valid_rows = page_valid_rows(ctx, ref);
       return page_source(a, ctx.head, ref, tensor, kFp8 ? 1 : 2, valid_rows);
     };
-    stream_pages<kFp8, L>(num_pages, streams_k, thread, smem, locate, k_full, k_empty, k_tile,
-                          v_full, v_empty, v_tile);
+    stream_pages<kFp8, L, kPvFp8>(num_pages, streams_k, thread, smem, locate, k_full, k_empty,
+                                  k_tile, v_full, v_empty, v_tile);
     return;
   }
 
   // Consumers. Q of their rows (warpgroup 1: rows 0-63 in the first block) is loaded while the
   // producer's first pages are in flight.
-  sm90::registers_up<kConsumerRegisters>();
+  sm90::registers_up<Registers::kConsumer>();
   if constexpr (kFp8) {
-    load_raw_queries(a, ctx, group, tile_rows, smem, threadIdx.x - 128);
+    load_raw_queries<L>(a, ctx, group, tile_rows, smem, threadIdx.x - 128);
   } else {
     load_queries<false, 256>(a, ctx, group, tile_rows, smem, threadIdx.x - 128);
   }
@@ -1763,16 +2005,13 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   float s[64], o[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) s[i] = o[i] = 0.f;
-  // P of the previous page, for its P V in this turn; zero when there is none (the first turn,
-  // a skipped page, an idle warpgroup), so that P V adds nothing. The wgmmas are issued on
-  // every turn, whatever the page: a wgmma under a branch ptxas cannot prove uniform per
-  // warpgroup is serialized. What a zero P multiplies is always finite and settled: skipped
-  // pages are zero-filled by the producer, and the first turn's P V reads the bf16 Q tiles (32
-  // KB, the size of a V tile) or e4m3's tile of zeros instead of a V stage the producer may be
-  // writing.
-  uint32_t pa[8][4];
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+  // P of the previous page, for its P V in this turn. The wgmmas are issued on every turn,
+  // whatever the page: a wgmma under a branch ptxas cannot prove uniform per warpgroup is
+  // serialized. Skipped pages are zero-filled by the producer, and the first turn's P V reads
+  // the bf16 Q tiles (32 KB, the size of a V tile) or e4m3's tile of zeros instead of a V stage
+  // the producer may be writing.
+  PendingPV<kFp8, kPvFp8> pending;
+  pending.clear();
   sm90::RingState<kKStages> k_ring;
   sm90::RingState<kVStages> v_ring;  // the V stage of the page whose P V is issued this turn
   // Turns: warpgroup 1 issues first. Barrier 1 is warpgroup 1's turn (it syncs, 2 arrives),
@@ -1790,7 +2029,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     return page_or_none<false>(a, ctx, idx, num_pages, list_phys, list_logical, list_mask);
   };
   PageRef next_page = early_ref(0);
-  const uint64_t first_desc_v = v_descriptor(smem + (kFp8 ? L::kZerosOffset : 0));
+  const uint64_t first_desc_v = pending.descriptor_of(smem + (kFp8 ? L::kZerosOffset : 0));
   for (int t = 0; t < turns; ++t) {
     MSA_LAB_MARK(lab_leader, 2 + consumer, t, 0);
     const bool has_page = t < num_pages;
@@ -1814,12 +2053,13 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     } else {
       issue_qk<false>(qs, k_tile(k_ring.index), s);
     }
-    issue_pv<kFp8>(t > 0 ? v_descriptor(v_tile(v_ring.index)) : first_desc_v, pa, o);
+    pending.issue(t > 0 ? pending.descriptor_of(v_tile(v_ring.index)) : first_desc_v, o);
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     if (consumer == 0 || t + 1 < turns) sm90::named_arrive(other_turn, 256);
     if (t + 1 < num_pages) next_page = early_ref(t + 1);
     MSA_LAB_MARK(lab_leader, 2 + consumer, t, 3);
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    pending.fold(o);                                   // O now holds P V up to page t - 1
     MSA_LAB_MARK(lab_leader, 2 + consumer, t, 4);
     if (has_page) {
       k_empty(k_ring.index).arrive();
@@ -1831,16 +2071,13 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     }
     uint32_t keep = 0u;
     if (active) {
-      float alpha[2];
-      page_softmax<kFp8>(page, tile.fully_visible(page), scale_log2, rows, s, pa, alpha);
-      rescale(o, alpha);                               // O holds P V up to page t - 1
+      float alpha[2], beta[2];
+      page_probabilities<kFp8>(page, tile.fully_visible(page), scale_log2, rows, s, alpha, beta);
+      rescale(o, alpha);
+      pending.set(s, beta);
       keep = 0xFFFFFFFFu;
     }
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-#pragma unroll
-      for (int f = 0; f < 4; ++f) pa[kk][f] &= keep;
-    }
+    pending.keep(keep);
     MSA_LAB_MARK(lab_leader, 2 + consumer, t, 5);
   }
 
@@ -1983,11 +2220,11 @@ __device__ __forceinline__ void load_own_queries_async(const DecodeAttentionArgs
   cp_async_commit();
 }
 
-template <bool kFp8>
+template <bool kFp8, bool kPvFp8 = false>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_kernel(
     const DecodeAttentionArgs a) {
-  using L = Layout<kFp8, true>;
-  using S = Shape<kFp8>;
+  using L = Layout<kFp8, true, kPvFp8>;
+  using Registers = RegisterSplit<kPvFp8>;
   constexpr int kKStages = L::kKStages, kVStages = L::kVStages;
   extern __shared__ __align__(1024) char smem_raw[];
   char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -1997,7 +2234,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
   auto v_full = [&](int st) { return sm90::Mbarrier{bars + 2 * kKStages + st}; };
   auto v_empty = [&](int st) { return sm90::Mbarrier{bars + 2 * kKStages + kVStages + st}; };
   auto k_tile = [&](int st) { return smem + L::kKOffset + st * L::kKTileBytes; };
-  auto v_tile = [&](int st) { return smem + L::kVOffset + st * S::kWideBytes; };
+  auto v_tile = [&](int st) { return smem + L::kVOffset + st * L::kVTileBytes; };
   int64_t* pages_before = reinterpret_cast<int64_t*>(smem + L::kListOffset);
   int* lengths = reinterpret_cast<int*>(pages_before + kDecodePersistentMaxRequests + 1);
 
@@ -2025,7 +2262,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     // Producer: warps 0-1 stream K, warps 2-3 stream V, across the range's sequences.
-    sm90::registers_down<kProducerRegisters>();
+    sm90::registers_down<Registers::kProducer>();
     const int thread = threadIdx.x % kLoaders;
     const bool streams_k = threadIdx.x < kLoaders;
     const void* tensor = streams_k ? a.k : a.v;
@@ -2037,8 +2274,8 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
       valid_rows = min(kPageSize, max(part.lengths[at.request] - ref.logical * kPageSize, 0));
       return page_source(a, at.head(part), ref, tensor, kFp8 ? 1 : 2, valid_rows);
     };
-    stream_pages<kFp8, L>(num_pages, streams_k, thread, smem, locate, k_full, k_empty, k_tile,
-                          v_full, v_empty, v_tile);
+    stream_pages<kFp8, L, kPvFp8>(num_pages, streams_k, thread, smem, locate, k_full, k_empty,
+                                  k_tile, v_full, v_empty, v_tile);
     return;
   }
 
@@ -2046,7 +2283,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
   // work item (pages + 1 turns, the last one issuing the last P V), then its finalize. A piece's
   // first P V (P = 0) reads the K stage its first turn waited for, bf16's stand-in for a V tile
   // (settled and finite, unlike a Q slot the next rows may be landing in), or e4m3's zeros.
-  sm90::registers_up<kConsumerRegisters>();
+  sm90::registers_up<Registers::kConsumer>();
   const int consumer = warpgroup - 1;                  // rows 64 consumer .. + 63 of a tile
   const int thread = threadIdx.x % 128;
   const int own_queries_ready = kQueriesReady + 1 + consumer;   // named barriers 4, 5
@@ -2074,7 +2311,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
   sm90::named_sync(kQueriesReady, 256);                // both consumers' zeros and first rows
 
   float s[64], o[64];
-  uint32_t pa[8][4];
+  PendingPV<kFp8, kPvFp8> pending;
   sm90::RingState<kKStages> k_ring;
   sm90::RingState<kVStages> v_ring;
   const int my_turn = 1 + consumer, other_turn = 2 - consumer;
@@ -2106,8 +2343,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
     const char* qs = q_block(q_slot);
 #pragma unroll
     for (int i = 0; i < 64; ++i) s[i] = o[i] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+    pending.clear();
     Cursor ahead = piece_start;                        // the page whose reference is read ahead
     PageRef next_page = cursor_page<false>(a, part, ahead);
     for (int j = 0; j <= pages; ++j) {
@@ -2131,7 +2367,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
         issue_qk<false>(qs, ks, s);
       }
       const char* first_v = kFp8 ? smem + L::kZerosOffset : ks;
-      issue_pv<kFp8>(v_descriptor(j > 0 ? v_tile(v_ring.index) : first_v), pa, o);
+      pending.issue(pending.descriptor_of(j > 0 ? v_tile(v_ring.index) : first_v), o);
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       if (consumer == 0 || !(last_piece && j == pages)) sm90::named_arrive(other_turn, 256);
       if (j + 1 < pages) {
@@ -2140,6 +2376,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
       }
       MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 3);
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      pending.fold(o);
       MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 4);
       if (has_page) {
         k_empty(k_ring.index).arrive();
@@ -2151,16 +2388,14 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
       }
       uint32_t keep = 0u;
       if (active) {
-        float alpha[2];
-        page_softmax<kFp8>(page, tile.fully_visible(page), scale_log2, rows, s, pa, alpha);
+        float alpha[2], beta[2];
+        page_probabilities<kFp8>(page, tile.fully_visible(page), scale_log2, rows, s, alpha,
+                                 beta);
         rescale(o, alpha);
+        pending.set(s, beta);
         keep = 0xFFFFFFFFu;
       }
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk) {
-#pragma unroll
-        for (int f = 0; f < 4; ++f) pa[kk][f] &= keep;
-      }
+      pending.keep(keep);
       MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 5);
       ++lab_turn;
     }
@@ -2188,16 +2423,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 namespace pingpong {
 constexpr int kThreadsPP = 3 * 128;
-template <bool kFp8, bool kPersistent = false>
+template <bool kFp8, bool kPersistent = false, bool kPvFp8 = false>
 struct Layout {
   static constexpr int kAlloc = 0;
 };
-template <bool kFp8>
+template <bool kFp8, bool kPvFp8 = false>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     const DecodeAttentionArgs) {
   __trap();
 }
-template <bool kFp8>
+template <bool kFp8, bool kPvFp8 = false>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_kernel(
     const DecodeAttentionArgs) {
   __trap();
@@ -3059,13 +3294,20 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
       using wg::pingpong::decode_attention_persistent_kernel;
       using wg::pingpong::Layout;
       constexpr int kThreadsPP = wg::pingpong::kThreadsPP;
-      if (args.q_fp8) {
+      if (args.q_fp8 && args.pv_fp8) {
+        MSA_RETURN_IF_ERROR(launch(decode_attention_persistent_kernel<true, true>,
+                                   Layout<true, true, true>::kAlloc, kThreadsPP));
+      } else if (args.q_fp8) {
         MSA_RETURN_IF_ERROR(launch(decode_attention_persistent_kernel<true>,
                                    Layout<true, true>::kAlloc, kThreadsPP));
       } else {
         MSA_RETURN_IF_ERROR(launch(decode_attention_persistent_kernel<false>,
                                    Layout<false, true>::kAlloc, kThreadsPP));
       }
+    } else if (args.pingpong && args.q_fp8 && args.pv_fp8) {
+      MSA_RETURN_IF_ERROR(launch(wg::pingpong::decode_attention_pp_kernel<true, true>,
+                                 wg::pingpong::Layout<true, false, true>::kAlloc,
+                                 wg::pingpong::kThreadsPP));
     } else if (args.pingpong && args.q_fp8) {
       MSA_RETURN_IF_ERROR(launch(wg::pingpong::decode_attention_pp_kernel<true>,
                                  wg::pingpong::Layout<true>::kAlloc, wg::pingpong::kThreadsPP));

@@ -108,7 +108,8 @@ def _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k):
 LENS = [1, 129, 1000, 256, 77]
 
 
-@pytest.mark.parametrize("keys", ["rows", "split", "direct", "warpgroup", "pingpong"])
+@pytest.mark.parametrize("keys", ["rows", "split", "direct", "warpgroup", "pingpong",
+                                  "pingpong_pv8"])
 @pytest.mark.parametrize("split", ["forced", "unsplit"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 @pytest.mark.parametrize("dtypes", list(DTYPES))
@@ -120,8 +121,9 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
     rows; for larger tiles the kernel keeps the row form, so those cases repeat "rows").
     keys="direct": the split form's direct e4m3 variant (e4m3 q and K/V only, two pages per
     step). keys="warpgroup": the wgmma form (q and K/V of one dtype), forced on every tile;
-    keys="pingpong": its producer / two-consumer form (q and K/V of one dtype; e4m3 widened by
-    the producer), forced on every tile."""
+    keys="pingpong": its producer / two-consumer form (q and K/V of one dtype; e4m3 V widened
+    by the producer), forced on every tile; keys="pingpong_pv8": its e4m3 P.V form (e4m3 only;
+    V transposed by the producer)."""
     _force_form(native_hooks, keys, dtypes)
     q, k, v, table, seqused_k, q2k = _batch(LENS, seqlen_q, group, dtypes, sparse)
     kw = dict(fixed_split_size=1) if split == "forced" else dict(disable_split_kv=True)
@@ -129,6 +131,7 @@ def test_native_decode_matches_oracle(msa_pkg, native_only, seed, seqlen_q, grou
     assert wrapper.decode_schedule.split_kv == (split == "forced")
     out, lse = _run_native(msa_pkg, wrapper, q, k, v)
     _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
+    assert _ran_pv_fp8(msa_pkg) == (keys == "pingpong_pv8")
     if dtypes == "fp8":
         _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k, msa_pkg)
 
@@ -140,21 +143,29 @@ def _force_form(native_hooks, keys, dtypes):
     also runs tiles of <= 16 rows; its two-stage form), "pingpong" (the warpgroup form's
     producer / two-consumer variant, q and K/V of one dtype; forced on any tile; the plan's work
     items) or "persistent" (the ping-pong form's persistent variant, where the plan has it:
-    dense calls of tiles of > 64 rows); cases a form does not serve are skipped."""
-    if keys == "direct" and dtypes != "fp8":
-        pytest.skip("the direct form serves e4m3 q and K/V only")
+    dense calls of tiles of > 64 rows); "pingpong_pv8" / "persistent_pv8": those two with P.V
+    on e4m3 wgmma (e4m3 q and K/V only); cases a form does not serve are skipped."""
+    pv8 = keys.endswith("_pv8")
+    keys = keys.removesuffix("_pv8")
+    if (keys == "direct" or pv8) and dtypes != "fp8":
+        pytest.skip(f"the {keys} form{' (e4m3 P.V)' if pv8 else ''} serves e4m3 q and K/V only")
     if keys in ("warpgroup", "pingpong", "persistent") and dtypes == "bf16q_fp8kv":
         pytest.skip(f"the {keys} form serves q and K/V of one dtype")
     wgmma = keys in ("warpgroup", "pingpong", "persistent")
     native_hooks.force(decode_split_keys=keys in ("split", "direct"),
                        decode_direct_fp8=keys == "direct", decode_warpgroup=wgmma,
                        decode_pingpong=keys in ("pingpong", "persistent"),
-                       decode_persistent=keys == "persistent")
+                       decode_persistent=keys == "persistent", decode_pv_fp8=pv8)
 
 
 def _ran_persistent(msa) -> bool:
     decode_cuda = importlib.import_module(f"{msa.__name__}._native.decode_cuda")
     return decode_cuda.last_launch()["persistent"]
+
+
+def _ran_pv_fp8(msa) -> bool:
+    decode_cuda = importlib.import_module(f"{msa.__name__}._native.decode_cuda")
+    return decode_cuda.last_launch()["pv_fp8"]
 
 
 def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k, msa):
@@ -230,7 +241,8 @@ def test_native_decode_ignores_nan_bytes_past_the_keys(msa_pkg, native_only, see
 
 @pytest.mark.parametrize("form,dtypes", [("warpgroup", "bf16"), ("warpgroup", "fp8"),
                                          ("pingpong", "bf16"), ("pingpong", "fp8"),
-                                         ("persistent", "bf16"), ("persistent", "fp8")])
+                                         ("pingpong_pv8", "fp8"), ("persistent", "bf16"),
+                                         ("persistent", "fp8"), ("persistent_pv8", "fp8")])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, form, dtypes,
                                      native_hooks):
@@ -249,12 +261,14 @@ def test_native_decode_warpgroup_mtp(msa_pkg, native_only, seed, sparse, form, d
                 v.view(torch.uint8)[page, :, n % P:, :] = 0x7F if dtypes == "fp8" else 0xFF
         # The persistent form serves dense calls of tiles of > 64 rows (planned here wherever
         # it can run: these few requests are too short for it to pay).
-        persistent = form == "persistent" and not sparse and seqlen_q * group > 64
+        persistent = form.startswith("persistent") and not sparse and seqlen_q * group > 64
         wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k,
                         qo_tile_rows=128,        # one warpgroup tile, not the query tiles
                         persistent=True if persistent else None)
         out, lse = _run_native(msa_pkg, wrapper, q, k, v)
         assert _ran_persistent(msa_pkg) == persistent
+        # The ping-pong form serves tiles of > 64 rows (forced: every tile).
+        assert _ran_pv_fp8(msa_pkg) == form.endswith("_pv8")
         _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
         if dtypes == "fp8" and not poison:   # the fp32 model multiplies the NaN rows by P = 0
             _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k, msa_pkg)
@@ -274,13 +288,15 @@ PERSISTENT_BATCHES = [
 ]
 
 
-@pytest.mark.parametrize("dtypes", ["bf16", "fp8"])
+@pytest.mark.parametrize("dtypes", ["bf16", "fp8", "fp8_pv8"])
 @pytest.mark.parametrize("batch", [b[0] for b in PERSISTENT_BATCHES])
 def test_native_persistent_decode(msa_pkg, native_only, seed, dtypes, batch, native_hooks):
     """The persistent form against the oracle: equal page shares of all (request, KV head,
     tile) sequences from the live lengths, pieces written directly or as partials merged
-    after; NaN bytes past each request's keys."""
-    _force_form(native_hooks, "persistent", dtypes)
+    after; NaN bytes past each request's keys (fp8_pv8: its e4m3 P.V form)."""
+    pv8 = dtypes == "fp8_pv8"
+    dtypes = "fp8" if pv8 else dtypes
+    _force_form(native_hooks, "persistent_pv8" if pv8 else "persistent", dtypes)
     _, make_lens, seqlen_q, group = next(b for b in PERSISTENT_BATCHES if b[0] == batch)
     lens = make_lens(torch.Generator().manual_seed(seed))
     q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, dtypes, False)
@@ -292,7 +308,7 @@ def test_native_persistent_decode(msa_pkg, native_only, seed, dtypes, batch, nat
     wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, None, persistent=True)
     assert wrapper.decode_schedule.persistent_ctas > 0
     out, lse = _run_native(msa_pkg, wrapper, q, k, v)
-    assert _ran_persistent(msa_pkg)
+    assert _ran_persistent(msa_pkg) and _ran_pv_fp8(msa_pkg) == pv8
     _check(out, lse, q, k, v, table, seqused_k, seqlen_q, None)
 
 

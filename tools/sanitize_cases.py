@@ -15,7 +15,7 @@ on purpose (MSA_UNVALIDATED_KERNELS=1): memcheck is part of their validation. MS
 so a
 silent fallback cannot hide a kernel from the sanitizer. MSA_SANITIZE_ONLY (comma-separated
 section names: sparse_prefill, sparse_prefill_portable, topk, block_max, block_max_portable,
-decode, decode_indexer, csrc_portable, fmha, prefill_production, malformed) runs a subset.
+decode, decode_indexer, csr, csrc_portable, fmha, prefill_production, malformed) runs a subset.
 Section "csrc_portable" runs the CSR builder, top-k, decode and decode indexer cases on the
 portable tier (MSA_NATIVE_TIER=portable: decode without its warpgroup form).
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -236,8 +237,10 @@ def decode_runs(family="sm90"):
                qo_tile_rows=24, **f)
     if family == "sm90":    # the ping-pong form (> 64 rows; one idle consumer at 32 rows)
         from msa._native import debug
-        with debug.forcing(decode_warpgroup=True, decode_pingpong=True):
-            for dtypes in ("bf16", "fp8"):
+        # fp8_pv8: the e4m3 P.V form (V transposed by the producer).
+        forms = (("bf16", False), ("fp8", False), ("fp8", True))
+        for dtypes, pv8 in forms:
+            with debug.forcing(decode_warpgroup=True, decode_pingpong=True, decode_pv_fp8=pv8):
                 decode_run([1, 129, 1000, 77], 8, 16, dtypes, True, fixed_split_size=1,
                            qo_tile_rows=128, **f)
                 decode_run([70001, 3, 129], 8, 16, dtypes, False, **f)
@@ -246,9 +249,9 @@ def decode_runs(family="sm90"):
         # Its persistent form (dense, > 64 rows) and the merge launched after it: ragged and
         # empty requests, a request cut by many CTAs, two qo tiles, 80-row tiles, out-of-range
         # ids and a length past the table.
-        with debug.forcing(decode_warpgroup=True, decode_pingpong=True,
-                           decode_persistent=True):
-            for dtypes in ("bf16", "fp8"):
+        for dtypes, pv8 in forms:
+            with debug.forcing(decode_warpgroup=True, decode_pingpong=True,
+                               decode_persistent=True, decode_pv_fp8=pv8):
                 decode_run([70001, 0, 3, 129, 5000], 8, 16, dtypes, False, persistent=True, **f)
                 decode_run([9000, 0, 640], 16, 16, dtypes, False, enable_cuda_graph=True,
                            persistent=True, **f)
@@ -277,6 +280,29 @@ def decode_indexer_runs(family="sm90"):
         expect_native("decode_indexer_topk", family)
         expect_native("decode_indexer_plan_update", family)
     print(f"decode_indexer [{family}]: ok")
+
+
+def csr_cases(gen):
+    """build_k2q_csr (+ schedule) on both of its builds: a call within the one-CTA bounds (one
+    launch; gated, enabled here) and one past them (total_q x topk > 8192: the multi-kernel
+    build), ids past their request, negative ids and duplicates, a too-small row hint."""
+    device = torch.device("cuda")
+    for q_lens, k_lens in (([182, 0, 7], [17718, 300, 1]), ([1100], [40000])):
+        cu_q = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32,
+                            device=device)
+        cu_k = torch.tensor([0] + list(itertools.accumulate(k_lens)), dtype=torch.int32,
+                            device=device)
+        q2k = torch.randint(-3, max(k_lens) // BLOCK + 40, (4, sum(q_lens), 8),
+                            dtype=torch.int32, generator=gen).to(device)
+        q2k[:, :, 1] = q2k[:, :, 0]
+        q2k[0, 0, -1] = 1 << 30
+        for schedule, max_k in ((True, max(k_lens)), (False, max(k_lens)), (True, 1)):
+            msa.build_k2q_csr(q2k, cu_q, cu_k, BLOCK, total_k=sum(k_lens), max_seqlen_k=max_k,
+                              max_seqlen_q=max(q_lens), qhead_per_kv=16,
+                              return_schedule=schedule)
+            expect_native("build_k2q_csr")
+        torch.cuda.synchronize()
+    print("build_k2q_csr (one-CTA and multi-kernel builds): ok")
 
 
 def csrc_portable_cases(gen):
@@ -485,6 +511,7 @@ if __name__ == "__main__":
                 "block_max_portable": lambda: block_max_cases(generator, "portable"),
                 "decode": decode_runs,
                 "decode_indexer": decode_indexer_runs,
+                "csr": lambda: csr_cases(generator),
                 "csrc_portable": lambda: csrc_portable_cases(generator),
                 "fmha": lambda: fmha_cases(generator),
                 "prefill_production": lambda: prefill_production_cases(generator),

@@ -569,7 +569,7 @@ void sparse_decode_attention(
     torch::Tensor& out, const std::optional<torch::Tensor>& lse, int64_t seqlen_q,
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
     bool direct_fp8, bool warpgroup, bool pingpong, int64_t qo_tile_rows,
-    const std::optional<torch::Tensor>& request_pages, int64_t persistent_ctas) {
+    const std::optional<torch::Tensor>& request_pages, int64_t persistent_ctas, bool pv_fp8) {
   TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
@@ -710,6 +710,8 @@ void sparse_decode_attention(
   // Its ping-pong form (a producer warpgroup and two consumers taking turns): q and K/V of one
   // dtype, as the warpgroup form.
   a.pingpong = pingpong && a.warpgroup;
+  // Its e4m3 P.V form (e4m3 q and K/V; the ping-pong and persistent kernels).
+  a.pv_fp8 = pv_fp8 && a.pingpong && a.q_fp8;
   check_launch(msa::launch_decode_attention(a, c10::cuda::getCurrentCUDAStream(device.index())),
                "sparse_decode_attention");
 }
@@ -917,7 +919,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor(b!)? lse_partial, Tensor(c!) out, Tensor(d!)? lse, int seqlen_q, "
       "int kv_chunk_size, bool split_kv, float softmax_scale, bool split_keys=False, "
       "bool direct_fp8=False, bool warpgroup=False, bool pingpong=False, "
-      "int qo_tile_rows=128, Tensor(e!)? request_pages=None, int persistent_ctas=0) -> ()");
+      "int qo_tile_rows=128, Tensor(e!)? request_pages=None, int persistent_ctas=0, "
+      "bool pv_fp8=False) -> ()");
   ops.impl("sparse_decode_attention", torch::kCUDA, &sparse_decode_attention);
   ops.def(
       "sparse_prefill_portable(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "

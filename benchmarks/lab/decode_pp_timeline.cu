@@ -5,8 +5,11 @@
 //
 //   nvcc -arch=sm_90a -O3 -std=c++17 -Icsrc -Itorch-ext -DMSA_LAB_TIMELINE \
 //       -o /tmp/pp_timeline benchmarks/lab/decode_pp_timeline.cu
-//   /tmp/pp_timeline [bf16|e4m3] [batch=32] [keys=100000] [pp|persistent] [uniform|ragged]
+//   /tmp/pp_timeline [bf16|e4m3|e4m3-pv8] [batch=32] [keys=100000] [pp|persistent]
+//                    [uniform|ragged]
 //
+// e4m3-pv8: the e4m3 form with P.V on e4m3 wgmma (the V loaders transpose V instead of
+// widening it).
 // persistent: the persistent form (one CTA per SM over equal page shares, its merge launched
 // after it) instead of one work item per request and KV head; ragged: request lengths uniform
 // in [0.75, 1.25] x keys (the production protocol's spread) instead of all equal. The
@@ -29,7 +32,8 @@
 #include <vector>
 
 int main(int argc, char** argv) {
-  const bool fp8 = argc > 1 && std::strcmp(argv[1], "e4m3") == 0;
+  const bool pv_fp8 = argc > 1 && std::strcmp(argv[1], "e4m3-pv8") == 0;
+  const bool fp8 = pv_fp8 || (argc > 1 && std::strcmp(argv[1], "e4m3") == 0);
   const int batch = argc > 2 ? std::atoi(argv[2]) : 32;
   const int keys = argc > 3 ? std::atoi(argv[3]) : 100000;
   const bool persistent = argc > 4 && std::strcmp(argv[4], "persistent") == 0;
@@ -96,6 +100,7 @@ int main(int argc, char** argv) {
   a.softmax_scale = 1.f / std::sqrt(static_cast<float>(dim));
   a.warpgroup = true;
   a.pingpong = true;
+  a.pv_fp8 = pv_fp8;
   if (persistent) {
     int device = 0, sms = 0;
     CHECK(cudaGetDevice(&device));
@@ -116,7 +121,8 @@ int main(int argc, char** argv) {
   const char* mode = "pages read";
 #endif
   std::printf("ping-pong%s %s, B %d, %d keys%s, MTP %d, %s: %.1f us per call%s, %.2f TB/s of "
-              "K/V\n", persistent ? " (persistent)" : "", fp8 ? "e4m3" : "bf16", batch, keys,
+              "K/V\n", persistent ? " (persistent)" : "",
+              pv_fp8 ? "e4m3 (e4m3 P.V)" : fp8 ? "e4m3" : "bf16", batch, keys,
               ragged ? " (ragged, 0.75-1.25x)" : "", seqlen_q, mode, ms * 1e3,
               persistent ? " (its merge included)" : "", bytes / (ms * 1e-3) / 1e12);
 
@@ -137,7 +143,12 @@ int main(int argc, char** argv) {
                 mean(2 + c, 4, 3, 0), mean(2 + c, 5, 4, 0), mean(2 + c, 0, 0, 1));
   }
   for (int s = 0; s < 2; ++s) {   // e4m3 K is copied raw like bf16's; e4m3 V is widened
-    if (fp8 && s == 1) {
+    if (pv_fp8 && s == 1) {
+      std::printf("V stream (cycles per page): quarter 0's wait and barrier %.0f, empty wait "
+                  "%.0f, transpose (the other quarters' waits and barriers included) %.0f, "
+                  "period %.0f\n",
+                  mean(s, 1, 0, 0), mean(s, 2, 1, 0), mean(s, 3, 2, 0), mean(s, 0, 0, 1));
+    } else if (fp8 && s == 1) {
       std::printf("%s stream (cycles per page): next reference %.0f, empty wait %.0f, "
                   "widen (its quarters' waits included) %.0f, period %.0f\n",
                   s == 0 ? "K" : "V", mean(s, 1, 0, 0), mean(s, 2, 1, 0), mean(s, 3, 2, 0),

@@ -12,6 +12,11 @@ every page count check that nothing deadlocks, that every Q.K^T / P.V reads a st
 the right page after it landed, that no stage is refilled while a warpgroup may still read it,
 and that no named-barrier arrival is left over at the end.
 
+With fp8 = "pv8" it models the e4m3 P.V form's V stream (stream_v_transposed): several loader
+threads, each copying its part of every raw quarter as its own cp.async groups, a named barrier
+among them before a quarter is read and before its slot takes the copies three steps ahead,
+the transposed V^T stages told full by every loader.
+
 With `sequences` it models the persistent form's CTA (decode_attention_persistent_kernel):
 the pieces of several sequences back to back, the page stream their pages in order, K in the
 persistent layout's ring (bf16 two stages). Each consumer runs a piece as the single-sequence
@@ -28,7 +33,8 @@ pages.
 """
 import random
 
-STAGES = {False: (3, 2), True: (4, 2)}   # (kKStages, kVStages) of Layout<kFp8>
+STAGES = {False: (3, 2), True: (4, 2), "pv8": (4, 3)}   # (kKStages, kVStages) of Layout
+RAW_QUARTERS = 4                       # the raw V slot's quarter pages (e4m3)
 
 
 class Mbar:
@@ -62,12 +68,15 @@ class Named:
 
 
 Q_SLOTS = 2                            # the persistent form's Q slots (each consumer's block)
-PERSISTENT_STAGES = {False: (2, 2), True: (4, 2)}   # Layout<kFp8, true>
+PERSISTENT_STAGES = {False: (2, 2), True: (4, 2), "pv8": (4, 3)}   # Layout<kFp8, true>
 
 
-def run(num_pages, seed, fp8=False, sequences=None, commit=True):
+def run(num_pages, seed, fp8=False, sequences=None, commit=True, v_threads=3, reissue_lag=1):
     """One random schedule of a CTA streaming `num_pages` pages (or, persistent, pieces of
-    `sequences` pages each (>= 1), back to back)."""
+    `sequences` pages each (>= 1), back to back). fp8 = "pv8": the e4m3 P.V form, whose V
+    loaders (v_threads of them here, 64 in the kernel) transpose raw quarters that every loader
+    copied part of (stream_v_transposed); reissue_lag = 0 is the unsafe variant that refills a
+    quarter slot before the loaders' barrier has seen it read."""
     rng = random.Random(seed)
     persistent = sequences is not None
     if persistent:
@@ -75,7 +84,8 @@ def run(num_pages, seed, fp8=False, sequences=None, commit=True):
         num_pages = sum(sequences)
     KS, VS = (PERSISTENT_STAGES if persistent else STAGES)[fp8]
     kf = [Mbar(1) for _ in range(KS)]; ke = [Mbar(2) for _ in range(KS)]
-    vf = [Mbar(1) for _ in range(VS)]; ve = [Mbar(2) for _ in range(VS)]
+    vf = [Mbar(v_threads if fp8 == "pv8" else 1) for _ in range(VS)]
+    ve = [Mbar(2) for _ in range(VS)]
     kstage = [None] * KS; vstage = [None] * VS      # (page, landed)
     named = {1: Named(), 2: Named()}
     readers = {}                                    # (tensor, stage) -> set of wg reading
@@ -125,6 +135,68 @@ def run(num_pages, seed, fp8=False, sequences=None, commit=True):
             idx += 1
             if idx == stages: idx, phase = 0, phase ^ 1
 
+    # stream_v_transposed: per loader thread its cp.async groups (one per quarter step, oldest
+    # first; a group lands whenever the schedule says, wait_group N waits for all but the N
+    # newest); raw quarter slot contents per thread; the loaders' named barrier.
+    raw = [[None] * v_threads for _ in range(RAW_QUARTERS)]    # slot -> thread -> (step, landed)
+    raw_readers = [set() for _ in range(RAW_QUARTERS)]
+    groups = [[] for _ in range(v_threads)]                       # pending: (slot, step) or None
+    v_bar = {"arrived": 0, "gen": 0}
+    vt_written = [dict() for _ in range(VS)]                      # stage -> thread -> page
+
+    def v_transposer(me):
+        def issue(n):
+            page = n // RAW_QUARTERS
+            slot = n % RAW_QUARTERS
+            if page < num_pages:
+                assert not raw_readers[slot], f"raw slot {slot} refilled while read (step {n})"
+                raw[slot][me] = (n, False)
+                groups[me].append((slot, n))
+            else:
+                groups[me].append(None)
+        lag = RAW_QUARTERS - 1
+        for n in range(lag):
+            issue(n)
+        idx, phase = 0, 0
+        for i in range(num_pages):
+            for q in range(RAW_QUARTERS):
+                n = RAW_QUARTERS * i + q
+                while any(g is not None and not raw[g[0]][me][1] for g in groups[me][:-2]):
+                    yield                                # cp.async.wait_group 2
+                groups[me] = groups[me][-2:]
+                if reissue_lag == 0:
+                    issue(n + lag)                       # unsafe: before the barrier
+                target = v_bar["gen"] + 1
+                v_bar["arrived"] += 1
+                if v_bar["arrived"] == v_threads:
+                    v_bar["arrived"], v_bar["gen"] = 0, v_bar["gen"] + 1
+                while v_bar["gen"] < target: yield
+                if reissue_lag:
+                    issue(n + lag)
+                if q == 0:
+                    while not ve[idx].done(phase ^ 1): yield
+                    assert not readers.get(("V", idx)), f"V stage {idx} overwritten while read"
+                    vt_written[idx].pop(me, None)
+                for t in range(v_threads):
+                    assert raw[q][t] == (n, True), f"quarter step {n} read before it landed"
+                raw_readers[q].add(me)
+                yield                                    # reading the quarter, writing V^T
+                raw_readers[q].discard(me)
+            vt_written[idx][me] = i
+            vf[idx].arrive()                             # fence, then the full barrier
+            idx += 1
+            if idx == VS: idx, phase = 0, phase ^ 1
+
+    def raw_landing(transposers_done):
+        while any(raw[s][t] is not None and not raw[s][t][1] for s in range(RAW_QUARTERS)
+                  for t in range(v_threads)) or not transposers_done():
+            pending = [(s, t) for s in range(RAW_QUARTERS) for t in range(v_threads)
+                       if raw[s][t] is not None and not raw[s][t][1]]
+            if pending:
+                s_, t_ = pending[rng.randrange(len(pending))]
+                raw[s_][t_] = (raw[s_][t_][0], True)
+            yield
+
     pieces = sequences or [num_pages]
     first_page = [sum(pieces[:k]) for k in range(len(pieces))]
     total_turns = num_pages + (len(pieces) if persistent else 1)
@@ -173,9 +245,13 @@ def run(num_pages, seed, fp8=False, sequences=None, commit=True):
                         readers.setdefault(("Q", c, slot), set()).add(c)
                     pg, landed = kstage[kidx]; assert landed and pg == page, (c, page, kstage[kidx])
                     readers.setdefault(("K", kidx), set()).add(c)
-                if j > 0:
+                if j > 0 and fp8 == "pv8":
+                    assert all(vt_written[vidx].get(t) == page - 1 for t in range(v_threads)), \
+                        (c, page, vt_written[vidx])
+                elif j > 0:
                     pg, landed = vstage[vidx]
                     assert landed and pg == page - 1, (c, page, vstage[vidx])
+                if j > 0:
                     readers.setdefault(("V", vidx), set()).add(c)
                 turn += 1
                 if c == 0 or turn < total_turns: named[other].arrive()
@@ -195,7 +271,11 @@ def run(num_pages, seed, fp8=False, sequences=None, commit=True):
     kcopies = []
     k_loader = loader("K", KS, kf, ke, kstage, kcopies)
     actors = [k_loader, landing(kstage, kf, kcopies, lambda: k_loader not in alive)]
-    if fp8:
+    if fp8 == "pv8":
+        transposers = [v_transposer(t) for t in range(v_threads)]
+        actors += transposers
+        actors.append(raw_landing(lambda: not any(x in alive for x in transposers)))
+    elif fp8:
         actors.append(loader_fp8("V", VS, vf, ve, vstage))
     else:
         vcopies = []
@@ -218,7 +298,7 @@ def run(num_pages, seed, fp8=False, sequences=None, commit=True):
 
 
 def main():
-    for fp8 in (False, True):
+    for fp8 in (False, True, "pv8"):
         for n in (0, 1, 2, 3, 4, 7, 20):
             for seed in range(300):
                 run(n, seed, fp8)
@@ -226,7 +306,7 @@ def main():
     rng = random.Random(7)
     cases = [[1], [3], [1, 1], [2, 5, 1], [1, 4, 1, 2], [1, 1, 1, 1, 1]]
     cases += [[rng.randint(1, 6) for _ in range(rng.randint(1, 6))] for _ in range(30)]
-    for fp8 in (False, True):
+    for fp8 in (False, True, "pv8"):
         for sequences in cases:
             for seed in range(100):
                 run(None, seed, fp8, sequences)
@@ -241,6 +321,15 @@ def main():
     assert caught, "the uncommitted Q wait was never caught"
     print(f"ok: uncommitted Q copies (wait_group 0 returns at once) caught in {caught} of 200 "
           "schedules")
+    early = 0
+    for seed in range(200):
+        try:
+            run(6, seed, "pv8", reissue_lag=0)
+        except AssertionError:
+            early += 1
+    assert early, "refilling a raw quarter before the loaders' barrier was never caught"
+    print(f"ok, e4m3 P.V: a raw quarter refilled before the loaders' barrier caught in {early} "
+          "of 200 schedules")
 
 
 if __name__ == "__main__":

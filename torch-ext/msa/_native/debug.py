@@ -21,6 +21,8 @@ Hooks (``forcing`` keywords):
                      form (producer + two consumer warpgroups); False: they never do
   decode_persistent  True: ping-pong calls whose plan has the persistent form take it (dense
                      calls, schedule.persistent_ctas); False: they run the plan's work items
+  decode_pv_fp8      True: e4m3 ping-pong / persistent calls run P.V on e4m3 wgmma (V^T
+                     tiles); False: on f16 wgmma (V widened)
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import contextlib
 from typing import Dict, Iterator, Optional
 
 HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "decode_split_keys", "decode_direct_fp8",
-         "decode_warpgroup", "decode_pingpong", "decode_persistent")
+         "decode_warpgroup", "decode_pingpong", "decode_persistent", "decode_pv_fp8")
 
 _forced: Dict[str, object] = {}
 _poison = [False]

@@ -59,6 +59,13 @@ PINGPONG_MIN_ROWS = 65
 # streams >= 64 pages): MTP 8, 1.04-1.27x (bench_decode_production --attention-forms
 # pingpong,persistent, e319220). Validated on the H200: tests/test_decode_gpu.py and memcheck.
 VALIDATED_PERSISTENT = frozenset({"bf16", "e4m3"})
+# The e4m3 ping-pong and persistent forms with P.V on e4m3 wgmma (the V loaders transpose each
+# page into a V^T tile instead of widening it to f16; P rounded to e4m3 as before, each page's
+# P.V folded into O in fp32): compiled, its operand layouts replayed lane by lane
+# (tools/lab/model_decode_pv_fragments.py) and its V ring protocol modelled
+# (tools/lab/model_decode_pingpong.py), not yet run on the H200. Until its GPU tests pass and it
+# beats the f16 P.V, only MSA_UNVALIDATED_KERNELS=1 (or the decode_pv_fp8 hook) asks for it.
+VALIDATED_PV_FP8 = False
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
@@ -75,13 +82,14 @@ def supports(*, seqlen_q=1, qhead_per_kv=1, topk=None, **_features) -> Optional[
     return None
 
 
-_last_launch = {"warpgroup": False, "pingpong": False, "persistent": False}
+_last_launch = {"warpgroup": False, "pingpong": False, "persistent": False, "pv_fp8": False}
 
 
 def last_launch() -> dict:
     """The forms the last launch asked for: {"warpgroup": bool, "pingpong": bool,
-    "persistent": bool} (the binding applies them only to q and K/V of one dtype, the persistent
-    form within its bounds). Tests read it to know which form ran."""
+    "persistent": bool, "pv_fp8": bool} (the binding applies them only to q and K/V of one
+    dtype, the persistent form within its bounds, pv_fp8 to e4m3). Tests read it to know which
+    form ran."""
     return dict(_last_launch)
 
 
@@ -112,14 +120,16 @@ def _launch(call, warpgroup: bool, pingpong: bool) -> None:
     request_pages = (torch.empty(s.batch_size + 1, dtype=torch.int64, device=call.q.device)
                      if persistent else None)
     workspaces = split or persistent
-    _last_launch.update(warpgroup=warpgroup, pingpong=pingpong, persistent=persistent)
+    pv_fp8 = pingpong and _pv_fp8(call)
+    _last_launch.update(warpgroup=warpgroup, pingpong=pingpong, persistent=persistent,
+                        pv_fp8=pv_fp8)
     ops.sparse_decode_attention(
         call.q, call.k, call.v, call.q2k_indices, call.page_table, call.seqused_k,
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
         call.o_partial if workspaces else None, call.lse_partial if workspaces else None,
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
         float(call.softmax_scale), _split_keys(), _direct_fp8(), warpgroup, pingpong,
-        int(s.qo_tile_rows), request_pages, int(s.persistent_ctas) if persistent else 0)
+        int(s.qo_tile_rows), request_pages, int(s.persistent_ctas) if persistent else 0, pv_fp8)
 
 
 def _split_keys() -> bool:
@@ -182,6 +192,18 @@ def _persistent(call) -> bool:
     if forced is not None:
         return bool(forced)
     return _form_dtype(call) in VALIDATED_PERSISTENT or _backend.unvalidated_ok()
+
+
+def _pv_fp8(call) -> bool:
+    """Whether an e4m3 ping-pong (or persistent) call runs P.V on e4m3 wgmma: when validated
+    (VALIDATED_PV_FP8) or with MSA_UNVALIDATED_KERNELS=1; the decode_pv_fp8 hook forces it on
+    (True) or off (False). The binding applies it only with e4m3 q and K/V."""
+    if _form_dtype(call) != "e4m3":
+        return False
+    forced = debug.forced("decode_pv_fp8")
+    if forced is not None:
+        return bool(forced)
+    return VALIDATED_PV_FP8 or _backend.unvalidated_ok()
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
