@@ -33,6 +33,9 @@
 //
 // Safety: page ids outside [0, num_pages) are skipped (never read), lengths are clamped to the
 // page table, corrupt work items exit. No host synchronization; every size is a host argument.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <cfloat>
 #include <climits>
 #include <cstdint>
@@ -60,7 +63,12 @@ constexpr int kQStride = kDim + 8;          // halves per Q row in shared memory
 constexpr int kMinChunkPages = 4;           // fewer pages per CTA are not worth a merge entry
 constexpr int kPlanThreads = 256;          // one CTA; its barriers are the plan's cost
 
-enum KFormat : int { kBf16 = 0, kE4m3 = 1, kNvfp4 = 2 };
+// kE4m3Tma is not a format callers name: e4m3 keys whose pages arrive as one TMA copy each
+// into an unpadded, 128-byte swizzled stage (the launcher picks it for tma_pages on sm_90+).
+enum KFormat : int { kBf16 = 0, kE4m3 = 1, kNvfp4 = 2, kE4m3Tma = 3 };
+
+template <int F>
+constexpr bool kIsE4m3 = F == kE4m3 || F == kE4m3Tma;
 
 // Lab hooks (benchmarks/lab/decode_indexer_timeline.cu builds this file with them; they compile
 // to nothing otherwise): MSA_LAB_TIMELINE records clock64 stamps of work item 0's first
@@ -85,21 +93,29 @@ __device__ long long lab_timeline[kWarps][kLabPages][kLabMarks];
 #endif
 
 // Bytes of one key row in global memory, its padded stride in a stage, and a stage's size.
+// Rows are padded so the fragment reads hit distinct banks, except NVFP4's (64 bytes need none)
+// and kE4m3Tma's (the 128-byte swizzle spreads them instead).
 template <int F>
 struct PageShape {
-  static constexpr int kRowBytes = F == kBf16 ? 256 : (F == kE4m3 ? 128 : 64);
-  static constexpr int kRowStride = F == kNvfp4 ? kRowBytes : kRowBytes + 16;
+  static constexpr int kRowBytes = F == kBf16 ? 256 : (kIsE4m3<F> ? 128 : 64);
+  static constexpr int kRowStride = (F == kNvfp4 || F == kE4m3Tma) ? kRowBytes : kRowBytes + 16;
+  static constexpr bool kSwizzled = F == kE4m3Tma;   // chunk c of row r at chunk c ^ (r % 8)
   static constexpr int kScaleBytes = F == kNvfp4 ? kPage * 8 : 0;
   static constexpr int kStageBytes = kPage * kRowStride + kScaleBytes;
   static constexpr int kWordsPerKey = kRowBytes / 16;   // 32-bit words a thread reads per key
 };
 
+// Swizzled stages start on 1024 bytes (the swizzle's period), so the base is aligned by hand
+// (kBaseAlign spare bytes).
 template <int F, int MT>
 struct SmemLayout {
+  static constexpr int kBaseAlign = PageShape<F>::kSwizzled ? 1024 : 0;
   static constexpr int kQBytes = MT * 16 * kQStride * 2;
-  static constexpr int kStagesOffset = kQBytes;
+  static constexpr int kStagesOffset =
+      kBaseAlign ? (kQBytes + kBaseAlign - 1) / kBaseAlign * kBaseAlign : kQBytes;
   static constexpr int kMaxOffset = kStagesOffset + kStages * PageShape<F>::kStageBytes;
   static constexpr int kBytes = kMaxOffset + 2 * kWarps * MT * 16 * 4;   // [2][warp][row]
+  static constexpr int kAlloc = kBytes + kBaseAlign;
 };
 
 // fp32 -> uint32 with the same order (-0 == +0), for warp-wide max reductions.
@@ -144,7 +160,8 @@ __device__ __forceinline__ void load_page(const DecodeIndexerArgs& a, int64_t ph
   for (int i = 0; i < kPage * kChunksPerRow / kThreads; ++i) {
     const int c = threadIdx.x + i * kThreads;
     const int row = c / kChunksPerRow, col = c % kChunksPerRow;
-    cp_async_16(stage + row * S::kRowStride + col * 16, src + static_cast<int64_t>(c) * 16);
+    const int dst_col = S::kSwizzled ? col ^ (row & 7) : col;   // as a TMA copy would place it
+    cp_async_16(stage + row * S::kRowStride + dst_col * 16, src + static_cast<int64_t>(c) * 16);
   }
   if constexpr (F == kNvfp4) {
     if (threadIdx.x < S::kScaleBytes / 16) {
@@ -154,10 +171,10 @@ __device__ __forceinline__ void load_page(const DecodeIndexerArgs& a, int64_t ph
   }
 }
 
-// Whether pages of format F arrive as bulk copies (sm_90+, rows not padded: NVFP4) instead of
-// every thread's cp.asyncs. A padded stage would take a bulk copy per key row: 128 for an e4m3
-// page kept the issuing warp ~7400 cycles a page (the TMA unit takes one copy at a time), 3x
-// the whole page's period with cp.async.
+// Whether pages of format F arrive as bulk copies (sm_90+, rows not padded: NVFP4, kE4m3Tma)
+// instead of every thread's cp.asyncs. A padded stage would take a bulk copy per key row: 128
+// for an e4m3 page kept the issuing warp ~7400 cycles a page (the TMA unit takes one copy at a
+// time), 3x the whole page's period with cp.async; kE4m3Tma's page is one tensor-map copy.
 template <int F>
 __host__ __device__ constexpr bool bulk_pages() {
 #if __CUDA_ARCH__ >= 900
@@ -167,14 +184,21 @@ __host__ __device__ constexpr bool bulk_pages() {
 #endif
 }
 
-// One physical index-K page (and its NVFP4 scales) as two bulk copies from lanes 0 and 1,
-// counted on the stage's full barrier as complete_tx.
+// One physical index-K page (and its NVFP4 scales) as two bulk copies from lanes 0 and 1, or
+// (kE4m3Tma) one tensor-map copy of its 128 rows, counted on the stage's full barrier as
+// complete_tx.
 template <int F>
 __device__ __forceinline__ void bulk_load_page(const DecodeIndexerArgs& a, int64_t physical,
                                                char* stage, const sm90::Mbarrier& full) {
   using S = PageShape<F>;
   static_assert(bulk_pages<F>(), "a page of unpadded rows, on sm_90+");
   const int lane = threadIdx.x & 31;
+  if constexpr (F == kE4m3Tma) {
+    if (lane == 0) {
+      sm90::tma_load_2d(stage, a.k_tensor_map, 0, static_cast<int>(physical) * kPage, full);
+    }
+    return;
+  }
   if (lane == 0) {
     sm90::bulk_copy_to_shared(
         stage, static_cast<const char*>(a.k) + physical * (kPage * S::kRowBytes),
@@ -224,11 +248,15 @@ struct KeyPair {
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       const int key = key0 + n * 8 + g;
-      const uint4* row =
-          reinterpret_cast<const uint4*>(stage + key * S::kRowStride + t * S::kRowBytes / 4);
+      const char* row = stage + key * S::kRowStride;
 #pragma unroll
       for (int i = 0; i < S::kWordsPerKey / 4; ++i) {
-        const uint4 v = row[i];
+        // 16-byte chunk 2t + i of the thread's span (kWordsPerKey / 4 chunks of it), in place
+        // or at its swizzled chunk: two keys of a quarter warp differ in row % 8, so their
+        // chunks land in distinct bank groups either way.
+        const int chunk = t * (S::kWordsPerKey / 4) + i;
+        const uint4 v = *reinterpret_cast<const uint4*>(
+            row + 16 * (S::kSwizzled ? chunk ^ (key & 7) : chunk));
         words[n][4 * i] = v.x;
         words[n][4 * i + 1] = v.y;
         words[n][4 * i + 2] = v.z;
@@ -259,7 +287,7 @@ struct KeyPair {
           b[n][kk][0] = words[n][2 * (2 * kd2 + kk)];
           b[n][kk][1] = words[n][2 * (2 * kd2 + kk) + 1];
         }
-      } else if constexpr (F == kE4m3) {
+      } else if constexpr (kIsE4m3<F>) {
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
           b[n][kk][0] = sm80::e4m3x2_lo_to_f16x2(words[n][2 * kd2 + kk]);
@@ -479,9 +507,14 @@ struct LaneLists {
 
 template <int F, int MT, int KCAP>
 __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16) ? 2 : 1)
-    decode_indexer_topk_kernel(const DecodeIndexerArgs a) {
+    decode_indexer_topk_kernel(const __grid_constant__ DecodeIndexerArgs a) {
   using L = SmemLayout<F, MT>;
-  extern __shared__ __align__(128) char smem[];
+  extern __shared__ __align__(128) char smem_raw[];
+  char* smem = smem_raw;
+  if constexpr (L::kBaseAlign > 0) {
+    smem += (L::kBaseAlign - (sm80::smem_addr(smem_raw) & (L::kBaseAlign - 1))) &
+            (L::kBaseAlign - 1);
+  }
   __half* qs = reinterpret_cast<__half*>(smem);
   char* stages = smem + L::kStagesOffset;
   float* warp_max = reinterpret_cast<float*>(smem + L::kMaxOffset);   // [2][kWarps][MT*16]
@@ -821,7 +854,7 @@ __global__ void __launch_bounds__(kPlanThreads) decode_indexer_plan_kernel(
 template <int F, int MT, int KCAP>
 cudaError_t launch_topk(const DecodeIndexerArgs& a, cudaStream_t stream) {
   auto kernel = decode_indexer_topk_kernel<F, MT, KCAP>;
-  constexpr int kSmem = SmemLayout<F, MT>::kBytes;
+  constexpr int kSmem = SmemLayout<F, MT>::kAlloc;
   MSA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   kernel<<<a.capacity, kThreads, kSmem, stream>>>(a);
@@ -855,8 +888,50 @@ cudaError_t launch_decode_indexer_plan(const DecodeIndexerPlanArgs& args, cudaSt
   return cudaGetLastError();
 }
 
+// The tensor map of e4m3 index keys [num_pages * 128 rows, 128 bytes] for tiles of one page
+// (128 x 128 bytes, 128-byte swizzle) into a.k_tensor_map; false (the cp.async form serves)
+// when the device is older than sm_90, k is not 16-byte aligned or the driver cannot encode it.
+bool encode_page_map(DecodeIndexerArgs& a) {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      major < 9) {
+    return false;
+  }
+  if (reinterpret_cast<uintptr_t>(a.k) % 16 != 0 || a.num_pages < 1 ||
+      a.num_pages > (int64_t{1} << 24)) {
+    return false;
+  }
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                         cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return false;
+  static_assert(sizeof(a.k_tensor_map) == sizeof(CUtensorMap), "the tensor map's storage");
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(kDim),
+                              static_cast<cuuint64_t>(a.num_pages) * kPage};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(kDim)};   // bytes between rows
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kDim), static_cast<cuuint32_t>(kPage)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  return encode(reinterpret_cast<CUtensorMap*>(a.k_tensor_map), CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
+                const_cast<void*>(a.k), dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 cudaError_t launch_decode_indexer_topk(const DecodeIndexerArgs& args, cudaStream_t stream) {
   if (args.batch <= 0 || args.capacity <= 0) return cudaSuccess;
+  if (args.k_format == kE4m3 && args.tma_pages) {
+    DecodeIndexerArgs with_map = args;
+    if (encode_page_map(with_map)) return launch_by_list<kE4m3Tma>(with_map, stream);
+  }
   switch (args.k_format) {
     case kBf16: return launch_by_list<kBf16>(args, stream);
     case kE4m3: return launch_by_list<kE4m3>(args, stream);

@@ -67,6 +67,17 @@ __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, 
       : "memory");
 }
 
+// A 2D tile of a tensor map (a CUtensorMap in param, const or global memory) at coordinates
+// (x: innermost, y) into shared memory, counted on `bar` as complete_tx. sm_90+.
+__device__ __forceinline__ void tma_load_2d(void* dst, const void* tensor_map, int x, int y,
+                                            const Mbarrier& bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+      "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(sm80::smem_addr(dst)),
+      "l"(tensor_map), "r"(x), "r"(y), "r"(bar.addr())
+      : "memory");
+}
+
 // Orders this thread's earlier shared-memory accesses (generic proxy) before its later async-
 // proxy ones: wgmma reading what cp.async or stores wrote, bulk copies into a stage that others
 // have just read. sm_90+.

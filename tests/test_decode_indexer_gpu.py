@@ -89,6 +89,44 @@ def test_portable_tier_indexer_matches_oracle(msa_pkg, native_only, seed, monkey
     _check(inputs, keys, seqlen_q, 16, out, scores)
 
 
+def _launched_formats(fn):
+    """The format template argument of every decode indexer kernel `fn` launches (1: e4m3 pages
+    by cp.async into padded rows, 3: e4m3 pages by TMA into swizzled stages)."""
+    import re
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {int(m.group(1)) for n in names
+            for m in [re.search(r"decode_indexer_topk_kernel<(\d+),", n)] if m}
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["cp_async", "tma"])
+@pytest.mark.parametrize("seqlen_q,heads,topk", [(1, 4, 16), (8, 4, 16), (16, 8, 32), (3, 2, 4)])
+def test_native_indexer_e4m3_page_copies(msa_pkg, native_only, seed, native_hooks, tma, seqlen_q,
+                                         heads, topk):
+    """e4m3 index pages by every thread's cp.asyncs into padded rows, or (sm_90+) as one TMA
+    copy each into 128-byte swizzled stages: the launch runs the form asked for, the selection
+    meets the oracle either way, and out-of-range page ids and lengths stay skipped."""
+    native_hooks.force(decode_indexer_tma=tma)
+    inputs, keys = make_index_batch(LENS, seqlen_q, heads, "e4m3", device="cuda")
+    plan = _plan(msa_pkg, inputs, seqlen_q, heads, topk)
+    result = {}
+    formats = _launched_formats(lambda: result.update(zip(("out", "scores"),
+                                                          _run(msa_pkg, inputs, plan))))
+    assert formats == {3 if tma else 1}, formats
+    _check(inputs, keys, seqlen_q, topk, result["out"], result["scores"])
+    inputs["page_table"][0, 1] = 1 << 30
+    inputs["page_table"][1, 3] = -5
+    inputs["seqused_k"][2] = 1 << 30
+    plan = _plan(msa_pkg, inputs, seqlen_q, heads, topk)
+    out, _ = _run(msa_pkg, inputs, plan)
+    width = inputs["page_table"].shape[1]
+    assert ((out >= -1) & (out < width)).all()
+
+
 def test_native_indexer_nvfp4_linear_scales(msa_pkg, native_only, seed):
     torch.manual_seed(seed)
     tiled, keys = make_index_batch(LENS, 8, 4, "nvfp4", device="cuda")

@@ -172,6 +172,10 @@ struct DecodeIndexerArgs {
   int list_capacity;              // 16 (topk <= 16) or 32
   int32_t* out;                   // [num_heads * out_head_repeat, batch * seqlen_q, topk]
   float* scores;                  // null or [num_heads, batch * seqlen_q, page_table_width]
+  // e4m3 keys on an sm_90+ device: each page one TMA copy into a 128-byte swizzled stage (the
+  // launcher encodes the tensor map; it keeps the cp.async form when it cannot).
+  bool tma_pages;
+  alignas(64) uint64_t k_tensor_map[16];   // CUtensorMap of k, written by the launcher
 };
 
 cudaError_t launch_decode_indexer_topk(const DecodeIndexerArgs& args, cudaStream_t stream);
@@ -361,7 +365,7 @@ void decode_indexer_topk(const torch::Tensor& q, const torch::Tensor& k,
                          const torch::Tensor& work, torch::Tensor& requests,
                          const torch::Tensor& chunk_pages, torch::Tensor& partials,
                          torch::Tensor& out, const std::optional<torch::Tensor>& scores,
-                         int64_t seqlen_q, int64_t topk, double scale);
+                         int64_t seqlen_q, int64_t topk, double scale, bool tma_pages);
 
 void fmha_transpose_v_e4m3(const torch::Tensor& v, const torch::Tensor& cu_seqlens_k,
                            const torch::Tensor& kv_lens,

@@ -5,8 +5,11 @@
 //
 //   nvcc -arch=sm_90a -O3 -std=c++17 -Icsrc -Itorch-ext -DMSA_LAB_TIMELINE \
 //       -o /tmp/idx_timeline benchmarks/lab/decode_indexer_timeline.cu
-//   /tmp/idx_timeline [e4m3|nvfp4|bf16] [batch=32] [keys=131072] [seqlen_q=1] [heads=4]
+//   /tmp/idx_timeline [e4m3|e4m3-tma|nvfp4|bf16] [batch=32] [keys=131072] [seqlen_q=1]
+//                     [heads=4]
 //
+// e4m3-tma: e4m3 pages as one TMA copy each into swizzled stages (tma_pages) instead of every
+// thread's cp.asyncs.
 // Add -DMSA_LAB_NO_LOADS for the same kernel without its copies (the loop's own rate, without
 // DRAM). Prints the indexer's time per call (the plan update timed apart) and its bytes per
 // second, then per warp the mean cycles of each phase of a page (its copies' wait, the CTA
@@ -29,6 +32,7 @@ int main(int argc, char** argv) {
   const int heads = argc > 5 ? std::atoi(argv[5]) : 4;
   const int k_format =
       std::strcmp(format, "bf16") == 0 ? 0 : (std::strcmp(format, "nvfp4") == 0 ? 2 : 1);
+  const bool tma_pages = std::strcmp(format, "e4m3-tma") == 0;
   const int dim = 128, page = 128, topk = 16;
   const int pages_per_request = (keys + page - 1) / page;
   const int64_t num_pages = static_cast<int64_t>(batch) * pages_per_request;
@@ -74,6 +78,7 @@ int main(int argc, char** argv) {
   a.q_fp8 = k_format != 0;
   a.k = k;
   a.k_format = k_format;
+  a.tma_pages = tma_pages;
   a.k_scale = k_scale;
   a.k_scale_linear = true;
   a.num_pages = num_pages;

@@ -23,6 +23,8 @@ Hooks (``forcing`` keywords):
                      calls, schedule.persistent_ctas); False: they run the plan's work items
   decode_pv_fp8      True: e4m3 ping-pong / persistent calls run P.V on e4m3 wgmma (V^T
                      tiles); False: on f16 wgmma (V widened)
+  decode_indexer_tma True: the decode indexer's e4m3 index pages arrive as TMA copies (sm_90+);
+                     False: as every thread's cp.asyncs
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import contextlib
 from typing import Dict, Iterator, Optional
 
 HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "decode_split_keys", "decode_direct_fp8",
-         "decode_warpgroup", "decode_pingpong", "decode_persistent", "decode_pv_fp8")
+         "decode_warpgroup", "decode_pingpong", "decode_persistent", "decode_pv_fp8",
+         "decode_indexer_tma")
 
 _forced: Dict[str, object] = {}
 _poison = [False]

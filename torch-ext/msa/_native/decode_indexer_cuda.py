@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from .. import _backend
+from . import debug
 
 from . import compiled_ops
 from .compiled_ops import ops
@@ -25,6 +26,13 @@ from .compiled_ops import ops
 OP_NAME = "decode_indexer_topk"
 PLAN_OP_NAME = "decode_indexer_plan_update"
 VALIDATED = True
+# e4m3 index pages as one TMA copy each (a tensor map of the cache, 128-byte swizzled stages)
+# instead of every thread's cp.asyncs into padded rows, on sm_90+: compiled, not yet run on the
+# H200. Until tests/test_decode_indexer_gpu.py::test_native_indexer_e4m3_page_copies passes and
+# the indexer timeline shows the gain, only MSA_UNVALIDATED_KERNELS=1 (or the
+# decode_indexer_tma hook) asks for it; the launcher keeps cp.async where it cannot encode the
+# tensor map.
+VALIDATED_TMA_PAGES = False
 MAX_ROWS = 128
 MAX_TOPK = 32
 # q dtype each index-key format is served with (the kernel's MMA type needs an exact widening).
@@ -67,7 +75,17 @@ def run(call) -> None:
         call.q_idx, call.k_idx, call.k_scale, call.scale_layout == "linear",
         call.k_global_scale, call.page_table, plan.seqused_k, plan.work, plan.requests,
         plan.chunk_pages, plan.partials, call.out, call.scores, int(plan.seqlen_q),
-        int(call.topk), float(call.scale))
+        int(call.topk), float(call.scale), _tma_pages())
+
+
+def _tma_pages() -> bool:
+    """Whether e4m3 index pages may arrive as TMA copies (the launcher applies it to e4m3 keys
+    on sm_90+): when validated or with MSA_UNVALIDATED_KERNELS=1; the decode_indexer_tma hook
+    forces it on (True) or off (False)."""
+    forced = debug.forced("decode_indexer_tma")
+    if forced is not None:
+        return bool(forced)
+    return VALIDATED_TMA_PAGES or _backend.unvalidated_ok()
 
 
 def run_plan_update(plan) -> None:
