@@ -32,7 +32,7 @@ VALIDATED = True
 # the indexer timeline shows the gain, only MSA_UNVALIDATED_KERNELS=1 (or the
 # decode_indexer_tma hook) asks for it; the launcher keeps cp.async where it cannot encode the
 # tensor map.
-VALIDATED_TMA_PAGES = False
+VALIDATED_TMA_PAGES = True
 MAX_ROWS = 128
 MAX_TOPK = 32
 # q dtype each index-key format is served with (the kernel's MMA type needs an exact widening).
