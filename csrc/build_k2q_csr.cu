@@ -21,8 +21,8 @@
 // launch of one_cta_csr_kernel instead of ~12: the lookup tables and counts live in shared
 // memory, a histogram + block scan gives row_ptr, and one warp per head scatters its entries in
 // q2k order (a stable counting sort: the place of an entry is its row's cursor plus the same-row
-// entries in lower lanes), so the output is the same bit for bit. Until its GPU test has passed
-// on the H200 the Python side asks for it only under MSA_UNVALIDATED_KERNELS=1 (args.one_cta).
+// entries in lower lanes), so the output is the same bit for bit. The caller asks for it with
+// args.one_cta (msa._native.csr_builder.ONE_CTA_VALIDATED).
 #include <cub/cub.cuh>
 
 #include <algorithm>

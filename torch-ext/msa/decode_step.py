@@ -9,8 +9,8 @@ visible block whatever the scores: run() then writes that selection directly (hi
 ascending, the own block last, as the top-k contract allows) and attends densely, which is the
 same attention without the index scores or the q2k union. The attention then does not read the
 selection, so its two launches can run on a side stream forked after the caller's work and
-joined before run() returns (a branch in a captured graph): gated until validated on the H200
-(``SIDE_STREAM_VALIDATED``; ``MSA_UNVALIDATED_KERNELS=1`` forks). Per decode step,
+joined before run() returns (a branch in a captured graph; ``SIDE_STREAM_VALIDATED``, its GPU
+test passed on the H200). Per decode step,
 after writing new lengths into ``seqused_k``: ``update()`` once (the indexer's split of the live
 blocks; several layers' wrappers may share one plan, see ``plan(indexer_plan=...)``), then
 ``run(...)`` for the layer. Everything run does is capturable: no host synchronization, fixed
@@ -38,7 +38,8 @@ def selects_every_block(max_seqlen_k: int, topk: int) -> bool:
 
 
 # Whether the every-block selection's side-stream branch passed its GPU test on the H200
-# (tests/test_decode_indexer_gpu.py, test_native_step_wrapper_selects_every_block_of_short_requests).
+# (tests/test_decode_indexer_gpu.py, test_native_step_wrapper_selects_every_block_of_short_requests;
+# it did at 3ac8975). False forks only under MSA_UNVALIDATED_KERNELS=1.
 SIDE_STREAM_VALIDATED = True
 _side_streams = {}
 

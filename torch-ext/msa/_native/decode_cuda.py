@@ -61,10 +61,9 @@ PINGPONG_MIN_ROWS = 65
 VALIDATED_PERSISTENT = frozenset({"bf16", "e4m3"})
 # The e4m3 ping-pong and persistent forms with P.V on e4m3 wgmma (the V loaders transpose each
 # page into a V^T tile instead of widening it to f16; P rounded to e4m3 as before, each page's
-# P.V folded into O in fp32): compiled, its operand layouts replayed lane by lane
-# (tools/lab/model_decode_pv_fragments.py) and its V ring protocol modelled
-# (tools/lab/model_decode_pingpong.py), not yet run on the H200. Until its GPU tests pass and it
-# beats the f16 P.V, only MSA_UNVALIDATED_KERNELS=1 (or the decode_pv_fp8 hook) asks for it.
+# P.V folded into O in fp32): its GPU tests and memcheck pass on the H200 (3ac8975), but its V
+# transpose bounds the page period (3618 vs 3555 cycles, docs/design-decode.md), so it is not
+# served: only MSA_UNVALIDATED_KERNELS=1 (or the decode_pv_fp8 hook) asks for it.
 VALIDATED_PV_FP8 = False
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
