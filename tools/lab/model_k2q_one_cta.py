@@ -5,10 +5,13 @@ step by step as its threads run it, against the package's reference builder (no 
 The kernel's steps, mirrored here with the same formulas: the request of every query and the
 (request, block) -> row table; pass 1 counts the entries per (head, row) key and writes the
 split counts (each query's topk entries in aligned lanes); an exclusive scan over every key;
-pass 2, one warp per head, places the head's entries 32 lanes at a time (kOneCtaScatterUnroll
-chunks a step): place = the key's cursor - the head's first place + the same-key entries in
-lower lanes, then the key's lowest such lane advances the cursor; the tail is -1; row_ptr comes
-from the advanced cursors (each now ends its key); the schedule's chunk counts in (row, head)
+each head's entries cut into segments (one_cta_segments), pass 1 counts per (key, segment); an
+exclusive scan over them, keys in order and a key's segments in entry order; pass 2, one warp per
+(head, segment) in any order, places the segment's entries 32 lanes at a time
+(kOneCtaScatterUnroll chunks a step): place = the (key, segment) cursor - the head's first place
++ the same-key entries in lower lanes, then the lowest such lane advances the cursor; the tail is
+-1; row_ptr comes from the advanced cursors (a key's last segment now ends it); the schedule's
+chunk counts in (row, head)
 order, their inclusive scan, and each work item found by bisection, its owner by row_owner.
 
 Cases: short production chunks (one request, and several), ragged requests with empty and
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import sys
 
 import numpy as np
@@ -42,13 +46,24 @@ def row_table_blocks(batch, max_kv_blocks):
     return max(1, min(max(max_kv_blocks, 1), (1 << 24) // max(batch, 1)))
 
 
+def segments_of(hkv, total_q, batch, total_rows, max_kv_blocks):
+    """one_cta_segments: segments per head (0: the counts do not fit)."""
+    tables = total_q + batch * row_table_blocks(batch, max_kv_blocks)
+    segments = ONE_CTA["max_heads"] // max(hkv, 1)
+    while segments >= 1:
+        if tables + hkv * (total_rows + 1) * segments <= ONE_CTA["smem_ints"]:
+            return segments
+        segments //= 2
+    return 0
+
+
 def fits(hkv, total_q, topk, batch, total_rows, max_kv_blocks):
     per_head = total_q * topk
-    smem = total_q + batch * row_table_blocks(batch, max_kv_blocks) + hkv * (total_rows + 1)
     return (batch <= ONE_CTA["max_batch"] and hkv <= ONE_CTA["max_heads"]
             and per_head <= ONE_CTA["max_head_entries"]
             and per_head * hkv <= ONE_CTA["max_entries"]
-            and hkv * (total_rows + 1) <= ONE_CTA["max_keys"] and smem <= ONE_CTA["smem_ints"])
+            and hkv * (total_rows + 1) <= ONE_CTA["max_keys"]
+            and segments_of(hkv, total_q, batch, total_rows, max_kv_blocks) > 0)
 
 
 def request_of_query(cu_q, batch, q):
@@ -144,53 +159,66 @@ def one_cta_build(q2k, cu_q, cu_k, *, total_rows, max_kv_blocks, schedule=None,
                 out.append((s, count))
         return out
 
-    keys = np.zeros(hkv * width, dtype=np.int64)
+    segments = segments_of(hkv, total_q, batch, total_rows, max_kv_blocks)
+    seg_len = max(32, -(-(-(-per_head // segments)) // 32) * 32)
+    counts = np.zeros(hkv * width * segments, dtype=np.int64)   # [key * segments + segment]
     split_counts = np.full((total_q, hkv), -7, dtype=np.int64)
     for i in range(hkv * per_head):
         valid, r, _ = place(i)
         if valid:
-            keys[(i // per_head) * width + r] += 1
+            h, e = divmod(i, per_head)
+            counts[(h * width + r) * segments + e // seg_len] += 1
     if schedule is not None:
         for i0 in range(0, hkv * per_head, topk):
             grp = [place(i) for i in range(i0, i0 + topk)]
             h, rem = divmod(i0, per_head)
             split_counts[rem // topk, h] = slots(grp)[0][1]
-    keys = exclusive_scan(keys)
+    counts = exclusive_scan(counts)
+
+    def head_base(h):
+        return counts[(h * width - 1) * segments + segments - 1] if h > 0 else 0
 
     stride = per_head
     q_idx = np.full((hkv, stride), -7, dtype=np.int64)
     qsplit = np.full((hkv, stride), -7, dtype=np.int64)
-    for h in range(hkv):
-        head_base = keys[h * width]
-        for e0 in range(0, per_head, 32 * UNROLL):
+    warps = [(h, seg) for h in range(hkv) for seg in range(segments)]
+    rng_order = random.Random(len(warps)).sample(warps, len(warps))   # warps in any order
+    for h, seg in rng_order:
+        base = head_base(h)
+        seg_end = min(per_head, (seg + 1) * seg_len)
+        for e0 in range(seg * seg_len, seg_end, 32 * UNROLL):
             chunks = []
             for u in range(UNROLL):
                 lanes = [e0 + u * 32 + lane for lane in range(32)]
-                pl = [place(h * per_head + e) if e < per_head else (False, 0, 0) for e in lanes]
+                pl = [place(h * per_head + e) if e < seg_end else (False, 0, 0) for e in lanes]
                 chunks.append((pl, slots(pl)))
             for pl, sl in chunks:
-                lane_keys = [h * width + p[1] if p[0] else -1 for p in pl]
+                idx = [(h * width + p[1]) * segments + seg if p[0] else -1 for p in pl]
                 placed = []
-                for lane, key in enumerate(lane_keys):
+                for lane, key in enumerate(idx):
                     if key < 0:
                         continue
-                    rank = (sum(1 for o in range(lane) if lane_keys[o] == key)
+                    rank = (sum(1 for o in range(lane) if idx[o] == key)
                             if rank_lower_lanes else 0)
-                    at = keys[key] - head_base + rank
+                    at = counts[key] - base + rank
                     q_idx[h, at] = pl[lane][2]
                     qsplit[h, at] = pl[lane][2] | (sl[lane][0] << SLOT_SHIFT)
                     placed.append(key)
                 for key in set(placed):
-                    keys[key] += placed.count(key)
-        head_valid = keys[h * width + total_rows] - head_base
+                    counts[key] += placed.count(key)
+
+    def key_end(k):
+        return counts[k * segments + segments - 1]
+
+    def key_start(k):
+        return key_end(k - 1) if k > 0 else 0
+
+    for h in range(hkv):
+        head_valid = key_end(h * width + total_rows) - head_base(h)
         q_idx[h, head_valid:] = -1
         qsplit[h, head_valid:] = -1
-    row_ptr = np.zeros(hkv * width, dtype=np.int64)
-    for k in range(hkv * width):
-        h = k // width
-        head_base = keys[h * width - 1] if h > 0 else 0
-        row_ptr[k] = (keys[k - 1] if k > 0 else 0) - head_base
-    row_ptr = row_ptr.reshape(hkv, width)
+    row_ptr = np.array([key_start(k) - head_base(k // width) for k in range(hkv * width)],
+                       dtype=np.int64).reshape(hkv, width)
     if schedule is None:
         return row_ptr, q_idx
 
@@ -200,7 +228,7 @@ def one_cta_build(q2k, cu_q, cu_k, *, total_rows, max_kv_blocks, schedule=None,
     for idx in range(n):
         r, h = divmod(idx, hkv)
         k = h * width + r
-        chunks[idx] = -(-max(keys[k] - (keys[k - 1] if k > 0 else 0), 0) // target)
+        chunks[idx] = -(-max(key_end(k) - key_start(k), 0) // target)
     incl = np.cumsum(chunks)
     total_items = int(incl[-1]) if n > 0 else 0
     meta = np.zeros((capacity, 6), dtype=np.int64)

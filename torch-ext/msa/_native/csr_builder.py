@@ -12,8 +12,8 @@ reference for it and logs that. Importing this module does not touch CUDA.
 
 A call small enough for one CTA (the short production chunks: <= 64 requests, total_q x topk
 <= 8192, Hkv <= 32, Hkv x (total_rows + 1) <= 16384; csrc/build_k2q_csr.cu one_cta_fits) can
-build in one launch instead of ~12 (ONE_CTA_VALIDATED: its GPU test and memcheck passed on the
-H200; False would ask for it only under ``MSA_UNVALIDATED_KERNELS=1``).
+build in one launch instead of ~12; gated (ONE_CTA_VALIDATED): only ``MSA_UNVALIDATED_KERNELS=1``
+asks for it.
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ OP_NAME = "build_k2q_csr"
 KV_BLOCK = 128
 
 
-# Whether the one-CTA build passed its GPU test (tests/test_csrc_gpu.py,
-# test_k2q_csr_one_cta_build) and memcheck on the H200 (it did at 3ac8975).
-ONE_CTA_VALIDATED = True
+# Whether the one-CTA build serves. Its first form (a warp per KV head) passed its GPU test
+# (tests/test_csrc_gpu.py, test_k2q_csr_one_cta_build) and memcheck on the H200 but was slower
+# than the multi-kernel build (docs/design-production-prefill.md); the form with a warp per
+# (head, segment) awaits its test and timing.
+ONE_CTA_VALIDATED = False
 
 
 def one_cta_allowed() -> bool:
