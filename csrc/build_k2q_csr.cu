@@ -16,14 +16,6 @@
 //   4. row_ptr[h, r] = lower_bound of key (h, r) in the sorted keys.
 //   5. Schedule: chunk counts per (row, head) in row-major order, an inclusive scan, then one
 //      thread per work item binary-searches its (row, head) and writes its metadata.
-//
-// A call that fits one CTA (one_cta_fits: the short production chunks) runs the same steps in one
-// launch of one_cta_csr_kernel instead of ~12: the lookup tables and counts live in shared
-// memory, per-(key, segment) counts + a block scan give row_ptr and where each segment's entries
-// of a key go, and one warp per (head, segment of its entries) scatters them in q2k order (a
-// stable counting sort: the place of an entry is its (key, segment) cursor plus the same-key
-// entries in lower lanes), so the output is the same bit for bit. The caller asks for it with
-// args.one_cta (msa._native.csr_builder.ONE_CTA_VALIDATED).
 #include <cub/cub.cuh>
 
 #include <algorithm>
@@ -46,19 +38,6 @@ constexpr int32_t kQLocalMask = (1 << kSlotShift) - 1;
 // direct O(batch) formula, so a wrong max_kv_blocks hint costs time, never correctness.
 constexpr int64_t kMaxRowTableEntries = int64_t(1) << 24;
 
-// Bounds of the one-CTA build. Each warp scatters a segment of one head's entries; each thread
-// keeps at most kOneCtaKeysPerThread chunk counts while the schedule reorders them; the shared
-// tables (query -> request, the row table, the per-(key, segment) counts) fit 96 KB, under
-// every sm_80+ opt-in limit (sm_86 / sm_89 / sm_120: 99 KB).
-constexpr int kOneCtaThreads = 1024;
-constexpr int kOneCtaWarps = kOneCtaThreads / 32;
-constexpr int kOneCtaMaxBatch = 64;
-constexpr int64_t kOneCtaMaxHeadEntries = 8192;    // total_q * topk
-constexpr int64_t kOneCtaMaxEntries = 65536;       // hkv * total_q * topk
-constexpr int kOneCtaKeysPerThread = 16;
-constexpr int64_t kOneCtaMaxKeys = int64_t(kOneCtaThreads) * kOneCtaKeysPerThread;
-constexpr int64_t kOneCtaSmemInts = 24576;
-constexpr int kOneCtaScatterUnroll = 4;            // 32-entry chunks a warp places per step
 
 struct CsrDeviceArgs {
   const int32_t* q2k;
@@ -148,8 +127,7 @@ struct EntryPlace {
   int32_t q_local = 0;
 };
 
-// Entry `block` of global query q, which request_of_query (or the one-CTA build's table) puts in
-// request b.
+// Entry `block` of global query q, which request_of_query puts in request b.
 __device__ __forceinline__ EntryPlace place_entry(const CsrDeviceArgs& a, int q, int b,
                                                   int32_t block) {
   EntryPlace p;
@@ -406,208 +384,6 @@ __global__ void schedule_items_kernel(const int32_t* __restrict__ row_ptr,
                   present ? owner_block[item.r] : 0);
 }
 
-// In-place prefix sum of data[0, n) (shared memory) by a whole CTA of kOneCtaThreads threads,
-// each summing a contiguous piece; warp_sums holds kOneCtaWarps ints. Ends with a barrier.
-template <bool kInclusive>
-__device__ void block_scan_in_place(int32_t* data, int n, int32_t* warp_sums) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int per = ceil_div(n, kOneCtaThreads);
-  const int begin = min(tid * per, n), end = min(begin + per, n);
-  int32_t local = 0;
-  for (int i = begin; i < end; ++i) local += data[i];
-  const int32_t within_warp = detail::warp_inclusive_sum(local);
-  if (lane == 31) warp_sums[warp] = within_warp;
-  __syncthreads();
-  if (warp == 0) warp_sums[lane] = detail::warp_inclusive_sum(warp_sums[lane]);
-  __syncthreads();
-  int32_t running = within_warp - local + (warp > 0 ? warp_sums[warp - 1] : 0);
-  for (int i = begin; i < end; ++i) {
-    const int32_t x = data[i];
-    if constexpr (kInclusive) {
-      running += x;
-      data[i] = running;
-    } else {
-      data[i] = running;
-      running += x;
-    }
-  }
-  __syncthreads();
-}
-
-// The one-CTA build (see the file comment). Each head's entries are cut into `segments`
-// contiguous segments of seg_len entries (a multiple of 32, so a query's topk entries stay in
-// one segment), one warp per (head, segment), so every warp scatters. Shared memory: the
-// request of every query (-1 when its id lies outside cu_q's range), the row table, and per
-// (head, row) key and segment the entry count at [key * segments + segment]: its exclusive scan
-// in that order is where the segment's entries of the key start (keys in order, a key's
-// segments in entry order: the stable order), advanced by the scatter to their ends; last
-// (schedule) the chunk counts in (row, head) order and their inclusive scan.
-template <bool kWithSchedule>
-__global__ void __launch_bounds__(kOneCtaThreads, 1)
-one_cta_csr_kernel(K2qCsrArgs args, K2qScheduleArgs sched, int table_blocks, int segments) {
-  extern __shared__ int32_t smem[];
-  __shared__ int32_t s_rows[kOneCtaMaxBatch];
-  __shared__ int32_t s_cu_q[kOneCtaMaxBatch + 1];
-  __shared__ int32_t s_warp_sums[kOneCtaWarps];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int hkv = args.hkv, batch = args.batch, topk = args.topk;
-  const int width = args.total_rows + 1;
-  const int n_keys = hkv * width;
-  const int n_counts = n_keys * segments;
-  const int per_head = args.total_q * topk;
-  const int seg_len = max(32, ceil_div(ceil_div(per_head, segments), 32) * 32);
-  int32_t* s_request = smem;
-  int32_t* s_table = s_request + args.total_q;
-  int32_t* s_count = s_table + batch * table_blocks;
-
-  if (tid < batch) s_rows[tid] = request_rows(args.cu_seqlens_k, tid, args.blk_kv);
-  if (tid <= batch) s_cu_q[tid] = args.cu_seqlens_q[tid];
-  for (int i = tid; i < n_counts; i += kOneCtaThreads) s_count[i] = 0;
-  __syncthreads();
-  for (int beta = tid; beta < table_blocks; beta += kOneCtaThreads) {
-    row_table_column(s_rows, batch, table_blocks, beta, s_table);
-  }
-  for (int q = tid; q < args.total_q; q += kOneCtaThreads) {
-    const int b = request_of_query(s_cu_q, batch, q);
-    s_request[q] = (q >= s_cu_q[b] && q < s_cu_q[b + 1]) ? b : -1;
-  }
-  __syncthreads();
-
-  const CsrDeviceArgs a{args.q2k_indices, s_cu_q, args.cu_seqlens_k, s_rows, s_table, batch,
-                        table_blocks, hkv, args.total_q, topk, args.total_rows,
-                        static_cast<int64_t>(per_head) * hkv};
-  // Entry e of head h (e < per_head).
-  auto place_of = [&](int h, int e) {
-    const int q = e / topk;
-    const int b = s_request[q];
-    return b < 0 ? EntryPlace{}
-                 : place_entry(a, q, b,
-                               __ldg(args.q2k_indices + static_cast<int64_t>(h) * per_head + e));
-  };
-  auto count_index = [&](int h, int row, int e) {
-    return (h * width + row) * segments + e / seg_len;
-  };
-
-  // Pass 1: entries per (key, segment), and the split counts. Warp-aligned 32-entry chunks of
-  // one head at a time (entry_slot shuffles over the whole warp).
-  const int head_chunks = ceil_div(per_head, 32);
-  for (int c = warp; c < hkv * head_chunks; c += kOneCtaWarps) {
-    const int h = c / head_chunks;
-    const int e = (c - h * head_chunks) * 32 + lane;
-    const EntryPlace p = e < per_head ? place_of(h, e) : EntryPlace{};
-    if (p.valid) atomicAdd(s_count + count_index(h, p.row, e), 1);
-    if constexpr (kWithSchedule) {
-      int slot, count;
-      entry_slot(p, topk, &slot, &count);
-      if (e < per_head && e % topk == 0) {
-        sched.split_counts[static_cast<int64_t>(e / topk) * hkv + h] = count;
-      }
-    }
-  }
-  __syncthreads();
-  block_scan_in_place<false>(s_count, n_counts, s_warp_sums);
-  // The first place of head h: the start of head h - 1's dropped key (row total_rows), whose
-  // entries are never counted nor placed, so it reads the same before and after the scatter.
-  auto head_base = [&](int h) {
-    return h > 0 ? s_count[(h * width - 1) * segments + segments - 1] : 0;
-  };
-
-  // Pass 2: warp (h, segment) places its segment's entries in q2k order.
-  if (warp < hkv * segments) {
-    const int h = warp / segments, seg = warp - h * segments;
-    const int32_t base = head_base(h);
-    int32_t* q_out = args.q_indices + h * args.q_indices_stride;
-    int32_t* qsplit_out =
-        kWithSchedule ? sched.qsplit_indices + h * args.q_indices_stride : nullptr;
-    const unsigned lower_lanes = (1u << lane) - 1u;
-    const int seg_end = min(per_head, (seg + 1) * seg_len);
-    for (int e0 = seg * seg_len; e0 < seg_end; e0 += 32 * kOneCtaScatterUnroll) {
-      EntryPlace p[kOneCtaScatterUnroll];
-      int slot[kOneCtaScatterUnroll];
-#pragma unroll
-      for (int u = 0; u < kOneCtaScatterUnroll; ++u) {
-        const int e = e0 + u * 32 + lane;
-        p[u] = e < seg_end ? place_of(h, e) : EntryPlace{};
-        slot[u] = 0;
-        if constexpr (kWithSchedule) {
-          int count;
-          entry_slot(p[u], topk, &slot[u], &count);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kOneCtaScatterUnroll; ++u) {
-        const int idx = p[u].valid ? (h * width + p[u].row) * segments + seg : -1;
-        const unsigned peers = __match_any_sync(0xffffffffu, idx);
-        const int rank = __popc(peers & lower_lanes);
-        if (idx >= 0) {
-          const int32_t place = s_count[idx] - base + rank;
-          q_out[place] = p[u].q_local;
-          if constexpr (kWithSchedule) qsplit_out[place] = packed_slot(p[u].q_local, slot[u]);
-        }
-        __syncwarp();
-        if (idx >= 0 && rank == 0) s_count[idx] += __popc(peers);
-        __syncwarp();
-      }
-    }
-  }
-  __syncthreads();
-
-  // Each (key, segment) count now ends its range; a key ends where its last segment does.
-  auto key_end = [&](int k) { return s_count[k * segments + segments - 1]; };
-  auto key_start = [&](int k) { return k > 0 ? key_end(k - 1) : 0; };
-  // The -1 tail of each head, from its valid entries (the dropped row's key never advanced).
-  for (int h = 0; h < hkv; ++h) {
-    const int32_t head_valid = key_end(h * width + args.total_rows) - head_base(h);
-    int32_t* q_out = args.q_indices + h * args.q_indices_stride;
-    int32_t* qsplit_out =
-        kWithSchedule ? sched.qsplit_indices + h * args.q_indices_stride : nullptr;
-    for (int64_t e = head_valid + tid; e < args.q_indices_stride; e += kOneCtaThreads) {
-      q_out[e] = -1;
-      if constexpr (kWithSchedule) qsplit_out[e] = -1;
-    }
-  }
-  for (int k = tid; k < n_keys; k += kOneCtaThreads) {
-    args.row_ptr[k] = key_start(k) - head_base(k / width);
-  }
-  if constexpr (!kWithSchedule) return;
-
-  // Schedule: chunk counts in (row, head) order from the key ranges, then their inclusive scan.
-  const int n_row_heads = args.total_rows * hkv;
-  int32_t chunks[kOneCtaKeysPerThread];
-#pragma unroll
-  for (int j = 0; j < kOneCtaKeysPerThread; ++j) {
-    const int idx = tid + j * kOneCtaThreads;
-    chunks[j] = 0;
-    if (idx < n_row_heads) {
-      const int r = idx / hkv, h = idx - (idx / hkv) * hkv;
-      const int k = h * width + r;
-      chunks[j] = row_chunks(key_end(k) - key_start(k), sched.target_q_per_cta);
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < kOneCtaKeysPerThread; ++j) {
-    const int idx = tid + j * kOneCtaThreads;
-    if (idx < n_row_heads) s_count[idx] = chunks[j];
-  }
-  __syncthreads();
-  block_scan_in_place<true>(s_count, n_row_heads, s_warp_sums);
-  const int total_items = n_row_heads > 0 ? s_count[n_row_heads - 1] : 0;
-  if (tid == 0) sched.work_count[0] = min(total_items, sched.work_capacity);
-  // row_ptr was written above by this CTA: plain loads after the barrier see it.
-  for (int w = tid; w < sched.work_capacity; w += kOneCtaThreads) {
-    WorkItem item;
-    int32_t owner_b = 0, owner_beta = 0;
-    const bool present = w < total_items;
-    if (present) {
-      item = find_work_item(s_count, n_row_heads, args.row_ptr, hkv, args.total_rows,
-                            sched.target_q_per_cta, w);
-      row_owner(s_rows, batch, item.r, &owner_b, &owner_beta);
-    }
-    write_work_item(sched.scheduler_metadata, w, present, item, owner_b, owner_beta);
-  }
-}
-
 // Every temporary buffer, carved from one workspace (or only measured when base is null).
 struct CsrWorkspace {
   int32_t* rows = nullptr;
@@ -638,40 +414,8 @@ int row_table_blocks(const K2qCsrArgs& a) {
       std::max<int64_t>(1, std::min<int64_t>(std::max(a.max_kv_blocks, 1), cap)));
 }
 
-// Segments per head of the one-CTA build: as many as give every warp a (head, segment), fewer
-// while the per-(key, segment) counts do not fit; 0 when not even one does.
-int one_cta_segments(const K2qCsrArgs& a) {
-  const int64_t keys = static_cast<int64_t>(a.hkv) * (static_cast<int64_t>(a.total_rows) + 1);
-  const int64_t tables =
-      static_cast<int64_t>(a.total_q) + static_cast<int64_t>(a.batch) * row_table_blocks(a);
-  for (int segments = kOneCtaWarps / std::max(a.hkv, 1); segments >= 1; segments /= 2) {
-    if (tables + keys * segments <= kOneCtaSmemInts) return segments;
-  }
-  return 0;
-}
-
-// Shared memory of the one-CTA build: query -> request, the row table, the (key, segment) counts.
-int64_t one_cta_smem_ints(const K2qCsrArgs& a) {
-  return static_cast<int64_t>(a.total_q) + static_cast<int64_t>(a.batch) * row_table_blocks(a) +
-         static_cast<int64_t>(a.hkv) * (static_cast<int64_t>(a.total_rows) + 1) *
-             one_cta_segments(a);
-}
-
-// Whether the call may run as one CTA: asked for (args.one_cta) and within its bounds.
-bool one_cta_fits(const K2qCsrArgs& a) {
-  const int64_t per_head = static_cast<int64_t>(a.total_q) * a.topk;
-  const int64_t keys = static_cast<int64_t>(a.hkv) * (static_cast<int64_t>(a.total_rows) + 1);
-  return a.one_cta && a.batch <= kOneCtaMaxBatch && a.hkv <= kOneCtaWarps &&
-         per_head <= kOneCtaMaxHeadEntries && per_head * a.hkv <= kOneCtaMaxEntries &&
-         keys <= kOneCtaMaxKeys && one_cta_segments(a) > 0;
-}
-
 cudaError_t plan_workspace(const K2qCsrArgs& a, const K2qScheduleArgs* s, void* base,
                            CsrWorkspace* ws) {
-  if (one_cta_fits(a)) {   // everything lives in shared memory
-    ws->total_bytes = 0;
-    return cudaSuccess;
-  }
   detail::WorkspaceCarver carve(base);
   const int64_t n_entries = entry_count(a);
   ws->rows = carve.take<int32_t>(a.batch);
@@ -731,22 +475,6 @@ cudaError_t launch_build_k2q_csr(const K2qCsrArgs& a, const K2qScheduleArgs* s, 
                        s->target_q_per_cta < 1 || s->work_capacity < 1 ||
                        a.total_q >= kQLocalMask)) {
     return cudaErrorInvalidValue;
-  }
-  if (one_cta_fits(a)) {
-    const size_t smem = static_cast<size_t>(one_cta_smem_ints(a)) * sizeof(int32_t);
-    const int table_blocks = row_table_blocks(a);
-    if (s != nullptr) {
-      MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          one_cta_csr_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      one_cta_csr_kernel<true><<<1, kOneCtaThreads, smem, stream>>>(a, *s, table_blocks,
-                                                                    one_cta_segments(a));
-    } else {
-      MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          one_cta_csr_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      one_cta_csr_kernel<false><<<1, kOneCtaThreads, smem, stream>>>(
-          a, K2qScheduleArgs{}, table_blocks, one_cta_segments(a));
-    }
-    return cudaGetLastError();
   }
   CsrWorkspace ws;
   MSA_RETURN_IF_ERROR(plan_workspace(a, s, workspace, &ws));

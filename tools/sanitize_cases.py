@@ -15,7 +15,7 @@ on purpose (MSA_UNVALIDATED_KERNELS=1): memcheck is part of their validation. MS
 so a
 silent fallback cannot hide a kernel from the sanitizer. MSA_SANITIZE_ONLY (comma-separated
 section names: sparse_prefill, sparse_prefill_portable, topk, block_max, block_max_portable,
-decode, decode_indexer, csr, csrc_portable, fmha, prefill_production, malformed) runs a subset.
+decode, decode_indexer, csrc_portable, fmha, prefill_production, malformed) runs a subset.
 Section "csrc_portable" runs the CSR builder, top-k, decode and decode indexer cases on the
 portable tier (MSA_NATIVE_TIER=portable: decode without its warpgroup form).
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import os
 import sys
 from pathlib import Path
@@ -282,29 +281,6 @@ def decode_indexer_runs(family="sm90"):
     print(f"decode_indexer [{family}]: ok")
 
 
-def csr_cases(gen):
-    """build_k2q_csr (+ schedule) on both of its builds: a call within the one-CTA bounds (one
-    launch; gated, enabled here) and one past them (total_q x topk > 8192: the multi-kernel
-    build), ids past their request, negative ids and duplicates, a too-small row hint."""
-    device = torch.device("cuda")
-    for q_lens, k_lens in (([182, 0, 7], [17718, 300, 1]), ([1100], [40000])):
-        cu_q = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32,
-                            device=device)
-        cu_k = torch.tensor([0] + list(itertools.accumulate(k_lens)), dtype=torch.int32,
-                            device=device)
-        q2k = torch.randint(-3, max(k_lens) // BLOCK + 40, (4, sum(q_lens), 8),
-                            dtype=torch.int32, generator=gen).to(device)
-        q2k[:, :, 1] = q2k[:, :, 0]
-        q2k[0, 0, -1] = 1 << 30
-        for schedule, max_k in ((True, max(k_lens)), (False, max(k_lens)), (True, 1)):
-            msa.build_k2q_csr(q2k, cu_q, cu_k, BLOCK, total_k=sum(k_lens), max_seqlen_k=max_k,
-                              max_seqlen_q=max(q_lens), qhead_per_kv=16,
-                              return_schedule=schedule)
-            expect_native("build_k2q_csr")
-        torch.cuda.synchronize()
-    print("build_k2q_csr (one-CTA and multi-kernel builds): ok")
-
-
 def csrc_portable_cases(gen):
     """The csrc ops the portable tier shares with SM90, forced onto it (MSA_NATIVE_TIER=
     portable): a CSR + schedule build over garbage ids, then the top-k, decode and decode
@@ -511,7 +487,6 @@ if __name__ == "__main__":
                 "block_max_portable": lambda: block_max_cases(generator, "portable"),
                 "decode": decode_runs,
                 "decode_indexer": decode_indexer_runs,
-                "csr": lambda: csr_cases(generator),
                 "csrc_portable": lambda: csrc_portable_cases(generator),
                 "fmha": lambda: fmha_cases(generator),
                 "prefill_production": lambda: prefill_production_cases(generator),

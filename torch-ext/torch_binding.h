@@ -30,7 +30,6 @@ struct K2qCsrArgs {
   int blk_kv;                    // tokens per KV block (128)
   int total_rows;                // CSR rows to emit (host hint; rows past it are dropped)
   int max_kv_blocks;             // host hint: ceil(max k_len / blk_kv); sizes a lookup table only
-  bool one_cta;                  // may build in one CTA, one launch, when the call is small enough
 };
 
 // Present only for run_build_k2q_csr_with_schedule.
@@ -338,15 +337,14 @@ cudaError_t block_max_score_portable_image(cudaFuncAttributes* attr);
 
 void run_build_k2q_csr(const torch::Tensor& q2k, const torch::Tensor& cu_q,
                        const torch::Tensor& cu_k, torch::Tensor& row_ptr, torch::Tensor& q_idx,
-                       int64_t topk, int64_t blk_kv, int64_t total_rows, int64_t max_kv_blocks,
-                       bool one_cta);
+                       int64_t topk, int64_t blk_kv, int64_t total_rows, int64_t max_kv_blocks);
 
 void run_build_k2q_csr_with_schedule(
     const torch::Tensor& q2k, const torch::Tensor& cu_q, const torch::Tensor& cu_k,
     torch::Tensor& row_ptr, torch::Tensor& q_idx, int64_t topk, int64_t blk_kv,
     int64_t total_rows, int64_t max_kv_blocks, torch::Tensor& scheduler_metadata,
     torch::Tensor& work_count, torch::Tensor& qsplit_idx, torch::Tensor& split_counts,
-    int64_t target_q_per_cta, int64_t work_capacity, int64_t max_seqlen_q, bool one_cta);
+    int64_t target_q_per_cta, int64_t work_capacity, int64_t max_seqlen_q);
 
 void sparse_topk_select(const torch::Tensor& max_score, torch::Tensor& out, int64_t topk,
                         int64_t num_valid_pages,

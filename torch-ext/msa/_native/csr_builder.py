@@ -10,10 +10,6 @@ graph. A schedule for 2^24 - 1 or more query tokens is refused by ``supports`` (
 the local query id and the slot into one int32 while sorting), so msa._backend runs the
 reference for it and logs that. Importing this module does not touch CUDA.
 
-A call small enough for one CTA (the short production chunks: <= 64 requests, total_q x topk
-<= 8192, Hkv <= 32, Hkv x (total_rows + 1) <= 16384; csrc/build_k2q_csr.cu one_cta_fits) can
-build in one launch instead of ~12; gated (ONE_CTA_VALIDATED): only ``MSA_UNVALIDATED_KERNELS=1``
-asks for it.
 """
 
 from __future__ import annotations
@@ -31,18 +27,6 @@ from .compiled_ops import ops
 
 OP_NAME = "build_k2q_csr"
 KV_BLOCK = 128
-
-
-# Whether the one-CTA build serves. Its first form (a warp per KV head) passed its GPU test
-# (tests/test_csrc_gpu.py, test_k2q_csr_one_cta_build) and memcheck on the H200 but was slower
-# than the multi-kernel build (docs/design-production-prefill.md); the form with a warp per
-# (head, segment) awaits its test and timing.
-ONE_CTA_VALIDATED = False
-
-
-def one_cta_allowed() -> bool:
-    """Whether calls that fit one CTA may build there (the kernel checks the bounds)."""
-    return ONE_CTA_VALIDATED or _backend.unvalidated_ok()
 
 
 # Queries a schedule build packs with their slot into one int32 (24 bits of local query id).
@@ -77,10 +61,9 @@ def run(call):
     device = q2k.device
     row_ptr = torch.empty(hkv, call.total_rows + 1, dtype=torch.int32, device=device)
     q_idx = torch.empty(hkv, total_q * topk, dtype=torch.int32, device=device)
-    one_cta = one_cta_allowed()
     if not call.return_schedule:
         ops.run_build_k2q_csr(q2k, call.cu_seqlens_q, call.cu_seqlens_k, row_ptr, q_idx, topk,
-                              KV_BLOCK, call.total_rows, call.max_kv_blocks, one_cta)
+                              KV_BLOCK, call.total_rows, call.max_kv_blocks)
         return row_ptr, q_idx
 
     max_seqlen_q = int(call.max_seqlen_q)
@@ -99,7 +82,7 @@ def run(call):
     ops.run_build_k2q_csr_with_schedule(
         q2k, call.cu_seqlens_q, call.cu_seqlens_k, row_ptr, q_idx, topk, KV_BLOCK,
         call.total_rows, call.max_kv_blocks, metadata, work_count, qsplit, split_counts, target,
-        capacity, max_seqlen_q, one_cta)
+        capacity, max_seqlen_q)
     schedule = SparseAttentionSchedule(enabled=True, scheduler_metadata=metadata,
                                        work_count=work_count, qsplit_indices=qsplit,
                                        split_counts=split_counts, target_q_per_cta=target,
