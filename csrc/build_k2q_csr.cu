@@ -33,11 +33,11 @@ using detail::kThreads;
 
 constexpr int kMetaColumns = 6;
 constexpr int kSlotShift = 24;
+constexpr uint32_t kNoSlot = 0xFFu;                 // slot field of an entry without a slot
 constexpr int32_t kQLocalMask = (1 << kSlotShift) - 1;
 // Cap of the (request, block) -> row table: 16M entries (64 MB); blocks past it use the
 // direct O(batch) formula, so a wrong max_kv_blocks hint costs time, never correctness.
 constexpr int64_t kMaxRowTableEntries = int64_t(1) << 24;
-
 
 struct CsrDeviceArgs {
   const int32_t* q2k;
@@ -54,18 +54,23 @@ struct CsrDeviceArgs {
   int64_t n_entries;          // hkv * total_q * topk
 };
 
-// ceil(max(k_len_b, 0) / blk_kv): the CSR rows of request b.
-__device__ __forceinline__ int32_t request_rows(const int32_t* cu_k, int b, int blk_kv) {
+// ceil(max(k_len_b, 0) / blk_kv) for every request.
+__global__ void request_rows_kernel(const int32_t* __restrict__ cu_k, int batch, int blk_kv,
+                                    int32_t* __restrict__ rows) {
+  int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b >= batch) return;
   int64_t len = static_cast<int64_t>(cu_k[b + 1]) - static_cast<int64_t>(cu_k[b]);
   if (len < 0) len = 0;
-  const int64_t blocks = ceil_div<int64_t>(len, blk_kv);
-  return static_cast<int32_t>(blocks > INT_MAX ? INT_MAX : blocks);
+  int64_t blocks = ceil_div<int64_t>(len, blk_kv);
+  rows[b] = static_cast<int32_t>(blocks > INT_MAX ? INT_MAX : blocks);
 }
 
-// Column beta of the row table: row(b, beta) = sum_b' min(rows_b', beta) + rank of b among the
-// requests that have a block beta (round-robin packing), -1 where b has no block beta.
-__device__ __forceinline__ void row_table_column(const int32_t* rows, int batch, int table_blocks,
-                                                 int beta, int32_t* table) {
+// One thread per block index beta: row(b, beta) = sum_b' min(rows_b', beta) + rank of b among
+// the requests that have a block beta (round-robin packing), -1 where b has no block beta.
+__global__ void row_table_kernel(const int32_t* __restrict__ rows, int batch, int table_blocks,
+                                 int32_t* __restrict__ table) {
+  int beta = blockIdx.x * blockDim.x + threadIdx.x;
+  if (beta >= table_blocks) return;
   int64_t next_row = 0;
   for (int b = 0; b < batch; ++b) next_row += min(rows[b], beta);
   for (int b = 0; b < batch; ++b) {
@@ -76,18 +81,6 @@ __device__ __forceinline__ void row_table_column(const int32_t* rows, int batch,
     }
     table[static_cast<int64_t>(b) * table_blocks + beta] = row;
   }
-}
-
-__global__ void request_rows_kernel(const int32_t* __restrict__ cu_k, int batch, int blk_kv,
-                                    int32_t* __restrict__ rows) {
-  int b = blockIdx.x * blockDim.x + threadIdx.x;
-  if (b < batch) rows[b] = request_rows(cu_k, b, blk_kv);
-}
-
-__global__ void row_table_kernel(const int32_t* __restrict__ rows, int batch, int table_blocks,
-                                 int32_t* __restrict__ table) {
-  int beta = blockIdx.x * blockDim.x + threadIdx.x;
-  if (beta < table_blocks) row_table_column(rows, batch, table_blocks, beta, table);
 }
 
 // CSR row of block beta of request b; the caller guarantees 0 <= beta < rows[b].
@@ -105,78 +98,18 @@ __device__ __forceinline__ int64_t csr_row_of(const CsrDeviceArgs& a, int b, int
 
 // The request that owns global query q: the largest b with cu_q[b] <= q (empty requests
 // share their start with the next one, so the largest is the right one).
-__device__ __forceinline__ int request_of_query(const int32_t* cu_q, int batch, int q) {
+__device__ __forceinline__ int request_of_query(const int32_t* __restrict__ cu_q, int batch,
+                                                int q) {
   int lo = 0, hi = batch - 1;
   while (lo < hi) {
     int mid = (lo + hi + 1) >> 1;
-    if (cu_q[mid] <= q) {
+    if (__ldg(cu_q + mid) <= q) {
       lo = mid;
     } else {
       hi = mid - 1;
     }
   }
   return lo;
-}
-
-// Where a q2k entry lands: its CSR row and the query's id local to its request; invalid (the
-// entry is dropped) for an empty slot, a block the request does not have, a query outside its
-// request or a row past total_rows.
-struct EntryPlace {
-  bool valid = false;
-  int32_t row = 0;
-  int32_t q_local = 0;
-};
-
-// Entry `block` of global query q, which request_of_query puts in request b.
-__device__ __forceinline__ EntryPlace place_entry(const CsrDeviceArgs& a, int q, int b,
-                                                  int32_t block) {
-  EntryPlace p;
-  const int q_begin = a.cu_q[b];
-  const int q_end = a.cu_q[b + 1];
-  if (block >= 0 && q >= q_begin && q < q_end && block < a.rows[b]) {
-    const int64_t r = csr_row_of(a, b, block);
-    if (r >= 0 && r < a.total_rows) {
-      p.valid = true;
-      p.row = static_cast<int32_t>(r);
-      p.q_local = q - q_begin;
-    }
-  }
-  return p;
-}
-
-// The entry's (head, row) key: h * (total_rows + 1) + row, row = total_rows when dropped, so
-// each head's entries sort into one segment with the dropped ones at its tail.
-__device__ __forceinline__ uint32_t entry_key(const CsrDeviceArgs& a, int h, const EntryPlace& p) {
-  return static_cast<uint32_t>(h) * static_cast<uint32_t>(a.total_rows + 1) +
-         static_cast<uint32_t>(p.valid ? p.row : a.total_rows);
-}
-
-// The entry's combine slot and its query's valid-entry count (the (query, head)'s split count).
-// The reference hands out slots walking rows in ascending order, so an entry's slot is the
-// number of its query's valid entries in smaller rows (earlier q2k position on ties). Every
-// valid entry counts (q_local < q_len_b by construction): max_seqlen_q, a host hint, only
-// bounds the packing and never drops work when it is short. The lanes of a query's topk entries
-// must be consecutive and aligned (topk a power of two <= 32); every lane of the warp calls.
-__device__ __forceinline__ void entry_slot(const EntryPlace& p, int topk, int* slot, int* count) {
-  const int rank_key = p.valid ? p.row : INT_MAX;
-  const int lane = threadIdx.x & 31;
-  const int group_base = lane & ~(topk - 1);
-  const int my_pos = lane - group_base;
-  int s = 0, c = 0;
-  for (int o = 0; o < topk; ++o) {   // every lane runs the same trip count
-    const int other = __shfl_sync(0xffffffffu, rank_key, group_base + o);
-    const bool other_counted = other != INT_MAX;
-    c += other_counted ? 1 : 0;
-    s += (other_counted && (other < rank_key || (other == rank_key && o < my_pos))) ? 1 : 0;
-  }
-  *slot = s;
-  *count = c;
-}
-
-// The packed schedule payload: q_local | slot << kSlotShift.
-__device__ __forceinline__ int32_t packed_slot(int32_t q_local, int slot) {
-  return static_cast<int32_t>(static_cast<uint32_t>(q_local) |
-                              (static_cast<uint32_t>(slot) << kSlotShift));
 }
 
 // Step 2: sort key and payload of every q2k entry (and, kWithSlots, its combine slot and the
@@ -190,25 +123,56 @@ entry_keys_kernel(CsrDeviceArgs a, uint32_t* __restrict__ keys,
   const bool in_range = i < a.n_entries;
   const int64_t per_head = static_cast<int64_t>(a.total_q) * a.topk;
   int h = 0, q = 0, slot_in_row = 0;
-  EntryPlace p;
+  bool valid = false;
+  int32_t row = 0, q_local = 0;
   if (in_range) {
     h = static_cast<int>(i / per_head);
     const int64_t rem = i - h * per_head;
     q = static_cast<int>(rem / a.topk);
     slot_in_row = static_cast<int>(rem - static_cast<int64_t>(q) * a.topk);
-    p = place_entry(a, q, request_of_query(a.cu_q, a.batch, q), __ldg(a.q2k + i));
+    const int32_t block = __ldg(a.q2k + i);
+    const int b = request_of_query(a.cu_q, a.batch, q);
+    const int q_begin = __ldg(a.cu_q + b);
+    const int q_end = __ldg(a.cu_q + b + 1);
+    if (block >= 0 && q >= q_begin && q < q_end && block < a.rows[b]) {
+      const int64_t r = csr_row_of(a, b, block);
+      if (r >= 0 && r < a.total_rows) {
+        valid = true;
+        row = static_cast<int32_t>(r);
+        q_local = q - q_begin;
+      }
+    }
   }
-  int32_t value = p.valid ? p.q_local : -1;
+  const uint32_t key = static_cast<uint32_t>(h) * static_cast<uint32_t>(a.total_rows + 1) +
+                       static_cast<uint32_t>(valid ? row : a.total_rows);
+  int32_t value = valid ? q_local : -1;
   if constexpr (kWithSlots) {
-    int slot, count;
-    entry_slot(p, a.topk, &slot, &count);
+    // The reference hands out slots walking rows in ascending order, so an entry's slot is the
+    // number of its query's counted entries in smaller rows (earlier q2k position on ties).
+    // Every valid entry counts (q_local < q_len_b by construction): max_seqlen_q, a host hint,
+    // only bounds the packing (checked by the binding) and never drops work when it is short.
+    const bool counted = valid;
+    const int rank_key = counted ? row : INT_MAX;
+    const int lane = threadIdx.x & 31;
+    const int group_base = lane & ~(a.topk - 1);
+    const int my_pos = lane - group_base;
+    int slot = 0, count = 0;
+    for (int o = 0; o < a.topk; ++o) {   // every lane runs the same trip count
+      const int other = __shfl_sync(0xffffffffu, rank_key, group_base + o);
+      const bool other_counted = other != INT_MAX;
+      count += other_counted ? 1 : 0;
+      slot += (other_counted && (other < rank_key || (other == rank_key && o < my_pos))) ? 1 : 0;
+    }
     if (in_range && slot_in_row == 0) {
       split_counts[static_cast<int64_t>(q) * a.hkv + h] = count;
     }
-    if (p.valid) value = packed_slot(p.q_local, slot);
+    if (valid) {
+      const uint32_t slot_field = counted ? static_cast<uint32_t>(slot) : kNoSlot;
+      value = static_cast<int32_t>(static_cast<uint32_t>(q_local) | (slot_field << kSlotShift));
+    }
   }
   if (in_range) {
-    keys[i] = entry_key(a, h, p);
+    keys[i] = key;
     values[i] = value;
   }
 }
@@ -250,103 +214,17 @@ __global__ void unpack_payload_kernel(const int32_t* __restrict__ sorted_values,
   const int64_t e = idx - h * stride;
   const int32_t v = e < per_head ? sorted_values[h * per_head + e] : -1;
   if constexpr (kWithSlots) {
-    q_indices[idx] = v == -1 ? -1 : (v & kQLocalMask);
-    qsplit_indices[idx] = v;
+    const bool empty = v == -1;
+    const bool has_slot = !empty && (static_cast<uint32_t>(v) >> kSlotShift) != kNoSlot;
+    q_indices[idx] = empty ? -1 : (v & kQLocalMask);
+    qsplit_indices[idx] = has_slot ? v : -1;
   } else {
     q_indices[idx] = v;
   }
 }
 
-// The owner (request b, block beta) of CSR row r in the round-robin layout, or (-1, -1) for a
-// row past the exact row count. Rows of block beta start at base(beta) = sum_b min(rows_b, beta),
-// strictly increasing on [0, max_blocks]: bisect for the largest beta with base(beta) <= r.
-__device__ __forceinline__ void row_owner(const int32_t* rows, int batch, int r, int32_t* b_out,
-                                          int32_t* beta_out) {
-  int64_t exact_rows = 0;
-  int max_blocks = 0;
-  for (int b = 0; b < batch; ++b) {
-    exact_rows += rows[b];
-    max_blocks = max(max_blocks, rows[b]);
-  }
-  *b_out = -1;
-  *beta_out = -1;
-  if (r >= exact_rows) return;
-  int lo = 0, hi = max_blocks - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    int64_t base = 0;
-    for (int b = 0; b < batch; ++b) base += min(rows[b], mid);
-    if (base <= r) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  int64_t base = 0;
-  for (int b = 0; b < batch; ++b) base += min(rows[b], lo);
-  int64_t rank = r - base;
-  for (int b = 0; b < batch; ++b) {
-    if (rows[b] > lo) {
-      if (rank == 0) {
-        *b_out = b;
-        break;
-      }
-      --rank;
-    }
-  }
-  *beta_out = lo;
-}
-
-// Chunks of a (row, head) of `len` queries.
-__device__ __forceinline__ int32_t row_chunks(int len, int target_q_per_cta) {
-  return ceil_div(max(len, 0), target_q_per_cta);
-}
-
-// Work item w < total items: the first (row, head) in row-major order whose inclusive chunk
-// count exceeds w, and the item's query range in that row.
-struct WorkItem {
-  int h = 0;
-  int r = 0;
-  int q_begin = 0;
-  int q_count = 0;
-};
-
-__device__ __forceinline__ WorkItem find_work_item(const int32_t* chunk_incl, int64_t n_row_heads,
-                                                   const int32_t* row_ptr, int hkv,
-                                                   int total_rows, int target_q_per_cta, int w) {
-  int64_t lo = 0, hi = n_row_heads - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) >> 1;
-    if (chunk_incl[mid] > w) {
-      hi = mid;
-    } else {
-      lo = mid + 1;
-    }
-  }
-  WorkItem item;
-  item.r = static_cast<int>(lo / hkv);
-  item.h = static_cast<int>(lo - static_cast<int64_t>(item.r) * hkv);
-  const int chunk = w - (lo > 0 ? chunk_incl[lo - 1] : 0);
-  const int32_t* head_ptr = row_ptr + static_cast<int64_t>(item.h) * (total_rows + 1);
-  const int len = head_ptr[item.r + 1] - head_ptr[item.r];
-  item.q_begin = chunk * target_q_per_cta;
-  item.q_count = min(target_q_per_cta, len - item.q_begin);
-  return item;
-}
-
-// Row w of scheduler_metadata: (head, row, q_begin, q_count, batch, block); zeros past the work.
-__device__ __forceinline__ void write_work_item(int32_t* metadata, int w, bool present,
-                                                const WorkItem& item, int32_t owner_b,
-                                                int32_t owner_beta) {
-  const int32_t row[kMetaColumns] = {item.h, item.r, item.q_begin, item.q_count, owner_b,
-                                     owner_beta};
-#pragma unroll
-  for (int c = 0; c < kMetaColumns; ++c) {
-    metadata[static_cast<int64_t>(w) * kMetaColumns + c] = present ? row[c] : 0;
-  }
-}
-
-// Schedule step: chunk counts per (row, head) in row-major order, and each row's owner.
+// Schedule step: chunk counts per (row, head) in row-major order, and for each row its owner
+// (request b, block beta), found by bisection over the round-robin layout.
 __global__ void schedule_rows_kernel(const int32_t* __restrict__ row_ptr,
                                      const int32_t* __restrict__ rows, int batch, int hkv,
                                      int total_rows, int target_q_per_cta,
@@ -358,12 +236,51 @@ __global__ void schedule_rows_kernel(const int32_t* __restrict__ row_ptr,
   const int r = static_cast<int>(idx / hkv);
   const int h = static_cast<int>(idx - static_cast<int64_t>(r) * hkv);
   const int32_t* head_ptr = row_ptr + static_cast<int64_t>(h) * (total_rows + 1);
-  chunk_counts[idx] = row_chunks(head_ptr[r + 1] - head_ptr[r], target_q_per_cta);
-  if (h == 0) row_owner(rows, batch, r, owner_batch + r, owner_block + r);
+  const int len = max(head_ptr[r + 1] - head_ptr[r], 0);
+  chunk_counts[idx] = ceil_div(len, target_q_per_cta);
+  if (h != 0) return;
+  int64_t exact_rows = 0;
+  int max_blocks = 0;
+  for (int b = 0; b < batch; ++b) {
+    exact_rows += rows[b];
+    max_blocks = max(max_blocks, rows[b]);
+  }
+  int b_owner = -1, beta_owner = -1;
+  if (r < exact_rows) {
+    // Rows of block beta start at base(beta) = sum_b min(rows_b, beta), strictly increasing on
+    // [0, max_blocks]; find the largest beta with base(beta) <= r.
+    int lo = 0, hi = max_blocks - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      int64_t base = 0;
+      for (int b = 0; b < batch; ++b) base += min(rows[b], mid);
+      if (base <= r) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    int64_t base = 0;
+    for (int b = 0; b < batch; ++b) base += min(rows[b], lo);
+    int64_t rank = r - base;
+    for (int b = 0; b < batch; ++b) {
+      if (rows[b] > lo) {
+        if (rank == 0) {
+          b_owner = b;
+          break;
+        }
+        --rank;
+      }
+    }
+    beta_owner = lo;
+  }
+  owner_batch[r] = b_owner;
+  owner_block[r] = beta_owner;
 }
 
 // Schedule step: one thread per work item slot; items past the work count are zero.
 __global__ void schedule_items_kernel(const int32_t* __restrict__ row_ptr,
+                                      const int32_t* __restrict__ chunk_counts,
                                       const int32_t* __restrict__ chunk_incl,
                                       const int32_t* __restrict__ owner_batch,
                                       const int32_t* __restrict__ owner_block, int hkv,
@@ -375,13 +292,34 @@ __global__ void schedule_items_kernel(const int32_t* __restrict__ row_ptr,
   const int64_t n = static_cast<int64_t>(total_rows) * hkv;
   const int total_items = n > 0 ? chunk_incl[n - 1] : 0;
   if (w == 0) work_count[0] = min(total_items, work_capacity);
-  WorkItem item;
-  const bool present = w < total_items;
-  if (present) {
-    item = find_work_item(chunk_incl, n, row_ptr, hkv, total_rows, target_q_per_cta, w);
+  int32_t item[kMetaColumns] = {0, 0, 0, 0, 0, 0};
+  if (w < total_items) {
+    int64_t lo = 0, hi = n - 1;   // first (row, head) whose inclusive count exceeds w
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) >> 1;
+      if (chunk_incl[mid] > w) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    const int r = static_cast<int>(lo / hkv);
+    const int h = static_cast<int>(lo - static_cast<int64_t>(r) * hkv);
+    const int chunk = w - (chunk_incl[lo] - chunk_counts[lo]);
+    const int32_t* head_ptr = row_ptr + static_cast<int64_t>(h) * (total_rows + 1);
+    const int len = head_ptr[r + 1] - head_ptr[r];
+    const int q_begin = chunk * target_q_per_cta;
+    item[0] = h;
+    item[1] = r;
+    item[2] = q_begin;
+    item[3] = min(target_q_per_cta, len - q_begin);
+    item[4] = owner_batch[r];
+    item[5] = owner_block[r];
   }
-  write_work_item(metadata, w, present, item, present ? owner_batch[item.r] : 0,
-                  present ? owner_block[item.r] : 0);
+#pragma unroll
+  for (int c = 0; c < kMetaColumns; ++c) {
+    metadata[static_cast<int64_t>(w) * kMetaColumns + c] = item[c];
+  }
 }
 
 // Every temporary buffer, carved from one workspace (or only measured when base is null).
@@ -407,19 +345,14 @@ int64_t entry_count(const K2qCsrArgs& a) {
   return static_cast<int64_t>(a.hkv) * a.total_q * a.topk;
 }
 
-// Columns of the (request, block) -> row table: the max_kv_blocks hint, capped.
-int row_table_blocks(const K2qCsrArgs& a) {
-  const int64_t cap = kMaxRowTableEntries / (a.batch > 0 ? a.batch : 1);
-  return static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(std::max(a.max_kv_blocks, 1), cap)));
-}
-
 cudaError_t plan_workspace(const K2qCsrArgs& a, const K2qScheduleArgs* s, void* base,
                            CsrWorkspace* ws) {
   detail::WorkspaceCarver carve(base);
   const int64_t n_entries = entry_count(a);
   ws->rows = carve.take<int32_t>(a.batch);
-  ws->table_blocks = row_table_blocks(a);
+  const int64_t cap = kMaxRowTableEntries / (a.batch > 0 ? a.batch : 1);
+  ws->table_blocks = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(std::max(a.max_kv_blocks, 1), cap)));
   ws->row_table = carve.take<int32_t>(static_cast<size_t>(a.batch) * ws->table_blocks);
   for (int i = 0; i < 2; ++i) {
     ws->keys[i] = carve.take<uint32_t>(n_entries);
@@ -543,7 +476,7 @@ cudaError_t launch_build_k2q_csr(const K2qCsrArgs& a, const K2qScheduleArgs* s, 
                                                       static_cast<int>(n_row_heads), stream));
   }
   schedule_items_kernel<<<grid_for(s->work_capacity), kThreads, 0, stream>>>(
-      a.row_ptr, ws.chunk_incl, ws.owner_batch, ws.owner_block, a.hkv,
+      a.row_ptr, ws.chunk_counts, ws.chunk_incl, ws.owner_batch, ws.owner_block, a.hkv,
       a.total_rows, s->target_q_per_cta, s->work_capacity, s->scheduler_metadata,
       s->work_count);
   return cudaGetLastError();
