@@ -38,8 +38,9 @@ def selects_every_block(max_seqlen_k: int, topk: int) -> bool:
 
 
 # Whether the every-block selection's side-stream branch passed its GPU test on the H200
-# (tests/test_decode_indexer_gpu.py, test_native_step_wrapper_selects_every_block_of_short_requests;
-# it did at 3ac8975). False forks only under MSA_UNVALIDATED_KERNELS=1.
+# (tests/test_decode_indexer_gpu.py::
+# test_native_step_wrapper_selects_every_block_of_short_requests, at 3ac8975). False forks only
+# under MSA_UNVALIDATED_KERNELS=1.
 SIDE_STREAM_VALIDATED = True
 _side_streams = {}
 

@@ -9,7 +9,6 @@ take every size from host hints, so a call never synchronizes and can be capture
 graph. A schedule for 2^24 - 1 or more query tokens is refused by ``supports`` (the kernel packs
 the local query id and the slot into one int32 while sorting), so msa._backend runs the
 reference for it and logs that. Importing this module does not touch CUDA.
-
 """
 
 from __future__ import annotations
