@@ -46,6 +46,7 @@
 
 #include "common.cuh"
 #include "sm80_primitives.cuh"
+#include "tensor_map.cuh"
 #include "sm90_pipeline.cuh"
 #include "torch_binding.h"
 
@@ -828,6 +829,15 @@ static_assert(Shape<true>::kAlloc <= 227 * 1024, "warpgroup form (e4m3): shared 
 // per page, beside Q in shared memory: bf16 two stages (page i + 1 loads while page i
 // computes), e4m3 three stages of e4m3 pages plus the f16 copy of the page being computed.
 
+// The paged K and V caches as TMA tensor maps (e4m3: [num_pages x num_kv_heads x 128 rows, 128
+// bytes], a page's head slice one box of 128 rows) for the e4m3 P.V form: K 128-byte swizzled,
+// as the Q K^T wgmma reads it; V unswizzled, read row by row by the transposes. Kernel
+// parameters (__grid_constant__), written by the launcher.
+struct PagedKvMaps {
+  alignas(64) uint64_t k[16];
+  alignas(64) uint64_t v[16];
+};
+
 // wgmma is sm_90a only: other archs compile just the kernel's entry point (a trap).
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -1446,7 +1456,8 @@ namespace pingpong {
 
 constexpr int kThreadsPP = 3 * 128;
 constexpr int kQueriesReady = 3;     // named barrier of the consumers' Q load (1, 2: their turns)
-constexpr int kVTransposeBarrier = 6;   // e4m3 P.V: the V loaders' per-quarter barrier
+constexpr int kProducerBarrier = 6;     // e4m3 P.V: the producer warpgroup's page barrier
+constexpr int kRawStages = 3;           // e4m3 P.V: raw V pages in flight (TMA copies)
 static_assert((kThreadsPP / 32 + 1) * 4 <= kCountsSlotBytes, "warp counts and the page total");
 
 // setmaxnreg moves registers within the CTA's launch allocation (384 threads x 168), not the
@@ -1470,7 +1481,8 @@ struct RegisterSplit {
 // request table instead of the list.
 //
 // kPvFp8 (e4m3 only): P.V on e4m3 wgmma, the V ring holding e4m3 V^T tiles (16 KB, three
-// stages) instead of f16 V, the tile of zeros 16 KB.
+// stages) instead of f16 V, the tile of zeros 16 KB; K and V arrive by TMA, V into kRawStages
+// raw page slots (their full barriers and each slot's valid rows after the ring barriers).
 template <bool kFp8, bool kPersistent = false, bool kPvFp8 = false>
 struct Layout {
   using S = Shape<kFp8>;
@@ -1483,13 +1495,17 @@ struct Layout {
   static constexpr int kKTileBytes = kFp8 ? S::kPageBlockBytes : S::kWideBytes;
   static constexpr int kKStages = kFp8 ? 4 : (kPersistent ? 2 : 3);
   static constexpr int kVStages = kPvFp8 ? 3 : 2;
-  static constexpr int kRawBytes = kFp8 ? kPageSize * kRowBytes : 0;
+  static constexpr int kRawSlots = kPvFp8 ? kRawStages : (kFp8 ? 1 : 0);
+  static constexpr int kRawBytes = kRawSlots * kPageSize * kRowBytes;
   static constexpr int kKOffset = kZerosOffset + kZerosBytes;
   static constexpr int kVOffset = kKOffset + kKStages * kKTileBytes;
   static constexpr int kRawOffset = kVOffset + kVStages * kVTileBytes;
   static constexpr int kBarrierOffset = kRawOffset + kRawBytes;
-  static constexpr int kBarriers = 2 * (kKStages + kVStages);
-  static constexpr int kListOffset = kBarrierOffset + kBarriers * 8;
+  static constexpr int kBarriers = 2 * (kKStages + kVStages) + (kPvFp8 ? kRawStages : 0);
+  static constexpr int kRawRowsOffset = kBarrierOffset + kBarriers * 8;
+  static constexpr int kListOffset = kRawRowsOffset + (kPvFp8 ? 16 : 0);
+  static_assert(!kPvFp8 || kRawStages * 4 <= 16, "the raw slots' valid rows");
+  static_assert(!kPvFp8 || kRawStages <= kKStages, "a page's K and V are copied together");
   static constexpr int kPartitionBytes =
       (kDecodePersistentMaxRequests + 1) * 8 + kDecodePersistentMaxRequests * 4;
   static constexpr int kBytes =
@@ -1553,6 +1569,19 @@ __device__ __forceinline__ const char* page_source(const DecodeAttentionArgs& a,
            (kPageSize * kHeadDim) * element_bytes;
   }
   return src;
+}
+
+// The first row of a page's head slice in PagedKvMaps ((physical x num_kv_heads + head) x 128)
+// and the rows to read from it, as page_source: none for a skipped page.
+__device__ __forceinline__ int page_row(const DecodeAttentionArgs& a, int head, const PageRef& ref,
+                                        int& valid_rows) {
+  if (ref.token_mask == 0) valid_rows = 0;
+#ifdef MSA_LAB_NO_LOADS
+  valid_rows = 0;
+#endif
+  if (valid_rows <= 0) return 0;
+  return static_cast<int>((static_cast<int64_t>(ref.physical) * a.num_kv_heads + head) *
+                          kPageSize);
 }
 
 // A loader's chunks of a page copied as stored into a swizzled tile (bf16: 16-bit rows of two
@@ -1771,59 +1800,92 @@ __device__ __forceinline__ void transpose_v_quarter(const char* quarter_rows, ch
   }
 }
 
-// e4m3 V's stream for the e4m3 P.V. The raw slot is a ring of four quarter pages, quarter step
-// n (page n / 4, quarter n % 4) copied into slot n % 4 three steps ahead. A quarter is read by
-// other loaders than the ones that copied it, so per step: this thread's copies of it landed
-// (one cp.async group per step), then the loaders' barrier (everyone's copies landed, and the
-// previous step's slot is read by all, so it takes step n + 3's copies), then the transpose into
-// the page's V^T stage (its empty wait before the first quarter); after the last quarter a fence
-// for the async proxy and the full barrier. locate(i, valid_rows) is called for i = 0, 1, ...
-template <int kStages, typename Locate, typename Full, typename Empty, typename Tile>
-__device__ __forceinline__ void stream_v_transposed(int num_pages, [[maybe_unused]] int lab_actor,
-                                                    char* raw, int thread, Locate locate_page,
-                                                    Full full, Empty empty, Tile tile) {
-  constexpr int kQuarterBytes = kPageSize / kRawQuarters * kRowBytes;
-  sm90::RingState<kStages> ring;
-  const RawLoader me(thread);
-  int src_rows = 0;
-  const char* src = nullptr;
-  auto issue = [&](int n) {   // one group per step, empty past the last page
-    const int page = n / kRawQuarters, quarter = n % kRawQuarters;
-    if (page < num_pages) {
-      if (quarter == 0) src = locate_page(page, src_rows);
-      load_raw_quarter(me, src, raw, src_rows, quarter);
+// The e4m3 P.V form's producer warpgroup (128 threads). Thread 0 copies each page's K slice into
+// the K ring and its V slice into a ring of kRawStages raw slots, one TMA copy each, counted on
+// the stages' full barriers; page j's pair is issued once the transposes of page j - kRawStages
+// have left its raw slot, so kRawStages pages are in flight. K rows past the request's keys
+// hold whatever the pool does there (their scores are masked); V's are zeroed in the raw slot
+// before the transposes (a zero P must not meet NaN bytes), as are all of a skipped page's,
+// which is not read. All four warps transpose each page into its V^T stage (two quarters a
+// thread group), fence for the async proxy and tell the stage's full barrier; a barrier of the
+// warpgroup then frees the raw slot. locate(j, valid_rows) gives page j's first row in the maps
+// (j = 0, 1, .. in order; called by thread 0 only).
+template <typename L, typename Locate, typename KFull, typename KEmpty, typename KTile,
+          typename VFull, typename VEmpty, typename VTile>
+__device__ __forceinline__ void stream_pages_tma(int num_pages, int thread, char* smem,
+                                                 const PagedKvMaps& maps, Locate locate,
+                                                 KFull k_full, KEmpty k_empty, KTile k_tile,
+                                                 VFull v_full, VEmpty v_empty, VTile v_tile) {
+  constexpr int kPageBytes = kPageSize * kRowBytes;
+  constexpr int kQuarterBytes = kPageBytes / 4;
+  uint64_t* raw_bars = reinterpret_cast<uint64_t*>(smem + L::kBarrierOffset) +
+                       2 * (L::kKStages + L::kVStages);
+  int* raw_rows = reinterpret_cast<int*>(smem + L::kRawRowsOffset);
+  auto raw_full = [&](int slot) { return sm90::Mbarrier{raw_bars + slot}; };
+  auto raw = [&](int slot) { return smem + L::kRawOffset + slot * kPageBytes; };
+  sm90::RingState<L::kKStages> k_issue;
+  sm90::RingState<kRawStages> raw_issue;
+  auto issue = [&](int j) {   // thread 0
+    int valid_rows;
+    const int row = locate(j, valid_rows);
+    raw_rows[raw_issue.index] = valid_rows;   // published by the raw slot's barrier
+    MSA_LAB_MARK(true, 0, j, 0);
+    k_empty(k_issue.index).wait(k_issue.phase ^ 1u);
+    MSA_LAB_MARK(true, 0, j, 1);
+    const sm90::Mbarrier k_bar = k_full(k_issue.index), v_bar = raw_full(raw_issue.index);
+    if (valid_rows > 0) {
+      k_bar.arrive_expect_tx(kPageBytes);
+      sm90::tma_load_2d(k_tile(k_issue.index), maps.k, 0, row, k_bar);
+      v_bar.arrive_expect_tx(kPageBytes);
+      sm90::tma_load_2d(raw(raw_issue.index), maps.v, 0, row, v_bar);
+    } else {
+      k_bar.arrive();
+      v_bar.arrive();
     }
-    cp_async_commit();
+    MSA_LAB_MARK(true, 0, j, 2);
+    k_issue.advance();
+    raw_issue.advance();
   };
-#pragma unroll
-  for (int n = 0; n < kRawQuarters - 1; ++n) issue(n);
-  for (int i = 0; i < num_pages; ++i) {
-    MSA_LAB_MARK(thread == 0, lab_actor, i, 0);
-#pragma unroll
-    for (int q = 0; q < kRawQuarters; ++q) {
-      sm80::cp_async_wait<kRawQuarters - 2>();      // this thread's copies of step 4 i + q
-      sm90::named_sync(kVTransposeBarrier, kLoaders);
-      issue(kRawQuarters * i + q + kRawQuarters - 1);
-      if (q == 0) {
-        MSA_LAB_MARK(thread == 0, lab_actor, i, 1);
-        empty(ring.index).wait(ring.phase ^ 1u);
-        MSA_LAB_MARK(thread == 0, lab_actor, i, 2);
-      }
-      transpose_v_quarter(raw + q * kQuarterBytes, tile(ring.index), q, thread);
-    }
-    sm90::fence_proxy_async_shared();
-    full(ring.index).arrive();
-    MSA_LAB_MARK(thread == 0, lab_actor, i, 3);
-    ring.advance();
+  if (thread == 0) {
+    for (int j = 0; j < min(num_pages, kRawStages); ++j) issue(j);
   }
-  cp_async_wait_all();                              // no copy outlives its thread
+  sm90::RingState<L::kVStages> v_ring;
+  sm90::RingState<kRawStages> raw_ring;
+  for (int i = 0; i < num_pages; ++i) {
+    MSA_LAB_MARK(thread == 0, 1, i, 0);
+    v_empty(v_ring.index).wait(v_ring.phase ^ 1u);
+    MSA_LAB_MARK(thread == 0, 1, i, 1);
+    raw_full(raw_ring.index).wait(raw_ring.phase);
+    MSA_LAB_MARK(thread == 0, 1, i, 2);
+    char* page = raw(raw_ring.index);
+    const int valid_rows = raw_rows[raw_ring.index];
+    if (valid_rows < kPageSize) {                      // uniform: the request's last page
+      uint4* tail = reinterpret_cast<uint4*>(page + max(valid_rows, 0) * kRowBytes);
+      const int chunks = (kPageSize - max(valid_rows, 0)) * kRowBytes / 16;
+      for (int c = thread; c < chunks; c += 128) tail[c] = make_uint4(0u, 0u, 0u, 0u);
+      sm90::named_sync(kProducerBarrier, 128);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int quarter = 2 * half + (thread >> 6);
+      transpose_v_quarter(page + quarter * kQuarterBytes, v_tile(v_ring.index), quarter,
+                          thread & 63);
+    }
+    sm90::fence_proxy_async_shared();                  // V^T (generic stores) is read by wgmma
+    v_full(v_ring.index).arrive();
+    MSA_LAB_MARK(thread == 0, 1, i, 3);
+    sm90::named_sync(kProducerBarrier, 128);           // every read of the raw slot is done
+    if (thread == 0 && i + kRawStages < num_pages) issue(i + kRawStages);
+    v_ring.advance();
+    raw_ring.advance();
+  }
 }
 
 // The producer warpgroup's streams: warps 0-1 K, warps 2-3 V (e4m3 V through the raw slot at
-// smem + L::kRawOffset, widened into the ring, or with kPvFp8 transposed into V^T tiles),
-// num_pages pages whose sources locate(i, valid_rows) gives in order.
-template <bool kFp8, typename L, bool kPvFp8 = false, typename Locate, typename KFull,
-          typename KEmpty, typename KTile, typename VFull, typename VEmpty, typename VTile>
+// smem + L::kRawOffset, widened into the ring), num_pages pages whose sources
+// locate(i, valid_rows) gives in order.
+template <bool kFp8, typename L, typename Locate, typename KFull, typename KEmpty, typename KTile,
+          typename VFull, typename VEmpty, typename VTile>
 __device__ __forceinline__ void stream_pages(int num_pages, bool streams_k, int thread,
                                              char* smem, Locate locate, KFull k_full,
                                              KEmpty k_empty, KTile k_tile, VFull v_full,
@@ -1832,9 +1894,6 @@ __device__ __forceinline__ void stream_pages(int num_pages, bool streams_k, int 
   if (streams_k) {
     stream_tensor<kKStages, PageLoader<kFp8 ? 1 : 2>>(num_pages, 0, thread, locate, k_full,
                                                       k_empty, k_tile);
-  } else if constexpr (kPvFp8) {
-    stream_v_transposed<kVStages>(num_pages, 1, smem + L::kRawOffset, thread, locate, v_full,
-                                  v_empty, v_tile);
   } else if constexpr (kFp8) {
     stream_tensor_fp8<kVStages>(num_pages, 1, smem + L::kRawOffset, thread, locate, v_full,
                                 v_empty, v_tile);
@@ -1919,9 +1978,30 @@ struct PendingPV<true, true> {
   }
 };
 
+// The ring barriers (thread 0). Full: counted by the loaders' copies (e4m3 P.V: thread 0's K
+// copy, the 128 threads that transposed the V^T stage, the raw slot's V copy); empty: by both
+// consumer warpgroups.
+template <typename L, bool kPvFp8>
+__device__ __forceinline__ void init_ring_barriers(uint64_t* bars) {
+  for (int st = 0; st < L::kKStages; ++st) {
+    sm90::Mbarrier{bars + st}.init(kPvFp8 ? 1 : kLoaders);
+    sm90::Mbarrier{bars + L::kKStages + st}.init(256);
+  }
+  for (int st = 0; st < L::kVStages; ++st) {
+    sm90::Mbarrier{bars + 2 * L::kKStages + st}.init(kPvFp8 ? 128 : kLoaders);
+    sm90::Mbarrier{bars + 2 * L::kKStages + L::kVStages + st}.init(256);
+  }
+  if constexpr (kPvFp8) {
+    for (int r = 0; r < kRawStages; ++r) {
+      sm90::Mbarrier{bars + 2 * (L::kKStages + L::kVStages) + r}.init(1);
+    }
+  }
+  sm90::fence_barrier_init();
+}
+
 template <bool kFp8, bool kPvFp8 = false>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
-    const DecodeAttentionArgs a) {
+    const DecodeAttentionArgs a, const __grid_constant__ PagedKvMaps maps) {
   using L = Layout<kFp8, false, kPvFp8>;
   using Registers = RegisterSplit<kPvFp8>;
   constexpr int kKStages = L::kKStages, kVStages = L::kVStages;
@@ -1945,17 +2025,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   int chunk, group, tile_rows;
   // Uniform over the CTA.
   if (!make_context(a, blockIdx.x, blockIdx.y, ctx, chunk, group, tile_rows)) return;
-  if (threadIdx.x == 0) {
-    for (int st = 0; st < kKStages; ++st) {
-      k_full(st).init(kLoaders);
-      k_empty(st).init(256);
-    }
-    for (int st = 0; st < kVStages; ++st) {
-      v_full(st).init(kLoaders);
-      v_empty(st).init(256);
-    }
-    sm90::fence_barrier_init();
-  }
+  if (threadIdx.x == 0) init_ring_barriers<L, kPvFp8>(bars);
   int num_pages;
   if (a.q2k_indices != nullptr) {
     num_pages = build_sparse_page_list<kThreadsPP>(a, ctx, cand, list_phys, list_logical,
@@ -1970,18 +2040,29 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   };
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
-    // Producer: warps 0-1 stream K, warps 2-3 stream V, each at its own pace.
+    // Producer: warps 0-1 stream K, warps 2-3 stream V, each at its own pace (e4m3 P.V: TMA
+    // copies, the four warps transposing V).
     sm90::registers_down<Registers::kProducer>();
-    const int thread = threadIdx.x % kLoaders;
-    const bool streams_k = threadIdx.x < kLoaders;
-    const void* tensor = streams_k ? a.k : a.v;
-    auto locate = [&](int idx, int& valid_rows) {
-      const PageRef ref = page_of(idx);
-      valid_rows = page_valid_rows(ctx, ref);
-      return page_source(a, ctx.head, ref, tensor, kFp8 ? 1 : 2, valid_rows);
-    };
-    stream_pages<kFp8, L, kPvFp8>(num_pages, streams_k, thread, smem, locate, k_full, k_empty,
-                                  k_tile, v_full, v_empty, v_tile);
+    if constexpr (kPvFp8) {
+      auto locate = [&](int idx, int& valid_rows) {
+        const PageRef ref = page_of(idx);
+        valid_rows = page_valid_rows(ctx, ref);
+        return page_row(a, ctx.head, ref, valid_rows);
+      };
+      stream_pages_tma<L>(num_pages, threadIdx.x, smem, maps, locate, k_full, k_empty, k_tile,
+                          v_full, v_empty, v_tile);
+    } else {
+      const int thread = threadIdx.x % kLoaders;
+      const bool streams_k = threadIdx.x < kLoaders;
+      const void* tensor = streams_k ? a.k : a.v;
+      auto locate = [&](int idx, int& valid_rows) {
+        const PageRef ref = page_of(idx);
+        valid_rows = page_valid_rows(ctx, ref);
+        return page_source(a, ctx.head, ref, tensor, kFp8 ? 1 : 2, valid_rows);
+      };
+      stream_pages<kFp8, L>(num_pages, streams_k, thread, smem, locate, k_full, k_empty, k_tile,
+                            v_full, v_empty, v_tile);
+    }
     return;
   }
 
@@ -2222,7 +2303,7 @@ __device__ __forceinline__ void load_own_queries_async(const DecodeAttentionArgs
 
 template <bool kFp8, bool kPvFp8 = false>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_kernel(
-    const DecodeAttentionArgs a) {
+    const DecodeAttentionArgs a, const __grid_constant__ PagedKvMaps maps) {
   using L = Layout<kFp8, true, kPvFp8>;
   using Registers = RegisterSplit<kPvFp8>;
   constexpr int kKStages = L::kKStages, kVStages = L::kVStages;
@@ -2238,17 +2319,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
   int64_t* pages_before = reinterpret_cast<int64_t*>(smem + L::kListOffset);
   int* lengths = reinterpret_cast<int*>(pages_before + kDecodePersistentMaxRequests + 1);
 
-  if (threadIdx.x == 0) {
-    for (int st = 0; st < kKStages; ++st) {
-      k_full(st).init(kLoaders);
-      k_empty(st).init(256);
-    }
-    for (int st = 0; st < kVStages; ++st) {
-      v_full(st).init(kLoaders);
-      v_empty(st).init(256);
-    }
-    sm90::fence_barrier_init();
-  }
+  if (threadIdx.x == 0) init_ring_barriers<L, kPvFp8>(bars);
   build_request_table(a, pages_before, lengths);      // the barriers are ready after it too
   const int group = a.num_qo_heads / a.num_kv_heads;
   const Partition part(a, pages_before, lengths, gridDim.x);
@@ -2261,21 +2332,33 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
-    // Producer: warps 0-1 stream K, warps 2-3 stream V, across the range's sequences.
+    // Producer: warps 0-1 stream K, warps 2-3 stream V, across the range's sequences (e4m3
+    // P.V: TMA copies, the four warps transposing V).
     sm90::registers_down<Registers::kProducer>();
     const int thread = threadIdx.x % kLoaders;
     const bool streams_k = threadIdx.x < kLoaders;
     const void* tensor = streams_k ? a.k : a.v;
     Cursor at;
     at.seek(part, first_page);
-    auto locate = [&](int idx, int& valid_rows) {
-      if (idx > 0) at.advance(part);
-      const PageRef ref = cursor_page<true>(a, part, at);
-      valid_rows = min(kPageSize, max(part.lengths[at.request] - ref.logical * kPageSize, 0));
-      return page_source(a, at.head(part), ref, tensor, kFp8 ? 1 : 2, valid_rows);
-    };
-    stream_pages<kFp8, L, kPvFp8>(num_pages, streams_k, thread, smem, locate, k_full, k_empty,
-                                  k_tile, v_full, v_empty, v_tile);
+    if constexpr (kPvFp8) {
+      auto locate = [&](int idx, int& valid_rows) {
+        if (idx > 0) at.advance(part);
+        const PageRef ref = cursor_page<true>(a, part, at);
+        valid_rows = min(kPageSize, max(part.lengths[at.request] - ref.logical * kPageSize, 0));
+        return page_row(a, at.head(part), ref, valid_rows);
+      };
+      stream_pages_tma<L>(num_pages, threadIdx.x, smem, maps, locate, k_full, k_empty, k_tile,
+                          v_full, v_empty, v_tile);
+    } else {
+      auto locate = [&](int idx, int& valid_rows) {
+        if (idx > 0) at.advance(part);
+        const PageRef ref = cursor_page<true>(a, part, at);
+        valid_rows = min(kPageSize, max(part.lengths[at.request] - ref.logical * kPageSize, 0));
+        return page_source(a, at.head(part), ref, tensor, kFp8 ? 1 : 2, valid_rows);
+      };
+      stream_pages<kFp8, L>(num_pages, streams_k, thread, smem, locate, k_full, k_empty, k_tile,
+                            v_full, v_empty, v_tile);
+    }
     return;
   }
 
@@ -2429,12 +2512,12 @@ struct Layout {
 };
 template <bool kFp8, bool kPvFp8 = false>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
-    const DecodeAttentionArgs) {
+    const DecodeAttentionArgs, const __grid_constant__ PagedKvMaps) {
   __trap();
 }
 template <bool kFp8, bool kPvFp8 = false>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_kernel(
-    const DecodeAttentionArgs) {
+    const DecodeAttentionArgs, const __grid_constant__ PagedKvMaps) {
   __trap();
 }
 }  // namespace pingpong
@@ -3274,6 +3357,16 @@ static bool warpgroup_form_loaded() {
   return known == 1;
 }
 
+// The e4m3 caches' tensor maps for the e4m3 P.V form (k and v: [num_pages, num_kv_heads, 128,
+// 128] bytes, rows of 128 bytes, a page's head slice a box); false where either cannot be made.
+static bool encode_kv_maps(const DecodeAttentionArgs& a, wg::PagedKvMaps& maps) {
+  static_assert(sizeof(maps.k) == sizeof(CUtensorMap), "the tensor map's storage");
+  const int64_t rows = a.num_pages * a.num_kv_heads * kPageSize;
+  if (a.num_pages < 1 || a.num_pages > INT32_MAX) return false;
+  return encode_row_map(maps.k, a.k, rows, kHeadDim, kPageSize, CU_TENSOR_MAP_SWIZZLE_128B) &&
+         encode_row_map(maps.v, a.v, rows, kHeadDim, kPageSize, CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream) {
   if (args.num_work <= 0 || args.num_kv_heads <= 0) return cudaSuccess;
   // The persistent form's CTAs cover every KV head themselves.
@@ -3282,42 +3375,49 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   // Split keys across warps only when every qo tile has <= 16 rows, the direct e4m3 form only
   // then with e4m3 Q and K/V, the warpgroup form only with Q and K/V of one dtype (the binding
   // checks all three; the caller asks for the warpgroup form on tiles of > 16 rows).
-  auto launch = [&](auto kernel, int smem_bytes, int threads = kThreads) -> cudaError_t {
+  auto launch = [&](auto kernel, int smem_bytes, int threads, auto... more) -> cudaError_t {
     MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              smem_bytes));
-    kernel<<<grid, threads, smem_bytes, stream>>>(args);
+    kernel<<<grid, threads, smem_bytes, stream>>>(args, more...);
     return cudaSuccess;
   };
   if (args.warpgroup) {
     if (!warpgroup_form_loaded()) return cudaErrorNotSupported;
+    // The e4m3 P.V form copies pages through tensor maps of the caches; where they cannot be
+    // made, the e4m3 form with f16 P.V serves (same rounding of P, same products).
+    wg::PagedKvMaps maps{};
+    const bool pv_fp8 = (args.pingpong || args.persistent) && args.q_fp8 && args.pv_fp8 &&
+                        encode_kv_maps(args, maps);
+    constexpr int kThreadsPP = wg::pingpong::kThreadsPP;
     if (args.persistent) {
       using wg::pingpong::decode_attention_persistent_kernel;
       using wg::pingpong::Layout;
-      constexpr int kThreadsPP = wg::pingpong::kThreadsPP;
-      if (args.q_fp8 && args.pv_fp8) {
+      if (pv_fp8) {
         MSA_RETURN_IF_ERROR(launch(decode_attention_persistent_kernel<true, true>,
-                                   Layout<true, true, true>::kAlloc, kThreadsPP));
+                                   Layout<true, true, true>::kAlloc, kThreadsPP, maps));
       } else if (args.q_fp8) {
         MSA_RETURN_IF_ERROR(launch(decode_attention_persistent_kernel<true>,
-                                   Layout<true, true>::kAlloc, kThreadsPP));
+                                   Layout<true, true>::kAlloc, kThreadsPP, maps));
       } else {
         MSA_RETURN_IF_ERROR(launch(decode_attention_persistent_kernel<false>,
-                                   Layout<false, true>::kAlloc, kThreadsPP));
+                                   Layout<false, true>::kAlloc, kThreadsPP, maps));
       }
-    } else if (args.pingpong && args.q_fp8 && args.pv_fp8) {
+    } else if (args.pingpong && pv_fp8) {
       MSA_RETURN_IF_ERROR(launch(wg::pingpong::decode_attention_pp_kernel<true, true>,
-                                 wg::pingpong::Layout<true, false, true>::kAlloc,
-                                 wg::pingpong::kThreadsPP));
+                                 wg::pingpong::Layout<true, false, true>::kAlloc, kThreadsPP,
+                                 maps));
     } else if (args.pingpong && args.q_fp8) {
       MSA_RETURN_IF_ERROR(launch(wg::pingpong::decode_attention_pp_kernel<true>,
-                                 wg::pingpong::Layout<true>::kAlloc, wg::pingpong::kThreadsPP));
+                                 wg::pingpong::Layout<true>::kAlloc, kThreadsPP, maps));
     } else if (args.pingpong) {
       MSA_RETURN_IF_ERROR(launch(wg::pingpong::decode_attention_pp_kernel<false>,
-                                 wg::pingpong::Layout<false>::kAlloc, wg::pingpong::kThreadsPP));
+                                 wg::pingpong::Layout<false>::kAlloc, kThreadsPP, maps));
     } else if (args.q_fp8) {
-      MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<true>, wg::Shape<true>::kAlloc));
+      MSA_RETURN_IF_ERROR(
+          launch(wg::decode_attention_wg_kernel<true>, wg::Shape<true>::kAlloc, kThreads));
     } else {
-      MSA_RETURN_IF_ERROR(launch(wg::decode_attention_wg_kernel<false>, wg::Shape<false>::kAlloc));
+      MSA_RETURN_IF_ERROR(
+          launch(wg::decode_attention_wg_kernel<false>, wg::Shape<false>::kAlloc, kThreads));
     }
   } else if (args.direct_fp8) {
     // A CTA per tile of a dense call (its chunks were sized for the grid); a sparse call's tiles
@@ -3336,9 +3436,9 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
     decode_attention_direct_kernel<<<static_cast<unsigned>(ctas), kThreads, kDirectSmemBytes,
                                      stream>>>(args);
   } else if (args.split_keys) {
-    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true>, kSmemBytes));
+    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true>, kSmemBytes, kThreads));
   } else {
-    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<false>, kSmemBytes));
+    MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<false>, kSmemBytes, kThreads));
   }
   MSA_RETURN_IF_ERROR(cudaGetLastError());
   const int64_t items = static_cast<int64_t>(args.batch) * args.seqlen_q * args.num_qo_heads;

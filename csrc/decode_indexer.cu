@@ -33,9 +33,6 @@
 //
 // Safety: page ids outside [0, num_pages) are skipped (never read), lengths are clamped to the
 // page table, corrupt work items exit. No host synchronization; every size is a host argument.
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
 #include <cfloat>
 #include <climits>
 #include <cstdint>
@@ -44,6 +41,7 @@
 #include "common.cuh"
 #include "sm80_primitives.cuh"
 #include "sm90_pipeline.cuh"
+#include "tensor_map.cuh"
 #include "top_list.cuh"
 #include "torch_binding.h"
 
@@ -892,38 +890,10 @@ cudaError_t launch_decode_indexer_plan(const DecodeIndexerPlanArgs& args, cudaSt
 // (128 x 128 bytes, 128-byte swizzle) into a.k_tensor_map; false (the cp.async form serves)
 // when the device is older than sm_90, k is not 16-byte aligned or the driver cannot encode it.
 bool encode_page_map(DecodeIndexerArgs& a) {
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      major < 9) {
-    return false;
-  }
-  if (reinterpret_cast<uintptr_t>(a.k) % 16 != 0 || a.num_pages < 1 ||
-      a.num_pages > (int64_t{1} << 24)) {
-    return false;
-  }
-  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
-                                         cudaEnableDefault, &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  if (encode == nullptr) return false;
   static_assert(sizeof(a.k_tensor_map) == sizeof(CUtensorMap), "the tensor map's storage");
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(kDim),
-                              static_cast<cuuint64_t>(a.num_pages) * kPage};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(kDim)};   // bytes between rows
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kDim), static_cast<cuuint32_t>(kPage)};
-  const cuuint32_t element_strides[2] = {1, 1};
-  return encode(reinterpret_cast<CUtensorMap*>(a.k_tensor_map), CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
-                const_cast<void*>(a.k), dims, strides, box, element_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  if (a.num_pages < 1 || a.num_pages > (int64_t{1} << 24)) return false;
+  return encode_row_map(a.k_tensor_map, a.k, a.num_pages * kPage, kDim, kPage,
+                        CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 cudaError_t launch_decode_indexer_topk(const DecodeIndexerArgs& args, cudaStream_t stream) {

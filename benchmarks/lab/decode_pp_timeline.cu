@@ -8,8 +8,8 @@
 //   /tmp/pp_timeline [bf16|e4m3|e4m3-pv8] [batch=32] [keys=100000] [pp|persistent]
 //                    [uniform|ragged]
 //
-// e4m3-pv8: the e4m3 form with P.V on e4m3 wgmma (the V loaders transpose V instead of
-// widening it).
+// e4m3-pv8: the e4m3 form with P.V on e4m3 wgmma (K and V pages by TMA, the producer's four
+// warps transposing V; the K stream's stamps are thread 0's copies of each page).
 // persistent: the persistent form (one CTA per SM over equal page shares, its merge launched
 // after it) instead of one work item per request and KV head; ragged: request lengths uniform
 // in [0.75, 1.25] x keys (the production protocol's spread) instead of all equal. The
@@ -144,9 +144,8 @@ int main(int argc, char** argv) {
   }
   for (int s = 0; s < 2; ++s) {   // e4m3 K is copied raw like bf16's; e4m3 V is widened
     if (pv_fp8 && s == 1) {
-      std::printf("V stream (cycles per page): quarter 0's wait and barrier %.0f, empty wait "
-                  "%.0f, transpose (the other quarters' waits and barriers included) %.0f, "
-                  "period %.0f\n",
+      std::printf("V^T stream (cycles per page, the four producer warps): empty wait %.0f, "
+                  "raw page wait %.0f, transpose %.0f, period %.0f\n",
                   mean(s, 1, 0, 0), mean(s, 2, 1, 0), mean(s, 3, 2, 0), mean(s, 0, 0, 1));
     } else if (fp8 && s == 1) {
       std::printf("%s stream (cycles per page): next reference %.0f, empty wait %.0f, "

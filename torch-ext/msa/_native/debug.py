@@ -62,6 +62,13 @@ def forced(name: str) -> Optional[object]:
     return _forced.get(name)
 
 
+def gate(name: str, served: bool) -> bool:
+    """A kernel form's switch: the value a `forcing` block set for hook `name` (as a bool),
+    else `served` (what the serving tables pick)."""
+    value = _forced.get(name)
+    return served if value is None else bool(value)
+
+
 @contextlib.contextmanager
 def poisoned_outputs() -> Iterator[None]:
     """Native launches fill their outputs and workspaces with NaN first (a row the kernel does

@@ -156,53 +156,44 @@ def _form_dtype(call) -> str:
     return "bf16" if call.pv_quant_dtype is None else "e4m3"
 
 
+def _may_serve(validated: bool) -> bool:
+    """Whether a form may serve: validated on hardware, or MSA_UNVALIDATED_KERNELS=1."""
+    return validated or _backend.unvalidated_ok()
+
+
 def _warpgroup(call) -> bool:
     """Whether this call uses the warpgroup (wgmma) form (the binding applies it only with q and
-    K/V of one dtype): qo tiles of > 16 rows when validated for the call's dtype (or with
-    MSA_UNVALIDATED_KERNELS=1); the decode_warpgroup hook forces it on any tile (True) or off
-    (False)."""
-    forced = debug.forced("decode_warpgroup")
-    if forced is not None:
-        return forced
-    return _tile_rows(call) > 16 and (_form_dtype(call) in VALIDATED_WARPGROUP
-                                      or _backend.unvalidated_ok())
+    K/V of one dtype): qo tiles of > 16 rows when validated for the call's dtype; the
+    decode_warpgroup hook forces it on any tile (True) or off (False)."""
+    return debug.gate("decode_warpgroup", _tile_rows(call) > 16
+                      and _may_serve(_form_dtype(call) in VALIDATED_WARPGROUP))
 
 
 def _pingpong(call) -> bool:
     """Whether a warpgroup-form call takes its ping-pong form (q and K/V of one dtype, as the
-    warpgroup form): tiles of > 64 rows when validated for the call's dtype (or with
-    MSA_UNVALIDATED_KERNELS=1); the decode_pingpong hook forces it on any warpgroup-form tile
-    (True) or off (False)."""
-    forced = debug.forced("decode_pingpong")
-    if forced is not None:
-        return forced
-    return _tile_rows(call) >= PINGPONG_MIN_ROWS and (_form_dtype(call) in VALIDATED_PINGPONG
-                                                      or _backend.unvalidated_ok())
+    warpgroup form): tiles of > 64 rows when validated for the call's dtype; the decode_pingpong
+    hook forces it on any warpgroup-form tile (True) or off (False)."""
+    return debug.gate("decode_pingpong", _tile_rows(call) >= PINGPONG_MIN_ROWS
+                      and _may_serve(_form_dtype(call) in VALIDATED_PINGPONG))
 
 
 def _persistent(call) -> bool:
     """Whether a ping-pong call takes the persistent form: a dense call whose plan has it
-    (schedule.persistent_ctas), validated for the call's dtype (or with
-    MSA_UNVALIDATED_KERNELS=1); the decode_persistent hook forces it on any such call (True) or
-    off (False)."""
+    (schedule.persistent_ctas), validated for the call's dtype; the decode_persistent hook
+    forces it on any such call (True) or off (False)."""
     if call.q2k_indices is not None or not call.schedule.persistent_ctas:
         return False
-    forced = debug.forced("decode_persistent")
-    if forced is not None:
-        return bool(forced)
-    return _form_dtype(call) in VALIDATED_PERSISTENT or _backend.unvalidated_ok()
+    return debug.gate("decode_persistent", _may_serve(_form_dtype(call) in VALIDATED_PERSISTENT))
 
 
 def _pv_fp8(call) -> bool:
-    """Whether an e4m3 ping-pong (or persistent) call runs P.V on e4m3 wgmma: when validated
-    (VALIDATED_PV_FP8) or with MSA_UNVALIDATED_KERNELS=1; the decode_pv_fp8 hook forces it on
-    (True) or off (False). The binding applies it only with e4m3 q and K/V."""
+    """Whether an e4m3 ping-pong (or persistent) call runs P.V on e4m3 wgmma (VALIDATED_PV_FP8);
+    the decode_pv_fp8 hook forces it on (True) or off (False). The binding applies it only with
+    e4m3 q and K/V, the launcher where it can make the caches' tensor maps (else the f16 P.V
+    form serves)."""
     if _form_dtype(call) != "e4m3":
         return False
-    forced = debug.forced("decode_pv_fp8")
-    if forced is not None:
-        return bool(forced)
-    return VALIDATED_PV_FP8 or _backend.unvalidated_ok()
+    return debug.gate("decode_pv_fp8", _may_serve(VALIDATED_PV_FP8))
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)

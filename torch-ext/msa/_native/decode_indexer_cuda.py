@@ -81,10 +81,7 @@ def _tma_pages() -> bool:
     """Whether e4m3 index pages may arrive as TMA copies (the launcher applies it to e4m3 keys
     on sm_90+): when validated or with MSA_UNVALIDATED_KERNELS=1; the decode_indexer_tma hook
     forces it on (True) or off (False)."""
-    forced = debug.forced("decode_indexer_tma")
-    if forced is not None:
-        return bool(forced)
-    return VALIDATED_TMA_PAGES or _backend.unvalidated_ok()
+    return debug.gate("decode_indexer_tma", VALIDATED_TMA_PAGES or _backend.unvalidated_ok())
 
 
 def run_plan_update(plan) -> None:

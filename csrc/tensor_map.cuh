@@ -1,0 +1,54 @@
+// Host side: TMA tensor maps (CUtensorMap) of paged caches, for kernels that copy whole pages
+// with cp.async.bulk.tensor. The encoder comes from the driver through the runtime's entry-point
+// query, so nothing links libcuda.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace msa {
+
+// Whether the current device has the TMA unit (sm_90+).
+inline bool device_has_tma() {
+  int device = 0, major = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
+             cudaSuccess &&
+         major >= 9;
+}
+
+// Encodes into `map` (64-byte aligned, sizeof(CUtensorMap)) the tensor map of `rows` rows of
+// `row_bytes` bytes at `base` (row-major, bytes), copied in boxes of `box_rows` whole rows with
+// the given shared-memory swizzle. False where the device has no TMA, the driver cannot encode
+// it, the base is not 16-byte aligned or a row coordinate would not fit the copy's int32.
+inline bool encode_row_map(void* map, const void* base, int64_t rows, uint32_t row_bytes,
+                           uint32_t box_rows, CUtensorMapSwizzle swizzle) {
+  if (!device_has_tma() || reinterpret_cast<uintptr_t>(base) % 16 != 0 || rows < 1 ||
+      rows > INT32_MAX) {
+    return false;
+  }
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
+                                         cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {row_bytes, static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {row_bytes};   // bytes between rows
+  const cuuint32_t box[2] = {row_bytes, box_rows};
+  const cuuint32_t element_strides[2] = {1, 1};
+  return encode(static_cast<CUtensorMap*>(map), CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
+                const_cast<void*>(base), dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace msa
