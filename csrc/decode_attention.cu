@@ -1457,7 +1457,7 @@ namespace pingpong {
 constexpr int kThreadsPP = 3 * 128;
 constexpr int kQueriesReady = 3;     // named barrier of the consumers' Q load (1, 2: their turns)
 constexpr int kProducerBarrier = 6;     // e4m3 P.V: the producer warpgroup's page barrier
-constexpr int kRawStages = 3;           // e4m3 P.V: raw V pages in flight (TMA copies)
+constexpr int kRawStages = 2;           // e4m3 P.V: raw V pages in flight (TMA copies)
 static_assert((kThreadsPP / 32 + 1) * 4 <= kCountsSlotBytes, "warp counts and the page total");
 
 // setmaxnreg moves registers within the CTA's launch allocation (384 threads x 168), not the
@@ -1481,8 +1481,10 @@ struct RegisterSplit {
 // request table instead of the list.
 //
 // kPvFp8 (e4m3 only): P.V on e4m3 wgmma, the V ring holding e4m3 V^T tiles (16 KB, three
-// stages) instead of f16 V, the tile of zeros 16 KB; K and V arrive by TMA, V into kRawStages
-// raw page slots (their full barriers and each slot's valid rows after the ring barriers).
+// stages) instead of f16 V, the tile of zeros 16 KB; K (three stages) and V arrive by TMA, V
+// into kRawStages raw page slots (their full barriers and each slot's valid rows after the ring
+// barriers). Shared memory stays near the f16 P.V form's: more would take it from the L1 that
+// holds the consumers' register spills.
 template <bool kFp8, bool kPersistent = false, bool kPvFp8 = false>
 struct Layout {
   using S = Shape<kFp8>;
@@ -1493,7 +1495,7 @@ struct Layout {
   static constexpr int kZerosOffset = (kPersistent ? 2 : 1) * kQSlotBytes;
   static constexpr int kZerosBytes = kFp8 ? kVTileBytes : 0;
   static constexpr int kKTileBytes = kFp8 ? S::kPageBlockBytes : S::kWideBytes;
-  static constexpr int kKStages = kFp8 ? 4 : (kPersistent ? 2 : 3);
+  static constexpr int kKStages = kPvFp8 ? 3 : kFp8 ? 4 : (kPersistent ? 2 : 3);
   static constexpr int kVStages = kPvFp8 ? 3 : 2;
   static constexpr int kRawSlots = kPvFp8 ? kRawStages : (kFp8 ? 1 : 0);
   static constexpr int kRawBytes = kRawSlots * kPageSize * kRowBytes;

@@ -33,8 +33,8 @@ pages.
 """
 import random
 
-STAGES = {False: (3, 2), True: (4, 2), "pv8": (4, 3)}   # (kKStages, kVStages) of Layout
-RAW_STAGES = 3                         # e4m3 P.V: raw V page slots (kRawStages)
+STAGES = {False: (3, 2), True: (4, 2), "pv8": (3, 3)}   # (kKStages, kVStages) of Layout
+RAW_STAGES = 2                         # e4m3 P.V: raw V page slots (kRawStages)
 
 
 class Mbar:
@@ -68,7 +68,7 @@ class Named:
 
 
 Q_SLOTS = 2                            # the persistent form's Q slots (each consumer's block)
-PERSISTENT_STAGES = {False: (2, 2), True: (4, 2), "pv8": (4, 3)}   # Layout<kFp8, true>
+PERSISTENT_STAGES = {False: (2, 2), True: (4, 2), "pv8": (3, 3)}   # Layout<kFp8, true>
 
 
 def run(num_pages, seed, fp8=False, sequences=None, commit=True, v_threads=3, reissue_lag=1):
