@@ -59,12 +59,14 @@ PINGPONG_MIN_ROWS = 65
 # streams >= 64 pages): MTP 8, 1.04-1.27x (bench_decode_production --attention-forms
 # pingpong,persistent, e319220). Validated on the H200: tests/test_decode_gpu.py and memcheck.
 VALIDATED_PERSISTENT = frozenset({"bf16", "e4m3"})
-# The e4m3 ping-pong and persistent forms with P.V on e4m3 wgmma (the V loaders transpose each
-# page into a V^T tile instead of widening it to f16; P rounded to e4m3 as before, each page's
-# P.V folded into O in fp32): its GPU tests and memcheck pass on the H200 (3ac8975), but its V
-# transpose bounds the page period (3618 vs 3555 cycles, docs/design-decode.md), so it is not
-# served: only MSA_UNVALIDATED_KERNELS=1 (or the decode_pv_fp8 hook) asks for it.
-VALIDATED_PV_FP8 = False
+# The e4m3 ping-pong and persistent forms with P.V on e4m3 wgmma (K and V pages by TMA, the
+# producer warpgroup transposing each V page into a V^T tile instead of widening it to f16; P
+# rounded to e4m3 as before, each page's P.V folded into O in fp32), validated on the H200
+# (tests/test_decode_gpu.py, memcheck; 21463cb, 40dd92f). Served where it was faster in the
+# production suite (40dd92f, MTP 8, same process): the persistent form (dense B 32-128 at
+# 10k-100k keys 2-12 % faster) and sparse tiles (the step's 128-row tiles at 4k keys, 2-3.5 %);
+# dense work items keep f16 P.V (-4 to +5 %: no gain).
+VALIDATED_PV_FP8 = frozenset({"persistent", "sparse"})
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
@@ -119,7 +121,7 @@ def _launch(call, warpgroup: bool, pingpong: bool) -> None:
     request_pages = (torch.empty(s.batch_size + 1, dtype=torch.int64, device=call.q.device)
                      if persistent else None)
     workspaces = split or persistent
-    pv_fp8 = pingpong and _pv_fp8(call)
+    pv_fp8 = pingpong and _pv_fp8(call, persistent)
     _last_launch.update(warpgroup=warpgroup, pingpong=pingpong, persistent=persistent,
                         pv_fp8=pv_fp8)
     ops.sparse_decode_attention(
@@ -186,14 +188,16 @@ def _persistent(call) -> bool:
     return debug.gate("decode_persistent", _may_serve(_form_dtype(call) in VALIDATED_PERSISTENT))
 
 
-def _pv_fp8(call) -> bool:
-    """Whether an e4m3 ping-pong (or persistent) call runs P.V on e4m3 wgmma (VALIDATED_PV_FP8);
-    the decode_pv_fp8 hook forces it on (True) or off (False). The binding applies it only with
-    e4m3 q and K/V, the launcher where it can make the caches' tensor maps (else the f16 P.V
-    form serves)."""
+def _pv_fp8(call, persistent: bool) -> bool:
+    """Whether an e4m3 ping-pong (or persistent) call runs P.V on e4m3 wgmma: where its form
+    ("persistent", "sparse" or "dense" work items) is in VALIDATED_PV_FP8; the decode_pv_fp8
+    hook forces it on (True) or off (False). The binding applies it only with e4m3 q and K/V,
+    the launcher where it can make the caches' tensor maps (else the f16 P.V form serves)."""
     if _form_dtype(call) != "e4m3":
         return False
-    return debug.gate("decode_pv_fp8", _may_serve(VALIDATED_PV_FP8))
+    form = ("persistent" if persistent else
+            "sparse" if call.q2k_indices is not None else "dense")
+    return debug.gate("decode_pv_fp8", _may_serve(form in VALIDATED_PV_FP8))
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
