@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Lane-by-lane replay of the e4m3 P.V operands of the decode ping-pong form (no GPU needed).
 
-csrc/decode_attention.cu, kPvFp8: the V loaders transpose each raw quarter page into a V^T tile
-(transpose_v_quarter) and the consumers pack P as the e4m3 wgmma's A fragments (pack_p_e4m3)
-straight from the Q.K^T accumulator. Replayed here with the hardware's layouts:
+csrc/decode_attention.cu, kPvFp8: the producer's 128 threads transpose each raw page into a V^T
+tile, two quarters a thread (transpose_v_quarter), and the consumers pack P as the e4m3 wgmma's
+A fragments (pack_p_e4m3) straight from the Q.K^T accumulator. Replayed here with the hardware's layouts:
 
 * the m64nNk16 accumulator (S): register 4 j + e of lane l in warp w is row 16 w + l / 4 +
   8 (e >> 1), column 8 j + 2 (l % 4) + (e & 1);
@@ -82,9 +82,9 @@ def check_transpose(rng):
     raw = bytearray(rng.randrange(256) for _ in range(128 * ROW))
     tile = bytearray(128 * ROW)
     stores = []
-    for quarter in range(4):
-        for thread in range(64):
-            transpose_quarter(raw, tile, quarter, thread, stores)
+    for half in range(2):                 # stream_pages_tma: 128 producer threads, two calls
+        for thread in range(128):
+            transpose_quarter(raw, tile, 2 * half + (thread >> 6), thread & 63, stores)
     for channel in range(128):
         for pos in range(128):
             got = tile[swizzled(channel, pos // 16) + pos % 16]
