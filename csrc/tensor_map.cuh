@@ -7,28 +7,57 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <climits>
 #include <cstdint>
+#include <cstring>
 
 namespace msa {
 
-// Whether the current device has the TMA unit (sm_90+).
-inline bool device_has_tma() {
-  int device = 0, major = 0;
-  return cudaGetDevice(&device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
-             cudaSuccess &&
-         major >= 9;
+// Whether the current device has the TMA unit (sm_90+); asked once per device.
+inline bool device_has_tma(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> state[kMaxDevices];      // 0 not asked, 1 has TMA, 2 not
+  if (device < 0 || device >= kMaxDevices) return false;
+  int known = state[device].load(std::memory_order_relaxed);
+  if (known == 0) {
+    int major = 0;
+    known = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
+                    cudaSuccess && major >= 9 ? 1 : 2;
+    state[device].store(known, std::memory_order_relaxed);
+  }
+  return known == 1;
 }
 
 // Encodes into `map` (64-byte aligned, sizeof(CUtensorMap)) the tensor map of `rows` rows of
 // `row_bytes` bytes at `base` (row-major, bytes), copied in boxes of `box_rows` whole rows with
 // the given shared-memory swizzle. False where the device has no TMA, the driver cannot encode
 // it, the base is not 16-byte aligned or a row coordinate would not fit the copy's int32.
+// A map depends on these arguments alone, and the launchers ask for the same few caches on every
+// layer and step, so each host thread keeps its last few maps.
 inline bool encode_row_map(void* map, const void* base, int64_t rows, uint32_t row_bytes,
                            uint32_t box_rows, CUtensorMapSwizzle swizzle) {
-  if (!device_has_tma() || reinterpret_cast<uintptr_t>(base) % 16 != 0 || rows < 1 ||
-      rows > INT32_MAX) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || !device_has_tma(device) ||
+      reinterpret_cast<uintptr_t>(base) % 16 != 0 || rows < 1 || rows > INT32_MAX) {
     return false;
+  }
+  struct Entry {
+    const void* base = nullptr;
+    int64_t rows = 0;
+    uint32_t row_bytes = 0, box_rows = 0;
+    int swizzle = -1;
+    CUtensorMap map;
+  };
+  constexpr int kEntries = 8;
+  thread_local Entry recent[kEntries];
+  thread_local int next = 0;
+  for (const Entry& e : recent) {
+    if (e.base == base && e.rows == rows && e.row_bytes == row_bytes &&
+        e.box_rows == box_rows && e.swizzle == static_cast<int>(swizzle)) {
+      std::memcpy(map, &e.map, sizeof(CUtensorMap));
+      return true;
+    }
   }
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
@@ -45,10 +74,21 @@ inline bool encode_row_map(void* map, const void* base, int64_t rows, uint32_t r
   const cuuint64_t strides[1] = {row_bytes};   // bytes between rows
   const cuuint32_t box[2] = {row_bytes, box_rows};
   const cuuint32_t element_strides[2] = {1, 1};
-  return encode(static_cast<CUtensorMap*>(map), CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
-                const_cast<void*>(base), dims, strides, box, element_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  if (encode(static_cast<CUtensorMap*>(map), CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
+             const_cast<void*>(base), dims, strides, box, element_strides,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+    return false;
+  }
+  Entry& slot = recent[next];
+  next = (next + 1) % kEntries;
+  slot.base = base;
+  slot.rows = rows;
+  slot.row_bytes = row_bytes;
+  slot.box_rows = box_rows;
+  slot.swizzle = static_cast<int>(swizzle);
+  std::memcpy(&slot.map, map, sizeof(CUtensorMap));
+  return true;
 }
 
 }  // namespace msa
