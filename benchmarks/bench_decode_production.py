@@ -74,10 +74,11 @@ ATTENTION_FORMS = {"served": {}, "rows": dict(decode_warpgroup=False),
                                         decode_persistent=False, decode_pv_fp8=True),
                    "persistent_pv8": dict(decode_warpgroup=True, decode_pingpong=True,
                                           decode_persistent=True, decode_pv_fp8=True)}
-# The dense plans of the forced forms: persistent plans the persistent form wherever the call can
-# take it (not only where schedules.decode.persistent_pays), pingpong never.
-PLAN_PERSISTENT = {"persistent": True, "pingpong": False, "persistent_pv8": True,
-                   "pingpong_pv8": False}
+# The dense plans of the forms that force decode_persistent: a persistent form plans the
+# persistent form wherever the call can take it (not only where schedules.decode.persistent_pays),
+# a ping-pong form never.
+PLAN_PERSISTENT = {name: hooks["decode_persistent"] for name, hooks in ATTENTION_FORMS.items()
+                   if "decode_persistent" in hooks}
 WARMUP_REPLAYS = 5
 GRAPH_TARGET_US = 2000.0
 MAX_CALLS = 120

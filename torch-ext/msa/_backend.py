@@ -210,11 +210,17 @@ def unvalidated_ok() -> bool:
     return os.environ.get(UNVALIDATED_ENV) == "1"
 
 
+def may_serve(validated: bool) -> bool:
+    """Whether a kernel (or a form of one) may serve calls: validated on hardware, or
+    unvalidated_ok()."""
+    return validated or unvalidated_ok()
+
+
 def unvalidated_reason(what: str, validated: bool) -> Optional[str]:
     """The gate every compiled-but-not-yet-hardware-validated kernel passes through: None when
-    the kernel may serve calls (validated, or unvalidated_ok()), else the reason it may not. A
-    kernel is marked validated only after its GPU test passed on an H200."""
-    if validated or unvalidated_ok():
+    the kernel may serve calls (may_serve), else the reason it may not. A kernel is marked
+    validated only after its GPU test passed on an H200."""
+    if may_serve(validated):
         return None
     return (f"{what} is compiled but not validated on hardware yet "
             f"({UNVALIDATED_ENV}=1 serves it)")

@@ -48,7 +48,7 @@ _side_streams = {}
 def _side_stream(device: torch.device) -> Optional[torch.cuda.Stream]:
     """The process's side stream of `device` for the every-block selection (one per device,
     shared by every wrapper), or None when run() should stay on the caller's stream."""
-    if device.type != "cuda" or not (SIDE_STREAM_VALIDATED or _backend.unvalidated_ok()):
+    if device.type != "cuda" or not _backend.may_serve(SIDE_STREAM_VALIDATED):
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _side_streams:

@@ -158,17 +158,12 @@ def _form_dtype(call) -> str:
     return "bf16" if call.pv_quant_dtype is None else "e4m3"
 
 
-def _may_serve(validated: bool) -> bool:
-    """Whether a form may serve: validated on hardware, or MSA_UNVALIDATED_KERNELS=1."""
-    return validated or _backend.unvalidated_ok()
-
-
 def _warpgroup(call) -> bool:
     """Whether this call uses the warpgroup (wgmma) form (the binding applies it only with q and
     K/V of one dtype): qo tiles of > 16 rows when validated for the call's dtype; the
     decode_warpgroup hook forces it on any tile (True) or off (False)."""
     return debug.gate("decode_warpgroup", _tile_rows(call) > 16
-                      and _may_serve(_form_dtype(call) in VALIDATED_WARPGROUP))
+                      and _backend.may_serve(_form_dtype(call) in VALIDATED_WARPGROUP))
 
 
 def _pingpong(call) -> bool:
@@ -176,7 +171,7 @@ def _pingpong(call) -> bool:
     warpgroup form): tiles of > 64 rows when validated for the call's dtype; the decode_pingpong
     hook forces it on any warpgroup-form tile (True) or off (False)."""
     return debug.gate("decode_pingpong", _tile_rows(call) >= PINGPONG_MIN_ROWS
-                      and _may_serve(_form_dtype(call) in VALIDATED_PINGPONG))
+                      and _backend.may_serve(_form_dtype(call) in VALIDATED_PINGPONG))
 
 
 def _persistent(call) -> bool:
@@ -185,7 +180,7 @@ def _persistent(call) -> bool:
     forces it on any such call (True) or off (False)."""
     if call.q2k_indices is not None or not call.schedule.persistent_ctas:
         return False
-    return debug.gate("decode_persistent", _may_serve(_form_dtype(call) in VALIDATED_PERSISTENT))
+    return debug.gate("decode_persistent", _backend.may_serve(_form_dtype(call) in VALIDATED_PERSISTENT))
 
 
 def _pv_fp8(call, persistent: bool) -> bool:
@@ -197,7 +192,7 @@ def _pv_fp8(call, persistent: bool) -> bool:
         return False
     form = ("persistent" if persistent else
             "sparse" if call.q2k_indices is not None else "dense")
-    return debug.gate("decode_pv_fp8", _may_serve(form in VALIDATED_PV_FP8))
+    return debug.gate("decode_pv_fp8", _backend.may_serve(form in VALIDATED_PV_FP8))
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)

@@ -81,7 +81,7 @@ def _tma_pages() -> bool:
     """Whether e4m3 index pages may arrive as TMA copies (the launcher applies it to e4m3 keys
     on sm_90+): when validated or with MSA_UNVALIDATED_KERNELS=1; the decode_indexer_tma hook
     forces it on (True) or off (False)."""
-    return debug.gate("decode_indexer_tma", VALIDATED_TMA_PAGES or _backend.unvalidated_ok())
+    return debug.gate("decode_indexer_tma", _backend.may_serve(VALIDATED_TMA_PAGES))
 
 
 def run_plan_update(plan) -> None:
