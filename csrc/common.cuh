@@ -7,6 +7,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -66,6 +67,21 @@ __device__ __forceinline__ T warp_inclusive_sum(T v) {
     if (lane >= d) v += up;
   }
   return v;
+}
+
+// ask(device) (a fact of the device or of the image it loaded), asked once per device and kept:
+// each call site's lambda type has its own table. False for device ids past the table.
+template <typename Ask>
+inline bool asked_once_per_device(int device, Ask ask) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> state[kMaxDevices];      // 0 not asked, 1 yes, 2 no
+  if (device < 0 || device >= kMaxDevices) return false;
+  int known = state[device].load(std::memory_order_relaxed);
+  if (known == 0) {
+    known = ask(device) ? 1 : 2;
+    state[device].store(known, std::memory_order_relaxed);
+  }
+  return known == 1;
 }
 
 // Number of bits needed to represent every value in [0, max_value].

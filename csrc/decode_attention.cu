@@ -39,7 +39,6 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
 #include <cfloat>
 #include <cstdint>
@@ -127,6 +126,28 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+
+// Lab hooks of the softmax (benchmarks/lab/decode_pp_timeline.cu, not served):
+// MSA_LAB_EXP_ON_FMA=n computes n of every 16 probabilities with exp2_fma (FlashAttention-4's
+// split of the exponentials between the MUFU and the FMA units); MSA_LAB_NO_EXP drops the
+// exponential (S scaled and shifted passed on as P) and MSA_LAB_NO_SOFTMAX the whole page
+// softmax, to bound what a cheaper softmax could give.
+#if defined(MSA_LAB_EXP_ON_FMA) && MSA_LAB_EXP_ON_FMA > 0
+// 2^x for x <= 0 on the FMA pipe: 2^x = 2^n 2^f, n = rint(x) by the 1.5 * 2^23 shift, 2^f on
+// [-0.5, 0.5] a degree-4 polynomial (relative error 2.9e-6, below e4m3's and bf16's rounding
+// steps), 2^n added into the exponent field. x is clamped at -127 (-inf: 2^-127, nothing to
+// the row sum or an e4m3 / bf16 P).
+__device__ __forceinline__ float exp2_fma(float x) {
+  x = fmaxf(x, -127.f);
+  const float shifted = x + 12582912.f;          // 1.5 * 2^23: low bits hold rint(x)
+  const float f = x - (shifted - 12582912.f);    // [-0.5, 0.5]
+  float p = fmaf(0.009582853f, f, 0.05590643f);
+  p = fmaf(p, f, 0.24024099f);
+  p = fmaf(p, f, 0.69312418f);
+  p = fmaf(p, f, 1.f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
+}
+#endif
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -1182,6 +1203,10 @@ template <bool kFp8>
 __device__ __forceinline__ void page_probabilities(const PageRef& page, bool full,
                                                    float scale_log2, Rows& rows, float (&s)[64],
                                                    float (&alpha)[2], float (&beta)[2]) {
+#ifdef MSA_LAB_NO_SOFTMAX   // (lab hooks of the softmax: above exp2_fma)
+  alpha[0] = alpha[1] = beta[0] = beta[1] = 1.f;
+  return;
+#endif
   const int lane = threadIdx.x & 31;
   float page_max[2];
   // Where the tile's tokens do not all see the page (a sparse union, the request's last page),
@@ -1248,7 +1273,14 @@ __device__ __forceinline__ void page_probabilities(const PageRef& page, bool ful
   for (int j = 0; j < 16; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float p = exp2_ftz(fmaf(s[4 * j + e], scale_log2, shift[e >> 1]));
+      const float x = fmaf(s[4 * j + e], scale_log2, shift[e >> 1]);
+#if defined(MSA_LAB_NO_EXP)
+      const float p = x;
+#elif defined(MSA_LAB_EXP_ON_FMA) && MSA_LAB_EXP_ON_FMA > 0
+      const float p = (4 * j + e) % 16 >= 16 - MSA_LAB_EXP_ON_FMA ? exp2_fma(x) : exp2_ftz(x);
+#else
+      const float p = exp2_ftz(x);
+#endif
       part[e >> 1][2 * (j & 1) + (e & 1)] += p;
       s[4 * j + e] = p;
     }
@@ -3343,20 +3375,13 @@ cudaError_t decode_attention_image(cudaFuncAttributes* attr) {
 // or compute_80 PTX JIT-compiled on an SM90) it would trap, so its launch is refused. The
 // answer depends on the image the current device loaded: asked once per device.
 static bool warpgroup_form_loaded() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> state[kMaxDevices];      // 0 not asked, 1 loaded, 2 absent
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
-  int known = state[device].load(std::memory_order_relaxed);
-  if (known == 0) {
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  return detail::asked_once_per_device(device, [](int) {
     cudaFuncAttributes attr{};
-    const bool loaded =
-        cudaFuncGetAttributes(&attr, wg::decode_attention_wg_kernel<false>) == cudaSuccess &&
-        attr.ptxVersion == 90 && attr.binaryVersion == 90;
-    known = loaded ? 1 : 2;
-    state[device].store(known, std::memory_order_relaxed);
-  }
-  return known == 1;
+    return cudaFuncGetAttributes(&attr, wg::decode_attention_wg_kernel<false>) == cudaSuccess &&
+           attr.ptxVersion == 90 && attr.binaryVersion == 90;
+  });
 }
 
 // The e4m3 caches' tensor maps for the e4m3 P.V form (k and v: [num_pages, num_kv_heads, 128,

@@ -24,7 +24,9 @@
 // its E4M3 block scale (an exact f16 product), and the 2^14 returns in the fp32 score factor.
 // Per page: the row maxima over the warps' keys meet in shared memory, and each row's page score
 // is offered to its sorted candidate list, held in registers: by the row's thread (ThreadLists,
-// rows > 16) or across a segment of KCAP lanes (LaneLists, rows <= 16).
+// rows > 16) or across a segment of KCAP lanes (LaneLists, rows <= 16). The offer-warp form
+// (17-32 rows) adds a ninth warp that holds the lists and offers page i - 1 while the eight
+// warps score page i.
 //
 // Merge: each CTA writes its rows' lists to the plan's workspace, then counts itself in on the
 // request's arrival counter; the last CTA of the request merges the n_b lists per row (a warp per
@@ -76,7 +78,8 @@ constexpr bool kIsE4m3 = F == kE4m3 || F == kE4m3Tma;
 // hold: the loop without DRAM); MSA_LAB_NO_OFFERS skips the offers (the loop without the lists).
 #ifdef MSA_LAB_TIMELINE
 constexpr int kLabPages = 64, kLabMarks = 6;
-__device__ long long lab_timeline[kWarps][kLabPages][kLabMarks];
+constexpr int kLabWarps = kWarps + 1;   // the offer warp's stamps last
+__device__ long long lab_timeline[kLabWarps][kLabPages][kLabMarks];
 #define MSA_LAB_MARK(page, mark)                                                          \
   do {                                                                                    \
     if (blockIdx.x == 0 && (threadIdx.x & 31) == 0 && (page) < kLabPages) {              \
@@ -430,15 +433,18 @@ __device__ __forceinline__ int table_entry(const DecodeIndexerArgs& a, int b, in
 // the row's list to dst[0 .. KCAP - 1].
 //
 // ThreadLists (rows > 16): thread r holds row r's list (TopList), so warp 0 offers up to 32 rows
-// at the cost of one KCAP-step insertion chain.
-template <int KCAP>
+// at the cost of one KCAP-step insertion chain; in the offer-warp form (kByLane) lane r of the
+// offer warp holds it.
+template <int KCAP, bool kByLane = false>
 struct ThreadLists {
   static constexpr int kRounds = 1;
   TopList<KCAP> list;
 
-  __device__ __forceinline__ static int row(int) { return threadIdx.x; }
+  __device__ __forceinline__ static int row(int) {
+    return kByLane ? threadIdx.x & 31 : threadIdx.x;
+  }
   __device__ __forceinline__ static bool round_empty(int, int rows) {
-    return (threadIdx.x & ~31) >= rows;
+    return kByLane ? false : (threadIdx.x & ~31) >= rows;
   }
   __device__ __forceinline__ static bool writes_scores() { return true; }
   __device__ __forceinline__ void clear() { list.clear(); }
@@ -503,9 +509,21 @@ struct LaneLists {
   }
 };
 
-template <int F, int MT, int KCAP>
-__global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16) ? 2 : 1)
+// The lists of a warp that only scores (the offer-warp form's scoring warps).
+struct NoLists {};
+
+// The offer-warp form (kOfferWarp, 17-32 rows: MT 2): a ninth warp holds the rows' lists and
+// offers page i - 1 while the eight scoring warps score page i, so a page costs the longer of
+// the two instead of their sum (warp 0 offering and scoring). One named barrier a page for all
+// nine warps; the maxima stay double-buffered as before.
+template <bool kOfferWarp>
+constexpr int kThreadsOf = kThreads + (kOfferWarp ? 32 : 0);
+
+template <int F, int MT, int KCAP, bool kOfferWarp>
+__global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
+                                  (F != kBf16 && MT <= 2 && KCAP <= 16) ? 2 : 1)
     decode_indexer_topk_kernel(const __grid_constant__ DecodeIndexerArgs a) {
+  static_assert(!kOfferWarp || MT == 2, "the offer warp holds 17-32 rows");
   using L = SmemLayout<F, MT>;
   extern __shared__ __align__(128) char smem_raw[];
   char* smem = smem_raw;
@@ -543,6 +561,7 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
   const int num_pages = max(end - begin, 0);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bool scoring_warp = warp < kWarps;   // every warp but the offer warp
   constexpr bool kBulk = bulk_pages<F>();
   constexpr int kIssueWarp = kWarps - 1;   // bulk pages: not warp 0, which offers thread lists
   auto full = [&](int i) { return sm90::Mbarrier{full_bars + i % kStages}; };
@@ -550,21 +569,8 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
     if (threadIdx.x < kStages) full(threadIdx.x).init(1);   // the issuing lane's arrival
     sm90::fence_barrier_init();
   }
-  load_queries<MT>(a, b, rows, qs);
+  if (!kOfferWarp || scoring_warp) load_queries<MT>(a, b, rows, qs);
   __syncthreads();                                // qs written, the barriers initialized
-  QFragments q_regs;
-  if constexpr (MT <= 2) q_regs.load(qs, warp / (kWarps / MT));
-  // The candidate lists, and each list row's own block (candidates are the blocks before it).
-  using Lists = std::conditional_t<MT == 1, LaneLists<MT, KCAP>, ThreadLists<KCAP>>;
-  Lists lists;
-  lists.clear();
-  int own[Lists::kRounds];
-#pragma unroll
-  for (int k = 0; k < Lists::kRounds; ++k) {
-    const int row = Lists::row(k);
-    const int pos = row < rows ? len - a.seqlen_q + row / a.num_heads : -1;
-    own[k] = pos >= 0 ? pos / kPage : -1;
-  }
   const float score_mul =
       a.scale * (F == kNvfp4 ? 16384.f * (a.k_global_scale != nullptr ? __ldg(a.k_global_scale)
                                                                       : 1.f)
@@ -583,7 +589,7 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
 #endif
   // Page begin + i into its stage: bulk pages from one warp, their full barrier completing
   // either way (no bytes for a page outside the pool or past the chunk); otherwise every
-  // thread's cp.asyncs, one group either way.
+  // scoring thread's cp.asyncs, one group either way.
   auto issue = [&](int i) {
     if (kBulk && warp != kIssueWarp) return;
     const int64_t physical = next_entry;
@@ -617,9 +623,28 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
       cp_async_wait<kStages - 2>();
     }
   };
+  // The page barrier: every warp is done with page i - 1 (its stage, its maxima, its offer).
+  auto page_barrier = [&] {
+    if constexpr (kOfferWarp) {
+      sm90::named_sync(1, kThreadsOf<true>);
+    } else {
+      __syncthreads();
+    }
+  };
+  // Each list row's own block (its candidates are the blocks before it).
+  auto own_blocks = [&](const auto& lists, auto& own) {
+    using Lists = std::decay_t<decltype(lists)>;
+#pragma unroll
+    for (int k = 0; k < Lists::kRounds; ++k) {
+      const int row = Lists::row(k);
+      const int pos = row < rows ? len - a.seqlen_q + row / a.num_heads : -1;
+      own[k] = pos >= 0 ? pos / kPage : -1;
+    }
+  };
   // Every row's score of page begin + i (from the warps' maxima), offered to its list by the
-  // list's lanes (every warp takes its rows' offers).
-  auto offer = [&](int i) {
+  // list's lanes (LaneLists: every warp takes its rows' offers).
+  auto offer = [&](auto& lists, const auto& own, int i) {
+    using Lists = std::decay_t<decltype(lists)>;
 #ifdef MSA_LAB_NO_OFFERS
     return;
 #endif
@@ -646,44 +671,86 @@ __global__ void __launch_bounds__(kThreads, (F != kBf16 && MT <= 2 && KCAP <= 16
       }
     }
   };
-
+  // This chunk's lists into the workspace.
+  auto store_lists = [&](const auto& lists) {
+    using Lists = std::decay_t<decltype(lists)>;
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) issue(i);
-  for (int i = 0; i < num_pages; ++i) {
-    MSA_LAB_MARK(i, 0);
-    wait_for_page(i);
-    MSA_LAB_MARK(i, 1);
-    // Page i has landed for every thread; every warp is done with page i - 1 (its stage and
-    // its maxima buffer).
-    __syncthreads();
-    MSA_LAB_MARK(i, 2);
-    issue(i + kStages - 1);
-    MSA_LAB_MARK(i, 3);
-    if (i > 0) offer(i - 1);
-    MSA_LAB_MARK(i, 4);
-    if (s_valid[i % 8]) {   // uniform over the CTA
-      score_page<F, MT>(a, stage_of(i), qs, q_regs, warp_max + (i & 1) * kWarps * MT * 16);
+    for (int k = 0; k < Lists::kRounds; ++k) {
+      const int row = Lists::row(k);
+      if (row < rows) {
+        lists.store(k, reinterpret_cast<int2*>(a.partials) +
+                           (static_cast<int64_t>(work) * rows + row) * a.list_capacity);
+      }
     }
-    MSA_LAB_MARK(i, 5);
-  }
-  cp_async_wait<0>();   // bulk pages: none is issued past the pages waited for
-  __syncthreads();
-  if (num_pages > 0) offer(num_pages - 1);
-
-  // This chunk's lists into the workspace, then count this CTA in.
+  };
+  // The chunk's pages: every warp meets at each page's barrier; kScores warps wait for the
+  // page, issue the copies kStages - 1 pages ahead and score it, kOffers warps offer the
+  // previous page's scores (the last page's after the loop).
+  auto run_pages = [&](auto scores_tag, auto offers_tag, auto& lists, const auto& own) {
+    constexpr bool kScores = decltype(scores_tag)::value, kOffers = decltype(offers_tag)::value;
+    [[maybe_unused]] QFragments q_regs;
+    if constexpr (kScores) {
+      if constexpr (MT <= 2) q_regs.load(qs, warp / (kWarps / MT));
 #pragma unroll
-  for (int k = 0; k < Lists::kRounds; ++k) {
-    const int row = Lists::row(k);
-    if (row < rows) {
-      lists.store(k, reinterpret_cast<int2*>(a.partials) +
-                         (static_cast<int64_t>(work) * rows + row) * a.list_capacity);
+      for (int i = 0; i < kStages - 1; ++i) issue(i);
     }
+    for (int i = 0; i < num_pages; ++i) {
+      MSA_LAB_MARK(i, 0);
+      if constexpr (kScores) wait_for_page(i);
+      MSA_LAB_MARK(i, 1);
+      // Page i has landed for every scoring thread; every warp is done with page i - 1 (its
+      // stage and its maxima buffer).
+      page_barrier();
+      MSA_LAB_MARK(i, 2);
+      if constexpr (kScores) issue(i + kStages - 1);
+      MSA_LAB_MARK(i, 3);
+      if constexpr (kOffers) {
+        if (i > 0) offer(lists, own, i - 1);
+      }
+      MSA_LAB_MARK(i, 4);
+      if constexpr (kScores) {
+        if (s_valid[i % 8]) {   // uniform over the CTA
+          score_page<F, MT>(a, stage_of(i), qs, q_regs, warp_max + (i & 1) * kWarps * MT * 16);
+        }
+      }
+      MSA_LAB_MARK(i, 5);
+    }
+    if constexpr (kScores) cp_async_wait<0>();   // bulk pages: none is issued past those waited for
+    page_barrier();
+    if constexpr (kOffers) {
+      if (num_pages > 0) offer(lists, own, num_pages - 1);
+      store_lists(lists);
+    }
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if constexpr (kOfferWarp) {
+    if (scoring_warp) {   // (round_empty / row are not used without offers)
+      NoLists none;
+      const int no_own[1] = {-1};
+      run_pages(Yes{}, No{}, none, no_own);
+    } else {
+      ThreadLists<KCAP, true> lists;
+      lists.clear();
+      int own[1];
+      own_blocks(lists, own);
+      run_pages(No{}, Yes{}, lists, own);
+    }
+  } else {
+    using Lists = std::conditional_t<MT == 1, LaneLists<MT, KCAP>, ThreadLists<KCAP>>;
+    Lists lists;
+    lists.clear();
+    int own[Lists::kRounds];
+    own_blocks(lists, own);
+    run_pages(Yes{}, Yes{}, lists, own);
   }
+
+  // Count this CTA in.
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) s_last = atomicAdd(a.requests + 3 * b + 2, 1) == num_chunks - 1;
   __syncthreads();
-  if (!s_last) return;
+  if (!s_last || (kOfferWarp && !scoring_warp)) return;   // the merge: a scoring warp a row
   __threadfence();
 
   // The last CTA of the request: per row, merge the request's chunk lists.
@@ -849,13 +916,13 @@ __global__ void __launch_bounds__(kPlanThreads) decode_indexer_plan_kernel(
   if (threadIdx.x == 0) *a.chunk_pages = chunk;
 }
 
-template <int F, int MT, int KCAP>
+template <int F, int MT, int KCAP, bool kOfferWarp = false>
 cudaError_t launch_topk(const DecodeIndexerArgs& a, cudaStream_t stream) {
-  auto kernel = decode_indexer_topk_kernel<F, MT, KCAP>;
+  auto kernel = decode_indexer_topk_kernel<F, MT, KCAP, kOfferWarp>;
   constexpr int kSmem = SmemLayout<F, MT>::kAlloc;
   MSA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  kernel<<<a.capacity, kThreads, kSmem, stream>>>(a);
+  kernel<<<a.capacity, kThreadsOf<kOfferWarp>, kSmem, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -863,7 +930,10 @@ template <int F, int KCAP>
 cudaError_t launch_by_rows(const DecodeIndexerArgs& a, cudaStream_t stream) {
   const int tiles = (a.seqlen_q * a.num_heads + 15) / 16;
   if (tiles <= 1) return launch_topk<F, 1, KCAP>(a, stream);
-  if (tiles <= 2) return launch_topk<F, 2, KCAP>(a, stream);
+  if (tiles <= 2) {
+    return a.offer_warp ? launch_topk<F, 2, KCAP, true>(a, stream)
+                        : launch_topk<F, 2, KCAP>(a, stream);
+  }
   if (tiles <= 4) return launch_topk<F, 4, KCAP>(a, stream);
   return launch_topk<F, 8, KCAP>(a, stream);
 }

@@ -7,26 +7,21 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <cstring>
 
+#include "common.cuh"
+
 namespace msa {
 
-// Whether the current device has the TMA unit (sm_90+); asked once per device.
+// Whether the device has the TMA unit (sm_90+); asked once per device.
 inline bool device_has_tma(int device) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> state[kMaxDevices];      // 0 not asked, 1 has TMA, 2 not
-  if (device < 0 || device >= kMaxDevices) return false;
-  int known = state[device].load(std::memory_order_relaxed);
-  if (known == 0) {
+  return detail::asked_once_per_device(device, [](int d) {
     int major = 0;
-    known = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
-                    cudaSuccess && major >= 9 ? 1 : 2;
-    state[device].store(known, std::memory_order_relaxed);
-  }
-  return known == 1;
+    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) == cudaSuccess &&
+           major >= 9;
+  });
 }
 
 // Encodes into `map` (64-byte aligned, sizeof(CUtensorMap)) the tensor map of `rows` rows of

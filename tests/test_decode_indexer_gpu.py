@@ -89,9 +89,10 @@ def test_portable_tier_indexer_matches_oracle(msa_pkg, native_only, seed, monkey
     _check(inputs, keys, seqlen_q, 16, out, scores)
 
 
-def _launched_formats(fn):
-    """The format template argument of every decode indexer kernel `fn` launches (1: e4m3 pages
-    by cp.async into padded rows, 3: e4m3 pages by TMA into swizzled stages)."""
+def _launched_indexers(fn):
+    """The template arguments of every decode indexer kernel `fn` launches, as strings: (format
+    (1: e4m3 pages by cp.async into padded rows, 3: e4m3 pages by TMA into swizzled stages),
+    m-tiles, list capacity, offer warp)."""
     import re
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
@@ -99,8 +100,27 @@ def _launched_formats(fn):
         fn()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return {int(m.group(1)) for n in names
-            for m in [re.search(r"decode_indexer_topk_kernel<(\d+),", n)] if m}
+    return {tuple(a.strip() for a in m.group(1).split(",")) for n in names
+            for m in [re.search(r"decode_indexer_topk_kernel<([^>]*)>", n)] if m}
+
+
+def _check_forced_form(msa, fmt, seqlen_q, heads, topk, arg, expected):
+    """One call under a forcing hook: every indexer launch has template argument `arg` (see
+    _launched_indexers) equal to `expected`, the selection meets the oracle, and out-of-range
+    page ids and lengths stay skipped (every id stays in the page table)."""
+    inputs, keys = make_index_batch(LENS, seqlen_q, heads, fmt, device="cuda")
+    plan = _plan(msa, inputs, seqlen_q, heads, topk)
+    result = {}
+    launched = _launched_indexers(lambda: result.update(zip(("out", "scores"),
+                                                            _run(msa, inputs, plan))))
+    assert {args[arg] for args in launched} == {expected}, launched
+    _check(inputs, keys, seqlen_q, topk, result["out"], result["scores"])
+    inputs["page_table"][0, 1] = 1 << 30
+    inputs["page_table"][1, 3] = -5
+    inputs["seqused_k"][2] = 1 << 30
+    out, _ = _run(msa, inputs, _plan(msa, inputs, seqlen_q, heads, topk))
+    width = inputs["page_table"].shape[1]
+    assert ((out >= -1) & (out < width)).all()
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["cp_async", "tma"])
@@ -111,20 +131,19 @@ def test_native_indexer_e4m3_page_copies(msa_pkg, native_only, seed, native_hook
     copy each into 128-byte swizzled stages: the launch runs the form asked for, the selection
     meets the oracle either way, and out-of-range page ids and lengths stay skipped."""
     native_hooks.force(decode_indexer_tma=tma)
-    inputs, keys = make_index_batch(LENS, seqlen_q, heads, "e4m3", device="cuda")
-    plan = _plan(msa_pkg, inputs, seqlen_q, heads, topk)
-    result = {}
-    formats = _launched_formats(lambda: result.update(zip(("out", "scores"),
-                                                          _run(msa_pkg, inputs, plan))))
-    assert formats == {3 if tma else 1}, formats
-    _check(inputs, keys, seqlen_q, topk, result["out"], result["scores"])
-    inputs["page_table"][0, 1] = 1 << 30
-    inputs["page_table"][1, 3] = -5
-    inputs["seqused_k"][2] = 1 << 30
-    plan = _plan(msa_pkg, inputs, seqlen_q, heads, topk)
-    out, _ = _run(msa_pkg, inputs, plan)
-    width = inputs["page_table"].shape[1]
-    assert ((out >= -1) & (out < width)).all()
+    _check_forced_form(msa_pkg, "e4m3", seqlen_q, heads, topk, 0, "3" if tma else "1")
+
+
+@pytest.mark.parametrize("offer_warp", [False, True], ids=["warp0_offers", "offer_warp"])
+@pytest.mark.parametrize("fmt", ["bf16", "e4m3", "nvfp4"])
+@pytest.mark.parametrize("seqlen_q,heads,topk", [(8, 4, 16), (8, 4, 32), (5, 4, 16), (3, 8, 4)])
+def test_native_indexer_offer_warp(msa_pkg, native_only, seed, native_hooks, offer_warp, fmt,
+                                   seqlen_q, heads, topk):
+    """Calls of 17-32 rows a request with the candidate lists in warp 0 (which also scores) or
+    in a ninth warp that only offers: the launch runs the form asked for, the selection meets
+    the oracle either way, and out-of-range page ids and lengths stay skipped."""
+    native_hooks.force(decode_indexer_offer_warp=offer_warp)
+    _check_forced_form(msa_pkg, fmt, seqlen_q, heads, topk, 3, "true" if offer_warp else "false")
 
 
 def test_native_indexer_nvfp4_linear_scales(msa_pkg, native_only, seed):

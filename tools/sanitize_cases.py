@@ -47,7 +47,7 @@ from msa_loading import import_variant_as_msa  # noqa: E402
 msa = import_variant_as_msa(sys.argv[1])
 from msa import _backend  # noqa: E402
 from msa._native import (block_max_score_sm90, decode_cuda,  # noqa: E402,F401 (registers them)
-                         decode_indexer_cuda)
+                         decode_indexer_cuda, debug)
 
 import test_sparse_prefill_gpu as prefill_cases  # noqa: E402
 from test_block_max_score_gpu import _paginate as paginate_index_keys  # noqa: E402
@@ -80,7 +80,6 @@ def sparse_prefill_cases(gen):
     """Every form of the sparse serving table on the calls it serves: "mma" (fp32 partials),
     "wgmma" (G 1-4, the bf16-Q FP8 modes), "ws" and "ws3w" (the warp-specialized TMA forms,
     G 8 / 16)."""
-    from msa._native import debug
     forms = set()
     for g, paged, causal, partial, mode, form in (
             (16, True, True, torch.float32, "bf16", "mma"),
@@ -235,7 +234,6 @@ def decode_runs(family="sm90"):
     decode_run([1000, 500], 8, 16, "bf16", True, bad=True, enable_cuda_graph=True,
                qo_tile_rows=24, **f)
     if family == "sm90":    # the ping-pong form (> 64 rows; one idle consumer at 32 rows)
-        from msa._native import debug
         # fp8_pv8: the e4m3 P.V form (V transposed by the producer).
         forms = (("bf16", False), ("fp8", False), ("fp8", True))
         for dtypes, pv8 in forms:
@@ -262,11 +260,13 @@ def decode_runs(family="sm90"):
 
 def decode_indexer_runs(family="sm90"):
     """The fused decode indexer + top-k: bf16 / e4m3 / NVFP4 (both scale layouts) keys, MTP
-    rows, a many-chunk merge, out-of-range page ids and lengths past the table."""
+    rows (17-32 rows with and without the offer warp), a many-chunk merge, out-of-range page ids
+    and lengths past the table."""
     import test_decode_indexer as indexer_cases
-    for fmt, layout, seqlen_q, heads, topk, ctas in (
-            ("bf16", "128x4", 1, 4, 16, None), ("e4m3", "128x4", 8, 4, 16, 5),
-            ("nvfp4", "128x4", 16, 8, 32, None), ("nvfp4", "linear", 3, 2, 4, 600)):
+    for fmt, layout, seqlen_q, heads, topk, ctas, offer_warp in (
+            ("bf16", "128x4", 1, 4, 16, None, False), ("e4m3", "128x4", 8, 4, 16, 5, False),
+            ("e4m3", "128x4", 8, 4, 16, 5, True), ("bf16", "128x4", 5, 4, 32, None, True),
+            ("nvfp4", "128x4", 16, 8, 32, None, False), ("nvfp4", "linear", 3, 2, 4, 600, False)):
         inputs, _ = indexer_cases.make_index_batch([1, 129, 5000, 77, 300], seqlen_q, heads, fmt,
                                                    device="cuda", layout=layout)
         inputs["page_table"][2, 1] = 1 << 30
@@ -275,7 +275,8 @@ def decode_indexer_runs(family="sm90"):
                                             num_index_heads=heads, topk=topk, max_seqlen_k=5001,
                                             max_ctas=ctas)
         args = {k: v for k, v in inputs.items() if k != "seqused_k"}
-        msa.decode_indexer_topk(plan=plan, return_scores=True, **args)
+        with debug.forcing(decode_indexer_offer_warp=offer_warp):
+            msa.decode_indexer_topk(plan=plan, return_scores=True, **args)
         expect_native("decode_indexer_topk", family)
         expect_native("decode_indexer_plan_update", family)
     print(f"decode_indexer [{family}]: ok")
@@ -303,7 +304,6 @@ def fmha_cases(gen):
     """Dense FMHA: dense and paged K/V, causal with an offset that leaves early rows empty;
     O-only calls once per O-only form of the serving table (bf16 wsu / wsup, e4m3 wsuts /
     wsutps), forced through the fmha_form debug hook; bf16 O + max-score; a split-KV plan."""
-    from msa._native import debug
     from msa.cute_kernels.variants import FMHA_FORMS
     forms = {dtype: [name for name, form in FMHA_FORMS.items() if dtype in form.dtypes
                      and form.kernel == "FmhaSm90Ws"] for dtype in ("bfloat16", "e4m3")}
@@ -337,7 +337,6 @@ def _fmha_split_kv_case(gen):
     msa.fmha(q.to(dev), k_in.to(dev), v_in.to(dev), plan, output_maxscore=False,
              kv_indices=kv_indices.to(dev))
     expect_native("fmha_dense")
-    from msa._native import debug
     assert debug.last_variant("fmha_dense").endswith("_split"), debug.last_variant("fmha_dense")
 
 
@@ -404,7 +403,6 @@ def sparse_prefill_portable_cases(gen):
     partials, the garbage ids and pages of sparse_prefill_cases, then a schedule whose every
     index is out of range (heads, rows, requests, entries past the CSR, slots past the
     partials, a q_count of 2^30): the kernels must skip all of it."""
-    from msa._native import debug
     for g, paged, causal, partial, mode in ((16, True, True, torch.float32, "bf16"),
                                             (1, False, False, torch.bfloat16, "bf16"),
                                             (4, True, False, torch.float16, "bf16"),

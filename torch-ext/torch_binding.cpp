@@ -748,7 +748,8 @@ void decode_indexer_topk(const torch::Tensor& q, const torch::Tensor& k,
                          const torch::Tensor& work, torch::Tensor& requests,
                          const torch::Tensor& chunk_pages, torch::Tensor& partials,
                          torch::Tensor& out, const std::optional<torch::Tensor>& scores,
-                         int64_t seqlen_q, int64_t topk, double scale, bool tma_pages) {
+                         int64_t seqlen_q, int64_t topk, double scale, bool tma_pages,
+                         bool offer_warp) {
   TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
@@ -853,6 +854,7 @@ void decode_indexer_topk(const torch::Tensor& q, const torch::Tensor& k,
     a.scores = scores->data_ptr<float>();
   }
   a.tma_pages = tma_pages;
+  a.offer_warp = offer_warp;
   check_launch(msa::launch_decode_indexer_topk(a, c10::cuda::getCurrentCUDAStream(device.index())),
                "decode_indexer_topk");
 }
@@ -948,7 +950,8 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "decode_indexer_topk(Tensor q, Tensor k, Tensor? k_scale, bool k_scale_linear, "
       "Tensor? k_global_scale, Tensor page_table, Tensor seqused_k, Tensor work, "
       "Tensor(a!) requests, Tensor chunk_pages, Tensor(b!) partials, Tensor(c!) out, "
-      "Tensor(d!)? scores, int seqlen_q, int topk, float scale, bool tma_pages=False) -> ()");
+      "Tensor(d!)? scores, int seqlen_q, int topk, float scale, bool tma_pages=False, "
+      "bool offer_warp=False) -> ()");
   ops.impl("decode_indexer_topk", torch::kCUDA, &decode_indexer_topk);
   ops.def("csrc_image(str unit, int device) -> (int, int, str)");
   // No tensor argument, so no dispatch key to register under: a catch-all kernel.

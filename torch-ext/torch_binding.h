@@ -174,6 +174,9 @@ struct DecodeIndexerArgs {
   // e4m3 keys on an sm_90+ device: each page one TMA copy into a 128-byte swizzled stage (the
   // launcher encodes the tensor map; it keeps the cp.async form when it cannot).
   bool tma_pages;
+  // 17-32 rows a request: a ninth warp holds the candidate lists and offers each page's scores
+  // while the eight scoring warps score the next page.
+  bool offer_warp;
   alignas(64) uint64_t k_tensor_map[16];   // CUtensorMap of k, written by the launcher
 };
 
@@ -363,7 +366,8 @@ void decode_indexer_topk(const torch::Tensor& q, const torch::Tensor& k,
                          const torch::Tensor& work, torch::Tensor& requests,
                          const torch::Tensor& chunk_pages, torch::Tensor& partials,
                          torch::Tensor& out, const std::optional<torch::Tensor>& scores,
-                         int64_t seqlen_q, int64_t topk, double scale, bool tma_pages);
+                         int64_t seqlen_q, int64_t topk, double scale, bool tma_pages,
+                         bool offer_warp);
 
 void fmha_transpose_v_e4m3(const torch::Tensor& v, const torch::Tensor& cu_seqlens_k,
                            const torch::Tensor& kv_lens,

@@ -6,10 +6,11 @@
 //   nvcc -arch=sm_90a -O3 -std=c++17 -Icsrc -Itorch-ext -DMSA_LAB_TIMELINE \
 //       -o /tmp/idx_timeline benchmarks/lab/decode_indexer_timeline.cu
 //   /tmp/idx_timeline [e4m3|e4m3-tma|nvfp4|bf16] [batch=32] [keys=131072] [seqlen_q=1]
-//                     [heads=4]
+//                     [heads=4] [offer-warp]
 //
 // e4m3-tma: e4m3 pages as one TMA copy each into swizzled stages (tma_pages) instead of every
-// thread's cp.asyncs.
+// thread's cp.asyncs. offer-warp: calls of 17-32 rows run the offer-warp form (a ninth warp
+// holds the lists and offers; its stamps are the last warp's).
 // Add -DMSA_LAB_NO_LOADS for the same kernel without its copies (the loop's own rate, without
 // DRAM). Prints the indexer's time per call (the plan update timed apart) and its bytes per
 // second, then per warp the mean cycles of each phase of a page (its copies' wait, the CTA
@@ -33,6 +34,7 @@ int main(int argc, char** argv) {
   const int k_format =
       std::strcmp(format, "bf16") == 0 ? 0 : (std::strcmp(format, "nvfp4") == 0 ? 2 : 1);
   const bool tma_pages = std::strcmp(format, "e4m3-tma") == 0;
+  const bool offer_warp = argc > 6 && std::strcmp(argv[6], "offer-warp") == 0;
   const int dim = 128, page = 128, topk = 16;
   const int pages_per_request = (keys + page - 1) / page;
   const int64_t num_pages = static_cast<int64_t>(batch) * pages_per_request;
@@ -79,6 +81,7 @@ int main(int argc, char** argv) {
   a.k = k;
   a.k_format = k_format;
   a.tma_pages = tma_pages;
+  a.offer_warp = offer_warp;
   a.k_scale = k_scale;
   a.k_scale_linear = true;
   a.num_pages = num_pages;
@@ -118,7 +121,10 @@ int main(int argc, char** argv) {
 
   using msa::kLabMarks;
   using msa::kLabPages;
-  static long long tl[msa::kWarps][kLabPages][kLabMarks];
+  // Warps of the launch: the eight scoring warps, and the offer warp where the form has one.
+  const int warps = offer_warp && seqlen_q * heads > 16 && seqlen_q * heads <= 32
+                        ? msa::kLabWarps : msa::kWarps;
+  static long long tl[msa::kLabWarps][kLabPages][kLabMarks];
   CHECK(cudaMemcpyFromSymbol(tl, msa::lab_timeline, sizeof(tl)));
   const int first = 8, last = kLabPages - 8;   // pages first .. last - 1 (page + 1 read)
   if (chunk < kLabPages) {
@@ -130,7 +136,7 @@ int main(int argc, char** argv) {
     for (int i = first; i < last; ++i) sum += tl[warp][i + next_page][to] - tl[warp][i][from];
     return sum / (last - first);
   };
-  for (int w = 0; w < msa::kWarps; ++w) {
+  for (int w = 0; w < warps; ++w) {
     std::printf("warp %d (cycles per page): copies' wait %.0f, barrier %.0f, issue %.0f, "
                 "offer %.0f, score %.0f, period %.0f\n",
                 w, mean(w, 1, 0, 0), mean(w, 2, 1, 0), mean(w, 3, 2, 0), mean(w, 4, 3, 0),
@@ -138,11 +144,11 @@ int main(int argc, char** argv) {
   }
   // The barrier's exit spread: how far apart the warps leave it (all should be within a few
   // cycles), and which warp arrives last (the one the others wait for).
-  double last_arrival[msa::kWarps] = {};
+  double last_arrival[msa::kLabWarps] = {};
   for (int i = first; i < last; ++i) {
     long long latest = 0;
     int who = 0;
-    for (int w = 0; w < msa::kWarps; ++w) {
+    for (int w = 0; w < warps; ++w) {
       if (tl[w][i][1] > latest) {
         latest = tl[w][i][1];
         who = w;
@@ -151,7 +157,7 @@ int main(int argc, char** argv) {
     last_arrival[who] += 1.0;
   }
   std::printf("last to reach the barrier (pages of %d):", last - first);
-  for (int w = 0; w < msa::kWarps; ++w) std::printf(" w%d %.0f", w, last_arrival[w]);
+  for (int w = 0; w < warps; ++w) std::printf(" w%d %.0f", w, last_arrival[w]);
   std::printf("\n");
   return 0;
 }

@@ -17,7 +17,9 @@
 // finalize show as the gap before the next piece's first turn).
 //
 // Add -DMSA_LAB_NO_LOADS for the same kernel with every page zero-filled instead of read (the
-// pipeline's own rate, without DRAM). Prints the call's time and bytes per second, then per
+// pipeline's own rate, without DRAM); the softmax hooks of csrc/decode_attention.cu bound and
+// try cheaper softmaxes: -DMSA_LAB_EXP_ON_FMA=n (n of every 16 probabilities by a polynomial on
+// the FMA pipe), -DMSA_LAB_NO_EXP (no exponentials), -DMSA_LAB_NO_SOFTMAX (no page softmax). Prints the call's time and bytes per second, then per
 // consumer warpgroup the mean cycles of each phase of a turn (data wait, turn wait, issue,
 // wgmma wait, softmax) and per stream the mean cycles of its empty wait and issue, over turns
 // 8 .. 63 (the ring is full by then).

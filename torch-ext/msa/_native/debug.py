@@ -25,6 +25,9 @@ Hooks (``forcing`` keywords):
                      tiles); False: on f16 wgmma (V widened)
   decode_indexer_tma True: the decode indexer's e4m3 index pages arrive as TMA copies (sm_90+);
                      False: as every thread's cp.asyncs
+  decode_indexer_offer_warp  True: decode indexer calls of 17-32 rows a request run the
+                     offer-warp form (a ninth warp holds the candidate lists); False: warp 0
+                     offers and scores
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Dict, Iterator, Optional
 
 HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "decode_split_keys", "decode_direct_fp8",
          "decode_warpgroup", "decode_pingpong", "decode_persistent", "decode_pv_fp8",
-         "decode_indexer_tma")
+         "decode_indexer_tma", "decode_indexer_offer_warp")
 
 _forced: Dict[str, object] = {}
 _poison = [False]

@@ -32,6 +32,12 @@ VALIDATED = True
 # 162.5 -> 144.5 us, MTP 8 B 32 / 100k 195.4 -> 173.3). The decode_indexer_tma hook forces
 # either form; the launcher keeps cp.async where it cannot encode the tensor map.
 VALIDATED_TMA_PAGES = True
+# Calls of 17-32 rows a request (MTP 5-8 at four index heads): a ninth warp holds the candidate
+# lists and offers a page's scores while the eight scoring warps score the next one, instead of
+# warp 0 doing both (its offers, ~1000 cycles a page at MTP 8, set the period). Compiled and
+# register-checked (91 registers at two CTAs an SM), not yet run on a GPU: the
+# decode_indexer_offer_warp hook forces it either way.
+VALIDATED_OFFER_WARP = False
 MAX_ROWS = 128
 MAX_TOPK = 32
 # q dtype each index-key format is served with (the kernel's MMA type needs an exact widening).
@@ -74,7 +80,7 @@ def run(call) -> None:
         call.q_idx, call.k_idx, call.k_scale, call.scale_layout == "linear",
         call.k_global_scale, call.page_table, plan.seqused_k, plan.work, plan.requests,
         plan.chunk_pages, plan.partials, call.out, call.scores, int(plan.seqlen_q),
-        int(call.topk), float(call.scale), _tma_pages())
+        int(call.topk), float(call.scale), _tma_pages(), _offer_warp())
 
 
 def _tma_pages() -> bool:
@@ -82,6 +88,12 @@ def _tma_pages() -> bool:
     on sm_90+): when validated or with MSA_UNVALIDATED_KERNELS=1; the decode_indexer_tma hook
     forces it on (True) or off (False)."""
     return debug.gate("decode_indexer_tma", _backend.may_serve(VALIDATED_TMA_PAGES))
+
+
+def _offer_warp() -> bool:
+    """Whether calls of 17-32 rows a request run the offer-warp form: when validated or with
+    MSA_UNVALIDATED_KERNELS=1; the decode_indexer_offer_warp hook forces it on or off."""
+    return debug.gate("decode_indexer_offer_warp", _backend.may_serve(VALIDATED_OFFER_WARP))
 
 
 def run_plan_update(plan) -> None:
