@@ -30,7 +30,8 @@ selected blocks (step), plus the queries. Rows go to --out (TSV: gpu, commit, da
 last rows per implementation are weighted aggregates over the production cases
 (sum w * latency, and the weighted speedup sum w * t_cudnn / sum w * t). attention_us (step
 rows): the step's sparse attention alone, replayed the same way over the selection the step
-left in its q2k buffer; latency_us - attention_us is the plan update, indexer and top-k.
+left in its q2k buffer; latency_us - attention_us is the plan update, indexer and top-k. The
+note holds the median SM clock and power nvidia-smi sampled during the replays (ClockSampler).
 
     python benchmarks/bench_decode_production.py --out benchmarks/results/decode_production_h200.tsv
     python benchmarks/bench_decode_production.py --quick        # a few cases, a smoke test
@@ -45,9 +46,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from _common import (BLOCK, HEAD_DIM, add_common_args, apply_preset, fits, forcing,
-                     free_memory, graph_replays, load_msa, parse_names, random_fill, setup,
-                     synchronize, time_ms, TsvWriter)
+from _common import (BLOCK, HEAD_DIM, ClockSampler, add_common_args, apply_preset, fits,
+                     forcing, free_memory, graph_replays, load_msa, parse_names, random_fill,
+                     setup, synchronize, time_ms, TsvWriter)
 
 COLUMNS = ("suite", "case", "batch", "nominal_kv", "seqlen_q", "weight", "impl", "kv_dtype",
            "index_dtype", "backend", "latency_us", "attention_us", "bytes_read", "tb_per_s",
@@ -322,7 +323,11 @@ def run_impl(impl: Impl, args, device) -> Optional[Dict]:
         free_memory(device)                   # time the slots that fit
     if len(slots) < slots_wanted:
         note = f"only {len(slots)} of {slots_wanted} L2-rotation slots fit in memory"
-    us, cv, calls = time_slots(slots, device, args)
+    # The SM clock and power during the replays: a peer (cuDNN) and ours compare only at the
+    # same clock, and the H200's power cap moves it between runs.
+    with ClockSampler() as clocks:
+        us, cv, calls = time_slots(slots, device, args)
+    note = " ".join(x for x in (note, clocks.note()) if x) or None
     attention_us = None
     if impl.kind == "step":
         # The sparse attention alone, over the selection the step just wrote.

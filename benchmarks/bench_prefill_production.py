@@ -19,7 +19,8 @@ request a cached prefix and a new chunk, weights = production call counts). Per 
   process, its own CUDA graph: the dense alternative an engine would run.
 
 FLOPs = 4 * 128 * Hq * (visible selected keys), upstream's count; the benchmark checks the
-count against the selection the pipeline made on slot 0 (``note``). eff_tflops = FLOPs /
+count against the selection the pipeline made on slot 0 (``note``, with the median SM clock
+and power during the replays). eff_tflops = FLOPs /
 latency; attention_tflops = FLOPs / (attention + combine). The ``weighted`` row per impl and
 dtype:
 sum(w * FLOPs) / sum(w * latency), the weighted speed-up sum(w * dense) / sum(w * latency), the
@@ -40,8 +41,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from _common import (add_common_args, apply_preset, cu_seqlens, free_memory, load_msa,
-                     parse_names, random_fill, setup, split_dtype_name, synchronize, TsvWriter)
+from _common import (ClockSampler, add_common_args, apply_preset, cu_seqlens, free_memory,
+                     load_msa, parse_names, random_fill, setup, split_dtype_name, synchronize,
+                     TsvWriter)
 from prefill_cases import (QUICK_CASES, PrefillCase, attention_flops, load_cases, select_cases,
                            tiny_cases)
 
@@ -330,7 +332,9 @@ def bench_case(msa, case: PrefillCase, impl: str, dtype_name: str, args, device,
         torch.cuda.synchronize()
         graph_ok = "equal" if all(torch.equal(a, b) for a, b in zip(graph_outs, eager)) \
             else "DIFFERS"
-        latency, cv = replay_ms(graph, len(slots), args)
+        with ClockSampler() as clocks:
+            latency, cv = replay_ms(graph, len(slots), args)
+        notes.append(clocks.note())
         del graph, graph_outs
     else:
         latency, cv = cpu_ms(slots[0].run, args)
@@ -349,7 +353,7 @@ def bench_case(msa, case: PrefillCase, impl: str, dtype_name: str, args, device,
                speedup=dense_ms / latency if dense_ms else None,
                chunks=slots[0].num_chunks,
                index_splits="+".join(map(str, slots[0].index_splits)), slots=n_slots,
-               peak_gb=peak, graph=graph_ok, note=" ".join(notes) or None)
+               peak_gb=peak, graph=graph_ok, note=" ".join(n for n in notes if n) or None)
     for s in STAGES:
         row[f"{s}_ms"] = stages.get(s)
     attn = sum(stages.get(s, 0.0) for s in ("attention", "combine"))
