@@ -226,6 +226,39 @@ def test_paged_wrapper_equals_the_dense_stepwise_pipeline(seed, max_chunk):
     assert torch.equal(o2, out) and torch.equal(l2, lse)
 
 
+def test_paged_plan_metadata_is_what_the_native_glue_would_derive(seed):
+    """The paged wrapper's chunks are planned: the native glue takes their prefix sums (and a
+    split's causal offsets, from the host copy) as they are, so those must equal what it
+    derives on the device for unplanned calls: the clamped, non-decreasing prefix sums and
+    the clamped offsets."""
+    from msa._native.block_max_score_sm90 import kernel_inputs
+    from msa._validation import device_prefix_sums
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, k_lens = (70, 300, 5, 130), (650, 300, 900, 1000)
+    _, caches, table, itable = _paged_case(q_lens, k_lens, 2, 4, gen)
+    wrapper = msa.MsaPrefillPagedWrapper(topk=8).plan(
+        q_lens, k_lens, table, num_qo_heads=8, num_kv_heads=2, index_page_table=itable,
+        max_chunk_tokens=128)
+    assert any(c.split is not None for c in wrapper.chunks)
+    k_idx = caches["k_idx_cache"]
+    for chunk in wrapper.chunks:
+        assert chunk.planned
+        total = chunk.q_end - chunk.q_begin
+        assert torch.equal(device_prefix_sums(chunk.cu_seqlens_q, total), chunk.cu_seqlens_q)
+        assert torch.equal(device_prefix_sums(chunk.cu_seqlens_k, 2**31 - 1), chunk.cu_seqlens_k)
+        split = chunk.split
+        if split is None:
+            continue
+        rows = torch.empty(split.query_rows.numel(), 4, 128)
+        args = (rows, k_idx, split.cu_seqlens_q, None, split.qo_offset, itable[:, :1],
+                split.seqused_k)
+        planned = kernel_inputs(*args, planned=True, host_qo_offset=split.host_qo_offset)
+        derived = kernel_inputs(*args)
+        assert planned.offsets is split.qo_offset      # taken as it is
+        for name in ("cu_q", "k_lens", "offsets"):
+            assert torch.equal(getattr(planned, name), getattr(derived, name)), name
+
+
 def test_paged_wrapper_non_causal_sees_every_key(seed):
     gen = torch.Generator().manual_seed(seed)
     q_lens, k_lens = (40, 20), (500, 260)

@@ -13,7 +13,7 @@ total_q] fp32 tensor. The fmha max-score mode calls :func:`block_max_scores` too
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 import torch
 
@@ -43,6 +43,10 @@ class BlockMaxScoreCall:
     page_table: Optional[torch.Tensor]       # [B, max_pages] int32
     seqused_k: Optional[torch.Tensor]        # [B] int32
     check_values: bool = False               # check_input_valid / MSA_CHECK_INPUTS=1
+    # A plan's call (msa.prefill): its prefix sums are valid by construction and qo_offset's
+    # values are known on the host, so the native glue takes them as they are.
+    planned_lengths: bool = False
+    host_qo_offset: Optional[List[int]] = None
 
     @property
     def paged(self) -> bool:
@@ -106,10 +110,28 @@ def block_max_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, cu_seqlens_q: tor
     The reference backend works in query x key-tile chunks (no N x N matrix; a 32k-token
     sequence with H = 4 stays well under 1 GB of scratch) and synchronizes on the host.
     """
-    call = _check_block_max_args(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    call = check_block_max_args(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, scale, causal, qo_offset, page_table, seqused_k,
                                  max_k_tiles)
     call.check_values = value_checks_requested(check_input_valid)
+    return run_block_max_scores(call)
+
+
+def planned_block_max_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: int,
+                             max_seqlen_k: int, scale: float = 1.0, causal: bool = True,
+                             qo_offset=None, host_qo_offset: Optional[List[int]] = None,
+                             page_table=None, seqused_k=None,
+                             max_k_tiles: Optional[int] = None) -> torch.Tensor:
+    """block_max_scores (the same checks and result) on a plan's own metadata (msa.prefill):
+    cu_seqlens_q / cu_seqlens_k are prefix sums the plan made, valid by construction, and
+    host_qo_offset holds qo_offset's values, so the native glue takes them as they are instead
+    of deriving them on the device (up to seven small launches a call)."""
+    call = check_block_max_args(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, scale, causal, qo_offset, page_table, seqused_k,
+                                max_k_tiles)
+    call.check_values = value_checks_requested(False)
+    call.planned_lengths = True
+    call.host_qo_offset = host_qo_offset
     return run_block_max_scores(call)
 
 
@@ -129,7 +151,7 @@ def run_block_max_scores(call: BlockMaxScoreCall) -> torch.Tensor:
         qo_offset=call.qo_offset, page_table=call.page_table, seqused_k=call.seqused_k)
 
 
-def _check_block_max_args(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+def check_block_max_args(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           scale, causal, qo_offset, page_table, seqused_k, max_k_tiles
                           ) -> BlockMaxScoreCall:
     check_tensor("q_idx", q_idx, dtypes=INDEX_DTYPES, ndim=3, contiguous=True)

@@ -216,6 +216,9 @@ class SparseAttentionCall:
     v_scale_128x4: Optional[torch.Tensor] = None
     k_global_scale: Optional[torch.Tensor] = None
     check_values: bool = False       # check_input_valid / MSA_CHECK_INPUTS=1
+    # A plan's call (msa.prefill): cu_seqlens_q / cu_seqlens_k are prefix sums it made, valid by
+    # construction, which the native glue takes as they are.
+    planned_lengths: bool = False
 
     @property
     def paged(self) -> bool:
@@ -290,6 +293,21 @@ def sparse_atten_func(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seqlens_q
         return_softmax_lse=return_softmax_lse, page_table=page_table, seqused_k=seqused_k,
         schedule=schedule, usable_SM_count=usable_SM_count, qk_dtype=qk_dtype, pv_dtype=pv_dtype,
         kv_dtypes=(BF16, FP8), kv_last_dim=HEAD_DIM, check_input_valid=check_input_valid)
+    return run_sparse_attention(call)
+
+
+def planned_sparse_atten(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *,
+                         lse_temperature_scale=1.0, return_temperature_lse=False,
+                         usable_SM_count=-1, qk_dtype=None, pv_dtype=None, **kwargs):
+    """sparse_atten_func (the same arguments, checks and result) on a plan's own prefix sums
+    (msa.prefill: valid by construction), which the native glue takes as they are instead of
+    clamping them on the device (six small launches a call)."""
+    call = check_sparse_atten_args(
+        q, k, v, k2q_row_ptr, k2q_q_indices, topK, lse_temperature_scale=lse_temperature_scale,
+        return_temperature_lse=return_temperature_lse, usable_SM_count=usable_SM_count,
+        qk_dtype=qk_dtype, pv_dtype=pv_dtype, kv_dtypes=(BF16, FP8), kv_last_dim=HEAD_DIM,
+        check_input_valid=False, **kwargs)
+    call.planned_lengths = True
     return run_sparse_attention(call)
 
 

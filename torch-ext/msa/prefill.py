@@ -52,9 +52,9 @@ from ._validation import (BLOCK_SIZE, FP8, HEAD_DIM, SUPPORTED_TOPK, check_cu_se
                           check_same_device, check_scale, check_shape, check_tensor, check_topk,
                           host_int64, value_checks_requested)
 from .decode import SparseDecodePagedAttentionWrapper
-from .indexer import INDEX_DTYPES, block_max_scores
+from .indexer import INDEX_DTYPES, block_max_scores, planned_block_max_scores
 from .interface import (_check_k2q_csr_args, build_k2q_csr, check_attention_operands,
-                        sparse_atten_func)
+                        planned_sparse_atten, sparse_atten_func)
 from .topk import sparse_topk_select
 
 DEFAULT_WORKSPACE_BYTES = 16 << 30
@@ -141,6 +141,7 @@ class IndexSplit:
     seqused_k: Optional[torch.Tensor]    # paged: [B'S] int32
     page_index: Optional[torch.Tensor]   # paged: [B'S, n] int64 flat index into the page table
     qo_offset: Optional[torch.Tensor]    # causal: [B'S] int32
+    host_qo_offset: Optional[List[int]] = None   # qo_offset's values, where the plan knows them
 
     def to(self, device: torch.device) -> "IndexSplit":
         return dataclasses.replace(self, **{
@@ -164,6 +165,9 @@ class ChunkPlan:
     own_block: Optional[torch.Tensor]        # [T_c] int32 (None: no index stage)
     split: Optional[IndexSplit]
     route: Optional["DecodeRoute"] = None    # paged: the chunk's attention as one decode call
+    # Made on the host from the plan's lengths (MsaPrefillPagedWrapper.plan): its prefix sums
+    # are valid by construction, so the stages' native glue takes them as they are.
+    planned: bool = False
 
     @property
     def max_k_tiles(self) -> int:
@@ -348,8 +352,13 @@ def _index_scores(chunk: ChunkPlan, q_idx: torch.Tensor, k_idx: torch.Tensor,
     paged = index_page_table is not None
     common = dict(max_seqlen_q=chunk.max_seqlen_q, scale=opts.index_scale, causal=opts.causal)
     split = chunk.split
+
+    def scores(*args, host_qo_offset=None, **kw):
+        if chunk.planned:
+            return planned_block_max_scores(*args, host_qo_offset=host_qo_offset, **kw)
+        return block_max_scores(*args, **kw)
     if split is None:
-        return block_max_scores(
+        return scores(
             q_idx, k_idx, chunk.cu_seqlens_q, None if paged else chunk.cu_seqlens_k,
             max_seqlen_k=chunk.max_seqlen_k, page_table=index_page_table,
             seqused_k=chunk.seqused_k if paged else None, max_k_tiles=chunk.max_k_tiles,
@@ -359,10 +368,11 @@ def _index_scores(chunk: ChunkPlan, q_idx: torch.Tensor, k_idx: torch.Tensor,
     if paged:
         pages = index_page_table.reshape(-1).index_select(0, split.page_index.reshape(-1))
         pages = pages.view(split.page_index.shape)
-    part = block_max_scores(
+    part = scores(
         _gather_rows(q_idx, split.query_rows), k_idx, split.cu_seqlens_q,
         split.cu_seqlens_k, max_seqlen_k=n * BLOCK_SIZE, qo_offset=split.qo_offset,
-        page_table=pages, seqused_k=split.seqused_k, max_k_tiles=n, **common)
+        host_qo_offset=split.host_qo_offset, page_table=pages, seqused_k=split.seqused_k,
+        max_k_tiles=n, **common)
     heads, total_q = part.shape[0], q_idx.shape[0]
     scores = torch.empty(heads, splits * n, total_q, dtype=part.dtype, device=part.device)
     scores.view(heads, splits, n, total_q).copy_(
@@ -414,7 +424,7 @@ def run_chunk(chunk: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         max_seqlen_k=chunk.max_seqlen_k, max_seqlen_q=chunk.max_seqlen_q,
         total_rows=chunk.total_rows, qhead_per_kv=opts.qhead_per_kv, return_schedule=True)
     _stages.mark("attention")
-    result = sparse_atten_func(
+    result = (planned_sparse_atten if chunk.planned else sparse_atten_func)(
         q, k, v, row_ptr, q_ids, opts.topk, cu_seqlens_q=chunk.cu_seqlens_q,
         cu_seqlens_k=chunk.cu_seqlens_k, max_seqlen_q=chunk.max_seqlen_q,
         max_seqlen_k=chunk.max_seqlen_k, blk_kv=BLOCK_SIZE, causal=opts.causal,
@@ -854,6 +864,8 @@ class MsaPrefillPagedWrapper:
                     split = index_split(cu_q_sub, cu_k_sub, t1 - t0, splits, per_split,
                                         causal=self.causal, paged=True,
                                         page_table_width=index_page_table.shape[1])
+                    if split.qo_offset is not None:
+                        split.host_qo_offset = split.qo_offset.tolist()
             route = None
             if takes_decode_route(self.attention_route, t1 - t0, max_k):
                 route = plan_decode_route(
@@ -864,7 +876,7 @@ class MsaPrefillPagedWrapper:
                 t0, t1, cu_q_sub, cu_k_sub, k_sub.to(torch.int32), max(max_q, 1), max_k,
                 max(int(k_sub.sum()), 1), max(int(((k_sub + BLOCK_SIZE - 1)
                                                    // BLOCK_SIZE).sum()), 1),
-                nvp, own, split, route).to(device))
+                nvp, own, split, route, planned=True).to(device))
         self.chunks = chunks
         self._qo, self._kv = qo, kv
         self._page_table, self._index_page_table = page_table, index_page_table

@@ -85,7 +85,8 @@ def run(call) -> torch.Tensor:
     return max_scores(call.q_idx, call.k_idx, call.cu_seqlens_q, call.cu_seqlens_k,
                       max_seqlen_q=call.max_seqlen_q, max_k_tiles=call.max_k_tiles,
                       scale=call.scale, causal=call.causal, qo_offset=call.qo_offset,
-                      page_table=call.page_table, seqused_k=call.seqused_k)
+                      page_table=call.page_table, seqused_k=call.seqused_k,
+                      planned=call.planned_lengths, host_qo_offset=call.host_qo_offset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,18 +100,24 @@ class KernelInputs:
     page_table: Optional[torch.Tensor]   # contiguous (paged; else None)
 
 
-def kernel_inputs(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset, page_table,
-                  seqused_k) -> KernelInputs:
+def kernel_inputs(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset, page_table, seqused_k, *,
+                  planned: bool = False, host_qo_offset=None) -> KernelInputs:
     """Prefix sums the kernels can trust whatever their values (unchanged when valid: a negative
     start or a decreasing entry would otherwise address rows outside q / k), key lengths and
-    causal offsets; no host synchronization (every native tier's indexer shares this)."""
-    cu_q = device_prefix_sums(cu_seqlens_q, q.shape[0])
+    causal offsets; no host synchronization (every native tier's indexer shares this).
+    `planned`: the prefix sums are a plan's own (valid by construction), taken as they are;
+    `host_qo_offset`: qo_offset's values on the host, which lets an int32 [B] offset tensor
+    within the clamp through as it is (each saves the launches that would derive them)."""
+    cu_q = cu_seqlens_q if planned else device_prefix_sums(cu_seqlens_q, q.shape[0])
     batch = cu_q.numel() - 1
     paged = page_table is not None
-    cu_k = None if paged else device_prefix_sums(cu_seqlens_k, k.shape[0])
+    cu_k = None
+    if not paged:
+        cu_k = cu_seqlens_k if planned else device_prefix_sums(cu_seqlens_k, k.shape[0])
     k_lens = key_lengths(batch, q.device, cu_seqlens_k=cu_k, page_table=page_table,
                          seqused_k=seqused_k)
-    offsets = causal_offsets(qo_offset, cu_q[1:] - cu_q[:-1], k_lens).contiguous()
+    q_lens = cu_q[1:] - cu_q[:-1] if qo_offset is None else None   # bottom-right only
+    offsets = causal_offsets(qo_offset, q_lens, k_lens, host_qo_offset).contiguous()
     return KernelInputs(batch=batch, cu_q=cu_q, cu_k=cu_k, k_lens=k_lens, offsets=offsets,
                         page_table=page_table.contiguous() if paged else None)
 
@@ -118,8 +125,8 @@ def kernel_inputs(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset, page_table,
 def max_scores(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: Optional[torch.Tensor], *, max_seqlen_q: int, max_k_tiles: int,
                scale: float, causal: bool, qo_offset: Union[None, int, torch.Tensor],
-               page_table: Optional[torch.Tensor],
-               seqused_k: Optional[torch.Tensor]) -> torch.Tensor:
+               page_table: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
+               planned: bool = False, host_qo_offset=None) -> torch.Tensor:
     """max_score [H, max_k_tiles, total_q] fp32 of q [total_q, H, 128] against one shared key
     head k (dense [total_k, 1, 128] with cu_seqlens_k, or paged [pages, 1, 128, 128] with
     page_table and optionally seqused_k), one launch on q's device and current stream, no host
@@ -131,7 +138,8 @@ def max_scores(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
     out = torch.empty(num_heads, max_k_tiles, total_q, dtype=torch.float32, device=device)
     if total_q == 0:
         return out
-    inputs = kernel_inputs(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset, page_table, seqused_k)
+    inputs = kernel_inputs(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset, page_table, seqused_k,
+                           planned=planned, host_qo_offset=host_qo_offset)
     batch, k_lens, offsets = inputs.batch, inputs.k_lens, inputs.offsets
     paged = page_table is not None
     cu_q = inputs.cu_q

@@ -182,9 +182,14 @@ def prepare_launch(call) -> Launch:
     if total_q == 0:
         return launch
 
-    # Prefix sums the kernels can trust (unchanged when valid; see the module docstring).
-    launch.cu_q = device_prefix_sums(call.cu_seqlens_q, total_q)
-    launch.cu_k = device_prefix_sums(call.cu_seqlens_k, INT32_MAX if call.paged else k.shape[0])
+    # Prefix sums the kernels can trust (unchanged when valid; see the module docstring); a
+    # plan's own are valid by construction.
+    if call.planned_lengths:
+        launch.cu_q, launch.cu_k = call.cu_seqlens_q, call.cu_seqlens_k
+    else:
+        launch.cu_q = device_prefix_sums(call.cu_seqlens_q, total_q)
+        launch.cu_k = device_prefix_sums(call.cu_seqlens_k,
+                                         INT32_MAX if call.paged else k.shape[0])
     schedule = call.schedule
     if schedule is None:
         schedule = build_schedule_on_device(call, launch.cu_q, launch.cu_k)
