@@ -353,12 +353,12 @@ def _index_scores(chunk: ChunkPlan, q_idx: torch.Tensor, k_idx: torch.Tensor,
     common = dict(max_seqlen_q=chunk.max_seqlen_q, scale=opts.index_scale, causal=opts.causal)
     split = chunk.split
 
-    def scores(*args, host_qo_offset=None, **kw):
+    def block_scores(*args, host_qo_offset=None, **kw):
         if chunk.planned:
             return planned_block_max_scores(*args, host_qo_offset=host_qo_offset, **kw)
         return block_max_scores(*args, **kw)
     if split is None:
-        return scores(
+        return block_scores(
             q_idx, k_idx, chunk.cu_seqlens_q, None if paged else chunk.cu_seqlens_k,
             max_seqlen_k=chunk.max_seqlen_k, page_table=index_page_table,
             seqused_k=chunk.seqused_k if paged else None, max_k_tiles=chunk.max_k_tiles,
@@ -368,7 +368,7 @@ def _index_scores(chunk: ChunkPlan, q_idx: torch.Tensor, k_idx: torch.Tensor,
     if paged:
         pages = index_page_table.reshape(-1).index_select(0, split.page_index.reshape(-1))
         pages = pages.view(split.page_index.shape)
-    part = scores(
+    part = block_scores(
         _gather_rows(q_idx, split.query_rows), k_idx, split.cu_seqlens_q,
         split.cu_seqlens_k, max_seqlen_k=n * BLOCK_SIZE, qo_offset=split.qo_offset,
         host_qo_offset=split.host_qo_offset, page_table=pages, seqused_k=split.seqused_k,
