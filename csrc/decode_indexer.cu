@@ -725,7 +725,7 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
   using Yes = std::true_type;
   using No = std::false_type;
   if constexpr (kOfferWarp) {
-    if (scoring_warp) {   // (round_empty / row are not used without offers)
+    if (scoring_warp) {   // no lists: run_pages reads lists and own only where it offers
       NoLists none;
       const int no_own[1] = {-1};
       run_pages(Yes{}, No{}, none, no_own);
