@@ -74,7 +74,8 @@ ATTENTION_FORMS = {"served": {}, "rows": dict(decode_warpgroup=False),
                    "pingpong_pv8": dict(decode_warpgroup=True, decode_pingpong=True,
                                         decode_persistent=False, decode_pv_fp8=True),
                    "persistent_pv8": dict(decode_warpgroup=True, decode_pingpong=True,
-                                          decode_persistent=True, decode_pv_fp8=True)}
+                                          decode_persistent=True, decode_pv_fp8=True),
+                   "token_warps": dict(decode_token_warps=True)}
 # The dense plans of the forms that force decode_persistent: a persistent form plans the
 # persistent form wherever the call can take it (not only where schedules.decode.persistent_pays),
 # a ping-pong form never.
@@ -380,7 +381,9 @@ def main(argv=None):
                          "(two-stage), pingpong (producer + two consumer warpgroups, the "
                          "plan's work items), persistent (its persistent form, planned "
                          "wherever it can run), pingpong_pv8 / persistent_pv8 (those with "
-                         "e4m3 P.V: e4m3 K/V only); "
+                         "e4m3 P.V: e4m3 K/V only), token_warps (sparse e4m3 tiles: a warp "
+                         "per 16 rows, only its tokens' pages; with --qo-tile-rows 128 from "
+                         "10k keys, where the plan would take query tiles); "
                          "a forced form's rows name it in impl, e.g. dense-bf16[rows]")
     ap.add_argument("--qo-tile-rows", default="auto",
                     help="query rows per attention CTA, each timed in turn (comma-separated): "

@@ -149,6 +149,35 @@ __device__ __forceinline__ float exp2_fma(float x) {
 }
 #endif
 
+// Lab hook of the direct and token-warps forms (benchmarks/lab/sm90_pipe_rates.cu measures
+// both rates, benchmarks/lab/decode_sparse_mtp_forms.cu the forms): MSA_LAB_WIDEN_BY_ALU=1
+// widens their e4m3 K and V fragments by integer ops (sm80::e4m3x2_lo_to_scaled_f16x2: x
+// 2^-8, folded back into the score scale and the output) instead of F2FP on the conversion
+// pipe, =2 only K (the two pipes share the work).
+#if defined(MSA_LAB_WIDEN_BY_ALU) && MSA_LAB_WIDEN_BY_ALU > 0
+constexpr bool kLabKByAlu = true;
+constexpr bool kLabVByAlu = MSA_LAB_WIDEN_BY_ALU == 1;
+#else
+constexpr bool kLabKByAlu = false;
+constexpr bool kLabVByAlu = false;
+#endif
+// The score scale and output factor that undo the 2^-8 of those widenings.
+constexpr float kLabKScale = kLabKByAlu ? 256.f : 1.f;
+constexpr float kLabVScale = kLabVByAlu ? 256.f : 1.f;
+
+// e4m3 pairs of a word (bytes 0-1 / 2-3) widened to f16x2 for an MMA: exactly (F2FP), or by
+// integer ops as x 2^-8 with kByAlu.
+template <bool kByAlu>
+__device__ __forceinline__ uint32_t widen_lo(uint32_t w) {
+  if constexpr (kByAlu) return sm80::e4m3x2_lo_to_scaled_f16x2(w);
+  return e4m3x2_lo_to_f16x2(w);
+}
+template <bool kByAlu>
+__device__ __forceinline__ uint32_t widen_hi(uint32_t w) {
+  if constexpr (kByAlu) return sm80::e4m3x2_hi_to_scaled_f16x2(w);
+  return e4m3x2_hi_to_f16x2(w);
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
@@ -334,15 +363,16 @@ __device__ __forceinline__ void load_page_fp8_swizzled(const DecodeAttentionArgs
   }
 }
 
-// Direct e4m3 form: this thread's Q bytes for rows lane/4 and lane/4 + 8 of a tile of <= 16
-// rows (32 bytes of each: channels 32t .. 32t + 31, t = lane % 4); zero past the tile.
+// Direct e4m3 form: this thread's Q bytes for rows row_base + lane/4 and + 8 of a tile (32
+// bytes of each: channels 32t .. 32t + 31, t = lane % 4); zero past the tile.
 __device__ __forceinline__ void load_query_raw_fp8(const DecodeAttentionArgs& a,
                                                    const CtaContext& ctx, int group,
-                                                   int tile_rows, uint4 (&raw)[2][2]) {
+                                                   int tile_rows, uint4 (&raw)[2][2],
+                                                   int row_base = 0) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
-    const int row = (lane >> 2) + i2 * 8;
+    const int row = row_base + (lane >> 2) + i2 * 8;
     raw[i2][0] = raw[i2][1] = make_uint4(0u, 0u, 0u, 0u);
     if (row < tile_rows) {
       const int r = ctx.first_row + row;
@@ -447,31 +477,44 @@ __device__ __forceinline__ int candidate_block(const DecodeAttentionArgs& a, con
   return (id >= sc.first_block && id < sc.end_block) ? id : -1;
 }
 
-// One round of a CTA-wide, order-preserving append: every thread calls it with whether it
-// appends an entry; returns that entry's position (thread order after the *total entries of
-// the earlier rounds) and advances *total. warp_counts: one int per warp.
-template <int kNumThreads>
+// The barrier of the kNumThreads threads (threads 0 .. kNumThreads - 1) that build page lists
+// together: the whole CTA's (__syncthreads), or named barrier kBarrierId over just them.
+template <int kNumThreads, int kBarrierId>
+__device__ __forceinline__ void list_barrier() {
+  if constexpr (kBarrierId == 0) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync %0, %1;\n" ::"n"(kBarrierId), "n"(kNumThreads) : "memory");
+  }
+}
+
+// One round of an order-preserving append over threads 0 .. kNumThreads - 1: each calls it
+// with whether it appends an entry; returns that entry's position (thread order after the
+// *total entries of the earlier rounds) and advances *total. warp_counts: one int per warp.
+template <int kNumThreads, int kBarrierId = 0>
 __device__ __forceinline__ int append_position(bool append, int* warp_counts, int* total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned ballot = __ballot_sync(0xFFFFFFFFu, append);
   if (lane == 0) warp_counts[warp] = __popc(ballot);
-  __syncthreads();
+  list_barrier<kNumThreads, kBarrierId>();
   int offset = *total + __popc(ballot & ((1u << lane) - 1u));
   for (int w = 0; w < warp; ++w) offset += warp_counts[w];
-  __syncthreads();   // every thread has read *total and the counts
+  list_barrier<kNumThreads, kBarrierId>();   // every thread has read *total and the counts
   if (threadIdx.x == 0) {
     int sum = 0;
     for (int w = 0; w < kNumThreads / 32; ++w) sum += warp_counts[w];
     *total += sum;
   }
-  __syncthreads();
+  list_barrier<kNumThreads, kBarrierId>();
   return offset;
 }
 
 // Whether candidate c (block id >= 0) of a tile whose candidates are cand[first .. first + count)
 // is its block's first occurrence there and the block's page is in the pool; if so, physical
-// is that page and mask the tokens that selected the block (bit first_token + (i - first) /
-// num_slots for each candidate i holding it).
+// is that page and mask the tokens that selected the block (bit first_token + the token of each
+// candidate i holding it: (i - first) / num_slots token-major, (i - first) % num_tokens
+// slot-major).
+template <bool kSlotMajor = false>
 __device__ __forceinline__ bool first_of_block(const DecodeAttentionArgs& a, const CtaContext& ctx,
                                                const int* cand, int first, int count,
                                                int num_slots, int c, int id, uint32_t& mask,
@@ -479,7 +522,8 @@ __device__ __forceinline__ bool first_of_block(const DecodeAttentionArgs& a, con
   for (int other = first; other < first + count; ++other) {
     if (cand[other] == id) {
       if (other < c) return false;
-      mask |= 1u << (ctx.first_token + (other - first) / num_slots);
+      const int token = kSlotMajor ? (other - first) % ctx.num_tokens : (other - first) / num_slots;
+      mask |= 1u << (ctx.first_token + token);
     }
   }
   physical = __ldg(a.page_table + static_cast<int64_t>(ctx.request) * a.page_table_width + id);
@@ -553,7 +597,7 @@ __device__ __forceinline__ void direct_qk_two_pages(const char* const (&k8)[2], 
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
         const uint32_t w = word_of(k_raw[pg][n], kd);
-        mma_f16(s[pg][n], qf[kd], e4m3x2_lo_to_f16x2(w), e4m3x2_hi_to_f16x2(w));
+        mma_f16(s[pg][n], qf[kd], widen_lo<kLabKByAlu>(w), widen_hi<kLabKByAlu>(w));
       }
     }
   }
@@ -561,9 +605,14 @@ __device__ __forceinline__ void direct_qk_two_pages(const char* const (&k8)[2], 
 
 // O += (scale P) V over one page's 16 keys of this warp: P = s (probabilities against the page
 // max) rounded to e4m3, times the per-row scale in f16, as the A fragment; V from the raw page.
+// kZeroTail: V rows at or past valid_rows read as zeros (a TMA-copied page holds whatever the
+// pool has past the request's keys, and 0 x NaN = NaN).
+// With the lab's kLabVByAlu, V is widened by integer ops as V x 2^-8: acc holds O x 2^-8.
+template <bool kZeroTail = false>
 __device__ __forceinline__ void direct_pv_page(const char* v8, int key_base, int lane,
                                                const float (&s)[2][4], float scale_g,
-                                               float scale_g8, float (&acc)[16][4]) {
+                                               float scale_g8, float (&acc)[16][4],
+                                               int valid_rows = kPageSize) {
   const __half2 sc_g = __float2half2_rn(scale_g), sc_g8 = __float2half2_rn(scale_g8);
   auto scaled = [](uint32_t p2, __half2 b) {
     const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&p2), b);
@@ -574,22 +623,37 @@ __device__ __forceinline__ void direct_pv_page(const char* v8, int key_base, int
                           scaled(round_e4m3x2_to_f16x2(s[1][0], s[1][1]), sc_g),
                           scaled(round_e4m3x2_to_f16x2(s[1][2], s[1][3]), sc_g8)};
   const int key0 = key_base + 2 * (lane & 3);
-  const uint4 v_lo[2] = {swizzled_chunk(v8, key0, lane >> 2),
-                         swizzled_chunk(v8, key0 + 8, lane >> 2)};
-  const uint4 v_hi[2] = {swizzled_chunk(v8, key0 + 1, lane >> 2),
-                         swizzled_chunk(v8, key0 + 9, lane >> 2)};
+  uint4 v_lo[2] = {swizzled_chunk(v8, key0, lane >> 2), swizzled_chunk(v8, key0 + 8, lane >> 2)};
+  uint4 v_hi[2] = {swizzled_chunk(v8, key0 + 1, lane >> 2),
+                   swizzled_chunk(v8, key0 + 9, lane >> 2)};
+  if constexpr (kZeroTail) {
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    if (key0 >= valid_rows) v_lo[0] = zero;
+    if (key0 + 8 >= valid_rows) v_lo[1] = zero;
+    if (key0 + 1 >= valid_rows) v_hi[0] = zero;
+    if (key0 + 9 >= valid_rows) v_hi[1] = zero;
+  }
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
     const uint32_t k01_a = __byte_perm(word_of(v_lo, m), word_of(v_hi, m), 0x5140);
     const uint32_t k01_b = __byte_perm(word_of(v_lo, m), word_of(v_hi, m), 0x7362);
     const uint32_t k89_a = __byte_perm(word_of(v_lo, m + 4), word_of(v_hi, m + 4), 0x5140);
     const uint32_t k89_b = __byte_perm(word_of(v_lo, m + 4), word_of(v_hi, m + 4), 0x7362);
-    const uint32_t b0[4] = {e4m3x2_lo_to_f16x2(k01_a), e4m3x2_hi_to_f16x2(k01_a),
-                            e4m3x2_lo_to_f16x2(k01_b), e4m3x2_hi_to_f16x2(k01_b)};
-    const uint32_t b1[4] = {e4m3x2_lo_to_f16x2(k89_a), e4m3x2_hi_to_f16x2(k89_a),
-                            e4m3x2_lo_to_f16x2(k89_b), e4m3x2_hi_to_f16x2(k89_b)};
+    const uint32_t b0[4] = {widen_lo<kLabVByAlu>(k01_a), widen_hi<kLabVByAlu>(k01_a),
+                            widen_lo<kLabVByAlu>(k01_b), widen_hi<kLabVByAlu>(k01_b)};
+    const uint32_t b1[4] = {widen_lo<kLabVByAlu>(k89_a), widen_hi<kLabVByAlu>(k89_a),
+                            widen_lo<kLabVByAlu>(k89_b), widen_hi<kLabVByAlu>(k89_b)};
 #pragma unroll
     for (int q = 0; q < 4; ++q) mma_f16(acc[4 * m + q], pa, b0[q], b1[q]);
+  }
+}
+
+// A quad's four shares of its two rows' sums (rows lane / 4 and lane / 4 + 8), added.
+__device__ __forceinline__ void add_quad_sums(float (&row_sum)[2]) {
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    row_sum[i2] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[i2], 1);
+    row_sum[i2] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[i2], 2);
   }
 }
 
@@ -2644,7 +2708,11 @@ __device__ __forceinline__ void plan_direct_batch(const DecodeAttentionArgs& a, 
 
 // Sparse: every kept tile's page list (as build_sparse_page_list makes one tile's), end to end
 // in tile order: tile i's distinct valid blocks at list_begin .. + num_pages - 1 in (token,
-// slot) order of first appearance. All threads call it; it ends with a barrier.
+// slot) order of first appearance, or with kSlotMajor in (slot, token) order (every token's
+// first choices first: a tile's tokens then share its list's stretches evenly). Threads 0 ..
+// kNumThreads - 1 call it (warp_counts: one int per warp), meeting at list_barrier<kNumThreads,
+// kBarrierId>; it ends with one.
+template <int kNumThreads = kThreads, bool kSlotMajor = false, int kBarrierId = 0>
 __device__ void build_direct_page_lists(const DecodeAttentionArgs& a, DirectTile* tiles,
                                         int num_tiles, int num_cand, int* cand, int* list_phys,
                                         int* list_logical, uint32_t* list_mask, int* tile_pages,
@@ -2657,14 +2725,17 @@ __device__ void build_direct_page_lists(const DecodeAttentionArgs& a, DirectTile
     }
     return t;
   };
-  for (int c = threadIdx.x; c < num_cand; c += kThreads) {
+  for (int c = threadIdx.x; c < num_cand; c += kNumThreads) {
     const DirectTile& t = tiles[tile_of(c)];
-    cand[c] = candidate_block(a, t.ctx, sparse_candidates(a, t.ctx), c - t.cand_begin);
+    const SparseCandidates sc = sparse_candidates(a, t.ctx);
+    int i = c - t.cand_begin;   // token-major: token i / num_slots, slot i % num_slots
+    if constexpr (kSlotMajor) i = (i % t.ctx.num_tokens) * sc.num_slots + i / t.ctx.num_tokens;
+    cand[c] = candidate_block(a, t.ctx, sc, i);
   }
   if (threadIdx.x == 0) *total = 0;
-  __syncthreads();
+  list_barrier<kNumThreads, kBarrierId>();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int base = 0; base < num_cand; base += kThreads) {
+  for (int base = 0; base < num_cand; base += kNumThreads) {
     const int c = base + threadIdx.x;
     int id = -1, physical = -1, tile = 0;
     uint32_t mask = 0;
@@ -2672,10 +2743,11 @@ __device__ void build_direct_page_lists(const DecodeAttentionArgs& a, DirectTile
     if (c < num_cand && (id = cand[c]) >= 0) {
       tile = tile_of(c);
       const DirectTile& t = tiles[tile];
-      leader = first_of_block(a, t.ctx, cand, t.cand_begin, t.num_cand,
-                              sparse_candidates(a, t.ctx).num_slots, c, id, mask, physical);
+      leader = first_of_block<kSlotMajor>(a, t.ctx, cand, t.cand_begin, t.num_cand,
+                                          sparse_candidates(a, t.ctx).num_slots, c, id, mask,
+                                          physical);
     }
-    const int offset = append_position<kThreads>(leader, warp_counts, total);
+    const int offset = append_position<kNumThreads, kBarrierId>(leader, warp_counts, total);
     if (leader) {
       list_phys[offset] = physical;
       list_logical[offset] = id;
@@ -2683,7 +2755,7 @@ __device__ void build_direct_page_lists(const DecodeAttentionArgs& a, DirectTile
       atomicAdd(tile_pages + tile, 1);
     }
   }
-  __syncthreads();
+  list_barrier<kNumThreads, kBarrierId>();
   // The lists are in tile order, so tile i's begins after the pages of tiles 0 .. i - 1.
   if (warp == 0) {
     const int pages = lane < num_tiles ? tile_pages[lane] : 0;
@@ -2695,7 +2767,7 @@ __device__ void build_direct_page_lists(const DecodeAttentionArgs& a, DirectTile
       tile_pages[lane] = 0;   // zero again for the next batch
     }
   }
-  __syncthreads();
+  list_barrier<kNumThreads, kBarrierId>();
 }
 
 // One step of a tile: pages page[0] and page[1], landed at k8[0] and k8[1] (K, then V).
@@ -2727,7 +2799,8 @@ __device__ __forceinline__ void direct_pair_step(
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = key_base + n * 8 + (lane & 3) * 2 + (e & 1);
-        const float v = key <= last_key[e >> 1] ? s[pl][n][e] * scale_log2 : -INFINITY;
+        const float v =
+            key <= last_key[e >> 1] ? s[pl][n][e] * (scale_log2 * kLabKScale) : -INFINITY;
         s[pl][n][e] = v;
         page_max[pl][e >> 1] = fmaxf(page_max[pl][e >> 1], v);
       }
@@ -2831,11 +2904,7 @@ __device__ __forceinline__ void direct_finish_tile(const DecodeAttentionArgs& a,
                                                    float (&row_sum)[2]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int group = a.num_qo_heads / a.num_kv_heads;
-#pragma unroll
-  for (int i2 = 0; i2 < 2; ++i2) {
-    row_sum[i2] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[i2], 1);
-    row_sum[i2] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[i2], 2);
-  }
+  add_quad_sums(row_sum);
   const int64_t slot = a.split_kv ? static_cast<int64_t>(__ldg(a.merge_indptr + t.ctx.request)) +
                                         t.chunk
                                   : -1;
@@ -2875,7 +2944,7 @@ __device__ __forceinline__ void direct_finish_tile(const DecodeAttentionArgs& a,
     // Only a zero sum means "no visible key": a NaN sum (a NaN or +inf score) gives NaN O and
     // LSE, never the empty row's O = 0, LSE = -inf.
     const bool empty = sum == 0.f;
-    const float inv = empty ? 0.f : 1.f / sum;
+    const float inv = empty ? 0.f : kLabVScale / sum;
     const float lse = empty ? -INFINITY : (row_max[half] + log2f(sum)) * kLn2;
     const int channel = 16 * warp + 4 * quad;
     const bool writes_lse = warp == 0 && quad == 0;
@@ -3020,6 +3089,390 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   cp_async_wait_all();
 }
+
+// ---- Token-warps form (sparse tiles of more than 16 rows, e4m3 q and K/V, sm_90a) ----------
+// A sparse tile of 8 tokens x G 16 streams the union of its tokens' selections, but each token
+// selected only topK of those pages: the ping-pong form computes all 128 rows against every
+// union page (at 4k keys about twice the work the selections ask for), and 16-row query tiles
+// read a page once for every token that chose it. Here each of eight consumer warps owns 16
+// rows (one token at G = 16) with their Q in registers, as the direct form's, and computes a
+// page only where its rows' tokens selected it: all 128 keys of the page (16 QK^T chains, e4m3
+// widened in registers, f16 mma.sync, the direct form's fragment orders), the page's softmax
+// within the warp (it holds whole rows: no exchange), then P.V over the page's 128 keys. The
+// union's pages arrive once each by TMA (the direct form's swizzle is the 128-byte TMA swizzle)
+// into a ring of kTwStages whole pages, issued by one thread of a producer warpgroup: full
+// barriers count the copies' bytes, empty barriers the 256 consumer threads. A warp waits for
+// every page (so no warp arrives a round ahead) but computes only its own, so the warps drift
+// apart within the ring and a page costs the SM about the work of the tokens that chose it.
+// The lists are slot-major (each token's first choices first), which spreads every token's
+// pages evenly along the union: with token-major lists one warp's sixteen pages come first and
+// hold the ring (tools/lab/model_decode_token_warps.py, 32-800 blocks: 1.11-1.26x the ideal
+// time slot-major with six stages, 1.22-2.49x token-major). Rows past a request's keys are
+// whatever the pool holds: their scores are masked and, on the request's last page, their V
+// rows read as zeros. Tiles come from the CTA's range and batches as the direct form's; a tile
+// writes O, or its chunk's partial of a split plan. A warp's page is ~1400 instructions, 566 of
+// them F2FP (K and V widened, P rounded), so the conversion rate decides the form's speed:
+// benchmarks/lab/conversion_rate.cu measures it.
+constexpr int kTwConsumers = 8;                         // warpgroups 0-1
+constexpr int kTwConsumerThreads = kTwConsumers * 32;
+constexpr int kTwThreads = kTwConsumerThreads + 128;      // + the producer warpgroup
+constexpr int kTwStages = 6;
+// setmaxnreg moves registers within the launch allocation (384 threads x 168): the consumers
+// hold S, O and Q's fragments (160 registers) besides the page's addresses.
+constexpr int kTwProducerRegisters = 40;
+constexpr int kTwConsumerRegisters = 232;
+static_assert(128 * kTwProducerRegisters + kTwConsumerThreads * kTwConsumerRegisters <=
+                  kTwThreads * 168,
+              "token warps: the register split must fit the launch allocation");
+constexpr int kTwBarrierOffset = kTwStages * kPageFp8Bytes;   // the ring first (1024-aligned)
+constexpr int kTwListOffset = kTwBarrierOffset + 2 * kTwStages * 8;
+constexpr int kTwTilesOffset = kTwListOffset + kListBytes;
+constexpr int kTwCountsOffset =
+    kTwTilesOffset + kDirectMaxTiles * static_cast<int>(sizeof(DirectTile));
+constexpr int kTwSmemBytes = kTwCountsOffset + (kDirectMaxTiles + kTwConsumers + 4) * 4;
+constexpr int kTwAlloc = kTwSmemBytes + 1024;           // room to align the ring to 1024 bytes
+static_assert(kTwAlloc <= 227 * 1024, "token warps: shared memory per CTA");
+static_assert(kTwListOffset % 16 == 0 && kTwTilesOffset % 16 == 0,
+              "token warps: the lists and tiles are aligned");
+
+// Lab hook (benchmarks/lab/decode_sparse_mtp_forms.cu builds this file with it):
+// MSA_LAB_TW_TIMELINE records clock64 stamps of CTA 0's first kTwLabPages pages per warp (0-7:
+// the consumers: before and after the page's full wait, after its compute or skip; 8: the
+// producer: before and after the empty wait, after the copies' issue).
+#ifdef MSA_LAB_TW_TIMELINE
+constexpr int kTwLabPages = 64;
+__device__ long long lab_tw_timeline[kTwConsumers + 1][kTwLabPages][3];
+__device__ int lab_tw_computed[kTwConsumers][kTwLabPages];
+#define MSA_LAB_TW_MARK(leader, actor, page, mark)                                        \
+  do {                                                                                    \
+    if ((leader) && blockIdx.x == 0 && (page) < kTwLabPages) {                            \
+      lab_tw_timeline[actor][page][mark] = clock64();                                     \
+    }                                                                                     \
+  } while (0)
+#else
+#define MSA_LAB_TW_MARK(leader, actor, page, mark) \
+  do {                                             \
+  } while (0)
+#endif
+
+// setmaxnreg and TMA copies are sm_90a code here: other archs compile just the kernel's entry
+// point (a trap; the launcher asks for the form only where the sm_90a image is loaded).
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// One page of a token warp: S = Q K^T over the page's 128 keys for the warp's 16 rows (rows
+// lane / 4 and lane / 4 + 8; last[i2]: each row's last visible key of the page, -1 none; with
+// !kMasked every key is visible), the page folded into the rows' running max and sum (P
+// against the page max, the direct form's numerics), then O += (beta P) V. kMasked also reads
+// V rows at or past valid_rows (the request's end) as zeros. A warp's rows are one token at
+// G >= 16, so only its last pages (causal, the request's end) take the masked instance.
+template <bool kMasked>
+__device__ __forceinline__ void token_warp_page(const char* k8, const char* v8, int lane,
+                                                const uint32_t (&qf)[kHeadDim / 16][4],
+                                                const int (&last)[2], int valid_rows,
+                                                float scale_log2, float (&acc)[16][4],
+                                                float (&row_max)[2], float (&row_sum)[2]) {
+  float s[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    const int key = n * 8 + (lane >> 2);
+    const uint4 k_raw[2] = {swizzled_chunk(k8, key, (lane & 3) * 2),
+                            swizzled_chunk(k8, key, (lane & 3) * 2 + 1)};
+#pragma unroll
+    for (int kd = 0; kd < kHeadDim / 16; ++kd) {
+      const uint32_t w = word_of(k_raw, kd);
+      mma_f16(s[n], qf[kd], widen_lo<kLabKByAlu>(w), widen_hi<kLabKByAlu>(w));
+    }
+  }
+  scale_log2 *= kLabKScale;   // (the lab's K x 2^-8)
+  // Scores in log2 units (masked: -inf), the page maxima as four partial chains per row.
+  float part[2][4];
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) part[i2][0] = part[i2][1] = part[i2][2] = part[i2][3] = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float v = s[n][e] * scale_log2;
+      if constexpr (kMasked) {
+        const int key = n * 8 + 2 * (lane & 3) + (e & 1);
+        v = key <= last[e >> 1] ? v : -INFINITY;
+      }
+      s[n][e] = v;
+      float& m = part[e >> 1][2 * (n & 1) + (e & 1)];
+      m = fmaxf(m, v);
+    }
+  }
+  float page_max[2], alpha[2], beta[2];
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    float m = fmaxf(fmaxf(part[i2][0], part[i2][1]), fmaxf(part[i2][2], part[i2][3]));
+    m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
+    const float new_max = fmaxf(row_max[i2], m);
+    alpha[i2] = row_max[i2] == -INFINITY ? 0.f : exp2_ftz(row_max[i2] - new_max);
+    beta[i2] = m == -INFINITY ? 0.f : exp2_ftz(m - new_max);
+    page_max[i2] = m == -INFINITY ? 0.f : m;   // exp2(-inf - 0) = 0 below
+    row_max[i2] = new_max;
+  }
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) part[i2][0] = part[i2][1] = part[i2][2] = part[i2][3] = 0.f;
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float p = exp2_ftz(s[n][e] - page_max[e >> 1]);
+      part[e >> 1][2 * (n & 1) + (e & 1)] += p;
+      s[n][e] = p;
+    }
+  }
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    const float page_sum = (part[i2][0] + part[i2][1]) + (part[i2][2] + part[i2][3]);
+    row_sum[i2] = row_sum[i2] * alpha[i2] + beta[i2] * page_sum;
+  }
+  if (!__all_sync(0xFFFFFFFFu, alpha[0] == 1.f && alpha[1] == 1.f)) scale_rows(acc, alpha);
+#pragma unroll
+  for (int kk = 0; kk < kPageSize / 16; ++kk) {
+    const float(&s2)[2][4] = *reinterpret_cast<const float(*)[2][4]>(&s[2 * kk][0]);
+    direct_pv_page<kMasked>(v8, 16 * kk, lane, s2, beta[0], beta[1], acc, valid_rows);
+  }
+}
+
+// A token warp's finished rows (16 of the tile, rows row_base + lane / 4 and + 8): normalized O
+// and LSE (natural log), or the chunk's fp32 partial of a split plan; rows that saw no key get
+// O = 0, LSE = -inf. This thread holds channels 32t .. 32t + 31 of each row (P.V's output order:
+// n-tile n, column c = 2t + e is channel 16c + n).
+__device__ __forceinline__ void token_warp_store(const DecodeAttentionArgs& a,
+                                                 const DirectTile& t, int row_base,
+                                                 const float (&acc)[16][4],
+                                                 const float (&row_max)[2], float (&row_sum)[2]) {
+  const int lane = threadIdx.x & 31, quad = lane & 3;
+  const int group = a.num_qo_heads / a.num_kv_heads;
+  add_quad_sums(row_sum);
+  const int64_t slot = wg::chunk_slot(a, t.ctx.request, t.chunk);
+  if (slot == wg::kCorruptSlot) return;
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    const int row = row_base + (lane >> 2) + i2 * 8;
+    if (row >= t.tile_rows) continue;
+    const int r = t.ctx.first_row + row;
+    const int token = r / group, qo_head = t.ctx.head * group + r % group;
+    // Only a zero sum means "no visible key": a NaN sum gives NaN O and LSE.
+    const bool empty = row_sum[i2] == 0.f;
+    const float inv = empty ? 0.f : kLabVScale / row_sum[i2];   // (the lab's O x 2^-8)
+    const float lse = empty ? -INFINITY : (row_max[i2] + log2f(row_sum[i2])) * kLn2;
+    const int channel = 32 * quad;
+    if (slot >= 0) {
+      const int64_t idx = (slot * a.seqlen_q + token) * a.num_qo_heads + qo_head;
+      float4* o = reinterpret_cast<float4*>(a.o_partial + idx * kHeadDim + channel);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {   // channels 32t + 16 half + n: acc[n][2 i2 + half]
+#pragma unroll
+        for (int n = 0; n < 16; n += 4) {
+          o[4 * half + n / 4] =
+              make_float4(acc[n][2 * i2 + half] * inv, acc[n + 1][2 * i2 + half] * inv,
+                          acc[n + 2][2 * i2 + half] * inv, acc[n + 3][2 * i2 + half] * inv);
+        }
+      }
+      if (quad == 0) a.lse_partial[idx] = lse;
+    } else {
+      const int64_t idx =
+          (static_cast<int64_t>(t.ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head;
+      uint4* o = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.out) + idx * kHeadDim +
+                                          channel);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int n = 0; n < 16; n += 8) {
+          const int c = 2 * i2 + half;
+          o[2 * half + n / 8] = make_uint4(pack_bf16(acc[n][c] * inv, acc[n + 1][c] * inv),
+                                           pack_bf16(acc[n + 2][c] * inv, acc[n + 3][c] * inv),
+                                           pack_bf16(acc[n + 4][c] * inv, acc[n + 5][c] * inv),
+                                           pack_bf16(acc[n + 6][c] * inv, acc[n + 7][c] * inv));
+        }
+      }
+      if (quad == 0 && a.lse != nullptr) a.lse[idx] = lse;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kTwThreads, 1)
+    decode_attention_token_warps_kernel(const DecodeAttentionArgs a,
+                                        const __grid_constant__ wg::PagedKvMaps maps) {
+  constexpr int kProducerWarp = kTwConsumers;   // the producer warpgroup's first warp copies
+  constexpr int kBatchBarrier = 1;              // all threads: a batch's lists are ready / done
+  constexpr int kListBarrier = 2;               // the consumers, while they make the lists
+  extern __shared__ __align__(1024) char smem_raw[];
+  char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  char* const ring = smem;
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + kTwBarrierOffset);
+  auto full = [&](int stage) { return sm90::Mbarrier{bars + stage}; };
+  auto empty = [&](int stage) { return sm90::Mbarrier{bars + kTwStages + stage}; };
+  int* const cand = reinterpret_cast<int*>(smem + kTwListOffset);
+  int* const list_phys = cand + kMaxCandidates;
+  int* const list_logical = list_phys + kMaxCandidates;
+  uint32_t* const list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
+  DirectTile* const tiles = reinterpret_cast<DirectTile*>(smem + kTwTilesOffset);
+  int* const tile_pages = reinterpret_cast<int*>(smem + kTwCountsOffset);
+  int* const warp_counts = tile_pages + kDirectMaxTiles;
+  int* const info = warp_counts + kTwConsumers;   // tiles kept, consumed, candidates; total
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bool producer = warp >= kTwConsumers;
+  // This CTA's tiles: an equal share of num_work x Hkv (the first `extra` CTAs one more).
+  const int64_t total_tiles = static_cast<int64_t>(a.num_work) * a.num_kv_heads;
+  const int64_t share = total_tiles / gridDim.x, extra = total_tiles % gridDim.x;
+  int64_t f = blockIdx.x * share + min(static_cast<int64_t>(blockIdx.x), extra);
+  const int64_t f_end = f + share + (blockIdx.x < extra ? 1 : 0);
+  if (threadIdx.x < kDirectMaxTiles) tile_pages[threadIdx.x] = 0;
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < kTwStages; ++st) {
+      full(st).init(1);                          // the producer's arrival (+ the copies' bytes)
+      empty(st).init(kTwConsumerThreads);
+    }
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  // The producer (lane 0 of its first warp) and every consumer thread walk the same ring
+  // positions, one per list page, across tiles and batches.
+  sm90::RingState<kTwStages> pos;
+#ifdef MSA_LAB_TW_TIMELINE
+  int lab_page = 0;   // the CTA's pages so far
+#define LAB_TW_NEXT_PAGE() ++lab_page
+#else
+#define LAB_TW_NEXT_PAGE() \
+  do {                     \
+  } while (0)
+#endif
+
+  if (producer) {
+    sm90::registers_down<kTwProducerRegisters>();
+    while (f < f_end) {
+      sm90::named_sync(kBatchBarrier, kTwThreads);   // the batch's lists are ready
+      const int num_tiles = info[0];
+      f += info[1];
+      if (warp == kProducerWarp && lane == 0) {
+        for (int ti = 0; ti < num_tiles; ++ti) {
+          const int head = tiles[ti].ctx.head, begin = tiles[ti].list_begin;
+          const int end = begin + tiles[ti].num_pages;
+          for (int e = begin; e < end; ++e) {
+            const int row = (list_phys[e] * a.num_kv_heads + head) * kPageSize;
+            MSA_LAB_TW_MARK(true, kTwConsumers, lab_page, 0);
+            empty(pos.index).wait(pos.phase ^ 1u);
+            MSA_LAB_TW_MARK(true, kTwConsumers, lab_page, 1);
+            const sm90::Mbarrier bar = full(pos.index);
+            char* stage = ring + pos.index * kPageFp8Bytes;
+            bar.arrive_expect_tx(kPageFp8Bytes);
+            sm90::tma_load_2d(stage, maps.k, 0, row, bar);
+            sm90::tma_load_2d(stage + kPageSize * kHeadDim, maps.v, 0, row, bar);
+            MSA_LAB_TW_MARK(true, kTwConsumers, lab_page, 2);
+            pos.advance();
+            LAB_TW_NEXT_PAGE();
+          }
+        }
+      }
+      __syncwarp();
+      sm90::named_sync(kBatchBarrier, kTwThreads);   // the batch's lists are no longer read
+    }
+    return;
+  }
+
+  sm90::registers_up<kTwConsumerRegisters>();
+  const int group = a.num_qo_heads / a.num_kv_heads;
+  const float scale_log2 = a.softmax_scale * kLog2e;
+  const int row_base = 16 * warp;
+  while (f < f_end) {
+    if (warp == 0) plan_direct_batch(a, f, f_end, tiles, info);
+    sm90::named_sync(kListBarrier, kTwConsumerThreads);
+    build_direct_page_lists<kTwConsumerThreads, true, kListBarrier>(
+        a, tiles, info[0], info[2], cand, list_phys, list_logical, list_mask, tile_pages,
+        warp_counts, info + 3);
+    sm90::named_sync(kBatchBarrier, kTwThreads);     // the batch's lists are ready
+    const int num_tiles = info[0];
+    f += info[1];
+    for (int ti = 0; ti < num_tiles; ++ti) {
+      const DirectTile& t = tiles[ti];
+      uint32_t qf[kHeadDim / 16][4];
+      {
+        uint4 q_raw[2][2];
+        load_query_raw_fp8(a, t.ctx, group, t.tile_rows, q_raw, row_base);
+        widen_query_fp8(q_raw, qf);
+      }
+      // Rows row_base + lane / 4 (+ 8): their token and last visible key (-1: none); the
+      // tokens of the warp's rows.
+      int row_token[2], row_last_key[2];
+#pragma unroll
+      for (int i2 = 0; i2 < 2; ++i2) {
+        const int row = row_base + (lane >> 2) + i2 * 8;
+        row_token[i2] = min((t.ctx.first_row + row) / group, 31);
+        const int last = min(t.ctx.seqlen_k - 1, row_token[i2] + t.ctx.seqlen_k - a.seqlen_q);
+        row_last_key[i2] = row < t.tile_rows ? last : -1;
+      }
+      uint32_t warp_tokens = 0u;
+      if (row_base < t.tile_rows) {
+        const int first = (t.ctx.first_row + row_base) / group;
+        const int last = (t.ctx.first_row + min(row_base + 15, t.tile_rows - 1)) / group;
+        warp_tokens = (2u << last) - (1u << first);   // tokens < 16 (seqlen_q <= 16)
+      }
+      float acc[16][4];
+#pragma unroll
+      for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+      float row_max[2] = {-INFINITY, -INFINITY};
+      float row_sum[2] = {0.f, 0.f};
+      const int end = t.list_begin + t.num_pages;
+      for (int e = t.list_begin; e < end; ++e) {
+        const uint32_t mask = list_mask[e];
+        MSA_LAB_TW_MARK(lane == 0, warp, lab_page, 0);
+        full(pos.index).wait(pos.phase);   // also when skipped: no warp arrives a round ahead
+        MSA_LAB_TW_MARK(lane == 0, warp, lab_page, 1);
+#ifdef MSA_LAB_TW_TIMELINE
+        if (lane == 0 && blockIdx.x == 0 && lab_page < kTwLabPages) {
+          lab_tw_computed[warp][lab_page] = (mask & warp_tokens) != 0;
+        }
+#endif
+        if (mask & warp_tokens) {          // warp-uniform
+          const int logical = list_logical[e];
+          const char* k8 = ring + pos.index * kPageFp8Bytes;
+          const char* v8 = k8 + kPageSize * kHeadDim;
+          const int valid_rows = min(kPageSize, max(t.ctx.seqlen_k - logical * kPageSize, 0));
+          int last[2];
+#pragma unroll
+          for (int i2 = 0; i2 < 2; ++i2) {
+            const bool selected = (mask >> row_token[i2]) & 1u;
+            last[i2] = selected ? row_last_key[i2] - logical * kPageSize : -1;
+          }
+          const bool whole = __all_sync(0xFFFFFFFFu, min(last[0], last[1]) >= kPageSize - 1);
+          if (whole) {   // (then valid_rows is the whole page too)
+            token_warp_page<false>(k8, v8, lane, qf, last, valid_rows, scale_log2, acc, row_max,
+                                   row_sum);
+          } else {
+            token_warp_page<true>(k8, v8, lane, qf, last, valid_rows, scale_log2, acc, row_max,
+                                  row_sum);
+          }
+        }
+        MSA_LAB_TW_MARK(lane == 0, warp, lab_page, 2);
+        empty(pos.index).arrive();
+        pos.advance();
+        LAB_TW_NEXT_PAGE();
+      }
+      token_warp_store(a, t, row_base, acc, row_max, row_sum);
+    }
+    sm90::named_sync(kBatchBarrier, kTwThreads);     // the batch's lists are no longer read
+  }
+#undef LAB_TW_NEXT_PAGE
+}
+
+#else
+
+__global__ void __launch_bounds__(kTwThreads, 1)
+    decode_attention_token_warps_kernel(const DecodeAttentionArgs,
+                                        const __grid_constant__ wg::PagedKvMaps) {
+  __trap();
+}
+
+#endif  // sm_90a
 
 // kSplitKeys (every qo tile has <= 16 rows, e.g. decode with G = 16 and one token): all 8
 // warps hold the same 16 rows and warp w takes keys [16w, 16w + 16) of every page, instead of
@@ -3230,11 +3683,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // Finalize: normalized O and LSE (natural log) per row; empty rows give O = 0, LSE = -inf.
-#pragma unroll
-  for (int i2 = 0; i2 < 2; ++i2) {
-    row_sum[i2] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[i2], 1);
-    row_sum[i2] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[i2], 2);
-  }
+  add_quad_sums(row_sum);
   if constexpr (kSplitKeys) {
     // Add the warps' partial accumulators and sums (same running max in every warp) in the
     // now idle stage region; warp 0 then writes the rows as the one-warp path does.
@@ -3371,9 +3820,10 @@ cudaError_t decode_attention_image(cudaFuncAttributes* attr) {
   return cudaFuncGetAttributes(attr, decode_merge_kernel);
 }
 
-// The warpgroup form's body exists in the sm_90a code only (wgmma); elsewhere (another arch,
-// or compute_80 PTX JIT-compiled on an SM90) it would trap, so its launch is refused. The
-// answer depends on the image the current device loaded: asked once per device.
+// The warpgroup and token-warps forms' bodies exist in the sm_90a code only (wgmma, setmaxnreg);
+// elsewhere (another arch, or compute_80 PTX JIT-compiled on an SM90) they would trap, so their
+// launches are refused. The answer depends on the image the current device loaded: asked once
+// per device.
 static bool warpgroup_form_loaded() {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;
@@ -3384,14 +3834,31 @@ static bool warpgroup_form_loaded() {
   });
 }
 
-// The e4m3 caches' tensor maps for the e4m3 P.V form (k and v: [num_pages, num_kv_heads, 128,
-// 128] bytes, rows of 128 bytes, a page's head slice a box); false where either cannot be made.
-static bool encode_kv_maps(const DecodeAttentionArgs& a, wg::PagedKvMaps& maps) {
+// The e4m3 caches' tensor maps (k and v: [num_pages, num_kv_heads, 128, 128] bytes, rows of 128
+// bytes, a page's head slice a box; K 128-byte swizzled, V as v_swizzle asks: unswizzled for the
+// e4m3 P.V form's transposes, swizzled for the token-warps form's fragment reads); false where
+// either cannot be made.
+static bool encode_kv_maps(const DecodeAttentionArgs& a, wg::PagedKvMaps& maps,
+                           CUtensorMapSwizzle v_swizzle) {
   static_assert(sizeof(maps.k) == sizeof(CUtensorMap), "the tensor map's storage");
   const int64_t rows = a.num_pages * a.num_kv_heads * kPageSize;
   if (a.num_pages < 1 || a.num_pages > INT32_MAX) return false;
   return encode_row_map(maps.k, a.k, rows, kHeadDim, kPageSize, CU_TENSOR_MAP_SWIZZLE_128B) &&
-         encode_row_map(maps.v, a.v, rows, kHeadDim, kPageSize, CU_TENSOR_MAP_SWIZZLE_NONE);
+         encode_row_map(maps.v, a.v, rows, kHeadDim, kPageSize, v_swizzle);
+}
+
+// The CTAs of a call's tile ranges (direct and token-warps forms): a CTA per tile of a dense
+// call (its chunks were sized for the grid), at most one per SM for a sparse call's tiles.
+static cudaError_t range_ctas(const DecodeAttentionArgs& a, int64_t& ctas) {
+  const int64_t tiles = static_cast<int64_t>(a.num_work) * a.num_kv_heads;
+  ctas = std::min<int64_t>(tiles, INT_MAX);
+  if (a.q2k_indices != nullptr) {
+    int device = 0, sms = 0;
+    MSA_RETURN_IF_ERROR(cudaGetDevice(&device));
+    MSA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    ctas = std::min<int64_t>(ctas, std::max(sms, 1));
+  }
+  return cudaSuccess;
 }
 
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream) {
@@ -3408,13 +3875,25 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
     kernel<<<grid, threads, smem_bytes, stream>>>(args, more...);
     return cudaSuccess;
   };
-  if (args.warpgroup) {
+  // The token-warps form where its image and the caches' tensor maps allow; otherwise the form
+  // the caller asked for beside it serves the call.
+  wg::PagedKvMaps token_maps{};
+  if (args.token_warps && args.q2k_indices != nullptr && warpgroup_form_loaded() &&
+      encode_kv_maps(args, token_maps, CU_TENSOR_MAP_SWIZZLE_128B)) {
+    int64_t ctas = 0;
+    MSA_RETURN_IF_ERROR(range_ctas(args, ctas));
+    MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(decode_attention_token_warps_kernel,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             kTwAlloc));
+    decode_attention_token_warps_kernel<<<static_cast<unsigned>(ctas), kTwThreads, kTwAlloc,
+                                          stream>>>(args, token_maps);
+  } else if (args.warpgroup) {
     if (!warpgroup_form_loaded()) return cudaErrorNotSupported;
     // The e4m3 P.V form copies pages through tensor maps of the caches; where they cannot be
     // made, the e4m3 form with f16 P.V serves (same rounding of P, same products).
     wg::PagedKvMaps maps{};
     const bool pv_fp8 = (args.pingpong || args.persistent) && args.q_fp8 && args.pv_fp8 &&
-                        encode_kv_maps(args, maps);
+                        encode_kv_maps(args, maps, CU_TENSOR_MAP_SWIZZLE_NONE);
     constexpr int kThreadsPP = wg::pingpong::kThreadsPP;
     if (args.persistent) {
       using wg::pingpong::decode_attention_persistent_kernel;
@@ -3447,16 +3926,9 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
           launch(wg::decode_attention_wg_kernel<false>, wg::Shape<false>::kAlloc, kThreads));
     }
   } else if (args.direct_fp8) {
-    // A CTA per tile of a dense call (its chunks were sized for the grid); a sparse call's tiles
-    // (16 pages each at top-16) in equal ranges over one CTA per SM.
-    const int64_t tiles = static_cast<int64_t>(args.num_work) * args.num_kv_heads;
-    int64_t ctas = std::min<int64_t>(tiles, INT_MAX);
-    if (args.q2k_indices != nullptr) {
-      int device = 0, sms = 0;
-      MSA_RETURN_IF_ERROR(cudaGetDevice(&device));
-      MSA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-      ctas = std::min<int64_t>(ctas, std::max(sms, 1));
-    }
+    // A sparse call's tiles (16 pages each at top-16) in equal ranges over one CTA per SM.
+    int64_t ctas = 0;
+    MSA_RETURN_IF_ERROR(range_ctas(args, ctas));
     MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(decode_attention_direct_kernel,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              kDirectSmemBytes));

@@ -92,6 +92,23 @@ __device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t word) {
 }
 #endif
 
+// Two e4m3 values of a 32-bit word as f16x2 times 2^-8 (bytes 0-1 or 2-3) by integer ops, not
+// the conversion pipe: each byte sign-extended into its 16-bit half (prmt's sign mode, which
+// __byte_perm drops), shifted up 7 bits (exponent and mantissa land in place, the sign at bit
+// 15 and its copies above), bit 14 and the spill into the next half cleared. Exact for every
+// finite e4m3 (subnormals land on f16 subnormals); a NaN byte reads as +-480 * 2^-8. The
+// caller folds the 2^8 back in (a score or output scale).
+__device__ __forceinline__ uint32_t e4m3x2_lo_to_scaled_f16x2(uint32_t word) {
+  uint32_t sx;
+  asm("prmt.b32 %0, %1, 0, 0x9180;" : "=r"(sx) : "r"(word));
+  return (sx << 7) & 0xBF80BF80u;
+}
+__device__ __forceinline__ uint32_t e4m3x2_hi_to_scaled_f16x2(uint32_t word) {
+  uint32_t sx;
+  asm("prmt.b32 %0, %1, 0, 0xB3A2;" : "=r"(sx) : "r"(word));
+  return (sx << 7) & 0xBF80BF80u;
+}
+
 // Two e4m3 values (bits 0-7 and 8-15) -> float2, exact.
 __device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t bits) {
   const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits),

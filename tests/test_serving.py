@@ -274,6 +274,35 @@ def test_decode_e4m3_pv_serves_the_persistent_form_and_sparse_tiles(monkeypatch)
         assert not decode_cuda._pv_fp8(call(sparse=True), persistent=True)
 
 
+def test_decode_token_warps_gate(monkeypatch):
+    """The token-warps form is offered only to sparse calls of e4m3 q and K/V whose tiles have
+    more than 16 rows; unvalidated it runs only with MSA_UNVALIDATED_KERNELS=1 or the
+    decode_token_warps hook, which also turns it off."""
+    def call(e4m3=True, sparse=True, seqlen_q=8, group=16, tile_rows=128):
+        return SimpleNamespace(pv_quant_dtype=E4M3 if e4m3 else None,
+                               q2k_indices=object() if sparse else None, seqlen_q=seqlen_q,
+                               qhead_per_kv=group,
+                               schedule=SimpleNamespace(qo_tile_rows=tile_rows))
+
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
+    assert decode_cuda.VALIDATED_TOKEN_WARPS is False
+    assert not decode_cuda._token_warps(call())
+    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
+    assert decode_cuda._token_warps(call())
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
+    monkeypatch.setattr(decode_cuda, "VALIDATED_TOKEN_WARPS", True)
+    assert decode_cuda._token_warps(call())
+    assert decode_cuda._token_warps(call(seqlen_q=2, group=16))         # 32 rows
+    for other in (call(e4m3=False), call(sparse=False), call(seqlen_q=1), call(tile_rows=16)):
+        assert not decode_cuda._token_warps(other)
+    with debug.forcing(decode_token_warps=False):
+        assert not decode_cuda._token_warps(call())
+    monkeypatch.setattr(decode_cuda, "VALIDATED_TOKEN_WARPS", False)
+    with debug.forcing(decode_token_warps=True):
+        assert decode_cuda._token_warps(call())
+        assert not decode_cuda._token_warps(call(e4m3=False))
+
+
 def test_unvalidated_forms_are_passed_by_until_opted_in(monkeypatch):
     """A table form marked validated=False is passed by for the next form unless
     MSA_UNVALIDATED_KERNELS=1 (the GPU tests that validate it set it); a forced form runs

@@ -1,8 +1,12 @@
-// Issue rates of the instructions in the e4m3 softmax (a GPU diagnostic, no TSV):
-// MUFU.EX2, F2FP (fp32 pair -> e4m3x2), both mixed as the softmax mixes them (two exps per
-// conversion), and an FMA-pipe baseline. Question it answers: do F2FP and MUFU share one
+// Issue rates of the instructions in the e4m3 softmax and the e4m3 widening (a GPU diagnostic,
+// no TSV): MUFU.EX2, F2FP (fp32 pair -> e4m3x2), both mixed as the softmax mixes them (two exps
+// per conversion), the widening F2FP (e4m3x2 -> f16x2, cvt.rn.f16x2.e4m3x2), the same widening
+// by integer ops (sm80::e4m3x2_lo_to_scaled_f16x2: PRMT, SHF, LOP3 giving x * 2^-8 exactly),
+// and an FMA-pipe baseline. Questions it answers: do F2FP and MUFU share one
 // 16-lane-per-clock pipe (then the e4m3 loop's 64 exps + 32 conversions per thread and block
-// cost ~1.5x what the exps alone would), or do they overlap?
+// cost ~1.5x what the exps alone would), or do they overlap? At what rate do e4m3 fragments
+// widen in registers (the direct and token-warps decode forms widen ~512 a page and warp), and
+// does the integer form beat the conversion pipe?
 //
 //   nvcc -arch=sm_90a -O3 -o /tmp/pipe_rates benchmarks/lab/sm90_pipe_rates.cu && /tmp/pipe_rates
 //
@@ -14,9 +18,12 @@
 #include <cstdio>
 #include <cuda_runtime.h>
 
+#include "../../csrc/sm80_primitives.cuh"
+
 constexpr int kIters = 4096;
 
-template <int kMode, int kChains>  // 0: FMUL only, 1: + EX2, 2: + F2FP, 3: + 2 EX2 per F2FP
+template <int kMode, int kChains>  // 0: FMUL only, 1: + EX2, 2: + F2FP, 3: + 2 EX2 per F2FP,
+                                   // 4: + widening F2FP, 5: + widening by PRMT / SHF / LOP3
 __global__ void __launch_bounds__(1024) rates(float seed, unsigned* sink) {
   float a[kChains];
   unsigned acc = 0;
@@ -35,6 +42,13 @@ __global__ void __launch_bounds__(1024) rates(float seed, unsigned* sink) {
         asm volatile("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x), "f"(y));
         acc += h;
       }
+      if (kMode == 4) {
+        unsigned h;
+        asm volatile("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n"
+                     " cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(h) : "r"(__float_as_uint(x)));
+        acc ^= h;
+      }
+      if (kMode == 5) acc ^= msa::sm80::e4m3x2_lo_to_scaled_f16x2(__float_as_uint(x));
       a[c] = x * -0.999f;       // keeps x in (-1, 1): ex2 stays finite
       a[c + 1] = y * -0.998f;
     }
@@ -72,6 +86,8 @@ static void run(const char* label, int sms, unsigned* sink) {
   printf("  FMUL %6.1f/clk", 2 * steps / ns / clk);
   if (kMode == 1 || kMode == 3) printf("  EX2 %5.1f/clk", 2 * steps / ns / clk);
   if (kMode == 2 || kMode == 3) printf("  F2FP %5.1f/clk", steps / ns / clk);
+  if (kMode == 4) printf("  widening F2FP %5.1f/clk", steps / ns / clk);
+  if (kMode == 5) printf("  widenings by ALU %5.1f/clk", steps / ns / clk);
   printf("  (lanes per clock per SM; %.2f clocks per ns)\n", clk);
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
@@ -90,6 +106,10 @@ int main() {
   run<1, 16>("FMUL + 2 EX2", sms, sink);
   run<2, 16>("FMUL + 1 F2FP", sms, sink);
   run<3, 16>("FMUL + 2 EX2 + 1 F2FP", sms, sink);
+  run<4, 8>("FMUL + 1 widening F2FP", sms, sink);
+  run<4, 16>("FMUL + 1 widening F2FP", sms, sink);
+  run<5, 8>("FMUL + 1 widening by ALU", sms, sink);
+  run<5, 16>("FMUL + 1 widening by ALU", sms, sink);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) { printf("CUDA error: %s\n", cudaGetErrorString(err)); return 1; }
   return 0;

@@ -23,6 +23,9 @@ Hooks (``forcing`` keywords):
                      calls, schedule.persistent_ctas); False: they run the plan's work items
   decode_pv_fp8      True: e4m3 ping-pong / persistent calls run P.V on e4m3 wgmma (V^T
                      tiles); False: on f16 wgmma (V widened)
+  decode_token_warps True: sparse decode calls of e4m3 q and K/V with tiles of > 16 rows take
+                     the token-warps form (a warp per 16 rows, only its tokens' pages);
+                     False: the warpgroup forms
   decode_indexer_tma True: the decode indexer's e4m3 index pages arrive as TMA copies (sm_90+);
                      False: as every thread's cp.asyncs
   decode_indexer_offer_warp  True: decode indexer calls of 17-32 rows a request run the
@@ -37,7 +40,7 @@ from typing import Dict, Iterator, Optional
 
 HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "decode_split_keys", "decode_direct_fp8",
          "decode_warpgroup", "decode_pingpong", "decode_persistent", "decode_pv_fp8",
-         "decode_indexer_tma", "decode_indexer_offer_warp")
+         "decode_token_warps", "decode_indexer_tma", "decode_indexer_offer_warp")
 
 _forced: Dict[str, object] = {}
 _poison = [False]

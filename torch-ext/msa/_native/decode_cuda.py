@@ -16,8 +16,9 @@ Forms of the kernel are picked inside the launch, per qo tile: tiles of at most 
 each page's keys across all 8 warps (instead of one warp computing while seven idle), and such
 tiles with e4m3 q and K/V read them straight from a raw page ring (two pages per step, widened
 to f16 in registers, no bf16 staging pass); tiles of more rows take the warpgroup (wgmma) form
-when it is validated for the call's dtype (VALIDATED_WARPGROUP). The debug hooks
-decode_split_keys, decode_direct_fp8 and decode_warpgroup force them on or off (tests cover
+when it is validated for the call's dtype (VALIDATED_WARPGROUP), sparse ones with e4m3 q and
+K/V the token-warps form where VALIDATED_TOKEN_WARPS. The debug hooks decode_split_keys,
+decode_direct_fp8, decode_warpgroup and decode_token_warps force them on or off (tests cover
 every path). The portable tier never runs the warpgroup form (its wgmma body is sm_90a code;
 the launch refuses it elsewhere): its tiles of > 16 rows take the row form, whatever the hook says.
 Importing this module does not touch CUDA.
@@ -67,6 +68,13 @@ VALIDATED_PERSISTENT = frozenset({"bf16", "e4m3"})
 # 10k-100k keys 2-12 % faster) and sparse tiles (the step's 128-row tiles at 4k keys, 2-3.5 %);
 # dense work items keep f16 P.V (-4 to +5 %: no gain).
 VALIDATED_PV_FP8 = frozenset({"persistent", "sparse"})
+# The token-warps form (sparse tiles of > 16 rows with e4m3 q and K/V: a warp per 16 rows
+# computing only the union pages its rows' tokens selected, pages by TMA into a ring a producer
+# warpgroup fills; csrc/decode_attention.cu, docs/design-decode.md). Not yet run on a GPU:
+# tests/test_decode_gpu.py (~token_warps) and its memcheck case decide, then
+# bench_decode_production (MSA_BENCH_UNVALIDATED=1, --qo-tile-rows 128 from 10k keys) against
+# the ping-pong union and the 16-row query tiles.
+VALIDATED_TOKEN_WARPS = False
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
@@ -83,14 +91,16 @@ def supports(*, seqlen_q=1, qhead_per_kv=1, topk=None, **_features) -> Optional[
     return None
 
 
-_last_launch = {"warpgroup": False, "pingpong": False, "persistent": False, "pv_fp8": False}
+_last_launch = {"warpgroup": False, "pingpong": False, "persistent": False, "pv_fp8": False,
+                "token_warps": False}
 
 
 def last_launch() -> dict:
     """The forms the last launch asked for: {"warpgroup": bool, "pingpong": bool,
-    "persistent": bool, "pv_fp8": bool} (the binding applies them only to q and K/V of one
-    dtype, the persistent form within its bounds, pv_fp8 to e4m3). Tests read it to know which
-    form ran."""
+    "persistent": bool, "pv_fp8": bool, "token_warps": bool} (the binding applies them only to
+    q and K/V of one dtype, the persistent form within its bounds, pv_fp8 to e4m3, token_warps
+    to sparse e4m3 tiles of > 16 rows where the launcher can make the caches' tensor maps).
+    Tests read it to know which form ran."""
     return dict(_last_launch)
 
 
@@ -103,15 +113,15 @@ def run(call) -> None:
     place; rows that see no key get O = 0 and LSE = -inf.
     """
     warpgroup = _warpgroup(call)
-    _launch(call, warpgroup, warpgroup and _pingpong(call))
+    _launch(call, warpgroup, warpgroup and _pingpong(call), _token_warps(call))
 
 
 def run_portable(call) -> None:
     """:func:`run` on the portable tier: split-keys, direct e4m3 and row forms only."""
-    _launch(call, False, False)
+    _launch(call, False, False, False)
 
 
-def _launch(call, warpgroup: bool, pingpong: bool) -> None:
+def _launch(call, warpgroup: bool, pingpong: bool, token_warps: bool) -> None:
     s = call.schedule
     if s is None:
         raise ValueError("schedule: the native decode kernel needs a DecodeSchedule")
@@ -123,14 +133,15 @@ def _launch(call, warpgroup: bool, pingpong: bool) -> None:
     workspaces = split or persistent
     pv_fp8 = pingpong and _pv_fp8(call, persistent)
     _last_launch.update(warpgroup=warpgroup, pingpong=pingpong, persistent=persistent,
-                        pv_fp8=pv_fp8)
+                        pv_fp8=pv_fp8, token_warps=token_warps)
     ops.sparse_decode_attention(
         call.q, call.k, call.v, call.q2k_indices, call.page_table, call.seqused_k,
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
         call.o_partial if workspaces else None, call.lse_partial if workspaces else None,
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
         float(call.softmax_scale), _split_keys(), _direct_fp8(), warpgroup, pingpong,
-        int(s.qo_tile_rows), request_pages, int(s.persistent_ctas) if persistent else 0, pv_fp8)
+        int(s.qo_tile_rows), request_pages, int(s.persistent_ctas) if persistent else 0, pv_fp8,
+        token_warps)
 
 
 def _split_keys() -> bool:
@@ -193,6 +204,16 @@ def _pv_fp8(call, persistent: bool) -> bool:
     form = ("persistent" if persistent else
             "sparse" if call.q2k_indices is not None else "dense")
     return debug.gate("decode_pv_fp8", _backend.may_serve(form in VALIDATED_PV_FP8))
+
+
+def _token_warps(call) -> bool:
+    """Whether a sparse call of e4m3 q and K/V with tiles of > 16 rows takes the token-warps
+    form (where VALIDATED_TOKEN_WARPS, or with MSA_UNVALIDATED_KERNELS=1); the
+    decode_token_warps hook forces it on such calls (True) or off (False). The launcher takes it
+    where it can make the caches' tensor maps; elsewhere the warpgroup forms serve."""
+    if call.q2k_indices is None or _form_dtype(call) != "e4m3" or _tile_rows(call) <= 16:
+        return False
+    return debug.gate("decode_token_warps", _backend.may_serve(VALIDATED_TOKEN_WARPS))
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
