@@ -603,6 +603,21 @@ __device__ __forceinline__ void direct_qk_two_pages(const char* const (&k8)[2], 
   }
 }
 
+// The A fragment of P.V over 16 keys (S accumulator n-tiles s[0], s[1]: keys 2t, 2t + 1 and
+// 2t + 8, 2t + 9 of rows g and g + 8): each probability rounded to e4m3 (exact in f16) and
+// scaled by its row's factor in f16 (sc_g: row g, sc_g8: row g + 8).
+__device__ __forceinline__ void p_fragment_e4m3(const float (&s)[2][4], __half2 sc_g,
+                                                __half2 sc_g8, uint32_t (&pa)[4]) {
+  auto scaled = [](uint32_t p2, __half2 b) {
+    const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&p2), b);
+    return *reinterpret_cast<const uint32_t*>(&r);
+  };
+  pa[0] = scaled(round_e4m3x2_to_f16x2(s[0][0], s[0][1]), sc_g);
+  pa[1] = scaled(round_e4m3x2_to_f16x2(s[0][2], s[0][3]), sc_g8);
+  pa[2] = scaled(round_e4m3x2_to_f16x2(s[1][0], s[1][1]), sc_g);
+  pa[3] = scaled(round_e4m3x2_to_f16x2(s[1][2], s[1][3]), sc_g8);
+}
+
 // O += (scale P) V over one page's 16 keys of this warp: P = s (probabilities against the page
 // max) rounded to e4m3, times the per-row scale in f16, as the A fragment; V from the raw page.
 // kZeroTail: V rows at or past valid_rows read as zeros (a TMA-copied page holds whatever the
@@ -613,15 +628,8 @@ __device__ __forceinline__ void direct_pv_page(const char* v8, int key_base, int
                                                const float (&s)[2][4], float scale_g,
                                                float scale_g8, float (&acc)[16][4],
                                                int valid_rows = kPageSize) {
-  const __half2 sc_g = __float2half2_rn(scale_g), sc_g8 = __float2half2_rn(scale_g8);
-  auto scaled = [](uint32_t p2, __half2 b) {
-    const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&p2), b);
-    return *reinterpret_cast<const uint32_t*>(&r);
-  };
-  const uint32_t pa[4] = {scaled(round_e4m3x2_to_f16x2(s[0][0], s[0][1]), sc_g),
-                          scaled(round_e4m3x2_to_f16x2(s[0][2], s[0][3]), sc_g8),
-                          scaled(round_e4m3x2_to_f16x2(s[1][0], s[1][1]), sc_g),
-                          scaled(round_e4m3x2_to_f16x2(s[1][2], s[1][3]), sc_g8)};
+  uint32_t pa[4];
+  p_fragment_e4m3(s, __float2half2_rn(scale_g), __float2half2_rn(scale_g8), pa);
   const int key0 = key_base + 2 * (lane & 3);
   uint4 v_lo[2] = {swizzled_chunk(v8, key0, lane >> 2), swizzled_chunk(v8, key0 + 8, lane >> 2)};
   uint4 v_hi[2] = {swizzled_chunk(v8, key0 + 1, lane >> 2),
@@ -3090,50 +3098,73 @@ __global__ void __launch_bounds__(kThreads, 1)
   cp_async_wait_all();
 }
 
-// ---- Token-warps form (sparse tiles of more than 16 rows, e4m3 q and K/V, sm_90a) ----------
+// ---- Token-warps forms (sparse tiles of more than 16 rows, e4m3 q and K/V, sm_90a) ---------
 // A sparse tile of 8 tokens x G 16 streams the union of its tokens' selections, but each token
 // selected only topK of those pages: the ping-pong form computes all 128 rows against every
 // union page (at 4k keys about twice the work the selections ask for), and 16-row query tiles
 // read a page once for every token that chose it. Here each of eight consumer warps owns 16
-// rows (one token at G = 16) with their Q in registers, as the direct form's, and computes a
-// page only where its rows' tokens selected it: all 128 keys of the page (16 QK^T chains, e4m3
-// widened in registers, f16 mma.sync, the direct form's fragment orders), the page's softmax
-// within the warp (it holds whole rows: no exchange), then P.V over the page's 128 keys. The
-// union's pages arrive once each by TMA (the direct form's swizzle is the 128-byte TMA swizzle)
-// into a ring of kTwStages whole pages, issued by one thread of a producer warpgroup: full
-// barriers count the copies' bytes, empty barriers the 256 consumer threads. A warp waits for
-// every page (so no warp arrives a round ahead) but computes only its own, so the warps drift
-// apart within the ring and a page costs the SM about the work of the tokens that chose it.
-// The lists are slot-major (each token's first choices first), which spreads every token's
-// pages evenly along the union: with token-major lists one warp's sixteen pages come first and
-// hold the ring (tools/lab/model_decode_token_warps.py, 32-800 blocks: 1.11-1.26x the ideal
-// time slot-major with six stages, 1.22-2.49x token-major). Rows past a request's keys are
-// whatever the pool holds: their scores are masked and, on the request's last page, their V
-// rows read as zeros. Tiles come from the CTA's range and batches as the direct form's; a tile
-// writes O, or its chunk's partial of a split plan. A warp's page is ~1400 instructions, 566 of
-// them F2FP (K and V widened, P rounded), so the conversion rate decides the form's speed:
-// benchmarks/lab/conversion_rate.cu measures it.
+// rows (one token at G = 16) with their Q in registers and computes a page only where its
+// rows' tokens selected it: all 128 keys of the page (16 independent QK^T chains on f16
+// mma.sync), the page's softmax within the warp (it holds whole rows: no exchange), then P.V
+// over the page's 128 keys, with the direct form's numerics (P rounded to e4m3 against the page
+// max, scaled by exp(page max - running max) in f16). The union's pages arrive once each by TMA
+// from one thread of a producer warpgroup. A warp waits for every page (so no warp arrives a
+// round ahead on an empty barrier) but computes only its own, so the warps drift apart within
+// the ring and a page costs the SM about the work of the tokens that chose it. The lists are
+// slot-major (each token's first choices first), which spreads every token's pages evenly
+// along the union: with token-major lists one warp's sixteen pages come first and hold the ring
+// (tools/lab/model_decode_token_warps.py, 32-800 blocks: 1.11-1.26x the ideal time slot-major
+// with six stages, 1.22-2.49x token-major). Tiles come from the CTA's range and batches as the
+// direct form's; a tile writes O, or its chunk's partial of a split plan. Two forms:
+//
+// kTwPerWarp: the raw e4m3 pages in a ring of six (the direct form's swizzle is the 128-byte
+//   TMA swizzle); each warp widens its pages' K and V fragments in registers (the direct form's
+//   fragment orders). A warp's page is ~1400 SASS, 566 of them F2FP, so where F2FP is slow the
+//   widening, repeated by every warp that chose the page, sets the pace. Rows past a request's
+//   keys arrive as the pool holds them: masked scores, V read as zeros on the request's last
+//   page.
+// kTwOnce: the producer warpgroup widens each page once into a ring of two f16 pages (K and V,
+//   256-byte rows, 16-byte chunks XOR-swizzled by row % 8), behind two raw TMA slots; the warps
+//   read fragments with ldmatrix (K rows as the B operand, V through .trans) in the natural
+//   channel order. The widening writes zeros past the request's keys. A page's conversions are
+//   paid once, whatever the number of tokens that chose it; the ring holds two pages, so the
+//   warps drift less (1.32x the ideal at 32 blocks).
+// benchmarks/lab/sm90_pipe_rates.cu measures the widening rates, and
+// benchmarks/lab/decode_sparse_mtp_forms.cu the forms.
+enum TokenWarpsForm : int { kTwOff = 0, kTwPerWarp = 1, kTwOnce = 2 };
 constexpr int kTwConsumers = 8;                         // warpgroups 0-1
 constexpr int kTwConsumerThreads = kTwConsumers * 32;
 constexpr int kTwThreads = kTwConsumerThreads + 128;      // + the producer warpgroup
-constexpr int kTwStages = 6;
+constexpr int kTwWideRowBytes = kHeadDim * 2;           // an f16 K or V row (kTwOnce)
+
+// Shared memory: the consumers' ring (raw pages, or f16 pages behind kRawStages raw slots),
+// its barriers (full, empty, then the raw slots' full), the batch's lists, tiles and counters.
 // setmaxnreg moves registers within the launch allocation (384 threads x 168): the consumers
-// hold S, O and Q's fragments (160 registers) besides the page's addresses.
-constexpr int kTwProducerRegisters = 40;
-constexpr int kTwConsumerRegisters = 232;
-static_assert(128 * kTwProducerRegisters + kTwConsumerThreads * kTwConsumerRegisters <=
-                  kTwThreads * 168,
-              "token warps: the register split must fit the launch allocation");
-constexpr int kTwBarrierOffset = kTwStages * kPageFp8Bytes;   // the ring first (1024-aligned)
-constexpr int kTwListOffset = kTwBarrierOffset + 2 * kTwStages * 8;
-constexpr int kTwTilesOffset = kTwListOffset + kListBytes;
-constexpr int kTwCountsOffset =
-    kTwTilesOffset + kDirectMaxTiles * static_cast<int>(sizeof(DirectTile));
-constexpr int kTwSmemBytes = kTwCountsOffset + (kDirectMaxTiles + kTwConsumers + 4) * 4;
-constexpr int kTwAlloc = kTwSmemBytes + 1024;           // room to align the ring to 1024 bytes
-static_assert(kTwAlloc <= 227 * 1024, "token warps: shared memory per CTA");
-static_assert(kTwListOffset % 16 == 0 && kTwTilesOffset % 16 == 0,
-              "token warps: the lists and tiles are aligned");
+// hold S, O and Q's fragments (160 registers) besides the page's addresses; kTwOnce's producers
+// widen.
+template <int kForm>
+struct TwLayout {
+  static constexpr bool kOnce = kForm == kTwOnce;
+  static constexpr int kStages = kOnce ? 2 : 6;
+  static constexpr int kRawStages = kOnce ? 2 : 0;
+  static constexpr int kStageBytes = kOnce ? 2 * kPageSize * kTwWideRowBytes : kPageFp8Bytes;
+  static constexpr int kRawOffset = kStages * kStageBytes;
+  static constexpr int kBarrierOffset = kRawOffset + kRawStages * kPageFp8Bytes;
+  static constexpr int kListOffset = kBarrierOffset + (2 * kStages + kRawStages + 1) / 2 * 16;
+  static constexpr int kTilesOffset = kListOffset + kListBytes;
+  static constexpr int kCountsOffset =
+      kTilesOffset + kDirectMaxTiles * static_cast<int>(sizeof(DirectTile));
+  static constexpr int kBytes = kCountsOffset + (kDirectMaxTiles + kTwConsumers + 4) * 4;
+  static constexpr int kAlloc = kBytes + 1024;           // room to align the ring to 1024 bytes
+  static constexpr int kProducerRegisters = kOnce ? 56 : 40;
+  static constexpr int kConsumerRegisters = kOnce ? 224 : 232;
+  static_assert(kAlloc <= 227 * 1024, "token warps: shared memory per CTA");
+  static_assert(kListOffset % 16 == 0 && kTilesOffset % 16 == 0,
+                "token warps: the lists and tiles are aligned");
+  static_assert(128 * kProducerRegisters + kTwConsumerThreads * kConsumerRegisters <=
+                    kTwThreads * 168,
+                "token warps: the register split must fit the launch allocation");
+};
 
 // Lab hook (benchmarks/lab/decode_sparse_mtp_forms.cu builds this file with it):
 // MSA_LAB_TW_TIMELINE records clock64 stamps of CTA 0's first kTwLabPages pages per warp (0-7:
@@ -3156,35 +3187,18 @@ __device__ int lab_tw_computed[kTwConsumers][kTwLabPages];
 #endif
 
 // setmaxnreg and TMA copies are sm_90a code here: other archs compile just the kernel's entry
-// point (a trap; the launcher asks for the form only where the sm_90a image is loaded).
+// point (a trap; the launcher asks for the forms only where the sm_90a image is loaded).
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// One page of a token warp: S = Q K^T over the page's 128 keys for the warp's 16 rows (rows
-// lane / 4 and lane / 4 + 8; last[i2]: each row's last visible key of the page, -1 none; with
-// !kMasked every key is visible), the page folded into the rows' running max and sum (P
-// against the page max, the direct form's numerics), then O += (beta P) V. kMasked also reads
-// V rows at or past valid_rows (the request's end) as zeros. A warp's rows are one token at
-// G >= 16, so only its last pages (causal, the request's end) take the masked instance.
+// A token warp's page softmax: S (the raw scores of its 16 rows x the page's 128 keys, key
+// 8n + 2t + e in s[n][e]; with kMasked, visible to row i2 up to key last[i2]) becomes P against
+// the page max, the rows' running max and sum advance and O is rescaled; beta: each row's P
+// scale (exp(page max - running max)).
 template <bool kMasked>
-__device__ __forceinline__ void token_warp_page(const char* k8, const char* v8, int lane,
-                                                const uint32_t (&qf)[kHeadDim / 16][4],
-                                                const int (&last)[2], int valid_rows,
-                                                float scale_log2, float (&acc)[16][4],
-                                                float (&row_max)[2], float (&row_sum)[2]) {
-  float s[16][4];
-#pragma unroll
-  for (int n = 0; n < 16; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-  for (int n = 0; n < 16; ++n) {
-    const int key = n * 8 + (lane >> 2);
-    const uint4 k_raw[2] = {swizzled_chunk(k8, key, (lane & 3) * 2),
-                            swizzled_chunk(k8, key, (lane & 3) * 2 + 1)};
-#pragma unroll
-    for (int kd = 0; kd < kHeadDim / 16; ++kd) {
-      const uint32_t w = word_of(k_raw, kd);
-      mma_f16(s[n], qf[kd], widen_lo<kLabKByAlu>(w), widen_hi<kLabKByAlu>(w));
-    }
-  }
+__device__ __forceinline__ void token_warp_softmax(float (&s)[16][4], int lane,
+                                                   const int (&last)[2], float scale_log2,
+                                                   float (&acc)[16][4], float (&row_max)[2],
+                                                   float (&row_sum)[2], float (&beta)[2]) {
   scale_log2 *= kLabKScale;   // (the lab's K x 2^-8)
   // Scores in log2 units (masked: -inf), the page maxima as four partial chains per row.
   float part[2][4];
@@ -3204,7 +3218,7 @@ __device__ __forceinline__ void token_warp_page(const char* k8, const char* v8, 
       m = fmaxf(m, v);
     }
   }
-  float page_max[2], alpha[2], beta[2];
+  float page_max[2], alpha[2];
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
     float m = fmaxf(fmaxf(part[i2][0], part[i2][1]), fmaxf(part[i2][2], part[i2][3]));
@@ -3233,6 +3247,36 @@ __device__ __forceinline__ void token_warp_page(const char* k8, const char* v8, 
     row_sum[i2] = row_sum[i2] * alpha[i2] + beta[i2] * page_sum;
   }
   if (!__all_sync(0xFFFFFFFFu, alpha[0] == 1.f && alpha[1] == 1.f)) scale_rows(acc, alpha);
+}
+
+// kTwPerWarp: one page of a token warp: S = Q K^T over the page's 128 keys for the warp's 16 rows (rows
+// lane / 4 and lane / 4 + 8; last[i2]: each row's last visible key of the page, -1 none; with
+// !kMasked every key is visible), the page folded into the rows' running max and sum (P
+// against the page max, the direct form's numerics), then O += (beta P) V. kMasked also reads
+// V rows at or past valid_rows (the request's end) as zeros. A warp's rows are one token at
+// G >= 16, so only its last pages (causal, the request's end) take the masked instance.
+template <bool kMasked>
+__device__ __forceinline__ void token_warp_page(const char* k8, const char* v8, int lane,
+                                                const uint32_t (&qf)[kHeadDim / 16][4],
+                                                const int (&last)[2], int valid_rows,
+                                                float scale_log2, float (&acc)[16][4],
+                                                float (&row_max)[2], float (&row_sum)[2]) {
+  float s[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    const int key = n * 8 + (lane >> 2);
+    const uint4 k_raw[2] = {swizzled_chunk(k8, key, (lane & 3) * 2),
+                            swizzled_chunk(k8, key, (lane & 3) * 2 + 1)};
+#pragma unroll
+    for (int kd = 0; kd < kHeadDim / 16; ++kd) {
+      const uint32_t w = word_of(k_raw, kd);
+      mma_f16(s[n], qf[kd], widen_lo<kLabKByAlu>(w), widen_hi<kLabKByAlu>(w));
+    }
+  }
+  float beta[2];
+  token_warp_softmax<kMasked>(s, lane, last, scale_log2, acc, row_max, row_sum, beta);
 #pragma unroll
   for (int kk = 0; kk < kPageSize / 16; ++kk) {
     const float(&s2)[2][4] = *reinterpret_cast<const float(*)[2][4]>(&s[2 * kk][0]);
@@ -3240,7 +3284,7 @@ __device__ __forceinline__ void token_warp_page(const char* k8, const char* v8, 
   }
 }
 
-// A token warp's finished rows (16 of the tile, rows row_base + lane / 4 and + 8): normalized O
+// kTwPerWarp: a token warp's finished rows (16 of the tile, rows row_base + lane / 4 and + 8): normalized O
 // and LSE (natural log), or the chunk's fp32 partial of a split plan; rows that saw no key get
 // O = 0, LSE = -inf. This thread holds channels 32t .. 32t + 31 of each row (P.V's output order:
 // n-tile n, column c = 2t + e is channel 16c + n).
@@ -3298,24 +3342,158 @@ __device__ __forceinline__ void token_warp_store(const DecodeAttentionArgs& a,
   }
 }
 
+
+// kTwOnce: this thread's Q A-fragments (f16, the natural channel order) for rows row_base +
+// lane / 4 and + 8 of a tile: qf[kd] = (row g, channels 16 kd + 2t, + 1), (row g + 8, the same),
+// (row g, 16 kd + 8 + 2t, + 1), (row g + 8, the same); zero past the tile.
+__device__ __forceinline__ void load_query_fragments(const DecodeAttentionArgs& a,
+                                                     const CtaContext& ctx, int group,
+                                                     int tile_rows, int row_base,
+                                                     uint32_t (&qf)[kHeadDim / 16][4]) {
+  const int lane = threadIdx.x & 31, t = lane & 3;
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    const int row = row_base + (lane >> 2) + i2 * 8;
+    uint4 chunk[kHeadDim / 16];
+#pragma unroll
+    for (int kd = 0; kd < kHeadDim / 16; ++kd) chunk[kd] = make_uint4(0u, 0u, 0u, 0u);
+    if (row < tile_rows) {
+      const int r = ctx.first_row + row;
+      const int token = r / group, qo_head = ctx.head * group + r % group;
+      const int64_t offset =
+          ((static_cast<int64_t>(ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head) *
+          kHeadDim;
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.q) + offset);
+#pragma unroll
+      for (int kd = 0; kd < kHeadDim / 16; ++kd) chunk[kd] = src[kd];
+    }
+#pragma unroll
+    for (int kd = 0; kd < kHeadDim / 16; ++kd) {
+      const uint32_t wa = (t & 2) ? chunk[kd].y : chunk[kd].x;   // channels 16 kd + 2t ..
+      const uint32_t wb = (t & 2) ? chunk[kd].w : chunk[kd].z;   // channels 16 kd + 8 + 2t ..
+      qf[kd][i2] = (t & 1) ? e4m3x2_hi_to_f16x2(wa) : e4m3x2_lo_to_f16x2(wa);
+      qf[kd][2 + i2] = (t & 1) ? e4m3x2_hi_to_f16x2(wb) : e4m3x2_lo_to_f16x2(wb);
+    }
+  }
+}
+
+// kTwOnce: the producer warpgroup's widening (thread 0 .. 127) of one raw tensor slice (128 rows
+// of 128 bytes, TMA-swizzled) into an f16 one (256-byte rows, 16-byte chunk c of row r at
+// c ^ (r % 8)); rows at or past valid_rows become zeros (a request's end: whatever the pool
+// holds there must not meet P = 0).
+template <bool kByAlu>
+__device__ __forceinline__ void widen_rows(const char* raw, char* wide, int valid_rows,
+                                           int thread) {
+#pragma unroll
+  for (int i = 0; i < kPageSize * kHeadDim / 16 / 128; ++i) {
+    const int q = thread + 128 * i;
+    const int row = q >> 3, c = q & 7;
+    uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+    if (row < valid_rows) {
+      const uint4 v = swizzled_chunk(raw, row, c);
+      lo = make_uint4(widen_lo<kByAlu>(v.x), widen_hi<kByAlu>(v.x), widen_lo<kByAlu>(v.y),
+                      widen_hi<kByAlu>(v.y));
+      hi = make_uint4(widen_lo<kByAlu>(v.z), widen_hi<kByAlu>(v.z), widen_lo<kByAlu>(v.w),
+                      widen_hi<kByAlu>(v.w));
+    }
+    char* dst = wide + row * kTwWideRowBytes;
+    *reinterpret_cast<uint4*>(dst + (((2 * c) ^ (row & 7)) << 4)) = lo;
+    *reinterpret_cast<uint4*>(dst + (((2 * c + 1) ^ (row & 7)) << 4)) = hi;
+  }
+}
+
+// kTwOnce: one page of a token warp from an f16 stage (K rows at kw, V rows at vw): S = Q K^T
+// with K's fragments by ldmatrix (an 8-key row block and 32 channels a load), the page's
+// softmax, then O += (beta P) V with V's by ldmatrix.trans; every order natural.
+template <bool kMasked>
+__device__ __forceinline__ void token_warp_page_widened(const char* kw, const char* vw, int lane,
+                                                        const uint32_t (&qf)[kHeadDim / 16][4],
+                                                        const int (&last)[2], float scale_log2,
+                                                        float (&acc)[16][4], float (&row_max)[2],
+                                                        float (&row_sum)[2]) {
+  float s[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    const int row = 8 * n + (lane & 7);
+#pragma unroll
+    for (int kd2 = 0; kd2 < kHeadDim / 32; ++kd2) {
+      const int chunk = 4 * kd2 + (lane >> 3);   // matrices: channels 32 kd2 + 8 (lane / 8)
+      uint32_t b[4];
+      sm80::ldmatrix_x4(b, kw + row * kTwWideRowBytes + ((chunk ^ (row & 7)) << 4));
+      mma_f16(s[n], qf[2 * kd2], b[0], b[1]);
+      mma_f16(s[n], qf[2 * kd2 + 1], b[2], b[3]);
+    }
+  }
+  float beta[2];
+  token_warp_softmax<kMasked>(s, lane, last, scale_log2, acc, row_max, row_sum, beta);
+  const __half2 sc_g = __float2half2_rn(beta[0]), sc_g8 = __float2half2_rn(beta[1]);
+#pragma unroll
+  for (int kk = 0; kk < kPageSize / 16; ++kk) {
+    uint32_t pa[4];
+    p_fragment_e4m3(*reinterpret_cast<const float(*)[2][4]>(&s[2 * kk][0]), sc_g, sc_g8, pa);
+    const int v_row = 16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int nd = 0; nd < 16; nd += 2) {
+      const int chunk = nd + (lane >> 4);
+      uint32_t b[4];
+      sm80::ldmatrix_x4_trans(b, vw + v_row * kTwWideRowBytes + ((chunk ^ (v_row & 7)) << 4));
+      mma_f16(acc[nd], pa, b[0], b[1]);
+      mma_f16(acc[nd + 1], pa, b[2], b[3]);
+    }
+  }
+}
+
+// kTwOnce: a token warp's finished rows (the natural output order, as the warpgroup forms').
+__device__ __forceinline__ void token_warp_store_natural(const DecodeAttentionArgs& a,
+                                                         const DirectTile& t, int row_base,
+                                                         const float (&acc)[16][4],
+                                                         const float (&row_max)[2],
+                                                         float (&row_sum)[2]) {
+  const int lane = threadIdx.x & 31;
+  const int group = a.num_qo_heads / a.num_kv_heads;
+  add_quad_sums(row_sum);
+  const int64_t slot = wg::chunk_slot(a, t.ctx.request, t.chunk);
+  if (slot == wg::kCorruptSlot) return;
+#pragma unroll
+  for (int i2 = 0; i2 < 2; ++i2) {
+    const int row = row_base + (lane >> 2) + i2 * 8;
+    if (row >= t.tile_rows) continue;
+    const int r = t.ctx.first_row + row;
+    // Only a zero sum means "no visible key": a NaN sum gives NaN O and LSE.
+    const bool empty = row_sum[i2] == 0.f;
+    const float inv = empty ? 0.f : kLabVScale / row_sum[i2];   // (the lab's O x 2^-8)
+    const float lse = empty ? -INFINITY : (row_max[i2] + log2f(row_sum[i2])) * kLn2;
+    store_row(a, slot, t.ctx.request, r / group, t.ctx.head * group + r % group, lane, lse,
+              [&](int n) { return make_float2(acc[n][2 * i2] * inv, acc[n][2 * i2 + 1] * inv); });
+  }
+}
+
+template <int kForm>
 __global__ void __launch_bounds__(kTwThreads, 1)
     decode_attention_token_warps_kernel(const DecodeAttentionArgs a,
                                         const __grid_constant__ wg::PagedKvMaps maps) {
+  using L = TwLayout<kForm>;
+  constexpr bool kOnce = L::kOnce;
   constexpr int kProducerWarp = kTwConsumers;   // the producer warpgroup's first warp copies
   constexpr int kBatchBarrier = 1;              // all threads: a batch's lists are ready / done
   constexpr int kListBarrier = 2;               // the consumers, while they make the lists
+  constexpr int kWidenBarrier = 3;              // kTwOnce's producers: a raw slot is read
   extern __shared__ __align__(1024) char smem_raw[];
   char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  char* const ring = smem;
-  uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + kTwBarrierOffset);
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + L::kBarrierOffset);
   auto full = [&](int stage) { return sm90::Mbarrier{bars + stage}; };
-  auto empty = [&](int stage) { return sm90::Mbarrier{bars + kTwStages + stage}; };
-  int* const cand = reinterpret_cast<int*>(smem + kTwListOffset);
+  auto empty = [&](int stage) { return sm90::Mbarrier{bars + L::kStages + stage}; };
+  auto raw_full = [&](int slot) { return sm90::Mbarrier{bars + 2 * L::kStages + slot}; };
+  auto stage_of = [&](int stage) { return smem + stage * L::kStageBytes; };
+  auto raw_of = [&](int slot) { return smem + L::kRawOffset + slot * kPageFp8Bytes; };
+  int* const cand = reinterpret_cast<int*>(smem + L::kListOffset);
   int* const list_phys = cand + kMaxCandidates;
   int* const list_logical = list_phys + kMaxCandidates;
   uint32_t* const list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
-  DirectTile* const tiles = reinterpret_cast<DirectTile*>(smem + kTwTilesOffset);
-  int* const tile_pages = reinterpret_cast<int*>(smem + kTwCountsOffset);
+  DirectTile* const tiles = reinterpret_cast<DirectTile*>(smem + L::kTilesOffset);
+  int* const tile_pages = reinterpret_cast<int*>(smem + L::kCountsOffset);
   int* const warp_counts = tile_pages + kDirectMaxTiles;
   int* const info = warp_counts + kTwConsumers;   // tiles kept, consumed, candidates; total
 
@@ -3328,16 +3506,18 @@ __global__ void __launch_bounds__(kTwThreads, 1)
   const int64_t f_end = f + share + (blockIdx.x < extra ? 1 : 0);
   if (threadIdx.x < kDirectMaxTiles) tile_pages[threadIdx.x] = 0;
   if (threadIdx.x == 0) {
-    for (int st = 0; st < kTwStages; ++st) {
-      full(st).init(1);                          // the producer's arrival (+ the copies' bytes)
+    for (int st = 0; st < L::kStages; ++st) {
+      // kTwPerWarp: the copy's arrival and bytes; kTwOnce: the producer warpgroup's widening.
+      full(st).init(kOnce ? 128 : 1);
       empty(st).init(kTwConsumerThreads);
     }
+    for (int slot = 0; slot < L::kRawStages; ++slot) raw_full(slot).init(1);
     sm90::fence_barrier_init();
   }
   __syncthreads();
-  // The producer (lane 0 of its first warp) and every consumer thread walk the same ring
-  // positions, one per list page, across tiles and batches.
-  sm90::RingState<kTwStages> pos;
+  // The producer and every consumer thread walk the same ring positions, one per list page,
+  // across tiles and batches (kTwPerWarp: lane 0 of the producer's first warp alone).
+  sm90::RingState<L::kStages> pos;
 #ifdef MSA_LAB_TW_TIMELINE
   int lab_page = 0;   // the CTA's pages so far
 #define LAB_TW_NEXT_PAGE() ++lab_page
@@ -3348,38 +3528,87 @@ __global__ void __launch_bounds__(kTwThreads, 1)
 #endif
 
   if (producer) {
-    sm90::registers_down<kTwProducerRegisters>();
+    sm90::registers_down<L::kProducerRegisters>();
+    const int thread = threadIdx.x - kTwConsumerThreads;
+    sm90::RingState<kOnce ? L::kRawStages : 1> raw_pos;
     while (f < f_end) {
       sm90::named_sync(kBatchBarrier, kTwThreads);   // the batch's lists are ready
       const int num_tiles = info[0];
       f += info[1];
-      if (warp == kProducerWarp && lane == 0) {
-        for (int ti = 0; ti < num_tiles; ++ti) {
-          const int head = tiles[ti].ctx.head, begin = tiles[ti].list_begin;
-          const int end = begin + tiles[ti].num_pages;
-          for (int e = begin; e < end; ++e) {
-            const int row = (list_phys[e] * a.num_kv_heads + head) * kPageSize;
-            MSA_LAB_TW_MARK(true, kTwConsumers, lab_page, 0);
-            empty(pos.index).wait(pos.phase ^ 1u);
-            MSA_LAB_TW_MARK(true, kTwConsumers, lab_page, 1);
-            const sm90::Mbarrier bar = full(pos.index);
-            char* stage = ring + pos.index * kPageFp8Bytes;
-            bar.arrive_expect_tx(kPageFp8Bytes);
-            sm90::tma_load_2d(stage, maps.k, 0, row, bar);
-            sm90::tma_load_2d(stage + kPageSize * kHeadDim, maps.v, 0, row, bar);
-            MSA_LAB_TW_MARK(true, kTwConsumers, lab_page, 2);
-            pos.advance();
-            LAB_TW_NEXT_PAGE();
+      // Copies list page e (its tile ti) into `stage`, counted on `bar`.
+      auto copy = [&](int ti, int e, char* stage, const sm90::Mbarrier& bar) {
+        const int row = (list_phys[e] * a.num_kv_heads + tiles[ti].ctx.head) * kPageSize;
+        bar.arrive_expect_tx(kPageFp8Bytes);
+        sm90::tma_load_2d(stage, maps.k, 0, row, bar);
+        sm90::tma_load_2d(stage + kPageSize * kHeadDim, maps.v, 0, row, bar);
+      };
+      if constexpr (!kOnce) {
+        if (warp == kProducerWarp && lane == 0) {
+          for (int ti = 0; ti < num_tiles; ++ti) {
+            const int end = tiles[ti].list_begin + tiles[ti].num_pages;
+            for (int e = tiles[ti].list_begin; e < end; ++e) {
+              MSA_LAB_TW_MARK(true, kTwConsumers, lab_page, 0);
+              empty(pos.index).wait(pos.phase ^ 1u);
+              MSA_LAB_TW_MARK(true, kTwConsumers, lab_page, 1);
+              copy(ti, e, stage_of(pos.index), full(pos.index));
+              MSA_LAB_TW_MARK(true, kTwConsumers, lab_page, 2);
+              pos.advance();
+              LAB_TW_NEXT_PAGE();
+            }
           }
         }
+        __syncwarp();
+      } else {
+        // Thread 0 keeps the raw slots kRawStages pages ahead of the widening: the batch's
+        // first pages now, page e + kRawStages once every producer thread has read page e.
+        auto tile_of = [&](int e) {
+          int ti = 0;
+          while (ti + 1 < num_tiles && tiles[ti + 1].list_begin <= e) ++ti;
+          return ti;
+        };
+        const int total = num_tiles > 0 ? tiles[num_tiles - 1].list_begin +
+                                              tiles[num_tiles - 1].num_pages
+                                        : 0;
+        if (thread == 0) {
+          sm90::RingState<L::kRawStages> ahead = raw_pos;
+          for (int e = 0; e < min(total, L::kRawStages); ++e) {
+            copy(tile_of(e), e, raw_of(ahead.index), raw_full(ahead.index));
+            ahead.advance();
+          }
+        }
+        int ti = 0;
+        for (int e = 0; e < total; ++e) {
+          while (e >= tiles[ti].list_begin + tiles[ti].num_pages) ++ti;
+          const DirectTile& t = tiles[ti];
+          const int valid_rows =
+              min(kPageSize, max(t.ctx.seqlen_k - list_logical[e] * kPageSize, 0));
+          MSA_LAB_TW_MARK(thread == 0, kTwConsumers, lab_page, 0);
+          raw_full(raw_pos.index).wait(raw_pos.phase);
+          empty(pos.index).wait(pos.phase ^ 1u);
+          MSA_LAB_TW_MARK(thread == 0, kTwConsumers, lab_page, 1);
+          const char* raw = raw_of(raw_pos.index);
+          char* wide = stage_of(pos.index);
+          widen_rows<kLabKByAlu>(raw, wide, valid_rows, thread);
+          widen_rows<kLabVByAlu>(raw + kPageSize * kHeadDim, wide + kPageSize * kTwWideRowBytes,
+                                 valid_rows, thread);
+          full(pos.index).arrive();
+          sm90::named_sync(kWidenBarrier, 128);        // every read of the raw slot is done
+          if (thread == 0 && e + L::kRawStages < total) {
+            copy(tile_of(e + L::kRawStages), e + L::kRawStages, raw_of(raw_pos.index),
+                 raw_full(raw_pos.index));
+          }
+          MSA_LAB_TW_MARK(thread == 0, kTwConsumers, lab_page, 2);
+          raw_pos.advance();
+          pos.advance();
+          LAB_TW_NEXT_PAGE();
+        }
       }
-      __syncwarp();
       sm90::named_sync(kBatchBarrier, kTwThreads);   // the batch's lists are no longer read
     }
     return;
   }
 
-  sm90::registers_up<kTwConsumerRegisters>();
+  sm90::registers_up<L::kConsumerRegisters>();
   const int group = a.num_qo_heads / a.num_kv_heads;
   const float scale_log2 = a.softmax_scale * kLog2e;
   const int row_base = 16 * warp;
@@ -3395,7 +3624,9 @@ __global__ void __launch_bounds__(kTwThreads, 1)
     for (int ti = 0; ti < num_tiles; ++ti) {
       const DirectTile& t = tiles[ti];
       uint32_t qf[kHeadDim / 16][4];
-      {
+      if constexpr (kOnce) {
+        load_query_fragments(a, t.ctx, group, t.tile_rows, row_base, qf);
+      } else {
         uint4 q_raw[2][2];
         load_query_raw_fp8(a, t.ctx, group, t.tile_rows, q_raw, row_base);
         widen_query_fp8(q_raw, qf);
@@ -3434,22 +3665,35 @@ __global__ void __launch_bounds__(kTwThreads, 1)
 #endif
         if (mask & warp_tokens) {          // warp-uniform
           const int logical = list_logical[e];
-          const char* k8 = ring + pos.index * kPageFp8Bytes;
-          const char* v8 = k8 + kPageSize * kHeadDim;
-          const int valid_rows = min(kPageSize, max(t.ctx.seqlen_k - logical * kPageSize, 0));
+          const char* stage = stage_of(pos.index);
           int last[2];
 #pragma unroll
           for (int i2 = 0; i2 < 2; ++i2) {
             const bool selected = (mask >> row_token[i2]) & 1u;
             last[i2] = selected ? row_last_key[i2] - logical * kPageSize : -1;
           }
+          // Every row sees every key: the page skips the mask (and holds the request's keys
+          // only: a request's last page is masked by its rows' causal ends).
           const bool whole = __all_sync(0xFFFFFFFFu, min(last[0], last[1]) >= kPageSize - 1);
-          if (whole) {   // (then valid_rows is the whole page too)
-            token_warp_page<false>(k8, v8, lane, qf, last, valid_rows, scale_log2, acc, row_max,
-                                   row_sum);
+          if constexpr (kOnce) {
+            const char* vw = stage + kPageSize * kTwWideRowBytes;
+            if (whole) {
+              token_warp_page_widened<false>(stage, vw, lane, qf, last, scale_log2, acc,
+                                             row_max, row_sum);
+            } else {
+              token_warp_page_widened<true>(stage, vw, lane, qf, last, scale_log2, acc, row_max,
+                                            row_sum);
+            }
           } else {
-            token_warp_page<true>(k8, v8, lane, qf, last, valid_rows, scale_log2, acc, row_max,
-                                  row_sum);
+            const char* v8 = stage + kPageSize * kHeadDim;
+            const int valid_rows = min(kPageSize, max(t.ctx.seqlen_k - logical * kPageSize, 0));
+            if (whole) {
+              token_warp_page<false>(stage, v8, lane, qf, last, valid_rows, scale_log2, acc,
+                                     row_max, row_sum);
+            } else {
+              token_warp_page<true>(stage, v8, lane, qf, last, valid_rows, scale_log2, acc,
+                                    row_max, row_sum);
+            }
           }
         }
         MSA_LAB_TW_MARK(lane == 0, warp, lab_page, 2);
@@ -3457,7 +3701,11 @@ __global__ void __launch_bounds__(kTwThreads, 1)
         pos.advance();
         LAB_TW_NEXT_PAGE();
       }
-      token_warp_store(a, t, row_base, acc, row_max, row_sum);
+      if constexpr (kOnce) {
+        token_warp_store_natural(a, t, row_base, acc, row_max, row_sum);
+      } else {
+        token_warp_store(a, t, row_base, acc, row_max, row_sum);
+      }
     }
     sm90::named_sync(kBatchBarrier, kTwThreads);     // the batch's lists are no longer read
   }
@@ -3466,6 +3714,7 @@ __global__ void __launch_bounds__(kTwThreads, 1)
 
 #else
 
+template <int kForm>
 __global__ void __launch_bounds__(kTwThreads, 1)
     decode_attention_token_warps_kernel(const DecodeAttentionArgs,
                                         const __grid_constant__ wg::PagedKvMaps) {
@@ -3875,18 +4124,26 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
     kernel<<<grid, threads, smem_bytes, stream>>>(args, more...);
     return cudaSuccess;
   };
-  // The token-warps form where its image and the caches' tensor maps allow; otherwise the form
+  // A token-warps form where its image and the caches' tensor maps allow; otherwise the form
   // the caller asked for beside it serves the call.
   wg::PagedKvMaps token_maps{};
-  if (args.token_warps && args.q2k_indices != nullptr && warpgroup_form_loaded() &&
+  if (args.token_warps != kTwOff && args.q2k_indices != nullptr && warpgroup_form_loaded() &&
       encode_kv_maps(args, token_maps, CU_TENSOR_MAP_SWIZZLE_128B)) {
     int64_t ctas = 0;
     MSA_RETURN_IF_ERROR(range_ctas(args, ctas));
-    MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(decode_attention_token_warps_kernel,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             kTwAlloc));
-    decode_attention_token_warps_kernel<<<static_cast<unsigned>(ctas), kTwThreads, kTwAlloc,
-                                          stream>>>(args, token_maps);
+    auto launch_tw = [&](auto kernel, int smem_bytes) -> cudaError_t {
+      MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+      kernel<<<static_cast<unsigned>(ctas), kTwThreads, smem_bytes, stream>>>(args, token_maps);
+      return cudaSuccess;
+    };
+    if (args.token_warps == kTwOnce) {
+      MSA_RETURN_IF_ERROR(launch_tw(decode_attention_token_warps_kernel<kTwOnce>,
+                                    TwLayout<kTwOnce>::kAlloc));
+    } else {
+      MSA_RETURN_IF_ERROR(launch_tw(decode_attention_token_warps_kernel<kTwPerWarp>,
+                                    TwLayout<kTwPerWarp>::kAlloc));
+    }
   } else if (args.warpgroup) {
     if (!warpgroup_form_loaded()) return cudaErrorNotSupported;
     // The e4m3 P.V form copies pages through tensor maps of the caches; where they cannot be

@@ -367,24 +367,29 @@ def test_native_sparse_mtp_query_tiles(msa_pkg, native_only, seed, dtypes, qo_ti
 TOKEN_WARP_SHAPES = [(8, 16), (16, 16), (5, 16), (8, 8), (16, 4)]
 
 
-def _ran_token_warps(msa) -> bool:
+TOKEN_WARP_FORMS = ["per_warp", "once"]
+
+
+def _ran_token_warps(msa, form) -> bool:
     decode_cuda = importlib.import_module(f"{msa.__name__}._native.decode_cuda")
-    return decode_cuda.last_launch()["token_warps"]
+    return decode_cuda.last_launch()["token_warps"] == decode_cuda.TOKEN_WARPS_FORMS[form]
 
 
 @pytest.mark.parametrize("split", ["auto", "forced"])
 @pytest.mark.parametrize("topk", [16, 32])
 @pytest.mark.parametrize("seqlen_q,group", TOKEN_WARP_SHAPES)
-def test_native_token_warps_form(msa_pkg, native_only, seed, native_hooks, seqlen_q, group,
+@pytest.mark.parametrize("form", TOKEN_WARP_FORMS)
+def test_native_token_warps_form(msa_pkg, native_only, seed, native_hooks, form, seqlen_q, group,
                                  topk, split):
-    """The token-warps form (sparse e4m3 tiles of > 16 rows; forced): each warp computes its 16
-    rows against only the union pages its rows' tokens selected, the pages copied once by TMA.
-    Requests of 70001 / 0 / 129 / 3 / 4096 / 1000 keys with NaN bytes past each one's keys (the
-    copies bring the pool's rows as they are: their scores are masked, their V rows read as
-    zeros), top-16 and top-32 (one tile of 256 candidates a batch at MTP 8), the plan's chunks
-    and forced page-range chunks of 3 pages writing partials. Against the oracle and the
-    quantized model."""
-    native_hooks.force(decode_token_warps=True)
+    """The token-warps forms (sparse e4m3 tiles of > 16 rows; forced): each warp computes its 16
+    rows against only the union pages its rows' tokens selected, the pages copied once by TMA;
+    per_warp widens them in each warp's registers, once in the producer warpgroup. Requests of
+    70001 / 0 / 129 / 3 / 4096 / 1000 keys with NaN bytes past each one's keys (the copies
+    bring the pool's rows as they are: their scores are masked, their V rows read as zeros or
+    widened as zeros), top-16 and top-32 (one tile of 256 candidates a batch at MTP 8), the
+    plan's chunks and forced page-range chunks of 3 pages writing partials. Against the oracle
+    and the quantized model."""
+    native_hooks.force(decode_token_warps=form)
     lens = [70001, 0, 129, 3, 4096, 1000]
     q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, "fp8", True, topk=topk)
     for b, n in enumerate(lens):
@@ -396,7 +401,7 @@ def test_native_token_warps_form(msa_pkg, native_only, seed, native_hooks, seqle
     wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k, qo_tile_rows=128,
                     **kw)
     out, lse = _run_native(msa_pkg, wrapper, q, k, v)
-    assert _ran_token_warps(msa_pkg)
+    assert _ran_token_warps(msa_pkg, form)
     _check(out, lse, q, k, v, table, seqused_k, seqlen_q, q2k)
     # The model multiplies the NaN rows by P = 0: compare it on clean pages.
     for b, n in enumerate(lens):
@@ -408,19 +413,20 @@ def test_native_token_warps_form(msa_pkg, native_only, seed, native_hooks, seqle
     _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k, msa_pkg)
 
 
-def test_native_token_warps_tile_ranges(msa_pkg, native_only, seed, native_hooks):
-    """The token-warps form over many tiles: 300 requests of 1-3000 keys x MTP 8 x G 16 x 2 KV
-    heads (600 tiles: CTAs of 4-5 tiles, lists made in batches of 4 at top-16, the ring's
+@pytest.mark.parametrize("form", TOKEN_WARP_FORMS)
+def test_native_token_warps_tile_ranges(msa_pkg, native_only, seed, native_hooks, form):
+    """The token-warps forms over many tiles: 300 requests of 1-3000 keys x MTP 8 x G 16 x 2 KV
+    heads (600 tiles: CTAs of 4-5 tiles, lists made in batches of 4 at top-16, the rings'
     positions carried across tiles and batches), some q2k ids out of range. Eager and captured
     runs match the oracle and each other."""
-    native_hooks.force(decode_token_warps=True)
+    native_hooks.force(decode_token_warps=form)
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(1, 3001, (300,), generator=gen).tolist()
     lens[:3] = [1, 128, 129]
     q, k, v, table, seqused_k, q2k = _batch(lens, 8, 16, "fp8", True, topk=16)
     wrapper = _plan(msa_pkg, table, seqused_k, 8, HKV * 16, q2k, qo_tile_rows=128)
     out, lse = _run_native(msa_pkg, wrapper, q, k, v)
-    assert _ran_token_warps(msa_pkg)
+    assert _ran_token_warps(msa_pkg, form)
     _check(out, lse, q, k, v, table, seqused_k, 8, q2k)
     _check_against_quantized_model(out, q, k, v, table, seqused_k, 8, q2k, msa_pkg)
     graph, graph_out, graph_lse = _capture_run(wrapper, q, k, v)

@@ -275,9 +275,11 @@ def test_decode_e4m3_pv_serves_the_persistent_form_and_sparse_tiles(monkeypatch)
 
 
 def test_decode_token_warps_gate(monkeypatch):
-    """The token-warps form is offered only to sparse calls of e4m3 q and K/V whose tiles have
-    more than 16 rows; unvalidated it runs only with MSA_UNVALIDATED_KERNELS=1 or the
-    decode_token_warps hook, which also turns it off."""
+    """The token-warps forms are offered only to sparse calls of e4m3 q and K/V whose tiles
+    have more than 16 rows; unvalidated they run only with MSA_UNVALIDATED_KERNELS=1 or the
+    decode_token_warps hook (True: the served form; or a form's name), which also turns them
+    off. The binding's code: 0 none, 1 per_warp, 2 once."""
+    served = decode_cuda.TOKEN_WARPS_FORMS[decode_cuda.TOKEN_WARPS_FORM]
     def call(e4m3=True, sparse=True, seqlen_q=8, group=16, tile_rows=128):
         return SimpleNamespace(pv_quant_dtype=E4M3 if e4m3 else None,
                                q2k_indices=object() if sparse else None, seqlen_q=seqlen_q,
@@ -286,21 +288,27 @@ def test_decode_token_warps_gate(monkeypatch):
 
     monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
     assert decode_cuda.VALIDATED_TOKEN_WARPS is False
-    assert not decode_cuda._token_warps(call())
+    assert decode_cuda.TOKEN_WARPS_FORMS == {"per_warp": 1, "once": 2}
+    assert decode_cuda._token_warps(call()) == 0
     monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
-    assert decode_cuda._token_warps(call())
+    assert decode_cuda._token_warps(call()) == served
     monkeypatch.delenv(_backend.UNVALIDATED_ENV)
     monkeypatch.setattr(decode_cuda, "VALIDATED_TOKEN_WARPS", True)
-    assert decode_cuda._token_warps(call())
-    assert decode_cuda._token_warps(call(seqlen_q=2, group=16))         # 32 rows
+    assert decode_cuda._token_warps(call()) == served
+    assert decode_cuda._token_warps(call(seqlen_q=2, group=16)) == served   # 32 rows
     for other in (call(e4m3=False), call(sparse=False), call(seqlen_q=1), call(tile_rows=16)):
-        assert not decode_cuda._token_warps(other)
+        assert decode_cuda._token_warps(other) == 0
     with debug.forcing(decode_token_warps=False):
-        assert not decode_cuda._token_warps(call())
+        assert decode_cuda._token_warps(call()) == 0
     monkeypatch.setattr(decode_cuda, "VALIDATED_TOKEN_WARPS", False)
     with debug.forcing(decode_token_warps=True):
-        assert decode_cuda._token_warps(call())
-        assert not decode_cuda._token_warps(call(e4m3=False))
+        assert decode_cuda._token_warps(call()) == served
+        assert decode_cuda._token_warps(call(e4m3=False)) == 0
+    for name, code in decode_cuda.TOKEN_WARPS_FORMS.items():
+        with debug.forcing(decode_token_warps=name):
+            assert decode_cuda._token_warps(call()) == code
+    with debug.forcing(decode_token_warps="twice"), pytest.raises(ValueError, match="twice"):
+        decode_cuda._token_warps(call())
 
 
 def test_unvalidated_forms_are_passed_by_until_opted_in(monkeypatch):

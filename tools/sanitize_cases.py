@@ -255,17 +255,18 @@ def decode_runs(family="sm90"):
                 decode_run([3000, 17], 5, 16, dtypes, False, persistent=True, **f)
                 decode_run([1000, 500], 8, 16, dtypes, False, bad=True, enable_cuda_graph=True,
                            persistent=True, **f)
-        # The token-warps form (sparse e4m3 tiles of > 16 rows, pages by TMA): MTP 8 x G 16,
+        # The token-warps forms (sparse e4m3 tiles of > 16 rows, pages by TMA): MTP 8 x G 16,
         # two tokens a warp (G 8), 80-row tiles, page-range chunks, a CTA range of several
         # batches, corrupt ids and a length past the table.
-        with debug.forcing(decode_token_warps=True):
-            decode_run([1, 129, 1000, 77], 8, 16, "fp8", True, fixed_split_size=1,
-                       qo_tile_rows=128, **f)
-            decode_run([70001, 0, 3, 129], 8, 8, "fp8", True, qo_tile_rows=128, **f)
-            decode_run([3000, 17], 5, 16, "fp8", True, qo_tile_rows=128, **f)
-            decode_run(lens * 3, 8, 16, "fp8", True, qo_tile_rows=128, **f)
-            decode_run([1000, 500], 8, 16, "fp8", True, bad=True, enable_cuda_graph=True,
-                       qo_tile_rows=128, **f)
+        for form in decode_cuda.TOKEN_WARPS_FORMS:
+            with debug.forcing(decode_token_warps=form):
+                decode_run([1, 129, 1000, 77], 8, 16, "fp8", True, fixed_split_size=1,
+                           qo_tile_rows=128, **f)
+                decode_run([70001, 0, 3, 129], 8, 8, "fp8", True, qo_tile_rows=128, **f)
+                decode_run([3000, 17], 5, 16, "fp8", True, qo_tile_rows=128, **f)
+                decode_run(lens * 3, 8, 16, "fp8", True, qo_tile_rows=128, **f)
+                decode_run([1000, 500], 8, 16, "fp8", True, bad=True, enable_cuda_graph=True,
+                           qo_tile_rows=128, **f)
     print(f"decode [{family}]: ok")
 
 

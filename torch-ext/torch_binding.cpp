@@ -568,7 +568,7 @@ void sparse_decode_attention(
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
     bool direct_fp8, bool warpgroup, bool pingpong, int64_t qo_tile_rows,
     const std::optional<torch::Tensor>& request_pages, int64_t persistent_ctas, bool pv_fp8,
-    bool token_warps) {
+    int64_t token_warps) {
   TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
@@ -711,10 +711,14 @@ void sparse_decode_attention(
   a.pingpong = pingpong && a.warpgroup;
   // Its e4m3 P.V form (e4m3 q and K/V; the ping-pong and persistent kernels).
   a.pv_fp8 = pv_fp8 && a.pingpong && a.q_fp8;
-  // The token-warps form: sparse tiles of more than 16 rows with e4m3 q and K/V (the launcher
-  // takes it where it can make the caches' tensor maps; else the forms above serve).
-  a.token_warps = token_warps && a.q2k_indices != nullptr && a.q_fp8 && a.kv_fp8 &&
-                  std::min<int64_t>(qo_tile_rows, seqlen_q * (hq / hkv)) > 16;
+  // A token-warps form (1: each warp widens its pages, 2: each page widened once): sparse tiles
+  // of more than 16 rows with e4m3 q and K/V (the launcher takes it where it can make the
+  // caches' tensor maps; else the forms above serve).
+  TORCH_CHECK(token_warps >= 0 && token_warps <= 2, "token_warps: must be 0, 1 or 2, got ",
+              token_warps);
+  const bool token_tiles = a.q2k_indices != nullptr && a.q_fp8 && a.kv_fp8 &&
+                           std::min<int64_t>(qo_tile_rows, seqlen_q * (hq / hkv)) > 16;
+  a.token_warps = token_tiles ? static_cast<int>(token_warps) : 0;
   check_launch(msa::launch_decode_attention(a, c10::cuda::getCurrentCUDAStream(device.index())),
                "sparse_decode_attention");
 }
@@ -925,7 +929,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "int kv_chunk_size, bool split_kv, float softmax_scale, bool split_keys=False, "
       "bool direct_fp8=False, bool warpgroup=False, bool pingpong=False, "
       "int qo_tile_rows=128, Tensor(e!)? request_pages=None, int persistent_ctas=0, "
-      "bool pv_fp8=False, bool token_warps=False) -> ()");
+      "bool pv_fp8=False, int token_warps=0) -> ()");
   ops.impl("sparse_decode_attention", torch::kCUDA, &sparse_decode_attention);
   ops.def(
       "sparse_prefill_portable(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "

@@ -117,7 +117,8 @@ struct DecodeAttentionArgs {
   bool warpgroup;                 // wgmma form (q and K/V both bf16 or both e4m3)
   bool pingpong;                  // with warpgroup, bf16: the warp-specialized ping-pong form
   bool pv_fp8;                    // e4m3 ping-pong / persistent: P.V on e4m3 wgmma (V^T tiles)
-  bool token_warps;               // sparse, e4m3 q and K/V, > 16 rows: a warp per 16 rows (TMA)
+  int token_warps;                // sparse, e4m3 q and K/V, > 16 rows: a warp per 16 rows (TMA);
+                                  // 0 off, 1 each warp widens its pages, 2 widened once a page
   // The persistent ping-pong form (dense, pingpong): num_work CTAs stream equal page ranges of
   // the call's (request, KV head, qo tile) sequences from the live lengths; partial slots
   // 2 * num_work. request_pages [batch + 1] is written by it: each request's first page of a
@@ -408,7 +409,7 @@ void sparse_decode_attention(
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
     bool direct_fp8, bool warpgroup, bool pingpong, int64_t qo_tile_rows,
     const std::optional<torch::Tensor>& request_pages, int64_t persistent_ctas, bool pv_fp8,
-    bool token_warps);
+    int64_t token_warps);
 
 std::tuple<int64_t, int64_t, std::string> csrc_image(const std::string& unit, int64_t device);
 #endif

@@ -13,11 +13,15 @@ and arriving on the stage's empty barrier (256 threads) when done with it.
    `wait_skipped=False` (a warp that did not select a page arrives on its empty barrier without
    waiting for the page) the model finds the race the kernel's comment names: a warp running a
    round ahead completes an empty phase early and the producer overwrites a page still read.
+   `protocol_once` models kTwOnce: the producer warpgroup widening each raw TMA page into an
+   f16 stage the warps read; without the widening barrier before the raw slot's refill it finds
+   a raw page overwritten under a widening thread.
 2. Balance (`balance`): the ring's drift window against the list order. A warp's page costs W
    issue cycles; two busy warps on one SM sub-partition share it (warps w and w + 4); a warp
    may run at most kTwStages pages ahead of the slowest. Time over the ideal (each
    sub-partition busy with its two warps' 16 pages each), random top-16 selections of 8 tokens
-   (own block last), for token-major, slot-major and block-sorted lists.
+   (own block last), for token-major, slot-major and block-sorted lists, and for kTwOnce's two
+   f16 stages.
 
     python tools/lab/model_decode_token_warps.py
 """
@@ -107,6 +111,114 @@ def protocol(num_pages, seed, wait_skipped=True):
         assert steps < 200000, "deadlock"
 
 
+WIDEN_THREADS = 3   # kTwOnce's producer warpgroup, as a few threads
+RAW_STAGES = 2      # kTwOnce: raw TMA slots ahead of the widening (TwLayout::kRawStages)
+WIDE_STAGES = 2     # kTwOnce: f16 stages the consumers read (TwLayout::kStages)
+
+
+def protocol_once(num_pages, seed, barrier=True):
+    """kTwOnce: thread 0 of the producer warpgroup copies pages into RAW_STAGES raw slots (TMA:
+    they land later on the slots' full barriers), every producer thread waits for the raw page
+    and for the f16 stage's empty barrier, widens its share of the page into the stage, arrives
+    on the stage's full barrier (one arrival a thread) and meets the others at the widening
+    barrier, after which thread 0 refills the raw slot with page e + RAW_STAGES; the consumers
+    wait for every stage, read the ones their warp chose and arrive on its empty barrier. With
+    `barrier=False` thread 0 refills the slot as soon as it has widened its own share."""
+    rng = random.Random(seed)
+    active = rng.randint(1, WARPS)
+    chosen = [{w for w in range(active) if rng.random() < 0.5} or {rng.randrange(active)}
+              for _ in range(num_pages)]
+    raw_full = [Mbar(1) for _ in range(RAW_STAGES)]
+    full = [Mbar(WIDEN_THREADS) for _ in range(WIDE_STAGES)]
+    empty = [Mbar(WARPS) for _ in range(WIDE_STAGES)]
+    raw_holds = [None] * RAW_STAGES                 # the page landed in each raw slot
+    raw_readers = [set() for _ in range(RAW_STAGES)]
+    wide_parts = [dict() for _ in range(WIDE_STAGES)]   # thread -> page it widened there
+    readers = [set() for _ in range(WIDE_STAGES)]
+    in_flight = []
+    meet = {"gen": 0, "count": 0}
+
+    def copy(e):
+        slot = e % RAW_STAGES
+        assert not raw_readers[slot], f"raw slot {slot} refilled while read by {raw_readers[slot]}"
+        raw_holds[slot] = None
+        in_flight.append((slot, e))
+
+    def widener(th):
+        if th == 0:
+            for e in range(min(num_pages, RAW_STAGES)):
+                copy(e)
+        for e in range(num_pages):
+            slot, raw_round = e % RAW_STAGES, e // RAW_STAGES
+            idx, rnd = e % WIDE_STAGES, e // WIDE_STAGES
+            while not raw_full[slot].done(raw_round & 1, raw_round):
+                yield
+            while not empty[idx].done((rnd & 1) ^ 1, rnd - 1):
+                yield
+            assert raw_holds[slot] == e, f"thread {th} widened {raw_holds[slot]} for page {e}"
+            assert not readers[idx], f"stage {idx} rewritten while read by {readers[idx]}"
+            raw_readers[slot].add(th)
+            yield                                          # reading the raw page, writing f16
+            assert raw_holds[slot] == e, f"raw page {e} overwritten under thread {th}"
+            raw_readers[slot].discard(th)
+            wide_parts[idx][th] = e
+            full[idx].arrive()
+            if barrier:
+                target = meet["gen"] + 1
+                meet["count"] += 1
+                if meet["count"] == WIDEN_THREADS:
+                    meet["count"] = 0
+                    meet["gen"] += 1
+                while meet["gen"] < target:
+                    yield
+            if th == 0 and e + RAW_STAGES < num_pages:
+                copy(e + RAW_STAGES)
+            yield
+
+    def landing(done):
+        while not (done() and not in_flight):
+            if in_flight and rng.random() < 0.5:
+                slot, e = in_flight.pop(0)
+                raw_holds[slot] = e
+                raw_full[slot].arrive()
+            yield
+
+    def consumer(w):
+        for e in range(num_pages):
+            idx, rnd = e % WIDE_STAGES, e // WIDE_STAGES
+            while not full[idx].done(rnd & 1, rnd):
+                yield
+            if w in chosen[e]:
+                assert all(wide_parts[idx].get(th) == e for th in range(WIDEN_THREADS)), \
+                    f"warp {w} read stage {idx} not (wholly) page {e}: {wide_parts[idx]}"
+                readers[idx].add(w)
+                for _ in range(rng.randint(1, 3)):
+                    yield
+                    assert all(wide_parts[idx].get(th) == e for th in range(WIDEN_THREADS))
+                readers[idx].discard(w)
+            empty[idx].arrive()
+            yield
+
+    finished = set()
+
+    def wrapped(th):
+        yield from widener(th)
+        finished.add(th)
+
+    actors = [wrapped(th) for th in range(WIDEN_THREADS)]
+    actors += [landing(lambda: len(finished) == WIDEN_THREADS)]
+    actors += [consumer(w) for w in range(WARPS)]
+    steps = 0
+    while actors:
+        actor = rng.choice(actors)
+        try:
+            next(actor)
+        except StopIteration:
+            actors.remove(actor)
+        steps += 1
+        assert steps < 200000, "deadlock"
+
+
 def selections(num_blocks, rng, tokens=WARPS, topk=16):
     own = num_blocks - 1
     return [sorted(rng.sample(range(own), min(topk - 1, own))) + [own] for _ in range(tokens)]
@@ -159,6 +271,18 @@ def main():
         except AssertionError:
             caught += 1
     print(f"protocol without waiting for skipped pages: a violation in {caught} of 200")
+    for num_pages in range(0, 20):
+        for seed in range(40):
+            protocol_once(num_pages, seed)
+    print("widened once: 800 schedules of 0-19 pages, no deadlock, no stale or overwritten read")
+    caught = 0
+    for seed in range(200):
+        try:
+            protocol_once(16, seed, barrier=False)
+        except AssertionError:
+            caught += 1
+    print(f"widened once, raw slot refilled before the widening barrier: a violation in {caught} "
+          "of 200")
     rng = random.Random(0)
     for blocks in (32, 40, 80, 800):
         cases = [selections(blocks, rng) for _ in range(5)]
@@ -167,6 +291,8 @@ def main():
             t = sum(balance(s, union(s, order)) for s in cases) / len(cases)
             row.append(f"{order} {t / 32:.2f}x")
         print(f"balance, {blocks} blocks, {STAGES} stages: " + ", ".join(row))
+        t = sum(balance(s, union(s, "slot"), stages=WIDE_STAGES) for s in cases) / len(cases)
+        print(f"balance, {blocks} blocks, {WIDE_STAGES} stages (widened once): slot {t / 32:.2f}x")
 
 
 if __name__ == "__main__":

@@ -68,13 +68,17 @@ VALIDATED_PERSISTENT = frozenset({"bf16", "e4m3"})
 # 10k-100k keys 2-12 % faster) and sparse tiles (the step's 128-row tiles at 4k keys, 2-3.5 %);
 # dense work items keep f16 P.V (-4 to +5 %: no gain).
 VALIDATED_PV_FP8 = frozenset({"persistent", "sparse"})
-# The token-warps form (sparse tiles of > 16 rows with e4m3 q and K/V: a warp per 16 rows
-# computing only the union pages its rows' tokens selected, pages by TMA into a ring a producer
-# warpgroup fills; csrc/decode_attention.cu, docs/design-decode.md). Not yet run on a GPU:
-# tests/test_decode_gpu.py (~token_warps) and its memcheck case decide, then
-# bench_decode_production (MSA_BENCH_UNVALIDATED=1, --qo-tile-rows 128 from 10k keys) against
-# the ping-pong union and the 16-row query tiles.
+# The token-warps forms (sparse tiles of > 16 rows with e4m3 q and K/V: a warp per 16 rows
+# computing only the union pages its rows' tokens selected, pages by TMA from a producer
+# warpgroup; csrc/decode_attention.cu, docs/design-decode.md): "per_warp" (each warp widens its
+# pages' K and V in registers) and "once" (the producer warpgroup widens each page once into
+# f16 stages). Not yet run on a GPU: tests/test_decode_gpu.py (~token_warps) and its memcheck
+# cases decide, then bench_decode_production (MSA_BENCH_UNVALIDATED=1, --qo-tile-rows 128 from
+# 10k keys) against the ping-pong union and the 16-row query tiles. TOKEN_WARPS_FORM is the form
+# served (and forced by decode_token_warps=True); the hook also takes a form's name.
 VALIDATED_TOKEN_WARPS = False
+TOKEN_WARPS_FORMS = {"per_warp": 1, "once": 2}   # the binding's token_warps argument
+TOKEN_WARPS_FORM = "once"
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
@@ -92,15 +96,15 @@ def supports(*, seqlen_q=1, qhead_per_kv=1, topk=None, **_features) -> Optional[
 
 
 _last_launch = {"warpgroup": False, "pingpong": False, "persistent": False, "pv_fp8": False,
-                "token_warps": False}
+                "token_warps": 0}
 
 
 def last_launch() -> dict:
     """The forms the last launch asked for: {"warpgroup": bool, "pingpong": bool,
-    "persistent": bool, "pv_fp8": bool, "token_warps": bool} (the binding applies them only to
-    q and K/V of one dtype, the persistent form within its bounds, pv_fp8 to e4m3, token_warps
-    to sparse e4m3 tiles of > 16 rows where the launcher can make the caches' tensor maps).
-    Tests read it to know which form ran."""
+    "persistent": bool, "pv_fp8": bool, "token_warps": 0 or a TOKEN_WARPS_FORMS code} (the
+    binding applies them only to q and K/V of one dtype, the persistent form within its bounds,
+    pv_fp8 to e4m3, token_warps to sparse e4m3 tiles of > 16 rows where the launcher can make
+    the caches' tensor maps). Tests read it to know which form ran."""
     return dict(_last_launch)
 
 
@@ -118,10 +122,10 @@ def run(call) -> None:
 
 def run_portable(call) -> None:
     """:func:`run` on the portable tier: split-keys, direct e4m3 and row forms only."""
-    _launch(call, False, False, False)
+    _launch(call, False, False, 0)
 
 
-def _launch(call, warpgroup: bool, pingpong: bool, token_warps: bool) -> None:
+def _launch(call, warpgroup: bool, pingpong: bool, token_warps: int) -> None:
     s = call.schedule
     if s is None:
         raise ValueError("schedule: the native decode kernel needs a DecodeSchedule")
@@ -141,7 +145,7 @@ def _launch(call, warpgroup: bool, pingpong: bool, token_warps: bool) -> None:
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
         float(call.softmax_scale), _split_keys(), _direct_fp8(), warpgroup, pingpong,
         int(s.qo_tile_rows), request_pages, int(s.persistent_ctas) if persistent else 0, pv_fp8,
-        token_warps)
+        int(token_warps))
 
 
 def _split_keys() -> bool:
@@ -206,14 +210,23 @@ def _pv_fp8(call, persistent: bool) -> bool:
     return debug.gate("decode_pv_fp8", _backend.may_serve(form in VALIDATED_PV_FP8))
 
 
-def _token_warps(call) -> bool:
-    """Whether a sparse call of e4m3 q and K/V with tiles of > 16 rows takes the token-warps
-    form (where VALIDATED_TOKEN_WARPS, or with MSA_UNVALIDATED_KERNELS=1); the
-    decode_token_warps hook forces it on such calls (True) or off (False). The launcher takes it
-    where it can make the caches' tensor maps; elsewhere the warpgroup forms serve."""
+def _token_warps(call) -> int:
+    """The token-warps form (the binding's code: 0 none, else TOKEN_WARPS_FORMS) a sparse call
+    of e4m3 q and K/V with tiles of > 16 rows takes: TOKEN_WARPS_FORM where
+    VALIDATED_TOKEN_WARPS (or with MSA_UNVALIDATED_KERNELS=1). The decode_token_warps hook
+    forces it on such calls (True: TOKEN_WARPS_FORM, or a form's name) or off (False). The
+    launcher takes it where it can make the caches' tensor maps; elsewhere the warpgroup forms
+    serve."""
     if call.q2k_indices is None or _form_dtype(call) != "e4m3" or _tile_rows(call) <= 16:
-        return False
-    return debug.gate("decode_token_warps", _backend.may_serve(VALIDATED_TOKEN_WARPS))
+        return 0
+    forced = debug.forced("decode_token_warps")
+    if isinstance(forced, str):
+        if forced not in TOKEN_WARPS_FORMS:
+            raise ValueError(f"decode_token_warps: a form of {sorted(TOKEN_WARPS_FORMS)}, True "
+                             f"or False, got {forced!r}")
+        return TOKEN_WARPS_FORMS[forced]
+    served = debug.gate("decode_token_warps", _backend.may_serve(VALIDATED_TOKEN_WARPS))
+    return TOKEN_WARPS_FORMS[TOKEN_WARPS_FORM] if served else 0
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
