@@ -3284,10 +3284,12 @@ __device__ __forceinline__ void token_warp_page(const char* k8, const char* v8, 
   }
 }
 
-// kTwPerWarp: a token warp's finished rows (16 of the tile, rows row_base + lane / 4 and + 8): normalized O
+// A token warp's finished rows (16 of the tile, rows row_base + lane / 4 and + 8): normalized O
 // and LSE (natural log), or the chunk's fp32 partial of a split plan; rows that saw no key get
-// O = 0, LSE = -inf. This thread holds channels 32t .. 32t + 31 of each row (P.V's output order:
-// n-tile n, column c = 2t + e is channel 16c + n).
+// O = 0, LSE = -inf. kNatural (kTwOnce): O in the natural order, as the warpgroup forms'; else
+// (kTwPerWarp, P.V's permuted output order: n-tile n, column c = 2t + e is channel 16c + n)
+// this thread holds channels 32t .. 32t + 31 of each row.
+template <bool kNatural>
 __device__ __forceinline__ void token_warp_store(const DecodeAttentionArgs& a,
                                                  const DirectTile& t, int row_base,
                                                  const float (&acc)[16][4],
@@ -3307,6 +3309,12 @@ __device__ __forceinline__ void token_warp_store(const DecodeAttentionArgs& a,
     const bool empty = row_sum[i2] == 0.f;
     const float inv = empty ? 0.f : kLabVScale / row_sum[i2];   // (the lab's O x 2^-8)
     const float lse = empty ? -INFINITY : (row_max[i2] + log2f(row_sum[i2])) * kLn2;
+    if constexpr (kNatural) {
+      store_row(a, slot, t.ctx.request, token, qo_head, lane, lse, [&](int n) {
+        return make_float2(acc[n][2 * i2] * inv, acc[n][2 * i2 + 1] * inv);
+      });
+      continue;
+    }
     const int channel = 32 * quad;
     if (slot >= 0) {
       const int64_t idx = (slot * a.seqlen_q + token) * a.num_qo_heads + qo_head;
@@ -3341,7 +3349,6 @@ __device__ __forceinline__ void token_warp_store(const DecodeAttentionArgs& a,
     }
   }
 }
-
 
 // kTwOnce: this thread's Q A-fragments (f16, the natural channel order) for rows row_base +
 // lane / 4 and + 8 of a tile: qf[kd] = (row g, channels 16 kd + 2t, + 1), (row g + 8, the same),
@@ -3442,31 +3449,6 @@ __device__ __forceinline__ void token_warp_page_widened(const char* kw, const ch
       mma_f16(acc[nd], pa, b[0], b[1]);
       mma_f16(acc[nd + 1], pa, b[2], b[3]);
     }
-  }
-}
-
-// kTwOnce: a token warp's finished rows (the natural output order, as the warpgroup forms').
-__device__ __forceinline__ void token_warp_store_natural(const DecodeAttentionArgs& a,
-                                                         const DirectTile& t, int row_base,
-                                                         const float (&acc)[16][4],
-                                                         const float (&row_max)[2],
-                                                         float (&row_sum)[2]) {
-  const int lane = threadIdx.x & 31;
-  const int group = a.num_qo_heads / a.num_kv_heads;
-  add_quad_sums(row_sum);
-  const int64_t slot = wg::chunk_slot(a, t.ctx.request, t.chunk);
-  if (slot == wg::kCorruptSlot) return;
-#pragma unroll
-  for (int i2 = 0; i2 < 2; ++i2) {
-    const int row = row_base + (lane >> 2) + i2 * 8;
-    if (row >= t.tile_rows) continue;
-    const int r = t.ctx.first_row + row;
-    // Only a zero sum means "no visible key": a NaN sum gives NaN O and LSE.
-    const bool empty = row_sum[i2] == 0.f;
-    const float inv = empty ? 0.f : kLabVScale / row_sum[i2];   // (the lab's O x 2^-8)
-    const float lse = empty ? -INFINITY : (row_max[i2] + log2f(row_sum[i2])) * kLn2;
-    store_row(a, slot, t.ctx.request, r / group, t.ctx.head * group + r % group, lane, lse,
-              [&](int n) { return make_float2(acc[n][2 * i2] * inv, acc[n][2 * i2 + 1] * inv); });
   }
 }
 
@@ -3701,11 +3683,7 @@ __global__ void __launch_bounds__(kTwThreads, 1)
         pos.advance();
         LAB_TW_NEXT_PAGE();
       }
-      if constexpr (kOnce) {
-        token_warp_store_natural(a, t, row_base, acc, row_max, row_sum);
-      } else {
-        token_warp_store(a, t, row_base, acc, row_max, row_sum);
-      }
+      token_warp_store<kOnce>(a, t, row_base, acc, row_max, row_sum);
     }
     sm90::named_sync(kBatchBarrier, kTwThreads);     // the batch's lists are no longer read
   }

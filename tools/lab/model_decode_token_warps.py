@@ -44,13 +44,42 @@ class Mbar(PhaseMbar):
         return super().done(parity)
 
 
+def choices(rng, num_pages):
+    """Each page's choosing warps: a random nonempty set of the tile's warps with rows."""
+    active = rng.randint(1, WARPS)
+    return [{w for w in range(active) if rng.random() < 0.5} or {rng.randrange(active)}
+            for _ in range(num_pages)]
+
+
+def landing(rng, in_flight, holds, bars, done):
+    """TMA copies (slot, page) landing in order at random times: the slot holds the page and its
+    full barrier completes."""
+    while not (done() and not in_flight):
+        if in_flight and rng.random() < 0.5:
+            slot, e = in_flight.pop(0)
+            holds[slot] = e
+            bars[slot].arrive()
+        yield
+
+
+def schedule(rng, actors):
+    """Runs the actors (generators) in a random interleaving until all finish."""
+    steps = 0
+    while actors:
+        actor = rng.choice(actors)
+        try:
+            next(actor)
+        except StopIteration:
+            actors.remove(actor)
+        steps += 1
+        assert steps < 200000, "deadlock"
+
+
 def protocol(num_pages, seed, wait_skipped=True):
     """One random schedule of one CTA streaming `num_pages` union pages, each selected by a
     random nonempty set of warps (warps without rows select none)."""
     rng = random.Random(seed)
-    active = rng.randint(1, WARPS)                       # warps with rows in the tile
-    chosen = [{w for w in range(active) if rng.random() < 0.5} or {rng.randrange(active)}
-              for _ in range(num_pages)]
+    chosen = choices(rng, num_pages)
     full = [Mbar(1) for _ in range(STAGES)]
     empty = [Mbar(WARPS) for _ in range(STAGES)]          # a warp's 32 arrivals as one
     holds = [None] * STAGES                               # the page landed in each stage
@@ -65,14 +94,6 @@ def protocol(num_pages, seed, wait_skipped=True):
             assert not readers[idx], f"stage {idx} refilled while read by {readers[idx]}"
             holds[idx] = None
             in_flight.append((idx, e))
-            yield
-
-    def landing(producer_done):
-        while not (producer_done() and not in_flight):
-            if in_flight and rng.random() < 0.5:
-                idx, e = in_flight.pop(0)
-                holds[idx] = e
-                full[idx].arrive()
             yield
 
     def consumer(w):
@@ -98,17 +119,8 @@ def protocol(num_pages, seed, wait_skipped=True):
         yield from producer()
         state["producer"] = True
 
-    actors = [producer_wrapped(), landing(lambda: state["producer"])]
-    actors += [consumer(w) for w in range(WARPS)]
-    steps = 0
-    while actors:
-        actor = rng.choice(actors)
-        try:
-            next(actor)
-        except StopIteration:
-            actors.remove(actor)
-        steps += 1
-        assert steps < 200000, "deadlock"
+    actors = [producer_wrapped(), landing(rng, in_flight, holds, full, lambda: state["producer"])]
+    schedule(rng, actors + [consumer(w) for w in range(WARPS)])
 
 
 WIDEN_THREADS = 3   # kTwOnce's producer warpgroup, as a few threads
@@ -125,9 +137,7 @@ def protocol_once(num_pages, seed, barrier=True):
     wait for every stage, read the ones their warp chose and arrive on its empty barrier. With
     `barrier=False` thread 0 refills the slot as soon as it has widened its own share."""
     rng = random.Random(seed)
-    active = rng.randint(1, WARPS)
-    chosen = [{w for w in range(active) if rng.random() < 0.5} or {rng.randrange(active)}
-              for _ in range(num_pages)]
+    chosen = choices(rng, num_pages)
     raw_full = [Mbar(1) for _ in range(RAW_STAGES)]
     full = [Mbar(WIDEN_THREADS) for _ in range(WIDE_STAGES)]
     empty = [Mbar(WARPS) for _ in range(WIDE_STAGES)]
@@ -175,14 +185,6 @@ def protocol_once(num_pages, seed, barrier=True):
                 copy(e + RAW_STAGES)
             yield
 
-    def landing(done):
-        while not (done() and not in_flight):
-            if in_flight and rng.random() < 0.5:
-                slot, e = in_flight.pop(0)
-                raw_holds[slot] = e
-                raw_full[slot].arrive()
-            yield
-
     def consumer(w):
         for e in range(num_pages):
             idx, rnd = e % WIDE_STAGES, e // WIDE_STAGES
@@ -206,17 +208,9 @@ def protocol_once(num_pages, seed, barrier=True):
         finished.add(th)
 
     actors = [wrapped(th) for th in range(WIDEN_THREADS)]
-    actors += [landing(lambda: len(finished) == WIDEN_THREADS)]
-    actors += [consumer(w) for w in range(WARPS)]
-    steps = 0
-    while actors:
-        actor = rng.choice(actors)
-        try:
-            next(actor)
-        except StopIteration:
-            actors.remove(actor)
-        steps += 1
-        assert steps < 200000, "deadlock"
+    actors += [landing(rng, in_flight, raw_holds, raw_full,
+                       lambda: len(finished) == WIDEN_THREADS)]
+    schedule(rng, actors + [consumer(w) for w in range(WARPS)])
 
 
 def selections(num_blocks, rng, tokens=WARPS, topk=16):
@@ -260,29 +254,22 @@ def balance(sel, pages, stages=STAGES, steps_per_page=64):
 
 
 def main():
-    for num_pages in range(0, 20):
-        for seed in range(40):
-            protocol(num_pages, seed)
-    print("protocol: 800 schedules of 0-19 pages, no deadlock, no stale or overwritten read")
-    caught = 0
-    for seed in range(200):
-        try:
-            protocol(16, seed, wait_skipped=False)
-        except AssertionError:
-            caught += 1
-    print(f"protocol without waiting for skipped pages: a violation in {caught} of 200")
-    for num_pages in range(0, 20):
-        for seed in range(40):
-            protocol_once(num_pages, seed)
-    print("widened once: 800 schedules of 0-19 pages, no deadlock, no stale or overwritten read")
-    caught = 0
-    for seed in range(200):
-        try:
-            protocol_once(16, seed, barrier=False)
-        except AssertionError:
-            caught += 1
-    print(f"widened once, raw slot refilled before the widening barrier: a violation in {caught} "
-          "of 200")
+    checks = (("per_warp", protocol, dict(wait_skipped=False),
+               "without waiting for skipped pages"),
+              ("once", protocol_once, dict(barrier=False),
+               "with the raw slot refilled before the widening barrier"))
+    for name, model, mutation, what in checks:
+        for num_pages in range(0, 20):
+            for seed in range(40):
+                model(num_pages, seed)
+        caught = 0
+        for seed in range(200):
+            try:
+                model(16, seed, **mutation)
+            except AssertionError:
+                caught += 1
+        print(f"{name}: 800 schedules of 0-19 pages, no deadlock, no stale or overwritten read; "
+              f"{what}, a violation in {caught} of 200")
     rng = random.Random(0)
     for blocks in (32, 40, 80, 800):
         cases = [selections(blocks, rng) for _ in range(5)]
