@@ -6,7 +6,8 @@
 // shuffled, synthetic values; each (token, KV head) selects topK blocks: topK - 1 distinct
 // history blocks at random, ascending, then its own (last) block, as the decode indexer writes
 // them. Prints each form's time per call, the selected K/V bytes per second (each selected page
-// counted once per token that chose it) and the largest |O| difference from the ping-pong form.
+// counted once per token that chose it) and the largest |O| difference from the ping-pong form
+// (inf where either is NaN).
 //
 //   nvcc -arch=sm_90a -O3 -std=c++17 -Icsrc -Itorch-ext -o /tmp/sparse_forms \
 //       benchmarks/lab/decode_sparse_mtp_forms.cu
@@ -34,7 +35,8 @@ __global__ void max_abs_diff(const __nv_bfloat16* a, const __nv_bfloat16* b, int
   float m = 0.f;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    m = fmaxf(m, fabsf(__bfloat162float(a[i]) - __bfloat162float(b[i])));
+    const float d = fabsf(__bfloat162float(a[i]) - __bfloat162float(b[i]));
+    m = fmaxf(m, d == d ? d : INFINITY);   // a NaN on either side shows as inf
   }
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
   if ((threadIdx.x & 31) == 0) atomicMax(reinterpret_cast<int*>(out), __float_as_int(m));
