@@ -75,7 +75,14 @@ constexpr bool kIsE4m3 = F == kE4m3 || F == kE4m3Tma;
 // kLabPages pages per warp, each after a shared-memory fence (a deferred-blocking barrier lets a
 // warp issue past BAR.SYNC until its first memory instruction: unfenced, the barrier's wait
 // shows up in the next phase); MSA_LAB_NO_LOADS issues no copies (the stages keep whatever they
-// hold: the loop without DRAM); MSA_LAB_NO_OFFERS skips the offers (the loop without the lists).
+// hold: the loop without DRAM); MSA_LAB_NO_OFFERS skips the offers (the loop without the lists);
+// MSA_LAB_WIDEN_BY_ALU widens e4m3 keys by integer ops (sm80::e4m3x2_lo_to_scaled_f16x2: x 2^-8,
+// folded back into the score factor) instead of F2FP (a NaN key byte then reads as +-480).
+#if defined(MSA_LAB_WIDEN_BY_ALU) && MSA_LAB_WIDEN_BY_ALU > 0
+constexpr bool kLabWidenByAlu = true;
+#else
+constexpr bool kLabWidenByAlu = false;
+#endif
 #ifdef MSA_LAB_TIMELINE
 constexpr int kLabPages = 64, kLabMarks = 6;
 constexpr int kLabWarps = kWarps + 1;   // the offer warp's stamps last
@@ -291,8 +298,11 @@ struct KeyPair {
       } else if constexpr (kIsE4m3<F>) {
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
-          b[n][kk][0] = sm80::e4m3x2_lo_to_f16x2(words[n][2 * kd2 + kk]);
-          b[n][kk][1] = sm80::e4m3x2_hi_to_f16x2(words[n][2 * kd2 + kk]);
+          const uint32_t w = words[n][2 * kd2 + kk];
+          b[n][kk][0] = kLabWidenByAlu ? sm80::e4m3x2_lo_to_scaled_f16x2(w)
+                                       : sm80::e4m3x2_lo_to_f16x2(w);
+          b[n][kk][1] = kLabWidenByAlu ? sm80::e4m3x2_hi_to_scaled_f16x2(w)
+                                       : sm80::e4m3x2_hi_to_f16x2(w);
         }
       } else {
         uint32_t codes[4];
@@ -574,7 +584,7 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
   const float score_mul =
       a.scale * (F == kNvfp4 ? 16384.f * (a.k_global_scale != nullptr ? __ldg(a.k_global_scale)
                                                                       : 1.f)
-                             : 1.f);
+                             : (kIsE4m3<F> && kLabWidenByAlu ? 256.f : 1.f));
   const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
 
   auto stage_of = [&](int i) { return stages + (i % kStages) * PageShape<F>::kStageBytes; };

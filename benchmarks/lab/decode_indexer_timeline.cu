@@ -12,7 +12,8 @@
 // thread's cp.asyncs. offer-warp: calls of 17-32 rows run the offer-warp form (a ninth warp
 // holds the lists and offers; its stamps are the last warp's).
 // Add -DMSA_LAB_NO_LOADS for the same kernel without its copies (the loop's own rate, without
-// DRAM). Prints the indexer's time per call (the plan update timed apart) and its bytes per
+// DRAM), -DMSA_LAB_NO_OFFERS without its offers, -DMSA_LAB_WIDEN_BY_ALU=1 with e4m3 keys widened
+// by integer ops instead of F2FP (csrc/decode_indexer.cu). Prints the indexer's time per call (the plan update timed apart) and its bytes per
 // second, then per warp the mean cycles of each phase of a page (its copies' wait, the CTA
 // barrier, issuing the copies kStages - 1 pages ahead, the offer of the previous page's scores,
 // the scoring) over pages 8 .. 55 of work item 0.
