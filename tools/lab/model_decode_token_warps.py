@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Models of the decode kernel's token-warps form (no GPU needed).
+"""Models of the decode kernel's token-warps forms (no GPU needed).
 
-csrc/decode_attention.cu, decode_attention_token_warps_kernel: a producer thread copies each
-page of a tile's union list into a ring of kTwStages stages (TMA: the stage's full mbarrier
-completes when its one arrival and the copy's bytes are in), eight consumer warps walk the same
-list, each waiting for every page's full barrier, computing only the pages its tokens selected,
-and arriving on the stage's empty barrier (256 threads) when done with it.
+csrc/decode_attention.cu, decode_attention_token_warps_kernel<kTwPerWarp>: a producer thread
+copies each page of a tile's union list into a ring of TwLayout::kStages (6) raw pages (TMA:
+the stage's full mbarrier completes when its one arrival and the copy's bytes are in), eight
+consumer warps walk the same list, each waiting for every page's full barrier, computing only
+the pages its tokens selected, and arriving on the stage's empty barrier (256 threads) when done
+with it.
 
 1. Protocol (`protocol`): random schedules check that nothing deadlocks, every computed page is
    the landed page of that ring position, no stage is refilled while a warp may still read its
@@ -18,7 +19,7 @@ and arriving on the stage's empty barrier (256 threads) when done with it.
    a raw page overwritten under a widening thread.
 2. Balance (`balance`): the ring's drift window against the list order. A warp's page costs W
    issue cycles; two busy warps on one SM sub-partition share it (warps w and w + 4); a warp
-   may run at most kTwStages pages ahead of the slowest. Time over the ideal (each
+   may run at most the ring's stages pages ahead of the slowest. Time over the ideal (each
    sub-partition busy with its two warps' 16 pages each), random top-16 selections of 8 tokens
    (own block last), for token-major, slot-major and block-sorted lists, and for kTwOnce's two
    f16 stages.
@@ -29,7 +30,7 @@ import random
 
 from model_decode_pingpong import Mbar as PhaseMbar
 
-STAGES = 6        # kTwStages
+STAGES = 6        # TwLayout<kTwPerWarp>::kStages
 WARPS = 8         # kTwConsumers
 
 
