@@ -3190,77 +3190,27 @@ __device__ int lab_tw_computed[kTwConsumers][kTwLabPages];
 // point (a trap; the launcher asks for the forms only where the sm_90a image is loaded).
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// A token warp's page softmax: S (the raw scores of its 16 rows x the page's 128 keys, key
-// 8n + 2t + e in s[n][e]; with kMasked, visible to row i2 up to key last[i2]) becomes P against
-// the page max, the rows' running max and sum advance and O is rescaled; beta: each row's P
-// scale (exp(page max - running max)).
-template <bool kMasked>
-__device__ __forceinline__ void token_warp_softmax(float (&s)[16][4], int lane,
-                                                   const int (&last)[2], float scale_log2,
-                                                   float (&acc)[16][4], float (&row_max)[2],
-                                                   float (&row_sum)[2], float (&beta)[2]) {
-  scale_log2 *= kLabKScale;   // (the lab's K x 2^-8)
-  // Scores in log2 units (masked: -inf), the page maxima as four partial chains per row.
-  float part[2][4];
-#pragma unroll
-  for (int i2 = 0; i2 < 2; ++i2) part[i2][0] = part[i2][1] = part[i2][2] = part[i2][3] = -INFINITY;
-#pragma unroll
-  for (int n = 0; n < 16; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float v = s[n][e] * scale_log2;
-      if constexpr (kMasked) {
-        const int key = n * 8 + 2 * (lane & 3) + (e & 1);
-        v = key <= last[e >> 1] ? v : -INFINITY;
-      }
-      s[n][e] = v;
-      float& m = part[e >> 1][2 * (n & 1) + (e & 1)];
-      m = fmaxf(m, v);
-    }
-  }
-  float page_max[2], alpha[2];
-#pragma unroll
-  for (int i2 = 0; i2 < 2; ++i2) {
-    float m = fmaxf(fmaxf(part[i2][0], part[i2][1]), fmaxf(part[i2][2], part[i2][3]));
-    m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
-    m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
-    const float new_max = fmaxf(row_max[i2], m);
-    alpha[i2] = row_max[i2] == -INFINITY ? 0.f : exp2_ftz(row_max[i2] - new_max);
-    beta[i2] = m == -INFINITY ? 0.f : exp2_ftz(m - new_max);
-    page_max[i2] = m == -INFINITY ? 0.f : m;   // exp2(-inf - 0) = 0 below
-    row_max[i2] = new_max;
-  }
-#pragma unroll
-  for (int i2 = 0; i2 < 2; ++i2) part[i2][0] = part[i2][1] = part[i2][2] = part[i2][3] = 0.f;
-#pragma unroll
-  for (int n = 0; n < 16; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float p = exp2_ftz(s[n][e] - page_max[e >> 1]);
-      part[e >> 1][2 * (n & 1) + (e & 1)] += p;
-      s[n][e] = p;
-    }
-  }
-#pragma unroll
-  for (int i2 = 0; i2 < 2; ++i2) {
-    const float page_sum = (part[i2][0] + part[i2][1]) + (part[i2][2] + part[i2][3]);
-    row_sum[i2] = row_sum[i2] * alpha[i2] + beta[i2] * page_sum;
-  }
-  if (!__all_sync(0xFFFFFFFFu, alpha[0] == 1.f && alpha[1] == 1.f)) scale_rows(acc, alpha);
+// A token warp's page softmax and O's rescale, the warpgroup forms' (S holds the m16n8
+// accumulators of the page's 16 key n-tiles, the same layout as a warpgroup's m64n128 one):
+// P against the page max, beta its rows' scale, the rows' running max and sum advance.
+__device__ __forceinline__ void token_warp_softmax(const PageRef& page, float scale_log2,
+                                                   wg::Rows& rows, float (&s)[16][4],
+                                                   float (&acc)[16][4], float (&beta)[2]) {
+  float alpha[2];
+  wg::page_probabilities<true>(page, false, scale_log2, rows,
+                               *reinterpret_cast<float(*)[64]>(&s[0][0]), alpha, beta);
+  wg::rescale(*reinterpret_cast<float(*)[64]>(&acc[0][0]), alpha);
 }
 
-// kTwPerWarp: one page of a token warp: S = Q K^T over the page's 128 keys for the warp's 16 rows (rows
-// lane / 4 and lane / 4 + 8; last[i2]: each row's last visible key of the page, -1 none; with
-// !kMasked every key is visible), the page folded into the rows' running max and sum (P
-// against the page max, the direct form's numerics), then O += (beta P) V. kMasked also reads
-// V rows at or past valid_rows (the request's end) as zeros. A warp's rows are one token at
-// G >= 16, so only its last pages (causal, the request's end) take the masked instance.
-template <bool kMasked>
+// kTwPerWarp: one page of a token warp: S = Q K^T over the page's 128 keys for the warp's 16
+// rows (rows lane / 4 and lane / 4 + 8) from the raw page, the softmax, then O += (beta P) V.
+// kTail: the page ends the request's keys at valid_rows, and V rows past them read as zeros.
+template <bool kTail>
 __device__ __forceinline__ void token_warp_page(const char* k8, const char* v8, int lane,
                                                 const uint32_t (&qf)[kHeadDim / 16][4],
-                                                const int (&last)[2], int valid_rows,
-                                                float scale_log2, float (&acc)[16][4],
-                                                float (&row_max)[2], float (&row_sum)[2]) {
+                                                const PageRef& page, int valid_rows,
+                                                float scale_log2, wg::Rows& rows,
+                                                float (&acc)[16][4]) {
   float s[16][4];
 #pragma unroll
   for (int n = 0; n < 16; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
@@ -3276,45 +3226,38 @@ __device__ __forceinline__ void token_warp_page(const char* k8, const char* v8, 
     }
   }
   float beta[2];
-  token_warp_softmax<kMasked>(s, lane, last, scale_log2, acc, row_max, row_sum, beta);
+  token_warp_softmax(page, scale_log2, rows, s, acc, beta);
 #pragma unroll
   for (int kk = 0; kk < kPageSize / 16; ++kk) {
     const float(&s2)[2][4] = *reinterpret_cast<const float(*)[2][4]>(&s[2 * kk][0]);
-    direct_pv_page<kMasked>(v8, 16 * kk, lane, s2, beta[0], beta[1], acc, valid_rows);
+    direct_pv_page<kTail>(v8, 16 * kk, lane, s2, beta[0], beta[1], acc, valid_rows);
   }
 }
 
-// A token warp's finished rows (16 of the tile, rows row_base + lane / 4 and + 8): normalized O
-// and LSE (natural log), or the chunk's fp32 partial of a split plan; rows that saw no key get
-// O = 0, LSE = -inf. kNatural (kTwOnce): O in the natural order, as the warpgroup forms'; else
-// (kTwPerWarp, P.V's permuted output order: n-tile n, column c = 2t + e is channel 16c + n)
-// this thread holds channels 32t .. 32t + 31 of each row.
-template <bool kNatural>
+// kTwPerWarp: a token warp's finished rows (16 of the tile, rows row_base + lane / 4 and + 8)
+// as wg::TileView::finalize writes a warpgroup's (the same O, LSE and empty rows), from P.V's
+// permuted output order (n-tile n, column c = 2t + e is channel 16c + n): this thread holds
+// channels 32t .. 32t + 31 of each row.
 __device__ __forceinline__ void token_warp_store(const DecodeAttentionArgs& a,
                                                  const DirectTile& t, int row_base,
-                                                 const float (&acc)[16][4],
-                                                 const float (&row_max)[2], float (&row_sum)[2]) {
+                                                 const wg::Rows& rows, float scale_log2,
+                                                 const float (&acc)[16][4]) {
   const int lane = threadIdx.x & 31, quad = lane & 3;
   const int group = a.num_qo_heads / a.num_kv_heads;
-  add_quad_sums(row_sum);
   const int64_t slot = wg::chunk_slot(a, t.ctx.request, t.chunk);
   if (slot == wg::kCorruptSlot) return;
+  float row_sum[2] = {rows.sum[0], rows.sum[1]};
+  add_quad_sums(row_sum);
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
     const int row = row_base + (lane >> 2) + i2 * 8;
     if (row >= t.tile_rows) continue;
     const int r = t.ctx.first_row + row;
     const int token = r / group, qo_head = t.ctx.head * group + r % group;
-    // Only a zero sum means "no visible key": a NaN sum gives NaN O and LSE.
-    const bool empty = row_sum[i2] == 0.f;
+    const bool empty = !(row_sum[i2] > 0.f);
     const float inv = empty ? 0.f : kLabVScale / row_sum[i2];   // (the lab's O x 2^-8)
-    const float lse = empty ? -INFINITY : (row_max[i2] + log2f(row_sum[i2])) * kLn2;
-    if constexpr (kNatural) {
-      store_row(a, slot, t.ctx.request, token, qo_head, lane, lse, [&](int n) {
-        return make_float2(acc[n][2 * i2] * inv, acc[n][2 * i2 + 1] * inv);
-      });
-      continue;
-    }
+    const float lse = empty ? -INFINITY
+                            : (rows.max[i2] * scale_log2 + log2f(row_sum[i2])) * kLn2;
     const int channel = 32 * quad;
     if (slot >= 0) {
       const int64_t idx = (slot * a.seqlen_q + token) * a.num_qo_heads + qo_head;
@@ -3412,12 +3355,10 @@ __device__ __forceinline__ void widen_rows(const char* raw, char* wide, int vali
 // kTwOnce: one page of a token warp from an f16 stage (K rows at kw, V rows at vw): S = Q K^T
 // with K's fragments by ldmatrix (an 8-key row block and 32 channels a load), the page's
 // softmax, then O += (beta P) V with V's by ldmatrix.trans; every order natural.
-template <bool kMasked>
 __device__ __forceinline__ void token_warp_page_widened(const char* kw, const char* vw, int lane,
                                                         const uint32_t (&qf)[kHeadDim / 16][4],
-                                                        const int (&last)[2], float scale_log2,
-                                                        float (&acc)[16][4], float (&row_max)[2],
-                                                        float (&row_sum)[2]) {
+                                                        const PageRef& page, float scale_log2,
+                                                        wg::Rows& rows, float (&acc)[16][4]) {
   float s[16][4];
 #pragma unroll
   for (int n = 0; n < 16; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
@@ -3434,7 +3375,7 @@ __device__ __forceinline__ void token_warp_page_widened(const char* kw, const ch
     }
   }
   float beta[2];
-  token_warp_softmax<kMasked>(s, lane, last, scale_log2, acc, row_max, row_sum, beta);
+  token_warp_softmax(page, scale_log2, rows, s, acc, beta);
   const __half2 sc_g = __float2half2_rn(beta[0]), sc_g8 = __float2half2_rn(beta[1]);
 #pragma unroll
   for (int kk = 0; kk < kPageSize / 16; ++kk) {
@@ -3592,8 +3533,9 @@ __global__ void __launch_bounds__(kTwThreads, 1)
 
   sm90::registers_up<L::kConsumerRegisters>();
   const int group = a.num_qo_heads / a.num_kv_heads;
-  const float scale_log2 = a.softmax_scale * kLog2e;
+  const float scale_log2 = a.softmax_scale * kLog2e * kLabKScale;   // (the lab's K x 2^-8)
   const int row_base = 16 * warp;
+  const int group_row = 64 * (warp / 4);   // the TileView row of this warp's warpgroup
   while (f < f_end) {
     if (warp == 0) plan_direct_batch(a, f, f_end, tiles, info);
     sm90::named_sync(kListBarrier, kTwConsumerThreads);
@@ -3613,16 +3555,9 @@ __global__ void __launch_bounds__(kTwThreads, 1)
         load_query_raw_fp8(a, t.ctx, group, t.tile_rows, q_raw, row_base);
         widen_query_fp8(q_raw, qf);
       }
-      // Rows row_base + lane / 4 (+ 8): their token and last visible key (-1: none); the
-      // tokens of the warp's rows.
-      int row_token[2], row_last_key[2];
-#pragma unroll
-      for (int i2 = 0; i2 < 2; ++i2) {
-        const int row = row_base + (lane >> 2) + i2 * 8;
-        row_token[i2] = min((t.ctx.first_row + row) / group, 31);
-        const int last = min(t.ctx.seqlen_k - 1, row_token[i2] + t.ctx.seqlen_k - a.seqlen_q);
-        row_last_key[i2] = row < t.tile_rows ? last : -1;
-      }
+      // This thread's rows (the warpgroup forms' row state) and the tokens of the warp's rows.
+      const wg::TileView view(a, t.ctx, group, t.tile_rows);
+      wg::Rows rows = view.rows(a, t.ctx, group_row);
       uint32_t warp_tokens = 0u;
       if (row_base < t.tile_rows) {
         const int first = (t.ctx.first_row + row_base) / group;
@@ -3632,49 +3567,31 @@ __global__ void __launch_bounds__(kTwThreads, 1)
       float acc[16][4];
 #pragma unroll
       for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-      float row_max[2] = {-INFINITY, -INFINITY};
-      float row_sum[2] = {0.f, 0.f};
       const int end = t.list_begin + t.num_pages;
       for (int e = t.list_begin; e < end; ++e) {
-        const uint32_t mask = list_mask[e];
+        const PageRef page{list_phys[e], list_logical[e], list_mask[e]};
         MSA_LAB_TW_MARK(lane == 0, warp, lab_page, 0);
         full(pos.index).wait(pos.phase);   // also when skipped: no warp arrives a round ahead
         MSA_LAB_TW_MARK(lane == 0, warp, lab_page, 1);
 #ifdef MSA_LAB_TW_TIMELINE
         if (lane == 0 && blockIdx.x == 0 && lab_page < kTwLabPages) {
-          lab_tw_computed[warp][lab_page] = (mask & warp_tokens) != 0;
+          lab_tw_computed[warp][lab_page] = (page.token_mask & warp_tokens) != 0;
         }
 #endif
-        if (mask & warp_tokens) {          // warp-uniform
-          const int logical = list_logical[e];
+        if (page.token_mask & warp_tokens) {   // warp-uniform
           const char* stage = stage_of(pos.index);
-          int last[2];
-#pragma unroll
-          for (int i2 = 0; i2 < 2; ++i2) {
-            const bool selected = (mask >> row_token[i2]) & 1u;
-            last[i2] = selected ? row_last_key[i2] - logical * kPageSize : -1;
-          }
-          // Every row sees every key: the page skips the mask (and holds the request's keys
-          // only: a request's last page is masked by its rows' causal ends).
-          const bool whole = __all_sync(0xFFFFFFFFu, min(last[0], last[1]) >= kPageSize - 1);
           if constexpr (kOnce) {
-            const char* vw = stage + kPageSize * kTwWideRowBytes;
-            if (whole) {
-              token_warp_page_widened<false>(stage, vw, lane, qf, last, scale_log2, acc,
-                                             row_max, row_sum);
-            } else {
-              token_warp_page_widened<true>(stage, vw, lane, qf, last, scale_log2, acc, row_max,
-                                            row_sum);
-            }
+            token_warp_page_widened(stage, stage + kPageSize * kTwWideRowBytes, lane, qf, page,
+                                    scale_log2, rows, acc);
           } else {
             const char* v8 = stage + kPageSize * kHeadDim;
-            const int valid_rows = min(kPageSize, max(t.ctx.seqlen_k - logical * kPageSize, 0));
-            if (whole) {
-              token_warp_page<false>(stage, v8, lane, qf, last, valid_rows, scale_log2, acc,
-                                     row_max, row_sum);
+            const int valid_rows = page_valid_rows(t.ctx, page);
+            if (valid_rows == kPageSize) {   // uniform: only a request's last page is short
+              token_warp_page<false>(stage, v8, lane, qf, page, valid_rows, scale_log2, rows,
+                                     acc);
             } else {
-              token_warp_page<true>(stage, v8, lane, qf, last, valid_rows, scale_log2, acc,
-                                    row_max, row_sum);
+              token_warp_page<true>(stage, v8, lane, qf, page, valid_rows, scale_log2, rows,
+                                    acc);
             }
           }
         }
@@ -3683,7 +3600,19 @@ __global__ void __launch_bounds__(kTwThreads, 1)
         pos.advance();
         LAB_TW_NEXT_PAGE();
       }
-      token_warp_store<kOnce>(a, t, row_base, acc, row_max, row_sum);
+      if constexpr (kOnce) {
+        if constexpr (kLabVByAlu) {   // (the lab's O x 2^-8)
+#pragma unroll
+          for (int n = 0; n < 16; ++n) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[n][c] *= 256.f;
+          }
+        }
+        view.finalize(a, t.ctx, wg::chunk_slot(a, t.ctx.request, t.chunk), group_row, rows,
+                      scale_log2, *reinterpret_cast<const float(*)[64]>(&acc[0][0]));
+      } else {
+        token_warp_store(a, t, row_base, rows, scale_log2, acc);
+      }
     }
     sm90::named_sync(kBatchBarrier, kTwThreads);     // the batch's lists are no longer read
   }
