@@ -3105,9 +3105,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 // read a page once for every token that chose it. Here each of eight consumer warps owns 16
 // rows (one token at G = 16) with their Q in registers and computes a page only where its
 // rows' tokens selected it: all 128 keys of the page (16 independent QK^T chains on f16
-// mma.sync), the page's softmax within the warp (it holds whole rows: no exchange), then P.V
-// over the page's 128 keys, with the direct form's numerics (P rounded to e4m3 against the page
-// max, scaled by exp(page max - running max) in f16). The union's pages arrive once each by TMA
+// mma.sync), the page's softmax within the warp (it holds whole rows: no exchange; the
+// warpgroup forms' page softmax and row state), then P.V over the page's 128 keys (P rounded to
+// e4m3 against the page max, scaled by exp(page max - running max) in f16, as the direct and
+// warpgroup forms round it). The union's pages arrive once each by TMA
 // from one thread of a producer warpgroup. A warp waits for every page (so no warp arrives a
 // round ahead on an empty barrier) but computes only its own, so the warps drift apart within
 // the ring and a page costs the SM about the work of the tokens that chose it. The lists are
@@ -3128,7 +3129,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 //   read fragments with ldmatrix (K rows as the B operand, V through .trans) in the natural
 //   channel order. The widening writes zeros past the request's keys. A page's conversions are
 //   paid once, whatever the number of tokens that chose it; the ring holds two pages, so the
-//   warps drift less (1.32x the ideal at 32 blocks).
+//   warps have less room to drift apart (1.32x the ideal at 32 blocks, against 1.11x with six
+//   raw pages).
 // benchmarks/lab/sm90_pipe_rates.cu measures the widening rates, and
 // benchmarks/lab/decode_sparse_mtp_forms.cu the forms.
 enum TokenWarpsForm : int { kTwOff = 0, kTwPerWarp = 1, kTwOnce = 2 };
