@@ -4027,11 +4027,15 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   // Split keys across warps only when every qo tile has <= 16 rows, the direct e4m3 form only
   // then with e4m3 Q and K/V, the warpgroup form only with Q and K/V of one dtype (the binding
   // checks all three; the caller asks for the warpgroup form on tiles of > 16 rows).
-  auto launch = [&](auto kernel, int smem_bytes, int threads, auto... more) -> cudaError_t {
+  auto launch_on = [&](dim3 ctas, auto kernel, int smem_bytes, int threads,
+                       auto... more) -> cudaError_t {
     MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              smem_bytes));
-    kernel<<<grid, threads, smem_bytes, stream>>>(args, more...);
+    kernel<<<ctas, threads, smem_bytes, stream>>>(args, more...);
     return cudaSuccess;
+  };
+  auto launch = [&](auto kernel, int smem_bytes, int threads, auto... more) -> cudaError_t {
+    return launch_on(grid, kernel, smem_bytes, threads, more...);
   };
   // A token-warps form where its image and the caches' tensor maps allow; otherwise the form
   // the caller asked for beside it serves the call.
@@ -4040,18 +4044,13 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
       encode_kv_maps(args, token_maps, CU_TENSOR_MAP_SWIZZLE_128B)) {
     int64_t ctas = 0;
     MSA_RETURN_IF_ERROR(range_ctas(args, ctas));
-    auto launch_tw = [&](auto kernel, int smem_bytes) -> cudaError_t {
-      MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-      kernel<<<static_cast<unsigned>(ctas), kTwThreads, smem_bytes, stream>>>(args, token_maps);
-      return cudaSuccess;
-    };
+    const dim3 range_grid(static_cast<unsigned>(ctas));
     if (args.token_warps == kTwOnce) {
-      MSA_RETURN_IF_ERROR(launch_tw(decode_attention_token_warps_kernel<kTwOnce>,
-                                    TwLayout<kTwOnce>::kAlloc));
+      MSA_RETURN_IF_ERROR(launch_on(range_grid, decode_attention_token_warps_kernel<kTwOnce>,
+                                    TwLayout<kTwOnce>::kAlloc, kTwThreads, token_maps));
     } else {
-      MSA_RETURN_IF_ERROR(launch_tw(decode_attention_token_warps_kernel<kTwPerWarp>,
-                                    TwLayout<kTwPerWarp>::kAlloc));
+      MSA_RETURN_IF_ERROR(launch_on(range_grid, decode_attention_token_warps_kernel<kTwPerWarp>,
+                                    TwLayout<kTwPerWarp>::kAlloc, kTwThreads, token_maps));
     }
   } else if (args.warpgroup) {
     if (!warpgroup_form_loaded()) return cudaErrorNotSupported;
@@ -4095,11 +4094,8 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
     // A sparse call's tiles (16 pages each at top-16) in equal ranges over one CTA per SM.
     int64_t ctas = 0;
     MSA_RETURN_IF_ERROR(range_ctas(args, ctas));
-    MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(decode_attention_direct_kernel,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             kDirectSmemBytes));
-    decode_attention_direct_kernel<<<static_cast<unsigned>(ctas), kThreads, kDirectSmemBytes,
-                                     stream>>>(args);
+    MSA_RETURN_IF_ERROR(launch_on(dim3(static_cast<unsigned>(ctas)),
+                                  decode_attention_direct_kernel, kDirectSmemBytes, kThreads));
   } else if (args.split_keys) {
     MSA_RETURN_IF_ERROR(launch(decode_attention_kernel<true>, kSmemBytes, kThreads));
   } else {
