@@ -141,3 +141,75 @@ def test_builder_class_is_the_same_callable(seed):
     a = msa.SparseK2qCsrBuilderSm100()(q2k, cu_seqlens([77]), cu_seqlens([400]), total_k=400)
     b = msa.build_k2q_csr(q2k, cu_seqlens([77]), cu_seqlens([400]), 128, total_k=400)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _window_pieces(sched, row_ptr, q_idx, cu_q, window):
+    """The query-window split written as host loops: {(head, window, row, entries)} of the
+    schedule's items cut at every window edge."""
+    pieces = []
+    for h, row, q0, qn, b, _blk in sched.scheduler_metadata[:int(sched.work_count[0])].tolist():
+        first = int(row_ptr[h, row]) + q0
+        entries = list(range(first, first + qn))
+        windows = [(int(cu_q[b]) + int(q_idx[h, e])) // window for e in entries]
+        lo = 0
+        for i in range(1, qn + 1):
+            if i == qn or windows[i] != windows[lo]:
+                pieces.append((h, windows[lo], row, tuple(entries[lo:i])))
+                lo = i
+    return sorted(pieces)
+
+
+@pytest.mark.parametrize("window", [1, 64, 100, 1000])
+def test_query_window_split_keeps_every_entry_once(window, seed):
+    """split_items_by_query_window: the same entries, cut at windows, ordered (KV head, window,
+    row); each piece's metadata names its own entries; the capacity holds them."""
+    from msa.schedules.sparse import split_items_by_query_window, window_capacity
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, k_lens = [300, 45, 210], [900, 300, 1400]
+    q2k = random_q2k(q_lens, k_lens, 2, 8, generator=gen, causal_visible_only=True)
+    cu_q, cu_k = cu_seqlens(q_lens), cu_seqlens(k_lens)
+    row_ptr, q_idx, sched = msa.build_k2q_csr(q2k, cu_q, cu_k, 128, total_k=sum(k_lens),
+                                              max_seqlen_q=max(q_lens),
+                                              max_seqlen_k=max(k_lens), return_schedule=True)
+    split = split_items_by_query_window(sched, q_idx, cu_q, window)
+    n = int(split.work_count[0])
+    assert split.work_capacity == window_capacity(sched, sum(q_lens), window) >= n
+    owner = {row: (b, blk) for _h, row, _q0, _qn, b, blk
+             in sched.scheduler_metadata[:int(sched.work_count[0])].tolist()}
+    got = []
+    for h, row, q0, qn, b, blk in split.scheduler_metadata[:n].tolist():
+        first = int(sched.k2q_row_ptr[h, row]) + q0
+        entries = tuple(range(first, first + qn))
+        windows = {(int(cu_q[b]) + int(q_idx[h, e])) // window for e in entries}
+        assert len(windows) == 1 and qn > 0 and owner[row] == (b, blk)
+        got.append((h, windows.pop(), row, entries))
+    assert got == sorted(got)                                   # (head, window, row) order
+    assert got == _window_pieces(sched, row_ptr, q_idx, cu_q, window)
+    # Same slots and counts: only the items changed.
+    assert split.qsplit_indices is sched.qsplit_indices
+    assert split.split_counts is sched.split_counts
+
+
+def test_query_window_split_of_unsorted_rows_keeps_every_entry(seed):
+    """A CSR whose rows are not ascending (an unchecked caller's) still fits the capacity and
+    covers every entry exactly once."""
+    from msa.schedules.sparse import split_items_by_query_window
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, k_lens = [260], [1000]
+    q2k = random_q2k(q_lens, k_lens, 1, 8, generator=gen, causal_visible_only=True)
+    cu_q, cu_k = cu_seqlens(q_lens), cu_seqlens(k_lens)
+    row_ptr, q_idx, sched = msa.build_k2q_csr(q2k, cu_q, cu_k, 128, total_k=1000,
+                                              max_seqlen_q=260, max_seqlen_k=1000,
+                                              return_schedule=True)
+    shuffled = q_idx.clone()
+    for r in range(row_ptr.shape[1] - 1):
+        lo, hi = int(row_ptr[0, r]), int(row_ptr[0, r + 1])
+        shuffled[0, lo:hi] = q_idx[0, lo:hi][torch.randperm(hi - lo, generator=gen)]
+    split = split_items_by_query_window(sched, shuffled, cu_q, 16)
+    n = int(split.work_count[0])
+    assert n <= split.work_capacity
+    covered = []
+    for h, row, q0, qn, _b, _blk in split.scheduler_metadata[:n].tolist():
+        first = int(row_ptr[h, row]) + q0
+        covered.extend(range(first, first + qn))
+    assert sorted(covered) == list(range(int(row_ptr[0, -1])))

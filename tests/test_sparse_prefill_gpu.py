@@ -52,7 +52,7 @@ import msa
 from msa import _backend
 from msa.interface import check_sparse_atten_args
 from msa.reference.sparse_attention import make_kv_source, sparse_attention_csr
-from msa.schedules.sparse import build_schedule_on_device
+from msa.schedules.sparse import build_schedule_on_device, split_items_by_query_window
 from msa_testing import compiled_variant_with, nan_tensor, use_tier
 
 BLOCK = 128
@@ -462,6 +462,39 @@ def test_sparse_prefill_paged_pool_past_2_31_elements(partial_dtype, kv_dtype, t
     else:
         assert err <= 2 * model_err + 4e-3
         _check_lse_fp8("LSE", lse, lse64)
+
+
+@pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("mode", ["bf16", "e4m3"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_query_window_items_give_the_same_bits(mode, paged, seed, native_hooks):
+    """The served schedule's items cut at query windows and reordered (split_items_by_query_
+    window) give the same O and LSE bit for bit: items are independent and slots unchanged."""
+    gen = torch.Generator().manual_seed(seed)
+    p = _make_problem(16, 16, paged, True, gen, torch.device("cuda"))
+    if mode == "e4m3":
+        p.update({name: p[name].to(torch.float8_e4m3fn) for name in ("q", "k", "v")})
+    row_ptr, q_idx, served = msa.build_k2q_csr(
+        p["q2k"], p["cu_q"], p["cu_k"], BLOCK, total_k=p["total_k"], max_seqlen_k=p["max_k"],
+        max_seqlen_q=p["max_q"], qhead_per_kv=16, return_schedule=True)
+
+    native_hooks.poison()
+
+    def attend(schedule):
+        return msa.sparse_atten_func(
+            p["q"], p["k"], p["v"], row_ptr, q_idx, 16, cu_seqlens_q=p["cu_q"],
+            cu_seqlens_k=p["cu_k"], max_seqlen_q=p["max_q"], max_seqlen_k=p["max_k"],
+            causal=True, return_softmax_lse=True, page_table=p["page_table"],
+            seqused_k=p["seqused_k"], schedule=schedule)
+
+    want_o, want_lse = (t.clone() for t in attend(served))
+    assert not torch.isnan(want_o).any()
+    for window in (64, 1000, int(p["cu_q"][-1])):
+        split = split_items_by_query_window(served, q_idx, p["cu_q"], window)
+        assert int(split.work_count[0]) >= int(served.work_count[0])
+        o, lse = attend(split)
+        assert torch.equal(o, want_o) and torch.equal(lse, want_lse), f"window {window}"
 
 
 def test_device_schedule_matches_reference_builder(seed):

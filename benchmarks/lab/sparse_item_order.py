@@ -10,8 +10,10 @@ of Q beside the ~4.3 GB of partials the items write (the attention runs at ~3.6 
 
 Items are independent (a query's partial rows do not depend on its tile-mates, slots are the
 rank of a row among its query's rows), so any order or split of the items gives the same bits.
-This script times the attention + combine of one chunk with the served schedule against:
-  head_major   the same items ordered (KV head, row): the items in flight share one KV head's Q
+This script times the attention + combine of one chunk with the served schedule against
+msa.schedules.sparse.split_items_by_query_window's orders:
+  head_major   the same items ordered (KV head, row) (one window): the items in flight share
+               one KV head's Q
   window:W     items split at query windows of W queries and ordered (KV head, window, row): the
                items in flight gather from one head's W queries (W x 4 KB in bf16), so Q should
                come from L2; each window re-reads the K/V blocks it selects (rows x 64 KB a head)
@@ -24,8 +26,9 @@ and checks that every order's O equals the served one bit for bit.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
+import time
+from importlib import import_module
 from pathlib import Path
 
 import torch
@@ -35,50 +38,27 @@ from _common import load_msa  # noqa: E402
 
 HQ, HKV, D, BLOCK, TOPK = 64, 4, 128, 128, 16
 E4M3 = torch.float8_e4m3fn
-HEAD, ROW, Q_BEGIN, Q_COUNT, BATCH = 0, 1, 2, 3, 4
+Q_COUNT = 3                # scheduler_metadata's query-count column
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # cpu: a smoke run of the script
 
 
 def chunk_selection(q_len: int, k_len: int, gen: torch.Generator) -> torch.Tensor:
     """[Hkv, q_len, TOPK] block ids of a chunk at the end of k_len keys: each query's own block
     and 15 uniformly random earlier ones (the production benchmark's indexer on random data)."""
     blocks = -(-k_len // BLOCK)
-    own = (torch.arange(q_len, device="cuda") + k_len - q_len) // BLOCK
-    score = torch.rand(HKV, q_len, blocks, generator=gen, device="cuda", dtype=torch.float16)
-    ids = torch.arange(blocks, device="cuda")
+    own = (torch.arange(q_len, device=DEVICE) + k_len - q_len) // BLOCK
+    score = torch.rand(HKV, q_len, blocks, generator=gen, device=DEVICE, dtype=torch.float16)
+    ids = torch.arange(blocks, device=DEVICE)
     score.masked_fill_(ids.view(1, 1, -1) > own.view(1, -1, 1), float("-inf"))
     score.scatter_(2, own.view(1, -1, 1).expand(HKV, q_len, 1), float("inf"))
     return score.topk(TOPK, dim=-1).indices.int().contiguous()
 
 
-def reordered(schedule, row_ptr: torch.Tensor, q_idx: torch.Tensor, cu_q: torch.Tensor,
-              window: int):
-    """The schedule's items ordered (KV head, query window, row), split at windows of `window`
-    queries (0: no split, (KV head, row) order)."""
-    meta = schedule.scheduler_metadata[:int(schedule.work_count[0])].cpu().long()
-    row_ptr, q_idx, cu_q = row_ptr.cpu().long(), q_idx.cpu().long(), cu_q.cpu().long()
-    items = []
-    for item in meta.tolist():
-        h, r, begin, count, b = item[HEAD], item[ROW], item[Q_BEGIN], item[Q_COUNT], item[BATCH]
-        first = int(row_ptr[h, r]) + begin
-        queries = cu_q[b] + q_idx[h, first:first + count]
-        if window <= 0:
-            items.append(((h, 0, r, begin), item))
-            continue
-        windows = torch.div(queries, window, rounding_mode="floor")
-        cuts = [0] + (torch.nonzero(windows[1:] != windows[:-1]).flatten() + 1).tolist() + [count]
-        for lo, hi in zip(cuts[:-1], cuts[1:]):
-            piece = list(item)
-            piece[Q_BEGIN], piece[Q_COUNT] = begin + lo, hi - lo
-            items.append(((h, int(windows[lo]), r, begin + lo), piece))
-    items.sort(key=lambda pair: pair[0])
-    new_meta = torch.tensor([piece for _, piece in items], dtype=torch.int32)
-    return dataclasses.replace(
-        schedule, scheduler_metadata=new_meta.to(schedule.scheduler_metadata.device),
-        work_count=torch.tensor([len(items)], dtype=torch.int32,
-                                device=schedule.work_count.device))
-
-
 def median_ms(fn, rep_ms: int) -> float:
+    if DEVICE == "cpu":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
     import triton.testing
     return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
 
@@ -93,23 +73,24 @@ def main():
     ap.add_argument("--rep-ms", type=int, default=300)
     args = ap.parse_args()
     msa = load_msa()
-    print(f"# {torch.cuda.get_device_name()}  msa from {msa.__file__}")
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    print(f"# {name}  msa from {msa.__file__}")
     print("shape\tdtype\torder\titems\tq_per_item\tms\tx_served\tequal")
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     for shape in args.shapes.split(","):
         q_len, k_len = (int(x) for x in shape.split(":"))
         q2k = chunk_selection(q_len, k_len, gen)
-        cu_q = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
-        cu_k = torch.tensor([0, k_len], dtype=torch.int32, device="cuda")
+        cu_q = torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE)
+        cu_k = torch.tensor([0, k_len], dtype=torch.int32, device=DEVICE)
         row_ptr, q_idx, schedule = msa.build_k2q_csr(
             q2k, cu_q, cu_k, BLOCK, total_k=k_len, max_seqlen_q=q_len, max_seqlen_k=k_len,
             qhead_per_kv=HQ // HKV, return_schedule=True)
-        q = torch.randn(q_len, HQ, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(k_len, HKV, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(k_len, HKV, D, device="cuda", dtype=torch.bfloat16)
-        orders = [("served", schedule), ("head_major", reordered(schedule, row_ptr, q_idx,
-                                                                  cu_q, 0))]
-        orders += [(f"window:{w}", reordered(schedule, row_ptr, q_idx, cu_q, int(w)))
+        q = torch.randn(q_len, HQ, D, device=DEVICE, dtype=torch.bfloat16)
+        k = torch.randn(k_len, HKV, D, device=DEVICE, dtype=torch.bfloat16)
+        v = torch.randn(k_len, HKV, D, device=DEVICE, dtype=torch.bfloat16)
+        split = import_module(f"{msa.__name__}.schedules.sparse").split_items_by_query_window
+        orders = [("served", schedule), ("head_major", split(schedule, q_idx, cu_q, q_len))]
+        orders += [(f"window:{w}", split(schedule, q_idx, cu_q, int(w)))
                    for w in args.windows.split(",") if w]
         for dtype in args.dtypes.split(","):
             qq, kk, vv = (q, k, v) if dtype == "bf16" else (q.to(E4M3), k.to(E4M3), v.to(E4M3))

@@ -265,3 +265,85 @@ def build_schedule_on_device(call, cu_seqlens_q: Optional[torch.Tensor] = None,
         work_count=work_count, qsplit_indices=qsplit.to(torch.int32).contiguous(),
         split_counts=split_counts.to(torch.int32).contiguous(), target_q_per_cta=target,
         k2q_row_ptr=row_ptr, batch=batch, topk=topk)
+
+
+def window_capacity(schedule: SparseAttentionSchedule, total_q: int, window: int) -> int:
+    """Work items :func:`split_items_by_query_window` may make: each (KV head, CSR row) of
+    ascending query ids is cut by at most windows - 1 window edges besides its chunks."""
+    hkv, rows_plus_one = schedule.k2q_row_ptr.shape
+    windows = -(-max(total_q, 1) // window)
+    return schedule.work_capacity + hkv * (rows_plus_one - 1) * (windows - 1)
+
+
+def split_items_by_query_window(schedule: SparseAttentionSchedule,
+                                k2q_q_indices: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                window: int) -> SparseAttentionSchedule:
+    """The schedule's work items cut at query windows of ``window`` queries and ordered
+    (KV head, window, CSR row): the items a grid runs at once then TMA-gather the query rows of
+    one KV head's window, which stay in L2, instead of the whole chunk's Q (docs/
+    design-production-prefill.md, "Item order"). Items are independent and a slot is the rank
+    of a row among its query's rows, so every order gives the same O and LSE bit for bit.
+
+    Tensor ops on the schedule's device, no host synchronization (capture-safe); the capacity
+    is :func:`window_capacity`. A query id's window is taken as the running maximum along its
+    CSR row, so rows of unsorted ids (an unchecked caller's CSR) still fit the capacity: every
+    entry stays in exactly one item, only the grouping loosens.
+    """
+    if window < 1:
+        raise ValueError(f"window: needs >= 1 queries, got {window}")
+    i64 = torch.int64
+    meta = schedule.scheduler_metadata.to(i64)
+    device = meta.device
+    row_ptr = schedule.k2q_row_ptr.to(i64)
+    hkv, n = k2q_q_indices.shape
+    total_rows = row_ptr.shape[1] - 1
+    total_q = schedule.split_counts.shape[0]
+    windows = -(-max(total_q, 1) // window)
+    capacity = window_capacity(schedule, total_q, window)
+    items = meta.shape[0]
+    head, row, q_begin, q_count = meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3]
+    live = (torch.arange(items, device=device) < schedule.work_count.to(i64)) & (q_count > 0)
+    start = row_ptr[head.clamp(0, hkv - 1), row.clamp(0, total_rows)] + q_begin
+
+    # The item covering each entry: its start marked, then carried forward along the entries.
+    flat = hkv * n
+    marks = torch.full((flat + 1,), -1, dtype=i64, device=device)
+    marks.scatter_(0, torch.where(live, head * n + start, torch.full_like(start, flat)),
+                   torch.arange(items, device=device, dtype=i64))
+    positions = torch.arange(flat, device=device, dtype=i64)
+    last_mark = torch.where(marks[:flat] >= 0, positions, torch.full_like(positions, -1))
+    last_mark = torch.cummax(last_mark, 0).values
+    item = torch.where(last_mark >= 0, marks[last_mark.clamp_min(0)], torch.zeros_like(last_mark))
+    pos = positions % n
+    covered = (last_mark >= 0) & (pos - start[item] < q_count[item]) & (pos >= start[item])
+
+    # Each entry's window, kept monotone along its (head, row) segment.
+    cu_q = cu_seqlens_q.to(i64)
+    batch = meta[:, 4].clamp(0, cu_q.numel() - 2)
+    q_abs = (cu_q[batch[item]] + k2q_q_indices.reshape(-1).to(i64)).clamp(0, max(total_q - 1, 0))
+    segment = (positions // n) * (total_rows + 1) + row[item]
+    w = torch.cummax(torch.where(covered, segment * windows + q_abs // window,
+                                 torch.zeros_like(q_abs)), 0).values - segment * windows
+    w = w.clamp(0, windows - 1)
+
+    # A piece starts at an item's start or where the window changes inside the item.
+    prev_w = torch.cat([w.new_full((1,), -1), w[:-1]])
+    starts = covered & ((pos == start[item]) | (w != prev_w))
+    piece = torch.cumsum(starts.to(i64), 0) - 1
+    piece = torch.where(covered, piece.clamp(0, capacity - 1), torch.full_like(piece, capacity))
+    counts = torch.zeros(capacity + 1, dtype=i64, device=device).scatter_add_(
+        0, piece, torch.ones_like(piece))[:capacity]
+    first = torch.full((capacity + 1,), flat, dtype=i64, device=device).scatter_(
+        0, torch.where(starts, piece, torch.full_like(piece, capacity)), positions)[:capacity]
+    used = counts > 0
+    first_item = item[first.clamp_max(flat - 1)]
+    pieces = torch.stack([head[first_item], row[first_item],
+                          q_begin[first_item] + (first % n) - start[first_item], counts,
+                          meta[first_item, 4], meta[first_item, 5]], 1)
+    key = torch.where(used, (first // n * windows + w[first.clamp_max(flat - 1)]) * (n + 1)
+                      + first % n, torch.full_like(first, torch.iinfo(i64).max))
+    order = torch.sort(key).indices
+    new_meta = torch.where(used[order].view(-1, 1), pieces[order], torch.zeros_like(pieces))
+    return dataclasses.replace(
+        schedule, scheduler_metadata=new_meta.to(torch.int32).contiguous(),
+        work_count=starts.sum().clamp_max(capacity).view(1).to(torch.int32))
