@@ -9,6 +9,10 @@ earlier blocks spread over the whole prefix. Per (query, KV head, selected block
   KV-outer + combine (msa today): the CTA of a (KV head, block) gathers each selecting query's
       G heads of Q (G D q_bytes), writes a partial row per head (D partial_bytes + 4 for the
       LSE) that the combine reads back; K/V once per touched (KV head, block); O written once.
+  KV-outer + combine, items by query window (schedules.sparse.split_items_by_query_window):
+      the same, with the items in flight on one KV head's window of W queries, so Q comes from
+      HBM once (its gathers hit L2) and each window reads the K/V blocks it touches again (all
+      of the request's, with random selections: an upper bound).
   KV-outer, combine fused: the same without the partial round trip (what a fused combine would
       need: an exact row max first, or atomics; neither exists).
   KV-outer, two passes: pass 1 computes each row's exact LSE (Q K^T only, no V, no partials),
@@ -26,6 +30,7 @@ prediction. The measured column is the pipeline's attention + combine from
 benchmarks/results/prefill_production_h200.tsv (the latest commit there).
 
     python tools/lab/model_prefill_bytes.py [--hbm-tbs 4.26] [--bf16-tflops 806] [--l2-budget-mb 30]
+        [--window 2048]
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ def touched_blocks(case) -> int:
     return HKV * sum(-(-kv // BLOCK) for kv in case.kv_lens)
 
 
-def floors(case, dtype, hbm, peaks, l2_budget):
+def floors(case, dtype, hbm, peaks, l2_budget, window):
     qb, pb, peak_key = DTYPES[dtype]
     flops = attention_flops(case.selected_keys(), HQ, D)
     e = entries(case)
@@ -73,6 +78,9 @@ def floors(case, dtype, hbm, peaks, l2_budget):
     out = case.total_q * HQ * D * 2
     peak = peaks[peak_key]
     kv_outer = max((q_gather + partials + kv + out) / hbm, flops / peak)
+    windows = -(-case.total_q // window)
+    windowed = max((case.total_q * HQ * D * qb + partials + kv * windows + out) / hbm,
+                   flops / peak)
     fused = max((q_gather + kv + out) / hbm, flops / peak)
     chunk_queries = max(1, int(l2_budget // (HQ * D * 4)))
     chunks = -(-case.total_q // chunk_queries)
@@ -80,7 +88,7 @@ def floors(case, dtype, hbm, peaks, l2_budget):
     queries_per_tile = max(1, TILE_ROWS // G)
     inflation = min(queries_per_tile * (TOPK - 1) + 1, TOPK * queries_per_tile) / TOPK
     q_outer = max((case.total_q * HQ * D * qb + kv + out) / hbm, flops * inflation / peak)
-    return flops, kv_outer, fused, two_pass, q_outer
+    return flops, kv_outer, windowed, fused, two_pass, q_outer
 
 
 def measured(path: Path):
@@ -102,6 +110,8 @@ def main(argv=None):
     ap.add_argument("--fp8-tflops", type=float, default=1600.0, help="e4m3 GEMM rate")
     ap.add_argument("--l2-budget-mb", type=float, default=30.0,
                     help="L2 for the two-pass design's fp32 O of a query chunk")
+    ap.add_argument("--window", type=int, default=2048,
+                    help="queries of a window of the query-window item order")
     ap.add_argument("--tsv", default=str(ROOT / "benchmarks/results/prefill_production_h200.tsv"))
     args = ap.parse_args(argv)
     hbm = args.hbm_tbs * 1e12
@@ -113,12 +123,13 @@ def main(argv=None):
     print("dtype\tdesign\tweighted_eff_tflops\tmin_case\tmax_case")
     for dtype in DTYPES:
         sums = {k: [0.0, 0.0, float("inf"), 0.0] for k in
-                ("measured", "kv_outer+combine", "kv_outer_fused", "kv_outer_two_pass",
-                 "q_outer_union")}
+                ("measured", "kv_outer+combine", "kv_outer+combine_windows", "kv_outer_fused",
+                 "kv_outer_two_pass", "q_outer_union")}
         for case in cases:
-            flops, kv_outer, fused, two_pass, q_outer = floors(case, dtype, hbm, peaks,
-                                                               args.l2_budget_mb * 2**20)
-            times = {"kv_outer+combine": kv_outer, "kv_outer_fused": fused,
+            flops, kv_outer, windowed, fused, two_pass, q_outer = floors(
+                case, dtype, hbm, peaks, args.l2_budget_mb * 2**20, args.window)
+            times = {"kv_outer+combine": kv_outer, "kv_outer+combine_windows": windowed,
+                     "kv_outer_fused": fused,
                      "kv_outer_two_pass": two_pass, "q_outer_union": q_outer}
             if (case.case_id, dtype) in seen:
                 times["measured"] = seen[case.case_id, dtype]
