@@ -18,6 +18,10 @@
 //     lists through shared memory.
 //   * row kernel (few queries, e.g. decode): one CTA per (t, g) row, its threads split K, then
 //     `budget` rounds of a block-wide arg-max pick the winners.
+// and, for many queries against up to kMaxStagedTiles blocks with topk <= 16 (the prefill
+// chunks; behind the binding's `staged` switch), a staged kernel whose warps each take whole
+// rows, so a row costs ~K / 32 key computations per lane instead of K insertion steps that a
+// warp of 32 lane-held lists runs whenever any lane's list takes a candidate.
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -261,6 +265,194 @@ topk_row_kernel(TopkSelectArgs a, int heads_per_group) {
   if (threadIdx.x == 0) write_forced_and_tail(out_row, r, selected, a.topk);
 }
 
+// ---- staged kernel -----------------------------------------------------------------------
+// A CTA of kStagedWarps warps stages the scores of 32 consecutive queries x every block of one
+// output head in shared memory (one coalesced 128-byte line per block; a pitch of 33 floats
+// makes a row's column reads conflict-free), then each warp selects whole rows. A candidate is
+// a 64-bit key, its orderable score above its negated id, so keys are distinct and the larger
+// key ranks first exactly as ranks_before says (-0 is read as +0: they tie). Per row:
+//   1. theta = the budget-th largest of the 32 lanes' maxima: budget distinct candidates are
+//      >= theta, so every winner is (a bitonic sort of the 32 maxima);
+//   2. the candidates >= theta are compacted into a 64-entry buffer; with at most 64 of them a
+//      bitonic sort across the warp (two per lane) puts the winners in lanes 0 .. budget-1;
+//      with more (adversarial layouts), `budget` rounds of a warp-wide arg-max below the
+//      previous winner pick them;
+//   3. each winner's rank among the winners' ids gives its output slot (ids ascending).
+constexpr int kStagedWarps = 8;
+constexpr int kStagedPitch = kWarp + 1;
+constexpr int kMaxStagedTiles = 1536;     // 1536 x 33 x 4 B = 198 KiB of staged scores
+constexpr int kStagedMinTiles = 64;
+constexpr int kStagedMinQueries = 64;      // fewer take the row kernel
+constexpr int kStagedMaxWidth = 16;
+constexpr int kSurvivors = 64;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// 0 for what is never filled (-inf, NaN); else larger ranks first: score desc, then id asc.
+__device__ __forceinline__ uint64_t candidate_key(float x, int id) {
+  if (!(x > -INFINITY)) return 0;
+  const uint32_t bits = __float_as_uint(x == 0.0f ? 0.0f : x);
+  const uint32_t ord = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  return (static_cast<uint64_t>(ord) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(id));
+}
+
+__device__ __forceinline__ int key_id(uint64_t key) {
+  return static_cast<int>(~static_cast<uint32_t>(key));
+}
+
+// One bitonic compare-exchange step for the element at position p (partner p ^ stride).
+__device__ __forceinline__ uint64_t bitonic_step(uint64_t v, uint64_t other, int p, int stride,
+                                                 int size) {
+  const bool keep_max = ((p & stride) == 0) == ((p & size) == 0);
+  return keep_max ? (v > other ? v : other) : (v < other ? v : other);
+}
+
+// Descending across the warp, one key per lane (lane i holds the i-th largest).
+__device__ __forceinline__ uint64_t warp_sort_desc32(uint64_t v, int lane) {
+#pragma unroll
+  for (int size = 2; size <= kWarp; size <<= 1) {
+#pragma unroll
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      v = bitonic_step(v, __shfl_xor_sync(kFullMask, v, stride), lane, stride, size);
+    }
+  }
+  return v;
+}
+
+// Descending across the warp, two keys per lane: position lane in lo, lane + 32 in hi.
+__device__ __forceinline__ void warp_sort_desc64(uint64_t& lo, uint64_t& hi, int lane) {
+#pragma unroll
+  for (int size = 2; size <= 2 * kWarp; size <<= 1) {
+#pragma unroll
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      if (stride == kWarp) {          // size 64: positions lane and lane + 32, descending
+        const uint64_t big = lo > hi ? lo : hi;
+        hi = lo > hi ? hi : lo;
+        lo = big;
+      } else {
+        const uint64_t lo_other = __shfl_xor_sync(kFullMask, lo, stride);
+        const uint64_t hi_other = __shfl_xor_sync(kFullMask, hi, stride);
+        lo = bitonic_step(lo, lo_other, lane, stride, size);
+        hi = bitonic_step(hi, hi_other, lane + kWarp, stride, size);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ uint64_t warp_max_key(uint64_t v) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
+    const uint64_t other = __shfl_xor_sync(kFullMask, v, offset);
+    v = other > v ? other : v;
+  }
+  return v;
+}
+
+// Grid: (query tiles of 32) x output heads; blockDim 32 * kStagedWarps; dynamic shared memory
+// num_tiles * kStagedPitch floats (num_tiles <= kMaxStagedTiles); width <= 16.
+template <int kMode>
+__global__ void __launch_bounds__(kWarp* kStagedWarps, 2)
+topk_staged_kernel(TopkSelectArgs a, int heads_per_group) {
+  extern __shared__ float staged[];
+  __shared__ uint64_t survivors[kStagedWarps][kSurvivors];
+  const int lane = threadIdx.x & (kWarp - 1);
+  const int warp = threadIdx.x / kWarp;
+  const int tiles_per_head = (a.total_q + kWarp - 1) / kWarp;
+  const int g = blockIdx.x / tiles_per_head;
+  const int t0 = (blockIdx.x - g * tiles_per_head) * kWarp;
+  const int64_t head_stride = static_cast<int64_t>(a.num_tiles) * a.total_q;
+  const int num_tiles = a.num_tiles;
+
+  // Stage: warp w loads runs of kBatch blocks (lane = query), kBatch lines in flight a warp.
+  {
+    constexpr int kBatch = 16;
+    const int t = t0 + lane;
+    const bool active = t < a.total_q;
+    for (int k0 = warp * kBatch; k0 < num_tiles; k0 += kStagedWarps * kBatch) {
+      float x[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        x[u] = active && k0 + u < num_tiles
+                   ? block_score<kMode>(a, head_stride, g, heads_per_group, k0 + u, t)
+                   : -INFINITY;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (k0 + u < num_tiles) staged[(k0 + u) * kStagedPitch + lane] = x[u];
+      }
+    }
+  }
+  __syncthreads();
+
+  for (int q = warp; q < kWarp; q += kStagedWarps) {
+    const int t = t0 + q;
+    if (t >= a.total_q) break;                      // uniform: q is the warp's
+    const RowBounds r = row_bounds(a, t);
+    const float* column = staged + q;
+    int selected = 0;
+    uint64_t winner = 0;                            // lane i < selected: the i-th winner
+    if (r.budget > 0 && r.tail_start > r.begin_count) {
+      uint64_t lane_max = 0;
+      for (int k = r.begin_count + lane; k < r.tail_start; k += kWarp) {
+        const uint64_t key = candidate_key(column[k * kStagedPitch], k);
+        lane_max = key > lane_max ? key : lane_max;
+      }
+      const uint64_t theta =
+          __shfl_sync(kFullMask, warp_sort_desc32(lane_max, lane), r.budget - 1);
+      const uint64_t floor_key = theta > 0 ? theta : 1;   // 0 keys are never filled
+      int count = 0;
+      for (int k0 = r.begin_count; k0 < r.tail_start; k0 += kWarp) {
+        const int k = k0 + lane;
+        const uint64_t key = k < r.tail_start ? candidate_key(column[k * kStagedPitch], k) : 0;
+        const bool keep = key >= floor_key;
+        const unsigned ballot = __ballot_sync(kFullMask, keep);
+        const int pos = count + __popc(ballot & ((1u << lane) - 1u));
+        if (keep && pos < kSurvivors) survivors[warp][pos] = key;
+        count += __popc(ballot);
+      }
+      __syncwarp();
+      if (count <= kSurvivors) {
+        uint64_t lo = lane < count ? survivors[warp][lane] : 0;
+        uint64_t hi = lane + kWarp < count ? survivors[warp][lane + kWarp] : 0;
+        warp_sort_desc64(lo, hi, lane);
+        winner = lo;
+        selected = count < r.budget ? count : r.budget;
+      } else {
+        uint64_t last = ~0ull;
+        for (; selected < r.budget; ++selected) {
+          uint64_t best = 0;
+          for (int k = r.begin_count + lane; k < r.tail_start; k += kWarp) {
+            const uint64_t key = candidate_key(column[k * kStagedPitch], k);
+            best = key < last && key > best ? key : best;
+          }
+          best = warp_max_key(best);
+          if (best == 0) break;                     // uniform: nothing left above -inf
+          if (lane == selected) winner = best;
+          last = best;
+        }
+      }
+      __syncwarp();                                 // the next row reuses the buffer
+    }
+    int32_t* out_row = a.out + (static_cast<int64_t>(t) * a.num_out_heads + g) * a.topk;
+    const int id = key_id(winner);
+    int rank = 0;
+    for (int j = 0; j < selected; ++j) rank += __shfl_sync(kFullMask, id, j) < id ? 1 : 0;
+    if (lane < selected) out_row[r.begin_count + rank] = id;
+    if (lane == 0) write_forced_and_tail(out_row, r, selected, a.topk);
+  }
+}
+
+template <int kMode>
+cudaError_t launch_staged(const TopkSelectArgs& a, int heads_per_group, cudaStream_t stream) {
+  const int64_t blocks = static_cast<int64_t>((a.total_q + kWarp - 1) / kWarp) * a.num_out_heads;
+  const int smem_bytes = a.num_tiles * kStagedPitch * static_cast<int>(sizeof(float));
+  MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(topk_staged_kernel<kMode>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           smem_bytes));
+  topk_staged_kernel<kMode><<<static_cast<unsigned>(blocks), kWarp * kStagedWarps, smem_bytes,
+                              stream>>>(a, heads_per_group);
+  return cudaGetLastError();
+}
+
 template <int KCAP, int kMode>
 cudaError_t launch_with(const TopkSelectArgs& a, int heads_per_group, cudaStream_t stream) {
   const int64_t tiles_per_head = (a.total_q + kWarp - 1) / kWarp;
@@ -270,6 +462,12 @@ cudaError_t launch_with(const TopkSelectArgs& a, int heads_per_group, cudaStream
     topk_row_kernel<KCAP, kMode><<<static_cast<unsigned>(blocks), kRowThreads, 0, stream>>>(
         a, heads_per_group);
     return cudaGetLastError();
+  }
+  if constexpr (KCAP <= kStagedMaxWidth) {
+    if (a.staged && a.total_q >= kStagedMinQueries && a.num_tiles >= kStagedMinTiles &&
+        a.num_tiles <= kMaxStagedTiles) {
+      return launch_staged<kMode>(a, heads_per_group, stream);
+    }
   }
   int device = 0, sms = 132;
   MSA_RETURN_IF_ERROR(cudaGetDevice(&device));

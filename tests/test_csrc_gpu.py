@@ -424,6 +424,53 @@ def test_topk_matches_reference(msa_pkg, native_only, seed, t, k, topk):
         _topk_both(msa_pkg, s, topk)
 
 
+@pytest.mark.parametrize("t", [64, 333])
+@pytest.mark.parametrize("k", [64, 373, 1536])
+def test_topk_staged_kernel_matches_reference(msa_pkg, native_only, native_hooks, seed, t, k):
+    """The staged kernel (topk_staged hook; a warp per row, candidates thresholded by the lanes'
+    maxima): every input kind, forced blocks and bounds, head reduction, signed zeros, and a
+    layout where more than 64 candidates pass the threshold (its arg-max rounds)."""
+    from msa._native import debug, topk_cuda
+    device = torch.device("cuda")
+    native_hooks.force(topk_staged=True)
+
+    def both(scores, topk, **kw):
+        got = _topk_both(msa_pkg, scores, topk, **kw)
+        assert debug.last_variant("sparse_topk_select") == "staged"
+        return got
+
+    for kind in ("normal", "ties", "sparse_inf"):
+        s = _scores(4, k, t, device, kind=kind)
+        for topk in (1, 8, 16):
+            both(s, topk)
+        nvp = torch.randint(0, k + 1, (t,), dtype=torch.int32, device=device)
+        ceb = torch.randint(-2, k + 20, (t,), dtype=torch.int32, device=device)
+        both(s, 16, num_valid_pages=nvp, causal_end_block=ceb, force_begin_blocks=1,
+             force_end_blocks=1)
+        both(s, 16, num_valid_pages=k - 5, force_begin_blocks=3, force_end_blocks=2)
+    for mode in ("max", "sum"):
+        s = _scores(8, k, t, device)
+        s.view(-1)[torch.randint(0, s.numel(), (64,), device=device)] = float("nan")
+        both(s, 16, head_reduce=mode, num_out_heads=4, force_end_blocks=1)
+    # Lanes 0-15 of every 32 blocks hold the largest scores: > 64 candidates pass theta.
+    s = _scores(2, k, t, device)
+    s[:, (torch.arange(k, device=device) % 32) < 16] += 100.0
+    both(s, 16)
+    # Only signed zeros: every candidate ties, the lowest ids win.
+    s = torch.zeros(2, k, t, device=device)
+    s[torch.rand_like(s) < 0.5] = -0.0
+    got = both(s, 16)
+    assert bool((got[..., :16] == torch.arange(16, device=device, dtype=got.dtype)).all())
+    # Past kMaxStagedTiles, fewer queries, or topk > 16: the other kernels.
+    hi = topk_cuda.STAGED_TILES[1]
+    _topk_both(msa_pkg, _scores(1, hi + 1, t, device), 16)
+    assert debug.last_variant("sparse_topk_select") == "unstaged"
+    _topk_both(msa_pkg, _scores(1, k, 33, device), 16)
+    assert debug.last_variant("sparse_topk_select") == "unstaged"
+    _topk_both(msa_pkg, _scores(1, k, t, device), 32)
+    assert debug.last_variant("sparse_topk_select") == "unstaged"
+
+
 @pytest.mark.parametrize("k", [12288, 13001])
 @pytest.mark.parametrize("t", [3, 300])
 def test_topk_long_rows(msa_pkg, native_only, seed, k, t):

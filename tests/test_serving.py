@@ -4,6 +4,7 @@ and the native ``supports`` functions are plain Python (artifact lookups answer 
 here, as with the DSL installed for a JIT compile)."""
 
 import itertools
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -309,6 +310,30 @@ def test_decode_token_warps_gate(monkeypatch):
             assert decode_cuda._token_warps(call()) == code
     with debug.forcing(decode_token_warps="twice"), pytest.raises(ValueError, match="twice"):
         decode_cuda._token_warps(call())
+
+
+def test_topk_staged_bounds_are_the_launchers():
+    """topk_cuda's record of which kernel ran uses the launcher's bounds (csrc constants) of
+    the staged kernel; the gate is off until the H200 validates it."""
+    import re
+    from msa._native import topk_cuda
+    source = (Path(__file__).resolve().parents[1] / "csrc" / "sparse_topk_select.cu").read_text()
+
+    def constant(name):
+        return int(re.search(rf"constexpr int {name} = (\d+);", source).group(1))
+    assert topk_cuda.STAGED_MIN_QUERIES == constant("kStagedMinQueries")
+    assert topk_cuda.STAGED_TILES == (constant("kStagedMinTiles"), constant("kMaxStagedTiles"))
+    assert topk_cuda.STAGED_MAX_WIDTH == constant("kStagedMaxWidth")
+    assert topk_cuda.VALIDATED_STAGED is False
+
+    def call(tiles=373, total_q=16384, topk=16):
+        return SimpleNamespace(max_score=torch.empty(4, tiles, total_q, device="meta"),
+                               topk=topk)
+    assert topk_cuda.staged_applies(call())
+    for other in (call(tiles=63), call(tiles=1537), call(total_q=63), call(topk=17)):
+        assert not topk_cuda.staged_applies(other)
+    assert topk_cuda.staged_applies(call(tiles=64, topk=32)) is False
+    assert topk_cuda.staged_applies(call(tiles=1536, topk=64)) is False
 
 
 def test_unvalidated_forms_are_passed_by_until_opted_in(monkeypatch):

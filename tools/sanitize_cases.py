@@ -129,10 +129,19 @@ def topk_cases(gen, family="sm90"):
     scores = torch.randn(h, tiles, rows, generator=gen).cuda()
     scores[:, 200:, :5] = -float("inf")
     end = torch.randint(0, tiles, (rows,), generator=gen, dtype=torch.int32).cuda()
-    for kw in (dict(), dict(force_begin_blocks=1, force_end_blocks=2, causal_end_block=end),
-               dict(head_reduce="max", num_out_heads=1)):
-        msa.sparse_topk_select(scores, 16, **kw)
-        expect_native("sparse_topk_select", family)
+    for staged in (False, True):
+        with debug.forcing(topk_staged=staged):
+            for kw in (dict(), dict(force_begin_blocks=1, force_end_blocks=2,
+                                    causal_end_block=end),
+                       dict(head_reduce="max", num_out_heads=1)):
+                msa.sparse_topk_select(scores, 16, **kw)
+                expect_native("sparse_topk_select", family)
+            assert debug.last_variant("sparse_topk_select") == \
+                ("staged" if staged else "unstaged")
+    # More than 64 candidates past the staged kernel's threshold (its arg-max rounds).
+    scores[:, (torch.arange(tiles, device="cuda") % 32) < 16] += 100.0
+    with debug.forcing(topk_staged=True):
+        msa.sparse_topk_select(scores, 16)
     print(f"sparse_topk_select [{family}]: ok")
 
 

@@ -154,7 +154,7 @@ void sparse_topk_select(const torch::Tensor& max_score, torch::Tensor& out, int6
                         const std::optional<torch::Tensor>& num_valid_pages_per_query,
                         int64_t force_begin_blocks, int64_t force_end_blocks,
                         const std::optional<torch::Tensor>& causal_end_block,
-                        int64_t num_out_heads, int64_t head_reduce) {
+                        int64_t num_out_heads, int64_t head_reduce, bool staged) {
   TORCH_CHECK(max_score.is_cuda(), "max_score: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(max_score.device());
   const torch::Device device = max_score.device();
@@ -190,6 +190,7 @@ void sparse_topk_select(const torch::Tensor& max_score, torch::Tensor& out, int6
   a.num_valid_pages = num_valid_pages;
   a.force_begin_blocks = force_begin_blocks;
   a.force_end_blocks = force_end_blocks;
+  a.staged = staged;
   auto per_query = [&](const std::optional<torch::Tensor>& t, const char* name, const void** ptr,
                        bool* is_int64) {
     if (!t.has_value()) return;
@@ -919,7 +920,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "sparse_topk_select(Tensor max_score, Tensor! out, int topk, int num_valid_pages, "
       "Tensor? num_valid_pages_per_query, int force_begin_blocks, int force_end_blocks, "
-      "Tensor? causal_end_block, int num_out_heads, int head_reduce) -> ()");
+      "Tensor? causal_end_block, int num_out_heads, int head_reduce, bool staged) -> ()");
   ops.impl("sparse_topk_select", torch::kCUDA, &sparse_topk_select);
   ops.def(
       "sparse_decode_attention(Tensor q, Tensor k, Tensor v, Tensor? q2k_indices, "

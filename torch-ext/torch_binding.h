@@ -72,6 +72,7 @@ struct TopkSelectArgs {
   bool causal_end_block_is_int64;
   int64_t force_begin_blocks;    // >= 0
   int64_t force_end_blocks;      // >= 0
+  bool staged;                   // the staged kernel where it applies (many queries, topk <= 16)
 };
 
 cudaError_t launch_sparse_topk_select(const TopkSelectArgs& args, cudaStream_t stream);
@@ -356,7 +357,7 @@ void sparse_topk_select(const torch::Tensor& max_score, torch::Tensor& out, int6
                         const std::optional<torch::Tensor>& num_valid_pages_per_query,
                         int64_t force_begin_blocks, int64_t force_end_blocks,
                         const std::optional<torch::Tensor>& causal_end_block,
-                        int64_t num_out_heads, int64_t head_reduce);
+                        int64_t num_out_heads, int64_t head_reduce, bool staged);
 
 void decode_indexer_plan_update(const torch::Tensor& seqused_k, torch::Tensor& work,
                                 torch::Tensor& requests, torch::Tensor& chunk_pages);

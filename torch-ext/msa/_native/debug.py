@@ -31,6 +31,9 @@ Hooks (``forcing`` keywords):
   decode_indexer_offer_warp  True: decode indexer calls of 17-32 rows a request run the
                      offer-warp form (a ninth warp holds the candidate lists); False: warp 0
                      offers and scores
+  topk_staged        True: sparse_topk_select calls of >= 64 queries against 64..1536
+                     blocks with topk <= 16 run the staged kernel (a warp per row); False: the
+                     lane-per-query tile kernel
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from typing import Dict, Iterator, Optional
 
 HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "decode_split_keys", "decode_direct_fp8",
          "decode_warpgroup", "decode_pingpong", "decode_persistent", "decode_pv_fp8",
-         "decode_token_warps", "decode_indexer_tma", "decode_indexer_offer_warp")
+         "decode_token_warps", "decode_indexer_tma", "decode_indexer_offer_warp",
+         "topk_staged")
 
 _forced: Dict[str, object] = {}
 _poison = [False]

@@ -14,13 +14,24 @@ import torch
 
 from .. import _backend
 
-from . import compiled_ops
+from . import compiled_ops, debug
 from .compiled_ops import ops
 
 OP_NAME = "sparse_topk_select"
 MAX_TOPK = 64
 # Codes of the op's head_reduce argument.
 HEAD_REDUCE_CODES = {None: 0, "sum": 1, "max": 2}
+# The staged kernel (csrc/sparse_topk_select.cu: 32 queries' scores staged in shared memory, a
+# warp per row, candidates thresholded by the lanes' maxima and bitonic-sorted) for calls of
+# >= 64 queries against 64..1536 blocks with topk <= 16: the prefill chunks, whose lane-per-
+# query tile kernel takes ~10x the bytes' time (0.23 ms at 16k queries x 373 blocks x 4 heads).
+# Not yet run on a GPU: tests/test_csrc_gpu.py (~topk) with the hook decide.
+VALIDATED_STAGED = False
+# Where the launcher applies it (csrc's kStagedMinQueries, kStagedMinTiles / kMaxStagedTiles,
+# kStagedMaxWidth; the launcher checks them itself, these say which kernel ran).
+STAGED_MIN_QUERIES = 64
+STAGED_TILES = (64, 1536)
+STAGED_MAX_WIDTH = 16
 _INT32_MAX = (1 << 31) - 1
 
 
@@ -51,12 +62,24 @@ def run(call) -> torch.Tensor:
     if max_score.dtype != torch.float32 or not max_score.is_contiguous():
         max_score = max_score.float().contiguous()
     per_query = call.num_valid_pages if isinstance(call.num_valid_pages, torch.Tensor) else None
+    # The staged kernel where VALIDATED_STAGED (or MSA_UNVALIDATED_KERNELS=1) and the shape
+    # takes it (the launcher applies it by shape); the topk_staged hook forces it.
+    staged = debug.gate("topk_staged", _backend.may_serve(VALIDATED_STAGED))
     nvp_int = call.num_tiles if per_query is not None else int(call.num_valid_pages)
     ops.sparse_topk_select(max_score, call.output, call.topk, nvp_int, per_query,
                            call.force_begin_blocks, call.force_end_blocks,
                            call.causal_end_block, call.num_out_heads,
-                           HEAD_REDUCE_CODES[call.head_reduce])
+                           HEAD_REDUCE_CODES[call.head_reduce], staged)
+    debug.record(OP_NAME, "staged" if staged and staged_applies(call) else "unstaged")
     return call.output
+
+
+def staged_applies(call) -> bool:
+    """Whether a call's shape takes the staged kernel when it may serve."""
+    _heads, tiles, total_q = call.max_score.shape
+    lo, hi = STAGED_TILES
+    return (total_q >= STAGED_MIN_QUERIES and lo <= tiles <= hi
+            and min(call.topk, tiles) <= STAGED_MAX_WIDTH)
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
