@@ -21,7 +21,10 @@
 // and, for many queries against up to kMaxStagedTiles blocks with topk <= 16 (the prefill
 // chunks; behind the binding's `staged` switch), a staged kernel whose warps each take whole
 // rows, so a row costs ~K / 32 key computations per lane instead of K insertion steps that a
-// warp of 32 lane-held lists runs whenever any lane's list takes a candidate.
+// warp of 32 lane-held lists runs whenever any lane's list takes a candidate. On an H100
+// (f6e4e96, benchmarks/lab/topk_forms.py, 4 heads) it took 16k queries x 373 / 660 blocks from
+// 201 / 336 us to 169 / 287 and short chunks (171-182 queries) from 25-38 to 21-28 us; at 1360
+// blocks, one CTA an SM, it lost (772 vs 611 us), hence two CTAs an SM at most.
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -280,7 +283,7 @@ topk_row_kernel(TopkSelectArgs a, int heads_per_group) {
 //   3. each winner's rank among the winners' ids gives its output slot (ids ascending).
 constexpr int kStagedWarps = 8;
 constexpr int kStagedPitch = kWarp + 1;
-constexpr int kMaxStagedTiles = 1536;     // 1536 x 33 x 4 B = 198 KiB of staged scores
+constexpr int kMaxStagedTiles = 768;      // 768 x 33 x 4 B = 99 KiB: two CTAs an SM
 constexpr int kStagedMinTiles = 64;
 constexpr int kStagedMinQueries = 64;      // fewer take the row kernel
 constexpr int kStagedMaxWidth = 16;

@@ -272,6 +272,16 @@ def test_sparse_mtp_takes_query_tiles_against_long_contexts():
     assert query_tile_rows(1, 16, 10 ** 6, 128, 16) is None              # 16 rows
     assert query_tile_rows(8, 4, 10 ** 6, 128, 16) == 16                 # 4 tokens x G 4
     assert query_tile_rows(16, 2, 10 ** 6, 128, 16) == 16                # 8 tokens x G 2
+    # Where the token-warps form serves 128-row tiles they stay, unless they are fewer than
+    # half the SMs (from 2 x topK blocks on), where the query tiles fill the GPU.
+    fill = dict(num_kv_heads=4, sms=132)
+    assert query_tile_rows(8, 16, 10 ** 6, 128, 16, batch=32, token_warps=True, **fill) is None
+    assert query_tile_rows(8, 16, 4000, 128, 16, batch=32, token_warps=True, **fill) is None
+    assert query_tile_rows(8, 16, 10 ** 6, 128, 16, batch=32, **fill) == 16
+    assert query_tile_rows(8, 16, 4000, 128, 16, batch=16, token_warps=True, **fill) == 16
+    assert query_tile_rows(8, 16, 4000, 128, 16, batch=8, **fill) == 16
+    assert query_tile_rows(8, 16, 31 * 128, 128, 16, batch=8, **fill) is None   # < 2 x topK
+    assert query_tile_rows(8, 16, 4000, 128, 16, batch=17, token_warps=True, **fill) is None
     lens = [20000, 5]
     q, k, v, table, seqused_k = make_batch(lens, 8, 2, 16, FP8, FP8)
     q2k = random_q2k(lens, 8, 2, 16)

@@ -277,9 +277,9 @@ def test_decode_e4m3_pv_serves_the_persistent_form_and_sparse_tiles(monkeypatch)
 
 def test_decode_token_warps_gate(monkeypatch):
     """The token-warps forms are offered only to sparse calls of e4m3 q and K/V whose tiles
-    have more than 16 rows; unvalidated they run only with MSA_UNVALIDATED_KERNELS=1 or the
-    decode_token_warps hook (True: the served form; or a form's name), which also turns them
-    off. The binding's code: 0 none, 1 per_warp, 2 once."""
+    have more than 16 rows; served validated ("per_warp"), unvalidated only with
+    MSA_UNVALIDATED_KERNELS=1 or the decode_token_warps hook (True: the served form; or a
+    form's name), which also turns them off. The binding's code: 0 none, 1 per_warp, 2 once."""
     served = decode_cuda.TOKEN_WARPS_FORMS[decode_cuda.TOKEN_WARPS_FORM]
     def call(e4m3=True, sparse=True, seqlen_q=8, group=16, tile_rows=128):
         return SimpleNamespace(pv_quant_dtype=E4M3 if e4m3 else None,
@@ -288,8 +288,10 @@ def test_decode_token_warps_gate(monkeypatch):
                                schedule=SimpleNamespace(qo_tile_rows=tile_rows))
 
     monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
-    assert decode_cuda.VALIDATED_TOKEN_WARPS is False
+    assert decode_cuda.VALIDATED_TOKEN_WARPS is True
+    assert decode_cuda.TOKEN_WARPS_FORM == "per_warp"
     assert decode_cuda.TOKEN_WARPS_FORMS == {"per_warp": 1, "once": 2}
+    monkeypatch.setattr(decode_cuda, "VALIDATED_TOKEN_WARPS", False)
     assert decode_cuda._token_warps(call()) == 0
     monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
     assert decode_cuda._token_warps(call()) == served
@@ -314,7 +316,7 @@ def test_decode_token_warps_gate(monkeypatch):
 
 def test_topk_staged_bounds_are_the_launchers():
     """topk_cuda's record of which kernel ran uses the launcher's bounds (csrc constants) of
-    the staged kernel; the gate is off until the H200 validates it."""
+    the staged kernel, which serves validated."""
     import re
     from msa._native import topk_cuda
     source = (Path(__file__).resolve().parents[1] / "csrc" / "sparse_topk_select.cu").read_text()
@@ -324,16 +326,16 @@ def test_topk_staged_bounds_are_the_launchers():
     assert topk_cuda.STAGED_MIN_QUERIES == constant("kStagedMinQueries")
     assert topk_cuda.STAGED_TILES == (constant("kStagedMinTiles"), constant("kMaxStagedTiles"))
     assert topk_cuda.STAGED_MAX_WIDTH == constant("kStagedMaxWidth")
-    assert topk_cuda.VALIDATED_STAGED is False
+    assert topk_cuda.VALIDATED_STAGED is True
 
     def call(tiles=373, total_q=16384, topk=16):
         return SimpleNamespace(max_score=torch.empty(4, tiles, total_q, device="meta"),
                                topk=topk)
     assert topk_cuda.staged_applies(call())
-    for other in (call(tiles=63), call(tiles=1537), call(total_q=63), call(topk=17)):
+    for other in (call(tiles=63), call(tiles=769), call(total_q=63), call(topk=17)):
         assert not topk_cuda.staged_applies(other)
     assert topk_cuda.staged_applies(call(tiles=64, topk=32)) is False
-    assert topk_cuda.staged_applies(call(tiles=1536, topk=64)) is False
+    assert topk_cuda.staged_applies(call(tiles=768, topk=64)) is False
 
 
 def test_unvalidated_forms_are_passed_by_until_opted_in(monkeypatch):

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from . import _backend
+from ._common import sm_count
 from ._validation import (check_page_table, FP8, HEAD_DIM, check_decode_values, check_head_dim,
                           check_planned, check_positive_int, check_qhead_per_kv,
                           check_same_device, check_scale, check_shape, check_tensor, check_topk,
@@ -260,7 +261,19 @@ def _query_tile_rows(call: DecodeCall, max_seqlen_k: int) -> Optional[int]:
     tiles)."""
     if not _takes_query_tiles(call):
         return None
-    return query_tile_rows(call.seqlen_q, call.qhead_per_kv, max_seqlen_k, PAGE_SIZE, call.topk)
+    device = call.q.device
+    return query_tile_rows(call.seqlen_q, call.qhead_per_kv, max_seqlen_k, PAGE_SIZE, call.topk,
+                           batch=call.batch_size, num_kv_heads=call.k.shape[1],
+                           sms=sm_count(device), token_warps=_token_warps_served(device))
+
+
+def _token_warps_served(device: torch.device) -> bool:
+    """Whether the native decode serves sparse e4m3 tiles of > 16 rows with its token-warps
+    form on `device` (msa._native.decode_cuda decides; never on the reference backend)."""
+    if _backend.reference_only(device):
+        return False
+    from ._native import decode_cuda
+    return decode_cuda.token_warps_served(device)
 
 
 def _capped_max_seqlen_k(max_seqlen_k: int, page_table: torch.Tensor) -> int:
@@ -458,8 +471,11 @@ class SparseDecodePagedAttentionWrapper:
 
         schedule, (self.O_partial, self.LSE_partial) = plan_tiles(qo_tile_rows, persistent)
         self.query_tile_schedule = self.query_tile_O_partial = self.query_tile_LSE_partial = None
+        device = seqused_k.device
         tile_rows = None if qo_tile_rows is not None else query_tile_rows(
-            seqlen_q, num_qo_heads // num_kv_heads, capped, self.blk_kv, sparse_topk)
+            seqlen_q, num_qo_heads // num_kv_heads, capped, self.blk_kv, sparse_topk,
+            batch=seqused_k.shape[0], num_kv_heads=num_kv_heads,
+            sms=max_grid_size or sm_count(device), token_warps=_token_warps_served(device))
         if tile_rows is not None:
             self.query_tile_schedule, (self.query_tile_O_partial,
                                        self.query_tile_LSE_partial) = plan_tiles(tile_rows)

@@ -72,13 +72,15 @@ VALIDATED_PV_FP8 = frozenset({"persistent", "sparse"})
 # computing only the union pages its rows' tokens selected, pages by TMA from a producer
 # warpgroup; csrc/decode_attention.cu, docs/design-decode.md): "per_warp" (each warp widens its
 # pages' K and V in registers) and "once" (the producer warpgroup widens each page once into
-# f16 stages). Not yet run on a GPU: tests/test_decode_gpu.py (~token_warps) and its memcheck
-# cases decide, then bench_decode_production (MSA_BENCH_UNVALIDATED=1, --qo-tile-rows 128 from
-# 10k keys) against the ping-pong union and the 16-row query tiles. TOKEN_WARPS_FORM is the form
+# f16 stages). Validated on an H100 (f6e4e96: tests/test_decode_gpu.py ~token_warps, 42 cases;
+# memcheck). Served: "per_warp", faster than the ping-pong union and the 16-row query tiles
+# from 5k keys at B 32 (the step's attention 106 vs 124 us at 5k, 124 vs 165 at 10k, 187 vs
+# 195 at 100k; equal at 4k) and B 128 / 4k (347 vs 367, lab); "once" is slower everywhere (its
+# producer's widening sets the pace: ~3250 cycles a page). TOKEN_WARPS_FORM is the form
 # served (and forced by decode_token_warps=True); the hook also takes a form's name.
-VALIDATED_TOKEN_WARPS = False
+VALIDATED_TOKEN_WARPS = True
 TOKEN_WARPS_FORMS = {"per_warp": 1, "once": 2}   # the binding's token_warps argument
-TOKEN_WARPS_FORM = "once"
+TOKEN_WARPS_FORM = "per_warp"
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
@@ -208,6 +210,18 @@ def _pv_fp8(call, persistent: bool) -> bool:
     form = ("persistent" if persistent else
             "sparse" if call.q2k_indices is not None else "dense")
     return debug.gate("decode_pv_fp8", _backend.may_serve(form in VALIDATED_PV_FP8))
+
+
+def token_warps_served(device: torch.device) -> bool:
+    """Whether sparse calls of e4m3 q and K/V on `device` take the token-warps form for tiles
+    of > 16 rows (the decode plan then keeps 128-row tiles wherever they fill the SMs): the
+    Hopper kernels where VALIDATED_TOKEN_WARPS, or as the decode_token_warps hook says."""
+    if _backend.arch_family(device) != "sm90":
+        return False
+    forced = debug.forced("decode_token_warps")
+    if isinstance(forced, str):
+        return True
+    return debug.gate("decode_token_warps", _backend.may_serve(VALIDATED_TOKEN_WARPS))
 
 
 def _token_warps(call) -> int:

@@ -23,14 +23,16 @@ MAX_TOPK = 64
 HEAD_REDUCE_CODES = {None: 0, "sum": 1, "max": 2}
 # The staged kernel (csrc/sparse_topk_select.cu: 32 queries' scores staged in shared memory, a
 # warp per row, candidates thresholded by the lanes' maxima and bitonic-sorted) for calls of
-# >= 64 queries against 64..1536 blocks with topk <= 16: the prefill chunks, whose lane-per-
-# query tile kernel takes ~10x the bytes' time (0.23 ms at 16k queries x 373 blocks x 4 heads).
-# Not yet run on a GPU: tests/test_csrc_gpu.py (~topk) with the hook decide.
-VALIDATED_STAGED = False
+# >= 64 queries against 64..768 blocks with topk <= 16: the prefill chunks, where the
+# lane-per-query tile kernel runs an insertion chain per candidate. Validated on an H100
+# (f6e4e96: tests/test_csrc_gpu.py ~topk_staged); faster there on 16k-query chunks (373 / 660
+# blocks: 169 / 287 vs 201 / 336 us) and short ones (21-28 vs 25-38 us); slower at 1360 blocks
+# (one CTA an SM), hence the cap.
+VALIDATED_STAGED = True
 # Where the launcher applies it (csrc's kStagedMinQueries, kStagedMinTiles / kMaxStagedTiles,
 # kStagedMaxWidth; the launcher checks them itself, these say which kernel ran).
 STAGED_MIN_QUERIES = 64
-STAGED_TILES = (64, 1536)
+STAGED_TILES = (64, 768)
 STAGED_MAX_WIDTH = 16
 _INT32_MAX = (1 << 31) - 1
 

@@ -49,7 +49,15 @@ QO_TILE_ROWS = 128
 # step's attention from 170 to 200 us at 4k keys (32 blocks for 128 selections: the union pays),
 # from 311 to 206 us at 10k (78 blocks) and from 472 to 210 us at 100k; with bf16 the 128-row
 # ping-pong form stays ahead everywhere. So: e4m3 q and K/V, and at least half as many blocks
-# as the 128-row tile's selections.
+# as the 128-row tile's selections. Two more rules, measured on an H100 (f6e4e96, MTP 8, G 16,
+# Hkv 4, top-16, e4m3; benchmarks/lab/decode_sparse_mtp_forms.cu and bench_decode_production):
+#  * where the 128-row tiles are fewer than half the SMs (B x Hkv x qo tiles; B 8 at Hkv 4: 32)
+#    the query tiles' CTAs fill the GPU: B 8 / 4k attention 46.5 us against the ping-pong's 94
+#    and the token-warps form's 88 (taken from 2 x topK blocks on; shorter contexts unmeasured);
+#  * where the token-warps form serves the 128-row tiles (a warp per token, only its own
+#    pages), it beats the query tiles: B 32 attention 106 vs 124 us at 5k, 124 vs 165 at 10k,
+#    187 vs 195 at 100k; at 4k it equals the ping-pong union (106 vs 107), B 128 / 4k 347 vs
+#    367 (lab).
 QUERY_TILE_ROWS = 16
 # A CUDA-graph plan of a dense call cannot see the lengths, so one wave of equal chunks finishes
 # when the longest request does (a batch of lengths nominal +- 25 % ran ~1.25x its mean time).
@@ -111,18 +119,30 @@ def multi_token_tiles(seqlen_q: int, group: int, qo_tile_rows: int) -> bool:
 
 
 def query_tile_rows(seqlen_q: int, group: int, max_seqlen_k: int, page_size: int,
-                    sparse_topk: Optional[int]) -> Optional[int]:
+                    sparse_topk: Optional[int], *, batch: Optional[int] = None,
+                    num_kv_heads: int = 1, sms: Optional[int] = None,
+                    token_warps: bool = False) -> Optional[int]:
     """Rows of the query tiles a sparse call of e4m3 q and K/V takes instead of QO_TILE_ROWS
     (the largest whole-token tile of at most QUERY_TILE_ROWS rows: one token at G = 16), or None
-    where 128-row tiles serve: dense calls, tiles of <= QUERY_TILE_ROWS rows anyway, and
-    contexts of fewer blocks than half the 128-row tile's selections."""
+    where 128-row tiles serve: dense calls and tiles of <= QUERY_TILE_ROWS rows anyway; then,
+    with batch and sms given, query tiles wherever the 128-row tiles (batch x num_kv_heads x
+    qo tiles) are fewer than half the SMs and the context holds at least 2 x topK blocks;
+    else 128-row tiles where the token-warps form serves them (token_warps) or the context
+    holds fewer blocks than half the 128-row tile's selections."""
     rows = seqlen_q * group
     if sparse_topk is None or rows <= QUERY_TILE_ROWS or group > QUERY_TILE_ROWS:
         return None
-    selections = min(seqlen_q, QO_TILE_ROWS // group) * sparse_topk
-    if 2 * _ceil_div(max_seqlen_k, page_size) < selections:
+    query_rows = group * (QUERY_TILE_ROWS // group)
+    blocks = _ceil_div(max_seqlen_k, page_size)
+    if batch is not None and sms is not None and blocks >= 2 * sparse_topk:
+        if 2 * batch * num_kv_heads * _ceil_div(rows, QO_TILE_ROWS) < sms:
+            return query_rows
+    if token_warps:
         return None
-    return group * (QUERY_TILE_ROWS // group)
+    selections = min(seqlen_q, QO_TILE_ROWS // group) * sparse_topk
+    if 2 * blocks < selections:
+        return None
+    return query_rows
 
 
 @dataclasses.dataclass
