@@ -76,11 +76,11 @@ SPLIT_K_MIN_TILES = 4
 # and 1.04-1.97x in bf16; its time grows with the queries (~0.8 us each), the replaced stages'
 # with the keys.
 ATTENTION_ROUTES = ("auto", "sparse", "decode")
-# Chunks of at least this many queries run the sparse attention's work items cut at windows of
-# this many queries and ordered (KV head, window, row) (schedules.sparse.
-# split_items_by_query_window: the items in flight gather Q from L2). 0 keeps the builders'
-# (row, head) order everywhere: the H200 has not yet measured where the windows pay
-# (benchmarks/lab/sparse_item_order.py; bench_prefill_production.py --impls paged-w<W>).
+# Chunks of more queries than this run the sparse attention's work items cut at windows of this
+# many queries and ordered (KV head, window, row) (schedules.sparse.
+# split_items_by_query_window). 0 keeps the builders' (head, row) order: on an H100 the windows
+# gained at most 1.0-1.09x over (row, head), little beyond (head, row)'s 1.0-1.08x, and their
+# tensor-op split costs 4-6 ms a 16k chunk (docs/design-production-prefill.md, "Item order").
 ITEM_QUERY_WINDOW = 0
 DECODE_ROUTE_MAX_QUERIES = 416
 DECODE_ROUTE_MIN_KEYS_PER_QUERY = 80
