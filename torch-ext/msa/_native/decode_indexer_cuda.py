@@ -34,9 +34,10 @@ VALIDATED = True
 VALIDATED_TMA_PAGES = True
 # Calls of 17-32 rows a request (MTP 5-8 at four index heads): a ninth warp holds the candidate
 # lists and offers a page's scores while the eight scoring warps score the next one, instead of
-# warp 0 doing both (its offers, ~1000 cycles a page at MTP 8, set the period). Compiled and
-# register-checked (91 registers at two CTAs an SM), not yet run on a GPU: the
-# decode_indexer_offer_warp hook forces it either way.
+# warp 0 doing both (its offers, ~1000 cycles a page at MTP 8, set the period). Correct on an
+# H100 (f6e4e96: test_decode_indexer_gpu.py ~offer_warp, memcheck) but not faster there (MTP 8,
+# B 32 / 100k timeline: 175.0 vs 173.2 us; the scoring warps then wait on the copies), so not
+# served; the decode_indexer_offer_warp hook forces it either way.
 VALIDATED_OFFER_WARP = False
 MAX_ROWS = 128
 MAX_TOPK = 32
