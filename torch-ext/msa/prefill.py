@@ -78,9 +78,10 @@ SPLIT_K_MIN_TILES = 4
 ATTENTION_ROUTES = ("auto", "sparse", "decode")
 # Chunks of more queries than this run the sparse attention's work items cut at windows of this
 # many queries and ordered (KV head, window, row) (schedules.sparse.
-# split_items_by_query_window). 0 keeps the builders' (head, row) order: on an H100 the windows
-# gained at most 1.0-1.09x over (row, head), little beyond (head, row)'s 1.0-1.08x, and their
-# tensor-op split costs 4-6 ms a 16k chunk (docs/design-production-prefill.md, "Item order").
+# split_items_by_query_window). 0 keeps the builders' (row, head) order: on an H100 the windows
+# gained at most 1.0-1.09x over it, little beyond the plain (head, row) order's 1.0-1.08x, and
+# their tensor-op split costs 4-6 ms a 16k chunk (docs/design-production-prefill.md, "Item
+# order").
 ITEM_QUERY_WINDOW = 0
 DECODE_ROUTE_MAX_QUERIES = 416
 DECODE_ROUTE_MIN_KEYS_PER_QUERY = 80
