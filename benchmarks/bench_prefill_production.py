@@ -6,8 +6,7 @@ request a cached prefix and a new chunk, weights = production call counts). Per 
 * the pipeline: ``msa.MsaPrefillPagedWrapper`` over a paged cache (K/V and index-K in 128-token
   pages, disjoint random page tables, one scratch page), planned outside the timing (impl
   ``paged``, its default ``attention_route="auto"``; ``--impls paged-sparse`` adds the same
-  with every chunk on the sparse route, ``paged-w<W>`` the same with ``query_window=W``,
-  ``--impls dense`` ``msa.msa_prefill`` on packed K/V);
+  with every chunk on the sparse route, ``--impls dense`` ``msa.msa_prefill`` on packed K/V);
   the whole call
   captured in one CUDA graph over S input slots (each its own q, caches, page table and
   plan), S chosen so the bytes of S - 1 slots exceed twice the L2 (upstream's rule: no call
@@ -71,7 +70,6 @@ class PagedSlot:
     128-token pages, a disjoint random page table plus one scratch page) and plan."""
     impl = "msa_prefill_paged"
     attention_route = "auto"
-    query_window = None             # the wrapper's default (msa.prefill.ITEM_QUERY_WINDOW)
 
     def __init__(self, msa, case: PrefillCase, args, dtype, partial_dtype, device):
         pages = [-(-n // BLOCK) for n in case.kv_lens]
@@ -89,8 +87,7 @@ class PagedSlot:
         self.q = random_fill([case.total_q, args.hq, HEAD_DIM], dtype, device)
         self.q_idx = random_fill([case.total_q, args.hkv, HEAD_DIM], dtype, device)
         self.wrapper = msa.MsaPrefillPagedWrapper(topk=args.topk, partial_dtype=partial_dtype,
-                                                  attention_route=self.attention_route,
-                                                  query_window=self.query_window)
+                                                  attention_route=self.attention_route)
         self.wrapper.plan(list(case.query_lens), list(case.kv_lens), self.page_table,
                           num_qo_heads=args.hq, num_kv_heads=args.hkv)
         self.num_chunks, self.index_splits = self.wrapper.num_chunks, self.wrapper.index_splits
@@ -138,19 +135,6 @@ class DenseSlot:
 
 
 SLOTS = {"paged": PagedSlot, "paged-sparse": PagedSparseRouteSlot, "dense": DenseSlot}
-
-
-def slot_class(impl: str):
-    """The slot class of an --impls name: one of SLOTS, or paged-w<W> (the paged wrapper with
-    query_window=W: attention items cut at windows of W queries; paged-w0 the builders' order),
-    else None."""
-    if impl in SLOTS:
-        return SLOTS[impl]
-    window = impl[len("paged-w"):]
-    if not (impl.startswith("paged-w") and window.isdigit()):
-        return None
-    return type(f"PagedWindowSlot{window}", (PagedSlot,),
-                {"impl": f"msa_prefill_paged[w{int(window)}]", "query_window": int(window)})
 
 
 def slot_bytes(case: PrefillCase, args, elem: int) -> int:
@@ -321,7 +305,7 @@ def bench_case(msa, case: PrefillCase, impl: str, dtype_name: str, args, device,
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     n_slots = slot_count(case, args, dtype.itemsize, device)
-    slots = [slot_class(impl)(msa, case, args, dtype, partial_dtype, device)
+    slots = [SLOTS[impl](msa, case, args, dtype, partial_dtype, device)
              for _ in range(n_slots)]
     flops = attention_flops(case.selected_keys(args.topk), args.hq)
     notes = []
@@ -417,8 +401,8 @@ def main(argv=None):
                          "bytes); default bf16 partials")
     ap.add_argument("--impls", default="paged",
                     help="paged (MsaPrefillPagedWrapper, the engine layout), paged-sparse (the "
-                         "same with attention_route='sparse'), paged-w<W> (the same with "
-                         "query_window=W) and/or dense (msa_prefill on packed K/V)")
+                         "same with attention_route='sparse') and/or dense "
+                         "(msa_prefill on packed K/V)")
     ap.add_argument("--hq", type=int, default=64)
     ap.add_argument("--hkv", type=int, default=4, help="KV heads = index heads")
     ap.add_argument("--topk", type=int, default=16)
@@ -441,9 +425,9 @@ def main(argv=None):
     cases = tiny_cases() if args.tiny else select_cases(load_cases(), args.cases)
     tsv = TsvWriter(args.out, COLUMNS, device, formats=FORMATS)
     runs = [(impl, d) for impl in parse_names(args.impls) for d in parse_names(args.dtypes)]
-    unknown = sorted({impl for impl, _ in runs if slot_class(impl) is None})
+    unknown = sorted({impl for impl, _ in runs} - set(SLOTS))
     if unknown:
-        ap.error(f"--impls: unknown {unknown}; known {sorted(SLOTS)} and paged-w<W>")
+        ap.error(f"--impls: unknown {unknown}; known {sorted(SLOTS)}")
     results: Dict[tuple, List[dict]] = {run: [] for run in runs}
     for case in cases:
         dense_ms = dense_sdpa_ms(case, args, device) if args.dense else None

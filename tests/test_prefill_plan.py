@@ -337,36 +337,6 @@ def test_auto_route_takes_short_e4m3_chunks_against_long_prefixes(seed):
         msa.MsaPrefillPagedWrapper(attention_route="csr")
 
 
-def test_query_window_cuts_the_attention_items_of_long_chunks(seed, monkeypatch):
-    """query_window=W: chunks of more than W queries run the sparse attention on the schedule
-    split_items_by_query_window makes (same result), shorter chunks on the builders' order;
-    a negative or non-int window is refused naming the argument."""
-    gen = torch.Generator().manual_seed(seed)
-    q_lens, k_lens = (70, 300, 5, 130), (650, 300, 900, 1000)
-    x, caches, table, itable = _paged_case(q_lens, k_lens, 2, 4, gen)
-    args = (x["q"], caches["k_cache"], caches["v_cache"], x["q_idx"], caches["k_idx_cache"])
-    want = msa.MsaPrefillPagedWrapper(topk=8, attention_route="sparse").plan(
-        q_lens, k_lens, table, num_qo_heads=8, num_kv_heads=2, index_page_table=itable,
-        max_chunk_tokens=256).run(*args, return_lse=True)
-    wrapper = msa.MsaPrefillPagedWrapper(topk=8, attention_route="sparse", query_window=250)
-    wrapper.plan(q_lens, k_lens, table, num_qo_heads=8, num_kv_heads=2, index_page_table=itable,
-                 max_chunk_tokens=256)
-    assert [c.query_window for c in wrapper.chunks] == [250, 0]     # 256 and 249 queries
-    split = prefill.split_items_by_query_window
-    windows = []
-    monkeypatch.setattr(prefill, "split_items_by_query_window",
-                        lambda s, q, cu, w: windows.append(w) or split(s, q, cu, w))
-    got = wrapper.run(*args, return_lse=True)
-    assert windows == [250]
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
-    assert msa.MsaPrefillPagedWrapper().query_window == prefill.ITEM_QUERY_WINDOW
-    with pytest.raises(ValueError, match="query_window"):
-        msa.MsaPrefillPagedWrapper(query_window=-1)
-    with pytest.raises(TypeError, match="query_window"):
-        msa.MsaPrefillPagedWrapper(query_window=2.5)
-
-
 def test_paged_wrapper_rejects_bad_plans_and_runs():
     table = torch.zeros(2, 3, dtype=torch.int32)
     w = msa.MsaPrefillPagedWrapper()

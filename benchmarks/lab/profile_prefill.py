@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/
 from _common import load_msa, parse_names, split_dtype_name  # noqa: E402
-from bench_prefill_production import slot_class  # noqa: E402
+from bench_prefill_production import SLOTS  # noqa: E402
 from prefill_cases import load_cases, select_cases  # noqa: E402
 
 # The cases furthest below 4x dense at 5392cda (bf16 and e4m3): 182 / 17.7k, 2 x ~163 / 27k,
@@ -45,9 +45,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     msa = load_msa()
     device = torch.device("cuda")
-    slot_type = slot_class(args.impl)
+    slot_type = SLOTS.get(args.impl)
     if slot_type is None:
-        raise SystemExit(f"--impl: unknown {args.impl!r}")
+        raise SystemExit(f"--impl: unknown {args.impl!r}; known {sorted(SLOTS)}")
     for case in select_cases(load_cases(), args.cases):
         for dtype_name in parse_names(args.dtypes):
             dtype, partial_dtype = split_dtype_name(dtype_name)

@@ -55,7 +55,6 @@ from .decode import SparseDecodePagedAttentionWrapper
 from .indexer import INDEX_DTYPES, block_max_scores, planned_block_max_scores
 from .interface import (_check_k2q_csr_args, build_k2q_csr, check_attention_operands,
                         planned_sparse_atten, sparse_atten_func)
-from .schedules.sparse import split_items_by_query_window
 from .topk import sparse_topk_select
 
 DEFAULT_WORKSPACE_BYTES = 16 << 30
@@ -76,13 +75,6 @@ SPLIT_K_MIN_TILES = 4
 # and 1.04-1.97x in bf16; its time grows with the queries (~0.8 us each), the replaced stages'
 # with the keys.
 ATTENTION_ROUTES = ("auto", "sparse", "decode")
-# Chunks of more queries than this run the sparse attention's work items cut at windows of this
-# many queries and ordered (KV head, window, row) (schedules.sparse.
-# split_items_by_query_window). 0 keeps the builders' (row, head) order: on an H100 the windows
-# gained at most 1.0-1.09x over it, little beyond the plain (head, row) order's 1.0-1.08x, and
-# their tensor-op split costs 4-6 ms a 16k chunk (docs/design-production-prefill.md, "Item
-# order").
-ITEM_QUERY_WINDOW = 0
 DECODE_ROUTE_MAX_QUERIES = 416
 DECODE_ROUTE_MIN_KEYS_PER_QUERY = 80
 # Bytes per (query, KV head, top-k slot) of the selection, q2k, CSR ids, qsplit ids and the
@@ -173,7 +165,6 @@ class ChunkPlan:
     own_block: Optional[torch.Tensor]        # [T_c] int32 (None: no index stage)
     split: Optional[IndexSplit]
     route: Optional["DecodeRoute"] = None    # paged: the chunk's attention as one decode call
-    query_window: int = 0                    # > 0: attention items cut at query windows
     # Made on the host from the plan's lengths (MsaPrefillPagedWrapper.plan): its prefix sums
     # are valid by construction, so the stages' native glue takes them as they are.
     planned: bool = False
@@ -432,9 +423,6 @@ def run_chunk(chunk: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         q2k, chunk.cu_seqlens_q, chunk.cu_seqlens_k, BLOCK_SIZE, total_k=chunk.total_k,
         max_seqlen_k=chunk.max_seqlen_k, max_seqlen_q=chunk.max_seqlen_q,
         total_rows=chunk.total_rows, qhead_per_kv=opts.qhead_per_kv, return_schedule=True)
-    if chunk.query_window > 0:
-        schedule = split_items_by_query_window(schedule, q_ids, chunk.cu_seqlens_q,
-                                               chunk.query_window)
     _stages.mark("attention")
     result = (planned_sparse_atten if chunk.planned else sparse_atten_func)(
         q, k, v, row_ptr, q_ids, opts.topk, cu_seqlens_q=chunk.cu_seqlens_q,
@@ -780,21 +768,12 @@ class MsaPrefillPagedWrapper:
     short e4m3 chunks against long prefixes, where it measured faster, see
     ``DECODE_ROUTE_MAX_QUERIES``). A decode-routed chunk keeps a [T_c, page_table width] int32
     copy of its queries' page-table rows and its selection on the device.
-
-    ``query_window`` (queries; default ``ITEM_QUERY_WINDOW``, 0 = off) runs the sparse
-    attention of chunks of more queries with its work items cut at windows of that many
-    queries and ordered (KV head, window, row), so the items in flight gather Q from L2; the
-    result is the same bit for bit.
     """
 
     def __init__(self, *, topk: int = 16, local_blocks: int = 1, causal: bool = True,
                  partial_dtype: torch.dtype = torch.bfloat16,
-                 workspace_bytes: Optional[int] = None, attention_route: str = "auto",
-                 query_window: Optional[int] = None):
+                 workspace_bytes: Optional[int] = None, attention_route: str = "auto"):
         check_topk("topk", topk, SUPPORTED_TOPK)
-        if query_window is None:
-            query_window = ITEM_QUERY_WINDOW
-        check_positive_int("query_window", query_window)
         if attention_route not in ATTENTION_ROUTES:
             raise ValueError(f"attention_route: expected one of {list(ATTENTION_ROUTES)}, got "
                              f"{attention_route!r}")
@@ -810,7 +789,6 @@ class MsaPrefillPagedWrapper:
         self.partial_dtype = partial_dtype
         self.workspace_bytes = workspace_bytes
         self.attention_route = attention_route
-        self.query_window = query_window
         self.chunks: List[ChunkPlan] = []
         self._planned = False
 
@@ -898,9 +876,7 @@ class MsaPrefillPagedWrapper:
                 t0, t1, cu_q_sub, cu_k_sub, k_sub.to(torch.int32), max(max_q, 1), max_k,
                 max(int(k_sub.sum()), 1), max(int(((k_sub + BLOCK_SIZE - 1)
                                                    // BLOCK_SIZE).sum()), 1),
-                nvp, own, split, route,
-                query_window=self.query_window if t1 - t0 > self.query_window else 0,
-                planned=True).to(device))
+                nvp, own, split, route, planned=True).to(device))
         self.chunks = chunks
         self._qo, self._kv = qo, kv
         self._page_table, self._index_page_table = page_table, index_page_table
