@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/_com
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import load_msa, random_fill  # noqa: E402
 from mtp_decode_via_fmha import D, Slot, lengths  # noqa: E402
+from profiling import kernel_times, wall_ms  # noqa: E402
 
 
 def main(argv=None):
@@ -100,28 +101,10 @@ def profile_indexer(msa, args, lens, dtype, device):
 def time_calls(call, args):
     """Mean ms per call over --iters calls after one warm-up; with --kernels, then the mean
     device time of each kernel over another --iters calls."""
-    call()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(args.iters):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / args.iters
+    ms = wall_ms(call, args.iters)
     if args.kernels:
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.iters):
-                call()
-            torch.cuda.synchronize()
-        for evt in prof.key_averages():
-            device_us = getattr(evt, "device_time_total", None)
-            if device_us is None:
-                device_us = evt.cuda_time_total
-            if device_us > 0:
-                print(f"  kernel {device_us / args.iters:9.1f} us per call  "
-                      f"x{evt.count // args.iters}  {evt.key[:90]}")
+        for us, count, name in kernel_times(call, args.iters):
+            print(f"  kernel {us:9.1f} us per call  x{count}  {name[:90]}")
     return ms
 
 

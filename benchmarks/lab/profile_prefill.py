@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import load_msa, parse_names, split_dtype_name  # noqa: E402
 from bench_prefill_production import SLOTS  # noqa: E402
 from prefill_cases import load_cases, select_cases  # noqa: E402
+from profiling import kernel_times, wall_ms  # noqa: E402
 
 # The cases furthest below 4x dense at 5392cda (bf16 and e4m3): 182 / 17.7k, 2 x ~163 / 27k,
 # 171 / 55k.
@@ -60,35 +62,6 @@ def main(argv=None):
                 print(f"   {us:8.1f} us  x{count:<3d} {name[:100]}")
             del slot
             torch.cuda.empty_cache()
-
-
-def wall_ms(call, iters: int) -> float:
-    call()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def kernel_times(call, iters: int):
-    """[(mean device us per call, launches per call, kernel name)], largest first."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            call()
-        torch.cuda.synchronize()
-    rows = []
-    for evt in prof.key_averages():
-        device_us = getattr(evt, "device_time_total", None)
-        if device_us is None:
-            device_us = evt.cuda_time_total
-        if device_us > 0:
-            rows.append((device_us / iters, evt.count // iters, evt.key))
-    return sorted(rows, reverse=True)
 
 
 if __name__ == "__main__":

@@ -31,9 +31,9 @@ Hooks (``forcing`` keywords):
   decode_indexer_offer_warp  True: decode indexer calls of 17-32 rows a request run the
                      offer-warp form (a ninth warp holds the candidate lists); False: warp 0
                      offers and scores
-  topk_staged        True: sparse_topk_select calls of >= 64 queries against 64..1536
-                     blocks with topk <= 16 run the staged kernel (a warp per row); False: the
-                     lane-per-query tile kernel
+  topk_staged        True: sparse_topk_select calls of the staged kernel's shapes
+                     (topk_cuda.staged_applies) run it (a warp per row); False: the
+                     lane-per-query kernels
 """
 
 from __future__ import annotations

@@ -216,12 +216,20 @@ def token_warps_served(device: torch.device) -> bool:
     """Whether sparse calls of e4m3 q and K/V on `device` take the token-warps form for tiles
     of > 16 rows (the decode plan then keeps 128-row tiles wherever they fill the SMs): the
     Hopper kernels where VALIDATED_TOKEN_WARPS, or as the decode_token_warps hook says."""
-    if _backend.arch_family(device) != "sm90":
-        return False
+    return _backend.arch_family(device) == "sm90" and _token_warps_form() != 0
+
+
+def _token_warps_form() -> int:
+    """The binding's token-warps code the gate and the decode_token_warps hook give a call it
+    applies to: a forced form's, TOKEN_WARPS_FORM's where served, else 0."""
     forced = debug.forced("decode_token_warps")
     if isinstance(forced, str):
-        return True
-    return debug.gate("decode_token_warps", _backend.may_serve(VALIDATED_TOKEN_WARPS))
+        if forced not in TOKEN_WARPS_FORMS:
+            raise ValueError(f"decode_token_warps: a form of {sorted(TOKEN_WARPS_FORMS)}, True "
+                             f"or False, got {forced!r}")
+        return TOKEN_WARPS_FORMS[forced]
+    served = debug.gate("decode_token_warps", _backend.may_serve(VALIDATED_TOKEN_WARPS))
+    return TOKEN_WARPS_FORMS[TOKEN_WARPS_FORM] if served else 0
 
 
 def _token_warps(call) -> int:
@@ -233,14 +241,7 @@ def _token_warps(call) -> int:
     serve."""
     if call.q2k_indices is None or _form_dtype(call) != "e4m3" or _tile_rows(call) <= 16:
         return 0
-    forced = debug.forced("decode_token_warps")
-    if isinstance(forced, str):
-        if forced not in TOKEN_WARPS_FORMS:
-            raise ValueError(f"decode_token_warps: a form of {sorted(TOKEN_WARPS_FORMS)}, True "
-                             f"or False, got {forced!r}")
-        return TOKEN_WARPS_FORMS[forced]
-    served = debug.gate("decode_token_warps", _backend.may_serve(VALIDATED_TOKEN_WARPS))
-    return TOKEN_WARPS_FORMS[TOKEN_WARPS_FORM] if served else 0
+    return _token_warps_form()
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)

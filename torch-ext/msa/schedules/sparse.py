@@ -280,9 +280,10 @@ def split_items_by_query_window(schedule: SparseAttentionSchedule,
                                 window: int) -> SparseAttentionSchedule:
     """The schedule's work items cut at query windows of ``window`` queries and ordered
     (KV head, window, CSR row): the items a grid runs at once then TMA-gather the query rows of
-    one KV head's window, which stay in L2, instead of the whole chunk's Q (docs/
-    design-production-prefill.md, "Item order"). Items are independent and a slot is the rank
-    of a row among its query's rows, so every order gives the same O and LSE bit for bit.
+    one KV head's window instead of the whole chunk's Q; the lab's item-order experiment
+    (benchmarks/lab/sparse_item_order.py; measured in docs/design-production-prefill.md, "Item
+    order"; nothing serves it). Items are independent and a slot is the rank of a row among its
+    query's rows, so every order gives the same O and LSE bit for bit.
 
     Tensor ops on the schedule's device, no host synchronization (capture-safe); the capacity
     is :func:`window_capacity`. A query id's window is taken as the running maximum along its
