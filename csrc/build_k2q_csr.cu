@@ -14,8 +14,10 @@
 //      a row the query ids come out ascending, and each head's entries stay in its own
 //      contiguous segment of exactly total_q * topk items, dropped entries (-1) at its tail.
 //   4. row_ptr[h, r] = lower_bound of key (h, r) in the sorted keys.
-//   5. Schedule: chunk counts per (row, head) in row-major order, an inclusive scan, then one
-//      thread per work item binary-searches its (row, head) and writes its metadata.
+//   5. Schedule: chunk counts per (head, row) in head-major order (the items a grid runs at
+//      once then share one KV head's queries, whose gathers L2 holds better), an inclusive
+//      scan, then one thread per work item binary-searches its (head, row) and writes its
+//      metadata.
 #include <cub/cub.cuh>
 
 #include <algorithm>
@@ -223,7 +225,7 @@ __global__ void unpack_payload_kernel(const int32_t* __restrict__ sorted_values,
   }
 }
 
-// Schedule step: chunk counts per (row, head) in row-major order, and for each row its owner
+// Schedule step: chunk counts per (head, row) in head-major order, and for each row its owner
 // (request b, block beta), found by bisection over the round-robin layout.
 __global__ void schedule_rows_kernel(const int32_t* __restrict__ row_ptr,
                                      const int32_t* __restrict__ rows, int batch, int hkv,
@@ -233,8 +235,8 @@ __global__ void schedule_rows_kernel(const int32_t* __restrict__ row_ptr,
                                      int32_t* __restrict__ owner_block) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<int64_t>(total_rows) * hkv) return;
-  const int r = static_cast<int>(idx / hkv);
-  const int h = static_cast<int>(idx - static_cast<int64_t>(r) * hkv);
+  const int h = static_cast<int>(idx / total_rows);
+  const int r = static_cast<int>(idx - static_cast<int64_t>(h) * total_rows);
   const int32_t* head_ptr = row_ptr + static_cast<int64_t>(h) * (total_rows + 1);
   const int len = max(head_ptr[r + 1] - head_ptr[r], 0);
   chunk_counts[idx] = ceil_div(len, target_q_per_cta);
@@ -294,7 +296,7 @@ __global__ void schedule_items_kernel(const int32_t* __restrict__ row_ptr,
   if (w == 0) work_count[0] = min(total_items, work_capacity);
   int32_t item[kMetaColumns] = {0, 0, 0, 0, 0, 0};
   if (w < total_items) {
-    int64_t lo = 0, hi = n - 1;   // first (row, head) whose inclusive count exceeds w
+    int64_t lo = 0, hi = n - 1;   // first (head, row) whose inclusive count exceeds w
     while (lo < hi) {
       const int64_t mid = (lo + hi) >> 1;
       if (chunk_incl[mid] > w) {
@@ -303,8 +305,8 @@ __global__ void schedule_items_kernel(const int32_t* __restrict__ row_ptr,
         lo = mid + 1;
       }
     }
-    const int r = static_cast<int>(lo / hkv);
-    const int h = static_cast<int>(lo - static_cast<int64_t>(r) * hkv);
+    const int h = static_cast<int>(lo / total_rows);
+    const int r = static_cast<int>(lo - static_cast<int64_t>(h) * total_rows);
     const int chunk = w - (chunk_incl[lo] - chunk_counts[lo]);
     const int32_t* head_ptr = row_ptr + static_cast<int64_t>(h) * (total_rows + 1);
     const int len = head_ptr[r + 1] - head_ptr[r];

@@ -92,7 +92,7 @@ def _make_call(msa, q2k, cu_q, cu_k, q_lens, k_lens, *, qhead_per_kv=1, return_s
 def _schedule_model(msa, row_ptr, q_idx, cu_q, cu_k, *, total_q, max_seqlen_q, topk, hkv,
                     target, capacity):
     """Vectorized model of prepare_sparse_fwd_schedule_and_split (same traversal semantics):
-    slots follow (row, head, chunk) order, i.e. for one (query, head) the CSR position order."""
+    items in (head, row, chunk) order; slots in CSR position order for one (query, head)."""
     from msa.sparse_index_utils import packed_row_owner, rows_per_request
     rp = row_ptr.cpu().numpy().astype(np.int64)
     qi = q_idx.cpu().numpy().astype(np.int64)
@@ -124,8 +124,8 @@ def _schedule_model(msa, row_ptr, q_idx, cu_q, cu_k, *, total_q, max_seqlen_q, t
         counts[:, h] = np.bincount(qa[idx], minlength=total_q)[:total_q]
     meta = np.zeros((capacity, 6), dtype=np.int64)
     n_work = 0
-    for r in range(total_rows):
-        for h in range(hkv):
+    for h in range(hkv):
+        for r in range(total_rows):
             length = int(rp[h, r + 1] - rp[h, r])
             for q0 in range(0, length, target):
                 if n_work < capacity:
