@@ -2,7 +2,7 @@
 // msa.sparse_index_utils.build_k2q_csr_torch_reference and
 // msa.src.sm100.prepare_scheduler.prepare_sparse_fwd_schedule_and_split.
 //
-// Algorithm (no atomics, so the output is deterministic; no host synchronization):
+// Algorithm (no global atomics, so the output is deterministic; no host synchronization):
 //   1. rows_b = ceil(k_len_b / blk_kv) per request; a [batch, table_blocks] table maps
 //      (b, beta) to its round-robin CSR row (blocks past the table are computed directly).
 //   2. One thread per q2k entry computes its CSR row and a sort key
@@ -18,6 +18,11 @@
 //      once then share one KV head's queries, whose gathers L2 holds better), an inclusive
 //      scan, then one thread per work item binary-searches its (head, row) and writes its
 //      metadata.
+// Small calls (a chunk of up to ~1k queries: see fits_one_cta_per_head) take two launches
+// instead of ~12: one CTA per KV head counting-sorts its entries in shared memory (per-warp row
+// histograms over contiguous entry ranges, scanned in (row, warp) order, then a stable scatter
+// ranked within each warp by __match_any_sync) and one CTA builds the schedule. Under a CUDA
+// graph each launch costs a few microseconds, which was most of a short chunk's CSR stage.
 #include <cub/cub.cuh>
 
 #include <algorithm>
@@ -35,7 +40,6 @@ using detail::kThreads;
 
 constexpr int kMetaColumns = 6;
 constexpr int kSlotShift = 24;
-constexpr uint32_t kNoSlot = 0xFFu;                 // slot field of an entry without a slot
 constexpr int32_t kQLocalMask = (1 << kSlotShift) - 1;
 // Cap of the (request, block) -> row table: 16M entries (64 MB); blocks past it use the
 // direct O(batch) formula, so a wrong max_kv_blocks hint costs time, never correctness.
@@ -56,15 +60,19 @@ struct CsrDeviceArgs {
   int64_t n_entries;          // hkv * total_q * topk
 };
 
-// ceil(max(k_len_b, 0) / blk_kv) for every request.
-__global__ void request_rows_kernel(const int32_t* __restrict__ cu_k, int batch, int blk_kv,
-                                    int32_t* __restrict__ rows) {
-  int b = blockIdx.x * blockDim.x + threadIdx.x;
-  if (b >= batch) return;
+// ceil(max(k_len_b, 0) / blk_kv) of request b, clamped to int.
+__device__ __forceinline__ int32_t request_blocks(const int32_t* cu_k, int b, int blk_kv) {
   int64_t len = static_cast<int64_t>(cu_k[b + 1]) - static_cast<int64_t>(cu_k[b]);
   if (len < 0) len = 0;
-  int64_t blocks = ceil_div<int64_t>(len, blk_kv);
-  rows[b] = static_cast<int32_t>(blocks > INT_MAX ? INT_MAX : blocks);
+  const int64_t blocks = ceil_div<int64_t>(len, blk_kv);
+  return static_cast<int32_t>(blocks > INT_MAX ? INT_MAX : blocks);
+}
+
+// request_blocks for every request.
+__global__ void request_rows_kernel(const int32_t* __restrict__ cu_k, int batch, int blk_kv,
+                                    int32_t* __restrict__ rows) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b < batch) rows[b] = request_blocks(cu_k, b, blk_kv);
 }
 
 // One thread per block index beta: row(b, beta) = sum_b' min(rows_b', beta) + rank of b among
@@ -85,17 +93,23 @@ __global__ void row_table_kernel(const int32_t* __restrict__ rows, int batch, in
   }
 }
 
+// CSR row of block beta of request b by the round-robin formula, O(batch).
+__device__ __forceinline__ int64_t round_robin_row(const int32_t* rows, int batch, int b,
+                                                   int beta) {
+  int64_t row = 0;
+  for (int i = 0; i < batch; ++i) {
+    const int r = rows[i];
+    row += min(r, beta) + ((i < b && r > beta) ? 1 : 0);
+  }
+  return row;
+}
+
 // CSR row of block beta of request b; the caller guarantees 0 <= beta < rows[b].
 __device__ __forceinline__ int64_t csr_row_of(const CsrDeviceArgs& a, int b, int beta) {
   if (beta < a.table_blocks) {
     return a.row_table[static_cast<int64_t>(b) * a.table_blocks + beta];
   }
-  int64_t row = 0;
-  for (int i = 0; i < a.batch; ++i) {
-    int r = a.rows[i];
-    row += min(r, beta) + ((i < b && r > beta) ? 1 : 0);
-  }
-  return row;
+  return round_robin_row(a.rows, a.batch, b, beta);
 }
 
 // The request that owns global query q: the largest b with cu_q[b] <= q (empty requests
@@ -114,6 +128,73 @@ __device__ __forceinline__ int request_of_query(const int32_t* __restrict__ cu_q
   return lo;
 }
 
+// Where one q2k entry goes: its CSR row and local query id when it is valid (a block of its own
+// request, a query inside its request, a row below total_rows), else dropped.
+struct EntryPlace {
+  int q = 0;             // global query id
+  int slot_in_row = 0;   // position in the query's q2k row
+  bool valid = false;
+  int32_t row = 0;
+  int32_t q_local = 0;
+};
+
+// Entry e of head h's segment (e < total_q * topk); row_of(b, beta) maps a block of request b
+// to its round-robin row, rows[b] are the requests' block counts.
+template <typename RowOf>
+__device__ __forceinline__ EntryPlace place_entry(const CsrDeviceArgs& a,
+                                                  const int32_t* rows, int h, int64_t e,
+                                                  RowOf row_of) {
+  EntryPlace p;
+  const int64_t per_head = static_cast<int64_t>(a.total_q) * a.topk;
+  p.q = static_cast<int>(e / a.topk);
+  p.slot_in_row = static_cast<int>(e - static_cast<int64_t>(p.q) * a.topk);
+  const int32_t block = __ldg(a.q2k + h * per_head + e);
+  const int b = request_of_query(a.cu_q, a.batch, p.q);
+  const int q_begin = __ldg(a.cu_q + b);
+  const int q_end = __ldg(a.cu_q + b + 1);
+  if (block >= 0 && p.q >= q_begin && p.q < q_end && block < rows[b]) {
+    const int64_t r = row_of(b, block);
+    if (r >= 0 && r < a.total_rows) {
+      p.valid = true;
+      p.row = static_cast<int32_t>(r);
+      p.q_local = p.q - q_begin;
+    }
+  }
+  return p;
+}
+
+// The combine slot of an entry and its query's slot count, from the topk lanes that hold the
+// query's entries (topk a power of two <= 32, entries at lanes e % 32; every lane of the warp
+// must call it). The reference hands out slots walking rows in ascending order, so an entry's
+// slot is the number of its query's valid entries in smaller rows (earlier q2k position on
+// ties). Every valid entry counts (q_local < q_len_b by construction): max_seqlen_q, a host
+// hint, only bounds the packing (checked by the binding) and never drops work when it is short.
+__device__ __forceinline__ void combine_slot(const EntryPlace& p, int topk, int* slot,
+                                             int* count) {
+  const int rank_key = p.valid ? p.row : INT_MAX;
+  const int lane = threadIdx.x & 31;
+  const int group_base = lane & ~(topk - 1);
+  const int my_pos = lane - group_base;
+  int s = 0, c = 0;
+  for (int o = 0; o < topk; ++o) {   // every lane runs the same trip count
+    const int other = __shfl_sync(0xffffffffu, rank_key, group_base + o);
+    const bool other_counted = other != INT_MAX;
+    c += other_counted ? 1 : 0;
+    s += (other_counted && (other < rank_key || (other == rank_key && o < my_pos))) ? 1 : 0;
+  }
+  *slot = s;
+  *count = c;
+}
+
+// The sorted payload of an entry: q_local (| slot << 24 with a schedule), -1 when dropped.
+__device__ __forceinline__ int32_t entry_payload(const EntryPlace& p, int slot,
+                                                 bool with_slots) {
+  if (!p.valid) return -1;
+  if (!with_slots) return p.q_local;
+  return static_cast<int32_t>(static_cast<uint32_t>(p.q_local) |
+                              (static_cast<uint32_t>(slot) << kSlotShift));
+}
+
 // Step 2: sort key and payload of every q2k entry (and, kWithSlots, its combine slot and the
 // per-(query, head) slot count). kWithSlots needs topk to be a power of two <= 32 so a query's
 // entries sit in consecutive lanes of one warp.
@@ -124,58 +205,24 @@ entry_keys_kernel(CsrDeviceArgs a, uint32_t* __restrict__ keys,
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool in_range = i < a.n_entries;
   const int64_t per_head = static_cast<int64_t>(a.total_q) * a.topk;
-  int h = 0, q = 0, slot_in_row = 0;
-  bool valid = false;
-  int32_t row = 0, q_local = 0;
+  const int h = in_range ? static_cast<int>(i / per_head) : 0;
+  EntryPlace p;
   if (in_range) {
-    h = static_cast<int>(i / per_head);
-    const int64_t rem = i - h * per_head;
-    q = static_cast<int>(rem / a.topk);
-    slot_in_row = static_cast<int>(rem - static_cast<int64_t>(q) * a.topk);
-    const int32_t block = __ldg(a.q2k + i);
-    const int b = request_of_query(a.cu_q, a.batch, q);
-    const int q_begin = __ldg(a.cu_q + b);
-    const int q_end = __ldg(a.cu_q + b + 1);
-    if (block >= 0 && q >= q_begin && q < q_end && block < a.rows[b]) {
-      const int64_t r = csr_row_of(a, b, block);
-      if (r >= 0 && r < a.total_rows) {
-        valid = true;
-        row = static_cast<int32_t>(r);
-        q_local = q - q_begin;
-      }
-    }
+    p = place_entry(a, a.rows, h, i - h * per_head,
+                    [&](int b, int beta) { return csr_row_of(a, b, beta); });
   }
   const uint32_t key = static_cast<uint32_t>(h) * static_cast<uint32_t>(a.total_rows + 1) +
-                       static_cast<uint32_t>(valid ? row : a.total_rows);
-  int32_t value = valid ? q_local : -1;
+                       static_cast<uint32_t>(p.valid ? p.row : a.total_rows);
+  int slot = 0, count = 0;
   if constexpr (kWithSlots) {
-    // The reference hands out slots walking rows in ascending order, so an entry's slot is the
-    // number of its query's counted entries in smaller rows (earlier q2k position on ties).
-    // Every valid entry counts (q_local < q_len_b by construction): max_seqlen_q, a host hint,
-    // only bounds the packing (checked by the binding) and never drops work when it is short.
-    const bool counted = valid;
-    const int rank_key = counted ? row : INT_MAX;
-    const int lane = threadIdx.x & 31;
-    const int group_base = lane & ~(a.topk - 1);
-    const int my_pos = lane - group_base;
-    int slot = 0, count = 0;
-    for (int o = 0; o < a.topk; ++o) {   // every lane runs the same trip count
-      const int other = __shfl_sync(0xffffffffu, rank_key, group_base + o);
-      const bool other_counted = other != INT_MAX;
-      count += other_counted ? 1 : 0;
-      slot += (other_counted && (other < rank_key || (other == rank_key && o < my_pos))) ? 1 : 0;
-    }
-    if (in_range && slot_in_row == 0) {
-      split_counts[static_cast<int64_t>(q) * a.hkv + h] = count;
-    }
-    if (valid) {
-      const uint32_t slot_field = counted ? static_cast<uint32_t>(slot) : kNoSlot;
-      value = static_cast<int32_t>(static_cast<uint32_t>(q_local) | (slot_field << kSlotShift));
+    combine_slot(p, a.topk, &slot, &count);
+    if (in_range && p.slot_in_row == 0) {
+      split_counts[static_cast<int64_t>(p.q) * a.hkv + h] = count;
     }
   }
   if (in_range) {
     keys[i] = key;
-    values[i] = value;
+    values[i] = entry_payload(p, slot, kWithSlots);
   }
 }
 
@@ -215,85 +262,65 @@ __global__ void unpack_payload_kernel(const int32_t* __restrict__ sorted_values,
   const int64_t h = idx / stride;
   const int64_t e = idx - h * stride;
   const int32_t v = e < per_head ? sorted_values[h * per_head + e] : -1;
-  if constexpr (kWithSlots) {
-    const bool empty = v == -1;
-    const bool has_slot = !empty && (static_cast<uint32_t>(v) >> kSlotShift) != kNoSlot;
-    q_indices[idx] = empty ? -1 : (v & kQLocalMask);
-    qsplit_indices[idx] = has_slot ? v : -1;
+  if constexpr (kWithSlots) {   // every valid entry has a slot (entry_payload)
+    q_indices[idx] = v == -1 ? -1 : (v & kQLocalMask);
+    qsplit_indices[idx] = v;
   } else {
     q_indices[idx] = v;
   }
 }
 
-// Schedule step: chunk counts per (head, row) in head-major order, and for each row its owner
-// (request b, block beta), found by bisection over the round-robin layout.
-__global__ void schedule_rows_kernel(const int32_t* __restrict__ row_ptr,
-                                     const int32_t* __restrict__ rows, int batch, int hkv,
-                                     int total_rows, int target_q_per_cta,
-                                     int32_t* __restrict__ chunk_counts,
-                                     int32_t* __restrict__ owner_batch,
-                                     int32_t* __restrict__ owner_block) {
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= static_cast<int64_t>(total_rows) * hkv) return;
-  const int h = static_cast<int>(idx / total_rows);
-  const int r = static_cast<int>(idx - static_cast<int64_t>(h) * total_rows);
-  const int32_t* head_ptr = row_ptr + static_cast<int64_t>(h) * (total_rows + 1);
-  const int len = max(head_ptr[r + 1] - head_ptr[r], 0);
-  chunk_counts[idx] = ceil_div(len, target_q_per_cta);
-  if (h != 0) return;
+// The request b and block beta that own CSR row r of the round-robin layout ((-1, -1) past the
+// rows that exist), by bisection over the blocks; rows: [batch] blocks per request.
+__device__ __forceinline__ void row_owner(const int32_t* rows, int batch, int r, int32_t* b_owner,
+                                          int32_t* beta_owner) {
   int64_t exact_rows = 0;
   int max_blocks = 0;
   for (int b = 0; b < batch; ++b) {
     exact_rows += rows[b];
     max_blocks = max(max_blocks, rows[b]);
   }
-  int b_owner = -1, beta_owner = -1;
-  if (r < exact_rows) {
-    // Rows of block beta start at base(beta) = sum_b min(rows_b, beta), strictly increasing on
-    // [0, max_blocks]; find the largest beta with base(beta) <= r.
-    int lo = 0, hi = max_blocks - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      int64_t base = 0;
-      for (int b = 0; b < batch; ++b) base += min(rows[b], mid);
-      if (base <= r) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
+  *b_owner = -1;
+  *beta_owner = -1;
+  if (r >= exact_rows) return;
+  // Rows of block beta start at base(beta) = sum_b min(rows_b, beta), strictly increasing on
+  // [0, max_blocks]; find the largest beta with base(beta) <= r.
+  int lo = 0, hi = max_blocks - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
     int64_t base = 0;
-    for (int b = 0; b < batch; ++b) base += min(rows[b], lo);
-    int64_t rank = r - base;
-    for (int b = 0; b < batch; ++b) {
-      if (rows[b] > lo) {
-        if (rank == 0) {
-          b_owner = b;
-          break;
-        }
-        --rank;
-      }
+    for (int b = 0; b < batch; ++b) base += min(rows[b], mid);
+    if (base <= r) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
     }
-    beta_owner = lo;
   }
-  owner_batch[r] = b_owner;
-  owner_block[r] = beta_owner;
+  int64_t base = 0;
+  for (int b = 0; b < batch; ++b) base += min(rows[b], lo);
+  int64_t rank = r - base;
+  for (int b = 0; b < batch; ++b) {
+    if (rows[b] > lo) {
+      if (rank == 0) {
+        *b_owner = b;
+        break;
+      }
+      --rank;
+    }
+  }
+  *beta_owner = lo;
 }
 
-// Schedule step: one thread per work item slot; items past the work count are zero.
-__global__ void schedule_items_kernel(const int32_t* __restrict__ row_ptr,
-                                      const int32_t* __restrict__ chunk_counts,
-                                      const int32_t* __restrict__ chunk_incl,
-                                      const int32_t* __restrict__ owner_batch,
-                                      const int32_t* __restrict__ owner_block, int hkv,
-                                      int total_rows, int target_q_per_cta, int work_capacity,
-                                      int32_t* __restrict__ metadata,
-                                      int32_t* __restrict__ work_count) {
-  const int w = blockIdx.x * blockDim.x + threadIdx.x;
-  if (w >= work_capacity) return;
-  const int64_t n = static_cast<int64_t>(total_rows) * hkv;
+// Work item w of the schedule: (head, row, q_begin, q_count, request, block) of the chunk that
+// w falls in, found by bisection over chunk_incl (the inclusive chunk counts of the n
+// (head, row) pairs, head-major); zeros past the items (total_items = chunk_incl[n - 1]).
+__device__ __forceinline__ void write_work_item(int w, const int32_t* chunk_incl, int64_t n,
+                                                const int32_t* row_ptr,
+                                                const int32_t* owner_batch,
+                                                const int32_t* owner_block, int total_rows,
+                                                int target_q_per_cta,
+                                                int32_t* __restrict__ metadata) {
   const int total_items = n > 0 ? chunk_incl[n - 1] : 0;
-  if (w == 0) work_count[0] = min(total_items, work_capacity);
   int32_t item[kMetaColumns] = {0, 0, 0, 0, 0, 0};
   if (w < total_items) {
     int64_t lo = 0, hi = n - 1;   // first (head, row) whose inclusive count exceeds w
@@ -307,7 +334,7 @@ __global__ void schedule_items_kernel(const int32_t* __restrict__ row_ptr,
     }
     const int h = static_cast<int>(lo / total_rows);
     const int r = static_cast<int>(lo - static_cast<int64_t>(h) * total_rows);
-    const int chunk = w - (chunk_incl[lo] - chunk_counts[lo]);
+    const int chunk = w - (lo > 0 ? chunk_incl[lo - 1] : 0);
     const int32_t* head_ptr = row_ptr + static_cast<int64_t>(h) * (total_rows + 1);
     const int len = head_ptr[r + 1] - head_ptr[r];
     const int q_begin = chunk * target_q_per_cta;
@@ -321,6 +348,221 @@ __global__ void schedule_items_kernel(const int32_t* __restrict__ row_ptr,
 #pragma unroll
   for (int c = 0; c < kMetaColumns; ++c) {
     metadata[static_cast<int64_t>(w) * kMetaColumns + c] = item[c];
+  }
+}
+
+// Schedule step: chunk counts per (head, row) in head-major order, and for each row its owner
+// (request b, block beta).
+__global__ void schedule_rows_kernel(const int32_t* __restrict__ row_ptr,
+                                     const int32_t* __restrict__ rows, int batch, int hkv,
+                                     int total_rows, int target_q_per_cta,
+                                     int32_t* __restrict__ chunk_counts,
+                                     int32_t* __restrict__ owner_batch,
+                                     int32_t* __restrict__ owner_block) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= static_cast<int64_t>(total_rows) * hkv) return;
+  const int h = static_cast<int>(idx / total_rows);
+  const int r = static_cast<int>(idx - static_cast<int64_t>(h) * total_rows);
+  const int32_t* head_ptr = row_ptr + static_cast<int64_t>(h) * (total_rows + 1);
+  const int len = max(head_ptr[r + 1] - head_ptr[r], 0);
+  chunk_counts[idx] = ceil_div(len, target_q_per_cta);
+  if (h == 0) row_owner(rows, batch, r, owner_batch + r, owner_block + r);
+}
+
+// Schedule step: one thread per work item slot; items past the work count are zero.
+__global__ void schedule_items_kernel(const int32_t* __restrict__ row_ptr,
+                                      const int32_t* __restrict__ chunk_incl,
+                                      const int32_t* __restrict__ owner_batch,
+                                      const int32_t* __restrict__ owner_block, int hkv,
+                                      int total_rows, int target_q_per_cta, int work_capacity,
+                                      int32_t* __restrict__ metadata,
+                                      int32_t* __restrict__ work_count) {
+  const int w = blockIdx.x * blockDim.x + threadIdx.x;
+  if (w >= work_capacity) return;
+  const int64_t n = static_cast<int64_t>(total_rows) * hkv;
+  if (w == 0) work_count[0] = min(n > 0 ? chunk_incl[n - 1] : 0, work_capacity);
+  write_work_item(w, chunk_incl, n, row_ptr, owner_batch, owner_block, total_rows,
+                  target_q_per_cta, metadata);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small calls: one CTA per KV head, then one CTA for the schedule.
+// ---------------------------------------------------------------------------------------------
+constexpr int kSmallThreads = 512;
+constexpr int kSmallWarps = kSmallThreads / 32;
+constexpr int kSmallMaxBatch = 64;             // requests' block counts kept in shared memory
+constexpr int kSmallMaxBins = 2048;            // total_rows + 1 (the dropped entries' bin)
+constexpr int64_t kSmallMaxPerHead = 16384;    // total_q * topk entries a head
+constexpr int kSmallMaxRowHeads = 8192;        // hkv * total_rows (the schedule's scan)
+constexpr int kScheduleThreads = 1024;
+constexpr int kScheduleItemsPerThread = kSmallMaxRowHeads / kScheduleThreads;
+
+bool fits_one_cta_per_head(const K2qCsrArgs& a, const K2qScheduleArgs* s) {
+  const int64_t per_head = static_cast<int64_t>(a.total_q) * a.topk;
+  return a.batch <= kSmallMaxBatch && a.total_rows + 1 <= kSmallMaxBins &&
+         per_head <= kSmallMaxPerHead &&
+         (s == nullptr || static_cast<int64_t>(a.hkv) * a.total_rows <= kSmallMaxRowHeads);
+}
+
+size_t one_cta_per_head_smem_bytes(int total_rows) {
+  return sizeof(int32_t) * (kSmallMaxBatch + static_cast<size_t>(kSmallWarps) * (total_rows + 1));
+}
+
+size_t one_cta_schedule_smem_bytes(int hkv, int total_rows) {
+  return sizeof(int32_t) * (kSmallMaxBatch + static_cast<size_t>(hkv) * total_rows +
+                            2 * static_cast<size_t>(total_rows));
+}
+
+// The CSR of KV head blockIdx.x, counting-sorted in shared memory: warp w owns a contiguous
+// range of the head's entries (a multiple of 32 long), counts them per row (bin total_rows =
+// dropped), the (row, warp)-ordered exclusive scan of the counts gives row_ptr and each warp's
+// first position in every row, and a second pass scatters each warp's entries in order, ranked
+// among the lanes of the same row. Entries keep their (query, slot) order within a row: the
+// radix sort's stable order, bit for bit.
+template <bool kWithSlots>
+__global__ void __launch_bounds__(kSmallThreads)
+csr_one_cta_per_head_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, int blk_kv,
+                            int64_t q_stride, int32_t* __restrict__ row_ptr,
+                            int32_t* __restrict__ q_indices,
+                            int32_t* __restrict__ qsplit_indices,
+                            int32_t* __restrict__ split_counts) {
+  extern __shared__ int32_t smem[];
+  int32_t* rows = smem;                               // [kSmallMaxBatch]
+  int32_t* hist = smem + kSmallMaxBatch;              // [kSmallWarps, bins]
+  using BlockScan = cub::BlockScan<int32_t, kSmallThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  const int h = blockIdx.x;
+  const int bins = a.total_rows + 1;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  for (int b = tid; b < a.batch; b += kSmallThreads) rows[b] = request_blocks(cu_k, b, blk_kv);
+  for (int i = tid; i < kSmallWarps * bins; i += kSmallThreads) hist[i] = 0;
+  __syncthreads();
+
+  const int64_t per_head = static_cast<int64_t>(a.total_q) * a.topk;
+  const int64_t span = ceil_div<int64_t>(ceil_div<int64_t>(per_head, kSmallWarps), 32) * 32;
+  const int64_t begin = warp * span;
+  const int64_t end = min(per_head, begin + span);
+  const auto row_of = [&](int b, int beta) { return round_robin_row(rows, a.batch, b, beta); };
+  int32_t* warp_hist = hist + warp * bins;
+  for (int64_t e = begin + lane; e < end; e += 32) {
+    const EntryPlace p = place_entry(a, rows, h, e, row_of);
+    atomicAdd(&warp_hist[p.valid ? p.row : a.total_rows], 1);
+  }
+  __syncthreads();
+
+  // Exclusive scan in (row, warp) order; thread t owns rows [t * per_thread, ...).
+  const int per_thread = ceil_div(bins, kSmallThreads);
+  int32_t owned = 0;
+  for (int k = 0; k < per_thread; ++k) {
+    const int bin = tid * per_thread + k;
+    if (bin < bins) {
+      for (int w = 0; w < kSmallWarps; ++w) owned += hist[w * bins + bin];
+    }
+  }
+  int32_t start = 0;
+  BlockScan(scan_storage).ExclusiveSum(owned, start);
+  for (int k = 0; k < per_thread; ++k) {
+    const int bin = tid * per_thread + k;
+    if (bin < bins) {
+      row_ptr[static_cast<int64_t>(h) * bins + bin] = start;
+      for (int w = 0; w < kSmallWarps; ++w) {
+        const int32_t c = hist[w * bins + bin];
+        hist[w * bins + bin] = start;
+        start += c;
+      }
+    }
+  }
+  __syncthreads();
+
+  int32_t* head_q = q_indices + h * q_stride;
+  int32_t* head_qsplit = kWithSlots ? qsplit_indices + h * q_stride : nullptr;
+  const unsigned lanes_below = (1u << lane) - 1u;
+  for (int64_t base = begin; base < end; base += 32) {   // warp-uniform trip count
+    const int64_t e = base + lane;
+    const bool in_range = e < end;
+    EntryPlace p;
+    if (in_range) p = place_entry(a, rows, h, e, row_of);
+    int slot = 0, count = 0;
+    if constexpr (kWithSlots) {
+      combine_slot(p, a.topk, &slot, &count);
+      if (in_range && p.slot_in_row == 0) {
+        split_counts[static_cast<int64_t>(p.q) * a.hkv + h] = count;
+      }
+    }
+    const int bin = in_range ? (p.valid ? p.row : a.total_rows) : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, bin);
+    const int rank = __popc(peers & lanes_below);
+    if (in_range) {
+      const int32_t pos = warp_hist[bin] + rank;
+      const int32_t payload = entry_payload(p, slot, kWithSlots);
+      if constexpr (kWithSlots) {
+        head_q[pos] = payload == -1 ? -1 : (payload & kQLocalMask);
+        head_qsplit[pos] = payload;
+      } else {
+        head_q[pos] = payload;
+      }
+    }
+    __syncwarp();
+    if (in_range && rank == 0) warp_hist[bin] += __popc(peers);
+    __syncwarp();
+  }
+  for (int64_t e = per_head + tid; e < q_stride; e += kSmallThreads) {   // a wider buffer's tail
+    head_q[e] = -1;
+    if constexpr (kWithSlots) head_qsplit[e] = -1;
+  }
+}
+
+// The schedule of a small call in one CTA: chunk counts per (head, row) scanned in shared
+// memory (<= kSmallMaxRowHeads pairs), the rows' owners, then the work items.
+__global__ void __launch_bounds__(kScheduleThreads)
+schedule_one_cta_kernel(const int32_t* __restrict__ row_ptr, const int32_t* __restrict__ cu_k,
+                        int batch, int blk_kv, int hkv, int total_rows, int target_q_per_cta,
+                        int work_capacity, int32_t* __restrict__ metadata,
+                        int32_t* __restrict__ work_count) {
+  extern __shared__ int32_t smem[];
+  const int64_t n = static_cast<int64_t>(hkv) * total_rows;
+  int32_t* rows = smem;                               // [kSmallMaxBatch]
+  int32_t* chunk_incl = rows + kSmallMaxBatch;        // [n]
+  int32_t* owner_batch = chunk_incl + n;              // [total_rows]
+  int32_t* owner_block = owner_batch + total_rows;    // [total_rows]
+  using BlockScan = cub::BlockScan<int32_t, kScheduleThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  const int tid = threadIdx.x;
+  for (int b = tid; b < batch; b += kScheduleThreads) rows[b] = request_blocks(cu_k, b, blk_kv);
+
+  int32_t counts[kScheduleItemsPerThread];
+  int32_t owned = 0;
+#pragma unroll
+  for (int k = 0; k < kScheduleItemsPerThread; ++k) {
+    const int64_t i = static_cast<int64_t>(tid) * kScheduleItemsPerThread + k;
+    counts[k] = 0;
+    if (i < n) {
+      const int h = static_cast<int>(i / total_rows);
+      const int r = static_cast<int>(i - static_cast<int64_t>(h) * total_rows);
+      const int32_t* head_ptr = row_ptr + static_cast<int64_t>(h) * (total_rows + 1);
+      counts[k] = ceil_div(max(head_ptr[r + 1] - head_ptr[r], 0), target_q_per_cta);
+    }
+    owned += counts[k];
+  }
+  int32_t running = 0;
+  BlockScan(scan_storage).ExclusiveSum(owned, running);
+#pragma unroll
+  for (int k = 0; k < kScheduleItemsPerThread; ++k) {
+    const int64_t i = static_cast<int64_t>(tid) * kScheduleItemsPerThread + k;
+    running += counts[k];
+    if (i < n) chunk_incl[i] = running;
+  }
+  __syncthreads();   // rows[] and chunk_incl[] are complete
+  for (int r = tid; r < total_rows; r += kScheduleThreads) {
+    row_owner(rows, batch, r, owner_batch + r, owner_block + r);
+  }
+  __syncthreads();
+  if (tid == 0) work_count[0] = min(n > 0 ? chunk_incl[n - 1] : 0, work_capacity);
+  for (int w = tid; w < work_capacity; w += kScheduleThreads) {
+    write_work_item(w, chunk_incl, n, row_ptr, owner_batch, owner_block, total_rows,
+                    target_q_per_cta, metadata);
   }
 }
 
@@ -350,6 +592,10 @@ int64_t entry_count(const K2qCsrArgs& a) {
 cudaError_t plan_workspace(const K2qCsrArgs& a, const K2qScheduleArgs* s, void* base,
                            CsrWorkspace* ws) {
   detail::WorkspaceCarver carve(base);
+  if (fits_one_cta_per_head(a, s)) {   // everything lives in shared memory
+    ws->total_bytes = 0;
+    return cudaSuccess;
+  }
   const int64_t n_entries = entry_count(a);
   ws->rows = carve.take<int32_t>(a.batch);
   const int64_t cap = kMaxRowTableEntries / (a.batch > 0 ? a.batch : 1);
@@ -388,6 +634,39 @@ cudaError_t plan_workspace(const K2qCsrArgs& a, const K2qScheduleArgs* s, void* 
   return cudaSuccess;
 }
 
+// The small-call path: csr_one_cta_per_head_kernel, then schedule_one_cta_kernel.
+cudaError_t launch_one_cta_per_head(const K2qCsrArgs& a, const K2qScheduleArgs* s,
+                                    cudaStream_t stream) {
+  const CsrDeviceArgs d{a.q2k_indices, a.cu_seqlens_q, a.cu_seqlens_k, nullptr, nullptr,
+                        a.batch, 0, a.hkv, a.total_q, a.topk, a.total_rows, entry_count(a)};
+  const size_t csr_smem = one_cta_per_head_smem_bytes(a.total_rows);
+  if (s != nullptr) {
+    MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(csr_one_cta_per_head_kernel<true>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(csr_smem)));
+    csr_one_cta_per_head_kernel<true><<<a.hkv, kSmallThreads, csr_smem, stream>>>(
+        d, a.cu_seqlens_k, a.blk_kv, a.q_indices_stride, a.row_ptr, a.q_indices,
+        s->qsplit_indices, s->split_counts);
+  } else {
+    MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(csr_one_cta_per_head_kernel<false>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(csr_smem)));
+    csr_one_cta_per_head_kernel<false><<<a.hkv, kSmallThreads, csr_smem, stream>>>(
+        d, a.cu_seqlens_k, a.blk_kv, a.q_indices_stride, a.row_ptr, a.q_indices, nullptr,
+        nullptr);
+  }
+  MSA_RETURN_IF_ERROR(cudaGetLastError());
+  if (s == nullptr) return cudaSuccess;
+  const size_t schedule_smem = one_cta_schedule_smem_bytes(a.hkv, a.total_rows);
+  MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(schedule_one_cta_kernel,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(schedule_smem)));
+  schedule_one_cta_kernel<<<1, kScheduleThreads, schedule_smem, stream>>>(
+      a.row_ptr, a.cu_seqlens_k, a.batch, a.blk_kv, a.hkv, a.total_rows, s->target_q_per_cta,
+      s->work_capacity, s->scheduler_metadata, s->work_count);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t build_k2q_csr_image(cudaFuncAttributes* attr) {
@@ -417,6 +696,7 @@ cudaError_t launch_build_k2q_csr(const K2qCsrArgs& a, const K2qScheduleArgs* s, 
 
   const int64_t n_entries = entry_count(a);
   const int64_t per_head = static_cast<int64_t>(a.total_q) * a.topk;
+  if (fits_one_cta_per_head(a, s)) return launch_one_cta_per_head(a, s, stream);
 
   request_rows_kernel<<<grid_for(a.batch), kThreads, 0, stream>>>(a.cu_seqlens_k, a.batch,
                                                                   a.blk_kv, ws.rows);
@@ -478,7 +758,7 @@ cudaError_t launch_build_k2q_csr(const K2qCsrArgs& a, const K2qScheduleArgs* s, 
                                                       static_cast<int>(n_row_heads), stream));
   }
   schedule_items_kernel<<<grid_for(s->work_capacity), kThreads, 0, stream>>>(
-      a.row_ptr, ws.chunk_counts, ws.chunk_incl, ws.owner_batch, ws.owner_block, a.hkv,
+      a.row_ptr, ws.chunk_incl, ws.owner_batch, ws.owner_block, a.hkv,
       a.total_rows, s->target_q_per_cta, s->work_capacity, s->scheduler_metadata,
       s->work_count);
   return cudaGetLastError();

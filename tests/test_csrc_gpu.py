@@ -293,6 +293,61 @@ def test_k2q_csr_garbage_ids_and_wrong_hints(msa_pkg, native_only, seed):
     torch.cuda.synchronize()
 
 
+# The builder has two forms (csrc/build_k2q_csr.cu): a call of at most 16384 entries a KV head
+# (total_q * topK), 2047 CSR rows and 64 requests (and, with a schedule, 8192 (head, row) pairs)
+# takes the one-CTA-per-head counting sort in shared memory, any other the radix sort. Shapes on
+# both sides of each limit: (q_lens, k_lens, hkv, topk, total_rows hint or None).
+FORM_LIMIT_CASES = [
+    ([182], [17718], 4, 16, None),                        # a production short chunk
+    ([1024], [140000], 4, 16, None),                      # 16384 entries a head: counting sort
+    ([1025], [140000], 4, 16, None),                      # 16400: radix sort
+    ([16] * 64, [3000] * 63 + [129], 4, 16, None),        # 64 requests: counting sort
+    ([15] * 65, [3000] * 65, 4, 16, None),                # 65 requests: radix sort
+    ([100], [2047 * KV_BLOCK], 4, 16, 2047),              # 2047 rows, 8188 pairs: counting
+    ([100], [2047 * KV_BLOCK + 1], 4, 16, 2048),          # 2048 rows: radix sort
+    ([100, 0, 60], [1100 * KV_BLOCK, 500, 7], 8, 32, None),   # 8 heads: > 8192 pairs
+    ([5, 700, 1], [0, 9000, 130], 2, 4, 3),               # a total_rows hint that drops rows
+]
+
+
+@pytest.mark.parametrize("case", range(len(FORM_LIMIT_CASES)))
+def test_k2q_csr_both_forms_match_reference(msa_pkg, native_only, seed, case):
+    q_lens, k_lens, hkv, topk, total_rows = FORM_LIMIT_CASES[case]
+    device = torch.device("cuda")
+    cu_q, cu_k = _cu(q_lens, device), _cu(k_lens, device)
+    q2k = _random_q2k(q_lens, k_lens, hkv, topk, device, p_empty=0.2)
+    for return_schedule in (True, False):
+        call = _make_call(msa_pkg, q2k, cu_q, cu_k, q_lens, k_lens, qhead_per_kv=16,
+                          return_schedule=return_schedule, total_rows=total_rows)
+        _check_csr(msa_pkg, call)
+        call.max_kv_blocks = 1                         # the hint sizes the radix form's table
+        _check_csr(msa_pkg, call)
+
+
+def test_k2q_csr_counting_sort_garbage_ids(msa_pkg, native_only, seed):
+    """The counting-sort form on any int32 ids, duplicates and short hints (the garbage test's
+    sizes take the radix form)."""
+    device = torch.device("cuda")
+    q_lens, k_lens = [300, 1, 600], [5000, 130, 257]
+    cu_q, cu_k = _cu(q_lens, device), _cu(k_lens, device)
+    total_q, topk = sum(q_lens), 16
+    garbage = torch.randint(-(1 << 31), (1 << 31) - 1, (4, total_q, topk), dtype=torch.int64,
+                            device=device).to(torch.int32)
+    small = torch.randint(-3, 45, (4, total_q, topk), dtype=torch.int32, device=device)
+    q2k = torch.where(torch.rand(4, total_q, topk, device=device) < 0.5, garbage, small)
+    q2k[:, :, 3] = q2k[:, :, 2]                    # duplicates (undefined, but deterministic)
+    q2k = q2k.contiguous()
+    call = _make_call(msa_pkg, q2k, cu_q, cu_k, q_lens, k_lens)
+    _check_csr(msa_pkg, call, schedule_check="reference")
+    for total_rows in (20, 0):                      # fewer rows than exist: the rest dropped
+        call.total_rows = total_rows
+        _check_csr(msa_pkg, call, schedule_check="reference")
+    call = _make_call(msa_pkg, q2k, cu_q, cu_k, q_lens, k_lens)
+    call.max_seqlen_q = 100
+    _check_csr(msa_pkg, call, schedule_check="reference")
+    torch.cuda.synchronize()
+
+
 def test_k2q_csr_empty_workload(msa_pkg, native_only):
     device = torch.device("cuda")
     cu_q = torch.tensor([0, 0], dtype=torch.int32, device=device)
