@@ -392,7 +392,9 @@ constexpr int kSmallThreads = 512;
 constexpr int kSmallWarps = kSmallThreads / 32;
 constexpr int kSmallMaxBatch = 64;             // requests' block counts kept in shared memory
 constexpr int kSmallMaxBins = 2048;            // total_rows + 1 (the dropped entries' bin)
-constexpr int64_t kSmallMaxPerHead = 16384;    // total_q * topk entries a head
+// total_q * topk entries a head: the per-warp row counts and positions fit 16 bits, so the
+// histograms (kSmallWarps x 2048 x 2 bytes = 64 KB) fit every sm_80+ opt-in limit (99 KB).
+constexpr int64_t kSmallMaxPerHead = 16384;
 constexpr int kSmallMaxRowHeads = 8192;        // hkv * total_rows (the schedule's scan)
 constexpr int kScheduleThreads = 1024;
 constexpr int kScheduleItemsPerThread = kSmallMaxRowHeads / kScheduleThreads;
@@ -405,7 +407,8 @@ bool fits_one_cta_per_head(const K2qCsrArgs& a, const K2qScheduleArgs* s) {
 }
 
 size_t one_cta_per_head_smem_bytes(int total_rows) {
-  return sizeof(int32_t) * (kSmallMaxBatch + static_cast<size_t>(kSmallWarps) * (total_rows + 1));
+  return sizeof(int32_t) * kSmallMaxBatch +
+         sizeof(uint16_t) * static_cast<size_t>(kSmallWarps) * (total_rows + 1);
 }
 
 size_t one_cta_schedule_smem_bytes(int hkv, int total_rows) {
@@ -427,8 +430,8 @@ csr_one_cta_per_head_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, i
                             int32_t* __restrict__ qsplit_indices,
                             int32_t* __restrict__ split_counts) {
   extern __shared__ int32_t smem[];
-  int32_t* rows = smem;                               // [kSmallMaxBatch]
-  int32_t* hist = smem + kSmallMaxBatch;              // [kSmallWarps, bins]
+  int32_t* rows = smem;                                               // [kSmallMaxBatch]
+  uint16_t* hist = reinterpret_cast<uint16_t*>(smem + kSmallMaxBatch);   // [kSmallWarps, bins]
   using BlockScan = cub::BlockScan<int32_t, kSmallThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   const int h = blockIdx.x;
@@ -445,10 +448,25 @@ csr_one_cta_per_head_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, i
   const int64_t begin = warp * span;
   const int64_t end = min(per_head, begin + span);
   const auto row_of = [&](int b, int beta) { return round_robin_row(rows, a.batch, b, beta); };
-  int32_t* warp_hist = hist + warp * bins;
-  for (int64_t e = begin + lane; e < end; e += 32) {
-    const EntryPlace p = place_entry(a, rows, h, e, row_of);
-    atomicAdd(&warp_hist[p.valid ? p.row : a.total_rows], 1);
+  uint16_t* warp_hist = hist + warp * bins;
+  const unsigned lanes_below = (1u << lane) - 1u;
+  // A warp's entries of one row: counted by the row's lowest lane (no atomics: the warp owns
+  // its histogram).
+  const auto count_peers = [&](int bin, bool in_range, int* rank) {
+    const unsigned peers = __match_any_sync(0xffffffffu, bin);
+    *rank = __popc(peers & lanes_below);
+    return in_range ? __popc(peers) : 0;
+  };
+  for (int64_t base = begin; base < end; base += 32) {   // warp-uniform trip count
+    const int64_t e = base + lane;
+    const bool in_range = e < end;
+    EntryPlace p;
+    if (in_range) p = place_entry(a, rows, h, e, row_of);
+    const int bin = in_range ? (p.valid ? p.row : a.total_rows) : -1;
+    int rank = 0;
+    const int peers = count_peers(bin, in_range, &rank);
+    if (in_range && rank == 0) warp_hist[bin] = static_cast<uint16_t>(warp_hist[bin] + peers);
+    __syncwarp();
   }
   __syncthreads();
 
@@ -467,9 +485,9 @@ csr_one_cta_per_head_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, i
     const int bin = tid * per_thread + k;
     if (bin < bins) {
       row_ptr[static_cast<int64_t>(h) * bins + bin] = start;
-      for (int w = 0; w < kSmallWarps; ++w) {
+      for (int w = 0; w < kSmallWarps; ++w) {   // positions < kSmallMaxPerHead: 16 bits
         const int32_t c = hist[w * bins + bin];
-        hist[w * bins + bin] = start;
+        hist[w * bins + bin] = static_cast<uint16_t>(start);
         start += c;
       }
     }
@@ -478,7 +496,6 @@ csr_one_cta_per_head_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, i
 
   int32_t* head_q = q_indices + h * q_stride;
   int32_t* head_qsplit = kWithSlots ? qsplit_indices + h * q_stride : nullptr;
-  const unsigned lanes_below = (1u << lane) - 1u;
   for (int64_t base = begin; base < end; base += 32) {   // warp-uniform trip count
     const int64_t e = base + lane;
     const bool in_range = e < end;
@@ -492,8 +509,8 @@ csr_one_cta_per_head_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, i
       }
     }
     const int bin = in_range ? (p.valid ? p.row : a.total_rows) : -1;
-    const unsigned peers = __match_any_sync(0xffffffffu, bin);
-    const int rank = __popc(peers & lanes_below);
+    int rank = 0;
+    const int peers = count_peers(bin, in_range, &rank);
     if (in_range) {
       const int32_t pos = warp_hist[bin] + rank;
       const int32_t payload = entry_payload(p, slot, kWithSlots);
@@ -505,7 +522,7 @@ csr_one_cta_per_head_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, i
       }
     }
     __syncwarp();
-    if (in_range && rank == 0) warp_hist[bin] += __popc(peers);
+    if (in_range && rank == 0) warp_hist[bin] = static_cast<uint16_t>(warp_hist[bin] + peers);
     __syncwarp();
   }
   for (int64_t e = per_head + tid; e < q_stride; e += kSmallThreads) {   // a wider buffer's tail

@@ -14,7 +14,7 @@ them, never touch memory outside their buffers. Kernel forms not yet validated a
 on purpose (MSA_UNVALIDATED_KERNELS=1): memcheck is part of their validation. MSA_BACKEND=native,
 so a
 silent fallback cannot hide a kernel from the sanitizer. MSA_SANITIZE_ONLY (comma-separated
-section names: sparse_prefill, sparse_prefill_portable, topk, block_max, block_max_portable,
+section names: sparse_prefill, csr, sparse_prefill_portable, topk, block_max, block_max_portable,
 decode, decode_indexer, csrc_portable, fmha, prefill_production, malformed) runs a subset.
 Section "csrc_portable" runs the CSR builder, top-k, decode and decode indexer cases on the
 portable tier (MSA_NATIVE_TIER=portable: decode without its warpgroup form).
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -122,6 +123,34 @@ def sparse_prefill_cases(gen):
               f"partial={partial}: ok")
     from msa.cute_kernels.variants import SPARSE_FORMS
     assert forms == set(SPARSE_FORMS), "a sparse form is missing from the memcheck cases"
+
+
+def csr_cases(gen):
+    """build_k2q_csr's two forms (the one-CTA-per-head counting sort for small calls, the radix
+    sort past its limits), with and without a schedule, on ids the API cannot check without a
+    sync (any int32) and a total_rows hint that drops rows."""
+    device = torch.device("cuda")
+    for q_lens, k_lens, total_rows in (([300, 1, 600], [5000, 130, 257], None),
+                                       ([100], [2047 * BLOCK], 2047),
+                                       ([1025, 3], [140000, 900], None),
+                                       ([16] * 64, [3000] * 64, 30)):
+        total_q = sum(q_lens)
+        cu_q = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32,
+                            device=device)
+        cu_k = torch.tensor([0] + list(itertools.accumulate(k_lens)), dtype=torch.int32,
+                            device=device)
+        ids = torch.randint(-3, 2100, (4, total_q, 16), generator=gen, dtype=torch.int32)
+        ids[:, ::7, 5] = torch.iinfo(torch.int32).max
+        ids[:, ::5, 6] = torch.iinfo(torch.int32).min
+        for schedule in (True, False):
+            msa.build_k2q_csr(ids.to(device), cu_q, cu_k, BLOCK, total_k=sum(k_lens),
+                              max_seqlen_k=max(k_lens), max_seqlen_q=max(q_lens),
+                              total_rows=total_rows, qhead_per_kv=16,
+                              return_schedule=schedule)
+            expect_native("build_k2q_csr")
+        torch.cuda.synchronize()
+        print(f"build_k2q_csr {len(q_lens)} requests, {total_q} queries, total_rows "
+              f"{total_rows}: ok")
 
 
 def topk_cases(gen, family="sm90"):
@@ -500,6 +529,7 @@ if __name__ == "__main__":
     seed = int.from_bytes(os.urandom(4), "little")
     generator = torch.Generator().manual_seed(seed)
     sections = {"sparse_prefill": lambda: sparse_prefill_cases(generator),
+                "csr": lambda: csr_cases(generator),
                 "sparse_prefill_portable": lambda: sparse_prefill_portable_cases(generator),
                 "topk": lambda: topk_cases(generator),
                 "block_max": lambda: block_max_cases(generator),

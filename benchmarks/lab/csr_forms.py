@@ -1,0 +1,87 @@
+"""The k2q CSR + schedule build's two forms at short-chunk shapes (a GPU diagnostic for issue 23,
+no TSV): the one-CTA-per-KV-head counting sort (csrc/build_k2q_csr.cu, small calls) against the
+radix-sort build, each captured in a CUDA graph and replayed, then one replay under the profiler
+for its kernels' times.
+
+    MSA_PACKAGE_DIR=build/<variant> python3 benchmarks/lab/csr_forms.py [--replays 50]
+
+The form follows the sizes; a total_rows hint of 2048 (past the counting sort's 2047 rows)
+sends the same selection to the radix form, whose cost does not depend on the empty rows it
+adds. Selections are random block ids of each request, Hkv 4, top-16, G 16: MiniMax-M3's short
+prefill chunks (upstream's representative cases).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import import_module
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/
+from _common import load_msa  # noqa: E402
+
+CASES = [([182], [17718]), ([171], [55339]), ([347], [131547]), ([170, 156], [13000, 27277]),
+         ([140, 130, 136], [20000, 21000, 17723]), ([630], [32723]), ([1000], [60000])]
+RADIX_ROWS = 2048
+
+
+def make_call(msa, q_lens, k_lens, gen, total_rows=None, hkv=4, topk=16):
+    device = torch.device("cuda")
+
+    def prefix(lengths):
+        return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32,
+                            device=device)
+    q2k = torch.cat([torch.randint(0, -(-k // 128), (hkv, q, topk), dtype=torch.int32,
+                                   generator=gen) for q, k in zip(q_lens, k_lens)], 1)
+    return msa.interface._check_k2q_csr_args(
+        q2k.to(device), prefix(q_lens), prefix(k_lens), 128, total_k=sum(k_lens),
+        max_seqlen_k=max(k_lens), max_seqlen_q=max(q_lens), total_rows=total_rows,
+        qhead_per_kv=16, return_schedule=True)
+
+
+def time_build(csr_builder, call, replays):
+    for _ in range(3):
+        csr_builder.run(call)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        csr_builder.run(call)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = [(e.name.split("(")[0].split("::")[-1][:32], round(e.device_time, 1))
+               for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return start.elapsed_time(end) / replays * 1e3, kernels
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--replays", type=int, default=50)
+    args = ap.parse_args()
+    msa = load_msa()
+    csr_builder = import_module(f"{msa.__name__}._native.csr_builder")
+    gen = torch.Generator().manual_seed(1701)
+    print(f"# {torch.cuda.get_device_name()}  msa from {msa.__file__}")
+    for q_lens, k_lens in CASES:
+        exact = make_call(msa, q_lens, k_lens, gen)
+        radix = make_call(msa, q_lens, k_lens, gen, total_rows=RADIX_ROWS)
+        radix.q2k_indices.copy_(exact.q2k_indices)              # the same selection
+        for name, call in (("default", exact), ("radix", radix), ("default", exact),
+                           ("radix", radix)):
+            us, kernels = time_build(csr_builder, call, args.replays)
+            print(f"q {q_lens} kv {k_lens} rows {call.total_rows} {name}: {us:.1f} us a graph "
+                  f"replay; kernels {kernels}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
