@@ -18,7 +18,8 @@
 //      once then share one KV head's queries, whose gathers L2 holds better), an inclusive
 //      scan, then one thread per work item binary-searches its (head, row) and writes its
 //      metadata.
-// Small calls (a chunk of up to ~1k queries: see fits_one_cta_per_head) take two launches
+// Small calls (a chunk of up to ~1k queries: see fits_one_cta_per_head; the caller may ask
+// for the radix form anyway, K2qCsrArgs::counting_sort) take two launches
 // instead of ~12: one CTA per KV head counting-sorts its entries in shared memory (per-warp row
 // histograms over contiguous entry ranges, scanned in (row, warp) order, then a stable scatter
 // ranked within each warp by __match_any_sync) and one CTA builds the schedule. Under a CUDA
@@ -401,7 +402,7 @@ constexpr int kScheduleItemsPerThread = kSmallMaxRowHeads / kScheduleThreads;
 
 bool fits_one_cta_per_head(const K2qCsrArgs& a, const K2qScheduleArgs* s) {
   const int64_t per_head = static_cast<int64_t>(a.total_q) * a.topk;
-  return a.batch <= kSmallMaxBatch && a.total_rows + 1 <= kSmallMaxBins &&
+  return a.counting_sort && a.batch <= kSmallMaxBatch && a.total_rows + 1 <= kSmallMaxBins &&
          per_head <= kSmallMaxPerHead &&
          (s == nullptr || static_cast<int64_t>(a.hkv) * a.total_rows <= kSmallMaxRowHeads);
 }

@@ -295,8 +295,8 @@ def test_k2q_csr_garbage_ids_and_wrong_hints(msa_pkg, native_only, seed):
 
 # The builder has two forms (csrc/build_k2q_csr.cu): a call of at most 16384 entries a KV head
 # (total_q * topK), 2047 CSR rows and 64 requests (and, with a schedule, 8192 (head, row) pairs)
-# takes the one-CTA-per-head counting sort in shared memory, any other the radix sort. Shapes on
-# both sides of each limit: (q_lens, k_lens, hkv, topk, total_rows hint or None).
+# may take the one-CTA-per-head counting sort in shared memory, any other the radix sort. Shapes
+# on both sides of each limit: (q_lens, k_lens, hkv, topk, total_rows hint or None).
 FORM_LIMIT_CASES = [
     ([182], [17718], 4, 16, None),                        # a production short chunk
     ([1024], [140000], 4, 16, None),                      # 16384 entries a head: counting sort
@@ -310,8 +310,20 @@ FORM_LIMIT_CASES = [
 ]
 
 
+def _check_forms(msa, native_hooks, call, **check):
+    """Both forms on `call`: each equals the reference (_check_csr); the form that ran is the one
+    the sizes pick (csr_builder.counting_sort_applies) when the counting sort is forced on."""
+    from msa._native import csr_builder, debug
+    for counting_sort in (True, False):
+        with debug.forcing(csr_counting_sort=counting_sort):
+            _check_csr(msa, call, **check)
+        want = ("counting_sort" if counting_sort and csr_builder.counting_sort_applies(call)
+                else "radix_sort")
+        assert native_hooks.last_variant("build_k2q_csr") == want
+
+
 @pytest.mark.parametrize("case", range(len(FORM_LIMIT_CASES)))
-def test_k2q_csr_both_forms_match_reference(msa_pkg, native_only, seed, case):
+def test_k2q_csr_both_forms_match_reference(msa_pkg, native_only, native_hooks, seed, case):
     q_lens, k_lens, hkv, topk, total_rows = FORM_LIMIT_CASES[case]
     device = torch.device("cuda")
     cu_q, cu_k = _cu(q_lens, device), _cu(k_lens, device)
@@ -319,14 +331,14 @@ def test_k2q_csr_both_forms_match_reference(msa_pkg, native_only, seed, case):
     for return_schedule in (True, False):
         call = _make_call(msa_pkg, q2k, cu_q, cu_k, q_lens, k_lens, qhead_per_kv=16,
                           return_schedule=return_schedule, total_rows=total_rows)
-        _check_csr(msa_pkg, call)
+        _check_forms(msa_pkg, native_hooks, call)
         call.max_kv_blocks = 1                         # the hint sizes the radix form's table
-        _check_csr(msa_pkg, call)
+        _check_forms(msa_pkg, native_hooks, call)
 
 
-def test_k2q_csr_counting_sort_garbage_ids(msa_pkg, native_only, seed):
-    """The counting-sort form on any int32 ids, duplicates and short hints (the garbage test's
-    sizes take the radix form)."""
+def test_k2q_csr_counting_sort_garbage_ids(msa_pkg, native_only, native_hooks, seed):
+    """Both forms on any int32 ids, duplicates and short hints, at sizes the counting sort
+    takes (the garbage test's own sizes take only the radix form)."""
     device = torch.device("cuda")
     q_lens, k_lens = [300, 1, 600], [5000, 130, 257]
     cu_q, cu_k = _cu(q_lens, device), _cu(k_lens, device)
@@ -338,14 +350,44 @@ def test_k2q_csr_counting_sort_garbage_ids(msa_pkg, native_only, seed):
     q2k[:, :, 3] = q2k[:, :, 2]                    # duplicates (undefined, but deterministic)
     q2k = q2k.contiguous()
     call = _make_call(msa_pkg, q2k, cu_q, cu_k, q_lens, k_lens)
-    _check_csr(msa_pkg, call, schedule_check="reference")
+    _check_forms(msa_pkg, native_hooks, call, schedule_check="reference")
     for total_rows in (20, 0):                      # fewer rows than exist: the rest dropped
         call.total_rows = total_rows
-        _check_csr(msa_pkg, call, schedule_check="reference")
+        _check_forms(msa_pkg, native_hooks, call, schedule_check="reference")
     call = _make_call(msa_pkg, q2k, cu_q, cu_k, q_lens, k_lens)
     call.max_seqlen_q = 100
-    _check_csr(msa_pkg, call, schedule_check="reference")
+    _check_forms(msa_pkg, native_hooks, call, schedule_check="reference")
     torch.cuda.synchronize()
+
+
+def test_k2q_csr_counting_sort_graph_replay(msa_pkg, native_only, native_hooks, seed):
+    """The counting sort captured in a CUDA graph, replayed on new selections."""
+    device = torch.device("cuda")
+    q_lens, k_lens = [170, 156], [13000, 27277]
+    cu_q, cu_k = _cu(q_lens, device), _cu(k_lens, device)
+    static_q2k = _random_q2k(q_lens, k_lens, 4, 16, device)
+    kwargs = dict(total_k=sum(k_lens), max_seqlen_k=max(k_lens), max_seqlen_q=max(q_lens),
+                  qhead_per_kv=16, return_schedule=True)
+    native_hooks.force(csr_counting_sort=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                   # warm-up outside the capture
+        msa_pkg.build_k2q_csr(static_q2k, cu_q, cu_k, KV_BLOCK, **kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    assert native_hooks.last_variant("build_k2q_csr") == "counting_sort"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        row_ptr, q_idx, sched = msa_pkg.build_k2q_csr(static_q2k, cu_q, cu_k, KV_BLOCK, **kwargs)
+    for _ in range(3):
+        static_q2k.copy_(_random_q2k(q_lens, k_lens, 4, 16, device))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = _check_csr(msa_pkg, _make_call(msa_pkg, static_q2k, cu_q, cu_k, q_lens, k_lens,
+                                             qhead_per_kv=16))
+        _assert_equal("graph row_ptr", row_ptr, ref[0])
+        _assert_equal("graph q_idx", q_idx, ref[1])
+        for name in ("scheduler_metadata", "work_count", "qsplit_indices", "split_counts"):
+            _assert_equal(f"graph {name}", getattr(sched, name), getattr(ref[2], name))
 
 
 def test_k2q_csr_empty_workload(msa_pkg, native_only):

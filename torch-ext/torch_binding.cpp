@@ -40,7 +40,7 @@ void check_launch(cudaError_t err, const char* op) {
 msa::K2qCsrArgs make_csr_args(const torch::Tensor& q2k, const torch::Tensor& cu_q,
                               const torch::Tensor& cu_k, torch::Tensor& row_ptr,
                               torch::Tensor& q_idx, int64_t topk, int64_t blk_kv,
-                              int64_t total_rows, int64_t max_kv_blocks) {
+                              int64_t total_rows, int64_t max_kv_blocks, bool counting_sort) {
   TORCH_CHECK(q2k.is_cuda(), "q2k: must be a CUDA tensor");
   const torch::Device device = q2k.device();
   check_cuda_tensor(q2k, "q2k", at::kInt, 3, device);
@@ -80,6 +80,7 @@ msa::K2qCsrArgs make_csr_args(const torch::Tensor& q2k, const torch::Tensor& cu_
   a.blk_kv = static_cast<int>(blk_kv);
   a.total_rows = static_cast<int>(total_rows);
   a.max_kv_blocks = static_cast<int>(max_kv_blocks);
+  a.counting_sort = counting_sort;
   return a;
 }
 
@@ -98,10 +99,11 @@ void launch_csr(const msa::K2qCsrArgs& a, const msa::K2qScheduleArgs* s,
 
 void run_build_k2q_csr(const torch::Tensor& q2k, const torch::Tensor& cu_q,
                        const torch::Tensor& cu_k, torch::Tensor& row_ptr, torch::Tensor& q_idx,
-                       int64_t topk, int64_t blk_kv, int64_t total_rows, int64_t max_kv_blocks) {
+                       int64_t topk, int64_t blk_kv, int64_t total_rows, int64_t max_kv_blocks,
+                       bool counting_sort) {
   const c10::cuda::CUDAGuard guard(q2k.device());
-  const msa::K2qCsrArgs a =
-      make_csr_args(q2k, cu_q, cu_k, row_ptr, q_idx, topk, blk_kv, total_rows, max_kv_blocks);
+  const msa::K2qCsrArgs a = make_csr_args(q2k, cu_q, cu_k, row_ptr, q_idx, topk, blk_kv,
+                                          total_rows, max_kv_blocks, counting_sort);
   launch_csr(a, nullptr, q2k, "run_build_k2q_csr");
 }
 
@@ -110,10 +112,10 @@ void run_build_k2q_csr_with_schedule(
     torch::Tensor& row_ptr, torch::Tensor& q_idx, int64_t topk, int64_t blk_kv,
     int64_t total_rows, int64_t max_kv_blocks, torch::Tensor& scheduler_metadata,
     torch::Tensor& work_count, torch::Tensor& qsplit_idx, torch::Tensor& split_counts,
-    int64_t target_q_per_cta, int64_t work_capacity, int64_t max_seqlen_q) {
+    int64_t target_q_per_cta, int64_t work_capacity, int64_t max_seqlen_q, bool counting_sort) {
   const c10::cuda::CUDAGuard guard(q2k.device());
-  const msa::K2qCsrArgs a =
-      make_csr_args(q2k, cu_q, cu_k, row_ptr, q_idx, topk, blk_kv, total_rows, max_kv_blocks);
+  const msa::K2qCsrArgs a = make_csr_args(q2k, cu_q, cu_k, row_ptr, q_idx, topk, blk_kv,
+                                          total_rows, max_kv_blocks, counting_sort);
   const torch::Device device = q2k.device();
   check_cuda_tensor(scheduler_metadata, "scheduler_metadata", at::kInt, 2, device);
   check_cuda_tensor(work_count, "work_count", at::kInt, 1, device);
@@ -909,13 +911,14 @@ std::tuple<int64_t, int64_t, std::string> csrc_image(const std::string& unit, in
 TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "run_build_k2q_csr(Tensor q2k, Tensor cu_q, Tensor cu_k, Tensor! row_ptr, Tensor! q_idx, "
-      "int topk, int blk_kv, int total_rows, int max_kv_blocks) -> ()");
+      "int topk, int blk_kv, int total_rows, int max_kv_blocks, bool counting_sort) -> ()");
   ops.impl("run_build_k2q_csr", torch::kCUDA, &run_build_k2q_csr);
   ops.def(
       "run_build_k2q_csr_with_schedule(Tensor q2k, Tensor cu_q, Tensor cu_k, Tensor! row_ptr, "
       "Tensor! q_idx, int topk, int blk_kv, int total_rows, int max_kv_blocks, "
       "Tensor! scheduler_metadata, Tensor! work_count, Tensor! qsplit_idx, "
-      "Tensor! split_counts, int target_q_per_cta, int work_capacity, int max_seqlen_q) -> ()");
+      "Tensor! split_counts, int target_q_per_cta, int work_capacity, int max_seqlen_q, "
+      "bool counting_sort) -> ()");
   ops.impl("run_build_k2q_csr_with_schedule", torch::kCUDA, &run_build_k2q_csr_with_schedule);
   ops.def(
       "sparse_topk_select(Tensor max_score, Tensor! out, int topk, int num_valid_pages, "

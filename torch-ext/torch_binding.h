@@ -30,6 +30,7 @@ struct K2qCsrArgs {
   int blk_kv;                    // tokens per KV block (128)
   int total_rows;                // CSR rows to emit (host hint; rows past it are dropped)
   int max_kv_blocks;             // host hint: ceil(max k_len / blk_kv); sizes a lookup table only
+  bool counting_sort;            // small calls may take the one-CTA-per-head counting sort
 };
 
 // Present only for run_build_k2q_csr_with_schedule.
@@ -343,14 +344,15 @@ cudaError_t block_max_score_portable_image(cudaFuncAttributes* attr);
 
 void run_build_k2q_csr(const torch::Tensor& q2k, const torch::Tensor& cu_q,
                        const torch::Tensor& cu_k, torch::Tensor& row_ptr, torch::Tensor& q_idx,
-                       int64_t topk, int64_t blk_kv, int64_t total_rows, int64_t max_kv_blocks);
+                       int64_t topk, int64_t blk_kv, int64_t total_rows, int64_t max_kv_blocks,
+                       bool counting_sort);
 
 void run_build_k2q_csr_with_schedule(
     const torch::Tensor& q2k, const torch::Tensor& cu_q, const torch::Tensor& cu_k,
     torch::Tensor& row_ptr, torch::Tensor& q_idx, int64_t topk, int64_t blk_kv,
     int64_t total_rows, int64_t max_kv_blocks, torch::Tensor& scheduler_metadata,
     torch::Tensor& work_count, torch::Tensor& qsplit_idx, torch::Tensor& split_counts,
-    int64_t target_q_per_cta, int64_t work_capacity, int64_t max_seqlen_q);
+    int64_t target_q_per_cta, int64_t work_capacity, int64_t max_seqlen_q, bool counting_sort);
 
 void sparse_topk_select(const torch::Tensor& max_score, torch::Tensor& out, int64_t topk,
                         int64_t num_valid_pages,

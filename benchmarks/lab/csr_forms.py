@@ -5,10 +5,9 @@ for its kernels' times.
 
     MSA_PACKAGE_DIR=build/<variant> python3 benchmarks/lab/csr_forms.py [--replays 50]
 
-The form follows the sizes; a total_rows hint of 2048 (past the counting sort's 2047 rows)
-sends the same selection to the radix form, whose cost does not depend on the empty rows it
-adds. Selections are random block ids of each request, Hkv 4, top-16, G 16: MiniMax-M3's short
-prefill chunks (upstream's representative cases).
+msa._native.debug's csr_counting_sort hook picks the form (the counting sort only where the
+sizes allow it). Selections are random block ids of each request, Hkv 4, top-16, G 16:
+MiniMax-M3's short prefill chunks (upstream's representative cases) and two larger ones.
 """
 
 from __future__ import annotations
@@ -25,10 +24,9 @@ from _common import load_msa  # noqa: E402
 
 CASES = [([182], [17718]), ([171], [55339]), ([347], [131547]), ([170, 156], [13000, 27277]),
          ([140, 130, 136], [20000, 21000, 17723]), ([630], [32723]), ([1000], [60000])]
-RADIX_ROWS = 2048
 
 
-def make_call(msa, q_lens, k_lens, gen, total_rows=None, hkv=4, topk=16):
+def make_call(msa, q_lens, k_lens, gen, hkv=4, topk=16):
     device = torch.device("cuda")
 
     def prefix(lengths):
@@ -38,8 +36,8 @@ def make_call(msa, q_lens, k_lens, gen, total_rows=None, hkv=4, topk=16):
                                    generator=gen) for q, k in zip(q_lens, k_lens)], 1)
     return msa.interface._check_k2q_csr_args(
         q2k.to(device), prefix(q_lens), prefix(k_lens), 128, total_k=sum(k_lens),
-        max_seqlen_k=max(k_lens), max_seqlen_q=max(q_lens), total_rows=total_rows,
-        qhead_per_kv=16, return_schedule=True)
+        max_seqlen_k=max(k_lens), max_seqlen_q=max(q_lens), qhead_per_kv=16,
+        return_schedule=True)
 
 
 def time_build(csr_builder, call, replays):
@@ -70,18 +68,17 @@ def main():
     args = ap.parse_args()
     msa = load_msa()
     csr_builder = import_module(f"{msa.__name__}._native.csr_builder")
+    debug = import_module(f"{msa.__name__}._native.debug")
     gen = torch.Generator().manual_seed(1701)
     print(f"# {torch.cuda.get_device_name()}  msa from {msa.__file__}")
     for q_lens, k_lens in CASES:
-        exact = make_call(msa, q_lens, k_lens, gen)
-        radix = make_call(msa, q_lens, k_lens, gen, total_rows=RADIX_ROWS)
-        radix.q2k_indices.copy_(exact.q2k_indices)              # the same selection
-        for name, call in (("default", exact), ("radix", radix), ("default", exact),
-                           ("radix", radix)):
-            us, kernels = time_build(csr_builder, call, args.replays)
-            print(f"q {q_lens} kv {k_lens} rows {call.total_rows} {name}: {us:.1f} us a graph "
-                  f"replay; kernels {kernels}", flush=True)
-
+        call = make_call(msa, q_lens, k_lens, gen)
+        for counting_sort in (True, False, True, False):        # forwards, then again
+            with debug.forcing(csr_counting_sort=counting_sort):
+                us, kernels = time_build(csr_builder, call, args.replays)
+                form = debug.last_variant("build_k2q_csr")
+            print(f"q {q_lens} kv {k_lens} {form}: {us:.1f} us a graph replay; kernels "
+                  f"{kernels}", flush=True)
 
 if __name__ == "__main__":
     main()

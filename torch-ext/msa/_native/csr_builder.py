@@ -9,6 +9,13 @@ take every size from host hints, so a call never synchronizes and can be capture
 graph. A schedule for 2^24 - 1 or more query tokens is refused by ``supports`` (the kernel packs
 the local query id and the slot into one int32 while sorting), so msa._backend runs the
 reference for it and logs that. Importing this module does not touch CUDA.
+
+Two forms build the same bits: the radix sort (~12 launches: entry keys, cub's radix sort,
+row_ptr, payloads, and the schedule's rows, scan and items) and, for small calls (the short
+production chunks; :func:`counting_sort_applies`), a counting sort in shared memory, one CTA per
+KV head, plus one CTA for the schedule: two launches, where a short chunk's CSR stage was
+launch-bound. debug's ``csr_counting_sort`` hook forces either; ``last_variant("build_k2q_csr")``
+says which ran.
 """
 
 from __future__ import annotations
@@ -21,11 +28,31 @@ from .. import _backend
 from ..schedules.sparse import (METADATA_COLUMNS, SLOT_SHIFT, SparseAttentionSchedule,
                                 schedule_size)
 
-from . import compiled_ops
+from . import compiled_ops, debug
 from .compiled_ops import ops
 
 OP_NAME = "build_k2q_csr"
 KV_BLOCK = 128
+
+# The counting-sort form (csrc/build_k2q_csr.cu fits_one_cta_per_head) takes calls of at most
+# these sizes; until its GPU test (tests/test_csrc_gpu.py ~both_forms) passes on hardware it
+# serves only under MSA_UNVALIDATED_KERNELS=1.
+VALIDATED_COUNTING_SORT = False
+COUNTING_SORT_MAX_ENTRIES_PER_HEAD = 16384     # total_q * topK
+COUNTING_SORT_MAX_ROWS = 2047
+COUNTING_SORT_MAX_BATCH = 64
+COUNTING_SORT_MAX_ROW_HEADS = 8192             # Hkv * total_rows, with a schedule
+
+
+def counting_sort_applies(call) -> bool:
+    """Whether a call's sizes take the counting-sort form when it may serve (the launcher's
+    fits_one_cta_per_head, on the same host values)."""
+    hkv, total_q, topk = call.q2k_indices.shape
+    return (total_q * topk <= COUNTING_SORT_MAX_ENTRIES_PER_HEAD
+            and call.total_rows <= COUNTING_SORT_MAX_ROWS
+            and call.cu_seqlens_q.numel() - 1 <= COUNTING_SORT_MAX_BATCH
+            and (not call.return_schedule
+                 or hkv * call.total_rows <= COUNTING_SORT_MAX_ROW_HEADS))
 
 
 # Queries a schedule build packs with their slot into one int32 (24 bits of local query id).
@@ -60,9 +87,12 @@ def run(call):
     device = q2k.device
     row_ptr = torch.empty(hkv, call.total_rows + 1, dtype=torch.int32, device=device)
     q_idx = torch.empty(hkv, total_q * topk, dtype=torch.int32, device=device)
+    counting_sort = debug.gate("csr_counting_sort", _backend.may_serve(VALIDATED_COUNTING_SORT))
+    debug.record(OP_NAME, "counting_sort" if counting_sort and counting_sort_applies(call)
+                 else "radix_sort")
     if not call.return_schedule:
         ops.run_build_k2q_csr(q2k, call.cu_seqlens_q, call.cu_seqlens_k, row_ptr, q_idx, topk,
-                              KV_BLOCK, call.total_rows, call.max_kv_blocks)
+                              KV_BLOCK, call.total_rows, call.max_kv_blocks, counting_sort)
         return row_ptr, q_idx
 
     max_seqlen_q = int(call.max_seqlen_q)
@@ -81,7 +111,7 @@ def run(call):
     ops.run_build_k2q_csr_with_schedule(
         q2k, call.cu_seqlens_q, call.cu_seqlens_k, row_ptr, q_idx, topk, KV_BLOCK,
         call.total_rows, call.max_kv_blocks, metadata, work_count, qsplit, split_counts, target,
-        capacity, max_seqlen_q)
+        capacity, max_seqlen_q, counting_sort)
     schedule = SparseAttentionSchedule(enabled=True, scheduler_metadata=metadata,
                                        work_count=work_count, qsplit_indices=qsplit,
                                        split_counts=split_counts, target_q_per_cta=target,

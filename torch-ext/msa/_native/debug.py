@@ -34,6 +34,8 @@ Hooks (``forcing`` keywords):
   topk_staged        True: sparse_topk_select calls of the staged kernel's shapes
                      (topk_cuda.staged_applies) run it (a warp per row); False: the
                      lane-per-query kernels
+  csr_counting_sort  True: build_k2q_csr calls of the counting sort's sizes
+                     (csr_builder.counting_sort_applies) take it; False: the radix sort
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from typing import Dict, Iterator, Optional
 HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "decode_split_keys", "decode_direct_fp8",
          "decode_warpgroup", "decode_pingpong", "decode_persistent", "decode_pv_fp8",
          "decode_token_warps", "decode_indexer_tma", "decode_indexer_offer_warp",
-         "topk_staged")
+         "topk_staged", "csr_counting_sort")
 
 _forced: Dict[str, object] = {}
 _poison = [False]
