@@ -2,17 +2,16 @@
 issue 23, no TSV.)
 
 A 16k-query production chunk runs its sparse attention as ~1.5k work items, one CTA each in
-blockIdx order (the builders order them (KV head, CSR row); they used to order them (CSR row, KV
-head)): each item TMA-gathers the G query heads of every query that selected its block (4 KB a
-query in bf16). With the random selections of the
-production benchmark a block's ~660 queries lie all over the chunk, so the ~264 items in flight
-touch the whole Q of all four KV heads (268 MB bf16) and most gathers miss the 50 MB L2: ~4.3 GB
-of Q beside the ~4.3 GB of partials the items write (the attention runs at ~3.6 TB/s, bytes-bound).
+blockIdx order, which the builders make (KV head, CSR row): each item TMA-gathers the G query
+heads of every query that selected its block (4 KB a query in bf16). With the random selections
+of the production benchmark a block's ~660 queries lie all over the chunk, so items in flight
+that span the KV heads would touch the whole Q of all four (268 MB bf16), which the 50 MB L2
+cannot hold, beside the ~4.3 GB of partials the items write.
 
 Items are independent (a query's partial rows do not depend on its tile-mates, slots are the
 rank of a row among its query's rows), so any order or split of the items gives the same bits.
-This script times the attention + combine of one chunk with the served schedule (the builders'
-(KV head, row) order) against msa.schedules.sparse.split_items_by_query_window's orders:
+This script times the attention + combine of one chunk with the served schedule against
+msa.schedules.sparse.split_items_by_query_window's orders:
   window:W     items split at query windows of W queries and ordered (KV head, window, row): the
                items in flight gather from one head's W queries (W x 4 KB in bf16), so Q should
                come from L2; each window re-reads the K/V blocks it selects (rows x 64 KB a head)
