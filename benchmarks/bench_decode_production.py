@@ -175,10 +175,11 @@ class Impl:
     """One implementation on one case: builds slots, a call per slot, the bytes it reads."""
 
     def __init__(self, name, msa, lens, nominal, args, device, qo_tile_rows=None,
-                 persistent=None):
+                 persistent=None, split_pages=None):
         self.name, self.msa, self.lens, self.nominal = name, msa, lens, nominal
         self.args, self.device = args, device
         self.qo_tile_rows = qo_tile_rows              # None: the plan chooses
+        self.split_pages = split_pages                # None: the plan chooses
         self.persistent = persistent                  # dense plans: None, the plan chooses
         kind, _, rest = name.partition("-")
         self.kind = kind
@@ -218,13 +219,16 @@ class Impl:
                 page_table=slot.page_table, seqused_k=slot.seqused_k, seqlen_q=args.seqlen_q,
                 max_seqlen_k=max(self.lens), num_qo_heads=args.hq, num_kv_heads=args.hkv,
                 enable_cuda_graph=True, qo_tile_rows=self.qo_tile_rows,
-                persistent=self.persistent if can_persist else None)
+                fixed_split_size=self.split_pages,
+                persistent=self.persistent if can_persist and self.split_pages is None
+                else None)
             slot.call = lambda s=slot: s.wrapper.run(s.q, s.k, s.v, out=s.out)
         else:
             slot.wrapper = self.msa.MSADecodeStepWrapper().plan(
                 page_table=slot.page_table, seqused_k=slot.seqused_k, seqlen_q=args.seqlen_q,
                 max_seqlen_k=max(self.lens), num_qo_heads=args.hq, num_kv_heads=args.hkv,
-                topk=args.topk, qo_tile_rows=self.qo_tile_rows)
+                topk=args.topk, qo_tile_rows=self.qo_tile_rows,
+                fixed_split_size=self.split_pages)
 
             def step(s=slot):
                 s.wrapper.update()
@@ -392,6 +396,11 @@ def main(argv=None):
                     help="query rows per attention CTA, each timed in turn (comma-separated): "
                          "auto (what the plan picks) or 1..128; a fixed value names it in "
                          "impl, e.g. step-fp8[q16]")
+    ap.add_argument("--split-pages", default="auto",
+                    help="the attention plan's KV chunk, each timed in turn (comma-separated): "
+                         "auto (what the plan picks) or a page count (fixed_split_size: "
+                         "split-KV with chunks of that many pages; slots for one-token tiles), "
+                         "named in impl, e.g. step-fp8[split16]")
     add_common_args(ap, rep_ms=50)
     args = ap.parse_args(argv)
     if args.tiny:
@@ -409,6 +418,9 @@ def main(argv=None):
     tiles = parse_names(args.qo_tile_rows)
     if any(t != "auto" and not (t.isdigit() and 1 <= int(t) <= 128) for t in tiles):
         raise SystemExit(f"--qo-tile-rows: auto or 1..128, got {args.qo_tile_rows}")
+    splits = parse_names(args.split_pages)
+    if any(x != "auto" and not (x.isdigit() and int(x) >= 1) for x in splits):
+        raise SystemExit(f"--split-pages: auto or a positive page count, got {args.split_pages}")
     tsv = TsvWriter(args.out, COLUMNS, device,
                     formats={"latency_us": ".2f", "attention_us": ".2f", "tb_per_s": ".3f",
                              "speedup_vs_cudnn": ".2f", "cv": ".3f"})
@@ -425,16 +437,19 @@ def main(argv=None):
         lens = ragged_lengths(batch, nominal, args.seqlen_q)
         case = f"b{batch}_s{nominal}_q{args.seqlen_q}"
         cudnn_us = None
-        runs = [(name, form, tile) for name in impls
+        runs = [(name, form, tile, split) for name in impls
                 for form in (["served"] if name == "cudnn" else forms)
-                for tile in (["auto"] if name == "cudnn" else tiles)]
-        for base, form, tile in runs:
+                for tile in (["auto"] if name == "cudnn" else tiles)
+                for split in (["auto"] if name == "cudnn" else splits)]
+        for base, form, tile, split in runs:
             labels = [x for x in (form if form != "served" else "",
-                                  f"q{tile}" if tile != "auto" else "") if x]
+                                  f"q{tile}" if tile != "auto" else "",
+                                  f"split{split}" if split != "auto" else "") if x]
             name = f"{base}[{','.join(labels)}]" if labels else base
             impl = Impl(base, msa, lens, nominal, args, device,
                         qo_tile_rows=None if tile == "auto" else int(tile),
-                        persistent=PLAN_PERSISTENT.get(form))
+                        persistent=PLAN_PERSISTENT.get(form),
+                        split_pages=None if split == "auto" else int(split))
             if not fits(impl.footprint(), args, f"{name} {case}"):
                 continue
             with forcing(msa, **ATTENTION_FORMS[form]):

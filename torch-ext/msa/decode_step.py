@@ -85,7 +85,7 @@ class MSADecodeStepWrapper:
     def plan(self, *, page_table, seqused_k, seqlen_q, max_seqlen_k, num_qo_heads, num_kv_heads,
              num_index_heads=None, topk=16, max_ctas=None,
              indexer_plan: Optional[DecodeIndexerPlan] = None, qo_tile_rows=None,
-             check_input_valid=False):
+             fixed_split_size=None, check_input_valid=False):
         """Plan a batch; returns self.
 
         page_table [B, max_pages] int32 and seqused_k [B] int32 are kept by reference (write
@@ -98,7 +98,8 @@ class MSADecodeStepWrapper:
         wrappers (its seqlen_q, heads and topk must match); by default the wrapper makes one.
         qo_tile_rows: the attention's query rows per CTA, as in
         :meth:`SparseDecodePagedAttentionWrapper.plan` (default: 128, and 16-row query tiles for
-        e4m3 q and K/V against long contexts).
+        e4m3 q and K/V against long contexts). fixed_split_size: the attention's KV chunk in pages
+        (slots for one-token tiles), forcing split-KV, as in that plan (default: the plan's).
         check_input_valid=True (or MSA_CHECK_INPUTS=1) makes every run() check the lengths and
         page ids as :func:`msa.decode_indexer_topk` and :func:`msa.sparse_decode_atten_func` do
         (one synchronization per run). Everything is validated before the indexer plan's first
@@ -138,7 +139,8 @@ class MSADecodeStepWrapper:
             page_table=page_table, seqused_k=seqused_k, seqlen_q=seqlen_q,
             max_seqlen_k=max_seqlen_k, q2k_indices=None if every_block else q2k,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, enable_cuda_graph=True,
-            qo_tile_rows=qo_tile_rows, check_input_valid=check_values)
+            qo_tile_rows=qo_tile_rows, fixed_split_size=fixed_split_size,
+            check_input_valid=check_values)
         if every_block:
             # Slot j of MTP query i holds block j while 128 j <= its position
             # seqused_k - seqlen_q + i, i.e. while 128 j + seqlen_q - i <= seqused_k.
