@@ -18,7 +18,7 @@
 //      once then share one KV head's queries, whose gathers L2 holds better), an inclusive
 //      scan, then one thread per work item binary-searches its (head, row) and writes its
 //      metadata.
-// Small calls (a chunk of up to ~1k queries: see fits_one_cta_per_head; the caller may ask
+// Small calls (a chunk of up to 384 queries at top-16: see fits_one_cta_per_head; the caller may ask
 // for the radix form anyway, K2qCsrArgs::counting_sort) take two launches
 // instead of ~12: one CTA per KV head counting-sorts its entries in shared memory (per-warp row
 // histograms over contiguous entry ranges, scanned in (row, warp) order, then a stable scatter
@@ -393,9 +393,13 @@ constexpr int kSmallThreads = 512;
 constexpr int kSmallWarps = kSmallThreads / 32;
 constexpr int kSmallMaxBatch = 64;             // requests' block counts kept in shared memory
 constexpr int kSmallMaxBins = 2048;            // total_rows + 1 (the dropped entries' bin)
-// total_q * topk entries a head: the per-warp row counts and positions fit 16 bits, so the
-// histograms (kSmallWarps x 2048 x 2 bytes = 64 KB) fit every sm_80+ opt-in limit (99 KB).
-constexpr int64_t kSmallMaxPerHead = 16384;
+// total_q * topk entries a head (384 queries at top-16). Each warp walks its share of a head's
+// entries serially (an L2 load and the round-robin row a step), so the form's time grows with
+// them: on an H100 it beat the radix form's ~50 us up to ~5.5k entries a head (27 vs 49 us at
+// 182 queries, 52 vs 54 at 347) and lost from ~10k (68 vs 51 at 630, 100 vs 53 at 1000).
+// The per-warp row counts and positions fit 16 bits; the histograms (kSmallWarps x 2048 x 2
+// bytes = 64 KB) fit every sm_80+ opt-in limit (99 KB).
+constexpr int64_t kSmallMaxPerHead = 6144;
 constexpr int kSmallMaxRowHeads = 8192;        // hkv * total_rows (the schedule's scan)
 constexpr int kScheduleThreads = 1024;
 constexpr int kScheduleItemsPerThread = kSmallMaxRowHeads / kScheduleThreads;

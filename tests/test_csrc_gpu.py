@@ -293,16 +293,16 @@ def test_k2q_csr_garbage_ids_and_wrong_hints(msa_pkg, native_only, seed):
     torch.cuda.synchronize()
 
 
-# The builder has two forms (csrc/build_k2q_csr.cu): a call of at most 16384 entries a KV head
+# The builder has two forms (csrc/build_k2q_csr.cu): a call of at most 6144 entries a KV head
 # (total_q * topK), 2047 CSR rows and 64 requests (and, with a schedule, 8192 (head, row) pairs)
 # may take the one-CTA-per-head counting sort in shared memory, any other the radix sort. Shapes
 # on both sides of each limit: (q_lens, k_lens, hkv, topk, total_rows hint or None).
 FORM_LIMIT_CASES = [
     ([182], [17718], 4, 16, None),                        # a production short chunk
-    ([1024], [140000], 4, 16, None),                      # 16384 entries a head: counting sort
-    ([1025], [140000], 4, 16, None),                      # 16400: radix sort
-    ([16] * 64, [3000] * 63 + [129], 4, 16, None),        # 64 requests: counting sort
-    ([15] * 65, [3000] * 65, 4, 16, None),                # 65 requests: radix sort
+    ([384], [140000], 4, 16, None),                       # 6144 entries a head: counting sort
+    ([385], [140000], 4, 16, None),                       # 6160: radix sort
+    ([6] * 64, [3000] * 63 + [129], 4, 16, None),         # 64 requests: counting sort
+    ([5] * 65, [3000] * 65, 4, 16, None),                 # 65 requests: radix sort
     ([100], [2047 * KV_BLOCK], 4, 16, 2047),              # 2047 rows, 8188 pairs: counting
     ([100], [2047 * KV_BLOCK + 1], 4, 16, 2048),          # 2048 rows: radix sort
     ([100, 0, 60], [1100 * KV_BLOCK, 500, 7], 8, 32, None),   # 8 heads: > 8192 pairs
@@ -340,7 +340,7 @@ def test_k2q_csr_counting_sort_garbage_ids(msa_pkg, native_only, native_hooks, s
     """Both forms on any int32 ids, duplicates and short hints, at sizes the counting sort
     takes (the garbage test's own sizes take only the radix form)."""
     device = torch.device("cuda")
-    q_lens, k_lens = [300, 1, 600], [5000, 130, 257]
+    q_lens, k_lens = [100, 1, 280], [5000, 130, 257]
     cu_q, cu_k = _cu(q_lens, device), _cu(k_lens, device)
     total_q, topk = sum(q_lens), 16
     garbage = torch.randint(-(1 << 31), (1 << 31) - 1, (4, total_q, topk), dtype=torch.int64,

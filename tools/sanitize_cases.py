@@ -130,10 +130,10 @@ def csr_cases(gen):
     sort past its limits), with and without a schedule, on ids the API cannot check without a
     sync (any int32) and a total_rows hint that drops rows."""
     device = torch.device("cuda")
-    for q_lens, k_lens, total_rows in (([300, 1, 600], [5000, 130, 257], None),
+    for q_lens, k_lens, total_rows in (([100, 1, 280], [5000, 130, 257], None),
                                        ([100], [2047 * BLOCK], 2047),
                                        ([1025, 3], [140000, 900], None),
-                                       ([16] * 64, [3000] * 64, 30)):
+                                       ([6] * 64, [3000] * 64, 30)):
         total_q = sum(q_lens)
         cu_q = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32,
                             device=device)

@@ -36,7 +36,7 @@ def make_call(msa, q_lens, k_lens, gen, hkv=4, topk=16):
                                    generator=gen) for q, k in zip(q_lens, k_lens)], 1)
     return msa.interface._check_k2q_csr_args(
         q2k.to(device), prefix(q_lens), prefix(k_lens), 128, total_k=sum(k_lens),
-        max_seqlen_k=max(k_lens), max_seqlen_q=max(q_lens), qhead_per_kv=16,
+        max_seqlen_k=max(k_lens), max_seqlen_q=max(q_lens), total_rows=None, qhead_per_kv=16,
         return_schedule=True)
 
 

@@ -35,10 +35,14 @@ OP_NAME = "build_k2q_csr"
 KV_BLOCK = 128
 
 # The counting-sort form (csrc/build_k2q_csr.cu fits_one_cta_per_head) takes calls of at most
-# these sizes; until its GPU test (tests/test_csrc_gpu.py ~both_forms) passes on hardware it
-# serves only under MSA_UNVALIDATED_KERNELS=1.
-VALIDATED_COUNTING_SORT = False
-COUNTING_SORT_MAX_ENTRIES_PER_HEAD = 16384     # total_q * topK
+# these sizes. Validated on an H100 (tests/test_csrc_gpu.py: both forms against the reference
+# on each limit's sides, garbage ids, short hints, graph replay; memcheck section csr).
+# benchmarks/lab/csr_forms.py (H100, graph replays): 27.0 vs 48.7 us at 182 queries / 17.7k
+# keys, 30.6 vs 50.9 at 171 / 55k, 46.3 vs 52.9 at 2 x ~163 / 27k, 52.2 vs 54.4 at 347 / 132k,
+# even at 3 x ~135 / 21k; slower from ~10k entries a head (67.6 vs 51.1 at 630 queries), hence
+# the entry bound.
+VALIDATED_COUNTING_SORT = True
+COUNTING_SORT_MAX_ENTRIES_PER_HEAD = 6144      # total_q * topK
 COUNTING_SORT_MAX_ROWS = 2047
 COUNTING_SORT_MAX_BATCH = 64
 COUNTING_SORT_MAX_ROW_HEADS = 8192             # Hkv * total_rows, with a schedule
