@@ -179,6 +179,19 @@ def _check_csr(msa, call, *, schedule_check="model"):
     return got
 
 
+def _check_forms(msa, native_hooks, call, **check):
+    """Both forms on `call`: each equals the reference (_check_csr); the form that ran is the one
+    the sizes pick (csr_builder.counting_sort_applies) when the counting sort is forced on."""
+    from msa._native import csr_builder, debug
+    for counting_sort in (True, False):
+        with debug.forcing(csr_counting_sort=counting_sort):
+            _check_csr(msa, call, **check)
+        want = ("counting_sort" if counting_sort and csr_builder.counting_sort_applies(call)
+                else "radix_sort")
+        assert native_hooks.last_variant("build_k2q_csr") == want
+
+
+
 # ---------------------------------------------------------------------------------------------
 # build_k2q_csr
 # ---------------------------------------------------------------------------------------------
@@ -266,30 +279,33 @@ def test_k2q_csr_ragged(msa_pkg, native_only, seed, batch):
                                        return_schedule=False))
 
 
-def test_k2q_csr_garbage_ids_and_wrong_hints(msa_pkg, native_only, seed):
+@pytest.mark.parametrize("q_lens,hkv", [([300, 1, 900], 2),     # sizes of the radix form
+                                         ([100, 1, 280], 4)])    # the counting sort's too
+def test_k2q_csr_garbage_ids_and_wrong_hints(msa_pkg, native_only, native_hooks, seed, q_lens,
+                                             hkv):
     """Any int32 in q2k, duplicates, too few total_rows, a too-small max_kv_blocks hint and a
-    too-small max_seqlen_q: never out of bounds, still equal to the reference."""
+    too-small max_seqlen_q: never out of bounds, still equal to the reference, in both forms
+    where the sizes allow both."""
     device = torch.device("cuda")
-    q_lens, k_lens = [300, 1, 900], [5000, 130, 257]
+    k_lens = [5000, 130, 257]
     cu_q, cu_k = _cu(q_lens, device), _cu(k_lens, device)
     total_q, topk = sum(q_lens), 16
-    garbage = torch.randint(-(1 << 31), (1 << 31) - 1, (2, total_q, topk), dtype=torch.int64,
+    garbage = torch.randint(-(1 << 31), (1 << 31) - 1, (hkv, total_q, topk), dtype=torch.int64,
                             device=device).to(torch.int32)
-    small = torch.randint(-3, 45, (2, total_q, topk), dtype=torch.int32, device=device)
-    q2k = torch.where(torch.rand(2, total_q, topk, device=device) < 0.5, garbage, small)
+    small = torch.randint(-3, 45, (hkv, total_q, topk), dtype=torch.int32, device=device)
+    q2k = torch.where(torch.rand(hkv, total_q, topk, device=device) < 0.5, garbage, small)
     q2k[:, :, 1] = q2k[:, :, 0]                    # duplicates (undefined, but deterministic)
     q2k = q2k.contiguous()
     call = _make_call(msa_pkg, q2k, cu_q, cu_k, q_lens, k_lens)
-    _check_csr(msa_pkg, call, schedule_check="reference")
+    _check_forms(msa_pkg, native_hooks, call, schedule_check="reference")
     call.max_kv_blocks = 1                          # hint too small: direct row formula
-    _check_csr(msa_pkg, call, schedule_check="reference")
-    call.total_rows = 20                            # fewer rows than exist: the rest dropped
-    _check_csr(msa_pkg, call, schedule_check="reference")
-    call.total_rows = 0
-    _check_csr(msa_pkg, call, schedule_check="reference")
+    _check_forms(msa_pkg, native_hooks, call, schedule_check="reference")
+    for total_rows in (20, 0):                      # fewer rows than exist: the rest dropped
+        call.total_rows = total_rows
+        _check_forms(msa_pkg, native_hooks, call, schedule_check="reference")
     call = _make_call(msa_pkg, q2k, cu_q, cu_k, q_lens, k_lens)
     call.max_seqlen_q = 100                         # entries with q_local >= 100 get no slot
-    _check_csr(msa_pkg, call, schedule_check="reference")
+    _check_forms(msa_pkg, native_hooks, call, schedule_check="reference")
     torch.cuda.synchronize()
 
 
@@ -310,18 +326,6 @@ FORM_LIMIT_CASES = [
 ]
 
 
-def _check_forms(msa, native_hooks, call, **check):
-    """Both forms on `call`: each equals the reference (_check_csr); the form that ran is the one
-    the sizes pick (csr_builder.counting_sort_applies) when the counting sort is forced on."""
-    from msa._native import csr_builder, debug
-    for counting_sort in (True, False):
-        with debug.forcing(csr_counting_sort=counting_sort):
-            _check_csr(msa, call, **check)
-        want = ("counting_sort" if counting_sort and csr_builder.counting_sort_applies(call)
-                else "radix_sort")
-        assert native_hooks.last_variant("build_k2q_csr") == want
-
-
 @pytest.mark.parametrize("case", range(len(FORM_LIMIT_CASES)))
 def test_k2q_csr_both_forms_match_reference(msa_pkg, native_only, native_hooks, seed, case):
     q_lens, k_lens, hkv, topk, total_rows = FORM_LIMIT_CASES[case]
@@ -334,60 +338,6 @@ def test_k2q_csr_both_forms_match_reference(msa_pkg, native_only, native_hooks, 
         _check_forms(msa_pkg, native_hooks, call)
         call.max_kv_blocks = 1                         # the hint sizes the radix form's table
         _check_forms(msa_pkg, native_hooks, call)
-
-
-def test_k2q_csr_counting_sort_garbage_ids(msa_pkg, native_only, native_hooks, seed):
-    """Both forms on any int32 ids, duplicates and short hints, at sizes the counting sort
-    takes (the garbage test's own sizes take only the radix form)."""
-    device = torch.device("cuda")
-    q_lens, k_lens = [100, 1, 280], [5000, 130, 257]
-    cu_q, cu_k = _cu(q_lens, device), _cu(k_lens, device)
-    total_q, topk = sum(q_lens), 16
-    garbage = torch.randint(-(1 << 31), (1 << 31) - 1, (4, total_q, topk), dtype=torch.int64,
-                            device=device).to(torch.int32)
-    small = torch.randint(-3, 45, (4, total_q, topk), dtype=torch.int32, device=device)
-    q2k = torch.where(torch.rand(4, total_q, topk, device=device) < 0.5, garbage, small)
-    q2k[:, :, 3] = q2k[:, :, 2]                    # duplicates (undefined, but deterministic)
-    q2k = q2k.contiguous()
-    call = _make_call(msa_pkg, q2k, cu_q, cu_k, q_lens, k_lens)
-    _check_forms(msa_pkg, native_hooks, call, schedule_check="reference")
-    for total_rows in (20, 0):                      # fewer rows than exist: the rest dropped
-        call.total_rows = total_rows
-        _check_forms(msa_pkg, native_hooks, call, schedule_check="reference")
-    call = _make_call(msa_pkg, q2k, cu_q, cu_k, q_lens, k_lens)
-    call.max_seqlen_q = 100
-    _check_forms(msa_pkg, native_hooks, call, schedule_check="reference")
-    torch.cuda.synchronize()
-
-
-def test_k2q_csr_counting_sort_graph_replay(msa_pkg, native_only, native_hooks, seed):
-    """The counting sort captured in a CUDA graph, replayed on new selections."""
-    device = torch.device("cuda")
-    q_lens, k_lens = [170, 156], [13000, 27277]
-    cu_q, cu_k = _cu(q_lens, device), _cu(k_lens, device)
-    static_q2k = _random_q2k(q_lens, k_lens, 4, 16, device)
-    kwargs = dict(total_k=sum(k_lens), max_seqlen_k=max(k_lens), max_seqlen_q=max(q_lens),
-                  qhead_per_kv=16, return_schedule=True)
-    native_hooks.force(csr_counting_sort=True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):                   # warm-up outside the capture
-        msa_pkg.build_k2q_csr(static_q2k, cu_q, cu_k, KV_BLOCK, **kwargs)
-    torch.cuda.current_stream().wait_stream(side)
-    assert native_hooks.last_variant("build_k2q_csr") == "counting_sort"
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        row_ptr, q_idx, sched = msa_pkg.build_k2q_csr(static_q2k, cu_q, cu_k, KV_BLOCK, **kwargs)
-    for _ in range(3):
-        static_q2k.copy_(_random_q2k(q_lens, k_lens, 4, 16, device))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = _check_csr(msa_pkg, _make_call(msa_pkg, static_q2k, cu_q, cu_k, q_lens, k_lens,
-                                             qhead_per_kv=16))
-        _assert_equal("graph row_ptr", row_ptr, ref[0])
-        _assert_equal("graph q_idx", q_idx, ref[1])
-        for name in ("scheduler_metadata", "work_count", "qsplit_indices", "split_counts"):
-            _assert_equal(f"graph {name}", getattr(sched, name), getattr(ref[2], name))
 
 
 def test_k2q_csr_empty_workload(msa_pkg, native_only):
@@ -422,23 +372,29 @@ def test_k2q_csr_no_host_sync(msa_pkg, native_only, seed, tier):
         sum(k_lens), len(q_lens)) + 1
 
 
-def test_k2q_csr_cuda_graph_replay(msa_pkg, native_only, seed):
+@pytest.mark.parametrize("q_lens,k_lens,hkv,form", [
+    ([2048, 512, 1500], [8192, 3000, 6000], 2, "radix_sort"),
+    ([170, 156], [13000, 27277], 4, "counting_sort")])
+def test_k2q_csr_cuda_graph_replay(msa_pkg, native_only, native_hooks, seed, q_lens, k_lens, hkv,
+                                   form):
+    """Each form captured in a CUDA graph, replayed on new selections."""
     device = torch.device("cuda")
-    q_lens, k_lens = [2048, 512, 1500], [8192, 3000, 6000]
     cu_q, cu_k = _cu(q_lens, device), _cu(k_lens, device)
-    static_q2k = _random_q2k(q_lens, k_lens, 2, 16, device)
+    static_q2k = _random_q2k(q_lens, k_lens, hkv, 16, device)
     kwargs = dict(total_k=sum(k_lens), max_seqlen_k=max(k_lens), max_seqlen_q=max(q_lens),
                   qhead_per_kv=4, return_schedule=True)
+    native_hooks.force(csr_counting_sort=form == "counting_sort")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):                   # warm-up outside the capture
         msa_pkg.build_k2q_csr(static_q2k, cu_q, cu_k, KV_BLOCK, **kwargs)
     torch.cuda.current_stream().wait_stream(side)
+    assert native_hooks.last_variant("build_k2q_csr") == form
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         row_ptr, q_idx, sched = msa_pkg.build_k2q_csr(static_q2k, cu_q, cu_k, KV_BLOCK, **kwargs)
     for _ in range(3):
-        static_q2k.copy_(_random_q2k(q_lens, k_lens, 2, 16, device))
+        static_q2k.copy_(_random_q2k(q_lens, k_lens, hkv, 16, device))
         graph.replay()
         torch.cuda.synchronize()
         call = _make_call(msa_pkg, static_q2k, cu_q, cu_k, q_lens, k_lens, qhead_per_kv=4)
