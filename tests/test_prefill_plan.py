@@ -149,15 +149,19 @@ def test_index_split_covers_every_query_and_key_once(paged):
             assert sub % splits == s and qrows[c] == q
 
 
-def test_split_k_scores_equal_the_unsplit_scores(seed):
+@pytest.mark.parametrize("q_lens", [(9, 40, 1), (0, 40, 0)], ids=["three", "one"])
+def test_split_k_scores_equal_the_unsplit_scores(seed, q_lens):
     gen = torch.Generator().manual_seed(seed)
-    q_lens, k_lens = (9, 40, 1), (1100, 300, 650)
+    k_lens = (1100, 300, 650)
     x = _inputs(q_lens, k_lens, 2, 2, gen)
     cu_q, cu_k = cu(q_lens), cu(k_lens)
     want = msa.block_max_scores(x["q_idx"], x["k_idx"], cu_q, cu_k, max_seqlen_q=40,
                                 max_seqlen_k=1100)
     nvp, own = msa.prefill._per_query_block_bounds(cu_q, cu_k, sum(q_lens))
     split = prefill.index_split(cu_q, cu_k, sum(q_lens), 3, 3, causal=True, paged=False)
+    # One request with queries: the score assembly skips its gather (columns are the identity).
+    identity = torch.equal(split.columns, torch.arange(split.columns.numel()))
+    assert split.columns_identity == (sum(n > 0 for n in q_lens) == 1) == identity
     chunk = prefill.ChunkPlan(0, sum(q_lens), cu_q, cu_k, None, 40, 1100, sum(k_lens), None,
                               nvp, own, split)
     opts = prefill.PrefillOptions(4, 1, True, BF16, None, 1.0, 2)

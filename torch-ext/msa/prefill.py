@@ -142,6 +142,10 @@ class IndexSplit:
     page_index: Optional[torch.Tensor]   # paged: [B'S, n] int64 flat index into the page table
     qo_offset: Optional[torch.Tensor]    # causal: [B'S] int32
     host_qo_offset: Optional[List[int]] = None   # qo_offset's values, where the plan knows them
+    # Whether columns is the identity (at most one sub-request has queries: its (s, q) rows lie
+    # at s * T_c + q), so the score assembly needs no gather; known where the plan holds the
+    # lengths on the host.
+    columns_identity: bool = False
 
     def to(self, device: torch.device) -> "IndexSplit":
         return dataclasses.replace(self, **{
@@ -313,6 +317,8 @@ def index_split(cu_q_sub: torch.Tensor, cu_k_sub: torch.Tensor, total_q: int, sp
         qo_offset = ((k_len - q_len).view(-1, 1) - lo).reshape(-1).to(torch.int32)
     split = IndexSplit(splits, tiles_per_split, query_rows, columns, cu_q_split, None, None,
                        None, qo_offset)
+    if device.type == "cpu":            # a host plan: no synchronization to look
+        split.columns_identity = int((q_len > 0).sum()) <= 1
     if paged:
         split.seqused_k = (k_len.view(-1, 1) - lo).clamp(0, span).reshape(-1).to(torch.int32)
         col = (torch.arange(splits, device=device, dtype=i64).view(-1, 1) * tiles_per_split
@@ -375,8 +381,9 @@ def _index_scores(chunk: ChunkPlan, q_idx: torch.Tensor, k_idx: torch.Tensor,
         max_k_tiles=n, **common)
     heads, total_q = part.shape[0], q_idx.shape[0]
     scores = torch.empty(heads, splits * n, total_q, dtype=part.dtype, device=part.device)
+    by_split = part if split.columns_identity else part.index_select(2, split.columns)
     scores.view(heads, splits, n, total_q).copy_(
-        part.index_select(2, split.columns).view(heads, n, splits, total_q).permute(0, 2, 1, 3))
+        by_split.view(heads, n, splits, total_q).permute(0, 2, 1, 3))
     return scores
 
 
