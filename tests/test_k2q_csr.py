@@ -88,15 +88,21 @@ def test_empty_workload():
     assert (row_ptr == 0).all() and q_idx.numel() == 0
 
 
+def _causal_csr(q_lens, k_lens, hkv, topk, gen):
+    """(q2k, cu_q, row_ptr, q_idx, schedule): build_k2q_csr with its schedule on a random causal
+    selection of these requests."""
+    q2k = random_q2k(q_lens, k_lens, hkv, topk, generator=gen, causal_visible_only=True)
+    cu_q, cu_k = cu_seqlens(q_lens), cu_seqlens(k_lens)
+    row_ptr, q_idx, sched = msa.build_k2q_csr(q2k, cu_q, cu_k, 128, total_k=sum(k_lens),
+                                              max_seqlen_q=max(q_lens),
+                                              max_seqlen_k=max(k_lens), return_schedule=True)
+    return q2k, cu_q, row_ptr, q_idx, sched
+
+
 def test_scheduler_builds_packed_qsplit_metadata(seed):
     """Contract §5.1: S_q=256, S_k=512, topK=4, Hkv=1."""
-    gen = torch.Generator().manual_seed(seed)
-    q_lens, k_lens = [256], [512]
-    q2k = random_q2k(q_lens, k_lens, 1, 4, generator=gen, causal_visible_only=True)
-    cu_q, cu_k = cu_seqlens(q_lens), cu_seqlens(k_lens)
-    row_ptr, q_idx, sched = msa.build_k2q_csr(q2k, cu_q, cu_k, 128, total_k=512,
-                                              max_seqlen_k=512, max_seqlen_q=256,
-                                              return_schedule=True)
+    q2k, _cu_q, row_ptr, q_idx, sched = _causal_csr([256], [512], 1, 4,
+                                                    torch.Generator().manual_seed(seed))
     assert isinstance(sched, SparseAttentionSchedule) and sched.enabled and sched.complete
     n_work = int(sched.work_count[0])
     meta = sched.scheduler_metadata[:n_work]
@@ -164,13 +170,9 @@ def test_query_window_split_keeps_every_entry_once(window, seed):
     """split_items_by_query_window: the same entries, cut at windows, ordered (KV head, window,
     row); each piece's metadata names its own entries; the capacity holds them."""
     from msa.schedules.sparse import split_items_by_query_window, window_capacity
-    gen = torch.Generator().manual_seed(seed)
-    q_lens, k_lens = [300, 45, 210], [900, 300, 1400]
-    q2k = random_q2k(q_lens, k_lens, 2, 8, generator=gen, causal_visible_only=True)
-    cu_q, cu_k = cu_seqlens(q_lens), cu_seqlens(k_lens)
-    row_ptr, q_idx, sched = msa.build_k2q_csr(q2k, cu_q, cu_k, 128, total_k=sum(k_lens),
-                                              max_seqlen_q=max(q_lens),
-                                              max_seqlen_k=max(k_lens), return_schedule=True)
+    q_lens = [300, 45, 210]
+    _q2k, cu_q, row_ptr, q_idx, sched = _causal_csr(q_lens, [900, 300, 1400], 2, 8,
+                                                    torch.Generator().manual_seed(seed))
     split = split_items_by_query_window(sched, q_idx, cu_q, window)
     n = int(split.work_count[0])
     assert split.work_capacity == window_capacity(sched, sum(q_lens), window) >= n
@@ -195,12 +197,7 @@ def test_query_window_split_of_unsorted_rows_keeps_every_entry(seed):
     covers every entry exactly once."""
     from msa.schedules.sparse import split_items_by_query_window
     gen = torch.Generator().manual_seed(seed)
-    q_lens, k_lens = [260], [1000]
-    q2k = random_q2k(q_lens, k_lens, 1, 8, generator=gen, causal_visible_only=True)
-    cu_q, cu_k = cu_seqlens(q_lens), cu_seqlens(k_lens)
-    row_ptr, q_idx, sched = msa.build_k2q_csr(q2k, cu_q, cu_k, 128, total_k=1000,
-                                              max_seqlen_q=260, max_seqlen_k=1000,
-                                              return_schedule=True)
+    _q2k, cu_q, row_ptr, q_idx, sched = _causal_csr([260], [1000], 1, 8, gen)
     shuffled = q_idx.clone()
     for r in range(row_ptr.shape[1] - 1):
         lo, hi = int(row_ptr[0, r]), int(row_ptr[0, r + 1])
