@@ -18,12 +18,12 @@
 //      once then share one KV head's queries, whose gathers L2 holds better), an inclusive
 //      scan, then one thread per work item binary-searches its (head, row) and writes its
 //      metadata.
-// Small calls (a chunk of up to 384 queries at top-16: see fits_one_cta_per_head; the caller may ask
-// for the radix form anyway, K2qCsrArgs::counting_sort) take two launches
-// instead of ~12: one CTA per KV head counting-sorts its entries in shared memory (per-warp row
-// histograms over contiguous entry ranges, scanned in (row, warp) order, then a stable scatter
-// ranked within each warp by __match_any_sync) and one CTA builds the schedule. Under a CUDA
-// graph each launch costs a few microseconds, which was most of a short chunk's CSR stage.
+// Small calls (a chunk of up to 384 queries at top-16: see fits_one_cta_per_head; the caller
+// may ask for the radix form anyway, K2qCsrArgs::counting_sort) take two launches instead of
+// ~12: one CTA per KV head counting-sorts its entries in shared memory (per-warp row histograms
+// over contiguous entry ranges, scanned in (row, warp) order, then a stable scatter ranked
+// within each warp by __match_any_sync) and one CTA builds the schedule. Under a CUDA graph
+// each launch costs a few microseconds, which was most of a short chunk's CSR stage.
 #include <cub/cub.cuh>
 
 #include <algorithm>
