@@ -251,6 +251,21 @@ __global__ void row_ptr_kernel(const uint32_t* __restrict__ sorted_keys, int hkv
   row_ptr[idx] = static_cast<int32_t>(lo);
 }
 
+// Stores a sorted payload at position pos of a head's outputs: q_indices gets q_local (-1 for
+// a dropped entry or an unused column), qsplit_indices (with a schedule) the packed payload;
+// every valid entry has a slot (entry_payload).
+template <bool kWithSlots>
+__device__ __forceinline__ void store_payload(int32_t* __restrict__ q_indices,
+                                              int32_t* __restrict__ qsplit_indices, int64_t pos,
+                                              int32_t payload) {
+  if constexpr (kWithSlots) {
+    q_indices[pos] = payload == -1 ? -1 : (payload & kQLocalMask);
+    qsplit_indices[pos] = payload;
+  } else {
+    q_indices[pos] = payload;
+  }
+}
+
 // Writes q_indices (and qsplit_indices) from the sorted payloads; columns past total_q * topk
 // (a wider caller buffer) get -1.
 template <bool kWithSlots>
@@ -262,13 +277,8 @@ __global__ void unpack_payload_kernel(const int32_t* __restrict__ sorted_values,
   if (idx >= hkv * stride) return;
   const int64_t h = idx / stride;
   const int64_t e = idx - h * stride;
-  const int32_t v = e < per_head ? sorted_values[h * per_head + e] : -1;
-  if constexpr (kWithSlots) {   // every valid entry has a slot (entry_payload)
-    q_indices[idx] = v == -1 ? -1 : (v & kQLocalMask);
-    qsplit_indices[idx] = v;
-  } else {
-    q_indices[idx] = v;
-  }
+  store_payload<kWithSlots>(q_indices, qsplit_indices, idx,
+                            e < per_head ? sorted_values[h * per_head + e] : -1);
 }
 
 // The request b and block beta that own CSR row r of the round-robin layout ((-1, -1) past the
@@ -517,22 +527,15 @@ csr_one_cta_per_head_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, i
     int rank = 0;
     const int peers = count_peers(bin, in_range, &rank);
     if (in_range) {
-      const int32_t pos = warp_hist[bin] + rank;
-      const int32_t payload = entry_payload(p, slot, kWithSlots);
-      if constexpr (kWithSlots) {
-        head_q[pos] = payload == -1 ? -1 : (payload & kQLocalMask);
-        head_qsplit[pos] = payload;
-      } else {
-        head_q[pos] = payload;
-      }
+      store_payload<kWithSlots>(head_q, head_qsplit, warp_hist[bin] + rank,
+                                entry_payload(p, slot, kWithSlots));
     }
     __syncwarp();
     if (in_range && rank == 0) warp_hist[bin] = static_cast<uint16_t>(warp_hist[bin] + peers);
     __syncwarp();
   }
   for (int64_t e = per_head + tid; e < q_stride; e += kSmallThreads) {   // a wider buffer's tail
-    head_q[e] = -1;
-    if constexpr (kWithSlots) head_qsplit[e] = -1;
+    store_payload<kWithSlots>(head_q, head_qsplit, e, -1);
   }
 }
 
