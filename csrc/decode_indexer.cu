@@ -60,7 +60,11 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kStages = 4;
 constexpr int kQStride = kDim + 8;          // halves per Q row in shared memory (272 bytes)
+#ifdef MSA_LAB_MIN_CHUNK_PAGES
+constexpr int kMinChunkPages = MSA_LAB_MIN_CHUNK_PAGES;
+#else
 constexpr int kMinChunkPages = 4;           // fewer pages per CTA are not worth a merge entry
+#endif
 constexpr int kPlanThreads = 256;          // one CTA; its barriers are the plan's cost
 
 // kE4m3Tma is not a format callers name: e4m3 keys whose pages arrive as one TMA copy each
@@ -76,6 +80,8 @@ constexpr bool kIsE4m3 = F == kE4m3 || F == kE4m3Tma;
 // warp issue past BAR.SYNC until its first memory instruction: unfenced, the barrier's wait
 // shows up in the next phase); MSA_LAB_NO_LOADS issues no copies (the stages keep whatever they
 // hold: the loop without DRAM); MSA_LAB_NO_OFFERS skips the offers (the loop without the lists);
+// MSA_LAB_NO_MERGE leaves out the request's merge (its last CTA exits after the count);
+// MSA_LAB_MIN_CHUNK_PAGES=n sets the plan's smallest chunk (the kernel's, not the Python plan's);
 // MSA_LAB_WIDEN_BY_ALU widens e4m3 keys by integer ops (sm80::e4m3x2_lo_to_scaled_f16x2: x 2^-8,
 // folded back into the score factor) instead of F2FP (a NaN key byte then reads as +-480).
 #if defined(MSA_LAB_WIDEN_BY_ALU) && MSA_LAB_WIDEN_BY_ALU > 0
@@ -761,6 +767,10 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
   if (threadIdx.x == 0) s_last = atomicAdd(a.requests + 3 * b + 2, 1) == num_chunks - 1;
   __syncthreads();
   if (!s_last || (kOfferWarp && !scoring_warp)) return;   // the merge: a scoring warp a row
+#ifdef MSA_LAB_NO_MERGE
+  if (threadIdx.x == 0) a.requests[3 * b + 2] = 0;
+  return;
+#endif
   __threadfence();
 
   // The last CTA of the request: per row, merge the request's chunk lists.
