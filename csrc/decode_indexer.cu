@@ -138,6 +138,24 @@ __device__ __forceinline__ uint32_t order_code(float x) {
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
+// Lanes a row takes in the merge of its request's chunk lists: the power of two >= the chunks
+// (one list a lane), at most 32.
+__device__ __forceinline__ int merge_segment_lanes(int num_chunks) {
+  int seg = 1;
+  while (seg < num_chunks && seg < 32) seg <<= 1;
+  return seg;
+}
+
+// Maximum of v over each aligned segment of `seg` lanes (a power of two, uniform over the warp;
+// every lane takes part).
+__device__ __forceinline__ uint32_t segment_max(uint32_t v, int seg) {
+  if (seg == 32) return __reduce_max_sync(0xFFFFFFFFu, v);
+  for (int offset = seg >> 1; offset > 0; offset >>= 1) {
+    v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+  }
+  return v;
+}
+
 // History blocks of a request of length `len`: those before the block of its last key.
 __device__ __forceinline__ int history_pages(int len) { return len > 0 ? (len - 1) / kPage : 0; }
 
@@ -773,13 +791,22 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
 #endif
   __threadfence();
 
-  // The last CTA of the request: per row, merge the request's chunk lists.
+  // The last CTA of the request: per row, merge the request's chunk lists. A row takes a
+  // segment of `seg` lanes (the power of two >= its chunks, at most 32), lane `slot` holding
+  // chunk slot's list (and chunk slot + seg's, ... merged into it past 32 chunks), so a warp
+  // merges 32 / seg rows at once: a short history's few chunks would leave most lanes idle
+  // and its rows one after another (the merge was most of a 4k-key call).
   const int keep = a.topk - 1;
   const uint32_t empty_code = order_code(-INFINITY);
-  for (int row = warp; row < rows; row += kWarps) {
+  const int seg = merge_segment_lanes(num_chunks);
+  const int rows_per_pass = 32 / seg;
+  const int slot = lane & (seg - 1);
+  for (int row0 = warp * rows_per_pass; row0 < rows; row0 += kWarps * rows_per_pass) {
+    const int row = row0 + lane / seg;
+    const bool live = row < rows;   // lanes past the rows still take part in the shuffles
     TopList<KCAP> pool;
     pool.clear();
-    for (int c = lane; c < num_chunks; c += 32) {
+    for (int c = slot; live && c < num_chunks; c += seg) {
       const int2* src = reinterpret_cast<const int2*>(a.partials) +
                         (static_cast<int64_t>(first + c) * rows + row) * a.list_capacity;
       // The list's entries are loaded kBatch at a time, all in flight together: one L2
@@ -790,7 +817,7 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
         int2 e[kBatch];
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) e[j] = __ldcg(src + i0 + j);
-        if (c == lane) {
+        if (c == slot) {
           // The lane's first list is sorted like the pool (empty slots last): it is the pool.
 #pragma unroll
           for (int j = 0; j < kBatch; ++j) {
@@ -808,30 +835,32 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
         }
       }
     }
-    int chosen = -1, count = 0;
-    for (int k = 0; k < keep; ++k) {
-      const uint32_t hi = order_code(pool.score[0]);
-      const uint32_t best_hi = __reduce_max_sync(0xFFFFFFFFu, hi);
-      if (best_hi == empty_code) break;
-      const uint32_t lo = hi == best_hi ? ~static_cast<uint32_t>(pool.id[0]) : 0u;
-      const uint32_t best_lo = __reduce_max_sync(0xFFFFFFFFu, lo);
-      if (hi == best_hi && lo == best_lo) pool.pop_front();
-      if (lane == k) chosen = static_cast<int>(~best_lo);
-      count = k + 1;
-    }
     const int q = row / a.num_heads, h = row % a.num_heads;
-    const int pos = len - a.seqlen_q + q;
-    const int row_own = pos >= 0 ? pos / kPage : -1;
-    int value = -1;
-    if (lane < count) value = chosen;
-    if (lane == count) value = row_own;
-    if (lane < a.topk) {
+    auto store = [&](int k, int value) {   // entry k of the row's selection
       for (int rep = 0; rep < a.out_head_repeat; ++rep) {
         const int64_t out_row = (static_cast<int64_t>(h) * a.out_head_repeat + rep) * total_q +
                                 static_cast<int64_t>(b) * a.seqlen_q + q;
-        a.out[out_row * a.topk + lane] = value;
+        a.out[out_row * a.topk + k] = value;
+      }
+    };
+    // Each round the segment's best head (highest score, then lowest id) leaves its lane's
+    // list; the segment's lane k % seg stores it as entry k.
+    int count = 0;
+    for (int k = 0; k < keep; ++k) {
+      const uint32_t hi = order_code(pool.score[0]);
+      const uint32_t best_hi = segment_max(hi, seg);
+      const uint32_t lo = hi == best_hi ? ~static_cast<uint32_t>(pool.id[0]) : 0u;
+      const uint32_t best_lo = segment_max(lo, seg);
+      if (best_hi != empty_code) {   // else the segment's lists are spent (uniform in it)
+        if (hi == best_hi && lo == best_lo) pool.pop_front();
+        if (live && slot == (k & (seg - 1))) store(k, static_cast<int>(~best_lo));
+        count = k + 1;
       }
     }
+    // Then the row's own block, and -1 in the slots past it.
+    const int pos = len - a.seqlen_q + q;
+    const int row_own = pos >= 0 ? pos / kPage : -1;
+    for (int k = count + slot; live && k < a.topk; k += seg) store(k, k == count ? row_own : -1);
   }
   if (threadIdx.x == 0) a.requests[3 * b + 2] = 0;   // for the next launch
 }

@@ -168,6 +168,23 @@ def test_native_indexer_any_split(msa_pkg, native_only, seed, tier, max_ctas):
     _check(inputs, keys, 8, 16, out, scores)
 
 
+@pytest.mark.parametrize("seqlen_q,heads,topk", [(8, 4, 16), (8, 4, 32), (1, 4, 16), (16, 8, 4)])
+def test_native_indexer_merge_segments(msa_pkg, native_only, seed, seqlen_q, heads, topk):
+    """The merge gives a row as many lanes as its request has chunks (a power of two, at most
+    32, lanes taking several lists past 32): requests of 1, 2, 3, 5, 9, 17, 33 and 40 chunks of
+    4 blocks, so every segment width and a warp of several rows at once."""
+    from msa.decode_indexer import plan_work_split
+    chunks = (1, 2, 3, 5, 9, 17, 33, 40)
+    lens = [4 * n * 128 + 1 + 13 * i for i, n in enumerate(chunks)]   # 4 n history blocks
+    max_ctas = 1000
+    _, requests, chunk = plan_work_split(lens, max_ctas + len(lens))
+    assert chunk == 4 and requests[:, 1].tolist() == list(chunks)
+    inputs, keys = make_index_batch(lens, seqlen_q, heads, "e4m3", device="cuda")
+    plan = _plan(msa_pkg, inputs, seqlen_q, heads, topk, max_ctas=max_ctas)
+    out, scores = _run(msa_pkg, inputs, plan)
+    _check(inputs, keys, seqlen_q, topk, out, scores)
+
+
 def test_native_plan_update_matches_host_split(msa_pkg, native_only, tier):
     from msa.decode_indexer import plan_work_split
     for lens, ctas in (([1, 129, 100000, 0, 257], 40), ([200000], 264), ([4000] * 128, 264),
