@@ -269,9 +269,11 @@ topk_row_kernel(TopkSelectArgs a, int heads_per_group) {
 }
 
 // ---- staged kernel -----------------------------------------------------------------------
-// A CTA of kStagedWarps warps stages the scores of 32 consecutive queries x every block of one
-// output head in shared memory (one coalesced 128-byte line per block; a pitch of 33 floats
-// makes a row's column reads conflict-free), then each warp selects whole rows. A candidate is
+// A CTA of kStagedWarps warps stages the scores of kQueries (8, 16 or 32) consecutive queries x
+// every block of one output head in shared memory (kQueries consecutive floats per block; a
+// pitch of kQueries + 1 floats makes a row's column reads conflict-free), then each warp selects
+// whole rows. Short chunks take 8 or 16 queries a CTA so the grid still fills the GPU (32 gave a
+// 182-query chunk 24 CTAs, each warp four rows one after another). A candidate is
 // a 64-bit key, its orderable score above its negated id, so keys are distinct and the larger
 // key ranks first exactly as ranks_before says (-0 is read as +0: they tie). Per row:
 //   1. theta = the budget-th largest of the 32 lanes' maxima: budget distinct candidates are
@@ -282,7 +284,6 @@ topk_row_kernel(TopkSelectArgs a, int heads_per_group) {
 //      previous winner pick them;
 //   3. each winner's rank among the winners' ids gives its output slot (ids ascending).
 constexpr int kStagedWarps = 8;
-constexpr int kStagedPitch = kWarp + 1;
 constexpr int kMaxStagedTiles = 768;      // 768 x 33 x 4 B = 99 KiB: two CTAs an SM
 constexpr int kStagedMinTiles = 64;
 constexpr int kStagedMinQueries = 64;      // fewer take the row kernel
@@ -350,43 +351,51 @@ __device__ __forceinline__ uint64_t warp_max_key(uint64_t v) {
   return v;
 }
 
-// Grid: (query tiles of 32) x output heads; blockDim 32 * kStagedWarps; dynamic shared memory
-// num_tiles * kStagedPitch floats (num_tiles <= kMaxStagedTiles); width <= 16.
-template <int kMode>
+// Grid: (query tiles of kQueries) x output heads; blockDim 32 * kStagedWarps; dynamic shared
+// memory num_tiles * (kQueries + 1) floats (num_tiles <= kMaxStagedTiles); width <= 16.
+template <int kMode, int kQueries>
 __global__ void __launch_bounds__(kWarp* kStagedWarps, 2)
 topk_staged_kernel(TopkSelectArgs a, int heads_per_group) {
+  static_assert(kQueries == 8 || kQueries == 16 || kQueries == 32, "a power of two <= 32");
+  constexpr int kPitch = kQueries + 1;
   extern __shared__ float staged[];
   __shared__ uint64_t survivors[kStagedWarps][kSurvivors];
   const int lane = threadIdx.x & (kWarp - 1);
   const int warp = threadIdx.x / kWarp;
-  const int tiles_per_head = (a.total_q + kWarp - 1) / kWarp;
+  const int tiles_per_head = (a.total_q + kQueries - 1) / kQueries;
   const int g = blockIdx.x / tiles_per_head;
-  const int t0 = (blockIdx.x - g * tiles_per_head) * kWarp;
+  const int t0 = (blockIdx.x - g * tiles_per_head) * kQueries;
   const int64_t head_stride = static_cast<int64_t>(a.num_tiles) * a.total_q;
   const int num_tiles = a.num_tiles;
 
-  // Stage: warp w loads runs of kBatch blocks (lane = query), kBatch lines in flight a warp.
+  // Stage: a warp load covers kBlocksPerLoad blocks x kQueries queries (lane = block offset,
+  // query), kBatch loads in flight a warp.
   {
     constexpr int kBatch = 16;
-    const int t = t0 + lane;
+    constexpr int kBlocksPerLoad = kWarp / kQueries;
+    const int query = lane % kQueries;
+    const int t = t0 + query;
     const bool active = t < a.total_q;
-    for (int k0 = warp * kBatch; k0 < num_tiles; k0 += kStagedWarps * kBatch) {
+    for (int k0 = (warp * kBatch) * kBlocksPerLoad + lane / kQueries; k0 < num_tiles;
+         k0 += kStagedWarps * kBatch * kBlocksPerLoad) {
       float x[kBatch];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
-        x[u] = active && k0 + u < num_tiles
-                   ? block_score<kMode>(a, head_stride, g, heads_per_group, k0 + u, t)
+        const int k = k0 + u * kBlocksPerLoad;
+        x[u] = active && k < num_tiles
+                   ? block_score<kMode>(a, head_stride, g, heads_per_group, k, t)
                    : -INFINITY;
       }
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
-        if (k0 + u < num_tiles) staged[(k0 + u) * kStagedPitch + lane] = x[u];
+        const int k = k0 + u * kBlocksPerLoad;
+        if (k < num_tiles) staged[k * kPitch + query] = x[u];
       }
     }
   }
   __syncthreads();
 
-  for (int q = warp; q < kWarp; q += kStagedWarps) {
+  for (int q = warp; q < kQueries; q += kStagedWarps) {
     const int t = t0 + q;
     if (t >= a.total_q) break;                      // uniform: q is the warp's
     const RowBounds r = row_bounds(a, t);
@@ -396,7 +405,7 @@ topk_staged_kernel(TopkSelectArgs a, int heads_per_group) {
     if (r.budget > 0 && r.tail_start > r.begin_count) {
       uint64_t lane_max = 0;
       for (int k = r.begin_count + lane; k < r.tail_start; k += kWarp) {
-        const uint64_t key = candidate_key(column[k * kStagedPitch], k);
+        const uint64_t key = candidate_key(column[k * kPitch], k);
         lane_max = key > lane_max ? key : lane_max;
       }
       const uint64_t theta =
@@ -405,7 +414,7 @@ topk_staged_kernel(TopkSelectArgs a, int heads_per_group) {
       int count = 0;
       for (int k0 = r.begin_count; k0 < r.tail_start; k0 += kWarp) {
         const int k = k0 + lane;
-        const uint64_t key = k < r.tail_start ? candidate_key(column[k * kStagedPitch], k) : 0;
+        const uint64_t key = k < r.tail_start ? candidate_key(column[k * kPitch], k) : 0;
         const bool keep = key >= floor_key;
         const unsigned ballot = __ballot_sync(kFullMask, keep);
         const int pos = count + __popc(ballot & ((1u << lane) - 1u));
@@ -424,7 +433,7 @@ topk_staged_kernel(TopkSelectArgs a, int heads_per_group) {
         for (; selected < r.budget; ++selected) {
           uint64_t best = 0;
           for (int k = r.begin_count + lane; k < r.tail_start; k += kWarp) {
-            const uint64_t key = candidate_key(column[k * kStagedPitch], k);
+            const uint64_t key = candidate_key(column[k * kPitch], k);
             best = key < last && key > best ? key : best;
           }
           best = warp_max_key(best);
@@ -444,16 +453,39 @@ topk_staged_kernel(TopkSelectArgs a, int heads_per_group) {
   }
 }
 
-template <int kMode>
-cudaError_t launch_staged(const TopkSelectArgs& a, int heads_per_group, cudaStream_t stream) {
-  const int64_t blocks = static_cast<int64_t>((a.total_q + kWarp - 1) / kWarp) * a.num_out_heads;
-  const int smem_bytes = a.num_tiles * kStagedPitch * static_cast<int>(sizeof(float));
-  MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(topk_staged_kernel<kMode>,
+template <int kMode, int kQueries>
+cudaError_t launch_staged_with(const TopkSelectArgs& a, int heads_per_group,
+                               cudaStream_t stream) {
+  const int64_t blocks =
+      static_cast<int64_t>((a.total_q + kQueries - 1) / kQueries) * a.num_out_heads;
+  const int smem_bytes = a.num_tiles * (kQueries + 1) * static_cast<int>(sizeof(float));
+  MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(topk_staged_kernel<kMode, kQueries>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            smem_bytes));
-  topk_staged_kernel<kMode><<<static_cast<unsigned>(blocks), kWarp * kStagedWarps, smem_bytes,
-                              stream>>>(a, heads_per_group);
+  topk_staged_kernel<kMode, kQueries><<<static_cast<unsigned>(blocks), kWarp * kStagedWarps,
+                                        smem_bytes, stream>>>(a, heads_per_group);
   return cudaGetLastError();
+}
+
+// Queries a CTA of the staged kernel takes: the most (up to 32, the widest staging loads) whose
+// grid still covers every SM, else 8 (one row a warp).
+inline int staged_queries_per_cta(int64_t total_q, int64_t out_heads, int sms) {
+  for (int queries = 32; queries > 8; queries /= 2) {
+    if ((total_q + queries - 1) / queries * out_heads >= sms) return queries;
+  }
+  return 8;
+}
+
+template <int kMode>
+cudaError_t launch_staged(const TopkSelectArgs& a, int heads_per_group, cudaStream_t stream) {
+  int device = 0, sms = 132;
+  MSA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  MSA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  switch (staged_queries_per_cta(a.total_q, a.num_out_heads, sms)) {
+    case 32: return launch_staged_with<kMode, 32>(a, heads_per_group, stream);
+    case 16: return launch_staged_with<kMode, 16>(a, heads_per_group, stream);
+    default: return launch_staged_with<kMode, 8>(a, heads_per_group, stream);
+  }
 }
 
 template <int KCAP, int kMode>

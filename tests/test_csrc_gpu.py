@@ -477,12 +477,13 @@ def test_topk_matches_reference(msa_pkg, native_only, seed, t, k, topk):
         _topk_both(msa_pkg, s, topk)
 
 
-@pytest.mark.parametrize("t", [64, 333])
+@pytest.mark.parametrize("t", [64, 333, 1000, 2200])
 @pytest.mark.parametrize("k", [64, 373, 768])
 def test_topk_staged_kernel_matches_reference(msa_pkg, native_only, native_hooks, seed, t, k):
     """The staged kernel (topk_staged hook; a warp per row, candidates thresholded by the lanes'
     maxima): every input kind, forced blocks and bounds, head reduction, signed zeros, and a
-    layout where more than 64 candidates pass the threshold (its arg-max rounds)."""
+    layout where more than 64 candidates pass the threshold (its arg-max rounds). On 132 SMs the
+    query counts take 8 (64, 333), 16 (1000 at 4 heads) and 32 (2200) queries a CTA."""
     from msa._native import debug, topk_cuda
     device = torch.device("cuda")
     native_hooks.force(topk_staged=True)

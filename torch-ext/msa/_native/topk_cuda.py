@@ -21,10 +21,11 @@ OP_NAME = "sparse_topk_select"
 MAX_TOPK = 64
 # Codes of the op's head_reduce argument.
 HEAD_REDUCE_CODES = {None: 0, "sum": 1, "max": 2}
-# The staged kernel (csrc/sparse_topk_select.cu: 32 queries' scores staged in shared memory, a
-# warp per row, candidates thresholded by the lanes' maxima and bitonic-sorted) for calls of
-# >= 64 queries against 64..768 blocks with topk <= 16: the prefill chunks, where the
-# lane-per-query tile kernel runs an insertion chain per candidate. Validated on an H100
+# The staged kernel (csrc/sparse_topk_select.cu: 8-32 queries' scores staged in shared memory,
+# as many as still fill the SMs; a warp per row, candidates thresholded by the lanes' maxima and
+# bitonic-sorted) for calls of >= 64 queries against 64..768 blocks with topk <= 16: the prefill
+# chunks, where the lane-per-query tile kernel runs an insertion chain per candidate. Validated
+# on an H100
 # (f6e4e96: tests/test_csrc_gpu.py ~topk_staged); faster there on 16k-query chunks (373 / 660
 # blocks: 169 / 287 vs 201 / 336 us) and short ones (21-28 vs 25-38 us); slower at 1360 blocks
 # (one CTA an SM), hence the cap.
