@@ -65,6 +65,7 @@ constexpr int kMinChunkPages = MSA_LAB_MIN_CHUNK_PAGES;
 #else
 constexpr int kMinChunkPages = 4;           // fewer pages per CTA are not worth a merge entry
 #endif
+constexpr int kMaxTopk = 32;
 constexpr int kPlanThreads = 256;          // one CTA; its barriers are the plan's cost
 
 // kE4m3Tma is not a format callers name: e4m3 keys whose pages arrive as one TMA copy each
@@ -798,6 +799,10 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
   // and its rows one after another (the merge was most of a 4k-key call).
   const int keep = a.topk - 1;
   const uint32_t empty_code = order_code(-INFINITY);
+  // The pages' stages are free now (every copy waited for): each warp's rows' picks go there.
+  static_assert(kStages * PageShape<F>::kStageBytes >= kWarps * 32 * kMaxTopk * 4,
+                "the merge's picks fit the stages");
+  int* merge_picks = reinterpret_cast<int*>(stages);
   const int seg = merge_segment_lanes(num_chunks);
   const int rows_per_pass = 32 / seg;
   const int slot = lane & (seg - 1);
@@ -844,7 +849,9 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
       }
     };
     // Each round the segment's best head (highest score, then lowest id) leaves its lane's
-    // list; the segment's lane k % seg stores it as entry k.
+    // list into the row's picks in shared memory (a global store a round, in a branch of one
+    // lane, slowed every round's chain).
+    int* picks = merge_picks + (warp * 32 + lane / seg) * kMaxTopk;
     int count = 0;
     for (int k = 0; k < keep; ++k) {
       const uint32_t hi = order_code(pool.score[0]);
@@ -853,14 +860,18 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
       const uint32_t best_lo = segment_max(lo, seg);
       if (best_hi != empty_code) {   // else the segment's lists are spent (uniform in it)
         if (hi == best_hi && lo == best_lo) pool.pop_front();
-        if (live && slot == (k & (seg - 1))) store(k, static_cast<int>(~best_lo));
+        if (slot == (k & (seg - 1))) picks[k] = static_cast<int>(~best_lo);
         count = k + 1;
       }
     }
-    // Then the row's own block, and -1 in the slots past it.
+    __syncwarp();
+    // The picks, then the row's own block, and -1 in the slots past it.
     const int pos = len - a.seqlen_q + q;
     const int row_own = pos >= 0 ? pos / kPage : -1;
-    for (int k = count + slot; live && k < a.topk; k += seg) store(k, k == count ? row_own : -1);
+    for (int k = slot; live && k < a.topk; k += seg) {
+      store(k, k < count ? picks[k] : (k == count ? row_own : -1));
+    }
+    __syncwarp();   // the next pass's picks reuse the buffer
   }
   if (threadIdx.x == 0) a.requests[3 * b + 2] = 0;   // for the next launch
 }
@@ -1017,6 +1028,7 @@ bool encode_page_map(DecodeIndexerArgs& a) {
 
 cudaError_t launch_decode_indexer_topk(const DecodeIndexerArgs& args, cudaStream_t stream) {
   if (args.batch <= 0 || args.capacity <= 0) return cudaSuccess;
+  if (args.topk < 1 || args.topk > kMaxTopk) return cudaErrorInvalidValue;   // the merge's picks
   if (args.k_format == kE4m3 && args.tma_pages) {
     DecodeIndexerArgs with_map = args;
     if (encode_page_map(with_map)) return launch_by_list<kE4m3Tma>(with_map, stream);
