@@ -140,10 +140,12 @@ __device__ __forceinline__ uint32_t order_code(float x) {
 }
 
 // Lanes a row takes in the merge of its request's chunk lists: the power of two >= the chunks
-// (one list a lane), at most 32.
-__device__ __forceinline__ int merge_segment_lanes(int num_chunks) {
-  int seg = 1;
-  while (seg < num_chunks && seg < 32) seg <<= 1;
+// (one list a lane), at most 32, and no fewer than spread the rows over every warp first (a
+// narrower segment only shortens nothing: its reduction takes more steps than a full warp's).
+__device__ __forceinline__ int merge_segment_lanes(int num_chunks, int rows, int warps) {
+  const int rows_per_warp = (rows + warps - 1) / warps;
+  int seg = 32;
+  while (seg > 1 && seg / 2 >= num_chunks && 32 / (seg / 2) <= rows_per_warp) seg >>= 1;
   return seg;
 }
 
@@ -803,7 +805,7 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
   static_assert(kStages * PageShape<F>::kStageBytes >= kWarps * 32 * kMaxTopk * 4,
                 "the merge's picks fit the stages");
   int* merge_picks = reinterpret_cast<int*>(stages);
-  const int seg = merge_segment_lanes(num_chunks);
+  const int seg = merge_segment_lanes(num_chunks, rows, kWarps);
   const int rows_per_pass = 32 / seg;
   const int slot = lane & (seg - 1);
   for (int row0 = warp * rows_per_pass; row0 < rows; row0 += kWarps * rows_per_pass) {

@@ -171,8 +171,9 @@ def test_native_indexer_any_split(msa_pkg, native_only, seed, tier, max_ctas):
 @pytest.mark.parametrize("seqlen_q,heads,topk", [(8, 4, 16), (8, 4, 32), (1, 4, 16), (16, 8, 4)])
 def test_native_indexer_merge_segments(msa_pkg, native_only, seed, seqlen_q, heads, topk):
     """The merge gives a row as many lanes as its request has chunks (a power of two, at most
-    32, lanes taking several lists past 32): requests of 1, 2, 3, 5, 9, 17, 33 and 40 chunks of
-    4 blocks, so every segment width and a warp of several rows at once."""
+    32, lanes taking several lists past 32; no fewer than spread the rows over the warps):
+    requests of 1, 2, 3, 5, 9, 17, 33 and 40 chunks of 4 blocks, so at 128 rows segments of 2
+    to 32 lanes (16 rows a warp at once down to one), at 32 rows 8 to 32, at 4 rows 32."""
     from msa.decode_indexer import plan_work_split
     chunks = (1, 2, 3, 5, 9, 17, 33, 40)
     lens = [4 * n * 128 + 1 + 13 * i for i, n in enumerate(chunks)]   # 4 n history blocks
