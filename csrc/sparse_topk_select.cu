@@ -18,10 +18,10 @@
 //     lists through shared memory.
 //   * row kernel (few queries, e.g. decode): one CTA per (t, g) row, its threads split K, then
 //     `budget` rounds of a block-wide arg-max pick the winners.
-// and, for many queries against up to kMaxStagedTiles blocks with topk <= 16 (the prefill
-// chunks; behind the binding's `staged` switch), a staged kernel whose warps each take whole
-// rows, so a row costs ~K / 32 key computations per lane instead of K insertion steps that a
-// warp of 32 lane-held lists runs whenever any lane's list takes a candidate. On an H100
+// and, for many queries against up to kStagedFloats / (queries a CTA + 1) blocks with topk <= 16
+// (the prefill chunks; behind the binding's `staged` switch), a staged kernel whose warps take
+// whole rows, so a row costs ~K / 32 key computations per lane instead of K insertion steps
+// that a warp of 32 lane-held lists runs whenever any lane's list takes a candidate. On an H100
 // (f6e4e96, benchmarks/lab/topk_forms.py, 4 heads) it took 16k queries x 373 / 660 blocks from
 // 201 / 336 us to 169 / 287 and short chunks (171-182 queries) from 25-38 to 21-28 us; at 1360
 // blocks, one CTA an SM, it lost (772 vs 611 us), hence two CTAs an SM at most.
@@ -284,7 +284,11 @@ topk_row_kernel(TopkSelectArgs a, int heads_per_group) {
 //      previous winner pick them;
 //   3. each winner's rank among the winners' ids gives its output slot (ids ascending).
 constexpr int kStagedWarps = 8;
-constexpr int kMaxStagedTiles = 768;      // 768 x 33 x 4 B = 99 KiB: two CTAs an SM
+// Shared memory of the staged scores: 768 blocks at 32 queries (x 33 floats), 99 KiB, two CTAs
+// an SM; narrower CTAs fit more blocks in it (16 queries: 1490, 8: 2816). Where the staged
+// kernel pays past 768 blocks is the caller's choice (`staged`): at 1360 blocks and 32 queries
+// a CTA it lost to the tile kernel.
+constexpr int kStagedFloats = 25344;      // 768 blocks x 33 floats
 constexpr int kStagedMinTiles = 64;
 constexpr int kStagedMinQueries = 64;      // fewer take the row kernel
 constexpr int kStagedMaxWidth = 16;
@@ -352,7 +356,7 @@ __device__ __forceinline__ uint64_t warp_max_key(uint64_t v) {
 }
 
 // Grid: (query tiles of kQueries) x output heads; blockDim 32 * kStagedWarps; dynamic shared
-// memory num_tiles * (kQueries + 1) floats (num_tiles <= kMaxStagedTiles); width <= 16.
+// memory num_tiles * (kQueries + 1) floats (at most kStagedFloats); width <= 16.
 template <int kMode, int kQueries>
 __global__ void __launch_bounds__(kWarp* kStagedWarps, 2)
 topk_staged_kernel(TopkSelectArgs a, int heads_per_group) {
@@ -477,11 +481,9 @@ inline int staged_queries_per_cta(int64_t total_q, int64_t out_heads, int sms) {
 }
 
 template <int kMode>
-cudaError_t launch_staged(const TopkSelectArgs& a, int heads_per_group, cudaStream_t stream) {
-  int device = 0, sms = 132;
-  MSA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  MSA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  switch (staged_queries_per_cta(a.total_q, a.num_out_heads, sms)) {
+cudaError_t launch_staged(const TopkSelectArgs& a, int heads_per_group, int queries,
+                          cudaStream_t stream) {
+  switch (queries) {
     case 32: return launch_staged_with<kMode, 32>(a, heads_per_group, stream);
     case 16: return launch_staged_with<kMode, 16>(a, heads_per_group, stream);
     default: return launch_staged_with<kMode, 8>(a, heads_per_group, stream);
@@ -498,15 +500,16 @@ cudaError_t launch_with(const TopkSelectArgs& a, int heads_per_group, cudaStream
         a, heads_per_group);
     return cudaGetLastError();
   }
-  if constexpr (KCAP <= kStagedMaxWidth) {
-    if (a.staged && a.total_q >= kStagedMinQueries && a.num_tiles >= kStagedMinTiles &&
-        a.num_tiles <= kMaxStagedTiles) {
-      return launch_staged<kMode>(a, heads_per_group, stream);
-    }
-  }
   int device = 0, sms = 132;
   MSA_RETURN_IF_ERROR(cudaGetDevice(&device));
   MSA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if constexpr (KCAP <= kStagedMaxWidth) {
+    const int queries = staged_queries_per_cta(a.total_q, a.num_out_heads, sms);
+    if (a.staged && a.total_q >= kStagedMinQueries && a.num_tiles >= kStagedMinTiles &&
+        a.num_tiles <= kStagedFloats / (queries + 1)) {
+      return launch_staged<kMode>(a, heads_per_group, queries, stream);
+    }
+  }
   // Split K over more warps only while the grid is too small to fill the GPU (~32 warps/SM),
   // and keep at least 128 blocks of K per warp.
   const int64_t blocks = tiles_per_head * a.num_out_heads;

@@ -477,16 +477,12 @@ def test_topk_matches_reference(msa_pkg, native_only, seed, t, k, topk):
         _topk_both(msa_pkg, s, topk)
 
 
-@pytest.mark.parametrize("t", [64, 333, 1000, 2200])
-@pytest.mark.parametrize("k", [64, 373, 768])
-def test_topk_staged_kernel_matches_reference(msa_pkg, native_only, native_hooks, seed, t, k):
-    """The staged kernel (topk_staged hook; a warp per row, candidates thresholded by the lanes'
-    maxima): every input kind, forced blocks and bounds, head reduction, signed zeros, and a
-    layout where more than 64 candidates pass the threshold (its arg-max rounds). On 132 SMs the
-    query counts take 8 (64, 333), 16 (1000 at 4 heads) and 32 (2200) queries a CTA."""
-    from msa._native import debug, topk_cuda
+def _check_staged(msa_pkg, t, k):
+    """Every input kind, forced blocks and bounds, head reduction, signed zeros, and a layout
+    where more than 64 candidates pass the threshold (its arg-max rounds), each on the staged
+    kernel."""
+    from msa._native import debug
     device = torch.device("cuda")
-    native_hooks.force(topk_staged=True)
 
     def both(scores, topk, **kw):
         got = _topk_both(msa_pkg, scores, topk, **kw)
@@ -515,14 +511,37 @@ def test_topk_staged_kernel_matches_reference(msa_pkg, native_only, native_hooks
     s[torch.rand_like(s) < 0.5] = -0.0
     got = both(s, 16)
     assert bool((got[..., :16] == torch.arange(16, device=device, dtype=got.dtype)).all())
-    # Past kMaxStagedTiles, fewer queries, or topk > 16: the other kernels.
-    hi = topk_cuda.STAGED_TILES[1]
-    _topk_both(msa_pkg, _scores(1, hi + 1, t, device), 16)
+
+
+def _check_unstaged(msa_pkg, t, k, topk=16, heads=1):
+    from msa._native import debug
+    _topk_both(msa_pkg, _scores(heads, k, t, torch.device("cuda")), topk)
     assert debug.last_variant("sparse_topk_select") == "unstaged"
-    _topk_both(msa_pkg, _scores(1, k, 33, device), 16)
-    assert debug.last_variant("sparse_topk_select") == "unstaged"
-    _topk_both(msa_pkg, _scores(1, k, t, device), 32)
-    assert debug.last_variant("sparse_topk_select") == "unstaged"
+
+
+@pytest.mark.parametrize("t", [64, 333, 1000, 2200])
+@pytest.mark.parametrize("k", [64, 373, 768])
+def test_topk_staged_kernel_matches_reference(msa_pkg, native_only, native_hooks, seed, t, k):
+    """The staged kernel (topk_staged hook; a warp per row, candidates thresholded by the lanes'
+    maxima) on every kind of input (_check_staged). On 132 SMs the query counts take 8 (64,
+    333), 16 (1000 at 4 heads) and 32 (2200) queries a CTA."""
+    from msa._native import topk_cuda
+    native_hooks.force(topk_staged=True)
+    _check_staged(msa_pkg, t, k)
+    # Past 768 blocks without the wide gate, fewer queries, or topk > 16: the other kernels.
+    _check_unstaged(msa_pkg, t, topk_cuda.STAGED_TILES[1] + 1)
+    _check_unstaged(msa_pkg, 33, k)
+    _check_unstaged(msa_pkg, t, k, topk=32)
+
+
+@pytest.mark.parametrize("t,k", [(64, 1028), (333, 1093), (333, 2816), (1000, 1490)])
+def test_topk_staged_wide_matches_reference(msa_pkg, native_only, native_hooks, seed, t, k):
+    """Past 768 blocks (topk_staged_wide hook): CTAs of 8 queries hold up to 2816 blocks' scores,
+    of 16 up to 1490 (on 132 SMs: 64 and 333 queries at 4 heads take 8 a CTA, 1000 take 16)."""
+    native_hooks.force(topk_staged=True, topk_staged_wide=True)
+    _check_staged(msa_pkg, t, k)
+    # One block past the room of the CTA's width: the other kernels.
+    _check_unstaged(msa_pkg, t, 1491 if t == 1000 else 2817, heads=4)
 
 
 @pytest.mark.parametrize("k", [12288, 13001])

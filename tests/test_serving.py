@@ -324,18 +324,28 @@ def test_topk_staged_bounds_are_the_launchers():
     def constant(name):
         return int(re.search(rf"constexpr int {name} = (\d+);", source).group(1))
     assert topk_cuda.STAGED_MIN_QUERIES == constant("kStagedMinQueries")
-    assert topk_cuda.STAGED_TILES == (constant("kStagedMinTiles"), constant("kMaxStagedTiles"))
+    assert topk_cuda.STAGED_TILES[0] == constant("kStagedMinTiles")
+    assert topk_cuda.STAGED_FLOATS == constant("kStagedFloats")
     assert topk_cuda.STAGED_MAX_WIDTH == constant("kStagedMaxWidth")
     assert topk_cuda.VALIDATED_STAGED is True
 
     def call(tiles=373, total_q=16384, topk=16):
         return SimpleNamespace(max_score=torch.empty(4, tiles, total_q, device="meta"),
-                               topk=topk)
+                               topk=topk, num_out_heads=4)
     assert topk_cuda.staged_applies(call())
     for other in (call(tiles=63), call(tiles=769), call(total_q=63), call(topk=17)):
         assert not topk_cuda.staged_applies(other)
     assert topk_cuda.staged_applies(call(tiles=64, topk=32)) is False
     assert topk_cuda.staged_applies(call(tiles=768, topk=64)) is False
+    # Narrow CTAs (a meta tensor counts an H200's 132 SMs) leave room for more blocks: 8
+    # queries a CTA at 347 queries x 4 heads, 16 at 1000.
+    assert topk_cuda.staged_queries_per_cta(347, 4, 132) == 8
+    assert topk_cuda.staged_queries_per_cta(1000, 4, 132) == 16
+    assert topk_cuda.staged_queries_per_cta(16384, 4, 132) == 32
+    assert topk_cuda.staged_applies(call(tiles=2816, total_q=347))
+    assert not topk_cuda.staged_applies(call(tiles=2817, total_q=347))
+    assert topk_cuda.staged_applies(call(tiles=1490, total_q=1000))
+    assert not topk_cuda.staged_applies(call(tiles=1491, total_q=1000))
 
 
 def test_unvalidated_forms_are_passed_by_until_opted_in(monkeypatch):

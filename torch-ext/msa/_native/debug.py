@@ -34,6 +34,8 @@ Hooks (``forcing`` keywords):
   topk_staged        True: sparse_topk_select calls of the staged kernel's shapes
                      (topk_cuda.staged_applies) run it (a warp per row); False: the
                      lane-per-query kernels
+  topk_staged_wide   True: staged calls past 768 blocks take it where the CTA's queries leave
+                     room (topk_cuda.VALIDATED_STAGED_WIDE); False: the lane-per-query kernels
   csr_counting_sort  True: build_k2q_csr calls of the counting sort's sizes
                      (csr_builder.counting_sort_applies) take it; False: the radix sort
 """
@@ -46,7 +48,7 @@ from typing import Dict, Iterator, Optional
 HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "decode_split_keys", "decode_direct_fp8",
          "decode_warpgroup", "decode_pingpong", "decode_persistent", "decode_pv_fp8",
          "decode_token_warps", "decode_indexer_tma", "decode_indexer_offer_warp",
-         "topk_staged", "csr_counting_sort")
+         "topk_staged", "topk_staged_wide", "csr_counting_sort")
 
 _forced: Dict[str, object] = {}
 _poison = [False]

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from .. import _backend
+from .._common import sm_count
 
 from . import compiled_ops, debug
 from .compiled_ops import ops
@@ -30,10 +31,16 @@ HEAD_REDUCE_CODES = {None: 0, "sum": 1, "max": 2}
 # blocks: 169 / 287 vs 201 / 336 us) and short ones (21-28 vs 25-38 us); slower at 1360 blocks
 # (one CTA an SM), hence the cap.
 VALIDATED_STAGED = True
-# Where the launcher applies it (csrc's kStagedMinQueries, kStagedMinTiles / kMaxStagedTiles,
-# kStagedMaxWidth; the launcher checks them itself, these say which kernel ran).
+# Past 768 blocks where a CTA takes 8 or 16 queries (its scores' shared memory then holds up to
+# 2816 / 1490 blocks): the short chunks on long prefixes (347 queries / 1028 blocks took the
+# tile kernel's 54 us on an H100). Not yet run on a GPU.
+VALIDATED_STAGED_WIDE = False
+# Where the launcher applies it (csrc's kStagedMinQueries, kStagedMinTiles, kStagedFloats,
+# kStagedMaxWidth and staged_queries_per_cta; the launcher checks them itself, these say which
+# kernel ran and keep wide calls off it unless VALIDATED_STAGED_WIDE).
 STAGED_MIN_QUERIES = 64
-STAGED_TILES = (64, 768)
+STAGED_FLOATS = 768 * 33
+STAGED_TILES = (64, STAGED_FLOATS // 33)    # the cap at 32 queries a CTA, and without the gate
 STAGED_MAX_WIDTH = 16
 _INT32_MAX = (1 << 31) - 1
 
@@ -67,7 +74,10 @@ def run(call) -> torch.Tensor:
     per_query = call.num_valid_pages if isinstance(call.num_valid_pages, torch.Tensor) else None
     # The staged kernel where VALIDATED_STAGED (or MSA_UNVALIDATED_KERNELS=1) and the shape
     # takes it (the launcher applies it by shape); the topk_staged hook forces it.
+    # Past STAGED_TILES only where VALIDATED_STAGED_WIDE (the topk_staged_wide hook forces it).
     staged = debug.gate("topk_staged", _backend.may_serve(VALIDATED_STAGED))
+    wide = debug.gate("topk_staged_wide", _backend.may_serve(VALIDATED_STAGED_WIDE))
+    staged = staged and (wide or call.num_tiles <= STAGED_TILES[1])
     nvp_int = call.num_tiles if per_query is not None else int(call.num_valid_pages)
     ops.sparse_topk_select(max_score, call.output, call.topk, nvp_int, per_query,
                            call.force_begin_blocks, call.force_end_blocks,
@@ -77,11 +87,23 @@ def run(call) -> torch.Tensor:
     return call.output
 
 
+def staged_queries_per_cta(total_q: int, out_heads: int, sms: int) -> int:
+    """Queries a staged CTA takes (csrc's staged_queries_per_cta): the most of 32 / 16 whose grid
+    still covers every SM, else 8."""
+    for queries in (32, 16):
+        if -(-total_q // queries) * out_heads >= sms:
+            return queries
+    return 8
+
+
 def staged_applies(call) -> bool:
-    """Whether a call's shape takes the staged kernel when it may serve."""
+    """Whether the launcher takes the staged kernel for a call it is asked to stage (its shape
+    and the blocks its CTA width leaves room for)."""
     _heads, tiles, total_q = call.max_score.shape
-    lo, hi = STAGED_TILES
-    return (total_q >= STAGED_MIN_QUERIES and lo <= tiles <= hi
+    queries = staged_queries_per_cta(total_q, call.num_out_heads,
+                                     sm_count(call.max_score.device))
+    return (total_q >= STAGED_MIN_QUERIES and STAGED_TILES[0] <= tiles
+            and tiles <= STAGED_FLOATS // (queries + 1)
             and min(call.topk, tiles) <= STAGED_MAX_WIDTH)
 
 
