@@ -1,5 +1,6 @@
-"""sparse_topk_select's lane-list kernels against the staged kernel (a warp per row) on the
-prefill chunks' shapes, the same bytes, the same process (GPU diagnostic for issue 23, no TSV).
+"""sparse_topk_select's lane-list kernels against the staged kernel (a warp per row; past 768
+blocks too, where its CTAs are narrow) on the prefill chunks' shapes, the same bytes, the same
+process (GPU diagnostic for issue 23, no TSV).
 
 Per shape [4 heads, blocks, queries] of random fp32 scores with the prefill pipeline's bounds
 (each query's own block forced last, the blocks past it ineligible): the median time of each
@@ -27,8 +28,11 @@ HEADS, TOPK = 4, 16
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="373:16384,660:16384,1360:16384,140:182,433:171,212:8897",
-                    help="blocks:queries (16k chunks on 47.7k / 84k / 174k keys, short chunks)")
+    ap.add_argument("--shapes",
+                    default="373:16384,660:16384,1360:16384,140:182,433:171,1028:347,1094:327,"
+                            "212:8897",
+                    help="blocks:queries (16k chunks on 47.7k / 84k / 174k keys, short chunks; "
+                         "the staged side past 768 blocks where its CTAs are narrow)")
     ap.add_argument("--rep-ms", type=int, default=200)
     args = ap.parse_args(argv)
     import triton.testing
@@ -47,7 +51,7 @@ def main(argv=None):
                                           causal_end_block=own)
         times, outs = {}, {}
         for staged in (False, True):
-            with forcing(msa, topk_staged=staged):
+            with forcing(msa, topk_staged=staged, topk_staged_wide=staged):
                 outs[staged] = select().clone()
                 times[staged] = triton.testing.do_bench(select, warmup=10, rep=args.rep_ms,
                                                         return_mode="median") * 1e3
