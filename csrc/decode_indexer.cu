@@ -140,8 +140,8 @@ __device__ __forceinline__ uint32_t order_code(float x) {
 }
 
 // Lanes a row takes in the merge of its request's chunk lists: the power of two >= the chunks
-// (one list a lane), at most 32, and no fewer than spread the rows over every warp first (a
-// narrower segment only shortens nothing: its reduction takes more steps than a full warp's).
+// (one list a lane), at most 32, and no fewer than spread the rows over every warp first (while
+// warps are idle a narrower segment gains nothing: its reduction takes more steps than redux).
 __device__ __forceinline__ int merge_segment_lanes(int num_chunks, int rows, int warps) {
   const int rows_per_warp = (rows + warps - 1) / warps;
   int seg = 32;
@@ -795,10 +795,10 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
   __threadfence();
 
   // The last CTA of the request: per row, merge the request's chunk lists. A row takes a
-  // segment of `seg` lanes (the power of two >= its chunks, at most 32), lane `slot` holding
-  // chunk slot's list (and chunk slot + seg's, ... merged into it past 32 chunks), so a warp
-  // merges 32 / seg rows at once: a short history's few chunks would leave most lanes idle
-  // and its rows one after another (the merge was most of a 4k-key call).
+  // segment of `seg` lanes (merge_segment_lanes), lane `slot` holding chunk slot's list (and
+  // chunk slot + seg's, ... merged into it past 32 chunks), so a warp merges 32 / seg rows at
+  // once: a short history's few chunks would leave most lanes idle and its rows one after
+  // another (the merge was most of a 4k-key call).
   const int keep = a.topk - 1;
   const uint32_t empty_code = order_code(-INFINITY);
   // The pages' stages are free now (every copy waited for): each warp's rows' picks go there.
@@ -851,8 +851,8 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
       }
     };
     // Each round the segment's best head (highest score, then lowest id) leaves its lane's
-    // list into the row's picks in shared memory (a global store a round, in a branch of one
-    // lane, slowed every round's chain).
+    // list into the row's picks in shared memory; the row goes to global memory once after
+    // the rounds, off their dependency chain.
     int* picks = merge_picks + (warp * 32 + lane / seg) * kMaxTopk;
     int count = 0;
     for (int k = 0; k < keep; ++k) {

@@ -26,10 +26,9 @@ HEAD_REDUCE_CODES = {None: 0, "sum": 1, "max": 2}
 # as many as still fill the SMs; a warp per row, candidates thresholded by the lanes' maxima and
 # bitonic-sorted) for calls of >= 64 queries against 64..768 blocks with topk <= 16: the prefill
 # chunks, where the lane-per-query tile kernel runs an insertion chain per candidate. Validated
-# on an H100
-# (f6e4e96: tests/test_csrc_gpu.py ~topk_staged); faster there on 16k-query chunks (373 / 660
-# blocks: 169 / 287 vs 201 / 336 us) and short ones (21-28 vs 25-38 us); slower at 1360 blocks
-# (one CTA an SM), hence the cap.
+# on an H100 (f6e4e96: tests/test_csrc_gpu.py ~topk_staged); faster there on 16k-query chunks
+# (373 / 660 blocks: 169 / 287 vs 201 / 336 us) and short ones (21-28 vs 25-38 us; 10-13 us
+# with narrow CTAs, d21bc0a); slower at 1360 blocks (one CTA an SM), hence the cap.
 VALIDATED_STAGED = True
 # Past 768 blocks where a CTA takes 8 or 16 queries (its scores' shared memory then holds up to
 # 2816 / 1490 blocks): the short chunks on long prefixes (347 queries / 1028 blocks took the
@@ -40,7 +39,8 @@ VALIDATED_STAGED_WIDE = False
 # kernel ran and keep wide calls off it unless VALIDATED_STAGED_WIDE).
 STAGED_MIN_QUERIES = 64
 STAGED_FLOATS = 768 * 33
-STAGED_TILES = (64, STAGED_FLOATS // 33)    # the cap at 32 queries a CTA, and without the gate
+STAGED_TILES = (64, STAGED_FLOATS // 33)    # 768: the room at 32 queries a CTA, and the cap
+                                            # at any width without VALIDATED_STAGED_WIDE
 STAGED_MAX_WIDTH = 16
 _INT32_MAX = (1 << 31) - 1
 
