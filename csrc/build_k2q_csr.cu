@@ -113,14 +113,25 @@ __device__ __forceinline__ int64_t csr_row_of(const CsrDeviceArgs& a, int b, int
   return round_robin_row(a.rows, a.batch, b, beta);
 }
 
+// An int32 of global memory (read-only path) or, kShared, of shared memory.
+template <bool kShared>
+__device__ __forceinline__ int32_t load_i32(const int32_t* p, int64_t i) {
+  if constexpr (kShared) {
+    return p[i];
+  } else {
+    return __ldg(p + i);
+  }
+}
+
 // The request that owns global query q: the largest b with cu_q[b] <= q (empty requests
 // share their start with the next one, so the largest is the right one).
+template <bool kShared = false>
 __device__ __forceinline__ int request_of_query(const int32_t* __restrict__ cu_q, int batch,
                                                 int q) {
   int lo = 0, hi = batch - 1;
   while (lo < hi) {
     int mid = (lo + hi + 1) >> 1;
-    if (__ldg(cu_q + mid) <= q) {
+    if (load_i32<kShared>(cu_q, mid) <= q) {
       lo = mid;
     } else {
       hi = mid - 1;
@@ -139,20 +150,22 @@ struct EntryPlace {
   int32_t q_local = 0;
 };
 
-// Entry e of head h's segment (e < total_q * topk); row_of(b, beta) maps a block of request b
-// to its round-robin row, rows[b] are the requests' block counts.
-template <typename RowOf>
+// Entry e of a head's segment q2k_head (e < total_q * topk); row_of(b, beta) maps a block of
+// request b to its round-robin row, rows[b] are the requests' block counts. q2k_head and cu_q
+// are in shared memory when kShared (the counting sort stages them), else global.
+template <bool kShared, typename RowOf>
 __device__ __forceinline__ EntryPlace place_entry(const CsrDeviceArgs& a,
-                                                  const int32_t* rows, int h, int64_t e,
+                                                  const int32_t* rows,
+                                                  const int32_t* q2k_head,
+                                                  const int32_t* cu_q, int64_t e,
                                                   RowOf row_of) {
   EntryPlace p;
-  const int64_t per_head = static_cast<int64_t>(a.total_q) * a.topk;
   p.q = static_cast<int>(e / a.topk);
   p.slot_in_row = static_cast<int>(e - static_cast<int64_t>(p.q) * a.topk);
-  const int32_t block = __ldg(a.q2k + h * per_head + e);
-  const int b = request_of_query(a.cu_q, a.batch, p.q);
-  const int q_begin = __ldg(a.cu_q + b);
-  const int q_end = __ldg(a.cu_q + b + 1);
+  const int32_t block = load_i32<kShared>(q2k_head, e);
+  const int b = request_of_query<kShared>(cu_q, a.batch, p.q);
+  const int q_begin = load_i32<kShared>(cu_q, b);
+  const int q_end = load_i32<kShared>(cu_q, b + 1);
   if (block >= 0 && p.q >= q_begin && p.q < q_end && block < rows[b]) {
     const int64_t r = row_of(b, block);
     if (r >= 0 && r < a.total_rows) {
@@ -209,8 +222,8 @@ entry_keys_kernel(CsrDeviceArgs a, uint32_t* __restrict__ keys,
   const int h = in_range ? static_cast<int>(i / per_head) : 0;
   EntryPlace p;
   if (in_range) {
-    p = place_entry(a, a.rows, h, i - h * per_head,
-                    [&](int b, int beta) { return csr_row_of(a, b, beta); });
+    p = place_entry<false>(a, a.rows, a.q2k + h * per_head, a.cu_q, i - h * per_head,
+                           [&](int b, int beta) { return csr_row_of(a, b, beta); });
   }
   const uint32_t key = static_cast<uint32_t>(h) * static_cast<uint32_t>(a.total_rows + 1) +
                        static_cast<uint32_t>(p.valid ? p.row : a.total_rows);
@@ -404,11 +417,12 @@ constexpr int kSmallWarps = kSmallThreads / 32;
 constexpr int kSmallMaxBatch = 64;             // requests' block counts kept in shared memory
 constexpr int kSmallMaxBins = 2048;            // total_rows + 1 (the dropped entries' bin)
 // total_q * topk entries a head (384 queries at top-16). Each warp walks its share of a head's
-// entries serially (an L2 load and the round-robin row a step), so the form's time grows with
-// them: on an H100 it beat the radix form's ~50 us up to ~5.5k entries a head (27 vs 49 us at
-// 182 queries, 52 vs 54 at 347) and lost from ~10k (68 vs 51 at 630, 100 vs 53 at 1000).
-// The per-warp row counts and positions fit 16 bits; the histograms (kSmallWarps x 2048 x 2
-// bytes = 64 KB) fit every sm_80+ opt-in limit (99 KB).
+// entries serially (the round-robin row a step; the entries and cu_q staged in shared memory),
+// so the form's time grows with them: on an H100, with the entries read from L2 a step, it beat
+// the radix form's ~50 us up to ~5.5k entries a head (27 vs 49 us at 182 queries, 52 vs 54 at
+// 347) and lost from ~10k (68 vs 51 at 630, 100 vs 53 at 1000). The per-warp row counts and
+// positions fit 16 bits; the histograms (kSmallWarps x 2048 x 2 bytes = 64 KB) and the staged
+// entries (24 KB) fit every sm_80+ opt-in limit (99 KB).
 constexpr int64_t kSmallMaxPerHead = 6144;
 constexpr int kSmallMaxRowHeads = 8192;        // hkv * total_rows (the schedule's scan)
 constexpr int kScheduleThreads = 1024;
@@ -421,8 +435,10 @@ bool fits_one_cta_per_head(const K2qCsrArgs& a, const K2qScheduleArgs* s) {
          (s == nullptr || static_cast<int64_t>(a.hkv) * a.total_rows <= kSmallMaxRowHeads);
 }
 
-size_t one_cta_per_head_smem_bytes(int total_rows) {
-  return sizeof(int32_t) * kSmallMaxBatch +
+// rows[kSmallMaxBatch], cu_q[kSmallMaxBatch + 1] (padded to an even count), the head's q2k
+// entries, then the per-warp histograms.
+size_t one_cta_per_head_smem_bytes(int total_rows, int64_t per_head) {
+  return sizeof(int32_t) * (2 * kSmallMaxBatch + 2 + static_cast<size_t>(per_head)) +
          sizeof(uint16_t) * static_cast<size_t>(kSmallWarps) * (total_rows + 1);
 }
 
@@ -444,9 +460,12 @@ csr_one_cta_per_head_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, i
                             int32_t* __restrict__ q_indices,
                             int32_t* __restrict__ qsplit_indices,
                             int32_t* __restrict__ split_counts) {
+  const int64_t per_head = static_cast<int64_t>(a.total_q) * a.topk;
   extern __shared__ int32_t smem[];
-  int32_t* rows = smem;                                               // [kSmallMaxBatch]
-  uint16_t* hist = reinterpret_cast<uint16_t*>(smem + kSmallMaxBatch);   // [kSmallWarps, bins]
+  int32_t* rows = smem;                                       // [kSmallMaxBatch]
+  int32_t* cu_q = rows + kSmallMaxBatch;                      // [kSmallMaxBatch + 2]
+  int32_t* q2k = cu_q + kSmallMaxBatch + 2;                   // [per_head]
+  uint16_t* hist = reinterpret_cast<uint16_t*>(q2k + per_head);   // [kSmallWarps, bins]
   using BlockScan = cub::BlockScan<int32_t, kSmallThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   const int h = blockIdx.x;
@@ -454,11 +473,14 @@ csr_one_cta_per_head_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, i
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
+  // The head's q2k entries and cu_q are staged once, all loads in flight together: the warps'
+  // two passes then find each entry's block and request without a global round trip.
   for (int b = tid; b < a.batch; b += kSmallThreads) rows[b] = request_blocks(cu_k, b, blk_kv);
+  for (int b = tid; b <= a.batch; b += kSmallThreads) cu_q[b] = __ldg(a.cu_q + b);
+  for (int64_t e = tid; e < per_head; e += kSmallThreads) q2k[e] = __ldg(a.q2k + h * per_head + e);
   for (int i = tid; i < kSmallWarps * bins; i += kSmallThreads) hist[i] = 0;
   __syncthreads();
 
-  const int64_t per_head = static_cast<int64_t>(a.total_q) * a.topk;
   const int64_t span = ceil_div<int64_t>(ceil_div<int64_t>(per_head, kSmallWarps), 32) * 32;
   const int64_t begin = warp * span;
   const int64_t end = min(per_head, begin + span);
@@ -476,7 +498,7 @@ csr_one_cta_per_head_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, i
     const int64_t e = base + lane;
     const bool in_range = e < end;
     EntryPlace p;
-    if (in_range) p = place_entry(a, rows, h, e, row_of);
+    if (in_range) p = place_entry<true>(a, rows, q2k, cu_q, e, row_of);
     const int bin = in_range ? (p.valid ? p.row : a.total_rows) : -1;
     int rank = 0;
     const int peers = count_peers(bin, in_range, &rank);
@@ -515,7 +537,7 @@ csr_one_cta_per_head_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, i
     const int64_t e = base + lane;
     const bool in_range = e < end;
     EntryPlace p;
-    if (in_range) p = place_entry(a, rows, h, e, row_of);
+    if (in_range) p = place_entry<true>(a, rows, q2k, cu_q, e, row_of);
     int slot = 0, count = 0;
     if constexpr (kWithSlots) {
       combine_slot(p, a.topk, &slot, &count);
@@ -664,7 +686,7 @@ cudaError_t launch_one_cta_per_head(const K2qCsrArgs& a, const K2qScheduleArgs* 
                                     cudaStream_t stream) {
   const CsrDeviceArgs d{a.q2k_indices, a.cu_seqlens_q, a.cu_seqlens_k, nullptr, nullptr,
                         a.batch, 0, a.hkv, a.total_q, a.topk, a.total_rows, entry_count(a)};
-  const size_t csr_smem = one_cta_per_head_smem_bytes(a.total_rows);
+  const size_t csr_smem = one_cta_per_head_smem_bytes(a.total_rows, entry_count(a) / a.hkv);
   if (s != nullptr) {
     MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(csr_one_cta_per_head_kernel<true>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -31,9 +31,9 @@ HEAD_REDUCE_CODES = {None: 0, "sum": 1, "max": 2}
 # with narrow CTAs, d21bc0a); slower at 1360 blocks (one CTA an SM), hence the cap.
 VALIDATED_STAGED = True
 # Past 768 blocks where a CTA takes 8 or 16 queries (its scores' shared memory then holds up to
-# 2816 / 1490 blocks): the short chunks on long prefixes (347 queries / 1028 blocks took the
-# tile kernel's 54 us on an H100). Not yet run on a GPU.
-VALIDATED_STAGED_WIDE = False
+# 2816 / 1490 blocks): the short chunks on long prefixes. On an H200 (topk_forms lab, 7ec9dd3)
+# 19.3 vs 55.6 us at 347 queries / 1028 blocks, 19.7 vs 57.5 at 327 / 1094.
+VALIDATED_STAGED_WIDE = True
 # Where the launcher applies it (csrc's kStagedMinQueries, kStagedMinTiles, kStagedFloats,
 # kStagedMaxWidth and staged_queries_per_cta; the launcher checks them itself, these say which
 # kernel ran and keep wide calls off it unless VALIDATED_STAGED_WIDE).
