@@ -525,9 +525,9 @@ def test_topk_staged_kernel_matches_reference(msa_pkg, native_only, native_hooks
     maxima) on every kind of input (_check_staged). On 132 SMs the query counts take 8 (64,
     333), 16 (1000 at 4 heads) and 32 (2200) queries a CTA."""
     from msa._native import topk_cuda
-    native_hooks.force(topk_staged=True)
+    native_hooks.force(topk_staged=True, topk_staged_wide=False)
     _check_staged(msa_pkg, t, k)
-    # Past 768 blocks without the wide gate, fewer queries, or topk > 16: the other kernels.
+    # Past 768 blocks with the wide form off, fewer queries, or topk > 16: the other kernels.
     _check_unstaged(msa_pkg, t, topk_cuda.STAGED_TILES[1] + 1)
     _check_unstaged(msa_pkg, 33, k)
     _check_unstaged(msa_pkg, t, k, topk=32)

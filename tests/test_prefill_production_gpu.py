@@ -5,8 +5,9 @@ Checks, on fresh random inputs (lengths not multiples of 128, shuffled pages, bu
 write poisoned with NaN first, MSA_BACKEND=native so nothing falls back silently):
 - paged prefix + chunk, several requests (a short chunk, a self prefill, a request whose queries
   outnumber its keys): the selection is the brute-force top-k of the native index scores (own
-  block forced); bf16 O against a float64 attention over that selection; e4m3 O against the
-  reference backend's attention on the same selection within the contract's FP8 bound;
+  block forced); bf16 O against a float64 attention over that selection; e4m3 O against it
+  within the contract's FP8 bound (with e4m3 partials: against the reference backend, which
+  models their rounding);
 - short chunks (a few hundred queries against 20k-40k keys) take the split-K indexer, and the
   split scores equal the unsplit kernel's; a chunk of <= 16 queries takes the decode indexer;
 - query chunks and index splits change nothing: the same selection, O within 2e-3;
@@ -92,6 +93,17 @@ def _check_output(x, out, q2k, q_lens, k_lens, dtype, topk, partial_dtype=BF16):
         print(f"bf16: max|O - O64| = {err:.3e}")
         torch.testing.assert_close(out.cpu().double(), o64, atol=2e-2, rtol=2e-2)
         return
+    floor = (o64.to(BF16).double() - o64).abs().max().item()
+    if partial_dtype != E4M3:
+        # The contract's FP8 bound against the float64 attention on the same e4m3 inputs: the
+        # sparse kernels round P against the row max, the decode route against each page's max,
+        # so two e4m3 results may differ by twice what either differs from the exact one.
+        err = (out.cpu().double() - o64).abs().max().item()
+        bound = max(0.125, 4 * floor)
+        print(f"e4m3: max|O - O64| = {err:.3e} (bound {bound:.3e})")
+        assert err <= bound
+        return
+    # e4m3 partials: against the reference backend, which models their rounding.
     g = x["q"].shape[1] // x["k"].shape[1]
     lens = dict(max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens))
     with pytest.MonkeyPatch.context() as mp:
@@ -102,10 +114,8 @@ def _check_output(x, out, q2k, q_lens, k_lens, dtype, topk, partial_dtype=BF16):
                                     cu_seqlens_q=cu(q_lens), cu_seqlens_k=cu(k_lens),
                                     causal=True, partial_dtype=partial_dtype, **lens)
     err = (out.cpu().double() - ref.double()).abs().max().item()
-    floor = (o64.to(BF16).double() - o64).abs().max().item()
-    bound = 0.5 if partial_dtype == E4M3 else max(0.125, 4 * floor)
-    print(f"e4m3: max|O - O_ref| = {err:.3e} (bound {bound:.3e})")
-    assert err <= bound
+    print(f"e4m3 partials: max|O - O_ref| = {err:.3e} (bound 0.5)")
+    assert err <= 0.5
 
 
 # (70 new tokens on a 580 prefix, a 300-token self prefill, 5 on 895, 130 on 870, 1 on 1999,
@@ -339,6 +349,18 @@ def test_one_million_tokens_in_one_call(dtype, seed, native):
     torch.manual_seed(seed)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    per_query = prefill.workspace_bytes_per_query(num_qo_heads=hkv * g, num_kv_heads=hkv,
+                                                  topk=topk, max_k_tiles=n // 128,
+                                                  partial_dtype=BF16)
+    step = prefill.chunk_tokens(n, per_query)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    need = (n * (hkv * g + 3 * hkv + 1) * 128 * elem          # q, k, v, q_idx, k_idx
+            + n * hkv * g * 128 * 2 + n * hkv * topk * 4      # O, the selection
+            + step * per_query)
+    free = torch.cuda.mem_get_info()[0]
+    if free < 1.1 * need:   # 51 GiB in bf16: one H200, or an H100 no other test process shares
+        pytest.skip(f"needs {1.1 * need / 2**30:.1f} GiB of device memory, {free / 2**30:.1f} "
+                    "GiB free")
 
     def draw(*shape):
         out = torch.empty(*shape, dtype=dtype, device=DEV)
@@ -354,10 +376,6 @@ def test_one_million_tokens_in_one_call(dtype, seed, native):
                                max_seqlen_k=n, topk=topk, return_selection=True)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    per_query = prefill.workspace_bytes_per_query(num_qo_heads=hkv * g, num_kv_heads=hkv,
-                                                  topk=topk, max_k_tiles=n // 128,
-                                                  partial_dtype=BF16)
-    step = prefill.chunk_tokens(n, per_query)
     bound = inputs + out.numel() * 2 + q2k.numel() * 4 + step * per_query
     print(f"{dtype}: peak {peak / 2**30:.1f} GiB, formula {bound / 2**30:.1f} GiB, chunk {step}")
     assert step < n and peak <= 1.1 * bound
