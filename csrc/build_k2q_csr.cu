@@ -418,11 +418,11 @@ constexpr int kSmallMaxBatch = 64;             // requests' block counts kept in
 constexpr int kSmallMaxBins = 2048;            // total_rows + 1 (the dropped entries' bin)
 // total_q * topk entries a head (384 queries at top-16). Each warp walks its share of a head's
 // entries serially (the round-robin row a step; the entries and cu_q staged in shared memory),
-// so the form's time grows with them: on an H100, with the entries read from L2 a step, it beat
-// the radix form's ~50 us up to ~5.5k entries a head (27 vs 49 us at 182 queries, 52 vs 54 at
-// 347) and lost from ~10k (68 vs 51 at 630, 100 vs 53 at 1000). The per-warp row counts and
-// positions fit 16 bits; the histograms (kSmallWarps x 2048 x 2 bytes = 64 KB) and the staged
-// entries (24 KB) fit every sm_80+ opt-in limit (99 KB).
+// so the form's time grows with them: on an H100 it beats the radix form's ~50 us up to ~5.5k
+// entries a head (25 vs 49 us at 182 queries, 46 vs 54 at 347; 27 and 52 with the entries read
+// from L2 a step) and lost from ~10k (68 vs 51 at 630, 100 vs 53 at 1000, before the staging).
+// The per-warp row counts and positions fit 16 bits; the histograms (kSmallWarps x 2048 x 2
+// bytes = 64 KB) and the staged entries (24 KB) fit every sm_80+ opt-in limit (99 KB).
 constexpr int64_t kSmallMaxPerHead = 6144;
 constexpr int kSmallMaxRowHeads = 8192;        // hkv * total_rows (the schedule's scan)
 constexpr int kScheduleThreads = 1024;

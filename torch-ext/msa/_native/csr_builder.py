@@ -40,7 +40,9 @@ KV_BLOCK = 128
 # benchmarks/lab/csr_forms.py (H100, graph replays): 27.0 vs 48.7 us at 182 queries / 17.7k
 # keys, 30.6 vs 50.9 at 171 / 55k, 46.3 vs 52.9 at 2 x ~163 / 27k, 52.2 vs 54.4 at 347 / 132k,
 # even at 3 x ~135 / 21k; slower from ~10k entries a head (67.6 vs 51.1 at 630 queries), hence
-# the entry bound.
+# the entry bound. With the head's entries and cu_q staged in shared memory (b9a23db, H100):
+# 24.6 us at 182 / 17.7k (kernels 16.2 + 6.7 of the schedule), 27.8 at 171 / 55k, 46.3 at
+# 347 / 132k, 39.3 at 2 x ~163 / 27k.
 VALIDATED_COUNTING_SORT = True
 COUNTING_SORT_MAX_ENTRIES_PER_HEAD = 6144      # total_q * topK
 COUNTING_SORT_MAX_ROWS = 2047
