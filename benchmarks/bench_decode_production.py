@@ -64,16 +64,18 @@ LOW_LATENCY_BATCHES = (1, 2, 4)
 LOW_LATENCY_KV = (1000, 4000, 8000, 32000)
 IMPLS = ("cudnn", "dense-bf16", "dense-fp8", "step-bf16", "step-fp8", "step-fp8-nvfp4")
 CASE_SEED = 1701
-# --attention-forms: the decode debug hooks of each (forced forms run whatever the gates say).
+# --attention-forms: the decode debug hooks of each (forced forms run whatever the gates say;
+# the warpgroup forms turn the token-warps form off, which would take sparse e4m3 tiles).
+_WARPGROUP = dict(decode_warpgroup=True, decode_token_warps=False)
 ATTENTION_FORMS = {"served": {}, "rows": dict(decode_warpgroup=False),
-                   "warpgroup": dict(decode_warpgroup=True, decode_pingpong=False),
-                   "pingpong": dict(decode_warpgroup=True, decode_pingpong=True,
-                                    decode_persistent=False, decode_pv_fp8=False),
-                   "persistent": dict(decode_warpgroup=True, decode_pingpong=True,
-                                      decode_persistent=True, decode_pv_fp8=False),
-                   "pingpong_pv8": dict(decode_warpgroup=True, decode_pingpong=True,
+                   "warpgroup": dict(_WARPGROUP, decode_pingpong=False),
+                   "pingpong": dict(_WARPGROUP, decode_pingpong=True, decode_persistent=False,
+                                    decode_pv_fp8=False),
+                   "persistent": dict(_WARPGROUP, decode_pingpong=True, decode_persistent=True,
+                                      decode_pv_fp8=False),
+                   "pingpong_pv8": dict(_WARPGROUP, decode_pingpong=True,
                                         decode_persistent=False, decode_pv_fp8=True),
-                   "persistent_pv8": dict(decode_warpgroup=True, decode_pingpong=True,
+                   "persistent_pv8": dict(_WARPGROUP, decode_pingpong=True,
                                           decode_persistent=True, decode_pv_fp8=True),
                    "token_warps": dict(decode_token_warps=True),
                    "token_warps_per_warp": dict(decode_token_warps="per_warp"),
