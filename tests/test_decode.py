@@ -265,23 +265,31 @@ def test_sparse_mtp_takes_query_tiles_against_long_contexts():
     union of their selections) while the request holds fewer blocks than half the tile's
     8 x topK selections, one-token tiles of 16 rows from there on; dense calls and tiles of
     <= 16 rows keep 128. The wrapper plans both and each run takes the one of its dtypes."""
-    from msa.schedules.decode import query_tile_rows
+    from msa.schedules.decode import few_tiles, query_tile_rows, union_collapses
     assert query_tile_rows(8, 16, 63 * 128, 128, 16) is None
     assert query_tile_rows(8, 16, 63 * 128 + 1, 128, 16) == 16          # 64 blocks
+    assert union_collapses(8, 16, 63 * 128, 128, 16)
+    assert not union_collapses(8, 16, 63 * 128 + 1, 128, 16)
+    assert union_collapses(4, 16, 31 * 128, 128, 16)                     # 4 tokens: 64 selections
+    assert not union_collapses(4, 16, 32 * 128, 128, 16)
     assert query_tile_rows(8, 16, 10 ** 6, 128, None) is None            # dense
     assert query_tile_rows(1, 16, 10 ** 6, 128, 16) is None              # 16 rows
     assert query_tile_rows(8, 4, 10 ** 6, 128, 16) == 16                 # 4 tokens x G 4
     assert query_tile_rows(16, 2, 10 ** 6, 128, 16) == 16                # 8 tokens x G 2
     # Where the token-warps form serves 128-row tiles they stay, unless they are fewer than
-    # half the SMs (from 2 x topK blocks on), where the query tiles fill the GPU.
+    # half the SMs (from 2 x topK blocks on), where the query tiles fill the GPU; where the
+    # union collapses the 128-row tiles stay whatever their count (split over the CTAs).
     fill = dict(num_kv_heads=4, sms=132)
+    assert few_tiles(16, 4, 1, 132) and not few_tiles(17, 4, 1, 132)
     assert query_tile_rows(8, 16, 10 ** 6, 128, 16, batch=32, token_warps=True, **fill) is None
     assert query_tile_rows(8, 16, 4000, 128, 16, batch=32, token_warps=True, **fill) is None
     assert query_tile_rows(8, 16, 10 ** 6, 128, 16, batch=32, **fill) == 16
-    assert query_tile_rows(8, 16, 4000, 128, 16, batch=16, token_warps=True, **fill) == 16
-    assert query_tile_rows(8, 16, 4000, 128, 16, batch=8, **fill) == 16
+    assert query_tile_rows(8, 16, 10000, 128, 16, batch=16, token_warps=True, **fill) == 16
+    assert query_tile_rows(8, 16, 10000, 128, 16, batch=8, **fill) == 16
+    assert query_tile_rows(8, 16, 4000, 128, 16, batch=8, token_warps=True, **fill) is None
+    assert query_tile_rows(8, 16, 5000, 128, 16, batch=1, **fill) is None
     assert query_tile_rows(8, 16, 31 * 128, 128, 16, batch=8, **fill) is None   # < 2 x topK
-    assert query_tile_rows(8, 16, 4000, 128, 16, batch=17, token_warps=True, **fill) is None
+    assert query_tile_rows(8, 16, 10000, 128, 16, batch=17, token_warps=True, **fill) is None
     lens = [20000, 5]
     q, k, v, table, seqused_k = make_batch(lens, 8, 2, 16, FP8, FP8)
     q2k = random_q2k(lens, 8, 2, 16)

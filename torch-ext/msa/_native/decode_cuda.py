@@ -31,6 +31,8 @@ from typing import Optional
 import torch
 
 from .. import _backend
+from .._common import sm_count
+from ..schedules import decode as schedules_decode
 from . import debug
 
 from . import compiled_ops
@@ -236,12 +238,22 @@ def _token_warps(call) -> int:
     """The token-warps form (the binding's code: 0 none, else TOKEN_WARPS_FORMS) a sparse call
     of e4m3 q and K/V with tiles of > 16 rows takes: TOKEN_WARPS_FORM where
     VALIDATED_TOKEN_WARPS (or with MSA_UNVALIDATED_KERNELS=1). The decode_token_warps hook
-    forces it on such calls (True: TOKEN_WARPS_FORM, or a form's name) or off (False). The
-    launcher takes it where it can make the caches' tensor maps; elsewhere the warpgroup forms
-    serve."""
+    forces it on such calls (True: TOKEN_WARPS_FORM, or a form's name) or off (False). Unforced,
+    calls of few tiles (schedules.decode.few_tiles) leave their split tiles to the ping-pong
+    form. The launcher takes it where it can make the caches' tensor maps; elsewhere the
+    warpgroup forms serve."""
     if call.q2k_indices is None or _form_dtype(call) != "e4m3" or _tile_rows(call) <= 16:
         return 0
+    if debug.forced("decode_token_warps") is None and schedules_decode.few_tiles(
+            call.batch_size, call.k.shape[1], _qo_tiles(call), sm_count(call.q.device)):
+        return 0
     return _token_warps_form()
+
+
+def _qo_tiles(call) -> int:
+    """The call's qo tiles a request and KV head."""
+    rows = call.seqlen_q * call.qhead_per_kv
+    return -(-rows // _tile_rows(call))
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
