@@ -278,7 +278,7 @@ def test_sparse_mtp_takes_query_tiles_against_long_contexts():
     assert query_tile_rows(16, 2, 10 ** 6, 128, 16) == 16                # 8 tokens x G 2
     # Where the token-warps form serves 128-row tiles they stay, unless they are fewer than
     # half the SMs (from 2 x topK blocks on), where the query tiles fill the GPU; where the
-    # union collapses the 128-row tiles stay whatever their count (split over the CTAs).
+    # union collapses the 128-row tiles stay (split over the CTAs) ...
     fill = dict(num_kv_heads=4, sms=132)
     assert few_tiles(16, 4, 1, 132) and not few_tiles(17, 4, 1, 132)
     assert query_tile_rows(8, 16, 10 ** 6, 128, 16, batch=32, token_warps=True, **fill) is None
@@ -287,7 +287,11 @@ def test_sparse_mtp_takes_query_tiles_against_long_contexts():
     assert query_tile_rows(8, 16, 10000, 128, 16, batch=16, token_warps=True, **fill) == 16
     assert query_tile_rows(8, 16, 10000, 128, 16, batch=8, **fill) == 16
     assert query_tile_rows(8, 16, 4000, 128, 16, batch=8, token_warps=True, **fill) is None
-    assert query_tile_rows(8, 16, 5000, 128, 16, batch=1, **fill) is None
+    assert query_tile_rows(8, 16, 5000, 128, 16, batch=16, **fill) is None
+    # ... unless the query tiles fit one wave of CTAs (B 4 x Hkv 4 x 8 tokens = 128 <= 132).
+    assert query_tile_rows(8, 16, 4000, 128, 16, batch=4, token_warps=True, **fill) == 16
+    assert query_tile_rows(8, 16, 63 * 128, 128, 16, batch=1, **fill) == 16
+    assert query_tile_rows(8, 16, 1000, 128, 16, batch=1, token_warps=True, **fill) is None
     assert query_tile_rows(8, 16, 31 * 128, 128, 16, batch=8, **fill) is None   # < 2 x topK
     assert query_tile_rows(8, 16, 10000, 128, 16, batch=17, token_warps=True, **fill) is None
     lens = [20000, 5]

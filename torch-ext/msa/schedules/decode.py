@@ -141,25 +141,29 @@ def query_tile_rows(seqlen_q: int, group: int, max_seqlen_k: int, page_size: int
                     token_warps: bool = False) -> Optional[int]:
     """Rows of the query tiles a sparse call of e4m3 q and K/V takes instead of QO_TILE_ROWS
     (the largest whole-token tile of at most QUERY_TILE_ROWS rows: one token at G = 16), or None
-    where 128-row tiles serve: dense calls, tiles of <= QUERY_TILE_ROWS rows anyway, and
-    contexts where the 128-row tile's union collapses (union_collapses). Otherwise query tiles
-    where the 128-row tiles are few (few_tiles, with batch and sms given) and the context holds
-    at least 2 x topK blocks; else 128-row tiles where the token-warps form serves them
-    (token_warps), query tiles where it does not.
+    where 128-row tiles serve: dense calls and tiles of <= QUERY_TILE_ROWS rows anyway. With
+    batch and sms given: 128-row tiles where their union collapses (union_collapses) and the
+    query tiles would take more than one wave of CTAs; query tiles where the 128-row tiles are
+    few (few_tiles) and the context holds at least 2 x topK blocks. Otherwise 128-row tiles
+    where the token-warps form serves them (token_warps) or the union collapses.
 
-    Measured on an H100 (MTP 8, G 16, top-16, Hkv 4, the step's attention): B 8 / 4k 42.1 us
-    on split 128-row ping-pong tiles vs 47.6 on query tiles, B 8 / 5k 47.2 vs 48.0."""
+    Measured on an H100 (0aae2ed, 5edd7a9; MTP 8, G 16, top-16, Hkv 4, the step's attention):
+    B 8 / 4k 41.6 us on split 128-row ping-pong tiles vs 47.3 on query tiles (256 CTAs, two
+    waves), B 8 / 5k 48.8 vs 48.5; B 1 / 4k 28.5 vs 16.9, B 4 / 4k 33.1 vs 28.6 (one wave)."""
     rows = seqlen_q * group
     if sparse_topk is None or rows <= QUERY_TILE_ROWS or group > QUERY_TILE_ROWS:
         return None
-    if union_collapses(seqlen_q, group, max_seqlen_k, page_size, sparse_topk):
-        return None
     query_rows = group * (QUERY_TILE_ROWS // group)
     blocks = _ceil_div(max_seqlen_k, page_size)
-    if batch is not None and sms is not None and blocks >= 2 * sparse_topk:
-        if few_tiles(batch, num_kv_heads, _ceil_div(rows, QO_TILE_ROWS), sms):
+    collapses = union_collapses(seqlen_q, group, max_seqlen_k, page_size, sparse_topk)
+    if batch is not None and sms is not None:
+        query_tiles = batch * num_kv_heads * _ceil_div(rows, query_rows)
+        if collapses and query_tiles > sms:
+            return None
+        if blocks >= 2 * sparse_topk and few_tiles(batch, num_kv_heads,
+                                                   _ceil_div(rows, QO_TILE_ROWS), sms):
             return query_rows
-    return None if token_warps else query_rows
+    return None if token_warps or collapses else query_rows
 
 
 @dataclasses.dataclass
