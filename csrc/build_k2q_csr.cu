@@ -18,12 +18,12 @@
 //      once then share one KV head's queries, whose gathers L2 holds better), an inclusive
 //      scan, then one thread per work item binary-searches its (head, row) and writes its
 //      metadata.
-// Small calls (a chunk of up to 384 queries at top-16: see fits_one_cta_per_head; the caller
-// may ask for the radix form anyway, K2qCsrArgs::counting_sort) take two launches instead of
-// ~12: one CTA per KV head counting-sorts its entries in shared memory (per-warp row histograms
-// over contiguous entry ranges, scanned in (row, warp) order, then a stable scatter ranked
-// within each warp by __match_any_sync) and one CTA builds the schedule. Under a CUDA graph
-// each launch costs a few microseconds, which was most of a short chunk's CSR stage.
+// Small calls (see fits_counting_sort: up to 64 requests and 2047 rows, spans of at most 4096
+// entries; the caller may ask for the radix form anyway, K2qCsrArgs::counting_sort) take two
+// launches instead of ~12: a counting sort spread over several CTAs a KV head (each span's row
+// counts, then each span's scatter at its first position in every row) whose second launch
+// also builds the schedule. Under a CUDA graph each launch costs a few microseconds, which was
+// most of a short chunk's CSR stage; one CTA a head walking all its entries was the rest.
 #include <cub/cub.cuh>
 
 #include <algorithm>
@@ -150,19 +150,16 @@ struct EntryPlace {
   int32_t q_local = 0;
 };
 
-// Entry e of a head's segment q2k_head (e < total_q * topk); row_of(b, beta) maps a block of
-// request b to its round-robin row, rows[b] are the requests' block counts. q2k_head and cu_q
-// are in shared memory when kShared (the counting sort stages them), else global.
+// Entry e of a head's segment (e < total_q * topk) holding block id `block`; row_of(b, beta)
+// maps a block of request b to its round-robin row, rows[b] are the requests' block counts. cu_q
+// is in shared memory when kShared (the counting sort stages it), else global.
 template <bool kShared, typename RowOf>
-__device__ __forceinline__ EntryPlace place_entry(const CsrDeviceArgs& a,
-                                                  const int32_t* rows,
-                                                  const int32_t* q2k_head,
+__device__ __forceinline__ EntryPlace place_block(const CsrDeviceArgs& a, const int32_t* rows,
                                                   const int32_t* cu_q, int64_t e,
-                                                  RowOf row_of) {
+                                                  int32_t block, RowOf row_of) {
   EntryPlace p;
   p.q = static_cast<int>(e / a.topk);
   p.slot_in_row = static_cast<int>(e - static_cast<int64_t>(p.q) * a.topk);
-  const int32_t block = load_i32<kShared>(q2k_head, e);
   const int b = request_of_query<kShared>(cu_q, a.batch, p.q);
   const int q_begin = load_i32<kShared>(cu_q, b);
   const int q_end = load_i32<kShared>(cu_q, b + 1);
@@ -175,6 +172,14 @@ __device__ __forceinline__ EntryPlace place_entry(const CsrDeviceArgs& a,
     }
   }
   return p;
+}
+
+// Entry e of a head's segment q2k_head (global memory).
+template <typename RowOf>
+__device__ __forceinline__ EntryPlace place_entry(const CsrDeviceArgs& a, const int32_t* rows,
+                                                  const int32_t* q2k_head, const int32_t* cu_q,
+                                                  int64_t e, RowOf row_of) {
+  return place_block<false>(a, rows, cu_q, e, __ldg(q2k_head + e), row_of);
 }
 
 // The combine slot of an entry and its query's slot count, from the topk lanes that hold the
@@ -222,7 +227,7 @@ entry_keys_kernel(CsrDeviceArgs a, uint32_t* __restrict__ keys,
   const int h = in_range ? static_cast<int>(i / per_head) : 0;
   EntryPlace p;
   if (in_range) {
-    p = place_entry<false>(a, a.rows, a.q2k + h * per_head, a.cu_q, i - h * per_head,
+    p = place_entry(a, a.rows, a.q2k + h * per_head, a.cu_q, i - h * per_head,
                            [&](int b, int beta) { return csr_row_of(a, b, beta); });
   }
   const uint32_t key = static_cast<uint32_t>(h) * static_cast<uint32_t>(a.total_rows + 1) +
@@ -338,8 +343,9 @@ __device__ __forceinline__ void row_owner(const int32_t* rows, int batch, int r,
 // Work item w of the schedule: (head, row, q_begin, q_count, request, block) of the chunk that
 // w falls in, found by bisection over chunk_incl (the inclusive chunk counts of the n
 // (head, row) pairs, head-major); zeros past the items (total_items = chunk_incl[n - 1]).
+template <typename RowLen>
 __device__ __forceinline__ void write_work_item(int w, const int32_t* chunk_incl, int64_t n,
-                                                const int32_t* row_ptr,
+                                                RowLen row_len,
                                                 const int32_t* owner_batch,
                                                 const int32_t* owner_block, int total_rows,
                                                 int target_q_per_cta,
@@ -359,8 +365,7 @@ __device__ __forceinline__ void write_work_item(int w, const int32_t* chunk_incl
     const int h = static_cast<int>(lo / total_rows);
     const int r = static_cast<int>(lo - static_cast<int64_t>(h) * total_rows);
     const int chunk = w - (lo > 0 ? chunk_incl[lo - 1] : 0);
-    const int32_t* head_ptr = row_ptr + static_cast<int64_t>(h) * (total_rows + 1);
-    const int len = head_ptr[r + 1] - head_ptr[r];
+    const int len = row_len(lo, h, r);
     const int q_begin = chunk * target_q_per_cta;
     item[0] = h;
     item[1] = r;
@@ -405,86 +410,192 @@ __global__ void schedule_items_kernel(const int32_t* __restrict__ row_ptr,
   if (w >= work_capacity) return;
   const int64_t n = static_cast<int64_t>(total_rows) * hkv;
   if (w == 0) work_count[0] = min(n > 0 ? chunk_incl[n - 1] : 0, work_capacity);
-  write_work_item(w, chunk_incl, n, row_ptr, owner_batch, owner_block, total_rows,
+  const auto row_len = [&](int64_t, int h, int r) {
+    const int32_t* head_ptr = row_ptr + static_cast<int64_t>(h) * (total_rows + 1);
+    return head_ptr[r + 1] - head_ptr[r];
+  };
+  write_work_item(w, chunk_incl, n, row_len, owner_batch, owner_block, total_rows,
                   target_q_per_cta, metadata);
 }
 
 // ---------------------------------------------------------------------------------------------
-// Small calls: one CTA per KV head, then one CTA for the schedule.
+// Small calls: a counting sort spread over several CTAs a KV head, in two launches.
 // ---------------------------------------------------------------------------------------------
-constexpr int kSmallThreads = 512;
-constexpr int kSmallWarps = kSmallThreads / 32;
+// Each head's entries are cut into ctas_per_head contiguous spans (multiples of 32 entries, so
+// a query's topk entries share a warp). csr_count_kernel counts one span's entries per row
+// (bin total_rows = dropped) into the workspace; csr_scatter_schedule_kernel then gives each
+// span CTA its first position in every row (the row's start, the exclusive scan of the rows'
+// totals, plus the earlier spans' counts of that row), counts its warps' entries per row again
+// and scatters each warp's entries in order, ranked among the lanes of the same row: entries
+// keep their (query, slot) order within a row, the radix sort's stable order, bit for bit. The
+// same launch's schedule CTAs build the work items from the counts (the rows' lengths), in
+// parallel with the scatter.
+constexpr int kSpreadThreads = 512;
+constexpr int kSpreadWarps = kSpreadThreads / 32;
 constexpr int kSmallMaxBatch = 64;             // requests' block counts kept in shared memory
 constexpr int kSmallMaxBins = 2048;            // total_rows + 1 (the dropped entries' bin)
-// total_q * topk entries a head (384 queries at top-16). Each warp walks its share of a head's
-// entries serially (the round-robin row a step; the entries and cu_q staged in shared memory),
-// so the form's time grows with them: on an H100 it beats the radix form's ~50 us up to ~5.5k
-// entries a head (25 vs 49 us at 182 queries, 46 vs 54 at 347; 27 and 52 with the entries read
-// from L2 a step) and lost from ~10k (68 vs 51 at 630, 100 vs 53 at 1000, before the staging).
-// The per-warp row counts and positions fit 16 bits; the histograms (kSmallWarps x 2048 x 2
-// bytes = 64 KB) and the staged entries (24 KB) fit every sm_80+ opt-in limit (99 KB).
-constexpr int64_t kSmallMaxPerHead = 6144;
+constexpr int64_t kSpreadEntriesPerCta = 512;  // the span aimed for: one entry a thread
+constexpr int64_t kSpreadMaxSpan = 4096;       // entries a span CTA stages (16 KB); positions
+                                               // within a span fit the 16-bit histograms
+constexpr int kSpreadMaxCtasPerHead = 64;
+constexpr int kSpreadMaxCounts = 16384;        // ctas_per_head x bins, which each CTA sums
 constexpr int kSmallMaxRowHeads = 8192;        // hkv * total_rows (the schedule's scan)
-constexpr int kScheduleThreads = 1024;
-constexpr int kScheduleItemsPerThread = kSmallMaxRowHeads / kScheduleThreads;
+constexpr int kScheduleItemsPerCta = 1024;
+constexpr int kMaxScheduleCtas = 16;
 
-bool fits_one_cta_per_head(const K2qCsrArgs& a, const K2qScheduleArgs* s) {
+struct SpreadShape {
+  int ctas_per_head = 1;
+  int64_t span = 0;         // entries a span CTA takes
+  int schedule_ctas = 0;    // CTAs that write the work items (0 without a schedule)
+};
+
+SpreadShape spread_shape(const K2qCsrArgs& a, const K2qScheduleArgs* s) {
   const int64_t per_head = static_cast<int64_t>(a.total_q) * a.topk;
-  return a.counting_sort && a.batch <= kSmallMaxBatch && a.total_rows + 1 <= kSmallMaxBins &&
-         per_head <= kSmallMaxPerHead &&
-         (s == nullptr || static_cast<int64_t>(a.hkv) * a.total_rows <= kSmallMaxRowHeads);
+  const int bins = a.total_rows + 1;
+  const int max_ctas = std::max(1, std::min(kSpreadMaxCtasPerHead, kSpreadMaxCounts / bins));
+  const int64_t wanted = ceil_div<int64_t>(per_head, kSpreadEntriesPerCta);
+  SpreadShape shape;
+  shape.ctas_per_head = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(wanted, max_ctas)));
+  shape.span = ceil_div<int64_t>(ceil_div<int64_t>(per_head, shape.ctas_per_head), 32) * 32;
+  if (s != nullptr) {
+    shape.schedule_ctas =
+        std::max(1, std::min(kMaxScheduleCtas, ceil_div(s->work_capacity, kScheduleItemsPerCta)));
+  }
+  return shape;
 }
 
-// rows[kSmallMaxBatch], cu_q[kSmallMaxBatch + 1] (padded to an even count), the head's q2k
-// entries, then the per-warp histograms.
-size_t one_cta_per_head_smem_bytes(int total_rows, int64_t per_head) {
-  return sizeof(int32_t) * (2 * kSmallMaxBatch + 2 + static_cast<size_t>(per_head)) +
-         sizeof(uint16_t) * static_cast<size_t>(kSmallWarps) * (total_rows + 1);
+// Whether a call takes the counting sort (msa._native.csr_builder.counting_sort_applies
+// mirrors it): spans of at most kSpreadMaxSpan entries.
+bool fits_counting_sort(const K2qCsrArgs& a, const K2qScheduleArgs* s) {
+  if (!a.counting_sort || a.batch > kSmallMaxBatch || a.total_rows + 1 > kSmallMaxBins) {
+    return false;
+  }
+  if (s != nullptr && static_cast<int64_t>(a.hkv) * a.total_rows > kSmallMaxRowHeads) {
+    return false;
+  }
+  return spread_shape(a, s).span <= kSpreadMaxSpan;
 }
 
-size_t one_cta_schedule_smem_bytes(int hkv, int total_rows) {
-  return sizeof(int32_t) * (kSmallMaxBatch + static_cast<size_t>(hkv) * total_rows +
-                            2 * static_cast<size_t>(total_rows));
+size_t count_smem_bytes(int bins) {
+  return sizeof(int32_t) * (2 * kSmallMaxBatch + 2 + static_cast<size_t>(bins));
 }
 
-// The CSR of KV head blockIdx.x, counting-sorted in shared memory: warp w owns a contiguous
-// range of the head's entries (a multiple of 32 long), counts them per row (bin total_rows =
-// dropped), the (row, warp)-ordered exclusive scan of the counts gives row_ptr and each warp's
-// first position in every row, and a second pass scatters each warp's entries in order, ranked
-// among the lanes of the same row. Entries keep their (query, slot) order within a row: the
-// radix sort's stable order, bit for bit.
-template <bool kWithSlots>
-__global__ void __launch_bounds__(kSmallThreads)
-csr_one_cta_per_head_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, int blk_kv,
-                            int64_t q_stride, int32_t* __restrict__ row_ptr,
-                            int32_t* __restrict__ q_indices,
-                            int32_t* __restrict__ qsplit_indices,
-                            int32_t* __restrict__ split_counts) {
-  const int64_t per_head = static_cast<int64_t>(a.total_q) * a.topk;
+// Span CTAs: rows, cu_q, each row's first position, the staged span, then the per-warp
+// histograms; schedule CTAs: rows, the (head, row) lengths and inclusive chunk counts, the
+// rows' owners.
+size_t scatter_schedule_smem_bytes(int hkv, int total_rows, int64_t span, bool schedule) {
+  const size_t bins = static_cast<size_t>(total_rows) + 1;
+  const size_t scatter = sizeof(int32_t) * (2 * kSmallMaxBatch + 2 + bins + span) +
+                         sizeof(uint16_t) * kSpreadWarps * bins;
+  const size_t n = static_cast<size_t>(hkv) * total_rows;
+  const size_t sched = sizeof(int32_t) * (kSmallMaxBatch + 2 * n + 2 * total_rows);
+  return schedule ? std::max(scatter, sched) : scatter;
+}
+
+// Stages the requests' block counts and cu_q in shared memory.
+__device__ __forceinline__ void stage_requests(const CsrDeviceArgs& a,
+                                               const int32_t* __restrict__ cu_k, int blk_kv,
+                                               int32_t* rows, int32_t* cu_q) {
+  for (int b = threadIdx.x; b < a.batch; b += blockDim.x) rows[b] = request_blocks(cu_k, b, blk_kv);
+  for (int b = threadIdx.x; b <= a.batch; b += blockDim.x) cu_q[b] = __ldg(a.cu_q + b);
+}
+
+// counts[h, c, bin]: the entries of span c of head h per row (grid: ctas_per_head x hkv).
+__global__ void __launch_bounds__(kSpreadThreads)
+csr_count_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, int blk_kv, int64_t span,
+                 int32_t* __restrict__ counts) {
   extern __shared__ int32_t smem[];
+  int32_t* rows = smem;                           // [kSmallMaxBatch]
+  int32_t* cu_q = rows + kSmallMaxBatch;          // [kSmallMaxBatch + 2]
+  int32_t* hist = cu_q + kSmallMaxBatch + 2;      // [bins]
+  const int c = blockIdx.x;
+  const int h = blockIdx.y;
+  const int bins = a.total_rows + 1;
+  stage_requests(a, cu_k, blk_kv, rows, cu_q);
+  for (int i = threadIdx.x; i < bins; i += kSpreadThreads) hist[i] = 0;
+  __syncthreads();
+  const int64_t per_head = static_cast<int64_t>(a.total_q) * a.topk;
+  const int64_t end = min(per_head, (c + 1) * span);
+  const int32_t* q2k_head = a.q2k + h * per_head;
+  const auto row_of = [&](int b, int beta) { return round_robin_row(rows, a.batch, b, beta); };
+  for (int64_t e = c * span + threadIdx.x; e < end; e += kSpreadThreads) {
+    const EntryPlace p = place_block<true>(a, rows, cu_q, e, __ldg(q2k_head + e), row_of);
+    atomicAdd(hist + (p.valid ? p.row : a.total_rows), 1);
+  }
+  __syncthreads();
+  int32_t* out = counts + (static_cast<int64_t>(h) * gridDim.x + c) * bins;
+  for (int i = threadIdx.x; i < bins; i += kSpreadThreads) out[i] = hist[i];
+}
+
+// Span CTA (h, c) of csr_scatter_schedule_kernel.
+template <bool kWithSlots>
+__device__ __forceinline__ void scatter_span(const CsrDeviceArgs& a,
+                                             const int32_t* __restrict__ cu_k, int blk_kv,
+                                             int h, int c, int ctas_per_head, int64_t span,
+                                             const int32_t* __restrict__ counts,
+                                             int64_t q_stride, int32_t* __restrict__ row_ptr,
+                                             int32_t* __restrict__ q_indices,
+                                             int32_t* __restrict__ qsplit_indices,
+                                             int32_t* __restrict__ split_counts) {
+  extern __shared__ int32_t smem[];
+  const int bins = a.total_rows + 1;
   int32_t* rows = smem;                                       // [kSmallMaxBatch]
   int32_t* cu_q = rows + kSmallMaxBatch;                      // [kSmallMaxBatch + 2]
-  int32_t* q2k = cu_q + kSmallMaxBatch + 2;                   // [per_head]
-  uint16_t* hist = reinterpret_cast<uint16_t*>(q2k + per_head);   // [kSmallWarps, bins]
-  using BlockScan = cub::BlockScan<int32_t, kSmallThreads>;
+  int32_t* first = cu_q + kSmallMaxBatch + 2;                 // [bins]
+  int32_t* q2k = first + bins;                                // [span]
+  uint16_t* hist = reinterpret_cast<uint16_t*>(q2k + span);   // [kSpreadWarps, bins]
+  using BlockScan = cub::BlockScan<int32_t, kSpreadThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
-  const int h = blockIdx.x;
-  const int bins = a.total_rows + 1;
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  // The head's q2k entries and cu_q are staged once, all loads in flight together: the warps'
-  // two passes then find each entry's block and request without a global round trip.
-  for (int b = tid; b < a.batch; b += kSmallThreads) rows[b] = request_blocks(cu_k, b, blk_kv);
-  for (int b = tid; b <= a.batch; b += kSmallThreads) cu_q[b] = __ldg(a.cu_q + b);
-  for (int64_t e = tid; e < per_head; e += kSmallThreads) q2k[e] = __ldg(a.q2k + h * per_head + e);
-  for (int i = tid; i < kSmallWarps * bins; i += kSmallThreads) hist[i] = 0;
+  const int64_t per_head = static_cast<int64_t>(a.total_q) * a.topk;
+  const int64_t span_begin = c * span;
+  const int64_t span_end = min(per_head, span_begin + span);
+  stage_requests(a, cu_k, blk_kv, rows, cu_q);
+  for (int64_t e = span_begin + tid; e < span_end; e += kSpreadThreads) {
+    q2k[e - span_begin] = __ldg(a.q2k + h * per_head + e);
+  }
+  for (int i = tid; i < kSpreadWarps * bins; i += kSpreadThreads) hist[i] = 0;
+
+  // Each row's start (exclusive scan of the rows' totals over every span) and this span's
+  // first position in it (the start plus the earlier spans' counts); thread t owns the rows
+  // [t * per_thread, ...). Span 0 writes row_ptr.
+  const int per_thread = ceil_div(bins, kSpreadThreads);
+  const int32_t* head_counts = counts + static_cast<int64_t>(h) * ctas_per_head * bins;
+  int32_t owned = 0;
+  for (int k = 0; k < per_thread; ++k) {
+    const int bin = tid * per_thread + k;
+    if (bin < bins) {
+      for (int s = 0; s < ctas_per_head; ++s) owned += head_counts[s * bins + bin];
+    }
+  }
+  int32_t start = 0;
+  BlockScan(scan_storage).ExclusiveSum(owned, start);
+  for (int k = 0; k < per_thread; ++k) {
+    const int bin = tid * per_thread + k;
+    if (bin < bins) {
+      if (c == 0) row_ptr[static_cast<int64_t>(h) * bins + bin] = start;
+      int32_t before = 0, total = 0;
+      for (int s = 0; s < ctas_per_head; ++s) {
+        const int32_t n = head_counts[s * bins + bin];
+        before += s < c ? n : 0;
+        total += n;
+      }
+      first[bin] = start + before;
+      start += total;
+    }
+  }
   __syncthreads();
 
-  const int64_t span = ceil_div<int64_t>(ceil_div<int64_t>(per_head, kSmallWarps), 32) * 32;
-  const int64_t begin = warp * span;
-  const int64_t end = min(per_head, begin + span);
+  // Warp w owns a contiguous range of the span (a multiple of 32 long).
+  const int64_t warp_span = ceil_div<int64_t>(ceil_div<int64_t>(span, kSpreadWarps), 32) * 32;
+  const int64_t begin = span_begin + warp * warp_span;
+  const int64_t end = min(span_end, begin + warp_span);
   const auto row_of = [&](int b, int beta) { return round_robin_row(rows, a.batch, b, beta); };
+  const auto place = [&](int64_t e) {
+    return place_block<true>(a, rows, cu_q, e, q2k[e - span_begin], row_of);
+  };
   uint16_t* warp_hist = hist + warp * bins;
   const unsigned lanes_below = (1u << lane) - 1u;
   // A warp's entries of one row: counted by the row's lowest lane (no atomics: the warp owns
@@ -498,7 +609,7 @@ csr_one_cta_per_head_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, i
     const int64_t e = base + lane;
     const bool in_range = e < end;
     EntryPlace p;
-    if (in_range) p = place_entry<true>(a, rows, q2k, cu_q, e, row_of);
+    if (in_range) p = place(e);
     const int bin = in_range ? (p.valid ? p.row : a.total_rows) : -1;
     int rank = 0;
     const int peers = count_peers(bin, in_range, &rank);
@@ -506,27 +617,13 @@ csr_one_cta_per_head_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, i
     __syncwarp();
   }
   __syncthreads();
-
-  // Exclusive scan in (row, warp) order; thread t owns rows [t * per_thread, ...).
-  const int per_thread = ceil_div(bins, kSmallThreads);
-  int32_t owned = 0;
-  for (int k = 0; k < per_thread; ++k) {
-    const int bin = tid * per_thread + k;
-    if (bin < bins) {
-      for (int w = 0; w < kSmallWarps; ++w) owned += hist[w * bins + bin];
-    }
-  }
-  int32_t start = 0;
-  BlockScan(scan_storage).ExclusiveSum(owned, start);
-  for (int k = 0; k < per_thread; ++k) {
-    const int bin = tid * per_thread + k;
-    if (bin < bins) {
-      row_ptr[static_cast<int64_t>(h) * bins + bin] = start;
-      for (int w = 0; w < kSmallWarps; ++w) {   // positions < kSmallMaxPerHead: 16 bits
-        const int32_t c = hist[w * bins + bin];
-        hist[w * bins + bin] = static_cast<uint16_t>(start);
-        start += c;
-      }
+  // Per-warp counts -> each warp's offset within the span's share of the row (< span: 16 bits).
+  for (int bin = tid; bin < bins; bin += kSpreadThreads) {
+    uint16_t running = 0;
+    for (int w = 0; w < kSpreadWarps; ++w) {
+      const uint16_t n = hist[w * bins + bin];
+      hist[w * bins + bin] = running;
+      running = static_cast<uint16_t>(running + n);
     }
   }
   __syncthreads();
@@ -537,7 +634,7 @@ csr_one_cta_per_head_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, i
     const int64_t e = base + lane;
     const bool in_range = e < end;
     EntryPlace p;
-    if (in_range) p = place_entry<true>(a, rows, q2k, cu_q, e, row_of);
+    if (in_range) p = place(e);
     int slot = 0, count = 0;
     if constexpr (kWithSlots) {
       combine_slot(p, a.topk, &slot, &count);
@@ -549,67 +646,105 @@ csr_one_cta_per_head_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, i
     int rank = 0;
     const int peers = count_peers(bin, in_range, &rank);
     if (in_range) {
-      store_payload<kWithSlots>(head_q, head_qsplit, warp_hist[bin] + rank,
+      store_payload<kWithSlots>(head_q, head_qsplit, first[bin] + warp_hist[bin] + rank,
                                 entry_payload(p, slot, kWithSlots));
     }
     __syncwarp();
     if (in_range && rank == 0) warp_hist[bin] = static_cast<uint16_t>(warp_hist[bin] + peers);
     __syncwarp();
   }
-  for (int64_t e = per_head + tid; e < q_stride; e += kSmallThreads) {   // a wider buffer's tail
+  // A wider buffer's tail, shared by the head's spans.
+  for (int64_t e = per_head + static_cast<int64_t>(c) * kSpreadThreads + tid; e < q_stride;
+       e += static_cast<int64_t>(ctas_per_head) * kSpreadThreads) {
     store_payload<kWithSlots>(head_q, head_qsplit, e, -1);
   }
 }
 
-// The schedule of a small call in one CTA: chunk counts per (head, row) scanned in shared
-// memory (<= kSmallMaxRowHeads pairs), the rows' owners, then the work items.
-__global__ void __launch_bounds__(kScheduleThreads)
-schedule_one_cta_kernel(const int32_t* __restrict__ row_ptr, const int32_t* __restrict__ cu_k,
-                        int batch, int blk_kv, int hkv, int total_rows, int target_q_per_cta,
-                        int work_capacity, int32_t* __restrict__ metadata,
-                        int32_t* __restrict__ work_count) {
+// Schedule CTA s of `schedule_ctas`: the (head, row) lengths from the counts, their chunk
+// counts scanned in shared memory (<= kSmallMaxRowHeads pairs), the rows' owners, then every
+// schedule_ctas-th block of work items.
+__device__ __forceinline__ void schedule_part(const CsrDeviceArgs& a,
+                                              const int32_t* __restrict__ cu_k, int blk_kv,
+                                              int ctas_per_head,
+                                              const int32_t* __restrict__ counts, int s,
+                                              int schedule_ctas, int target_q_per_cta,
+                                              int work_capacity, int32_t* __restrict__ metadata,
+                                              int32_t* __restrict__ work_count) {
   extern __shared__ int32_t smem[];
-  const int64_t n = static_cast<int64_t>(hkv) * total_rows;
+  const int total_rows = a.total_rows;
+  const int bins = total_rows + 1;
+  const int64_t n = static_cast<int64_t>(a.hkv) * total_rows;
   int32_t* rows = smem;                               // [kSmallMaxBatch]
-  int32_t* chunk_incl = rows + kSmallMaxBatch;        // [n]
+  int32_t* row_len = rows + kSmallMaxBatch;           // [n]
+  int32_t* chunk_incl = row_len + n;                  // [n]
   int32_t* owner_batch = chunk_incl + n;              // [total_rows]
   int32_t* owner_block = owner_batch + total_rows;    // [total_rows]
-  using BlockScan = cub::BlockScan<int32_t, kScheduleThreads>;
+  using BlockScan = cub::BlockScan<int32_t, kSpreadThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   const int tid = threadIdx.x;
-  for (int b = tid; b < batch; b += kScheduleThreads) rows[b] = request_blocks(cu_k, b, blk_kv);
+  for (int b = tid; b < a.batch; b += kSpreadThreads) rows[b] = request_blocks(cu_k, b, blk_kv);
 
-  int32_t counts[kScheduleItemsPerThread];
+  // Thread t owns the pairs [t * per_thread, ...), head-major.
+  const int per_thread = static_cast<int>(ceil_div<int64_t>(n, kSpreadThreads));
   int32_t owned = 0;
-#pragma unroll
-  for (int k = 0; k < kScheduleItemsPerThread; ++k) {
-    const int64_t i = static_cast<int64_t>(tid) * kScheduleItemsPerThread + k;
-    counts[k] = 0;
+  for (int k = 0; k < per_thread; ++k) {
+    const int64_t i = static_cast<int64_t>(tid) * per_thread + k;
     if (i < n) {
       const int h = static_cast<int>(i / total_rows);
       const int r = static_cast<int>(i - static_cast<int64_t>(h) * total_rows);
-      const int32_t* head_ptr = row_ptr + static_cast<int64_t>(h) * (total_rows + 1);
-      counts[k] = ceil_div(max(head_ptr[r + 1] - head_ptr[r], 0), target_q_per_cta);
+      const int32_t* pair_counts = counts + static_cast<int64_t>(h) * ctas_per_head * bins + r;
+      int32_t len = 0;
+      for (int c = 0; c < ctas_per_head; ++c) len += pair_counts[c * bins];
+      row_len[i] = len;
+      const int32_t chunks = ceil_div(len, target_q_per_cta);
+      chunk_incl[i] = chunks;
+      owned += chunks;
     }
-    owned += counts[k];
   }
   int32_t running = 0;
   BlockScan(scan_storage).ExclusiveSum(owned, running);
-#pragma unroll
-  for (int k = 0; k < kScheduleItemsPerThread; ++k) {
-    const int64_t i = static_cast<int64_t>(tid) * kScheduleItemsPerThread + k;
-    running += counts[k];
-    if (i < n) chunk_incl[i] = running;
+  for (int k = 0; k < per_thread; ++k) {
+    const int64_t i = static_cast<int64_t>(tid) * per_thread + k;
+    if (i < n) {
+      running += chunk_incl[i];
+      chunk_incl[i] = running;
+    }
   }
-  __syncthreads();   // rows[] and chunk_incl[] are complete
-  for (int r = tid; r < total_rows; r += kScheduleThreads) {
-    row_owner(rows, batch, r, owner_batch + r, owner_block + r);
+  __syncthreads();   // rows[], row_len[] and chunk_incl[] are complete
+  for (int r = tid; r < total_rows; r += kSpreadThreads) {
+    row_owner(rows, a.batch, r, owner_batch + r, owner_block + r);
   }
   __syncthreads();
-  if (tid == 0) work_count[0] = min(n > 0 ? chunk_incl[n - 1] : 0, work_capacity);
-  for (int w = tid; w < work_capacity; w += kScheduleThreads) {
-    write_work_item(w, chunk_incl, n, row_ptr, owner_batch, owner_block, total_rows,
+  if (s == 0 && tid == 0) work_count[0] = min(n > 0 ? chunk_incl[n - 1] : 0, work_capacity);
+  const auto len_of = [&](int64_t i, int, int) { return row_len[i]; };
+  for (int w = s * kSpreadThreads + tid; w < work_capacity; w += schedule_ctas * kSpreadThreads) {
+    write_work_item(w, chunk_incl, n, len_of, owner_batch, owner_block, total_rows,
                     target_q_per_cta, metadata);
+  }
+}
+
+// The CSR's span CTAs (hkv x ctas_per_head, head-major) and, with a schedule, its schedule
+// CTAs after them.
+template <bool kWithSlots>
+__global__ void __launch_bounds__(kSpreadThreads)
+csr_scatter_schedule_kernel(CsrDeviceArgs a, const int32_t* __restrict__ cu_k, int blk_kv,
+                            int ctas_per_head, int64_t span, const int32_t* __restrict__ counts,
+                            int64_t q_stride, int32_t* __restrict__ row_ptr,
+                            int32_t* __restrict__ q_indices,
+                            int32_t* __restrict__ qsplit_indices,
+                            int32_t* __restrict__ split_counts, int target_q_per_cta,
+                            int work_capacity, int32_t* __restrict__ metadata,
+                            int32_t* __restrict__ work_count) {
+  const int span_ctas = a.hkv * ctas_per_head;
+  const int cta = blockIdx.x;
+  if (cta < span_ctas) {
+    scatter_span<kWithSlots>(a, cu_k, blk_kv, cta / ctas_per_head, cta % ctas_per_head,
+                             ctas_per_head, span, counts, q_stride, row_ptr, q_indices,
+                             qsplit_indices, split_counts);
+  } else if constexpr (kWithSlots) {
+    schedule_part(a, cu_k, blk_kv, ctas_per_head, counts, cta - span_ctas,
+                  gridDim.x - span_ctas, target_q_per_cta, work_capacity, metadata,
+                  work_count);
   }
 }
 
@@ -627,6 +762,7 @@ struct CsrWorkspace {
   int32_t* chunk_incl = nullptr;
   int32_t* owner_batch = nullptr;
   int32_t* owner_block = nullptr;
+  int32_t* span_counts = nullptr;   // counting sort: [hkv, ctas_per_head, total_rows + 1]
   void* scan_temp = nullptr;
   size_t scan_temp_bytes = 0;
   size_t total_bytes = 0;
@@ -639,8 +775,11 @@ int64_t entry_count(const K2qCsrArgs& a) {
 cudaError_t plan_workspace(const K2qCsrArgs& a, const K2qScheduleArgs* s, void* base,
                            CsrWorkspace* ws) {
   detail::WorkspaceCarver carve(base);
-  if (fits_one_cta_per_head(a, s)) {   // everything lives in shared memory
-    ws->total_bytes = 0;
+  if (fits_counting_sort(a, s)) {   // the spans' row counts; the rest lives in shared memory
+    const SpreadShape shape = spread_shape(a, s);
+    ws->span_counts = carve.take<int32_t>(static_cast<size_t>(a.hkv) * shape.ctas_per_head *
+                                          (static_cast<size_t>(a.total_rows) + 1));
+    ws->total_bytes = carve.used();
     return cudaSuccess;
   }
   const int64_t n_entries = entry_count(a);
@@ -681,36 +820,38 @@ cudaError_t plan_workspace(const K2qCsrArgs& a, const K2qScheduleArgs* s, void* 
   return cudaSuccess;
 }
 
-// The small-call path: csr_one_cta_per_head_kernel, then schedule_one_cta_kernel.
-cudaError_t launch_one_cta_per_head(const K2qCsrArgs& a, const K2qScheduleArgs* s,
-                                    cudaStream_t stream) {
+// The small-call path: csr_count_kernel, then csr_scatter_schedule_kernel.
+cudaError_t launch_counting_sort(const K2qCsrArgs& a, const K2qScheduleArgs* s,
+                                 const CsrWorkspace& ws, cudaStream_t stream) {
   const CsrDeviceArgs d{a.q2k_indices, a.cu_seqlens_q, a.cu_seqlens_k, nullptr, nullptr,
                         a.batch, 0, a.hkv, a.total_q, a.topk, a.total_rows, entry_count(a)};
-  const size_t csr_smem = one_cta_per_head_smem_bytes(a.total_rows, entry_count(a) / a.hkv);
-  if (s != nullptr) {
-    MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(csr_one_cta_per_head_kernel<true>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(csr_smem)));
-    csr_one_cta_per_head_kernel<true><<<a.hkv, kSmallThreads, csr_smem, stream>>>(
-        d, a.cu_seqlens_k, a.blk_kv, a.q_indices_stride, a.row_ptr, a.q_indices,
-        s->qsplit_indices, s->split_counts);
-  } else {
-    MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(csr_one_cta_per_head_kernel<false>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(csr_smem)));
-    csr_one_cta_per_head_kernel<false><<<a.hkv, kSmallThreads, csr_smem, stream>>>(
-        d, a.cu_seqlens_k, a.blk_kv, a.q_indices_stride, a.row_ptr, a.q_indices, nullptr,
-        nullptr);
-  }
-  MSA_RETURN_IF_ERROR(cudaGetLastError());
-  if (s == nullptr) return cudaSuccess;
-  const size_t schedule_smem = one_cta_schedule_smem_bytes(a.hkv, a.total_rows);
-  MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(schedule_one_cta_kernel,
+  const SpreadShape shape = spread_shape(a, s);
+  const int bins = a.total_rows + 1;
+  const size_t count_smem = count_smem_bytes(bins);
+  MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(csr_count_kernel,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(schedule_smem)));
-  schedule_one_cta_kernel<<<1, kScheduleThreads, schedule_smem, stream>>>(
-      a.row_ptr, a.cu_seqlens_k, a.batch, a.blk_kv, a.hkv, a.total_rows, s->target_q_per_cta,
-      s->work_capacity, s->scheduler_metadata, s->work_count);
+                                           static_cast<int>(count_smem)));
+  csr_count_kernel<<<dim3(shape.ctas_per_head, a.hkv), kSpreadThreads, count_smem, stream>>>(
+      d, a.cu_seqlens_k, a.blk_kv, shape.span, ws.span_counts);
+  MSA_RETURN_IF_ERROR(cudaGetLastError());
+  const size_t smem = scatter_schedule_smem_bytes(a.hkv, a.total_rows, shape.span, s != nullptr);
+  const unsigned grid = static_cast<unsigned>(a.hkv * shape.ctas_per_head + shape.schedule_ctas);
+  if (s != nullptr) {
+    MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(csr_scatter_schedule_kernel<true>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(smem)));
+    csr_scatter_schedule_kernel<true><<<grid, kSpreadThreads, smem, stream>>>(
+        d, a.cu_seqlens_k, a.blk_kv, shape.ctas_per_head, shape.span, ws.span_counts,
+        a.q_indices_stride, a.row_ptr, a.q_indices, s->qsplit_indices, s->split_counts,
+        s->target_q_per_cta, s->work_capacity, s->scheduler_metadata, s->work_count);
+  } else {
+    MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(csr_scatter_schedule_kernel<false>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(smem)));
+    csr_scatter_schedule_kernel<false><<<grid, kSpreadThreads, smem, stream>>>(
+        d, a.cu_seqlens_k, a.blk_kv, shape.ctas_per_head, shape.span, ws.span_counts,
+        a.q_indices_stride, a.row_ptr, a.q_indices, nullptr, nullptr, 0, 0, nullptr, nullptr);
+  }
   return cudaGetLastError();
 }
 
@@ -743,7 +884,7 @@ cudaError_t launch_build_k2q_csr(const K2qCsrArgs& a, const K2qScheduleArgs* s, 
 
   const int64_t n_entries = entry_count(a);
   const int64_t per_head = static_cast<int64_t>(a.total_q) * a.topk;
-  if (fits_one_cta_per_head(a, s)) return launch_one_cta_per_head(a, s, stream);
+  if (fits_counting_sort(a, s)) return launch_counting_sort(a, s, ws, stream);
 
   request_rows_kernel<<<grid_for(a.batch), kThreads, 0, stream>>>(a.cu_seqlens_k, a.batch,
                                                                   a.blk_kv, ws.rows);

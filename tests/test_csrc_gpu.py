@@ -308,17 +308,21 @@ def test_k2q_csr_garbage_ids_and_wrong_hints(msa_pkg, native_only, native_hooks,
     torch.cuda.synchronize()
 
 
-# The builder has two forms (csrc/build_k2q_csr.cu): a call of at most 6144 entries a KV head
-# (total_q * topK), 2047 CSR rows and 64 requests (and, with a schedule, 8192 (head, row) pairs)
-# may take the one-CTA-per-head counting sort in shared memory, any other the radix sort. Shapes
-# on both sides of each limit: (q_lens, k_lens, hkv, topk, total_rows hint or None).
+# The builder has two forms (csrc/build_k2q_csr.cu): a call of at most 2047 CSR rows and 64
+# requests (and, with a schedule, 8192 (head, row) pairs) whose KV heads' entries (total_q *
+# topK) fit spans of 4096 over at most min(64, 16384 // (rows + 1)) CTAs a head may take the
+# counting sort, any other the radix sort. Shapes on both sides of each limit:
+# (q_lens, k_lens, hkv, topk, total_rows hint or None).
 FORM_LIMIT_CASES = [
     ([182], [17718], 4, 16, None),                        # a production short chunk
-    ([384], [140000], 4, 16, None),                       # 6144 entries a head: counting sort
-    ([385], [140000], 4, 16, None),                       # 6160: radix sort
+    ([3584], [140000], 4, 16, None),                      # 1094 rows: 14 spans of 4096
+    ([3585], [140000], 4, 16, None),                      # one entry past them: radix sort
+    ([4000], [17718], 2, 16, None),                       # 139 rows: 64 spans of 1000
     ([6] * 64, [3000] * 63 + [129], 4, 16, None),         # 64 requests: counting sort
     ([5] * 65, [3000] * 65, 4, 16, None),                 # 65 requests: radix sort
     ([100], [2047 * KV_BLOCK], 4, 16, 2047),              # 2047 rows, 8188 pairs: counting
+    ([2048], [2047 * KV_BLOCK], 1, 16, 2047),             # 2047 rows: 8 spans of 4096
+    ([2049], [2047 * KV_BLOCK], 1, 16, 2047),             # 16 entries past them: radix sort
     ([100], [2047 * KV_BLOCK + 1], 4, 16, 2048),          # 2048 rows: radix sort
     ([100, 0, 60], [1100 * KV_BLOCK, 500, 7], 8, 32, None),   # 8 heads: > 8192 pairs
     ([5, 700, 1], [0, 9000, 130], 2, 4, 3),               # a total_rows hint that drops rows

@@ -1,13 +1,14 @@
 """The k2q CSR + schedule build's two forms at short-chunk shapes (a GPU diagnostic for issue 23,
-no TSV): the one-CTA-per-KV-head counting sort (csrc/build_k2q_csr.cu, small calls) against the
-radix-sort build, each captured in a CUDA graph and replayed, then one replay under the profiler
+no TSV): the counting sort spread over several CTAs a KV head (csrc/build_k2q_csr.cu, small
+calls) against the radix-sort build, each captured in a CUDA graph and replayed, then one replay under the profiler
 for its kernels' times.
 
     MSA_PACKAGE_DIR=build/<variant> python3 benchmarks/lab/csr_forms.py [--replays 50]
 
 msa._native.debug's csr_counting_sort hook picks the form (the counting sort only where the
 sizes allow it). Selections are random block ids of each request, Hkv 4, top-16, G 16:
-MiniMax-M3's short prefill chunks (upstream's representative cases) and two larger ones.
+MiniMax-M3's short prefill chunks (upstream's representative cases) and larger ones up to the
+counting sort's limits (a 16k-query chunk at 47.7k keys; 3584 queries at 140k keys).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/
 from _common import load_msa  # noqa: E402
 
 CASES = [([182], [17718]), ([171], [55339]), ([347], [131547]), ([170, 156], [13000, 27277]),
-         ([140, 130, 136], [20000, 21000, 17723]), ([630], [32723]), ([1000], [60000])]
+         ([140, 130, 136], [20000, 21000, 17723]), ([630], [32723]), ([1000], [60000]), ([2000], [40000]),
+         ([3584], [140000]), ([16384], [47730])]
 
 
 def make_call(msa, q_lens, k_lens, gen, hkv=4, topk=16):

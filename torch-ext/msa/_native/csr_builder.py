@@ -12,10 +12,10 @@ reference for it and logs that. Importing this module does not touch CUDA.
 
 Two forms build the same bits: the radix sort (~12 launches: entry keys, cub's radix sort,
 row_ptr, payloads, and the schedule's rows, scan and items) and, for small calls (the short
-production chunks; :func:`counting_sort_applies`), a counting sort in shared memory, one CTA per
-KV head, plus one CTA for the schedule: two launches, where a short chunk's CSR stage was
-launch-bound. debug's ``csr_counting_sort`` hook forces either; ``last_variant("build_k2q_csr")``
-says which ran.
+production chunks; :func:`counting_sort_applies`), a counting sort spread over several CTAs a KV
+head (each span's row counts, then each span's scatter, the second launch also building the
+schedule): two launches, where a short chunk's CSR stage was launch-bound. debug's
+``csr_counting_sort`` hook forces either; ``last_variant("build_k2q_csr")`` says which ran.
 """
 
 from __future__ import annotations
@@ -34,27 +34,31 @@ from .compiled_ops import ops
 OP_NAME = "build_k2q_csr"
 KV_BLOCK = 128
 
-# The counting-sort form (csrc/build_k2q_csr.cu fits_one_cta_per_head) takes calls of at most
-# these sizes. Validated on an H100 (tests/test_csrc_gpu.py: both forms against the reference
-# on each limit's sides, garbage ids, short hints, graph replay; memcheck section csr).
-# benchmarks/lab/csr_forms.py (H100, graph replays): 27.0 vs 48.7 us at 182 queries / 17.7k
-# keys, 30.6 vs 50.9 at 171 / 55k, 46.3 vs 52.9 at 2 x ~163 / 27k, 52.2 vs 54.4 at 347 / 132k,
-# even at 3 x ~135 / 21k; slower from ~10k entries a head (67.6 vs 51.1 at 630 queries), hence
-# the entry bound. With the head's entries and cu_q staged in shared memory (b9a23db, H100):
-# 24.6 us at 182 / 17.7k (kernels 16.2 + 6.7 of the schedule), 27.8 at 171 / 55k, 46.3 at
-# 347 / 132k, 39.3 at 2 x ~163 / 27k.
+# The counting-sort form (csrc/build_k2q_csr.cu fits_counting_sort) takes calls of at most
+# COUNTING_SORT_MAX_BATCH requests and COUNTING_SORT_MAX_ROWS rows (and, with a schedule,
+# COUNTING_SORT_MAX_ROW_HEADS (head, row) pairs) whose heads' entries (total_q * topK) cut into
+# spans of at most COUNTING_SORT_MAX_SPAN entries over at most counting_sort_spans(rows) CTAs.
+# Validated on an H100 (tests/test_csrc_gpu.py: both forms against the reference on each
+# limit's sides, garbage ids, short hints, graph replay; memcheck section csr).
 VALIDATED_COUNTING_SORT = True
-COUNTING_SORT_MAX_ENTRIES_PER_HEAD = 6144      # total_q * topK
+COUNTING_SORT_MAX_SPAN = 4096
+COUNTING_SORT_MAX_SPANS = 64
+COUNTING_SORT_MAX_COUNTS = 16384               # spans x (rows + 1): what each span CTA sums
 COUNTING_SORT_MAX_ROWS = 2047
 COUNTING_SORT_MAX_BATCH = 64
 COUNTING_SORT_MAX_ROW_HEADS = 8192             # Hkv * total_rows, with a schedule
 
 
+def counting_sort_spans(total_rows: int) -> int:
+    """The most span CTAs a KV head's counting sort may take at `total_rows` rows."""
+    return max(1, min(COUNTING_SORT_MAX_SPANS, COUNTING_SORT_MAX_COUNTS // (total_rows + 1)))
+
+
 def counting_sort_applies(call) -> bool:
     """Whether a call's sizes take the counting-sort form when it may serve (the launcher's
-    fits_one_cta_per_head, on the same host values)."""
+    fits_counting_sort, on the same host values)."""
     hkv, total_q, topk = call.q2k_indices.shape
-    return (total_q * topk <= COUNTING_SORT_MAX_ENTRIES_PER_HEAD
+    return (total_q * topk <= COUNTING_SORT_MAX_SPAN * counting_sort_spans(call.total_rows)
             and call.total_rows <= COUNTING_SORT_MAX_ROWS
             and call.cu_seqlens_q.numel() - 1 <= COUNTING_SORT_MAX_BATCH
             and (not call.return_schedule
