@@ -67,13 +67,15 @@ def time_build(csr_builder, call, replays):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--max-queries", type=int, default=1 << 30,
+                    help="only the cases of at most this many queries")
     args = ap.parse_args()
     msa = load_msa()
     csr_builder = import_module(f"{msa.__name__}._native.csr_builder")
     debug = import_module(f"{msa.__name__}._native.debug")
     gen = torch.Generator().manual_seed(1701)
     print(f"# {torch.cuda.get_device_name()}  msa from {msa.__file__}")
-    for q_lens, k_lens in CASES:
+    for q_lens, k_lens in [c for c in CASES if sum(c[0]) <= args.max_queries]:
         call = make_call(msa, q_lens, k_lens, gen)
         for counting_sort in (True, False, True, False):        # forwards, then again
             with debug.forcing(csr_counting_sort=counting_sort):
