@@ -126,8 +126,8 @@ def sparse_prefill_cases(gen):
 
 
 def csr_cases(gen):
-    """build_k2q_csr's two forms (the one-CTA-per-head counting sort for small calls, the radix
-    sort past its limits), with and without a schedule, on ids the API cannot check without a
+    """build_k2q_csr's two forms (the spread counting sort for small calls, the radix sort past
+    its limits or forced), with and without a schedule, on ids the API cannot check without a
     sync (any int32) and a total_rows hint that drops rows."""
     device = torch.device("cuda")
     for q_lens, k_lens, total_rows in (([100, 1, 280], [5000, 130, 257], None),
@@ -142,12 +142,15 @@ def csr_cases(gen):
         ids = torch.randint(-3, 2100, (4, total_q, 16), generator=gen, dtype=torch.int32)
         ids[:, ::7, 5] = torch.iinfo(torch.int32).max
         ids[:, ::5, 6] = torch.iinfo(torch.int32).min
-        for schedule in (True, False):
-            msa.build_k2q_csr(ids.to(device), cu_q, cu_k, BLOCK, total_k=sum(k_lens),
-                              max_seqlen_k=max(k_lens), max_seqlen_q=max(q_lens),
-                              total_rows=total_rows, qhead_per_kv=16,
-                              return_schedule=schedule)
+        for schedule, counting_sort in itertools.product((True, False), (True, False)):
+            with debug.forcing(csr_counting_sort=counting_sort):
+                msa.build_k2q_csr(ids.to(device), cu_q, cu_k, BLOCK, total_k=sum(k_lens),
+                                  max_seqlen_k=max(k_lens), max_seqlen_q=max(q_lens),
+                                  total_rows=total_rows, qhead_per_kv=16,
+                                  return_schedule=schedule)
             expect_native("build_k2q_csr")
+            assert debug.last_variant("build_k2q_csr") == \
+                ("counting_sort" if counting_sort else "radix_sort")
         torch.cuda.synchronize()
         print(f"build_k2q_csr {len(q_lens)} requests, {total_q} queries, total_rows "
               f"{total_rows}: ok")

@@ -30,7 +30,7 @@ struct K2qCsrArgs {
   int blk_kv;                    // tokens per KV block (128)
   int total_rows;                // CSR rows to emit (host hint; rows past it are dropped)
   int max_kv_blocks;             // host hint: ceil(max k_len / blk_kv); sizes a lookup table only
-  bool counting_sort;            // small calls may take the one-CTA-per-head counting sort
+  bool counting_sort;            // small calls may take the spread counting sort
 };
 
 // Present only for run_build_k2q_csr_with_schedule.
