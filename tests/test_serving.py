@@ -286,9 +286,10 @@ def test_decode_token_warps_gate(monkeypatch):
         return SimpleNamespace(pv_quant_dtype=E4M3 if e4m3 else None,
                                q2k_indices=object() if sparse else None, seqlen_q=seqlen_q,
                                qhead_per_kv=group, batch_size=batch,
-                               q=SimpleNamespace(device=torch.device("cpu")),   # 132 SMs
                                k=SimpleNamespace(shape=(1, 4)),
-                               schedule=SimpleNamespace(qo_tile_rows=tile_rows))
+                               schedule=SimpleNamespace(
+                                   qo_tile_rows=tile_rows, max_grid_size=132,
+                                   num_qo_tiles=-(-seqlen_q * group // tile_rows)))
 
     monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
     assert decode_cuda.VALIDATED_TOKEN_WARPS is True

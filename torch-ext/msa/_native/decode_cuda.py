@@ -31,7 +31,6 @@ from typing import Optional
 import torch
 
 from .. import _backend
-from .._common import sm_count
 from ..schedules import decode as schedules_decode
 from . import debug
 
@@ -244,16 +243,11 @@ def _token_warps(call) -> int:
     warpgroup forms serve."""
     if call.q2k_indices is None or _form_dtype(call) != "e4m3" or _tile_rows(call) <= 16:
         return 0
+    schedule = call.schedule   # its tiles and CTA budget: what the plan's tile rule saw
     if debug.forced("decode_token_warps") is None and schedules_decode.few_tiles(
-            call.batch_size, call.k.shape[1], _qo_tiles(call), sm_count(call.q.device)):
+            call.batch_size, call.k.shape[1], schedule.num_qo_tiles, schedule.max_grid_size):
         return 0
     return _token_warps_form()
-
-
-def _qo_tiles(call) -> int:
-    """The call's qo tiles a request and KV head."""
-    rows = call.seqlen_q * call.qhead_per_kv
-    return -(-rows // _tile_rows(call))
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
