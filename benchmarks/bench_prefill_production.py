@@ -5,8 +5,9 @@ request a cached prefix and a new chunk, weights = production call counts). Per 
 
 * the pipeline: ``msa.MsaPrefillPagedWrapper`` over a paged cache (K/V and index-K in 128-token
   pages, disjoint random page tables, one scratch page), planned outside the timing (impl
-  ``paged``, its default ``attention_route="auto"``; ``--impls paged-sparse`` adds the same
-  with every chunk on the sparse route, ``--impls dense`` ``msa.msa_prefill`` on packed K/V);
+  ``paged``, its default ``attention_route="auto"``; ``--impls paged-sparse`` /
+  ``paged-decode`` add the same with every chunk on the sparse / decode route, ``--impls
+  dense`` ``msa.msa_prefill`` on packed K/V);
   the whole call
   captured in one CUDA graph over S input slots (each its own q, caches, page table and
   plan), S chosen so the bytes of S - 1 slots exceed twice the L2 (upstream's rule: no call
@@ -104,6 +105,13 @@ class PagedSparseRouteSlot(PagedSlot):
     attention_route = "sparse"
 
 
+class PagedDecodeRouteSlot(PagedSlot):
+    """The paged wrapper with every chunk on the decode route (the paged decode kernel, one
+    request per query, in any dtype): the other side of that A/B."""
+    impl = "msa_prefill_paged[decode]"
+    attention_route = "decode"
+
+
 class DenseSlot:
     """One set of inputs of a case for msa.msa_prefill: dense K/V / index-K per request
     (prefix + chunk, packed), lengths on the device; the call plans its chunks itself."""
@@ -134,7 +142,8 @@ class DenseSlot:
                                     return_selection=return_selection, **self.lens)
 
 
-SLOTS = {"paged": PagedSlot, "paged-sparse": PagedSparseRouteSlot, "dense": DenseSlot}
+SLOTS = {"paged": PagedSlot, "paged-sparse": PagedSparseRouteSlot,
+         "paged-decode": PagedDecodeRouteSlot, "dense": DenseSlot}
 
 
 def slot_bytes(case: PrefillCase, args, elem: int) -> int:
@@ -400,8 +409,9 @@ def main(argv=None):
                          "dtype (fp8_pe4m3: the contract's e4m3 partials, half the partial "
                          "bytes); default bf16 partials")
     ap.add_argument("--impls", default="paged",
-                    help="paged (MsaPrefillPagedWrapper, the engine layout), paged-sparse (the "
-                         "same with attention_route='sparse') and/or dense "
+                    help="paged (MsaPrefillPagedWrapper, the engine layout), paged-sparse / "
+                         "paged-decode (the same with attention_route='sparse' / 'decode') "
+                         "and/or dense "
                          "(msa_prefill on packed K/V)")
     ap.add_argument("--hq", type=int, default=64)
     ap.add_argument("--hkv", type=int, default=4, help="KV heads = index heads")

@@ -320,7 +320,7 @@ def test_auto_route_takes_short_e4m3_chunks_against_long_prefixes(seed):
     assert not prefill.takes_decode_route("sparse", 1, 10 ** 6)
     assert prefill.takes_decode_route("decode", 10 ** 5, 1)
     gen = torch.Generator().manual_seed(seed)
-    q_lens, k_lens = (3, 5), (900, 1000)
+    q_lens, k_lens = (3, 5), (1000, 1100)
     x, caches, table, itable = _paged_case(q_lens, k_lens, 1, 4, gen)
     wrapper = msa.MsaPrefillPagedWrapper(topk=4).plan(q_lens, k_lens, table, num_qo_heads=4,
                                                       num_kv_heads=1, index_page_table=itable)
