@@ -195,7 +195,8 @@ topk_tile_kernel(TopkSelectArgs a, int heads_per_group, int warps, int k_chunk) 
       }
     }
   }
-  int32_t* out_row = a.out + (static_cast<int64_t>(t) * a.num_out_heads + g) * a.topk;
+  int32_t* out_row =
+      a.out + static_cast<int64_t>(t) * a.out_token_stride + g * a.out_head_stride;
 #pragma unroll
   for (int i = 0; i < KCAP; ++i) {
     if (i < selected) out_row[r.begin_count + i] = ids[i];
@@ -258,7 +259,8 @@ topk_row_kernel(TopkSelectArgs a, int heads_per_group) {
     if (threadIdx.x == 0) chosen[selected] = id;
   }
   __syncthreads();
-  int32_t* out_row = a.out + (static_cast<int64_t>(t) * a.num_out_heads + g) * a.topk;
+  int32_t* out_row =
+      a.out + static_cast<int64_t>(t) * a.out_token_stride + g * a.out_head_stride;
   if (threadIdx.x < selected) {
     const int mine = chosen[threadIdx.x];
     int rank = 0;
@@ -448,7 +450,8 @@ topk_staged_kernel(TopkSelectArgs a, int heads_per_group) {
       }
       __syncwarp();                                 // the next row reuses the buffer
     }
-    int32_t* out_row = a.out + (static_cast<int64_t>(t) * a.num_out_heads + g) * a.topk;
+    int32_t* out_row =
+        a.out + static_cast<int64_t>(t) * a.out_token_stride + g * a.out_head_stride;
     const int id = key_id(winner);
     int rank = 0;
     for (int j = 0; j < selected; ++j) rank += __shfl_sync(kFullMask, id, j) < id ? 1 : 0;

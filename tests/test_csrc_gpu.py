@@ -623,6 +623,26 @@ def test_topk_output_buffer_no_sync_and_graph(msa_pkg, native_only, seed, tier):
         _assert_equal("graph topk", out, want)
 
 
+@pytest.mark.parametrize("t,k,staged", [(7, 37, False), (333, 2817, False), (1000, 373, True),
+                                         (2200, 768, True)])
+def test_topk_writes_the_q2k_layout(msa_pkg, native_only, native_hooks, seed, t, k, staged):
+    """output=q2k.permute(1, 0, 2) on each kernel: q2k [H, T, topk] (poisoned first) holds the
+    reference selection's transpose, every element written."""
+    from msa._native import debug
+    from msa.reference.topk import sparse_topk_select_reference
+    native_hooks.force(topk_staged=staged, topk_staged_wide=False)
+    device = torch.device("cuda")
+    s = _scores(4, k, t, device)
+    ceb = torch.randint(0, k, (t,), dtype=torch.int32, device=device)
+    q2k = torch.full((4, t, 16), 12345, dtype=torch.int32, device=device)
+    got = msa_pkg.topk.sparse_topk_select(s, 16, None, q2k.permute(1, 0, 2), 0, 1,
+                                          causal_end_block=ceb)
+    assert got.data_ptr() == q2k.data_ptr()
+    assert debug.last_variant("sparse_topk_select") == ("staged" if staged else "unstaged")
+    want = sparse_topk_select_reference(s, 16, force_end_blocks=1, causal_end_block=ceb)
+    _assert_equal("q2k layout", q2k, want.permute(1, 0, 2))
+
+
 def test_topk_speed_vs_torch_topk(msa_pkg, native_only, seed):
     """rows = 4 * 131072, cols = 1024: prints the speedup over torch.topk (target >= 5x)."""
     device = torch.device("cuda")

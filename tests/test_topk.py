@@ -252,6 +252,20 @@ def test_output_buffer_is_filled_and_returned(seed):
     assert torch.equal(buf, brute_select(s, 16, 60, 1, 1))
 
 
+def test_output_in_the_q2k_layout(seed, monkeypatch):
+    """output=q2k.permute(1, 0, 2) fills q2k [H, T, topk] with the selection's transpose, in one
+    chunk and in several."""
+    s = torch.randn(4, 90, 21)
+    want = brute_select(s, 16, 80, 1, 1).permute(1, 0, 2)
+    for chunk_elements in (None, 4 * 90 * 5):
+        if chunk_elements is not None:
+            monkeypatch.setattr(topk_reference, "_CHUNK_ELEMENTS", chunk_elements)
+        q2k = torch.full((4, 21, 16), 12345, dtype=torch.int32)
+        got = msa.sparse_topk_select(s, 16, 80, q2k.permute(1, 0, 2), 1, 1)
+        assert got.data_ptr() == q2k.data_ptr()
+        assert torch.equal(q2k, want)
+
+
 def test_chunked_path_matches_single_chunk(seed, monkeypatch):
     s = torch.randn(4, 300, 70)
     s[torch.rand_like(s) < 0.2] = 1.0            # scattered ties
@@ -294,6 +308,8 @@ def _ok_scores():
     (dict(num_out_heads=2), ValueError, "num_out_heads"),
     (dict(output=torch.empty(6, 4, 8, dtype=torch.int32)), ValueError, "output"),
     (dict(output=torch.empty(6, 4, 16, dtype=torch.int64)), TypeError, "output"),
+    (dict(output=torch.empty(16, 6, 4, dtype=torch.int32).permute(1, 2, 0)), ValueError,
+     "output"),
 ])
 def test_bad_inputs(kwargs, err, name):
     args = dict(max_score=_ok_scores(), topk=16)

@@ -161,7 +161,9 @@ void sparse_topk_select(const torch::Tensor& max_score, torch::Tensor& out, int6
   const c10::cuda::CUDAGuard guard(max_score.device());
   const torch::Device device = max_score.device();
   check_cuda_tensor(max_score, "max_score", at::kFloat, 3, device);
-  check_cuda_tensor(out, "out", at::kInt, 3, device);
+  TORCH_CHECK(out.is_cuda() && out.device() == device, "out: must be on ", device);
+  TORCH_CHECK(out.scalar_type() == at::kInt && out.dim() == 3, "out: expected an int32 rank-3 "
+              "tensor, got ", out.scalar_type(), " ", out.sizes());
   const int64_t heads = max_score.size(0), tiles = max_score.size(1), total_q = max_score.size(2);
   TORCH_CHECK(topk >= 1 && topk <= 64, "topk: must be in [1, 64], got ", topk);
   TORCH_CHECK(head_reduce >= 0 && head_reduce <= 2, "head_reduce: 0 (none), 1 (sum) or 2 (max), got ",
@@ -180,9 +182,19 @@ void sparse_topk_select(const torch::Tensor& max_score, torch::Tensor& out, int6
   TORCH_CHECK(out.size(0) == total_q && out.size(1) == num_out_heads && out.size(2) == topk,
               "out: expected shape [", total_q, ", ", num_out_heads, ", ", topk, "], got ",
               out.sizes());
+  // [T, H_out, topk] contiguous, or the transposed view of a contiguous [H_out, T, topk] (the
+  // q2k layout): rows of topk contiguous ids that never overlap.
+  const bool token_major = out.is_contiguous();
+  const bool head_major = out.stride(2) == 1 && out.stride(0) == topk &&
+                          out.stride(1) == total_q * topk;
+  TORCH_CHECK(token_major || head_major, "out: must be a contiguous [T, H_out, topk] tensor or "
+              "the permute(1, 0, 2) view of a contiguous [H_out, T, topk] one, got strides ",
+              out.strides());
   msa::TopkSelectArgs a{};
   a.max_score = max_score.data_ptr<float>();
   a.out = out.data_ptr<int32_t>();
+  a.out_token_stride = out.stride(0);
+  a.out_head_stride = out.stride(1);
   a.num_heads = static_cast<int>(heads);
   a.num_tiles = static_cast<int>(tiles);
   a.total_q = static_cast<int>(total_q);

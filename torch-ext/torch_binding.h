@@ -59,7 +59,9 @@ enum class HeadReduce : int { kNone = 0, kSum = 1, kMax = 2 };
 
 struct TopkSelectArgs {
   const float* max_score;        // [num_heads, num_tiles, total_q] fp32, contiguous
-  int32_t* out;                  // out [total_q, num_out_heads, topk]
+  int32_t* out;                  // out [total_q, num_out_heads, topk], row (t, g) at
+  int64_t out_token_stride;      //   t * out_token_stride + g * out_head_stride (elements;
+  int64_t out_head_stride;       //   a row's topk ids contiguous)
   int num_heads;
   int num_tiles;                 // K
   int total_q;                   // T

@@ -412,15 +412,15 @@ def run_chunk(chunk: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         _stages.mark("indexer")
         scores = _index_scores(chunk, q_idx, k_idx, index_page_table, opts)
         _stages.mark("topk")
-        selection = sparse_topk_select(scores, opts.topk, chunk.num_valid_pages,
-                                       force_end_blocks=opts.local_blocks,
-                                       causal_end_block=chunk.own_block if opts.causal else None)
-        if route is not None:
-            route.q2k.copy_(selection.permute(1, 0, 2))
-            q2k = route.q2k.clone() if want_selection else route.q2k
-        else:
-            q2k = selection.permute(1, 0, 2).contiguous()
-        del scores, selection           # the attention's partials may reuse their memory
+        # The top-k writes the q2k layout [Hkv, T_c, topk] itself (through its transposed view).
+        q2k = route.q2k if route is not None else torch.empty(
+            scores.shape[0], scores.shape[2], opts.topk, dtype=torch.int32, device=scores.device)
+        sparse_topk_select(scores, opts.topk, chunk.num_valid_pages, output=q2k.permute(1, 0, 2),
+                           force_end_blocks=opts.local_blocks,
+                           causal_end_block=chunk.own_block if opts.causal else None)
+        if route is not None and want_selection:
+            q2k = route.q2k.clone()
+        del scores                      # the attention's partials may reuse their memory
     if route is not None:
         _stages.mark("attention")
         result = route.run(q, k, v, page_table, opts.softmax_scale, want_lse)
@@ -589,9 +589,10 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
       2. per query t of request b at local position i, on the device:
              num_valid_pages[t] = ceil(k_len_b / 128)
              causal_end_block[t] = (i + k_len_b - q_len_b) // 128       (its own block)
-      3. sel = sparse_topk_select(scores, topk, num_valid_pages, force_end_blocks=local_blocks,
-             causal_end_block=causal_end_block)                     -> [total_q, Hkv, topk]
-      4. q2k = sel.permute(1, 0, 2).contiguous()                    -> [Hkv, total_q, topk]
+      3. q2k = torch.empty(Hkv, total_q, topk, dtype=torch.int32)
+      4. sparse_topk_select(scores, topk, num_valid_pages, output=q2k.permute(1, 0, 2),
+             force_end_blocks=local_blocks, causal_end_block=causal_end_block)
+                                               -> q2k [Hkv, total_q, topk], the selection
       5. row_ptr, q_ids, schedule = build_k2q_csr(q2k, cu_seqlens_q, cu_seqlens_k, 128,
              total_k=k.shape[0], max_seqlen_k=..., max_seqlen_q=..., qhead_per_kv=Hq // Hkv,
              return_schedule=True)

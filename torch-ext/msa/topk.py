@@ -33,7 +33,7 @@ class TopkSelectCall:
     max_score: torch.Tensor                         # [H, K, T] fp32 contiguous
     topk: int                                       # 1..64
     num_valid_pages: Union[int, torch.Tensor]       # int in [1, K] or [T] int32
-    output: torch.Tensor                            # [T, H_out, topk] int32 contiguous
+    output: torch.Tensor                            # [T, H_out, topk] int32, rows contiguous
     force_begin_blocks: int
     force_end_blocks: int
     causal_end_block: Optional[torch.Tensor]        # [T] int32 or None
@@ -68,7 +68,9 @@ def sparse_topk_select(max_score: torch.Tensor, topk: int, num_valid_pages=None,
       num_valid_pages: block ids >= it are never emitted. None (= K); an int in [1, K] (upstream
         semantics, one bound for every query); or, as an extension, a [T] int32 tensor with one
         bound per query (values are clamped to [0, K]; 0 gives an all -1 row).
-      output: optional preallocated [T, H_out, topk] int32 contiguous buffer; filled and returned.
+      output: optional preallocated [T, H_out, topk] int32 buffer, filled and returned:
+        contiguous, or ``q2k.permute(1, 0, 2)`` for a contiguous [H_out, T, topk] ``q2k`` (the
+        selection lands in the layout ``build_k2q_csr`` takes, without a transposing copy).
       force_begin_blocks (fb), force_end_blocks (fe): ints >= 0 with fb + fe <= topk.
       causal_end_block: optional [T] int32 (fork extension): the last block query t may select,
         normally its own block (i + k_len - q_len) // 128. Ids > causal_end_block[t] are never
@@ -89,9 +91,9 @@ def sparse_topk_select(max_score: torch.Tensor, topk: int, num_valid_pages=None,
       * the row lists the chosen ids ascending, then -1 up to topk: -1 only at the tail, no
         duplicates.
 
-    Returns [T, H_out, topk] int32 (``output`` itself when given). The transpose
-    ``.permute(1, 0, 2).contiguous()`` is the q2k selection [H_out, T, topk] that
-    ``build_k2q_csr`` takes when H_out is the KV head count.
+    Returns [T, H_out, topk] int32 (``output`` itself when given). Its transpose [H_out, T,
+    topk] is the q2k selection that ``build_k2q_csr`` takes when H_out is the KV head count;
+    ``output=q2k.permute(1, 0, 2)`` writes it there directly.
 
     Errors: upstream raises AssertionError; we raise the contract classes instead: TypeError for a
     wrong dtype or a non-int argument, ValueError for shapes, devices and out-of-range values
@@ -174,8 +176,12 @@ def _check_topk_args(max_score, topk, num_valid_pages, output, force_begin_block
         output = torch.empty(total_q, out_heads, topk, dtype=torch.int32,
                              device=max_score.device)
     else:
-        check_tensor("output", output, dtypes=(torch.int32,), ndim=3, contiguous=True)
+        check_tensor("output", output, dtypes=(torch.int32,), ndim=3)
         check_shape("output", output, (total_q, out_heads, topk))
+        if not (output.is_contiguous() or output.permute(1, 0, 2).is_contiguous()):
+            raise ValueError("output: must be a contiguous [T, H_out, topk] tensor or the "
+                             "permute(1, 0, 2) view of a contiguous [H_out, T, topk] one (the "
+                             f"q2k layout), got strides {tuple(output.stride())}")
     check_same_device(max_score=max_score, output=output,
                       num_valid_pages=nvp if isinstance(nvp, torch.Tensor) else None,
                       causal_end_block=causal_end_block)

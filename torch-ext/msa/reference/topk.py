@@ -75,7 +75,7 @@ def sparse_topk_select_reference(max_score: torch.Tensor, topk: int, *,
       causal_end_block: optional [T] integer tensor; caps the eligible ids at causal_end_block[t]
         and anchors the force_end window there.
       head_reduce / num_out_heads: optional GQA reduction ("max" or "sum") to num_out_heads rows.
-      out: optional [T, H_out, topk] int32 contiguous buffer to fill (returned).
+      out: optional [T, H_out, topk] int32 buffer to fill (returned), any strides.
     Returns [T, H_out, topk] int32 on max_score's device.
 
     How: one ``torch.topk`` over the block axis of each query chunk finds a short candidate list
@@ -105,9 +105,8 @@ def sparse_topk_select_reference(max_score: torch.Tensor, topk: int, *,
         scores = reduce_heads(max_score[:, :columns, t0:t1], head_reduce, out_heads)
         end = _eligible_end(num_valid_pages, causal_end_block, num_tiles, t0, t1, device)
         end = end.view(n, 1).expand(n, out_heads).reshape(-1)            # per row
-        rows = out[t0:t1].view(n * out_heads, topk)
         if columns == 0:
-            rows.fill_(-1)
+            out[t0:t1].fill_(-1)
             continue
         width = min(topk + fb + fe + 1, columns)
         cand_val, cand_id = scores.topk(width, dim=1, sorted=False)  # [H_out, width, n]
@@ -121,7 +120,7 @@ def sparse_topk_select_reference(max_score: torch.Tensor, topk: int, *,
             token, head = which // out_heads, which % out_heads
             full_rows = scores[head, :, token]                         # [m, columns]
             result[which] = _select_rows_exact(full_rows, end[which], fb, fe, topk)
-        rows.copy_(result.to(torch.int32))
+        out[t0:t1].copy_(result.view(n, out_heads, topk))    # any row layout of `out`
     return out
 
 
