@@ -73,9 +73,9 @@ SPLIT_K_MIN_TILES = 4
 # short production chunks (171-406 queries, 17.7k-140k keys) the route took 0.40-0.93x the time
 # of the CSR, attention and combine it replaces in e4m3 (the decode kernel's direct e4m3 form)
 # and 1.04-1.97x in bf16; its time grows with the queries (~0.8 us each), the replaced stages'
-# with the keys. With the spread counting-sort CSR the sparse route won at 97 keys a query
-# (H100, 52c94f7, whole e4m3 call: 182 / 17.7k 0.131 vs 0.150 ms) and lost at 324 (171 / 55k:
-# 0.221 vs 0.168), so the bound sits near where the two stage models cross (~135).
+# with the keys. With the spread counting-sort CSR the sparse route wins at 97 keys a query
+# and the decode route from ~150 (H200, 9fa1c1e, whole e4m3 call, sparse vs decode: 182 / 17.7k
+# 0.124 vs 0.149 ms; 398 / 58.7k, 147 keys a query, 0.489 vs 0.333): the bound sits between.
 ATTENTION_ROUTES = ("auto", "sparse", "decode")
 DECODE_ROUTE_MAX_QUERIES = 416
 DECODE_ROUTE_MIN_KEYS_PER_QUERY = 128
