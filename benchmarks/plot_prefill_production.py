@@ -29,7 +29,10 @@ def load_run(path: Path, commit: Optional[str] = None) -> Tuple[str, List[dict],
     if date is None:
         raise SystemExit(f"{path}: no rows of commit {commit}")
     run = [r for r in rows if r["commit"] == commit and r["date"] == date]
-    cases = [r for r in run if r["case"] != "weighted" and r["speedup"]]
+    # A case measured twice in one run (a quick suite before the full one) counts once: the
+    # last row, as the last weighted row of a series is the one drawn.
+    cases = list({(r["case"], series_name(r)): r for r in run
+                  if r["case"] != "weighted" and r["speedup"]}.values())
     weighted = {series_name(r): r for r in run if r["case"] == "weighted"}
     gpu = run[-1]["gpu"]
     return f"{gpu}, {commit}, {date}", cases, weighted
