@@ -39,12 +39,12 @@ def _fmha_kernel(dtype="bfloat16", mode=3, paged=False, causal=True, work_items=
     return verdict.kernel
 
 
-def _sparse_kernel(mode="bfloat16", g=16, partial=BF16, paged=False):
+def _sparse_kernel(mode="bfloat16", g=16, partial=BF16, paged=False, total_q=5000):
     q, kv, pv = {"bfloat16": (BF16, BF16, None), "bf16_kv_e4m3": (BF16, E4M3, None),
                  "e4m3_pv_bf16": (E4M3, E4M3, BF16), "e4m3": (E4M3, E4M3, None)}[mode]
     verdict = sparse_prefill_sm90.supports(q_dtype=q, k_dtype=kv, v_dtype=kv, pv_dtype=pv,
                                            paged=paged, qhead_per_kv=g, topk=16,
-                                           partial_dtype=partial)
+                                           partial_dtype=partial, total_q=total_q)
     assert isinstance(verdict, _backend.Served), verdict
     return verdict.kernel
 
@@ -55,9 +55,10 @@ def _indexer_form(dtype="bfloat16", paged=True, rows=1):
                                  rows_per_request=rows).name
 
 
-def test_shipped_variants_are_exactly_what_dispatch_serves():
-    """Every shipped variant is chosen by the dispatch for some call, and every choice is a
-    shipped variant: the build ships no form the dispatch cannot serve."""
+def test_shipped_variants_are_exactly_what_dispatch_serves(monkeypatch):
+    """Every shipped variant is chosen by the dispatch for some call (a form not yet validated:
+    with MSA_UNVALIDATED_KERNELS=1), and every choice is a shipped variant: the build ships no
+    form the dispatch cannot serve."""
     shipped = {v.name for v in variants.shipped_variants()}
     served = set()
     for dtype, paged, causal, items, splits in itertools.product(
@@ -66,13 +67,18 @@ def test_shipped_variants_are_exactly_what_dispatch_serves():
         for mode in (3, 1) if dtype == "bfloat16" else (3,):
             kernel = _fmha_kernel(dtype, mode, paged, causal, items, splits)
             served.update(kernel.artifacts)
-    for mode, g, partial, paged in itertools.product(
-            ("bfloat16",) + variants.FP8_MODES, variants.QHEAD_PER_KV,
-            (torch.float32, BF16, torch.float16, E4M3), (False, True)):
-        if mode != "bfloat16" and partial == torch.float32:
-            continue
-        kernel = _sparse_kernel(mode, g, partial, paged)
-        served.update((kernel.attention, kernel.combine))
+    for unvalidated in (False, True):
+        if unvalidated:
+            monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
+        for mode, g, partial, paged, total_q in itertools.product(
+                ("bfloat16",) + variants.FP8_MODES, variants.QHEAD_PER_KV,
+                (torch.float32, BF16, torch.float16, E4M3), (False, True),
+                (variants.SHORT_CALL_QUERIES, variants.SHORT_CALL_QUERIES + 1)):
+            if mode != "bfloat16" and partial == torch.float32:
+                continue
+            kernel = _sparse_kernel(mode, g, partial, paged, total_q)
+            served.update((kernel.attention, kernel.combine))
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
     for dtype, heads, paged, rows in itertools.product(
             variants.INDEX_DTYPES, variants.INDEX_HEADS, (False, True),
             (1, variants.INDEXER_DECODE_ROWS, variants.INDEXER_DECODE_ROWS + 1)):

@@ -170,16 +170,17 @@ _PARTIAL_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
                   torch.float16: "float16", torch.float8_e4m3fn: "e4m3"}
 
 
-def _served_attention(mode, g, paged, partial_dtype):
+def _served_attention(mode, g, paged, partial_dtype, total_q):
     """(form, attention artifact) the serving table picks for a call of these properties."""
     from msa.cute_kernels import variants
     partial = _PARTIAL_NAMES[partial_dtype]
-    form = variants.serving_form(variants.SPARSE_FORMS, mode, group=g, partial=partial).name
+    form = variants.serving_form(variants.SPARSE_FORMS, mode, group=g, partial=partial,
+                                 short=total_q <= variants.SHORT_CALL_QUERIES).name
     return form, _native_module().sparse_kernel(mode, g, paged, partial, form).attention
 
 
-def _check_served_form_ran(native_hooks, mode, g, paged, partial_dtype):
-    form, want = _served_attention(mode, g, paged, partial_dtype)
+def _check_served_form_ran(native_hooks, mode, g, paged, partial_dtype, total_q):
+    form, want = _served_attention(mode, g, paged, partial_dtype, total_q)
     ran = native_hooks.last_variant("sparse_atten")
     assert ran == want, f"expected {want} (form {form}), ran {ran}"
 
@@ -224,7 +225,8 @@ def test_sparse_prefill_native_matches_float64(case, tier, seed, monkeypatch, na
     if tier == "portable":
         assert native_hooks.last_variant("sparse_atten") == "sparse_prefill_portable"
     else:
-        _check_served_form_ran(native_hooks, "bfloat16", g, paged, partial_dtype)
+        _check_served_form_ran(native_hooks, "bfloat16", g, paged, partial_dtype,
+                               p["q"].shape[0])
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     if temperature == 1.0:
         assert lse_t is lse
@@ -281,6 +283,48 @@ ALL_FP8_CASES = FP8_CASES + [c for c in FP8_WS_CASES if c not in FP8_CASES]
 
 
 @pytest.mark.gpu
+@pytest.mark.sm90
+@pytest.mark.parametrize("mode", ["bfloat16", "e4m3"])
+@pytest.mark.parametrize("paged,causal", [(False, True), (True, True), (True, False)])
+def test_sparse_prefill_one_consumer_form_gives_the_same_bits(mode, paged, causal, seed,
+                                                             monkeypatch, native_hooks):
+    """The short-call form ws1c (one consumer warpgroup, two CTAs an SM) runs the same tiles
+    with the same arithmetic as the other warp-specialized forms: O, LSE and LSE_T equal theirs
+    bit for bit (outputs poisoned first), with and without a schedule."""
+    native_hooks.poison()
+    gen = torch.Generator().manual_seed(seed)
+    p = _make_problem(16, 16, paged, causal, gen, torch.device("cuda"))
+    e4m3 = torch.float8_e4m3fn
+    pv_dtype = None
+    if mode == "e4m3":
+        p["q"], p["k"], p["v"] = p["q"].to(e4m3), p["k"].to(e4m3), p["v"].to(e4m3)
+        pv_dtype = e4m3
+    built = msa.build_k2q_csr(p["q2k"], p["cu_q"], p["cu_k"], BLOCK, total_k=p["total_k"],
+                              max_seqlen_k=p["max_k"], max_seqlen_q=p["max_q"],
+                              qhead_per_kv=16, return_schedule=True)
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
+    runs = {}
+    for form in ("ws1c", "ws3w"):
+        for schedule in (built[2], None):
+            native_hooks.force(sparse_form=form)
+            runs[form, schedule is None] = msa.sparse_atten_func(
+                p["q"], p["k"], p["v"], built[0], built[1], 16, cu_seqlens_q=p["cu_q"],
+                cu_seqlens_k=p["cu_k"], max_seqlen_q=p["max_q"], max_seqlen_k=p["max_k"],
+                causal=causal, softmax_scale=0.9 / math.sqrt(128), lse_temperature_scale=2.0,
+                return_temperature_lse=True, partial_dtype=torch.bfloat16,
+                return_softmax_lse=True, page_table=p["page_table"],
+                seqused_k=p["seqused_k"], schedule=schedule, pv_dtype=pv_dtype)
+            torch.cuda.synchronize()
+            ran = native_hooks.last_variant("sparse_atten")
+            assert ran.endswith("_" + form), (form, ran)
+    for unscheduled in (False, True):
+        for got, want in zip(runs["ws1c", unscheduled], runs["ws3w", unscheduled]):
+            assert not torch.isnan(got).any()
+            assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tier", TIER_PARAMS)
 @pytest.mark.parametrize("case", ALL_FP8_CASES,
                          ids=lambda v: "-".join(str(_case_id(x) or x) for x in v))
@@ -330,7 +374,7 @@ def test_sparse_prefill_fp8_native_matches_reference(case, tier, seed, monkeypat
     if tier == "portable":
         assert native_hooks.last_variant("sparse_atten") == "sparse_prefill_portable"
     else:
-        _check_served_form_ran(native_hooks, mode, g, paged, partial_dtype)
+        _check_served_form_ran(native_hooks, mode, g, paged, partial_dtype, p["q"].shape[0])
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     ref_out, ref_lse, ref_lse_t = call("reference")
     assert _backend.last_backend("sparse_atten") != family

@@ -104,7 +104,7 @@ def sparse_kernel(mode: str, qhead_per_kv: int, paged: bool, partial: str,
 
 def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=False,
              causal=False, qhead_per_kv=None, topk=None, partial_dtype=None, nvfp4=False,
-             **_ignored) -> _backend.Verdict:
+             total_q=None, **_ignored) -> _backend.Verdict:
     """The kernels serving a call with these features (_backend.Served), else the reason none
     can. debug hook: sparse_form (a form to run wherever it is built)."""
     mode = attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype)
@@ -118,7 +118,8 @@ def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=F
                         lambda f: (sparse_kernel(mode, qhead_per_kv, paged, partial,
                                                  f.name).attention,
                                    variants.CombineVariant(partial).name),
-                        group=qhead_per_kv, partial=partial, forced=debug.forced("sparse_form"))
+                        group=qhead_per_kv, partial=partial, forced=debug.forced("sparse_form"),
+                        short=total_q is not None and total_q <= variants.SHORT_CALL_QUERIES)
     if isinstance(form, str):
         return form
     return _served(mode, qhead_per_kv, paged, partial, form.name)

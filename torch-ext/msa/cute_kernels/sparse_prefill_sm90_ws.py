@@ -28,6 +28,11 @@ Form "ws3w" (the table's options consumers=3, q_stages=6): three consumer warpgr
 tiles round-robin and 6 Q stages, for more tiles in flight (the path is latency-bound); the
 first two still zero the Q ring and load K and V.
 
+Form "ws1c" (consumers=1, q_stages=2, for short calls): one consumer warpgroup that loads K and
+V and takes every tile, 2 Q stages and one O tile: Q 32 KB + K 32 + V 32 + O 16 = 112 KB and
+128 x 40 + 128 x 216 registers, so two CTAs share an SM and one work item's K / V load and
+first tiles run under the other's MMAs (a short chunk's items hold a few tiles each).
+
 Shared memory (bf16, bf16 partials): Q 4 x 16 KB + K 32 KB + V 32 KB + O 2 x 16 KB = 160 KB
 (ws3w: Q 6 x 16 KB, O 3 x 16 KB, 208 KB); one CTA per SM. The kernel never reads or writes out
 of bounds whatever the schedule says: TMA boxes are clipped to q and o_partial, K/V rows past
@@ -71,7 +76,7 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                  mode: str = "bf16", consumers: int = NUM_MMA_WARPGROUPS,
                  q_stages: int = Q_STAGES, mma_regs: int = MMA_REGS):
         super().__init__(qhead_per_kv, paged, partial_dtype)
-        assert consumers in (2, 3), consumers
+        assert consumers in (1, 2, 3), consumers
         self.consumers = consumers
         self.q_stages = q_stages
         # The Q ring's full (producer TMA) / empty (one arrival per consumer warp) mbarriers.
@@ -147,7 +152,14 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                        tma_q, tma_o, q_layout, k_layout, v_layout, o_layout, gather_copy,
                        convert_load, mma_qk, mma_pv, stage_o_copy, SharedStorage).launch(
             grid=(cute.size(metadata.shape[0]), 1, 1), block=(128 * (1 + self.consumers), 1, 1),
-            stream=stream, min_blocks_per_mp=1)
+            stream=stream, **self._occupancy())
+
+    def _occupancy(self) -> dict:
+        """Launch attributes: one CTA an SM, or two for the one-consumer form (registers capped
+        at 128 a thread, the whole shared-memory carveout for 2 x 112 KB)."""
+        if self.consumers == 1:
+            return dict(min_blocks_per_mp=2, preferred_smem_carveout=100)
+        return dict(min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel_ws(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCuQ: cute.Tensor,
@@ -191,7 +203,8 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
             if zeroing:
                 # Rows of missing queries are multiplied too: start the ring from zeros, and
                 # publish the zeros to the async proxy before the first TMA lands.
-                zero_copy = row_copy(self.qk_dtype, 32, async_copy=False)
+                zero_copy = row_copy(self.qk_dtype, 16 * min(self.consumers, 2),
+                                     async_copy=False)
                 thr_zero = zero_copy.get_slice(tidx - 128)
                 for s in cutlass.range_constexpr(self.q_stages):
                     thr_zero.partition_D(sQ_stages[None, None, s]).fill(0)
@@ -290,6 +303,9 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
         # ---- the block's K (warpgroup 0) and V (warpgroup 1), rows past n_keys zeroed
         if mwg == 0:
             self._load_kv_rows(gather_copy, wg_tidx, mK, kv_row0, head_kv, n_keys, sK)
+            if cutlass.const_expr(self.consumers == 1):
+                self._load_v_rows(gather_copy, convert_load, wg_tidx, mV, kv_row0, head_kv,
+                                  n_keys, sV_rows)
         else:
             if cutlass.const_expr(self.consumers == 2):
                 self._load_v_rows(gather_copy, convert_load, wg_tidx, mV, kv_row0, head_kv,

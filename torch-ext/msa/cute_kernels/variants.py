@@ -157,8 +157,18 @@ FMHA_FORMS = _table(
 )
 
 # ---- sparse prefill attention (op "sparse_atten"; dtype: the dtype mode) ----------------------
-SPARSE_CALLS: Dict[str, tuple] = {}
+# A short call: at most SHORT_CALL_QUERIES queries (a short production chunk's few hundred make
+# a few hundred (block, head) work items of a few tiles each).
+SHORT_CALL_QUERIES = 1024
+SPARSE_CALLS: Dict[str, tuple] = dict(short=(False, True))
 SPARSE_FORMS = _table(
+    Form("ws1c", "SparsePrefillSm90Ws", ("bfloat16", "e4m3"),
+         "short calls (<= SHORT_CALL_QUERIES queries) at G 16 with bf16 or all-e4m3 q/k/v and "
+         "bf16 partials: the TMA warp-specialized kernel with one consumer warpgroup, two CTAs "
+         "an SM",
+         when=lambda short=False, **_: short,
+         options=dict(consumers=1, q_stages=2, mma_regs=216),
+         groups=(16,), partials=("bfloat16",), validated=False),
     Form("ws3w", "SparsePrefillSm90Ws", ("bfloat16", "e4m3"),
          "G 8 / 16, bf16 or all-e4m3 q/k/v, the (dtype, partial dtype) pairs of WS3W_PAIRS: the "
          "TMA warp-specialized kernel with three consumer warpgroups and 6 Q stages",
