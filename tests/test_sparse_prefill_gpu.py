@@ -175,7 +175,7 @@ def _served_attention(mode, g, paged, partial_dtype, total_q):
     from msa.cute_kernels import variants
     partial = _PARTIAL_NAMES[partial_dtype]
     form = variants.serving_form(variants.SPARSE_FORMS, mode, group=g, partial=partial,
-                                 short=total_q <= variants.SHORT_CALL_QUERIES).name
+                                 short=_native_module().short_call(total_q)).name
     return form, _native_module().sparse_kernel(mode, g, paged, partial, form).attention
 
 

@@ -102,6 +102,11 @@ def sparse_kernel(mode: str, qhead_per_kv: int, paged: bool, partial: str,
         combine=variants.CombineVariant(partial).name)
 
 
+def short_call(total_q: Optional[int]) -> bool:
+    """Whether a call of total_q queries is short for the serving table (feature `short`)."""
+    return total_q is not None and total_q <= variants.SHORT_CALL_QUERIES
+
+
 def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=False,
              causal=False, qhead_per_kv=None, topk=None, partial_dtype=None, nvfp4=False,
              total_q=None, **_ignored) -> _backend.Verdict:
@@ -119,7 +124,7 @@ def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=F
                                                  f.name).attention,
                                    variants.CombineVariant(partial).name),
                         group=qhead_per_kv, partial=partial, forced=debug.forced("sparse_form"),
-                        short=total_q is not None and total_q <= variants.SHORT_CALL_QUERIES)
+                        short=short_call(total_q))
     if isinstance(form, str):
         return form
     return _served(mode, qhead_per_kv, paged, partial, form.name)
