@@ -134,7 +134,7 @@ class DenseSlot:
             self.cu_q, self.cu_k, total_q=case.total_q, total_k=total_k, num_qo_heads=args.hq,
             num_kv_heads=args.hkv, opts=opts, **self.lens)
         self.num_chunks = len(chunks)
-        self.index_splits = [1 if c.split is None else c.split.splits for c in chunks]
+        self.index_splits = [c.index_splits for c in chunks]
 
     def run(self, return_selection=False):
         return self.msa.msa_prefill(self.q, self.k, self.v, self.q_idx, self.k_idx, self.cu_q,

@@ -12,11 +12,14 @@
 // to the last one any of its rows can see through a two-stage cp.async ring, computes each
 // warp's S = Q K^T (mma.sync), masks where a tile meets the key end or the causal diagonal,
 // takes the row maxima (quad shuffles), stages them in shared memory and writes them along
-// total_q (the output's fastest dimension). Tiles past that limit get -inf. Grid (x, B + 1):
+// total_q (the output's fastest dimension). Tiles past that limit get -inf. Grid (x, B + 1, S):
 // x strides over a request's query tiles (so the host hint sizing it drops no work); y = B is
-// the rows [cu_seqlens_q[B], total_q) no request owns, which only get -inf. Every element of out
-// is written exactly once; Q rows past a request, K rows past the tensor and pages outside the
-// pool are never read.
+// the rows [cu_seqlens_q[B], total_q) no request owns, which only get -inf; z splits the keys:
+// CTA z computes the query tile's K tiles [z c, (z + 1) c), c = ceil(n_tiles / S), at their own
+// tile index (disjoint outputs, no reduction), and z = 0 also writes the -inf tiles, so a short
+// chunk against a long prefix spreads over S times the SMs. Every element of out is written
+// exactly once; Q rows past a request, K rows past the tensor and pages outside the pool are
+// never read.
 //
 // e4m3 q and k are widened exactly to f16 and the MMAs run in f16: Q through registers once per
 // query tile, each K tile raw through the cp.async ring (16 KB a stage) and then by all threads
@@ -114,10 +117,12 @@ __global__ void __launch_bounds__(kThreads, 1) block_max_score_portable_kernel(
   float* sMax = reinterpret_cast<float*>(smem + kMax);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int b = blockIdx.y;
+  const int split = blockIdx.z;            // this CTA's K-tile split of each query tile
   const int heads = a.num_heads;
   const int queries_per_cta = kRows / heads;
 
-  if (b >= a.batch) {        // rows no request owns: -inf everywhere
+  if (b >= a.batch) {        // rows no request owns: -inf everywhere (split 0 writes them)
+    if (split != 0) return;
     const int64_t first = a.cu_seqlens_q[a.batch];
     for (int64_t q0 = first + static_cast<int64_t>(blockIdx.x) * queries_per_cta;
          q0 < a.total_q; q0 += static_cast<int64_t>(gridDim.x) * queries_per_cta) {
@@ -143,6 +148,10 @@ __global__ void __launch_bounds__(kThreads, 1) block_max_score_portable_kernel(
                                                        static_cast<int64_t>(a.max_k_tiles)))
                                 : 0;
     if (a.paged) n_tiles = min(n_tiles, a.page_table_cols);
+    // This CTA's tiles [t_begin, t_end) of them.
+    const int per_split = (n_tiles + static_cast<int>(gridDim.z) - 1) / static_cast<int>(gridDim.z);
+    const int t_begin = min(split * per_split, n_tiles);
+    const int t_end = min(t_begin + per_split, n_tiles);
 
     __syncthreads();           // the previous query tile's readers of sQ / sK / sMax are done
     // Address of chunk `chunk` of Q row r (query r / H, head r % H), or null past the queries.
@@ -160,8 +169,8 @@ __global__ void __launch_bounds__(kThreads, 1) block_max_score_portable_kernel(
         cp_async_16_or_zero(sQ + swizzled(r, chunk), src != nullptr ? src : a.q, src != nullptr);
       }
     }
-    KeyTile next = n_tiles > 0 ? key_tile(a, b, k_len, 0) : KeyTile{0, 0};
-    if (n_tiles > 0) load_key_tile<kFp8>(a, next, smem + (kFp8 ? kKRaw : kK), tid);
+    KeyTile next = t_end > t_begin ? key_tile(a, b, k_len, t_begin) : KeyTile{0, 0};
+    if (t_end > t_begin) load_key_tile<kFp8>(a, next, smem + (kFp8 ? kKRaw : kK), tid);
     cp_async_commit();
     if constexpr (kFp8) {      // e4m3 Q rows widened through registers while K tile 0 lands
       constexpr int kPerThread = kRows * kRawChunks / kThreads;
@@ -190,26 +199,28 @@ __global__ void __launch_bounds__(kThreads, 1) block_max_score_portable_kernel(
                                                  static_cast<int64_t>(k_len) - 1),
                                              static_cast<int64_t>(-1)));
     }
-    for (int tile = 0; tile < n_tiles; ++tile) {
+    for (int tile = t_begin; tile < t_end; ++tile) {
       const KeyTile cur = next;
+      const int stage = (tile - t_begin) % kStages;
       cp_async_wait<0>();
       __syncthreads();         // tile `tile` landed; every warp is done with the other stage
-      if (tile + 1 < n_tiles) {
+      if (tile + 1 < t_end) {
         next = key_tile(a, b, k_len, tile + 1);
+        const int ahead = (stage + 1) % kStages;
         load_key_tile<kFp8>(a, next,
-                            kFp8 ? smem + kKRaw + ((tile + 1) % kStages) * kRawTileBytes
-                                 : smem + kK + ((tile + 1) % kStages) * kTileBytes,
+                            kFp8 ? smem + kKRaw + ahead * kRawTileBytes
+                                 : smem + kK + ahead * kTileBytes,
                             tid);
       }
       cp_async_commit();
       if constexpr (kFp8) {    // the raw tile -> the one f16 tile every warp reads
-        widen_rows<T, kTileKeys>(smem + kKRaw + (tile % kStages) * kRawTileBytes, smem + kK, 0,
-                                 tid, kThreads);
+        widen_rows<T, kTileKeys>(smem + kKRaw + stage * kRawTileBytes, smem + kK, 0, tid,
+                                 kThreads);
         __syncthreads();
       }
 
       float s[16][4];
-      warp_qk<T>(s, sQ, smem + kK + (kFp8 ? 0 : (tile % kStages) * kTileBytes), warp * 16, lane);
+      warp_qk<T>(s, sQ, smem + kK + (kFp8 ? 0 : stage * kTileBytes), warp * 16, lane);
       const int key0 = tile * kTileKeys;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
@@ -238,7 +249,9 @@ __global__ void __launch_bounds__(kThreads, 1) block_max_score_portable_kernel(
       }
     }
     cp_async_wait<0>();
-    fill_minus_inf(a, static_cast<int64_t>(q_start) + q_lo, n_q, n_tiles, a.max_k_tiles, tid);
+    if (split == 0) {
+      fill_minus_inf(a, static_cast<int64_t>(q_start) + q_lo, n_q, n_tiles, a.max_k_tiles, tid);
+    }
   }
 }
 
@@ -257,7 +270,9 @@ cudaError_t launch_block_max_score_portable(const BlockMaxScoreArgs& a, cudaStre
                       : block_max_score_portable_kernel<false>;
   MSA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  const dim3 grid(static_cast<unsigned>(a.grid_x), static_cast<unsigned>(a.batch + 1));
+  if (a.key_splits < 1 || a.key_splits > 65535) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(a.grid_x), static_cast<unsigned>(a.batch + 1),
+                  static_cast<unsigned>(a.key_splits));
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(a);
   return cudaGetLastError();
 }

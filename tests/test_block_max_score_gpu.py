@@ -29,6 +29,7 @@ if __name__ == "__main__":   # benchmark mode: import the package from the sourc
                                     "torch-ext"))
 import msa
 from msa import _backend
+from msa.indexer import chunk_block_max_scores
 from msa.reference.max_score import block_max_scores_reference
 from msa_testing import compiled_variant_with, cu_seqlens, nan_tensor, use_tier
 
@@ -211,6 +212,59 @@ def test_block_max_scores_native_long_request_and_small_grid(num_heads, tier, se
     want = block_max_scores_reference(q, k, cu_q, cu_k, max_k_tiles=tiles, scale=1.0,
                                       causal=True, compute_dtype=torch.float64)
     _check(got, want, 1.0)
+
+
+KEY_SPLIT_CASES = [(dtype, paged, causal) for dtype in ("bf16", "e4m3")
+                   for paged in (False, True) for causal in (False, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", TIER_PARAMS)
+@pytest.mark.parametrize("dtype,paged,causal", KEY_SPLIT_CASES)
+def test_block_max_scores_key_splits_equal_the_unsplit_call(dtype, paged, causal, tier, seed,
+                                                           monkeypatch, native_hooks):
+    """msa.prefill's key splits (CTAs per query tile along its key tiles, the kernels' grid z)
+    give the unsplit call's scores bit for bit, for split counts below, near and above the
+    tiles a query tile sees (splits past them have nothing to compute); poisoned outputs, rows
+    no request owns, and the float64 bound."""
+    family = _use_tier(tier, monkeypatch)
+    native_hooks.poison()
+    gen = torch.Generator().manual_seed(seed)
+    device = torch.device("cuda")
+    q_lens, k_lens = _random_lengths(gen, causal)
+    q_lens[0], k_lens[0] = 300, 9000 + 37          # a short chunk against a long prefix
+    total_q = sum(q_lens) + 3                        # three rows no request owns
+    num_heads = 4
+    wide = torch.float8_e4m3fn if dtype == "e4m3" else torch.bfloat16
+    q = torch.randn(total_q, num_heads, HEAD_DIM, generator=gen).to(wide).to(device)
+    k = torch.randn(sum(k_lens), 1, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    cu_q, cu_k = cu_seqlens(q_lens, device), cu_seqlens(k_lens, device)
+    tiles = -(-max(k_lens) // BLOCK)
+    kwargs = dict(max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), scale=0.37,
+                  causal=causal, max_k_tiles=tiles)
+    if paged:
+        pages, table = _paginate(k, k_lens, gen, device)
+        k_in = pages.to(wide)
+        kwargs.update(page_table=table,
+                      seqused_k=torch.tensor(k_lens, dtype=torch.int32, device=device))
+        args = (q, k_in, cu_q, None)
+    else:
+        k_in = k.to(wide).to(device)
+        args = (q, k_in, cu_q, cu_k)
+    monkeypatch.setenv("MSA_BACKEND", "native")
+    unsplit = chunk_block_max_scores(*args, **kwargs)
+    for splits in (2, 3, 17, 200):
+        got = chunk_block_max_scores(*args, key_splits=splits, **kwargs)
+        torch.cuda.synchronize()
+        assert _backend.last_backend("block_max_scores") == family
+        assert torch.equal(got, unsplit), (
+            f"{splits} splits: {int((got != unsplit).sum())} elements differ")
+    monkeypatch.delenv("MSA_BACKEND")
+    want = block_max_scores_reference(
+        q, k_in, cu_q, cu_k, max_k_tiles=tiles, scale=0.37, causal=causal,
+        page_table=kwargs.get("page_table"), seqused_k=kwargs.get("seqused_k"),
+        compute_dtype=torch.float64)
+    _check(unsplit, want, 0.37)
 
 
 E4M3_CASES = [(h, paged, causal) for h in (1, 4, 8) for paged in (False, True)

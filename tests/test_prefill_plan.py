@@ -1,5 +1,5 @@
-"""msa.prefill on the CPU (reference backends): workspace sizing, query chunks, the split-K
-indexer metadata, and the paged plan/run wrapper, each against the step-by-step public ops
+"""msa.prefill on the CPU (reference backends): workspace sizing, query chunks, the indexer's key
+splits, and the paged plan/run wrapper, each against the step-by-step public ops
 (block_max_scores -> sparse_topk_select -> build_k2q_csr -> sparse_atten_func) on the same keys.
 
 Chunked prefill (contract §0, bottom-right): request b's queries are the last q_len of its k_len
@@ -72,15 +72,13 @@ def test_one_million_token_call_fits_an_h200_by_the_formula():
     assert t * per_query > 300 * 2 ** 30
 
 
-@pytest.mark.parametrize("ctas,tiles,want", [(3, 433, (44, 10)), (26, 1059, (5, 212)),
-                                             (256, 373, (1, 373)), (3, 6, (1, 6)),
-                                             (1, 8, (2, 4)), (66, 400, (2, 200))])
+@pytest.mark.parametrize("ctas,tiles,want", [(3, 433, 44), (26, 1059, 5), (256, 373, 1),
+                                             (3, 6, 1), (1, 8, 2), (66, 400, 2), (1, 3, 1)])
 def test_index_key_splits_fill_the_sms_once_with_at_least_four_tiles(ctas, tiles, want):
-    splits, per_split = prefill.index_key_splits(ctas, tiles, 132)
-    assert (splits, per_split) == want
-    assert splits * per_split >= tiles and (splits - 1) * per_split < tiles
+    splits = prefill.index_key_splits(ctas, tiles, 132)
+    assert splits == want
     if splits > 1:
-        assert splits * ctas <= 132 and per_split >= prefill.SPLIT_K_MIN_TILES
+        assert splits * ctas <= 132 and tiles // splits >= prefill.SPLIT_K_MIN_TILES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,43 +112,12 @@ def test_dense_chunk_keeps_key_starts_with_gap_requests():
     assert cu_k_sub.tolist() == [0, 960, 1000, 1000, 1080]
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
-def test_index_split_covers_every_query_and_key_once(paged):
-    q_lens, k_lens = [7, 0, 20, 3], [900, 300, 130, 40]
-    cu_q, cu_k = cu(q_lens), cu(k_lens)
-    splits, n = 3, 3
-    width = 9
-    split = prefill.index_split(cu_q, cu_k, sum(q_lens), splits, n, causal=True, paged=paged,
-                                page_table_width=width)
-    span = 128 * n
-    qrows = split.query_rows.tolist()
-    cu_qs = split.cu_seqlens_q.tolist()
-    for r, (ql, kl) in enumerate(zip(q_lens, k_lens)):
-        for s in range(splits):
-            sub = r * splits + s
-            lo, hi = cu_qs[sub], cu_qs[sub + 1]
-            assert qrows[lo:hi] == list(range(int(cu_q[r]), int(cu_q[r]) + ql))
-            want_keys = max(0, min(kl - s * span, span))
-            if paged:
-                assert int(split.seqused_k[sub]) == want_keys
-                want_pages = [r * width + min(s * n + j, width - 1) for j in range(n)]
-                assert split.page_index[sub].tolist() == want_pages
-            else:
-                k0, k1 = int(split.cu_seqlens_k[sub]), int(split.cu_seqlens_k[sub + 1])
-                assert k0 == int(cu_k[r]) + min(s * span, kl)
-                assert k1 - k0 == want_keys
-            assert int(split.qo_offset[sub]) == kl - ql - s * span
-    # columns[(s, q)] points at query q's row in split s.
-    cols = split.columns.view(splits, -1)
-    for q in range(sum(q_lens)):
-        for s in range(splits):
-            c = int(cols[s, q])
-            sub = next(i for i in range(len(cu_qs) - 1) if cu_qs[i] <= c < cu_qs[i + 1])
-            assert sub % splits == s and qrows[c] == q
-
-
 @pytest.mark.parametrize("q_lens", [(9, 40, 1), (0, 40, 0)], ids=["three", "one"])
-def test_split_k_scores_equal_the_unsplit_scores(seed, q_lens):
+def test_chunk_index_scores_carry_the_key_splits_and_equal_the_unsplit_scores(seed, q_lens,
+                                                                            monkeypatch):
+    """A chunk's index stage hands its key splits to the indexer call (a native launch shape:
+    the reference ignores it) and returns block_max_scores' result."""
+    from msa import indexer
     gen = torch.Generator().manual_seed(seed)
     k_lens = (1100, 300, 650)
     x = _inputs(q_lens, k_lens, 2, 2, gen)
@@ -158,18 +125,19 @@ def test_split_k_scores_equal_the_unsplit_scores(seed, q_lens):
     want = msa.block_max_scores(x["q_idx"], x["k_idx"], cu_q, cu_k, max_seqlen_q=40,
                                 max_seqlen_k=1100)
     nvp, own = msa.prefill._per_query_block_bounds(cu_q, cu_k, sum(q_lens))
-    split = prefill.index_split(cu_q, cu_k, sum(q_lens), 3, 3, causal=True, paged=False)
-    # One request with queries: the score assembly skips its gather (columns are the identity).
-    identity = torch.equal(split.columns, torch.arange(split.columns.numel()))
-    assert split.columns_identity == (sum(n > 0 for n in q_lens) == 1) == identity
     chunk = prefill.ChunkPlan(0, sum(q_lens), cu_q, cu_k, None, 40, 1100, sum(k_lens), None,
-                              nvp, own, split)
+                              nvp, own, 3)
+    calls = []
+    real = indexer.run_block_max_scores
+    monkeypatch.setattr(indexer, "run_block_max_scores",
+                        lambda call: (calls.append(call), real(call))[1])
     opts = prefill.PrefillOptions(4, 1, True, BF16, None, 1.0, 2)
     got = prefill._index_scores(chunk, x["q_idx"], x["k_idx"], None, opts)
-    assert got.shape == (2, 9, sum(q_lens))
-    assert torch.equal(torch.isinf(got[:, :want.shape[1]]), torch.isinf(want))
-    torch.testing.assert_close(got[:, :want.shape[1]], want, rtol=1e-5, atol=1e-4)
-    assert bool(torch.isneginf(got[:, want.shape[1]:]).all())
+    assert [c.key_splits for c in calls] == [3] and not calls[0].planned_lengths
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="key_splits"):
+        indexer.chunk_block_max_scores(x["q_idx"], x["k_idx"], cu_q, cu_k, max_seqlen_q=40,
+                                       max_seqlen_k=1100, key_splits=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,7 +156,7 @@ def test_msa_prefill_in_query_chunks_equals_the_stepwise_pipeline(seed, monkeypa
         opts=prefill.PrefillOptions(8, 1, True, BF16, None, 1.0, 4), workspace_bytes=1)
     assert [(c.q_begin, c.q_end) for c in chunks] == [(0, 128), (128, 256), (256, 384),
                                                        (384, 420)]
-    assert any(c.split is not None for c in chunks)
+    assert any(c.index_splits > 1 for c in chunks)
     out, q2k = msa.msa_prefill(**x, cu_seqlens_q=cu(q_lens), cu_seqlens_k=cu(k_lens),
                                max_seqlen_q=230, max_seqlen_k=900, topk=8,
                                return_selection=True, workspace_bytes=1)
@@ -231,10 +199,9 @@ def test_paged_wrapper_equals_the_dense_stepwise_pipeline(seed, max_chunk):
 
 
 def test_paged_plan_metadata_is_what_the_native_glue_would_derive(seed):
-    """The paged wrapper's chunks are planned: the native glue takes their prefix sums (and a
-    split's causal offsets, from the host copy) as they are, so those must equal what it
-    derives on the device for unplanned calls: the clamped, non-decreasing prefix sums and
-    the clamped offsets."""
+    """The paged wrapper's chunks are planned: the native glue takes their prefix sums as they
+    are, so those must equal what it derives on the device for unplanned calls (the clamped,
+    non-decreasing prefix sums), and so must the key lengths and causal offsets it derives."""
     from msa._native.block_max_score_sm90 import kernel_inputs
     from msa._validation import device_prefix_sums
     gen = torch.Generator().manual_seed(seed)
@@ -243,22 +210,18 @@ def test_paged_plan_metadata_is_what_the_native_glue_would_derive(seed):
     wrapper = msa.MsaPrefillPagedWrapper(topk=8).plan(
         q_lens, k_lens, table, num_qo_heads=8, num_kv_heads=2, index_page_table=itable,
         max_chunk_tokens=128)
-    assert any(c.split is not None for c in wrapper.chunks)
+    assert any(c.index_splits > 1 for c in wrapper.chunks)
     k_idx = caches["k_idx_cache"]
     for chunk in wrapper.chunks:
         assert chunk.planned
         total = chunk.q_end - chunk.q_begin
         assert torch.equal(device_prefix_sums(chunk.cu_seqlens_q, total), chunk.cu_seqlens_q)
         assert torch.equal(device_prefix_sums(chunk.cu_seqlens_k, 2**31 - 1), chunk.cu_seqlens_k)
-        split = chunk.split
-        if split is None:
-            continue
-        rows = torch.empty(split.query_rows.numel(), 4, 128)
-        args = (rows, k_idx, split.cu_seqlens_q, None, split.qo_offset, itable[:, :1],
-                split.seqused_k)
-        planned = kernel_inputs(*args, planned=True, host_qo_offset=split.host_qo_offset)
+        rows = torch.empty(total, 2, 128)
+        args = (rows, k_idx, chunk.cu_seqlens_q, None, None, itable, chunk.seqused_k)
+        planned = kernel_inputs(*args, planned=True)
         derived = kernel_inputs(*args)
-        assert planned.offsets is split.qo_offset      # taken as it is
+        assert planned.cu_q is chunk.cu_seqlens_q      # taken as it is
         for name in ("cu_q", "k_lens", "offsets"):
             assert torch.equal(getattr(planned, name), getattr(derived, name)), name
 
@@ -423,7 +386,7 @@ def test_sparse_atten_from_selection_in_chunks_equals_one_call(seed, monkeypatch
         index_stage=False)
     assert [(c.q_begin, c.q_end) for c in chunks] == [(0, 128), (128, 256), (256, 384),
                                                        (384, 420)]
-    assert all(c.split is None and c.own_block is None for c in chunks)
+    assert all(c.index_splits == 1 and c.own_block is None for c in chunks)
     q2k_before = q2k.clone()
     out, lse = prefill.sparse_atten_from_selection(
         x["q"], x["k"], x["v"], q2k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=230,

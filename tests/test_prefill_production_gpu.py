@@ -1,5 +1,5 @@
 """Production chunked prefill on the GPU (issue 23): MsaPrefillPagedWrapper over a paged cache,
-msa_prefill in query chunks and with the split-K indexer, and one 1M-token call.
+msa_prefill in query chunks and with the indexer's key splits, and one 1M-token call.
 
 Checks, on fresh random inputs (lengths not multiples of 128, shuffled pages, buffers the kernels
 write poisoned with NaN first, MSA_BACKEND=native so nothing falls back silently):
@@ -8,8 +8,8 @@ write poisoned with NaN first, MSA_BACKEND=native so nothing falls back silently
   block forced); bf16 O against a float64 attention over that selection; e4m3 O against it
   within the contract's FP8 bound (with e4m3 partials: against the reference backend, which
   models their rounding);
-- short chunks (a few hundred queries against 20k-40k keys) take the split-K indexer, and the
-  split scores equal the unsplit kernel's; a chunk of <= 16 queries takes the decode indexer;
+- short chunks (a few hundred queries against 20k-40k keys) take the indexer's key splits,
+  and their scores equal the unsplit call's; a chunk of <= 16 queries takes the decode indexer;
 - query chunks and index splits change nothing: the same selection, O within 2e-3;
 - run() is capturable: a graph replayed on new inputs equals the eager run bit for bit;
 - the decode route (attention_route="decode", and "auto" on a short e4m3 chunk, in a graph):
@@ -159,7 +159,7 @@ def test_short_chunk_indexer_splits_match_the_unsplit_kernel(q_len, k_len, seed,
     wrapper = msa.MsaPrefillPagedWrapper(topk=16).plan(
         q_lens, k_lens, table, num_qo_heads=64, num_kv_heads=4, index_page_table=itable)
     if q_len * 4 > prefill.DECODE_INDEXER_ROWS:
-        assert wrapper.index_splits[0] > 1, "a short chunk should take the split-K indexer"
+        assert wrapper.index_splits[0] > 1, "a short chunk should take key splits"
     else:
         assert wrapper.index_splits == [1]       # the paged decode indexer splits by itself
     chunk = wrapper.chunks[0]

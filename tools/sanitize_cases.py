@@ -47,6 +47,7 @@ from msa_loading import import_variant_as_msa  # noqa: E402
 
 msa = import_variant_as_msa(sys.argv[1])
 from msa import _backend  # noqa: E402
+from msa.indexer import chunk_block_max_scores  # noqa: E402
 from msa._native import (block_max_score_sm90, decode_cuda,  # noqa: E402,F401 (registers them)
                          decode_indexer_cuda, debug)
 
@@ -79,8 +80,8 @@ def to_dtype_mode(p, mode):
 
 def sparse_prefill_cases(gen):
     """Every form of the sparse serving table on the calls it serves: "mma" (fp32 partials),
-    "wgmma" (G 1-4, the bf16-Q FP8 modes), "ws" and "ws3w" (the warp-specialized TMA forms,
-    G 8 / 16)."""
+    "wgmma" (G 1-4, the bf16-Q FP8 modes), "ws", "ws3w" and "ws1c" (the warp-specialized TMA
+    forms, G 8 / 16; ws1c the short calls')."""
     forms = set()
     for g, paged, causal, partial, mode, form in (
             (16, True, True, torch.float32, "bf16", "mma"),
@@ -93,7 +94,9 @@ def sparse_prefill_cases(gen):
             (16, True, True, E4M3, "bf16", "ws"), (8, False, True, torch.float16, "e4m3", "ws"),
             (8, True, False, torch.float16, "bf16", "ws"),
             (16, False, True, torch.bfloat16, "bf16", "ws3w"),
-            (16, False, True, E4M3, "e4m3", "ws3w"), (8, True, True, E4M3, "e4m3", "ws3w")):
+            (16, False, True, E4M3, "e4m3", "ws3w"), (8, True, True, E4M3, "e4m3", "ws3w"),
+            (16, False, True, torch.bfloat16, "bf16", "ws1c"),
+            (16, True, False, torch.bfloat16, "e4m3", "ws1c")):
         topk = 8
         p = prefill_cases._make_problem(g, topk, paged, causal, gen, torch.device("cuda"))
         q2k = p["q2k"]
@@ -107,12 +110,15 @@ def sparse_prefill_cases(gen):
                                   max_seqlen_k=p["max_k"], max_seqlen_q=p["max_q"],
                                   qhead_per_kv=g, return_schedule=True)
         expect_native("build_k2q_csr")
-        out, lse = msa.sparse_atten_func(
-            p["q"], p["k"], p["v"], built[0], built[1], topk, cu_seqlens_q=p["cu_q"],
-            cu_seqlens_k=p["cu_k"], max_seqlen_q=p["max_q"], max_seqlen_k=p["max_k"],
-            causal=causal, softmax_scale=0.1, partial_dtype=partial, return_softmax_lse=True,
-            page_table=p["page_table"], seqused_k=p["seqused_k"], schedule=built[2],
-            pv_dtype=pv_dtype)
+        # The short-call form serves calls of <= SHORT_CALL_QUERIES queries: forced here
+        # whatever the random lengths add up to.
+        with debug.forcing(sparse_form=form if form == "ws1c" else None):
+            out, lse = msa.sparse_atten_func(
+                p["q"], p["k"], p["v"], built[0], built[1], topk, cu_seqlens_q=p["cu_q"],
+                cu_seqlens_k=p["cu_k"], max_seqlen_q=p["max_q"], max_seqlen_k=p["max_k"],
+                causal=causal, softmax_scale=0.1, partial_dtype=partial,
+                return_softmax_lse=True, page_table=p["page_table"],
+                seqused_k=p["seqused_k"], schedule=built[2], pv_dtype=pv_dtype)
         expect_native("sparse_atten")
         ran = debug.last_variant("sparse_atten")
         assert ran.endswith(f"_{form}") or (form in ("mma", "wgmma") and
@@ -188,7 +194,8 @@ def portable_tier():
 
 
 def block_max_cases(gen, family="sm90"):
-    """The indexer on dense and paged keys (a page past the pool), rows past cu_seqlens_q[-1];
+    """The indexer on dense and paged keys (a page past the pool), rows past cu_seqlens_q[-1],
+    unsplit and with key splits;
     family "portable": the portable tier's kernel (bf16 and e4m3) under MSA_NATIVE_TIER=portable,
     with an understated max_seqlen_q (its grid-stride loop)."""
     if family == "portable":
@@ -211,11 +218,16 @@ def _block_max_cases(gen, family):
         if paged:
             pages, table = paginate_index_keys(k, k_lens, gen, torch.device("cuda"))
             table[0, -1] = 1 << 20                 # past the pool (the other junk is negative)
-            msa.block_max_scores(q, pages.to(dtype), cu_q, cu_k, page_table=table,
-                                 seqused_k=torch.tensor(k_lens, dtype=torch.int32).cuda(), **kw)
+            args = (q, pages.to(dtype), cu_q, cu_k)
+            kw.update(page_table=table, seqused_k=torch.tensor(k_lens, dtype=torch.int32).cuda())
         else:
-            msa.block_max_scores(q, k.to(dtype).cuda(), cu_q, cu_k, **kw)
+            args = (q, k.to(dtype).cuda(), cu_q, cu_k)
+        msa.block_max_scores(*args, **kw)
         expect_native("block_max_scores", family)
+        # Key splits (msa.prefill's short chunks): fewer, about as many and more than the tiles.
+        for splits in (3, 8, 40):
+            chunk_block_max_scores(*args, key_splits=splits, **kw)
+            expect_native("block_max_scores", family)
     # Decode-shaped (the decode variant: 1-4 rows per request, K tiles split across CTAs).
     k_lens = [3000, 1, 700]
     pages, table = paginate_index_keys(
@@ -419,7 +431,7 @@ def _fmha_o_cases(gen, dtype, with_max_score):
 
 def prefill_production_cases(gen):
     """msa.prefill's glue around the native ops: the paged wrapper in query chunks with the
-    split-K indexer (page-table columns past each request's pages hold out-of-range ids), and
+    indexer's key splits (page-table columns past each request's pages hold out-of-range ids), and
     msa_prefill in query chunks (zero-query gap requests)."""
     dev = torch.device("cuda")
     draw = lambda *shape: torch.randn(*shape, generator=gen).to(torch.bfloat16).to(dev)  # noqa

@@ -510,7 +510,8 @@ void block_max_score_portable(const torch::Tensor& q, const torch::Tensor& k,
                               const std::optional<torch::Tensor>& cu_seqlens_k,
                               const torch::Tensor& k_lens, const torch::Tensor& offsets,
                               const std::optional<torch::Tensor>& page_table,
-                              torch::Tensor& out, double scale, bool causal, int64_t grid_x) {
+                              torch::Tensor& out, double scale, bool causal, int64_t grid_x,
+                              int64_t key_splits) {
   TORCH_CHECK(q.is_cuda(), "q_idx: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
@@ -536,6 +537,8 @@ void block_max_score_portable(const torch::Tensor& q, const torch::Tensor& k,
   TORCH_CHECK(out.size(0) == heads && out.size(2) == total_q && out.size(1) < INT_MAX,
               "out: expected [", heads, ", max_k_tiles, ", total_q, "], got ", out.sizes());
   TORCH_CHECK(grid_x >= 1 && grid_x <= INT_MAX, "grid_x: must be in [1, 2^31), got ", grid_x);
+  TORCH_CHECK(key_splits >= 1 && key_splits <= 65535, "key_splits: must be in [1, 65535], got ",
+              key_splits);
   msa::BlockMaxScoreArgs a{};
   a.q = q.data_ptr();
   a.k = k.data_ptr();
@@ -565,6 +568,7 @@ void block_max_score_portable(const torch::Tensor& q, const torch::Tensor& k,
   a.max_k_tiles = static_cast<int>(out.size(1));
   a.batch = static_cast<int>(batch);
   a.grid_x = static_cast<int>(grid_x);
+  a.key_splits = static_cast<int>(key_splits);
   a.scale = static_cast<float>(scale);
   a.causal = causal;
   check_launch(msa::launch_block_max_score_portable(
@@ -961,7 +965,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.def(
       "block_max_score_portable(Tensor q, Tensor k, Tensor cu_seqlens_q, Tensor? cu_seqlens_k, "
       "Tensor k_lens, Tensor offsets, Tensor? page_table, Tensor(a!) out, float scale, "
-      "bool causal, int grid_x) -> ()");
+      "bool causal, int grid_x, int key_splits) -> ()");
   ops.impl("block_max_score_portable", torch::kCUDA, &block_max_score_portable);
   ops.def(
       "fmha_transpose_v_e4m3(Tensor v, Tensor cu_seqlens_k, Tensor kv_lens, Tensor? page_table, "

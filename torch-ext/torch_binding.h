@@ -308,6 +308,7 @@ struct BlockMaxScoreArgs {
   int max_k_tiles;
   int batch;                     // < 65535 (grid y = batch + 1)
   int grid_x;                    // CTAs per request along its query tiles (>= 1; they stride)
+  int key_splits;                // CTAs per query tile along its K tiles (1 .. 65535)
   float scale;
   bool causal;
 };
@@ -401,7 +402,8 @@ void block_max_score_portable(const torch::Tensor& q, const torch::Tensor& k,
                               const std::optional<torch::Tensor>& cu_seqlens_k,
                               const torch::Tensor& k_lens, const torch::Tensor& offsets,
                               const std::optional<torch::Tensor>& page_table,
-                              torch::Tensor& out, double scale, bool causal, int64_t grid_x);
+                              torch::Tensor& out, double scale, bool causal, int64_t grid_x,
+                              int64_t key_splits);
 
 void sparse_decode_attention(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

@@ -43,10 +43,12 @@ class BlockMaxScoreCall:
     page_table: Optional[torch.Tensor]       # [B, max_pages] int32
     seqused_k: Optional[torch.Tensor]        # [B] int32
     check_values: bool = False               # check_input_valid / MSA_CHECK_INPUTS=1
-    # A plan's call (msa.prefill): its prefix sums are valid by construction and qo_offset's
-    # values are known on the host, so the native glue takes them as they are.
+    # A plan's call (msa.prefill): its prefix sums are valid by construction, so the native
+    # glue takes them as they are.
     planned_lengths: bool = False
-    host_qo_offset: Optional[List[int]] = None
+    # CTAs per query tile along the key tiles (msa.prefill's short chunks against long prefixes:
+    # the same scores from more SMs); a native kernel's launch shape only.
+    key_splits: int = 1
 
     @property
     def paged(self) -> bool:
@@ -117,21 +119,22 @@ def block_max_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, cu_seqlens_q: tor
     return run_block_max_scores(call)
 
 
-def planned_block_max_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: int,
-                             max_seqlen_k: int, scale: float = 1.0, causal: bool = True,
-                             qo_offset=None, host_qo_offset: Optional[List[int]] = None,
-                             page_table=None, seqused_k=None,
-                             max_k_tiles: Optional[int] = None) -> torch.Tensor:
-    """block_max_scores (the same checks and result) on a plan's own metadata (msa.prefill):
-    cu_seqlens_q / cu_seqlens_k are prefix sums the plan made, valid by construction, and
-    host_qo_offset holds qo_offset's values, so the native glue takes them as they are instead
-    of deriving them on the device (up to seven small launches a call)."""
+def chunk_block_max_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: int,
+                           max_seqlen_k: int, scale: float = 1.0, causal: bool = True,
+                           page_table=None, seqused_k=None, max_k_tiles: Optional[int] = None,
+                           planned: bool = False, key_splits: int = 1) -> torch.Tensor:
+    """block_max_scores (the same checks and result) of one msa.prefill chunk, bottom-right
+    causal. `planned`: cu_seqlens_q / cu_seqlens_k are prefix sums a plan made on the host,
+    valid by construction, so the native glue takes them as they are instead of deriving them
+    on the device (up to seven small launches a call). `key_splits`: CTAs per query tile along
+    its key tiles (>= 1), for a chunk whose query tiles alone leave SMs idle."""
+    check_positive_int("key_splits", key_splits, minimum=1)
     call = check_block_max_args(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                max_seqlen_k, scale, causal, qo_offset, page_table, seqused_k,
+                                max_seqlen_k, scale, causal, None, page_table, seqused_k,
                                 max_k_tiles)
     call.check_values = value_checks_requested(False)
-    call.planned_lengths = True
-    call.host_qo_offset = host_qo_offset
+    call.planned_lengths = bool(planned)
+    call.key_splits = int(key_splits)
     return run_block_max_scores(call)
 
 

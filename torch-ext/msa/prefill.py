@@ -1,5 +1,5 @@
-"""Production MSA prefill: the pipeline in query chunks with bounded workspace, the split-K
-indexer for short chunks, and the plan/run wrapper over a paged KV cache.
+"""Production MSA prefill: the pipeline in query chunks with bounded workspace, key splits of
+the indexer for short chunks, and the plan/run wrapper over a paged KV cache.
 
 One prefill call runs index scores -> top-k (own block forced) -> k2q CSR + schedule -> sparse
 attention (docs/design-production-prefill.md). Two entry points share the machinery here:
@@ -17,11 +17,11 @@ query i sees keys j <= i + K - Q) the sub-request's keys end at its last query i
 k_sub = K - Q + (queries of r up to t1), so the bottom-right rule of the sub-request equals the
 call's. A chunk's workspace (scores, selection, CSR, partials) is proportional to t1 - t0.
 
-**Split-K indexer.** The prefill indexer kernel gives one CTA 256 / H_idx queries of one request
-and walks that request's key tiles serially, so a chunk of a few hundred queries runs on a few
-SMs (about 12 us per 1k keys). With S splits, sub-request (r, s) holds r's queries again and
-the keys [128 n s, 128 n (s+1)) of r (n tiles per split), with the causal offset shifted by
--128 n s; the tiles of different splits are disjoint, so one gather assembles [H, S n, T].
+**Key splits of the indexer.** The prefill indexer kernel gives one CTA 256 / H_idx queries of
+one request and walks the key tiles they see, so a chunk of a few hundred queries would run on a
+few SMs (about 12 us per 1k keys). A chunk whose query tiles leave SMs idle launches S CTAs per
+query tile instead, each computing an equal share of its key tiles in place
+(:func:`index_key_splits`; the kernels' grid z): the same scores, no gather.
 
 **Decode route for short chunks.** A chunk of a few hundred queries against a long prefix pays
 the CSR, the KV-outer attention's per-block partials and their combine, each costing its launches
@@ -52,7 +52,7 @@ from ._validation import (BLOCK_SIZE, FP8, HEAD_DIM, SUPPORTED_TOPK, check_cu_se
                           check_same_device, check_scale, check_shape, check_tensor, check_topk,
                           host_int64, value_checks_requested)
 from .decode import SparseDecodePagedAttentionWrapper
-from .indexer import INDEX_DTYPES, block_max_scores, planned_block_max_scores
+from .indexer import INDEX_DTYPES, chunk_block_max_scores
 from .interface import (_check_k2q_csr_args, build_k2q_csr, check_attention_operands,
                         planned_sparse_atten, sparse_atten_func)
 from .topk import sparse_topk_select
@@ -89,16 +89,13 @@ _INDEX_BYTES_PER_SLOT = 40
 # ---------------------------------------------------------------------------------------------
 
 def workspace_bytes_per_query(*, num_qo_heads: int, num_kv_heads: int, topk: int,
-                              max_k_tiles: int, partial_dtype: torch.dtype,
-                              index_splits: int = 1) -> int:
+                              max_k_tiles: int, partial_dtype: torch.dtype) -> int:
     """Device bytes one query of a chunk needs beyond the call's inputs and output: index
-    scores [Hkv, tiles, T] fp32 (twice with a split-K indexer, plus the repeated index queries),
-    O / LSE partials [topk, T, Hq, 128 | 1], the chunk's O and LSE, and the selection / CSR.
-    max_k_tiles=0: a chunk without the index stage (:func:`sparse_atten_from_selection`)."""
+    scores [Hkv, tiles, T] fp32, O / LSE partials [topk, T, Hq, 128 | 1], the chunk's O and LSE,
+    and the selection / CSR. max_k_tiles=0: a chunk without the index stage
+    (:func:`sparse_atten_from_selection`)."""
     partial = torch.empty((), dtype=partial_dtype).element_size()
     scores = 4 * num_kv_heads * max_k_tiles
-    if index_splits > 1 and max_k_tiles > 0:
-        scores = 2 * scores + index_splits * num_kv_heads * HEAD_DIM * 2
     partials = topk * num_qo_heads * (HEAD_DIM * partial + 4)
     chunk_out = num_qo_heads * (HEAD_DIM * 2 + 4)
     return scores + partials + chunk_out + _INDEX_BYTES_PER_SLOT * num_kv_heads * topk
@@ -115,45 +112,17 @@ def chunk_tokens(total_q: int, bytes_per_query: int,
     return max(BLOCK_SIZE, fit // BLOCK_SIZE * BLOCK_SIZE)
 
 
-def index_key_splits(indexer_ctas: int, max_k_tiles: int, sm_count: int) -> Tuple[int, int]:
-    """(S, tiles per split) for the split-K indexer: as many splits as fill the SMs once (the
-    prefill indexer runs one CTA per SM), each split at least SPLIT_K_MIN_TILES tiles; (1,
-    max_k_tiles) when one split already fills the GPU."""
+def index_key_splits(indexer_ctas: int, max_k_tiles: int, sm_count: int) -> int:
+    """CTAs per query tile of the prefill indexer (its key splits): as many as fill the SMs once
+    (the kernel runs one CTA per SM), each split at least SPLIT_K_MIN_TILES of the longest
+    request's tiles; 1 when the query tiles alone fill the GPU."""
     splits = min(sm_count // max(indexer_ctas, 1), max_k_tiles // SPLIT_K_MIN_TILES)
-    if splits < 2:
-        return 1, max_k_tiles
-    per_split = -(-max_k_tiles // splits)
-    return -(-max_k_tiles // per_split), per_split
+    return max(splits, 1)
 
 
 # ---------------------------------------------------------------------------------------------
 # Sub-call metadata (torch ops only: no host sync, any device)
 # ---------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class IndexSplit:
-    """Split-K indexer metadata of one chunk: sub-request (r, s) = r's queries x r's keys
-    [128 n s, 128 n (s+1)), in (r, s) order."""
-    splits: int                          # S
-    tiles_per_split: int                 # n
-    query_rows: torch.Tensor             # [S*T_c] int64: chunk query of each repeated row
-    columns: torch.Tensor                # [S*T_c] int64: (s, q) -> column of the split scores
-    cu_seqlens_q: torch.Tensor           # [B'S+1] int32
-    cu_seqlens_k: Optional[torch.Tensor]  # dense: [B'S+1] int32 key offsets
-    seqused_k: Optional[torch.Tensor]    # paged: [B'S] int32
-    page_index: Optional[torch.Tensor]   # paged: [B'S, n] int64 flat index into the page table
-    qo_offset: Optional[torch.Tensor]    # causal: [B'S] int32
-    host_qo_offset: Optional[List[int]] = None   # qo_offset's values, where the plan knows them
-    # Whether columns is the identity (at most one sub-request has queries: its (s, q) rows lie
-    # at s * T_c + q), so the score assembly needs no gather; known where the plan holds the
-    # lengths on the host.
-    columns_identity: bool = False
-
-    def to(self, device: torch.device) -> "IndexSplit":
-        return dataclasses.replace(self, **{
-            f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)})
-
 
 @dataclasses.dataclass
 class ChunkPlan:
@@ -169,7 +138,7 @@ class ChunkPlan:
     total_rows: Optional[int]            # exact CSR rows when the host knows them
     num_valid_pages: Optional[torch.Tensor]  # [T_c] int32 (None: no index stage)
     own_block: Optional[torch.Tensor]        # [T_c] int32 (None: no index stage)
-    split: Optional[IndexSplit]
+    index_splits: int = 1                    # the indexer's CTAs per query tile (key splits)
     route: Optional["DecodeRoute"] = None    # paged: the chunk's attention as one decode call
     # Made on the host from the plan's lengths (MsaPrefillPagedWrapper.plan): its prefix sums
     # are valid by construction, so the stages' native glue takes them as they are.
@@ -177,15 +146,12 @@ class ChunkPlan:
 
     @property
     def max_k_tiles(self) -> int:
-        if self.split is not None:
-            return self.split.splits * self.split.tiles_per_split
         return -(-self.max_seqlen_k // BLOCK_SIZE)
 
     def to(self, device: torch.device) -> "ChunkPlan":
         moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
                  if isinstance(getattr(self, f.name), torch.Tensor)}
-        return dataclasses.replace(self, split=None if self.split is None
-                                   else self.split.to(device), **moved)
+        return dataclasses.replace(self, **moved)
 
 
 class DecodeRoute:
@@ -289,55 +255,6 @@ def dense_chunk_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, t0: int, t1: int
     return cu_q_sub, cu_k_sub
 
 
-def index_split(cu_q_sub: torch.Tensor, cu_k_sub: torch.Tensor, total_q: int, splits: int,
-                tiles_per_split: int, *, causal: bool, paged: bool,
-                page_table_width: int = 0) -> IndexSplit:
-    """Split-K indexer metadata for a sub-batch given by its cu_seqlens (dense: key offsets of
-    each request's consecutive keys; paged: prefix sums of its key lengths)."""
-    device = cu_q_sub.device
-    i64 = torch.int64
-    cu_q64, cu_k64 = cu_q_sub.to(i64), cu_k_sub.to(i64)
-    q_len = cu_q64[1:] - cu_q64[:-1]
-    k_len = cu_k64[1:] - cu_k64[:-1]
-    batch = q_len.numel()
-    span = BLOCK_SIZE * tiles_per_split
-    lo = (torch.arange(splits, device=device, dtype=i64) * span).view(1, -1)      # [1, S]
-    cu_q_split = _prefix(q_len.view(-1, 1).expand(batch, splits))                  # [BS+1]
-    rows_total = splits * total_q
-    # (r, s, i) rows: repeated request r -> chunk query cu_q[r] + i.
-    p = torch.arange(rows_total, device=device, dtype=i64)
-    sub = owning_segment(cu_q_split, p)
-    query_rows = cu_q64[sub // splits] + (p - cu_q_split.to(i64)[sub])
-    # (s, q) -> column of the split scores.
-    q = torch.arange(total_q, device=device, dtype=i64)
-    req = owning_segment(cu_q64, q)
-    s = torch.arange(splits, device=device, dtype=i64).view(-1, 1)
-    columns = (cu_q_split.to(i64)[req.view(1, -1) * splits + s]
-               + (q - cu_q64[req]).view(1, -1)).reshape(-1)
-    qo_offset = None
-    if causal:
-        qo_offset = ((k_len - q_len).view(-1, 1) - lo).reshape(-1).to(torch.int32)
-    split = IndexSplit(splits, tiles_per_split, query_rows, columns, cu_q_split, None, None,
-                       None, qo_offset)
-    if device.type == "cpu":            # a host plan: no synchronization to look
-        split.columns_identity = int((q_len > 0).sum()) <= 1
-    if paged:
-        split.seqused_k = (k_len.view(-1, 1) - lo).clamp(0, span).reshape(-1).to(torch.int32)
-        col = (torch.arange(splits, device=device, dtype=i64).view(-1, 1) * tiles_per_split
-               + torch.arange(tiles_per_split, device=device, dtype=i64).view(1, -1))
-        col = col.clamp_max(max(page_table_width - 1, 0))                         # [S, n]
-        rows = torch.arange(batch, device=device, dtype=i64).view(-1, 1, 1)
-        split.page_index = (rows * page_table_width + col.unsqueeze(0)).reshape(
-            batch * splits, tiles_per_split)
-    else:
-        starts = cu_k64[:-1].view(-1, 1) + torch.minimum(lo, k_len.view(-1, 1))     # [B, S]
-        cu_k_split = torch.empty(batch * splits + 1, dtype=torch.int32, device=device)
-        cu_k_split[:-1] = starts.reshape(-1).to(torch.int32)
-        cu_k_split[-1:] = cu_k_sub[-1:]
-        split.cu_seqlens_k = cu_k_split
-    return split
-
-
 # ---------------------------------------------------------------------------------------------
 # The pipeline of one chunk
 # ---------------------------------------------------------------------------------------------
@@ -358,42 +275,12 @@ def _index_scores(chunk: ChunkPlan, q_idx: torch.Tensor, k_idx: torch.Tensor,
                   ) -> torch.Tensor:
     """[Hkv, chunk.max_k_tiles, T_c] fp32 block max scores of the chunk's queries."""
     paged = index_page_table is not None
-    common = dict(max_seqlen_q=chunk.max_seqlen_q, scale=opts.index_scale, causal=opts.causal)
-    split = chunk.split
-
-    def block_scores(*args, host_qo_offset=None, **kw):
-        if chunk.planned:
-            return planned_block_max_scores(*args, host_qo_offset=host_qo_offset, **kw)
-        return block_max_scores(*args, **kw)
-    if split is None:
-        return block_scores(
-            q_idx, k_idx, chunk.cu_seqlens_q, None if paged else chunk.cu_seqlens_k,
-            max_seqlen_k=chunk.max_seqlen_k, page_table=index_page_table,
-            seqused_k=chunk.seqused_k if paged else None, max_k_tiles=chunk.max_k_tiles,
-            **common)
-    n, splits = split.tiles_per_split, split.splits
-    pages = None
-    if paged:
-        pages = index_page_table.reshape(-1).index_select(0, split.page_index.reshape(-1))
-        pages = pages.view(split.page_index.shape)
-    part = block_scores(
-        _gather_rows(q_idx, split.query_rows), k_idx, split.cu_seqlens_q,
-        split.cu_seqlens_k, max_seqlen_k=n * BLOCK_SIZE, qo_offset=split.qo_offset,
-        host_qo_offset=split.host_qo_offset, page_table=pages, seqused_k=split.seqused_k,
-        max_k_tiles=n, **common)
-    heads, total_q = part.shape[0], q_idx.shape[0]
-    scores = torch.empty(heads, splits * n, total_q, dtype=part.dtype, device=part.device)
-    by_split = part if split.columns_identity else part.index_select(2, split.columns)
-    scores.view(heads, splits, n, total_q).copy_(
-        by_split.view(heads, n, splits, total_q).permute(0, 2, 1, 3))
-    return scores
-
-
-def _gather_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """t[rows] along dim 0; 1-byte dtypes (e4m3) move as uint8 (same bits, any backend)."""
-    if t.element_size() == 1 and t.dtype != torch.uint8:
-        return t.view(torch.uint8).index_select(0, rows).view(t.dtype)
-    return t.index_select(0, rows)
+    return chunk_block_max_scores(
+        q_idx, k_idx, chunk.cu_seqlens_q, None if paged else chunk.cu_seqlens_k,
+        max_seqlen_q=chunk.max_seqlen_q, max_seqlen_k=chunk.max_seqlen_k,
+        scale=opts.index_scale, causal=opts.causal, page_table=index_page_table,
+        seqused_k=chunk.seqused_k if paged else None, max_k_tiles=chunk.max_k_tiles,
+        planned=chunk.planned, key_splits=chunk.index_splits)
 
 
 def run_chunk(chunk: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -511,19 +398,14 @@ def plan_dense_chunks(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *,
             mq = min(max_seqlen_q, t1 - t0)
         if not index_stage:
             chunks.append(ChunkPlan(t0, t1, cu_q, cu_k, None, mq, max_seqlen_k, total_k, None,
-                                    None, None, None))
+                                    None, None))
             continue
         nvp, own = _per_query_block_bounds(cu_q, cu_k, t1 - t0)
-        # The lengths are on the device: one split's CTAs counted as if the chunk were one
-        # request (a lower bound when it holds several).
+        # The lengths are on the device: the chunk's CTAs counted as if it were one request (a
+        # lower bound when it holds several).
         ctas = -(-(t1 - t0) * num_kv_heads // INDEXER_TILE_ROWS)
-        splits, per_split = index_key_splits(ctas, tiles, sm_count)
-        split = None
-        if splits > 1 and t1 > t0:
-            split = index_split(cu_q, cu_k, t1 - t0, splits, per_split, causal=opts.causal,
-                                paged=False)
         chunks.append(ChunkPlan(t0, t1, cu_q, cu_k, None, mq, max_seqlen_k, total_k, None,
-                                nvp, own, split))
+                                nvp, own, index_key_splits(ctas, tiles, sm_count)))
     return chunks
 
 
@@ -865,17 +747,11 @@ class MsaPrefillPagedWrapper:
             nvp, own = _per_query_block_bounds(cu_q_sub, cu_k_sub, t1 - t0)
             max_q, max_k = int(q_sub.max()), max(int(k_sub.max()), 1)
             chunk_tiles = -(-max_k // BLOCK_SIZE)
-            split = None
+            splits = 1
             # The paged decode indexer splits the keys itself for <= 64 rows per request.
             if max_q * num_kv_heads > DECODE_INDEXER_ROWS:
                 ctas = sum(-(-int(n) * num_kv_heads // INDEXER_TILE_ROWS) for n in q_sub)
-                splits, per_split = index_key_splits(ctas, chunk_tiles, sm_count)
-                if splits > 1:
-                    split = index_split(cu_q_sub, cu_k_sub, t1 - t0, splits, per_split,
-                                        causal=self.causal, paged=True,
-                                        page_table_width=index_page_table.shape[1])
-                    if split.qo_offset is not None:
-                        split.host_qo_offset = split.qo_offset.tolist()
+                splits = index_key_splits(ctas, chunk_tiles, sm_count)
             route = None
             if takes_decode_route(self.attention_route, t1 - t0, max_k):
                 route = plan_decode_route(
@@ -886,7 +762,7 @@ class MsaPrefillPagedWrapper:
                 t0, t1, cu_q_sub, cu_k_sub, k_sub.to(torch.int32), max(max_q, 1), max_k,
                 max(int(k_sub.sum()), 1), max(int(((k_sub + BLOCK_SIZE - 1)
                                                    // BLOCK_SIZE).sum()), 1),
-                nvp, own, split, route, planned=True).to(device))
+                nvp, own, splits, route, planned=True).to(device))
         self.chunks = chunks
         self._qo, self._kv = qo, kv
         self._page_table, self._index_page_table = page_table, index_page_table
@@ -909,7 +785,7 @@ class MsaPrefillPagedWrapper:
     @property
     def index_splits(self) -> List[int]:
         """Split-K factor of each chunk's indexer (1: unsplit)."""
-        return [1 if c.split is None else c.split.splits for c in self.chunks]
+        return [c.index_splits for c in self.chunks]
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             q_idx: torch.Tensor, k_idx_cache: torch.Tensor, *,

@@ -34,6 +34,7 @@ from . import cute_runtime, debug, serving
 KEY_TILE = variants.KV_BLOCK
 TILE_ROWS = 256                 # (query, head) rows per CTA; must match the kernel's TILE_M
 SUPPORTED_HEADS = variants.INDEX_HEADS
+MAX_KEY_SPLITS = 65535          # the launch grid's z
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "e4m3"}
 
 
@@ -86,7 +87,7 @@ def run(call) -> torch.Tensor:
                       max_seqlen_q=call.max_seqlen_q, max_k_tiles=call.max_k_tiles,
                       scale=call.scale, causal=call.causal, qo_offset=call.qo_offset,
                       page_table=call.page_table, seqused_k=call.seqused_k,
-                      planned=call.planned_lengths, host_qo_offset=call.host_qo_offset)
+                      planned=call.planned_lengths, key_splits=call.key_splits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +102,12 @@ class KernelInputs:
 
 
 def kernel_inputs(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset, page_table, seqused_k, *,
-                  planned: bool = False, host_qo_offset=None) -> KernelInputs:
+                  planned: bool = False) -> KernelInputs:
     """Prefix sums the kernels can trust whatever their values (unchanged when valid: a negative
     start or a decreasing entry would otherwise address rows outside q / k), key lengths and
     causal offsets; no host synchronization (every native tier's indexer shares this).
-    `planned`: the prefix sums are a plan's own (valid by construction), taken as they are;
-    `host_qo_offset`: qo_offset's values on the host, which lets an int32 [B] offset tensor
-    within the clamp through as it is (each saves the launches that would derive them)."""
+    `planned`: the prefix sums are a plan's own (valid by construction), taken as they are
+    (saving the launches that would derive them)."""
     cu_q = cu_seqlens_q if planned else device_prefix_sums(cu_seqlens_q, q.shape[0])
     batch = cu_q.numel() - 1
     paged = page_table is not None
@@ -117,7 +117,7 @@ def kernel_inputs(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset, page_table, sequs
     k_lens = key_lengths(batch, q.device, cu_seqlens_k=cu_k, page_table=page_table,
                          seqused_k=seqused_k)
     q_lens = cu_q[1:] - cu_q[:-1] if qo_offset is None else None   # bottom-right only
-    offsets = causal_offsets(qo_offset, q_lens, k_lens, host_qo_offset).contiguous()
+    offsets = causal_offsets(qo_offset, q_lens, k_lens).contiguous()
     return KernelInputs(batch=batch, cu_q=cu_q, cu_k=cu_k, k_lens=k_lens, offsets=offsets,
                         page_table=page_table.contiguous() if paged else None)
 
@@ -126,12 +126,13 @@ def max_scores(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: Optional[torch.Tensor], *, max_seqlen_q: int, max_k_tiles: int,
                scale: float, causal: bool, qo_offset: Union[None, int, torch.Tensor],
                page_table: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
-               planned: bool = False, host_qo_offset=None) -> torch.Tensor:
+               planned: bool = False, key_splits: int = 1) -> torch.Tensor:
     """max_score [H, max_k_tiles, total_q] fp32 of q [total_q, H, 128] against one shared key
     head k (dense [total_k, 1, 128] with cu_seqlens_k, or paged [pages, 1, 128, 128] with
     page_table and optionally seqused_k), one launch on q's device and current stream, no host
     synchronization (capturable in a CUDA graph). Arguments as msa.block_max_scores'; supports()
-    has accepted them."""
+    has accepted them. `key_splits`: the prefill form's CTAs per query tile along its key tiles
+    (the decode form splits the keys itself)."""
     device = q.device
     total_q, num_heads, _ = q.shape
     check_launch_limits(max_k_tiles, page_table, seqused_k)
@@ -139,7 +140,7 @@ def max_scores(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
     if total_q == 0:
         return out
     inputs = kernel_inputs(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset, page_table, seqused_k,
-                           planned=planned, host_qo_offset=host_qo_offset)
+                           planned=planned)
     batch, k_lens, offsets = inputs.batch, inputs.k_lens, inputs.offsets
     paged = page_table is not None
     cu_q = inputs.cu_q
@@ -154,14 +155,16 @@ def max_scores(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
         raise RuntimeError(f"msa.block_max_scores: {form}")
     if form.options.get("split_keys"):      # grid x: K-tile chunks per request
         grid_x = decode_key_splits(batch, max_k_tiles, sm_count(device))
+        key_splits = 1
     else:                                    # grid x: strides over each request's query tiles
         grid_x = max(1, -(-max_seqlen_q // (TILE_ROWS // num_heads)))
+        key_splits = max(1, min(int(key_splits), max_k_tiles, MAX_KEY_SPLITS))
     if debug.poison():
         out.fill_(float("nan"))
     name = variant_name(num_heads, paged, q.dtype, form.name)
     debug.record("block_max_scores", name)
     cute_runtime.launch(name, device, q, k, cu_q, cu_k, k_lens, offsets, page_table, out,
-                        float(scale), int(causal), int(grid_x))
+                        float(scale), int(causal), int(grid_x), key_splits)
     return out
 
 

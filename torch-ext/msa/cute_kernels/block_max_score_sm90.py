@@ -37,8 +37,15 @@ chains keep the tensor cores busy. 256 rows per CTA keep L2 traffic low: each 32
 feeds 2*256*128*128 FLOPs (256 FLOP per byte). Shared memory: Q 64 KB + 3 x 32 KB of K = 160 KB,
 one CTA (16 warps, <= 128 registers per thread) per SM.
 
-Grid (x, B + 1): x strides over the request's query tiles, heaviest (last, most keys) first
-(decode variant: x is the K-tile chunk);
+Key splits (prefill variant, grid z = S > 1): a query tile of a few hundred queries against a
+long prefix would otherwise walk every K tile on one SM. CTA z computes the query tile's K
+tiles [z c, (z + 1) c) with c = ceil(n_tiles / S) (n_tiles: the tiles some row of the tile can
+see), writing them at their own tile index, so the splits' outputs are disjoint and need no
+reduction; CTA z = 0 also writes the -inf tiles. The decode variant splits on grid x the same
+way.
+
+Grid (x, B + 1, S): x strides over the request's query tiles, heaviest (last, most keys) first
+(decode variant: x is the K-tile split, S = 1);
 y = b < B is request b, y = B the "orphan" rows [cu_seqlens_q[B], total_q) that no request
 owns, which only get -inf. So every element of out is written exactly once, whatever the
 lengths say, and nothing is read out of bounds: Q rows past a request's end, K rows past
@@ -53,7 +60,8 @@ Tensors (dynamic sizes are runtime values):
   k_lens       [B] int32 key lengths;  offsets [B] int32 causal offsets
   page_table   [B, max_pages] int32 (paged only; a 1-column dummy for dense)
   out          [H, max_k_tiles, total_q] fp32
-  scale: fp32 (> 0); causal: int32 flag; the launch grid x is a host-known int32.
+  scale: fp32 (> 0); causal: int32 flag; the launch grid x and the key splits S are
+  host-known int32s.
 q, k and out may hold 2^31 elements or more: their row addresses are 64-bit (q and k rows through
 copies.row_iterator / kv_row_iterator, which matter here because H and Hk = 1 make every stride
 of q and k static; out's strides are dynamic 64-bit). Counts (tokens, tiles, pages) are Int32.
@@ -98,7 +106,8 @@ class BlockMaxScoreSm90:
     def __call__(self, q: cute.Tensor, k: cute.Tensor, cu_seqlens_q: cute.Tensor,
                  cu_seqlens_k: cute.Tensor, k_lens: cute.Tensor, offsets: cute.Tensor,
                  page_table: cute.Tensor, out: cute.Tensor, scale: cutlass.Float32,
-                 causal: cutlass.Int32, grid_q_tiles: cutlass.Int32, stream):
+                 causal: cutlass.Int32, grid_q_tiles: cutlass.Int32,
+                 key_splits: cutlass.Int32, stream):
         # K-major 128-byte-swizzle atom (8 rows x 128 bytes); the swizzle rides on the pointer.
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
         q_layout = cute.tile_to_shape(atom, (WG_ROWS, HEAD_DIM, self.num_warpgroups), (0, 1, 2))
@@ -117,7 +126,7 @@ class BlockMaxScoreSm90:
             cutlass.Float32, (1, 1, 1), (WG_ROWS, BLOCK_N))
         self.kernel(q, k, cu_seqlens_q, cu_seqlens_k, k_lens, offsets, page_table, out, scale,
                     causal, q_layout, k_layout, q_copy, k_copy, mma, SharedStorage).launch(
-            grid=(grid_q_tiles, cute.size(cu_seqlens_q.shape[0]), 1),
+            grid=(grid_q_tiles, cute.size(cu_seqlens_q.shape[0]), key_splits),
             block=(self.num_threads, 1, 1), stream=stream)
 
     @cute.kernel
@@ -128,8 +137,8 @@ class BlockMaxScoreSm90:
                q_copy: cute.TiledCopy, k_copy: cute.TiledCopy, mma: cute.TiledMma,
                SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
-        cta_x, request, _ = cute.arch.block_idx()
-        grid_x, _, _ = cute.arch.grid_dim()
+        cta_x, request, cta_z = cute.arch.block_idx()
+        grid_x, _, grid_z = cute.arch.grid_dim()
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wg_tidx = tidx % 128
         lane = tidx % 32
@@ -187,9 +196,13 @@ class BlockMaxScoreSm90:
         n_q_tiles = (q_len + qpt - 1) // qpt
         walk_start = cta_x
         walk_stride = grid_x
+        split = cta_z                           # this CTA's K-tile split of each query tile
+        n_splits = grid_z
         if cutlass.const_expr(self.split_keys):
-            walk_start = 0                      # every CTA: all query tiles, its K-tile chunk
+            walk_start = 0                      # every CTA: all query tiles, its K-tile split
             walk_stride = 1
+            split = cta_x
+            n_splits = grid_x
         for walk in range(walk_start, n_q_tiles, walk_stride):
             # Heaviest first: the last query tile sees the most keys under causal masking.
             q_tile = n_q_tiles - 1 - walk
@@ -205,13 +218,10 @@ class BlockMaxScoreSm90:
             n_tiles = cutlass.min(n_tiles, max_k_tiles)
             if cutlass.const_expr(self.paged):
                 n_tiles = cutlass.min(n_tiles, mPageTable.shape[1])
-            # This CTA computes tiles [t_begin, t_end): all of them, or its chunk (decode).
-            t_begin = 0
-            t_end = n_tiles
-            if cutlass.const_expr(self.split_keys):
-                chunk = (n_tiles + grid_x - 1) // grid_x
-                t_begin = cutlass.min(cta_x * chunk, n_tiles)
-                t_end = cutlass.min(t_begin + chunk, n_tiles)
+            # This CTA computes tiles [t_begin, t_end): its split of them (all of them, S = 1).
+            chunk = (n_tiles + n_splits - 1) // n_splits
+            t_begin = cutlass.min(split * chunk, n_tiles)
+            t_end = cutlass.min(t_begin + chunk, n_tiles)
 
             if t_end > t_begin:
                 # Q rows of this warpgroup (queries past the tile's end are not loaded).
@@ -222,7 +232,7 @@ class BlockMaxScoreSm90:
                         q_ptr = row_iterator(mQ, q_start + q_local, r % n_heads)
                         gQ = thr_q_copy.partition_S(cute.make_tensor(q_ptr, q_row_stride0))
                         cute.copy(q_copy, gQ[None, m, None], tQsQ[None, m, None])
-                # Prologue: K tiles 0 .. STAGES-2 (Q rides in the first group).
+                # Prologue: the split's first STAGES-1 K tiles (Q rides in the first group).
                 for s in cutlass.range_constexpr(STAGES - 1):
                     if t_begin + s < t_end:
                         self._load_k_tile(mK, mPageTable, request, k_row0, k_len, t_begin + s,
@@ -231,9 +241,7 @@ class BlockMaxScoreSm90:
                     cute.arch.cp_async_commit_group()
 
                 for t in range(t_begin, t_end):
-                    stage = t % STAGES
-                    if cutlass.const_expr(self.split_keys):
-                        stage = (t - t_begin) % STAGES
+                    stage = (t - t_begin) % STAGES
                     # Tile t has landed (at most STAGES-2 younger groups pending); after the
                     # barrier every warpgroup is also done reading the stage refilled below.
                     cute.arch.cp_async_wait_group(STAGES - 2)
@@ -241,9 +249,7 @@ class BlockMaxScoreSm90:
                     cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.sync_threads()
                     ahead = t + STAGES - 1
-                    ahead_stage = ahead % STAGES
-                    if cutlass.const_expr(self.split_keys):
-                        ahead_stage = (ahead - t_begin) % STAGES
+                    ahead_stage = (ahead - t_begin) % STAGES
                     if ahead < t_end:
                         self._load_k_tile(mK, mPageTable, request, k_row0, k_len, ahead,
                                           ahead_stage, sK_stages, thr_k_copy, k_copy, tKcK,
@@ -287,9 +293,8 @@ class BlockMaxScoreSm90:
 
             # ---- tiles nobody in the tile can see: -inf, runs of queries (coalesced) ----------
             n_fill = (max_k_tiles - n_tiles) * n_heads * qpt
-            if cutlass.const_expr(self.split_keys):
-                if cta_x != 0:                  # one CTA of the request fills
-                    n_fill = cutlass.Int32(0)
+            if split != 0:                      # one split of the query tile fills
+                n_fill = cutlass.Int32(0)
             for idx in range(tidx, n_fill, self.num_threads):
                 q_in_tile = idx % qpt
                 head_tile = idx // qpt

@@ -111,7 +111,7 @@ def block_max_score_args(variant: BlockMaxScoreVariant):
         _index((_dyn(), _dyn())),                           # page_table
         _tensor(cutlass.Float32, (variant.num_heads, _dyn(), total_q), align=4),   # out
         cutlass.Float32(1.0), cutlass.Int32(1),             # scale, causal
-        cutlass.Int32(1),                                   # grid_q_tiles
+        cutlass.Int32(1), cutlass.Int32(1),                 # grid_q_tiles, key_splits
         make_fake_stream(),
     ]
 
