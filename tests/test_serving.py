@@ -39,12 +39,14 @@ def _fmha_kernel(dtype="bfloat16", mode=3, paged=False, causal=True, work_items=
     return verdict.kernel
 
 
-def _sparse_kernel(mode="bfloat16", g=16, partial=BF16, paged=False, total_q=5000):
+def _sparse_kernel(mode="bfloat16", g=16, partial=BF16, paged=False, total_q=5000,
+                   kv_blocks=1 << 20):
     q, kv, pv = {"bfloat16": (BF16, BF16, None), "bf16_kv_e4m3": (BF16, E4M3, None),
                  "e4m3_pv_bf16": (E4M3, E4M3, BF16), "e4m3": (E4M3, E4M3, None)}[mode]
     verdict = sparse_prefill_sm90.supports(q_dtype=q, k_dtype=kv, v_dtype=kv, pv_dtype=pv,
                                            paged=paged, qhead_per_kv=g, topk=16,
-                                           partial_dtype=partial, total_q=total_q)
+                                           partial_dtype=partial, total_q=total_q,
+                                           kv_blocks=kv_blocks)
     assert isinstance(verdict, _backend.Served), verdict
     return verdict.kernel
 

@@ -170,17 +170,20 @@ _PARTIAL_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
                   torch.float16: "float16", torch.float8_e4m3fn: "e4m3"}
 
 
-def _served_attention(mode, g, paged, partial_dtype, total_q):
+def _served_attention(mode, g, paged, partial_dtype, total_q, topk, kv_blocks):
     """(form, attention artifact) the serving table picks for a call of these properties."""
     from msa.cute_kernels import variants
     partial = _PARTIAL_NAMES[partial_dtype]
+    short = _native_module().short_call(total_q, topk, kv_blocks)
     form = variants.serving_form(variants.SPARSE_FORMS, mode, group=g, partial=partial,
-                                 short=_native_module().short_call(total_q)).name
+                                 short=short).name
     return form, _native_module().sparse_kernel(mode, g, paged, partial, form).attention
 
 
-def _check_served_form_ran(native_hooks, mode, g, paged, partial_dtype, total_q):
-    form, want = _served_attention(mode, g, paged, partial_dtype, total_q)
+def _check_served_form_ran(native_hooks, mode, g, paged, partial_dtype, q, topk, row_ptr):
+    """The call of q [total_q, Hq, 128], topk and the k2q CSR row_ptr ran its served form."""
+    form, want = _served_attention(mode, g, paged, partial_dtype, q.shape[0], topk,
+                                   row_ptr.shape[-1] - 1)
     ran = native_hooks.last_variant("sparse_atten")
     assert ran == want, f"expected {want} (form {form}), ran {ran}"
 
@@ -225,8 +228,8 @@ def test_sparse_prefill_native_matches_float64(case, tier, seed, monkeypatch, na
     if tier == "portable":
         assert native_hooks.last_variant("sparse_atten") == "sparse_prefill_portable"
     else:
-        _check_served_form_ran(native_hooks, "bfloat16", g, paged, partial_dtype,
-                               p["q"].shape[0])
+        _check_served_form_ran(native_hooks, "bfloat16", g, paged, partial_dtype, p["q"], topk,
+                               row_ptr)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     if temperature == 1.0:
         assert lse_t is lse
@@ -303,7 +306,6 @@ def test_sparse_prefill_one_consumer_form_gives_the_same_bits(mode, paged, causa
                               max_seqlen_k=p["max_k"], max_seqlen_q=p["max_q"],
                               qhead_per_kv=16, return_schedule=True)
     monkeypatch.setenv("MSA_BACKEND", "native")
-    monkeypatch.setenv("MSA_UNVALIDATED_KERNELS", "1")
     runs = {}
     for form in ("ws1c", "ws3w"):
         for schedule in (built[2], None):
@@ -374,7 +376,8 @@ def test_sparse_prefill_fp8_native_matches_reference(case, tier, seed, monkeypat
     if tier == "portable":
         assert native_hooks.last_variant("sparse_atten") == "sparse_prefill_portable"
     else:
-        _check_served_form_ran(native_hooks, mode, g, paged, partial_dtype, p["q"].shape[0])
+        _check_served_form_ran(native_hooks, mode, g, paged, partial_dtype, p["q"], topk,
+                               row_ptr)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     ref_out, ref_lse, ref_lse_t = call("reference")
     assert _backend.last_backend("sparse_atten") != family

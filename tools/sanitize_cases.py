@@ -110,8 +110,8 @@ def sparse_prefill_cases(gen):
                                   max_seqlen_k=p["max_k"], max_seqlen_q=p["max_q"],
                                   qhead_per_kv=g, return_schedule=True)
         expect_native("build_k2q_csr")
-        # The short-call form serves calls of <= SHORT_CALL_QUERIES queries: forced here
-        # whatever the random lengths add up to.
+        # The short-call form serves calls of few queries, few an item (short_call): forced
+        # here whatever the random lengths add up to.
         with debug.forcing(sparse_form=form if form == "ws1c" else None):
             out, lse = msa.sparse_atten_func(
                 p["q"], p["k"], p["v"], built[0], built[1], topk, cu_seqlens_q=p["cu_q"],

@@ -102,14 +102,19 @@ def sparse_kernel(mode: str, qhead_per_kv: int, paged: bool, partial: str,
         combine=variants.CombineVariant(partial).name)
 
 
-def short_call(total_q: Optional[int]) -> bool:
-    """Whether a call of total_q queries is short for the serving table (feature `short`)."""
-    return total_q is not None and total_q <= variants.SHORT_CALL_QUERIES
+def short_call(total_q: Optional[int], topk: Optional[int], kv_blocks: Optional[int]) -> bool:
+    """Whether a call is short for the serving table (feature `short`): at most
+    SHORT_CALL_QUERIES queries, and at most SHORT_ITEM_QUERIES of them on average in a (KV
+    block, KV head) work item (kv_blocks: the k2q CSR's rows per KV head)."""
+    if total_q is None or topk is None or kv_blocks is None:
+        return False
+    return (total_q <= variants.SHORT_CALL_QUERIES
+            and total_q * topk <= variants.SHORT_ITEM_QUERIES * kv_blocks)
 
 
 def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=False,
              causal=False, qhead_per_kv=None, topk=None, partial_dtype=None, nvfp4=False,
-             total_q=None, **_ignored) -> _backend.Verdict:
+             total_q=None, kv_blocks=None, **_ignored) -> _backend.Verdict:
     """The kernels serving a call with these features (_backend.Served), else the reason none
     can. debug hook: sparse_form (a form to run wherever it is built)."""
     mode = attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype)
@@ -124,7 +129,7 @@ def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=F
                                                  f.name).attention,
                                    variants.CombineVariant(partial).name),
                         group=qhead_per_kv, partial=partial, forced=debug.forced("sparse_form"),
-                        short=short_call(total_q))
+                        short=short_call(total_q, topk, kv_blocks))
     if isinstance(form, str):
         return form
     return _served(mode, qhead_per_kv, paged, partial, form.name)
