@@ -57,7 +57,8 @@ class Folded:
             offset += q_len
         device = slot.q.device
         self.rows = torch.tensor(rows, dtype=torch.long, device=device)
-        self.q = msa.prefill._gather_rows(slot.q, self.rows)      # e4m3 rows move as uint8
+        # e4m3 rows move as uint8 (index_select of float8 is not on every backend)
+        self.q = slot.q.view(torch.uint8).index_select(0, self.rows).view(slot.q.dtype)
         self.q2k = q2k.index_select(1, self.rows)
         self.page_table = slot.page_table.index_select(
             0, torch.tensor(requests, dtype=torch.long, device=device)).contiguous()
