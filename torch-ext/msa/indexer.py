@@ -13,7 +13,7 @@ total_q] fp32 tensor. The fmha max-score mode calls :func:`block_max_scores` too
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Union
+from typing import Optional, Union
 
 import torch
 

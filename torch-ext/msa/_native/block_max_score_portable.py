@@ -21,7 +21,7 @@ import torch
 
 from .. import _backend
 from . import compiled_ops, debug
-from .block_max_score_sm90 import MAX_KEY_SPLITS, check_launch_limits, kernel_inputs
+from .block_max_score_sm90 import check_launch_limits, kernel_inputs, launch_key_splits
 from .compiled_ops import ops
 from .sparse_prefill_portable import reads_in_place
 
@@ -78,7 +78,7 @@ def run(call) -> torch.Tensor:
     # request has more than total_q queries, so a long one adds no idle CTAs past that).
     queries_per_cta = ROWS_PER_CTA // num_heads
     grid_x = max(1, -(-min(int(call.max_seqlen_q), total_q) // queries_per_cta))
-    key_splits = max(1, min(int(call.key_splits), call.max_k_tiles, MAX_KEY_SPLITS))
+    key_splits = launch_key_splits(call.key_splits, call.max_k_tiles)
     debug.record("block_max_scores", OP)
     ops.block_max_score_portable(_in_place(q), _in_place(k), inputs.cu_q, inputs.cu_k,
                                  inputs.k_lens, inputs.offsets, inputs.page_table, out,

@@ -34,7 +34,6 @@ from . import cute_runtime, debug, serving
 KEY_TILE = variants.KV_BLOCK
 TILE_ROWS = 256                 # (query, head) rows per CTA; must match the kernel's TILE_M
 SUPPORTED_HEADS = variants.INDEX_HEADS
-MAX_KEY_SPLITS = 65535          # the launch grid's z
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "e4m3"}
 
 
@@ -48,6 +47,12 @@ def decode_key_splits(batch: int, max_k_tiles: int, num_sms: int) -> int:
     """CTAs per request for the decode form: about two waves over the SMs, at least two K
     tiles (one pipeline's worth) per CTA."""
     return max(1, min(-(-2 * num_sms // max(batch, 1)), -(-max_k_tiles // 2)))
+
+
+def launch_key_splits(key_splits: int, max_k_tiles: int) -> int:
+    """The grid z of a call asking for key_splits CTAs per query tile: at most one a key tile
+    and the grid's limit (65535)."""
+    return max(1, min(int(key_splits), max_k_tiles, 65535))
 
 
 def supports(*, q_dtype=None, k_dtype=None, paged=False, causal=True, num_heads=None,
@@ -158,7 +163,7 @@ def max_scores(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
         key_splits = 1
     else:                                    # grid x: strides over each request's query tiles
         grid_x = max(1, -(-max_seqlen_q // (TILE_ROWS // num_heads)))
-        key_splits = max(1, min(int(key_splits), max_k_tiles, MAX_KEY_SPLITS))
+        key_splits = launch_key_splits(key_splits, max_k_tiles)
     if debug.poison():
         out.fill_(float("nan"))
     name = variant_name(num_heads, paged, q.dtype, form.name)
