@@ -2075,7 +2075,7 @@ _PAGED_PREFILL_VALUES = [
     ("valid", None, Same(), {}),
     ("separate index page table", None, Same(), dict(separate_index=True)),
     ("query chunks of 64", lambda a: dict(max_chunk_tokens=64), Same(), {}),
-    ("split-K indexer", None, Same(), dict(qo=(40,), kv=(1200,))),
+    ("indexer key splits", None, Same(), dict(qo=(40,), kv=(1200,))),
     ("more queries than keys", None, Same(), dict(qo=(50, 10), kv=(20, 10))),
     ("request without queries", None, Same(), dict(qo=(140, 0, 40), kv=(700, 300, 40))),
     ("request without keys", None, Same(), dict(qo=(140, 0), kv=(700, 0))),

@@ -6,7 +6,7 @@ random page table, the wrapper planned outside), runs the call once to warm up, 
 calls under torch.profiler and prints each kernel's mean device time per call, largest first,
 with the call's mean wall time between CUDA events (profiler off). The short production chunks
 (171-406 queries on 17.7k-140k keys) are launch- and latency-bound: this says which of the
-indexer (and its split-K glue), the top-k, the CSR + schedule build, the attention and the
+indexer (with its key splits), the top-k, the CSR + schedule build, the attention and the
 combine holds the time.
 
     python benchmarks/lab/profile_prefill.py                                  # the 3 slowest

@@ -481,8 +481,8 @@ def msa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_idx: torch.
       6. O = sparse_atten_func(q, k, v, row_ptr, q_ids, topk, cu_seqlens_q=..., cu_seqlens_k=...,
              max_seqlen_q=..., max_seqlen_k=..., causal=causal, softmax_scale=softmax_scale,
              partial_dtype=partial_dtype, schedule=schedule)
-    A call of few queries against many keys runs step 1 on key splits (the split-K
-    indexer: the same scores, more CTAs); a call past ``workspace_bytes`` runs steps 1-6 per
+    A call of few queries against many keys runs step 1 on key splits (more CTAs per query
+    tile, the same scores); a call past ``workspace_bytes`` runs steps 1-6 per
     query chunk. :class:`msa.MsaPrefillPagedWrapper` is the same pipeline over a paged cache
     with the metadata planned once per batch.
     """
@@ -784,7 +784,7 @@ class MsaPrefillPagedWrapper:
 
     @property
     def index_splits(self) -> List[int]:
-        """Split-K factor of each chunk's indexer (1: unsplit)."""
+        """Key splits of each chunk's indexer: CTAs per query tile (1: unsplit)."""
         return [c.index_splits for c in self.chunks]
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
