@@ -7,7 +7,8 @@ request a cached prefix and a new chunk, weights = production call counts). Per 
   pages, disjoint random page tables, one scratch page), planned outside the timing (impl
   ``paged``, its default ``attention_route="auto"``; ``--impls paged-sparse`` /
   ``paged-decode`` add the same with every chunk on the sparse / decode route, ``--impls
-  dense`` ``msa.msa_prefill`` on packed K/V);
+  dense`` ``msa.msa_prefill`` on packed K/V; ``--sparse-forms ws3w,ws1c`` repeats each impl
+  with that sparse attention form forced wherever it is built, impl ``<impl>[<form>]``);
   the whole call
   captured in one CUDA graph over S input slots (each its own q, caches, page table and
   plan), S chosen so the bytes of S - 1 slots exceed twice the L2 (upstream's rule: no call
@@ -308,7 +309,20 @@ def dense_sdpa_ms(case: PrefillCase, args, device) -> Optional[float]:
 # One case
 # ---------------------------------------------------------------------------------------------
 
-def bench_case(msa, case: PrefillCase, impl: str, dtype_name: str, args, device, dense_ms):
+def bench_case(msa, case: PrefillCase, impl: str, dtype_name: str, args, device, dense_ms,
+               sparse_form: str = "served"):
+    """One row; sparse_form other than "served" forces that sparse attention form (the debug
+    hook) for the eager runs, the capture and the breakdown alike."""
+    if sparse_form == "served":
+        return _bench_case(msa, case, impl, dtype_name, args, device, dense_ms)
+    from msa._native import debug
+    with debug.forcing(sparse_form=sparse_form):
+        row = _bench_case(msa, case, impl, dtype_name, args, device, dense_ms)
+    row["impl"] = f"{row['impl']}[{sparse_form}]"
+    return row
+
+
+def _bench_case(msa, case: PrefillCase, impl: str, dtype_name: str, args, device, dense_ms):
     dtype, partial_dtype = split_dtype_name(dtype_name)
     cuda = device.type == "cuda"
     if cuda:
@@ -413,6 +427,10 @@ def main(argv=None):
                          "paged-decode (the same with attention_route='sparse' / 'decode') "
                          "and/or dense "
                          "(msa_prefill on packed K/V)")
+    ap.add_argument("--sparse-forms", default="served",
+                    help="sparse attention forms to force (cute_kernels.variants.SPARSE_FORMS "
+                         "names, e.g. ws3w,ws1c), each a run of every impl; served: the "
+                         "serving table's pick")
     ap.add_argument("--hq", type=int, default=64)
     ap.add_argument("--hkv", type=int, default=4, help="KV heads = index heads")
     ap.add_argument("--topk", type=int, default=16)
@@ -434,19 +452,25 @@ def main(argv=None):
     msa = load_msa()
     cases = tiny_cases() if args.tiny else select_cases(load_cases(), args.cases)
     tsv = TsvWriter(args.out, COLUMNS, device, formats=FORMATS)
-    runs = [(impl, d) for impl in parse_names(args.impls) for d in parse_names(args.dtypes)]
-    unknown = sorted({impl for impl, _ in runs} - set(SLOTS))
+    runs = [(impl, d, form) for impl in parse_names(args.impls)
+            for form in parse_names(args.sparse_forms) for d in parse_names(args.dtypes)]
+    unknown = sorted({impl for impl, _, _ in runs} - set(SLOTS))
     if unknown:
         ap.error(f"--impls: unknown {unknown}; known {sorted(SLOTS)}")
+    from msa.cute_kernels.variants import SPARSE_FORMS
+    known_forms = {"served"} | set(SPARSE_FORMS)
+    unknown = sorted({form for _, _, form in runs} - known_forms)
+    if unknown:
+        ap.error(f"--sparse-forms: unknown {unknown}; known {sorted(known_forms)}")
     results: Dict[tuple, List[dict]] = {run: [] for run in runs}
     for case in cases:
         dense_ms = dense_sdpa_ms(case, args, device) if args.dense else None
         free_memory(device)
-        for impl, dtype_name in runs:
-            row = bench_case(msa, case, impl, dtype_name, args, device, dense_ms)
+        for impl, dtype_name, form in runs:
+            row = bench_case(msa, case, impl, dtype_name, args, device, dense_ms, form)
             tsv.write(**row)
-            results[(impl, dtype_name)].append(row)
-    for (_impl, dtype_name), rows in results.items():
+            results[(impl, dtype_name, form)].append(row)
+    for (_impl, dtype_name, _form), rows in results.items():
         if rows:
             tsv.write(**weighted_row(rows, dtype_name))
     synchronize(device)

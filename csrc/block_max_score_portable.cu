@@ -149,9 +149,17 @@ __global__ void __launch_bounds__(kThreads, 1) block_max_score_portable_kernel(
                                 : 0;
     if (a.paged) n_tiles = min(n_tiles, a.page_table_cols);
     // This CTA's tiles [t_begin, t_end) of them.
-    const int per_split = (n_tiles + static_cast<int>(gridDim.z) - 1) / static_cast<int>(gridDim.z);
+    const int n_splits = static_cast<int>(gridDim.z);
+    const int per_split = (n_tiles + n_splits - 1) / n_splits;
     const int t_begin = min(split * per_split, n_tiles);
     const int t_end = min(t_begin + per_split, n_tiles);
+    if (t_end <= t_begin) {    // an empty split (early causal query tiles): no Q, no K
+      if (split == 0) {
+        fill_minus_inf(a, static_cast<int64_t>(q_start) + q_lo, n_q, n_tiles, a.max_k_tiles,
+                       tid);
+      }
+      continue;
+    }
 
     __syncthreads();           // the previous query tile's readers of sQ / sK / sMax are done
     // Address of chunk `chunk` of Q row r (query r / H, head r % H), or null past the queries.
@@ -169,8 +177,8 @@ __global__ void __launch_bounds__(kThreads, 1) block_max_score_portable_kernel(
         cp_async_16_or_zero(sQ + swizzled(r, chunk), src != nullptr ? src : a.q, src != nullptr);
       }
     }
-    KeyTile next = t_end > t_begin ? key_tile(a, b, k_len, t_begin) : KeyTile{0, 0};
-    if (t_end > t_begin) load_key_tile<kFp8>(a, next, smem + (kFp8 ? kKRaw : kK), tid);
+    KeyTile next = key_tile(a, b, k_len, t_begin);
+    load_key_tile<kFp8>(a, next, smem + (kFp8 ? kKRaw : kK), tid);
     cp_async_commit();
     if constexpr (kFp8) {      // e4m3 Q rows widened through registers while K tile 0 lands
       constexpr int kPerThread = kRows * kRawChunks / kThreads;

@@ -113,7 +113,11 @@ def test_prefill_production_tiny(tmp_path):
 def test_prefill_production_plot(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "prefill_production.tsv"
-    run_tiny("bench_prefill_production.py", out, "--no-breakdown", "--impls", "paged,dense")
+    run_tiny("bench_prefill_production.py", out, "--no-breakdown", "--impls", "paged,dense",
+             "--sparse-forms", "served,ws3w")
+    _header, rows = read_tsv(out)
+    assert {r["impl"] for r in rows} == {"msa_prefill_paged", "msa_prefill_paged[ws3w]",
+                                         "msa_prefill_dense", "msa_prefill_dense[ws3w]"}
     sys.path.insert(0, str(BENCH))
     from plot_prefill_production import main as plot
     plot([str(out), "--out", str(tmp_path / "p.png")])

@@ -81,7 +81,7 @@ def to_dtype_mode(p, mode):
 def sparse_prefill_cases(gen):
     """Every form of the sparse serving table on the calls it serves: "mma" (fp32 partials),
     "wgmma" (G 1-4, the bf16-Q FP8 modes), "ws", "ws3w" and "ws1c" (the warp-specialized TMA
-    forms, G 8 / 16; ws1c the short calls')."""
+    forms, G 8 / 16; ws1c serves short calls and is forced here)."""
     forms = set()
     for g, paged, causal, partial, mode, form in (
             (16, True, True, torch.float32, "bf16", "mma"),
