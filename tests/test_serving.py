@@ -151,6 +151,24 @@ def test_sparse_serving_table_rules():
     assert "partial_dtype torch.float32" in reason
 
 
+def test_sparse_short_call_rule():
+    """ws1c serves calls of at most SHORT_CALL_QUERIES queries whose (KV block, KV head) items
+    hold at most SHORT_ITEM_QUERIES[mode] queries on average (total_q * topk / kv_blocks, topk
+    16 here); other calls keep ws3w, and modes without a bound are never short."""
+    for mode, bound in variants.SHORT_ITEM_QUERIES.items():
+        blocks = 16 * 320 // bound                    # 320 queries: exactly `bound` an item
+        assert _sparse_kernel(mode, 16, BF16, total_q=320, kv_blocks=blocks).form == "ws1c"
+        assert _sparse_kernel(mode, 16, BF16, total_q=320, kv_blocks=blocks - 1).form == "ws3w"
+        many = variants.SHORT_CALL_QUERIES + 1
+        assert _sparse_kernel(mode, 16, BF16, total_q=many, kv_blocks=1 << 20).form == "ws3w"
+    assert variants.SHORT_ITEM_QUERIES["e4m3"] > variants.SHORT_ITEM_QUERIES["bfloat16"]
+    # 12.5 queries an item (2 x ~163 queries on 27k keys): ws1c in e4m3, ws3w in bf16.
+    assert _sparse_kernel("e4m3", 16, BF16, total_q=326, kv_blocks=416).form == "ws1c"
+    assert _sparse_kernel("bfloat16", 16, BF16, total_q=326, kv_blocks=416).form == "ws3w"
+    assert _sparse_kernel("bf16_kv_e4m3", 16, BF16, total_q=8, kv_blocks=1 << 20).form \
+        == "wgmma"
+
+
 def test_indexer_serving_table_rules():
     """Paged keys with at most INDEXER_DECODE_ROWS (query, head) rows per request: the decode
     form; everything else the prefill form."""

@@ -174,7 +174,7 @@ def _served_attention(mode, g, paged, partial_dtype, total_q, topk, kv_blocks):
     """(form, attention artifact) the serving table picks for a call of these properties."""
     from msa.cute_kernels import variants
     partial = _PARTIAL_NAMES[partial_dtype]
-    short = _native_module().short_call(total_q, topk, kv_blocks)
+    short = _native_module().short_call(mode, total_q, topk, kv_blocks)
     form = variants.serving_form(variants.SPARSE_FORMS, mode, group=g, partial=partial,
                                  short=short).name
     return form, _native_module().sparse_kernel(mode, g, paged, partial, form).attention

@@ -102,14 +102,16 @@ def sparse_kernel(mode: str, qhead_per_kv: int, paged: bool, partial: str,
         combine=variants.CombineVariant(partial).name)
 
 
-def short_call(total_q: Optional[int], topk: Optional[int], kv_blocks: Optional[int]) -> bool:
+def short_call(mode: str, total_q: Optional[int], topk: Optional[int],
+               kv_blocks: Optional[int]) -> bool:
     """Whether a call is short for the serving table (feature `short`): at most
-    SHORT_CALL_QUERIES queries, and at most SHORT_ITEM_QUERIES of them on average in a (KV
-    block, KV head) work item (kv_blocks: the k2q CSR's rows per KV head)."""
-    if total_q is None or topk is None or kv_blocks is None:
+    SHORT_CALL_QUERIES queries, and at most SHORT_ITEM_QUERIES[mode] of them on average in a
+    (KV block, KV head) work item (kv_blocks: the k2q CSR's rows per KV head). Modes without a
+    bound are never short."""
+    bound = variants.SHORT_ITEM_QUERIES.get(mode)
+    if bound is None or total_q is None or topk is None or kv_blocks is None:
         return False
-    return (total_q <= variants.SHORT_CALL_QUERIES
-            and total_q * topk <= variants.SHORT_ITEM_QUERIES * kv_blocks)
+    return total_q <= variants.SHORT_CALL_QUERIES and total_q * topk <= bound * kv_blocks
 
 
 def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=False,
@@ -129,7 +131,7 @@ def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=F
                                                  f.name).attention,
                                    variants.CombineVariant(partial).name),
                         group=qhead_per_kv, partial=partial, forced=debug.forced("sparse_form"),
-                        short=short_call(total_q, topk, kv_blocks))
+                        short=short_call(mode, total_q, topk, kv_blocks))
     if isinstance(form, str):
         return form
     return _served(mode, qhead_per_kv, paged, partial, form.name)

@@ -158,20 +158,22 @@ FMHA_FORMS = _table(
 
 # ---- sparse prefill attention (op "sparse_atten"; dtype: the dtype mode) ----------------------
 # A short call: at most SHORT_CALL_QUERIES queries whose (KV block, KV head) work items hold at
-# most SHORT_ITEM_QUERIES queries on average (total_q * topk <= SHORT_ITEM_QUERIES * KV blocks:
-# one or two 64-row tiles an item at G 16), where one CTA an SM leaves each item's K / V load
-# and prologue exposed. H100, ws1c against ws3w through the production pipeline (bf16,
-# f554b30): 0.159 vs 0.165 ms at 171 queries / 55k keys (6.3 queries an item), 0.372 vs 0.389
-# at 347 / 132k (5.4); 0.124 vs 0.117 at 182 / 17.7k (21: more tiles an item, where three
-# consumers beat two CTAs of one).
+# most SHORT_ITEM_QUERIES[mode] queries on average (total_q * topk <= that * KV blocks: one to
+# three 64-row tiles an item at G 16), where one CTA an SM leaves each item's K / V load and
+# prologue exposed; past it three consumers of one CTA beat two one-consumer CTAs. e4m3 tiles
+# cost less tensor time, so the exposed load weighs more and the bound is higher. H100, ws1c
+# against ws3w through the production pipeline (0d1d5f8, same process, the 11 production
+# cases of <= 1024 queries): bf16 0.88-0.94x at 2.5-5.6 queries an item, 0.97x at 8.4, 0.99x
+# at 9.3, 1.02x at 12.5, 1.01x at 14.9, 1.06x at 20.9 (182 / 17.7k); e4m3 (the cases on the
+# sparse route) 0.92x at 12.5, 0.93x at 14.9, 1.01x at 20.9.
 SHORT_CALL_QUERIES = 1024
-SHORT_ITEM_QUERIES = 8
+SHORT_ITEM_QUERIES = dict(bfloat16=10, e4m3=16)
 SPARSE_CALLS: Dict[str, tuple] = dict(short=(False, True))
 SPARSE_FORMS = _table(
     Form("ws1c", "SparsePrefillSm90Ws", ("bfloat16", "e4m3"),
-         "short calls (<= SHORT_CALL_QUERIES queries, <= SHORT_ITEM_QUERIES an item) at G 16 "
-         "with bf16 or all-e4m3 q/k/v and bf16 partials: the TMA warp-specialized kernel with "
-         "one consumer warpgroup, two CTAs an SM",
+         "short calls (<= SHORT_CALL_QUERIES queries, <= SHORT_ITEM_QUERIES[mode] an item) at "
+         "G 16 with bf16 or all-e4m3 q/k/v and bf16 partials: the TMA warp-specialized kernel "
+         "with one consumer warpgroup, two CTAs an SM",
          when=lambda short=False, **_: short,
          options=dict(consumers=1, q_stages=2, mma_regs=216),
          groups=(16,), partials=("bfloat16",)),
