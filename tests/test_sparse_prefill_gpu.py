@@ -289,11 +289,12 @@ ALL_FP8_CASES = FP8_CASES + [c for c in FP8_WS_CASES if c not in FP8_CASES]
 @pytest.mark.sm90
 @pytest.mark.parametrize("mode", ["bfloat16", "e4m3"])
 @pytest.mark.parametrize("paged,causal", [(False, True), (True, True), (True, False)])
-def test_sparse_prefill_one_consumer_form_gives_the_same_bits(mode, paged, causal, seed,
-                                                             monkeypatch, native_hooks):
-    """The short-call form ws1c (one consumer warpgroup, two CTAs an SM) runs the same tiles
-    with the same arithmetic as the other warp-specialized forms: O, LSE and LSE_T equal theirs
-    bit for bit (outputs poisoned first), with and without a schedule."""
+def test_sparse_prefill_short_call_forms_give_the_same_bits(mode, paged, causal, seed,
+                                                           monkeypatch, native_hooks):
+    """The short-call forms ws1c (one consumer warpgroup, two CTAs an SM) and wsp (persistent,
+    bf16: K/V of the next work item loaded by the producer warpgroup) run the same tiles with
+    the same arithmetic as ws3w: O, LSE and LSE_T equal its bit for bit (outputs poisoned
+    first), with and without a schedule."""
     native_hooks.poison()
     gen = torch.Generator().manual_seed(seed)
     p = _make_problem(16, 16, paged, causal, gen, torch.device("cuda"))
@@ -307,7 +308,8 @@ def test_sparse_prefill_one_consumer_form_gives_the_same_bits(mode, paged, causa
                               qhead_per_kv=16, return_schedule=True)
     monkeypatch.setenv("MSA_BACKEND", "native")
     runs = {}
-    for form in ("ws1c", "ws3w"):
+    forms = ("ws1c", "wsp", "ws3w") if mode == "bfloat16" else ("ws1c", "ws3w")
+    for form in forms:
         for schedule in (built[2], None):
             native_hooks.force(sparse_form=form)
             runs[form, schedule is None] = msa.sparse_atten_func(
@@ -320,10 +322,11 @@ def test_sparse_prefill_one_consumer_form_gives_the_same_bits(mode, paged, causa
             torch.cuda.synchronize()
             ran = native_hooks.last_variant("sparse_atten")
             assert ran.endswith("_" + form), (form, ran)
-    for unscheduled in (False, True):
-        for got, want in zip(runs["ws1c", unscheduled], runs["ws3w", unscheduled]):
-            assert not torch.isnan(got).any()
-            assert torch.equal(got, want)
+    for form in forms[:-1]:
+        for unscheduled in (False, True):
+            for got, want in zip(runs[form, unscheduled], runs["ws3w", unscheduled]):
+                assert not torch.isnan(got).any()
+                assert torch.equal(got, want), form
 
 
 @pytest.mark.gpu

@@ -35,7 +35,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _backend, _stages
-from .._common import key_lengths
+from .._common import key_lengths, sm_count
 from .._validation import device_prefix_sums
 from ..cute_kernels import variants
 from ..schedules.sparse import INT32_MAX, SparseAttentionSchedule, build_schedule_on_device
@@ -90,6 +90,7 @@ class SparseKernel:
     form: str                  # a name of cute_kernels.variants.SPARSE_FORMS
     attention: str             # the attention artifact
     combine: str               # the combine artifact (by partial dtype)
+    num_ctas_arg: bool         # the attention takes the SM count last (the TMA ws kernels)
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,7 +100,8 @@ def sparse_kernel(mode: str, qhead_per_kv: int, paged: bool, partial: str,
     return SparseKernel(
         form=form,
         attention=variants.AttentionVariant(qhead_per_kv, paged, partial, mode, form).name,
-        combine=variants.CombineVariant(partial).name)
+        combine=variants.CombineVariant(partial).name,
+        num_ctas_arg=variants.SPARSE_FORMS[form].kernel == "SparsePrefillSm90Ws")
 
 
 def short_call(mode: str, total_q: Optional[int], topk: Optional[int],
@@ -238,12 +240,14 @@ def run(call, kernel: SparseKernel
     device = call.q.device
     schedule = launch.schedule
     debug.record("sparse_atten", kernel.attention)
-    cute_runtime.launch(
-        kernel.attention, device, call.q, call.k, call.v, launch.cu_q, launch.cu_k,
-        launch.kv_lens, launch.page_table, schedule.k2q_row_ptr, schedule.qsplit_indices,
-        schedule.scheduler_metadata, schedule.work_count, launch.o_partial, launch.lse_partial,
-        launch.lse_t_partial, float(call.softmax_scale), 1.0 / float(call.lse_temperature_scale),
-        int(call.causal), int(launch.want_lse_t))
+    args = [call.q, call.k, call.v, launch.cu_q, launch.cu_k, launch.kv_lens, launch.page_table,
+            schedule.k2q_row_ptr, schedule.qsplit_indices, schedule.scheduler_metadata,
+            schedule.work_count, launch.o_partial, launch.lse_partial, launch.lse_t_partial,
+            float(call.softmax_scale), 1.0 / float(call.lse_temperature_scale),
+            int(call.causal), int(launch.want_lse_t)]
+    if kernel.num_ctas_arg:
+        args.append(sm_count(device))        # the persistent form's CTA count
+    cute_runtime.launch(kernel.attention, device, *args)
     _stages.mark("combine")
     cute_runtime.launch(
         kernel.combine, device, launch.o_partial, launch.lse_partial, launch.lse_t_partial,

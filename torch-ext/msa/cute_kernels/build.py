@@ -78,6 +78,8 @@ def attention_args(variant: AttentionVariant):
         _tensor(cutlass.Float32, (_dyn(), total_q, hq), align=4),   # lse_t_partial
         cutlass.Float32(1.0), cutlass.Float32(1.0),         # softmax_scale, inv_temperature
         cutlass.Int32(0), cutlass.Int32(0),                 # causal, want_lse_t
+    ] + ([cutlass.Int32(132)] if SPARSE_FORMS[variant.form].kernel == "SparsePrefillSm90Ws"
+         else []) + [                                       # num_ctas (the TMA ws kernels)
         make_fake_stream(),
     ]
 

@@ -66,6 +66,8 @@ MMA_REGS = 232              # 40 * 128 + 232 * 256 = 64512 = 168 * 384 (launch a
 # warpgroup's own (its O tile free / written).
 BAR_CONSUMERS = 1
 BAR_WG = 2                  # + consumer index
+# The persistent form's K/V ring: the next work item's block loads while this one's tiles run.
+KV_STAGES = 2
 
 
 class SparsePrefillSm90Ws(SparsePrefillBase):
@@ -74,17 +76,26 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
 
     def __init__(self, qhead_per_kv: int, paged: bool, partial_dtype=cutlass.BFloat16,
                  mode: str = "bf16", consumers: int = NUM_MMA_WARPGROUPS,
-                 q_stages: int = Q_STAGES, mma_regs: int = MMA_REGS):
+                 q_stages: int = Q_STAGES, mma_regs: int = MMA_REGS,
+                 producer_regs: int = PRODUCER_REGS, persistent: bool = False):
         super().__init__(qhead_per_kv, paged, partial_dtype)
         assert consumers in (1, 2, 3), consumers
         self.consumers = consumers
         self.q_stages = q_stages
         # The Q ring's full (producer TMA) / empty (one arrival per consumer warp) mbarriers.
         self.q_ring = MbarrierRing(q_stages)
+        # persistent: min(work items, num_ctas) CTAs walk the items; the producer warpgroup
+        # loads each item's K and V into the K/V ring (full: two arrivals per loader thread,
+        # its cp.async completion and its zeroed rows; empty: one per consumer warp).
+        self.persistent = persistent
+        self.kv_ring = MbarrierRing(KV_STAGES, first=self.q_ring.count)
+        self.kv_stages = KV_STAGES if persistent else 1
         self.mma_regs = mma_regs
+        self.producer_regs = producer_regs
         assert qhead_per_kv in WS_GROUPS, qhead_per_kv
         assert partial_dtype.width == 16 or partial_dtype is cutlass.Float8E4M3FN, partial_dtype
         assert mode in WS_MODES, mode
+        assert not persistent or mode == "bf16", "the persistent form is built for bf16"
         self.mode = mode
         self.qk_dtype = cutlass.Float8E4M3FN if mode == "e4m3" else cutlass.BFloat16
         self.pv_dtype = self.qk_dtype
@@ -104,9 +115,12 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                   "sEntry": cute.struct.Align[cute.struct.MemRange[
                       cutlass.Int32, self.queries_per_tile * self.q_stages], 16],
                   "mbar": cute.struct.Align[cute.struct.MemRange[cutlass.Int64,
-                                                                 self.q_ring.count],
+                                                                 self._mbarrier_count()],
                                             8]}
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    def _mbarrier_count(self) -> int:
+        return self.q_ring.count + (self.kv_ring.count if self.persistent else 0)
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor,
@@ -115,12 +129,15 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                  metadata: cute.Tensor, work_count: cute.Tensor, o_partial: cute.Tensor,
                  lse_partial: cute.Tensor, lse_t_partial: cute.Tensor,
                  softmax_scale: cutlass.Float32, inv_temperature: cutlass.Float32,
-                 causal: cutlass.Int32, want_lse_t: cutlass.Int32, stream):
+                 causal: cutlass.Int32, want_lse_t: cutlass.Int32, num_ctas: cutlass.Int32,
+                 stream):
         G = self.group
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.qk_dtype)
         q_layout = cute.tile_to_shape(atom, (WG_ROWS, HEAD_DIM, self.q_stages), (0, 1, 2))
         q_box = cute.tile_to_shape(atom, (G, self.q_box_cols), (0, 1))
         k_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM), (0, 1))
+        if cutlass.const_expr(self.persistent):
+            k_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM, KV_STAGES), (0, 1, 2))
         v_layout = k_layout
         if cutlass.const_expr(self.transpose_v):
             v_layout = cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N), (0, 1))   # Vt
@@ -146,13 +163,16 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
         # key-permuted Vt K-major) and its accumulator -> staged-O copy, in the partial dtype.
         mma_qk, mma_pv, stage_o_copy, _ = mmas_and_o_copies(self.qk_dtype, self.partial_dtype)
 
+        grid = (cute.size(metadata.shape[0]), 1, 1)       # a CTA per possible work item
+        if cutlass.const_expr(self.persistent):
+            grid = (cutlass.min(cute.size(metadata.shape[0]), num_ctas), 1, 1)
         self.kernel_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens, page_table, k2q_row_ptr,
                        qsplit, metadata, work_count, lse_partial, lse_t_partial,
                        softmax_scale * LOG2_E, inv_temperature, causal, want_lse_t, tQ, tO,
                        tma_q, tma_o, q_layout, k_layout, v_layout, o_layout, gather_copy,
                        convert_load, mma_qk, mma_pv, stage_o_copy, SharedStorage).launch(
-            grid=(cute.size(metadata.shape[0]), 1, 1), block=(128 * (1 + self.consumers), 1, 1),
-            stream=stream, **self._occupancy())
+            grid=grid, block=(128 * (1 + self.consumers), 1, 1), stream=stream,
+            **self._occupancy())
 
     def _occupancy(self) -> dict:
         """Launch attributes: one CTA an SM, or two for the one-consumer form (registers capped
@@ -177,63 +197,98 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
         tidx, _, _ = cute.arch.thread_idx()
         work, _, _ = cute.arch.block_idx()
         if work < mWorkCount[0]:
-            (head_kv, csr_row, q_begin, q_count, batch, kv_block, q_start,
-             q_len) = self._work_item(mMeta, mCuQ, work)
-            entry0, n_tiles = self._tile_span(mRowPtr, head_kv, csr_row, q_begin, q_count)
-
-            smem = cutlass.memory.SmemAllocator()
-            storage = smem.allocate(SharedStorage)
-            sQ_stages = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-            sO_wgs = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)
-            sEntry = storage.sEntry.get_tensor(
-                cute.make_layout((self.queries_per_tile, self.q_stages)))
-            mbar = storage.mbar.data_ptr()
-            wg = cute.arch.make_warp_uniform(tidx // 128)
-            warp = cute.arch.make_warp_uniform(tidx // 32)
-            if warp == 0:
-                with cute.arch.elect_one():
-                    for s in cutlass.range_constexpr(self.q_stages):
-                        cute.arch.mbarrier_init(self.q_ring.full(mbar, s), 1)
-                        cute.arch.mbarrier_init(self.q_ring.empty(mbar, s), 4)
-                cpasync.prefetch_descriptor(tma_q)
-                cpasync.prefetch_descriptor(tma_o)
-            zeroing = wg > 0
-            if cutlass.const_expr(self.consumers > 2):
-                zeroing = zeroing & (wg < 3)        # the zeroing copy spans 256 threads
-            if zeroing:
-                # Rows of missing queries are multiplied too: start the ring from zeros, and
-                # publish the zeros to the async proxy before the first TMA lands.
-                zero_copy = row_copy(self.qk_dtype, 16 * min(self.consumers, 2),
-                                     async_copy=False)
-                thr_zero = zero_copy.get_slice(tidx - 128)
-                for s in cutlass.range_constexpr(self.q_stages):
-                    thr_zero.partition_D(sQ_stages[None, None, s]).fill(0)
-                cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
-
-            if wg == 0:
-                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-                if warp == 0:
-                    self._produce_q(mQsplit, tQ, tma_q, sQ_stages, sEntry, mbar, head_kv,
-                                    entry0, q_count, q_start, n_tiles, tidx % 32)
+            storage, sQ_stages, sO_wgs, sEntry, mbar, wg, warp = self._cta_setup(
+                tidx, tma_q, tma_o, q_layout, o_layout, SharedStorage)
+            if cutlass.const_expr(self.persistent):
+                # CTA `work` walks items work, work + grid, ... (grid <= the SM count), never
+                # past the schedule's rows whatever work_count says.
+                n_ctas, _, _ = cute.arch.grid_dim()
+                n_work = cutlass.min(mWorkCount[0], mMeta.shape[0])
+                if wg == 0:
+                    cute.arch.setmaxregister_decrease(self.producer_regs)
+                    self._produce_items(mK, mV, mCuQ, mCuK, mKvLens, mPageTable, mRowPtr,
+                                        mQsplit, mMeta, n_work, tQ, tma_q, storage,
+                                        sQ_stages, sEntry, mbar, k_layout, gather_copy, work,
+                                        n_ctas, tidx, warp)
+                else:
+                    cute.arch.setmaxregister_increase(self.mma_regs)
+                    self._consume_items(mK, mCuQ, mCuK, mKvLens, mPageTable, mRowPtr, mMeta,
+                                        n_work, mLsePartial, mLseTPartial, tO, tma_o,
+                                        storage, sQ_stages, sO_wgs, sEntry, mbar, k_layout,
+                                        mma_qk, mma_pv, stage_o_copy, scale_log2,
+                                        inv_temperature, causal, want_lse_t, work, n_ctas,
+                                        tidx - 128, wg - 1)
             else:
-                cute.arch.setmaxregister_increase(self.mma_regs)
-                self._consume(mK, mV, mCuK, mKvLens, mPageTable, mLsePartial, mLseTPartial,
-                              tO, tma_o, storage, sQ_stages, sO_wgs, sEntry, mbar, k_layout,
-                              v_layout, gather_copy, convert_load, mma_qk, mma_pv,
-                              stage_o_copy, head_kv, batch, kv_block, q_start, q_len,
-                              n_tiles, scale_log2, inv_temperature, causal, want_lse_t,
-                              tidx - 128, wg - 1)
+                (head_kv, csr_row, q_begin, q_count, batch, kv_block, q_start,
+                 q_len) = self._work_item(mMeta, mCuQ, work)
+                entry0, n_tiles = self._tile_span(mRowPtr, head_kv, csr_row, q_begin, q_count)
+                if wg == 0:
+                    cute.arch.setmaxregister_decrease(self.producer_regs)
+                    if warp == 0:
+                        self._produce_q(mQsplit, tQ, tma_q, sQ_stages, sEntry, mbar, head_kv,
+                                        entry0, q_count, q_start, n_tiles, tidx % 32, 0)
+                else:
+                    cute.arch.setmaxregister_increase(self.mma_regs)
+                    self._consume(mK, mV, mCuK, mKvLens, mPageTable, mLsePartial,
+                                  mLseTPartial, tO, tma_o, storage, sQ_stages, sO_wgs, sEntry,
+                                  mbar, k_layout, v_layout, gather_copy, convert_load, mma_qk,
+                                  mma_pv, stage_o_copy, head_kv, batch, kv_block, q_start,
+                                  q_len, n_tiles, scale_log2, inv_temperature, causal,
+                                  want_lse_t, tidx - 128, wg - 1)
+
+    @cute.jit
+    def _cta_setup(self, tidx, tma_q: cute.CopyAtom, tma_o: cute.CopyAtom,
+                   q_layout: cute.ComposedLayout, o_layout: cute.ComposedLayout,
+                   SharedStorage: cutlass.Constexpr):
+        """Shared memory, the rings' mbarriers, the zeroed Q ring; returns (storage, Q stages,
+        O tiles, entries, mbarriers, warpgroup, warp) after a CTA barrier."""
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ_stages = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sO_wgs = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)
+        sEntry = storage.sEntry.get_tensor(
+            cute.make_layout((self.queries_per_tile, self.q_stages)))
+        mbar = storage.mbar.data_ptr()
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        if warp == 0:
+            with cute.arch.elect_one():
+                for s in cutlass.range_constexpr(self.q_stages):
+                    cute.arch.mbarrier_init(self.q_ring.full(mbar, s), 1)
+                    cute.arch.mbarrier_init(self.q_ring.empty(mbar, s), 4)
+                if cutlass.const_expr(self.persistent):
+                    for s in cutlass.range_constexpr(KV_STAGES):
+                        cute.arch.mbarrier_init(self.kv_ring.full(mbar, s), 2 * 128)
+                        cute.arch.mbarrier_init(self.kv_ring.empty(mbar, s),
+                                                4 * self.consumers)
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_o)
+        zeroing = wg > 0
+        if cutlass.const_expr(self.consumers > 2):
+            zeroing = zeroing & (wg < 3)        # the zeroing copy spans 256 threads
+        if zeroing:
+            # Rows of missing queries are multiplied too: start the ring from zeros, and
+            # publish the zeros to the async proxy before the first TMA lands.
+            zero_copy = row_copy(self.qk_dtype, 16 * min(self.consumers, 2),
+                                 async_copy=False)
+            thr_zero = zero_copy.get_slice(tidx - 128)
+            for s in cutlass.range_constexpr(self.q_stages):
+                thr_zero.partition_D(sQ_stages[None, None, s]).fill(0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        return storage, sQ_stages, sO_wgs, sEntry, mbar, wg, warp
 
     # ---- producer (one warp) ---------------------------------------------------------------
     @cute.jit
     def _produce_q(self, mQsplit: cute.Tensor, tQ: cute.Tensor, tma_q: cute.CopyAtom,
                    sQ_stages: cute.Tensor, sEntry: cute.Tensor, mbar, head_kv: cutlass.Int32,
                    entry0: cutlass.Int32, q_count: cutlass.Int32, q_start: cutlass.Int32,
-                   n_tiles: cutlass.Int32, lane: cutlass.Int32):
+                   n_tiles: cutlass.Int32, lane: cutlass.Int32, ring_base):
         """Per tile: wait for the stage to be free, publish the tile's entries (lane i: query
-        i, -1 past the work item) and TMA-load the G x 128 Q rows of each of its queries."""
+        i, -1 past the work item) and TMA-load the G x 128 Q rows of each of its queries.
+        ring_base: the Q ring's tiles before this item's (the persistent form's earlier items;
+        0 for one item a CTA)."""
         G = self.group
         qpt = self.queries_per_tile
         # ((G, cols) box, query, column half, stage) and ((G, cols) box, head group, column
@@ -242,9 +297,10 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
         gQ_boxes = cute.group_modes(cute.flat_divide(tQ, (G, self.q_box_cols)), 0, 2)
         tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), sQ_boxes, gQ_boxes)
         for tile in range(n_tiles):
-            stage = tile % self.q_stages
+            ring_tile = ring_base + tile
+            stage = ring_tile % self.q_stages
             cute.arch.mbarrier_wait(self.q_ring.empty(mbar, stage),
-                                    ((tile // self.q_stages) % 2) ^ 1)
+                                    ((ring_tile // self.q_stages) % 2) ^ 1)
             n_valid = cutlass.min(qpt, q_count - tile * qpt)
             packed = cutlass.Int32(-1)
             if lane < n_valid:
@@ -282,7 +338,6 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                  gather_copy, convert_load, mma_qk, mma_pv, stage_o_copy, head_kv, batch,
                  kv_block, q_start, q_len, n_tiles, scale_log2, inv_temperature, causal,
                  want_lse_t, ctidx, mwg):
-        G = self.group
         wg_tidx = ctidx % 128
         lane = ctidx % 32
         warp_in_wg = cute.arch.make_warp_uniform(wg_tidx // 32)
@@ -322,59 +377,166 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
         # (.., .., K, stage) Q fragments.
         tSrQ, tSrK, tOrVt, tScS, acc_s, acc_o, a_shape = consumer_fragments(
             mma_qk, mma_pv, wg_tidx, sQ_stages, sK, sVt)
-        n_my_rows = cute.size(tScS, mode=[0])
-        n_my_cols = cute.size(tScS, mode=[1])
+        thr_stage_o, tOsO_mine, tOsO, tOgO = self._o_store_partitions(
+            stage_o_copy, wg_tidx, sO_wgs, tO, tma_o, mwg)
+
+        for tile in range(mwg, n_tiles, self.consumers):
+            self._consume_tile(tile, tSrQ, tSrK, tOrVt, tScS, acc_s, acc_o, a_shape,
+                               thr_stage_o, tOsO_mine, tOsO, tOgO, tma_o, sEntry, mbar,
+                               mma_qk, mma_pv, stage_o_copy, mLsePartial, mLseTPartial,
+                               head_kv, q_start, q_len, n_keys, causal_shift, scale_log2,
+                               inv_temperature, causal, want_lse_t, mwg, warp_in_wg, lane)
+        # The O tile must outlive the stores reading it.
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    def _o_store_partitions(self, stage_o_copy, wg_tidx, sO_wgs, tO, tma_o, mwg):
+        """(thr_stage_o, this warpgroup's staged O tile, the TMA store's shared and global
+        boxes): ((G, cols) box, query, column half, warpgroup) and ((G, cols) box, head group,
+        column half, token, slot)."""
+        G = self.group
         thr_stage_o = stage_o_copy.get_slice(wg_tidx)
         tOsO_mine = thr_stage_o.partition_D(sO_wgs[None, None, mwg])
-        # ((G, cols) box, query, column half, warpgroup) and ((G, cols) box, head group,
-        # column half, token, slot).
         sO_boxes = cute.group_modes(cute.flat_divide(sO_wgs, (G, self.o_box_cols)), 0, 2)
         gO_boxes = cute.group_modes(cute.flat_divide(tO, (G, self.o_box_cols)), 0, 2)
         tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), sO_boxes, gO_boxes)
+        return thr_stage_o, tOsO_mine, tOsO, tOgO
 
-        for tile in range(mwg, n_tiles, self.consumers):
-            stage = tile % self.q_stages
-            cute.arch.mbarrier_wait(self.q_ring.full(mbar, stage), (tile // self.q_stages) % 2)
-            warpgroup_gemm(mma_qk, acc_s, tSrQ[None, None, None, stage], tSrK)
+    @cute.jit
+    def _consume_tile(self, ring_tile, tSrQ, tSrK, tOrVt, tScS, acc_s, acc_o, a_shape,
+                      thr_stage_o, tOsO_mine, tOsO, tOgO, tma_o, sEntry, mbar, mma_qk, mma_pv,
+                      stage_o_copy, mLsePartial, mLseTPartial, head_kv, q_start, q_len, n_keys,
+                      causal_shift, scale_log2, inv_temperature, causal, want_lse_t, mwg,
+                      warp_in_wg, lane):
+        """One 64-row tile on Q ring tile ring_tile against the block's K (tSrK) and V (tOrVt):
+        S = Q K^T, the block's softmax, O = P V, O staged and TMA-stored into each query's
+        slot, the LSE rows written, the Q stage handed back."""
+        n_my_rows = cute.size(tScS, mode=[0])
+        n_my_cols = cute.size(tScS, mode=[1])
+        stage = ring_tile % self.q_stages
+        cute.arch.mbarrier_wait(self.q_ring.full(mbar, stage), (ring_tile // self.q_stages) % 2)
+        warpgroup_gemm(mma_qk, acc_s, tSrQ[None, None, None, stage], tSrK)
 
-            s_rc = wgmma_rows_cols_view(acc_s)
-            row_lse, row_lse_t, row_inv_sum = self._tile_softmax(
-                s_rc, tScS, n_my_rows, n_my_cols, sEntry, stage, n_keys, causal, causal_shift,
-                scale_log2, inv_temperature, want_lse_t)
-            r_p = cute.make_fragment_like(acc_s, self.pv_dtype)
-            r_p.store(acc_s.load().to(self.pv_dtype))
-            if cutlass.const_expr(self.transpose_v):
-                t_p = register_p_operand(r_p, a_shape)
-            else:
-                t_p = wgmma_accumulator_as_operand_a(r_p)
-            warpgroup_gemm(mma_pv, acc_o, t_p, tOrVt)
+        s_rc = wgmma_rows_cols_view(acc_s)
+        row_lse, row_lse_t, row_inv_sum = self._tile_softmax(
+            s_rc, tScS, n_my_rows, n_my_cols, sEntry, stage, n_keys, causal, causal_shift,
+            scale_log2, inv_temperature, want_lse_t)
+        r_p = cute.make_fragment_like(acc_s, self.pv_dtype)
+        r_p.store(acc_s.load().to(self.pv_dtype))
+        if cutlass.const_expr(self.transpose_v):
+            t_p = register_p_operand(r_p, a_shape)
+        else:
+            t_p = wgmma_accumulator_as_operand_a(r_p)
+        warpgroup_gemm(mma_pv, acc_o, t_p, tOrVt)
 
-            scale_rows(wgmma_rows_cols_view(acc_o), row_inv_sum)
-            r_o = cute.make_fragment_like(acc_o, self.partial_dtype)
-            r_o.store(acc_o.load().to(self.partial_dtype))
-            # The O tile is free once this warpgroup's previous stores have read it.
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-            NamedBarrier(BAR_WG + mwg, 128).sync()
-            cute.copy(stage_o_copy, thr_stage_o.retile(r_o), tOsO_mine)
+        scale_rows(wgmma_rows_cols_view(acc_o), row_inv_sum)
+        r_o = cute.make_fragment_like(acc_o, self.partial_dtype)
+        r_o.store(acc_o.load().to(self.partial_dtype))
+        # The O tile is free once this warpgroup's previous stores have read it.
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        NamedBarrier(BAR_WG + mwg, 128).sync()
+        cute.copy(stage_o_copy, thr_stage_o.retile(r_o), tOsO_mine)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        NamedBarrier(BAR_WG + mwg, 128).sync()
+        # Warp w stores queries w, w + 4: G rows x 128 channels into the query's slot.
+        for i in cutlass.range_constexpr((self.queries_per_tile + 3) // 4):
+            query = warp_in_wg + 4 * i
+            if query < self.queries_per_tile:
+                packed = sEntry[query, stage]
+                q_local = packed & LOCAL_QUERY_MASK
+                if packed >= 0 and q_local < q_len:
+                    for h in cutlass.range_constexpr(HEAD_DIM // self.o_box_cols):
+                        cute.copy(tma_o, tOsO[None, query, h, mwg],
+                                  tOgO[None, head_kv, h, q_start + q_local,
+                                       packed >> SLOT_SHIFT])
+        cute.arch.cp_async_bulk_commit_group()
+        self._write_lse_rows(tScS, n_my_rows, row_lse, row_lse_t, want_lse_t, sEntry, stage,
+                             q_start, q_len, head_kv, mLsePartial, mLseTPartial, lane)
+        # Last reads of this stage's entries are done: hand the Q stage back.
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.mbarrier_arrive(self.q_ring.empty(mbar, stage))
+
+    # ---- the persistent form: producer warpgroup and consumers over a CTA's work items --------
+    @cute.jit
+    def _produce_items(self, mK, mV, mCuQ, mCuK, mKvLens, mPageTable, mRowPtr, mQsplit, mMeta,
+                       n_work, tQ, tma_q, storage, sQ_stages, sEntry, mbar, k_layout,
+                       gather_copy, first_work, n_ctas, tidx, warp):
+        """Every thread of the producer warpgroup loads its share of each item's K and V rows
+        into the item's K/V stage (cp.async; rows past the keys zeroed) and arrives on the
+        stage's full barrier twice: when its copies land and after its zero stores; warp 0
+        then TMA-loads the item's Q tiles into the Q ring, numbered on from earlier items."""
+        sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sV = storage.sV.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        item = cutlass.Int32(0)
+        ring_base = cutlass.Int32(0)
+        for work in range(first_work, n_work, n_ctas):
+            (head_kv, csr_row, q_begin, q_count, batch, kv_block, q_start,
+             q_len) = self._work_item(mMeta, mCuQ, work)
+            entry0, n_tiles = self._tile_span(mRowPtr, head_kv, csr_row, q_begin, q_count)
+            kv_row0, n_keys, _ = self._kv_block_bounds(mK, mCuK, mKvLens, mPageTable, batch,
+                                                       kv_block, q_len)
+            kv_stage = item % KV_STAGES
+            cute.arch.mbarrier_wait(self.kv_ring.empty(mbar, kv_stage),
+                                    ((item // KV_STAGES) % 2) ^ 1)
+            self._load_kv_rows(gather_copy, tidx, mK, kv_row0, head_kv, n_keys,
+                               sK[None, None, kv_stage])
+            self._load_kv_rows(gather_copy, tidx, mV, kv_row0, head_kv, n_keys,
+                               sV[None, None, kv_stage])
+            cute.arch.cp_async_mbarrier_arrive_noinc(self.kv_ring.full(mbar, kv_stage))
+            cute.arch.fence_proxy("async.shared", space="cta")       # the zeroed rows
+            cute.arch.mbarrier_arrive(self.kv_ring.full(mbar, kv_stage))
+            if warp == 0:
+                self._produce_q(mQsplit, tQ, tma_q, sQ_stages, sEntry, mbar, head_kv, entry0,
+                                q_count, q_start, n_tiles, tidx % 32, ring_base)
+            ring_base = ring_base + n_tiles
+            item = item + 1
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _consume_items(self, mK, mCuQ, mCuK, mKvLens, mPageTable, mRowPtr, mMeta, n_work,
+                       mLsePartial, mLseTPartial, tO, tma_o, storage, sQ_stages, sO_wgs, sEntry,
+                       mbar, k_layout, mma_qk, mma_pv, stage_o_copy, scale_log2,
+                       inv_temperature, causal, want_lse_t, first_work, n_ctas, ctidx, mwg):
+        """Per item: wait for its K/V stage, take the item's tiles whose Q ring number falls
+        to this warpgroup (round-robin over the consumers), then release the stage (one
+        arrival per warp)."""
+        wg_tidx = ctidx % 128
+        lane = ctidx % 32
+        warp_in_wg = cute.arch.make_warp_uniform(wg_tidx // 32)
+        sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sV = storage.sV.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, BLOCK_N, KV_STAGES),
+                                                            order=(1, 0, 2)))
+        # (.., .., K, stage) fragments of the Q ring and of both K/V stages.
+        tSrQ, tSrK, tOrVt, tScS, acc_s, acc_o, a_shape = consumer_fragments(
+            mma_qk, mma_pv, wg_tidx, sQ_stages, sK, sVt)
+        thr_stage_o, tOsO_mine, tOsO, tOgO = self._o_store_partitions(
+            stage_o_copy, wg_tidx, sO_wgs, tO, tma_o, mwg)
+        item = cutlass.Int32(0)
+        ring_base = cutlass.Int32(0)
+        for work in range(first_work, n_work, n_ctas):
+            (head_kv, csr_row, q_begin, q_count, batch, kv_block, q_start,
+             q_len) = self._work_item(mMeta, mCuQ, work)
+            n_tiles = (q_count + self.queries_per_tile - 1) // self.queries_per_tile
+            _, n_keys, causal_shift = self._kv_block_bounds(mK, mCuK, mKvLens, mPageTable,
+                                                            batch, kv_block, q_len)
+            kv_stage = item % KV_STAGES
+            cute.arch.mbarrier_wait(self.kv_ring.full(mbar, kv_stage), (item // KV_STAGES) % 2)
             cute.arch.fence_proxy("async.shared", space="cta")
-            NamedBarrier(BAR_WG + mwg, 128).sync()
-            # Warp w stores queries w, w + 4: G rows x 128 channels into the query's slot.
-            for i in cutlass.range_constexpr((self.queries_per_tile + 3) // 4):
-                query = warp_in_wg + 4 * i
-                if query < self.queries_per_tile:
-                    packed = sEntry[query, stage]
-                    q_local = packed & LOCAL_QUERY_MASK
-                    if packed >= 0 and q_local < q_len:
-                        for h in cutlass.range_constexpr(HEAD_DIM // self.o_box_cols):
-                            cute.copy(tma_o, tOsO[None, query, h, mwg],
-                                      tOgO[None, head_kv, h, q_start + q_local,
-                                           packed >> SLOT_SHIFT])
-            cute.arch.cp_async_bulk_commit_group()
-            self._write_lse_rows(tScS, n_my_rows, row_lse, row_lse_t, want_lse_t, sEntry, stage,
-                                 q_start, q_len, head_kv, mLsePartial, mLseTPartial, lane)
-            # Last reads of this stage's entries are done: hand the Q stage back.
+            first = (mwg + self.consumers - ring_base % self.consumers) % self.consumers
+            for tile in range(first, n_tiles, self.consumers):
+                self._consume_tile(ring_base + tile, tSrQ, tSrK[None, None, None, kv_stage],
+                                   tOrVt[None, None, None, kv_stage], tScS, acc_s, acc_o,
+                                   a_shape, thr_stage_o, tOsO_mine, tOsO, tOgO, tma_o, sEntry,
+                                   mbar, mma_qk, mma_pv, stage_o_copy, mLsePartial,
+                                   mLseTPartial, head_kv, q_start, q_len, n_keys, causal_shift,
+                                   scale_log2, inv_temperature, causal, want_lse_t, mwg,
+                                   warp_in_wg, lane)
+            # This warp's wgmmas on the stage are done (each tile waits for its own).
             cute.arch.sync_warp()
             if lane == 0:
-                cute.arch.mbarrier_arrive(self.q_ring.empty(mbar, stage))
+                cute.arch.mbarrier_arrive(self.kv_ring.empty(mbar, kv_stage))
+            ring_base = ring_base + n_tiles
+            item = item + 1
         # The O tile must outlive the stores reading it.
         cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -170,6 +170,15 @@ SHORT_CALL_QUERIES = 1024
 SHORT_ITEM_QUERIES = dict(bfloat16=10, e4m3=16)
 SPARSE_CALLS: Dict[str, tuple] = dict(short=(False, True))
 SPARSE_FORMS = _table(
+    Form("wsp", "SparsePrefillSm90Ws", ("bfloat16",),
+         "short calls at G 16 with bf16 q/k/v and bf16 partials (not yet validated): the TMA "
+         "warp-specialized kernel, persistent (a CTA an SM walks the work items), two "
+         "consumer warpgroups, the producer warpgroup loading the next item's K and V into a "
+         "second stage while this item's tiles run",
+         when=lambda short=False, **_: short,
+         options=dict(consumers=2, q_stages=4, mma_regs=224, producer_regs=56,
+                      persistent=True),
+         groups=(16,), partials=("bfloat16",), validated=False),
     Form("ws1c", "SparsePrefillSm90Ws", ("bfloat16", "e4m3"),
          "short calls (<= SHORT_CALL_QUERIES queries, <= SHORT_ITEM_QUERIES[mode] an item) at "
          "G 16 with bf16 or all-e4m3 q/k/v and bf16 partials: the TMA warp-specialized kernel "
@@ -275,12 +284,13 @@ def served_forms(table: Mapping[str, Form], calls: Mapping[str, tuple], dtype: s
                  group: Optional[int] = None, partial: Optional[str] = None,
                  layout: Optional[str] = None) -> List[str]:
     """The names of the forms of `table` that serve some call of these compile-time properties
-    (one per combination of the run-time feature values in `calls`), unvalidated forms
-    included."""
+    (one per combination of the run-time feature values in `calls`), with and without the
+    unvalidated forms (a gated form ships beside the validated one it would displace)."""
     names: List[str] = []
-    for values in itertools.product(*calls.values()):
+    for values, unvalidated_ok in itertools.product(itertools.product(*calls.values()),
+                                                    (False, True)):
         form = serving_form(table, dtype, group=group, partial=partial, layout=layout,
-                            unvalidated_ok=True, **dict(zip(calls, values)))
+                            unvalidated_ok=unvalidated_ok, **dict(zip(calls, values)))
         if form is not None and form.name not in names:
             names.append(form.name)
     return names
