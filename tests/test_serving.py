@@ -151,21 +151,31 @@ def test_sparse_serving_table_rules():
     assert "partial_dtype torch.float32" in reason
 
 
-def test_sparse_short_call_rule():
-    """ws1c serves calls of at most SHORT_CALL_QUERIES queries whose (KV block, KV head) items
-    hold at most SHORT_ITEM_QUERIES[mode] queries on average (total_q * topk / kv_blocks, topk
-    16 here); other calls keep ws3w, and modes without a bound are never short."""
+def test_sparse_short_call_rules():
+    """bf16 (G 16, bf16 partials): the persistent wsp on calls of at most SHORT_CALL_QUERIES
+    queries, ws3w past them. e4m3: ws1c on short calls (at most SHORT_CALL_QUERIES queries,
+    at most SHORT_ITEM_QUERIES["e4m3"] on average in a (KV block, KV head) item: total_q *
+    topk / kv_blocks, topk 16 here), ws3w otherwise. Modes without an item bound are never
+    short."""
+    many = variants.SHORT_CALL_QUERIES + 1
+    for blocks in (1, 416, 1 << 20):
+        assert _sparse_kernel("bfloat16", 16, BF16, total_q=variants.SHORT_CALL_QUERIES,
+                              kv_blocks=blocks).form == "wsp"
+        assert _sparse_kernel("bfloat16", 16, BF16, total_q=many, kv_blocks=blocks).form \
+            == "ws3w"
+    bound = variants.SHORT_ITEM_QUERIES["e4m3"]
+    blocks = 16 * 320 // bound                        # 320 queries: exactly `bound` an item
+    assert _sparse_kernel("e4m3", 16, BF16, total_q=320, kv_blocks=blocks).form == "ws1c"
+    assert _sparse_kernel("e4m3", 16, BF16, total_q=320, kv_blocks=blocks - 1).form == "ws3w"
+    assert _sparse_kernel("e4m3", 16, BF16, total_q=many, kv_blocks=1 << 20).form == "ws3w"
     for mode, bound in variants.SHORT_ITEM_QUERIES.items():
-        blocks = 16 * 320 // bound                    # 320 queries: exactly `bound` an item
-        assert _sparse_kernel(mode, 16, BF16, total_q=320, kv_blocks=blocks).form == "ws1c"
-        assert _sparse_kernel(mode, 16, BF16, total_q=320, kv_blocks=blocks - 1).form == "ws3w"
-        many = variants.SHORT_CALL_QUERIES + 1
-        assert _sparse_kernel(mode, 16, BF16, total_q=many, kv_blocks=1 << 20).form == "ws3w"
-    assert variants.SHORT_ITEM_QUERIES["e4m3"] > variants.SHORT_ITEM_QUERIES["bfloat16"]
-    # 12.5 queries an item (2 x ~163 queries on 27k keys): ws1c in e4m3, ws3w in bf16.
-    assert _sparse_kernel("e4m3", 16, BF16, total_q=326, kv_blocks=416).form == "ws1c"
-    assert _sparse_kernel("bfloat16", 16, BF16, total_q=326, kv_blocks=416).form == "ws3w"
-    assert not sparse_prefill_sm90.short_call("bf16_kv_e4m3", 8, 16, 1 << 20)
+        blocks = 16 * 320 // bound
+        assert sparse_prefill_sm90.short_call(mode, 320, 16, blocks)
+        assert not sparse_prefill_sm90.short_call(mode, 320, 16, blocks - 1)
+    for mode in ("bfloat16", "bf16_kv_e4m3"):
+        assert not sparse_prefill_sm90.short_call(mode, 8, 16, 1 << 20)
+    # wsp: bf16 G 16 with bf16 partials only; G 8 keeps ws3w.
+    assert _sparse_kernel("bfloat16", 8, BF16, total_q=64).form == "ws3w"
 
 
 def test_indexer_serving_table_rules():

@@ -81,7 +81,7 @@ def to_dtype_mode(p, mode):
 def sparse_prefill_cases(gen):
     """Every form of the sparse serving table on the calls it serves: "mma" (fp32 partials),
     "wgmma" (G 1-4, the bf16-Q FP8 modes), "ws", "ws3w", "ws1c" and "wsp" (the warp-specialized
-    TMA forms, G 8 / 16; ws1c and wsp serve short calls and are forced here)."""
+    TMA forms, G 8 / 16; the forms picked by call size are forced here)."""
     forms = set()
     for g, paged, causal, partial, mode, form in (
             (16, True, True, torch.float32, "bf16", "mma"),
@@ -95,7 +95,7 @@ def sparse_prefill_cases(gen):
             (8, True, False, torch.float16, "bf16", "ws"),
             (16, False, True, torch.bfloat16, "bf16", "ws3w"),
             (16, False, True, E4M3, "e4m3", "ws3w"), (8, True, True, E4M3, "e4m3", "ws3w"),
-            (16, False, True, torch.bfloat16, "bf16", "ws1c"),
+            (16, False, True, torch.bfloat16, "e4m3", "ws1c"),
             (16, True, False, torch.bfloat16, "e4m3", "ws1c"),
             (16, False, True, torch.bfloat16, "bf16", "wsp"),
             (16, True, False, torch.bfloat16, "bf16", "wsp")):
@@ -112,9 +112,9 @@ def sparse_prefill_cases(gen):
                                   max_seqlen_k=p["max_k"], max_seqlen_q=p["max_q"],
                                   qhead_per_kv=g, return_schedule=True)
         expect_native("build_k2q_csr")
-        # The short-call forms serve calls of few queries, few an item (short_call): forced
-        # here whatever the random lengths add up to.
-        with debug.forcing(sparse_form=form if form in ("ws1c", "wsp") else None):
+        # The call-size forms (wsp: bf16 calls of few queries; ws1c: e4m3 calls of few queries,
+        # few an item; ws3w past them) are forced here whatever the random lengths add up to.
+        with debug.forcing(sparse_form=form if form in ("ws1c", "wsp", "ws3w") else None):
             out, lse = msa.sparse_atten_func(
                 p["q"], p["k"], p["v"], built[0], built[1], topk, cu_seqlens_q=p["cu_q"],
                 cu_seqlens_k=p["cu_k"], max_seqlen_q=p["max_q"], max_seqlen_k=p["max_k"],

@@ -116,6 +116,19 @@ def short_call(mode: str, total_q: Optional[int], topk: Optional[int],
     return total_q <= variants.SHORT_CALL_QUERIES and total_q * topk <= bound * kv_blocks
 
 
+def call_features(mode: str, total_q: Optional[int], topk: Optional[int],
+                  kv_blocks: Optional[int]) -> dict:
+    """The run-time features the sparse serving table reads (variants.SPARSE_CALLS):
+    call_size "short" (short_call), "few" (other calls of at most SHORT_CALL_QUERIES queries)
+    or "many"."""
+    size = "many"
+    if short_call(mode, total_q, topk, kv_blocks):
+        size = "short"
+    elif total_q is not None and total_q <= variants.SHORT_CALL_QUERIES:
+        size = "few"
+    return dict(call_size=size)
+
+
 def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=False,
              causal=False, qhead_per_kv=None, topk=None, partial_dtype=None, nvfp4=False,
              total_q=None, kv_blocks=None, **_ignored) -> _backend.Verdict:
@@ -133,7 +146,7 @@ def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=F
                                                  f.name).attention,
                                    variants.CombineVariant(partial).name),
                         group=qhead_per_kv, partial=partial, forced=debug.forced("sparse_form"),
-                        short=short_call(mode, total_q, topk, kv_blocks))
+                        **call_features(mode, total_q, topk, kv_blocks))
     if isinstance(form, str):
         return form
     return _served(mode, qhead_per_kv, paged, partial, form.name)

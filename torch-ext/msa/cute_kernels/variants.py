@@ -157,33 +157,37 @@ FMHA_FORMS = _table(
 )
 
 # ---- sparse prefill attention (op "sparse_atten"; dtype: the dtype mode) ----------------------
-# A short call: at most SHORT_CALL_QUERIES queries whose (KV block, KV head) work items hold at
-# most SHORT_ITEM_QUERIES[mode] queries on average (total_q * topk <= that * KV blocks: one to
-# three 64-row tiles an item at G 16), where one CTA an SM leaves each item's K / V load and
-# prologue exposed; past it three consumers of one CTA beat two one-consumer CTAs. e4m3 tiles
-# cost less tensor time, so the exposed load weighs more and the bound is higher. H100, ws1c
-# against ws3w through the production pipeline (0d1d5f8, same process, the 11 production
-# cases of <= 1024 queries): bf16 0.88-0.94x at 2.5-5.6 queries an item, 0.97x at 8.4, 0.99x
-# at 9.3, 1.02x at 12.5, 1.01x at 14.9, 1.06x at 20.9 (182 / 17.7k); e4m3 (the cases on the
-# sparse route) 0.92x at 12.5, 0.93x at 14.9, 1.01x at 20.9.
+# A short call (e4m3): at most SHORT_CALL_QUERIES queries whose (KV block, KV head) work items
+# hold at most SHORT_ITEM_QUERIES[mode] queries on average (total_q * topk <= that * KV
+# blocks), where one CTA an SM leaves each item's K / V load and prologue exposed and two
+# one-consumer CTAs (ws1c) hide it; past it three consumers of one CTA (ws3w) win. H100, ws1c
+# against ws3w through the production pipeline (0d1d5f8, same process, the e4m3 cases on the
+# sparse route): 0.92x at 12.5 queries an item, 0.93x at 14.9, 1.01x at 20.9 (bf16: 0.88-0.94x
+# at 2.5-5.6, 0.97-0.99x at 8.4-9.3, 1.01-1.06x from 12.5).
+# bf16 calls of at most SHORT_CALL_QUERIES queries take the persistent wsp instead, whose next
+# item's K / V loads under this one's tiles: against the served form (H100, 6ccdff2, same
+# process) 0.88-0.93x on 10 of the 11 production cases of <= 1024 queries (2.5-14.9 queries
+# an item), 0.98x at 182 / 17.7k (20.9), 1.08x at 350 / 55k (8.4); 1.02x at 1.6k / 93k and
+# 1.08x on the 10k-16k chunks (ws3w's three consumers). SPARSE_CALLS' call_size: "short"
+# (short_call), "few" (other calls of <= SHORT_CALL_QUERIES queries) or "many".
 SHORT_CALL_QUERIES = 1024
-SHORT_ITEM_QUERIES = dict(bfloat16=10, e4m3=16)
-SPARSE_CALLS: Dict[str, tuple] = dict(short=(False, True))
+SHORT_ITEM_QUERIES = dict(e4m3=16)
+SPARSE_CALLS: Dict[str, tuple] = dict(call_size=("many", "few", "short"))
 SPARSE_FORMS = _table(
     Form("wsp", "SparsePrefillSm90Ws", ("bfloat16",),
-         "short calls at G 16 with bf16 q/k/v and bf16 partials (not yet validated): the TMA "
-         "warp-specialized kernel, persistent (a CTA an SM walks the work items), two "
+         "calls of <= SHORT_CALL_QUERIES queries at G 16 with bf16 q/k/v and bf16 partials: "
+         "the TMA warp-specialized kernel, persistent (a CTA an SM walks the work items), two "
          "consumer warpgroups, the producer warpgroup loading the next item's K and V into a "
          "second stage while this item's tiles run",
-         when=lambda short=False, **_: short,
+         when=lambda call_size="many", **_: call_size in ("few", "short"),
          options=dict(consumers=2, q_stages=4, mma_regs=224, producer_regs=56,
                       persistent=True),
-         groups=(16,), partials=("bfloat16",), validated=False),
-    Form("ws1c", "SparsePrefillSm90Ws", ("bfloat16", "e4m3"),
+         groups=(16,), partials=("bfloat16",)),
+    Form("ws1c", "SparsePrefillSm90Ws", ("e4m3",),
          "short calls (<= SHORT_CALL_QUERIES queries, <= SHORT_ITEM_QUERIES[mode] an item) at "
-         "G 16 with bf16 or all-e4m3 q/k/v and bf16 partials: the TMA warp-specialized kernel "
-         "with one consumer warpgroup, two CTAs an SM",
-         when=lambda short=False, **_: short,
+         "G 16 with all-e4m3 q/k/v and bf16 partials: the TMA warp-specialized kernel with one "
+         "consumer warpgroup, two CTAs an SM",
+         when=lambda call_size="many", **_: call_size == "short",
          options=dict(consumers=1, q_stages=2, mma_regs=216),
          groups=(16,), partials=("bfloat16",)),
     Form("ws3w", "SparsePrefillSm90Ws", ("bfloat16", "e4m3"),
