@@ -33,6 +33,15 @@ V and takes every tile, 2 Q stages and one O tile: Q 32 KB + K 32 + V 32 + O 16 
 128 x 40 + 128 x 216 registers, so two CTAs share an SM and one work item's K / V load and
 first tiles run under the other's MMAs (a short chunk's items hold a few tiles each).
 
+Form "wsp" (persistent=True, bf16, two consumers): min(items, num_ctas) CTAs walk the work
+items w, w + grid, ...; the producer warpgroup (56 registers) loads each item's K and V into a
+two-stage K/V ring (cp.async, rows past the keys zeroed; full: each loader's
+cp.async.mbarrier.arrive.noinc plus a plain arrive after its zero stores; empty: one arrival
+per consumer warp), so the next item's block lands under this item's tiles, and its warp 0
+keeps the Q ring running across items (the ring's tile number continues from item to item);
+the consumers (224 registers) take tiles round-robin by that number and fence for the async
+proxy after the K/V wait. Q 4 x 16 KB + K/V 2 x 64 KB + O 2 x 16 KB = 224 KB.
+
 Shared memory (bf16, bf16 partials): Q 4 x 16 KB + K 32 KB + V 32 KB + O 2 x 16 KB = 160 KB
 (ws3w: Q 6 x 16 KB, O 3 x 16 KB, 208 KB); one CTA per SM. The kernel never reads or writes out
 of bounds whatever the schedule says: TMA boxes are clipped to q and o_partial, K/V rows past
