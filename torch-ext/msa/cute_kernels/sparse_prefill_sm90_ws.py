@@ -89,6 +89,9 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                  producer_regs: int = PRODUCER_REGS, persistent: bool = False):
         super().__init__(qhead_per_kv, paged, partial_dtype)
         assert consumers in (1, 2, 3), consumers
+        # Consumers take tiles round-robin and wait on a Q stage's parity only: the stage's
+        # previous use must be the same consumer's tile (tools/lab/model_sparse_persistent.py).
+        assert q_stages % consumers == 0, (q_stages, consumers)
         self.consumers = consumers
         self.q_stages = q_stages
         # The Q ring's full (producer TMA) / empty (one arrival per consumer warp) mbarriers.
