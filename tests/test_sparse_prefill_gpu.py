@@ -291,10 +291,11 @@ ALL_FP8_CASES = FP8_CASES + [c for c in FP8_WS_CASES if c not in FP8_CASES]
 @pytest.mark.parametrize("paged,causal", [(False, True), (True, True), (True, False)])
 def test_sparse_prefill_short_call_forms_give_the_same_bits(mode, paged, causal, seed,
                                                            monkeypatch, native_hooks):
-    """The short-call forms, wsp in bf16 (persistent: K/V of the next work item loaded by the
-    producer warpgroup) and ws1c in e4m3 (one consumer warpgroup, two CTAs an SM), run the
-    same tiles with the same arithmetic as ws3w: O, LSE and LSE_T equal its bit for bit
-    (outputs poisoned first), with and without a schedule."""
+    """The short-call forms, wsp and wsp3w in bf16 (persistent: K/V of the next work item
+    loaded by the producer warpgroup; wsp3w with three consumers staging O over their Q
+    stages) and ws1c in e4m3 (one consumer warpgroup, two CTAs an SM), run the same tiles with
+    the same arithmetic as ws3w: O, LSE and LSE_T equal its bit for bit (outputs poisoned
+    first), with and without a schedule."""
     native_hooks.poison()
     gen = torch.Generator().manual_seed(seed)
     p = _make_problem(16, 16, paged, causal, gen, torch.device("cuda"))
@@ -308,7 +309,7 @@ def test_sparse_prefill_short_call_forms_give_the_same_bits(mode, paged, causal,
                               qhead_per_kv=16, return_schedule=True)
     monkeypatch.setenv("MSA_BACKEND", "native")
     runs = {}
-    forms = ("wsp", "ws3w") if mode == "bfloat16" else ("ws1c", "ws3w")
+    forms = ("wsp3w", "wsp", "ws3w") if mode == "bfloat16" else ("ws1c", "ws3w")
     for form in forms:
         for schedule in (built[2], None):
             native_hooks.force(sparse_form=form)

@@ -22,7 +22,9 @@ WS_FORMS = [f for f in variants.SPARSE_FORMS.values() if f.kernel == "SparsePref
 def test_ws_form_ring_protocol_holds(form):
     consumers = form.options.get("consumers", NUM_MMA_WARPGROUPS)
     q_stages = form.options.get("q_stages", Q_STAGES)
-    assert model.sweep(consumers, q_stages, schedules=150) == {}
+    # o_in_q_stage: the stage goes back once the tile's stores have read it ("wait").
+    o_in_q = "wait" if form.options.get("o_in_q_stage") else None
+    assert model.sweep(consumers, q_stages, o_in_q, schedules=150) == {}
 
 
 def test_model_catches_stale_q_stage_and_deferred_release_deadlock():

@@ -80,8 +80,8 @@ def to_dtype_mode(p, mode):
 
 def sparse_prefill_cases(gen):
     """Every form of the sparse serving table on the calls it serves: "mma" (fp32 partials),
-    "wgmma" (G 1-4, the bf16-Q FP8 modes), "ws", "ws3w", "ws1c" and "wsp" (the warp-specialized
-    TMA forms, G 8 / 16; the forms picked by call size are forced here)."""
+    "wgmma" (G 1-4, the bf16-Q FP8 modes), "ws", "ws3w", "ws1c", "wsp" and "wsp3w" (the
+    warp-specialized TMA forms, G 8 / 16; the forms picked by call size are forced here)."""
     forms = set()
     for g, paged, causal, partial, mode, form in (
             (16, True, True, torch.float32, "bf16", "mma"),
@@ -98,7 +98,8 @@ def sparse_prefill_cases(gen):
             (16, False, True, torch.bfloat16, "e4m3", "ws1c"),
             (16, True, False, torch.bfloat16, "e4m3", "ws1c"),
             (16, False, True, torch.bfloat16, "bf16", "wsp"),
-            (16, True, False, torch.bfloat16, "bf16", "wsp")):
+            (16, True, False, torch.bfloat16, "bf16", "wsp"),
+            (16, True, True, torch.bfloat16, "bf16", "wsp3w")):
         topk = 8
         p = prefill_cases._make_problem(g, topk, paged, causal, gen, torch.device("cuda"))
         q2k = p["q2k"]
@@ -114,7 +115,8 @@ def sparse_prefill_cases(gen):
         expect_native("build_k2q_csr")
         # The call-size forms (wsp: bf16 calls of few queries; ws1c: e4m3 calls of few queries,
         # few an item; ws3w past them) are forced here whatever the random lengths add up to.
-        with debug.forcing(sparse_form=form if form in ("ws1c", "wsp", "ws3w") else None):
+        with debug.forcing(sparse_form=form if form in ("ws1c", "wsp", "wsp3w", "ws3w")
+                           else None):
             out, lse = msa.sparse_atten_func(
                 p["q"], p["k"], p["v"], built[0], built[1], topk, cu_seqlens_q=p["cu_q"],
                 cu_seqlens_k=p["cu_k"], max_seqlen_q=p["max_q"], max_seqlen_k=p["max_k"],

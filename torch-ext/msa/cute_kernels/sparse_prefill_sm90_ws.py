@@ -86,7 +86,8 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
     def __init__(self, qhead_per_kv: int, paged: bool, partial_dtype=cutlass.BFloat16,
                  mode: str = "bf16", consumers: int = NUM_MMA_WARPGROUPS,
                  q_stages: int = Q_STAGES, mma_regs: int = MMA_REGS,
-                 producer_regs: int = PRODUCER_REGS, persistent: bool = False):
+                 producer_regs: int = PRODUCER_REGS, persistent: bool = False,
+                 o_in_q_stage: bool = False):
         super().__init__(qhead_per_kv, paged, partial_dtype)
         assert consumers in (1, 2, 3), consumers
         # Consumers take tiles round-robin and wait on a Q stage's parity only: the stage's
@@ -104,10 +105,15 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
         self.kv_stages = KV_STAGES if persistent else 1
         self.mma_regs = mma_regs
         self.producer_regs = producer_regs
+        # o_in_q_stage: a tile's O is staged over its own Q stage (dead once S is computed) and
+        # the stage goes back to the producer when the TMA store has read it: no O tiles.
+        self.o_in_q_stage = o_in_q_stage
         assert qhead_per_kv in WS_GROUPS, qhead_per_kv
         assert partial_dtype.width == 16 or partial_dtype is cutlass.Float8E4M3FN, partial_dtype
         assert mode in WS_MODES, mode
         assert not persistent or mode == "bf16", "the persistent form is built for bf16"
+        assert not o_in_q_stage or partial_dtype is cutlass.BFloat16 and mode == "bf16", \
+            "O staged over Q needs the Q stage's layout: bf16 Q and bf16 partials"
         self.mode = mode
         self.qk_dtype = cutlass.Float8E4M3FN if mode == "e4m3" else cutlass.BFloat16
         self.pv_dtype = self.qk_dtype
@@ -123,12 +129,13 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
         fields = {"sQ": smem_tile(self.qk_dtype, q_layout),
                   "sK": smem_tile(self.qk_dtype, k_layout),
                   "sV": smem_tile(self.pv_dtype, v_layout),
-                  "sO": smem_tile(self.partial_dtype, o_layout),
                   "sEntry": cute.struct.Align[cute.struct.MemRange[
                       cutlass.Int32, self.queries_per_tile * self.q_stages], 16],
                   "mbar": cute.struct.Align[cute.struct.MemRange[cutlass.Int64,
                                                                  self._mbarrier_count()],
                                             8]}
+        if not self.o_in_q_stage:
+            fields["sO"] = smem_tile(self.partial_dtype, o_layout)
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def _mbarrier_count(self) -> int:
@@ -257,7 +264,9 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ_stages = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-        sO_wgs = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)
+        sO_wgs = sQ_stages                      # o_in_q_stage: O over the tile's Q stage
+        if cutlass.const_expr(not self.o_in_q_stage):
+            sO_wgs = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)
         sEntry = storage.sEntry.get_tensor(
             cute.make_layout((self.queries_per_tile, self.q_stages)))
         mbar = storage.mbar.data_ptr()
@@ -394,7 +403,7 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
 
         for tile in range(mwg, n_tiles, self.consumers):
             self._consume_tile(tile, tSrQ, tSrK, tOrVt, tScS, acc_s, acc_o, a_shape,
-                               thr_stage_o, tOsO_mine, tOsO, tOgO, tma_o, sEntry, mbar,
+                               thr_stage_o, tOsO_mine, sO_wgs, tOsO, tOgO, tma_o, sEntry, mbar,
                                mma_qk, mma_pv, stage_o_copy, mLsePartial, mLseTPartial,
                                head_kv, q_start, q_len, n_keys, causal_shift, scale_log2,
                                inv_temperature, causal, want_lse_t, mwg, warp_in_wg, lane)
@@ -415,13 +424,15 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
 
     @cute.jit
     def _consume_tile(self, ring_tile, tSrQ, tSrK, tOrVt, tScS, acc_s, acc_o, a_shape,
-                      thr_stage_o, tOsO_mine, tOsO, tOgO, tma_o, sEntry, mbar, mma_qk, mma_pv,
+                      thr_stage_o, tOsO_mine, sO_wgs, tOsO, tOgO, tma_o, sEntry, mbar, mma_qk,
+                      mma_pv,
                       stage_o_copy, mLsePartial, mLseTPartial, head_kv, q_start, q_len, n_keys,
                       causal_shift, scale_log2, inv_temperature, causal, want_lse_t, mwg,
                       warp_in_wg, lane):
         """One 64-row tile on Q ring tile ring_tile against the block's K (tSrK) and V (tOrVt):
         S = Q K^T, the block's softmax, O = P V, O staged and TMA-stored into each query's
-        slot, the LSE rows written, the Q stage handed back."""
+        slot, the LSE rows written, the Q stage handed back (o_in_q_stage: O staged over the
+        tile's Q stage, handed back once the stores have read it)."""
         n_my_rows = cute.size(tScS, mode=[0])
         n_my_cols = cute.size(tScS, mode=[1])
         stage = ring_tile % self.q_stages
@@ -443,10 +454,16 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
         scale_rows(wgmma_rows_cols_view(acc_o), row_inv_sum)
         r_o = cute.make_fragment_like(acc_o, self.partial_dtype)
         r_o.store(acc_o.load().to(self.partial_dtype))
-        # The O tile is free once this warpgroup's previous stores have read it.
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        o_slot = mwg
+        o_staged = tOsO_mine
+        if cutlass.const_expr(self.o_in_q_stage):
+            o_slot = stage
+            o_staged = thr_stage_o.partition_D(sO_wgs[None, None, stage])
+        else:
+            # The O tile is free once this warpgroup's previous stores have read it.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
         NamedBarrier(BAR_WG + mwg, 128).sync()
-        cute.copy(stage_o_copy, thr_stage_o.retile(r_o), tOsO_mine)
+        cute.copy(stage_o_copy, thr_stage_o.retile(r_o), o_staged)
         cute.arch.fence_proxy("async.shared", space="cta")
         NamedBarrier(BAR_WG + mwg, 128).sync()
         # Warp w stores queries w, w + 4: G rows x 128 channels into the query's slot.
@@ -457,12 +474,14 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                 q_local = packed & LOCAL_QUERY_MASK
                 if packed >= 0 and q_local < q_len:
                     for h in cutlass.range_constexpr(HEAD_DIM // self.o_box_cols):
-                        cute.copy(tma_o, tOsO[None, query, h, mwg],
+                        cute.copy(tma_o, tOsO[None, query, h, o_slot],
                                   tOgO[None, head_kv, h, q_start + q_local,
                                        packed >> SLOT_SHIFT])
         cute.arch.cp_async_bulk_commit_group()
         self._write_lse_rows(tScS, n_my_rows, row_lse, row_lse_t, want_lse_t, sEntry, stage,
                              q_start, q_len, head_kv, mLsePartial, mLseTPartial, lane)
+        if cutlass.const_expr(self.o_in_q_stage):
+            cute.arch.cp_async_bulk_wait_group(0, read=True)     # the stores read the stage
         # Last reads of this stage's entries are done: hand the Q stage back.
         cute.arch.sync_warp()
         if lane == 0:
@@ -539,8 +558,8 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
             for tile in range(first, n_tiles, self.consumers):
                 self._consume_tile(ring_base + tile, tSrQ, tSrK[None, None, None, kv_stage],
                                    tOrVt[None, None, None, kv_stage], tScS, acc_s, acc_o,
-                                   a_shape, thr_stage_o, tOsO_mine, tOsO, tOgO, tma_o, sEntry,
-                                   mbar, mma_qk, mma_pv, stage_o_copy, mLsePartial,
+                                   a_shape, thr_stage_o, tOsO_mine, sO_wgs, tOsO, tOgO, tma_o,
+                                   sEntry, mbar, mma_qk, mma_pv, stage_o_copy, mLsePartial,
                                    mLseTPartial, head_kv, q_start, q_len, n_keys, causal_shift,
                                    scale_log2, inv_temperature, causal, want_lse_t, mwg,
                                    warp_in_wg, lane)

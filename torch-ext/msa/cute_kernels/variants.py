@@ -174,6 +174,14 @@ SHORT_CALL_QUERIES = 1024
 SHORT_ITEM_QUERIES = dict(e4m3=16)
 SPARSE_CALLS: Dict[str, tuple] = dict(call_size=("many", "few", "short"))
 SPARSE_FORMS = _table(
+    Form("wsp3w", "SparsePrefillSm90Ws", ("bfloat16",),
+         "calls of <= SHORT_CALL_QUERIES queries at G 16 with bf16 q/k/v and bf16 partials (not "
+         "yet validated): wsp with three consumer warpgroups and 6 Q stages, each tile's O "
+         "staged over its own Q stage (no O tiles: Q 96 KB + K/V 128 KB)",
+         when=lambda call_size="many", **_: call_size in ("few", "short"),
+         options=dict(consumers=3, q_stages=6, mma_regs=152, producer_regs=56,
+                      persistent=True, o_in_q_stage=True),
+         groups=(16,), partials=("bfloat16",), validated=False),
     Form("wsp", "SparsePrefillSm90Ws", ("bfloat16",),
          "calls of <= SHORT_CALL_QUERIES queries at G 16 with bf16 q/k/v and bf16 partials: "
          "the TMA warp-specialized kernel, persistent (a CTA an SM walks the work items), two "
