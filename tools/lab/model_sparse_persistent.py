@@ -36,26 +36,10 @@ finds.
 """
 import random
 
+from model_decode_pingpong import Mbar   # an mbarrier: arrivals complete phases, parity waits
+
 LOADERS = 4                # producer warps, each a loader (warp 0 also fills the Q ring)
 KV_STAGES = 2
-
-
-class Mbar:
-    """An mbarrier: a phase completes after `count` arrivals."""
-
-    def __init__(self, count):
-        self.count, self.pending, self.phase = count, count, 0
-
-    def arrive(self):
-        self.pending -= 1
-        assert self.pending >= 0
-        if self.pending == 0:
-            self.phase += 1
-            self.pending = self.count
-
-    def done(self, parity):
-        """try_wait.parity: the phase of this parity has completed."""
-        return (self.phase & 1) != parity
 
 
 class Cta:
