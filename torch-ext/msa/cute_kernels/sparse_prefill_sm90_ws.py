@@ -40,7 +40,10 @@ cp.async.mbarrier.arrive.noinc plus a plain arrive after its zero stores; empty:
 per consumer warp), so the next item's block lands under this item's tiles, and its warp 0
 keeps the Q ring running across items (the ring's tile number continues from item to item);
 the consumers (224 registers) take tiles round-robin by that number and fence for the async
-proxy after the K/V wait. Q 4 x 16 KB + K/V 2 x 64 KB + O 2 x 16 KB = 224 KB.
+proxy after the K/V wait. Q 4 x 16 KB + K/V 2 x 64 KB + O 2 x 16 KB = 224 KB. Form "wsp3w"
+(o_in_q_stage=True, three consumers, 6 Q stages): no O tiles; each tile's O is staged over its
+own Q stage (dead once S is done) and the stage goes back once the TMA store has read it:
+Q 6 x 16 KB + K/V 2 x 64 KB = 224 KB.
 
 Shared memory (bf16, bf16 partials): Q 4 x 16 KB + K 32 KB + V 32 KB + O 2 x 16 KB = 160 KB
 (ws3w: Q 6 x 16 KB, O 3 x 16 KB, 208 KB); one CTA per SM. The kernel never reads or writes out
@@ -102,7 +105,6 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
         # its cp.async completion and its zeroed rows; empty: one per consumer warp).
         self.persistent = persistent
         self.kv_ring = MbarrierRing(KV_STAGES, first=self.q_ring.count)
-        self.kv_stages = KV_STAGES if persistent else 1
         self.mma_regs = mma_regs
         self.producer_regs = producer_regs
         # o_in_q_stage: a tile's O is staged over its own Q stage (dead once S is computed) and
