@@ -57,9 +57,12 @@ def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
     assert ".target sm_90a" in text
     if name.endswith(("_wsp", "_wsp3w")):
         # Persistent: the producer warpgroup's K/V loads arrive on the K/V ring's full barrier
-        # as they land, and the CTAs walk the items (the grid stops at num_ctas).
+        # as they land, and the CTAs fetch their next items from the item counter (a relaxed
+        # gpu-scope atomic add; the grid stops at num_ctas).
         assert "cp.async.mbarrier.arrive.noinc.shared" in text
         assert "nctaid.x" in text
+        assert re.search(r"atom(\.relaxed)?\.gpu\.global\.add\.[us]32|"
+                         r"atom\.global(\.relaxed)?(\.gpu)?\.add\.[us]32", text)
     if name.endswith(("_ws", "_ws3w", "_wsp", "_wsp3w")):
         # Warp-specialized: the producer warpgroup gives registers to the consumers; per tile
         # each query's Q rows arrive by TMA (G x 128 bytes per box: 64 / G queries x 2 boxes

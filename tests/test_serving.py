@@ -107,7 +107,7 @@ def test_fmha_serving_table_rules():
     assert kernel.split and kernel.artifacts == ("fmha_sm90_e4m3_dense_split",
                                                  "sparse_combine_sm90_pf32")
     kernel = _fmha_kernel("e4m3", paged=True)
-    assert kernel.v_transposed and kernel.num_ctas_arg and not kernel.split
+    assert kernel.v_transposed and kernel.trailing_args == ("num_ctas",) and not kernel.split
     assert kernel.form in fmha_sm90.V_TRANSPOSED_FORMS and \
         kernel.form in fmha_sm90.ROW_SUM_ON_MMA_FORMS
     # The choice is cached: the same call shape gets the same kernel object back.

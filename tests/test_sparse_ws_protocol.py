@@ -1,7 +1,8 @@
-"""The TMA warp-specialized sparse forms' ring protocol (Q ring, the persistent form's K/V ring)
-on the CPU model tools/lab/model_sparse_persistent.py: every form of the serving table runs its
-consumers and Q stages without a deadlock or a stale read on random schedules, and the model
-catches the configurations that would break (so the check can fail)."""
+"""The TMA warp-specialized sparse forms' ring protocol (Q ring, the persistent forms' K/V ring
+and work queue) on the CPU model tools/lab/model_sparse_persistent.py: every form of the
+serving table runs its consumers and Q stages without a deadlock, a stale read, a lost or a
+repeated item on random schedules of two CTAs sharing the queue, and the model catches the
+configurations that would break (so the check can fail)."""
 
 import sys
 from pathlib import Path
@@ -33,3 +34,5 @@ def test_model_catches_stale_q_stage_and_deferred_release_deadlock():
     # O staged in the Q stage and handed back at the next tile: two stages a consumer.
     assert "deadlock" in model.sweep(3, 3, "deferred", schedules=150)
     assert model.sweep(3, 6, "deferred", schedules=150) == {}
+    # One next-item slot: warp 0 overwrites it before a slow producer warp read it.
+    assert "check failed" in model.sweep(2, 4, schedules=150, next_slots=1)

@@ -365,6 +365,23 @@ def origins() -> Dict[str, str]:
     return dict(_origins)
 
 
+def trailing_args(names, device: torch.device, *, item_counter=None) -> list:
+    """Values of a kernel's trailing launch arguments (cute_kernels.variants.TRAILING_ARGS,
+    in order): "item_counter" (`item_counter` when given, else a zeroed int32 allocated on
+    the current stream: one per launch, so calls on other streams never share it) and
+    "num_ctas" (the device's SM count; debug hook persistent_ctas)."""
+    from .._common import sm_count
+    from . import debug
+
+    def counter():
+        if item_counter is not None:
+            return item_counter
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    values = dict(item_counter=counter,
+                  num_ctas=lambda: int(debug.forced("persistent_ctas") or sm_count(device)))
+    return [values[name]() for name in names]
+
+
 def launch(name: str, device: torch.device, *args) -> None:
     """Run kernel variant `name` on `device`'s current stream (passed as the last argument)."""
     fn = _functions.get(name) or get_function(name)

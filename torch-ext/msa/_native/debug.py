@@ -13,6 +13,8 @@ Hooks (``forcing`` keywords):
                      it is built for (others run their served form)
   fmha_split_kv      False: plans with num_kv_splits > 1 run unsplit
   sparse_form        a form of SPARSE_FORMS: serves every sparse attention call it is built for
+  persistent_ctas    an int: the CTA count persistent CuTe kernels launch instead of the SM
+                     count (few CTAs, so each takes many work items from its queue)
   decode_split_keys  False: the decode kernel never splits a page's keys across warps
   decode_direct_fp8  False: split-keys decode tiles with e4m3 q and K/V take the bf16-staged path
   decode_warpgroup   True: the decode kernel's warpgroup (wgmma) form runs every tile it can
@@ -45,7 +47,8 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, Iterator, Optional
 
-HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "decode_split_keys", "decode_direct_fp8",
+HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "persistent_ctas", "decode_split_keys",
+         "decode_direct_fp8",
          "decode_warpgroup", "decode_pingpong", "decode_persistent", "decode_pv_fp8",
          "decode_token_warps", "decode_indexer_tma", "decode_indexer_offer_warp",
          "topk_staged", "topk_staged_wide", "csr_counting_sort")

@@ -29,7 +29,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _backend
-from .._common import causal_offsets, sm_count, to_device
+from .._common import causal_offsets, to_device
 from ..cute_kernels import variants
 from . import block_max_score_sm90, cute_runtime, debug, serving
 
@@ -130,7 +130,7 @@ class FmhaKernel:
     split: bool                # fp32 partial rows per key range, then the combine
     with_score: bool           # also writes the max-score output (mode 1)
     v_transposed: bool         # v is Vt, transposed ahead by TRANSPOSE_V_OP
-    num_ctas_arg: bool         # takes the SM count last (the warp-specialized kernel)
+    trailing_args: Tuple[str, ...]     # variants.TRAILING_ARGS of its kernel class
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,7 +143,7 @@ def fmha_kernel(dtype_name: str, paged: bool, form_name: str) -> FmhaKernel:
                       artifacts=(variant, SPLIT_COMBINE) if split else (variant,), split=split,
                       with_score=form.kernel == "FmhaSm90MaxScore",
                       v_transposed=bool(form.options.get("v_transposed")),
-                      num_ctas_arg=form.kernel == "FmhaSm90Ws")
+                      trailing_args=form.trailing_args)
 
 
 def supports(*, q_dtype=None, k_dtype=None, paged=False, page_size=-1, causal=True, mode=None,
@@ -252,8 +252,7 @@ def run(call, kernel: FmhaKernel):
     args = [q, k, v, out, cu_q, cu_k, kv_lens, offsets, table] + scalars
     if kernel.with_score:     # max-score values are scaled by sm_scale * q_scale * k_scale
         args += [max_score, float(call.logit_scale)]
-    if kernel.num_ctas_arg:
-        args.append(sm_count(device))        # the persistent forms' CTA count
+    args += cute_runtime.trailing_args(kernel.trailing_args, device)
     cute_runtime.launch(kernel.variant, device, *args)
     return out, max_score
 

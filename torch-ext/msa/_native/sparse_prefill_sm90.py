@@ -35,7 +35,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _backend, _stages
-from .._common import key_lengths, sm_count
+from .._common import key_lengths
 from .._validation import device_prefix_sums
 from ..cute_kernels import variants
 from ..schedules.sparse import INT32_MAX, SparseAttentionSchedule, build_schedule_on_device
@@ -90,7 +90,8 @@ class SparseKernel:
     form: str                  # a name of cute_kernels.variants.SPARSE_FORMS
     attention: str             # the attention artifact
     combine: str               # the combine artifact (by partial dtype)
-    num_ctas_arg: bool         # the attention takes the SM count last (the TMA ws kernels)
+    trailing_args: Tuple[str, ...]     # variants.TRAILING_ARGS of the attention's kernel
+    persistent: bool           # its CTAs fetch work items from a zeroed counter
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,7 +102,8 @@ def sparse_kernel(mode: str, qhead_per_kv: int, paged: bool, partial: str,
         form=form,
         attention=variants.AttentionVariant(qhead_per_kv, paged, partial, mode, form).name,
         combine=variants.CombineVariant(partial).name,
-        num_ctas_arg=variants.SPARSE_FORMS[form].kernel == "SparsePrefillSm90Ws")
+        trailing_args=variants.SPARSE_FORMS[form].trailing_args,
+        persistent=bool(variants.SPARSE_FORMS[form].options.get("persistent")))
 
 
 def short_call(mode: str, total_q: Optional[int], topk: Optional[int],
@@ -258,8 +260,11 @@ def run(call, kernel: SparseKernel
             schedule.work_count, launch.o_partial, launch.lse_partial, launch.lse_t_partial,
             float(call.softmax_scale), 1.0 / float(call.lse_temperature_scale),
             int(call.causal), int(launch.want_lse_t)]
-    if kernel.num_ctas_arg:
-        args.append(sm_count(device))        # the persistent form's CTA count
+    # Only the persistent forms read the item counter: the others get an unread placeholder
+    # instead of a zeroed tensor (a memset launch fewer).
+    args += cute_runtime.trailing_args(
+        kernel.trailing_args, device,
+        item_counter=None if kernel.persistent else schedule.work_count)
     cute_runtime.launch(kernel.attention, device, *args)
     _stages.mark("combine")
     cute_runtime.launch(

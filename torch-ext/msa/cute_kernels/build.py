@@ -78,10 +78,13 @@ def attention_args(variant: AttentionVariant):
         _tensor(cutlass.Float32, (_dyn(), total_q, hq), align=4),   # lse_t_partial
         cutlass.Float32(1.0), cutlass.Float32(1.0),         # softmax_scale, inv_temperature
         cutlass.Int32(0), cutlass.Int32(0),                 # causal, want_lse_t
-    ] + ([cutlass.Int32(132)] if SPARSE_FORMS[variant.form].kernel == "SparsePrefillSm90Ws"
-         else []) + [                                       # num_ctas (the TMA ws kernels)
-        make_fake_stream(),
-    ]
+    ] + trailing_args(SPARSE_FORMS[variant.form]) + [make_fake_stream()]
+
+
+def trailing_args(form):
+    """Fake values of the launch arguments `form`'s kernel takes last (Form.trailing_args)."""
+    fakes = dict(item_counter=lambda: _index((1,)), num_ctas=lambda: cutlass.Int32(132))
+    return [fakes[name]() for name in form.trailing_args]
 
 
 def combine_args(variant: CombineVariant):
@@ -132,7 +135,6 @@ def fmha_args(variant: FmhaVariant):
         v_shape, table_shape = (_dyn(), hkv, 128, 128), (2, _dyn(), _dyn())
     split = form.kernel == "FmhaSm90Split"
     max_score = form.kernel == "FmhaSm90MaxScore"
-    warp_specialized = form.kernel == "FmhaSm90Ws"
     if split:
         splits = _dyn()
         outputs = [_tensor(cutlass.Float32, (splits, total_q, hq, 128)),      # o_partial
@@ -150,10 +152,7 @@ def fmha_args(variant: FmhaVariant):
         cutlass.Int32(1), cutlass.Int32(1),                 # causal, grid_q_tiles
     ] + ([_tensor(cutlass.Float32, (hq, _dyn(), total_q)),  # max_score [Hq, tiles, total_q]
           cutlass.Float32(1.0)] if max_score else []) + (
-        [cutlass.Int32(2)] if split else []) + (            # num_splits
-        [cutlass.Int32(132)] if warp_specialized else []) + [   # num_ctas (persistent forms)
-        make_fake_stream(),
-    ]
+        [cutlass.Int32(2)] if split else []) + trailing_args(form) + [make_fake_stream()]
 
 
 def attention_kernel(variant: AttentionVariant):

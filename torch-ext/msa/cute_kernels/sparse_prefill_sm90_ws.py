@@ -33,8 +33,12 @@ V and takes every tile, 2 Q stages and one O tile: Q 32 KB + K 32 + V 32 + O 16 
 128 x 40 + 128 x 216 registers, so two CTAs share an SM and one work item's K / V load and
 first tiles run under the other's MMAs (a short chunk's items hold a few tiles each).
 
-Form "wsp" (persistent=True, bf16, two consumers): min(items, num_ctas) CTAs walk the work
-items w, w + grid, ...; the producer warpgroup (56 registers) loads each item's K and V into a
+Form "wsp" (persistent=True, bf16, two consumers): min(items, num_ctas) CTAs take the work
+items from a queue: CTA c starts on item c and then fetches num_ctas + atomicAdd(item_counter,
+1) (item_counter: one int32 zeroed by the caller), so the items' uneven tile counts balance
+over the CTAs as a non-persistent grid's do; the producer publishes each item's number in
+shared memory beside its K/V stage (-1 after the last). The producer warpgroup (56 registers)
+loads each item's K and V into a
 two-stage K/V ring (cp.async, rows past the keys zeroed; full: each loader's
 cp.async.mbarrier.arrive.noinc plus a plain arrive after its zero stores; empty: one arrival
 per consumer warp), so the next item's block lands under this item's tiles, and its warp 0
@@ -74,10 +78,12 @@ PRODUCER_REGS = 40
 MMA_REGS = 232              # 40 * 128 + 232 * 256 = 64512 = 168 * 384 (launch allocation)
 # Three consumers (form ws3w) launch 512 threads with 128 registers each and take
 # mma_regs=152: 40 * 128 + 152 * 384 = 63488 (ptxas fits the consumers in 130).
-# Named barriers (0 is sync_threads): both consumer warpgroups (K/V landed), and each consumer
-# warpgroup's own (its O tile free / written).
+# Named barriers (0 is sync_threads): both consumer warpgroups (K/V landed), the persistent
+# form's producer warpgroup (the next item's number published), and each consumer warpgroup's
+# own (its O tile free / written).
 BAR_CONSUMERS = 1
-BAR_WG = 2                  # + consumer index
+BAR_PRODUCER = 2
+BAR_WG = 3                  # + consumer index
 # The persistent form's K/V ring: the next work item's block loads while this one's tiles run.
 KV_STAGES = 2
 
@@ -138,6 +144,11 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                                             8]}
         if not self.o_in_q_stage:
             fields["sO"] = smem_tile(self.partial_dtype, o_layout)
+        if self.persistent:
+            # [0, KV_STAGES): the work item of each K/V stage (-1: no more); then two slots
+            # that hand the producer warpgroup the CTA's next item.
+            fields["sItem"] = cute.struct.Align[cute.struct.MemRange[
+                cutlass.Int32, KV_STAGES + 2], 16]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def _mbarrier_count(self) -> int:
@@ -150,8 +161,8 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                  metadata: cute.Tensor, work_count: cute.Tensor, o_partial: cute.Tensor,
                  lse_partial: cute.Tensor, lse_t_partial: cute.Tensor,
                  softmax_scale: cutlass.Float32, inv_temperature: cutlass.Float32,
-                 causal: cutlass.Int32, want_lse_t: cutlass.Int32, num_ctas: cutlass.Int32,
-                 stream):
+                 causal: cutlass.Int32, want_lse_t: cutlass.Int32, item_counter: cute.Tensor,
+                 num_ctas: cutlass.Int32, stream):
         G = self.group
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.qk_dtype)
         q_layout = cute.tile_to_shape(atom, (WG_ROWS, HEAD_DIM, self.q_stages), (0, 1, 2))
@@ -189,7 +200,8 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
             grid = (cutlass.min(cute.size(metadata.shape[0]), num_ctas), 1, 1)
         self.kernel_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, kv_lens, page_table, k2q_row_ptr,
                        qsplit, metadata, work_count, lse_partial, lse_t_partial,
-                       softmax_scale * LOG2_E, inv_temperature, causal, want_lse_t, tQ, tO,
+                       softmax_scale * LOG2_E, inv_temperature, causal, want_lse_t,
+                       item_counter, tQ, tO,
                        tma_q, tma_o, q_layout, k_layout, v_layout, o_layout, gather_copy,
                        convert_load, mma_qk, mma_pv, stage_o_copy, SharedStorage).launch(
             grid=grid, block=(128 * (1 + self.consumers), 1, 1), stream=stream,
@@ -208,7 +220,8 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                   mRowPtr: cute.Tensor, mQsplit: cute.Tensor, mMeta: cute.Tensor,
                   mWorkCount: cute.Tensor, mLsePartial: cute.Tensor, mLseTPartial: cute.Tensor,
                   scale_log2: cutlass.Float32, inv_temperature: cutlass.Float32,
-                  causal: cutlass.Int32, want_lse_t: cutlass.Int32, tQ: cute.Tensor,
+                  causal: cutlass.Int32, want_lse_t: cutlass.Int32,
+                  mItemCounter: cute.Tensor, tQ: cute.Tensor,
                   tO: cute.Tensor, tma_q: cute.CopyAtom, tma_o: cute.CopyAtom,
                   q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout,
                   v_layout: cute.ComposedLayout, o_layout: cute.ComposedLayout,
@@ -221,24 +234,26 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
             storage, sQ_stages, sO_wgs, sEntry, mbar, wg, warp = self._cta_setup(
                 tidx, tma_q, tma_o, q_layout, o_layout, SharedStorage)
             if cutlass.const_expr(self.persistent):
-                # CTA `work` walks items work, work + grid, ... (grid <= the SM count), never
-                # past the schedule's rows whatever work_count says.
+                # CTA `work` starts on item `work` and fetches the next ones from the item
+                # counter (grid <= the SM count), never past the schedule's rows whatever
+                # work_count says.
                 n_ctas, _, _ = cute.arch.grid_dim()
                 n_work = cutlass.min(mWorkCount[0], mMeta.shape[0])
+                sItem = storage.sItem.get_tensor(cute.make_layout(KV_STAGES + 2))
                 if wg == 0:
                     cute.arch.setmaxregister_decrease(self.producer_regs)
                     self._produce_items(mK, mV, mCuQ, mCuK, mKvLens, mPageTable, mRowPtr,
-                                        mQsplit, mMeta, n_work, tQ, tma_q, storage,
-                                        sQ_stages, sEntry, mbar, k_layout, gather_copy, work,
-                                        n_ctas, tidx, warp)
+                                        mQsplit, mMeta, n_work, mItemCounter, tQ, tma_q,
+                                        storage, sQ_stages, sEntry, sItem, mbar, k_layout,
+                                        gather_copy, work, n_ctas, tidx, warp)
                 else:
                     cute.arch.setmaxregister_increase(self.mma_regs)
                     self._consume_items(mK, mCuQ, mCuK, mKvLens, mPageTable, mRowPtr, mMeta,
-                                        n_work, mLsePartial, mLseTPartial, tO, tma_o,
-                                        storage, sQ_stages, sO_wgs, sEntry, mbar, k_layout,
+                                        mLsePartial, mLseTPartial, tO, tma_o, storage,
+                                        sQ_stages, sO_wgs, sEntry, sItem, mbar, k_layout,
                                         mma_qk, mma_pv, stage_o_copy, scale_log2,
-                                        inv_temperature, causal, want_lse_t, work, n_ctas,
-                                        tidx - 128, wg - 1)
+                                        inv_temperature, causal, want_lse_t, tidx - 128,
+                                        wg - 1)
             else:
                 (head_kv, csr_row, q_begin, q_count, batch, kv_block, q_start,
                  q_len) = self._work_item(mMeta, mCuQ, work)
@@ -492,17 +507,25 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
     # ---- the persistent form: producer warpgroup and consumers over a CTA's work items --------
     @cute.jit
     def _produce_items(self, mK, mV, mCuQ, mCuK, mKvLens, mPageTable, mRowPtr, mQsplit, mMeta,
-                       n_work, tQ, tma_q, storage, sQ_stages, sEntry, mbar, k_layout,
-                       gather_copy, first_work, n_ctas, tidx, warp):
+                       n_work, mItemCounter, tQ, tma_q, storage, sQ_stages, sEntry, sItem, mbar,
+                       k_layout, gather_copy, first_work, n_ctas, tidx, warp):
         """Every thread of the producer warpgroup loads its share of each item's K and V rows
         into the item's K/V stage (cp.async; rows past the keys zeroed) and arrives on the
-        stage's full barrier twice: when its copies land and after its zero stores; warp 0
-        then TMA-loads the item's Q tiles into the Q ring, numbered on from earlier items."""
+        stage's full barrier twice: when its copies land and after its zero stores; thread 0
+        publishes the item's number beside the stage first and fetches the CTA's next item
+        from the counter (its atomic in flight under the copies); warp 0 then TMA-loads the
+        item's Q tiles into the Q ring, numbered on from earlier items. After the last item
+        the next stage carries -1."""
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         sV = storage.sV.get_tensor(k_layout.outer, swizzle=k_layout.inner)
         item = cutlass.Int32(0)
         ring_base = cutlass.Int32(0)
-        for work in range(first_work, n_work, n_ctas):
+        work = first_work
+        while work < n_work:
+            fetched = cutlass.Int32(0)
+            if tidx == 0:
+                fetched = cute.arch.atomic_add(mItemCounter.iterator, cutlass.Int32(1),
+                                               sem="relaxed", scope="gpu")
             (head_kv, csr_row, q_begin, q_count, batch, kv_block, q_start,
              q_len) = self._work_item(mMeta, mCuQ, work)
             entry0, n_tiles = self._tile_span(mRowPtr, head_kv, csr_row, q_begin, q_count)
@@ -511,6 +534,8 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
             kv_stage = item % KV_STAGES
             cute.arch.mbarrier_wait(self.kv_ring.empty(mbar, kv_stage),
                                     ((item // KV_STAGES) % 2) ^ 1)
+            if tidx == 0:
+                sItem[kv_stage] = work
             self._load_kv_rows(gather_copy, tidx, mK, kv_row0, head_kv, n_keys,
                                sK[None, None, kv_stage])
             self._load_kv_rows(gather_copy, tidx, mV, kv_row0, head_kv, n_keys,
@@ -518,21 +543,35 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
             cute.arch.cp_async_mbarrier_arrive_noinc(self.kv_ring.full(mbar, kv_stage))
             cute.arch.fence_proxy("async.shared", space="cta")       # the zeroed rows
             cute.arch.mbarrier_arrive(self.kv_ring.full(mbar, kv_stage))
+            # The next item, through a slot that alternates per item (a slot is rewritten
+            # two items later, after every thread passed the barrier between).
+            if tidx == 0:
+                sItem[KV_STAGES + item % 2] = n_ctas + fetched
+            NamedBarrier(BAR_PRODUCER, 128).sync()
+            next_work = sItem[KV_STAGES + item % 2]
             if warp == 0:
                 self._produce_q(mQsplit, tQ, tma_q, sQ_stages, sEntry, mbar, head_kv, entry0,
                                 q_count, q_start, n_tiles, tidx % 32, ring_base)
             ring_base = ring_base + n_tiles
             item = item + 1
+            work = next_work
+        # No more items: the next stage says so (two arrivals a thread, as for an item).
+        kv_stage = item % KV_STAGES
+        cute.arch.mbarrier_wait(self.kv_ring.empty(mbar, kv_stage), ((item // KV_STAGES) % 2) ^ 1)
+        if tidx == 0:
+            sItem[kv_stage] = -1
+        cute.arch.mbarrier_arrive(self.kv_ring.full(mbar, kv_stage))
+        cute.arch.mbarrier_arrive(self.kv_ring.full(mbar, kv_stage))
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit
-    def _consume_items(self, mK, mCuQ, mCuK, mKvLens, mPageTable, mRowPtr, mMeta, n_work,
-                       mLsePartial, mLseTPartial, tO, tma_o, storage, sQ_stages, sO_wgs, sEntry,
-                       mbar, k_layout, mma_qk, mma_pv, stage_o_copy, scale_log2,
-                       inv_temperature, causal, want_lse_t, first_work, n_ctas, ctidx, mwg):
-        """Per item: wait for its K/V stage, take the item's tiles whose Q ring number falls
-        to this warpgroup (round-robin over the consumers), then release the stage (one
-        arrival per warp)."""
+    def _consume_items(self, mK, mCuQ, mCuK, mKvLens, mPageTable, mRowPtr, mMeta, mLsePartial,
+                       mLseTPartial, tO, tma_o, storage, sQ_stages, sO_wgs, sEntry, sItem, mbar,
+                       k_layout, mma_qk, mma_pv, stage_o_copy, scale_log2, inv_temperature,
+                       causal, want_lse_t, ctidx, mwg):
+        """Per item: wait for its K/V stage and read the item's number beside it (-1: done),
+        take the item's tiles whose Q ring number falls to this warpgroup (round-robin over
+        the consumers), then release the stage (one arrival per warp)."""
         wg_tidx = ctidx % 128
         lane = ctidx % 32
         warp_in_wg = cute.arch.make_warp_uniform(wg_tidx // 32)
@@ -547,15 +586,16 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
             stage_o_copy, wg_tidx, sO_wgs, tO, tma_o, mwg)
         item = cutlass.Int32(0)
         ring_base = cutlass.Int32(0)
-        for work in range(first_work, n_work, n_ctas):
+        cute.arch.mbarrier_wait(self.kv_ring.full(mbar, 0), 0)
+        work = sItem[0]
+        while work >= 0:
+            kv_stage = item % KV_STAGES
+            cute.arch.fence_proxy("async.shared", space="cta")
             (head_kv, csr_row, q_begin, q_count, batch, kv_block, q_start,
              q_len) = self._work_item(mMeta, mCuQ, work)
             n_tiles = (q_count + self.queries_per_tile - 1) // self.queries_per_tile
             _, n_keys, causal_shift = self._kv_block_bounds(mK, mCuK, mKvLens, mPageTable,
                                                             batch, kv_block, q_len)
-            kv_stage = item % KV_STAGES
-            cute.arch.mbarrier_wait(self.kv_ring.full(mbar, kv_stage), (item // KV_STAGES) % 2)
-            cute.arch.fence_proxy("async.shared", space="cta")
             first = (mwg + self.consumers - ring_base % self.consumers) % self.consumers
             for tile in range(first, n_tiles, self.consumers):
                 self._consume_tile(ring_base + tile, tSrQ, tSrK[None, None, None, kv_stage],
@@ -565,11 +605,15 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                                    mLseTPartial, head_kv, q_start, q_len, n_keys, causal_shift,
                                    scale_log2, inv_temperature, causal, want_lse_t, mwg,
                                    warp_in_wg, lane)
-            # This warp's wgmmas on the stage are done (each tile waits for its own).
+            # This warp's wgmmas on the stage are done (each tile waits for its own) and its
+            # lanes read the item's number: hand the stage back.
             cute.arch.sync_warp()
             if lane == 0:
                 cute.arch.mbarrier_arrive(self.kv_ring.empty(mbar, kv_stage))
             ring_base = ring_base + n_tiles
             item = item + 1
+            cute.arch.mbarrier_wait(self.kv_ring.full(mbar, item % KV_STAGES),
+                                    (item // KV_STAGES) % 2)
+            work = sItem[item % KV_STAGES]
         # The O tile must outlive the stores reading it.
         cute.arch.cp_async_bulk_wait_group(0, read=True)

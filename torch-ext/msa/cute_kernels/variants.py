@@ -49,6 +49,16 @@ WS3W_PAIRS = frozenset({("e4m3", "bfloat16"), ("e4m3", "e4m3"), ("bfloat16", "bf
 INDEXER_DECODE_ROWS = 64
 
 
+# Launch arguments a kernel class takes after its op family's common ones, in this order
+# (build.py makes their fake values, the native glue the real ones): "item_counter", one int32
+# the caller zeroes, from which persistent CTAs fetch work items; "num_ctas", the SM count
+# (persistent forms launch min(items, num_ctas) CTAs; the other forms of the class ignore both).
+TRAILING_ARGS: Dict[str, Tuple[str, ...]] = {
+    "SparsePrefillSm90Ws": ("item_counter", "num_ctas"),
+    "FmhaSm90Ws": ("num_ctas",),
+}
+
+
 def _always(**_features) -> bool:
     return True
 
@@ -71,6 +81,12 @@ class Form:
     # MSA_UNVALIDATED_KERNELS=1 (msa._backend.unvalidated_ok), and benchmarks label it. It
     # ships where it would serve, so its GPU tests can run it.
     validated: bool = True
+
+    @property
+    def trailing_args(self) -> Tuple[str, ...]:
+        """The launch arguments its kernel takes after the family's common ones, in order
+        (TRAILING_ARGS)."""
+        return TRAILING_ARGS.get(self.kernel, ())
 
     @property
     def name_suffix(self) -> str:
@@ -184,7 +200,8 @@ SPARSE_FORMS = _table(
          groups=(16,), partials=("bfloat16",), validated=False),
     Form("wsp", "SparsePrefillSm90Ws", ("bfloat16",),
          "calls of <= SHORT_CALL_QUERIES queries at G 16 with bf16 q/k/v and bf16 partials: "
-         "the TMA warp-specialized kernel, persistent (a CTA an SM walks the work items), two "
+         "the TMA warp-specialized kernel, persistent (a CTA an SM takes work items from a "
+         "queue: an atomic counter), two "
          "consumer warpgroups, the producer warpgroup loading the next item's K and V into a "
          "second stage while this item's tiles run",
          when=lambda call_size="many", **_: call_size in ("few", "short"),
