@@ -75,7 +75,8 @@ def test_shipped_variants_are_exactly_what_dispatch_serves(monkeypatch):
         for mode, g, partial, paged, total_q in itertools.product(
                 ("bfloat16",) + variants.FP8_MODES, variants.QHEAD_PER_KV,
                 (torch.float32, BF16, torch.float16, E4M3), (False, True),
-                (variants.SHORT_CALL_QUERIES, variants.SHORT_CALL_QUERIES + 1)):
+                (variants.SHORT_CALL_QUERIES, variants.SHORT_CALL_QUERIES + 1,
+                 variants.FEW_CALL_QUERIES + 1)):
             if mode != "bfloat16" and partial == torch.float32:
                 continue
             kernel = _sparse_kernel(mode, g, partial, paged, total_q)
@@ -152,17 +153,21 @@ def test_sparse_serving_table_rules():
 
 
 def test_sparse_short_call_rules():
-    """bf16 (G 16, bf16 partials): the persistent wsp on calls of at most SHORT_CALL_QUERIES
+    """bf16 (G 16, bf16 partials): the persistent wsp3w on calls of at most FEW_CALL_QUERIES
     queries, ws3w past them. e4m3: ws1c on short calls (at most SHORT_CALL_QUERIES queries,
     at most SHORT_ITEM_QUERIES["e4m3"] on average in a (KV block, KV head) item: total_q *
     topk / kv_blocks, topk 16 here), ws3w otherwise. Modes without an item bound are never
     short."""
     many = variants.SHORT_CALL_QUERIES + 1
     for blocks in (1, 416, 1 << 20):
-        assert _sparse_kernel("bfloat16", 16, BF16, total_q=variants.SHORT_CALL_QUERIES,
-                              kv_blocks=blocks).form == "wsp"
-        assert _sparse_kernel("bfloat16", 16, BF16, total_q=many, kv_blocks=blocks).form \
-            == "ws3w"
+        for total_q in (1, variants.SHORT_CALL_QUERIES, variants.FEW_CALL_QUERIES):
+            assert _sparse_kernel("bfloat16", 16, BF16, total_q=total_q,
+                                  kv_blocks=blocks).form == "wsp3w"
+        assert _sparse_kernel("bfloat16", 16, BF16, total_q=variants.FEW_CALL_QUERIES + 1,
+                              kv_blocks=blocks).form == "ws3w"
+    # e4m3 has no persistent form: calls of few queries that are not short take ws3w.
+    assert _sparse_kernel("e4m3", 16, BF16, total_q=variants.FEW_CALL_QUERIES,
+                          kv_blocks=1 << 20).form == "ws3w"
     bound = variants.SHORT_ITEM_QUERIES["e4m3"]
     blocks = 16 * 320 // bound                        # 320 queries: exactly `bound` an item
     assert _sparse_kernel("e4m3", 16, BF16, total_q=320, kv_blocks=blocks).form == "ws1c"
@@ -174,7 +179,7 @@ def test_sparse_short_call_rules():
         assert not sparse_prefill_sm90.short_call(mode, 320, 16, blocks - 1)
     for mode in ("bfloat16", "bf16_kv_e4m3"):
         assert not sparse_prefill_sm90.short_call(mode, 8, 16, 1 << 20)
-    # wsp: bf16 G 16 with bf16 partials only; G 8 keeps ws3w.
+    # wsp3w: bf16 G 16 with bf16 partials only; G 8 keeps ws3w.
     assert _sparse_kernel("bfloat16", 8, BF16, total_q=64).form == "ws3w"
 
 

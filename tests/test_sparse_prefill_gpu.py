@@ -291,11 +291,12 @@ ALL_FP8_CASES = FP8_CASES + [c for c in FP8_WS_CASES if c not in FP8_CASES]
 @pytest.mark.parametrize("paged,causal", [(False, True), (True, True), (True, False)])
 def test_sparse_prefill_short_call_forms_give_the_same_bits(mode, paged, causal, seed,
                                                            monkeypatch, native_hooks):
-    """The short-call forms, wsp and wsp3w in bf16 (persistent: K/V of the next work item
-    loaded by the producer warpgroup; wsp3w with three consumers staging O over their Q
-    stages) and ws1c in e4m3 (one consumer warpgroup, two CTAs an SM), run the same tiles with
-    the same arithmetic as ws3w: O, LSE and LSE_T equal its bit for bit (outputs poisoned
-    first), with and without a schedule."""
+    """The call-size forms, wsp3w in bf16 (persistent: CTAs take work items from a queue, the
+    producer warpgroup loads the next item's K/V; three consumers staging O over their Q
+    stages), also on 3 CTAs (each then takes many items from the queue), and ws1c in e4m3
+    (one consumer warpgroup, two CTAs an SM), run the same tiles with the same arithmetic as
+    ws3w: O, LSE and LSE_T equal its bit for bit (outputs poisoned first), with and without a
+    schedule."""
     native_hooks.poison()
     gen = torch.Generator().manual_seed(seed)
     p = _make_problem(16, 16, paged, causal, gen, torch.device("cuda"))
@@ -309,11 +310,13 @@ def test_sparse_prefill_short_call_forms_give_the_same_bits(mode, paged, causal,
                               qhead_per_kv=16, return_schedule=True)
     monkeypatch.setenv("MSA_BACKEND", "native")
     runs = {}
-    forms = ("wsp3w", "wsp", "ws3w") if mode == "bfloat16" else ("ws1c", "ws3w")
-    for form in forms:
+    # (form, persistent CTAs: None = the SM count); ws3w, the reference, last.
+    forms = (("wsp3w", None), ("wsp3w", 3), ("ws3w", None)) if mode == "bfloat16" else \
+        (("ws1c", None), ("ws3w", None))
+    for form, ctas in forms:
         for schedule in (built[2], None):
-            native_hooks.force(sparse_form=form)
-            runs[form, schedule is None] = msa.sparse_atten_func(
+            native_hooks.force(sparse_form=form, persistent_ctas=ctas)
+            runs[form, ctas, schedule is None] = msa.sparse_atten_func(
                 p["q"], p["k"], p["v"], built[0], built[1], 16, cu_seqlens_q=p["cu_q"],
                 cu_seqlens_k=p["cu_k"], max_seqlen_q=p["max_q"], max_seqlen_k=p["max_k"],
                 causal=causal, softmax_scale=0.9 / math.sqrt(128), lse_temperature_scale=2.0,
@@ -323,11 +326,12 @@ def test_sparse_prefill_short_call_forms_give_the_same_bits(mode, paged, causal,
             torch.cuda.synchronize()
             ran = native_hooks.last_variant("sparse_atten")
             assert ran.endswith("_" + form), (form, ran)
-    for form in forms[:-1]:
+    for form, ctas in forms[:-1]:
         for unscheduled in (False, True):
-            for got, want in zip(runs[form, unscheduled], runs["ws3w", unscheduled]):
+            for got, want in zip(runs[form, ctas, unscheduled],
+                                 runs["ws3w", None, unscheduled]):
                 assert not torch.isnan(got).any()
-                assert torch.equal(got, want), form
+                assert torch.equal(got, want), (form, ctas)
 
 
 @pytest.mark.gpu

@@ -121,12 +121,12 @@ def short_call(mode: str, total_q: Optional[int], topk: Optional[int],
 def call_features(mode: str, total_q: Optional[int], topk: Optional[int],
                   kv_blocks: Optional[int]) -> dict:
     """The run-time features the sparse serving table reads (variants.SPARSE_CALLS):
-    call_size "short" (short_call), "few" (other calls of at most SHORT_CALL_QUERIES queries)
+    call_size "short" (short_call), "few" (other calls of at most FEW_CALL_QUERIES queries)
     or "many"."""
     size = "many"
     if short_call(mode, total_q, topk, kv_blocks):
         size = "short"
-    elif total_q is not None and total_q <= variants.SHORT_CALL_QUERIES:
+    elif total_q is not None and total_q <= variants.FEW_CALL_QUERIES:
         size = "few"
     return dict(call_size=size)
 

@@ -180,33 +180,27 @@ FMHA_FORMS = _table(
 # against ws3w through the production pipeline (0d1d5f8, same process, the e4m3 cases on the
 # sparse route): 0.92x at 12.5 queries an item, 0.93x at 14.9, 1.01x at 20.9 (bf16: 0.88-0.94x
 # at 2.5-5.6, 0.97-0.99x at 8.4-9.3, 1.01-1.06x from 12.5).
-# bf16 calls of at most SHORT_CALL_QUERIES queries take the persistent wsp instead, whose next
-# item's K / V loads under this one's tiles: against the served form (H100, 6ccdff2, same
-# process) 0.88-0.93x on 10 of the 11 production cases of <= 1024 queries (2.5-14.9 queries
-# an item), 0.98x at 182 / 17.7k (20.9), 1.08x at 350 / 55k (8.4); 1.02x at 1.6k / 93k and
-# 1.08x on the 10k-16k chunks (ws3w's three consumers). SPARSE_CALLS' call_size: "short"
-# (short_call), "few" (other calls of <= SHORT_CALL_QUERIES queries) or "many".
+# bf16 calls of at most FEW_CALL_QUERIES queries take the persistent wsp3w instead: CTAs take
+# work items from a queue and the next item's K / V loads under this one's tiles. Through the
+# production pipeline (H100, 48fd7df, same process) against
+# the non-persistent ws3w: 0.78-0.92x on the 11 production cases of <= 1024 queries, 0.93-0.96x
+# at 1.4k-2.7k queries (1.00x at 1.6k / 18k), 0.99-1.01x on the 7.5k-16k chunks; with two
+# consumers (wsp) 1-5 % slower than wsp3w everywhere. SPARSE_CALLS' call_size: "short"
+# (short_call), "few" (other calls of <= FEW_CALL_QUERIES queries) or "many".
 SHORT_CALL_QUERIES = 1024
 SHORT_ITEM_QUERIES = dict(e4m3=16)
+FEW_CALL_QUERIES = 4096
 SPARSE_CALLS: Dict[str, tuple] = dict(call_size=("many", "few", "short"))
 SPARSE_FORMS = _table(
     Form("wsp3w", "SparsePrefillSm90Ws", ("bfloat16",),
-         "calls of <= SHORT_CALL_QUERIES queries at G 16 with bf16 q/k/v and bf16 partials (not "
-         "yet validated): wsp with three consumer warpgroups and 6 Q stages, each tile's O "
-         "staged over its own Q stage (no O tiles: Q 96 KB + K/V 128 KB)",
+         "calls of <= FEW_CALL_QUERIES queries at G 16 with bf16 q/k/v and bf16 partials: the "
+         "TMA warp-specialized kernel, persistent (a CTA an SM takes work items from a queue, "
+         "an atomic counter; the producer warpgroup loads the next item's K and V into a "
+         "second stage while this item's tiles run), three consumer warpgroups and 6 Q "
+         "stages, each tile's O staged over its own Q stage (no O tiles: Q 96 KB + K/V 128 KB)",
          when=lambda call_size="many", **_: call_size in ("few", "short"),
          options=dict(consumers=3, q_stages=6, mma_regs=152, producer_regs=56,
                       persistent=True, o_in_q_stage=True),
-         groups=(16,), partials=("bfloat16",), validated=False),
-    Form("wsp", "SparsePrefillSm90Ws", ("bfloat16",),
-         "calls of <= SHORT_CALL_QUERIES queries at G 16 with bf16 q/k/v and bf16 partials: "
-         "the TMA warp-specialized kernel, persistent (a CTA an SM takes work items from a "
-         "queue: an atomic counter), two "
-         "consumer warpgroups, the producer warpgroup loading the next item's K and V into a "
-         "second stage while this item's tiles run",
-         when=lambda call_size="many", **_: call_size in ("few", "short"),
-         options=dict(consumers=2, q_stages=4, mma_regs=224, producer_regs=56,
-                      persistent=True),
          groups=(16,), partials=("bfloat16",)),
     Form("ws1c", "SparsePrefillSm90Ws", ("e4m3",),
          "short calls (<= SHORT_CALL_QUERIES queries, <= SHORT_ITEM_QUERIES[mode] an item) at "
