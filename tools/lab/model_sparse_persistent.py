@@ -248,10 +248,10 @@ def sweep(consumers, q_stages, o_in_q=None, schedules=300, next_slots=2):
 
 
 def main():
-    cases = [("wsp (served): 2 consumers, 4 Q stages", 2, 4, None),
+    cases = [("2 consumers, 4 Q stages (O tiles)", 2, 4, None),
              ("3 consumers, 4 Q stages", 3, 4, None),
              ("3 consumers, 6 Q stages", 3, 6, None),
-             ("3 consumers, O in Q, wait, 6 stages", 3, 6, "wait"),
+             ("wsp3w: 3 consumers, O in Q, wait, 6 stages", 3, 6, "wait"),
              ("3 consumers, O in Q, deferred, 3 stages", 3, 3, "deferred"),
              ("3 consumers, O in Q, deferred, 6 stages", 3, 6, "deferred")]
     for name, consumers, q_stages, o_in_q in cases:

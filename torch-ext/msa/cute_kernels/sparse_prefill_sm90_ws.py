@@ -33,21 +33,20 @@ V and takes every tile, 2 Q stages and one O tile: Q 32 KB + K 32 + V 32 + O 16 
 128 x 40 + 128 x 216 registers, so two CTAs share an SM and one work item's K / V load and
 first tiles run under the other's MMAs (a short chunk's items hold a few tiles each).
 
-Form "wsp" (persistent=True, bf16, two consumers): min(items, num_ctas) CTAs take the work
-items from a queue: CTA c starts on item c and then fetches num_ctas + atomicAdd(item_counter,
-1) (item_counter: one int32 zeroed by the caller), so the items' uneven tile counts balance
-over the CTAs as a non-persistent grid's do; the producer publishes each item's number in
-shared memory beside its K/V stage (-1 after the last). The producer warpgroup (56 registers)
-loads each item's K and V into a
-two-stage K/V ring (cp.async, rows past the keys zeroed; full: each loader's
-cp.async.mbarrier.arrive.noinc plus a plain arrive after its zero stores; empty: one arrival
-per consumer warp), so the next item's block lands under this item's tiles, and its warp 0
-keeps the Q ring running across items (the ring's tile number continues from item to item);
-the consumers (224 registers) take tiles round-robin by that number and fence for the async
-proxy after the K/V wait. Q 4 x 16 KB + K/V 2 x 64 KB + O 2 x 16 KB = 224 KB. Form "wsp3w"
-(o_in_q_stage=True, three consumers, 6 Q stages): no O tiles; each tile's O is staged over its
-own Q stage (dead once S is done) and the stage goes back once the TMA store has read it:
-Q 6 x 16 KB + K/V 2 x 64 KB = 224 KB.
+Form "wsp3w" (persistent=True, o_in_q_stage=True, bf16, three consumers, 6 Q stages):
+min(items, num_ctas) CTAs take the work items from a queue: CTA c starts on item c and then
+fetches num_ctas + atomicAdd(item_counter, 1) (item_counter: one int32 zeroed by the caller),
+so the items' uneven tile counts balance over the CTAs as a non-persistent grid's do; the
+producer publishes each item's number in shared memory beside its K/V stage (-1 after the
+last). The producer warpgroup (56 registers) loads each item's K and V into a two-stage K/V
+ring (cp.async, rows past the keys zeroed; full: each loader's cp.async.mbarrier.arrive.noinc
+plus a plain arrive after its zero stores; empty: one arrival per consumer warp), so the next
+item's block lands under this item's tiles, and its warp 0 keeps the Q ring running across
+items (the ring's tile number continues from item to item); the consumers (152 registers)
+take tiles round-robin by that number and fence for the async proxy after the K/V wait. No O
+tiles: each tile's O is staged over its own Q stage (dead once S is done) and the stage goes
+back once the TMA store has read it: Q 6 x 16 KB + K/V 2 x 64 KB = 224 KB. (With O tiles,
+persistent=True fits two consumers: Q 4 x 16 KB + K/V 2 x 64 KB + O 2 x 16 KB.)
 
 Shared memory (bf16, bf16 partials): Q 4 x 16 KB + K 32 KB + V 32 KB + O 2 x 16 KB = 160 KB
 (ws3w: Q 6 x 16 KB, O 3 x 16 KB, 208 KB); one CTA per SM. The kernel never reads or writes out
