@@ -40,7 +40,8 @@ def _tools():
                                   "sparse_prefill_sm90_e4m3_g8_paged_pe4m3_ws3w",
                                   "sparse_prefill_sm90_bfloat16_g8_paged_pbf16_ws3w",
                                   "sparse_prefill_sm90_bfloat16_g16_paged_pbf16_wsp3w",
-                                  "sparse_prefill_sm90_bfloat16_g16_dense_pbf16_wsp3w"])
+                                  "sparse_prefill_sm90_bfloat16_g16_dense_pbf16_wsp3w",
+                                  "sparse_prefill_sm90_e4m3_g16_paged_pbf16_wsp3we"])
 def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
     tools = _tools()
     try:
@@ -55,7 +56,7 @@ def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
     assert ptx, "the DSL kept no PTX"
     text = ptx[0].read_text()
     assert ".target sm_90a" in text
-    if name.endswith("_wsp3w"):
+    if name.endswith(("_wsp3w", "_wsp3we")):
         # Persistent: the producer warpgroup's K/V loads arrive on the K/V ring's full barrier
         # as they land, and the CTAs fetch their next items from the item counter (a relaxed
         # gpu-scope atomic add; the grid stops at num_ctas).
@@ -63,7 +64,7 @@ def test_variant_compiles_for_sm90a_without_spills(name, tmp_path):
         assert "nctaid.x" in text
         assert re.search(r"atom(\.relaxed)?\.gpu\.global\.add\.[us]32|"
                          r"atom\.global(\.relaxed)?(\.gpu)?\.add\.[us]32", text)
-    if name.endswith(("_ws", "_ws3w", "_wsp3w")):
+    if name.endswith(("_ws", "_ws3w", "_wsp3w", "_wsp3we")):
         # Warp-specialized: the producer warpgroup gives registers to the consumers; per tile
         # each query's Q rows arrive by TMA (G x 128 bytes per box: 64 / G queries x 2 boxes
         # for bf16, 1 for e4m3) and its partial rows leave by TMA; S and P.V are issued once.

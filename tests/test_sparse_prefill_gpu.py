@@ -291,12 +291,12 @@ ALL_FP8_CASES = FP8_CASES + [c for c in FP8_WS_CASES if c not in FP8_CASES]
 @pytest.mark.parametrize("paged,causal", [(False, True), (True, True), (True, False)])
 def test_sparse_prefill_short_call_forms_give_the_same_bits(mode, paged, causal, seed,
                                                            monkeypatch, native_hooks):
-    """The call-size forms, wsp3w in bf16 (persistent: CTAs take work items from a queue, the
-    producer warpgroup loads the next item's K/V; three consumers staging O over their Q
-    stages), also on 3 CTAs (each then takes many items from the queue), and ws1c in e4m3
-    (one consumer warpgroup, two CTAs an SM), run the same tiles with the same arithmetic as
-    ws3w: O, LSE and LSE_T equal its bit for bit (outputs poisoned first), with and without a
-    schedule."""
+    """The call-size forms, the persistent wsp3w (bf16) and wsp3we (e4m3: O tiles, V
+    transposed by the producer warpgroup) (CTAs take work items from a queue, the producer
+    warpgroup loads the next item's K/V, three consumers), also on 3 CTAs (each then takes
+    many items from the queue), and ws1c in e4m3 (one consumer warpgroup, two CTAs an SM), run
+    the same tiles with the same arithmetic as ws3w: O, LSE and LSE_T equal its bit for bit
+    (outputs poisoned first), with and without a schedule."""
     native_hooks.poison()
     gen = torch.Generator().manual_seed(seed)
     p = _make_problem(16, 16, paged, causal, gen, torch.device("cuda"))
@@ -311,8 +311,9 @@ def test_sparse_prefill_short_call_forms_give_the_same_bits(mode, paged, causal,
     monkeypatch.setenv("MSA_BACKEND", "native")
     runs = {}
     # (form, persistent CTAs: None = the SM count); ws3w, the reference, last.
-    forms = (("wsp3w", None), ("wsp3w", 3), ("ws3w", None)) if mode == "bfloat16" else \
-        (("ws1c", None), ("ws3w", None))
+    persistent = "wsp3w" if mode == "bfloat16" else "wsp3we"
+    forms = ((persistent, None), (persistent, 3)) + (
+        (("ws1c", None),) if mode == "e4m3" else ()) + (("ws3w", None),)
     for form, ctas in forms:
         for schedule in (built[2], None):
             native_hooks.force(sparse_form=form, persistent_ctas=ctas)

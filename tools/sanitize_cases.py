@@ -80,9 +80,9 @@ def to_dtype_mode(p, mode):
 
 def sparse_prefill_cases(gen):
     """Every form of the sparse serving table on the calls it serves: "mma" (fp32 partials),
-    "wgmma" (G 1-4, the bf16-Q FP8 modes), "ws", "ws3w", "ws1c" and "wsp3w" (the
+    "wgmma" (G 1-4, the bf16-Q FP8 modes), "ws", "ws3w", "ws1c", "wsp3w" and "wsp3we" (the
     warp-specialized TMA forms, G 8 / 16; the forms picked by call size are forced here, and
-    the persistent wsp3w also runs on 3 CTAs, each taking many items from the queue)."""
+    the persistent forms also run on 3 CTAs, each taking many items from the queue)."""
     forms = set()
     for g, paged, causal, partial, mode, form in (
             (16, True, True, torch.float32, "bf16", "mma"),
@@ -100,7 +100,9 @@ def sparse_prefill_cases(gen):
             (16, True, False, torch.bfloat16, "e4m3", "ws1c"),
             (16, False, True, torch.bfloat16, "bf16", "wsp3w"),
             (16, True, False, torch.bfloat16, "bf16", "wsp3w"),
-            (16, True, True, torch.bfloat16, "bf16", "wsp3w")):
+            (16, True, True, torch.bfloat16, "bf16", "wsp3w"),
+            (16, False, True, torch.bfloat16, "e4m3", "wsp3we"),
+            (16, True, False, torch.bfloat16, "e4m3", "wsp3we")):
         topk = 8
         p = prefill_cases._make_problem(g, topk, paged, causal, gen, torch.device("cuda"))
         q2k = p["q2k"]
@@ -117,8 +119,9 @@ def sparse_prefill_cases(gen):
         # The call-size forms (wsp3w: bf16 calls of few queries; ws1c: e4m3 calls of few
         # queries, few an item; ws3w past them) are forced here whatever the random lengths
         # add up to; the paged wsp3w cases run on 3 persistent CTAs.
-        with debug.forcing(sparse_form=form if form in ("ws1c", "wsp3w", "ws3w") else None,
-                           persistent_ctas=3 if form == "wsp3w" and paged else None):
+        with debug.forcing(sparse_form=form if form in ("ws1c", "wsp3w", "wsp3we", "ws3w")
+                           else None,
+                           persistent_ctas=3 if form.startswith("wsp") and paged else None):
             out, lse = msa.sparse_atten_func(
                 p["q"], p["k"], p["v"], built[0], built[1], topk, cu_seqlens_q=p["cu_q"],
                 cu_seqlens_k=p["cu_k"], max_seqlen_q=p["max_q"], max_seqlen_k=p["max_k"],

@@ -118,7 +118,6 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
         assert qhead_per_kv in WS_GROUPS, qhead_per_kv
         assert partial_dtype.width == 16 or partial_dtype is cutlass.Float8E4M3FN, partial_dtype
         assert mode in WS_MODES, mode
-        assert not persistent or mode == "bf16", "the persistent form is built for bf16"
         assert not o_in_q_stage or partial_dtype is cutlass.BFloat16 and mode == "bf16", \
             "O staged over Q needs the Q stage's layout: bf16 Q and bf16 partials"
         self.mode = mode
@@ -132,7 +131,7 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
         self.o_box_cols = 1024 // partial_dtype.width
         self.q_query_bytes = qhead_per_kv * HEAD_DIM * self.qk_dtype.width // 8
 
-    def _shared_storage(self, q_layout, k_layout, v_layout, o_layout):
+    def _shared_storage(self, q_layout, k_layout, v_layout, o_layout, v_raw_layout):
         fields = {"sQ": smem_tile(self.qk_dtype, q_layout),
                   "sK": smem_tile(self.qk_dtype, k_layout),
                   "sV": smem_tile(self.pv_dtype, v_layout),
@@ -143,6 +142,9 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                                             8]}
         if not self.o_in_q_stage:
             fields["sO"] = smem_tile(self.partial_dtype, o_layout)
+        if self.persistent and self.transpose_v:
+            # The producer's raw V rows (cp.async), transposed into the stage's Vt once landed.
+            fields["sVraw"] = smem_tile(self.qk_dtype, v_raw_layout)
         if self.persistent:
             # [0, KV_STAGES): the work item of each K/V stage (-1: no more); then two slots
             # that hand the producer warpgroup the CTA's next item.
@@ -170,13 +172,17 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
         if cutlass.const_expr(self.persistent):
             k_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM, KV_STAGES), (0, 1, 2))
         v_layout = k_layout
+        v_raw_layout = cute.tile_to_shape(atom, (BLOCK_N, HEAD_DIM), (0, 1))
         if cutlass.const_expr(self.transpose_v):
             v_layout = cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N), (0, 1))   # Vt
+            if cutlass.const_expr(self.persistent):
+                v_layout = cute.tile_to_shape(atom, (HEAD_DIM, BLOCK_N, KV_STAGES), (0, 1, 2))
         o_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128,
                                                  self.partial_dtype)
         o_layout = cute.tile_to_shape(o_atom, (WG_ROWS, HEAD_DIM, self.consumers), (0, 1, 2))
         o_box = cute.tile_to_shape(o_atom, (G, self.o_box_cols), (0, 1))
-        SharedStorage = self._shared_storage(q_layout, k_layout, v_layout, o_layout)
+        SharedStorage = self._shared_storage(q_layout, k_layout, v_layout, o_layout,
+                                             v_raw_layout)
 
         # TMA views with the (head, channel) box first: q (head, channel, token), o_partial
         # (head, channel, token, slot).
@@ -201,8 +207,9 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                        qsplit, metadata, work_count, lse_partial, lse_t_partial,
                        softmax_scale * LOG2_E, inv_temperature, causal, want_lse_t,
                        item_counter, tQ, tO,
-                       tma_q, tma_o, q_layout, k_layout, v_layout, o_layout, gather_copy,
-                       convert_load, mma_qk, mma_pv, stage_o_copy, SharedStorage).launch(
+                       tma_q, tma_o, q_layout, k_layout, v_layout, o_layout, v_raw_layout,
+                       gather_copy, convert_load, mma_qk, mma_pv, stage_o_copy,
+                       SharedStorage).launch(
             grid=grid, block=(128 * (1 + self.consumers), 1, 1), stream=stream,
             **self._occupancy())
 
@@ -224,6 +231,7 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                   tO: cute.Tensor, tma_q: cute.CopyAtom, tma_o: cute.CopyAtom,
                   q_layout: cute.ComposedLayout, k_layout: cute.ComposedLayout,
                   v_layout: cute.ComposedLayout, o_layout: cute.ComposedLayout,
+                  v_raw_layout: cute.ComposedLayout,
                   gather_copy: cute.TiledCopy, convert_load: cute.TiledCopy,
                   mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, stage_o_copy: cute.TiledCopy,
                   SharedStorage: cutlass.Constexpr):
@@ -244,13 +252,14 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                     self._produce_items(mK, mV, mCuQ, mCuK, mKvLens, mPageTable, mRowPtr,
                                         mQsplit, mMeta, n_work, mItemCounter, tQ, tma_q,
                                         storage, sQ_stages, sEntry, sItem, mbar, k_layout,
-                                        gather_copy, work, n_ctas, tidx, warp)
+                                        v_layout, v_raw_layout, gather_copy, convert_load,
+                                        work, n_ctas, tidx, warp)
                 else:
                     cute.arch.setmaxregister_increase(self.mma_regs)
                     self._consume_items(mK, mCuQ, mCuK, mKvLens, mPageTable, mRowPtr, mMeta,
                                         mLsePartial, mLseTPartial, tO, tma_o, storage,
                                         sQ_stages, sO_wgs, sEntry, sItem, mbar, k_layout,
-                                        mma_qk, mma_pv, stage_o_copy, scale_log2,
+                                        v_layout, mma_qk, mma_pv, stage_o_copy, scale_log2,
                                         inv_temperature, causal, want_lse_t, tidx - 128,
                                         wg - 1)
             else:
@@ -367,6 +376,18 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                                through_registers=True)
         else:
             self._load_kv_rows(gather_copy, wg_tidx, mV, kv_row0, head_kv, n_keys, sV_rows)
+
+    @cute.jit
+    def _move_rows(self, row_copy_, tidx, src, dst):
+        """Copy this thread's chunks of a (key, channel) tile, as row_copy_ partitions it (the
+        chunks its own row copy wrote), from src to dst through registers."""
+        thr = row_copy_.get_slice(tidx)
+        tS = thr.partition_D(src)
+        tD = thr.partition_D(dst)
+        for m in cutlass.range(cute.size(tD.shape[1]), unroll=1):
+            frag = cute.make_fragment_like(tS[None, m, None])
+            frag.store(tS[None, m, None].load())
+            tD[None, m, None].store(frag.load())
 
     # ---- consumers (two or three warpgroups) ----------------------------------------------
     @cute.jit
@@ -507,16 +528,19 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
     @cute.jit
     def _produce_items(self, mK, mV, mCuQ, mCuK, mKvLens, mPageTable, mRowPtr, mQsplit, mMeta,
                        n_work, mItemCounter, tQ, tma_q, storage, sQ_stages, sEntry, sItem, mbar,
-                       k_layout, gather_copy, first_work, n_ctas, tidx, warp):
+                       k_layout, v_layout, v_raw_layout, gather_copy, convert_load, first_work,
+                       n_ctas, tidx, warp):
         """Every thread of the producer warpgroup loads its share of each item's K and V rows
         into the item's K/V stage (cp.async; rows past the keys zeroed) and arrives on the
         stage's full barrier twice: when its copies land and after its zero stores; thread 0
         publishes the item's number beside the stage first and fetches the CTA's next item
         from the counter (its atomic in flight under the copies); warp 0 then TMA-loads the
         item's Q tiles into the Q ring, numbered on from earlier items. After the last item
-        the next stage carries -1."""
+        the next stage carries -1. e4m3 (transpose_v): the V rows land in a raw stage first;
+        each thread then moves the chunks it copied itself (no barrier) into the stage's
+        key-permuted Vt, before its second arrival."""
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
-        sV = storage.sV.get_tensor(k_layout.outer, swizzle=k_layout.inner)
+        sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
         item = cutlass.Int32(0)
         ring_base = cutlass.Int32(0)
         work = first_work
@@ -537,10 +561,19 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                 sItem[kv_stage] = work
             self._load_kv_rows(gather_copy, tidx, mK, kv_row0, head_kv, n_keys,
                                sK[None, None, kv_stage])
-            self._load_kv_rows(gather_copy, tidx, mV, kv_row0, head_kv, n_keys,
-                               sV[None, None, kv_stage])
+            if cutlass.const_expr(self.transpose_v):
+                sVraw = storage.sVraw.get_tensor(v_raw_layout.outer, swizzle=v_raw_layout.inner)
+                self._load_kv_rows(gather_copy, tidx, mV, kv_row0, head_kv, n_keys, sVraw)
+            else:
+                self._load_kv_rows(gather_copy, tidx, mV, kv_row0, head_kv, n_keys,
+                                   sV[None, None, kv_stage])
             cute.arch.cp_async_mbarrier_arrive_noinc(self.kv_ring.full(mbar, kv_stage))
-            cute.arch.fence_proxy("async.shared", space="cta")       # the zeroed rows
+            if cutlass.const_expr(self.transpose_v):
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)
+                self._move_rows(convert_load, tidx, sVraw, cute.composition(
+                    sV[None, None, kv_stage], register_p_key_order()))
+            cute.arch.fence_proxy("async.shared", space="cta")       # zeroed / moved rows
             cute.arch.mbarrier_arrive(self.kv_ring.full(mbar, kv_stage))
             # The next item, through a slot that alternates per item (a slot is rewritten
             # two items later, after every thread passed the barrier between).
@@ -566,8 +599,8 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
     @cute.jit
     def _consume_items(self, mK, mCuQ, mCuK, mKvLens, mPageTable, mRowPtr, mMeta, mLsePartial,
                        mLseTPartial, tO, tma_o, storage, sQ_stages, sO_wgs, sEntry, sItem, mbar,
-                       k_layout, mma_qk, mma_pv, stage_o_copy, scale_log2, inv_temperature,
-                       causal, want_lse_t, ctidx, mwg):
+                       k_layout, v_layout, mma_qk, mma_pv, stage_o_copy, scale_log2,
+                       inv_temperature, causal, want_lse_t, ctidx, mwg):
         """Per item: wait for its K/V stage and read the item's number beside it (-1: done),
         take the item's tiles whose Q ring number falls to this warpgroup (round-robin over
         the consumers), then release the stage (one arrival per warp)."""
@@ -575,9 +608,11 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
         lane = ctidx % 32
         warp_in_wg = cute.arch.make_warp_uniform(wg_tidx // 32)
         sK = storage.sK.get_tensor(k_layout.outer, swizzle=k_layout.inner)
-        sV = storage.sV.get_tensor(k_layout.outer, swizzle=k_layout.inner)
-        sVt = cute.composition(sV, cute.make_ordered_layout((HEAD_DIM, BLOCK_N, KV_STAGES),
-                                                            order=(1, 0, 2)))
+        sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+        sVt = sV                             # e4m3: the producer wrote Vt
+        if cutlass.const_expr(not self.transpose_v):
+            sVt = cute.composition(sV, cute.make_ordered_layout(
+                (HEAD_DIM, BLOCK_N, KV_STAGES), order=(1, 0, 2)))
         # (.., .., K, stage) fragments of the Q ring and of both K/V stages.
         tSrQ, tSrK, tOrVt, tScS, acc_s, acc_o, a_shape = consumer_fragments(
             mma_qk, mma_pv, wg_tidx, sQ_stages, sK, sVt)

@@ -202,6 +202,16 @@ SPARSE_FORMS = _table(
          options=dict(consumers=3, q_stages=6, mma_regs=152, producer_regs=56,
                       persistent=True, o_in_q_stage=True),
          groups=(16,), partials=("bfloat16",)),
+    Form("wsp3we", "SparsePrefillSm90Ws", ("e4m3",),
+         "calls of <= FEW_CALL_QUERIES queries at G 16 with all-e4m3 q/k/v and bf16 partials "
+         "(not yet validated): wsp3w's queue, K/V ring and three consumers, with O tiles (an "
+         "e4m3 Q stage cannot hold a bf16 O tile) and V transposed by the producer warpgroup "
+         "(raw rows by cp.async, then each thread's own chunks into the stage's Vt): Q 48 KB + "
+         "K/V 64 KB + raw V 16 KB + O 48 KB",
+         when=lambda call_size="many", **_: call_size in ("few", "short"),
+         options=dict(consumers=3, q_stages=6, mma_regs=152, producer_regs=56,
+                      persistent=True),
+         groups=(16,), partials=("bfloat16",), validated=False),
     Form("ws1c", "SparsePrefillSm90Ws", ("e4m3",),
          "short calls (<= SHORT_CALL_QUERIES queries, <= SHORT_ITEM_QUERIES[mode] an item) at "
          "G 16 with all-e4m3 q/k/v and bf16 partials: the TMA warp-specialized kernel with one "
