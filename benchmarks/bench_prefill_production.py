@@ -7,7 +7,7 @@ request a cached prefix and a new chunk, weights = production call counts). Per 
   pages, disjoint random page tables, one scratch page), planned outside the timing (impl
   ``paged``, its default ``attention_route="auto"``; ``--impls paged-sparse`` /
   ``paged-decode`` add the same with every chunk on the sparse / decode route, ``--impls
-  dense`` ``msa.msa_prefill`` on packed K/V; ``--sparse-forms ws3w,ws1c`` repeats each impl
+  dense`` ``msa.msa_prefill`` on packed K/V; ``--sparse-forms ws3w,wsp3w`` repeats each impl
   with that sparse attention form forced wherever it is built, impl ``<impl>[<form>]``);
   the whole call
   captured in one CUDA graph over S input slots (each its own q, caches, page table and
@@ -429,7 +429,7 @@ def main(argv=None):
                          "(msa_prefill on packed K/V)")
     ap.add_argument("--sparse-forms", default="served",
                     help="sparse attention forms to force (cute_kernels.variants.SPARSE_FORMS "
-                         "names, e.g. ws3w,ws1c), each a run of every impl; served: the "
+                         "names, e.g. ws3w,wsp3w), each a run of every impl; served: the "
                          "serving table's pick")
     ap.add_argument("--hq", type=int, default=64)
     ap.add_argument("--hkv", type=int, default=4, help="KV heads = index heads")

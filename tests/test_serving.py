@@ -39,14 +39,12 @@ def _fmha_kernel(dtype="bfloat16", mode=3, paged=False, causal=True, work_items=
     return verdict.kernel
 
 
-def _sparse_kernel(mode="bfloat16", g=16, partial=BF16, paged=False, total_q=5000,
-                   kv_blocks=1 << 20):
+def _sparse_kernel(mode="bfloat16", g=16, partial=BF16, paged=False, total_q=5000):
     q, kv, pv = {"bfloat16": (BF16, BF16, None), "bf16_kv_e4m3": (BF16, E4M3, None),
                  "e4m3_pv_bf16": (E4M3, E4M3, BF16), "e4m3": (E4M3, E4M3, None)}[mode]
     verdict = sparse_prefill_sm90.supports(q_dtype=q, k_dtype=kv, v_dtype=kv, pv_dtype=pv,
                                            paged=paged, qhead_per_kv=g, topk=16,
-                                           partial_dtype=partial, total_q=total_q,
-                                           kv_blocks=kv_blocks)
+                                           partial_dtype=partial, total_q=total_q)
     assert isinstance(verdict, _backend.Served), verdict
     return verdict.kernel
 
@@ -75,8 +73,7 @@ def test_shipped_variants_are_exactly_what_dispatch_serves(monkeypatch):
         for mode, g, partial, paged, total_q in itertools.product(
                 ("bfloat16",) + variants.FP8_MODES, variants.QHEAD_PER_KV,
                 (torch.float32, BF16, torch.float16, E4M3), (False, True),
-                (variants.SHORT_CALL_QUERIES, variants.SHORT_CALL_QUERIES + 1,
-                 variants.FEW_CALL_QUERIES + 1)):
+                (variants.FEW_CALL_QUERIES, variants.FEW_CALL_QUERIES + 1)):
             if mode != "bfloat16" and partial == torch.float32:
                 continue
             kernel = _sparse_kernel(mode, g, partial, paged, total_q)
@@ -133,12 +130,14 @@ def test_fmha_passes_a_form_whose_artifact_is_missing(monkeypatch):
 
 def test_sparse_serving_table_rules():
     """fp32 partials: the warp-MMA form; G 8 / 16 with bf16 or all-e4m3 q/k/v and 16-bit or
-    e4m3 partials: ws3w for the WS3W_PAIRS, ws otherwise; every other call: wgmma."""
+    e4m3 partials: the persistent forms where built (test_sparse_call_size_rules), else ws3w
+    for the WS3W_PAIRS, ws otherwise; every other call: wgmma."""
     assert _sparse_kernel("bfloat16", 16, torch.float32).form == "mma"
     assert _sparse_kernel("bfloat16", 16, BF16).form == "ws3w"
     assert _sparse_kernel("bfloat16", 8, torch.float16).form == "ws"
     assert _sparse_kernel("bfloat16", 8, E4M3).form == "ws"
-    assert _sparse_kernel("e4m3", 16, BF16).form == "ws3w"
+    assert _sparse_kernel("e4m3", 16, BF16).form == "wsp3we"
+    assert _sparse_kernel("e4m3", 8, BF16).form == "ws3w"
     assert _sparse_kernel("e4m3", 8, E4M3).form == "ws3w"
     assert _sparse_kernel("e4m3", 16, torch.float16).form == "ws"
     assert _sparse_kernel("bfloat16", 4, BF16).form == "wgmma"
@@ -152,35 +151,19 @@ def test_sparse_serving_table_rules():
     assert "partial_dtype torch.float32" in reason
 
 
-def test_sparse_short_call_rules():
-    """bf16 (G 16, bf16 partials): the persistent wsp3w on calls of at most FEW_CALL_QUERIES
-    queries, ws3w past them. e4m3: ws1c on short calls (at most SHORT_CALL_QUERIES queries,
-    at most SHORT_ITEM_QUERIES["e4m3"] on average in a (KV block, KV head) item: total_q *
-    topk / kv_blocks, topk 16 here), ws3w otherwise. Modes without an item bound are never
-    short."""
-    many = variants.SHORT_CALL_QUERIES + 1
-    for blocks in (1, 416, 1 << 20):
-        for total_q in (1, variants.SHORT_CALL_QUERIES, variants.FEW_CALL_QUERIES):
-            assert _sparse_kernel("bfloat16", 16, BF16, total_q=total_q,
-                                  kv_blocks=blocks).form == "wsp3w"
-        assert _sparse_kernel("bfloat16", 16, BF16, total_q=variants.FEW_CALL_QUERIES + 1,
-                              kv_blocks=blocks).form == "ws3w"
-    # e4m3 has no persistent form: calls of few queries that are not short take ws3w.
-    assert _sparse_kernel("e4m3", 16, BF16, total_q=variants.FEW_CALL_QUERIES,
-                          kv_blocks=1 << 20).form == "ws3w"
-    bound = variants.SHORT_ITEM_QUERIES["e4m3"]
-    blocks = 16 * 320 // bound                        # 320 queries: exactly `bound` an item
-    assert _sparse_kernel("e4m3", 16, BF16, total_q=320, kv_blocks=blocks).form == "ws1c"
-    assert _sparse_kernel("e4m3", 16, BF16, total_q=320, kv_blocks=blocks - 1).form == "ws3w"
-    assert _sparse_kernel("e4m3", 16, BF16, total_q=many, kv_blocks=1 << 20).form == "ws3w"
-    for mode, bound in variants.SHORT_ITEM_QUERIES.items():
-        blocks = 16 * 320 // bound
-        assert sparse_prefill_sm90.short_call(mode, 320, 16, blocks)
-        assert not sparse_prefill_sm90.short_call(mode, 320, 16, blocks - 1)
-    for mode in ("bfloat16", "bf16_kv_e4m3"):
-        assert not sparse_prefill_sm90.short_call(mode, 8, 16, 1 << 20)
-    # wsp3w: bf16 G 16 with bf16 partials only; G 8 keeps ws3w.
+def test_sparse_call_size_rules():
+    """G 16 with bf16 partials: bf16 calls of at most FEW_CALL_QUERIES queries take the
+    persistent wsp3w, longer ones ws3w; e4m3 calls take the persistent wsp3we at every size.
+    Other groups and partial dtypes keep ws3w / ws."""
+    for total_q in (1, variants.FEW_CALL_QUERIES):
+        assert _sparse_kernel("bfloat16", 16, BF16, total_q=total_q).form == "wsp3w"
+    assert _sparse_kernel("bfloat16", 16, BF16, total_q=variants.FEW_CALL_QUERIES + 1).form \
+        == "ws3w"
+    for total_q in (1, variants.FEW_CALL_QUERIES, variants.FEW_CALL_QUERIES + 1):
+        assert _sparse_kernel("e4m3", 16, BF16, total_q=total_q).form == "wsp3we"
     assert _sparse_kernel("bfloat16", 8, BF16, total_q=64).form == "ws3w"
+    assert _sparse_kernel("e4m3", 8, BF16, total_q=64).form == "ws3w"
+    assert _sparse_kernel("e4m3", 16, E4M3, total_q=64).form == "ws3w"
 
 
 def test_indexer_serving_table_rules():

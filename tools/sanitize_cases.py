@@ -80,7 +80,7 @@ def to_dtype_mode(p, mode):
 
 def sparse_prefill_cases(gen):
     """Every form of the sparse serving table on the calls it serves: "mma" (fp32 partials),
-    "wgmma" (G 1-4, the bf16-Q FP8 modes), "ws", "ws3w", "ws1c", "wsp3w" and "wsp3we" (the
+    "wgmma" (G 1-4, the bf16-Q FP8 modes), "ws", "ws3w", "wsp3w" and "wsp3we" (the
     warp-specialized TMA forms, G 8 / 16; the forms picked by call size are forced here, and
     the persistent forms also run on 3 CTAs, each taking many items from the queue)."""
     forms = set()
@@ -96,8 +96,6 @@ def sparse_prefill_cases(gen):
             (8, True, False, torch.float16, "bf16", "ws"),
             (16, False, True, torch.bfloat16, "bf16", "ws3w"),
             (16, False, True, E4M3, "e4m3", "ws3w"), (8, True, True, E4M3, "e4m3", "ws3w"),
-            (16, False, True, torch.bfloat16, "e4m3", "ws1c"),
-            (16, True, False, torch.bfloat16, "e4m3", "ws1c"),
             (16, False, True, torch.bfloat16, "bf16", "wsp3w"),
             (16, True, False, torch.bfloat16, "bf16", "wsp3w"),
             (16, True, True, torch.bfloat16, "bf16", "wsp3w"),
@@ -116,11 +114,10 @@ def sparse_prefill_cases(gen):
                                   max_seqlen_k=p["max_k"], max_seqlen_q=p["max_q"],
                                   qhead_per_kv=g, return_schedule=True)
         expect_native("build_k2q_csr")
-        # The call-size forms (wsp3w: bf16 calls of few queries; ws1c: e4m3 calls of few
-        # queries, few an item; ws3w past them) are forced here whatever the random lengths
-        # add up to; the paged wsp3w cases run on 3 persistent CTAs.
-        with debug.forcing(sparse_form=form if form in ("ws1c", "wsp3w", "wsp3we", "ws3w")
-                           else None,
+        # The call-size forms (wsp3w: bf16 calls of few queries; ws3w past them) and the
+        # persistent forms' stand-in ws3w are forced here whatever the random lengths add up
+        # to; the paged persistent cases run on 3 CTAs.
+        with debug.forcing(sparse_form=form if form in ("wsp3w", "wsp3we", "ws3w") else None,
                            persistent_ctas=3 if form.startswith("wsp") and paged else None):
             out, lse = msa.sparse_atten_func(
                 p["q"], p["k"], p["v"], built[0], built[1], topk, cu_seqlens_q=p["cu_q"],

@@ -237,7 +237,7 @@ class SparseAttentionCall:
                     pv_dtype=self.pv_dtype, paged=self.paged, causal=self.causal,
                     qhead_per_kv=self.qhead_per_kv, topk=self.topk,
                     partial_dtype=self.partial_dtype, nvfp4=self.k_dequant is not None,
-                    total_q=int(self.q.shape[0]), kv_blocks=int(self.k2q_row_ptr.shape[-1]) - 1)
+                    total_q=int(self.q.shape[0]))
 
 
 def sparse_atten_func(q, k, v, k2q_row_ptr, k2q_q_indices, topK, *, cu_seqlens_q, cu_seqlens_k,

@@ -1,12 +1,13 @@
 """Native SM90 sparse prefill: the CuTe-DSL KV-outer attention kernels plus their combine.
 
 ``supports`` picks the attention form of a call from cute_kernels.variants.SPARSE_FORMS (the
-serving table: the TMA warp-specialized forms ws3w / ws for G 8 / 16 with bf16 or all-e4m3 q/k/v
-and 16-bit or e4m3 partials, the wgmma kernel for the other 16-bit / e4m3-partial calls, the
-warp-MMA kernel for fp32 partials) and ``run(call, kernel)`` launches two kernels on q's device
-and current stream, with no host synchronization:
+serving table: the TMA warp-specialized forms, persistent wsp3w / wsp3we or ws3w / ws, for
+G 8 / 16 with bf16 or all-e4m3 q/k/v and 16-bit or e4m3 partials, the wgmma kernel for the
+other 16-bit / e4m3-partial calls, the warp-MMA kernel for fp32 partials) and ``run(call,
+kernel)`` launches two kernels on q's device and current stream, with no host synchronization:
 
-1. attention: one CTA per schedule work item writes the per-block partials
+1. attention: one CTA per schedule work item (the persistent forms: a CTA an SM, taking work
+   items from a queue) writes the per-block partials
    O_partial [topK, total_q, Hq, 128] (partial_dtype) and LSE_partial [topK, total_q, Hq] (plus
    LSE_T_partial when a temperature LSE is requested);
 2. combine (cute_kernels/combine.py): log-sum-exp merge into O bf16 [total_q, Hq, 128] and
@@ -106,34 +107,16 @@ def sparse_kernel(mode: str, qhead_per_kv: int, paged: bool, partial: str,
         persistent=bool(variants.SPARSE_FORMS[form].options.get("persistent")))
 
 
-def short_call(mode: str, total_q: Optional[int], topk: Optional[int],
-               kv_blocks: Optional[int]) -> bool:
-    """Whether a call is short for the serving table (feature `short`): at most
-    SHORT_CALL_QUERIES queries, and at most SHORT_ITEM_QUERIES[mode] of them on average in a
-    (KV block, KV head) work item (kv_blocks: the k2q CSR's rows per KV head). Modes without a
-    bound are never short."""
-    bound = variants.SHORT_ITEM_QUERIES.get(mode)
-    if bound is None or total_q is None or topk is None or kv_blocks is None:
-        return False
-    return total_q <= variants.SHORT_CALL_QUERIES and total_q * topk <= bound * kv_blocks
-
-
-def call_features(mode: str, total_q: Optional[int], topk: Optional[int],
-                  kv_blocks: Optional[int]) -> dict:
+def call_features(total_q: Optional[int]) -> dict:
     """The run-time features the sparse serving table reads (variants.SPARSE_CALLS):
-    call_size "short" (short_call), "few" (other calls of at most FEW_CALL_QUERIES queries)
-    or "many"."""
-    size = "many"
-    if short_call(mode, total_q, topk, kv_blocks):
-        size = "short"
-    elif total_q is not None and total_q <= variants.FEW_CALL_QUERIES:
-        size = "few"
-    return dict(call_size=size)
+    call_size "few" (at most FEW_CALL_QUERIES queries) or "many"."""
+    few = total_q is not None and total_q <= variants.FEW_CALL_QUERIES
+    return dict(call_size="few" if few else "many")
 
 
 def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=False,
              causal=False, qhead_per_kv=None, topk=None, partial_dtype=None, nvfp4=False,
-             total_q=None, kv_blocks=None, **_ignored) -> _backend.Verdict:
+             total_q=None, **_ignored) -> _backend.Verdict:
     """The kernels serving a call with these features (_backend.Served), else the reason none
     can. debug hook: sparse_form (a form to run wherever it is built)."""
     mode = attention_mode(q_dtype, k_dtype, v_dtype, pv_dtype)
@@ -148,7 +131,7 @@ def supports(*, q_dtype=None, k_dtype=None, v_dtype=None, pv_dtype=None, paged=F
                                                  f.name).attention,
                                    variants.CombineVariant(partial).name),
                         group=qhead_per_kv, partial=partial, forced=debug.forced("sparse_form"),
-                        **call_features(mode, total_q, topk, kv_blocks))
+                        **call_features(total_q))
     if isinstance(form, str):
         return form
     return _served(mode, qhead_per_kv, paged, partial, form.name)

@@ -28,11 +28,6 @@ Form "ws3w" (the table's options consumers=3, q_stages=6): three consumer warpgr
 tiles round-robin and 6 Q stages, for more tiles in flight (the path is latency-bound); the
 first two still zero the Q ring and load K and V.
 
-Form "ws1c" (consumers=1, q_stages=2, for short calls): one consumer warpgroup that loads K and
-V and takes every tile, 2 Q stages and one O tile: Q 32 KB + K 32 + V 32 + O 16 = 112 KB and
-128 x 40 + 128 x 216 registers, so two CTAs share an SM and one work item's K / V load and
-first tiles run under the other's MMAs (a short chunk's items hold a few tiles each).
-
 Form "wsp3w" (persistent=True, o_in_q_stage=True, bf16, three consumers, 6 Q stages):
 min(items, num_ctas) CTAs take the work items from a queue: CTA c starts on item c and then
 fetches num_ctas + atomicAdd(item_counter, 1) (item_counter: one int32 zeroed by the caller),
@@ -47,6 +42,13 @@ take tiles round-robin by that number and fence for the async proxy after the K/
 tiles: each tile's O is staged over its own Q stage (dead once S is done) and the stage goes
 back once the TMA store has read it: Q 6 x 16 KB + K/V 2 x 64 KB = 224 KB. (With O tiles,
 persistent=True fits two consumers: Q 4 x 16 KB + K/V 2 x 64 KB + O 2 x 16 KB.)
+
+Form "wsp3we" (persistent=True, e4m3, three consumers, 6 Q stages): the same queue and rings
+with O tiles (an 8 KB e4m3 Q stage cannot hold a bf16 O tile). The producer warpgroup copies
+each item's raw V rows into a 16 KB stage (cp.async), waits for its own copies and moves the
+chunks it copied into the K/V stage's key-permuted Vt through registers (no barrier: a thread
+reads only its own chunks), so the consumers never transpose: Q 6 x 8 KB + K/V 2 x 32 KB + raw
+V 16 KB + O 3 x 16 KB = 176 KB.
 
 Shared memory (bf16, bf16 partials): Q 4 x 16 KB + K 32 KB + V 32 KB + O 2 x 16 KB = 160 KB
 (ws3w: Q 6 x 16 KB, O 3 x 16 KB, 208 KB); one CTA per SM. The kernel never reads or writes out
@@ -97,7 +99,7 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                  producer_regs: int = PRODUCER_REGS, persistent: bool = False,
                  o_in_q_stage: bool = False):
         super().__init__(qhead_per_kv, paged, partial_dtype)
-        assert consumers in (1, 2, 3), consumers
+        assert consumers in (2, 3), consumers
         # Consumers take tiles round-robin and wait on a Q stage's parity only: the stage's
         # previous use must be the same consumer's tile (tools/lab/model_sparse_persistent.py).
         assert q_stages % consumers == 0, (q_stages, consumers)
@@ -211,14 +213,7 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                        gather_copy, convert_load, mma_qk, mma_pv, stage_o_copy,
                        SharedStorage).launch(
             grid=grid, block=(128 * (1 + self.consumers), 1, 1), stream=stream,
-            **self._occupancy())
-
-    def _occupancy(self) -> dict:
-        """Launch attributes: one CTA an SM, or two for the one-consumer form (registers capped
-        at 128 a thread, the whole shared-memory carveout for 2 x 112 KB)."""
-        if self.consumers == 1:
-            return dict(min_blocks_per_mp=2, preferred_smem_carveout=100)
-        return dict(min_blocks_per_mp=1)
+            min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel_ws(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mCuQ: cute.Tensor,
@@ -416,17 +411,9 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
         # ---- the block's K (warpgroup 0) and V (warpgroup 1), rows past n_keys zeroed
         if mwg == 0:
             self._load_kv_rows(gather_copy, wg_tidx, mK, kv_row0, head_kv, n_keys, sK)
-            if cutlass.const_expr(self.consumers == 1):
-                self._load_v_rows(gather_copy, convert_load, wg_tidx, mV, kv_row0, head_kv,
-                                  n_keys, sV_rows)
-        else:
-            if cutlass.const_expr(self.consumers == 2):
-                self._load_v_rows(gather_copy, convert_load, wg_tidx, mV, kv_row0, head_kv,
-                                  n_keys, sV_rows)
-            else:
-                if mwg == 1:
-                    self._load_v_rows(gather_copy, convert_load, wg_tidx, mV, kv_row0,
-                                      head_kv, n_keys, sV_rows)
+        if mwg == 1:
+            self._load_v_rows(gather_copy, convert_load, wg_tidx, mV, kv_row0, head_kv, n_keys,
+                              sV_rows)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_proxy("async.shared", space="cta")

@@ -173,24 +173,20 @@ FMHA_FORMS = _table(
 )
 
 # ---- sparse prefill attention (op "sparse_atten"; dtype: the dtype mode) ----------------------
-# A short call (e4m3): at most SHORT_CALL_QUERIES queries whose (KV block, KV head) work items
-# hold at most SHORT_ITEM_QUERIES[mode] queries on average (total_q * topk <= that * KV
-# blocks), where one CTA an SM leaves each item's K / V load and prologue exposed and two
-# one-consumer CTAs (ws1c) hide it; past it three consumers of one CTA (ws3w) win. H100, ws1c
-# against ws3w through the production pipeline (0d1d5f8, same process, the e4m3 cases on the
-# sparse route): 0.92x at 12.5 queries an item, 0.93x at 14.9, 1.01x at 20.9 (bf16: 0.88-0.94x
-# at 2.5-5.6, 0.97-0.99x at 8.4-9.3, 1.01-1.06x from 12.5).
-# bf16 calls of at most FEW_CALL_QUERIES queries take the persistent wsp3w instead: CTAs take
-# work items from a queue and the next item's K / V loads under this one's tiles. Through the
-# production pipeline (H100, 48fd7df, same process) against
-# the non-persistent ws3w: 0.78-0.92x on the 11 production cases of <= 1024 queries, 0.93-0.96x
-# at 1.4k-2.7k queries (1.00x at 1.6k / 18k), 0.99-1.01x on the 7.5k-16k chunks; with two
-# consumers (wsp) 1-5 % slower than wsp3w everywhere. SPARSE_CALLS' call_size: "short"
-# (short_call), "few" (other calls of <= FEW_CALL_QUERIES queries) or "many".
-SHORT_CALL_QUERIES = 1024
-SHORT_ITEM_QUERIES = dict(e4m3=16)
+# The persistent forms (CTAs take work items from a queue; the producer warpgroup loads the
+# next item's K / V under this one's tiles; three consumers). Through the production pipeline
+# on an H100, same process:
+# * wsp3w (bf16, O staged over each tile's Q stage), against ws3w (48fd7df): 0.78-0.92x on the
+#   11 production cases of <= 1024 queries, 0.93-0.96x at 1.4k-2.7k queries (1.00x at 1.6k /
+#   18k), 0.99-1.01x on the 7.5k-16k chunks: it serves calls of <= FEW_CALL_QUERIES queries.
+#   With two consumers (and O tiles) it was 1-5 % slower everywhere.
+# * wsp3we (e4m3, O tiles, V transposed by the producer instead of the consumers), against ws3w
+#   (d0c5e11, sparse route): 0.66-0.83x on the 11 cases of <= 1024 queries, 0.80-0.96x at
+#   1.4k-10k, 1.00x at 16k / 47.7k; against the one-consumer, two-CTAs-an-SM ws1c that served
+#   e4m3 calls of few queries 0.79-0.88x: it serves every e4m3 call it is built for.
+# SPARSE_CALLS' call_size: "few" (at most FEW_CALL_QUERIES queries) or "many".
 FEW_CALL_QUERIES = 4096
-SPARSE_CALLS: Dict[str, tuple] = dict(call_size=("many", "few", "short"))
+SPARSE_CALLS: Dict[str, tuple] = dict(call_size=("many", "few"))
 SPARSE_FORMS = _table(
     Form("wsp3w", "SparsePrefillSm90Ws", ("bfloat16",),
          "calls of <= FEW_CALL_QUERIES queries at G 16 with bf16 q/k/v and bf16 partials: the "
@@ -198,26 +194,17 @@ SPARSE_FORMS = _table(
          "an atomic counter; the producer warpgroup loads the next item's K and V into a "
          "second stage while this item's tiles run), three consumer warpgroups and 6 Q "
          "stages, each tile's O staged over its own Q stage (no O tiles: Q 96 KB + K/V 128 KB)",
-         when=lambda call_size="many", **_: call_size in ("few", "short"),
+         when=lambda call_size="many", **_: call_size == "few",
          options=dict(consumers=3, q_stages=6, mma_regs=152, producer_regs=56,
                       persistent=True, o_in_q_stage=True),
          groups=(16,), partials=("bfloat16",)),
     Form("wsp3we", "SparsePrefillSm90Ws", ("e4m3",),
-         "calls of <= FEW_CALL_QUERIES queries at G 16 with all-e4m3 q/k/v and bf16 partials "
-         "(not yet validated): wsp3w's queue, K/V ring and three consumers, with O tiles (an "
-         "e4m3 Q stage cannot hold a bf16 O tile) and V transposed by the producer warpgroup "
-         "(raw rows by cp.async, then each thread's own chunks into the stage's Vt): Q 48 KB + "
-         "K/V 64 KB + raw V 16 KB + O 48 KB",
-         when=lambda call_size="many", **_: call_size in ("few", "short"),
+         "calls at G 16 with all-e4m3 q/k/v and bf16 partials: wsp3w's queue, K/V ring and "
+         "three consumers, with O tiles (an e4m3 Q stage cannot hold a bf16 O tile) and V "
+         "transposed by the producer warpgroup (raw rows by cp.async, then each thread's own "
+         "chunks into the stage's Vt): Q 48 KB + K/V 64 KB + raw V 16 KB + O 48 KB",
          options=dict(consumers=3, q_stages=6, mma_regs=152, producer_regs=56,
                       persistent=True),
-         groups=(16,), partials=("bfloat16",), validated=False),
-    Form("ws1c", "SparsePrefillSm90Ws", ("e4m3",),
-         "short calls (<= SHORT_CALL_QUERIES queries, <= SHORT_ITEM_QUERIES[mode] an item) at "
-         "G 16 with all-e4m3 q/k/v and bf16 partials: the TMA warp-specialized kernel with one "
-         "consumer warpgroup, two CTAs an SM",
-         when=lambda call_size="many", **_: call_size == "short",
-         options=dict(consumers=1, q_stages=2, mma_regs=216),
          groups=(16,), partials=("bfloat16",)),
     Form("ws3w", "SparsePrefillSm90Ws", ("bfloat16", "e4m3"),
          "G 8 / 16, bf16 or all-e4m3 q/k/v, the (dtype, partial dtype) pairs of WS3W_PAIRS: the "
