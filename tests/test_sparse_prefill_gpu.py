@@ -170,20 +170,19 @@ _PARTIAL_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
                   torch.float16: "float16", torch.float8_e4m3fn: "e4m3"}
 
 
-def _served_attention(mode, g, paged, partial_dtype, total_q, topk, kv_blocks):
+def _served_attention(mode, g, paged, partial_dtype, total_q):
     """(form, attention artifact) the serving table picks for a call of these properties."""
     from msa.cute_kernels import variants
     partial = _PARTIAL_NAMES[partial_dtype]
-    features = _native_module().call_features(mode, total_q, topk, kv_blocks)
+    features = _native_module().call_features(total_q)
     form = variants.serving_form(variants.SPARSE_FORMS, mode, group=g, partial=partial,
                                  **features).name
     return form, _native_module().sparse_kernel(mode, g, paged, partial, form).attention
 
 
-def _check_served_form_ran(native_hooks, mode, g, paged, partial_dtype, q, topk, row_ptr):
-    """The call of q [total_q, Hq, 128], topk and the k2q CSR row_ptr ran its served form."""
-    form, want = _served_attention(mode, g, paged, partial_dtype, q.shape[0], topk,
-                                   row_ptr.shape[-1] - 1)
+def _check_served_form_ran(native_hooks, mode, g, paged, partial_dtype, q):
+    """The call of q [total_q, Hq, 128] ran its served form."""
+    form, want = _served_attention(mode, g, paged, partial_dtype, q.shape[0])
     ran = native_hooks.last_variant("sparse_atten")
     assert ran == want, f"expected {want} (form {form}), ran {ran}"
 
@@ -228,8 +227,7 @@ def test_sparse_prefill_native_matches_float64(case, tier, seed, monkeypatch, na
     if tier == "portable":
         assert native_hooks.last_variant("sparse_atten") == "sparse_prefill_portable"
     else:
-        _check_served_form_ran(native_hooks, "bfloat16", g, paged, partial_dtype, p["q"], topk,
-                               row_ptr)
+        _check_served_form_ran(native_hooks, "bfloat16", g, paged, partial_dtype, p["q"])
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     if temperature == 1.0:
         assert lse_t is lse
@@ -293,9 +291,10 @@ def test_sparse_prefill_persistent_forms_give_the_same_bits(mode, paged, causal,
                                                            monkeypatch, native_hooks):
     """The persistent forms, wsp3w (bf16) and wsp3we (e4m3: O tiles, V transposed by the
     producer warpgroup) (CTAs take work items from a queue, the producer warpgroup loads the
-    next item's K/V, three consumers), on the SM count's CTAs and on 3 (each then takes many
-    items from the queue), run the same tiles with the same arithmetic as ws3w: O, LSE and
-    LSE_T equal its bit for bit (outputs poisoned first), with and without a schedule."""
+    next item's K/V, three consumers), on 3 CTAs (each then takes many items from the queue)
+    and on the SM count's, run the same tiles with the same arithmetic: O, LSE and LSE_T equal
+    bit for bit (outputs poisoned first), with and without a schedule, those of ws3w in bf16
+    (e4m3 at G 16 with bf16 partials builds no other form: 3 CTAs against the SM count's)."""
     native_hooks.poison()
     gen = torch.Generator().manual_seed(seed)
     p = _make_problem(16, 16, paged, causal, gen, torch.device("cuda"))
@@ -309,9 +308,9 @@ def test_sparse_prefill_persistent_forms_give_the_same_bits(mode, paged, causal,
                               qhead_per_kv=16, return_schedule=True)
     monkeypatch.setenv("MSA_BACKEND", "native")
     runs = {}
-    # (form, persistent CTAs: None = the SM count); ws3w, the reference, last.
-    persistent = "wsp3w" if mode == "bfloat16" else "wsp3we"
-    forms = ((persistent, None), (persistent, 3), ("ws3w", None))
+    # (form, persistent CTAs: None = the SM count); the last run is the reference.
+    forms = (("wsp3w", 3), ("wsp3w", None), ("ws3w", None)) if mode == "bfloat16" else \
+        (("wsp3we", 3), ("wsp3we", None))
     for form, ctas in forms:
         for schedule in (built[2], None):
             native_hooks.force(sparse_form=form, persistent_ctas=ctas)
@@ -328,7 +327,7 @@ def test_sparse_prefill_persistent_forms_give_the_same_bits(mode, paged, causal,
     for form, ctas in forms[:-1]:
         for unscheduled in (False, True):
             for got, want in zip(runs[form, ctas, unscheduled],
-                                 runs["ws3w", None, unscheduled]):
+                                 runs[forms[-1] + (unscheduled,)]):
                 assert not torch.isnan(got).any()
                 assert torch.equal(got, want), (form, ctas)
 
@@ -383,8 +382,7 @@ def test_sparse_prefill_fp8_native_matches_reference(case, tier, seed, monkeypat
     if tier == "portable":
         assert native_hooks.last_variant("sparse_atten") == "sparse_prefill_portable"
     else:
-        _check_served_form_ran(native_hooks, mode, g, paged, partial_dtype, p["q"], topk,
-                               row_ptr)
+        _check_served_form_ran(native_hooks, mode, g, paged, partial_dtype, p["q"])
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     ref_out, ref_lse, ref_lse_t = call("reference")
     assert _backend.last_backend("sparse_atten") != family
