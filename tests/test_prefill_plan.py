@@ -274,8 +274,9 @@ def test_decode_route_computes_what_the_sparse_route_computes(seed, dtype, causa
 
 def test_auto_route_takes_short_e4m3_chunks_against_long_prefixes(seed):
     """"auto" plans the decode route for chunks of <= DECODE_ROUTE_MAX_QUERIES queries with at
-    least DECODE_ROUTE_MIN_KEYS_PER_QUERY keys per query, and runs it for e4m3 q and K/V only;
-    no route plans one for a chunk where a query sees no key."""
+    least DECODE_ROUTE_MIN_KEYS_PER_QUERY keys per query (all the chunk's requests' keys), and
+    runs it for e4m3 q and K/V only; no route plans one for a chunk where a query sees no
+    key."""
     per_query = prefill.DECODE_ROUTE_MIN_KEYS_PER_QUERY
     assert prefill.takes_decode_route("auto", 171, 171 * per_query)
     assert not prefill.takes_decode_route("auto", 171, 171 * per_query - 1)
@@ -283,11 +284,18 @@ def test_auto_route_takes_short_e4m3_chunks_against_long_prefixes(seed):
     assert not prefill.takes_decode_route("sparse", 1, 10 ** 6)
     assert prefill.takes_decode_route("decode", 10 ** 5, 1)
     gen = torch.Generator().manual_seed(seed)
-    q_lens, k_lens = (3, 5), (1000, 1100)
+    q_lens, k_lens = (3, 5), (1400, 1500)          # 362 keys a query
     x, caches, table, itable = _paged_case(q_lens, k_lens, 1, 4, gen)
     wrapper = msa.MsaPrefillPagedWrapper(topk=4).plan(q_lens, k_lens, table, num_qo_heads=4,
                                                       num_kv_heads=1, index_page_table=itable)
     assert wrapper.decode_routes == [True]
+    # The bound counts every request's keys: 4 queries on 400 + 1000 keys take the route
+    # (350 a query, though the longest request alone has 250 a query), on 400 + 996 not.
+    for k_total, decode in ((1000, True), (996, False)):
+        _, _, tbl, itbl = _paged_case((2, 2), (400, k_total), 1, 4, gen)
+        plan = msa.MsaPrefillPagedWrapper(topk=4).plan(
+            (2, 2), (400, k_total), tbl, num_qo_heads=4, num_kv_heads=1, index_page_table=itbl)
+        assert plan.decode_routes == [decode]
     for dtype, decode in ((BF16, False), (E4M3, True)):
         marks = []
         with _stages.recording(marks.append):

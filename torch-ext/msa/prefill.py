@@ -68,17 +68,18 @@ SPLIT_K_MIN_TILES = 4
 # Where a chunk's attention runs: "sparse" (CSR + KV-outer sparse attention + combine),
 # "decode" (the paged decode kernel, one request per query, wherever a chunk can take it) or
 # "auto". "auto" takes the decode route for e4m3 q and K/V chunks of at most
-# DECODE_ROUTE_MAX_QUERIES queries and at least DECODE_ROUTE_MIN_KEYS_PER_QUERY keys (the longest
-# request's) per query. H200, benchmarks/lab/short_chunk_via_decode.py (ce7c97a): on MiniMax-M3's
-# short production chunks (171-406 queries, 17.7k-140k keys) the route took 0.40-0.93x the time
-# of the CSR, attention and combine it replaces in e4m3 (the decode kernel's direct e4m3 form)
-# and 1.04-1.97x in bf16; its time grows with the queries (~0.8 us each), the replaced stages'
-# with the keys. With the spread counting-sort CSR the sparse route wins at 97 keys a query
-# and the decode route from ~150 (H200, 9fa1c1e, whole e4m3 call, sparse vs decode: 182 / 17.7k
-# 0.124 vs 0.149 ms; 398 / 58.7k, 147 keys a query, 0.489 vs 0.333): the bound sits between.
+# DECODE_ROUTE_MAX_QUERIES queries with at least DECODE_ROUTE_MIN_KEYS_PER_QUERY keys per query,
+# the keys of all the chunk's requests counted: the decode route's time grows with the queries
+# (~0.8 us each, flat in the keys), the sparse route's with the (block, KV head) work items, ~
+# the chunk's keys. H100, MiniMax-M3's 11 short production chunks, e4m3, the sparse route on the
+# persistent wsp3we (d0c5e11) against the decode route (e78320d), two processes on the same
+# kind of machine: the sparse route faster at <= 324 keys a query (0.86x at 221, 0.88x at 243,
+# 0.93x at 324; 182 / 17.7k at 97), the decode route at >= 365 (0.96x at 365, 0.92x at 379,
+# 0.80x at 508 and 525, 0.63x at 813); the bound sits between. (With the one-consumer sparse
+# form before wsp3we the crossover was ~128 keys of the longest request a query.)
 ATTENTION_ROUTES = ("auto", "sparse", "decode")
 DECODE_ROUTE_MAX_QUERIES = 416
-DECODE_ROUTE_MIN_KEYS_PER_QUERY = 128
+DECODE_ROUTE_MIN_KEYS_PER_QUERY = 350
 # Bytes per (query, KV head, top-k slot) of the selection, q2k, CSR ids, qsplit ids and the
 # CSR builder's sort keys / values (double-buffered).
 _INDEX_BYTES_PER_SLOT = 40
@@ -188,14 +189,14 @@ class DecodeRoute:
                                 return_softmax_lse=want_lse)
 
 
-def takes_decode_route(route: str, queries: int, max_kv: int) -> bool:
-    """Whether a chunk of `queries` queries whose longest request has `max_kv` keys runs its
+def takes_decode_route(route: str, queries: int, keys: int) -> bool:
+    """Whether a chunk of `queries` queries whose requests hold `keys` keys in all runs its
     attention through the decode route under `route` (ATTENTION_ROUTES; "auto" also needs e4m3
     q and K/V, checked at run)."""
     if route == "decode":
         return True
     return (route == "auto" and queries <= DECODE_ROUTE_MAX_QUERIES
-            and queries * DECODE_ROUTE_MIN_KEYS_PER_QUERY <= max_kv)
+            and queries * DECODE_ROUTE_MIN_KEYS_PER_QUERY <= keys)
 
 
 def plan_decode_route(qo: Sequence[int], kv: Sequence[int], t0: int, t1: int, causal: bool,
@@ -753,7 +754,7 @@ class MsaPrefillPagedWrapper:
                 ctas = sum(-(-int(n) * num_kv_heads // INDEXER_TILE_ROWS) for n in q_sub)
                 splits = index_key_splits(ctas, chunk_tiles, sm_count)
             route = None
-            if takes_decode_route(self.attention_route, t1 - t0, max_k):
+            if takes_decode_route(self.attention_route, t1 - t0, int(k_sub.sum())):
                 route = plan_decode_route(
                     qo, kv, t0, t1, self.causal, page_table_width=page_table.shape[1],
                     num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, topk=self.topk,
