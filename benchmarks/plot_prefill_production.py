@@ -3,9 +3,10 @@ against the chunk's queries (total_q) and against its KV length, one series per 
 marker area by production weight, the 4x line and each series' weighted speed-up in the legend.
 
     python benchmarks/plot_prefill_production.py benchmarks/results/prefill_production_h200.tsv \
-        [--out PNG] [--commit SHA]
+        [--out PNG] [--commit SHA[:DTYPE] ...]
 
-Rows of one run are plotted: the given commit, else the last (commit, date) in the file.
+Rows of one run are plotted: the given commit, else the last (commit, date) in the file; with
+several --commit SHA:DTYPE, each run's rows of that dtype (e.g. the newest bf16 and e4m3 runs).
 matplotlib is needed only to draw (imported when drawing).
 """
 
@@ -17,8 +18,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 
-def load_run(path: Path, commit: Optional[str] = None) -> Tuple[str, List[dict], Dict[str, dict]]:
-    """(run label, per-case rows with a speed-up, {series: weighted row}) of one run."""
+def load_run(path: Path, commit: Optional[str] = None,
+             dtype: Optional[str] = None) -> Tuple[str, List[dict], Dict[str, dict]]:
+    """(run label, per-case rows with a speed-up, {series: weighted row}) of one run (its
+    rows of `dtype` only when given)."""
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f, delimiter="\t"))
     if not rows:
@@ -28,14 +31,15 @@ def load_run(path: Path, commit: Optional[str] = None) -> Tuple[str, List[dict],
     date = next((r["date"] for r in reversed(rows) if r["commit"] == commit), None)
     if date is None:
         raise SystemExit(f"{path}: no rows of commit {commit}")
-    run = [r for r in rows if r["commit"] == commit and r["date"] == date]
+    run = [r for r in rows if r["commit"] == commit and r["date"] == date
+           and (dtype is None or r["dtype"] == dtype)]
     # A case measured twice in one run (a quick suite before the full one) counts once: the
     # last row, as the last weighted row of a series is the one drawn.
     cases = list({(r["case"], series_name(r)): r for r in run
                   if r["case"] != "weighted" and r["speedup"]}.values())
     weighted = {series_name(r): r for r in run if r["case"] == "weighted"}
     gpu = run[-1]["gpu"]
-    return f"{gpu}, {commit}, {date}", cases, weighted
+    return f"{gpu}, {commit}{f' {dtype}' if dtype else ''}, {date}", cases, weighted
 
 
 def series_name(row: dict) -> str:
@@ -78,7 +82,8 @@ def draw(label: str, cases: List[dict], weighted: Dict[str, dict], out: Path) ->
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("speed-up over dense SDPA (lower-right causal)")
     axes[0].legend(title="marker area ~ production weight", fontsize=8)
-    fig.suptitle(f"MSA prefill vs dense on {len(cases)} production cases x dtypes ({label})")
+    n_cases = len({r["case"] for r in cases})
+    fig.suptitle(f"MSA prefill vs dense on {n_cases} production cases\n{label}", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
@@ -89,9 +94,17 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("tsv", type=Path)
     ap.add_argument("--out", type=Path, default=None, help="PNG (default: next to the TSV)")
-    ap.add_argument("--commit", default=None)
+    ap.add_argument("--commit", action="append", default=None,
+                    help="SHA or SHA:DTYPE (repeatable: one run's rows of a dtype each)")
     args = ap.parse_args(argv)
-    label, cases, weighted = load_run(args.tsv, args.commit)
+    labels, cases, weighted = [], [], {}
+    for spec in args.commit or [None]:
+        commit, _, dtype = (spec or "").partition(":")
+        label, run_cases, run_weighted = load_run(args.tsv, commit or None, dtype or None)
+        labels.append(label)
+        cases += run_cases
+        weighted.update(run_weighted)
+    label = "\n".join(labels)
     if not cases:
         raise SystemExit(f"{args.tsv}: the run has no case with a dense speed-up")
     draw(label, cases, weighted, args.out or args.tsv.with_suffix(".png"))
