@@ -39,6 +39,17 @@ class MbarrierRing:
     def empty(self, mbar, stage):
         return _at(mbar, self.first + self.stages, stage)
 
+    def wait_full(self, mbar, use):
+        """Wait until the ring's use number `use` (stage use % stages, lap use // stages) has
+        been filled."""
+        cute.arch.mbarrier_wait(self.full(mbar, use % self.stages), (use // self.stages) % 2)
+
+    def wait_empty(self, mbar, use):
+        """Wait until the stage of use number `use` is free: its previous lap consumed (the
+        first lap passes at once)."""
+        cute.arch.mbarrier_wait(self.empty(mbar, use % self.stages),
+                                ((use // self.stages) % 2) ^ 1)
+
 
 @cute.jit
 def static_stage_phase(blk, parity):

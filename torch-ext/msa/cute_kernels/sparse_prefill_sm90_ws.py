@@ -340,8 +340,7 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
         for tile in range(n_tiles):
             ring_tile = ring_base + tile
             stage = ring_tile % self.q_stages
-            cute.arch.mbarrier_wait(self.q_ring.empty(mbar, stage),
-                                    ((ring_tile // self.q_stages) % 2) ^ 1)
+            self.q_ring.wait_empty(mbar, ring_tile)
             n_valid = cutlass.min(qpt, q_count - tile * qpt)
             packed = cutlass.Int32(-1)
             if lane < n_valid:
@@ -460,7 +459,7 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
         n_my_rows = cute.size(tScS, mode=[0])
         n_my_cols = cute.size(tScS, mode=[1])
         stage = ring_tile % self.q_stages
-        cute.arch.mbarrier_wait(self.q_ring.full(mbar, stage), (ring_tile // self.q_stages) % 2)
+        self.q_ring.wait_full(mbar, ring_tile)
         warpgroup_gemm(mma_qk, acc_s, tSrQ[None, None, None, stage], tSrK)
 
         s_rc = wgmma_rows_cols_view(acc_s)
@@ -542,8 +541,7 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
             kv_row0, n_keys, _ = self._kv_block_bounds(mK, mCuK, mKvLens, mPageTable, batch,
                                                        kv_block, q_len)
             kv_stage = item % KV_STAGES
-            cute.arch.mbarrier_wait(self.kv_ring.empty(mbar, kv_stage),
-                                    ((item // KV_STAGES) % 2) ^ 1)
+            self.kv_ring.wait_empty(mbar, item)
             if tidx == 0:
                 sItem[kv_stage] = work
             self._load_kv_rows(gather_copy, tidx, mK, kv_row0, head_kv, n_keys,
@@ -576,7 +574,7 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
             work = next_work
         # No more items: the next stage says so (two arrivals a thread, as for an item).
         kv_stage = item % KV_STAGES
-        cute.arch.mbarrier_wait(self.kv_ring.empty(mbar, kv_stage), ((item // KV_STAGES) % 2) ^ 1)
+        self.kv_ring.wait_empty(mbar, item)
         if tidx == 0:
             sItem[kv_stage] = -1
         cute.arch.mbarrier_arrive(self.kv_ring.full(mbar, kv_stage))
@@ -607,7 +605,7 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
             stage_o_copy, wg_tidx, sO_wgs, tO, tma_o, mwg)
         item = cutlass.Int32(0)
         ring_base = cutlass.Int32(0)
-        cute.arch.mbarrier_wait(self.kv_ring.full(mbar, 0), 0)
+        self.kv_ring.wait_full(mbar, 0)
         work = sItem[0]
         while work >= 0:
             kv_stage = item % KV_STAGES
@@ -633,8 +631,7 @@ class SparsePrefillSm90Ws(SparsePrefillBase):
                 cute.arch.mbarrier_arrive(self.kv_ring.empty(mbar, kv_stage))
             ring_base = ring_base + n_tiles
             item = item + 1
-            cute.arch.mbarrier_wait(self.kv_ring.full(mbar, item % KV_STAGES),
-                                    (item // KV_STAGES) % 2)
+            self.kv_ring.wait_full(mbar, item)
             work = sItem[item % KV_STAGES]
         # The O tile must outlive the stores reading it.
         cute.arch.cp_async_bulk_wait_group(0, read=True)
