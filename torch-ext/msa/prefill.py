@@ -71,12 +71,11 @@ SPLIT_K_MIN_TILES = 4
 # DECODE_ROUTE_MAX_QUERIES queries with at least DECODE_ROUTE_MIN_KEYS_PER_QUERY keys per query,
 # the keys of all the chunk's requests counted: the decode route's time grows with the queries
 # (~0.8 us each, flat in the keys), the sparse route's with the (block, KV head) work items, ~
-# the chunk's keys. H100, MiniMax-M3's 11 short production chunks, e4m3, the sparse route on the
-# persistent wsp3we (d0c5e11) against the decode route (e78320d), two processes on the same
-# kind of machine: the sparse route faster at <= 324 keys a query (0.86x at 221, 0.88x at 243,
-# 0.93x at 324; 182 / 17.7k at 97), the decode route at >= 365 (0.96x at 365, 0.92x at 379,
-# 0.80x at 508 and 525, 0.63x at 813); the bound sits between. (With the one-consumer sparse
-# form before wsp3we the crossover was ~128 keys of the longest request a query.)
+# the chunk's keys. H100, MiniMax-M3's 11 short production chunks, e4m3, both routes forced in
+# one process (`bench_prefill_production.py --impls paged-sparse,paged-decode`, sparse route on
+# wsp3we): decode / sparse time 1.42x at 97 keys a query, 1.27x at 163, 1.18x at 221, 1.11x at
+# 243, 1.07x at 324; 0.96x at 365, 0.92x at 379, 0.81x at 508, 0.78x at 525, 0.62x at 813: the
+# bound sits between 324 and 365.
 ATTENTION_ROUTES = ("auto", "sparse", "decode")
 DECODE_ROUTE_MAX_QUERIES = 416
 DECODE_ROUTE_MIN_KEYS_PER_QUERY = 350
