@@ -201,7 +201,8 @@ def test_paged_wrapper_equals_the_dense_stepwise_pipeline(seed, max_chunk):
 def test_paged_plan_metadata_is_what_the_native_glue_would_derive(seed):
     """The paged wrapper's chunks are planned: the native glue takes their prefix sums as they
     are, so those must equal what it derives on the device for unplanned calls (the clamped,
-    non-decreasing prefix sums), and so must the key lengths and causal offsets it derives."""
+    non-decreasing prefix sums), and so must the key lengths and the causal offsets it derives
+    (the plan's own offsets are taken as they are too)."""
     from msa._native.block_max_score_sm90 import kernel_inputs
     from msa._validation import device_prefix_sums
     gen = torch.Generator().manual_seed(seed)
@@ -219,11 +220,27 @@ def test_paged_plan_metadata_is_what_the_native_glue_would_derive(seed):
         assert torch.equal(device_prefix_sums(chunk.cu_seqlens_k, 2**31 - 1), chunk.cu_seqlens_k)
         rows = torch.empty(total, 2, 128)
         args = (rows, k_idx, chunk.cu_seqlens_q, None, None, itable, chunk.seqused_k)
-        planned = kernel_inputs(*args, planned=True)
+        planned = kernel_inputs(*args, planned=True, planned_offsets=chunk.causal_offsets)
         derived = kernel_inputs(*args)
-        assert planned.cu_q is chunk.cu_seqlens_q      # taken as it is
+        assert planned.cu_q is chunk.cu_seqlens_q      # taken as they are
+        assert planned.offsets is chunk.causal_offsets
         for name in ("cu_q", "k_lens", "offsets"):
             assert torch.equal(getattr(planned, name), getattr(derived, name)), name
+    # The plan's offsets reach the indexer call, checked like any argument.
+    from msa.indexer import chunk_block_max_scores
+    chunk = wrapper.chunks[0]
+    q_idx = torch.randn(chunk.q_end - chunk.q_begin, 2, 128).to(torch.bfloat16)
+    kwargs = dict(max_seqlen_q=chunk.max_seqlen_q, max_seqlen_k=chunk.max_seqlen_k,
+                  page_table=itable, seqused_k=chunk.seqused_k, max_k_tiles=chunk.max_k_tiles,
+                  planned=True)
+    want = chunk_block_max_scores(q_idx, k_idx.to(torch.bfloat16), chunk.cu_seqlens_q, None,
+                                  **kwargs)
+    got = chunk_block_max_scores(q_idx, k_idx.to(torch.bfloat16), chunk.cu_seqlens_q, None,
+                                 planned_offsets=chunk.causal_offsets, **kwargs)
+    assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="planned_offsets"):
+        chunk_block_max_scores(q_idx, k_idx.to(torch.bfloat16), chunk.cu_seqlens_q, None,
+                               planned_offsets=chunk.causal_offsets.long(), **kwargs)
 
 
 def test_paged_wrapper_non_causal_sees_every_key(seed):

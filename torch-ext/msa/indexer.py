@@ -46,6 +46,9 @@ class BlockMaxScoreCall:
     # A plan's call (msa.prefill): its prefix sums are valid by construction, so the native
     # glue takes them as they are.
     planned_lengths: bool = False
+    # A plan's [B] int32 bottom-right causal offsets (k_len - q_len per request, on the device):
+    # the native glue takes them instead of deriving them (two launches a call). Same result.
+    planned_offsets: Optional[torch.Tensor] = None
     # CTAs per query tile along the key tiles (msa.prefill's short chunks against long prefixes:
     # the same scores from more SMs); a native kernel's launch shape only.
     key_splits: int = 1
@@ -122,18 +125,27 @@ def block_max_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, cu_seqlens_q: tor
 def chunk_block_max_scores(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q: int,
                            max_seqlen_k: int, scale: float = 1.0, causal: bool = True,
                            page_table=None, seqused_k=None, max_k_tiles: Optional[int] = None,
-                           planned: bool = False, key_splits: int = 1) -> torch.Tensor:
+                           planned: bool = False, key_splits: int = 1,
+                           planned_offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
     """block_max_scores (the same checks and result) of one msa.prefill chunk, bottom-right
     causal. `planned`: cu_seqlens_q / cu_seqlens_k are prefix sums a plan made on the host,
     valid by construction, so the native glue takes them as they are instead of deriving them
-    on the device (up to seven small launches a call). `key_splits`: CTAs per query tile along
-    its key tiles (>= 1), for a chunk whose query tiles alone leave SMs idle."""
+    on the device (up to seven small launches a call); `planned_offsets` (with `planned` and
+    causal): the plan's [B] int32 bottom-right offsets, k_len - q_len per request, likewise.
+    `key_splits`: CTAs per query tile along its key tiles (>= 1), for a chunk whose query
+    tiles alone leave SMs idle."""
     check_positive_int("key_splits", key_splits, minimum=1)
     call = check_block_max_args(q_idx, k_idx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k, scale, causal, None, page_table, seqused_k,
                                 max_k_tiles)
     call.check_values = value_checks_requested(False)
     call.planned_lengths = bool(planned)
+    if planned and causal and planned_offsets is not None:
+        check_tensor("planned_offsets", planned_offsets, dtypes=(torch.int32,), ndim=1,
+                     contiguous=True)
+        check_shape("planned_offsets", planned_offsets, (cu_seqlens_q.numel() - 1,))
+        check_same_device(q_idx=q_idx, planned_offsets=planned_offsets)
+        call.planned_offsets = planned_offsets
     call.key_splits = int(key_splits)
     return run_block_max_scores(call)
 

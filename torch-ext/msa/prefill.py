@@ -143,6 +143,9 @@ class ChunkPlan:
     # Made on the host from the plan's lengths (MsaPrefillPagedWrapper.plan): its prefix sums
     # are valid by construction, so the stages' native glue takes them as they are.
     planned: bool = False
+    # planned: [B'] int32 bottom-right causal offsets (seqused_k - the chunk's queries per
+    # request), which the indexer's native glue would otherwise derive on the device.
+    causal_offsets: Optional[torch.Tensor] = None
 
     @property
     def max_k_tiles(self) -> int:
@@ -280,7 +283,8 @@ def _index_scores(chunk: ChunkPlan, q_idx: torch.Tensor, k_idx: torch.Tensor,
         max_seqlen_q=chunk.max_seqlen_q, max_seqlen_k=chunk.max_seqlen_k,
         scale=opts.index_scale, causal=opts.causal, page_table=index_page_table,
         seqused_k=chunk.seqused_k if paged else None, max_k_tiles=chunk.max_k_tiles,
-        planned=chunk.planned, key_splits=chunk.index_splits)
+        planned=chunk.planned, key_splits=chunk.index_splits,
+        planned_offsets=chunk.causal_offsets if opts.causal else None)
 
 
 def run_chunk(chunk: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -762,7 +766,8 @@ class MsaPrefillPagedWrapper:
                 t0, t1, cu_q_sub, cu_k_sub, k_sub.to(torch.int32), max(max_q, 1), max_k,
                 max(int(k_sub.sum()), 1), max(int(((k_sub + BLOCK_SIZE - 1)
                                                    // BLOCK_SIZE).sum()), 1),
-                nvp, own, splits, route, planned=True).to(device))
+                nvp, own, splits, route, planned=True,
+                causal_offsets=(k_sub - q_sub).to(torch.int32)).to(device))
         self.chunks = chunks
         self._qo, self._kv = qo, kv
         self._page_table, self._index_page_table = page_table, index_page_table

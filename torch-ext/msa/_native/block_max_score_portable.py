@@ -68,7 +68,8 @@ def run(call) -> torch.Tensor:
     if total_q == 0:
         return out
     inputs = kernel_inputs(q, k, call.cu_seqlens_q, call.cu_seqlens_k, call.qo_offset,
-                           call.page_table, call.seqused_k, planned=call.planned_lengths)
+                           call.page_table, call.seqused_k, planned=call.planned_lengths,
+                           planned_offsets=call.planned_offsets)
     if inputs.batch > MAX_REQUESTS:     # supports() saw no batch: the reference serves it
         raise NotImplementedError(f"cu_seqlens_q: {inputs.batch} requests; the portable "
                                   f"indexer serves up to {MAX_REQUESTS}")

@@ -92,7 +92,8 @@ def run(call) -> torch.Tensor:
                       max_seqlen_q=call.max_seqlen_q, max_k_tiles=call.max_k_tiles,
                       scale=call.scale, causal=call.causal, qo_offset=call.qo_offset,
                       page_table=call.page_table, seqused_k=call.seqused_k,
-                      planned=call.planned_lengths, key_splits=call.key_splits)
+                      planned=call.planned_lengths, key_splits=call.key_splits,
+                      planned_offsets=call.planned_offsets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,12 +108,14 @@ class KernelInputs:
 
 
 def kernel_inputs(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset, page_table, seqused_k, *,
-                  planned: bool = False) -> KernelInputs:
+                  planned: bool = False,
+                  planned_offsets: Optional[torch.Tensor] = None) -> KernelInputs:
     """Prefix sums the kernels can trust whatever their values (unchanged when valid: a negative
     start or a decreasing entry would otherwise address rows outside q / k), key lengths and
     causal offsets; no host synchronization (every native tier's indexer shares this).
     `planned`: the prefix sums are a plan's own (valid by construction), taken as they are
-    (saving the launches that would derive them)."""
+    (saving the launches that would derive them); `planned_offsets`: the plan's bottom-right
+    offsets (BlockMaxScoreCall.planned_offsets), likewise."""
     cu_q = cu_seqlens_q if planned else device_prefix_sums(cu_seqlens_q, q.shape[0])
     batch = cu_q.numel() - 1
     paged = page_table is not None
@@ -121,8 +124,11 @@ def kernel_inputs(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset, page_table, sequs
         cu_k = cu_seqlens_k if planned else device_prefix_sums(cu_seqlens_k, k.shape[0])
     k_lens = key_lengths(batch, q.device, cu_seqlens_k=cu_k, page_table=page_table,
                          seqused_k=seqused_k)
-    q_lens = cu_q[1:] - cu_q[:-1] if qo_offset is None else None   # bottom-right only
-    offsets = causal_offsets(qo_offset, q_lens, k_lens).contiguous()
+    if qo_offset is None and planned_offsets is not None:
+        offsets = planned_offsets
+    else:
+        q_lens = cu_q[1:] - cu_q[:-1] if qo_offset is None else None   # bottom-right only
+        offsets = causal_offsets(qo_offset, q_lens, k_lens).contiguous()
     return KernelInputs(batch=batch, cu_q=cu_q, cu_k=cu_k, k_lens=k_lens, offsets=offsets,
                         page_table=page_table.contiguous() if paged else None)
 
@@ -131,7 +137,8 @@ def max_scores(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: Optional[torch.Tensor], *, max_seqlen_q: int, max_k_tiles: int,
                scale: float, causal: bool, qo_offset: Union[None, int, torch.Tensor],
                page_table: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor],
-               planned: bool = False, key_splits: int = 1) -> torch.Tensor:
+               planned: bool = False, key_splits: int = 1,
+               planned_offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
     """max_score [H, max_k_tiles, total_q] fp32 of q [total_q, H, 128] against one shared key
     head k (dense [total_k, 1, 128] with cu_seqlens_k, or paged [pages, 1, 128, 128] with
     page_table and optionally seqused_k), one launch on q's device and current stream, no host
@@ -145,7 +152,7 @@ def max_scores(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor,
     if total_q == 0:
         return out
     inputs = kernel_inputs(q, k, cu_seqlens_q, cu_seqlens_k, qo_offset, page_table, seqused_k,
-                           planned=planned)
+                           planned=planned, planned_offsets=planned_offsets)
     batch, k_lens, offsets = inputs.batch, inputs.k_lens, inputs.offsets
     paged = page_table is not None
     cu_q = inputs.cu_q
