@@ -37,6 +37,27 @@ eval "$(bash .gpu-runtime/setup.sh)"
 export PYTHONPATH="/tmp/msa-site:/tmp/msa-site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 
+if [ -f "$ART/manifest.json" ]; then
+  # A manifest from other CuTe sources makes every kernel fall back to a just-in-time compile,
+  # which this host cannot do (no DSL compiler): stop before the build instead (exit 3 of the
+  # check; any other failure of it only warns).
+  PYTHONPATH=torch-ext python3 -c "
+import json, sys
+from msa._native import cute_runtime
+want = cute_runtime.kernel_sources_digest()
+have = json.load(open(sys.argv[1])).get('kernel_sources_digest', '')
+if have != want:
+    print(f'error: {sys.argv[1]} was compiled from other CuTe sources (kernel_sources_digest '
+          f'{have[:12]} vs {want[:12]}): tools/compile_cute.py --only ... --update')
+    sys.exit(3)
+" "$ART/manifest.json"
+  case $? in
+    0) ;;
+    3) exit 1 ;;
+    *) echo "warning: could not compare $ART's kernel_sources_digest with the sources" ;;
+  esac
+fi
+
 echo "== build"
 # A warm machine keeps build/ between calls: rebuild only when the sources, the artifacts or the
 # capabilities changed.
