@@ -17,8 +17,8 @@ with a running max, the accumulator rescaled when the max grows: at topK 16 a th
 memory three times (the split count, then two steps of 8 slots). 16 slots a step (one wait
 fewer) ran 1-4 % slower on an H100: twice the registers, fewer warps an SM. The LSE_T merge,
 asked for only with the max-score output, spreads the slot LSEs over the row's lanes and
-reduces them by shuffles. Lanes of a row past the end still take part (their loads are clamped to a valid
-row); only the stores are skipped.
+reduces them by shuffles. Lanes of a row past the end still take part (their loads are
+clamped to a valid row); only the stores are skipped.
 Tensors:
   o_partial [topK, total_q, Hq, 128] fp32, bf16, fp16 or e4m3;
   lse_partial, lse_t_partial [topK, total_q, Hq]; split_counts [total_q, Hkv] int32;
