@@ -143,8 +143,8 @@ class ChunkPlan:
     # Made on the host from the plan's lengths (MsaPrefillPagedWrapper.plan): its prefix sums
     # are valid by construction, so the stages' native glue takes them as they are.
     planned: bool = False
-    # planned: [B'] int32 bottom-right causal offsets (seqused_k - the chunk's queries per
-    # request), which the indexer's native glue would otherwise derive on the device.
+    # A planned causal chunk's [B'] int32 bottom-right offsets (seqused_k - the chunk's queries
+    # per request), which the indexer's native glue would otherwise derive on the device.
     causal_offsets: Optional[torch.Tensor] = None
 
     @property
@@ -284,7 +284,7 @@ def _index_scores(chunk: ChunkPlan, q_idx: torch.Tensor, k_idx: torch.Tensor,
         scale=opts.index_scale, causal=opts.causal, page_table=index_page_table,
         seqused_k=chunk.seqused_k if paged else None, max_k_tiles=chunk.max_k_tiles,
         planned=chunk.planned, key_splits=chunk.index_splits,
-        planned_offsets=chunk.causal_offsets if opts.causal else None)
+        planned_offsets=chunk.causal_offsets)
 
 
 def run_chunk(chunk: ChunkPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -756,18 +756,19 @@ class MsaPrefillPagedWrapper:
             if max_q * num_kv_heads > DECODE_INDEXER_ROWS:
                 ctas = sum(-(-int(n) * num_kv_heads // INDEXER_TILE_ROWS) for n in q_sub)
                 splits = index_key_splits(ctas, chunk_tiles, sm_count)
+            keys = int(k_sub.sum())
             route = None
-            if takes_decode_route(self.attention_route, t1 - t0, int(k_sub.sum())):
+            if takes_decode_route(self.attention_route, t1 - t0, keys):
                 route = plan_decode_route(
                     qo, kv, t0, t1, self.causal, page_table_width=page_table.shape[1],
                     num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, topk=self.topk,
                     e4m3_only=self.attention_route == "auto", device=device)
             chunks.append(ChunkPlan(
                 t0, t1, cu_q_sub, cu_k_sub, k_sub.to(torch.int32), max(max_q, 1), max_k,
-                max(int(k_sub.sum()), 1), max(int(((k_sub + BLOCK_SIZE - 1)
-                                                   // BLOCK_SIZE).sum()), 1),
+                max(keys, 1), max(int(((k_sub + BLOCK_SIZE - 1) // BLOCK_SIZE).sum()), 1),
                 nvp, own, splits, route, planned=True,
-                causal_offsets=(k_sub - q_sub).to(torch.int32)).to(device))
+                causal_offsets=(k_sub - q_sub).to(torch.int32) if self.causal else None
+            ).to(device))
         self.chunks = chunks
         self._qo, self._kv = qo, kv
         self._page_table, self._index_page_table = page_table, index_page_table
