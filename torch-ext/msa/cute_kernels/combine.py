@@ -122,7 +122,6 @@ class SparseCombineSm90:
         acc = cute.make_rmem_tensor((self.vec,), cutlass.Float32)
         acc.fill(0.0)
         running_max = -cutlass.Float32.inf
-        base = cutlass.Float32(0.0)
         weight_sum = cutlass.Float32(0.0)
         for s0 in range(0, n_slots, self.unroll):
             parts = []
@@ -151,15 +150,16 @@ class SparseCombineSm90:
                 weight_sum = weight_sum + w
                 acc.store(acc.load() + parts[u].to(cutlass.Float32) * w)
             running_max = step_max
-            base = new_base
 
         out_lse = -cutlass.Float32.inf
         if n_entries > mOPartial.shape[0]:
             weight_sum = cutlass.Float32.nan      # entries past the slots were dropped
         inv = cutlass.Float32(0.0)
         if weight_sum != 0.0:                     # true for NaN too: NaN reaches O and LSE
+            # A nonzero sum had a finite running max as its last base (a NaN sum gives NaN
+            # whatever the max).
             inv = 1.0 / weight_sum
-            out_lse = (base + cute.math.log2(weight_sum, fastmath=True)) * LN_2
+            out_lse = (running_max + cute.math.log2(weight_sum, fastmath=True)) * LN_2
         acc.store(acc.load() * inv)
 
         want_t = want_lse_t != 0
