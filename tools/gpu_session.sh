@@ -13,6 +13,7 @@
 #   MSA_BENCH_ARGS_<name>="..." (arguments of benchmarks/bench_<name>.py alone)
 #   MSA_BENCH_UNVALIDATED=1 (the benchmarks may run gated kernels: with MSA_BENCH_IF_GREEN, a
 #   kernel whose test just passed on this host is timed in the same call)
+#   MSA_REQUIRE_GPU=H200 (exit 2 before the build unless nvidia-smi's name contains it)
 #   MSA_CUDA_CAPS=8.0+PTX (csrc built as sm_80 SASS + compute_80 PTX, which the H200 JIT-compiles:
 #   the portable tier's proxy build; default 9.0a)
 #
@@ -36,6 +37,12 @@ python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /
 eval "$(bash .gpu-runtime/setup.sh)"
 export PYTHONPATH="/tmp/msa-site:/tmp/msa-site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
+if [ -n "${MSA_REQUIRE_GPU:-}" ] && ! grep -q -- "$MSA_REQUIRE_GPU" "$OUT/gpu.txt"; then
+  # Measurements that only count on one kind of GPU (the issues' H200 bars): stop before the
+  # build when another came, so the call costs seconds, not minutes.
+  echo "not a $MSA_REQUIRE_GPU (MSA_REQUIRE_GPU): nothing run"
+  exit 2
+fi
 
 if [ -f "$ART/manifest.json" ]; then
   # A manifest from other CuTe sources makes every kernel fall back to a just-in-time compile,
