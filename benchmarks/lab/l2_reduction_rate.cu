@@ -12,11 +12,14 @@
 //   f32 red      red.global.add.f32, the same adds one float at a time
 //   f32 store    st.global.v4.f32 of the same 8 KB into the window (the L2 write rate alone)
 //   bf16 load    ld.global.v4 of the bf16 partials (the combine's read of today's round trip)
+//   f16x2 red.v4 red.global.add.noftz.v4.f16x2 of 4 KB into an f16 O window (half the bytes:
+//                safe from overflow for e4m3 V, |V| <= 448)
 //
 //   nvcc -arch=sm_90a -O3 -o /tmp/l2_red benchmarks/lab/l2_reduction_rate.cu && /tmp/l2_red
 //
 // Prints, per window W (queries), each form's microseconds per launch and payload TB/s.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -30,9 +33,10 @@ constexpr int kHeadsKv = 4, kSlots = 16, kRowFloats = 16 * 128;   // G 16 x D 12
 constexpr int kThreads = 256;   // 8 floats of an entry a thread
 constexpr int kUnroll = 4;                                                // entries in flight
 
-enum Form : int { kBf16Store, kRedV4, kRedScalar, kF32Store, kBf16Load };
+enum Form : int { kBf16Store, kRedV4, kRedScalar, kF32Store, kBf16Load, kRedF16V4 };
 const char* const kFormNames[] = {"bf16 store", "f32 red.v4", "f32 red", "f32 store",
-                                  "bf16 load"};
+                                  "bf16 load", "f16x2 red.v4"};
+constexpr int kForms = 6;
 
 // Entry e (slot-major): its slot e / pairs and (query, head) pair hashed from e % pairs, so a
 // pair's 16 entries are pairs entries apart in the launch's order.
@@ -63,6 +67,14 @@ __global__ void __launch_bounds__(kThreads) write_entries(float* o, __nv_bfloat1
       } else if constexpr (kForm == kBf16Load) {
         const uint4 v = __ldcs(reinterpret_cast<const uint4*>(partial + e * kRowFloats) + t);
         loaded ^= v.x ^ v.y ^ v.z ^ v.w;
+      } else if constexpr (kForm == kRedF16V4) {
+        // The f16 window of (query, head) pairs: 4 KB each, 8 halves a thread.
+        __half2 h = __floats2half2_rn(x, x);
+        uint32_t w;
+        memcpy(&w, &h, 4);
+        void* dst = reinterpret_cast<__half*>(o) + pair_of(e, pairs) * kRowFloats + t * 8;
+        asm volatile("red.global.add.noftz.v4.f16x2 [%0], {%1, %1, %1, %1};" ::"l"(dst), "r"(w)
+                     : "memory");
       } else {
         float* dst = o + pair_of(e, pairs) * kRowFloats + t * 4;
 #pragma unroll
@@ -127,17 +139,18 @@ int main() {
   for (int64_t window : {256, 512, 1024, 2048, 4096, 16384}) {
     const int64_t pairs = window * kHeadsKv, entries = pairs * kSlots;
     const int grid = sms * 8;
-    const float us[5] = {time_form<kBf16Store>(o, partial, pairs, grid, 7),
-                         time_form<kRedV4>(o, partial, pairs, grid, 7),
-                         time_form<kRedScalar>(o, partial, pairs, grid, 7),
-                         time_form<kF32Store>(o, partial, pairs, grid, 7),
-                         time_form<kBf16Load>(o, partial, pairs, grid, 7)};
-    const double bytes[5] = {entries * kRowFloats * 2.0, entries * kRowFloats * 4.0,
-                             entries * kRowFloats * 4.0, entries * kRowFloats * 4.0,
-                             entries * kRowFloats * 2.0};
+    const float us[kForms] = {time_form<kBf16Store>(o, partial, pairs, grid, 7),
+                              time_form<kRedV4>(o, partial, pairs, grid, 7),
+                              time_form<kRedScalar>(o, partial, pairs, grid, 7),
+                              time_form<kF32Store>(o, partial, pairs, grid, 7),
+                              time_form<kBf16Load>(o, partial, pairs, grid, 7),
+                              time_form<kRedF16V4>(o, partial, pairs, grid, 7)};
+    const double bytes[kForms] = {entries * kRowFloats * 2.0, entries * kRowFloats * 4.0,
+                                  entries * kRowFloats * 4.0, entries * kRowFloats * 4.0,
+                                  entries * kRowFloats * 2.0, entries * kRowFloats * 2.0};
     std::printf("%8lld %10.0f", static_cast<long long>(window),
                 pairs * kRowFloats * 4.0 / (1 << 20));
-    for (int f = 0; f < 5; ++f) std::printf("  %7.1f %4.2fTB", us[f], bytes[f] / us[f] / 1e6);
+    for (int f = 0; f < kForms; ++f) std::printf("  %7.1f %4.2fTB", us[f], bytes[f] / us[f] / 1e6);
     std::printf("   (us per launch, payload TB/s)\n");
   }
   CHECK(cudaFree(o));
