@@ -1289,6 +1289,23 @@ __device__ __forceinline__ void page_probabilities(const PageRef& page, bool ful
                              ((page.token_mask >> rows.token[1]) & 1u) &&
                              page_last <= min(rows.last_key[0], rows.last_key[1]);
   if (!full && !rows_see_page) {
+    // A warp none of whose rows' tokens selected the page (in a union, about half of them):
+    // every score would be masked, so P = 0 and the rows keep their state, exactly what the
+    // masked path below gives, without its mask and softmax on -inf scores. Those made such a
+    // warp the slowest of its warpgroup on nearly every union page (its turn waits for all four).
+    const bool unselected = !((page.token_mask >> rows.token[0]) & 1u) &&
+                            !((page.token_mask >> rows.token[1]) & 1u);
+    if (__all_sync(0xFFFFFFFFu, unselected)) {
+#pragma unroll
+      for (int i2 = 0; i2 < 2; ++i2) {
+        alpha[i2] = rows.max[i2] == -INFINITY ? 0.f : 1.f;
+        beta[i2] = 0.f;
+        rows.sum[i2] *= alpha[i2];
+      }
+#pragma unroll
+      for (int i = 0; i < 64; ++i) s[i] = 0.f;
+      return;
+    }
     int last[2];
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {
