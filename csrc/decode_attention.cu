@@ -1285,17 +1285,16 @@ __device__ __forceinline__ void page_probabilities(const PageRef& page, bool ful
   // this thread's own rows may still see all of it: then they skip the mask too. The branch is
   // warp-uniform at G >= 16 (a warp's 16 rows are one token).
   const int page_last = page.logical * kPageSize + kPageSize - 1;
-  const bool rows_see_page = ((page.token_mask >> rows.token[0]) & 1u) &&
-                             ((page.token_mask >> rows.token[1]) & 1u) &&
+  const bool selected[2] = {((page.token_mask >> rows.token[0]) & 1u) != 0,
+                            ((page.token_mask >> rows.token[1]) & 1u) != 0};
+  const bool rows_see_page = selected[0] && selected[1] &&
                              page_last <= min(rows.last_key[0], rows.last_key[1]);
   if (!full && !rows_see_page) {
     // A warp none of whose rows' tokens selected the page (in a union, about half of them):
     // every score would be masked, so P = 0 and the rows keep their state, exactly what the
     // masked path below gives, without its mask and softmax on -inf scores. Those made such a
     // warp the slowest of its warpgroup on nearly every union page (its turn waits for all four).
-    const bool unselected = !((page.token_mask >> rows.token[0]) & 1u) &&
-                            !((page.token_mask >> rows.token[1]) & 1u);
-    if (__all_sync(0xFFFFFFFFu, unselected)) {
+    if (__all_sync(0xFFFFFFFFu, !selected[0] && !selected[1])) {
 #pragma unroll
       for (int i2 = 0; i2 < 2; ++i2) {
         alpha[i2] = rows.max[i2] == -INFINITY ? 0.f : 1.f;
@@ -1309,8 +1308,7 @@ __device__ __forceinline__ void page_probabilities(const PageRef& page, bool ful
     int last[2];
 #pragma unroll
     for (int i2 = 0; i2 < 2; ++i2) {
-      const bool selected = (page.token_mask >> rows.token[i2]) & 1u;
-      last[i2] = selected ? rows.last_key[i2] - page.logical * kPageSize : -1;
+      last[i2] = selected[i2] ? rows.last_key[i2] - page.logical * kPageSize : -1;
     }
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
