@@ -25,10 +25,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <vector>
 
 #include "lab_common.cuh"
 
@@ -103,24 +101,12 @@ __global__ void __launch_bounds__(kThreads) write_entries(float* o, __nv_bfloat1
 }
 
 template <int kForm>
-float time_form(float* o, __nv_bfloat16* partial, int64_t pairs, int grid, int reps) {
-  cudaEvent_t start, stop;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&stop));
-  write_entries<kForm><<<grid, kThreads>>>(o, partial, pairs, 1.f);   // warm-up (and L2 fill)
-  CHECK(cudaGetLastError());
-  std::vector<float> ms(reps);
-  for (int r = 0; r < reps; ++r) {
-    CHECK(cudaEventRecord(start));
-    write_entries<kForm><<<grid, kThreads>>>(o, partial, pairs, 1.f + r);
-    CHECK(cudaEventRecord(stop));
-    CHECK(cudaEventSynchronize(stop));
-    CHECK(cudaEventElapsedTime(&ms[r], start, stop));
-  }
-  CHECK(cudaEventDestroy(start));
-  CHECK(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return ms[reps / 2] * 1e3f;   // median, microseconds
+float time_form(float* o, __nv_bfloat16* partial, int64_t pairs, int grid) {
+  const float ms = lab::mean_ms([&] {
+    write_entries<kForm><<<grid, kThreads>>>(o, partial, pairs, 1.f);
+    return cudaGetLastError();
+  });
+  return ms * 1e3f;   // microseconds per launch
 }
 
 int main() {
@@ -131,23 +117,20 @@ int main() {
   std::printf("%s, %d SMs, L2 %d MB\n", prop.name, sms, prop.l2CacheSize >> 20);
   const int64_t max_window = 16384;
   const int64_t max_pairs = max_window * kHeadsKv;
-  float* o = nullptr;
-  __nv_bfloat16* partial = nullptr;
-  CHECK(cudaMalloc(&o, max_pairs * kRowFloats * sizeof(float)));                      // 0.5 GB
-  CHECK(cudaMalloc(&partial, max_pairs * kSlots * kRowFloats * sizeof(__nv_bfloat16)));  // 4.3 GB
-  CHECK(cudaMemset(o, 0, max_pairs * kRowFloats * sizeof(float)));
+  float* o = lab::device_zeros<float>(max_pairs * kRowFloats);                       // 0.5 GB
+  __nv_bfloat16* partial = lab::device_zeros<__nv_bfloat16>(max_pairs * kSlots * kRowFloats);
   std::printf("%8s %10s", "W", "O MB");
   for (const char* name : kFormNames) std::printf(" %14s", name);
   std::printf("\n");
   for (int64_t window : {256, 512, 1024, 2048, 4096, 16384}) {
     const int64_t pairs = window * kHeadsKv, entries = pairs * kSlots;
     const int grid = sms * 8;
-    const float us[kForms] = {time_form<kBf16Store>(o, partial, pairs, grid, 7),
-                              time_form<kRedV4>(o, partial, pairs, grid, 7),
-                              time_form<kRedScalar>(o, partial, pairs, grid, 7),
-                              time_form<kF32Store>(o, partial, pairs, grid, 7),
-                              time_form<kBf16Load>(o, partial, pairs, grid, 7),
-                              time_form<kRedF16V4>(o, partial, pairs, grid, 7)};
+    const float us[kForms] = {time_form<kBf16Store>(o, partial, pairs, grid),
+                              time_form<kRedV4>(o, partial, pairs, grid),
+                              time_form<kRedScalar>(o, partial, pairs, grid),
+                              time_form<kF32Store>(o, partial, pairs, grid),
+                              time_form<kBf16Load>(o, partial, pairs, grid),
+                              time_form<kRedF16V4>(o, partial, pairs, grid)};
     const double bytes[kForms] = {entries * kRowFloats * 2.0, entries * kRowFloats * 4.0,
                                   entries * kRowFloats * 4.0, entries * kRowFloats * 4.0,
                                   entries * kRowFloats * 2.0, entries * kRowFloats * 2.0};
