@@ -106,6 +106,43 @@ __device__ long long lab_timeline[kLabWarps][kLabPages][kLabMarks];
   do {                           \
   } while (0)
 #endif
+// MSA_LAB_CALL_PHASES: every CTA's thread 0 stamps the phases of its call (entry, queries
+// loaded, pages done, counted in, and in the request's merging CTA: its lists loaded, its rows
+// stored) with clock64, plus %globaltimer at entry and exit to line the CTAs up: where a short
+// call's time goes beyond the page loop.
+#ifdef MSA_LAB_CALL_PHASES
+constexpr int kLabCallMarks = 6, kLabMaxCtas = 2048;
+__device__ long long lab_call_clock[kLabMaxCtas][kLabCallMarks];
+__device__ long long lab_call_ns[kLabMaxCtas][2];
+__device__ __forceinline__ long long lab_globaltimer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#define MSA_LAB_CALL_MARK(mark)                                               \
+  do {                                                                        \
+    if (threadIdx.x == 0 && blockIdx.x < kLabMaxCtas) {                      \
+      lab_call_clock[blockIdx.x][mark] = clock64();                           \
+      if ((mark) == 0) {   /* the merge's stamps stay 0 in CTAs that do not merge */ \
+        lab_call_ns[blockIdx.x][0] = lab_globaltimer();                       \
+        lab_call_clock[blockIdx.x][4] = lab_call_clock[blockIdx.x][5] = 0;    \
+      }                                                                       \
+    }                                                                         \
+  } while (0)
+#define MSA_LAB_CALL_EXIT()                                                   \
+  do {                                                                        \
+    if (threadIdx.x == 0 && blockIdx.x < kLabMaxCtas) {                      \
+      lab_call_ns[blockIdx.x][1] = lab_globaltimer();                         \
+    }                                                                         \
+  } while (0)
+#else
+#define MSA_LAB_CALL_MARK(mark) \
+  do {                          \
+  } while (0)
+#define MSA_LAB_CALL_EXIT() \
+  do {                      \
+  } while (0)
+#endif
 
 // Bytes of one key row in global memory, its padded stride in a stage, and a stage's size.
 // Rows are padded so the fragment reads hit distinct banks, except NVFP4's (64 bytes need none)
@@ -580,6 +617,7 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
   // (i / kStages) & 1.
   __shared__ uint64_t full_bars[kStages];
 
+  MSA_LAB_CALL_MARK(0);
   const int work = blockIdx.x;
   const int b = __ldg(a.work + 2 * work);
   const int chunk = __ldg(a.work + 2 * work + 1);
@@ -608,6 +646,7 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
   }
   if (!kOfferWarp || scoring_warp) load_queries<MT>(a, b, rows, qs);
   __syncthreads();                                // qs written, the barriers initialized
+  MSA_LAB_CALL_MARK(1);
   const float score_mul =
       a.scale * (F == kNvfp4 ? 16384.f * (a.k_global_scale != nullptr ? __ldg(a.k_global_scale)
                                                                       : 1.f)
@@ -783,13 +822,17 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
   }
 
   // Count this CTA in.
+  MSA_LAB_CALL_MARK(2);
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) s_last = atomicAdd(a.requests + 3 * b + 2, 1) == num_chunks - 1;
   __syncthreads();
+  MSA_LAB_CALL_MARK(3);
+  if (!s_last) MSA_LAB_CALL_EXIT();
   if (!s_last || (kOfferWarp && !scoring_warp)) return;   // the merge: a scoring warp a row
 #ifdef MSA_LAB_NO_MERGE
   if (threadIdx.x == 0) a.requests[3 * b + 2] = 0;
+  MSA_LAB_CALL_EXIT();
   return;
 #endif
   __threadfence();
@@ -842,6 +885,7 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
         }
       }
     }
+    MSA_LAB_CALL_MARK(4);
     const int q = row / a.num_heads, h = row % a.num_heads;
     auto store = [&](int k, int value) {   // entry k of the row's selection
       for (int rep = 0; rep < a.out_head_repeat; ++rep) {
@@ -876,6 +920,8 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
     __syncwarp();   // the next pass's picks reuse the buffer
   }
   if (threadIdx.x == 0) a.requests[3 * b + 2] = 0;   // for the next launch
+  MSA_LAB_CALL_MARK(5);
+  MSA_LAB_CALL_EXIT();
 }
 
 // Sum over the CTA of `value` (every thread passes its share; every thread gets the sum).

@@ -11,6 +11,8 @@
 // e4m3-tma: e4m3 pages as one TMA copy each into swizzled stages (tma_pages) instead of every
 // thread's cp.asyncs. offer-warp: calls of 17-32 rows run the offer-warp form (a ninth warp
 // holds the lists and offers; its stamps are the last warp's).
+// Add -DMSA_LAB_CALL_PHASES for the last call's phases over every CTA (prologue, page loop,
+// count-in, the merge's loads and rounds; entries and exits on the common clock).
 // Add -DMSA_LAB_NO_LOADS for the same kernel without its copies (the loop's own rate, without
 // DRAM), -DMSA_LAB_NO_OFFERS without its offers, -DMSA_LAB_WIDEN_BY_ALU=1 with e4m3 keys widened
 // by integer ops instead of F2FP (csrc/decode_indexer.cu). Prints the indexer's time per call (the plan update timed apart) and its bytes per
@@ -25,6 +27,58 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#ifdef MSA_LAB_CALL_PHASES
+// The last call's phases over its CTAs (MSA_LAB_CALL_PHASES in csrc/decode_indexer.cu): the
+// mean and max cycles of each phase, the merging CTAs' apart, and on the common clock how far
+// apart the CTAs start and how long after the last page loop ends the last merge does.
+void print_call_phases(int capacity, const int32_t* d_work, const int32_t* d_requests,
+                       int batch) {
+  const int ctas = std::min(capacity, msa::kLabMaxCtas);
+  static long long clk[msa::kLabMaxCtas][msa::kLabCallMarks];
+  static long long ns[msa::kLabMaxCtas][2];
+  CHECK(cudaMemcpyFromSymbol(clk, msa::lab_call_clock, sizeof(clk)));
+  CHECK(cudaMemcpyFromSymbol(ns, msa::lab_call_ns, sizeof(ns)));
+  std::vector<int32_t> work(2 * capacity), requests(3 * batch);
+  CHECK(cudaMemcpy(work.data(), d_work, work.size() * 4, cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(requests.data(), d_requests, requests.size() * 4, cudaMemcpyDeviceToHost));
+  struct Stat { double sum = 0, max = 0; int n = 0;
+    void add(double v) { sum += v; max = std::max(max, v); ++n; }
+    double mean() const { return n ? sum / n : 0.0; } };
+  Stat prologue, pages, count_in, loads, rounds, span_ns;
+  long long first_entry = 0, last_entry = 0, last_loop_end = 0, last_exit = 0;
+  bool any = false;
+  for (int c = 0; c < ctas; ++c) {
+    const int b = work[2 * c], chunk = work[2 * c + 1];
+    if (b < 0 || b >= batch || chunk < 0 || chunk >= requests[3 * b + 1]) continue;
+    const long long* t = clk[c];
+    prologue.add(t[1] - t[0]);
+    pages.add(t[2] - t[1]);
+    count_in.add(t[3] - t[2]);
+    if (t[5] != 0) {   // the request's merging CTA
+      loads.add(t[4] - t[3]);
+      rounds.add(t[5] - t[4]);
+    }
+    span_ns.add(ns[c][1] - ns[c][0]);
+    // The CTA's loop end on the common clock, from its entry and its own cycles (1.98 GHz).
+    const long long loop_end = ns[c][0] + (t[2] - t[0]) * 1000 / 1980;
+    if (!any) { first_entry = last_entry = ns[c][0]; any = true; }
+    first_entry = std::min(first_entry, ns[c][0]);
+    last_entry = std::max(last_entry, ns[c][0]);
+    last_loop_end = std::max(last_loop_end, loop_end);
+    last_exit = std::max(last_exit, ns[c][1]);
+  }
+  std::printf("call phases over %d CTAs (cycles, mean / max): prologue %.0f / %.0f, pages %.0f / "
+              "%.0f, count-in %.0f / %.0f; merging CTAs (%d): lists loaded %.0f / %.0f, rounds and "
+              "stores %.0f / %.0f\n",
+              pages.n, prologue.mean(), prologue.max, pages.mean(), pages.max, count_in.mean(),
+              count_in.max, loads.n, loads.mean(), loads.max, rounds.mean(), rounds.max);
+  std::printf("common clock (ns): entries spread over %lld, a CTA's span %.0f mean / %.0f max, "
+              "first entry to last page loop end ~%lld, to last exit %lld\n",
+              last_entry - first_entry, span_ns.mean(), span_ns.max, last_loop_end - first_entry,
+              last_exit - first_entry);
+}
+#endif
 
 int main(int argc, char** argv) {
   const char* format = argc > 1 ? argv[1] : "e4m3";
@@ -160,5 +214,8 @@ int main(int argc, char** argv) {
   std::printf("last to reach the barrier (pages of %d):", last - first);
   for (int w = 0; w < warps; ++w) std::printf(" w%d %.0f", w, last_arrival[w]);
   std::printf("\n");
+#ifdef MSA_LAB_CALL_PHASES
+  print_call_phases(capacity, p.work, p.requests, batch);
+#endif
   return 0;
 }
