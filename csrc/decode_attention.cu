@@ -1283,18 +1283,21 @@ __device__ __forceinline__ void page_probabilities(const PageRef& page, bool ful
   float page_max[2];
   // Where the tile's tokens do not all see the page (a sparse union, the request's last page),
   // this thread's own rows may still see all of it: then they skip the mask too. The branch is
-  // warp-uniform at G >= 16 (a warp's 16 rows are one token).
+  // warp-uniform at G >= 8 (a thread's two rows, r and r + 8, are its warp's only tokens).
   const int page_last = page.logical * kPageSize + kPageSize - 1;
   const bool selected[2] = {((page.token_mask >> rows.token[0]) & 1u) != 0,
                             ((page.token_mask >> rows.token[1]) & 1u) != 0};
   const bool rows_see_page = selected[0] && selected[1] &&
                              page_last <= min(rows.last_key[0], rows.last_key[1]);
+  // A warp none of whose rows' tokens selected the page (in a union, about half of them):
+  // every score would be masked, so P = 0 and the rows keep their state, exactly what the
+  // masked path below gives, without its mask and softmax on -inf scores. Those made such a
+  // warp the slowest of its warpgroup on nearly every union page (its turn waits for all four).
+  // Every lane votes here, outside the branch: below G 8 a warp's rows hold several tokens, so
+  // the branch diverges, and a full-mask vote inside it would wait for lanes that never come.
+  const bool warp_unselected = __all_sync(0xFFFFFFFFu, !selected[0] && !selected[1]);
   if (!full && !rows_see_page) {
-    // A warp none of whose rows' tokens selected the page (in a union, about half of them):
-    // every score would be masked, so P = 0 and the rows keep their state, exactly what the
-    // masked path below gives, without its mask and softmax on -inf scores. Those made such a
-    // warp the slowest of its warpgroup on nearly every union page (its turn waits for all four).
-    if (__all_sync(0xFFFFFFFFu, !selected[0] && !selected[1])) {
+    if (warp_unselected) {
 #pragma unroll
       for (int i2 = 0; i2 < 2; ++i2) {
         alpha[i2] = rows.max[i2] == -INFINITY ? 0.f : 1.f;
