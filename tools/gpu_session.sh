@@ -25,6 +25,16 @@
 # Logs and TSV go to $OUT (at most 8 files come back from the device tool: gpu.txt, build.log,
 # tests.log, bench.log and one TSV per benchmark).
 set -uo pipefail
+# The device tool kills a call at its timeout and then returns only what $OUT already holds:
+# every stage's timeout is cut to what is left of MSA_CALL_SECONDS (set it a little under the
+# call's timeout_s), so a hung test or benchmark still leaves time for the later stages' logs.
+deadline=$(( SECONDS + ${MSA_CALL_SECONDS:-570} ))
+within() {   # within DEFAULT [RESERVE]: DEFAULT, or the seconds left before the deadline less
+             # RESERVE (at least 10)
+  local left=$(( deadline - SECONDS - ${2:-0} ))
+  [ "$left" -lt 10 ] && left=10
+  echo $(( $1 < left ? $1 : left ))
+}
 ART=${1:-.artifacts}
 WHAT=${2:-all}
 shift $(( $# > 2 ? 2 : $# ))
@@ -95,7 +105,7 @@ if [ -n "${MSA_SANITIZE:-}" ]; then
   # compute-sanitizer memcheck over a representative set of native calls
   # (tools/sanitize_cases.py), in the background while the tests run.
   echo "== compute-sanitizer memcheck (background)"
-  ( timeout ${MSA_SANITIZE_TIMEOUT:-400} compute-sanitizer --tool memcheck --error-exitcode 9 \
+  ( timeout "$(within ${MSA_SANITIZE_TIMEOUT:-400} 60)" compute-sanitizer --tool memcheck --error-exitcode 9 \
       --print-limit 20 python3 tools/sanitize_cases.py "$PWD/$VARIANT" > "$OUT/sanitizer.log" 2>&1
     echo "sanitizer exit $?" >> "$OUT/sanitizer.log" ) &
   sanitizer_pid=$!
@@ -120,6 +130,10 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   done
   threads=$(( $(nproc) / processes )); [ "$threads" -lt 1 ] && threads=1
   echo "$processes test processes, $threads torch threads each"
+  # A test that hangs (a kernel waiting on a barrier or a vote forever) leaves its file's
+  # timeout as the only sign: faulthandler dumps every thread's stack after
+  # MSA_TEST_HANG_SECONDS in one test, which names it in the log.
+  test_timeout=$(within ${MSA_TEST_TIMEOUT:-420} 60)
   pids=()
   for entry in "${entries[@]}"; do
     # "file@N~EXPR": N pytest-xdist workers for that file (its float64 oracles are CPU-bound),
@@ -131,8 +145,9 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
     [ "$file" != "$entry" ] && workers=(-n "${entry##*@}")
     log=/tmp/msa-tests-$(echo "${file#tests/}" | sed 's/\.py//; s/[^A-Za-z0-9_.-]/_/g').log
     OMP_NUM_THREADS=$threads MSA_TEST_PACKAGE_DIR=$PWD/$VARIANT MSA_EXPECT_NATIVE=1 \
-      timeout ${MSA_TEST_TIMEOUT:-420} \
-      python3 -m pytest -p no:cacheprovider "$file" "${workers[@]}" ${MSA_PYTEST_ARGS:--q} \
+      timeout "$test_timeout" \
+      python3 -m pytest -p no:cacheprovider -o faulthandler_timeout=${MSA_TEST_HANG_SECONDS:-150} \
+      "$file" "${workers[@]}" ${MSA_PYTEST_ARGS:--q} \
       ${select:+-k "$select"} -s > "$log" 2>&1 &
     pids+=($!)
   done
@@ -150,7 +165,7 @@ fi
 if [ -n "${MSA_EXTRA:-}" ]; then
   # A one-off command with the session's environment (e.g. a diagnostic script); $VARIANT is set.
   echo "== extra: $MSA_EXTRA"
-  VARIANT=$VARIANT timeout ${MSA_EXTRA_TIMEOUT:-120} bash -c "$MSA_EXTRA" > "$OUT/extra.log" 2>&1 \
+  VARIANT=$VARIANT timeout "$(within ${MSA_EXTRA_TIMEOUT:-120} 15)" bash -c "$MSA_EXTRA" > "$OUT/extra.log" 2>&1 \
     || echo "extra exit $?" >> "$OUT/extra.log"
   tail -30 "$OUT/extra.log"
 fi
@@ -173,7 +188,7 @@ elif [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
     # shellcheck disable=SC2206
     [ -n "${!per_bench:-}" ] && args=(${!per_bench})
     echo "===== bench_$bench ${args[*]}" >> "$OUT/bench.log"
-    MSA_PACKAGE_DIR=$PWD/$VARIANT MSA_COMMIT=${MSA_COMMIT:-unknown} timeout ${MSA_BENCH_TIMEOUT:-400} \
+    MSA_PACKAGE_DIR=$PWD/$VARIANT MSA_COMMIT=${MSA_COMMIT:-unknown} timeout "$(within ${MSA_BENCH_TIMEOUT:-400} 15)" \
       python3 benchmarks/bench_$bench.py --out "$OUT/${bench}_h200.tsv" "${args[@]}" \
       > "$OUT/bench_$bench.tmp" 2>&1 || status=1
     tail -15 "$OUT/bench_$bench.tmp"
