@@ -82,6 +82,7 @@ constexpr bool kIsE4m3 = F == kE4m3 || F == kE4m3Tma;
 // shows up in the next phase); MSA_LAB_NO_LOADS issues no copies (the stages keep whatever they
 // hold: the loop without DRAM); MSA_LAB_NO_OFFERS skips the offers (the loop without the lists);
 // MSA_LAB_NO_MERGE leaves out the request's merge (its last CTA exits after the count);
+// MSA_LAB_SC_FENCES counts CTAs in as before the acq_rel add (every thread's __threadfence);
 // MSA_LAB_MIN_CHUNK_PAGES=n sets the plan's smallest chunk (the kernel's, not the Python plan's);
 // MSA_LAB_WIDEN_BY_ALU widens e4m3 keys by integer ops (sm80::e4m3x2_lo_to_scaled_f16x2: x 2^-8,
 // folded back into the score factor) instead of F2FP (a NaN key byte then reads as +-480).
@@ -169,6 +170,16 @@ struct SmemLayout {
   static constexpr int kBytes = kMaxOffset + 2 * kWarps * MT * 16 * 4;   // [2][warp][row]
   static constexpr int kAlloc = kBytes + kBaseAlign;
 };
+
+// *counter += value at GPU scope with acquire-release semantics; the old value.
+__device__ __forceinline__ int add_acq_rel_gpu(int* counter, int value) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
+               : "=r"(old)
+               : "l"(counter), "r"(value)
+               : "memory");
+  return old;
+}
 
 // fp32 -> uint32 with the same order (-0 == +0), for warp-wide max reductions.
 __device__ __forceinline__ uint32_t order_code(float x) {
@@ -821,11 +832,21 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
     run_pages(Yes{}, Yes{}, lists, own);
   }
 
-  // Count this CTA in.
+  // Count this CTA in. Its lists reach the request's merging CTA through the counter: the CTA
+  // barrier orders every thread's list stores before thread 0's acquire-release add at GPU
+  // scope (cumulative over what the barrier ordered), and the merging CTA's thread 0 acquires
+  // every earlier chunk's lists through the same add, then its barrier hands them to its warps
+  // (whose loads go to L2). One thread's acq_rel atomic instead of every thread's sequentially
+  // consistent fence (MEMBAR.SC.GPU and an L1 invalidation) before and after the count.
   MSA_LAB_CALL_MARK(2);
+#ifdef MSA_LAB_SC_FENCES   // the fences the acq_rel add replaced, for the A/B
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) s_last = atomicAdd(a.requests + 3 * b + 2, 1) == num_chunks - 1;
+#else
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = add_acq_rel_gpu(a.requests + 3 * b + 2, 1) == num_chunks - 1;
+#endif
   __syncthreads();
   MSA_LAB_CALL_MARK(3);
   if (!s_last) MSA_LAB_CALL_EXIT();
@@ -835,7 +856,9 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
   MSA_LAB_CALL_EXIT();
   return;
 #endif
+#ifdef MSA_LAB_SC_FENCES
   __threadfence();
+#endif
 
   // The last CTA of the request: per row, merge the request's chunk lists. A row takes a
   // segment of `seg` lanes (merge_segment_lanes), lane `slot` holding chunk slot's list (and

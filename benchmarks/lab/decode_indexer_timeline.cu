@@ -13,6 +13,8 @@
 // holds the lists and offers; its stamps are the last warp's).
 // Add -DMSA_LAB_CALL_PHASES for the last call's phases over every CTA (prologue, page loop,
 // count-in, the merge's loads and rounds; entries and exits on the common clock).
+// -DMSA_LAB_SC_FENCES counts the CTAs in with every thread's __threadfence() before and after
+// the count, as before the acq_rel add (its A/B); -DMSA_LAB_NO_MERGE leaves the merge out.
 // Add -DMSA_LAB_NO_LOADS for the same kernel without its copies (the loop's own rate, without
 // DRAM), -DMSA_LAB_NO_OFFERS without its offers, -DMSA_LAB_WIDEN_BY_ALU=1 with e4m3 keys widened
 // by integer ops instead of F2FP (csrc/decode_indexer.cu). Prints the indexer's time per call (the plan update timed apart) and its bytes per
