@@ -47,12 +47,24 @@ void print_call_phases(int capacity, const int32_t* d_work, const int32_t* d_req
   struct Stat { double sum = 0, max = 0; int n = 0;
     void add(double v) { sum += v; max = std::max(max, v); ++n; }
     double mean() const { return n ? sum / n : 0.0; } };
+  const auto live = [&](int c) {
+    const int b = work[2 * c], chunk = work[2 * c + 1];
+    return b >= 0 && b < batch && chunk >= 0 && chunk < requests[3 * b + 1];
+  };
+  // The SM clock, from the CTAs' own spans on both clocks (entry to exit: mark 5 in a merging
+  // CTA, mark 3 in the others).
+  double span_cycles = 0.0, span_ns_total = 0.0;
+  for (int c = 0; c < ctas; ++c) {
+    if (!live(c)) continue;
+    span_cycles += clk[c][clk[c][5] != 0 ? 5 : 3] - clk[c][0];
+    span_ns_total += ns[c][1] - ns[c][0];
+  }
+  const double cycles_per_ns = span_ns_total > 0 ? span_cycles / span_ns_total : 1.0;
   Stat prologue, pages, count_in, loads, rounds, span_ns;
   long long first_entry = 0, last_entry = 0, last_loop_end = 0, last_exit = 0;
   bool any = false;
   for (int c = 0; c < ctas; ++c) {
-    const int b = work[2 * c], chunk = work[2 * c + 1];
-    if (b < 0 || b >= batch || chunk < 0 || chunk >= requests[3 * b + 1]) continue;
+    if (!live(c)) continue;
     const long long* t = clk[c];
     prologue.add(t[1] - t[0]);
     pages.add(t[2] - t[1]);
@@ -62,8 +74,8 @@ void print_call_phases(int capacity, const int32_t* d_work, const int32_t* d_req
       rounds.add(t[5] - t[4]);
     }
     span_ns.add(ns[c][1] - ns[c][0]);
-    // The CTA's loop end on the common clock, from its entry and its own cycles (1.98 GHz).
-    const long long loop_end = ns[c][0] + (t[2] - t[0]) * 1000 / 1980;
+    // The CTA's loop end on the common clock, from its entry and its own cycles.
+    const long long loop_end = ns[c][0] + static_cast<long long>((t[2] - t[0]) / cycles_per_ns);
     if (!any) { first_entry = last_entry = ns[c][0]; any = true; }
     first_entry = std::min(first_entry, ns[c][0]);
     last_entry = std::max(last_entry, ns[c][0]);
@@ -75,9 +87,9 @@ void print_call_phases(int capacity, const int32_t* d_work, const int32_t* d_req
               "stores %.0f / %.0f\n",
               pages.n, prologue.mean(), prologue.max, pages.mean(), pages.max, count_in.mean(),
               count_in.max, loads.n, loads.mean(), loads.max, rounds.mean(), rounds.max);
-  std::printf("common clock (ns): entries spread over %lld, a CTA's span %.0f mean / %.0f max, "
+  std::printf("common clock (ns; SM clock %.2f GHz from the spans): entries spread over %lld, a CTA's span %.0f mean / %.0f max, "
               "first entry to last page loop end ~%lld, to last exit %lld\n",
-              last_entry - first_entry, span_ns.mean(), span_ns.max, last_loop_end - first_entry,
+              cycles_per_ns, last_entry - first_entry, span_ns.mean(), span_ns.max, last_loop_end - first_entry,
               last_exit - first_entry);
 }
 #endif
