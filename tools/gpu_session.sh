@@ -14,6 +14,8 @@
 #   MSA_BENCH_UNVALIDATED=1 (the benchmarks may run gated kernels: with MSA_BENCH_IF_GREEN, a
 #   kernel whose test just passed on this host is timed in the same call)
 #   MSA_REQUIRE_GPU=H200 (exit 2 before the build unless nvidia-smi's name contains it)
+#   MSA_CALL_SECONDS=570 (every stage's timeout cut to what is left of it)
+#   MSA_TEST_HANG_SECONDS=150 (pytest's faulthandler_timeout: a hung test's stacks in the log)
 #   MSA_CUDA_CAPS=8.0+PTX (csrc built as sm_80 SASS + compute_80 PTX, which the H200 JIT-compiles:
 #   the portable tier's proxy build; default 9.0a)
 #
@@ -130,9 +132,6 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   done
   threads=$(( $(nproc) / processes )); [ "$threads" -lt 1 ] && threads=1
   echo "$processes test processes, $threads torch threads each"
-  # A test that hangs (a kernel waiting on a barrier or a vote forever) leaves its file's
-  # timeout as the only sign: faulthandler dumps every thread's stack after
-  # MSA_TEST_HANG_SECONDS in one test, which names it in the log.
   test_timeout=$(within ${MSA_TEST_TIMEOUT:-420} 60)
   pids=()
   for entry in "${entries[@]}"; do
@@ -144,6 +143,9 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
     workers=()
     [ "$file" != "$entry" ] && workers=(-n "${entry##*@}")
     log=/tmp/msa-tests-$(echo "${file#tests/}" | sed 's/\.py//; s/[^A-Za-z0-9_.-]/_/g').log
+    # A test that hangs (a kernel waiting on a barrier or a vote forever) would leave only its
+    # file's timeout as a sign: faulthandler dumps every thread's stack after
+    # MSA_TEST_HANG_SECONDS in one test, which names it in the log.
     OMP_NUM_THREADS=$threads MSA_TEST_PACKAGE_DIR=$PWD/$VARIANT MSA_EXPECT_NATIVE=1 \
       timeout "$test_timeout" \
       python3 -m pytest -p no:cacheprovider -o faulthandler_timeout=${MSA_TEST_HANG_SECONDS:-150} \
