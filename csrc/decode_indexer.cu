@@ -83,6 +83,7 @@ constexpr bool kIsE4m3 = F == kE4m3 || F == kE4m3Tma;
 // hold: the loop without DRAM); MSA_LAB_NO_OFFERS skips the offers (the loop without the lists);
 // MSA_LAB_NO_MERGE leaves out the request's merge (its last CTA exits after the count);
 // MSA_LAB_SC_FENCES counts CTAs in as before the acq_rel add (every thread's __threadfence);
+// MSA_LAB_PACKED_MERGE takes each merge round's best head by one 64-bit segment maximum;
 // MSA_LAB_MIN_CHUNK_PAGES=n sets the plan's smallest chunk (the kernel's, not the Python plan's);
 // MSA_LAB_WIDEN_BY_ALU widens e4m3 keys by integer ops (sm80::e4m3x2_lo_to_scaled_f16x2: x 2^-8,
 // folded back into the score factor) instead of F2FP (a NaN key byte then reads as +-480).
@@ -922,6 +923,27 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
     // the rounds, off their dependency chain.
     int* picks = merge_picks + (warp * 32 + lane / seg) * kMaxTopk;
     int count = 0;
+#ifdef MSA_LAB_PACKED_MERGE
+    // One 64-bit segment maximum a round (score code high, ~id low) below 32 lanes, in place
+    // of two dependent 32-bit ones; redux serves whole-warp segments either way.
+    if (seg < 32) {
+      for (int k = 0; k < keep; ++k) {
+        using u64 = unsigned long long;
+        const u64 key = static_cast<u64>(order_code(pool.score[0])) << 32 |
+                        ~static_cast<uint32_t>(pool.id[0]);
+        u64 best = key;
+        for (int offset = seg >> 1; offset > 0; offset >>= 1) {
+          const u64 other = __shfl_xor_sync(0xFFFFFFFFu, best, offset);
+          best = other > best ? other : best;
+        }
+        if (static_cast<uint32_t>(best >> 32) != empty_code) {
+          if (key == best) pool.pop_front();
+          if (slot == (k & (seg - 1))) picks[k] = static_cast<int>(~static_cast<uint32_t>(best));
+          count = k + 1;
+        }
+      }
+    } else
+#endif
     for (int k = 0; k < keep; ++k) {
       const uint32_t hi = order_code(pool.score[0]);
       const uint32_t best_hi = segment_max(hi, seg);

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The fused decode indexer's call phases at MTP 8 (e4m3 keys as TMA pages, four index heads),
-# short to long contexts, in three builds of benchmarks/lab/decode_indexer_timeline.cu: as
+# short to long contexts, in four builds of benchmarks/lab/decode_indexer_timeline.cu: as
 # served (the acq_rel count-in), with the former sequentially consistent fences
-# (-DMSA_LAB_SC_FENCES), and without the merge (-DMSA_LAB_NO_MERGE). A GPU diagnostic (no
+# (-DMSA_LAB_SC_FENCES), without the merge (-DMSA_LAB_NO_MERGE), and with one 64-bit segment
+# maximum a merge round (-DMSA_LAB_PACKED_MERGE). A GPU diagnostic (no
 # TSV), e.g. as gpu_session.sh's MSA_EXTRA="bash benchmarks/lab/decode_indexer_phases.sh".
 #
 #   bash benchmarks/lab/decode_indexer_phases.sh ["B keys" ...]   (default: 32 x 4k, 8 x 4k,
@@ -13,11 +14,12 @@ src=benchmarks/lab/decode_indexer_timeline.cu
 nvcc $flags -o /tmp/idx_served "$src" &
 nvcc $flags -DMSA_LAB_SC_FENCES -o /tmp/idx_scfence "$src" &
 nvcc $flags -DMSA_LAB_NO_MERGE -o /tmp/idx_nomerge "$src" &
+nvcc $flags -DMSA_LAB_PACKED_MERGE -o /tmp/idx_packed "$src" &
 wait
 shapes=("$@")
 [ ${#shapes[@]} -eq 0 ] && shapes=("32 4096" "8 4096" "128 4096" "32 10240" "32 102400")
 for shape in "${shapes[@]}"; do
-  for build in served scfence nomerge; do
+  for build in served scfence nomerge packed; do
     echo "== $build, B / keys: $shape"
     # shellcheck disable=SC2086
     timeout 30 /tmp/idx_$build e4m3-tma $shape 8 4 | grep -v "^warp\|^last\|^(work"
