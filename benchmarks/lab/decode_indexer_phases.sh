@@ -11,10 +11,16 @@
 set -u
 flags="-arch=sm_90a -O3 -std=c++17 -Icsrc -Itorch-ext -DMSA_LAB_TIMELINE -DMSA_LAB_CALL_PHASES"
 src=benchmarks/lab/decode_indexer_timeline.cu
-nvcc $flags -o /tmp/idx_served "$src" &
-nvcc $flags -DMSA_LAB_SC_FENCES -o /tmp/idx_scfence "$src" &
-nvcc $flags -DMSA_LAB_NO_MERGE -o /tmp/idx_nomerge "$src" &
-nvcc $flags -DMSA_LAB_PACKED_MERGE -o /tmp/idx_packed "$src" &
+# MSA_LAB_BIN: a folder of these binaries built elsewhere (nvcc -arch=sm_90a builds them on a
+# machine without a GPU), e.g. carried to the device; the missing ones are built here (all of
+# them, in a fresh folder, without it).
+bin=${MSA_LAB_BIN:-$(mktemp -d)}
+declare -A defines=([served]="" [scfence]=-DMSA_LAB_SC_FENCES [nomerge]=-DMSA_LAB_NO_MERGE
+                    [packed]=-DMSA_LAB_PACKED_MERGE)
+for build in "${!defines[@]}"; do
+  # shellcheck disable=SC2086
+  [ -x "$bin/idx_$build" ] || nvcc $flags ${defines[$build]} -o "$bin/idx_$build" "$src" &
+done
 wait
 shapes=("$@")
 [ ${#shapes[@]} -eq 0 ] && shapes=("32 4096" "8 4096" "128 4096" "32 10240" "32 102400")
@@ -22,6 +28,6 @@ for shape in "${shapes[@]}"; do
   for build in served scfence nomerge packed; do
     echo "== $build, B / keys: $shape"
     # shellcheck disable=SC2086
-    timeout 30 /tmp/idx_$build e4m3-tma $shape 8 4 | grep -v "^warp\|^last\|^(work"
+    timeout 30 "$bin/idx_$build" e4m3-tma $shape 8 4 | grep -v "^warp\|^last\|^(work"
   done
 done
