@@ -433,6 +433,26 @@ def test_native_token_warps_tile_ranges(msa_pkg, native_only, seed, native_hooks
     _assert_replay_equals_eager(graph, wrapper, q, k, v, graph_out, graph_lse)
 
 
+def test_native_sparse_tile_form_follows_union_density(msa_pkg, native_only, seed):
+    """The served form of sparse e4m3 128-row tiles that fill the SMs (40 requests x 2 KV heads,
+    MTP 8, G 16, top-16; nothing forced): the ping-pong union while the tile's 128 selections
+    make at least 3 a block of the planned context (4000 keys: 32 blocks), the token-warps form
+    past that (8000 keys: 63 blocks). Both against the oracle."""
+    decode_cuda = importlib.import_module(f"{msa_pkg.__name__}._native.decode_cuda")
+    token_warps_code = decode_cuda.TOKEN_WARPS_FORMS[decode_cuda.TOKEN_WARPS_FORM]
+    gen = torch.Generator().manual_seed(seed)
+    for longest, token_warps in ((4000, 0), (8000, token_warps_code)):
+        lens = torch.randint(longest // 2, longest + 1, (40,), generator=gen).tolist()
+        lens[0] = longest
+        q, k, v, table, seqused_k, q2k = _batch(lens, 8, 16, "fp8", True, topk=16)
+        wrapper = _plan(msa_pkg, table, seqused_k, 8, HKV * 16, q2k)
+        out, lse = _run_native(msa_pkg, wrapper, q, k, v)
+        launched = decode_cuda.last_launch()
+        assert launched["token_warps"] == token_warps, longest
+        assert launched["pingpong"] == (token_warps == 0), longest
+        _check(out, lse, q, k, v, table, seqused_k, 8, q2k)
+
+
 @pytest.mark.parametrize("split", ["auto", "forced"])
 @pytest.mark.parametrize("group", [16, 4])
 def test_native_direct_form_tile_ranges(msa_pkg, native_only, seed, group, split):

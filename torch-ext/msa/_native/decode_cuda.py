@@ -76,7 +76,8 @@ VALIDATED_PV_FP8 = frozenset({"persistent", "sparse"})
 # f16 stages). Validated on an H100 (f6e4e96: tests/test_decode_gpu.py ~token_warps, 42 cases;
 # memcheck). Served: "per_warp", faster than the ping-pong union and the 16-row query tiles
 # from 5k keys at B 32 (the step's attention 106 vs 124 us at 5k, 124 vs 165 at 10k, 187 vs
-# 195 at 100k; equal at 4k) and B 128 / 4k (347 vs 367, lab); "once" is slower everywhere (its
+# 195 at 100k), except where the union is dense (schedules.decode.union_dense: 4k, where the
+# ping-pong form skips a warp's unselected pages); "once" is slower everywhere (its
 # producer's widening sets the pace: ~3250 cycles a page). TOKEN_WARPS_FORM is the form
 # served (and forced by decode_token_warps=True); the hook also takes a form's name.
 VALIDATED_TOKEN_WARPS = True
@@ -239,13 +240,18 @@ def _token_warps(call) -> int:
     VALIDATED_TOKEN_WARPS (or with MSA_UNVALIDATED_KERNELS=1). The decode_token_warps hook
     forces it on such calls (True: TOKEN_WARPS_FORM, or a form's name) or off (False). Unforced,
     calls of few tiles (schedules.decode.few_tiles) leave their split tiles to the ping-pong
-    form. The launcher takes it where it can make the caches' tensor maps; elsewhere the
-    warpgroup forms serve."""
+    form, and so do calls whose tiles' union is dense in their planned blocks
+    (schedules.decode.union_dense). The launcher takes it where it can make the caches' tensor
+    maps; elsewhere the warpgroup forms serve."""
     if call.q2k_indices is None or _form_dtype(call) != "e4m3" or _tile_rows(call) <= 16:
         return 0
-    schedule = call.schedule   # its tiles and CTA budget: what the plan's tile rule saw
-    if debug.forced("decode_token_warps") is None and schedules_decode.few_tiles(
-            call.batch_size, call.k.shape[1], schedule.num_qo_tiles, schedule.max_grid_size):
+    schedule = call.schedule   # its tiles, CTA budget and planned pages: what the plan saw
+    if debug.forced("decode_token_warps") is None and (
+            schedules_decode.few_tiles(call.batch_size, call.k.shape[1], schedule.num_qo_tiles,
+                                       schedule.max_grid_size)
+            or (not schedule.slot_chunks and schedules_decode.union_dense(
+                call.seqlen_q, call.qhead_per_kv, max(schedule.planned_units, default=0),
+                schedule.sparse_topk))):
         return 0
     return _token_warps_form()
 

@@ -56,8 +56,8 @@ QO_TILE_ROWS = 128
 #    and the token-warps form's 88 (taken from 2 x topK blocks on; shorter contexts unmeasured);
 #  * where the token-warps form serves the 128-row tiles (a warp per token, only its own
 #    pages), it beats the query tiles: B 32 attention 106 vs 124 us at 5k, 124 vs 165 at 10k,
-#    187 vs 195 at 100k; at 4k it equals the ping-pong union (106 vs 107), B 128 / 4k 347 vs
-#    367 (lab).
+#    187 vs 195 at 100k; where the union is dense (union_dense, 4k) the ping-pong union serves
+#    the 128-row tiles instead.
 QUERY_TILE_ROWS = 16
 # A CUDA-graph plan of a dense call cannot see the lengths, so one wave of equal chunks finishes
 # when the longest request does (a batch of lengths nominal +- 25 % ran ~1.25x its mean time).
@@ -133,6 +133,25 @@ def union_collapses(seqlen_q: int, group: int, max_seqlen_k: int, page_size: int
     query tiles read it once a token."""
     selections = min(seqlen_q, QO_TILE_ROWS // group) * sparse_topk
     return 2 * _ceil_div(max_seqlen_k, page_size) < selections
+
+
+# Selections of a 128-row tile per block of the planned context from which its sparse e4m3
+# tiles take the ping-pong union rather than the token-warps form. A warp of the ping-pong form
+# whose token did not select a union page skips that page's softmax; where the union is dense
+# every warp of the token-warps form computes nearly every page anyway, and widens its K and V
+# itself, where the ping-pong form reads the e4m3 pages on wgmma. On an H100 (07b845b, MTP 8,
+# G 16, Hkv 4, top-16, the step's attention, protocol lengths nominal +- 25 %, planned for the
+# longest): 4k (40 planned blocks, 3.2 selections a block) B 32 92.9 vs 104.7 us, B 128 342.5
+# vs 354.1; 5k (49 blocks, 2.6) B 32 103.2 vs 107.9 but B 128 386.1 vs 365.3.
+PINGPONG_UNION_MIN_SELECTIONS_PER_BLOCK = 3
+
+
+def union_dense(seqlen_q: int, group: int, blocks: int, sparse_topk: int) -> bool:
+    """Whether a 128-row tile's tokens make at least PINGPONG_UNION_MIN_SELECTIONS_PER_BLOCK
+    selections per block of a `blocks`-block context: its sparse e4m3 tiles then take the
+    ping-pong union instead of the token-warps form."""
+    selections = min(seqlen_q, QO_TILE_ROWS // group) * sparse_topk
+    return PINGPONG_UNION_MIN_SELECTIONS_PER_BLOCK * blocks <= selections
 
 
 def query_tile_rows(seqlen_q: int, group: int, max_seqlen_k: int, page_size: int,
