@@ -82,8 +82,6 @@ constexpr bool kIsE4m3 = F == kE4m3 || F == kE4m3Tma;
 // shows up in the next phase); MSA_LAB_NO_LOADS issues no copies (the stages keep whatever they
 // hold: the loop without DRAM); MSA_LAB_NO_OFFERS skips the offers (the loop without the lists);
 // MSA_LAB_NO_MERGE leaves out the request's merge (its last CTA exits after the count);
-// MSA_LAB_SC_FENCES counts CTAs in as before the acq_rel add (every thread's __threadfence);
-// MSA_LAB_PACKED_MERGE takes each merge round's best head by one 64-bit segment maximum;
 // MSA_LAB_MIN_CHUNK_PAGES=n sets the plan's smallest chunk (the kernel's, not the Python plan's);
 // MSA_LAB_WIDEN_BY_ALU widens e4m3 keys by integer ops (sm80::e4m3x2_lo_to_scaled_f16x2: x 2^-8,
 // folded back into the score factor) instead of F2FP (a NaN key byte then reads as +-480).
@@ -206,6 +204,45 @@ __device__ __forceinline__ uint32_t segment_max(uint32_t v, int seg) {
     v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
   }
   return v;
+}
+
+// The best KCAP entries of the lists a segment of `seg` lanes holds (a power of two, uniform
+// over the warp; every lane takes part), in every lane of the segment, best first, as 64-bit
+// keys order_code(score) << 32 | ~id (one order: higher score, then lower id; empty slots are
+// the smallest). A butterfly over the segment: at each level a lane's list and its partner's,
+// the partner's reversed, give elementwise the larger key, a bitonic sequence holding the best
+// KCAP of both (the lists hold disjoint blocks), which log2(KCAP) half-cleaner steps sort.
+// log2(seg) levels of independent shuffles and compare-exchanges, where extracting the best
+// head KCAP - 1 times is a chain of dependent segment maxima.
+template <int KCAP>
+__device__ __forceinline__ void segment_best_keys(const TopList<KCAP>& list, int seg,
+                                                  unsigned long long (&key)[KCAP]) {
+#pragma unroll
+  for (int i = 0; i < KCAP; ++i) {
+    key[i] = static_cast<unsigned long long>(order_code(list.score[i])) << 32 |
+             ~static_cast<uint32_t>(list.id[i]);
+  }
+  for (int offset = 1; offset < seg; offset <<= 1) {
+#pragma unroll
+    for (int i = 0; i < KCAP / 2; ++i) {
+      const int j = KCAP - 1 - i;
+      const unsigned long long theirs_j = __shfl_xor_sync(0xFFFFFFFFu, key[j], offset);
+      const unsigned long long theirs_i = __shfl_xor_sync(0xFFFFFFFFu, key[i], offset);
+      key[i] = key[i] > theirs_j ? key[i] : theirs_j;
+      key[j] = key[j] > theirs_i ? key[j] : theirs_i;
+    }
+#pragma unroll
+    for (int stride = KCAP / 2; stride > 0; stride >>= 1) {
+#pragma unroll
+      for (int i = 0; i < KCAP; ++i) {
+        if ((i & stride) == 0) {
+          const unsigned long long x = key[i], y = key[i + stride];
+          key[i] = x > y ? x : y;
+          key[i + stride] = x > y ? y : x;
+        }
+      }
+    }
+  }
 }
 
 // History blocks of a request of length `len`: those before the block of its last key.
@@ -840,14 +877,8 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
   // (whose loads go to L2). One thread's acq_rel atomic instead of every thread's sequentially
   // consistent fence (MEMBAR.SC.GPU and an L1 invalidation) before and after the count.
   MSA_LAB_CALL_MARK(2);
-#ifdef MSA_LAB_SC_FENCES   // the fences the acq_rel add replaced, for the A/B
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(a.requests + 3 * b + 2, 1) == num_chunks - 1;
-#else
   __syncthreads();
   if (threadIdx.x == 0) s_last = add_acq_rel_gpu(a.requests + 3 * b + 2, 1) == num_chunks - 1;
-#endif
   __syncthreads();
   MSA_LAB_CALL_MARK(3);
   if (!s_last) MSA_LAB_CALL_EXIT();
@@ -857,10 +888,6 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
   MSA_LAB_CALL_EXIT();
   return;
 #endif
-#ifdef MSA_LAB_SC_FENCES
-  __threadfence();
-#endif
-
   // The last CTA of the request: per row, merge the request's chunk lists. A row takes a
   // segment of `seg` lanes (merge_segment_lanes), lane `slot` holding chunk slot's list (and
   // chunk slot + seg's, ... merged into it past 32 chunks), so a warp merges 32 / seg rows at
@@ -918,32 +945,32 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
         a.out[out_row * a.topk + k] = value;
       }
     };
+    const int pos = len - a.seqlen_q + q;
+    const int row_own = pos >= 0 ? pos / kPage : -1;   // the row's own block
+    if (a.butterfly_merge) {
+      // Every lane of the segment gets the row's best KCAP entries at once; each writes its
+      // share: the picks, then the own block, and -1 in the slots past it.
+      unsigned long long key[KCAP];
+      segment_best_keys(pool, seg, key);
+      int count = 0;
+#pragma unroll
+      for (int k = 0; k < KCAP; ++k) {
+        count += k < keep && static_cast<uint32_t>(key[k] >> 32) != empty_code;
+      }
+#pragma unroll
+      for (int k = 0; k < KCAP; ++k) {
+        if (live && k < a.topk && (k & (seg - 1)) == slot) {
+          store(k, k < count ? static_cast<int>(~static_cast<uint32_t>(key[k]))
+                             : (k == count ? row_own : -1));
+        }
+      }
+      continue;
+    }
     // Each round the segment's best head (highest score, then lowest id) leaves its lane's
     // list into the row's picks in shared memory; the row goes to global memory once after
     // the rounds, off their dependency chain.
     int* picks = merge_picks + (warp * 32 + lane / seg) * kMaxTopk;
     int count = 0;
-#ifdef MSA_LAB_PACKED_MERGE
-    // One 64-bit segment maximum a round (score code high, ~id low) below 32 lanes, in place
-    // of two dependent 32-bit ones; redux serves whole-warp segments either way.
-    if (seg < 32) {
-      for (int k = 0; k < keep; ++k) {
-        using u64 = unsigned long long;
-        const u64 key = static_cast<u64>(order_code(pool.score[0])) << 32 |
-                        ~static_cast<uint32_t>(pool.id[0]);
-        u64 best = key;
-        for (int offset = seg >> 1; offset > 0; offset >>= 1) {
-          const u64 other = __shfl_xor_sync(0xFFFFFFFFu, best, offset);
-          best = other > best ? other : best;
-        }
-        if (static_cast<uint32_t>(best >> 32) != empty_code) {
-          if (key == best) pool.pop_front();
-          if (slot == (k & (seg - 1))) picks[k] = static_cast<int>(~static_cast<uint32_t>(best));
-          count = k + 1;
-        }
-      }
-    } else
-#endif
     for (int k = 0; k < keep; ++k) {
       const uint32_t hi = order_code(pool.score[0]);
       const uint32_t best_hi = segment_max(hi, seg);
@@ -957,8 +984,6 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
     }
     __syncwarp();
     // The picks, then the row's own block, and -1 in the slots past it.
-    const int pos = len - a.seqlen_q + q;
-    const int row_own = pos >= 0 ? pos / kPage : -1;
     for (int k = slot; live && k < a.topk; k += seg) {
       store(k, k < count ? picks[k] : (k == count ? row_own : -1));
     }

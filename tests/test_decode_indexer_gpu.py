@@ -11,6 +11,8 @@ the gated kernel with MSA_UNVALIDATED_KERNELS=1 and MSA_BACKEND=native (no silen
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -158,32 +160,54 @@ def test_native_indexer_nvfp4_linear_scales(msa_pkg, native_only, seed):
     _check(tiled, keys, 8, 16, a, scores)
 
 
+MERGE_FORMS = {"rounds": False, "butterfly": True}
+
+
+def _run_merge_form(msa, native_hooks, merge, inputs, plan):
+    """One call with the chunk lists merged in `merge`'s form (MERGE_FORMS), which it checks
+    the launch asked for."""
+    decode_indexer_cuda = importlib.import_module(f"{msa.__name__}._native.decode_indexer_cuda")
+    native_hooks.force(decode_indexer_butterfly_merge=MERGE_FORMS[merge])
+    result = _run(msa, inputs, plan)
+    assert decode_indexer_cuda.last_launch()["butterfly_merge"] == MERGE_FORMS[merge]
+    return result
+
+
+@pytest.mark.parametrize("merge", list(MERGE_FORMS))
 @pytest.mark.parametrize("max_ctas", [1, 7, 600])
-def test_native_indexer_any_split(msa_pkg, native_only, seed, tier, max_ctas):
-    """One CTA for everything, a few, and more CTAs than blocks (many one-chunk merges)."""
+def test_native_indexer_any_split(msa_pkg, native_only, seed, tier, native_hooks, max_ctas,
+                                  merge):
+    """One CTA for everything, a few, and more CTAs than blocks (many one-chunk merges), with
+    the chunk lists merged in rounds or as a butterfly."""
     lens = [100000, 3, 5000]
     inputs, keys = make_index_batch(lens, 8, 4, "e4m3", device="cuda")
     plan = _plan(msa_pkg, inputs, 8, 4, 16, max_ctas=max_ctas)
-    out, scores = _run(msa_pkg, inputs, plan)
+    out, scores = _run_merge_form(msa_pkg, native_hooks, merge, inputs, plan)
     _check(inputs, keys, 8, 16, out, scores)
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "bf16"])
 @pytest.mark.parametrize("seqlen_q,heads,topk", [(8, 4, 16), (8, 4, 32), (1, 4, 16), (16, 8, 4)])
-def test_native_indexer_merge_segments(msa_pkg, native_only, seed, seqlen_q, heads, topk):
+def test_native_indexer_merge_segments(msa_pkg, native_only, seed, native_hooks, fmt, seqlen_q,
+                                       heads, topk):
     """The merge gives a row as many lanes as its request has chunks (a power of two, at most
     32, lanes taking several lists past 32; no fewer than spread the rows over the warps):
     requests of 1, 2, 3, 5, 9, 17, 33 and 40 chunks of 4 blocks, so at 128 rows segments of 2
-    to 32 lanes (16 rows a warp at once down to one), at 32 rows 8 to 32, at 4 rows 32."""
+    to 32 lanes (16 rows a warp at once down to one), at 32 rows 8 to 32, at 4 rows 32. The
+    rounds and the butterfly pick the same blocks in the same order (one total order: higher
+    score, then lower id), and meet the oracle."""
     from msa.decode_indexer import plan_work_split
     chunks = (1, 2, 3, 5, 9, 17, 33, 40)
     lens = [4 * n * 128 + 1 + 13 * i for i, n in enumerate(chunks)]   # 4 n history blocks
     max_ctas = 1000
     _, requests, chunk = plan_work_split(lens, max_ctas + len(lens))
     assert chunk == 4 and requests[:, 1].tolist() == list(chunks)
-    inputs, keys = make_index_batch(lens, seqlen_q, heads, "e4m3", device="cuda")
+    inputs, keys = make_index_batch(lens, seqlen_q, heads, fmt, device="cuda")
     plan = _plan(msa_pkg, inputs, seqlen_q, heads, topk, max_ctas=max_ctas)
-    out, scores = _run(msa_pkg, inputs, plan)
-    _check(inputs, keys, seqlen_q, topk, out, scores)
+    rounds, scores = _run_merge_form(msa_pkg, native_hooks, "rounds", inputs, plan)
+    butterfly, _ = _run_merge_form(msa_pkg, native_hooks, "butterfly", inputs, plan)
+    assert torch.equal(rounds, butterfly)
+    _check(inputs, keys, seqlen_q, topk, butterfly, scores)
 
 
 def test_native_plan_update_matches_host_split(msa_pkg, native_only, tier):

@@ -331,13 +331,17 @@ def decode_runs(family="sm90"):
 
 def decode_indexer_runs(family="sm90"):
     """The fused decode indexer + top-k: bf16 / e4m3 / NVFP4 (both scale layouts) keys, MTP
-    rows (17-32 rows with and without the offer warp), a many-chunk merge, out-of-range page ids
-    and lengths past the table."""
+    rows (17-32 rows with and without the offer warp), many-chunk merges (rounds and
+    butterfly), out-of-range page ids and lengths past the table."""
     import test_decode_indexer as indexer_cases
-    for fmt, layout, seqlen_q, heads, topk, ctas, offer_warp in (
-            ("bf16", "128x4", 1, 4, 16, None, False), ("e4m3", "128x4", 8, 4, 16, 5, False),
-            ("e4m3", "128x4", 8, 4, 16, 5, True), ("bf16", "128x4", 5, 4, 32, None, True),
-            ("nvfp4", "128x4", 16, 8, 32, None, False), ("nvfp4", "linear", 3, 2, 4, 600, False)):
+    for fmt, layout, seqlen_q, heads, topk, ctas, offer_warp, butterfly in (
+            ("bf16", "128x4", 1, 4, 16, None, False, False),
+            ("e4m3", "128x4", 8, 4, 16, 5, False, False),
+            ("e4m3", "128x4", 8, 4, 16, 5, True, True),
+            ("bf16", "128x4", 5, 4, 32, None, True, False),
+            ("e4m3", "128x4", 8, 4, 32, 600, False, True),
+            ("nvfp4", "128x4", 16, 8, 32, None, False, True),
+            ("nvfp4", "linear", 3, 2, 4, 600, False, False)):
         inputs, _ = indexer_cases.make_index_batch([1, 129, 5000, 77, 300], seqlen_q, heads, fmt,
                                                    device="cuda", layout=layout)
         inputs["page_table"][2, 1] = 1 << 30
@@ -346,7 +350,8 @@ def decode_indexer_runs(family="sm90"):
                                             num_index_heads=heads, topk=topk, max_seqlen_k=5001,
                                             max_ctas=ctas)
         args = {k: v for k, v in inputs.items() if k != "seqused_k"}
-        with debug.forcing(decode_indexer_offer_warp=offer_warp):
+        with debug.forcing(decode_indexer_offer_warp=offer_warp,
+                           decode_indexer_butterfly_merge=butterfly):
             msa.decode_indexer_topk(plan=plan, return_scores=True, **args)
         expect_native("decode_indexer_topk", family)
         expect_native("decode_indexer_plan_update", family)

@@ -777,7 +777,7 @@ void decode_indexer_topk(const torch::Tensor& q, const torch::Tensor& k,
                          const torch::Tensor& chunk_pages, torch::Tensor& partials,
                          torch::Tensor& out, const std::optional<torch::Tensor>& scores,
                          int64_t seqlen_q, int64_t topk, double scale, bool tma_pages,
-                         bool offer_warp) {
+                         bool offer_warp, bool butterfly_merge) {
   TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
@@ -883,6 +883,7 @@ void decode_indexer_topk(const torch::Tensor& q, const torch::Tensor& k,
   }
   a.tma_pages = tma_pages;
   a.offer_warp = offer_warp;
+  a.butterfly_merge = butterfly_merge;
   check_launch(msa::launch_decode_indexer_topk(a, c10::cuda::getCurrentCUDAStream(device.index())),
                "decode_indexer_topk");
 }
@@ -980,7 +981,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "Tensor? k_global_scale, Tensor page_table, Tensor seqused_k, Tensor work, "
       "Tensor(a!) requests, Tensor chunk_pages, Tensor(b!) partials, Tensor(c!) out, "
       "Tensor(d!)? scores, int seqlen_q, int topk, float scale, bool tma_pages=False, "
-      "bool offer_warp=False) -> ()");
+      "bool offer_warp=False, bool butterfly_merge=False) -> ()");
   ops.impl("decode_indexer_topk", torch::kCUDA, &decode_indexer_topk);
   ops.def("csrc_image(str unit, int device) -> (int, int, str)");
   // No tensor argument, so no dispatch key to register under: a catch-all kernel.

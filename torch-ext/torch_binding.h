@@ -183,6 +183,9 @@ struct DecodeIndexerArgs {
   // 17-32 rows a request: a ninth warp holds the candidate lists and offers each page's scores
   // while the eight scoring warps score the next page.
   bool offer_warp;
+  // The merge of a request's chunk lists as a butterfly over each row's lanes (bitonic merges
+  // of 64-bit keys) instead of topk - 1 rounds of segment maxima.
+  bool butterfly_merge;
   alignas(64) uint64_t k_tensor_map[16];   // CUtensorMap of k, written by the launcher
 };
 
@@ -375,7 +378,7 @@ void decode_indexer_topk(const torch::Tensor& q, const torch::Tensor& k,
                          const torch::Tensor& chunk_pages, torch::Tensor& partials,
                          torch::Tensor& out, const std::optional<torch::Tensor>& scores,
                          int64_t seqlen_q, int64_t topk, double scale, bool tma_pages,
-                         bool offer_warp);
+                         bool offer_warp, bool butterfly_merge);
 
 void fmha_transpose_v_e4m3(const torch::Tensor& v, const torch::Tensor& cu_seqlens_k,
                            const torch::Tensor& kv_lens,

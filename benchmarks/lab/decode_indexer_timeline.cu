@@ -6,15 +6,15 @@
 //   nvcc -arch=sm_90a -O3 -std=c++17 -Icsrc -Itorch-ext -DMSA_LAB_TIMELINE \
 //       -o /tmp/idx_timeline benchmarks/lab/decode_indexer_timeline.cu
 //   /tmp/idx_timeline [e4m3|e4m3-tma|nvfp4|bf16] [batch=32] [keys=131072] [seqlen_q=1]
-//                     [heads=4] [offer-warp]
+//                     [heads=4] [offer-warp] [butterfly]
 //
 // e4m3-tma: e4m3 pages as one TMA copy each into swizzled stages (tma_pages) instead of every
 // thread's cp.asyncs. offer-warp: calls of 17-32 rows run the offer-warp form (a ninth warp
-// holds the lists and offers; its stamps are the last warp's).
+// holds the lists and offers; its stamps are the last warp's). butterfly: the merge of each
+// request's chunk lists as a butterfly (the kernel's butterfly_merge).
 // Add -DMSA_LAB_CALL_PHASES for the last call's phases over every CTA (prologue, page loop,
 // count-in, the merge's loads and rounds; entries and exits on the common clock).
-// -DMSA_LAB_SC_FENCES counts the CTAs in with every thread's __threadfence() before and after
-// the count, as before the acq_rel add (its A/B); -DMSA_LAB_NO_MERGE leaves the merge out.
+// -DMSA_LAB_NO_MERGE leaves the merge out.
 // Add -DMSA_LAB_NO_LOADS for the same kernel without its copies (the loop's own rate, without
 // DRAM), -DMSA_LAB_NO_OFFERS without its offers, -DMSA_LAB_WIDEN_BY_ALU=1 with e4m3 keys widened
 // by integer ops instead of F2FP (csrc/decode_indexer.cu). Prints the indexer's time per call (the plan update timed apart) and its bytes per
@@ -103,7 +103,11 @@ int main(int argc, char** argv) {
   const int k_format =
       std::strcmp(format, "bf16") == 0 ? 0 : (std::strcmp(format, "nvfp4") == 0 ? 2 : 1);
   const bool tma_pages = std::strcmp(format, "e4m3-tma") == 0;
-  const bool offer_warp = argc > 6 && std::strcmp(argv[6], "offer-warp") == 0;
+  bool offer_warp = false, butterfly_merge = false;   // options after the heads, any order
+  for (int i = 6; i < argc; ++i) {
+    offer_warp = offer_warp || std::strcmp(argv[i], "offer-warp") == 0;
+    butterfly_merge = butterfly_merge || std::strcmp(argv[i], "butterfly") == 0;
+  }
   const int dim = 128, page = 128, topk = 16;
   const int pages_per_request = (keys + page - 1) / page;
   const int64_t num_pages = static_cast<int64_t>(batch) * pages_per_request;
@@ -151,6 +155,7 @@ int main(int argc, char** argv) {
   a.k_format = k_format;
   a.tma_pages = tma_pages;
   a.offer_warp = offer_warp;
+  a.butterfly_merge = butterfly_merge;
   a.k_scale = k_scale;
   a.k_scale_linear = true;
   a.num_pages = num_pages;

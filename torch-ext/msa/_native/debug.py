@@ -33,6 +33,9 @@ Hooks (``forcing`` keywords):
   decode_indexer_offer_warp  True: decode indexer calls of 17-32 rows a request run the
                      offer-warp form (a ninth warp holds the candidate lists); False: warp 0
                      offers and scores
+  decode_indexer_butterfly_merge  True: the decode indexer merges a request's chunk lists as a
+                     butterfly of bitonic merges over each row's lanes; False: in topk - 1
+                     rounds of segment maxima
   topk_staged        True: sparse_topk_select calls of the staged kernel's shapes
                      (topk_cuda.staged_applies) run it (a warp per row); False: the
                      lane-per-query kernels
@@ -50,7 +53,7 @@ from typing import Dict, Iterator, Optional
 HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "persistent_ctas", "decode_split_keys",
          "decode_direct_fp8", "decode_warpgroup", "decode_pingpong", "decode_persistent",
          "decode_pv_fp8", "decode_token_warps", "decode_indexer_tma",
-         "decode_indexer_offer_warp", "topk_staged", "topk_staged_wide", "csr_counting_sort")
+         "decode_indexer_offer_warp", "decode_indexer_butterfly_merge", "topk_staged", "topk_staged_wide", "csr_counting_sort")
 
 _forced: Dict[str, object] = {}
 _poison = [False]

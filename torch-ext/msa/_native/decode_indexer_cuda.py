@@ -39,6 +39,13 @@ VALIDATED_TMA_PAGES = True
 # B 32 / 100k timeline: 175.0 vs 173.2 us; the scoring warps then wait on the copies), so not
 # served; the decode_indexer_offer_warp hook forces it either way.
 VALIDATED_OFFER_WARP = False
+# The merge of a request's chunk lists (its last CTA, a segment of lanes a row) as a butterfly
+# over the segment: log2(lanes) levels of bitonic merges of 64-bit (score, id) keys, every lane
+# ending with the row's best entries, instead of topk - 1 dependent rounds of segment maxima
+# (csrc/decode_indexer.cu, segment_best_keys). The rounds took ~11-12k cycles of a B 32 / 4k
+# call's ~25 us on an H100 (benchmarks/lab/decode_indexer_phases.sh, 07b845b). Not yet run on a
+# GPU: the decode_indexer_butterfly_merge hook forces it either way.
+VALIDATED_BUTTERFLY_MERGE = False
 MAX_ROWS = 128
 MAX_TOPK = 32
 # q dtype each index-key format is served with (the kernel's MMA type needs an exact widening).
@@ -73,15 +80,26 @@ def supports_plan(**_features) -> Optional[str]:
     return _compiled_reason(PLAN_OP_NAME)
 
 
+_last_launch = {"butterfly_merge": False}
+
+
+def last_launch() -> dict:
+    """The forms the last native call asked for: {"butterfly_merge": bool} (tests read it to
+    know which merge ran)."""
+    return dict(_last_launch)
+
+
 def run(call) -> None:
     """Fill ``call.out`` (and ``call.scores`` when not None) for one validated
     :class:`msa.decode_indexer.DecodeIndexerCall`."""
     plan = call.plan
+    butterfly = _butterfly_merge()
+    _last_launch.update(butterfly_merge=butterfly)
     ops.decode_indexer_topk(
         call.q_idx, call.k_idx, call.k_scale, call.scale_layout == "linear",
         call.k_global_scale, call.page_table, plan.seqused_k, plan.work, plan.requests,
         plan.chunk_pages, plan.partials, call.out, call.scores, int(plan.seqlen_q),
-        int(call.topk), float(call.scale), _tma_pages(), _offer_warp())
+        int(call.topk), float(call.scale), _tma_pages(), _offer_warp(), butterfly)
 
 
 def _tma_pages() -> bool:
@@ -95,6 +113,13 @@ def _offer_warp() -> bool:
     """Whether calls of 17-32 rows a request run the offer-warp form: when validated or with
     MSA_UNVALIDATED_KERNELS=1; the decode_indexer_offer_warp hook forces it on or off."""
     return debug.gate("decode_indexer_offer_warp", _backend.may_serve(VALIDATED_OFFER_WARP))
+
+
+def _butterfly_merge() -> bool:
+    """Whether the merge of a request's chunk lists runs as a butterfly: when validated or with
+    MSA_UNVALIDATED_KERNELS=1; the decode_indexer_butterfly_merge hook forces it on or off."""
+    return debug.gate("decode_indexer_butterfly_merge",
+                      _backend.may_serve(VALIDATED_BUTTERFLY_MERGE))
 
 
 def run_plan_update(plan) -> None:
