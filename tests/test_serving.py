@@ -303,16 +303,19 @@ def test_decode_token_warps_gate(monkeypatch):
     have more than 16 rows; served validated ("per_warp"), unvalidated only with
     MSA_UNVALIDATED_KERNELS=1 or the decode_token_warps hook (True: the served form; or a
     form's name), which also turns them off. Unforced, calls whose tiles are fewer than half
-    the SMs leave them to the ping-pong form. The binding's code: 0 none, 1 per_warp, 2 once."""
+    the SMs, or whose tiles' selections make >= 3 a planned block (a dense union), leave them to
+    the ping-pong form. The binding's code: 0 none, 1 per_warp, 2 once."""
     served = decode_cuda.TOKEN_WARPS_FORMS[decode_cuda.TOKEN_WARPS_FORM]
-    def call(e4m3=True, sparse=True, seqlen_q=8, group=16, tile_rows=128, batch=32):
+    def call(e4m3=True, sparse=True, seqlen_q=8, group=16, tile_rows=128, batch=32, blocks=100):
         return SimpleNamespace(pv_quant_dtype=E4M3 if e4m3 else None,
                                q2k_indices=object() if sparse else None, seqlen_q=seqlen_q,
                                qhead_per_kv=group, batch_size=batch,
                                k=SimpleNamespace(shape=(1, 4)),
                                schedule=SimpleNamespace(
                                    qo_tile_rows=tile_rows, max_grid_size=132,
-                                   num_qo_tiles=-(-seqlen_q * group // tile_rows)))
+                                   num_qo_tiles=-(-seqlen_q * group // tile_rows),
+                                   sparse_topk=16, slot_chunks=False,
+                                   planned_units=[blocks // 2] * (batch - 1) + [blocks]))
 
     monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
     assert decode_cuda.VALIDATED_TOKEN_WARPS is True
@@ -328,6 +331,10 @@ def test_decode_token_warps_gate(monkeypatch):
     assert decode_cuda._token_warps(call(seqlen_q=2, group=16)) == served   # 32 rows
     assert decode_cuda._token_warps(call(batch=17)) == served    # 68 tiles at Hkv 4
     assert decode_cuda._token_warps(call(batch=16)) == 0         # 64 tiles < 132 / 2
+    assert decode_cuda._token_warps(call(blocks=43)) == served   # 128 selections, 43 blocks
+    assert decode_cuda._token_warps(call(blocks=42)) == 0        # >= 3 a block: ping-pong
+    assert decode_cuda._token_warps(call(seqlen_q=2, blocks=11)) == served   # 32 selections
+    assert decode_cuda._token_warps(call(seqlen_q=2, blocks=10)) == 0
     for other in (call(e4m3=False), call(sparse=False), call(seqlen_q=1), call(tile_rows=16)):
         assert decode_cuda._token_warps(other) == 0
     with debug.forcing(decode_token_warps=False):
@@ -336,6 +343,7 @@ def test_decode_token_warps_gate(monkeypatch):
     with debug.forcing(decode_token_warps=True):
         assert decode_cuda._token_warps(call()) == served
         assert decode_cuda._token_warps(call(batch=1)) == served
+        assert decode_cuda._token_warps(call(blocks=10)) == served
         assert decode_cuda._token_warps(call(e4m3=False)) == 0
     for name, code in decode_cuda.TOKEN_WARPS_FORMS.items():
         with debug.forcing(decode_token_warps=name):
