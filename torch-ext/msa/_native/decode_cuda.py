@@ -240,18 +240,19 @@ def _token_warps(call) -> int:
     VALIDATED_TOKEN_WARPS (or with MSA_UNVALIDATED_KERNELS=1). The decode_token_warps hook
     forces it on such calls (True: TOKEN_WARPS_FORM, or a form's name) or off (False). Unforced,
     calls of few tiles (schedules.decode.few_tiles) leave their split tiles to the ping-pong
-    form, and so do calls whose tiles' union is dense in their planned blocks
-    (schedules.decode.union_dense). The launcher takes it where it can make the caches' tensor
-    maps; elsewhere the warpgroup forms serve."""
+    form, and so do calls whose tiles take the ping-pong form and whose union is dense in their
+    planned blocks (schedules.decode.union_dense; measured on 128-row tiles). The launcher takes
+    it where it can make the caches' tensor maps; elsewhere the warpgroup forms serve."""
     if call.q2k_indices is None or _form_dtype(call) != "e4m3" or _tile_rows(call) <= 16:
         return 0
     schedule = call.schedule   # its tiles, CTA budget and planned pages: what the plan saw
     if debug.forced("decode_token_warps") is None and (
             schedules_decode.few_tiles(call.batch_size, call.k.shape[1], schedule.num_qo_tiles,
                                        schedule.max_grid_size)
-            or (not schedule.slot_chunks and schedules_decode.union_dense(
-                call.seqlen_q, call.qhead_per_kv, max(schedule.planned_units, default=0),
-                schedule.sparse_topk))):
+            or (not schedule.slot_chunks and _warpgroup(call) and _pingpong(call)
+                and schedules_decode.union_dense(
+                    call.seqlen_q, call.qhead_per_kv, max(schedule.planned_units, default=0),
+                    schedule.sparse_topk))):
         return 0
     return _token_warps_form()
 

@@ -149,7 +149,8 @@ PINGPONG_UNION_MIN_SELECTIONS_PER_BLOCK = 3
 def union_dense(seqlen_q: int, group: int, blocks: int, sparse_topk: int) -> bool:
     """Whether a 128-row tile's tokens make at least PINGPONG_UNION_MIN_SELECTIONS_PER_BLOCK
     selections per block of a `blocks`-block context: its sparse e4m3 tiles then take the
-    ping-pong union instead of the token-warps form."""
+    ping-pong union instead of the token-warps form (where the ping-pong form takes them: more
+    than 64 rows)."""
     selections = min(seqlen_q, QO_TILE_ROWS // group) * sparse_topk
     return PINGPONG_UNION_MIN_SELECTIONS_PER_BLOCK * blocks <= selections
 
