@@ -13,14 +13,14 @@
 // holds the lists and offers; its stamps are the last warp's). butterfly: the merge of each
 // request's chunk lists as a butterfly (the kernel's butterfly_merge).
 // Add -DMSA_LAB_CALL_PHASES for the last call's phases over every CTA (prologue, page loop,
-// count-in, the merge's loads and rounds; entries and exits on the common clock).
-// -DMSA_LAB_NO_MERGE leaves the merge out.
-// Add -DMSA_LAB_NO_LOADS for the same kernel without its copies (the loop's own rate, without
-// DRAM), -DMSA_LAB_NO_OFFERS without its offers, -DMSA_LAB_WIDEN_BY_ALU=1 with e4m3 keys widened
-// by integer ops instead of F2FP (csrc/decode_indexer.cu). Prints the indexer's time per call (the plan update timed apart) and its bytes per
-// second, then per warp the mean cycles of each phase of a page (its copies' wait, the CTA
-// barrier, issuing the copies kStages - 1 pages ahead, the offer of the previous page's scores,
-// the scoring) over pages 8 .. 55 of work item 0.
+// count-in, the merge's loads and rounds; entries and exits on the common clock);
+// -DMSA_LAB_NO_MERGE leaves the merge out. Add -DMSA_LAB_NO_LOADS for the same kernel without
+// its copies (the loop's own rate, without DRAM), -DMSA_LAB_NO_OFFERS without its offers,
+// -DMSA_LAB_WIDEN_BY_ALU=1 with e4m3 keys widened by integer ops instead of F2FP
+// (csrc/decode_indexer.cu). Prints the indexer's time per call (the plan update timed apart)
+// and its bytes per second, then per warp the mean cycles of each phase of a page (its copies'
+// wait, the CTA barrier, issuing the copies kStages - 1 pages ahead, the offer of the previous
+// page's scores, the scoring) over pages 8 .. 55 of work item 0.
 #include "../../csrc/decode_indexer.cu"
 #include "lab_common.cuh"
 

@@ -53,7 +53,8 @@ from typing import Dict, Iterator, Optional
 HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "persistent_ctas", "decode_split_keys",
          "decode_direct_fp8", "decode_warpgroup", "decode_pingpong", "decode_persistent",
          "decode_pv_fp8", "decode_token_warps", "decode_indexer_tma",
-         "decode_indexer_offer_warp", "decode_indexer_butterfly_merge", "topk_staged", "topk_staged_wide", "csr_counting_sort")
+         "decode_indexer_offer_warp", "decode_indexer_butterfly_merge", "topk_staged",
+         "topk_staged_wide", "csr_counting_sort")
 
 _forced: Dict[str, object] = {}
 _poison = [False]
