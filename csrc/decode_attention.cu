@@ -3151,7 +3151,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 //   raw pages).
 // benchmarks/lab/sm90_pipe_rates.cu measures the widening rates, and
 // benchmarks/lab/decode_sparse_mtp_forms.cu the forms.
-enum TokenWarpsForm : int { kTwOff = 0, kTwPerWarp = 1, kTwOnce = 2 };
+enum TokenWarpsForm : int { kTwOff = 0, kTwPerWarp = 1, kTwOnce = 2, kTwTransposed = 3 };
 constexpr int kTwConsumers = 8;                         // warpgroups 0-1
 constexpr int kTwConsumerThreads = kTwConsumers * 32;
 constexpr int kTwThreads = kTwConsumerThreads + 128;      // + the producer warpgroup
@@ -3184,6 +3184,40 @@ struct TwLayout {
   static_assert(128 * kProducerRegisters + kTwConsumerThreads * kConsumerRegisters <=
                     kTwThreads * 168,
                 "token warps: the register split must fit the launch allocation");
+};
+
+// The transposed form's shared memory (decode_attention_token_transposed_kernel, below).
+constexpr int kTtStages = 4;       // K and V^T tiles of a page
+constexpr int kTtRawStages = 2;    // raw V pages in flight (TMA copies) ahead of the transposes
+constexpr int kTtGroups = 4;       // column groups (16 tile rows) of a consumer warpgroup
+constexpr int kTtProducerRegisters = 40;
+constexpr int kTtConsumerRegisters = 232;
+
+struct TtLayout {
+  static constexpr int kTileBytes = kPageSize * wg::kRowBytes;   // K, V^T or raw V of a page
+  static constexpr int kPBytes = 16 * wg::kRowBytes;             // P of one column group
+  static constexpr int kKOffset = 0;
+  static constexpr int kVtOffset = kKOffset + kTtStages * kTileBytes;
+  static constexpr int kRawOffset = kVtOffset + kTtStages * kTileBytes;
+  static constexpr int kQOffset = kRawOffset + kTtRawStages * kTileBytes;
+  static constexpr int kPOffset = kQOffset + kRowsPerCta * wg::kRowBytes;
+  static constexpr int kExchangeOffset = kPOffset + 2 * kTtGroups * kPBytes;
+  static constexpr int kExchangeFloats = 2 * kTtGroups * 4 * 16;   // [wg][group][warp][column]
+  static constexpr int kBarrierOffset = kExchangeOffset + kExchangeFloats * 4;
+  static constexpr int kBarriers = 3 * kTtStages + kTtRawStages;   // K full, V^T full, empty, raw
+  static constexpr int kRawRowsOffset = kBarrierOffset + kBarriers * 8;
+  static constexpr int kListOffset = (kRawRowsOffset + kTtRawStages * 4 + 15) / 16 * 16;
+  static constexpr int kTilesOffset = kListOffset + kListBytes;
+  static constexpr int kCountsOffset =
+      kTilesOffset + kDirectMaxTiles * static_cast<int>(sizeof(DirectTile));
+  static constexpr int kBytes = kCountsOffset + (kDirectMaxTiles + kTwConsumers + 4) * 4;
+  static constexpr int kAlloc = kBytes + 1024;           // room to align the tiles to 1024 bytes
+  static_assert(kAlloc <= 227 * 1024, "transposed token form: shared memory per CTA");
+  static_assert(kPOffset % 1024 == 0, "P tiles start swizzle atoms");
+  static_assert(kTilesOffset % 16 == 0, "the tiles are aligned");
+  static_assert(128 * kTtProducerRegisters + kTwConsumerThreads * kTtConsumerRegisters <=
+                    kTwThreads * 168,
+                "transposed token form: the register split must fit the launch allocation");
 };
 
 // Lab hook (benchmarks/lab/decode_sparse_mtp_forms.cu builds this file with it):
@@ -3639,12 +3673,487 @@ __global__ void __launch_bounds__(kTwThreads, 1)
 #undef LAB_TW_NEXT_PAGE
 }
 
+// kTwTransposed: the token-warps form on wgmma. sm_90 has no FP8 mma.sync, and a wgmma's M is
+// 64 rows where a token has 16 (G 16), so each consumer warpgroup computes its 64 rows' pages
+// transposed: S^T = K Q^T (M: the page's 128 keys, N: one column group of 16 tile rows) and
+// O^T += V^T P^T (M: the 128 channels), e4m3 x e4m3 on m64n16k32, for exactly those of its four
+// column groups whose tokens selected the page. The producer warpgroup copies K (128-byte
+// swizzled: wgmma's A) and V (unswizzled) by TMA and transposes V into V^T tiles
+// (transpose_v_quarter, the e4m3 P.V ping-pong form's key order). FP8 wgmma reads B only from
+// shared memory, so P goes there, each 16-key group in V^T's key order (one shuffle with the
+// neighbouring lane makes whole words). Per page a warpgroup pays one exchange of column
+// maxima between its four warps (each holds 32 of the page's keys) and two wgmma round trips,
+// whatever the number of its groups that compute. Numerics as the other e4m3 forms: P against
+// the page max, rounded to e4m3, the page's P.V folded into O with beta in fp32.
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], uint64_t desc_a,
+                                                     uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"
+      "%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
+        "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),
+        "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
+        "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// D (64 x 64) = A B^T over 128 bytes of K: A a 64-row block of a K-major 128-byte swizzled
+// tile (128 e4m3 per row), B a 64-row one; issued, not waited for.
+__device__ __forceinline__ void issue_m64n64(float (&d)[32], const char* a_rows,
+                                             const char* b_rows) {
+  const uint64_t desc_a = wg::descriptor(a_rows, 16), desc_b = wg::descriptor(b_rows, 16);
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 32; ++kk) {
+    wgmma_m64n64k32_e4m3(d, desc_a + ((32 * kk) >> 4), desc_b + ((32 * kk) >> 4), kk);
+  }
+}
+
+// Entry of an m64n64 accumulator (S^T, P or O^T of a 64-row block) holding column e (0-3) of
+// column group j, row lane / 4 + 8 h of the warp's 16.
+__device__ __forceinline__ constexpr int tt_index(int j, int e, int h) {
+  return 8 * j + 4 * (e >> 1) + 2 * h + (e & 1);
+}
+
+// A consumer thread's view of its warpgroup's columns: column e (0-3) of group j is tile row
+// 64 wg + 16 j + 8 (e / 2) + 2 t + e % 2 (t = lane % 4), as m64n16's accumulator places it;
+// the thread's keys (or channels) of a 64-row block are 16 (warp % 4) + lane / 4, and + 8.
+struct TtColumns {
+  uint32_t token_codes[kTtGroups];   // byte e: the column's token, 0xFF past the tile's rows
+  uint32_t group_tokens[kTtGroups];  // bit k: token k has a row in the group
+
+  __device__ __forceinline__ static int row(int wg_index, int j, int e) {
+    return 64 * wg_index + 16 * j + 8 * (e >> 1) + 2 * (threadIdx.x & 3) + (e & 1);
+  }
+
+  __device__ __forceinline__ TtColumns(const CtaContext& ctx, int group, int tile_rows,
+                                       int wg_index) {
+#pragma unroll
+    for (int j = 0; j < kTtGroups; ++j) {
+      token_codes[j] = 0u;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = row(wg_index, j, e);
+        const uint32_t code = r < tile_rows ? (ctx.first_row + r) / group : 0xFFu;
+        token_codes[j] |= code << (8 * e);
+      }
+      const int r0 = 64 * wg_index + 16 * j;
+      group_tokens[j] = 0u;
+      if (r0 < tile_rows) {
+        const int first = (ctx.first_row + r0) / group;
+        const int last = (ctx.first_row + min(r0 + 15, tile_rows - 1)) / group;
+        group_tokens[j] = (2u << last) - (1u << first);   // tokens < 16 (seqlen_q <= 16)
+      }
+    }
+  }
+
+  // The last key of the page (0-127) column e of group j sees: -1 where its token did not
+  // select the page or the column is past the tile's rows.
+  __device__ __forceinline__ int last_key(const DecodeAttentionArgs& a, const CtaContext& ctx,
+                                          const PageRef& page, int j, int e) const {
+    const uint32_t token = (token_codes[j] >> (8 * e)) & 0xFFu;
+    if (token >= 32u || !((page.token_mask >> token) & 1u)) return -1;
+    const int last = min(ctx.seqlen_k - 1, static_cast<int>(token) + ctx.seqlen_k - a.seqlen_q);
+    return last - page.logical * kPageSize;
+  }
+};
+
+// Column group j's finished rows: O^T's channels of this thread, normalized by the column's sum,
+// and the column's LSE, into out (slot -1) or partial slot `slot`.
+__device__ __forceinline__ void transposed_store(const DecodeAttentionArgs& a,
+                                                 const DirectTile& t, int64_t slot, int group,
+                                                 int wg_index, int j, const float (&sum)[4],
+                                                 const float (&max)[4], float scale_log2,
+                                                 const float (&o)[2][32]) {
+  const int lane = threadIdx.x & 31, warp_in_wg = (threadIdx.x >> 5) & 3;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int row = TtColumns::row(wg_index, j, e);
+    if (row >= t.tile_rows) continue;
+    const int r = t.ctx.first_row + row;
+    const int token = r / group, qo_head = t.ctx.head * group + r % group;
+    const bool empty = !(sum[e] > 0.f);
+    const float inv = empty ? 0.f : 1.f / sum[e];
+    const float lse = empty ? -INFINITY : (max[e] * scale_log2 + log2f(sum[e])) * kLn2;
+    const bool writes_lse = lane < 4 && warp_in_wg == 0;
+    if (slot >= 0) {
+      const int64_t idx = (slot * a.seqlen_q + token) * a.num_qo_heads + qo_head;
+      float* dst = a.o_partial + idx * kHeadDim;
+#pragma unroll
+      for (int md = 0; md < 2; ++md) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int channel = 64 * md + 16 * warp_in_wg + (lane >> 2) + 8 * h;
+          dst[channel] = o[md][tt_index(j, e, h)] * inv;
+        }
+      }
+      if (writes_lse) a.lse_partial[idx] = lse;
+    } else {
+      const int64_t idx =
+          (static_cast<int64_t>(t.ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head;
+      __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(a.out) + idx * kHeadDim;
+#pragma unroll
+      for (int md = 0; md < 2; ++md) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int channel = 64 * md + 16 * warp_in_wg + (lane >> 2) + 8 * h;
+          dst[channel] = __float2bfloat16_rn(o[md][tt_index(j, e, h)] * inv);
+        }
+      }
+      if (writes_lse && a.lse != nullptr) a.lse[idx] = lse;
+    }
+  }
+}
+
+// P of column group j (S^T of the page after the softmax, fp32) rounded to e4m3 into its tile:
+// row = column, 16-key group kg in chunk kg (swizzled), key 2u + (x & 1) + 8 (x >> 1) of the
+// group at byte 4u + x (V^T's order). This thread holds keys g and g + 8 of group 4 m + warp
+// (g = lane / 4); the lane of key g ^ 1 (lane ^ 4) holds the other half of each word: even lanes
+// write columns e = 0, 1, odd lanes e = 2, 3, each after one exchange of the other's halves.
+__device__ __forceinline__ void store_p_transposed(const float (&p)[2][32], int j, char* tile) {
+  const int lane = threadIdx.x & 31, warp_in_wg = (threadIdx.x >> 5) & 3;
+  const int g = lane >> 2, t = lane & 3;
+  const bool odd = g & 1;
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    uint32_t pair[4];   // column e: byte 0 key g, byte 1 key g + 8
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      pair[e] = __nv_cvt_float2_to_fp8x2(make_float2(p[m][tt_index(j, e, 0)], p[m][tt_index(j, e, 1)]),
+                                         __NV_SATFINITE, __NV_E4M3);
+    }
+    const uint32_t send = odd ? (pair[0] | (pair[1] << 16)) : (pair[2] | (pair[3] << 16));
+    const uint32_t recv = __shfl_xor_sync(0xFFFFFFFFu, send, 4);
+    const int kg = 4 * m + warp_in_wg;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const uint32_t mine = odd ? pair[2 + b] : pair[b];
+      const uint32_t theirs = (recv >> (16 * b)) & 0xFFFFu;
+      // Even lane (key 2u): [mine g, theirs g, mine g + 8, theirs g + 8]; odd: the reverse.
+      const uint32_t word = __byte_perm(mine, theirs, odd ? 0x1504u : 0x5140u);
+      const int col = 8 * odd + 2 * t + b;
+      *reinterpret_cast<uint32_t*>(tile + col * wg::kRowBytes + ((kg ^ (col & 7)) << 4) +
+                                   4 * (g >> 1)) = word;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kTwThreads, 1)
+    decode_attention_token_transposed_kernel(const DecodeAttentionArgs a,
+                                             const __grid_constant__ wg::PagedKvMaps maps) {
+  using L = TtLayout;
+  constexpr int kBatchBarrier = 1;     // all threads: a batch's lists are ready / done
+  constexpr int kListBarrier = 2;      // the consumers, while they make the lists
+  constexpr int kProducerBarrier = 3;  // the producer warpgroup: a raw slot is read
+  constexpr int kGroupBarrier = 4;     // + the consumer warpgroup (4, 5)
+  constexpr int kPageBytes = L::kTileBytes, kQuarterBytes = kPageBytes / 4;
+  extern __shared__ __align__(1024) char smem_raw[];
+  char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + L::kBarrierOffset);
+  auto k_full = [&](int stage) { return sm90::Mbarrier{bars + stage}; };
+  auto vt_full = [&](int stage) { return sm90::Mbarrier{bars + kTtStages + stage}; };
+  auto empty = [&](int stage) { return sm90::Mbarrier{bars + 2 * kTtStages + stage}; };
+  auto raw_full = [&](int slot) { return sm90::Mbarrier{bars + 3 * kTtStages + slot}; };
+  auto k_tile = [&](int stage) { return smem + L::kKOffset + stage * kPageBytes; };
+  auto vt_tile = [&](int stage) { return smem + L::kVtOffset + stage * kPageBytes; };
+  auto raw_slot = [&](int slot) { return smem + L::kRawOffset + slot * kPageBytes; };
+  int* const raw_rows = reinterpret_cast<int*>(smem + L::kRawRowsOffset);
+  int* const cand = reinterpret_cast<int*>(smem + L::kListOffset);
+  int* const list_phys = cand + kMaxCandidates;
+  int* const list_logical = list_phys + kMaxCandidates;
+  uint32_t* const list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
+  DirectTile* const tiles = reinterpret_cast<DirectTile*>(smem + L::kTilesOffset);
+  int* const tile_pages = reinterpret_cast<int*>(smem + L::kCountsOffset);
+  int* const warp_counts = tile_pages + kDirectMaxTiles;
+  int* const info = warp_counts + kTwConsumers;   // tiles kept, consumed, candidates; total
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bool producer = warp >= kTwConsumers;
+  // This CTA's tiles: an equal share of num_work x Hkv (the first `extra` CTAs one more).
+  const int64_t total_tiles = static_cast<int64_t>(a.num_work) * a.num_kv_heads;
+  const int64_t share = total_tiles / gridDim.x, extra = total_tiles % gridDim.x;
+  int64_t f = blockIdx.x * share + min(static_cast<int64_t>(blockIdx.x), extra);
+  const int64_t f_end = f + share + (blockIdx.x < extra ? 1 : 0);
+  if (threadIdx.x < kDirectMaxTiles) tile_pages[threadIdx.x] = 0;
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < kTtStages; ++st) {
+      k_full(st).init(1);                    // the copy's arrival and bytes
+      vt_full(st).init(128);                 // the producer warpgroup's transposes
+      empty(st).init(kTwConsumerThreads);
+    }
+    for (int slot = 0; slot < kTtRawStages; ++slot) raw_full(slot).init(1);
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (producer) {
+    sm90::registers_down<kTtProducerRegisters>();
+    const int thread = threadIdx.x - kTwConsumerThreads;
+    // Every producer thread walks the ring; thread 0 also issues the copies kTtRawStages pages
+    // ahead (its own positions). All positions carry across tiles and batches.
+    sm90::RingState<kTtStages> ring, k_issue;
+    sm90::RingState<kTtRawStages> raw_issue, raw_read;
+    while (f < f_end) {
+      sm90::named_sync(kBatchBarrier, kTwThreads);   // the batch's lists are ready
+      const int num_tiles = info[0];
+      f += info[1];
+      const int total = num_tiles > 0 ? tiles[num_tiles - 1].list_begin +
+                                            tiles[num_tiles - 1].num_pages
+                                      : 0;
+      int issue_tile = 0;
+      auto issue = [&](int e) {   // thread 0: list page e's K into the ring, V into a raw slot
+        while (e >= tiles[issue_tile].list_begin + tiles[issue_tile].num_pages) ++issue_tile;
+        const CtaContext& ctx = tiles[issue_tile].ctx;
+        const int row = (list_phys[e] * a.num_kv_heads + ctx.head) * kPageSize;
+        raw_rows[raw_issue.index] =   // published by the raw slot's barrier
+            min(kPageSize, max(ctx.seqlen_k - list_logical[e] * kPageSize, 0));
+        empty(k_issue.index).wait(k_issue.phase ^ 1u);
+        const sm90::Mbarrier k_bar = k_full(k_issue.index), v_bar = raw_full(raw_issue.index);
+        k_bar.arrive_expect_tx(kPageBytes);
+        sm90::tma_load_2d(k_tile(k_issue.index), maps.k, 0, row, k_bar);
+        v_bar.arrive_expect_tx(kPageBytes);
+        sm90::tma_load_2d(raw_slot(raw_issue.index), maps.v, 0, row, v_bar);
+        k_issue.advance();
+        raw_issue.advance();
+      };
+      if (thread == 0) {
+        for (int e = 0; e < min(total, kTtRawStages); ++e) issue(e);
+      }
+      for (int e = 0; e < total; ++e) {
+        empty(ring.index).wait(ring.phase ^ 1u);   // the V^T tile is no longer read
+        raw_full(raw_read.index).wait(raw_read.phase);
+        char* page = raw_slot(raw_read.index);
+        const int valid_rows = raw_rows[raw_read.index];
+        if (valid_rows < kPageSize) {   // uniform: V past the request's keys reads as zeros
+          uint4* tail = reinterpret_cast<uint4*>(page + valid_rows * wg::kRowBytes);
+          const int chunks = (kPageSize - valid_rows) * wg::kRowBytes / 16;
+          for (int c = thread; c < chunks; c += 128) tail[c] = make_uint4(0u, 0u, 0u, 0u);
+          sm90::named_sync(kProducerBarrier, 128);
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int quarter = 2 * half + (thread >> 6);
+          wg::pingpong::transpose_v_quarter(page + quarter * kQuarterBytes, vt_tile(ring.index),
+                                            quarter, thread & 63);
+        }
+        sm90::fence_proxy_async_shared();   // V^T (generic stores) is read by wgmma
+        vt_full(ring.index).arrive();
+        sm90::named_sync(kProducerBarrier, 128);   // every read of the raw slot is done
+        if (thread == 0 && e + kTtRawStages < total) issue(e + kTtRawStages);
+        ring.advance();
+        raw_read.advance();
+      }
+      sm90::named_sync(kBatchBarrier, kTwThreads);   // the batch's lists are no longer read
+    }
+    return;
+  }
+
+  sm90::registers_up<kTtConsumerRegisters>();
+  const int group = a.num_qo_heads / a.num_kv_heads;
+  const float scale_log2 = a.softmax_scale * kLog2e;
+  const int wg_index = warp >> 2, warp_in_wg = warp & 3, thread_in_wg = threadIdx.x & 127;
+  const int group_barrier = kGroupBarrier + wg_index;
+  char* const q_tile = smem + L::kQOffset;
+  char* const p_tiles = smem + L::kPOffset + wg_index * kTtGroups * L::kPBytes;
+  float* const exchange =
+      reinterpret_cast<float*>(smem + L::kExchangeOffset) + wg_index * kTtGroups * 4 * 16;
+  auto exchange_slot = [&](int j, int w, int col) { return exchange + (j * 4 + w) * 16 + col; };
+  sm90::RingState<kTtStages> pos;
+  while (f < f_end) {
+    if (warp == 0) plan_direct_batch(a, f, f_end, tiles, info);
+    sm90::named_sync(kListBarrier, kTwConsumerThreads);
+    build_direct_page_lists<kTwConsumerThreads, true, kListBarrier>(
+        a, tiles, info[0], info[2], cand, list_phys, list_logical, list_mask, tile_pages,
+        warp_counts, info + 3);
+    sm90::named_sync(kBatchBarrier, kTwThreads);     // the batch's lists are ready
+    const int num_tiles = info[0];
+    f += info[1];
+    for (int ti = 0; ti < num_tiles; ++ti) {
+      const DirectTile& t = tiles[ti];
+      // This warpgroup's 64 rows of e4m3 Q (zero past the tile), K-major for wgmma's B. Its
+      // previous tile's wgmmas have all completed: the block is free.
+#pragma unroll
+      for (int i = 0; i < 64 * 8 / 128; ++i) {
+        const int c = thread_in_wg + 128 * i;
+        const int row = 64 * wg_index + c / 8, chunk = c % 8;
+        *reinterpret_cast<uint4*>(q_tile + wg::swizzled(row, chunk)) =
+            wg::query_chunk(a, t.ctx, group, t.tile_rows, row, chunk, 1);
+      }
+      sm90::fence_proxy_async_shared();
+      sm90::named_sync(group_barrier, 128);
+      const TtColumns columns(t.ctx, group, t.tile_rows, wg_index);
+      float o[2][32];   // O^T: channels 64 md + 16 warp + lane / 4 (+ 8) x the 64 columns
+      float run_max[kTtGroups][4], run_sum[kTtGroups][4];   // sum: this thread's keys' share
+#pragma unroll
+      for (int i = 0; i < 64; ++i) o[i / 32][i % 32] = 0.f;
+#pragma unroll
+      for (int j = 0; j < kTtGroups; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          run_max[j][e] = -INFINITY;
+          run_sum[j][e] = 0.f;
+        }
+      }
+      const int end = t.list_begin + t.num_pages;
+      for (int e_page = t.list_begin; e_page < end; ++e_page) {
+        const PageRef page{list_phys[e_page], list_logical[e_page], list_mask[e_page]};
+        k_full(pos.index).wait(pos.phase);   // also when skipped: no warp arrives a round ahead
+        uint32_t computing = 0u;             // the groups whose tokens selected the page
+#pragma unroll
+        for (int j = 0; j < kTtGroups; ++j) {
+          if (page.token_mask & columns.group_tokens[j]) computing |= 1u << j;
+        }
+        if (computing != 0u) {   // warpgroup-uniform
+          // S^T for all 64 columns (one wgmma per k-step: a group's own N = 16 wgmma would read
+          // the 64-key A block from shared memory once per group); only the computing groups'
+          // columns go through the softmax and into O.
+          float s[2][32];   // S^T, then P, then the page's P.V (O^T's layout)
+          const char* k_rows = k_tile(pos.index);
+          const char* q_rows = q_tile + 64 * wg_index * wg::kRowBytes;
+          wg::fence_operands();
+#pragma unroll
+          for (int m = 0; m < 2; ++m) issue_m64n64(s[m], k_rows + m * 64 * wg::kRowBytes, q_rows);
+          wg::commit_and_wait();
+          // Mask (each column's token: its selection, causality, the request's end), then the
+          // columns' maxima over this warp's 32 keys, exchanged between the four warps.
+          const int key0 = 16 * warp_in_wg + (lane >> 2);   // + 64 m + 8 h
+#pragma unroll
+          for (int j = 0; j < kTtGroups; ++j) {
+            if (!(computing & (1u << j))) continue;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int last = columns.last_key(a, t.ctx, page, j, e);
+              float mx = -INFINITY;
+#pragma unroll
+              for (int m = 0; m < 2; ++m) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                  float& x = s[m][tt_index(j, e, h)];
+                  if (key0 + 64 * m + 8 * h > last) x = -INFINITY;
+                  mx = fmaxf(mx, x);
+                }
+              }
+              mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 4));
+              mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
+              mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 16));
+              if (lane < 4) *exchange_slot(j, warp_in_wg, 8 * (e >> 1) + 2 * lane + (e & 1)) = mx;
+            }
+          }
+          sm90::named_sync(group_barrier, 128);
+          // P against the page max; O's columns rescaled now, the page's P.V added with beta.
+          float beta[kTtGroups][4];
+#pragma unroll
+          for (int j = 0; j < kTtGroups; ++j) {
+            if (!(computing & (1u << j))) continue;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int col = 8 * (e >> 1) + 2 * (lane & 3) + (e & 1);
+              const float page_max =
+                  fmaxf(fmaxf(*exchange_slot(j, 0, col), *exchange_slot(j, 1, col)),
+                        fmaxf(*exchange_slot(j, 2, col), *exchange_slot(j, 3, col)));
+              const float new_max = fmaxf(run_max[j][e], page_max);
+              const float alpha = run_max[j][e] == -INFINITY
+                                      ? 0.f
+                                      : exp2_ftz((run_max[j][e] - new_max) * scale_log2);
+              beta[j][e] =
+                  page_max == -INFINITY ? 0.f : exp2_ftz((page_max - new_max) * scale_log2);
+              const float shift = page_max == -INFINITY ? 0.f : -page_max * scale_log2;
+              run_max[j][e] = new_max;
+              float page_sum = 0.f;
+#pragma unroll
+              for (int m = 0; m < 2; ++m) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                  float& x = s[m][tt_index(j, e, h)];
+                  x = exp2_ftz(fmaf(x, scale_log2, shift));
+                  page_sum += x;
+                  o[m][tt_index(j, e, h)] *= alpha;
+                }
+              }
+              run_sum[j][e] = run_sum[j][e] * alpha + beta[j][e] * page_sum;
+            }
+            store_p_transposed(s, j, p_tiles + j * L::kPBytes);
+          }
+          sm90::fence_proxy_async_shared();   // P (generic stores) is read by wgmma
+          sm90::named_sync(group_barrier, 128);
+          vt_full(pos.index).wait(pos.phase);
+          const char* vt_rows = vt_tile(pos.index);
+          wg::fence_operands();
+#pragma unroll
+          for (int md = 0; md < 2; ++md) {
+            issue_m64n64(s[md], vt_rows + md * 64 * wg::kRowBytes, p_tiles);
+          }
+          wg::commit_and_wait();
+          // The other groups' P tiles hold an earlier page's P (or nothing yet): their columns
+          // of this P.V are not added.
+#pragma unroll
+          for (int j = 0; j < kTtGroups; ++j) {
+            if (!(computing & (1u << j))) continue;
+#pragma unroll
+            for (int md = 0; md < 2; ++md) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                  float& x = o[md][tt_index(j, e, h)];
+                  x = fmaf(beta[j][e], s[md][tt_index(j, e, h)], x);
+                }
+              }
+            }
+          }
+        }
+        empty(pos.index).arrive();
+        pos.advance();
+      }
+      // The columns' sums over the warpgroup's 128 keys a page, then the rows.
+#pragma unroll
+      for (int j = 0; j < kTtGroups; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = run_sum[j][e];
+          v += __shfl_xor_sync(0xFFFFFFFFu, v, 4);
+          v += __shfl_xor_sync(0xFFFFFFFFu, v, 8);
+          v += __shfl_xor_sync(0xFFFFFFFFu, v, 16);
+          if (lane < 4) *exchange_slot(j, warp_in_wg, 8 * (e >> 1) + 2 * lane + (e & 1)) = v;
+        }
+      }
+      sm90::named_sync(group_barrier, 128);
+      const int64_t slot = wg::chunk_slot(a, t.ctx.request, t.chunk);
+#pragma unroll
+      for (int j = 0; j < kTtGroups; ++j) {
+        float sum[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = 8 * (e >> 1) + 2 * (lane & 3) + (e & 1);
+          sum[e] = (*exchange_slot(j, 0, col) + *exchange_slot(j, 1, col)) +
+                   (*exchange_slot(j, 2, col) + *exchange_slot(j, 3, col));
+        }
+        if (slot != wg::kCorruptSlot) {
+          transposed_store(a, t, slot, group, wg_index, j, sum, run_max[j], scale_log2, o);
+        }
+      }
+      // The exchange is next written after the next tile's Q barrier, which every warp of the
+      // warpgroup reaches only after these reads.
+    }
+    sm90::named_sync(kBatchBarrier, kTwThreads);     // the batch's lists are no longer read
+  }
+}
+
 #else
 
 template <int kForm>
 __global__ void __launch_bounds__(kTwThreads, 1)
     decode_attention_token_warps_kernel(const DecodeAttentionArgs,
                                         const __grid_constant__ wg::PagedKvMaps) {
+  __trap();
+}
+
+__global__ void __launch_bounds__(kTwThreads, 1)
+    decode_attention_token_transposed_kernel(const DecodeAttentionArgs,
+                                             const __grid_constant__ wg::PagedKvMaps) {
   __trap();
 }
 
@@ -4057,13 +4566,20 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   };
   // A token-warps form where its image and the caches' tensor maps allow; otherwise the form
   // the caller asked for beside it serves the call.
+  // (The transposed form's V is read row by row by its transposes: unswizzled.)
   wg::PagedKvMaps token_maps{};
+  const CUtensorMapSwizzle token_v_swizzle = args.token_warps == kTwTransposed
+                                                 ? CU_TENSOR_MAP_SWIZZLE_NONE
+                                                 : CU_TENSOR_MAP_SWIZZLE_128B;
   if (args.token_warps != kTwOff && args.q2k_indices != nullptr && warpgroup_form_loaded() &&
-      encode_kv_maps(args, token_maps, CU_TENSOR_MAP_SWIZZLE_128B)) {
+      encode_kv_maps(args, token_maps, token_v_swizzle)) {
     int64_t ctas = 0;
     MSA_RETURN_IF_ERROR(range_ctas(args, ctas));
     const dim3 range_grid(static_cast<unsigned>(ctas));
-    if (args.token_warps == kTwOnce) {
+    if (args.token_warps == kTwTransposed) {
+      MSA_RETURN_IF_ERROR(launch_on(range_grid, decode_attention_token_transposed_kernel,
+                                    TtLayout::kAlloc, kTwThreads, token_maps));
+    } else if (args.token_warps == kTwOnce) {
       MSA_RETURN_IF_ERROR(launch_on(range_grid, decode_attention_token_warps_kernel<kTwOnce>,
                                     TwLayout<kTwOnce>::kAlloc, kTwThreads, token_maps));
     } else {

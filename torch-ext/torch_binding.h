@@ -122,7 +122,8 @@ struct DecodeAttentionArgs {
   bool pingpong;                  // with warpgroup, bf16: the warp-specialized ping-pong form
   bool pv_fp8;                    // e4m3 ping-pong / persistent: P.V on e4m3 wgmma (V^T tiles)
   int token_warps;                // sparse, e4m3 q and K/V, > 16 rows: a warp per 16 rows (TMA);
-                                  // 0 off, 1 each warp widens its pages, 2 widened once a page
+                                  // 0 off, 1 each warp widens its pages, 2 widened once a page,
+                                  // 3 a warpgroup's tokens on wgmma (S^T = K Q^T, O^T)
   // The persistent ping-pong form (dense, pingpong): num_work CTAs stream equal page ranges of
   // the call's (request, KV head, qo tile) sequences from the live lengths; partial slots
   // 2 * num_work. request_pages [batch + 1] is written by it: each request's first page of a
