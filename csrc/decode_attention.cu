@@ -4070,8 +4070,12 @@ __global__ void __launch_bounds__(kTwThreads, 1)
                   float& x = s[m][tt_index(j, e, h)];
                   x = exp2_ftz(fmaf(x, scale_log2, shift));
                   page_sum += x;
-                  o[m][tt_index(j, e, h)] *= alpha;
                 }
+              }
+#pragma unroll
+              for (int md = 0; md < 2; ++md) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) o[md][tt_index(j, e, h)] *= alpha;
               }
               run_sum[j][e] = run_sum[j][e] * alpha + beta[j][e] * page_sum;
             }
