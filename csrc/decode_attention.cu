@@ -2796,6 +2796,48 @@ __device__ void build_direct_page_lists(const DecodeAttentionArgs& a, DirectTile
   list_barrier<kNumThreads, kBarrierId>();
 }
 
+// This CTA's tiles [f, f_end) of the call's num_work x Hkv (work item, KV head) tiles: an equal
+// share over the grid, the first `extra` CTAs one more (the direct and token forms).
+__device__ __forceinline__ void cta_tile_range(const DecodeAttentionArgs& a, int64_t& f,
+                                               int64_t& f_end) {
+  const int64_t total_tiles = static_cast<int64_t>(a.num_work) * a.num_kv_heads;
+  const int64_t share = total_tiles / gridDim.x, extra = total_tiles % gridDim.x;
+  f = blockIdx.x * share + min(static_cast<int64_t>(blockIdx.x), extra);
+  f_end = f + share + (blockIdx.x < extra ? 1 : 0);
+}
+
+// A batch of a CTA's tiles in shared memory (the token forms): their contexts, their page lists
+// (the candidates, then per list entry the physical page, logical block and token mask) and the
+// counters (per tile, per warp, then info: tiles kept, consumed, candidates; total).
+struct TileBatch {
+  int* cand;
+  int* list_phys;
+  int* list_logical;
+  uint32_t* list_mask;
+  DirectTile* tiles;
+  int* tile_pages;
+  int* warp_counts;
+  int* info;
+
+  __device__ __forceinline__ TileBatch(char* smem, int list_offset, int tiles_offset,
+                                       int counts_offset, int warps)
+      : cand(reinterpret_cast<int*>(smem + list_offset)),
+        list_phys(cand + kMaxCandidates),
+        list_logical(list_phys + kMaxCandidates),
+        list_mask(reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates)),
+        tiles(reinterpret_cast<DirectTile*>(smem + tiles_offset)),
+        tile_pages(reinterpret_cast<int*>(smem + counts_offset)),
+        warp_counts(tile_pages + kDirectMaxTiles),
+        info(warp_counts + warps) {}
+
+  // This CTA's tiles [f, f_end) (cta_tile_range); the per-tile page counts start at zero.
+  __device__ __forceinline__ void start(const DecodeAttentionArgs& a, int64_t& f,
+                                        int64_t& f_end) const {
+    cta_tile_range(a, f, f_end);
+    if (threadIdx.x < kDirectMaxTiles) tile_pages[threadIdx.x] = 0;
+  }
+};
+
 // One step of a tile: pages page[0] and page[1], landed at k8[0] and k8[1] (K, then V).
 __device__ __forceinline__ void direct_pair_step(
     const PageRef (&page)[2], const char* const (&k8)[2], float* warp_page_max,
@@ -3022,11 +3064,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lane = threadIdx.x & 31;
   const int group = a.num_qo_heads / a.num_kv_heads;
   const float scale_log2 = a.softmax_scale * kLog2e;
-  // This CTA's tiles: an equal share of num_work x Hkv (the first `extra` CTAs one more).
-  const int64_t total_tiles = static_cast<int64_t>(a.num_work) * a.num_kv_heads;
-  const int64_t share = total_tiles / gridDim.x, extra = total_tiles % gridDim.x;
-  int64_t f = blockIdx.x * share + min(static_cast<int64_t>(blockIdx.x), extra);
-  const int64_t f_end = f + share + (blockIdx.x < extra ? 1 : 0);
+  int64_t f, f_end;   // this CTA's tiles
+  cta_tile_range(a, f, f_end);
   if (threadIdx.x < kDirectMaxTiles) tile_pages[threadIdx.x] = 0;
   auto stage_of = [&](unsigned pair, int pg) {   // ring position -> its pair slot's page pg
     return ring + ((pair % kDirectSlots) * 2 + pg) * kPageFp8Bytes;
@@ -3243,6 +3282,20 @@ __device__ int lab_tw_computed[kTwConsumers][kTwLabPages];
 // setmaxnreg and TMA copies are sm_90a code here: other archs compile just the kernel's entry
 // point (a trap; the launcher asks for the forms only where the sm_90a image is loaded).
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// The token forms' consumer warps (kTwConsumerThreads): warp 0 plans the batch of tiles from f
+// and all of them make its page lists (slot-major), meeting at kListBarrier; then every thread of
+// the CTA meets at kBatchBarrier (the producer warpgroup waits there for the lists).
+template <int kListBarrier, int kBatchBarrier>
+__device__ __forceinline__ void make_token_batch(const DecodeAttentionArgs& a, int64_t f,
+                                                 int64_t f_end, const TileBatch& batch) {
+  if (threadIdx.x < 32) plan_direct_batch(a, f, f_end, batch.tiles, batch.info);
+  sm90::named_sync(kListBarrier, kTwConsumerThreads);
+  build_direct_page_lists<kTwConsumerThreads, true, kListBarrier>(
+      a, batch.tiles, batch.info[0], batch.info[2], batch.cand, batch.list_phys,
+      batch.list_logical, batch.list_mask, batch.tile_pages, batch.warp_counts, batch.info + 3);
+  sm90::named_sync(kBatchBarrier, kTwThreads);
+}
 
 // A token warp's page softmax and O's rescale, the warpgroup forms' (S holds the m16n8
 // accumulators of the page's 16 key n-tiles, the same layout as a warpgroup's m64n128 one):
@@ -3465,23 +3518,11 @@ __global__ void __launch_bounds__(kTwThreads, 1)
   auto raw_full = [&](int slot) { return sm90::Mbarrier{bars + 2 * L::kStages + slot}; };
   auto stage_of = [&](int stage) { return smem + stage * L::kStageBytes; };
   auto raw_of = [&](int slot) { return smem + L::kRawOffset + slot * kPageFp8Bytes; };
-  int* const cand = reinterpret_cast<int*>(smem + L::kListOffset);
-  int* const list_phys = cand + kMaxCandidates;
-  int* const list_logical = list_phys + kMaxCandidates;
-  uint32_t* const list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
-  DirectTile* const tiles = reinterpret_cast<DirectTile*>(smem + L::kTilesOffset);
-  int* const tile_pages = reinterpret_cast<int*>(smem + L::kCountsOffset);
-  int* const warp_counts = tile_pages + kDirectMaxTiles;
-  int* const info = warp_counts + kTwConsumers;   // tiles kept, consumed, candidates; total
-
+  const TileBatch batch(smem, L::kListOffset, L::kTilesOffset, L::kCountsOffset, kTwConsumers);
+  int64_t f, f_end;
+  batch.start(a, f, f_end);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const bool producer = warp >= kTwConsumers;
-  // This CTA's tiles: an equal share of num_work x Hkv (the first `extra` CTAs one more).
-  const int64_t total_tiles = static_cast<int64_t>(a.num_work) * a.num_kv_heads;
-  const int64_t share = total_tiles / gridDim.x, extra = total_tiles % gridDim.x;
-  int64_t f = blockIdx.x * share + min(static_cast<int64_t>(blockIdx.x), extra);
-  const int64_t f_end = f + share + (blockIdx.x < extra ? 1 : 0);
-  if (threadIdx.x < kDirectMaxTiles) tile_pages[threadIdx.x] = 0;
   if (threadIdx.x == 0) {
     for (int st = 0; st < L::kStages; ++st) {
       // kTwPerWarp: the copy's arrival and bytes; kTwOnce: the producer warpgroup's widening.
@@ -3510,11 +3551,11 @@ __global__ void __launch_bounds__(kTwThreads, 1)
     sm90::RingState<kOnce ? L::kRawStages : 1> raw_pos;
     while (f < f_end) {
       sm90::named_sync(kBatchBarrier, kTwThreads);   // the batch's lists are ready
-      const int num_tiles = info[0];
-      f += info[1];
+      const int num_tiles = batch.info[0];
+      f += batch.info[1];
       // Copies list page e (its tile ti) into `stage`, counted on `bar`.
       auto copy = [&](int ti, int e, char* stage, const sm90::Mbarrier& bar) {
-        const int row = (list_phys[e] * a.num_kv_heads + tiles[ti].ctx.head) * kPageSize;
+        const int row = (batch.list_phys[e] * a.num_kv_heads + batch.tiles[ti].ctx.head) * kPageSize;
         bar.arrive_expect_tx(kPageFp8Bytes);
         sm90::tma_load_2d(stage, maps.k, 0, row, bar);
         sm90::tma_load_2d(stage + kPageSize * kHeadDim, maps.v, 0, row, bar);
@@ -3522,8 +3563,8 @@ __global__ void __launch_bounds__(kTwThreads, 1)
       if constexpr (!kOnce) {
         if (warp == kProducerWarp && lane == 0) {
           for (int ti = 0; ti < num_tiles; ++ti) {
-            const int end = tiles[ti].list_begin + tiles[ti].num_pages;
-            for (int e = tiles[ti].list_begin; e < end; ++e) {
+            const int end = batch.tiles[ti].list_begin + batch.tiles[ti].num_pages;
+            for (int e = batch.tiles[ti].list_begin; e < end; ++e) {
               MSA_LAB_TW_MARK(true, kTwConsumers, lab_page, 0);
               empty(pos.index).wait(pos.phase ^ 1u);
               MSA_LAB_TW_MARK(true, kTwConsumers, lab_page, 1);
@@ -3540,11 +3581,11 @@ __global__ void __launch_bounds__(kTwThreads, 1)
         // first pages now, page e + kRawStages once every producer thread has read page e.
         auto tile_of = [&](int e) {
           int ti = 0;
-          while (ti + 1 < num_tiles && tiles[ti + 1].list_begin <= e) ++ti;
+          while (ti + 1 < num_tiles && batch.tiles[ti + 1].list_begin <= e) ++ti;
           return ti;
         };
-        const int total = num_tiles > 0 ? tiles[num_tiles - 1].list_begin +
-                                              tiles[num_tiles - 1].num_pages
+        const int total = num_tiles > 0 ? batch.tiles[num_tiles - 1].list_begin +
+                                              batch.tiles[num_tiles - 1].num_pages
                                         : 0;
         if (thread == 0) {
           sm90::RingState<L::kRawStages> ahead = raw_pos;
@@ -3555,10 +3596,10 @@ __global__ void __launch_bounds__(kTwThreads, 1)
         }
         int ti = 0;
         for (int e = 0; e < total; ++e) {
-          while (e >= tiles[ti].list_begin + tiles[ti].num_pages) ++ti;
-          const DirectTile& t = tiles[ti];
+          while (e >= batch.tiles[ti].list_begin + batch.tiles[ti].num_pages) ++ti;
+          const DirectTile& t = batch.tiles[ti];
           const int valid_rows =
-              min(kPageSize, max(t.ctx.seqlen_k - list_logical[e] * kPageSize, 0));
+              min(kPageSize, max(t.ctx.seqlen_k - batch.list_logical[e] * kPageSize, 0));
           MSA_LAB_TW_MARK(thread == 0, kTwConsumers, lab_page, 0);
           raw_full(raw_pos.index).wait(raw_pos.phase);
           empty(pos.index).wait(pos.phase ^ 1u);
@@ -3591,16 +3632,11 @@ __global__ void __launch_bounds__(kTwThreads, 1)
   const int row_base = 16 * warp;
   const int group_row = 64 * (warp / 4);   // the TileView row of this warp's warpgroup
   while (f < f_end) {
-    if (warp == 0) plan_direct_batch(a, f, f_end, tiles, info);
-    sm90::named_sync(kListBarrier, kTwConsumerThreads);
-    build_direct_page_lists<kTwConsumerThreads, true, kListBarrier>(
-        a, tiles, info[0], info[2], cand, list_phys, list_logical, list_mask, tile_pages,
-        warp_counts, info + 3);
-    sm90::named_sync(kBatchBarrier, kTwThreads);     // the batch's lists are ready
-    const int num_tiles = info[0];
-    f += info[1];
+    make_token_batch<kListBarrier, kBatchBarrier>(a, f, f_end, batch);   // lists ready
+    const int num_tiles = batch.info[0];
+    f += batch.info[1];
     for (int ti = 0; ti < num_tiles; ++ti) {
-      const DirectTile& t = tiles[ti];
+      const DirectTile& t = batch.tiles[ti];
       uint32_t qf[kHeadDim / 16][4];
       if constexpr (kOnce) {
         load_query_fragments(a, t.ctx, group, t.tile_rows, row_base, qf);
@@ -3623,7 +3659,7 @@ __global__ void __launch_bounds__(kTwThreads, 1)
       for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
       const int end = t.list_begin + t.num_pages;
       for (int e = t.list_begin; e < end; ++e) {
-        const PageRef page{list_phys[e], list_logical[e], list_mask[e]};
+        const PageRef page{batch.list_phys[e], batch.list_logical[e], batch.list_mask[e]};
         MSA_LAB_TW_MARK(lane == 0, warp, lab_page, 0);
         full(pos.index).wait(pos.phase);   // also when skipped: no warp arrives a round ahead
         MSA_LAB_TW_MARK(lane == 0, warp, lab_page, 1);
@@ -3861,23 +3897,11 @@ __global__ void __launch_bounds__(kTwThreads, 1)
   auto vt_tile = [&](int stage) { return smem + L::kVtOffset + stage * kPageBytes; };
   auto raw_slot = [&](int slot) { return smem + L::kRawOffset + slot * kPageBytes; };
   int* const raw_rows = reinterpret_cast<int*>(smem + L::kRawRowsOffset);
-  int* const cand = reinterpret_cast<int*>(smem + L::kListOffset);
-  int* const list_phys = cand + kMaxCandidates;
-  int* const list_logical = list_phys + kMaxCandidates;
-  uint32_t* const list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
-  DirectTile* const tiles = reinterpret_cast<DirectTile*>(smem + L::kTilesOffset);
-  int* const tile_pages = reinterpret_cast<int*>(smem + L::kCountsOffset);
-  int* const warp_counts = tile_pages + kDirectMaxTiles;
-  int* const info = warp_counts + kTwConsumers;   // tiles kept, consumed, candidates; total
-
+  const TileBatch batch(smem, L::kListOffset, L::kTilesOffset, L::kCountsOffset, kTwConsumers);
+  int64_t f, f_end;
+  batch.start(a, f, f_end);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const bool producer = warp >= kTwConsumers;
-  // This CTA's tiles: an equal share of num_work x Hkv (the first `extra` CTAs one more).
-  const int64_t total_tiles = static_cast<int64_t>(a.num_work) * a.num_kv_heads;
-  const int64_t share = total_tiles / gridDim.x, extra = total_tiles % gridDim.x;
-  int64_t f = blockIdx.x * share + min(static_cast<int64_t>(blockIdx.x), extra);
-  const int64_t f_end = f + share + (blockIdx.x < extra ? 1 : 0);
-  if (threadIdx.x < kDirectMaxTiles) tile_pages[threadIdx.x] = 0;
   if (threadIdx.x == 0) {
     for (int st = 0; st < kTtStages; ++st) {
       k_full(st).init(1);                    // the copy's arrival and bytes
@@ -3898,18 +3922,18 @@ __global__ void __launch_bounds__(kTwThreads, 1)
     sm90::RingState<kTtRawStages> raw_issue, raw_read;
     while (f < f_end) {
       sm90::named_sync(kBatchBarrier, kTwThreads);   // the batch's lists are ready
-      const int num_tiles = info[0];
-      f += info[1];
-      const int total = num_tiles > 0 ? tiles[num_tiles - 1].list_begin +
-                                            tiles[num_tiles - 1].num_pages
+      const int num_tiles = batch.info[0];
+      f += batch.info[1];
+      const int total = num_tiles > 0 ? batch.tiles[num_tiles - 1].list_begin +
+                                            batch.tiles[num_tiles - 1].num_pages
                                       : 0;
       int issue_tile = 0;
       auto issue = [&](int e) {   // thread 0: list page e's K into the ring, V into a raw slot
-        while (e >= tiles[issue_tile].list_begin + tiles[issue_tile].num_pages) ++issue_tile;
-        const CtaContext& ctx = tiles[issue_tile].ctx;
-        const int row = (list_phys[e] * a.num_kv_heads + ctx.head) * kPageSize;
+        while (e >= batch.tiles[issue_tile].list_begin + batch.tiles[issue_tile].num_pages) ++issue_tile;
+        const CtaContext& ctx = batch.tiles[issue_tile].ctx;
+        const int row = (batch.list_phys[e] * a.num_kv_heads + ctx.head) * kPageSize;
         raw_rows[raw_issue.index] =   // published by the raw slot's barrier
-            min(kPageSize, max(ctx.seqlen_k - list_logical[e] * kPageSize, 0));
+            min(kPageSize, max(ctx.seqlen_k - batch.list_logical[e] * kPageSize, 0));
         empty(k_issue.index).wait(k_issue.phase ^ 1u);
         const sm90::Mbarrier k_bar = k_full(k_issue.index), v_bar = raw_full(raw_issue.index);
         k_bar.arrive_expect_tx(kPageBytes);
@@ -3963,16 +3987,11 @@ __global__ void __launch_bounds__(kTwThreads, 1)
   auto exchange_slot = [&](int j, int w, int col) { return exchange + (j * 4 + w) * 16 + col; };
   sm90::RingState<kTtStages> pos;
   while (f < f_end) {
-    if (warp == 0) plan_direct_batch(a, f, f_end, tiles, info);
-    sm90::named_sync(kListBarrier, kTwConsumerThreads);
-    build_direct_page_lists<kTwConsumerThreads, true, kListBarrier>(
-        a, tiles, info[0], info[2], cand, list_phys, list_logical, list_mask, tile_pages,
-        warp_counts, info + 3);
-    sm90::named_sync(kBatchBarrier, kTwThreads);     // the batch's lists are ready
-    const int num_tiles = info[0];
-    f += info[1];
+    make_token_batch<kListBarrier, kBatchBarrier>(a, f, f_end, batch);   // lists ready
+    const int num_tiles = batch.info[0];
+    f += batch.info[1];
     for (int ti = 0; ti < num_tiles; ++ti) {
-      const DirectTile& t = tiles[ti];
+      const DirectTile& t = batch.tiles[ti];
       // This warpgroup's 64 rows of e4m3 Q (zero past the tile), K-major for wgmma's B. Its
       // previous tile's wgmmas have all completed: the block is free.
 #pragma unroll
@@ -3999,7 +4018,7 @@ __global__ void __launch_bounds__(kTwThreads, 1)
       }
       const int end = t.list_begin + t.num_pages;
       for (int e_page = t.list_begin; e_page < end; ++e_page) {
-        const PageRef page{list_phys[e_page], list_logical[e_page], list_mask[e_page]};
+        const PageRef page{batch.list_phys[e_page], batch.list_logical[e_page], batch.list_mask[e_page]};
         k_full(pos.index).wait(pos.phase);   // also when skipped: no warp arrives a round ahead
         uint32_t computing = 0u;             // the groups whose tokens selected the page
 #pragma unroll
