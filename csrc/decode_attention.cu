@@ -3761,8 +3761,12 @@ struct TtColumns {
   uint32_t token_codes[kTtGroups];   // byte e: the column's token, 0xFF past the tile's rows
   uint32_t group_tokens[kTtGroups];  // bit k: token k has a row in the group
 
+  // Column e's place within its group (0-15).
+  __device__ __forceinline__ static int column(int e) {
+    return 8 * (e >> 1) + 2 * (threadIdx.x & 3) + (e & 1);
+  }
   __device__ __forceinline__ static int row(int wg_index, int j, int e) {
-    return 64 * wg_index + 16 * j + 8 * (e >> 1) + 2 * (threadIdx.x & 3) + (e & 1);
+    return 64 * wg_index + 16 * j + column(e);
   }
 
   __device__ __forceinline__ TtColumns(const CtaContext& ctx, int group, int tile_rows,
@@ -4058,7 +4062,7 @@ __global__ void __launch_bounds__(kTwThreads, 1)
               mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 4));
               mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 8));
               mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 16));
-              if (lane < 4) *exchange_slot(j, warp_in_wg, 8 * (e >> 1) + 2 * lane + (e & 1)) = mx;
+              if (lane < 4) *exchange_slot(j, warp_in_wg, TtColumns::column(e)) = mx;
             }
           }
           sm90::named_sync(group_barrier, 128);
@@ -4069,7 +4073,7 @@ __global__ void __launch_bounds__(kTwThreads, 1)
             if (!(computing & (1u << j))) continue;
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              const int col = 8 * (e >> 1) + 2 * (lane & 3) + (e & 1);
+              const int col = TtColumns::column(e);
               const float page_max =
                   fmaxf(fmaxf(*exchange_slot(j, 0, col), *exchange_slot(j, 1, col)),
                         fmaxf(*exchange_slot(j, 2, col), *exchange_slot(j, 3, col)));
@@ -4140,7 +4144,7 @@ __global__ void __launch_bounds__(kTwThreads, 1)
           v += __shfl_xor_sync(0xFFFFFFFFu, v, 4);
           v += __shfl_xor_sync(0xFFFFFFFFu, v, 8);
           v += __shfl_xor_sync(0xFFFFFFFFu, v, 16);
-          if (lane < 4) *exchange_slot(j, warp_in_wg, 8 * (e >> 1) + 2 * lane + (e & 1)) = v;
+          if (lane < 4) *exchange_slot(j, warp_in_wg, TtColumns::column(e)) = v;
         }
       }
       sm90::named_sync(group_barrier, 128);
@@ -4150,7 +4154,7 @@ __global__ void __launch_bounds__(kTwThreads, 1)
         float sum[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int col = 8 * (e >> 1) + 2 * (lane & 3) + (e & 1);
+          const int col = TtColumns::column(e);
           sum[e] = (*exchange_slot(j, 0, col) + *exchange_slot(j, 1, col)) +
                    (*exchange_slot(j, 2, col) + *exchange_slot(j, 3, col));
         }
