@@ -2681,15 +2681,55 @@ struct DirectTile {
   int num_pairs;     // max(1, ceil(num_pages / 2))
 };
 
+// This CTA's tiles [f, f_end) of the call's num_work x Hkv (work item, KV head) tiles: an equal
+// share over the grid, the first `extra` CTAs one more (the direct and token forms).
+__device__ __forceinline__ void cta_tile_range(const DecodeAttentionArgs& a, int64_t& f,
+                                               int64_t& f_end) {
+  const int64_t total_tiles = static_cast<int64_t>(a.num_work) * a.num_kv_heads;
+  const int64_t share = total_tiles / gridDim.x, extra = total_tiles % gridDim.x;
+  f = blockIdx.x * share + min(static_cast<int64_t>(blockIdx.x), extra);
+  f_end = f + share + (blockIdx.x < extra ? 1 : 0);
+}
+
+// A batch of a CTA's tiles in shared memory (the direct and token forms): their contexts, their page lists
+// (the candidates, then per list entry the physical page, logical block and token mask) and the
+// counters (per tile, per warp, then info: tiles kept, consumed, candidates; total).
+struct TileBatch {
+  int* cand;
+  int* list_phys;
+  int* list_logical;
+  uint32_t* list_mask;
+  DirectTile* tiles;
+  int* tile_pages;
+  int* warp_counts;
+  int* info;
+
+  __device__ __forceinline__ TileBatch(char* smem, int list_offset, int tiles_offset,
+                                       int counts_offset, int warps)
+      : cand(reinterpret_cast<int*>(smem + list_offset)),
+        list_phys(cand + kMaxCandidates),
+        list_logical(list_phys + kMaxCandidates),
+        list_mask(reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates)),
+        tiles(reinterpret_cast<DirectTile*>(smem + tiles_offset)),
+        tile_pages(reinterpret_cast<int*>(smem + counts_offset)),
+        warp_counts(tile_pages + kDirectMaxTiles),
+        info(warp_counts + warps) {}
+
+  // This CTA's tiles [f, f_end) (cta_tile_range); the per-tile page counts start at zero.
+  __device__ __forceinline__ void start(const DecodeAttentionArgs& a, int64_t& f,
+                                        int64_t& f_end) const {
+    cta_tile_range(a, f, f_end);
+    if (threadIdx.x < kDirectMaxTiles) tile_pages[threadIdx.x] = 0;
+  }
+};
+
 // Page idx of a tile's stream, or a skipped page past its end. Sparse refs come from the
 // batch's lists, dense ones from the page table.
 __device__ __forceinline__ PageRef direct_page(const DecodeAttentionArgs& a, const DirectTile& t,
-                                               int idx, const int* list_phys,
-                                               const int* list_logical,
-                                               const uint32_t* list_mask) {
+                                               int idx, const TileBatch& batch) {
   if (idx >= t.num_pages) return PageRef{0, 0, 0u};
-  return resolve_page(a, t.ctx, a.q2k_indices != nullptr ? t.list_begin + idx : idx, list_phys,
-                      list_logical, list_mask);
+  return resolve_page(a, t.ctx, a.q2k_indices != nullptr ? t.list_begin + idx : idx,
+                      batch.list_phys, batch.list_logical, batch.list_mask);
 }
 
 // Warp 0: the contexts of tiles f .. (at most kDirectMaxTiles, at most kMaxCandidates sparse
@@ -2795,48 +2835,6 @@ __device__ void build_direct_page_lists(const DecodeAttentionArgs& a, DirectTile
   }
   list_barrier<kNumThreads, kBarrierId>();
 }
-
-// This CTA's tiles [f, f_end) of the call's num_work x Hkv (work item, KV head) tiles: an equal
-// share over the grid, the first `extra` CTAs one more (the direct and token forms).
-__device__ __forceinline__ void cta_tile_range(const DecodeAttentionArgs& a, int64_t& f,
-                                               int64_t& f_end) {
-  const int64_t total_tiles = static_cast<int64_t>(a.num_work) * a.num_kv_heads;
-  const int64_t share = total_tiles / gridDim.x, extra = total_tiles % gridDim.x;
-  f = blockIdx.x * share + min(static_cast<int64_t>(blockIdx.x), extra);
-  f_end = f + share + (blockIdx.x < extra ? 1 : 0);
-}
-
-// A batch of a CTA's tiles in shared memory (the token forms): their contexts, their page lists
-// (the candidates, then per list entry the physical page, logical block and token mask) and the
-// counters (per tile, per warp, then info: tiles kept, consumed, candidates; total).
-struct TileBatch {
-  int* cand;
-  int* list_phys;
-  int* list_logical;
-  uint32_t* list_mask;
-  DirectTile* tiles;
-  int* tile_pages;
-  int* warp_counts;
-  int* info;
-
-  __device__ __forceinline__ TileBatch(char* smem, int list_offset, int tiles_offset,
-                                       int counts_offset, int warps)
-      : cand(reinterpret_cast<int*>(smem + list_offset)),
-        list_phys(cand + kMaxCandidates),
-        list_logical(list_phys + kMaxCandidates),
-        list_mask(reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates)),
-        tiles(reinterpret_cast<DirectTile*>(smem + tiles_offset)),
-        tile_pages(reinterpret_cast<int*>(smem + counts_offset)),
-        warp_counts(tile_pages + kDirectMaxTiles),
-        info(warp_counts + warps) {}
-
-  // This CTA's tiles [f, f_end) (cta_tile_range); the per-tile page counts start at zero.
-  __device__ __forceinline__ void start(const DecodeAttentionArgs& a, int64_t& f,
-                                        int64_t& f_end) const {
-    cta_tile_range(a, f, f_end);
-    if (threadIdx.x < kDirectMaxTiles) tile_pages[threadIdx.x] = 0;
-  }
-};
 
 // One step of a tile: pages page[0] and page[1], landed at k8[0] and k8[1] (K, then V).
 __device__ __forceinline__ void direct_pair_step(
@@ -3051,22 +3049,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_direct_kernel(const DecodeAttentionArgs a) {
   extern __shared__ __align__(128) char smem[];
   char* const ring = smem;
-  int* const cand = reinterpret_cast<int*>(smem + kDirectListOffset);
-  int* const list_phys = cand + kMaxCandidates;
-  int* const list_logical = list_phys + kMaxCandidates;
-  uint32_t* const list_mask = reinterpret_cast<uint32_t*>(list_logical + kMaxCandidates);
   float* const warp_page_max = reinterpret_cast<float*>(smem + kDirectMaxOffset);
-  DirectTile* const tiles = reinterpret_cast<DirectTile*>(smem + kDirectTilesOffset);
-  int* const tile_pages = reinterpret_cast<int*>(smem + kDirectCountsOffset);
-  int* const warp_counts = tile_pages + kDirectMaxTiles;
-  int* const info = warp_counts + kWarps;   // the batch: tiles kept, consumed, candidates; total
+  const TileBatch batch(smem, kDirectListOffset, kDirectTilesOffset, kDirectCountsOffset, kWarps);
 
   const int lane = threadIdx.x & 31;
   const int group = a.num_qo_heads / a.num_kv_heads;
   const float scale_log2 = a.softmax_scale * kLog2e;
-  int64_t f, f_end;   // this CTA's tiles
-  cta_tile_range(a, f, f_end);
-  if (threadIdx.x < kDirectMaxTiles) tile_pages[threadIdx.x] = 0;
+  int64_t f, f_end;
+  batch.start(a, f, f_end);
   auto stage_of = [&](unsigned pair, int pg) {   // ring position -> its pair slot's page pg
     return ring + ((pair % kDirectSlots) * 2 + pg) * kPageFp8Bytes;
   };
@@ -3074,13 +3064,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   while (f < f_end) {
     __syncthreads();   // the last batch's tiles and lists are no longer read
-    if (threadIdx.x < 32) plan_direct_batch(a, f, f_end, tiles, info);
+    if (threadIdx.x < 32) plan_direct_batch(a, f, f_end, batch.tiles, batch.info);
     __syncthreads();
-    const int num_tiles = info[0];
-    f += info[1];
+    const int num_tiles = batch.info[0];
+    f += batch.info[1];
     if (a.q2k_indices != nullptr) {
-      build_direct_page_lists(a, tiles, num_tiles, info[2], cand, list_phys, list_logical,
-                              list_mask, tile_pages, warp_counts, info + 3);
+      build_direct_page_lists(a, batch.tiles, num_tiles, batch.info[2], batch.cand,
+                              batch.list_phys, batch.list_logical, batch.list_mask,
+                              batch.tile_pages, batch.warp_counts, batch.info + 3);
     }
     if (num_tiles == 0) continue;
 
@@ -3090,11 +3081,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     issued = computed;
     auto issue = [&]() {   // one cp.async group per pair, empty past the batch's last tile
       if (issue_tile < num_tiles) {
-        const DirectTile& t = tiles[issue_tile];
+        const DirectTile& t = batch.tiles[issue_tile];
 #pragma unroll
         for (int pg = 0; pg < 2; ++pg) {
-          const PageRef ref =
-              direct_page(a, t, 2 * issue_pair + pg, list_phys, list_logical, list_mask);
+          const PageRef ref = direct_page(a, t, 2 * issue_pair + pg, batch);
           load_page_fp8_swizzled(a, t.ctx.head, ref, stage_of(issued, pg),
                                  page_valid_rows(t.ctx, ref));
         }
@@ -3110,13 +3100,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int p = 0; p < kDirectSlots - 1; ++p) issue();
 
     uint4 q_raw[2][2];   // the next tile's Q, loaded a tile ahead
-    load_query_raw_fp8(a, tiles[0].ctx, group, tiles[0].tile_rows, q_raw);
+    load_query_raw_fp8(a, batch.tiles[0].ctx, group, batch.tiles[0].tile_rows, q_raw);
     for (int ti = 0; ti < num_tiles; ++ti) {
-      const DirectTile t = tiles[ti];
+      const DirectTile t = batch.tiles[ti];
       uint32_t qf[kHeadDim / 16][4];
       widen_query_fp8(q_raw, qf);
       if (ti + 1 < num_tiles) {
-        load_query_raw_fp8(a, tiles[ti + 1].ctx, group, tiles[ti + 1].tile_rows, q_raw);
+        load_query_raw_fp8(a, batch.tiles[ti + 1].ctx, group, batch.tiles[ti + 1].tile_rows,
+                           q_raw);
       }
       // Rows lane / 4 and lane / 4 + 8: their token and last visible key (-1: none).
       int row_token[2], row_last_key[2];
@@ -3141,8 +3132,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         __syncthreads();
         issue();
         const PageRef page[2] = {
-            direct_page(a, t, 2 * p, list_phys, list_logical, list_mask),
-            direct_page(a, t, 2 * p + 1, list_phys, list_logical, list_mask)};
+            direct_page(a, t, 2 * p, batch), direct_page(a, t, 2 * p + 1, batch)};
         const char* k8[2] = {stage_of(computed, 0), stage_of(computed, 1)};
         direct_pair_step(page, k8, warp_page_max, qf, row_token, row_last_key, scale_log2, acc,
                          row_max, row_sum);
