@@ -1924,6 +1924,28 @@ __device__ __forceinline__ void transpose_v_quarter(const char* quarter_rows, ch
   }
 }
 
+// The producer warpgroup's transposes of one raw V page (thread 0 .. 127): rows at or past
+// valid_rows zeroed first (a zero P must not meet NaN bytes of the pool), then the page
+// transposed into its V^T tile (two quarters a thread group) and fenced for the async proxy
+// (wgmma reads it). The caller then tells the tile's full barrier.
+template <int kBarrierId>
+__device__ __forceinline__ void transpose_raw_page(char* page, int valid_rows, char* tile,
+                                                   int thread) {
+  constexpr int kQuarterBytes = kPageSize * kRowBytes / 4;
+  if (valid_rows < kPageSize) {                      // uniform: the request's last page
+    uint4* tail = reinterpret_cast<uint4*>(page + max(valid_rows, 0) * kRowBytes);
+    const int chunks = (kPageSize - max(valid_rows, 0)) * kRowBytes / 16;
+    for (int c = thread; c < chunks; c += 128) tail[c] = make_uint4(0u, 0u, 0u, 0u);
+    sm90::named_sync(kBarrierId, 128);
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int quarter = 2 * half + (thread >> 6);
+    transpose_v_quarter(page + quarter * kQuarterBytes, tile, quarter, thread & 63);
+  }
+  sm90::fence_proxy_async_shared();                  // V^T (generic stores) is read by wgmma
+}
+
 // The e4m3 P.V form's producer warpgroup (128 threads). Thread 0 copies each page's K slice into
 // the K ring and its V slice into a ring of kRawStages raw slots, one TMA copy each, counted on
 // the stages' full barriers; page j's pair is issued once the transposes of page j - kRawStages
@@ -1941,7 +1963,6 @@ __device__ __forceinline__ void stream_pages_tma(int num_pages, int thread, char
                                                  KFull k_full, KEmpty k_empty, KTile k_tile,
                                                  VFull v_full, VEmpty v_empty, VTile v_tile) {
   constexpr int kPageBytes = kPageSize * kRowBytes;
-  constexpr int kQuarterBytes = kPageBytes / 4;
   uint64_t* raw_bars = reinterpret_cast<uint64_t*>(smem + L::kBarrierOffset) +
                        2 * (L::kKStages + L::kVStages);
   int* raw_rows = reinterpret_cast<int*>(smem + L::kRawRowsOffset);
@@ -1981,21 +2002,8 @@ __device__ __forceinline__ void stream_pages_tma(int num_pages, int thread, char
     MSA_LAB_MARK(thread == 0, 1, i, 1);
     raw_full(raw_ring.index).wait(raw_ring.phase);
     MSA_LAB_MARK(thread == 0, 1, i, 2);
-    char* page = raw(raw_ring.index);
-    const int valid_rows = raw_rows[raw_ring.index];
-    if (valid_rows < kPageSize) {                      // uniform: the request's last page
-      uint4* tail = reinterpret_cast<uint4*>(page + max(valid_rows, 0) * kRowBytes);
-      const int chunks = (kPageSize - max(valid_rows, 0)) * kRowBytes / 16;
-      for (int c = thread; c < chunks; c += 128) tail[c] = make_uint4(0u, 0u, 0u, 0u);
-      sm90::named_sync(kProducerBarrier, 128);
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int quarter = 2 * half + (thread >> 6);
-      transpose_v_quarter(page + quarter * kQuarterBytes, v_tile(v_ring.index), quarter,
-                          thread & 63);
-    }
-    sm90::fence_proxy_async_shared();                  // V^T (generic stores) is read by wgmma
+    transpose_raw_page<kProducerBarrier>(raw(raw_ring.index), raw_rows[raw_ring.index],
+                                         v_tile(v_ring.index), thread);
     v_full(v_ring.index).arrive();
     MSA_LAB_MARK(thread == 0, 1, i, 3);
     sm90::named_sync(kProducerBarrier, 128);           // every read of the raw slot is done
@@ -3745,7 +3753,7 @@ __device__ __forceinline__ constexpr int tt_index(int j, int e, int h) {
 }
 
 // A consumer thread's view of its warpgroup's columns: column e (0-3) of group j is tile row
-// 64 wg + 16 j + 8 (e / 2) + 2 t + e % 2 (t = lane % 4), as m64n16's accumulator places it;
+// 64 wg + 16 j + 8 (e / 2) + 2 t + e % 2 (t = lane % 4), as m64n64's accumulator places it;
 // the thread's keys (or channels) of a 64-row block are 16 (warp % 4) + lane / 4, and + 8.
 struct TtColumns {
   uint32_t token_codes[kTtGroups];   // byte e: the column's token, 0xFF past the tile's rows
@@ -3852,8 +3860,8 @@ __device__ __forceinline__ void store_p_transposed(const float (&p)[2][32], int 
     uint32_t pair[4];   // column e: byte 0 key g, byte 1 key g + 8
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      pair[e] = __nv_cvt_float2_to_fp8x2(make_float2(p[m][tt_index(j, e, 0)], p[m][tt_index(j, e, 1)]),
-                                         __NV_SATFINITE, __NV_E4M3);
+      const float2 keys = make_float2(p[m][tt_index(j, e, 0)], p[m][tt_index(j, e, 1)]);
+      pair[e] = __nv_cvt_float2_to_fp8x2(keys, __NV_SATFINITE, __NV_E4M3);
     }
     const uint32_t send = odd ? (pair[0] | (pair[1] << 16)) : (pair[2] | (pair[3] << 16));
     const uint32_t recv = __shfl_xor_sync(0xFFFFFFFFu, send, 4);
@@ -3879,7 +3887,7 @@ __global__ void __launch_bounds__(kTwThreads, 1)
   constexpr int kListBarrier = 2;      // the consumers, while they make the lists
   constexpr int kProducerBarrier = 3;  // the producer warpgroup: a raw slot is read
   constexpr int kGroupBarrier = 4;     // + the consumer warpgroup (4, 5)
-  constexpr int kPageBytes = L::kTileBytes, kQuarterBytes = kPageBytes / 4;
+  constexpr int kPageBytes = L::kTileBytes;
   extern __shared__ __align__(1024) char smem_raw[];
   char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + L::kBarrierOffset);
@@ -3943,21 +3951,8 @@ __global__ void __launch_bounds__(kTwThreads, 1)
       for (int e = 0; e < total; ++e) {
         empty(ring.index).wait(ring.phase ^ 1u);   // the V^T tile is no longer read
         raw_full(raw_read.index).wait(raw_read.phase);
-        char* page = raw_slot(raw_read.index);
-        const int valid_rows = raw_rows[raw_read.index];
-        if (valid_rows < kPageSize) {   // uniform: V past the request's keys reads as zeros
-          uint4* tail = reinterpret_cast<uint4*>(page + valid_rows * wg::kRowBytes);
-          const int chunks = (kPageSize - valid_rows) * wg::kRowBytes / 16;
-          for (int c = thread; c < chunks; c += 128) tail[c] = make_uint4(0u, 0u, 0u, 0u);
-          sm90::named_sync(kProducerBarrier, 128);
-        }
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int quarter = 2 * half + (thread >> 6);
-          wg::pingpong::transpose_v_quarter(page + quarter * kQuarterBytes, vt_tile(ring.index),
-                                            quarter, thread & 63);
-        }
-        sm90::fence_proxy_async_shared();   // V^T (generic stores) is read by wgmma
+        wg::pingpong::transpose_raw_page<kProducerBarrier>(
+            raw_slot(raw_read.index), raw_rows[raw_read.index], vt_tile(ring.index), thread);
         vt_full(ring.index).arrive();
         sm90::named_sync(kProducerBarrier, 128);   // every read of the raw slot is done
         if (thread == 0 && e + kTtRawStages < total) issue(e + kTtRawStages);
