@@ -3281,6 +3281,17 @@ __device__ int lab_tw_computed[kTwConsumers][kTwLabPages];
 // point (a trap; the launcher asks for the forms only where the sm_90a image is loaded).
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
+// A token batch's list entry e: physical page, logical block, token mask.
+__device__ __forceinline__ PageRef list_page(const TileBatch& batch, int e) {
+  return PageRef{batch.list_phys[e], batch.list_logical[e], batch.list_mask[e]};
+}
+
+// The list entries of a token batch's num_tiles tiles (contiguous, tile by tile).
+__device__ __forceinline__ int list_pages(const TileBatch& batch, int num_tiles) {
+  if (num_tiles <= 0) return 0;
+  return batch.tiles[num_tiles - 1].list_begin + batch.tiles[num_tiles - 1].num_pages;
+}
+
 // The token forms' consumer warps (kTwConsumerThreads): warp 0 plans the batch of tiles from f
 // and all of them make its page lists (slot-major), meeting at kListBarrier; then every thread of
 // the CTA meets at kBatchBarrier (the producer warpgroup waits there for the lists).
@@ -3582,9 +3593,7 @@ __global__ void __launch_bounds__(kTwThreads, 1)
           while (ti + 1 < num_tiles && batch.tiles[ti + 1].list_begin <= e) ++ti;
           return ti;
         };
-        const int total = num_tiles > 0 ? batch.tiles[num_tiles - 1].list_begin +
-                                              batch.tiles[num_tiles - 1].num_pages
-                                        : 0;
+        const int total = list_pages(batch, num_tiles);
         if (thread == 0) {
           sm90::RingState<L::kRawStages> ahead = raw_pos;
           for (int e = 0; e < min(total, L::kRawStages); ++e) {
@@ -3657,7 +3666,7 @@ __global__ void __launch_bounds__(kTwThreads, 1)
       for (int n = 0; n < 16; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
       const int end = t.list_begin + t.num_pages;
       for (int e = t.list_begin; e < end; ++e) {
-        const PageRef page{batch.list_phys[e], batch.list_logical[e], batch.list_mask[e]};
+        const PageRef page = list_page(batch, e);
         MSA_LAB_TW_MARK(lane == 0, warp, lab_page, 0);
         full(pos.index).wait(pos.phase);   // also when skipped: no warp arrives a round ahead
         MSA_LAB_TW_MARK(lane == 0, warp, lab_page, 1);
@@ -3926,16 +3935,16 @@ __global__ void __launch_bounds__(kTwThreads, 1)
       sm90::named_sync(kBatchBarrier, kTwThreads);   // the batch's lists are ready
       const int num_tiles = batch.info[0];
       f += batch.info[1];
-      const int total = num_tiles > 0 ? batch.tiles[num_tiles - 1].list_begin +
-                                            batch.tiles[num_tiles - 1].num_pages
-                                      : 0;
+      const int total = list_pages(batch, num_tiles);
       int issue_tile = 0;
       auto issue = [&](int e) {   // thread 0: list page e's K into the ring, V into a raw slot
-        while (e >= batch.tiles[issue_tile].list_begin + batch.tiles[issue_tile].num_pages) ++issue_tile;
+        while (e >= batch.tiles[issue_tile].list_begin + batch.tiles[issue_tile].num_pages) {
+          ++issue_tile;
+        }
         const CtaContext& ctx = batch.tiles[issue_tile].ctx;
         const int row = (batch.list_phys[e] * a.num_kv_heads + ctx.head) * kPageSize;
         raw_rows[raw_issue.index] =   // published by the raw slot's barrier
-            min(kPageSize, max(ctx.seqlen_k - batch.list_logical[e] * kPageSize, 0));
+            page_valid_rows(ctx, list_page(batch, e));
         empty(k_issue.index).wait(k_issue.phase ^ 1u);
         const sm90::Mbarrier k_bar = k_full(k_issue.index), v_bar = raw_full(raw_issue.index);
         k_bar.arrive_expect_tx(kPageBytes);
@@ -4007,7 +4016,7 @@ __global__ void __launch_bounds__(kTwThreads, 1)
       }
       const int end = t.list_begin + t.num_pages;
       for (int e_page = t.list_begin; e_page < end; ++e_page) {
-        const PageRef page{batch.list_phys[e_page], batch.list_logical[e_page], batch.list_mask[e_page]};
+        const PageRef page = list_page(batch, e_page);
         k_full(pos.index).wait(pos.phase);   // also when skipped: no warp arrives a round ahead
         uint32_t computing = 0u;             // the groups whose tokens selected the page
 #pragma unroll
