@@ -248,21 +248,29 @@ __device__ __forceinline__ void segment_best_keys(const TopList<KCAP>& list, int
 // History blocks of a request of length `len`: those before the block of its last key.
 __device__ __forceinline__ int history_pages(int len) { return len > 0 ? (len - 1) / kPage : 0; }
 
-// Eight E2M1 codes (one 32-bit word, even element in the low nibble) -> four f16x2 words holding
-// code * 2^-14 exactly: f16 bits = sign << 15 | (exponent, mantissa) << 9.
+// Eight E2M1 codes (one 32-bit word, code i in nibble i) -> four f16x2 words holding code * 2^-14
+// exactly (f16 bits = sign << 15 | magnitude << 9), as the channel pairs (0, 4), (2, 6), (1, 5),
+// (3, 7): the pairs whose upper bytes one byte_perm each takes from the even and odd codes' bytes
+// (10 integer ops for the 8 codes; the pairs (0, 1) ... (6, 7) took ~15). load_queries stages
+// NVFP4 calls' Q channels in the same order (kQChannelPairs), so each k-step still meets a key
+// channel with its query channel.
 __device__ __forceinline__ void e2m1x8_to_f16x2(uint32_t w, uint32_t (&out)[4]) {
-  const uint32_t lo = w & 0x0F0F0F0Fu;              // codes 0, 2, 4, 6 (one per byte)
-  const uint32_t hi = (w >> 4) & 0x0F0F0F0Fu;       // codes 1, 3, 5, 7
-  // Per byte: the f16's upper byte, (code & 7) << 1 | (code & 8) << 4.
-  const uint32_t lo_top = ((lo << 1) & 0x0E0E0E0Eu) | ((lo << 4) & 0x80808080u);
-  const uint32_t hi_top = ((hi << 1) & 0x0E0E0E0Eu) | ((hi << 4) & 0x80808080u);
-  const uint32_t p0 = __byte_perm(lo_top, hi_top, 0x5140);   // codes 0, 1, 2, 3
-  const uint32_t p1 = __byte_perm(lo_top, hi_top, 0x7362);   // codes 4, 5, 6, 7
-  out[0] = __byte_perm(p0, 0u, 0x1404);   // (code 0, code 1) as the upper bytes of two f16
-  out[1] = __byte_perm(p0, 0u, 0x3424);
-  out[2] = __byte_perm(p1, 0u, 0x1404);
-  out[3] = __byte_perm(p1, 0u, 0x3424);
+  constexpr uint32_t kMagnitude = 0x0E0E0E0Eu;   // an f16 upper byte's magnitude bits (1-3)
+  const uint32_t signs = w & 0x88888888u;
+  // Per byte j, the f16 upper byte of code 2j (even) and of code 2j + 1 (odd): the magnitude
+  // from the shifted word, the sign (bit 7, outside kMagnitude) from the shifted signs.
+  const uint32_t even = ((w << 1) & kMagnitude) | ((signs << 4) & ~kMagnitude);
+  const uint32_t odd = ((w >> 3) & kMagnitude) | (signs & ~kMagnitude);
+  out[0] = __byte_perm(even, 0u, 0x2404);   // codes 0, 4 as the upper bytes of two f16
+  out[1] = __byte_perm(even, 0u, 0x3414);   // codes 2, 6
+  out[2] = __byte_perm(odd, 0u, 0x2404);    // codes 1, 5
+  out[3] = __byte_perm(odd, 0u, 0x3414);    // codes 3, 7
 }
+
+// Q's order of the channels of each 8-channel chunk (as f16x2 pairs) for NVFP4 keys: the order
+// e2m1x8_to_f16x2 yields them in.
+template <int F>
+constexpr bool kQChannelPairs = F == kNvfp4;
 
 __device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, __half2 b) {
   const __half2 r = __hmul2(*reinterpret_cast<const __half2*>(&a), b);
@@ -331,8 +339,9 @@ __device__ __forceinline__ void bulk_load_page(const DecodeIndexerArgs& a, int64
   }
 }
 
-// Request b's Q rows (r = q * H + h) as f16 (e4m3 q) or bf16 (bf16 q), zero past `rows`.
-template <int MT>
+// Request b's Q rows (r = q * H + h) as f16 (e4m3 q) or bf16 (bf16 q), zero past `rows`; with
+// kPaired, each 8-channel chunk as the f16x2 pairs (0, 4), (2, 6), (1, 5), (3, 7).
+template <int MT, bool kPaired>
 __device__ __forceinline__ void load_queries(const DecodeIndexerArgs& a, int b, int rows,
                                              __half* qs) {
   const int64_t base = static_cast<int64_t>(b) * rows * kDim;
@@ -342,7 +351,10 @@ __device__ __forceinline__ void load_queries(const DecodeIndexerArgs& a, int b, 
     if (row < rows) {
       const int64_t offset = base + static_cast<int64_t>(row) * kDim + col;
       if (a.q_fp8) {
-        const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(a.q) + offset);
+        uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(a.q) + offset);
+        if constexpr (kPaired) {   // bytes (0, 4, 2, 6), (1, 5, 3, 7)
+          raw = make_uint2(__byte_perm(raw.x, raw.y, 0x6240), __byte_perm(raw.x, raw.y, 0x7351));
+        }
         v.x = sm80::e4m3x2_lo_to_f16x2(raw.x);
         v.y = sm80::e4m3x2_hi_to_f16x2(raw.x);
         v.z = sm80::e4m3x2_lo_to_f16x2(raw.y);
@@ -693,7 +705,7 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
     if (threadIdx.x < kStages) full(threadIdx.x).init(1);   // the issuing lane's arrival
     sm90::fence_barrier_init();
   }
-  if (!kOfferWarp || scoring_warp) load_queries<MT>(a, b, rows, qs);
+  if (!kOfferWarp || scoring_warp) load_queries<MT, kQChannelPairs<F>>(a, b, rows, qs);
   __syncthreads();                                // qs written, the barriers initialized
   MSA_LAB_CALL_MARK(1);
   const float score_mul =
