@@ -367,6 +367,26 @@ __device__ __forceinline__ void load_queries(const DecodeIndexerArgs& a, int b, 
   }
 }
 
+// Where this thread's two E4M3 block scales (2t, 2t + 1, t = lane % 4) of key key0 + lane / 4
+// sit in a staged page's 1 KB of NVFP4 scales, and how much further key + 8's are (key + 16's
+// twice that where key0 % 32 == 0). The staged order repeats every page, so a warp computes it
+// once instead of per page (~30 SASS instructions a page and key pair, both layouts selected at
+// run time).
+struct ScaleSlot {
+  int offset = 0;
+  int key8 = 0;
+
+  __device__ __forceinline__ ScaleSlot(bool linear, int key0) {
+    const int lane = threadIdx.x & 31;
+    const int key = key0 + (lane >> 2), t = lane & 3;
+    // Linear: 8 scale bytes a key. 128x4: 32-key rows of 16 bytes, key / 32 its 4-byte column,
+    // scale column pair t / 2 its 512-byte half.
+    offset = linear ? key * 8 + 2 * t
+                    : (t >> 1) * 512 + (key & 31) * 16 + (key >> 5) * 4 + 2 * (t & 1);
+    key8 = linear ? 64 : 128;
+  }
+};
+
 // Keys key0 + 8 n + lane / 4 (n = 0, 1) of a staged page: this thread's span of each key row
 // (channels 32t .. 32t + 31, t = lane % 4) and, for NVFP4, its two E4M3 block scales.
 template <int F>
@@ -374,7 +394,9 @@ struct KeyPair {
   uint32_t words[2][PageShape<F>::kWordsPerKey];
   __half2 scale[2][2];
 
-  __device__ __forceinline__ void load(const DecodeIndexerArgs& a, const char* stage, int key0) {
+  // scale_offset: where key key0 + lane / 4's scales sit (ScaleSlot, NVFP4 only).
+  __device__ __forceinline__ void load(const char* stage, int key0, int scale_offset,
+                                       int scale_key8) {
     using S = PageShape<F>;
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -398,10 +420,8 @@ struct KeyPair {
       if constexpr (F == kNvfp4) {
         // Scales 2t and 2t + 1 of the key (channels 32t .. 32t + 15 and 32t + 16 .. 32t + 31).
         const uint8_t* scales = reinterpret_cast<const uint8_t*>(stage + kPage * S::kRowStride);
-        const int offset = a.k_scale_linear
-                               ? key * 8 + 2 * t
-                               : (t >> 1) * 512 + (key & 31) * 16 + (key >> 5) * 4 + 2 * (t & 1);
-        const uint32_t two = *reinterpret_cast<const uint16_t*>(scales + offset);
+        const uint32_t two =
+            *reinterpret_cast<const uint16_t*>(scales + scale_offset + n * scale_key8);
         const uint32_t f16 = sm80::e4m3x2_lo_to_f16x2(two);
         const __half2 both = *reinterpret_cast<const __half2*>(&f16);
         scale[n][0] = __low2half2(both);
@@ -486,8 +506,8 @@ constexpr int kMaxWriters = MT <= 2 ? kWarps / MT : kWarps;
 // One page against every row: per row the max over the keys, into
 // warp_max[writer][row] (writer < kMaxWriters<MT>).
 template <int F, int MT>
-__device__ __forceinline__ void score_page(const DecodeIndexerArgs& a, const char* stage,
-                                           const __half* qs, const QFragments& q_regs,
+__device__ __forceinline__ void score_page(const char* stage, const __half* qs,
+                                           const QFragments& q_regs, const ScaleSlot& scale_slot,
                                            float* warp_max) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -498,7 +518,9 @@ __device__ __forceinline__ void score_page(const DecodeIndexerArgs& a, const cha
 #pragma unroll 1
     for (int pair = 0; pair < MT; ++pair) {   // 16 keys at a time
       KeyPair<F> keys;
-      keys.load(a, stage, (writer * MT + pair) * 16);
+      // MT 2: key0 = 32 writer + 16 pair, so pair 1's scales are two key8 steps on.
+      keys.load(stage, (writer * MT + pair) * 16, scale_slot.offset + pair * 2 * scale_slot.key8,
+                scale_slot.key8);
       float acc[2][4] = {};
 #pragma unroll
       for (int kd2 = 0; kd2 < 4; ++kd2) {
@@ -521,7 +543,7 @@ __device__ __forceinline__ void score_page(const DecodeIndexerArgs& a, const cha
     }
   } else {
     KeyPair<F> keys;
-    keys.load(a, stage, warp * 16);
+    keys.load(stage, warp * 16, scale_slot.offset, scale_slot.key8);
     float acc[MT][2][4] = {};
 #pragma unroll
     for (int kd2 = 0; kd2 < 4; ++kd2) {
@@ -826,6 +848,9 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
   auto run_pages = [&](auto scores_tag, auto offers_tag, auto& lists, const auto& own) {
     constexpr bool kScores = decltype(scores_tag)::value, kOffers = decltype(offers_tag)::value;
     [[maybe_unused]] QFragments q_regs;
+    // The first key this warp scores in every page (score_page's key0 at pair 0).
+    [[maybe_unused]] const ScaleSlot scale_slot(
+        a.k_scale_linear, (MT <= 2 ? warp % (kWarps / MT) * MT : warp) * 16);
     if constexpr (kScores) {
       if constexpr (MT <= 2) q_regs.load(qs, warp / (kWarps / MT));
 #pragma unroll
@@ -847,7 +872,8 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
       MSA_LAB_MARK(i, 4);
       if constexpr (kScores) {
         if (s_valid[i % 8]) {   // uniform over the CTA
-          score_page<F, MT>(a, stage_of(i), qs, q_regs, warp_max + (i & 1) * kWarps * MT * 16);
+          score_page<F, MT>(stage_of(i), qs, q_regs, scale_slot,
+                            warp_max + (i & 1) * kWarps * MT * 16);
         }
       }
       MSA_LAB_MARK(i, 5);

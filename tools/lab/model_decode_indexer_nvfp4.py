@@ -10,7 +10,9 @@ b0, a2 with b1). This model replays those bit operations with __byte_perm's sema
   * every f16 half of every word, for every code in every nibble, is E2M1(code) * 2^-14;
   * the fragment products over a chunk equal the exact dot product of the query and the key's
     decoded values times its block scale, on random words and queries;
-  * a mutation is caught: Q staged in plain channel order against the paired key words.
+  * a mutation is caught: Q staged in plain channel order against the paired key words;
+  * `ScaleSlot`: each scored key's block scales at the warp's first-key offset plus (2 pair + n)
+    key8 steps, in the linear and the 128x4 layouts (a wrong step caught).
 
     python tools/lab/model_decode_indexer_nvfp4.py
 """
@@ -104,7 +106,43 @@ def check_products(paired_q: bool, trials: int = 2000, seed: int = 7) -> bool:
     return True
 
 
+def scale_offset(linear: bool, key: int, t: int) -> int:
+    """Byte of scale 2t of `key` in a page's 1 KB of scales: linear rows of 8, or the 128x4
+    layout (32-key rows of 16 bytes, key / 32 a 4-byte column, scale pair t / 2 a 512-byte half)."""
+    if linear:
+        return key * 8 + 2 * t
+    return (t >> 1) * 512 + (key & 31) * 16 + (key >> 5) * 4 + 2 * (t & 1)
+
+
+def scale_slots_hold(key8_swizzled: int = 128) -> bool:
+    """ScaleSlot (computed once per warp from its first key) against the per-key offsets of
+    every key score_page loads: key0 = (writer * MT + pair) * 16 for MT <= 2 (kWarps / MT
+    writers), warp * 16 for MT > 2; key = key0 + 8 n + lane / 4, at slot.offset + (2 pair + n)
+    * slot.key8."""
+    warps = 8
+    for linear in (True, False):
+        key8 = 64 if linear else key8_swizzled
+        for mt in (1, 2, 4):
+            writers = warps // mt if mt <= 2 else warps
+            pairs = mt if mt <= 2 else 1
+            for writer in range(writers):
+                first = (writer * mt if mt <= 2 else writer) * 16
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    base = scale_offset(linear, first + g, t)
+                    for pair in range(pairs):
+                        for n in range(2):
+                            key = first + pair * 16 + n * 8 + g
+                            if base + (2 * pair + n) * key8 != scale_offset(linear, key, t):
+                                return False
+    return True
+
+
 def main() -> None:
+    assert scale_slots_hold(), "a scale slot misses its key's scales"
+    assert not scale_slots_hold(key8_swizzled=64), "a wrong 128x4 key step was not caught"
+    print("scale slots: every scored key's offset from its warp's first key, both layouts "
+          "(mutation caught)")
     check_every_code_everywhere()
     assert check_products(paired_q=True), "paired Q against paired key words: products differ"
     print("every E2M1 code in every nibble decodes exactly; chunk products exact (2000 words)")
