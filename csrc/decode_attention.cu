@@ -3718,15 +3718,16 @@ __global__ void __launch_bounds__(kTwThreads, 1)
 
 // kTwTransposed: the token-warps form on wgmma. sm_90 has no FP8 mma.sync, and a wgmma's M is
 // 64 rows where a token has 16 (G 16), so each consumer warpgroup computes its 64 rows' pages
-// transposed: S^T = K Q^T (M: the page's 128 keys, N: one column group of 16 tile rows) and
-// O^T += V^T P^T (M: the 128 channels), e4m3 x e4m3 on m64n16k32, for exactly those of its four
-// column groups whose tokens selected the page. The producer warpgroup copies K (128-byte
-// swizzled: wgmma's A) and V (unswizzled) by TMA and transposes V into V^T tiles
-// (transpose_v_quarter, the e4m3 P.V ping-pong form's key order). FP8 wgmma reads B only from
-// shared memory, so P goes there, each 16-key group in V^T's key order (one shuffle with the
-// neighbouring lane makes whole words). Per page a warpgroup pays one exchange of column
-// maxima between its four warps (each holds 32 of the page's keys) and two wgmma round trips,
-// whatever the number of its groups that compute. Numerics as the other e4m3 forms: P against
+// transposed: S^T = K Q^T (M: the page's 128 keys in two blocks of 64, N: the warpgroup's 64
+// tile rows, four column groups of 16) and O^T += V^T P^T (M: the 128 channels), e4m3 x e4m3 on
+// m64n64k32 (one wgmma per k-step reads a 64-key A block once for all four groups); the softmax
+// and the fold into O run only for the column groups whose tokens selected the page. The
+// producer warpgroup copies K (128-byte swizzled: wgmma's A) and V (unswizzled) by TMA and
+// transposes V into V^T tiles (transpose_v_quarter, the e4m3 P.V ping-pong form's key order).
+// FP8 wgmma reads B only from shared memory, so P goes there, each 16-key group in V^T's key
+// order (one shuffle with the neighbouring lane makes whole words). Per page a warpgroup pays
+// one exchange of column maxima between its four warps (each holds 32 of the page's keys) and
+// two wgmma round trips, whatever the number of its groups that compute. Numerics as the other e4m3 forms: P against
 // the page max, rounded to e4m3, the page's P.V folded into O with beta in fp32.
 __device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], uint64_t desc_a,
                                                      uint64_t desc_b, int scale_d) {
