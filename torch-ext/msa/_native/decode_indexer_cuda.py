@@ -42,10 +42,12 @@ VALIDATED_OFFER_WARP = False
 # The merge of a request's chunk lists (its last CTA, a segment of lanes a row) as a butterfly
 # over the segment: log2(lanes) levels of bitonic merges of 64-bit (score, id) keys, every lane
 # ending with the row's best entries, instead of topk - 1 dependent rounds of segment maxima
-# (csrc/decode_indexer.cu, segment_best_keys). The rounds took ~11-12k cycles of a B 32 / 4k
-# call's ~25 us on an H100 (benchmarks/lab/decode_indexer_phases.sh, 07b845b). Not yet run on a
-# GPU: the decode_indexer_butterfly_merge hook forces it either way.
-VALIDATED_BUTTERFLY_MERGE = False
+# (csrc/decode_indexer.cu, segment_best_keys). Correct on an H100 (fba08cc:
+# test_decode_indexer_gpu.py, the same picks as the rounds; memcheck) and faster at every shape
+# of benchmarks/lab/decode_indexer_phases.sh (MTP 8, the merge's rounds and stores 8.1-9.9k
+# cycles against 10.4-12.1k; a call 0.2-0.9 us shorter, e.g. B 8 / 4k 20.1 -> 19.2 us, B 32 /
+# 10k 36.3 -> 35.5); the decode_indexer_butterfly_merge hook forces it either way.
+VALIDATED_BUTTERFLY_MERGE = True
 MAX_ROWS = 128
 MAX_TOPK = 32
 # q dtype each index-key format is served with (the kernel's MMA type needs an exact widening).
