@@ -3727,8 +3727,9 @@ __global__ void __launch_bounds__(kTwThreads, 1)
 // FP8 wgmma reads B only from shared memory, so P goes there, each 16-key group in V^T's key
 // order (one shuffle with the neighbouring lane makes whole words). Per page a warpgroup pays
 // one exchange of column maxima between its four warps (each holds 32 of the page's keys) and
-// two wgmma round trips, whatever the number of its groups that compute. Numerics as the other e4m3 forms: P against
-// the page max, rounded to e4m3, the page's P.V folded into O with beta in fp32.
+// two wgmma round trips, whatever the number of its groups that compute. Numerics as the other
+// e4m3 forms: P against the page max, rounded to e4m3, the page's P.V folded into O with beta in
+// fp32 (S from the FP8 accumulator, as in the ping-pong form).
 __device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], uint64_t desc_a,
                                                      uint64_t desc_b, int scale_d) {
   asm volatile(
