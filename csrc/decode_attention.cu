@@ -3292,6 +3292,13 @@ __device__ __forceinline__ int list_pages(const TileBatch& batch, int num_tiles)
   return batch.tiles[num_tiles - 1].list_begin + batch.tiles[num_tiles - 1].num_pages;
 }
 
+// The tile holding a token batch's list entry e, searched on from tile ti (at or before it:
+// callers walk the entries in ascending order, so a cursor carries over).
+__device__ __forceinline__ int tile_of_entry(const TileBatch& batch, int ti, int e) {
+  while (e >= batch.tiles[ti].list_begin + batch.tiles[ti].num_pages) ++ti;
+  return ti;
+}
+
 // The token forms' consumer warps (kTwConsumerThreads): warp 0 plans the batch of tiles from f
 // and all of them make its page lists (slot-major), meeting at kListBarrier; then every thread of
 // the CTA meets at kBatchBarrier (the producer warpgroup waits there for the lists).
@@ -3588,22 +3595,23 @@ __global__ void __launch_bounds__(kTwThreads, 1)
       } else {
         // Thread 0 keeps the raw slots kRawStages pages ahead of the widening: the batch's
         // first pages now, page e + kRawStages once every producer thread has read page e.
-        auto tile_of = [&](int e) {
-          int ti = 0;
-          while (ti + 1 < num_tiles && batch.tiles[ti + 1].list_begin <= e) ++ti;
-          return ti;
+        // Thread 0's copies walk the entries in order too: their own tile cursor.
+        int copy_tile = 0;
+        auto copy_entry = [&](int e, char* slot, const sm90::Mbarrier& bar) {
+          copy_tile = tile_of_entry(batch, copy_tile, e);
+          copy(copy_tile, e, slot, bar);
         };
         const int total = list_pages(batch, num_tiles);
         if (thread == 0) {
           sm90::RingState<L::kRawStages> ahead = raw_pos;
           for (int e = 0; e < min(total, L::kRawStages); ++e) {
-            copy(tile_of(e), e, raw_of(ahead.index), raw_full(ahead.index));
+            copy_entry(e, raw_of(ahead.index), raw_full(ahead.index));
             ahead.advance();
           }
         }
         int ti = 0;
         for (int e = 0; e < total; ++e) {
-          while (e >= batch.tiles[ti].list_begin + batch.tiles[ti].num_pages) ++ti;
+          ti = tile_of_entry(batch, ti, e);
           const DirectTile& t = batch.tiles[ti];
           const int valid_rows =
               min(kPageSize, max(t.ctx.seqlen_k - batch.list_logical[e] * kPageSize, 0));
@@ -3619,8 +3627,7 @@ __global__ void __launch_bounds__(kTwThreads, 1)
           full(pos.index).arrive();
           sm90::named_sync(kWidenBarrier, 128);        // every read of the raw slot is done
           if (thread == 0 && e + L::kRawStages < total) {
-            copy(tile_of(e + L::kRawStages), e + L::kRawStages, raw_of(raw_pos.index),
-                 raw_full(raw_pos.index));
+            copy_entry(e + L::kRawStages, raw_of(raw_pos.index), raw_full(raw_pos.index));
           }
           MSA_LAB_TW_MARK(thread == 0, kTwConsumers, lab_page, 2);
           raw_pos.advance();
@@ -3940,9 +3947,7 @@ __global__ void __launch_bounds__(kTwThreads, 1)
       const int total = list_pages(batch, num_tiles);
       int issue_tile = 0;
       auto issue = [&](int e) {   // thread 0: list page e's K into the ring, V into a raw slot
-        while (e >= batch.tiles[issue_tile].list_begin + batch.tiles[issue_tile].num_pages) {
-          ++issue_tile;
-        }
+        issue_tile = tile_of_entry(batch, issue_tile, e);
         const CtaContext& ctx = batch.tiles[issue_tile].ctx;
         const int row = (batch.list_phys[e] * a.num_kv_heads + ctx.head) * kPageSize;
         raw_rows[raw_issue.index] =   // published by the raw slot's barrier
