@@ -67,6 +67,8 @@ constexpr int kMinChunkPages = 4;           // fewer pages per CTA are not worth
 #endif
 constexpr int kMaxTopk = 32;
 constexpr int kPlanThreads = 256;          // one CTA; its barriers are the plan's cost
+constexpr int kPlanWarps = kPlanThreads / 32;
+constexpr int kPlanCachedRequests = 2048;  // history lengths the plan keeps in shared memory
 
 // kE4m3Tma is not a format callers name: e4m3 keys whose pages arrive as one TMA copy each
 // into an unpadded, 128-byte swizzled stage (the launcher picks it for tma_pages on sm_90+).
@@ -1043,7 +1045,7 @@ __device__ __forceinline__ long long plan_block_sum(long long value, long long* 
   __syncthreads();
   long long total = 0;
 #pragma unroll 4
-  for (int w = 0; w < kPlanThreads / 32; ++w) total += scratch[w];
+  for (int w = 0; w < kPlanWarps; ++w) total += scratch[w];
   return total;
 }
 
@@ -1053,49 +1055,110 @@ __device__ __forceinline__ long long plan_block_sum(long long value, long long* 
 // spread + B = capacity items), the smallest c whose items fit the capacity, and the smallest
 // whose items fit one wave of spread (on ties the later one). plan_work_split in
 // decode_indexer.py computes the same.
+//
+// The kernel is a chain of CTA barriers, so its searches probe kPlanWarps chunk lengths a
+// round (a warp counts one length's items over every request, the requests' history lengths
+// cached in shared memory) instead of bisecting with a CTA-wide sum per step.
 __global__ void __launch_bounds__(kPlanThreads) decode_indexer_plan_kernel(
     const DecodeIndexerPlanArgs a) {
-  __shared__ long long s_total[kPlanThreads / 32];
-  __shared__ int s_scan[kPlanThreads / 32];
+  __shared__ long long s_total[kPlanWarps];
+  __shared__ long long s_items[2][kPlanWarps];   // a round's counts (rounds alternate)
+  __shared__ int s_history[kPlanCachedRequests];
+  __shared__ int s_scan[kPlanWarps];
   __shared__ int s_carry;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  auto history = [&](int b) { return history_pages(max(__ldg(a.seqused_k + b), 0)); };
-  // Work items of chunk length c: sum over the requests of max(1, ceil(h / c)). 32-bit
-  // division (h < 2^24, c <= INT_MAX, so h + c - 1 < 2^32): a 64-bit one is a long subroutine.
-  auto items = [&](long long c) {
-    const uint32_t cu = static_cast<uint32_t>(c);
-    long long local = 0;
-    for (int b = threadIdx.x; b < a.batch; b += kPlanThreads) {
-      local += max(1u, (static_cast<uint32_t>(history(b)) + cu - 1u) / cu);
-    }
-    return plan_block_sum(local, s_total);
+  auto load_history = [&](int b) { return history_pages(max(__ldg(a.seqused_k + b), 0)); };
+  auto history = [&](int b) {
+    return b < kPlanCachedRequests ? s_history[b] : load_history(b);
   };
 
   long long local = 0;
-  for (int b = threadIdx.x; b < a.batch; b += kPlanThreads) local += history(b);
-  const long long total = plan_block_sum(local, s_total);
+  for (int b = threadIdx.x; b < a.batch; b += kPlanThreads) {
+    const int h = load_history(b);
+    if (b < kPlanCachedRequests) s_history[b] = h;
+    local += h;
+  }
+  const long long total = plan_block_sum(local, s_total);   // its barriers publish s_history
   if (threadIdx.x == 0) s_carry = 0;
+
+  // Work items of chunk length c, counted by one warp: sum over the requests of
+  // max(1, ceil(h / c)). 32-bit division (h < 2^24, c <= INT_MAX, so h + c - 1 < 2^32): a
+  // 64-bit one is a long subroutine.
+  auto warp_items = [&](long long c) {
+    const uint32_t cu = static_cast<uint32_t>(c);
+    long long count = 0;
+    for (int b = lane; b < a.batch; b += 32) {
+      count += max(1u, (static_cast<uint32_t>(history(b)) + cu - 1u) / cu);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) count += __shfl_xor_sync(0xFFFFFFFFu, count, o);
+    return count;
+  };
+  // One round: warp w < n counts the items of length_of(w); every thread gets the counts.
+  int round = 0;
+  auto count_items = [&](auto length_of, int n) {
+    long long* counts = s_items[round & 1];
+    if (warp < n) {
+      const long long c = warp_items(length_of(warp));
+      if (lane == 0) counts[warp] = c;
+    }
+    __syncthreads();   // and the round before last's readers are done with this buffer
+    ++round;
+    return static_cast<const long long*>(counts);
+  };
+
   const long long spread = max(a.capacity - a.batch, 1);
   auto clamp_chunk = [](long long c) {
     return c < kMinChunkPages ? static_cast<long long>(kMinChunkPages)
                               : (c < INT_MAX ? c : static_cast<long long>(INT_MAX));
   };
-  auto waves = [&](long long n) { return (n + spread - 1) / spread; };
-  long long best = clamp_chunk((total + spread - 1) / spread);
-  long long best_cost = waves(items(best)) * best;
+  // The smallest c in [lo, hi) whose items fit cap, else hi (items(c) does not grow with c):
+  // kPlanWarps probes a round, spread evenly over the range (every length once it is short).
+  auto smallest_fitting = [&](long long lo, long long hi, long long cap) {
+    while (lo < hi) {      // block-uniform: every thread takes the same path
+      const long long span = hi - lo;
+      const bool every = span <= kPlanWarps;
+      const int n = every ? static_cast<int>(span) : kPlanWarps;
+      auto probe = [&](int i) { return every ? lo + i : lo + (i + 1) * span / (kPlanWarps + 1); };
+      const long long* counts = count_items(probe, n);
+      int fit = n;
+      for (int i = n - 1; i >= 0; --i) {
+        if (counts[i] <= cap) fit = i;
+      }
+      if (fit == n) {
+        lo = probe(n - 1) + 1;
+      } else {
+        const long long below = fit > 0 ? probe(fit - 1) + 1 : lo;
+        hi = probe(fit);
+        lo = every ? hi : below;
+      }
+    }
+    return hi;
+  };
+  // The candidates: the plain split, then the fits of the capacity and of one wave.
+  long long candidates[3] = {clamp_chunk((total + spread - 1) / spread), 0, 0};
+  int num_candidates = 1;
   for (int fit = 0; fit < 2; ++fit) {
     const long long cap = fit == 0 ? a.capacity : spread;
     if (cap <= a.batch) continue;
     // items(c) <= total / c + B, so hi fits; items(c) >= total / c, so nothing below lo does.
-    long long lo = clamp_chunk((total + cap - 1) / cap);
-    long long hi = clamp_chunk(max(lo, (total + cap - a.batch - 1) / (cap - a.batch)));
-    while (lo < hi) {                     // block-uniform: every thread takes the same path
-      const long long mid = lo + (hi - lo) / 2;
-      if (items(mid) <= cap) hi = mid; else lo = mid + 1;
-    }
-    const long long cost = waves(items(lo)) * lo;
+    const long long lo = clamp_chunk((total + cap - 1) / cap);
+    const long long hi =
+        clamp_chunk(max(lo, (total + cap - a.batch - 1) / (cap - a.batch)));
+    const long long c = smallest_fitting(lo, hi, cap);
+    if (num_candidates == 1) candidates[1] = c; else candidates[2] = c;
+    ++num_candidates;
+  }
+  const long long* counts = count_items(
+      [&](int i) { return i == 0 ? candidates[0] : (i == 1 ? candidates[1] : candidates[2]); },
+      num_candidates);
+  long long best = candidates[0];
+  long long best_cost = (counts[0] + spread - 1) / spread * best;
+  for (int i = 1; i < num_candidates; ++i) {
+    const long long c = i == 1 ? candidates[1] : candidates[2];
+    const long long cost = (counts[i] + spread - 1) / spread * c;
     if (cost <= best_cost) {
-      best = lo;
+      best = c;
       best_cost = cost;
     }
   }

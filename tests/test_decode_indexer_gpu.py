@@ -12,6 +12,7 @@ the gated kernel with MSA_UNVALIDATED_KERNELS=1 and MSA_BACKEND=native (no silen
 from __future__ import annotations
 
 import importlib
+import random
 
 import pytest
 import torch
@@ -211,9 +212,17 @@ def test_native_indexer_merge_segments(msa_pkg, native_only, seed, native_hooks,
 
 
 def test_native_plan_update_matches_host_split(msa_pkg, native_only, tier):
+    """The update kernel's split equals plan_work_split's: fixed shapes, ragged batches of the
+    production grid's sizes, and more requests than the kernel keeps in shared memory (2048)."""
     from msa.decode_indexer import plan_work_split
-    for lens, ctas in (([1, 129, 100000, 0, 257], 40), ([200000], 264), ([4000] * 128, 264),
-                       (list(range(0, 3000 * 70, 3000)), 9)):
+    rng = random.Random(20261207)
+    ragged = [([nominal + rng.randrange(-nominal // 4, nominal // 4) for _ in range(batch)], 264)
+              for batch in (1, 8, 32, 128) for nominal in (4000, 10000, 100000)]
+    ragged += [([rng.randrange(0, 2_000_000) for _ in range(rng.randrange(1, 40))],
+                rng.randrange(1, 600)) for _ in range(12)]
+    ragged.append(([rng.randrange(0, 300000) for _ in range(3000)], 264))
+    for lens, ctas in [([1, 129, 100000, 0, 257], 40), ([200000], 264), ([4000] * 128, 264),
+                       (list(range(0, 3000 * 70, 3000)), 9)] + ragged:
         seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
         plan = msa_pkg.make_decode_indexer_plan(seq, seqlen_q=1, num_index_heads=1,
                                                 max_seqlen_k=max(lens) + 1, max_ctas=ctas)
