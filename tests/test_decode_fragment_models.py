@@ -12,7 +12,6 @@ LAB = Path(__file__).resolve().parents[1] / "tools" / "lab"
 
 @pytest.mark.parametrize("model", ["model_decode_pv_fragments.py",
                                    "model_decode_token_warps_fragments.py",
-                                   "model_decode_transposed_fragments.py",
                                    "model_decode_indexer_nvfp4.py"])
 def test_fragment_model_holds(model, capsys):
     runpy.run_path(str(LAB / model), run_name="__main__")

@@ -175,12 +175,12 @@ def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k
     match within two bf16 ulps (+1e-4); an fp32 difference can flip one P value at an e4m3
     rounding midpoint, which moves that whole row by one e4m3 ulp of p / sum(p) times a V row,
     so up to 2 % of the rows (at least 2) may only meet the contract. A layout or permutation
-    error moves every row. The ping-pong form's and the transposed token form's S come from e4m3
-    wgmma, whose accumulator keeps ~13 mantissa bits: S moves by ~1e-4 of its size, which flips
-    P's rounding in a third of the rows or more (tools/lab/model_decode_e4m3.py; half of them
-    with one query at G 1); each flip moves its row by one e4m3 ulp of that p / sum(p) times a V
-    row, so there the whole output must stay within 2 % of the model (relative Frobenius norm),
-    which a layout error exceeds many times over."""
+    error moves every row. The ping-pong form's S comes from e4m3 wgmma, whose accumulator
+    keeps ~13 mantissa bits: S moves by ~1e-4 of its size, which flips P's rounding in a third
+    of the rows or more (tools/lab/model_decode_e4m3.py; half of them with one query at G 1);
+    each flip moves its row by one e4m3 ulp of that p / sum(p) times a V row, so there the
+    whole output must stay within 2 % of the model (relative Frobenius norm), which a layout
+    error exceeds many times over."""
     from test_decode import fp32_reference
     ref, _ = fp32_reference(q.cpu(), k.cpu(), v.cpu(), None if q2k is None else q2k.cpu(),
                             table.cpu(), seqused_k.cpu(), seqlen_q)
@@ -188,9 +188,7 @@ def _check_against_quantized_model(out, q, k, v, table, seqused_k, seqlen_q, q2k
     err = (out.double().cpu() - ref).abs()
     decode_cuda = importlib.import_module(f"{msa.__name__}._native.decode_cuda")
     launched = decode_cuda.last_launch()
-    s_on_fp8_wgmma = ((launched["pingpong"] and not launched["token_warps"])
-                      or launched["token_warps"] == decode_cuda.TOKEN_WARPS_FORMS["transposed"])
-    if s_on_fp8_wgmma:
+    if launched["pingpong"] and not launched["token_warps"]:   # S on e4m3 wgmma
         relative = (err.norm() / ref.norm()).item()
         assert relative <= 2e-2, relative
         return
@@ -369,7 +367,7 @@ def test_native_sparse_mtp_query_tiles(msa_pkg, native_only, seed, dtypes, qo_ti
 TOKEN_WARP_SHAPES = [(8, 16), (16, 16), (5, 16), (8, 8), (16, 4)]
 
 
-TOKEN_WARP_FORMS = ["per_warp", "once", "transposed"]
+TOKEN_WARP_FORMS = ["per_warp", "once"]
 
 
 def _ran_token_warps(msa, form) -> bool:
@@ -385,9 +383,7 @@ def test_native_token_warps_form(msa_pkg, native_only, seed, native_hooks, form,
                                  topk, split):
     """The token-warps forms (sparse e4m3 tiles of > 16 rows; forced): each warp computes its 16
     rows against only the union pages its rows' tokens selected, the pages copied once by TMA;
-    per_warp widens them in each warp's registers, once in the producer warpgroup; transposed
-    runs a warpgroup's 64 rows on e4m3 wgmma as S^T = K Q^T and O^T = V^T P^T, the softmax only
-    for the 16-row column groups whose tokens selected the page. Requests of
+    per_warp widens them in each warp's registers, once in the producer warpgroup. Requests of
     70001 / 0 / 129 / 3 / 4096 / 1000 keys with NaN bytes past each one's keys (the copies
     bring the pool's rows as they are: their scores are masked, their V rows read as zeros or
     widened as zeros), top-16 and top-32 (one tile of 256 candidates a batch at MTP 8), the

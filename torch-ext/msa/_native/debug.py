@@ -27,7 +27,7 @@ Hooks (``forcing`` keywords):
                      tiles); False: on f16 wgmma (V widened)
   decode_token_warps True: sparse decode calls of e4m3 q and K/V with tiles of > 16 rows take
                      the token-warps form (a warp per 16 rows, only its tokens' pages), or the
-                     one named ("per_warp", "once", "transposed"); False: the warpgroup
+                     one named ("per_warp", "once"); False: the warpgroup
                      forms
   decode_indexer_tma True: the decode indexer's e4m3 index pages arrive as TMA copies (sm_90+);
                      False: as every thread's cp.asyncs

@@ -80,10 +80,8 @@ VALIDATED_PV_FP8 = frozenset({"persistent", "sparse"})
 # ping-pong form skips a warp's unselected pages); "once" is slower everywhere (its
 # producer's widening sets the pace: ~3250 cycles a page). TOKEN_WARPS_FORM is the form
 # served (and forced by decode_token_warps=True); the hook also takes a form's name.
-# "transposed" (a consumer warpgroup's four tokens on e4m3 wgmma, S^T = K Q^T and O^T = V^T
-# P^T, softmax only for the tokens that selected the page) is not yet run on a GPU: forced only.
 VALIDATED_TOKEN_WARPS = True
-TOKEN_WARPS_FORMS = {"per_warp": 1, "once": 2, "transposed": 3}   # the binding's argument
+TOKEN_WARPS_FORMS = {"per_warp": 1, "once": 2}   # the binding's argument
 TOKEN_WARPS_FORM = "per_warp"
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
