@@ -10,11 +10,15 @@ previous call's last kernel), and the median call period. The gaps are what laun
 tails and ramps cost between dependent kernels.
 
     python benchmarks/lab/decode_step_timeline.py --batches 8,32 --kv 4000 --impls step-fp8
+
+--indexer-ctas sweeps the step indexer's CTA budget (MSADecodeStepWrapper.plan's max_ctas: the
+grid its chunk length is chosen for), each value's rows named step-fp8[ctasN].
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -77,6 +81,22 @@ def report(case: str, name: str, calls):
               f"gaps {period - sum(busy):.2f} us")
 
 
+@contextlib.contextmanager
+def indexer_ctas(msa, ctas):
+    """MSADecodeStepWrapper.plan with max_ctas=ctas where the caller names none (None: as is)."""
+    cls = msa.MSADecodeStepWrapper
+    plan = cls.plan
+    if ctas is not None:
+        def plan_with_ctas(self, *args, **kwargs):
+            kwargs.setdefault("max_ctas", ctas)
+            return plan(self, *args, **kwargs)
+        cls.plan = plan_with_ctas
+    try:
+        yield
+    finally:
+        cls.plan = plan
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,6 +108,8 @@ def main(argv=None):
     ap.add_argument("--hq", type=int, default=64)
     ap.add_argument("--hkv", type=int, default=4)
     ap.add_argument("--topk", type=int, default=16)
+    ap.add_argument("--indexer-ctas", default="auto",
+                    help="the step indexer's CTA budgets, comma-separated (auto: the plan's)")
     ap.add_argument("--slots", type=int, default=4, help="input copies the calls rotate over")
     ap.add_argument("--calls", type=int, default=40, help="calls per captured graph")
     ap.add_argument("--replays", type=int, default=3)
@@ -99,9 +121,13 @@ def main(argv=None):
             lens = ragged_lengths(batch, nominal, args.seqlen_q)
             case = f"b{batch}_s{nominal}_q{args.seqlen_q}"
             for base in parse_names(args.impls):
-                for form in parse_names(args.attention_forms):
+                runs = [(form, ctas) for form in parse_names(args.attention_forms)
+                        for ctas in (parse_names(args.indexer_ctas)
+                                     if base.startswith("step") else ["auto"])]
+                for form, ctas in runs:
                     impl = Impl(base, msa, lens, nominal, args, device)
-                    with forcing(msa, **ATTENTION_FORMS[form]):
+                    budget = None if ctas == "auto" else int(ctas)
+                    with forcing(msa, **ATTENTION_FORMS[form]), indexer_ctas(msa, budget):
                         slots = [impl.make_slot() for _ in range(args.slots)]
                         stream = torch.cuda.Stream(device)
                         stream.wait_stream(torch.cuda.current_stream(device))
@@ -121,7 +147,9 @@ def main(argv=None):
                         print(f"== {case} {base}: the profiler saw no kernels")
                         continue
                     calls = split_calls(spans, spans[0][0])
-                    name = base if form == "served" else f"{base}[{form}]"
+                    labels = [x for x in (form if form != "served" else "",
+                                          f"ctas{ctas}" if ctas != "auto" else "") if x]
+                    name = f"{base}[{','.join(labels)}]" if labels else base
                     report(case, name, calls)
                     del graph, slots
                     torch.cuda.empty_cache()
