@@ -188,13 +188,16 @@ __device__ __forceinline__ uint32_t order_code(float x) {
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
-// Lanes a row takes in the merge of its request's chunk lists: the power of two >= the chunks
-// (one list a lane), at most 32, and no fewer than spread the rows over every warp first (while
-// warps are idle a narrower segment gains nothing: its reduction takes more steps than redux).
-__device__ __forceinline__ int merge_segment_lanes(int num_chunks, int rows, int warps) {
+// Lanes a row takes in the merge of its request's chunk lists: the narrowest segment that
+// still spreads the rows over every warp (32 lanes while the rows fit one a warp; narrower
+// would leave warps idle and take more reduction steps than redux), so each warp merges its
+// rows in one pass. Lane slot pools chunks slot, slot + seg, ... before the segment merges: on
+// an H100 a further pass of segments (its list loads and butterfly) cost more than a lane's
+// few extra lists (MTP 8, 4 index heads, 9-16 chunks).
+__device__ __forceinline__ int merge_segment_lanes(int rows, int warps) {
   const int rows_per_warp = (rows + warps - 1) / warps;
   int seg = 32;
-  while (seg > 1 && seg / 2 >= num_chunks && 32 / (seg / 2) <= rows_per_warp) seg >>= 1;
+  while (seg > 1 && 32 / (seg / 2) <= rows_per_warp) seg >>= 1;
   return seg;
 }
 
@@ -930,7 +933,7 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
 #endif
   // The last CTA of the request: per row, merge the request's chunk lists. A row takes a
   // segment of `seg` lanes (merge_segment_lanes), lane `slot` holding chunk slot's list (and
-  // chunk slot + seg's, ... merged into it past 32 chunks), so a warp merges 32 / seg rows at
+  // chunk slot + seg's, ... merged into it past seg chunks), so a warp merges 32 / seg rows at
   // once: a short history's few chunks would leave most lanes idle and its rows one after
   // another (the merge was most of a 4k-key call).
   const int keep = a.topk - 1;
@@ -939,7 +942,7 @@ __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
   static_assert(kStages * PageShape<F>::kStageBytes >= kWarps * 32 * kMaxTopk * 4,
                 "the merge's picks fit the stages");
   int* merge_picks = reinterpret_cast<int*>(stages);
-  const int seg = merge_segment_lanes(num_chunks, rows, kWarps);
+  const int seg = merge_segment_lanes(rows, kWarps);
   const int rows_per_pass = 32 / seg;
   const int slot = lane & (seg - 1);
   for (int row0 = warp * rows_per_pass; row0 < rows; row0 += kWarps * rows_per_pass) {

@@ -191,12 +191,12 @@ def test_native_indexer_any_split(msa_pkg, native_only, seed, tier, native_hooks
 @pytest.mark.parametrize("seqlen_q,heads,topk", [(8, 4, 16), (8, 4, 32), (1, 4, 16), (16, 8, 4)])
 def test_native_indexer_merge_segments(msa_pkg, native_only, seed, native_hooks, fmt, seqlen_q,
                                        heads, topk):
-    """The merge gives a row as many lanes as its request has chunks (a power of two, at most
-    32, lanes taking several lists past 32; no fewer than spread the rows over the warps):
-    requests of 1, 2, 3, 5, 9, 17, 33 and 40 chunks of 4 blocks, so at 128 rows segments of 2
-    to 32 lanes (16 rows a warp at once down to one), at 32 rows 8 to 32, at 4 rows 32. The
-    rounds and the butterfly pick the same blocks in the same order (one total order: higher
-    score, then lower id), and meet the oracle."""
+    """The merge gives a row the narrowest segment of lanes that spreads the rows over the
+    warps (one pass a warp), each lane pooling every seg-th chunk list: requests of 1, 2, 3, 5,
+    9, 17, 33 and 40 chunks of 4 blocks, so at 128 rows segments of 2 lanes (up to 20 lists a
+    lane), at 32 rows 8 (up to 5), at 4 rows 32 (2 lists on some lanes past 32 chunks, idle
+    lanes below). The rounds and the butterfly pick the same blocks in the same order (one
+    total order: higher score, then lower id), and meet the oracle."""
     from msa.decode_indexer import plan_work_split
     chunks = (1, 2, 3, 5, 9, 17, 33, 40)
     lens = [4 * n * 128 + 1 + 13 * i for i, n in enumerate(chunks)]   # 4 n history blocks
