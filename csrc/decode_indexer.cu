@@ -63,7 +63,7 @@ constexpr int kQStride = kDim + 8;          // halves per Q row in shared memory
 #ifdef MSA_LAB_MIN_CHUNK_PAGES
 constexpr int kMinChunkPages = MSA_LAB_MIN_CHUNK_PAGES;
 #else
-constexpr int kMinChunkPages = 2;           // a page a CTA costs more in lists than it scores
+constexpr int kMinChunkPages = 4;           // fewer pages per CTA are not worth a merge entry
 #endif
 constexpr int kMaxTopk = 32;
 constexpr int kPlanThreads = 256;          // one CTA; its barriers are the plan's cost

@@ -12,7 +12,7 @@ import torch
 
 import msa
 from msa import _backend
-from msa.decode_indexer import MIN_CHUNK_PAGES, plan_work_split
+from msa.decode_indexer import plan_work_split
 
 P = 128
 FP8 = torch.float8_e4m3fn
@@ -264,7 +264,7 @@ def test_bad_arguments_name_themselves():
                                            ([4000] * 128, 392), ([1] * 7, 8)])
 def test_work_split_covers_every_history_block_once(lens, capacity):
     work, requests, chunk = plan_work_split(lens, capacity)
-    assert chunk >= MIN_CHUNK_PAGES
+    assert chunk >= 4
     assert int(requests[:, 1].sum()) <= capacity
     for b, n in enumerate(lens):
         history = (n - 1) // P if n > 0 else 0
@@ -304,8 +304,7 @@ def test_work_split_takes_the_fewest_waves_times_pages():
 
         _, requests, chunk = plan_work_split(lens, capacity)
         assert int(requests[:, 1].sum()) == items(chunk) <= capacity
-        lengths = range(MIN_CHUNK_PAGES, max(history + [MIN_CHUNK_PAGES]) + 1)
-        best = min(cost(c) for c in lengths if items(c) <= capacity)
+        best = min(cost(c) for c in range(4, max(history + [4]) + 1) if items(c) <= capacity)
         assert cost(chunk) == best, (lens, capacity, chunk)
     # The first case: one wave of 264 CTAs (the plain split ceil(total / 264) needs 2).
     _, requests, _ = plan_work_split(*cases[0])

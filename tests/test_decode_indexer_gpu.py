@@ -193,16 +193,16 @@ def test_native_indexer_merge_segments(msa_pkg, native_only, seed, native_hooks,
                                        heads, topk):
     """The merge gives a row the narrowest segment of lanes that spreads the rows over the
     warps (one pass a warp), each lane pooling every seg-th chunk list: requests of 1, 2, 3, 5,
-    9, 17, 33 and 40 chunks of MIN_CHUNK_PAGES blocks, so at 128 rows segments of 2 lanes (up to 20 lists a
+    9, 17, 33 and 40 chunks of 4 blocks, so at 128 rows segments of 2 lanes (up to 20 lists a
     lane), at 32 rows 8 (up to 5), at 4 rows 32 (2 lists on some lanes past 32 chunks, idle
     lanes below). The rounds and the butterfly pick the same blocks in the same order (one
     total order: higher score, then lower id), and meet the oracle."""
-    from msa.decode_indexer import MIN_CHUNK_PAGES, plan_work_split
+    from msa.decode_indexer import plan_work_split
     chunks = (1, 2, 3, 5, 9, 17, 33, 40)
-    lens = [MIN_CHUNK_PAGES * n * 128 + 1 + 13 * i for i, n in enumerate(chunks)]
+    lens = [4 * n * 128 + 1 + 13 * i for i, n in enumerate(chunks)]   # 4 n history blocks
     max_ctas = 1000
     _, requests, chunk = plan_work_split(lens, max_ctas + len(lens))
-    assert chunk == MIN_CHUNK_PAGES and requests[:, 1].tolist() == list(chunks)
+    assert chunk == 4 and requests[:, 1].tolist() == list(chunks)
     inputs, keys = make_index_batch(lens, seqlen_q, heads, fmt, device="cuda")
     plan = _plan(msa_pkg, inputs, seqlen_q, heads, topk, max_ctas=max_ctas)
     rounds, scores = _run_merge_form(msa_pkg, native_hooks, "rounds", inputs, plan)

@@ -95,7 +95,7 @@ class DecodeIndexerPlan:
         return self
 
 
-MIN_CHUNK_PAGES = 2   # csrc/decode_indexer.cu kMinChunkPages
+MIN_CHUNK_PAGES = 4
 INT32_MAX = (1 << 31) - 1
 
 
@@ -109,7 +109,7 @@ def plan_work_split(lengths, capacity: int):
     whole chunk's time. chunk_pages is the c of least waves x c among ceil(sum h / spread) (the
     plain split: at most spread + B = capacity items), the smallest c whose items fit the
     capacity and the smallest whose items fit one wave of spread (on ties the later one), each
-    at least MIN_CHUNK_PAGES and at most INT32_MAX. work[w] = (request, chunk), -1 past the last item
+    at least 4 and at most INT32_MAX. work[w] = (request, chunk), -1 past the last item
     (sum n <= capacity); requests[b] = (first item, n_b, 0). The native update kernel computes
     exactly this."""
     history = [max(int(n), 0) and (max(int(n), 0) - 1) // PAGE_SIZE for n in lengths]
