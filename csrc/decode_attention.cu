@@ -3171,50 +3171,36 @@ __global__ void __launch_bounds__(kThreads, 1)
 // along the union: with token-major lists one warp's sixteen pages come first and hold the ring
 // (tools/lab/model_decode_token_warps.py, 32-800 blocks: 1.11-1.26x the ideal time slot-major
 // with six stages, 1.22-2.49x token-major). Tiles come from the CTA's range and batches as the
-// direct form's; a tile writes O, or its chunk's partial of a split plan. Two forms:
+// direct form's; a tile writes O, or its chunk's partial of a split plan.
 //
-// kTwPerWarp: the raw e4m3 pages in a ring of six (the direct form's swizzle is the 128-byte
-//   TMA swizzle); each warp widens its pages' K and V fragments in registers (the direct form's
-//   fragment orders). A warp's page is ~1400 SASS, 566 of them F2FP, so where F2FP is slow the
-//   widening, repeated by every warp that chose the page, sets the pace. Rows past a request's
-//   keys arrive as the pool holds them: masked scores, V read as zeros on the request's last
-//   page.
-// kTwOnce: the producer warpgroup widens each page once into a ring of two f16 pages (K and V,
-//   256-byte rows, 16-byte chunks XOR-swizzled by row % 8), behind two raw TMA slots; the warps
-//   read fragments with ldmatrix (K rows as the B operand, V through .trans) in the natural
-//   channel order. The widening writes zeros past the request's keys. A page's conversions are
-//   paid once, whatever the number of tokens that chose it; the ring holds two pages, so the
-//   warps have less room to drift apart (1.32x the ideal at 32 blocks, against 1.11x with six
-//   raw pages).
+// The raw e4m3 pages stream through a ring of six (the direct form's swizzle is the 128-byte
+// TMA swizzle); each warp widens its pages' K and V fragments in registers (the direct form's
+// fragment orders). A warp's page is ~1400 SASS, 566 of them F2FP, so where F2FP is slow the
+// widening, repeated by every warp that chose the page, sets the pace. Rows past a request's
+// keys arrive as the pool holds them: masked scores, V read as zeros on the request's last page.
 // benchmarks/lab/sm90_pipe_rates.cu measures the widening rates, and
 // benchmarks/lab/decode_sparse_mtp_forms.cu the forms.
-enum TokenWarpsForm : int { kTwOff = 0, kTwPerWarp = 1, kTwOnce = 2 };
+enum TokenWarpsForm : int { kTwOff = 0, kTwPerWarp = 1 };
 constexpr int kTwConsumers = 8;                         // warpgroups 0-1
 constexpr int kTwConsumerThreads = kTwConsumers * 32;
 constexpr int kTwThreads = kTwConsumerThreads + 128;      // + the producer warpgroup
-constexpr int kTwWideRowBytes = kHeadDim * 2;           // an f16 K or V row (kTwOnce)
 
-// Shared memory: the consumers' ring (raw pages, or f16 pages behind kRawStages raw slots),
-// its barriers (full, empty, then the raw slots' full), the batch's lists, tiles and counters.
-// setmaxnreg moves registers within the launch allocation (384 threads x 168): the consumers
-// hold S, O and Q's fragments (160 registers) besides the page's addresses; kTwOnce's producers
-// widen.
-template <int kForm>
+// Shared memory: the consumers' ring of raw pages, its barriers (full, then empty), the batch's
+// lists, tiles and counters. setmaxnreg moves registers within the launch allocation (384
+// threads x 168): the consumers hold S, O and Q's fragments (160 registers) besides the page's
+// addresses.
 struct TwLayout {
-  static constexpr bool kOnce = kForm == kTwOnce;
-  static constexpr int kStages = kOnce ? 2 : 6;
-  static constexpr int kRawStages = kOnce ? 2 : 0;
-  static constexpr int kStageBytes = kOnce ? 2 * kPageSize * kTwWideRowBytes : kPageFp8Bytes;
-  static constexpr int kRawOffset = kStages * kStageBytes;
-  static constexpr int kBarrierOffset = kRawOffset + kRawStages * kPageFp8Bytes;
-  static constexpr int kListOffset = kBarrierOffset + (2 * kStages + kRawStages + 1) / 2 * 16;
+  static constexpr int kStages = 6;
+  static constexpr int kStageBytes = kPageFp8Bytes;
+  static constexpr int kBarrierOffset = kStages * kStageBytes;
+  static constexpr int kListOffset = kBarrierOffset + (2 * kStages + 1) / 2 * 16;
   static constexpr int kTilesOffset = kListOffset + kListBytes;
   static constexpr int kCountsOffset =
       kTilesOffset + kDirectMaxTiles * static_cast<int>(sizeof(DirectTile));
   static constexpr int kBytes = kCountsOffset + (kDirectMaxTiles + kTwConsumers + 4) * 4;
   static constexpr int kAlloc = kBytes + 1024;           // room to align the ring to 1024 bytes
-  static constexpr int kProducerRegisters = kOnce ? 56 : 40;
-  static constexpr int kConsumerRegisters = kOnce ? 224 : 232;
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = 232;
   static_assert(kAlloc <= 227 * 1024, "token warps: shared memory per CTA");
   static_assert(kListOffset % 16 == 0 && kTilesOffset % 16 == 0,
                 "token warps: the lists and tiles are aligned");
@@ -3250,19 +3236,6 @@ __device__ int lab_tw_computed[kTwConsumers][kTwLabPages];
 // A token batch's list entry e: physical page, logical block, token mask.
 __device__ __forceinline__ PageRef list_page(const TileBatch& batch, int e) {
   return PageRef{batch.list_phys[e], batch.list_logical[e], batch.list_mask[e]};
-}
-
-// The list entries of a token batch's num_tiles tiles (contiguous, tile by tile).
-__device__ __forceinline__ int list_pages(const TileBatch& batch, int num_tiles) {
-  if (num_tiles <= 0) return 0;
-  return batch.tiles[num_tiles - 1].list_begin + batch.tiles[num_tiles - 1].num_pages;
-}
-
-// The tile holding a token batch's list entry e, searched on from tile ti (at or before it:
-// callers walk the entries in ascending order, so a cursor carries over).
-__device__ __forceinline__ int tile_of_entry(const TileBatch& batch, int ti, int e) {
-  while (e >= batch.tiles[ti].list_begin + batch.tiles[ti].num_pages) ++ti;
-  return ti;
 }
 
 // The token forms' consumer warps (kTwConsumerThreads): warp 0 plans the batch of tiles from f
@@ -3382,124 +3355,19 @@ __device__ __forceinline__ void token_warp_store(const DecodeAttentionArgs& a,
   }
 }
 
-// kTwOnce: this thread's Q A-fragments (f16, the natural channel order) for rows row_base +
-// lane / 4 and + 8 of a tile: qf[kd] = (row g, channels 16 kd + 2t, + 1), (row g + 8, the same),
-// (row g, 16 kd + 8 + 2t, + 1), (row g + 8, the same); zero past the tile.
-__device__ __forceinline__ void load_query_fragments(const DecodeAttentionArgs& a,
-                                                     const CtaContext& ctx, int group,
-                                                     int tile_rows, int row_base,
-                                                     uint32_t (&qf)[kHeadDim / 16][4]) {
-  const int lane = threadIdx.x & 31, t = lane & 3;
-#pragma unroll
-  for (int i2 = 0; i2 < 2; ++i2) {
-    const int row = row_base + (lane >> 2) + i2 * 8;
-    uint4 chunk[kHeadDim / 16];
-#pragma unroll
-    for (int kd = 0; kd < kHeadDim / 16; ++kd) chunk[kd] = make_uint4(0u, 0u, 0u, 0u);
-    if (row < tile_rows) {
-      const int r = ctx.first_row + row;
-      const int token = r / group, qo_head = ctx.head * group + r % group;
-      const int64_t offset =
-          ((static_cast<int64_t>(ctx.request) * a.seqlen_q + token) * a.num_qo_heads + qo_head) *
-          kHeadDim;
-      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(a.q) + offset);
-#pragma unroll
-      for (int kd = 0; kd < kHeadDim / 16; ++kd) chunk[kd] = src[kd];
-    }
-#pragma unroll
-    for (int kd = 0; kd < kHeadDim / 16; ++kd) {
-      const uint32_t wa = (t & 2) ? chunk[kd].y : chunk[kd].x;   // channels 16 kd + 2t ..
-      const uint32_t wb = (t & 2) ? chunk[kd].w : chunk[kd].z;   // channels 16 kd + 8 + 2t ..
-      qf[kd][i2] = (t & 1) ? e4m3x2_hi_to_f16x2(wa) : e4m3x2_lo_to_f16x2(wa);
-      qf[kd][2 + i2] = (t & 1) ? e4m3x2_hi_to_f16x2(wb) : e4m3x2_lo_to_f16x2(wb);
-    }
-  }
-}
-
-// kTwOnce: the producer warpgroup's widening (thread 0 .. 127) of one raw tensor slice (128 rows
-// of 128 bytes, TMA-swizzled) into an f16 one (256-byte rows, 16-byte chunk c of row r at
-// c ^ (r % 8)); rows at or past valid_rows become zeros (a request's end: whatever the pool
-// holds there must not meet P = 0).
-template <bool kByAlu>
-__device__ __forceinline__ void widen_rows(const char* raw, char* wide, int valid_rows,
-                                           int thread) {
-#pragma unroll
-  for (int i = 0; i < kPageSize * kHeadDim / 16 / 128; ++i) {
-    const int q = thread + 128 * i;
-    const int row = q >> 3, c = q & 7;
-    uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
-    if (row < valid_rows) {
-      const uint4 v = swizzled_chunk(raw, row, c);
-      lo = make_uint4(widen_lo<kByAlu>(v.x), widen_hi<kByAlu>(v.x), widen_lo<kByAlu>(v.y),
-                      widen_hi<kByAlu>(v.y));
-      hi = make_uint4(widen_lo<kByAlu>(v.z), widen_hi<kByAlu>(v.z), widen_lo<kByAlu>(v.w),
-                      widen_hi<kByAlu>(v.w));
-    }
-    char* dst = wide + row * kTwWideRowBytes;
-    *reinterpret_cast<uint4*>(dst + (((2 * c) ^ (row & 7)) << 4)) = lo;
-    *reinterpret_cast<uint4*>(dst + (((2 * c + 1) ^ (row & 7)) << 4)) = hi;
-  }
-}
-
-// kTwOnce: one page of a token warp from an f16 stage (K rows at kw, V rows at vw): S = Q K^T
-// with K's fragments by ldmatrix (an 8-key row block and 32 channels a load), the page's
-// softmax, then O += (beta P) V with V's by ldmatrix.trans; every order natural.
-__device__ __forceinline__ void token_warp_page_widened(const char* kw, const char* vw, int lane,
-                                                        const uint32_t (&qf)[kHeadDim / 16][4],
-                                                        const PageRef& page, float scale_log2,
-                                                        wg::Rows& rows, float (&acc)[16][4]) {
-  float s[16][4];
-#pragma unroll
-  for (int n = 0; n < 16; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-  for (int n = 0; n < 16; ++n) {
-    const int row = 8 * n + (lane & 7);
-#pragma unroll
-    for (int kd2 = 0; kd2 < kHeadDim / 32; ++kd2) {
-      const int chunk = 4 * kd2 + (lane >> 3);   // matrices: channels 32 kd2 + 8 (lane / 8)
-      uint32_t b[4];
-      sm80::ldmatrix_x4(b, kw + row * kTwWideRowBytes + ((chunk ^ (row & 7)) << 4));
-      mma_f16(s[n], qf[2 * kd2], b[0], b[1]);
-      mma_f16(s[n], qf[2 * kd2 + 1], b[2], b[3]);
-    }
-  }
-  float beta[2];
-  token_warp_softmax(page, scale_log2, rows, s, acc, beta);
-  const __half2 sc_g = __float2half2_rn(beta[0]), sc_g8 = __float2half2_rn(beta[1]);
-#pragma unroll
-  for (int kk = 0; kk < kPageSize / 16; ++kk) {
-    uint32_t pa[4];
-    p_fragment_e4m3(*reinterpret_cast<const float(*)[2][4]>(&s[2 * kk][0]), sc_g, sc_g8, pa);
-    const int v_row = 16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8;
-#pragma unroll
-    for (int nd = 0; nd < 16; nd += 2) {
-      const int chunk = nd + (lane >> 4);
-      uint32_t b[4];
-      sm80::ldmatrix_x4_trans(b, vw + v_row * kTwWideRowBytes + ((chunk ^ (v_row & 7)) << 4));
-      mma_f16(acc[nd], pa, b[0], b[1]);
-      mma_f16(acc[nd + 1], pa, b[2], b[3]);
-    }
-  }
-}
-
-template <int kForm>
 __global__ void __launch_bounds__(kTwThreads, 1)
     decode_attention_token_warps_kernel(const DecodeAttentionArgs a,
                                         const __grid_constant__ wg::PagedKvMaps maps) {
-  using L = TwLayout<kForm>;
-  constexpr bool kOnce = L::kOnce;
+  using L = TwLayout;
   constexpr int kProducerWarp = kTwConsumers;   // the producer warpgroup's first warp copies
   constexpr int kBatchBarrier = 1;              // all threads: a batch's lists are ready / done
   constexpr int kListBarrier = 2;               // the consumers, while they make the lists
-  constexpr int kWidenBarrier = 3;              // kTwOnce's producers: a raw slot is read
   extern __shared__ __align__(1024) char smem_raw[];
   char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   uint64_t* const bars = reinterpret_cast<uint64_t*>(smem + L::kBarrierOffset);
   auto full = [&](int stage) { return sm90::Mbarrier{bars + stage}; };
   auto empty = [&](int stage) { return sm90::Mbarrier{bars + L::kStages + stage}; };
-  auto raw_full = [&](int slot) { return sm90::Mbarrier{bars + 2 * L::kStages + slot}; };
   auto stage_of = [&](int stage) { return smem + stage * L::kStageBytes; };
-  auto raw_of = [&](int slot) { return smem + L::kRawOffset + slot * kPageFp8Bytes; };
   const TileBatch batch(smem, L::kListOffset, L::kTilesOffset, L::kCountsOffset, kTwConsumers);
   int64_t f, f_end;
   batch.start(a, f, f_end);
@@ -3507,16 +3375,14 @@ __global__ void __launch_bounds__(kTwThreads, 1)
   const bool producer = warp >= kTwConsumers;
   if (threadIdx.x == 0) {
     for (int st = 0; st < L::kStages; ++st) {
-      // kTwPerWarp: the copy's arrival and bytes; kTwOnce: the producer warpgroup's widening.
-      full(st).init(kOnce ? 128 : 1);
+      full(st).init(1);   // the copy's arrival and bytes
       empty(st).init(kTwConsumerThreads);
     }
-    for (int slot = 0; slot < L::kRawStages; ++slot) raw_full(slot).init(1);
     sm90::fence_barrier_init();
   }
   __syncthreads();
   // The producer and every consumer thread walk the same ring positions, one per list page,
-  // across tiles and batches (kTwPerWarp: lane 0 of the producer's first warp alone).
+  // across tiles and batches (the producer: lane 0 of its first warp alone).
   sm90::RingState<L::kStages> pos;
 #ifdef MSA_LAB_TW_TIMELINE
   int lab_page = 0;   // the CTA's pages so far
@@ -3529,8 +3395,6 @@ __global__ void __launch_bounds__(kTwThreads, 1)
 
   if (producer) {
     sm90::registers_down<L::kProducerRegisters>();
-    const int thread = threadIdx.x - kTwConsumerThreads;
-    sm90::RingState<kOnce ? L::kRawStages : 1> raw_pos;
     while (f < f_end) {
       sm90::named_sync(kBatchBarrier, kTwThreads);   // the batch's lists are ready
       const int num_tiles = batch.info[0];
@@ -3542,65 +3406,21 @@ __global__ void __launch_bounds__(kTwThreads, 1)
         sm90::tma_load_2d(stage, maps.k, 0, row, bar);
         sm90::tma_load_2d(stage + kPageSize * kHeadDim, maps.v, 0, row, bar);
       };
-      if constexpr (!kOnce) {
-        if (warp == kProducerWarp && lane == 0) {
-          for (int ti = 0; ti < num_tiles; ++ti) {
-            const int end = batch.tiles[ti].list_begin + batch.tiles[ti].num_pages;
-            for (int e = batch.tiles[ti].list_begin; e < end; ++e) {
-              MSA_LAB_TW_MARK(true, kTwConsumers, lab_page, 0);
-              empty(pos.index).wait(pos.phase ^ 1u);
-              MSA_LAB_TW_MARK(true, kTwConsumers, lab_page, 1);
-              copy(ti, e, stage_of(pos.index), full(pos.index));
-              MSA_LAB_TW_MARK(true, kTwConsumers, lab_page, 2);
-              pos.advance();
-              LAB_TW_NEXT_PAGE();
-            }
+      if (warp == kProducerWarp && lane == 0) {
+        for (int ti = 0; ti < num_tiles; ++ti) {
+          const int end = batch.tiles[ti].list_begin + batch.tiles[ti].num_pages;
+          for (int e = batch.tiles[ti].list_begin; e < end; ++e) {
+            MSA_LAB_TW_MARK(true, kTwConsumers, lab_page, 0);
+            empty(pos.index).wait(pos.phase ^ 1u);
+            MSA_LAB_TW_MARK(true, kTwConsumers, lab_page, 1);
+            copy(ti, e, stage_of(pos.index), full(pos.index));
+            MSA_LAB_TW_MARK(true, kTwConsumers, lab_page, 2);
+            pos.advance();
+            LAB_TW_NEXT_PAGE();
           }
-        }
-        __syncwarp();
-      } else {
-        // Thread 0 keeps the raw slots kRawStages pages ahead of the widening: the batch's
-        // first pages now, page e + kRawStages once every producer thread has read page e.
-        // Thread 0's copies walk the entries in order too: their own tile cursor.
-        int copy_tile = 0;
-        auto copy_entry = [&](int e, char* slot, const sm90::Mbarrier& bar) {
-          copy_tile = tile_of_entry(batch, copy_tile, e);
-          copy(copy_tile, e, slot, bar);
-        };
-        const int total = list_pages(batch, num_tiles);
-        if (thread == 0) {
-          sm90::RingState<L::kRawStages> ahead = raw_pos;
-          for (int e = 0; e < min(total, L::kRawStages); ++e) {
-            copy_entry(e, raw_of(ahead.index), raw_full(ahead.index));
-            ahead.advance();
-          }
-        }
-        int ti = 0;
-        for (int e = 0; e < total; ++e) {
-          ti = tile_of_entry(batch, ti, e);
-          const DirectTile& t = batch.tiles[ti];
-          const int valid_rows =
-              min(kPageSize, max(t.ctx.seqlen_k - batch.list_logical[e] * kPageSize, 0));
-          MSA_LAB_TW_MARK(thread == 0, kTwConsumers, lab_page, 0);
-          raw_full(raw_pos.index).wait(raw_pos.phase);
-          empty(pos.index).wait(pos.phase ^ 1u);
-          MSA_LAB_TW_MARK(thread == 0, kTwConsumers, lab_page, 1);
-          const char* raw = raw_of(raw_pos.index);
-          char* wide = stage_of(pos.index);
-          widen_rows<kLabKByAlu>(raw, wide, valid_rows, thread);
-          widen_rows<kLabVByAlu>(raw + kPageSize * kHeadDim, wide + kPageSize * kTwWideRowBytes,
-                                 valid_rows, thread);
-          full(pos.index).arrive();
-          sm90::named_sync(kWidenBarrier, 128);        // every read of the raw slot is done
-          if (thread == 0 && e + L::kRawStages < total) {
-            copy_entry(e + L::kRawStages, raw_of(raw_pos.index), raw_full(raw_pos.index));
-          }
-          MSA_LAB_TW_MARK(thread == 0, kTwConsumers, lab_page, 2);
-          raw_pos.advance();
-          pos.advance();
-          LAB_TW_NEXT_PAGE();
         }
       }
+      __syncwarp();
       sm90::named_sync(kBatchBarrier, kTwThreads);   // the batch's lists are no longer read
     }
     return;
@@ -3618,13 +3438,9 @@ __global__ void __launch_bounds__(kTwThreads, 1)
     for (int ti = 0; ti < num_tiles; ++ti) {
       const DirectTile& t = batch.tiles[ti];
       uint32_t qf[kHeadDim / 16][4];
-      if constexpr (kOnce) {
-        load_query_fragments(a, t.ctx, group, t.tile_rows, row_base, qf);
-      } else {
-        uint4 q_raw[2][2];
-        load_query_raw_fp8(a, t.ctx, group, t.tile_rows, q_raw, row_base);
-        widen_query_fp8(q_raw, qf);
-      }
+      uint4 q_raw[2][2];
+      load_query_raw_fp8(a, t.ctx, group, t.tile_rows, q_raw, row_base);
+      widen_query_fp8(q_raw, qf);
       // This thread's rows (the warpgroup forms' row state) and the tokens of the warp's rows.
       const wg::TileView view(a, t.ctx, group, t.tile_rows);
       wg::Rows rows = view.rows(a, t.ctx, group_row);
@@ -3650,19 +3466,12 @@ __global__ void __launch_bounds__(kTwThreads, 1)
 #endif
         if (page.token_mask & warp_tokens) {   // warp-uniform
           const char* stage = stage_of(pos.index);
-          if constexpr (kOnce) {
-            token_warp_page_widened(stage, stage + kPageSize * kTwWideRowBytes, lane, qf, page,
-                                    scale_log2, rows, acc);
+          const char* v8 = stage + kPageSize * kHeadDim;
+          const int valid_rows = page_valid_rows(t.ctx, page);
+          if (valid_rows == kPageSize) {   // uniform: only a request's last page is short
+            token_warp_page<false>(stage, v8, lane, qf, page, valid_rows, scale_log2, rows, acc);
           } else {
-            const char* v8 = stage + kPageSize * kHeadDim;
-            const int valid_rows = page_valid_rows(t.ctx, page);
-            if (valid_rows == kPageSize) {   // uniform: only a request's last page is short
-              token_warp_page<false>(stage, v8, lane, qf, page, valid_rows, scale_log2, rows,
-                                     acc);
-            } else {
-              token_warp_page<true>(stage, v8, lane, qf, page, valid_rows, scale_log2, rows,
-                                    acc);
-            }
+            token_warp_page<true>(stage, v8, lane, qf, page, valid_rows, scale_log2, rows, acc);
           }
         }
         MSA_LAB_TW_MARK(lane == 0, warp, lab_page, 2);
@@ -3670,19 +3479,7 @@ __global__ void __launch_bounds__(kTwThreads, 1)
         pos.advance();
         LAB_TW_NEXT_PAGE();
       }
-      if constexpr (kOnce) {
-        if constexpr (kLabVByAlu) {   // (the lab's O x 2^-8)
-#pragma unroll
-          for (int n = 0; n < 16; ++n) {
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[n][c] *= 256.f;
-          }
-        }
-        view.finalize(a, t.ctx, wg::chunk_slot(a, t.ctx.request, t.chunk), group_row, rows,
-                      scale_log2, *reinterpret_cast<const float(*)[64]>(&acc[0][0]));
-      } else {
-        token_warp_store(a, t, row_base, rows, scale_log2, acc);
-      }
+      token_warp_store(a, t, row_base, rows, scale_log2, acc);
     }
     sm90::named_sync(kBatchBarrier, kTwThreads);     // the batch's lists are no longer read
   }
@@ -3691,7 +3488,6 @@ __global__ void __launch_bounds__(kTwThreads, 1)
 
 #else
 
-template <int kForm>
 __global__ void __launch_bounds__(kTwThreads, 1)
     decode_attention_token_warps_kernel(const DecodeAttentionArgs,
                                         const __grid_constant__ wg::PagedKvMaps) {
@@ -4113,13 +3909,8 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
     int64_t ctas = 0;
     MSA_RETURN_IF_ERROR(range_ctas(args, ctas));
     const dim3 range_grid(static_cast<unsigned>(ctas));
-    if (args.token_warps == kTwOnce) {
-      MSA_RETURN_IF_ERROR(launch_on(range_grid, decode_attention_token_warps_kernel<kTwOnce>,
-                                    TwLayout<kTwOnce>::kAlloc, kTwThreads, token_maps));
-    } else {
-      MSA_RETURN_IF_ERROR(launch_on(range_grid, decode_attention_token_warps_kernel<kTwPerWarp>,
-                                    TwLayout<kTwPerWarp>::kAlloc, kTwThreads, token_maps));
-    }
+    MSA_RETURN_IF_ERROR(launch_on(range_grid, decode_attention_token_warps_kernel,
+                                  TwLayout::kAlloc, kTwThreads, token_maps));
   } else if (args.warpgroup) {
     if (!warpgroup_form_loaded()) return cudaErrorNotSupported;
     // The e4m3 P.V form copies pages through tensor maps of the caches; where they cannot be

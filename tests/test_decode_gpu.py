@@ -367,7 +367,7 @@ def test_native_sparse_mtp_query_tiles(msa_pkg, native_only, seed, dtypes, qo_ti
 TOKEN_WARP_SHAPES = [(8, 16), (16, 16), (5, 16), (8, 8), (16, 4)]
 
 
-TOKEN_WARP_FORMS = ["per_warp", "once"]
+TOKEN_WARP_FORMS = ["per_warp"]
 
 
 def _ran_token_warps(msa, form) -> bool:
@@ -381,12 +381,11 @@ def _ran_token_warps(msa, form) -> bool:
 @pytest.mark.parametrize("form", TOKEN_WARP_FORMS)
 def test_native_token_warps_form(msa_pkg, native_only, seed, native_hooks, form, seqlen_q, group,
                                  topk, split):
-    """The token-warps forms (sparse e4m3 tiles of > 16 rows; forced): each warp computes its 16
-    rows against only the union pages its rows' tokens selected, the pages copied once by TMA;
-    per_warp widens them in each warp's registers, once in the producer warpgroup. Requests of
-    70001 / 0 / 129 / 3 / 4096 / 1000 keys with NaN bytes past each one's keys (the copies
-    bring the pool's rows as they are: their scores are masked, their V rows read as zeros or
-    widened as zeros), top-16 and top-32 (one tile of 256 candidates a batch at MTP 8), the
+    """The token-warps form (sparse e4m3 tiles of > 16 rows; forced): each warp computes its 16
+    rows against only the union pages its rows' tokens selected, the pages copied once by TMA
+    and widened in each warp's registers. Requests of 70001 / 0 / 129 / 3 / 4096 / 1000 keys
+    with NaN bytes past each one's keys (the copies bring the pool's rows as they are: their
+    scores are masked, their V rows read as zeros), top-16 and top-32 (one tile of 256 candidates a batch at MTP 8), the
     plan's chunks and forced page-range chunks of 3 pages writing partials. Against the oracle
     and the quantized model."""
     native_hooks.force(decode_token_warps=form)

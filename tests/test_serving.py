@@ -320,7 +320,7 @@ def test_decode_token_warps_gate(monkeypatch):
     monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
     assert decode_cuda.VALIDATED_TOKEN_WARPS is True
     assert decode_cuda.TOKEN_WARPS_FORM == "per_warp"
-    assert decode_cuda.TOKEN_WARPS_FORMS == {"per_warp": 1, "once": 2}
+    assert decode_cuda.TOKEN_WARPS_FORMS == {"per_warp": 1}
     monkeypatch.setattr(decode_cuda, "VALIDATED_TOKEN_WARPS", False)
     assert decode_cuda._token_warps(call()) == 0
     monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")

@@ -730,10 +730,10 @@ void sparse_decode_attention(
   a.pingpong = pingpong && a.warpgroup;
   // Its e4m3 P.V form (e4m3 q and K/V; the ping-pong and persistent kernels).
   a.pv_fp8 = pv_fp8 && a.pingpong && a.q_fp8;
-  // A token-warps form (1: each warp widens its pages, 2: each page widened once): sparse
-  // tiles of more than 16 rows with e4m3 q and K/V (the launcher takes it where it can make the
-  // caches' tensor maps; else the forms above serve).
-  TORCH_CHECK(token_warps >= 0 && token_warps <= 2, "token_warps: must be 0, 1 or 2, got ",
+  // The token-warps form (1; 0: off): sparse tiles of more than 16 rows with e4m3 q and K/V
+  // (the launcher takes it where it can make the caches' tensor maps; else the forms above
+  // serve).
+  TORCH_CHECK(token_warps == 0 || token_warps == 1, "token_warps: must be 0 or 1, got ",
               token_warps);
   const bool token_tiles = a.q2k_indices != nullptr && a.q_fp8 && a.kv_fp8 &&
                            std::min<int64_t>(qo_tile_rows, seqlen_q * (hq / hkv)) > 16;

@@ -1,9 +1,8 @@
 // The decode step's sparse attention at MTP 8 x G 16 with e4m3 q and K/V, one form after another
 // on the same bytes (a GPU diagnostic, no TSV): the ping-pong form with e4m3 P.V on 128-row tiles
-// (what the step serves at 4k-5k keys), the direct form on 16-row query tiles (served from 10k)
-// and the token-warps forms on 128-row tiles (each warp widening its pages, or each page
-// widened once by the producer warpgroup). Every request one chunk (no split, no merge), pages
-// shuffled, synthetic values; each (token, KV head) selects topK blocks: topK - 1 distinct
+// (what the step serves at 4k-5k keys), the direct form on 16-row query tiles and the
+// token-warps form on 128-row tiles (each warp widening its pages). Every request one chunk (no
+// split, no merge), pages shuffled, synthetic values; each (token, KV head) selects topK blocks: topK - 1 distinct
 // history blocks at random, ascending, then its own (last) block, as the decode indexer writes
 // them. Prints each form's time per call, the selected K/V bytes per second (each selected page
 // counted once per token that chose it) and the largest |O| difference from the ping-pong form
@@ -16,8 +15,7 @@
 // Add -DMSA_LAB_WIDEN_BY_ALU=1 for the direct and token-warps forms widening K and V by integer
 // ops instead of F2FP, =2 for K alone (csrc/decode_attention.cu); -DMSA_LAB_TW_TIMELINE also prints
 // where CTA 0's pages go in the token-warps form, per warp (mean cycles of its full waits over
-// every page, of its computes over its own pages) and for the producer (empty waits, issue;
-// the last form run, widened once: its waits for the raw page and the free stage, its widening).
+// every page, of its computes over its own pages) and for the producer (empty waits, issue).
 #include "../../csrc/decode_attention.cu"
 #include "lab_common.cuh"
 
@@ -147,8 +145,6 @@ int main(int argc, char** argv) {
        [](msa::DecodeAttentionArgs& a) { a.split_keys = a.direct_fp8 = true; }},
       {"token warps, each warp widening, 128-row tiles", 128,
        [](msa::DecodeAttentionArgs& a) { a.token_warps = msa::kTwPerWarp; }},
-      {"token warps, pages widened once, 128-row tiles", 128,
-       [](msa::DecodeAttentionArgs& a) { a.token_warps = msa::kTwOnce; }},
   };
   const int64_t out_elems = rows * hq * dim;
   __nv_bfloat16* reference = nullptr;

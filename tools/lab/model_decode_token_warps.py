@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Models of the decode kernel's token-warps forms (no GPU needed).
+"""Models of the decode kernel's token-warps form (no GPU needed).
 
-csrc/decode_attention.cu, decode_attention_token_warps_kernel<kTwPerWarp>: a producer thread
+csrc/decode_attention.cu, decode_attention_token_warps_kernel: a producer thread
 copies each page of a tile's union list into a ring of TwLayout::kStages (6) raw pages (TMA:
 the stage's full mbarrier completes when its one arrival and the copy's bytes are in), eight
 consumer warps walk the same list, each waiting for every page's full barrier, computing only
@@ -14,15 +14,12 @@ with it.
    `wait_skipped=False` (a warp that did not select a page arrives on its empty barrier without
    waiting for the page) the model finds the race the kernel's comment names: a warp running a
    round ahead completes an empty phase early and the producer overwrites a page still read.
-   `protocol_once` models kTwOnce: the producer warpgroup widening each raw TMA page into an
-   f16 stage the warps read; without the widening barrier before the raw slot's refill it finds
-   a raw page overwritten under a widening thread.
 2. Balance (`balance`): the ring's drift window against the list order. A warp's page costs W
    issue cycles; two busy warps on one SM sub-partition share it (warps w and w + 4); a warp
    may run at most the ring's stages pages ahead of the slowest. Time over the ideal (each
    sub-partition busy with its two warps' 16 pages each), random top-16 selections of 8 tokens
-   (own block last), for token-major, slot-major and block-sorted lists, and for kTwOnce's two
-   f16 stages.
+   (own block last), for token-major, slot-major and block-sorted lists, and for a ring of two
+   stages.
 
     python tools/lab/model_decode_token_warps.py
 """
@@ -30,7 +27,7 @@ import random
 
 from model_decode_pingpong import Mbar as PhaseMbar
 
-STAGES = 6        # TwLayout<kTwPerWarp>::kStages
+STAGES = 6        # TwLayout::kStages
 WARPS = 8         # kTwConsumers
 
 
@@ -124,96 +121,6 @@ def protocol(num_pages, seed, wait_skipped=True):
     schedule(rng, actors + [consumer(w) for w in range(WARPS)])
 
 
-WIDEN_THREADS = 3   # kTwOnce's producer warpgroup, as a few threads
-RAW_STAGES = 2      # kTwOnce: raw TMA slots ahead of the widening (TwLayout::kRawStages)
-WIDE_STAGES = 2     # kTwOnce: f16 stages the consumers read (TwLayout::kStages)
-
-
-def protocol_once(num_pages, seed, barrier=True):
-    """kTwOnce: thread 0 of the producer warpgroup copies pages into RAW_STAGES raw slots (TMA:
-    they land later on the slots' full barriers), every producer thread waits for the raw page
-    and for the f16 stage's empty barrier, widens its share of the page into the stage, arrives
-    on the stage's full barrier (one arrival a thread) and meets the others at the widening
-    barrier, after which thread 0 refills the raw slot with page e + RAW_STAGES; the consumers
-    wait for every stage, read the ones their warp chose and arrive on its empty barrier. With
-    `barrier=False` thread 0 refills the slot as soon as it has widened its own share."""
-    rng = random.Random(seed)
-    chosen = choices(rng, num_pages)
-    raw_full = [Mbar(1) for _ in range(RAW_STAGES)]
-    full = [Mbar(WIDEN_THREADS) for _ in range(WIDE_STAGES)]
-    empty = [Mbar(WARPS) for _ in range(WIDE_STAGES)]
-    raw_holds = [None] * RAW_STAGES                 # the page landed in each raw slot
-    raw_readers = [set() for _ in range(RAW_STAGES)]
-    wide_parts = [dict() for _ in range(WIDE_STAGES)]   # thread -> page it widened there
-    readers = [set() for _ in range(WIDE_STAGES)]
-    in_flight = []
-    meet = {"gen": 0, "count": 0}
-
-    def copy(e):
-        slot = e % RAW_STAGES
-        assert not raw_readers[slot], f"raw slot {slot} refilled while read by {raw_readers[slot]}"
-        raw_holds[slot] = None
-        in_flight.append((slot, e))
-
-    def widener(th):
-        if th == 0:
-            for e in range(min(num_pages, RAW_STAGES)):
-                copy(e)
-        for e in range(num_pages):
-            slot, raw_round = e % RAW_STAGES, e // RAW_STAGES
-            idx, rnd = e % WIDE_STAGES, e // WIDE_STAGES
-            while not raw_full[slot].done(raw_round & 1, raw_round):
-                yield
-            while not empty[idx].done((rnd & 1) ^ 1, rnd - 1):
-                yield
-            assert raw_holds[slot] == e, f"thread {th} widened {raw_holds[slot]} for page {e}"
-            assert not readers[idx], f"stage {idx} rewritten while read by {readers[idx]}"
-            raw_readers[slot].add(th)
-            yield                                          # reading the raw page, writing f16
-            assert raw_holds[slot] == e, f"raw page {e} overwritten under thread {th}"
-            raw_readers[slot].discard(th)
-            wide_parts[idx][th] = e
-            full[idx].arrive()
-            if barrier:
-                target = meet["gen"] + 1
-                meet["count"] += 1
-                if meet["count"] == WIDEN_THREADS:
-                    meet["count"] = 0
-                    meet["gen"] += 1
-                while meet["gen"] < target:
-                    yield
-            if th == 0 and e + RAW_STAGES < num_pages:
-                copy(e + RAW_STAGES)
-            yield
-
-    def consumer(w):
-        for e in range(num_pages):
-            idx, rnd = e % WIDE_STAGES, e // WIDE_STAGES
-            while not full[idx].done(rnd & 1, rnd):
-                yield
-            if w in chosen[e]:
-                assert all(wide_parts[idx].get(th) == e for th in range(WIDEN_THREADS)), \
-                    f"warp {w} read stage {idx} not (wholly) page {e}: {wide_parts[idx]}"
-                readers[idx].add(w)
-                for _ in range(rng.randint(1, 3)):
-                    yield
-                    assert all(wide_parts[idx].get(th) == e for th in range(WIDEN_THREADS))
-                readers[idx].discard(w)
-            empty[idx].arrive()
-            yield
-
-    finished = set()
-
-    def wrapped(th):
-        yield from widener(th)
-        finished.add(th)
-
-    actors = [wrapped(th) for th in range(WIDEN_THREADS)]
-    actors += [landing(rng, in_flight, raw_holds, raw_full,
-                       lambda: len(finished) == WIDEN_THREADS)]
-    schedule(rng, actors + [consumer(w) for w in range(WARPS)])
-
-
 def selections(num_blocks, rng, tokens=WARPS, topk=16):
     own = num_blocks - 1
     return [sorted(rng.sample(range(own), min(topk - 1, own))) + [own] for _ in range(tokens)]
@@ -256,9 +163,7 @@ def balance(sel, pages, stages=STAGES, steps_per_page=64):
 
 def main():
     checks = (("per_warp", protocol, dict(wait_skipped=False),
-               "without waiting for skipped pages"),
-              ("once", protocol_once, dict(barrier=False),
-               "with the raw slot refilled before the widening barrier"))
+               "without waiting for skipped pages"),)
     for name, model, mutation, what in checks:
         for num_pages in range(0, 20):
             for seed in range(40):
@@ -279,8 +184,8 @@ def main():
             t = sum(balance(s, union(s, order)) for s in cases) / len(cases)
             row.append(f"{order} {t / 32:.2f}x")
         print(f"balance, {blocks} blocks, {STAGES} stages: " + ", ".join(row))
-        t = sum(balance(s, union(s, "slot"), stages=WIDE_STAGES) for s in cases) / len(cases)
-        print(f"balance, {blocks} blocks, {WIDE_STAGES} stages (widened once): slot {t / 32:.2f}x")
+        t = sum(balance(s, union(s, "slot"), stages=2) for s in cases) / len(cases)
+        print(f"balance, {blocks} blocks, 2 stages: slot {t / 32:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,28 +1,22 @@
 #!/usr/bin/env python3
-"""Lane-by-lane replay of a token warp's page in the decode token-warps forms (no GPU needed).
+"""Lane-by-lane replay of a token warp's page in the decode token-warps form (no GPU needed).
 
 csrc/decode_attention.cu, decode_attention_token_warps_kernel: one warp's 16 rows against a
-page's 128 keys, S = Q K^T then O += P V, from the shared-memory layouts each form reads, with
-the hardware's fragment layouts of mma.sync m16n8k16 (g = lane / 4, t = lane % 4):
+page's 128 keys, S = Q K^T then O += P V, from the raw page in shared memory, with the
+hardware's fragment layouts of mma.sync m16n8k16 (g = lane / 4, t = lane % 4):
 
 * A (16 x 16, row-major): a0 = (g, 2t .. 2t + 1), a1 = (g + 8, same), a2 = (g, 2t + 8 .. + 9),
   a3 = (g + 8, same); B (16 x 8): b0 = (k 2t .. 2t + 1, n g), b1 = (k 2t + 8 .. + 9, n g);
-  C: c0, c1 = (g, 2t .. 2t + 1), c2, c3 = (g + 8, same);
-* ldmatrix.x4: lane l addresses row l % 8 of matrix l / 8 and receives (row g, columns 2t,
-  2t + 1) of each matrix; with .trans (rows 2t, 2t + 1, column g).
+  C: c0, c1 = (g, 2t .. 2t + 1), c2, c3 = (g + 8, same).
 
-per_warp reads the raw page (16-byte chunk c of row r at c ^ (r % 8)) with the direct form's
+The warp reads the raw page (16-byte chunk c of row r at c ^ (r % 8)) with the direct form's
 permuted channel order (Q: load_query_raw_fp8 + widen_query_fp8; K: two chunks of a key row a
 thread; V: direct_pv_page's byte permutes) and stores O from P.V's permuted output order
-(token_warp_store<false>). once reads the f16 stage the producer widened (widen_rows: 16-byte f16
-chunk c of row r at c ^ (r % 8)) with ldmatrix, Q in the natural order
-(load_query_fragments), and stores through store_row's natural order (token_warp_store<true>).
-Element values stand for their f16 widening (the widening itself is exact).
+(token_warp_store). Element values stand for their f16 widening (the widening itself is exact).
 
-Checks, per form: S equals Q K^T and the stored O equals P V for random integer Q, K, P, V
-(exact); every element of the page is read by the thread the fragment layout names; a
-mutation of a channel order (the producer's widened chunk order, the per-warp V permute) is
-caught; the ldmatrix row addresses of a quarter warp meet eight distinct 16-byte bank groups.
+Checks: S equals Q K^T and the stored O equals P V for random integer Q, K, P, V (exact); every
+element of the page is read by the thread the fragment layout names; a mutation of the V
+permute is caught.
 
     python tools/lab/model_decode_token_warps_fragments.py
 """
@@ -67,27 +61,8 @@ def accumulator(c, lane):
             c.get((g + 8, 2 * t + 1), 0)]
 
 
-def ldmatrix(rows_of, trans=False):
-    """ldmatrix.x4: rows_of(lane) = the 8 values of the row lane l addresses (row l % 8 of
-    matrix l / 8). Returns per lane its four registers (pairs)."""
-    mats = [[rows_of(8 * i + r) for r in range(8)] for i in range(4)]
-    out = []
-    for lane in range(32):
-        g, t = lane // 4, lane % 4
-        if trans:
-            out.append([[mats[i][2 * t][g], mats[i][2 * t + 1][g]] for i in range(4)])
-        else:
-            out.append([[mats[i][g][2 * t], mats[i][g][2 * t + 1]] for i in range(4)])
-    return out
-
-
-def bank_groups(addresses):
-    """16-byte bank groups (of 8) a quarter warp's 16-byte reads meet: distinct = no conflict."""
-    return len({(addr // 16) % 8 for addr in addresses})
-
-
 def per_warp_page(Q, K, V, P, v_perm=0x5140):
-    """kTwPerWarp: S from the raw page and Q's permuted fragments; O (stored order) from P."""
+    """S from the raw page and Q's permuted fragments; O (stored order) from P."""
     raw_k = lambda row, chunk: K[row][16 * chunk:16 * chunk + 16]   # swizzled_chunk: logical
     raw_v = lambda row, chunk: V[row][16 * chunk:16 * chunk + 16]
     # Q: rows g, g + 8; 32 bytes each (channels 32t .. 32t + 31); qf[kd] from word kd.
@@ -129,7 +104,7 @@ def per_warp_page(Q, K, V, P, v_perm=0x5140):
                     b1 = [k89[0][0:2], k89[0][2:4], k89[1][0:2], k89[1][2:4]][q]
                     b.append([b0, b1])
                 mma(acc[4 * m + q], a, b)
-    # token_warp_store<false>: row g's channel 32t + 16 half + n is acc[n][2 i2 + half].
+    # token_warp_store: row g's channel 32t + 16 half + n is acc[n][2 i2 + half].
     out = [[None] * DIM for _ in range(16)]
     for lane in range(32):
         g, t = lane // 4, lane % 4
@@ -138,73 +113,6 @@ def per_warp_page(Q, K, V, P, v_perm=0x5140):
                 for n in range(16):
                     out[g + 8 * i2][32 * t + 16 * half + n] = accumulator(acc[n], lane)[2 * i2 + half]
     return got_s, out
-
-
-def widen_rows(M, swap_chunks=False):
-    """widen_rows: the f16 stage, [row][physical chunk] -> 8 values (chunk 2c, 2c + 1 of row r
-    from raw chunk c, at physical chunk ^ (r % 8)). swap_chunks: the mutation."""
-    stage = [[None] * 16 for _ in range(KEYS)]
-    for r in range(KEYS):
-        for c in range(8):
-            lo, hi = M[r][16 * c:16 * c + 8], M[r][16 * c + 8:16 * c + 16]
-            if swap_chunks:
-                lo, hi = hi, lo
-            stage[r][(2 * c) ^ (r & 7)] = lo
-            stage[r][(2 * c + 1) ^ (r & 7)] = hi
-    return stage
-
-
-def once_page(Q, K, V, P, swap_chunks=False):
-    """kTwOnce: S from the widened K stage (ldmatrix), O (store_row's order) from P and the
-    widened V stage (ldmatrix.trans)."""
-    k_stage, v_stage = widen_rows(K, swap_chunks), widen_rows(V)
-    conflicts = []
-    S = [dict() for _ in range(16)]
-    for n in range(16):
-        for kd2 in range(DIM // 32):
-            def k_row(lane):
-                row, chunk = 8 * n + (lane & 7), 4 * kd2 + (lane >> 3)
-                return k_stage[row][chunk ^ (row & 7)]
-            addrs = [(8 * n + (l & 7)) * 256 + (((4 * kd2 + (l >> 3)) ^ ((8 * n + (l & 7)) & 7)) << 4)
-                     for l in range(8)]
-            conflicts.append(bank_groups(addrs))
-            b = ldmatrix(k_row)
-            for half in range(2):
-                kd = 2 * kd2 + half
-                a = []
-                for lane in range(32):
-                    g, t = lane // 4, lane % 4
-                    c0 = 16 * kd + 2 * t
-                    a.append([Q[g][c0:c0 + 2], Q[g + 8][c0:c0 + 2], Q[g][c0 + 8:c0 + 10],
-                              Q[g + 8][c0 + 8:c0 + 10]])
-                mma(S[n], a, [[b[lane][2 * half], b[lane][2 * half + 1]] for lane in range(32)])
-    got_s = [[S[col // 8][(r, col % 8)] for col in range(KEYS)] for r in range(16)]
-    acc = [dict() for _ in range(16)]
-    for kk in range(KEYS // 16):
-        a = []
-        for lane in range(32):
-            g, t = lane // 4, lane % 4
-            key0 = 16 * kk + 2 * t
-            a.append([[P[g][key0], P[g][key0 + 1]], [P[g + 8][key0], P[g + 8][key0 + 1]],
-                      [P[g][key0 + 8], P[g][key0 + 9]], [P[g + 8][key0 + 8], P[g + 8][key0 + 9]]])
-        for nd in range(0, 16, 2):
-            def v_row(lane):
-                row = 16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8
-                chunk = nd + (lane >> 4)
-                return v_stage[row][chunk ^ (row & 7)]
-            b = ldmatrix(v_row, trans=True)
-            mma(acc[nd], a, [[b[lane][0], b[lane][1]] for lane in range(32)])
-            mma(acc[nd + 1], a, [[b[lane][2], b[lane][3]] for lane in range(32)])
-    # store_row: row g's channels 8n + 2t + {0, 1} are acc[n][2 i2], acc[n][2 i2 + 1].
-    out = [[None] * DIM for _ in range(16)]
-    for lane in range(32):
-        g, t = lane // 4, lane % 4
-        for i2 in range(2):
-            for n in range(16):
-                c = accumulator(acc[n], lane)
-                out[g + 8 * i2][8 * n + 2 * t] = c[2 * i2]
-                out[g + 8 * i2][8 * n + 2 * t + 1] = c[2 * i2 + 1]
-    return got_s, out, conflicts
 
 
 def main():
@@ -220,15 +128,6 @@ def main():
     _, bad = per_warp_page(Q, K, V, P, v_perm=0x4150)
     assert bad != want_o, "per_warp: a V permute mutation was not caught"
     print("per_warp: S = Q K^T and the stored O = P V exactly; a V permute mutation caught")
-
-    s, o, conflicts = once_page(Q, K, V, P)
-    assert s == want_s, "once: S differs from Q K^T"
-    assert o == want_o, "once: stored O differs from P V"
-    assert min(conflicts) == 8, f"once: K ldmatrix rows meet {min(conflicts)} bank groups"
-    bad_s, _, _ = once_page(Q, K, V, P, swap_chunks=True)
-    assert bad_s != want_s, "once: a widened chunk-order mutation was not caught"
-    print("once: S = Q K^T and the stored O = P V exactly; K's ldmatrix rows meet 8 bank groups; "
-          "a widened chunk-order mutation caught")
 
 
 if __name__ == "__main__":

@@ -26,9 +26,8 @@ Hooks (``forcing`` keywords):
   decode_pv_fp8      True: e4m3 ping-pong / persistent calls run P.V on e4m3 wgmma (V^T
                      tiles); False: on f16 wgmma (V widened)
   decode_token_warps True: sparse decode calls of e4m3 q and K/V with tiles of > 16 rows take
-                     the token-warps form (a warp per 16 rows, only its tokens' pages), or the
-                     one named ("per_warp", "once"); False: the warpgroup
-                     forms
+                     the token-warps form (a warp per 16 rows, only its tokens' pages; also by
+                     its name, "per_warp"); False: the warpgroup forms
   decode_indexer_tma True: the decode indexer's e4m3 index pages arrive as TMA copies (sm_90+);
                      False: as every thread's cp.asyncs
   decode_indexer_offer_warp  True: decode indexer calls of 17-32 rows a request run the

@@ -69,19 +69,17 @@ VALIDATED_PERSISTENT = frozenset({"bf16", "e4m3"})
 # 10k-100k keys 2-12 % faster) and sparse tiles (the step's 128-row tiles at 4k keys, 2-3.5 %);
 # dense work items keep f16 P.V (-4 to +5 %: no gain).
 VALIDATED_PV_FP8 = frozenset({"persistent", "sparse"})
-# The token-warps forms (sparse tiles of > 16 rows with e4m3 q and K/V: a warp per 16 rows
+# The token-warps form (sparse tiles of > 16 rows with e4m3 q and K/V: a warp per 16 rows
 # computing only the union pages its rows' tokens selected, pages by TMA from a producer
-# warpgroup; csrc/decode_attention.cu, docs/design-decode.md): "per_warp" (each warp widens its
-# pages' K and V in registers) and "once" (the producer warpgroup widens each page once into
-# f16 stages). Validated on an H100 (f6e4e96: tests/test_decode_gpu.py ~token_warps, 42 cases;
-# memcheck). Served: "per_warp", faster than the ping-pong union and the 16-row query tiles
-# from 5k keys at B 32 (the step's attention 106 vs 124 us at 5k, 124 vs 165 at 10k, 187 vs
-# 195 at 100k), except where the union is dense (schedules.decode.union_dense: 4k, where the
-# ping-pong form skips a warp's unselected pages); "once" is slower everywhere (its
-# producer's widening sets the pace: ~3250 cycles a page). TOKEN_WARPS_FORM is the form
-# served (and forced by decode_token_warps=True); the hook also takes a form's name.
+# warpgroup, each warp widening its pages' K and V in registers; csrc/decode_attention.cu,
+# docs/design-decode.md). Validated on an H100 (f6e4e96: tests/test_decode_gpu.py
+# ~token_warps, 42 cases; memcheck). Served: faster than the ping-pong union and the 16-row
+# query tiles from 5k keys at B 32 (the step's attention 106 vs 124 us at 5k, 124 vs 165 at
+# 10k, 187 vs 195 at 100k), except where the union is dense (schedules.decode.union_dense: 4k,
+# where the ping-pong form skips a warp's unselected pages). TOKEN_WARPS_FORM is the form
+# served (and forced by decode_token_warps=True); the hook also takes its name.
 VALIDATED_TOKEN_WARPS = True
-TOKEN_WARPS_FORMS = {"per_warp": 1, "once": 2}   # the binding's argument
+TOKEN_WARPS_FORMS = {"per_warp": 1}   # the binding's argument
 TOKEN_WARPS_FORM = "per_warp"
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
