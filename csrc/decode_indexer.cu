@@ -1152,13 +1152,15 @@ __global__ void __launch_bounds__(kPlanThreads) decode_indexer_plan_kernel(
     if (num_candidates == 1) candidates[1] = c; else candidates[2] = c;
     ++num_candidates;
   }
-  const long long* counts = count_items(
-      [&](int i) { return i == 0 ? candidates[0] : (i == 1 ? candidates[1] : candidates[2]); },
-      num_candidates);
+  // (by name, not by a runtime index, so the array stays in registers)
+  auto candidate = [&](int i) {
+    return i == 0 ? candidates[0] : (i == 1 ? candidates[1] : candidates[2]);
+  };
+  const long long* counts = count_items(candidate, num_candidates);
   long long best = candidates[0];
   long long best_cost = (counts[0] + spread - 1) / spread * best;
   for (int i = 1; i < num_candidates; ++i) {
-    const long long c = i == 1 ? candidates[1] : candidates[2];
+    const long long c = candidate(i);
     const long long cost = (counts[i] + spread - 1) / spread * c;
     if (cost <= best_cost) {
       best = c;
