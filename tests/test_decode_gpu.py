@@ -385,9 +385,9 @@ def test_native_token_warps_form(msa_pkg, native_only, seed, native_hooks, form,
     rows against only the union pages its rows' tokens selected, the pages copied once by TMA
     and widened in each warp's registers. Requests of 70001 / 0 / 129 / 3 / 4096 / 1000 keys
     with NaN bytes past each one's keys (the copies bring the pool's rows as they are: their
-    scores are masked, their V rows read as zeros), top-16 and top-32 (one tile of 256 candidates a batch at MTP 8), the
-    plan's chunks and forced page-range chunks of 3 pages writing partials. Against the oracle
-    and the quantized model."""
+    scores are masked, their V rows read as zeros), top-16 and top-32 (one tile of 256
+    candidates a batch at MTP 8), the plan's chunks and forced page-range chunks of 3 pages
+    writing partials. Against the oracle and the quantized model."""
     native_hooks.force(decode_token_warps=form)
     lens = [70001, 0, 129, 3, 4096, 1000]
     q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, "fp8", True, topk=topk)
