@@ -3401,7 +3401,8 @@ __global__ void __launch_bounds__(kTwThreads, 1)
       f += batch.info[1];
       // Copies list page e (its tile ti) into `stage`, counted on `bar`.
       auto copy = [&](int ti, int e, char* stage, const sm90::Mbarrier& bar) {
-        const int row = (batch.list_phys[e] * a.num_kv_heads + batch.tiles[ti].ctx.head) * kPageSize;
+        const int row =
+            (batch.list_phys[e] * a.num_kv_heads + batch.tiles[ti].ctx.head) * kPageSize;
         bar.arrive_expect_tx(kPageFp8Bytes);
         sm90::tma_load_2d(stage, maps.k, 0, row, bar);
         sm90::tma_load_2d(stage + kPageSize * kHeadDim, maps.v, 0, row, bar);

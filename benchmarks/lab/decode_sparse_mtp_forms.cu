@@ -2,9 +2,9 @@
 // on the same bytes (a GPU diagnostic, no TSV): the ping-pong form with e4m3 P.V on 128-row tiles
 // (what the step serves at 4k-5k keys), the direct form on 16-row query tiles and the
 // token-warps form on 128-row tiles (each warp widening its pages). Every request one chunk (no
-// split, no merge), pages shuffled, synthetic values; each (token, KV head) selects topK blocks: topK - 1 distinct
-// history blocks at random, ascending, then its own (last) block, as the decode indexer writes
-// them. Prints each form's time per call, the selected K/V bytes per second (each selected page
+// split, no merge), pages shuffled, synthetic values; each (token, KV head) selects topK blocks:
+// topK - 1 distinct history blocks at random, ascending, then its own (last) block, as the
+// decode indexer writes them. Prints each form's time per call, the selected K/V bytes per second (each selected page
 // counted once per token that chose it) and the largest |O| difference from the ping-pong form
 // (inf where either is NaN).
 //
