@@ -414,7 +414,7 @@ def test_native_token_warps_form(msa_pkg, native_only, seed, native_hooks, form,
 
 @pytest.mark.parametrize("form", TOKEN_WARP_FORMS)
 def test_native_token_warps_tile_ranges(msa_pkg, native_only, seed, native_hooks, form):
-    """The token-warps forms over many tiles: 300 requests of 1-3000 keys x MTP 8 x G 16 x 2 KV
+    """The token-warps form over many tiles: 300 requests of 1-3000 keys x MTP 8 x G 16 x 2 KV
     heads (600 tiles: CTAs of 4-5 tiles, lists made in batches of 4 at top-16, the rings'
     positions carried across tiles and batches), some q2k ids out of range. Eager and captured
     runs match the oracle and each other."""

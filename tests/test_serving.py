@@ -299,7 +299,7 @@ def test_decode_e4m3_pv_serves_the_persistent_form_and_sparse_tiles(monkeypatch)
 
 
 def test_decode_token_warps_gate(monkeypatch):
-    """The token-warps forms are offered only to sparse calls of e4m3 q and K/V whose tiles
+    """The token-warps form is offered only to sparse calls of e4m3 q and K/V whose tiles
     have more than 16 rows; served validated ("per_warp"), unvalidated only with
     MSA_UNVALIDATED_KERNELS=1 or the decode_token_warps hook (True: the served form; or a
     form's name), which also turns them off. Unforced, calls whose tiles are fewer than half

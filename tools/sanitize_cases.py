@@ -314,7 +314,7 @@ def decode_runs(family="sm90"):
                 decode_run([3000, 17], 5, 16, dtypes, False, persistent=True, **f)
                 decode_run([1000, 500], 8, 16, dtypes, False, bad=True, enable_cuda_graph=True,
                            persistent=True, **f)
-        # The token-warps forms (sparse e4m3 tiles of > 16 rows, pages by TMA): MTP 8 x G 16,
+        # The token-warps form (sparse e4m3 tiles of > 16 rows, pages by TMA): MTP 8 x G 16,
         # two tokens a warp (G 8), 80-row tiles, page-range chunks, a CTA range of several
         # batches, corrupt ids and a length past the table.
         for form in decode_cuda.TOKEN_WARPS_FORMS:
