@@ -3690,15 +3690,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int v_row = (n_base / 2 + kk) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
         for (int nd = 0; nd < 16; nd += 2) {
-          const uint32_t addr = smem_addr(vs + v_row * kStride + (nd + (lane >> 4)) * 8);
-          uint32_t b0, b1, b2, b3;
-          asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                       : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
-                       : "r"(addr));
-          mma_bf16(acc[nd], p_hi, b0, b1);
-          mma_bf16(acc[nd], p_lo, b0, b1);
-          mma_bf16(acc[nd + 1], p_hi, b2, b3);
-          mma_bf16(acc[nd + 1], p_lo, b2, b3);
+          uint32_t b[4];
+          sm80::ldmatrix_x4_trans(b, vs + v_row * kStride + (nd + (lane >> 4)) * 8);
+          mma_bf16(acc[nd], p_hi, b[0], b[1]);
+          mma_bf16(acc[nd], p_lo, b[0], b[1]);
+          mma_bf16(acc[nd + 1], p_hi, b[2], b[3]);
+          mma_bf16(acc[nd + 1], p_lo, b[2], b[3]);
         }
       }
     }
