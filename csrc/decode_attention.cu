@@ -1167,7 +1167,7 @@ __device__ __forceinline__ int64_t chunk_slot(const DecodeAttentionArgs& a, int 
 struct Rows {
   int token[2];
   int last_key[2];    // the row's last visible key (-1: a padding row)
-  float max[2];       // running max of the raw scores (-inf before any visible key)
+  float max[2];       // reference max of the raw scores (page_probabilities; -inf before any key)
   float sum[2];       // this thread's share of the running softmax sum
 };
 
@@ -1267,17 +1267,32 @@ __device__ __forceinline__ void issue_qk(const char* qs, const char* ks, float (
   }
 }
 
+// A row's reference max (Rows::max) moves only when a page's max passes it by more than
+// 2^kLazyRescaleLog2 in probability (FlashAttention-4's lazy rescale): O and the sum are then
+// kept against a reference up to that much below the true running max, the same numbers at
+// another scale (fp32 O and sums; bf16 P and beta-scaled f16 P stay <= 256), and O's rescale
+// (64 multiplies) runs only on the rare pages that move a row's reference, not on nearly every
+// page of a short request. The LSE and the split-KV partials use the reference, so they are
+// exact whatever it is.
+constexpr float kLazyRescaleLog2 = 8.f;
+
 // The page's softmax on S (complete): mask (causal against seqused_k, the page's selection per
-// token) unless `full`, page maxima per row; S becomes P in fp32 (bf16: against the running
-// max; e4m3: against the page max, beta the factor from it to the running max), alpha the
-// factor by which O must be rescaled before P.V is added; the row state advances.
-template <bool kFp8>
-__device__ __forceinline__ void page_probabilities(const PageRef& page, bool full,
+// token) unless `full`, page maxima per row; S becomes P in fp32 (bf16: against the reference
+// max; e4m3: against the page max, beta the factor from it to the reference max), alpha the
+// factor by which O must be rescaled before P.V is added; the row state advances. Returns false
+// where no row of the warp selected the page: P is then 0 and S is left as it was.
+// `before_exponentials()` runs after the maxima, in the same basic block as the exponentials:
+// independent work of the caller's (the ping-pong forms' fold of the previous page's P.V) then
+// issues in the MUFU's shadow instead of before or after the softmax.
+template <bool kFp8, typename BeforeExponentials>
+__device__ __forceinline__ bool page_probabilities(const PageRef& page, bool full,
                                                    float scale_log2, Rows& rows, float (&s)[64],
-                                                   float (&alpha)[2], float (&beta)[2]) {
+                                                   float (&alpha)[2], float (&beta)[2],
+                                                   BeforeExponentials&& before_exponentials) {
 #ifdef MSA_LAB_NO_SOFTMAX   // (lab hooks of the softmax: above exp2_fma)
   alpha[0] = alpha[1] = beta[0] = beta[1] = 1.f;
-  return;
+  before_exponentials();
+  return true;
 #endif
   const int lane = threadIdx.x & 31;
   float page_max[2];
@@ -1304,9 +1319,8 @@ __device__ __forceinline__ void page_probabilities(const PageRef& page, bool ful
         beta[i2] = 0.f;
         rows.sum[i2] *= alpha[i2];
       }
-#pragma unroll
-      for (int i = 0; i < 64; ++i) s[i] = 0.f;
-      return;
+      before_exponentials();
+      return false;
     }
     int last[2];
 #pragma unroll
@@ -1341,19 +1355,31 @@ __device__ __forceinline__ void page_probabilities(const PageRef& page, bool ful
   for (int i2 = 0; i2 < 2; ++i2) {
     page_max[i2] = fmaxf(fmaxf(part[i2][0], part[i2][1]), fmaxf(part[i2][2], part[i2][3]));
   }
+  // Both rows' quad reductions side by side: their shuffles' latencies overlap.
+#pragma unroll
+  for (int lanes = 1; lanes <= 2; lanes *= 2) {
+    const float other[2] = {__shfl_xor_sync(0xFFFFFFFFu, page_max[0], lanes),
+                            __shfl_xor_sync(0xFFFFFFFFu, page_max[1], lanes)};
+    page_max[0] = fmaxf(page_max[0], other[0]);
+    page_max[1] = fmaxf(page_max[1], other[1]);
+  }
   float shift[2];
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
-    page_max[i2] = fmaxf(page_max[i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[i2], 1));
-    page_max[i2] = fmaxf(page_max[i2], __shfl_xor_sync(0xFFFFFFFFu, page_max[i2], 2));
-    const float new_max = fmaxf(rows.max[i2], page_max[i2]);
-    alpha[i2] = rows.max[i2] == -INFINITY ? 0.f : exp2_ftz((rows.max[i2] - new_max) * scale_log2);
-    // bf16: P against the running max; e4m3: against the page max (then scaled by beta).
+    // Also true for a row's first visible page (reference -inf); false for a page it does not
+    // see (-inf - -inf is NaN).
+    const bool moves = (page_max[i2] - rows.max[i2]) * scale_log2 > kLazyRescaleLog2;
+    const float new_max = moves ? page_max[i2] : rows.max[i2];
+    alpha[i2] = !moves ? 1.f
+                : rows.max[i2] == -INFINITY ? 0.f
+                                            : exp2_ftz((rows.max[i2] - new_max) * scale_log2);
+    // bf16: P against the reference max; e4m3: against the page max (then scaled by beta).
     const float ref = kFp8 ? page_max[i2] : new_max;
     shift[i2] = ref == -INFINITY ? 0.f : -ref * scale_log2;
     beta[i2] = page_max[i2] == -INFINITY ? 0.f : exp2_ftz((page_max[i2] - new_max) * scale_log2);
     rows.max[i2] = new_max;
   }
+  before_exponentials();
 #pragma unroll
   for (int i2 = 0; i2 < 2; ++i2) {
 #pragma unroll
@@ -1379,6 +1405,18 @@ __device__ __forceinline__ void page_probabilities(const PageRef& page, bool ful
   for (int i2 = 0; i2 < 2; ++i2) {
     const float page_sum = (part[i2][0] + part[i2][1]) + (part[i2][2] + part[i2][3]);
     rows.sum[i2] = rows.sum[i2] * alpha[i2] + (kFp8 ? beta[i2] : 1.f) * page_sum;
+  }
+  return true;
+}
+
+// The same, S always becoming P (0 where the warp's rows did not select the page).
+template <bool kFp8>
+__device__ __forceinline__ void page_probabilities(const PageRef& page, bool full,
+                                                   float scale_log2, Rows& rows, float (&s)[64],
+                                                   float (&alpha)[2], float (&beta)[2]) {
+  if (!page_probabilities<kFp8>(page, full, scale_log2, rows, s, alpha, beta, [] {})) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) s[i] = 0.f;
   }
 }
 
@@ -1435,7 +1473,7 @@ __device__ __forceinline__ void page_softmax(const PageRef& page, bool full, flo
   pack_p_16bit<kFp8>(s, beta, pa);
 }
 
-// O *= alpha per row (skipped when neither row's running max moved).
+// O *= alpha per row (skipped when neither row's reference max moved).
 __device__ __forceinline__ void rescale(float (&o)[64], const float (&alpha)[2]) {
   if (alpha[0] != 1.f || alpha[1] != 1.f) {
 #pragma unroll
@@ -2057,13 +2095,7 @@ struct PendingPV {
   __device__ __forceinline__ void set(const float (&p)[64], const float (&beta)[2]) {
     pack_p_16bit<kFp8>(p, beta, pa);
   }
-  __device__ __forceinline__ void keep(uint32_t mask) {
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-#pragma unroll
-      for (int f = 0; f < 4; ++f) pa[kk][f] &= mask;
-    }
-  }
+  __device__ __forceinline__ void discard() { clear(); }
 };
 
 template <>
@@ -2100,15 +2132,36 @@ struct PendingPV<true, true> {
     beta[0] = beta_[0];
     beta[1] = beta_[1];
   }
-  __device__ __forceinline__ void keep(uint32_t mask) {
+  __device__ __forceinline__ void discard() {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-      for (int f = 0; f < 4; ++f) pa[kk][f] &= mask;
-    }
-    if (mask == 0u) beta[0] = beta[1] = 0.f;
+    for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+    beta[0] = beta[1] = 0.f;
   }
 };
+
+// A consumer's turn after its wgmma wait: O takes the previous page's P V (pending), and where
+// this warpgroup computes the page, its softmax makes the next P (otherwise P = 0) and O moves
+// to the rows' new reference. The fold runs inside the softmax, between the maxima and the
+// exponentials, where it fills the MUFU's shadow.
+template <bool kFp8, bool kPvFp8>
+__device__ __forceinline__ void consume_turn(bool active, const PageRef& page, bool full,
+                                             float scale_log2, Rows& rows, float (&s)[64],
+                                             float (&o)[64], PendingPV<kFp8, kPvFp8>& pending) {
+  if (active) {
+    float alpha[2], beta[2];
+    const bool computed = page_probabilities<kFp8>(page, full, scale_log2, rows, s, alpha, beta,
+                                                   [&] { pending.fold(o); });
+    rescale(o, alpha);
+    if (computed) {
+      pending.set(s, beta);
+    } else {
+      pending.discard();
+    }
+  } else {
+    pending.fold(o);
+    pending.discard();
+  }
+}
 
 // The ring barriers (thread 0). Full: counted by the loaders' copies (e4m3 P.V: thread 0's K
 // copy, the 128 threads that transposed the V^T stage, the raw slot's V copy); empty: by both
@@ -2272,7 +2325,6 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     if (t + 1 < num_pages) next_page = early_ref(t + 1);
     MSA_LAB_MARK(lab_leader, 2 + consumer, t, 3);
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-    pending.fold(o);                                   // O now holds P V up to page t - 1
     MSA_LAB_MARK(lab_leader, 2 + consumer, t, 4);
     if (has_page) {
       k_empty(k_ring.index).arrive();
@@ -2282,15 +2334,8 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
       v_empty(v_ring.index).arrive();                  // page t - 1's V stage is free
       v_ring.advance();
     }
-    uint32_t keep = 0u;
-    if (active) {
-      float alpha[2], beta[2];
-      page_probabilities<kFp8>(page, tile.fully_visible(page), scale_log2, rows, s, alpha, beta);
-      rescale(o, alpha);
-      pending.set(s, beta);
-      keep = 0xFFFFFFFFu;
-    }
-    pending.keep(keep);
+    consume_turn(active, page, active && tile.fully_visible(page), scale_log2, rows, s, o,
+                 pending);                             // O now holds P V up to page t - 1
     MSA_LAB_MARK(lab_leader, 2 + consumer, t, 5);
   }
 
@@ -2591,7 +2636,6 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
       }
       MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 3);
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-      pending.fold(o);
       MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 4);
       if (has_page) {
         k_empty(k_ring.index).arrive();
@@ -2601,16 +2645,8 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
         v_empty(v_ring.index).arrive();
         v_ring.advance();
       }
-      uint32_t keep = 0u;
-      if (active) {
-        float alpha[2], beta[2];
-        page_probabilities<kFp8>(page, tile.fully_visible(page), scale_log2, rows, s, alpha,
-                                 beta);
-        rescale(o, alpha);
-        pending.set(s, beta);
-        keep = 0xFFFFFFFFu;
-      }
-      pending.keep(keep);
+      consume_turn(active, page, active && tile.fully_visible(page), scale_log2, rows, s, o,
+                   pending);
       MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 5);
       ++lab_turn;
     }
@@ -3254,7 +3290,7 @@ __device__ __forceinline__ void make_token_batch(const DecodeAttentionArgs& a, i
 
 // A token warp's page softmax and O's rescale, the warpgroup forms' (S holds the m16n8
 // accumulators of the page's 16 key n-tiles, the same layout as a warpgroup's m64n128 one):
-// P against the page max, beta its rows' scale, the rows' running max and sum advance.
+// P against the page max, beta its rows' scale, the rows' reference max and sum advance.
 __device__ __forceinline__ void token_warp_softmax(const PageRef& page, float scale_log2,
                                                    wg::Rows& rows, float (&s)[16][4],
                                                    float (&acc)[16][4], float (&beta)[2]) {

@@ -447,8 +447,10 @@ def test_native_sparse_tile_form_follows_union_density(msa_pkg, native_only, see
         wrapper = _plan(msa_pkg, table, seqused_k, 8, HKV * 16, q2k)
         out, lse = _run_native(msa_pkg, wrapper, q, k, v)
         launched = decode_cuda.last_launch()
+        # The binding runs the token-warps form wherever it is asked for (the ping-pong flag
+        # then only names the fallback where the caches' tensor maps cannot be made).
         assert launched["token_warps"] == token_warps, longest
-        assert launched["pingpong"] == (token_warps == 0), longest
+        assert launched["pingpong"] or token_warps != 0, longest
         _check(out, lse, q, k, v, table, seqused_k, 8, q2k)
 
 
