@@ -1280,11 +1280,12 @@ constexpr float kLazyRescaleLog2 = 8.f;
 // token) unless `full`, page maxima per row; S becomes P in fp32 (bf16: against the reference
 // max; e4m3: against the page max, beta the factor from it to the reference max), alpha the
 // factor by which O must be rescaled before P.V is added; the row state advances. Returns false
-// where no row of the warp selected the page: P is then 0 and S is left as it was.
+// where no row of the warp selected the page: P is then 0, and S is zeroed with kZeroSkipped
+// (inside that branch: a select after the call would cost every page 64 instructions) or left.
 // `before_exponentials()` runs after the maxima, in the same basic block as the exponentials:
 // independent work of the caller's (the ping-pong forms' fold of the previous page's P.V) then
 // issues in the MUFU's shadow instead of before or after the softmax.
-template <bool kFp8, typename BeforeExponentials>
+template <bool kFp8, bool kZeroSkipped, typename BeforeExponentials>
 __device__ __forceinline__ bool page_probabilities(const PageRef& page, bool full,
                                                    float scale_log2, Rows& rows, float (&s)[64],
                                                    float (&alpha)[2], float (&beta)[2],
@@ -1320,6 +1321,10 @@ __device__ __forceinline__ bool page_probabilities(const PageRef& page, bool ful
         rows.sum[i2] *= alpha[i2];
       }
       before_exponentials();
+      if constexpr (kZeroSkipped) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) s[i] = 0.f;
+      }
       return false;
     }
     int last[2];
@@ -1414,10 +1419,7 @@ template <bool kFp8>
 __device__ __forceinline__ void page_probabilities(const PageRef& page, bool full,
                                                    float scale_log2, Rows& rows, float (&s)[64],
                                                    float (&alpha)[2], float (&beta)[2]) {
-  if (!page_probabilities<kFp8>(page, full, scale_log2, rows, s, alpha, beta, [] {})) {
-#pragma unroll
-    for (int i = 0; i < 64; ++i) s[i] = 0.f;
-  }
+  page_probabilities<kFp8, true>(page, full, scale_log2, rows, s, alpha, beta, [] {});
 }
 
 // P (page_probabilities) as the 16-bit P.V wgmma's A operand, k-step kk: keys 16 kk .. + 15
@@ -2149,8 +2151,8 @@ __device__ __forceinline__ void consume_turn(bool active, const PageRef& page, b
                                              float (&o)[64], PendingPV<kFp8, kPvFp8>& pending) {
   if (active) {
     float alpha[2], beta[2];
-    const bool computed = page_probabilities<kFp8>(page, full, scale_log2, rows, s, alpha, beta,
-                                                   [&] { pending.fold(o); });
+    const bool computed = page_probabilities<kFp8, false>(page, full, scale_log2, rows, s, alpha,
+                                                          beta, [&] { pending.fold(o); });
     rescale(o, alpha);
     if (computed) {
       pending.set(s, beta);
