@@ -2106,11 +2106,9 @@ struct PendingPV<true, true> {
   float acc[64];
   float beta[2];
   __device__ __forceinline__ void clear() {
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+    discard();
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-    beta[0] = beta[1] = 0.f;
   }
   __device__ __forceinline__ static uint64_t descriptor_of(const char* v) {
     return descriptor(v, 16);   // V^T: K-major, 32 key positions per k-step
