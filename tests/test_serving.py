@@ -272,20 +272,22 @@ def test_decode_pingpong_form_serves_validated_dtypes_on_tiles_of_two_warpgroups
         assert decode_cuda._pingpong(call(1, 1))
 
 
-def test_decode_e4m3_pv_serves_the_persistent_form_and_sparse_tiles(monkeypatch):
+def test_decode_e4m3_pv_serves_every_pingpong_form(monkeypatch):
     """P.V on e4m3 wgmma serves e4m3 ping-pong calls of the forms VALIDATED_PV_FP8 lists (the
-    persistent form and sparse tiles; dense work items keep f16 P.V), never bf16; a form taken
-    off the list only with MSA_UNVALIDATED_KERNELS=1; the decode_pv_fp8 hook forces it."""
+    persistent form, sparse tiles, dense work items), never bf16; a form taken off the list
+    only with MSA_UNVALIDATED_KERNELS=1; the decode_pv_fp8 hook forces it either way."""
     def call(e4m3=True, sparse=False):
         return SimpleNamespace(pv_quant_dtype=E4M3 if e4m3 else None,
                                q2k_indices=object() if sparse else None)
 
     monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
-    assert decode_cuda.VALIDATED_PV_FP8 == frozenset({"persistent", "sparse"})
+    assert decode_cuda.VALIDATED_PV_FP8 == frozenset({"persistent", "sparse", "dense"})
     assert decode_cuda._pv_fp8(call(), persistent=True)
     assert decode_cuda._pv_fp8(call(sparse=True), persistent=False)
-    assert not decode_cuda._pv_fp8(call(), persistent=False)          # dense work items
+    assert decode_cuda._pv_fp8(call(), persistent=False)              # dense work items
     assert not decode_cuda._pv_fp8(call(e4m3=False), persistent=True)
+    monkeypatch.setattr(decode_cuda, "VALIDATED_PV_FP8", frozenset({"persistent", "sparse"}))
+    assert not decode_cuda._pv_fp8(call(), persistent=False)
     monkeypatch.setattr(decode_cuda, "VALIDATED_PV_FP8", frozenset())
     assert not decode_cuda._pv_fp8(call(), persistent=True)
     monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")

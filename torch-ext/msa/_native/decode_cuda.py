@@ -66,9 +66,12 @@ VALIDATED_PERSISTENT = frozenset({"bf16", "e4m3"})
 # rounded to e4m3 as before, each page's P.V folded into O in fp32), validated on the H200
 # (tests/test_decode_gpu.py, memcheck; 21463cb, 40dd92f). Served where it was faster in the
 # production suite (40dd92f, MTP 8, same process): the persistent form (dense B 32-128 at
-# 10k-100k keys 2-12 % faster) and sparse tiles (the step's 128-row tiles at 4k keys, 2-3.5 %);
-# dense work items keep f16 P.V (-4 to +5 %: no gain).
-VALIDATED_PV_FP8 = frozenset({"persistent", "sparse"})
+# 10k-100k keys 2-12 % faster) and sparse tiles (the step's 128-row tiles at 4k keys, 2-3.5 %).
+# Dense work items too since the consumers' turn got shorter (e1842db): on an H100 (a0af333,
+# --attention-forms served,pingpong,pingpong_pv8, one process) dense e4m3 on work items 7-13 %
+# faster at 1k-5k (B 32 / 1k 29.3 -> 26.6 us, B 64 / 4k 162.5 -> 144.5, B 128 / 5k 372.8 ->
+# 334.5), so the 1k step (the dense call) 6-8 % faster at B 32-128.
+VALIDATED_PV_FP8 = frozenset({"persistent", "sparse", "dense"})
 # The token-warps form (sparse tiles of > 16 rows with e4m3 q and K/V: a warp per 16 rows
 # computing only the union pages its rows' tokens selected, pages by TMA from a producer
 # warpgroup, each warp widening its pages' K and V in registers; csrc/decode_attention.cu,
