@@ -1267,14 +1267,18 @@ __device__ __forceinline__ void issue_qk(const char* qs, const char* ks, float (
   }
 }
 
-// A row's reference max (Rows::max) moves only when a page's max passes it by more than
-// 2^kLazyRescaleLog2 in probability (FlashAttention-4's lazy rescale): O and the sum are then
-// kept against a reference up to that much below the true running max, the same numbers at
-// another scale (fp32 O and sums; bf16 P and beta-scaled f16 P stay <= 256), and O's rescale
-// (64 multiplies) runs only on the rare pages that move a row's reference, not on nearly every
-// page of a short request. The LSE and the split-KV partials use the reference, so they are
-// exact whatever it is.
-constexpr float kLazyRescaleLog2 = 8.f;
+// With e4m3 K/V a row's reference max (Rows::max) moves only when a page's max passes it by
+// more than 2^kLazyRescaleLog2 in probability (FlashAttention-4's lazy rescale): O and the sum
+// are then kept against a reference up to that much below the true running max, the same
+// numbers at another scale (fp32 O and sums; beta-scaled P stays <= 256), and O's rescale (64
+// multiplies) runs only on the rare pages that move a row's reference, not on nearly every page
+// of a short request. The LSE and the split-KV partials use the reference, so they are exact
+// whatever it is. bf16 keeps the exact running max: its P is rounded to bf16 against it, so a
+// row's largest probability is exactly 1 rather than a rounded value up to 256 (whose rounding
+// put O one ulp past the contract's bf16 bound on some inputs), and bf16 calls are bound by
+// HBM, not by the rescale.
+template <bool kFp8>
+constexpr float kLazyRescaleLog2 = kFp8 ? 8.f : 0.f;
 
 // The page's softmax on S (complete): mask (causal against seqused_k, the page's selection per
 // token) unless `full`, page maxima per row; S becomes P in fp32 (bf16: against the reference
@@ -1373,7 +1377,7 @@ __device__ __forceinline__ bool page_probabilities(const PageRef& page, bool ful
   for (int i2 = 0; i2 < 2; ++i2) {
     // Also true for a row's first visible page (reference -inf); false for a page it does not
     // see (-inf - -inf is NaN).
-    const bool moves = (page_max[i2] - rows.max[i2]) * scale_log2 > kLazyRescaleLog2;
+    const bool moves = (page_max[i2] - rows.max[i2]) * scale_log2 > kLazyRescaleLog2<kFp8>;
     const float new_max = moves ? page_max[i2] : rows.max[i2];
     alpha[i2] = !moves ? 1.f
                 : rows.max[i2] == -INFINITY ? 0.f

@@ -33,8 +33,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def seed():
-    """A fresh seed per test run (printed on failure), so inputs differ between runs."""
-    s = int.from_bytes(os.urandom(4), "little")
+    """A fresh seed per test run (printed on failure), so inputs differ between runs;
+    MSA_TEST_SEED=<printed seed> replays a failure's inputs."""
+    replay = os.environ.get("MSA_TEST_SEED")
+    s = int(replay) if replay else int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(s)
     print(f"seed={s}")
     return s
