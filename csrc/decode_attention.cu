@@ -1632,8 +1632,8 @@ static_assert((kThreadsPP / 32 + 1) * 4 <= kCountsSlotBytes, "warp counts and th
 constexpr int kLaunchRegisters = 168;
 template <bool kPvFp8>
 struct RegisterSplit {
-  static constexpr int kProducer = kPvFp8 ? 40 : 56;
-  static constexpr int kConsumer = kPvFp8 ? 232 : 224;
+  static constexpr int kProducer = kPvFp8 ? 24 : 56;
+  static constexpr int kConsumer = kPvFp8 ? 240 : 224;
   static_assert(128 * kProducer + 256 * kConsumer <= kThreadsPP * kLaunchRegisters,
                 "the register split must fit the launch allocation");
 };
@@ -2608,8 +2608,19 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
 #pragma unroll
     for (int i = 0; i < 64; ++i) s[i] = o[i] = 0.f;
     pending.clear();
-    Cursor ahead = piece_start;                        // the page whose reference is read ahead
-    PageRef next_page = cursor_page<false>(a, part, ahead);
+    // A piece stays within its sequence, so the page read ahead is an entry of one page-table
+    // row: a pointer and an index, not a cursor (the turn loop runs at the register limit).
+    const int* table_row = part.lengths[piece_start.request] > 0
+        ? a.page_table + static_cast<int64_t>(piece_start.request) * a.page_table_width
+        : nullptr;
+    auto early_ref = [&](int logical) {
+      PageRef ref;
+      ref.logical = logical;
+      ref.physical = table_row != nullptr ? __ldg(table_row + logical) : -1;
+      ref.token_mask = 0;
+      return ref;
+    };
+    PageRef next_page = early_ref(piece_start.page);
     for (int j = 0; j <= pages; ++j) {
       MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 0);
       const bool has_page = j < pages;
@@ -2634,10 +2645,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
       pending.issue(pending.descriptor_of(j > 0 ? v_tile(v_ring.index) : first_v), o);
       asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
       if (consumer == 0 || !(last_piece && j == pages)) sm90::named_arrive(other_turn, 256);
-      if (j + 1 < pages) {
-        ahead.advance(part);
-        next_page = cursor_page<false>(a, part, ahead);
-      }
+      if (j + 1 < pages) next_page = early_ref(next_page.logical + 1);
       MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 3);
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 4);
@@ -2654,8 +2662,11 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
       MSA_LAB_MARK(lab_leader, 2 + consumer, lab_turn, 5);
       ++lab_turn;
     }
-    if (group_active) {
-      tile.finalize(a, ctx, piece_slot(piece_start, pages, piece_turn), consumer * kWarpgroupRows,
+    if (group_active) {   // the context again, rather than live through the turns
+      int done_rows;
+      const CtaContext done = sequence_context(a, part, piece_start, done_rows);
+      TileView(a, done, group, done_rows)
+          .finalize(a, done, piece_slot(piece_start, pages, piece_turn), consumer * kWarpgroupRows,
                     rows, scale_log2, o);
     }
     if (last_piece) break;

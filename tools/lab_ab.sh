@@ -18,15 +18,19 @@ case $mode in
     shift 3
     base=$(mktemp -d)
     trap 'rm -rf "$base"' EXIT
-    git archive "$rev" csrc torch-ext benchmarks/lab | tar -x -C "$base"
-    mkdir -p "$out"
+    # The kernels from REV, the lab itself (the harness) from the working tree on both sides.
+    git archive "$rev" csrc torch-ext | tar -x -C "$base"
+    mkdir -p "$base/benchmarks" "$out"
+    cp -r benchmarks/lab "$base/benchmarks/"
     compile() {  # source-root binary
       (cd "$1" && nvcc -arch=sm_90a -O3 -std=c++17 -Icsrc -Itorch-ext "${@:3}" \
          -o "$2" "benchmarks/lab/$lab.cu")
     }
     compile "$base" "$PWD/$out/${lab}_base" "$@" &
+    base_pid=$!
     compile "$PWD" "$PWD/$out/${lab}_new" "$@" &
-    wait %1 && wait %2
+    new_pid=$!
+    wait "$base_pid" && wait "$new_pid"
     echo "built $out/${lab}_base ($(git rev-parse --short "$rev")) and $out/${lab}_new (working tree)"
     ;;
   run)

@@ -22,7 +22,8 @@
 // the FMA pipe), -DMSA_LAB_NO_EXP (no exponentials), -DMSA_LAB_NO_SOFTMAX (no page softmax). Prints the call's time and bytes per second, then per
 // consumer warpgroup the mean cycles of each phase of a turn (data wait, turn wait, issue,
 // wgmma wait, softmax) and per stream the mean cycles of its empty wait and issue, over turns
-// 8 .. 63 (the ring is full by then).
+// 8 .. 63 (the ring is full by then). Without -DMSA_LAB_TIMELINE only the call's time is printed:
+// the kernel as the package builds it (the stamps cost registers), for A/Bs of its code.
 #include "../../csrc/decode_attention.cu"
 #include "lab_common.cuh"
 
@@ -128,6 +129,7 @@ int main(int argc, char** argv) {
               ragged ? " (ragged, 0.75-1.25x)" : "", seqlen_q, mode, ms * 1e3,
               persistent ? " (its merge included)" : "", bytes / (ms * 1e-3) / 1e12);
 
+#ifdef MSA_LAB_TIMELINE
   using msa::kLabMarks;
   using msa::kLabTurns;
   static long long tl[4][kLabTurns][kLabMarks];
@@ -180,5 +182,6 @@ int main(int argc, char** argv) {
     std::printf("  turn %2d: %5lld %5lld %5lld %5lld %5lld | %5lld\n", t, m[1] - m[0],
                 m[2] - m[1], m[3] - m[2], m[4] - m[3], m[5] - m[4], tl[2][t + 1][0] - m[5]);
   }
+#endif
   return 0;
 }
