@@ -294,13 +294,13 @@ def test_sparse_mtp_takes_query_tiles_against_long_contexts():
     assert query_tile_rows(8, 16, 1000, 128, 16, batch=1, token_warps=True, **fill) is None
     assert query_tile_rows(8, 16, 31 * 128, 128, 16, batch=8, **fill) is None   # < 2 x topK
     assert query_tile_rows(8, 16, 10000, 128, 16, batch=17, token_warps=True, **fill) is None
-    # Where the tile's selections make >= 3 a block of the planned context the ping-pong union
-    # serves its 128-row tiles, not the token-warps form (the decode kernel's launcher).
+    # Where the tile's selections make >= 2.5 a block of the planned context the ping-pong
+    # union serves its 128-row tiles, not the token-warps form (the decode kernel's launcher).
     from msa.schedules.decode import union_dense
-    assert union_dense(8, 16, 42, 16) and not union_dense(8, 16, 43, 16)   # 128 selections
-    assert union_dense(4, 16, 21, 16) and not union_dense(4, 16, 22, 16)   # 4 tokens: 64
-    assert union_dense(16, 16, 42, 16)                                     # 8 tokens a tile
-    assert union_dense(8, 16, 85, 32) and not union_dense(8, 16, 86, 32)
+    assert union_dense(8, 16, 51, 16) and not union_dense(8, 16, 52, 16)   # 128 selections
+    assert union_dense(4, 16, 25, 16) and not union_dense(4, 16, 26, 16)   # 4 tokens: 64
+    assert union_dense(16, 16, 51, 16)                                     # 8 tokens a tile
+    assert union_dense(8, 16, 102, 32) and not union_dense(8, 16, 103, 32)
     lens = [20000, 5]
     q, k, v, table, seqused_k = make_batch(lens, 8, 2, 16, FP8, FP8)
     q2k = random_q2k(lens, 8, 2, 16)

@@ -305,7 +305,7 @@ def test_decode_token_warps_gate(monkeypatch):
     have more than 16 rows; served validated ("per_warp"), unvalidated only with
     MSA_UNVALIDATED_KERNELS=1 or the decode_token_warps hook (True: the served form; or a
     form's name), which also turns them off. Unforced, calls whose tiles are fewer than half
-    the SMs, or whose ping-pong tiles' selections make >= 3 a planned block (a dense union),
+    the SMs, or whose ping-pong tiles' selections make >= 2.5 a planned block (a dense union),
     leave them to the ping-pong form. The binding's code: 0 none, 1 per_warp, 2 once."""
     served = decode_cuda.TOKEN_WARPS_FORMS[decode_cuda.TOKEN_WARPS_FORM]
     def call(e4m3=True, sparse=True, seqlen_q=8, group=16, tile_rows=128, batch=32, blocks=100):
@@ -333,15 +333,15 @@ def test_decode_token_warps_gate(monkeypatch):
     assert decode_cuda._token_warps(call(seqlen_q=2, group=16)) == served   # 32 rows
     assert decode_cuda._token_warps(call(batch=17)) == served    # 68 tiles at Hkv 4
     assert decode_cuda._token_warps(call(batch=16)) == 0         # 64 tiles < 132 / 2
-    assert decode_cuda._token_warps(call(blocks=43)) == served   # 128 selections, 43 blocks
-    assert decode_cuda._token_warps(call(blocks=42)) == 0        # >= 3 a block: ping-pong
-    assert decode_cuda._token_warps(call(seqlen_q=5, blocks=27)) == served   # 80 selections
-    assert decode_cuda._token_warps(call(seqlen_q=5, blocks=26)) == 0
+    assert decode_cuda._token_warps(call(blocks=52)) == served   # 128 selections, 52 blocks
+    assert decode_cuda._token_warps(call(blocks=51)) == 0        # >= 2.5 a block: ping-pong
+    assert decode_cuda._token_warps(call(seqlen_q=5, blocks=33)) == served   # 80 selections
+    assert decode_cuda._token_warps(call(seqlen_q=5, blocks=32)) == 0
     # Tiles of <= 64 rows do not take the ping-pong form: dense unions keep the token warps.
-    assert decode_cuda._token_warps(call(seqlen_q=4, blocks=21)) == served
+    assert decode_cuda._token_warps(call(seqlen_q=4, blocks=25)) == served
     assert decode_cuda._token_warps(call(seqlen_q=2, blocks=10)) == served
     with debug.forcing(decode_pingpong=False):
-        assert decode_cuda._token_warps(call(blocks=42)) == served
+        assert decode_cuda._token_warps(call(blocks=51)) == served
     for other in (call(e4m3=False), call(sparse=False), call(seqlen_q=1), call(tile_rows=16)):
         assert decode_cuda._token_warps(other) == 0
     with debug.forcing(decode_token_warps=False):

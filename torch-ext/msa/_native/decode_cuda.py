@@ -78,7 +78,7 @@ VALIDATED_PV_FP8 = frozenset({"persistent", "sparse", "dense"})
 # docs/design-decode.md). Validated on an H100 (f6e4e96: tests/test_decode_gpu.py
 # ~token_warps, 42 cases; memcheck). Served: faster than the ping-pong union and the 16-row
 # query tiles from 5k keys at B 32 (the step's attention 106 vs 124 us at 5k, 124 vs 165 at
-# 10k, 187 vs 195 at 100k), except where the union is dense (schedules.decode.union_dense: 4k,
+# 10k, 187 vs 195 at 100k), except where the union is dense (schedules.decode.union_dense: 4k-5k,
 # where the ping-pong form skips a warp's unselected pages). TOKEN_WARPS_FORM is the form
 # served (and forced by decode_token_warps=True); the hook also takes its name.
 VALIDATED_TOKEN_WARPS = True

@@ -56,7 +56,7 @@ QO_TILE_ROWS = 128
 #    and the token-warps form's 88 (taken from 2 x topK blocks on; shorter contexts unmeasured);
 #  * where the token-warps form serves the 128-row tiles (a warp per token, only its own
 #    pages), it beats the query tiles: B 32 attention 106 vs 124 us at 5k, 124 vs 165 at 10k,
-#    187 vs 195 at 100k; where the union is dense (union_dense, 4k) the ping-pong union serves
+#    187 vs 195 at 100k; where the union is dense (union_dense, 4k-5k) the ping-pong union serves
 #    the 128-row tiles instead.
 QUERY_TILE_ROWS = 16
 # A CUDA-graph plan of a dense call cannot see the lengths, so one wave of equal chunks finishes
@@ -142,8 +142,10 @@ def union_collapses(seqlen_q: int, group: int, max_seqlen_k: int, page_size: int
 # itself, where the ping-pong form reads the e4m3 pages on wgmma. On an H100 (07b845b, MTP 8,
 # G 16, Hkv 4, top-16, the step's attention, protocol lengths nominal +- 25 %, planned for the
 # longest): 4k (40 planned blocks, 3.2 selections a block) B 32 92.9 vs 104.7 us, B 128 342.5
-# vs 354.1; 5k (49 blocks, 2.6) B 32 103.2 vs 107.9 but B 128 386.1 vs 365.3.
-PINGPONG_UNION_MIN_SELECTIONS_PER_BLOCK = 3
+# vs 354.1. With e4m3 P.V on the union's tiles (H100, a0af333, one process) 5k (49 blocks, 2.6)
+# went its way too: B 32 98.3 vs 109.6 us, B 64 195.3 vs 193.2, B 128 366.8 vs 365.1; at 10k
+# (1.3) the token warps stay ahead (B 32 122.5 vs 132.8, decode_sparse_mtp_forms.cu).
+PINGPONG_UNION_MIN_SELECTIONS_PER_BLOCK = 2.5
 
 
 def union_dense(seqlen_q: int, group: int, blocks: int, sparse_topk: int) -> bool:
