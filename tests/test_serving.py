@@ -272,6 +272,37 @@ def test_decode_pingpong_form_serves_validated_dtypes_on_tiles_of_two_warpgroups
         assert decode_cuda._pingpong(call(1, 1))
 
 
+def test_decode_persistent_gate(monkeypatch):
+    """Dense ping-pong calls take the persistent form where their plan has it and their dtype
+    is in VALIDATED_PERSISTENT; e4m3 calls only where the plan's requests average >= 64 pages
+    (shorter ones run the work items); sparse calls never; the decode_persistent hook forces
+    it either way on calls whose plan has it."""
+    def call(e4m3=True, sparse=False, pages=(64, 64), ctas=132):
+        return SimpleNamespace(pv_quant_dtype=E4M3 if e4m3 else None,
+                               q2k_indices=object() if sparse else None,
+                               schedule=SimpleNamespace(persistent_ctas=ctas,
+                                                        planned_units=list(pages)))
+
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
+    assert decode_cuda.VALIDATED_PERSISTENT == frozenset({"bf16", "e4m3"})
+    assert decode_cuda._persistent(call())
+    assert decode_cuda._persistent(call(pages=(100, 28)))           # a mean of 64 pages
+    assert not decode_cuda._persistent(call(pages=(100, 27)))       # 4k-5k keys: work items
+    assert decode_cuda._persistent(call(e4m3=False, pages=(40, 40)))
+    assert not decode_cuda._persistent(call(ctas=0))                # not planned
+    assert not decode_cuda._persistent(call(sparse=True))
+    with debug.forcing(decode_persistent=True):
+        assert decode_cuda._persistent(call(pages=(5,)))
+        assert not decode_cuda._persistent(call(ctas=0))
+    with debug.forcing(decode_persistent=False):
+        assert not decode_cuda._persistent(call(e4m3=False))
+    monkeypatch.setattr(decode_cuda, "VALIDATED_PERSISTENT", frozenset({"e4m3"}))
+    assert not decode_cuda._persistent(call(e4m3=False))
+    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
+    assert decode_cuda._persistent(call(e4m3=False))
+    assert not decode_cuda._persistent(call(pages=(40, 40)))        # unvalidated is not faster
+
+
 def test_decode_e4m3_pv_serves_every_pingpong_form(monkeypatch):
     """P.V on e4m3 wgmma serves e4m3 ping-pong calls of the forms VALIDATED_PV_FP8 lists (the
     persistent form, sparse tiles, dense work items), never bf16; a form taken off the list

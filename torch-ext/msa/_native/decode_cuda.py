@@ -59,7 +59,9 @@ PINGPONG_MIN_ROWS = 65
 # lengths), per dtype; a dtype left out runs the plan's work items on the ping-pong form. It
 # beats the plan's work items where the plan takes it (schedules.decode.persistent_pays: a CTA
 # streams >= 64 pages): MTP 8, 1.04-1.27x (bench_decode_production --attention-forms
-# pingpong,persistent, e319220). Validated on the H200: tests/test_decode_gpu.py and memcheck.
+# pingpong,persistent, e319220); e4m3 only where the plan's requests average >= 64 pages
+# (schedules.decode.persistent_pays_e4m3). Validated on the H200: tests/test_decode_gpu.py and
+# memcheck.
 VALIDATED_PERSISTENT = frozenset({"bf16", "e4m3"})
 # The e4m3 ping-pong and persistent forms with P.V on e4m3 wgmma (K and V pages by TMA, the
 # producer warpgroup transposing each V page into a V^T tile instead of widening it to f16; P
@@ -196,11 +198,15 @@ def _pingpong(call) -> bool:
 
 def _persistent(call) -> bool:
     """Whether a ping-pong call takes the persistent form: a dense call whose plan has it
-    (schedule.persistent_ctas), validated for the call's dtype; the decode_persistent hook
-    forces it on any such call (True) or off (False)."""
+    (schedule.persistent_ctas), validated for the call's dtype, and for e4m3 only on long
+    requests (schedules.decode.persistent_pays_e4m3); the decode_persistent hook forces it on
+    any such call (True) or off (False)."""
     if call.q2k_indices is not None or not call.schedule.persistent_ctas:
         return False
-    return debug.gate("decode_persistent", _backend.may_serve(_form_dtype(call) in VALIDATED_PERSISTENT))
+    dtype = _form_dtype(call)
+    pays = dtype != "e4m3" or schedules_decode.persistent_pays_e4m3(call.schedule.planned_units)
+    return debug.gate("decode_persistent",
+                      pays and _backend.may_serve(dtype in VALIDATED_PERSISTENT))
 
 
 def _pv_fp8(call, persistent: bool) -> bool:

@@ -31,7 +31,7 @@ replays; otherwise it reads ``seqused_k`` on the host (planning happens outside 
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -102,6 +102,24 @@ def persistent_can_run(batch: int, seqlen_q: int, group: int, qo_tile_rows: int,
     return (sparse_topk is None and not disable_split_kv and fixed_split_size is None
             and batch <= PERSISTENT_MAX_REQUESTS
             and min(qo_tile_rows, seqlen_q * group) >= PERSISTENT_MIN_ROWS)
+
+
+# e4m3 calls (P.V on e4m3 wgmma; bound by the consumers, not by HBM) gain nothing from the
+# balance at 4k-5k keys, where the persistent form's pieces and merge cost more than the work
+# items' tail (H100, one process, the protocol's ragged lengths, --attention-forms
+# persistent_pv8,pingpong_pv8; persistent vs work items): B 64 / 4k 164.5 vs 144.5 us, B 128 /
+# 4k 294.4 vs 269.9, B 64 / 5k 191.2 vs 183.4, B 128 / 5k 352.1 vs 330.4 (6fe4746; the same
+# direction at a0af333 before the persistent turn loop lost its spills: 201.0 vs 182.3,
+# 301.2 vs 274.9, 369.2 vs 334.5), while from 50k it is 1-10 % ahead and at 10k within 5 %
+# either way (82d1706). So e4m3 takes it only where the plan's requests average at least this
+# many pages (8k keys).
+PERSISTENT_E4M3_MIN_PAGES_PER_REQUEST = 64
+
+
+def persistent_pays_e4m3(planned_units: Sequence[int]) -> bool:
+    """Whether an e4m3 call of a plan with the persistent form takes it: its requests'
+    planned pages (schedule.planned_units) average PERSISTENT_E4M3_MIN_PAGES_PER_REQUEST."""
+    return sum(planned_units) >= PERSISTENT_E4M3_MIN_PAGES_PER_REQUEST * max(len(planned_units), 1)
 
 
 def persistent_pays(total_pages: int, ctas: int) -> bool:
