@@ -2412,9 +2412,8 @@ struct Cursor {
   __device__ __forceinline__ int head(const Partition& part) const { return seq / part.tiles; }
 };
 
-// The cursor's page: its page-table entry (kSettle = false leaves the mask to settle_page), or
-// the skipped placeholder of an empty request (physical -1: settle_page keeps it skipped).
-template <bool kSettle>
+// The cursor's page, settled: its page-table entry, or the skipped placeholder of an empty
+// request (physical -1, no token).
 __device__ __forceinline__ PageRef cursor_page(const DecodeAttentionArgs& a,
                                                const Partition& part, const Cursor& c) {
   PageRef ref;
@@ -2424,7 +2423,7 @@ __device__ __forceinline__ PageRef cursor_page(const DecodeAttentionArgs& a,
   if (part.lengths[c.request] > 0) {
     ref.physical =
         __ldg(a.page_table + static_cast<int64_t>(c.request) * a.page_table_width + c.page);
-    if (kSettle) ref = settle_page(a, ref);
+    ref = settle_page(a, ref);
   }
   return ref;
 }
@@ -2524,7 +2523,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
     if constexpr (kPvFp8) {
       auto locate = [&](int idx, int& valid_rows) {
         if (idx > 0) at.advance(part);
-        const PageRef ref = cursor_page<true>(a, part, at);
+        const PageRef ref = cursor_page(a, part, at);
         valid_rows = min(kPageSize, max(part.lengths[at.request] - ref.logical * kPageSize, 0));
         return page_row(a, at.head(part), ref, valid_rows);
       };
@@ -2533,7 +2532,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_ker
     } else {
       auto locate = [&](int idx, int& valid_rows) {
         if (idx > 0) at.advance(part);
-        const PageRef ref = cursor_page<true>(a, part, at);
+        const PageRef ref = cursor_page(a, part, at);
         valid_rows = min(kPageSize, max(part.lengths[at.request] - ref.logical * kPageSize, 0));
         return page_source(a, at.head(part), ref, tensor, kFp8 ? 1 : 2, valid_rows);
       };
