@@ -266,6 +266,17 @@ __device__ __forceinline__ int fill_tile(const DecodeAttentionArgs& a, CtaContex
   return tile_rows;
 }
 
+// The unit range [begin, end) of chunk `chunk` of a request holding `units_now` units (the
+// request's last chunk runs to its current end; a chunk past it is empty).
+__device__ __forceinline__ void chunk_range(const DecodeAttentionArgs& a, int request, int chunk,
+                                            int units_now, int& begin, int& end) {
+  const bool last_chunk = chunk == __ldg(a.num_splits + request) - 1;
+  begin = chunk * a.kv_chunk_size;
+  end = last_chunk ? units_now : min(begin + a.kv_chunk_size, units_now);
+  end = max(end, begin);
+  if (begin >= units_now) end = begin;
+}
+
 // Work item `work` of the schedule for KV head `head`: request, chunk and qo tile, the
 // request's length and the chunk's unit range (the request's last chunk runs to its current
 // end). False for a corrupt schedule entry: nothing the CTA could safely write.
@@ -288,11 +299,7 @@ __device__ __forceinline__ bool make_context(const DecodeAttentionArgs& a, int w
   ctx.slot_chunks = a.q2k_indices != nullptr &&
                     !(a.seqlen_q > 1 && group % a.qo_tile_rows != 0);
   const int units_now = ctx.slot_chunks ? a.topk : ctx.num_blocks;
-  const bool last_chunk = chunk == __ldg(a.num_splits + ctx.request) - 1;
-  ctx.chunk_begin = chunk * a.kv_chunk_size;
-  ctx.chunk_end = last_chunk ? units_now : min(ctx.chunk_begin + a.kv_chunk_size, units_now);
-  ctx.chunk_end = max(ctx.chunk_end, ctx.chunk_begin);
-  if (ctx.chunk_begin >= units_now) ctx.chunk_end = ctx.chunk_begin;
+  chunk_range(a, ctx.request, chunk, units_now, ctx.chunk_begin, ctx.chunk_end);
   return true;
 }
 
@@ -2188,7 +2195,53 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* bars) {
   sm90::fence_barrier_init();
 }
 
-template <bool kFp8, bool kPvFp8 = false>
+// Longest work items first (a.longest_first: the ping-pong kernel's work items). The hardware
+// starts a grid's CTAs in linear order (x fastest), so CTA i takes the work item of rank i / Hkv
+// by its chunk's pages (descending, ties by index) and KV head i % Hkv: the longest tiles start
+// first and the short ones fill the last wave's tail, list scheduling's longest-processing-time
+// rule (at ragged lengths the plan, made for the longest request under a CUDA graph, cannot
+// order them itself). A sparse tile's union is taken as its request's pages. Every thread of
+// the CTA calls it (three CTA barriers); `scratch` holds num_work + 1 ints of shared memory that
+// no one reads at the time. False (uniform) when the grid is not num_work x Hkv: no item.
+__device__ __forceinline__ bool longest_first_item(const DecodeAttentionArgs& a, int* scratch,
+                                                   int& work, int& head) {
+  int* pages = scratch;
+  int* picked = scratch + a.num_work;
+  if (threadIdx.x == 0) *picked = -1;
+  for (int w = threadIdx.x; w < a.num_work; w += blockDim.x) {
+    const int request = __ldg(a.request_indices + w);
+    const int chunk = __ldg(a.kv_tile_indices + w);
+    int begin = 0, end = 0;
+    if (request >= 0 && request < a.batch && chunk >= 0) {   // else make_context refuses it
+      const int len = max(__ldg(a.seqused_k + request), 0);
+      chunk_range(a, request, chunk,
+                  min(len / kPageSize + (len % kPageSize != 0), a.page_table_width), begin, end);
+    }
+    pages[w] = end - begin;
+  }
+  __syncthreads();
+  const int linear = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x);
+  const int rank_wanted = linear / static_cast<int>(gridDim.y);
+  head = linear % static_cast<int>(gridDim.y);
+  for (int w = threadIdx.x; w < a.num_work; w += blockDim.x) {
+    const int own = pages[w];
+    int rank = 0;
+    for (int j = 0; j < a.num_work; ++j) {
+      const int other = pages[j];
+      rank += other > own || (other == own && j < w);
+    }
+    if (rank == rank_wanted) *picked = w;
+  }
+  __syncthreads();
+  work = *picked;
+  __syncthreads();                                    // before the scratch is reused
+  return work >= 0;
+}
+
+// kLongestFirst: the CTAs take the work items longest first (longest_first_item), a separate
+// instantiation: a (work, head) pair computed at the start stays live where blockIdx is reread,
+// which cost the served kernels registers in their turn loops.
+template <bool kFp8, bool kPvFp8 = false, bool kLongestFirst = false>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     const DecodeAttentionArgs a, const __grid_constant__ PagedKvMaps maps) {
   using L = Layout<kFp8, false, kPvFp8>;
@@ -2213,7 +2266,16 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   CtaContext ctx;
   int chunk, group, tile_rows;
   // Uniform over the CTA.
-  if (!make_context(a, blockIdx.x, blockIdx.y, ctx, chunk, group, tile_rows)) return;
+  if constexpr (kLongestFirst) {
+    static_assert(kMaxCandidates > kDecodeLongestFirstMaxItems, "the ranking's scratch: cand");
+    int work, head;
+    if (!longest_first_item(a, cand, work, head) ||
+        !make_context(a, work, head, ctx, chunk, group, tile_rows)) {
+      return;
+    }
+  } else {
+    if (!make_context(a, blockIdx.x, blockIdx.y, ctx, chunk, group, tile_rows)) return;
+  }
   if (threadIdx.x == 0) init_ring_barriers<L, kPvFp8>(bars);
   int num_pages;
   if (a.q2k_indices != nullptr) {
@@ -2692,7 +2754,7 @@ template <bool kFp8, bool kPersistent = false, bool kPvFp8 = false>
 struct Layout {
   static constexpr int kAlloc = 0;
 };
-template <bool kFp8, bool kPvFp8 = false>
+template <bool kFp8, bool kPvFp8 = false, bool kLongestFirst = false>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     const DecodeAttentionArgs, const __grid_constant__ PagedKvMaps) {
   __trap();
@@ -3980,16 +4042,23 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
         MSA_RETURN_IF_ERROR(launch(decode_attention_persistent_kernel<false>,
                                    Layout<false, true>::kAlloc, kThreadsPP, maps));
       }
-    } else if (args.pingpong && pv_fp8) {
-      MSA_RETURN_IF_ERROR(launch(wg::pingpong::decode_attention_pp_kernel<true, true>,
-                                 wg::pingpong::Layout<true, false, true>::kAlloc, kThreadsPP,
-                                 maps));
-    } else if (args.pingpong && args.q_fp8) {
-      MSA_RETURN_IF_ERROR(launch(wg::pingpong::decode_attention_pp_kernel<true>,
-                                 wg::pingpong::Layout<true>::kAlloc, kThreadsPP, maps));
     } else if (args.pingpong) {
-      MSA_RETURN_IF_ERROR(launch(wg::pingpong::decode_attention_pp_kernel<false>,
-                                 wg::pingpong::Layout<false>::kAlloc, kThreadsPP, maps));
+      using wg::pingpong::decode_attention_pp_kernel;
+      using wg::pingpong::Layout;
+      const bool lpt = args.longest_first;
+      if (pv_fp8) {
+        MSA_RETURN_IF_ERROR(launch(lpt ? decode_attention_pp_kernel<true, true, true>
+                                       : decode_attention_pp_kernel<true, true>,
+                                   Layout<true, false, true>::kAlloc, kThreadsPP, maps));
+      } else if (args.q_fp8) {
+        MSA_RETURN_IF_ERROR(launch(lpt ? decode_attention_pp_kernel<true, false, true>
+                                       : decode_attention_pp_kernel<true>,
+                                   Layout<true>::kAlloc, kThreadsPP, maps));
+      } else {
+        MSA_RETURN_IF_ERROR(launch(lpt ? decode_attention_pp_kernel<false, false, true>
+                                       : decode_attention_pp_kernel<false>,
+                                   Layout<false>::kAlloc, kThreadsPP, maps));
+      }
     } else if (args.q_fp8) {
       MSA_RETURN_IF_ERROR(
           launch(wg::decode_attention_wg_kernel<true>, wg::Shape<true>::kAlloc, kThreads));

@@ -313,6 +313,29 @@ def test_native_persistent_decode(msa_pkg, native_only, seed, dtypes, batch, nat
     _check(out, lse, q, k, v, table, seqused_k, seqlen_q, None)
 
 
+@pytest.mark.parametrize("dtypes,sparse", [("bf16", False), ("fp8", False), ("fp8_pv8", False),
+                                            ("fp8_pv8", True)],
+                         ids=["bf16-dense", "fp8-dense", "fp8_pv8-dense", "fp8_pv8-sparse"])
+def test_native_decode_longest_first(msa_pkg, native_only, seed, dtypes, sparse, native_hooks):
+    """The ping-pong kernel's CTAs taking the plan's work items longest first (ragged lengths,
+    empty requests, ties, a long request split into 64-page chunks and its last chunk shorter)
+    write the oracle's rows."""
+    pv8 = dtypes == "fp8_pv8"
+    dtypes = "fp8" if pv8 else dtypes
+    _force_form(native_hooks, "pingpong_pv8" if pv8 else "pingpong", dtypes)
+    native_hooks.force(decode_longest_first=True, decode_token_warps=False)
+    gen = torch.Generator().manual_seed(seed)
+    lens = [int(x) for x in torch.randint(0, 6000, (40,), generator=gen)] + [0, 700, 700, 40000]
+    q, k, v, table, seqused_k, q2k = _batch(lens, 8, 16, dtypes, sparse, topk=16)
+    wrapper = _plan(msa_pkg, table, seqused_k, 8, HKV * 16, q2k, qo_tile_rows=128,
+                    persistent=False, fixed_split_size=64)
+    assert 44 < wrapper.decode_schedule.request_indices.numel() <= 256
+    out, lse = _run_native(msa_pkg, wrapper, q, k, v)
+    decode_cuda = importlib.import_module(f"{msa_pkg.__name__}._native.decode_cuda")
+    assert decode_cuda.last_launch()["longest_first"] and _ran_pv_fp8(msa_pkg) == pv8
+    _check(out, lse, q, k, v, table, seqused_k, 8, q2k)
+
+
 def test_native_persistent_decode_graph_follows_lengths(msa_pkg, native_only, seed,
                                                         native_hooks):
     """A captured run of the persistent form re-cuts its shares from the lengths written

@@ -303,6 +303,34 @@ def test_decode_persistent_gate(monkeypatch):
     assert not decode_cuda._persistent(call(pages=(40, 40)))        # unvalidated is not faster
 
 
+def test_decode_longest_first_gate(monkeypatch):
+    """Taking the ping-pong work items longest first is not served until GPU-run
+    (VALIDATED_LONGEST_FIRST); validated or with MSA_UNVALIDATED_KERNELS=1 it applies where at
+    most LONGEST_FIRST_MAX_ITEMS work items and the KV heads make more than one wave of the
+    plan's CTA budget; the decode_longest_first hook forces it either way within that bound."""
+    def call(work=64, heads=4, budget=132):
+        return SimpleNamespace(k=SimpleNamespace(shape=(1, heads)),
+                               schedule=SimpleNamespace(request_indices=torch.zeros(work),
+                                                        max_grid_size=budget))
+
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
+    assert decode_cuda.VALIDATED_LONGEST_FIRST is False
+    assert decode_cuda.LONGEST_FIRST_MAX_ITEMS == 256
+    assert not decode_cuda._longest_first(call())
+    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
+    assert decode_cuda._longest_first(call())                    # 256 CTAs on 132
+    assert not decode_cuda._longest_first(call(work=32))         # 128 CTAs: one wave
+    assert not decode_cuda._longest_first(call(work=257))        # past the kernel's ranking
+    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
+    monkeypatch.setattr(decode_cuda, "VALIDATED_LONGEST_FIRST", True)
+    assert decode_cuda._longest_first(call(work=256))
+    with debug.forcing(decode_longest_first=True):
+        assert decode_cuda._longest_first(call(work=2))
+        assert not decode_cuda._longest_first(call(work=257))
+    with debug.forcing(decode_longest_first=False):
+        assert not decode_cuda._longest_first(call())
+
+
 def test_decode_e4m3_pv_serves_every_pingpong_form(monkeypatch):
     """P.V on e4m3 wgmma serves e4m3 ping-pong calls of the forms VALIDATED_PV_FP8 lists (the
     persistent form, sparse tiles, dense work items), never bf16; a form taken off the list

@@ -302,6 +302,17 @@ def decode_runs(family="sm90"):
                 decode_run([70001, 3, 129], 8, 16, dtypes, False, **f)
                 decode_run([1000, 500], 8, 4, dtypes, True, bad=True, enable_cuda_graph=True,
                            **f)
+        # Its work items longest first (the ranking in shared memory): ragged, empty and split
+        # requests, sparse page-range chunks, corrupt ids and a length past the table.
+        for dtypes, pv8 in forms:
+            with debug.forcing(decode_warpgroup=True, decode_pingpong=True, decode_pv_fp8=pv8,
+                               decode_longest_first=True, decode_token_warps=False):
+                decode_run([70001, 0, 3, 129, 5000, 5000], 8, 16, dtypes, False,
+                           fixed_split_size=16, persistent=False, **f)
+                decode_run([1, 129, 1000, 77, 3000], 8, 16, dtypes, True, fixed_split_size=4,
+                           qo_tile_rows=128, **f)
+                decode_run([1000, 500], 8, 16, dtypes, False, bad=True, enable_cuda_graph=True,
+                           persistent=False, **f)
         # Its persistent form (dense, > 64 rows) and the merge launched after it: ragged and
         # empty requests, a request cut by many CTAs, two qo tiles, 80-row tiles, out-of-range
         # ids and a length past the table.

@@ -587,7 +587,7 @@ void sparse_decode_attention(
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
     bool direct_fp8, bool warpgroup, bool pingpong, int64_t qo_tile_rows,
     const std::optional<torch::Tensor>& request_pages, int64_t persistent_ctas, bool pv_fp8,
-    int64_t token_warps) {
+    int64_t token_warps, bool longest_first) {
   TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
@@ -738,6 +738,10 @@ void sparse_decode_attention(
   const bool token_tiles = a.q2k_indices != nullptr && a.q_fp8 && a.kv_fp8 &&
                            std::min<int64_t>(qo_tile_rows, seqlen_q * (hq / hkv)) > 16;
   a.token_warps = token_tiles ? static_cast<int>(token_warps) : 0;
+  // Longest work items first: the ping-pong kernel's work items (not the persistent form's
+  // ranges), at most kDecodeLongestFirstMaxItems of them (every CTA ranks them all).
+  a.longest_first = longest_first && a.pingpong && !a.persistent &&
+                    a.num_work <= msa::kDecodeLongestFirstMaxItems;
   check_launch(msa::launch_decode_attention(a, c10::cuda::getCurrentCUDAStream(device.index())),
                "sparse_decode_attention");
 }
@@ -950,7 +954,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "int kv_chunk_size, bool split_kv, float softmax_scale, bool split_keys=False, "
       "bool direct_fp8=False, bool warpgroup=False, bool pingpong=False, "
       "int qo_tile_rows=128, Tensor(e!)? request_pages=None, int persistent_ctas=0, "
-      "bool pv_fp8=False, int token_warps=0) -> ()");
+      "bool pv_fp8=False, int token_warps=0, bool longest_first=False) -> ()");
   ops.impl("sparse_decode_attention", torch::kCUDA, &sparse_decode_attention);
   ops.def(
       "sparse_prefill_portable(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "

@@ -121,6 +121,7 @@ struct DecodeAttentionArgs {
   bool warpgroup;                 // wgmma form (q and K/V both bf16 or both e4m3)
   bool pingpong;                  // with warpgroup, bf16: the warp-specialized ping-pong form
   bool pv_fp8;                    // e4m3 ping-pong / persistent: P.V on e4m3 wgmma (V^T tiles)
+  bool longest_first;             // ping-pong work items: CTAs take them longest chunk first
   int token_warps;                // sparse, e4m3 q and K/V, > 16 rows: a warp per 16 rows (TMA);
                                   // 0 off, 1 each warp widens its pages, 2 widened once a page,
                                   // 3 a warpgroup's tokens on wgmma (S^T = K Q^T, O^T)
@@ -134,6 +135,8 @@ struct DecodeAttentionArgs {
 
 // Requests the persistent decode form plans for at most (its request table is in shared memory).
 constexpr int kDecodePersistentMaxRequests = 1024;
+// Work items the ping-pong kernel orders longest first (each CTA ranks them all).
+constexpr int kDecodeLongestFirstMaxItems = 256;
 
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
 
@@ -420,7 +423,7 @@ void sparse_decode_attention(
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
     bool direct_fp8, bool warpgroup, bool pingpong, int64_t qo_tile_rows,
     const std::optional<torch::Tensor>& request_pages, int64_t persistent_ctas, bool pv_fp8,
-    int64_t token_warps);
+    int64_t token_warps, bool longest_first);
 
 std::tuple<int64_t, int64_t, std::string> csrc_image(const std::string& unit, int64_t device);
 #endif

@@ -86,6 +86,16 @@ VALIDATED_PV_FP8 = frozenset({"persistent", "sparse", "dense"})
 VALIDATED_TOKEN_WARPS = True
 TOKEN_WARPS_FORMS = {"per_warp": 1}   # the binding's argument
 TOKEN_WARPS_FORM = "per_warp"
+# Longest work items first: the ping-pong kernel's CTAs take the plan's work items in order of
+# their chunks' pages, longest first (list scheduling's longest-processing-time rule; a CUDA-graph
+# plan, made for the longest request, cannot order them itself), where the work items are at most
+# LONGEST_FIRST_MAX_ITEMS (every CTA ranks them all) and fill more than one wave. A model of the
+# production protocol's lengths (nominal +- 25 %, one CTA a (request, KV head) tile taking time
+# in proportion to its pages plus ~3 pages of fixed cost, 132 SMs) puts B 64-128 at 4k-5k at
+# 1.21-1.31x an even split in launch order and 1.11-1.14x longest first. Not yet GPU-run: served
+# only with MSA_UNVALIDATED_KERNELS=1 or the decode_longest_first hook.
+VALIDATED_LONGEST_FIRST = False
+LONGEST_FIRST_MAX_ITEMS = 256   # kDecodeLongestFirstMaxItems (torch_binding.h)
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
@@ -103,15 +113,16 @@ def supports(*, seqlen_q=1, qhead_per_kv=1, topk=None, **_features) -> Optional[
 
 
 _last_launch = {"warpgroup": False, "pingpong": False, "persistent": False, "pv_fp8": False,
-                "token_warps": 0}
+                "token_warps": 0, "longest_first": False}
 
 
 def last_launch() -> dict:
     """The forms the last launch asked for: {"warpgroup": bool, "pingpong": bool,
-    "persistent": bool, "pv_fp8": bool, "token_warps": 0 or a TOKEN_WARPS_FORMS code} (the
-    binding applies them only to q and K/V of one dtype, the persistent form within its bounds,
-    pv_fp8 to e4m3, token_warps to sparse e4m3 tiles of > 16 rows where the launcher can make
-    the caches' tensor maps). Tests read it to know which form ran."""
+    "persistent": bool, "pv_fp8": bool, "token_warps": 0 or a TOKEN_WARPS_FORMS code,
+    "longest_first": bool} (the binding applies them only to q and K/V of one dtype, the
+    persistent form within its bounds, pv_fp8 to e4m3, token_warps to sparse e4m3 tiles of > 16
+    rows where the launcher can make the caches' tensor maps, longest_first to the ping-pong
+    form's work items). Tests read it to know which form ran."""
     return dict(_last_launch)
 
 
@@ -143,8 +154,9 @@ def _launch(call, warpgroup: bool, pingpong: bool, token_warps: int) -> None:
                      if persistent else None)
     workspaces = split or persistent
     pv_fp8 = pingpong and _pv_fp8(call, persistent)
+    longest_first = pingpong and not persistent and not token_warps and _longest_first(call)
     _last_launch.update(warpgroup=warpgroup, pingpong=pingpong, persistent=persistent,
-                        pv_fp8=pv_fp8, token_warps=token_warps)
+                        pv_fp8=pv_fp8, token_warps=token_warps, longest_first=longest_first)
     ops.sparse_decode_attention(
         call.q, call.k, call.v, call.q2k_indices, call.page_table, call.seqused_k,
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
@@ -152,7 +164,7 @@ def _launch(call, warpgroup: bool, pingpong: bool, token_warps: int) -> None:
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
         float(call.softmax_scale), _split_keys(), _direct_fp8(), warpgroup, pingpong,
         int(s.qo_tile_rows), request_pages, int(s.persistent_ctas) if persistent else 0, pv_fp8,
-        int(token_warps))
+        int(token_warps), longest_first)
 
 
 def _split_keys() -> bool:
@@ -207,6 +219,20 @@ def _persistent(call) -> bool:
     pays = dtype != "e4m3" or schedules_decode.persistent_pays_e4m3(call.schedule.planned_units)
     return debug.gate("decode_persistent",
                       pays and _backend.may_serve(dtype in VALIDATED_PERSISTENT))
+
+
+def _longest_first(call) -> bool:
+    """Whether a ping-pong call's CTAs take its work items longest first: at most
+    LONGEST_FIRST_MAX_ITEMS work items, served (VALIDATED_LONGEST_FIRST) where they and the KV
+    heads make more CTAs than the plan's budget (one wave: the order changes nothing); the
+    decode_longest_first hook forces it on any such call (True) or off (False)."""
+    s = call.schedule
+    work = s.request_indices.numel()
+    if work > LONGEST_FIRST_MAX_ITEMS:
+        return False
+    served = work * call.k.shape[1] > s.max_grid_size and _backend.may_serve(
+        VALIDATED_LONGEST_FIRST)
+    return debug.gate("decode_longest_first", served)
 
 
 def _pv_fp8(call, persistent: bool) -> bool:
