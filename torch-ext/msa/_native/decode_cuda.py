@@ -230,8 +230,8 @@ def _longest_first(call) -> bool:
     work = s.request_indices.numel()
     if work > LONGEST_FIRST_MAX_ITEMS:
         return False
-    served = work * call.k.shape[1] > s.max_grid_size and _backend.may_serve(
-        VALIDATED_LONGEST_FIRST)
+    served = _backend.may_serve(VALIDATED_LONGEST_FIRST) and (
+        work * call.k.shape[1] > s.max_grid_size)
     return debug.gate("decode_longest_first", served)
 
 
