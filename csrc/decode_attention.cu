@@ -2195,6 +2195,11 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* bars) {
   sm90::fence_barrier_init();
 }
 
+// The pages a request of `len` keys addresses: ceil(len / 128), at most the table's width.
+__device__ __forceinline__ int request_table_pages(const DecodeAttentionArgs& a, int len) {
+  return min(len / kPageSize + (len % kPageSize != 0), a.page_table_width);
+}
+
 // Longest work items first (a.longest_first: the ping-pong kernel's work items). The hardware
 // starts a grid's CTAs in linear order (x fastest), so CTA i takes the work item of rank i / Hkv
 // by its chunk's pages (descending, ties by index) and KV head i % Hkv: the longest tiles start
@@ -2214,8 +2219,7 @@ __device__ __forceinline__ bool longest_first_item(const DecodeAttentionArgs& a,
     int begin = 0, end = 0;
     if (request >= 0 && request < a.batch && chunk >= 0) {   // else make_context refuses it
       const int len = max(__ldg(a.seqused_k + request), 0);
-      chunk_range(a, request, chunk,
-                  min(len / kPageSize + (len % kPageSize != 0), a.page_table_width), begin, end);
+      chunk_range(a, request, chunk, request_table_pages(a, len), begin, end);
     }
     pages[w] = end - begin;
   }
@@ -2431,8 +2435,7 @@ __device__ __forceinline__ void build_request_table(const DecodeAttentionArgs& a
   for (int r = threadIdx.x; r < a.batch; r += blockDim.x) {
     const int len = max(__ldg(a.seqused_k + r), 0);
     lengths[r] = len;
-    pages_before[r + 1] = max(1, min(len / kPageSize + (len % kPageSize != 0),
-                                     a.page_table_width));
+    pages_before[r + 1] = max(1, request_table_pages(a, len));
   }
   __syncthreads();
   if (threadIdx.x < 32) {                    // warp 0: lane l scans one run of requests
