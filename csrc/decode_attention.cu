@@ -44,6 +44,7 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "dependent_launch.cuh"
 #include "sm80_primitives.cuh"
 #include "tensor_map.cuh"
 #include "sm90_pipeline.cuh"
@@ -1533,6 +1534,7 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_wg_kernel(const DecodeAttentionArgs a) {
+  detail::enter_dependent_grid();
   using S = Shape<kFp8>;
   constexpr int kStages = S::kStages;         // whole-page stages
   extern __shared__ __align__(1024) char smem_raw[];
@@ -2200,54 +2202,10 @@ __device__ __forceinline__ int request_table_pages(const DecodeAttentionArgs& a,
   return min(len / kPageSize + (len % kPageSize != 0), a.page_table_width);
 }
 
-// Longest work items first (a.longest_first: the ping-pong kernel's work items). The hardware
-// starts a grid's CTAs in linear order (x fastest), so CTA i takes the work item of rank i / Hkv
-// by its chunk's pages (descending, ties by index) and KV head i % Hkv: the longest tiles start
-// first and the short ones fill the last wave's tail, list scheduling's longest-processing-time
-// rule (at ragged lengths the plan, made for the longest request under a CUDA graph, cannot
-// order them itself). A sparse tile's union is taken as its request's pages. Every thread of
-// the CTA calls it (three CTA barriers); `scratch` holds num_work + 1 ints of shared memory that
-// no one reads at the time. False (uniform) when the grid is not num_work x Hkv: no item.
-__device__ __forceinline__ bool longest_first_item(const DecodeAttentionArgs& a, int* scratch,
-                                                   int& work, int& head) {
-  int* pages = scratch;
-  int* picked = scratch + a.num_work;
-  if (threadIdx.x == 0) *picked = -1;
-  for (int w = threadIdx.x; w < a.num_work; w += blockDim.x) {
-    const int request = __ldg(a.request_indices + w);
-    const int chunk = __ldg(a.kv_tile_indices + w);
-    int begin = 0, end = 0;
-    if (request >= 0 && request < a.batch && chunk >= 0) {   // else make_context refuses it
-      const int len = max(__ldg(a.seqused_k + request), 0);
-      chunk_range(a, request, chunk, request_table_pages(a, len), begin, end);
-    }
-    pages[w] = end - begin;
-  }
-  __syncthreads();
-  const int linear = static_cast<int>(blockIdx.y * gridDim.x + blockIdx.x);
-  const int rank_wanted = linear / static_cast<int>(gridDim.y);
-  head = linear % static_cast<int>(gridDim.y);
-  for (int w = threadIdx.x; w < a.num_work; w += blockDim.x) {
-    const int own = pages[w];
-    int rank = 0;
-    for (int j = 0; j < a.num_work; ++j) {
-      const int other = pages[j];
-      rank += other > own || (other == own && j < w);
-    }
-    if (rank == rank_wanted) *picked = w;
-  }
-  __syncthreads();
-  work = *picked;
-  __syncthreads();                                    // before the scratch is reused
-  return work >= 0;
-}
-
-// kLongestFirst: the CTAs take the work items longest first (longest_first_item), a separate
-// instantiation: a (work, head) pair computed at the start stays live where blockIdx is reread,
-// which cost the served kernels registers in their turn loops.
-template <bool kFp8, bool kPvFp8 = false, bool kLongestFirst = false>
+template <bool kFp8, bool kPvFp8 = false>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     const DecodeAttentionArgs a, const __grid_constant__ PagedKvMaps maps) {
+  detail::enter_dependent_grid();
   using L = Layout<kFp8, false, kPvFp8>;
   using Registers = RegisterSplit<kPvFp8>;
   constexpr int kKStages = L::kKStages, kVStages = L::kVStages;
@@ -2270,16 +2228,7 @@ __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
   CtaContext ctx;
   int chunk, group, tile_rows;
   // Uniform over the CTA.
-  if constexpr (kLongestFirst) {
-    static_assert(kMaxCandidates > kDecodeLongestFirstMaxItems, "the ranking's scratch: cand");
-    int work, head;
-    if (!longest_first_item(a, cand, work, head) ||
-        !make_context(a, work, head, ctx, chunk, group, tile_rows)) {
-      return;
-    }
-  } else {
-    if (!make_context(a, blockIdx.x, blockIdx.y, ctx, chunk, group, tile_rows)) return;
-  }
+  if (!make_context(a, blockIdx.x, blockIdx.y, ctx, chunk, group, tile_rows)) return;
   if (threadIdx.x == 0) init_ring_barriers<L, kPvFp8>(bars);
   int num_pages;
   if (a.q2k_indices != nullptr) {
@@ -2549,6 +2498,7 @@ __device__ __forceinline__ void load_own_queries_async(const DecodeAttentionArgs
 template <bool kFp8, bool kPvFp8 = false>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_kernel(
     const DecodeAttentionArgs a, const __grid_constant__ PagedKvMaps maps) {
+  detail::enter_dependent_grid();
   using L = Layout<kFp8, true, kPvFp8>;
   using Registers = RegisterSplit<kPvFp8>;
   constexpr int kKStages = L::kKStages, kVStages = L::kVStages;
@@ -2757,7 +2707,7 @@ template <bool kFp8, bool kPersistent = false, bool kPvFp8 = false>
 struct Layout {
   static constexpr int kAlloc = 0;
 };
-template <bool kFp8, bool kPvFp8 = false, bool kLongestFirst = false>
+template <bool kFp8, bool kPvFp8 = false>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     const DecodeAttentionArgs, const __grid_constant__ PagedKvMaps) {
   __trap();
@@ -3170,6 +3120,7 @@ static_assert(kDirectMaxOffset % 16 == 0 && kDirectTilesOffset % 16 == 0,
 
 __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_direct_kernel(const DecodeAttentionArgs a) {
+  detail::enter_dependent_grid();
   extern __shared__ __align__(128) char smem[];
   char* const ring = smem;
   float* const warp_page_max = reinterpret_cast<float*>(smem + kDirectMaxOffset);
@@ -3473,6 +3424,7 @@ __device__ __forceinline__ void token_warp_store(const DecodeAttentionArgs& a,
 __global__ void __launch_bounds__(kTwThreads, 1)
     decode_attention_token_warps_kernel(const DecodeAttentionArgs a,
                                         const __grid_constant__ wg::PagedKvMaps maps) {
+  detail::enter_dependent_grid();
   using L = TwLayout;
   constexpr int kProducerWarp = kTwConsumers;   // the producer warpgroup's first warp copies
   constexpr int kBatchBarrier = 1;              // all threads: a batch's lists are ready / done
@@ -3620,6 +3572,7 @@ __global__ void __launch_bounds__(kTwThreads, 1)
 template <bool kSplitKeys>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_kernel(const DecodeAttentionArgs a) {
+  detail::enter_dependent_grid();
   extern __shared__ __align__(128) char smem[];
   __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);
   char* stages = smem + kQBytes;
@@ -3902,6 +3855,7 @@ constexpr int kMergeWarps = 4;
 
 __global__ void __launch_bounds__(kMergeWarps * 32)
     decode_merge_kernel(const DecodeAttentionArgs a) {
+  detail::enter_dependent_grid();
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kMergeWarps + (threadIdx.x >> 5);
   const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
   if (item >= total_q * a.num_qo_heads) return;
@@ -3928,6 +3882,7 @@ constexpr int kMergePersistentThreadsPerRow = kMergePersistentThreads / kRowsPer
 
 __global__ void __launch_bounds__(kMergePersistentThreads)
     decode_merge_persistent_kernel(const DecodeAttentionArgs a) {
+  detail::enter_dependent_grid();
   __shared__ int64_t pages_before[kDecodePersistentMaxRequests + 1];
   for (int r = threadIdx.x; r <= a.batch; r += blockDim.x) pages_before[r] = a.request_pages[r];
   __syncthreads();
@@ -4004,12 +3959,16 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   // Split keys across warps only when every qo tile has <= 16 rows, the direct e4m3 form only
   // then with e4m3 Q and K/V, the warpgroup form only with Q and K/V of one dtype (the binding
   // checks all three; the caller asks for the warpgroup form on tiles of > 16 rows).
+  // Dependent launches (csrc/dependent_launch.cuh): the attention on the stream's previous
+  // kernel (the decode indexer in an MSA step), its merge on it.
+  const bool dependent =
+      args.dependent_launch && detail::dependent_launch_loaded(decode_merge_kernel);
   auto launch_on = [&](dim3 ctas, auto kernel, int smem_bytes, int threads,
                        auto... more) -> cudaError_t {
     MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              smem_bytes));
-    kernel<<<ctas, threads, smem_bytes, stream>>>(args, more...);
-    return cudaSuccess;
+    return detail::launch_kernel(kernel, ctas, dim3(threads), smem_bytes, stream, dependent, args,
+                                 more...);
   };
   auto launch = [&](auto kernel, int smem_bytes, int threads, auto... more) -> cudaError_t {
     return launch_on(grid, kernel, smem_bytes, threads, more...);
@@ -4048,19 +4007,15 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
     } else if (args.pingpong) {
       using wg::pingpong::decode_attention_pp_kernel;
       using wg::pingpong::Layout;
-      const bool lpt = args.longest_first;
       if (pv_fp8) {
-        MSA_RETURN_IF_ERROR(launch(lpt ? decode_attention_pp_kernel<true, true, true>
-                                       : decode_attention_pp_kernel<true, true>,
+        MSA_RETURN_IF_ERROR(launch(decode_attention_pp_kernel<true, true>,
                                    Layout<true, false, true>::kAlloc, kThreadsPP, maps));
       } else if (args.q_fp8) {
-        MSA_RETURN_IF_ERROR(launch(lpt ? decode_attention_pp_kernel<true, false, true>
-                                       : decode_attention_pp_kernel<true>,
-                                   Layout<true>::kAlloc, kThreadsPP, maps));
+        MSA_RETURN_IF_ERROR(launch(decode_attention_pp_kernel<true>, Layout<true>::kAlloc,
+                                   kThreadsPP, maps));
       } else {
-        MSA_RETURN_IF_ERROR(launch(lpt ? decode_attention_pp_kernel<false, false, true>
-                                       : decode_attention_pp_kernel<false>,
-                                   Layout<false>::kAlloc, kThreadsPP, maps));
+        MSA_RETURN_IF_ERROR(launch(decode_attention_pp_kernel<false>, Layout<false>::kAlloc,
+                                   kThreadsPP, maps));
       }
     } else if (args.q_fp8) {
       MSA_RETURN_IF_ERROR(
@@ -4083,13 +4038,13 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   MSA_RETURN_IF_ERROR(cudaGetLastError());
   const int64_t items = static_cast<int64_t>(args.batch) * args.seqlen_q * args.num_qo_heads;
   if (args.persistent) {
-    decode_merge_persistent_kernel<<<static_cast<unsigned>(args.num_work),
-                                     kMergePersistentThreads, 0, stream>>>(args);
-    MSA_RETURN_IF_ERROR(cudaGetLastError());
+    MSA_RETURN_IF_ERROR(detail::launch_kernel(
+        decode_merge_persistent_kernel, dim3(static_cast<unsigned>(args.num_work)),
+        dim3(kMergePersistentThreads), 0, stream, dependent, args));
   } else if (args.split_kv) {
-    decode_merge_kernel<<<detail::grid_for(items, kMergeWarps), kMergeWarps * 32, 0, stream>>>(
-        args);
-    MSA_RETURN_IF_ERROR(cudaGetLastError());
+    MSA_RETURN_IF_ERROR(detail::launch_kernel(decode_merge_kernel,
+                                              dim3(detail::grid_for(items, kMergeWarps)),
+                                              dim3(kMergeWarps * 32), 0, stream, dependent, args));
   }
   return cudaSuccess;
 }

@@ -311,6 +311,88 @@ def test_native_step_wrapper(msa_pkg, native_only, seed, fmt, monkeypatch, tier)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "e4m3"])
+def test_native_step_dependent_launches(msa_pkg, native_only, seed, fmt):
+    """The step's kernels launched dependent on the kernel before them (programmatic dependent
+    launch: plan update -> indexer -> attention -> merge) write exactly what plain launches
+    write, with the plan's work list, the selection and O poisoned before each step (a kernel
+    reading its predecessor's output early would find the poison: no work, block 7, NaN); two
+    layers back to back in a CUDA graph replay to the plain eager layers after new lengths and
+    queries; O is sparse attention over the selection."""
+    from test_decode import check_against_oracle, oracle as attention_oracle
+    debug = importlib.import_module(f"{msa_pkg.__name__}._native.debug")
+    decode_cuda = importlib.import_module(f"{msa_pkg.__name__}._native.decode_cuda")
+    lens, seqlen_q, hkv, group, topk = [9000, 129, 3000, 4100], 8, 4, 16, 16
+    inputs, _ = make_index_batch(lens, seqlen_q, hkv, fmt, device="cuda")
+    q, k, v = make_attention_inputs(inputs, seqlen_q, hkv, group)
+    step = msa_pkg.MSADecodeStepWrapper().plan(
+        page_table=inputs["page_table"], seqused_k=inputs["seqused_k"], seqlen_q=seqlen_q,
+        max_seqlen_k=9000, num_qo_heads=hkv * group, num_kv_heads=hkv, topk=topk,
+        fixed_split_size=8)
+
+    def poisoned():
+        return (torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda"),
+                torch.full(q.shape[:2], float("nan"), device="cuda"))
+
+    def poison_chain():
+        step.indexer_plan.work.fill_(-1)
+        step.q2k_indices.fill_(7)
+
+    def layer(queries, out, lse):
+        step.run(queries, k, v, inputs["q_idx"], inputs["k_idx"], out=out, lse=lse,
+                 return_softmax_lse=True)
+
+    def same(a, b):
+        (out_a, lse_a, sel_a), (out_b, lse_b, sel_b) = a, b
+        assert torch.equal(sel_a, sel_b)
+        assert torch.equal(out_a, out_b)
+        assert torch.equal(lse_a.isneginf(), lse_b.isneginf())
+        assert torch.equal(lse_a[lse_a.isfinite()], lse_b[lse_b.isfinite()])
+
+    runs = {}
+    for dependent in (False, True):
+        with debug.forcing(decode_dependent_launch=dependent):
+            out, lse = poisoned()
+            poison_chain()
+            step.update()
+            layer(q, out, lse)
+            torch.cuda.synchronize()
+            assert decode_cuda.last_launch()["dependent_launch"] is dependent
+            runs[dependent] = (out, lse, step.q2k_indices.clone())
+    same(runs[True], runs[False])
+    out, lse, sel = runs[True]
+    ref_out, ref_lse = attention_oracle(q, k, v, inputs["page_table"], inputs["seqused_k"],
+                                        seqlen_q, sel)
+    check_against_oracle(out, lse, ref_out, ref_lse, fp8_pv=fmt == "e4m3")
+
+    queries = [q, make_attention_inputs(inputs, seqlen_q, hkv, group)[0]]
+    outputs = [poisoned() for _ in queries]
+    with debug.forcing(decode_dependent_launch=True):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step.update()
+            for queries_l, (out_l, lse_l) in zip(queries, outputs):
+                layer(queries_l, out_l, lse_l)
+    inputs["seqused_k"].copy_(torch.tensor([8000, 1, 2999, 4100], dtype=torch.int32))
+    for queries_l in queries:
+        queries_l.copy_(torch.randn(queries_l.shape, device="cuda").to(queries_l.dtype))
+    for out_l, lse_l in outputs:
+        out_l.fill_(float("nan"))
+        lse_l.fill_(float("nan"))
+    poison_chain()
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [(out_l, lse_l) for out_l, lse_l in outputs]
+    sel_last = step.q2k_indices.clone()
+    with debug.forcing(decode_dependent_launch=False):
+        step.update()
+        for queries_l, (out_l, lse_l) in zip(queries, replayed):
+            eager_out, eager_lse = poisoned()
+            layer(queries_l, eager_out, eager_lse)
+            torch.cuda.synchronize()
+            same((out_l, lse_l, sel_last), (eager_out, eager_lse, step.q2k_indices.clone()))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "e4m3"])
 def test_native_step_wrapper_selects_every_block_of_short_requests(msa_pkg, native_only, seed,
                                                                    fmt, monkeypatch, tier):
     """Requests of at most topk blocks (MTP 8, G 16, top-16, up to 2048 keys): the step writes

@@ -303,32 +303,31 @@ def test_decode_persistent_gate(monkeypatch):
     assert not decode_cuda._persistent(call(pages=(40, 40)))        # unvalidated is not faster
 
 
-def test_decode_longest_first_gate(monkeypatch):
-    """Taking the ping-pong work items longest first is not served until GPU-run
-    (VALIDATED_LONGEST_FIRST); validated or with MSA_UNVALIDATED_KERNELS=1 it applies where at
-    most LONGEST_FIRST_MAX_ITEMS work items and the KV heads make more than one wave of the
-    plan's CTA budget; the decode_longest_first hook forces it either way within that bound."""
-    def call(work=64, heads=4, budget=132):
-        return SimpleNamespace(k=SimpleNamespace(shape=(1, heads)),
-                               schedule=SimpleNamespace(request_indices=torch.zeros(work),
-                                                        max_grid_size=budget))
-
+def test_decode_dependent_launch_gate(monkeypatch):
+    """The decode chain's dependent launches are not served until GPU-run
+    (VALIDATED_DEPENDENT_LAUNCH); validated or with MSA_UNVALIDATED_KERNELS=1 they are; the
+    decode_dependent_launch hook forces them either way; the indexer's ops take the same answer."""
+    from msa._native import decode_indexer_cuda
     monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
-    assert decode_cuda.VALIDATED_LONGEST_FIRST is False
-    assert decode_cuda.LONGEST_FIRST_MAX_ITEMS == 256
-    assert not decode_cuda._longest_first(call())
+    assert decode_cuda.VALIDATED_DEPENDENT_LAUNCH is False
+    assert not decode_cuda.dependent_launch()
     monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
-    assert decode_cuda._longest_first(call())                    # 256 CTAs on 132
-    assert not decode_cuda._longest_first(call(work=32))         # 128 CTAs: one wave
-    assert not decode_cuda._longest_first(call(work=257))        # past the kernel's ranking
+    assert decode_cuda.dependent_launch()
     monkeypatch.delenv(_backend.UNVALIDATED_ENV)
-    monkeypatch.setattr(decode_cuda, "VALIDATED_LONGEST_FIRST", True)
-    assert decode_cuda._longest_first(call(work=256))
-    with debug.forcing(decode_longest_first=True):
-        assert decode_cuda._longest_first(call(work=2))
-        assert not decode_cuda._longest_first(call(work=257))
-    with debug.forcing(decode_longest_first=False):
-        assert not decode_cuda._longest_first(call())
+    with debug.forcing(decode_dependent_launch=True):
+        assert decode_cuda.dependent_launch()
+    monkeypatch.setattr(decode_cuda, "VALIDATED_DEPENDENT_LAUNCH", True)
+    assert decode_cuda.dependent_launch()
+    with debug.forcing(decode_dependent_launch=False):
+        assert not decode_cuda.dependent_launch()
+    asked = []
+    monkeypatch.setattr(decode_indexer_cuda, "ops", SimpleNamespace(
+        decode_indexer_plan_update=lambda *args: asked.append(args[-1])))
+    plan = SimpleNamespace(seqused_k=None, work=None, requests=None, chunk_pages=None)
+    for dependent in (True, False):
+        with debug.forcing(decode_dependent_launch=dependent):
+            decode_indexer_cuda.run_plan_update(plan)
+    assert asked == [True, False]
 
 
 def test_decode_e4m3_pv_serves_every_pingpong_form(monkeypatch):

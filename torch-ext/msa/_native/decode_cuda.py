@@ -86,16 +86,14 @@ VALIDATED_PV_FP8 = frozenset({"persistent", "sparse", "dense"})
 VALIDATED_TOKEN_WARPS = True
 TOKEN_WARPS_FORMS = {"per_warp": 1}   # the binding's argument
 TOKEN_WARPS_FORM = "per_warp"
-# Longest work items first: the ping-pong kernel's CTAs take the plan's work items in order of
-# their chunks' pages, longest first (list scheduling's longest-processing-time rule; a CUDA-graph
-# plan, made for the longest request, cannot order them itself), where the work items are at most
-# LONGEST_FIRST_MAX_ITEMS (every CTA ranks them all) and fill more than one wave. A model of the
-# production protocol's lengths (nominal +- 25 %, one CTA a (request, KV head) tile taking time
-# in proportion to its pages plus ~3 pages of fixed cost, 132 SMs) puts B 64-128 at 4k-5k at
-# 1.21-1.31x an even split in launch order and 1.11-1.14x longest first. Not yet GPU-run: served
-# only with MSA_UNVALIDATED_KERNELS=1 or the decode_longest_first hook.
-VALIDATED_LONGEST_FIRST = False
-LONGEST_FIRST_MAX_ITEMS = 256   # kDecodeLongestFirstMaxItems (torch_binding.h)
+# Dependent launches (programmatic dependent launch, sm_90+ images; csrc/dependent_launch.cuh)
+# of the decode chain's kernels: the indexer plan update, the indexer + top-k, the attention and
+# its merge are each launched while the kernel before them on the stream still runs, so their
+# CTAs are resident when it ends (each kernel waits for its predecessors before touching
+# memory). The launchers apply it only where the loaded image waits (not a compute_80 PTX build
+# JIT-compiled on an SM90). Not yet GPU-run: served only with MSA_UNVALIDATED_KERNELS=1 or the
+# decode_dependent_launch hook.
+VALIDATED_DEPENDENT_LAUNCH = False
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
@@ -113,16 +111,16 @@ def supports(*, seqlen_q=1, qhead_per_kv=1, topk=None, **_features) -> Optional[
 
 
 _last_launch = {"warpgroup": False, "pingpong": False, "persistent": False, "pv_fp8": False,
-                "token_warps": 0, "longest_first": False}
+                "token_warps": 0, "dependent_launch": False}
 
 
 def last_launch() -> dict:
     """The forms the last launch asked for: {"warpgroup": bool, "pingpong": bool,
     "persistent": bool, "pv_fp8": bool, "token_warps": 0 or a TOKEN_WARPS_FORMS code,
-    "longest_first": bool} (the binding applies them only to q and K/V of one dtype, the
+    "dependent_launch": bool} (the binding applies them only to q and K/V of one dtype, the
     persistent form within its bounds, pv_fp8 to e4m3, token_warps to sparse e4m3 tiles of > 16
-    rows where the launcher can make the caches' tensor maps, longest_first to the ping-pong
-    form's work items). Tests read it to know which form ran."""
+    rows where the launcher can make the caches' tensor maps, dependent_launch to sm_90+
+    images). Tests read it to know which form ran."""
     return dict(_last_launch)
 
 
@@ -154,9 +152,9 @@ def _launch(call, warpgroup: bool, pingpong: bool, token_warps: int) -> None:
                      if persistent else None)
     workspaces = split or persistent
     pv_fp8 = pingpong and _pv_fp8(call, persistent)
-    longest_first = pingpong and not persistent and not token_warps and _longest_first(call)
+    dependent = dependent_launch()
     _last_launch.update(warpgroup=warpgroup, pingpong=pingpong, persistent=persistent,
-                        pv_fp8=pv_fp8, token_warps=token_warps, longest_first=longest_first)
+                        pv_fp8=pv_fp8, token_warps=token_warps, dependent_launch=dependent)
     ops.sparse_decode_attention(
         call.q, call.k, call.v, call.q2k_indices, call.page_table, call.seqused_k,
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
@@ -164,7 +162,7 @@ def _launch(call, warpgroup: bool, pingpong: bool, token_warps: int) -> None:
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
         float(call.softmax_scale), _split_keys(), _direct_fp8(), warpgroup, pingpong,
         int(s.qo_tile_rows), request_pages, int(s.persistent_ctas) if persistent else 0, pv_fp8,
-        int(token_warps), longest_first)
+        int(token_warps), dependent)
 
 
 def _split_keys() -> bool:
@@ -221,18 +219,12 @@ def _persistent(call) -> bool:
                       pays and _backend.may_serve(dtype in VALIDATED_PERSISTENT))
 
 
-def _longest_first(call) -> bool:
-    """Whether a ping-pong call's CTAs take its work items longest first: at most
-    LONGEST_FIRST_MAX_ITEMS work items, served (VALIDATED_LONGEST_FIRST) where they and the KV
-    heads make more CTAs than the plan's budget (one wave: the order changes nothing); the
-    decode_longest_first hook forces it on any such call (True) or off (False)."""
-    s = call.schedule
-    work = s.request_indices.numel()
-    if work > LONGEST_FIRST_MAX_ITEMS:
-        return False
-    served = _backend.may_serve(VALIDATED_LONGEST_FIRST) and (
-        work * call.k.shape[1] > s.max_grid_size)
-    return debug.gate("decode_longest_first", served)
+def dependent_launch() -> bool:
+    """Whether the decode chain's kernels (the indexer's plan update and launch, the attention
+    and its merge) are launched dependent on the kernel before them: when validated
+    (VALIDATED_DEPENDENT_LAUNCH) or with MSA_UNVALIDATED_KERNELS=1; the decode_dependent_launch
+    hook forces it on (True) or off (False)."""
+    return debug.gate("decode_dependent_launch", _backend.may_serve(VALIDATED_DEPENDENT_LAUNCH))
 
 
 def _pv_fp8(call, persistent: bool) -> bool:
