@@ -42,6 +42,7 @@
 #include <climits>
 #include <cfloat>
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
 #include "dependent_launch.cuh"
@@ -3951,6 +3952,16 @@ static cudaError_t range_ctas(const DecodeAttentionArgs& a, int64_t& ctas) {
   return cudaSuccess;
 }
 
+// The ping-pong form's entry point: the persistent kernel or the work items' one.
+template <bool kPersistent, bool kFp8, bool kPvFp8>
+constexpr auto pingpong_kernel() {
+  if constexpr (kPersistent) {
+    return &wg::pingpong::decode_attention_persistent_kernel<kFp8, kPvFp8>;
+  } else {
+    return &wg::pingpong::decode_attention_pp_kernel<kFp8, kPvFp8>;
+  }
+}
+
 cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream) {
   if (args.num_work <= 0 || args.num_kv_heads <= 0) return cudaSuccess;
   // The persistent form's CTAs cover every KV head themselves.
@@ -3990,33 +4001,27 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
     wg::PagedKvMaps maps{};
     const bool pv_fp8 = (args.pingpong || args.persistent) && args.q_fp8 && args.pv_fp8 &&
                         encode_kv_maps(args, maps, CU_TENSOR_MAP_SWIZZLE_NONE);
-    constexpr int kThreadsPP = wg::pingpong::kThreadsPP;
+    // The ping-pong form's kernel (its work items, or persistent) of the call's dtypes, with the
+    // shared-memory layout it was compiled against.
+    auto launch_pingpong = [&](auto persistent) -> cudaError_t {
+      constexpr bool kPersistent = decltype(persistent)::value;
+      using wg::pingpong::Layout;
+      constexpr int kThreadsPP = wg::pingpong::kThreadsPP;
+      if (pv_fp8) {
+        return launch(pingpong_kernel<kPersistent, true, true>(),
+                      Layout<true, kPersistent, true>::kAlloc, kThreadsPP, maps);
+      }
+      if (args.q_fp8) {
+        return launch(pingpong_kernel<kPersistent, true, false>(),
+                      Layout<true, kPersistent>::kAlloc, kThreadsPP, maps);
+      }
+      return launch(pingpong_kernel<kPersistent, false, false>(),
+                    Layout<false, kPersistent>::kAlloc, kThreadsPP, maps);
+    };
     if (args.persistent) {
-      using wg::pingpong::decode_attention_persistent_kernel;
-      using wg::pingpong::Layout;
-      if (pv_fp8) {
-        MSA_RETURN_IF_ERROR(launch(decode_attention_persistent_kernel<true, true>,
-                                   Layout<true, true, true>::kAlloc, kThreadsPP, maps));
-      } else if (args.q_fp8) {
-        MSA_RETURN_IF_ERROR(launch(decode_attention_persistent_kernel<true>,
-                                   Layout<true, true>::kAlloc, kThreadsPP, maps));
-      } else {
-        MSA_RETURN_IF_ERROR(launch(decode_attention_persistent_kernel<false>,
-                                   Layout<false, true>::kAlloc, kThreadsPP, maps));
-      }
+      MSA_RETURN_IF_ERROR(launch_pingpong(std::true_type{}));
     } else if (args.pingpong) {
-      using wg::pingpong::decode_attention_pp_kernel;
-      using wg::pingpong::Layout;
-      if (pv_fp8) {
-        MSA_RETURN_IF_ERROR(launch(decode_attention_pp_kernel<true, true>,
-                                   Layout<true, false, true>::kAlloc, kThreadsPP, maps));
-      } else if (args.q_fp8) {
-        MSA_RETURN_IF_ERROR(launch(decode_attention_pp_kernel<true>, Layout<true>::kAlloc,
-                                   kThreadsPP, maps));
-      } else {
-        MSA_RETURN_IF_ERROR(launch(decode_attention_pp_kernel<false>, Layout<false>::kAlloc,
-                                   kThreadsPP, maps));
-      }
+      MSA_RETURN_IF_ERROR(launch_pingpong(std::false_type{}));
     } else if (args.q_fp8) {
       MSA_RETURN_IF_ERROR(
           launch(wg::decode_attention_wg_kernel<true>, wg::Shape<true>::kAlloc, kThreads));
