@@ -78,8 +78,7 @@ ATTENTION_FORMS = {"served": {}, "rows": dict(decode_warpgroup=False),
                    "persistent_pv8": dict(_WARPGROUP, decode_pingpong=True,
                                           decode_persistent=True, decode_pv_fp8=True),
                    "token_warps": dict(decode_token_warps=True),
-                   "token_warps_per_warp": dict(decode_token_warps="per_warp"),
-                   "dependent_launch": dict(decode_dependent_launch=True)}
+                   "token_warps_per_warp": dict(decode_token_warps="per_warp")}
 # The dense plans of the forms that force decode_persistent: a persistent form plans the
 # persistent form wherever the call can take it (not only where schedules.decode.persistent_pays),
 # a ping-pong form never.
@@ -392,9 +391,8 @@ def main(argv=None):
                          "e4m3 P.V: e4m3 K/V only), token_warps (sparse e4m3 tiles: a warp "
                          "per 16 rows, only its tokens' pages; with --qo-tile-rows 128 from "
                          "10k keys, where the plan would take query tiles) and its forms "
-                         "token_warps_per_warp; dependent_launch (the served forms, the "
-                         "step's kernels launched dependent on the kernel before them); "
-                         "a forced form's rows name it in impl, e.g. dense-bf16[rows]")
+                         "token_warps_per_warp; a forced form's rows name it in impl, e.g. "
+                         "dense-bf16[rows]")
     ap.add_argument("--qo-tile-rows", default="auto",
                     help="query rows per attention CTA, each timed in turn (comma-separated): "
                          "auto (what the plan picks) or 1..128; a fixed value names it in "

@@ -45,7 +45,6 @@
 #include <type_traits>
 
 #include "common.cuh"
-#include "dependent_launch.cuh"
 #include "sm80_primitives.cuh"
 #include "tensor_map.cuh"
 #include "sm90_pipeline.cuh"
@@ -1535,7 +1534,6 @@ __device__ __forceinline__ void page_step(const char* qs, const char* ks, const 
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_wg_kernel(const DecodeAttentionArgs a) {
-  detail::enter_dependent_grid();
   using S = Shape<kFp8>;
   constexpr int kStages = S::kStages;         // whole-page stages
   extern __shared__ __align__(1024) char smem_raw[];
@@ -2206,7 +2204,6 @@ __device__ __forceinline__ int request_table_pages(const DecodeAttentionArgs& a,
 template <bool kFp8, bool kPvFp8 = false>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_pp_kernel(
     const DecodeAttentionArgs a, const __grid_constant__ PagedKvMaps maps) {
-  detail::enter_dependent_grid();
   using L = Layout<kFp8, false, kPvFp8>;
   using Registers = RegisterSplit<kPvFp8>;
   constexpr int kKStages = L::kKStages, kVStages = L::kVStages;
@@ -2499,7 +2496,6 @@ __device__ __forceinline__ void load_own_queries_async(const DecodeAttentionArgs
 template <bool kFp8, bool kPvFp8 = false>
 __global__ void __launch_bounds__(kThreadsPP, 1) decode_attention_persistent_kernel(
     const DecodeAttentionArgs a, const __grid_constant__ PagedKvMaps maps) {
-  detail::enter_dependent_grid();
   using L = Layout<kFp8, true, kPvFp8>;
   using Registers = RegisterSplit<kPvFp8>;
   constexpr int kKStages = L::kKStages, kVStages = L::kVStages;
@@ -3121,7 +3117,6 @@ static_assert(kDirectMaxOffset % 16 == 0 && kDirectTilesOffset % 16 == 0,
 
 __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_direct_kernel(const DecodeAttentionArgs a) {
-  detail::enter_dependent_grid();
   extern __shared__ __align__(128) char smem[];
   char* const ring = smem;
   float* const warp_page_max = reinterpret_cast<float*>(smem + kDirectMaxOffset);
@@ -3425,7 +3420,6 @@ __device__ __forceinline__ void token_warp_store(const DecodeAttentionArgs& a,
 __global__ void __launch_bounds__(kTwThreads, 1)
     decode_attention_token_warps_kernel(const DecodeAttentionArgs a,
                                         const __grid_constant__ wg::PagedKvMaps maps) {
-  detail::enter_dependent_grid();
   using L = TwLayout;
   constexpr int kProducerWarp = kTwConsumers;   // the producer warpgroup's first warp copies
   constexpr int kBatchBarrier = 1;              // all threads: a batch's lists are ready / done
@@ -3573,7 +3567,6 @@ __global__ void __launch_bounds__(kTwThreads, 1)
 template <bool kSplitKeys>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_attention_kernel(const DecodeAttentionArgs a) {
-  detail::enter_dependent_grid();
   extern __shared__ __align__(128) char smem[];
   __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);
   char* stages = smem + kQBytes;
@@ -3856,7 +3849,6 @@ constexpr int kMergeWarps = 4;
 
 __global__ void __launch_bounds__(kMergeWarps * 32)
     decode_merge_kernel(const DecodeAttentionArgs a) {
-  detail::enter_dependent_grid();
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kMergeWarps + (threadIdx.x >> 5);
   const int64_t total_q = static_cast<int64_t>(a.batch) * a.seqlen_q;
   if (item >= total_q * a.num_qo_heads) return;
@@ -3883,7 +3875,6 @@ constexpr int kMergePersistentThreadsPerRow = kMergePersistentThreads / kRowsPer
 
 __global__ void __launch_bounds__(kMergePersistentThreads)
     decode_merge_persistent_kernel(const DecodeAttentionArgs a) {
-  detail::enter_dependent_grid();
   __shared__ int64_t pages_before[kDecodePersistentMaxRequests + 1];
   for (int r = threadIdx.x; r <= a.batch; r += blockDim.x) pages_before[r] = a.request_pages[r];
   __syncthreads();
@@ -3970,16 +3961,12 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   // Split keys across warps only when every qo tile has <= 16 rows, the direct e4m3 form only
   // then with e4m3 Q and K/V, the warpgroup form only with Q and K/V of one dtype (the binding
   // checks all three; the caller asks for the warpgroup form on tiles of > 16 rows).
-  // Dependent launches (csrc/dependent_launch.cuh): the attention on the stream's previous
-  // kernel (the decode indexer in an MSA step), its merge on it.
-  const bool dependent =
-      args.dependent_launch && detail::dependent_launch_loaded(decode_merge_kernel);
   auto launch_on = [&](dim3 ctas, auto kernel, int smem_bytes, int threads,
                        auto... more) -> cudaError_t {
     MSA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              smem_bytes));
-    return detail::launch_kernel(kernel, ctas, dim3(threads), smem_bytes, stream, dependent, args,
-                                 more...);
+    kernel<<<ctas, threads, smem_bytes, stream>>>(args, more...);
+    return cudaSuccess;
   };
   auto launch = [&](auto kernel, int smem_bytes, int threads, auto... more) -> cudaError_t {
     return launch_on(grid, kernel, smem_bytes, threads, more...);
@@ -4043,13 +4030,13 @@ cudaError_t launch_decode_attention(const DecodeAttentionArgs& args, cudaStream_
   MSA_RETURN_IF_ERROR(cudaGetLastError());
   const int64_t items = static_cast<int64_t>(args.batch) * args.seqlen_q * args.num_qo_heads;
   if (args.persistent) {
-    MSA_RETURN_IF_ERROR(detail::launch_kernel(
-        decode_merge_persistent_kernel, dim3(static_cast<unsigned>(args.num_work)),
-        dim3(kMergePersistentThreads), 0, stream, dependent, args));
+    decode_merge_persistent_kernel<<<static_cast<unsigned>(args.num_work),
+                                     kMergePersistentThreads, 0, stream>>>(args);
+    MSA_RETURN_IF_ERROR(cudaGetLastError());
   } else if (args.split_kv) {
-    MSA_RETURN_IF_ERROR(detail::launch_kernel(decode_merge_kernel,
-                                              dim3(detail::grid_for(items, kMergeWarps)),
-                                              dim3(kMergeWarps * 32), 0, stream, dependent, args));
+    decode_merge_kernel<<<detail::grid_for(items, kMergeWarps), kMergeWarps * 32, 0, stream>>>(
+        args);
+    MSA_RETURN_IF_ERROR(cudaGetLastError());
   }
   return cudaSuccess;
 }

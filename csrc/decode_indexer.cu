@@ -41,7 +41,6 @@
 #include <type_traits>
 
 #include "common.cuh"
-#include "dependent_launch.cuh"
 #include "sm80_primitives.cuh"
 #include "sm90_pipeline.cuh"
 #include "tensor_map.cuh"
@@ -686,7 +685,6 @@ template <int F, int MT, int KCAP, bool kOfferWarp>
 __global__ void __launch_bounds__(kThreadsOf<kOfferWarp>,
                                   (F != kBf16 && MT <= 2 && KCAP <= 16) ? 2 : 1)
     decode_indexer_topk_kernel(const __grid_constant__ DecodeIndexerArgs a) {
-  detail::enter_dependent_grid();
   static_assert(!kOfferWarp || MT == 2, "the offer warp holds 17-32 rows");
   using L = SmemLayout<F, MT>;
   extern __shared__ __align__(128) char smem_raw[];
@@ -1066,7 +1064,6 @@ __device__ __forceinline__ long long plan_block_sum(long long value, long long* 
 // cached in shared memory) instead of bisecting with a CTA-wide sum per step.
 __global__ void __launch_bounds__(kPlanThreads) decode_indexer_plan_kernel(
     const DecodeIndexerPlanArgs a) {
-  detail::enter_dependent_grid();
   __shared__ long long s_total[kPlanWarps];
   __shared__ long long s_items[2][kPlanWarps];   // a round's counts (rounds alternate)
   __shared__ int s_history[kPlanCachedRequests];
@@ -1209,10 +1206,8 @@ cudaError_t launch_topk(const DecodeIndexerArgs& a, cudaStream_t stream) {
   constexpr int kSmem = SmemLayout<F, MT>::kAlloc;
   MSA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  const bool dependent =
-      a.dependent_launch && detail::dependent_launch_loaded(decode_indexer_plan_kernel);
-  return detail::launch_kernel(kernel, dim3(a.capacity), dim3(kThreadsOf<kOfferWarp>), kSmem,
-                               stream, dependent, a);
+  kernel<<<a.capacity, kThreadsOf<kOfferWarp>, kSmem, stream>>>(a);
+  return cudaGetLastError();
 }
 
 template <int F, int KCAP>
@@ -1241,10 +1236,8 @@ cudaError_t decode_indexer_image(cudaFuncAttributes* attr) {
 
 cudaError_t launch_decode_indexer_plan(const DecodeIndexerPlanArgs& args, cudaStream_t stream) {
   if (args.batch <= 0 || args.capacity <= 0) return cudaSuccess;
-  const bool dependent =
-      args.dependent_launch && detail::dependent_launch_loaded(decode_indexer_plan_kernel);
-  return detail::launch_kernel(decode_indexer_plan_kernel, dim3(1), dim3(kPlanThreads), 0, stream,
-                               dependent, args);
+  decode_indexer_plan_kernel<<<1, kPlanThreads, 0, stream>>>(args);
+  return cudaGetLastError();
 }
 
 // The tensor map of e4m3 index keys [num_pages * 128 rows, 128 bytes] for tiles of one page

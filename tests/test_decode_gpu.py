@@ -313,54 +313,6 @@ def test_native_persistent_decode(msa_pkg, native_only, seed, dtypes, batch, nat
     _check(out, lse, q, k, v, table, seqused_k, seqlen_q, None)
 
 
-# (form, sparse, seqlen_q, G, plan keywords): each split into chunks (partials and a merge
-# launch) or the persistent form (its own merge launch).
-DEPENDENT_FORMS = [("split", False, 1, 16, dict(fixed_split_size=3)),
-                   ("direct", True, 1, 16, dict(fixed_split_size=3)),
-                   ("pingpong", True, 8, 16, dict(fixed_split_size=4)),
-                   ("pingpong_pv8", False, 8, 16, dict(fixed_split_size=4, persistent=False)),
-                   ("persistent", False, 8, 16, dict(persistent=True)),
-                   ("persistent_pv8", False, 8, 16, dict(persistent=True))]
-
-
-@pytest.mark.parametrize("keys,sparse,seqlen_q,group,plan_kw", DEPENDENT_FORMS,
-                         ids=[f[0] + ("-sparse" if f[1] else "") for f in DEPENDENT_FORMS])
-def test_native_decode_dependent_launch(msa_pkg, native_only, seed, keys, sparse, seqlen_q,
-                                        group, plan_kw, native_hooks):
-    """Launched dependent on the kernel before them (programmatic dependent launch), the
-    attention and its merge write exactly what plain launches write into the same NaN-poisoned
-    partials and outputs (a merge reading partials before the attention wrote them would pass
-    NaN on), eagerly and replayed in a CUDA graph after new queries; and the oracle's rows."""
-    dtypes = "fp8" if keys == "direct" or keys.endswith("_pv8") else "bf16"
-    _force_form(native_hooks, keys, dtypes)
-    debug = importlib.import_module(f"{msa_pkg.__name__}._native.debug")
-    decode_cuda = importlib.import_module(f"{msa_pkg.__name__}._native.decode_cuda")
-    gen = torch.Generator().manual_seed(seed)
-    lens = [int(x) for x in torch.randint(1, 5000, (6,), generator=gen)] + [0, 129]
-    q, k, v, table, seqused_k, q2k = _batch(lens, seqlen_q, group, dtypes, sparse, topk=16)
-    wrapper = _plan(msa_pkg, table, seqused_k, seqlen_q, HKV * group, q2k, **plan_kw)
-    schedule = wrapper.decode_schedule
-    assert schedule.split_kv or schedule.persistent_ctas > 0
-    workspaces = [w for w in (wrapper.O_partial, wrapper.LSE_partial) if w is not None]
-    runs = {}
-    for dependent in (False, True):
-        for workspace in workspaces:
-            workspace.fill_(float("nan"))
-        with debug.forcing(decode_dependent_launch=dependent):
-            runs[dependent] = _run_native(msa_pkg, wrapper, q, k, v)
-            assert decode_cuda.last_launch()["dependent_launch"] is dependent
-    (out, lse), (dep_out, dep_lse) = runs[False], runs[True]
-    assert torch.equal(dep_out, out)
-    assert torch.equal(dep_lse.isneginf(), lse.isneginf())
-    assert torch.equal(dep_lse[dep_lse.isfinite()], lse[lse.isfinite()])
-    _check(dep_out, dep_lse, q, k, v, table, seqused_k, seqlen_q, q2k)
-    with debug.forcing(decode_dependent_launch=True):
-        graph, g_out, g_lse = _capture_run(wrapper, q, k, v)
-        q.copy_(torch.randn_like(q, dtype=torch.float32).to(q.dtype))
-        _assert_replay_equals_eager(graph, wrapper, q, k, v, g_out, g_lse)
-    _check(g_out, g_lse, q, k, v, table, seqused_k, seqlen_q, q2k)
-
-
 def test_native_persistent_decode_graph_follows_lengths(msa_pkg, native_only, seed,
                                                         native_hooks):
     """A captured run of the persistent form re-cuts its shares from the lengths written

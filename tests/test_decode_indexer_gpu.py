@@ -311,16 +311,12 @@ def test_native_step_wrapper(msa_pkg, native_only, seed, fmt, monkeypatch, tier)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "e4m3"])
-def test_native_step_dependent_launches(msa_pkg, native_only, seed, fmt):
-    """The step's kernels launched dependent on the kernel before them (programmatic dependent
-    launch: plan update -> indexer -> attention -> merge) write exactly what plain launches
-    write, with the plan's work list, the selection and O poisoned before each step (a kernel
-    reading its predecessor's output early would find the poison: no work, block 7, NaN); two
-    layers back to back in a CUDA graph replay to the plain eager layers after new lengths and
-    queries; O is sparse attention over the selection."""
+def test_native_step_layers_in_a_graph(msa_pkg, native_only, seed, fmt):
+    """Two layers sharing the step's plan, captured in one CUDA graph after its update, replay to
+    what the eager layers write after new lengths and queries, with the plan's work list, the
+    selection and O poisoned before each step (a kernel reading its predecessor's output early
+    would find the poison: no work, block 7, NaN); O is sparse attention over the selection."""
     from test_decode import check_against_oracle, oracle as attention_oracle
-    debug = importlib.import_module(f"{msa_pkg.__name__}._native.debug")
-    decode_cuda = importlib.import_module(f"{msa_pkg.__name__}._native.decode_cuda")
     lens, seqlen_q, hkv, group, topk = [9000, 129, 3000, 4100], 8, 4, 16, 16
     inputs, _ = make_index_batch(lens, seqlen_q, hkv, fmt, device="cuda")
     q, k, v = make_attention_inputs(inputs, seqlen_q, hkv, group)
@@ -348,30 +344,22 @@ def test_native_step_dependent_launches(msa_pkg, native_only, seed, fmt):
         assert torch.equal(lse_a.isneginf(), lse_b.isneginf())
         assert torch.equal(lse_a[lse_a.isfinite()], lse_b[lse_b.isfinite()])
 
-    runs = {}
-    for dependent in (False, True):
-        with debug.forcing(decode_dependent_launch=dependent):
-            out, lse = poisoned()
-            poison_chain()
-            step.update()
-            layer(q, out, lse)
-            torch.cuda.synchronize()
-            assert decode_cuda.last_launch()["dependent_launch"] is dependent
-            runs[dependent] = (out, lse, step.q2k_indices.clone())
-    same(runs[True], runs[False])
-    out, lse, sel = runs[True]
+    out, lse = poisoned()
+    poison_chain()
+    step.update()
+    layer(q, out, lse)
+    torch.cuda.synchronize()
     ref_out, ref_lse = attention_oracle(q, k, v, inputs["page_table"], inputs["seqused_k"],
-                                        seqlen_q, sel)
+                                        seqlen_q, step.q2k_indices)
     check_against_oracle(out, lse, ref_out, ref_lse, fp8_pv=fmt == "e4m3")
 
     queries = [q, make_attention_inputs(inputs, seqlen_q, hkv, group)[0]]
     outputs = [poisoned() for _ in queries]
-    with debug.forcing(decode_dependent_launch=True):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step.update()
-            for queries_l, (out_l, lse_l) in zip(queries, outputs):
-                layer(queries_l, out_l, lse_l)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step.update()
+        for queries_l, (out_l, lse_l) in zip(queries, outputs):
+            layer(queries_l, out_l, lse_l)
     inputs["seqused_k"].copy_(torch.tensor([8000, 1, 2999, 4100], dtype=torch.int32))
     for queries_l in queries:
         queries_l.copy_(torch.randn(queries_l.shape, device="cuda").to(queries_l.dtype))
@@ -381,15 +369,13 @@ def test_native_step_dependent_launches(msa_pkg, native_only, seed, fmt):
     poison_chain()
     graph.replay()
     torch.cuda.synchronize()
-    replayed = [(out_l, lse_l) for out_l, lse_l in outputs]
     sel_last = step.q2k_indices.clone()
-    with debug.forcing(decode_dependent_launch=False):
-        step.update()
-        for queries_l, (out_l, lse_l) in zip(queries, replayed):
-            eager_out, eager_lse = poisoned()
-            layer(queries_l, eager_out, eager_lse)
-            torch.cuda.synchronize()
-            same((out_l, lse_l, sel_last), (eager_out, eager_lse, step.q2k_indices.clone()))
+    step.update()
+    for queries_l, (out_l, lse_l) in zip(queries, outputs):
+        eager_out, eager_lse = poisoned()
+        layer(queries_l, eager_out, eager_lse)
+        torch.cuda.synchronize()
+        same((out_l, lse_l, sel_last), (eager_out, eager_lse, step.q2k_indices.clone()))
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "e4m3"])

@@ -394,8 +394,8 @@ def test_portable_decode_never_launches_the_warpgroup_form(monkeypatch, native_h
     monkeypatch.delenv("MSA_UNVALIDATED_KERNELS", raising=False)
     monkeypatch.setattr(decode_cuda, "ops", SimpleNamespace(
         # (..., warpgroup, pingpong, qo_tile_rows, request_pages, persistent_ctas, pv_fp8,
-        #  token_warps, dependent_launch)
-        sparse_decode_attention=lambda *args: launched.append(tuple(args[-8:-6]))))
+        #  token_warps)
+        sparse_decode_attention=lambda *args: launched.append(tuple(args[-7:-5]))))
     schedule = SimpleNamespace(split_kv=False, request_indices=torch.zeros(1),
                                kv_tile_indices=None,
                                qo_tile_indices=None, num_splits=None, merge_indptr=None,

@@ -303,33 +303,6 @@ def test_decode_persistent_gate(monkeypatch):
     assert not decode_cuda._persistent(call(pages=(40, 40)))        # unvalidated is not faster
 
 
-def test_decode_dependent_launch_gate(monkeypatch):
-    """The decode chain's dependent launches are not served until GPU-run
-    (VALIDATED_DEPENDENT_LAUNCH); validated or with MSA_UNVALIDATED_KERNELS=1 they are; the
-    decode_dependent_launch hook forces them either way; the indexer's ops take the same answer."""
-    from msa._native import decode_indexer_cuda
-    monkeypatch.delenv(_backend.UNVALIDATED_ENV, raising=False)
-    assert decode_cuda.VALIDATED_DEPENDENT_LAUNCH is False
-    assert not decode_cuda.dependent_launch()
-    monkeypatch.setenv(_backend.UNVALIDATED_ENV, "1")
-    assert decode_cuda.dependent_launch()
-    monkeypatch.delenv(_backend.UNVALIDATED_ENV)
-    with debug.forcing(decode_dependent_launch=True):
-        assert decode_cuda.dependent_launch()
-    monkeypatch.setattr(decode_cuda, "VALIDATED_DEPENDENT_LAUNCH", True)
-    assert decode_cuda.dependent_launch()
-    with debug.forcing(decode_dependent_launch=False):
-        assert not decode_cuda.dependent_launch()
-    asked = []
-    monkeypatch.setattr(decode_indexer_cuda, "ops", SimpleNamespace(
-        decode_indexer_plan_update=lambda *args: asked.append(args[-1])))
-    plan = SimpleNamespace(seqused_k=None, work=None, requests=None, chunk_pages=None)
-    for dependent in (True, False):
-        with debug.forcing(decode_dependent_launch=dependent):
-            decode_indexer_cuda.run_plan_update(plan)
-    assert asked == [True, False]
-
-
 def test_decode_e4m3_pv_serves_every_pingpong_form(monkeypatch):
     """P.V on e4m3 wgmma serves e4m3 ping-pong calls of the forms VALIDATED_PV_FP8 lists (the
     persistent form, sparse tiles, dense work items), never bf16; a form taken off the list

@@ -302,15 +302,6 @@ def decode_runs(family="sm90"):
                 decode_run([70001, 3, 129], 8, 16, dtypes, False, **f)
                 decode_run([1000, 500], 8, 4, dtypes, True, bad=True, enable_cuda_graph=True,
                            **f)
-        # Dependent launches (the attention and its merge, each launched while the kernel
-        # before it runs): split chunks of the ping-pong form, sparse and dense.
-        for dtypes, pv8 in forms:
-            with debug.forcing(decode_warpgroup=True, decode_pingpong=True, decode_pv_fp8=pv8,
-                               decode_dependent_launch=True):
-                decode_run([70001, 0, 3, 129, 5000], 8, 16, dtypes, False, fixed_split_size=16,
-                           persistent=False, **f)
-                decode_run([1, 129, 1000, 77, 3000], 8, 16, dtypes, True, fixed_split_size=4,
-                           qo_tile_rows=128, **f)
         # Its persistent form (dense, > 64 rows) and the merge launched after it: ragged and
         # empty requests, a request cut by many CTAs, two qo tiles, 80-row tiles, out-of-range
         # ids and a length past the table.
@@ -323,10 +314,6 @@ def decode_runs(family="sm90"):
                 decode_run([3000, 17], 5, 16, dtypes, False, persistent=True, **f)
                 decode_run([1000, 500], 8, 16, dtypes, False, bad=True, enable_cuda_graph=True,
                            persistent=True, **f)
-            with debug.forcing(decode_warpgroup=True, decode_pingpong=True,
-                               decode_persistent=True, decode_pv_fp8=pv8,
-                               decode_dependent_launch=True):
-                decode_run([70001, 0, 3, 129, 5000], 8, 16, dtypes, False, persistent=True, **f)
         # The token-warps form (sparse e4m3 tiles of > 16 rows, pages by TMA): MTP 8 x G 16,
         # two tokens a warp (G 8), 80-row tiles, page-range chunks, a CTA range of several
         # batches, corrupt ids and a length past the table.
@@ -345,8 +332,7 @@ def decode_runs(family="sm90"):
 def decode_indexer_runs(family="sm90"):
     """The fused decode indexer + top-k: bf16 / e4m3 / NVFP4 (both scale layouts) keys, MTP
     rows (17-32 rows with and without the offer warp), many-chunk merges (rounds and
-    butterfly), out-of-range page ids and lengths past the table; each also with the plan update
-    and the indexer launched dependent."""
+    butterfly), out-of-range page ids and lengths past the table."""
     import test_decode_indexer as indexer_cases
     for fmt, layout, seqlen_q, heads, topk, ctas, offer_warp, butterfly in (
             ("bf16", "128x4", 1, 4, 16, None, False, False),
@@ -369,11 +355,6 @@ def decode_indexer_runs(family="sm90"):
             msa.decode_indexer_topk(plan=plan, return_scores=True, **args)
         expect_native("decode_indexer_topk", family)
         expect_native("decode_indexer_plan_update", family)
-        # The plan update and the indexer launched dependent on the kernel before them.
-        with debug.forcing(decode_indexer_offer_warp=offer_warp,
-                           decode_indexer_butterfly_merge=butterfly, decode_dependent_launch=True):
-            plan.update()
-            msa.decode_indexer_topk(plan=plan, return_scores=True, **args)
     print(f"decode_indexer [{family}]: ok")
 
 

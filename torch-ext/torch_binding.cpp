@@ -587,7 +587,7 @@ void sparse_decode_attention(
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
     bool direct_fp8, bool warpgroup, bool pingpong, int64_t qo_tile_rows,
     const std::optional<torch::Tensor>& request_pages, int64_t persistent_ctas, bool pv_fp8,
-    int64_t token_warps, bool dependent_launch) {
+    int64_t token_warps) {
   TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
@@ -738,14 +738,12 @@ void sparse_decode_attention(
   const bool token_tiles = a.q2k_indices != nullptr && a.q_fp8 && a.kv_fp8 &&
                            std::min<int64_t>(qo_tile_rows, seqlen_q * (hq / hkv)) > 16;
   a.token_warps = token_tiles ? static_cast<int>(token_warps) : 0;
-  a.dependent_launch = dependent_launch;
   check_launch(msa::launch_decode_attention(a, c10::cuda::getCurrentCUDAStream(device.index())),
                "sparse_decode_attention");
 }
 
 void decode_indexer_plan_update(const torch::Tensor& seqused_k, torch::Tensor& work,
-                                torch::Tensor& requests, torch::Tensor& chunk_pages,
-                                bool dependent_launch) {
+                                torch::Tensor& requests, torch::Tensor& chunk_pages) {
   TORCH_CHECK(seqused_k.is_cuda(), "seqused_k: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(seqused_k.device());
   const torch::Device device = seqused_k.device();
@@ -767,7 +765,6 @@ void decode_indexer_plan_update(const torch::Tensor& seqused_k, torch::Tensor& w
   a.work = work.data_ptr<int32_t>();
   a.requests = requests.data_ptr<int32_t>();
   a.chunk_pages = chunk_pages.data_ptr<int32_t>();
-  a.dependent_launch = dependent_launch;
   check_launch(msa::launch_decode_indexer_plan(a, c10::cuda::getCurrentCUDAStream(device.index())),
                "decode_indexer_plan_update");
 }
@@ -780,7 +777,7 @@ void decode_indexer_topk(const torch::Tensor& q, const torch::Tensor& k,
                          const torch::Tensor& chunk_pages, torch::Tensor& partials,
                          torch::Tensor& out, const std::optional<torch::Tensor>& scores,
                          int64_t seqlen_q, int64_t topk, double scale, bool tma_pages,
-                         bool offer_warp, bool butterfly_merge, bool dependent_launch) {
+                         bool offer_warp, bool butterfly_merge) {
   TORCH_CHECK(q.is_cuda(), "q: must be a CUDA tensor");
   const c10::cuda::CUDAGuard guard(q.device());
   const torch::Device device = q.device();
@@ -887,7 +884,6 @@ void decode_indexer_topk(const torch::Tensor& q, const torch::Tensor& k,
   a.tma_pages = tma_pages;
   a.offer_warp = offer_warp;
   a.butterfly_merge = butterfly_merge;
-  a.dependent_launch = dependent_launch;
   check_launch(msa::launch_decode_indexer_topk(a, c10::cuda::getCurrentCUDAStream(device.index())),
                "decode_indexer_topk");
 }
@@ -954,7 +950,7 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
       "int kv_chunk_size, bool split_kv, float softmax_scale, bool split_keys=False, "
       "bool direct_fp8=False, bool warpgroup=False, bool pingpong=False, "
       "int qo_tile_rows=128, Tensor(e!)? request_pages=None, int persistent_ctas=0, "
-      "bool pv_fp8=False, int token_warps=0, bool dependent_launch=False) -> ()");
+      "bool pv_fp8=False, int token_warps=0) -> ()");
   ops.impl("sparse_decode_attention", torch::kCUDA, &sparse_decode_attention);
   ops.def(
       "sparse_prefill_portable(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
@@ -978,14 +974,14 @@ TORCH_LIBRARY_EXPAND(TORCH_EXTENSION_NAME, ops) {
   ops.impl("fmha_transpose_v_e4m3", torch::kCUDA, &fmha_transpose_v_e4m3);
   ops.def(
       "decode_indexer_plan_update(Tensor seqused_k, Tensor(a!) work, Tensor(b!) requests, "
-      "Tensor(c!) chunk_pages, bool dependent_launch=False) -> ()");
+      "Tensor(c!) chunk_pages) -> ()");
   ops.impl("decode_indexer_plan_update", torch::kCUDA, &decode_indexer_plan_update);
   ops.def(
       "decode_indexer_topk(Tensor q, Tensor k, Tensor? k_scale, bool k_scale_linear, "
       "Tensor? k_global_scale, Tensor page_table, Tensor seqused_k, Tensor work, "
       "Tensor(a!) requests, Tensor chunk_pages, Tensor(b!) partials, Tensor(c!) out, "
       "Tensor(d!)? scores, int seqlen_q, int topk, float scale, bool tma_pages=False, "
-      "bool offer_warp=False, bool butterfly_merge=False, bool dependent_launch=False) -> ()");
+      "bool offer_warp=False, bool butterfly_merge=False) -> ()");
   ops.impl("decode_indexer_topk", torch::kCUDA, &decode_indexer_topk);
   ops.def("csrc_image(str unit, int device) -> (int, int, str)");
   // No tensor argument, so no dispatch key to register under: a catch-all kernel.

@@ -124,8 +124,6 @@ struct DecodeAttentionArgs {
   int token_warps;                // sparse, e4m3 q and K/V, > 16 rows: a warp per 16 rows (TMA);
                                   // 0 off, 1 each warp widens its pages, 2 widened once a page,
                                   // 3 a warpgroup's tokens on wgmma (S^T = K Q^T, O^T)
-  bool dependent_launch;          // launch dependent on the stream's previous kernel (sm_90+
-                                  // images: csrc/dependent_launch.cuh), the merge on this one
   // The persistent ping-pong form (dense, pingpong): num_work CTAs stream equal page ranges of
   // the call's (request, KV head, qo tile) sequences from the live lengths; partial slots
   // 2 * num_work. request_pages [batch + 1] is written by it: each request's first page of a
@@ -150,7 +148,6 @@ struct DecodeIndexerPlanArgs {
   int32_t* work;                  // out [capacity, 2] (request, chunk), -1 = idle
   int32_t* requests;              // out [batch, 3] (first work item, chunks, arrival counter = 0)
   int32_t* chunk_pages;           // out [1] history blocks per chunk
-  bool dependent_launch;          // launch dependent on the stream's previous kernel (sm_90+)
 };
 
 cudaError_t launch_decode_indexer_plan(const DecodeIndexerPlanArgs& args, cudaStream_t stream);
@@ -190,7 +187,6 @@ struct DecodeIndexerArgs {
   // The merge of a request's chunk lists as a butterfly over each row's lanes (bitonic merges
   // of 64-bit keys) instead of topk - 1 rounds of segment maxima.
   bool butterfly_merge;
-  bool dependent_launch;          // launch dependent on the stream's previous kernel (sm_90+)
   alignas(64) uint64_t k_tensor_map[16];   // CUtensorMap of k, written by the launcher
 };
 
@@ -373,8 +369,7 @@ void sparse_topk_select(const torch::Tensor& max_score, torch::Tensor& out, int6
                         int64_t num_out_heads, int64_t head_reduce, bool staged);
 
 void decode_indexer_plan_update(const torch::Tensor& seqused_k, torch::Tensor& work,
-                                torch::Tensor& requests, torch::Tensor& chunk_pages,
-                                bool dependent_launch);
+                                torch::Tensor& requests, torch::Tensor& chunk_pages);
 
 void decode_indexer_topk(const torch::Tensor& q, const torch::Tensor& k,
                          const std::optional<torch::Tensor>& k_scale, bool k_scale_linear,
@@ -384,7 +379,7 @@ void decode_indexer_topk(const torch::Tensor& q, const torch::Tensor& k,
                          const torch::Tensor& chunk_pages, torch::Tensor& partials,
                          torch::Tensor& out, const std::optional<torch::Tensor>& scores,
                          int64_t seqlen_q, int64_t topk, double scale, bool tma_pages,
-                         bool offer_warp, bool butterfly_merge, bool dependent_launch);
+                         bool offer_warp, bool butterfly_merge);
 
 void fmha_transpose_v_e4m3(const torch::Tensor& v, const torch::Tensor& cu_seqlens_k,
                            const torch::Tensor& kv_lens,
@@ -425,7 +420,7 @@ void sparse_decode_attention(
     int64_t kv_chunk_size, bool split_kv, double softmax_scale, bool split_keys,
     bool direct_fp8, bool warpgroup, bool pingpong, int64_t qo_tile_rows,
     const std::optional<torch::Tensor>& request_pages, int64_t persistent_ctas, bool pv_fp8,
-    int64_t token_warps, bool dependent_launch);
+    int64_t token_warps);
 
 std::tuple<int64_t, int64_t, std::string> csrc_image(const std::string& unit, int64_t device);
 #endif

@@ -28,9 +28,6 @@ Hooks (``forcing`` keywords):
   decode_token_warps True: sparse decode calls of e4m3 q and K/V with tiles of > 16 rows take
                      the token-warps form (a warp per 16 rows, only its tokens' pages; also by
                      its name, "per_warp"); False: the warpgroup forms
-  decode_dependent_launch True: the decode chain's kernels (indexer plan update, indexer,
-                     attention, merge) launch dependent on the kernel before them (sm_90+
-                     images); False: plain launches
   decode_indexer_tma True: the decode indexer's e4m3 index pages arrive as TMA copies (sm_90+);
                      False: as every thread's cp.asyncs
   decode_indexer_offer_warp  True: decode indexer calls of 17-32 rows a request run the
@@ -55,7 +52,7 @@ from typing import Dict, Iterator, Optional
 
 HOOKS = ("fmha_form", "fmha_split_kv", "sparse_form", "persistent_ctas", "decode_split_keys",
          "decode_direct_fp8", "decode_warpgroup", "decode_pingpong", "decode_persistent",
-         "decode_pv_fp8", "decode_token_warps", "decode_dependent_launch", "decode_indexer_tma",
+         "decode_pv_fp8", "decode_token_warps", "decode_indexer_tma",
          "decode_indexer_offer_warp", "decode_indexer_butterfly_merge", "topk_staged",
          "topk_staged_wide", "csr_counting_sort")
 

@@ -86,14 +86,6 @@ VALIDATED_PV_FP8 = frozenset({"persistent", "sparse", "dense"})
 VALIDATED_TOKEN_WARPS = True
 TOKEN_WARPS_FORMS = {"per_warp": 1}   # the binding's argument
 TOKEN_WARPS_FORM = "per_warp"
-# Dependent launches (programmatic dependent launch, sm_90+ images; csrc/dependent_launch.cuh)
-# of the decode chain's kernels: the indexer plan update, the indexer + top-k, the attention and
-# its merge are each launched while the kernel before them on the stream still runs, so their
-# CTAs are resident when it ends (each kernel waits for its predecessors before touching
-# memory). The launchers apply it only where the loaded image waits (not a compute_80 PTX build
-# JIT-compiled on an SM90). Not yet GPU-run: served only with MSA_UNVALIDATED_KERNELS=1 or the
-# decode_dependent_launch hook.
-VALIDATED_DEPENDENT_LAUNCH = False
 MAX_ROWS_PER_KV_HEAD = 16 * 16   # seqlen_q <= 16, G <= 16 (qo tiles of 128 rows)
 MAX_TOPK = 32
 
@@ -111,16 +103,15 @@ def supports(*, seqlen_q=1, qhead_per_kv=1, topk=None, **_features) -> Optional[
 
 
 _last_launch = {"warpgroup": False, "pingpong": False, "persistent": False, "pv_fp8": False,
-                "token_warps": 0, "dependent_launch": False}
+                "token_warps": 0}
 
 
 def last_launch() -> dict:
     """The forms the last launch asked for: {"warpgroup": bool, "pingpong": bool,
-    "persistent": bool, "pv_fp8": bool, "token_warps": 0 or a TOKEN_WARPS_FORMS code,
-    "dependent_launch": bool} (the binding applies them only to q and K/V of one dtype, the
-    persistent form within its bounds, pv_fp8 to e4m3, token_warps to sparse e4m3 tiles of > 16
-    rows where the launcher can make the caches' tensor maps, dependent_launch to sm_90+
-    images). Tests read it to know which form ran."""
+    "persistent": bool, "pv_fp8": bool, "token_warps": 0 or a TOKEN_WARPS_FORMS code} (the
+    binding applies them only to q and K/V of one dtype, the persistent form within its bounds,
+    pv_fp8 to e4m3, token_warps to sparse e4m3 tiles of > 16 rows where the launcher can make
+    the caches' tensor maps). Tests read it to know which form ran."""
     return dict(_last_launch)
 
 
@@ -152,9 +143,8 @@ def _launch(call, warpgroup: bool, pingpong: bool, token_warps: int) -> None:
                      if persistent else None)
     workspaces = split or persistent
     pv_fp8 = pingpong and _pv_fp8(call, persistent)
-    dependent = dependent_launch()
     _last_launch.update(warpgroup=warpgroup, pingpong=pingpong, persistent=persistent,
-                        pv_fp8=pv_fp8, token_warps=token_warps, dependent_launch=dependent)
+                        pv_fp8=pv_fp8, token_warps=token_warps)
     ops.sparse_decode_attention(
         call.q, call.k, call.v, call.q2k_indices, call.page_table, call.seqused_k,
         s.request_indices, s.kv_tile_indices, s.qo_tile_indices, s.num_splits, s.merge_indptr,
@@ -162,7 +152,7 @@ def _launch(call, warpgroup: bool, pingpong: bool, token_warps: int) -> None:
         call.out, call.lse, int(call.seqlen_q), int(s.kv_chunk_size), split,
         float(call.softmax_scale), _split_keys(), _direct_fp8(), warpgroup, pingpong,
         int(s.qo_tile_rows), request_pages, int(s.persistent_ctas) if persistent else 0, pv_fp8,
-        int(token_warps), dependent)
+        int(token_warps))
 
 
 def _split_keys() -> bool:
@@ -217,14 +207,6 @@ def _persistent(call) -> bool:
     pays = dtype != "e4m3" or schedules_decode.persistent_pays_e4m3(call.schedule.planned_units)
     return debug.gate("decode_persistent",
                       pays and _backend.may_serve(dtype in VALIDATED_PERSISTENT))
-
-
-def dependent_launch() -> bool:
-    """Whether the decode chain's kernels (the indexer's plan update and launch, the attention
-    and its merge) are launched dependent on the kernel before them: when validated
-    (VALIDATED_DEPENDENT_LAUNCH) or with MSA_UNVALIDATED_KERNELS=1; the decode_dependent_launch
-    hook forces it on (True) or off (False)."""
-    return debug.gate("decode_dependent_launch", _backend.may_serve(VALIDATED_DEPENDENT_LAUNCH))
 
 
 def _pv_fp8(call, persistent: bool) -> bool:

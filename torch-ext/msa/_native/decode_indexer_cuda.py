@@ -19,7 +19,6 @@ import torch
 
 from .. import _backend
 from . import debug
-from .decode_cuda import dependent_launch
 
 from . import compiled_ops
 from .compiled_ops import ops
@@ -102,8 +101,7 @@ def run(call) -> None:
         call.q_idx, call.k_idx, call.k_scale, call.scale_layout == "linear",
         call.k_global_scale, call.page_table, plan.seqused_k, plan.work, plan.requests,
         plan.chunk_pages, plan.partials, call.out, call.scores, int(plan.seqlen_q),
-        int(call.topk), float(call.scale), _tma_pages(), _offer_warp(), butterfly,
-        dependent_launch())
+        int(call.topk), float(call.scale), _tma_pages(), _offer_warp(), butterfly)
 
 
 def _tma_pages() -> bool:
@@ -128,8 +126,7 @@ def _butterfly_merge() -> bool:
 
 def run_plan_update(plan) -> None:
     """Re-split ``plan``'s work from its live seqused_k (device side)."""
-    ops.decode_indexer_plan_update(plan.seqused_k, plan.work, plan.requests, plan.chunk_pages,
-                                   dependent_launch())
+    ops.decode_indexer_plan_update(plan.seqused_k, plan.work, plan.requests, plan.chunk_pages)
 
 
 _backend.register_native(OP_NAME, "sm90", run, supports)
