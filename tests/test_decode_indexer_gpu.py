@@ -314,8 +314,8 @@ def test_native_step_wrapper(msa_pkg, native_only, seed, fmt, monkeypatch, tier)
 def test_native_step_layers_in_a_graph(msa_pkg, native_only, seed, fmt):
     """Two layers sharing the step's plan, captured in one CUDA graph after its update, replay to
     what the eager layers write after new lengths and queries, with the plan's work list, the
-    selection and O poisoned before each step (a kernel reading its predecessor's output early
-    would find the poison: no work, block 7, NaN); O is sparse attention over the selection."""
+    selection and O poisoned before each step (a replay that left any of them stale would show
+    the poison: no work, block 7, NaN); O is sparse attention over the selection."""
     from test_decode import check_against_oracle, oracle as attention_oracle
     lens, seqlen_q, hkv, group, topk = [9000, 129, 3000, 4100], 8, 4, 16, 16
     inputs, _ = make_index_batch(lens, seqlen_q, hkv, fmt, device="cuda")
