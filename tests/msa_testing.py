@@ -124,6 +124,14 @@ def to_paged(k: torch.Tensor, v: torch.Tensor, k_lens: List[int], *, extra_pages
     return kp, vp, table, torch.tensor(k_lens, dtype=torch.int32)
 
 
+def assert_same_attention(out_a, lse_a, out_b, lse_b) -> None:
+    """Two runs of one call gave the same bits: O equal, the LSE equal where finite and -inf
+    at the same places (an empty row's LSE)."""
+    assert torch.equal(out_a, out_b)
+    assert torch.equal(lse_a.isneginf(), lse_b.isneginf())
+    assert torch.equal(lse_a[lse_a.isfinite()], lse_b[lse_b.isfinite()])
+
+
 def nan_tensor(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """A bf16 or e4m3 tensor whose every element is NaN, filled as bit patterns on the device
     (multi-GB pools are cheap): any read of it that should not happen turns an output into
