@@ -9,6 +9,9 @@ today and in a packed form.
   is a turn of both warpgroups, whichever of their tokens selected it.
 * Packed: a page that at most four tokens selected is one warpgroup's turn (those tokens' rows
   gathered into its 64 rows), else both warpgroups'.
+* Swapped operands (`benchmarks/lab/decode_swap_ab_lab.cu`): each warpgroup keeps its four
+  tokens and takes a page only when one of them selected it, paying per selected token (m64n16
+  wgmmas); printed as its warpgroup-pages and its token-pages per turn of the union.
 
 Selections as the protocol makes them (`bench_decode_production.py`): ragged lengths, pairs
 nominal +- d with d uniform in [nominal / 20, nominal / 4]; token t of a request of L keys sits at
@@ -29,7 +32,8 @@ TOKENS_PER_GROUP = 4    # 64 rows of a warpgroup at G 16
 
 
 def request_turns(length: int, topk: int, rng: random.Random):
-    """(union pages, union turns, packed turns, selected token-pages) of one (request, KV head)."""
+    """(union pages, union turns, packed turns, selected token-pages, swapped form's
+    warpgroup-pages) of one (request, KV head)."""
     selections = []
     for t in range(TOKENS):
         own = (length - TOKENS + t) // BLOCK
@@ -40,7 +44,9 @@ def request_turns(length: int, topk: int, rng: random.Random):
     union = set().union(*selections)
     counts = [sum(page in s for s in selections) for page in union]
     packed = sum(1 if c <= TOKENS_PER_GROUP else 2 for c in counts)
-    return len(union), 2 * len(union), packed, sum(counts)
+    groups = [set().union(*selections[g:g + TOKENS_PER_GROUP])
+              for g in range(0, TOKENS, TOKENS_PER_GROUP)]
+    return len(union), 2 * len(union), packed, sum(counts), sum(len(g) for g in groups)
 
 
 def main(argv=None):
@@ -53,17 +59,18 @@ def main(argv=None):
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     print("nominal_kv\tunion_pages\tunion_turns\tpacked_turns\tpacked/union\t"
-          "token_pages/4")
+          "token_pages/4\tswapped_wg_pages\ttokens_a_swapped_wg_page")
     for nominal in (int(x) for x in args.kv.split(",")):
-        sums = [0, 0, 0, 0]
+        sums = [0, 0, 0, 0, 0]
         for _ in range(args.requests):
             d = rng.randint(max(1, nominal // 20), max(1, nominal // 4))
             length = max(nominal + rng.choice((-d, d)), TOKENS)
             for i, x in enumerate(request_turns(length, args.topk, rng)):
                 sums[i] += x
-        union, turns, packed, token_pages = (x / args.requests for x in sums)
+        union, turns, packed, token_pages, wg_pages = (x / args.requests for x in sums)
         print(f"{nominal}\t{union:.1f}\t{turns:.1f}\t{packed:.1f}\t{packed / turns:.2f}\t"
-              f"{token_pages / TOKENS_PER_GROUP:.1f}")
+              f"{token_pages / TOKENS_PER_GROUP:.1f}\t{wg_pages:.1f}\t"
+              f"{token_pages / wg_pages:.2f}")
 
 
 if __name__ == "__main__":
