@@ -93,7 +93,8 @@ __device__ __forceinline__ void wgmma_n16(float (&d)[8], uint64_t desc_a, uint64
                                           int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1;\n}\n"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, "
+      "p, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
@@ -167,7 +168,9 @@ __device__ __forceinline__ void pv_group(float (&o)[4][2][8], const uint8_t* vs,
 // Accumulator element v of an m64n16 tile (v = 4 j + 2 i + e) sits at M index
 // 16 warp + lane / 4 + 8 i and N index 8 j + 2 (lane % 4) + e. For S^T, M is a key of the half
 // and N a query row; for O^T, M is a channel of the half.
-__device__ __forceinline__ int n_of(int v, int lane) { return 8 * (v >> 2) + 2 * (lane & 3) + (v & 1); }
+__device__ __forceinline__ int n_of(int v, int lane) {
+  return 8 * (v >> 2) + 2 * (lane & 3) + (v & 1);
+}
 
 // The token's P (rounded to e4m3) into its K-major tile [row][key]: a thread holds, per half h
 // and i, the keys 64 h + 16 warp + lane / 4 + 8 i of its four rows. Four lanes that differ in
@@ -392,7 +395,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       l += __shfl_xor_sync(0xffffffffu, l, 4);
       l += __shfl_xor_sync(0xffffffffu, l, 8);
       l += __shfl_xor_sync(0xffffffffu, l, 16);
-      if (lane < 4) sums[(warp * kTokensPerGroup + t) * kRows + n_of(4 * (slot >> 1) + (slot & 1), lane)] = l;
+      const int row = n_of(4 * (slot >> 1) + (slot & 1), lane);
+      if (lane < 4) sums[(warp * kTokensPerGroup + t) * kRows + row] = l;
     }
   group_barrier(group);
   if (blockIdx.x == 0) {

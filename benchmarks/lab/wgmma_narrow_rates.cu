@@ -41,14 +41,19 @@ constexpr int kRowBytes = 128;   // one 128-byte swizzled row per M or N index
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
     "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
     "+f"(d[14]), "+f"(d[15])
-#define LAB_D32_TEXT "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+#define LAB_D32_TEXT \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23," \
+  "%24,%25,%26,%27,%28,%29,%30,%31}"
 #define LAB_D32_OPERANDS(d) \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
     "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
     "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), \
     "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), \
     "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define LAB_D64_TEXT "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
+#define LAB_D64_TEXT \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23," \
+  "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45," \
+  "%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
 #define LAB_D64_OPERANDS(d) \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
     "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
@@ -72,70 +77,32 @@ __device__ __forceinline__ uint64_t descriptor(const void* start) {
          (static_cast<uint64_t>(8 * kRowBytes >> 4) << 32) | (1ull << 62);
 }
 
+// One m64nN wgmma (R = N / 2 accumulators a thread: %0 .. %R-1, then the two descriptors and
+// scale_d as %R, %R+1, %R+2, spelled out since asm operand numbers are text).
+#define LAB_WGMMA(SHAPE, TAIL, R, A, B, S)                                                   \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #S ", 0;\n"                             \
+               "wgmma.mma_async.sync.aligned." SHAPE " " LAB_D##R##_TEXT ", %" #A ", %" #B \
+               TAIL "\n}\n"                                                                 \
+               : LAB_D##R##_OPERANDS(d)                                                     \
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+
 template <int kN>
 __device__ __forceinline__ void wgmma_e4m3(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
                                            int scale_d) {
-  if constexpr (kN == 16) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 " LAB_D8_TEXT ", %8, %9, p, 1, 1;\n}\n"
-        : LAB_D8_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  }
-  if constexpr (kN == 32) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 " LAB_D16_TEXT ", %16, %17, p, 1, 1;\n}\n"
-        : LAB_D16_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  }
-  if constexpr (kN == 64) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " LAB_D32_TEXT ", %32, %33, p, 1, 1;\n}\n"
-        : LAB_D32_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  }
-  if constexpr (kN == 128) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " LAB_D64_TEXT ", %64, %65, p, 1, 1;\n}\n"
-        : LAB_D64_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  }
+  if constexpr (kN == 16) LAB_WGMMA("m64n16k32.f32.e4m3.e4m3", ", p, 1, 1;", 8, 8, 9, 10);
+  if constexpr (kN == 32) LAB_WGMMA("m64n32k32.f32.e4m3.e4m3", ", p, 1, 1;", 16, 16, 17, 18);
+  if constexpr (kN == 64) LAB_WGMMA("m64n64k32.f32.e4m3.e4m3", ", p, 1, 1;", 32, 32, 33, 34);
+  if constexpr (kN == 128) LAB_WGMMA("m64n128k32.f32.e4m3.e4m3", ", p, 1, 1;", 64, 64, 65, 66);
 }
 
 template <int kN>
 __device__ __forceinline__ void wgmma_bf16(float (&d)[kN / 2], uint64_t desc_a, uint64_t desc_b,
                                            int scale_d) {
-  if constexpr (kN == 16) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 " LAB_D8_TEXT ", %8, %9, p, 1, 1, 0, 0;\n}\n"
-        : LAB_D8_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  }
-  if constexpr (kN == 32) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " LAB_D16_TEXT ", %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : LAB_D16_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  }
-  if constexpr (kN == 64) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " LAB_D32_TEXT ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : LAB_D32_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  }
-  if constexpr (kN == 128) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " LAB_D64_TEXT ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : LAB_D64_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  }
+  if constexpr (kN == 16) LAB_WGMMA("m64n16k16.f32.bf16.bf16", ", p, 1, 1, 0, 0;", 8, 8, 9, 10);
+  if constexpr (kN == 32) LAB_WGMMA("m64n32k16.f32.bf16.bf16", ", p, 1, 1, 0, 0;", 16, 16, 17, 18);
+  if constexpr (kN == 64) LAB_WGMMA("m64n64k16.f32.bf16.bf16", ", p, 1, 1, 0, 0;", 32, 32, 33, 34);
+  if constexpr (kN == 128)
+    LAB_WGMMA("m64n128k16.f32.bf16.bf16", ", p, 1, 1, 0, 0;", 64, 64, 65, 66);
 }
 
 __device__ __forceinline__ void fence_operands() {
