@@ -20,10 +20,11 @@
 // into a K-major swizzled tile (a 4 x 4 byte transpose across lanes: 32-bit stores), votes on
 // the barrier, and issues 8 wgmmas for P.V per selected token. The mask is uniform over the
 // warpgroup (a warp reduction puts it in a uniform register); each of its 15 values has its own
-// straight-line Q K^T group and P.V group, waited for inside its case: a wgmma still in flight
-// where paths join, or issued under a branch on the mask, makes ptxas serialize every wgmma of
-// the kernel (C7520). So the selected tokens' wgmmas overlap within a group, and P.V overlaps
-// the other warpgroup's work, not this one's next page.
+// straight-line Q K^T group and P.V group, waited for inside its case: with a group still in
+// flight where the paths join, ptxas serializes every wgmma of the kernel (C7520 for Q K^T
+// under per-token branches, C7515 for P.V left in flight past the switch). So the selected
+// tokens' wgmmas overlap within a group, and P.V overlaps the other warpgroup's work, not this
+// one's next page.
 //
 // Prints, per density, cycles a page and a token-page in the steady state (the pages `repeats`
 // times over), cycles a page of the first pass (where every row's reference moves on its first
