@@ -54,6 +54,7 @@
 #include <random>
 #include <vector>
 
+#include "../../csrc/sm90_pipeline.cuh"
 #include "lab_common.cuh"
 
 namespace {
@@ -81,11 +82,8 @@ __host__ __device__ constexpr int swizzled(int row, int byte) {
   return row * 128 + ((((byte >> 4) ^ (row & 7))) << 4) + (byte & 15);
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ uint64_t descriptor(const void* start) {
-  return static_cast<uint64_t>((smem_addr(start) & 0x3FFFF) >> 4) |
+  return static_cast<uint64_t>((msa::sm80::smem_addr(start) & 0x3FFFF) >> 4) |
          (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
 }
 
@@ -109,12 +107,8 @@ __device__ __forceinline__ void commit() {
 __device__ __forceinline__ void wait_all() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-__device__ __forceinline__ void group_barrier(int group) {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + group) : "memory");
-}
+// Barrier 1 + group over the warpgroup's 128 threads.
+__device__ __forceinline__ void group_barrier(int group) { msa::sm90::named_sync(1 + group, 128); }
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -127,11 +121,12 @@ __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
 
-// One page's Q K^T (S^T = K Q_t^T) for the tokens of kMask, as one wgmma group waited for here,
-// and its P.V (O_t^T += V^T P_t^T) as one group, waited for here too unless kPvInFlight.
-template <int kMask>
-__device__ __forceinline__ void qk_group(float (&s)[4][2][8], const uint8_t* ks,
-                                         const uint8_t* qs) {
+// One wgmma group for the tokens of kMask, waited for here: acc[t] (+)= A B_t^T over 128 k
+// (four k32 steps) in two m64 halves of A. Q K^T: A = the K page, B_t = token t's Q rows,
+// acc = S^T (overwritten). P.V: A = the V^T page, B_t = token t's P tile, acc = O^T.
+template <int kMask, bool kAccumulate>
+__device__ __forceinline__ void token_group(float (&acc)[4][2][8], const uint8_t* a,
+                                            const uint8_t* b) {
   fence_operands();
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
@@ -140,31 +135,37 @@ __device__ __forceinline__ void qk_group(float (&s)[4][2][8], const uint8_t* ks,
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int c = 0; c < 4; ++c)
-        wgmma_n16(s[t][h], descriptor(ks + h * 64 * 128 + 32 * c),
-                  descriptor(qs + t * 16 * 128 + 32 * c), c > 0);
+        wgmma_n16(acc[t][h], descriptor(a + h * 64 * 128 + 32 * c),
+                  descriptor(b + t * 16 * 128 + 32 * c), kAccumulate || c > 0);
   }
   commit();
   wait_all();
 }
-template <int kMask>
-__device__ __forceinline__ void pv_group(float (&o)[4][2][8], const uint8_t* vs,
-                                         const uint8_t* ps) {
-  fence_operands();
-#pragma unroll
-  for (int t = 0; t < 4; ++t) {
-    if (!(kMask >> t & 1)) continue;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        wgmma_n16(o[t][h], descriptor(vs + h * 64 * 128 + 32 * c),
-                  descriptor(ps + t * 16 * 128 + 32 * c), 1);
+
+// The groups of a page for the selected tokens of `mask` (uniform over the warpgroup): one
+// straight-line group per mask value, or with -DLAB_PER_TOKEN_GROUPS one per selected token.
+template <bool kAccumulate>
+__device__ __forceinline__ void token_groups(unsigned mask, float (&acc)[4][2][8],
+                                             const uint8_t* a, const uint8_t* b) {
+#if defined(LAB_PER_TOKEN_GROUPS)
+  if (mask & 1) token_group<1, kAccumulate>(acc, a, b);
+  if (mask & 2) token_group<2, kAccumulate>(acc, a, b);
+  if (mask & 4) token_group<4, kAccumulate>(acc, a, b);
+  if (mask & 8) token_group<8, kAccumulate>(acc, a, b);
+#else
+  switch (mask) {
+#define LAB_GROUP_CASE(m)                     \
+  case m:                                     \
+    token_group<m, kAccumulate>(acc, a, b);   \
+    break;
+    LAB_GROUP_CASE(1) LAB_GROUP_CASE(2) LAB_GROUP_CASE(3) LAB_GROUP_CASE(4) LAB_GROUP_CASE(5)
+    LAB_GROUP_CASE(6) LAB_GROUP_CASE(7) LAB_GROUP_CASE(8) LAB_GROUP_CASE(9) LAB_GROUP_CASE(10)
+    LAB_GROUP_CASE(11) LAB_GROUP_CASE(12) LAB_GROUP_CASE(13) LAB_GROUP_CASE(14)
+    LAB_GROUP_CASE(15)
+#undef LAB_GROUP_CASE
   }
-  commit();
-  wait_all();
+#endif
 }
-#define LAB_MASK_CASES(F) \
-  F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) F(12) F(13) F(14) F(15)
 
 // Accumulator element v of an m64n16 tile (v = 4 j + 2 i + e) sits at M index
 // 16 warp + lane / 4 + 8 i and N index 8 j + 2 (lane % 4) + e. For S^T, M is a key of the half
@@ -214,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     smem[kKOffset + tile * kTile + swizzled(key, channel)] = k[i];
     smem[kVOffset + tile * kTile + swizzled(channel, key)] = v[i];   // V^T
   }
-  fence_proxy_async();
+  msa::sm90::fence_proxy_async_shared();
   __syncthreads();
 
   const uint8_t* qs = smem + kQOffset + group * kTokensPerGroup * kRows * 128;
@@ -239,8 +240,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   int parity = 0;
   for (int it = 0; it < repeats * pages; ++it) {
     const int page = it % pages;
-    // The warpgroup's token mask for the page, in a uniform register (REDUX): the switches
-    // below branch on it and run one straight-line wgmma group per case.
+    // The warpgroup's token mask for the page, in a uniform register (REDUX): token_groups
+    // branches on it.
     const unsigned loaded = (selection[page] >> (kTokensPerGroup * group)) & 0xFu;
     const unsigned mask = __reduce_or_sync(0xffffffffu, loaded);
     if (mask == 0) continue;   // none of the warpgroup's tokens selected the page
@@ -248,30 +249,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint8_t* vs = smem + kVOffset + (page % kTiles) * kTile;
 
 #if defined(LAB_QK_ALL_TOKENS)
-    qk_group<15>(s, ks, qs);
-#elif defined(LAB_PER_TOKEN_GROUPS)
-#pragma unroll
-    for (int t = 0; t < kTokensPerGroup; ++t) {
-      if (!(mask >> t & 1)) continue;
-      fence_operands();   // in the (warpgroup-uniform) branch: no compiler-placed arrive
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          wgmma_n16(s[t][h], descriptor(ks + h * 64 * 128 + 32 * c),
-                    descriptor(qs + t * kRows * 128 + 32 * c), c > 0);
-      commit();
-      wait_all();   // inside the branch: no wgmma in flight where the paths join
-    }
+    token_group<15, false>(s, ks, qs);
 #else
-    switch (mask) {   // one straight-line group per mask: the selected tokens' wgmmas overlap
-#define LAB_QK_CASE(m) \
-  case m:              \
-    qk_group<m>(s, ks, qs); \
-    break;
-      LAB_MASK_CASES(LAB_QK_CASE)
-#undef LAB_QK_CASE
-    }
+    token_groups<false>(mask, s, ks, qs);
 #endif
 
     // Exponentials against the reference max; a score past it by 2^8 asks for the slow path.
@@ -298,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     const bool warp_moved = __any_sync(0xffffffffu, moved);
     if (lane == 0) flags[parity * 4 + warp] = warp_moved;
-    fence_proxy_async();
+    msa::sm90::fence_proxy_async_shared();
     group_barrier(group);
     const bool slow = flags[parity * 4] | flags[parity * 4 + 1] | flags[parity * 4 + 2] |
                       flags[parity * 4 + 3];
@@ -351,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         store_probabilities(p, ps + t * kRows * 128, warp, lane);
       }
-      fence_proxy_async();
+      msa::sm90::fence_proxy_async_shared();
       group_barrier(group);
     }
 
@@ -359,30 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int t = 0; t < kTokensPerGroup; ++t)
 #pragma unroll
       for (int slot = 0; slot < 4; ++slot) row_sum[t][slot] += page_sum[t][slot];
-#if defined(LAB_PER_TOKEN_GROUPS)
-#pragma unroll
-    for (int t = 0; t < kTokensPerGroup; ++t) {
-      if (!(mask >> t & 1)) continue;
-      fence_operands();
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          wgmma_n16(o[t][h], descriptor(vs + h * 64 * 128 + 32 * c),
-                    descriptor(ps + t * kRows * 128 + 32 * c), 1);
-      commit();
-      wait_all();
-    }
-#else
-    switch (mask) {
-#define LAB_PV_CASE(m) \
-  case m:              \
-    pv_group<m>(o, vs, ps); \
-    break;
-      LAB_MASK_CASES(LAB_PV_CASE)
-#undef LAB_PV_CASE
-    }
-#endif
+    token_groups<true>(mask, o, vs, ps);
   }
   wait_all();
   const long long stop = clock64();

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "../../csrc/sm80_primitives.cuh"
 #include "lab_common.cuh"
 
 namespace {
@@ -67,13 +68,9 @@ constexpr int kRowBytes = 128;   // one 128-byte swizzled row per M or N index
     "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), \
     "+f"(d[62]), "+f"(d[63])
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // K-major, 128-byte swizzle: stride byte offset = one 8-row atom.
 __device__ __forceinline__ uint64_t descriptor(const void* start) {
-  return static_cast<uint64_t>((smem_addr(start) & 0x3FFFF) >> 4) |
+  return static_cast<uint64_t>((msa::sm80::smem_addr(start) & 0x3FFFF) >> 4) |
          (static_cast<uint64_t>(8 * kRowBytes >> 4) << 32) | (1ull << 62);
 }
 
