@@ -11,7 +11,7 @@ today and in a packed form.
   gathered into its 64 rows), else both warpgroups'.
 * Swapped operands (`benchmarks/lab/decode_swap_ab_lab.cu`): each warpgroup keeps its four
   tokens and takes a page only when one of them selected it, paying per selected token (m64n16
-  wgmmas); printed as its warpgroup-pages and its token-pages per turn of the union.
+  wgmmas); printed as its warpgroup-pages and the selected tokens each of them computes.
 
 Selections as the protocol makes them (`bench_decode_production.py`): ragged lengths, pairs
 nominal +- d with d uniform in [nominal / 20, nominal / 4]; token t of a request of L keys sits at
